@@ -1,0 +1,1 @@
+"""budgetgate: admission-time GPU budget enforcement with budgets as code."""

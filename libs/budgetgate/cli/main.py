@@ -1,0 +1,16 @@
+"""The `budgetgate` command line: one group, each sub-group in its own module."""
+
+from __future__ import annotations
+
+import click
+
+from budgetgate.cli import db, dev
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Admission-time GPU budget enforcement, budgets as code."""
+
+
+cli.add_command(dev.dev)
+cli.add_command(db.db)

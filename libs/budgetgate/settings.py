@@ -1,0 +1,63 @@
+"""Settings shared by every service and the CLI, read from BUDGETGATE_* variables.
+
+Precedence: environment variables, then the state file that `budgetgate dev up` writes in the
+working directory (`.budgetgate/dev.json`), then the defaults below. So a CLI command run in a
+checkout reaches the stack that `dev up` started there without further configuration.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEV_STATE_FILE = Path(".budgetgate") / "dev.json"
+
+
+class _DevStateSource(PydanticBaseSettingsSource):
+    """Values published by a running `budgetgate dev up` in the current directory."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = Path.cwd() / DEV_STATE_FILE
+        if not path.is_file():
+            return {}
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        fields = self.settings_cls.model_fields
+        return {k: v for k, v in state.get("settings", {}).items() if k in fields}
+
+
+class CommonSettings(BaseSettings):
+    """Connection settings every budgetgate process needs."""
+
+    model_config = SettingsConfigDict(env_prefix="BUDGETGATE_", extra="ignore")
+
+    postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Every Redis key budgetgate writes starts with this prefix inside one hash tag, so one
+    # decision's keys always share a Redis Cluster slot and deployments can share a server.
+    redis_prefix: str = "bg"
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    # Prefix for topic names, so tests and side-by-side stacks can share one broker.
+    topic_prefix: str = ""
+    service_name: str = "budgetgate"
+    otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint; none = no export")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _DevStateSource(settings_cls), file_secret_settings)

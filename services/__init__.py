@@ -1,0 +1,1 @@
+"""Services of budgetgate, one package each; thin adapters around budgetgate.core."""

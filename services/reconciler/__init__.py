@@ -1,0 +1,1 @@
+"""The reconciler service (not built yet: see the project's issues)."""
