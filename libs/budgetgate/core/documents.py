@@ -1,0 +1,150 @@
+"""The YAML schema of policy documents (apiVersion budgetgate/v1), validated with pydantic."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from decimal import Decimal
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from budgetgate.core.windows import CALENDARS, zone
+
+API_VERSION = "budgetgate/v1"
+SUPPORTED_KINDS = ("BudgetPolicy", "RateCard")
+# Kinds the project will read once their features exist; named so the error says "not yet".
+PLANNED_KINDS = ("Quota", "ResourcePool", "Cluster")
+
+# Kubernetes label keys and values, and DNS-1123 namespace names.
+LabelKey = Annotated[str, StringConstraints(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")]
+LabelValue = Annotated[str, StringConstraints(pattern=r"^(\*|([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?)$")]
+Namespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
+PolicyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")]
+Currency = Annotated[str, StringConstraints(pattern=r"^[A-Z]{3}$")]
+Positive = Annotated[Decimal, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Metadata(_Strict):
+    id: PolicyId
+    description: str | None = None
+    owner: str | None = None
+
+
+class ScopeDoc(_Strict):
+    namespace: Namespace | None = None
+    namespaces: list[Namespace] | None = Field(default=None, min_length=1)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_namespace_form(self) -> ScopeDoc:
+        if self.namespace is not None and self.namespaces is not None:
+            raise ValueError("give either namespace or namespaces, not both")
+        if self.namespace is None and self.namespaces is None and not self.labels:
+            raise ValueError("a scope needs a namespace, namespaces or labels")
+        return self
+
+    def namespace_set(self) -> frozenset[str]:
+        if self.namespace is not None:
+            return frozenset({self.namespace})
+        return frozenset(self.namespaces or ())
+
+
+class WindowDoc(_Strict):
+    calendar: Literal["month", "week", "day"] | None = None
+    timezone: str = "UTC"
+    rolling_days: int | None = Field(default=None, ge=1, le=3660)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        zone(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_form(self) -> WindowDoc:
+        if (self.calendar is None) == (self.rolling_days is None):
+            raise ValueError(f"give exactly one of calendar ({'|'.join(CALENDARS)}) or rolling_days")
+        return self
+
+
+class LimitDoc(_Strict):
+    gpu_hours: Positive | None = None
+    node_hours: Positive | None = None
+    wall_hours: Positive | None = None
+    cost: Positive | None = None
+    currency: Currency | None = None
+
+    @model_validator(mode="after")
+    def _one_unit(self) -> LimitDoc:
+        given = [name for name in ("gpu_hours", "node_hours", "wall_hours", "cost") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of gpu_hours, node_hours, wall_hours or cost")
+        if self.cost is not None and self.currency is None:
+            raise ValueError("a cost limit needs a currency, e.g. currency: USD")
+        if self.cost is None and self.currency is not None:
+            raise ValueError("currency goes only with a cost limit")
+        return self
+
+
+class BudgetPolicySpec(_Strict):
+    scope: ScopeDoc
+    window: WindowDoc
+    limit: LimitDoc
+    enforcement: Literal["hard", "soft", "dry-run"] = "hard"
+    on_exhausted: Literal["deny", "delay", "hold", "hold-and-drain"] = "deny"
+
+
+class RateDoc(_Strict):
+    flavor: Annotated[str, StringConstraints(min_length=1, max_length=63)]
+    region: Annotated[str, StringConstraints(min_length=1, max_length=63)] | None = None
+    effective_from: datetime | None = None
+    rate_per_gpu_hour: Annotated[Decimal, Field(ge=0, allow_inf_nan=False)]
+
+    @field_validator("effective_from")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("effective_from needs a time zone, e.g. 2026-01-01T00:00:00Z")
+        return value
+
+
+class RateCardSpec(_Strict):
+    currency: Currency
+    rates: list[RateDoc] = Field(min_length=1)
+
+
+class Document(_Strict):
+    apiVersion: Literal["budgetgate/v1"]  # noqa: N815 - the YAML field name
+    kind: str
+    metadata: Metadata
+    spec: dict[str, Any]
+
+
+# What each name pattern means, so an error says "a DNS-1123 name" rather than a regex.
+PATTERN_MEANINGS = {
+    LabelKey.__metadata__[0].pattern: "a Kubernetes label key (letters, digits, '-', '_', '.', optional prefix/)",
+    LabelValue.__metadata__[0].pattern: "a Kubernetes label value (up to 63 letters, digits, '-', '_', '.') or \"*\" for any value",
+    Namespace.__metadata__[0].pattern: "a Kubernetes namespace name (lowercase letters, digits and '-', up to 63)",
+    PolicyId.__metadata__[0].pattern: "an id of letters, digits and . _ / - (up to 200)",
+    Currency.__metadata__[0].pattern: "a three-letter ISO 4217 currency code such as USD",
+}
+
+SPEC_MODELS: dict[str, type[BaseModel]] = {"BudgetPolicy": BudgetPolicySpec, "RateCard": RateCardSpec}
+
+
+def kind_problem(kind: str) -> str | None:
+    """Why a document kind cannot be read, or None when it can."""
+    if kind in SUPPORTED_KINDS:
+        return None
+    if kind in PLANNED_KINDS:
+        return f"kind {kind} is not supported by this version of budgetgate yet"
+    return f"unknown kind {kind!r}; expected one of {', '.join(SUPPORTED_KINDS)}"
+
+
+def id_slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()

@@ -1,0 +1,334 @@
+"""From a submission and a policy bundle to the charges to reserve, and from the ledger's
+readings to the decision. Pure: the atomic check-and-reserve itself happens in the ledger, which
+applies exactly `fits()` below to every hard charge."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
+from budgetgate.core.units import Unit, cost_micros, display, hours_amount
+from budgetgate.core.windows import Window, iso, window_at
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    gpus: int
+    nodes: int = 1
+    flavor: str | None = None
+    region: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    run_id: str
+    namespace: str
+    labels: Mapping[str, str]
+    resources: Resources
+    runtime_hours: Decimal
+    at: datetime
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """An amount to reserve on one ledger key for one policy."""
+
+    policy: BudgetPolicy
+    window: Window
+    amount: int
+
+    @property
+    def ledger_key(self) -> str:
+        return ledger_key(self.policy, self.window)
+
+    @property
+    def hard(self) -> bool:
+        return self.policy.enforcement is Enforcement.HARD
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """A policy covers the submission's namespace but required labels are missing."""
+
+    policy: BudgetPolicy
+    missing: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    submission: Submission
+    bundle_sha: str
+    charges: tuple[Charge, ...]
+    violations: tuple[Violation, ...]
+    projected_gpu: int
+    showback_micros: int | None
+    currency: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A ledger key as the atomic reservation saw it, before this decision."""
+
+    limit: int
+    reserved: int
+    consumed: int
+
+    @property
+    def remaining(self) -> int:
+        return self.limit - self.reserved - self.consumed
+
+
+class UnknownFlavor(ValueError):
+    """A cost budget applies but no rate card prices the submission's flavor."""
+
+
+def ledger_key(policy: BudgetPolicy, window: Window) -> str:
+    """The ledger key (scope, window, unit) a policy's charges in a window are filed under."""
+    return f"{policy.scope.scope_id}|{window.key}|{policy.limit.unit}"
+
+
+def fits(amount: int, reading: Reading) -> bool:
+    """Whether a hard budget has room for `amount`: the one rule the ledger enforces atomically."""
+    return amount <= reading.remaining
+
+
+def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
+    """Which budgets a submission falls under, and how much it would reserve on each."""
+    res = submission.resources
+    projected_gpu = hours_amount(res.gpus, submission.runtime_hours)
+    priced = bundle.rate_for(res.flavor, res.region, submission.at) if res.flavor else None
+    showback = cost_micros(projected_gpu, priced[0].rate_per_gpu_hour) if priced else None
+    charges, violations = [], []
+    for policy in bundle.policies:
+        scope = policy.scope
+        if scope.namespaces and scope.covers_namespace(submission.namespace):
+            missing = scope.missing_labels(submission.labels)
+            if missing:
+                violations.append(Violation(policy, missing))
+                continue
+        if not scope.matches(submission.namespace, submission.labels):
+            continue
+        amount = _amount(policy, submission, projected_gpu, showback)
+        charges.append(Charge(policy, window_at(policy.window, submission.at), amount))
+    return Plan(
+        submission=submission,
+        bundle_sha=bundle.git_sha,
+        charges=tuple(charges),
+        violations=tuple(violations),
+        projected_gpu=projected_gpu,
+        showback_micros=showback,
+        currency=priced[1] if priced else None,
+    )
+
+
+def _amount(policy: BudgetPolicy, submission: Submission, projected_gpu: int, showback: int | None) -> int:
+    unit = policy.limit.unit
+    if unit is Unit.GPU_HOURS:
+        return projected_gpu
+    if unit is Unit.NODE_HOURS:
+        return hours_amount(submission.resources.nodes, submission.runtime_hours)
+    if unit is Unit.WALL_HOURS:
+        return hours_amount(1, submission.runtime_hours)
+    if showback is None:
+        flavor = submission.resources.flavor
+        raise UnknownFlavor(
+            f"policy {policy.id!r} limits cost but no rate card prices flavor {flavor!r}"
+            + (f" in region {submission.resources.region!r}" if submission.resources.region else "")
+            if flavor
+            else f"policy {policy.id!r} limits cost, so the submission must name a resources.flavor"
+        )
+    return showback
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    policy_id: str
+    policy_git_sha: str
+    scope_id: str
+    ledger_key: str | None
+    window_start: datetime | None
+    window_end: datetime | None
+    unit: Unit
+    enforcement: Enforcement
+    on_exhausted: str
+    limit: int
+    projected: int
+    remaining: int | None
+    admitted: int
+    outcome: str
+    deficit: int | None = None
+    next_eligible_time: datetime | None = None
+    missing_labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    outcome: str  # ALLOW | DENY | DELAY
+    reason: str
+    evaluations: tuple[Evaluation, ...]
+    reserves: bool = field(default=False)
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome == "ALLOW"
+
+
+Release = tuple[datetime, int]
+
+
+def decide(
+    plan: Plan,
+    readings: Mapping[str, Reading] | None,
+    *,
+    releases: Mapping[str, Sequence[Release]] | None = None,
+) -> Decision:
+    """The decision for a plan given each ledger key's reading before this decision.
+
+    `readings` is None when the ledger was not consulted (a label violation denies first).
+    `releases` lists, per ledger key, when running reservations are expected to end and how
+    much each frees, so a DELAY can name the earliest moment room appears.
+    """
+    sha = plan.bundle_sha
+    if plan.violations:
+        evaluations = tuple(_violation_evaluation(v, sha) for v in plan.violations) + tuple(
+            _evaluation(c, sha, None, admitted=0, outcome="ALLOW") for c in plan.charges
+        )
+        return Decision("DENY", _violation_reason(plan), evaluations)
+    if not plan.charges:
+        return Decision("ALLOW", f"admitted: no budget policy covers namespace {plan.submission.namespace!r} with these labels", ())
+    assert readings is not None, "a plan with charges needs ledger readings"
+    blocked = [c for c in plan.charges if c.hard and not fits(c.amount, readings[c.ledger_key])]
+    if not blocked:
+        evaluations = tuple(_evaluation(c, sha, readings[c.ledger_key], admitted=c.amount, outcome=_soft_outcome(c, readings)) for c in plan.charges)
+        return Decision("ALLOW", _allow_reason(plan, readings), evaluations, reserves=True)
+    outcome = "DELAY" if all(c.policy.on_exhausted.delays for c in blocked) else "DENY"
+    releases = releases or {}
+    evaluations = []
+    for charge in plan.charges:
+        reading = readings[charge.ledger_key]
+        if charge in blocked or (charge.policy.enforcement is Enforcement.DRY_RUN and not fits(charge.amount, reading)):
+            own = "DELAY" if charge.policy.on_exhausted.delays else "DENY"
+            eligible = next_eligible(charge, reading, releases.get(charge.ledger_key, ()))
+            evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome=own, deficit=charge.amount - reading.remaining, eligible=eligible))
+        else:
+            evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome="ALLOW"))
+    return Decision(outcome, _blocked_reason(outcome, blocked, readings, evaluations), tuple(evaluations))
+
+
+def _soft_outcome(charge: Charge, readings: Mapping[str, Reading]) -> str:
+    # A dry-run policy records what it would have decided; it never blocks.
+    if charge.policy.enforcement is Enforcement.DRY_RUN and not fits(charge.amount, readings[charge.ledger_key]):
+        return "DELAY" if charge.policy.on_exhausted.delays else "DENY"
+    return "ALLOW"
+
+
+def next_eligible(charge: Charge, reading: Reading, releases: Sequence[Release]) -> datetime | None:
+    """The earliest moment a blocked charge could fit: when known releases free enough, else the
+    window's end (a rolling window has fully moved on after its length). None when the run alone
+    is larger than the limit, so no moment will ever do."""
+    if charge.amount > charge.policy.limit.amount:
+        return None
+    needed = charge.amount - reading.remaining
+    freed = 0
+    for at, amount in sorted(releases):
+        freed += amount
+        if freed >= needed and at < charge.window.end:
+            return at
+    if charge.policy.window.rolling_days is not None:
+        return charge.window.end + timedelta(days=charge.policy.window.rolling_days)
+    return charge.window.end
+
+
+def _evaluation(charge: Charge, sha: str, reading: Reading | None, *, admitted: int, outcome: str, deficit: int | None = None, eligible: datetime | None = None) -> Evaluation:
+    policy = charge.policy
+    return Evaluation(
+        policy_id=policy.id,
+        policy_git_sha=sha,
+        scope_id=policy.scope.scope_id,
+        ledger_key=charge.ledger_key,
+        window_start=charge.window.start,
+        window_end=charge.window.end,
+        unit=policy.limit.unit,
+        enforcement=policy.enforcement,
+        on_exhausted=str(policy.on_exhausted),
+        limit=policy.limit.amount,
+        projected=charge.amount,
+        remaining=reading.remaining if reading else None,
+        admitted=admitted,
+        outcome=outcome,
+        deficit=deficit,
+        next_eligible_time=eligible,
+    )
+
+
+def _violation_evaluation(violation: Violation, sha: str) -> Evaluation:
+    policy = violation.policy
+    return Evaluation(
+        policy_id=policy.id,
+        policy_git_sha=sha,
+        scope_id=policy.scope.scope_id,
+        ledger_key=None,
+        window_start=None,
+        window_end=None,
+        unit=policy.limit.unit,
+        enforcement=policy.enforcement,
+        on_exhausted=str(policy.on_exhausted),
+        limit=policy.limit.amount,
+        projected=0,
+        remaining=None,
+        admitted=0,
+        outcome="DENY",
+        missing_labels=violation.missing,
+    )
+
+
+def describe(unit: Unit, amount: int, currency: str | None = None) -> str:
+    """An amount as a person writes it: `48 GPU-hours`, `188.78 USD`."""
+    value = display(unit, amount)
+    text = f"{value:,.2f}".rstrip("0").rstrip(".") if unit is not Unit.COST else f"{value:,.2f}"
+    names = {Unit.GPU_HOURS: "GPU-hours", Unit.NODE_HOURS: "node-hours", Unit.WALL_HOURS: "wall-hours"}
+    return f"{text} {names[unit]}" if unit is not Unit.COST else f"{text} {currency or ''}".rstrip()
+
+
+def _violation_reason(plan: Plan) -> str:
+    parts = [
+        f"policy {v.policy.id!r} requires label{'s' if len(v.missing) > 1 else ''} {', '.join(v.missing)} in namespace {plan.submission.namespace!r}"
+        for v in plan.violations
+    ]
+    return "denied: " + "; ".join(parts) + ". Add the missing labels to the submission and resubmit."
+
+
+def _allow_reason(plan: Plan, readings: Mapping[str, Reading]) -> str:
+    candidates = [c for c in plan.charges if c.hard] or list(plan.charges)
+    tightest = min(candidates, key=lambda c: (readings[c.ledger_key].remaining - c.amount) / max(c.policy.limit.amount, 1))
+    left = readings[tightest.ledger_key].remaining - tightest.amount
+    unit, cur = tightest.policy.limit.unit, tightest.policy.limit.currency
+    n = len(plan.charges)
+    return (
+        f"admitted: reserved on {n} budget{'s' if n > 1 else ''}; tightest is {tightest.policy.id!r} with "
+        f"{describe(unit, left, cur)} of {describe(unit, tightest.policy.limit.amount, cur)} left after this run"
+    )
+
+
+def _blocked_reason(outcome: str, blocked: Sequence[Charge], readings: Mapping[str, Reading], evaluations: Sequence[Evaluation]) -> str:
+    by_key = {e.ledger_key: e for e in evaluations}
+    parts = []
+    for charge in blocked:
+        reading = readings[charge.ledger_key]
+        unit, cur = charge.policy.limit.unit, charge.policy.limit.currency
+        window = charge.window
+        parts.append(
+            f"budget {charge.policy.id!r} (scope {charge.policy.scope.scope_id}, window {iso(window.start)} to {iso(window.end)}) "
+            f"has {describe(unit, max(reading.remaining, 0), cur)} of {describe(unit, charge.policy.limit.amount, cur)} left "
+            f"and this run needs {describe(unit, charge.amount, cur)} (short by {describe(unit, charge.amount - reading.remaining, cur)})"
+        )
+    eligible = [by_key[c.ledger_key].next_eligible_time for c in blocked]
+    if outcome == "DELAY":
+        when = max((e for e in eligible if e is not None), default=None)
+        hint = f"Resubmit at or after {iso(when)}." if when else "This run is larger than the whole budget; reduce it or ask to raise the limit."
+        return "delayed: " + "; ".join(parts) + ". " + hint
+    return "denied: " + "; ".join(parts) + ". Reduce the request, wait for the window to reset, or ask the budget owner to raise the limit."

@@ -1,0 +1,141 @@
+"""The policy model: budgets, their scopes and limits, and rate cards."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from enum import StrEnum
+
+from budgetgate.core.units import Unit
+from budgetgate.core.windows import WindowSpec
+
+ANY_VALUE = "*"
+
+
+class Enforcement(StrEnum):
+    HARD = "hard"
+    SOFT = "soft"
+    DRY_RUN = "dry-run"
+
+
+class OnExhausted(StrEnum):
+    DENY = "deny"
+    DELAY = "delay"
+    HOLD = "hold"
+    HOLD_AND_DRAIN = "hold-and-drain"
+
+    @property
+    def delays(self) -> bool:
+        """Whether exhaustion asks the platform to wait (DELAY) rather than give up (DENY)."""
+        return self is not OnExhausted.DENY
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a document came from, for error messages and audit."""
+
+    file: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Which submissions a policy covers: namespaces (none = any) and required labels."""
+
+    namespaces: frozenset[str] = frozenset()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def scope_id(self) -> str:
+        """Canonical, stable id from the fixed predicates, e.g. `ns=vision-prod;cost-center=1042`."""
+        parts = [f"ns={','.join(sorted(self.namespaces))}"] if self.namespaces else []
+        parts += [f"{key}={self.labels[key]}" for key in sorted(self.labels)]
+        return ";".join(parts) if parts else "all"
+
+    def covers_namespace(self, namespace: str) -> bool:
+        return not self.namespaces or namespace in self.namespaces
+
+    def missing_labels(self, labels: Mapping[str, str]) -> tuple[str, ...]:
+        """Required labels the submission does not carry at all (a policy violation)."""
+        return tuple(sorted(key for key in self.labels if key not in labels))
+
+    def matches(self, namespace: str, labels: Mapping[str, str]) -> bool:
+        """Whether a submission with these labels falls under this scope."""
+        if not self.covers_namespace(namespace):
+            return False
+        return all(
+            key in labels and (want == ANY_VALUE or labels[key] == want) for key, want in self.labels.items()
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    unit: Unit
+    amount: int  # in the unit's fixed-point scale (see budgetgate.core.units)
+    currency: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetPolicy:
+    id: str
+    scope: Scope
+    window: WindowSpec
+    limit: Limit
+    enforcement: Enforcement
+    on_exhausted: OnExhausted
+    source: Source
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    flavor: str
+    rate_per_gpu_hour: Decimal
+    region: str | None = None
+    effective_from: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RateCard:
+    id: str
+    currency: str
+    rates: tuple[Rate, ...]
+    source: Source
+
+    def rate_for(self, flavor: str, region: str | None, at: datetime) -> Rate | None:
+        """The most specific rate in effect at `at`: a region match beats a rate with no region,
+        and among those the latest `effective_from` not after `at` wins."""
+        candidates = [
+            rate
+            for rate in self.rates
+            if rate.flavor == flavor
+            and (rate.region is None or rate.region == region)
+            and (rate.effective_from is None or rate.effective_from <= at)
+        ]
+        if not candidates:
+            return None
+        return max(
+            candidates,
+            key=lambda r: (r.region is not None, r.effective_from or datetime.min.replace(tzinfo=at.tzinfo)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyBundle:
+    """Every policy document of one Git revision."""
+
+    git_sha: str
+    policies: tuple[BudgetPolicy, ...] = ()
+    rate_cards: tuple[RateCard, ...] = ()
+
+    def rate_for(self, flavor: str, region: str | None, at: datetime) -> tuple[Rate, str] | None:
+        """The rate for a flavor and the currency it is in, from the first rate card that has one."""
+        for card in self.rate_cards:
+            rate = card.rate_for(flavor, region, at)
+            if rate is not None:
+                return rate, card.currency
+        return None
+
+    def known_flavors(self) -> frozenset[str]:
+        return frozenset(rate.flavor for card in self.rate_cards for rate in card.rates)

@@ -1,0 +1,100 @@
+"""Budget windows: calendar months, weeks and days in a time zone, or rolling N days."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+CALENDARS = ("month", "week", "day")
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    """How a policy's window is laid out in time; exactly one of calendar or rolling_days."""
+
+    calendar: str | None = None
+    timezone: str = "UTC"
+    rolling_days: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.calendar is None) == (self.rolling_days is None):
+            raise ValueError("a window has exactly one of calendar or rolling_days")
+        if self.calendar is not None and self.calendar not in CALENDARS:
+            raise ValueError(f"calendar must be one of {', '.join(CALENDARS)}, not {self.calendar!r}")
+        if self.rolling_days is not None and not 1 <= self.rolling_days <= 3660:
+            raise ValueError("rolling_days must be between 1 and 3660")
+        zone(self.timezone)
+
+    @property
+    def rolling(self) -> bool:
+        return self.rolling_days is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One concrete window, [start, end) in UTC, and the stable key the ledger files it under."""
+
+    start: datetime
+    end: datetime
+    key: str
+
+    def contains(self, at: datetime) -> bool:
+        return self.start <= at < self.end
+
+
+def zone(name: str) -> ZoneInfo:
+    """The IANA time zone `name`; raises ValueError naming it when unknown."""
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ValueError(f"unknown time zone {name!r}") from exc
+
+
+def window_at(spec: WindowSpec, at: datetime) -> Window:
+    """The window of `spec` that contains the instant `at` (which must be time-zone aware)."""
+    if at.tzinfo is None:
+        raise ValueError("instants must be time-zone aware")
+    if spec.rolling_days is not None:
+        # A rolling window has no fixed bounds: its ledger key is the rolling span itself, and
+        # the reconciler ages consumption out of it as time moves.
+        end = at.astimezone(UTC)
+        return Window(end - timedelta(days=spec.rolling_days), end, f"rolling-{spec.rolling_days}d")
+    local = at.astimezone(zone(spec.timezone))
+    start_local, end_local = _calendar_bounds(spec.calendar or "", local)
+    start, end = _instant(start_local), _instant(end_local)
+    return Window(start, end, f"{_iso(start)}/{_iso(end)}")
+
+
+def _calendar_bounds(calendar: str, local: datetime) -> tuple[datetime, datetime]:
+    midnight = local.replace(hour=0, minute=0, second=0, microsecond=0, fold=0)
+    if calendar == "day":
+        start = midnight
+        end = _add_days(start, 1)
+    elif calendar == "week":  # ISO weeks start on Monday
+        start = _add_days(midnight, -midnight.weekday())
+        end = _add_days(start, 7)
+    else:
+        start = midnight.replace(day=1)
+        end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return start, end
+
+
+def _add_days(local: datetime, days: int) -> datetime:
+    # Wall-clock arithmetic: adding a day across a DST change keeps local midnight.
+    return (local.replace(tzinfo=None) + timedelta(days=days)).replace(tzinfo=local.tzinfo)
+
+
+def _instant(local: datetime) -> datetime:
+    # A local midnight that falls in a DST gap does not exist; normalising through UTC moves it
+    # forward to the first instant that does, which is when the day really begins.
+    return local.astimezone(UTC)
+
+
+def _iso(at: datetime) -> str:
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def iso(at: datetime) -> str:
+    """An instant as RFC 3339 UTC with a Z, seconds precision."""
+    return _iso(at)
