@@ -1,0 +1,126 @@
+"""OpenTelemetry for one budgetgate process: traces, metrics, and W3C trace context in headers.
+
+`setup_telemetry` builds the providers once at startup and returns them in a `Telemetry` that
+the service passes to whatever needs a tracer or a meter. Metrics are always readable in the
+Prometheus text format (for `/metrics`); spans and metrics are pushed over OTLP/HTTP only when
+an endpoint is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from opentelemetry import metrics, trace
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+# The wire contract promises W3C trace context (traceparent, tracestate) and nothing else, so
+# the propagator is fixed here rather than read from OTEL_PROPAGATORS.
+_PROPAGATOR = TraceContextTextMapPropagator()
+TRACE_HEADERS = frozenset(_PROPAGATOR.fields)
+
+Headers = Iterable[tuple[str, bytes | str | None]]
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """The tracer and meter providers of one process, and the registry `/metrics` serves."""
+
+    service_name: str
+    tracer_provider: TracerProvider
+    meter_provider: MeterProvider
+    registry: CollectorRegistry
+    # Whether these providers are also OpenTelemetry's process-wide ones (see setup_telemetry).
+    installed_globally: bool
+
+    metrics_content_type = CONTENT_TYPE_LATEST
+
+    def tracer(self, name: str) -> trace.Tracer:
+        """A tracer from this process's provider."""
+        return self.tracer_provider.get_tracer(name)
+
+    def meter(self, name: str) -> metrics.Meter:
+        """A meter from this process's provider."""
+        return self.meter_provider.get_meter(name)
+
+    def metrics_text(self) -> bytes:
+        """Current metrics in the Prometheus text format, the body of a `/metrics` answer."""
+        return generate_latest(self.registry)
+
+    def shutdown(self) -> None:
+        """Flush what is pending to the exporters and stop them."""
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+def setup_telemetry(*, service_name: str, otlp_endpoint: str | None) -> Telemetry:
+    """Build tracing and metrics for a process named `service_name`.
+
+    `otlp_endpoint` is the OTLP/HTTP base URL (as in OTEL_EXPORTER_OTLP_ENDPOINT, e.g.
+    `http://collector:4318`); `/v1/traces` and `/v1/metrics` are appended. With None nothing is
+    pushed anywhere, whatever the OTEL_* environment says.
+
+    The first call in a process also installs the providers as OpenTelemetry's global ones, so
+    instrumentation that reads the globals reports here. OpenTelemetry lets the globals be set
+    only once, so later calls (tests build several) leave them alone and return providers that
+    work only through the returned `Telemetry`; `installed_globally` says which case applied.
+    """
+    resource = Resource.create({SERVICE_NAME: service_name})
+    # A registry of our own rather than prometheus_client's default one: a second setup in the
+    # same process would otherwise register a second collector next to the first.
+    registry = CollectorRegistry(auto_describe=True)
+    readers: list[MetricReader] = [PrometheusMetricReader(registry=registry)]
+    tracer_provider = TracerProvider(resource=resource)
+    if otlp_endpoint:
+        base = otlp_endpoint.rstrip("/")
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces")))
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{base}/v1/metrics")))
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+
+    # Checked explicitly instead of calling the setters every time: a second set is refused
+    # with only a log line, which would hide which providers are really global.
+    install = isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    if install:
+        trace.set_tracer_provider(tracer_provider)
+        metrics.set_meter_provider(meter_provider)
+    return Telemetry(
+        service_name=service_name,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        registry=registry,
+        installed_globally=install,
+    )
+
+
+def inject_headers(context: Context | None = None) -> list[tuple[str, bytes]]:
+    """W3C trace context of `context` (default: the current one) as Kafka headers.
+
+    Empty when there is no valid span to continue.
+    """
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return [(name, value.encode("ascii")) for name, value in carrier.items()]
+
+
+def extract_context(headers: Headers | None) -> Context:
+    """The trace context carried by Kafka headers, for starting a consumer's span under it.
+
+    Without a valid `traceparent` the result is an empty context, so the consumer's span starts
+    a new trace instead of joining whatever happens to be current.
+    """
+    carrier: dict[str, str] = {}
+    for name, value in headers or ():
+        key = name.lower()
+        if key in TRACE_HEADERS and value is not None:
+            carrier[key] = value.decode("latin-1") if isinstance(value, bytes) else value
+    return _PROPAGATOR.extract(carrier, context=Context())
