@@ -1,0 +1,228 @@
+"""Protobuf messages to Kafka records and back: the one place the wire format is decided.
+
+A record's value is the binary protobuf message. Its headers say what it is (`content-type`,
+`message-type`, `event-id`) and carry the W3C trace context of the code that produced it.
+Ingest topics fed by outside exporters may instead carry the canonical protobuf JSON mapping,
+marked `content-type: application/json`. Anything a consumer cannot use raises `WireError`,
+whose reason goes with the message to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.structs import RecordMetadata
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+from opentelemetry.context import Context
+
+from budgetgate.telemetry import extract_context, inject_headers
+from budgetgate.topics import dlq
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+
+CONTENT_TYPE = "content-type"
+EVENT_ID = "event-id"
+MESSAGE_TYPE = "message-type"
+DLQ_REASON = "dlq-reason"
+DLQ_SOURCE_TOPIC = "dlq-source-topic"
+DLQ_PARTITION = "dlq-partition"
+DLQ_OFFSET = "dlq-offset"
+_DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_SOURCE_TOPIC, DLQ_PARTITION, DLQ_OFFSET})
+# Kafka has no limit this small, but a reason quoting a whole payload helps nobody.
+_MAX_REASON_CHARS = 1000
+
+M = TypeVar("M", bound=Message)
+Headers = Sequence[tuple[str, bytes]]
+
+
+class WireError(ValueError):
+    """A record that cannot be turned into the expected message; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Record:
+    """What goes to Kafka: value, key and headers, ready for a producer."""
+
+    value: bytes
+    key: bytes | None = None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def header(self, name: str) -> bytes | None:
+        """The first header called `name`, if any."""
+        return header(self.headers, name)
+
+
+class ConsumedRecord(Protocol):
+    """The parts of a consumed Kafka record (aiokafka's ConsumerRecord has them) a DLQ needs."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes]]
+
+
+def header(headers: Headers | None, name: str) -> bytes | None:
+    """The first header called `name` (compared without case), or None."""
+    wanted = name.lower()
+    for key, value in headers or ():
+        if key.lower() == wanted:
+            return value
+    return None
+
+
+def encode(message: Message, *, key: str | None) -> Record:
+    """A Kafka record for `message`, with the current trace context in its headers.
+
+    Refuses a message without event_id or event_time: consumers deduplicate on the one and
+    window on the other, so a producer that forgot them must fail here, not downstream.
+    """
+    event_id = getattr(message, "event_id", "")
+    if not event_id:
+        raise WireError(f"{message.DESCRIPTOR.full_name} has no event_id")
+    if not message.HasField("event_time"):
+        raise WireError(f"{message.DESCRIPTOR.full_name} {event_id} has no event_time")
+    headers = [
+        (CONTENT_TYPE, PROTOBUF.encode()),
+        (EVENT_ID, event_id.encode()),
+        (MESSAGE_TYPE, message.DESCRIPTOR.full_name.encode()),
+        *inject_headers(),
+    ]
+    return Record(
+        value=message.SerializeToString(),
+        key=key.encode() if key is not None else None,
+        headers=headers,
+    )
+
+
+def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -> M:
+    """The `message_cls` carried by a record, from binary protobuf or its JSON mapping.
+
+    A record without a content-type header is read as binary protobuf. Raises WireError when
+    the value cannot be parsed, says it is another message type, or has no event_id.
+    """
+    expected = message_cls.DESCRIPTOR.full_name
+    declared_type = header(headers, MESSAGE_TYPE)
+    if declared_type is not None and declared_type.decode(errors="replace") != expected:
+        raise WireError(f"message-type is {declared_type.decode(errors='replace')!r}, expected {expected!r}")
+    if value is None:
+        raise WireError(f"record has no value (expected {expected})")
+    content_type = _media_type(header(headers, CONTENT_TYPE))
+    message = message_cls()
+    if content_type in (None, PROTOBUF):
+        try:
+            message.ParseFromString(value)
+        except DecodeError as exc:
+            raise WireError(f"not a valid {expected} in binary protobuf: {exc}") from exc
+    elif content_type == JSON:
+        try:
+            # Unknown fields are skipped, as binary parsing does, so an exporter one schema
+            # version ahead of this consumer is not dead-lettered for a field it added.
+            json_format.Parse(value.decode("utf-8"), message, ignore_unknown_fields=True)
+        except (UnicodeDecodeError, json_format.Error) as exc:
+            raise WireError(f"not a valid {expected} in protobuf JSON: {exc}") from exc
+    else:
+        raise WireError(f"unsupported content-type {content_type!r} (expected {PROTOBUF} or {JSON})")
+    event_id = getattr(message, "event_id", "")
+    if not event_id:
+        raise WireError(f"{expected} has no event_id")
+    declared_id = header(headers, EVENT_ID)
+    if declared_id is not None and declared_id.decode(errors="replace") != event_id:
+        raise WireError(f"event-id header {declared_id.decode(errors='replace')!r} != body event_id {event_id!r}")
+    return message
+
+
+def _media_type(raw: bytes | None) -> str | None:
+    """`application/json; charset=utf-8` -> `application/json`."""
+    if raw is None:
+        return None
+    return raw.decode("latin-1").split(";", 1)[0].strip().lower()
+
+
+def context_from_headers(headers: Headers | None) -> Context:
+    """The producer's trace context, to start the consumer's span under."""
+    return extract_context(headers)
+
+
+def dead_letter(record: ConsumedRecord, *, reason: str) -> Record:
+    """A record for `dlq(record.topic)`: the original key, value and headers, plus why and whence.
+
+    dlq-* headers from an earlier trip through a DLQ (a replayed message) are replaced, so the
+    record always tells its latest failure.
+    """
+    kept = [(k, v) for k, v in (record.headers or ()) if k.lower() not in _DLQ_HEADERS]
+    return Record(
+        # The topics carry no tombstones; an empty value reads the same to whoever inspects it.
+        value=record.value or b"",
+        key=record.key,
+        headers=[
+            *kept,
+            (DLQ_REASON, reason[:_MAX_REASON_CHARS].encode("utf-8", errors="replace")),
+            (DLQ_SOURCE_TOPIC, record.topic.encode()),
+            (DLQ_PARTITION, str(record.partition).encode()),
+            (DLQ_OFFSET, str(record.offset).encode()),
+        ],
+    )
+
+
+class Publisher:
+    """Sends messages and waits for the broker's acknowledgement from all in-sync replicas.
+
+    Idempotent and transactional producing stay off: the brokers budgetgate runs on (Tansu in
+    the local stack) do not all support them, and consumers deduplicate on event_id instead.
+    """
+
+    def __init__(self, bootstrap: str, *, client_id: str = "budgetgate") -> None:
+        self._bootstrap = bootstrap
+        self._client_id = client_id
+        self._producer: AIOKafkaProducer | None = None
+
+    async def start(self) -> None:
+        """Connect to the cluster."""
+        # Built here, not in __init__: aiokafka binds a producer to the running event loop, and
+        # a publisher is usually constructed in a factory before any loop runs.
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self._bootstrap,
+            client_id=self._client_id,
+            acks="all",
+            enable_idempotence=False,
+        )
+        await producer.start()
+        self._producer = producer
+
+    async def stop(self) -> None:
+        """Flush pending sends and disconnect."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.stop()
+
+    async def __aenter__(self) -> Publisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def send(self, topic: str, message: Message, *, key: str | None) -> RecordMetadata:
+        """Encode `message` and return once the broker has acknowledged it."""
+        return await self.send_record(topic, encode(message, key=key))
+
+    async def send_record(self, topic: str, record: Record) -> RecordMetadata:
+        """Send an already encoded record and return once the broker has acknowledged it."""
+        if self._producer is None:
+            raise RuntimeError("Publisher.send before start()")
+        return await self._producer.send_and_wait(topic, value=record.value, key=record.key, headers=record.headers)
+
+    async def send_dead_letter(self, record: ConsumedRecord, *, reason: str) -> RecordMetadata:
+        """Park a consumed record on its topic's DLQ with `reason`."""
+        return await self.send_record(dlq(record.topic), dead_letter(record, reason=reason))
