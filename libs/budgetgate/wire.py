@@ -197,7 +197,12 @@ class Publisher:
             acks="all",
             enable_idempotence=False,
         )
-        await producer.start()
+        try:
+            await producer.start()
+        except BaseException:
+            # A producer that failed to connect still holds a client; close it, or it leaks.
+            await producer.stop()
+            raise
         self._producer = producer
 
     async def stop(self) -> None:

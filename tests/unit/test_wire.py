@@ -256,3 +256,13 @@ async def test_publisher_refuses_to_send_before_start() -> None:
     with pytest.raises(RuntimeError, match="before start"):
         await publisher.send(METERING, _sample(), key=None)
     await publisher.stop()  # stopping a publisher that never started is harmless
+
+
+async def test_publisher_that_cannot_connect_fails_at_start() -> None:
+    from aiokafka.errors import KafkaConnectionError
+
+    publisher = wire.Publisher("127.0.0.1:1")  # nothing listens on port 1
+    with pytest.raises(KafkaConnectionError):
+        await publisher.start()
+    with pytest.raises(RuntimeError, match="before start"):
+        await publisher.send(METERING, _sample(), key=None)
