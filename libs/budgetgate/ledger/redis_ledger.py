@@ -1,0 +1,152 @@
+"""The Redis side of the ledger: live reserved/consumed figures per ledger key, changed only by
+the Lua scripts next to this file (one script per atomic operation).
+
+Every key lives under one hash tag (`{prefix}`), so all keys of a decision share a Redis Cluster
+slot. Budgets cross tenants (a cost-center budget spans namespaces), so no finer tag would keep
+every decision's keys together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+import redis.asyncio as aioredis
+
+_SCRIPTS = ("reserve", "release", "load_key")
+
+
+class LedgerNotLoaded(RuntimeError):
+    """Redis does not hold the ledger (empty or restarted): rebuild it from Postgres first."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChargeRequest:
+    ledger_key: str
+    amount: int
+    limit: int
+    hard: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveResult:
+    status: str  # RESERVED | REJECTED | MISSING | DUPLICATE
+    readings: tuple[tuple[int, int], ...] = ()  # (reserved, consumed) per charge, before
+    missing: int | None = None  # index of the first charge whose key was never loaded
+    holder: str | None = None  # decision id holding the run key, for DUPLICATE
+
+
+def _script(name: str) -> str:
+    return resources.files("budgetgate.ledger").joinpath("lua", f"{name}.lua").read_text()
+
+
+class RedisLedger:
+    """Typed wrappers around the ledger's Lua scripts (EVALSHA, reloaded on NOSCRIPT)."""
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str) -> None:
+        self.client = client
+        self.tag = "{" + prefix + "}"
+        self._scripts = {name: client.register_script(_script(name)) for name in _SCRIPTS}
+
+    @property
+    def marker(self) -> str:
+        return f"{self.tag}:loaded"
+
+    def ledger(self, ledger_key: str) -> str:
+        return f"{self.tag}:l:{ledger_key}"
+
+    def run(self, run_id: str) -> str:
+        return f"{self.tag}:r:{run_id}"
+
+    async def reserve(self, *, run_id: str, decision_id: str, charges: Sequence[ChargeRequest], now_ms: int) -> ReserveResult:
+        """Reserve every charge or none; raises LedgerNotLoaded when Redis lost the ledger."""
+        keys = [self.marker, self.run(run_id), *(self.ledger(c.ledger_key) for c in charges)]
+        args: list[object] = [decision_id, now_ms]
+        for c in charges:
+            args += [c.amount, c.limit, 1 if c.hard else 0]
+        reply = await self._scripts["reserve"](keys=keys, args=args)
+        status = _text(reply[0])
+        if status == "NOT_LOADED":
+            raise LedgerNotLoaded("the Redis ledger is not loaded")
+        if status == "MISSING":
+            return ReserveResult(status, missing=int(_text(reply[1])) - 1)
+        if status == "DUPLICATE":
+            return ReserveResult(status, holder=_text(reply[1]))
+        values = [int(v) for v in reply[1:]]
+        return ReserveResult(status, readings=tuple(zip(values[::2], values[1::2], strict=True)))
+
+    async def release(self, run_id: str, *, decision_id: str = "") -> int:
+        """Give back what a run holds; returns the number of ledger keys released (0 if none)."""
+        run_key = self.run(run_id)
+        for _ in range(5):
+            held = await self.client.hgetall(run_key)
+            ledger_keys = [_text(k) for k in held if not _text(k).startswith("_")]
+            reply = await self._scripts["release"](keys=[self.marker, run_key, *ledger_keys], args=[decision_id])
+            if isinstance(reply, list):
+                status = _text(reply[0])
+                if status == "NOT_LOADED":
+                    raise LedgerNotLoaded("the Redis ledger is not loaded")
+                if status == "OTHER_DECISION":
+                    return 0
+                continue  # STALE_KEYS: the run changed between read and script; read again
+            return int(reply)
+        raise RuntimeError(f"run {run_id!r} kept changing while being released")
+
+    async def load_key(self, ledger_key: str, *, reserved: int, consumed: int) -> bool:
+        """Load a ledger key from Postgres's figures unless present; True when loaded now."""
+        reply = await self._scripts["load_key"](keys=[self.marker, self.ledger(ledger_key)], args=[reserved, consumed])
+        if isinstance(reply, list):
+            raise LedgerNotLoaded("the Redis ledger is not loaded")
+        return bool(reply)
+
+    async def is_loaded(self) -> bool:
+        return bool(await self.client.exists(self.marker))
+
+    async def generation(self) -> str | None:
+        value = await self.client.get(self.marker)
+        return _text(value) if value is not None else None
+
+    async def readings(self, ledger_keys: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """(reserved, consumed) of each present ledger key."""
+        keys = list(ledger_keys)
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(self.ledger(key), "reserved", "consumed")
+        result = {}
+        for key, (reserved, consumed) in zip(keys, await pipe.execute(), strict=True):
+            if reserved is not None:
+                result[key] = (int(reserved), int(consumed or 0))
+        return result
+
+    async def held_runs(self) -> dict[str, tuple[str, int]]:
+        """Every run holding a reservation: run id → (decision id, reserved-at ms)."""
+        prefix = f"{self.tag}:r:"
+        result = {}
+        async for key in self.client.scan_iter(match=f"{self.tag}:r:*", count=1000):
+            decision, at = await self.client.hmget(key, "_decision", "_at")
+            result[_text(key)[len(prefix):]] = (_text(decision or b""), int(at or 0))
+        return result
+
+    async def replace_all(self, *, ledgers: dict[str, tuple[int, int]], runs: dict[str, tuple[str, int, dict[str, int]]], generation: str) -> None:
+        """Replace everything under the prefix with Postgres's state, then mark the ledger loaded.
+
+        The marker goes first (deleted) and last (set), so no reservation is made from a
+        half-written ledger: until it is set again every script answers NOT_LOADED.
+        """
+        await self.client.delete(self.marker)
+        stale = [key async for key in self.client.scan_iter(match=f"{self.tag}:*", count=1000)]
+        for start in range(0, len(stale), 500):
+            await self.client.delete(*stale[start : start + 500])
+        pipe = self.client.pipeline(transaction=False)
+        for key, (reserved, consumed) in ledgers.items():
+            pipe.hset(self.ledger(key), mapping={"reserved": reserved, "consumed": consumed})
+        for run_id, (decision_id, at_ms, amounts) in runs.items():
+            fields: dict[str, object] = {self.ledger(k): v for k, v in amounts.items()}
+            pipe.hset(self.run(run_id), mapping={**fields, "_decision": decision_id, "_at": at_ms})
+        await pipe.execute()
+        await self.client.set(self.marker, generation)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

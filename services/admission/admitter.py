@@ -1,0 +1,264 @@
+"""Admission: load → decide → save, with the reservation made atomically in Redis and the
+decision made durable in Postgres before anyone hears it.
+
+The order of one submission:
+1. In one Postgres transaction, take the ledger lock (shared) and the run's lock.
+2. A decision already stored for the run id is answered again (`replayed: true`).
+3. Otherwise plan the charges, check-and-reserve them in Redis (all or none), decide.
+4. Store the decision, its evaluations, its reservations and an outbox row; commit; answer.
+If anything fails after Redis reserved, the reservation is released once Postgres is known not
+to hold it; when that cannot be known, the Redis ledger is invalidated and rebuilt from
+Postgres before the next decision (fail closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import asyncpg
+import redis.exceptions
+
+from budgetgate import topics, wire
+from budgetgate.core.evaluation import Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger
+from budgetgate.ledger.sync import LedgerSync
+from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.services.admission.rendering import decision_message, response_body
+from budgetgate.services.admission.schemas import AdmissionRequest
+
+log = logging.getLogger(__name__)
+
+# Errors that mean a ledger backend is unreachable or failed mid-call: answer 503.
+BACKEND_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.CannotConnectNowError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    TimeoutError,
+)
+
+
+class Unavailable(RuntimeError):
+    """The ledger cannot be used right now; nothing was reserved or recorded as allowed."""
+
+
+class InvalidSubmission(ValueError):
+    """The submission is well-formed JSON but cannot be evaluated; `field` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class Admitter:
+    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyCache, unmatched: str = "allow") -> None:
+        self.pool = pool
+        self.ledger = ledger
+        self.sync = sync
+        self.policies = policies
+        self.unmatched = unmatched
+
+    async def admit(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
+        """Decide a submission; raises Unavailable (503) or InvalidSubmission (422)."""
+        try:
+            try:
+                return await self._admit(request, now or datetime.now(UTC))
+            except LedgerNotLoaded:
+                # Redis lost the ledger: rebuild from Postgres, then decide from the rebuilt one.
+                await self.sync.ensure_loaded()
+                return await self._admit(request, now or datetime.now(UTC))
+        except LedgerNotLoaded as exc:
+            raise Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly") from exc
+        except BACKEND_ERRORS as exc:
+            raise Unavailable(f"ledger backend unavailable: {type(exc).__name__}: {exc}") from exc
+
+    async def _admit(self, request: AdmissionRequest, now: datetime) -> dict[str, Any]:
+        bundle = self.policies.current
+        if bundle is None:
+            raise Unavailable("no policy bundle has been applied yet; run `budgetgate policy apply`")
+        try:
+            the_plan = plan(bundle, _submission(request, now))
+        except UnknownFlavor as exc:
+            raise InvalidSubmission("resources.flavor", str(exc)) from exc
+        if not the_plan.charges and not the_plan.violations and self.unmatched == "deny":
+            raise InvalidSubmission("namespace", f"no budget policy covers namespace {request.namespace!r} with these labels, and unmatched submissions are denied")
+
+        decision_id = str(uuid.uuid4())
+        reserved = False
+        async with self.pool.acquire() as conn:
+            tx = conn.transaction()
+            await tx.start()
+            finished = False
+            try:
+                await conn.execute(sql("lock_ledger_shared"))
+                await conn.execute(sql("lock_run"), request.run_id)
+                prior = await conn.fetchrow(sql("latest_decision"), request.run_id)
+                if prior is not None and not (prior["outcome"] == "DELAY" and request.attempt > prior["attempt"]):
+                    finished = True
+                    await tx.rollback()
+                    return replay(prior)
+                readings, reserved = await self._reserve(conn, the_plan, decision_id, now)
+                releases = {} if reserved or readings is None else await _releases(conn, the_plan)
+                decision = decide(the_plan, readings, releases=releases)
+                body = response_body(plan=the_plan, decision=decision, decision_id=decision_id, decided_at=now)
+                await _record(conn, request, the_plan, decision, body, reserved=reserved, now=now)
+                finished = True
+                await tx.commit()
+                return body
+            except BaseException:
+                if not finished:
+                    with contextlib.suppress(Exception):
+                        await tx.rollback()
+                if reserved:
+                    await self._undo(request.run_id, decision_id)
+                raise
+
+    async def _reserve(self, conn: asyncpg.Connection, the_plan: Plan, decision_id: str, now: datetime) -> tuple[dict[str, Reading] | None, bool]:
+        """Check-and-reserve in Redis; the readings each key had before, and whether it reserved."""
+        if the_plan.violations or not the_plan.charges:
+            return None, False
+        charges = [ChargeRequest(c.ledger_key, c.amount, c.policy.limit.amount, c.hard) for c in the_plan.charges]
+        run_id = the_plan.submission.run_id
+        for _ in range(4):
+            result = await self.ledger.reserve(run_id=run_id, decision_id=decision_id, charges=charges, now_ms=int(now.timestamp() * 1000))
+            if result.status == "MISSING":
+                await self._load_keys(conn, the_plan)
+                continue
+            if result.status == "DUPLICATE":
+                # We hold the run's lock and Postgres has no decision for it: the Redis hold is an
+                # orphan of a process that died between reserving and committing.
+                log.warning("releasing orphaned reservation of run %r (decision %s)", run_id, result.holder)
+                await self.ledger.release(run_id, decision_id=result.holder or "")
+                continue
+            readings = {
+                c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed)
+                for c, (reserved, consumed) in zip(the_plan.charges, result.readings, strict=True)
+            }
+            return readings, result.status == "RESERVED"
+        raise Unavailable(f"could not reserve for run {run_id!r}: the ledger kept changing")
+
+    async def _load_keys(self, conn: asyncpg.Connection, the_plan: Plan) -> None:
+        """Create the ledger entries of a plan in Postgres (if new) and load them into Redis."""
+        await _ensure_entries(conn, the_plan)
+        keys = [c.ledger_key for c in the_plan.charges]
+        for row in await conn.fetch(sql("ledger_figures"), keys):
+            await self.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"])
+
+    async def _undo(self, run_id: str, decision_id: str) -> None:
+        """Give back a reservation whose decision did not commit, or invalidate Redis if unsure."""
+        try:
+            committed = await self.pool.fetchval("SELECT 1 FROM decisions WHERE decision_id = $1", uuid.UUID(decision_id))
+            if not committed:
+                await self.ledger.release(run_id, decision_id=decision_id)
+                return
+            return  # the commit reached Postgres after all: the reservation is real
+        except BaseException as exc:  # noqa: BLE001 - any failure here leaves us unsure
+            log.error("cannot tell whether decision %s committed (%s); invalidating the Redis ledger", decision_id, exc)
+        try:
+            await self.ledger.client.delete(self.ledger.marker)
+        except BaseException as exc:  # noqa: BLE001
+            log.error("cannot invalidate the Redis ledger either (%s); the sweeper will reconcile", exc)
+
+    async def lookup(self, run_id: str) -> dict[str, Any] | None:
+        row = await self.pool.fetchrow(sql("latest_decision"), run_id)
+        return replay(row) if row else None
+
+
+def replay(row: Mapping[str, Any]) -> dict[str, Any]:
+    body = json.loads(row["response"]) if isinstance(row["response"], str) else dict(row["response"])
+    body["replayed"] = True
+    return body
+
+
+def _submission(request: AdmissionRequest, now: datetime) -> Submission:
+    res = request.resources
+    return Submission(
+        run_id=request.run_id,
+        attempt=request.attempt,
+        namespace=request.namespace,
+        labels=dict(request.labels),
+        resources=Resources(gpus=res.gpus, nodes=res.nodes, flavor=res.flavor, region=res.region),
+        runtime_hours=Decimal(repr(request.projected_runtime_hours)),
+        at=now,
+    )
+
+
+async def _ensure_entries(conn: asyncpg.Connection, the_plan: Plan) -> None:
+    await conn.executemany(
+        sql("ensure_ledger_entry"),
+        [
+            (
+                c.ledger_key,
+                c.policy.scope.scope_id,
+                str(c.policy.limit.unit),
+                c.window.key,
+                None if c.policy.window.rolling else c.window.start,
+                None if c.policy.window.rolling else c.window.end,
+                c.policy.id,
+                the_plan.bundle_sha,
+                c.policy.limit.amount,
+            )
+            for c in the_plan.charges
+        ],
+    )
+
+
+async def _releases(conn: asyncpg.Connection, the_plan: Plan) -> dict[str, list[tuple[datetime, int]]]:
+    """When running reservations on each hard key are expected to end, for DELAY's eligible time."""
+    result = {}
+    for charge in the_plan.charges:
+        if charge.hard:
+            rows = await conn.fetch(sql("expected_releases"), charge.ledger_key)
+            result[charge.ledger_key] = [(r["expected_end"], r["amount"]) for r in rows]
+    return result
+
+
+async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan: Plan, decision: Any, body: dict[str, Any], *, reserved: bool, now: datetime) -> None:
+    decision_id = uuid.UUID(body["decision_id"])
+    job = (request.job.namespace, request.job.name) if request.job else None
+    await conn.execute(
+        sql("insert_decision"),
+        decision_id,
+        request.run_id,
+        request.attempt,
+        decision.outcome,
+        decision.reason,
+        request.namespace,
+        json.dumps(request.labels),
+        job[0] if job else None,
+        job[1] if job else None,
+        the_plan.bundle_sha,
+        the_plan.projected_gpu,
+        the_plan.showback_micros,
+        the_plan.currency,
+        request.model_dump_json(),
+        json.dumps(body),
+        now,
+    )
+    await conn.executemany(
+        sql("insert_evaluation"),
+        [
+            (decision_id, e.policy_id, e.policy_git_sha, e.scope_id, e.ledger_key, e.window_start, e.window_end, str(e.unit), str(e.enforcement), e.outcome, e.limit, e.projected, e.remaining, e.admitted, e.deficit, e.next_eligible_time)
+            for e in decision.evaluations
+        ],
+    )
+    if reserved:
+        await _ensure_entries(conn, the_plan)
+        expected_end = now + timedelta(hours=float(the_plan.submission.runtime_hours))
+        await conn.executemany(
+            sql("insert_reservation"),
+            [(request.run_id, c.ledger_key, decision_id, c.amount, expected_end) for c in the_plan.charges],
+        )
+    record = wire.encode(decision_message(plan=the_plan, decision=decision, decision_id=body["decision_id"], decided_at=now, job=job), key=request.run_id)
+    headers = json.dumps([[k, v.decode("latin-1")] for k, v in record.headers])
+    await conn.execute(sql("insert_outbox"), topics.DECISIONS, request.run_id, record.value, headers)

@@ -1,0 +1,218 @@
+"""The admission HTTP service: create_app(settings) wires adapters to the admitter."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import asyncpg
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from budgetgate import wire
+from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.sync import LedgerSync
+from budgetgate.services.admission.admitter import BACKEND_ERRORS, Admitter, InvalidSubmission, Unavailable
+from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.services.admission.relay import OutboxRelay
+from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, Problem, ScopeUsage
+from budgetgate.services.admission.settings import AdmissionSettings
+from budgetgate.services.admission.usage import scope_usage
+from budgetgate.telemetry import Telemetry, setup_telemetry
+from budgetgate.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """What the service holds while it runs."""
+
+    pool: asyncpg.Pool
+    redis: aioredis.Redis
+    ledger: RedisLedger
+    sync: LedgerSync
+    policies: PolicyCache
+    admitter: Admitter
+    relay: OutboxRelay
+    publisher: wire.Publisher
+
+
+def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = None) -> FastAPI:
+    """The admission service for `settings`; connections open when the app starts."""
+    telemetry = telemetry or setup_telemetry(service_name=settings.service_name, otlp_endpoint=settings.otlp_endpoint)
+    meter = telemetry.meter("budgetgate.admission")
+    decisions = meter.create_counter("budgetgate_admission_decisions", description="admission answers by decision")
+    latency = meter.create_histogram("budgetgate_admission_latency", unit="s", description="time to answer a submission")
+    held = {"count": 0}
+    meter.create_observable_gauge(
+        "budgetgate_reservations_held",
+        callbacks=[lambda _options: [_observation(held["count"])]],
+        description="reservations held by admitted runs not yet reconciled",
+    )
+    topics = Topics(settings.topic_prefix)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10)
+        client = aioredis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        ledger = RedisLedger(client, prefix=settings.redis_prefix)
+        sync = LedgerSync(pool, ledger)
+        policies = PolicyCache(pool)
+        publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name)
+        rt = Runtime(pool, client, ledger, sync, policies, Admitter(pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched), OutboxRelay(pool=pool, publisher=publisher, topics=topics), publisher)
+        app.state.rt = rt
+        tasks = [
+            asyncio.create_task(_keep_ready(rt, settings, held), name="keep-ready"),
+            asyncio.create_task(_relay(rt), name="outbox-relay"),
+            asyncio.create_task(_policy_announcements(rt, settings, topics), name="policy-announcements"),
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await publisher.stop()
+            await client.aclose()
+            await pool.close()
+
+    app = FastAPI(title="budgetgate admission", version="1", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):  # type: ignore[no-untyped-def]
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
+            return JSONResponse({"detail": f"request body larger than {settings.max_body_bytes} bytes"}, status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(Unavailable)
+    async def unavailable(_request: Request, exc: Unavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(InvalidSubmission)
+    async def invalid(_request: Request, exc: InvalidSubmission) -> JSONResponse:
+        loc = ["body", *exc.field.split(".")]
+        return JSONResponse({"detail": [{"loc": loc, "msg": str(exc), "type": "value_error"}]}, status_code=422)
+
+    @app.post("/v1/admissions", response_model=AdmissionResponse, responses={422: {}, 503: {"model": Problem}})
+    async def submit(body: AdmissionRequest, request: Request) -> dict:
+        started = time.perf_counter()
+        answer = await request.app.state.rt.admitter.admit(body)
+        decisions.add(1, {"decision": answer["decision"], "replayed": str(answer["replayed"]).lower()})
+        latency.record(time.perf_counter() - started, {"decision": answer["decision"]})
+        request.app.state.rt.relay.wakeup.set()
+        return answer
+
+    @app.get("/v1/admissions/{run_id:path}", response_model=AdmissionResponse, responses={404: {"model": Problem}})
+    async def lookup(run_id: str, request: Request) -> dict | JSONResponse:
+        try:
+            answer = await request.app.state.rt.admitter.lookup(run_id)
+        except BACKEND_ERRORS as exc:
+            raise Unavailable(f"Postgres unavailable: {exc}") from exc
+        if answer is None:
+            return JSONResponse({"detail": f"no decision for run {run_id!r}"}, status_code=404)
+        return answer
+
+    @app.get("/v1/scopes/{scope_id}/usage", response_model=ScopeUsage, responses={404: {"model": Problem}})
+    async def usage(scope_id: str, request: Request) -> dict | JSONResponse:
+        rt: Runtime = request.app.state.rt
+        if rt.policies.current is None:
+            raise Unavailable("no policy bundle has been applied yet")
+        try:
+            result = await scope_usage(rt.pool, rt.policies.current, scope_id, datetime.now(UTC))
+        except BACKEND_ERRORS as exc:
+            raise Unavailable(f"Postgres unavailable: {exc}") from exc
+        if result is None:
+            return JSONResponse({"detail": f"no budget policy has scope {scope_id!r} in bundle {rt.policies.current.git_sha}"}, status_code=404)
+        return result
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        checks = await _readiness(request.app.state.rt)
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(telemetry.metrics_text(), media_type=telemetry.metrics_content_type)
+
+    return app
+
+
+def _observation(value: int):  # type: ignore[no-untyped-def]
+    from opentelemetry.metrics import Observation
+
+    return Observation(value)
+
+
+async def _readiness(rt: Runtime) -> dict[str, str]:
+    checks = {}
+    try:
+        await rt.pool.fetchval("SELECT 1")
+        checks["postgres"] = "ok"
+    except BACKEND_ERRORS as exc:
+        checks["postgres"] = f"unreachable: {exc}"
+    try:
+        checks["redis_ledger"] = "ok" if await rt.ledger.is_loaded() else "not loaded"
+    except BACKEND_ERRORS as exc:
+        checks["redis_ledger"] = f"unreachable: {exc}"
+    checks["policy_bundle"] = "ok" if rt.policies.current is not None else "none applied"
+    return checks
+
+
+async def _keep_ready(rt: Runtime, settings: AdmissionSettings, held: dict[str, int]) -> None:
+    """Load policies and the Redis ledger, and keep them current, outliving any outage."""
+    while True:
+        try:
+            await rt.policies.refresh()
+            await rt.sync.ensure_loaded()
+            held["count"] = await rt.pool.fetchval("SELECT count(*) FROM reservations WHERE state = 'held'")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried on the next tick
+            log.warning("readiness upkeep failed: %s", exc)
+        await asyncio.sleep(settings.policy_refresh_seconds if rt.policies.current else 0.5)
+
+
+async def _relay(rt: Runtime) -> None:
+    while True:
+        try:
+            await rt.publisher.start()
+            break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Kafka may come later; decisions wait in the outbox
+            log.warning("Kafka not reachable yet (%s); outbox rows wait", exc)
+            await asyncio.sleep(2)
+    await rt.relay.run()
+
+
+async def _policy_announcements(rt: Runtime, settings: AdmissionSettings, topics: Topics) -> None:
+    """Switch bundles as soon as budget.policies.v1 announces one (polling is the safety net)."""
+    from aiokafka import AIOKafkaConsumer
+
+    while True:
+        consumer = AIOKafkaConsumer(topics.policies, bootstrap_servers=settings.kafka_bootstrap, group_id=None, auto_offset_reset="latest", enable_auto_commit=False)
+        try:
+            await consumer.start()
+            async for _record in consumer:
+                await rt.policies.refresh()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.warning("policy announcements unavailable (%s); relying on polling", exc)
+            await asyncio.sleep(5)
+        finally:
+            with contextlib.suppress(Exception):
+                await consumer.stop()

@@ -1,0 +1,112 @@
+"""A decision as the API answers it, and as the Decision message the outbox publishes."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate.core.evaluation import Decision, Evaluation, Plan
+from budgetgate.core.units import Unit, display, hours, money
+from budgetgate.v1 import common_pb2, decisions_pb2
+
+
+def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime) -> dict[str, Any]:
+    """The JSON answer to a submission, stored with the decision so a replay repeats it."""
+    sub = plan.submission
+    return {
+        "run_id": sub.run_id,
+        "attempt": sub.attempt,
+        "decision_id": decision_id,
+        "decision": decision.outcome,
+        "reason": decision.reason,
+        "replayed": False,
+        "policy_bundle_sha": plan.bundle_sha,
+        "projected_gpu_hours": hours(plan.projected_gpu),
+        "showback_cost": float(money(plan.showback_micros)) if plan.showback_micros is not None else None,
+        "currency": plan.currency,
+        "decided_at": decided_at.isoformat(),
+        "evaluations": [_evaluation(e, plan.projected_gpu) for e in decision.evaluations],
+    }
+
+
+def _evaluation(e: Evaluation, projected_gpu: int) -> dict[str, Any]:
+    gpu = e.unit is Unit.GPU_HOURS
+    return {
+        "policy_id": e.policy_id,
+        "policy_git_sha": e.policy_git_sha,
+        "scope_id": e.scope_id,
+        "window_start": e.window_start.isoformat() if e.window_start else None,
+        "window_end": e.window_end.isoformat() if e.window_end else None,
+        "unit": str(e.unit),
+        "enforcement": str(e.enforcement),
+        "on_exhausted": e.on_exhausted,
+        "decision": e.outcome,
+        "limit": display(e.unit, e.limit),
+        "projected": display(e.unit, e.projected),
+        "remaining": display(e.unit, e.remaining) if e.remaining is not None else None,
+        "admitted": display(e.unit, e.admitted),
+        "projected_gpu_hours": hours(projected_gpu),
+        "remaining_gpu_hours": hours(e.remaining) if gpu and e.remaining is not None else None,
+        "admitted_gpu_hours": hours(projected_gpu) if e.admitted else 0.0,
+        "deficit": display(e.unit, e.deficit) if e.deficit is not None else None,
+        "deficit_gpu_hours": hours(e.deficit) if gpu and e.deficit is not None else None,
+        "next_eligible_time": e.next_eligible_time.isoformat() if e.next_eligible_time else None,
+        "missing_labels": list(e.missing_labels),
+    }
+
+
+def _ts(at: datetime | None) -> Timestamp | None:
+    if at is None:
+        return None
+    stamp = Timestamp()
+    stamp.FromDatetime(at)
+    return stamp
+
+
+def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, job: tuple[str, str] | None) -> decisions_pb2.Decision:
+    """The budget.decisions.v1 message; its event id is the decision id, so redelivery dedupes."""
+    sub = plan.submission
+    res = sub.resources
+    message = decisions_pb2.Decision(
+        event_id=decision_id,
+        event_time=_ts(decided_at),
+        decision_id=decision_id,
+        run_id=sub.run_id,
+        attempt=sub.attempt,
+        outcome=common_pb2.Outcome.Value(decision.outcome),
+        reason=decision.reason,
+        policy_bundle_sha=plan.bundle_sha,
+        namespace=sub.namespace,
+        labels=dict(sub.labels),
+        job=common_pb2.Job(namespace=job[0], name=job[1]) if job else None,
+        resources=common_pb2.Resources(gpus=res.gpus, nodes=res.nodes, flavor=res.flavor or "", region=res.region or ""),
+        projected_runtime_hours=float(sub.runtime_hours),
+        projected_gpu_milli_hours=plan.projected_gpu,
+        showback_cost_micros=plan.showback_micros or 0,
+        currency=plan.currency or "",
+    )
+    for e in decision.evaluations:
+        message.evaluations.append(
+            decisions_pb2.Decision.Evaluation(
+                policy_id=e.policy_id,
+                policy_git_sha=e.policy_git_sha,
+                scope_id=e.scope_id,
+                ledger_key=e.ledger_key or "",
+                window_start=_ts(e.window_start),
+                window_end=_ts(e.window_end),
+                unit=str(e.unit),
+                enforcement=str(e.enforcement),
+                on_exhausted=e.on_exhausted,
+                limit_amount=e.limit,
+                projected_amount=e.projected,
+                remaining_amount=e.remaining or 0,
+                admitted_amount=e.admitted,
+                deficit_amount=e.deficit or 0,
+                outcome=common_pb2.Outcome.Value(e.outcome),
+                next_eligible_time=_ts(e.next_eligible_time),
+                missing_labels=list(e.missing_labels),
+            )
+        )
+    return message

@@ -1,0 +1,19 @@
+"""Settings of the admission service (BUDGETGATE_ variables)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from budgetgate.settings import CommonSettings
+
+
+class AdmissionSettings(CommonSettings):
+    service_name: str = "budgetgate-admission"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    pg_pool_min: int = 2
+    pg_pool_max: int = 20
+    # What a submission that no budget covers gets: allowed (and recorded), or rejected.
+    unmatched: Literal["allow", "deny"] = "allow"
+    policy_refresh_seconds: float = 5.0
+    max_body_bytes: int = 64 * 1024

@@ -1,0 +1,48 @@
+"""Budget status of a scope in its current window, from Postgres (the ledger's truth)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from budgetgate.core.evaluation import ledger_key
+from budgetgate.core.policy import PolicyBundle
+from budgetgate.core.units import display
+from budgetgate.core.windows import window_at
+from budgetgate.ledger.queries import sql
+
+
+async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, now: datetime) -> dict[str, Any] | None:
+    """Limit, reserved, consumed and remaining for every budget on `scope_id`; None if no
+    policy of the bundle has that scope."""
+    policies = [p for p in bundle.policies if p.scope.scope_id == scope_id]
+    if not policies:
+        return None
+    windows = {p.id: window_at(p.window, now) for p in policies}
+    keys = {p.id: ledger_key(p, windows[p.id]) for p in policies}
+    rows = {r["ledger_key"]: r for r in await pool.fetch(sql("scope_figures"), list(keys.values()))}
+    budgets = []
+    for policy in policies:
+        row = rows.get(keys[policy.id])
+        reserved, consumed = (row["reserved"], row["consumed"]) if row else (0, 0)
+        unit, limit = policy.limit.unit, policy.limit.amount
+        remaining = limit - reserved - consumed
+        budgets.append(
+            {
+                "policy_id": policy.id,
+                "policy_git_sha": bundle.git_sha,
+                "unit": str(unit),
+                "currency": policy.limit.currency,
+                "enforcement": str(policy.enforcement),
+                "window_start": windows[policy.id].start.isoformat(),
+                "window_end": windows[policy.id].end.isoformat(),
+                "limit": display(unit, limit),
+                "reserved": display(unit, reserved),
+                "consumed": display(unit, consumed),
+                "remaining": display(unit, remaining),
+                "utilization": round((reserved + consumed) / limit, 6) if limit else None,
+            }
+        )
+    return {"scope_id": scope_id, "budgets": budgets}
