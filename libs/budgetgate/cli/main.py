@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from budgetgate.cli import db, dev
+from budgetgate.cli import db, dev, policy
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,3 +14,4 @@ def cli() -> None:
 
 cli.add_command(dev.dev)
 cli.add_command(db.db)
+cli.add_command(policy.policy)
