@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 import asyncpg
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from budgetgate import wire
@@ -95,6 +96,13 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     @app.exception_handler(Unavailable)
     async def unavailable(_request: Request, exc: Unavailable) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes each bad input back, which fails on NaN and repeats
+        # oversized values; the location and message name the problem well enough.
+        detail = [{"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]} for err in exc.errors()]
+        return JSONResponse({"detail": detail}, status_code=422)
 
     @app.exception_handler(InvalidSubmission)
     async def invalid(_request: Request, exc: InvalidSubmission) -> JSONResponse:

@@ -1,0 +1,242 @@
+"""Admission against real Postgres, Redis and Kafka: the invariants of DESIGN.md."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+import pytest
+
+from tests.integration.conftest import apply_policies, budget_yaml, submission
+
+GPU_HOUR = 3_600_000
+
+
+async def held_in_postgres(dsn: str) -> dict[str, int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT ledger_key, sum(amount)::bigint AS held FROM reservations WHERE state = 'held' GROUP BY ledger_key")
+        return {r["ledger_key"]: r["held"] for r in rows}
+    finally:
+        await conn.close()
+
+
+async def reserved_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    ledger = server.rt.ledger
+    keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
+    return {k: reserved for k, (reserved, _consumed) in (await ledger.readings(keys)).items()}
+
+
+async def test_allow_answers_with_the_numbers(admission) -> None:
+    response = await admission.submit()
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["decision"] == "ALLOW"
+    assert body["replayed"] is False
+    assert body["projected_gpu_hours"] == 48.0
+    assert body["showback_cost"] == 188.78 and body["currency"] == "USD"
+    by_policy = {e["policy_id"]: e for e in body["evaluations"]}
+    assert set(by_policy) == {"gpu-budget/team-vision-prod", "cost/cc-1042", "gpu-budget/org-dry-run"}
+    vision = by_policy["gpu-budget/team-vision-prod"]
+    assert vision["scope_id"] == "ns=vision-prod;cost-center=1042;team=vision"
+    assert vision["policy_git_sha"] == "e" * 40
+    assert vision["remaining_gpu_hours"] == 500.0 and vision["admitted_gpu_hours"] == 48.0
+    assert vision["window_start"].startswith(vision["window_start"][:8]) and vision["window_end"] > vision["window_start"]
+    assert by_policy["cost/cc-1042"]["projected"] == 188.78
+
+
+async def test_same_run_id_replays_and_reserves_once(admission, pg_dsn) -> None:
+    first = (await admission.submit()).json()
+    again = (await admission.submit()).json()
+    assert again["replayed"] is True
+    assert again["decision_id"] == first["decision_id"]
+    held = await held_in_postgres(pg_dsn)
+    assert sorted(held.values()) == [48 * GPU_HOUR, 48 * GPU_HOUR, 188_784_000]
+    assert await reserved_in_redis(admission) == held
+    lookup = await admission.client.get("/v1/admissions/flyte/vision/exec-7f3a/n0")
+    assert lookup.status_code == 200 and lookup.json()["decision_id"] == first["decision_id"]
+
+
+async def test_concurrent_duplicates_reserve_once(admission, pg_dsn) -> None:
+    answers = await asyncio.gather(*(admission.submit(run_id="dup-run") for _ in range(40)))
+    bodies = [a.json() for a in answers]
+    assert {b["decision_id"] for b in bodies} == {bodies[0]["decision_id"]}
+    assert sum(not b["replayed"] for b in bodies) == 1
+    held = await held_in_postgres(pg_dsn)
+    assert sorted(held.values()) == [48 * GPU_HOUR, 48 * GPU_HOUR, 188_784_000]
+    assert await reserved_in_redis(admission) == held
+
+
+async def test_200_concurrent_submissions_admit_exactly_what_fits(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("hot", limit="gpu_hours: 100")}, sha="a" * 40)
+    # Two instances on one ledger, as in production behind a load balancer.
+    servers = [await admission_factory(pg_pool_max=30), await admission_factory(pg_pool_max=30)]
+    for server in servers:
+        await server.wait_ready()
+    bodies = [
+        submission(run_id=f"run-{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)
+        for i in range(200)
+    ]
+    answers = await asyncio.gather(*(servers[i % 2].client.post("/v1/admissions", json=b) for i, b in enumerate(bodies)))
+    outcomes = [a.json()["decision"] for a in answers]
+    assert outcomes.count("ALLOW") == 12  # 12 × 8 GPU-hours = 96 ≤ 100 < 104
+    assert outcomes.count("DENY") == 188
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [96 * GPU_HOUR]
+    assert await reserved_in_redis(servers[0]) == held
+    denied = next(a.json() for a in answers if a.json()["decision"] == "DENY")
+    evaluation = denied["evaluations"][0]
+    assert evaluation["remaining_gpu_hours"] == 4.0 and evaluation["deficit_gpu_hours"] == 4.0
+    assert "short by 4 GPU-hours" in denied["reason"]
+
+
+async def test_three_policies_reserve_on_all_or_none(admission_factory, pg_dsn) -> None:
+    policies = {
+        "team.yaml": budget_yaml("team", labels="{team: vision}", limit="gpu_hours: 1000"),
+        "cc.yaml": budget_yaml("cc", labels="{cost-center: '1042'}", limit="gpu_hours: 50"),
+        "org.yaml": budget_yaml("org", labels="{environment: '*'}", limit="gpu_hours: 1000"),
+    }
+    await apply_policies(pg_dsn, policies, sha="b" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    first = (await server.submit(run_id="r1", resources={"gpus": 8}, projected_runtime_hours=5.0)).json()
+    assert first["decision"] == "ALLOW" and len(first["evaluations"]) == 3
+    before = await held_in_postgres(pg_dsn)
+    assert sorted(before.values()) == [40 * GPU_HOUR] * 3
+    second = (await server.submit(run_id="r2", resources={"gpus": 8}, projected_runtime_hours=5.0)).json()
+    assert second["decision"] == "DENY"
+    blocking = [e for e in second["evaluations"] if e["decision"] == "DENY"]
+    assert [e["policy_id"] for e in blocking] == ["cc"]
+    assert all(e["admitted_gpu_hours"] == 0 for e in second["evaluations"])
+    assert await held_in_postgres(pg_dsn) == before
+    assert await reserved_in_redis(server) == before
+
+
+async def test_missing_labels_are_a_recorded_violation(admission, pg_dsn) -> None:
+    response = await admission.submit(run_id="no-labels", labels={"team": "vision"})
+    body = response.json()
+    assert body["decision"] == "DENY"
+    assert "cost-center" in body["reason"] and "gpu-budget/team-vision-prod" in body["reason"]
+    violated = next(e for e in body["evaluations"] if e["missing_labels"])
+    assert violated["missing_labels"] == ["cost-center"]
+    stored = await admission.client.get("/v1/admissions/no-labels")
+    assert stored.json()["decision_id"] == body["decision_id"]
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+async def test_exhausted_delay_budget_delays_until_room(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"d.yaml": budget_yaml("wait", limit="gpu_hours: 10", on_exhausted="delay")}, sha="c" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    allowed = (await server.submit(run_id="big", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()
+    assert allowed["decision"] == "ALLOW"
+    delayed = (await server.submit(run_id="later", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=1.0)).json()
+    assert delayed["decision"] == "DELAY"
+    evaluation = delayed["evaluations"][0]
+    # The running reservation is expected to end an hour after it was admitted: room appears then.
+    assert evaluation["next_eligible_time"] is not None
+    assert evaluation["next_eligible_time"] < evaluation["window_end"]
+    assert evaluation["deficit_gpu_hours"] == 2.0
+    again = (await server.submit(run_id="later", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=1.0)).json()
+    assert again["replayed"] is True and again["decision"] == "DELAY"
+    retry = (await server.submit(run_id="later", attempt=2, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()
+    assert retry["replayed"] is False and retry["decision"] == "ALLOW" and retry["attempt"] == 2
+
+
+BAD_BODIES = [
+    ({"resources": {"gpus": 0}}, "gpus"),
+    ({"resources": {"gpus": -3}}, "gpus"),
+    ({"projected_runtime_hours": 0}, "projected_runtime_hours"),
+    ({"projected_runtime_hours": -1.5}, "projected_runtime_hours"),
+    ({"projected_runtime_hours": 9000}, "projected_runtime_hours"),
+    ({"run_id": "x" * 300}, "run_id"),
+    ({"run_id": ""}, "run_id"),
+    ({"labels": {"team": "v" * 80}}, "labels"),
+    ({"labels": {f"k{i}": "v" for i in range(70)}}, "labels"),
+    ({"namespace": "Not_A_Namespace"}, "namespace"),
+    ({"surprise": 1}, "surprise"),
+]
+
+
+@pytest.mark.parametrize(("override", "field"), BAD_BODIES)
+async def test_bad_input_is_422_naming_the_field(admission, pg_dsn, override, field) -> None:
+    response = await admission.submit(run_id=f"bad-{uuid.uuid4()}", **override) if "run_id" not in override else await admission.submit(**override)
+    assert response.status_code == 422, response.text
+    assert any(field in ".".join(str(p) for p in err["loc"]) for err in response.json()["detail"])
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+@pytest.mark.parametrize("raw", [b'{"run_id": "x", ', b"[]", b'{"projected_runtime_hours": NaN}', b'{"projected_runtime_hours": Infinity}'])
+async def test_malformed_or_non_finite_json_is_422(admission, pg_dsn, raw) -> None:
+    response = await admission.client.post("/v1/admissions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+async def test_unpriced_flavor_under_a_cost_budget_is_422(admission, pg_dsn) -> None:
+    response = await admission.submit(run_id="odd-flavor", resources={"gpus": 1, "flavor": "tpu-v9"})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "resources", "flavor"]
+    assert "tpu-v9" in response.json()["detail"][0]["msg"]
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+async def test_scope_usage_reports_the_current_window(admission) -> None:
+    await admission.submit()
+    response = await admission.client.get("/v1/scopes/ns=vision-prod;cost-center=1042;team=vision/usage")
+    assert response.status_code == 200, response.text
+    [budget] = response.json()["budgets"]
+    assert budget["limit"] == 500.0 and budget["reserved"] == 48.0 and budget["consumed"] == 0.0
+    assert budget["remaining"] == 452.0 and budget["utilization"] == pytest.approx(0.096)
+    assert budget["policy_id"] == "gpu-budget/team-vision-prod" and budget["policy_git_sha"] == "e" * 40
+    assert (await admission.client.get("/v1/scopes/ns=nowhere/usage")).status_code == 404
+
+
+async def test_new_bundle_takes_effect_without_restart(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"p.yaml": budget_yaml("p", limit="gpu_hours: 10")}, sha="1" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    first = (await server.submit(run_id="a", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=2.0)).json()
+    assert first["decision"] == "DENY" and first["policy_bundle_sha"] == "1" * 40
+    await apply_policies(pg_dsn, {"p.yaml": budget_yaml("p", limit="gpu_hours: 100")}, sha="2" * 40)
+    for _ in range(100):
+        if server.rt.policies.current.git_sha == "2" * 40:
+            break
+        await asyncio.sleep(0.05)
+    second = (await server.submit(run_id="b", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=2.0)).json()
+    assert second["decision"] == "ALLOW" and second["policy_bundle_sha"] == "2" * 40
+    assert second["evaluations"][0]["policy_git_sha"] == "2" * 40
+
+
+async def test_redis_flushed_mid_stream_never_over_admits(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("flush", limit="gpu_hours: 100")}, sha="f" * 40)
+    server = await admission_factory(pg_pool_max=30)
+    await server.wait_ready()
+    ledger = server.rt.ledger
+
+    async def flush_soon() -> None:
+        await asyncio.sleep(0.05)
+        keys = [k async for k in ledger.client.scan_iter(match=f"{ledger.tag}:*")]
+        await ledger.client.delete(*keys)
+
+    bodies = [submission(run_id=f"f-{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0) for i in range(100)]
+    results = await asyncio.gather(flush_soon(), *(server.client.post("/v1/admissions", json=b) for b in bodies))
+    answers = [r for r in results if r is not None]
+    allowed = [a for a in answers if a.status_code == 200 and a.json()["decision"] == "ALLOW"]
+    assert len(allowed) == 12
+    assert all(a.status_code in (200, 503) for a in answers)
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [96 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+
+
+async def test_readiness_and_metrics(admission) -> None:
+    ready = await admission.client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"]["redis_ledger"] == "ok"
+    await admission.submit()
+    text = (await admission.client.get("/metrics")).text
+    assert 'budgetgate_admission_decisions_total{decision="ALLOW"' in text
+    assert "budgetgate_admission_latency_seconds_bucket" in text
+    spec = (await admission.client.get("/openapi.json")).json()
+    assert "/v1/admissions" in spec["paths"]
