@@ -240,3 +240,41 @@ async def test_readiness_and_metrics(admission) -> None:
     assert "budgetgate_admission_latency_seconds_bucket" in text
     spec = (await admission.client.get("/openapi.json")).json()
     assert "/v1/admissions" in spec["paths"]
+
+
+async def test_decision_is_published_with_the_same_decision_id(admission, settings) -> None:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from budgetgate import wire
+    from budgetgate.topics import Topics
+    from budgetgate.v1 import common_pb2, decisions_pb2
+
+    body = (await admission.submit(run_id="published")).json()
+    topic = Topics(settings.topic_prefix).decisions
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        found = None
+        for _ in range(100):
+            partitions = consumer.partitions_for_topic(topic) or set()
+            if partitions:
+                break
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - topic may be brand new
+            await asyncio.sleep(0.1)
+        consumer.assign([TopicPartition(topic, p) for p in partitions])
+        deadline = asyncio.get_running_loop().time() + 20
+        while found is None and asyncio.get_running_loop().time() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
+                    if message.run_id == "published":
+                        found = (message, record)
+        assert found is not None, "decision never reached budget.decisions.v1"
+        message, record = found
+        assert message.decision_id == body["decision_id"] == message.event_id
+        assert message.outcome == common_pb2.ALLOW
+        assert record.key == b"published"
+        assert {e.policy_id for e in message.evaluations} == {e["policy_id"] for e in body["evaluations"]}
+        assert wire.header(record.headers, "traceparent") is not None
+    finally:
+        await consumer.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from budgetgate.cli import db, dev, policy
+from budgetgate.cli import db, demo, dev, policy
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -15,3 +15,8 @@ def cli() -> None:
 cli.add_command(dev.dev)
 cli.add_command(db.db)
 cli.add_command(policy.policy)
+cli.add_command(demo.demo)
+
+
+if __name__ == "__main__":
+    cli()

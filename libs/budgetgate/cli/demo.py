@@ -1,0 +1,139 @@
+"""`budgetgate demo`: the example policies and a realistic mix of submissions on the local stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+
+from budgetgate.settings import DEV_STATE_FILE
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "policies"
+VISION = {"cost-center": "1042", "team": "vision", "environment": "prod"}
+NLP = {"team": "nlp", "environment": "dev"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    what: str
+    run: str
+    namespace: str
+    labels: dict[str, str]
+    gpus: int
+    hours: float
+    flavor: str = "h100"
+    region: str | None = None
+    attempt: int = 1
+
+
+MIX = [
+    Workload("vision training", "vision/train-resnet", "vision-prod", VISION, 8, 6.0),
+    Workload("platform retry, same run", "vision/train-resnet", "vision-prod", VISION, 8, 6.0),
+    Workload("vision fine-tune in EU", "vision/finetune", "vision-prod", VISION, 8, 4.0, region="eu-west-1"),
+    Workload("vision giant sweep", "vision/sweep", "vision-prod", VISION, 64, 8.0),
+    Workload("vision job, no cost-center", "vision/unlabelled", "vision-prod", {"team": "vision"}, 2, 1.0),
+    Workload("research experiment", "vision/research-1", "vision-research", {"team": "vision", "environment": "dev"}, 4, 20.0),
+    Workload("research experiment", "vision/research-2", "vision-research", {"team": "vision", "environment": "dev"}, 4, 12.0),
+    Workload("research, resubmitted smaller", "vision/research-2", "vision-research", {"team": "vision", "environment": "dev"}, 2, 4.0, attempt=2),
+    Workload("nlp pretraining", "nlp/pretrain", "nlp-prod", {"team": "nlp", "environment": "prod"}, 16, 24.0),
+    Workload("nlp eval on a100", "nlp/eval", "nlp-dev", NLP, 4, 3.0, flavor="a100"),
+    Workload("nlp job, no environment", "nlp/adhoc", "nlp-dev", {"team": "nlp"}, 1, 1.0, flavor="l4"),
+    Workload("sandbox notebook", "sandbox/notebook", "sandbox", {}, 1, 2.0, flavor="l4"),
+]
+
+
+def _dev(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "dev", *args], check=True)
+
+
+@click.command()
+@click.option("--keep", is_flag=True, help="leave the local stack running afterwards")
+@click.option("--policies", type=click.Path(path_type=Path), default=EXAMPLES, show_default=True)
+def demo(keep: bool, policies: Path) -> None:
+    """Apply the example policies, submit a mix of workloads, print decisions and budgets."""
+    started = not (Path.cwd() / DEV_STATE_FILE).is_file()
+    if started:
+        click.echo("starting the local stack (budgetgate dev up --detach) …")
+        _dev("up", "--detach")
+    try:
+        subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "policy", "apply", str(policies), "--allow-dirty"], check=True)
+        state = json.loads((Path.cwd() / DEV_STATE_FILE).read_text())
+        asyncio.run(_run(state["settings"]["admission_url"]))
+    finally:
+        if started and not keep:
+            _dev("down")
+        elif started:
+            click.echo("the stack keeps running: `budgetgate dev status`, `budgetgate dev down`")
+
+
+async def _run(url: str) -> None:
+    demo_id = uuid.uuid4().hex[:6]
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        await _wait_for_policies(client)
+        rows = []
+        for w in MIX:
+            body = {
+                "run_id": f"demo-{demo_id}/{w.run}",
+                "attempt": w.attempt,
+                "namespace": w.namespace,
+                "labels": w.labels,
+                "resources": {"gpus": w.gpus, "nodes": 1, "flavor": w.flavor, **({"region": w.region} if w.region else {})},
+                "projected_runtime_hours": w.hours,
+                "job": {"namespace": w.namespace, "name": w.run.split("/")[-1]},
+            }
+            response = await client.post("/v1/admissions", json=body)
+            response.raise_for_status()
+            rows.append((w, response.json()))
+        _print_decisions(rows)
+        scopes = sorted({e["scope_id"] for _, answer in rows for e in answer["evaluations"]})
+        usage = [(await client.get(f"/v1/scopes/{scope}/usage")).json() for scope in scopes]
+        _print_budgets(usage)
+
+
+async def _wait_for_policies(client: httpx.AsyncClient) -> None:
+    for _ in range(100):
+        ready = await client.get("/readyz")
+        if ready.status_code == 200:
+            return
+        await asyncio.sleep(0.1)
+    raise SystemExit(f"admission is not ready: {ready.text}")
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    click.echo("  ".join("-" * w for w in widths))
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def _print_decisions(rows: list[tuple[Workload, dict[str, Any]]]) -> None:
+    click.echo("\nDecisions\n")
+    table = []
+    for w, answer in rows:
+        cost = f"{answer['showback_cost']:.2f} {answer['currency']}" if answer["showback_cost"] is not None else "-"
+        dry = [e["policy_id"] for e in answer["evaluations"] if e["enforcement"] == "dry-run" and e["decision"] != "ALLOW"]
+        decision = answer["decision"] + (" (replay)" if answer["replayed"] else "")
+        table.append([w.what, f"{w.gpus}x{w.flavor} {w.hours:g}h", f"{answer['projected_gpu_hours']:g}", cost, decision, "would deny: " + ", ".join(dry) if dry else ""])
+    _table(["workload", "request", "GPU-h", "showback", "decision", "dry-run"], table)
+    click.echo("\nReasons\n")
+    for w, answer in rows:
+        click.echo(f"- {w.what}: {answer['reason']}")
+
+
+def _print_budgets(usage: list[dict[str, Any]]) -> None:
+    click.echo("\nBudgets, current window\n")
+    table = []
+    for scope in usage:
+        for b in scope.get("budgets", []):
+            unit = b["currency"] if b["unit"] == "cost" else b["unit"].replace("_", "-")
+            table.append([b["policy_id"], b["enforcement"], unit, f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}", f"{b['remaining']:g}", f"{100 * (b['utilization'] or 0):.1f}%"])
+    _table(["budget", "mode", "unit", "limit", "reserved", "consumed", "remaining", "used"], table)

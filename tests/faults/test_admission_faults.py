@@ -1,0 +1,136 @@
+"""Kill Postgres or Redis under admission, then check the ledger invariants once they return."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+import pytest
+
+from budgetgate.ledger.migrations import migrate_dsn
+from tests.integration.conftest import apply_policies, budget_yaml, submission
+from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
+
+LIMIT = budget_yaml("faulty", limit="gpu_hours: 100")
+
+
+def body(i: int | str) -> dict[str, object]:
+    return submission(run_id=f"run-{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)
+
+
+async def wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.1)
+
+
+async def private_database(dsn: str) -> str:
+    """A migrated database of its own on a private Postgres server."""
+    name = f"bg_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    db_dsn = dsn.rsplit("/", 1)[0] + f"/{name}"
+    await migrate_dsn(db_dsn)
+    return db_dsn
+
+
+async def ready(server) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        return (await server.client.get("/readyz")).status_code == 200
+    except Exception:  # noqa: BLE001 - the server may be mid-restart of a dependency
+        return False
+
+
+async def test_postgres_stopped_mid_burst_answers_503_and_leaks_nothing(admission_factory, killable_postgres) -> None:
+    dsn = await private_database(killable_postgres.dsn)
+    await apply_policies(dsn, {"b.yaml": LIMIT}, sha="d" * 40)
+    server = await admission_factory(postgres_dsn=dsn, pg_pool_max=30)
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+
+    async def stop_soon() -> None:
+        await asyncio.sleep(0.03)
+        killable_postgres.stop()
+
+    results = await asyncio.gather(stop_soon(), *(server.client.post("/v1/admissions", json=body(i)) for i in range(60)))
+    answers = [r for r in results if r is not None]
+    assert {a.status_code for a in answers} <= {200, 503}
+    assert any(a.status_code == 503 for a in answers)
+    refused = (await server.client.post("/v1/admissions", json=body("while-down")))
+    assert refused.status_code == 503 and "unavailable" in refused.json()["detail"]
+    assert (await server.client.get("/readyz")).status_code == 503
+
+    killable_postgres.start()
+    await wait_for(lambda: ready(server))
+    held = await held_in_postgres(dsn)
+    # Every reservation Redis holds is one Postgres holds: nothing reserved for a 503.
+    assert await reserved_in_redis(server) == held
+    allowed = [a for a in answers if a.status_code == 200 and a.json()["decision"] == "ALLOW"]
+    assert list(held.values()) == [(1 + len(allowed)) * 8 * GPU_HOUR]
+    # And the budget still admits exactly what fits after the outage.
+    after = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(f"after-{i}")) for i in range(20)))
+    assert all(a.status_code == 200 for a in after)
+    assert list((await held_in_postgres(dsn)).values()) == [96 * GPU_HOUR]
+
+
+async def test_redis_restarted_empty_is_rebuilt_before_deciding(admission_factory, killable_redis, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="d" * 40)
+    server = await admission_factory(redis_url=killable_redis.url, pg_pool_max=30)
+    await server.wait_ready()
+    first = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(i)) for i in range(5)))
+    assert [a.json()["decision"] for a in first] == ["ALLOW"] * 5
+
+    killable_redis.stop()
+    refused = await server.client.post("/v1/admissions", json=body("while-down"))
+    assert refused.status_code == 503
+    assert (await server.client.get("/readyz")).status_code == 503
+
+    killable_redis.start()  # comes back empty, as a Redis without persistence does
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(f"after-{i}")) for i in range(20)))
+    assert {a.status_code for a in answers} <= {200, 503}
+    allowed_after = sum(a.status_code == 200 and a.json()["decision"] == "ALLOW" for a in answers)
+    assert allowed_after == 12 - 5
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [96 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+
+
+async def test_orphaned_redis_hold_is_released_when_the_run_retries(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    # A process reserved for run "crashed" and died before committing: Redis holds 96 GPU-hours
+    # that Postgres knows nothing about.
+    warmup = await server.client.post("/v1/admissions", json=body("warmup"))
+    assert warmup.json()["decision"] == "ALLOW"
+    [key] = (await held_in_postgres(pg_dsn)).keys()
+    from budgetgate.ledger.redis_ledger import ChargeRequest
+
+    orphan = await server.rt.ledger.reserve(run_id="run-crashed", decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 88 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=0)
+    assert orphan.status == "RESERVED"
+    retried = await server.client.post("/v1/admissions", json=body("crashed"))
+    assert retried.json()["decision"] == "ALLOW" and retried.json()["replayed"] is False
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [16 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+
+
+@pytest.mark.parametrize("kill", ["redis", "postgres"])
+async def test_nothing_is_reserved_when_a_backend_is_down_from_the_start(admission_factory, pg_dsn, killable_redis, killable_postgres, kill) -> None:
+    dsn = await private_database(killable_postgres.dsn)
+    await apply_policies(dsn, {"b.yaml": LIMIT}, sha="d" * 40)
+    server = await admission_factory(postgres_dsn=dsn, redis_url=killable_redis.url)
+    await server.wait_ready()
+    (killable_redis if kill == "redis" else killable_postgres).stop()
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(i)) for i in range(10)))
+    assert [a.status_code for a in answers] == [503] * 10
+    (killable_redis if kill == "redis" else killable_postgres).start()
+    await wait_for(lambda: ready(server))
+    assert await held_in_postgres(dsn) == {}
+    assert await reserved_in_redis(server) == {}
