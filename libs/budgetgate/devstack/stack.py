@@ -1,0 +1,269 @@
+"""The local stack of one checkout: bring it up, describe it, take it down.
+
+Order on the way up: Postgres, Redis, Kafka (each given by a BUDGETGATE_* variable, else
+embedded), then migrations and topics, then every service that exists. On the way down, the
+reverse. Each process is written to the state file as soon as it starts, so whatever happens to
+`dev up` midway, `dev down` can still stop what it left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from budgetgate.devstack import isolation
+from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError
+from budgetgate.devstack.isolation import ExternalServerError
+from budgetgate.devstack.kafka import TansuBroker
+from budgetgate.devstack.ports import free_port
+from budgetgate.devstack.postgres import EmbeddedPostgres, pg_ctl_stop
+from budgetgate.devstack.processes import ProcessRecord, is_running, read_cmdline, terminate, wait_gone
+from budgetgate.devstack.redis import EmbeddedRedis
+from budgetgate.devstack.services import SERVICES, Service, ServiceNotReady, start_service, wait_ready
+from budgetgate.devstack.state import StackState, StateFileError, stack_lock, state_dir
+
+Echo = Callable[[str], None]
+
+# The database an embedded Postgres serves budgetgate from (not `postgres`, kept for admin use).
+EMBEDDED_DATABASE = "budgetgate"
+
+
+class StackStepError(RuntimeError):
+    """A step after the servers (migrations, topics) failed."""
+
+
+STACK_ERRORS = (ServerStartError, ServiceNotReady, ExternalServerError, StateFileError, StackStepError)
+
+
+@dataclass(frozen=True)
+class UpResult:
+    state: StackState
+    already_up: bool
+
+
+def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo = print) -> UpResult:
+    """Start the stack of `root` unless one is up already; on any failure, stop what was started."""
+    root = root.resolve()
+    with stack_lock(root):
+        existing = StackState.load(root)
+        if existing is not None:
+            if not existing.processes or any(existing.alive().values()):
+                return UpResult(existing, already_up=True)
+            echo("the stack recorded here is no longer running; starting a new one")
+            StackState.remove(root)
+        state = StackState(root=root)
+        try:
+            _start(state, timeout=timeout, services=services, echo=echo)
+        except BaseException:
+            echo("start-up failed; stopping what was started")
+            _stop_all(state, echo)
+            StackState.remove(root)
+            raise
+        return UpResult(state, already_up=False)
+
+
+def _start(state: StackState, *, timeout: float, services: bool, echo: Echo) -> None:
+    tag = isolation.checkout_tag(state.root)
+    state.settings = dict.fromkeys(
+        ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url")
+    )
+    state.save()
+    _provide_postgres(state, tag=tag, timeout=timeout, echo=echo)
+    _provide_redis(state, tag=tag, timeout=timeout, echo=echo)
+    _provide_kafka(state, tag=tag, timeout=timeout, echo=echo)
+    state.save()
+    _migrate(str(state.settings["postgres_dsn"]), echo)
+    _create_topics(str(state.settings["kafka_bootstrap"]), str(state.settings["topic_prefix"]), echo)
+    if services:
+        _start_services(state, timeout=timeout, echo=echo)
+
+
+def _logs(state: StackState) -> Path:
+    return state_dir(state.root) / "logs"
+
+
+def _start_embedded(state: StackState, server: EmbeddedServer, *, timeout: float, echo: Echo) -> None:
+    started = time.monotonic()
+    server.start(timeout=timeout)
+    state.add(server.record())
+    echo(f"{server.name}: embedded, {server.url} (up in {time.monotonic() - started:.1f}s)")
+
+
+def _provide_postgres(state: StackState, *, tag: str, timeout: float, echo: Echo) -> None:
+    external = os.environ.get("BUDGETGATE_POSTGRES_DSN")
+    if external:
+        database = isolation.database_name(tag)
+        asyncio.run(isolation.ensure_database(external, database))
+        state.settings["postgres_dsn"] = isolation.with_database(external, database)
+        echo(f"postgres: database {database} on the server of BUDGETGATE_POSTGRES_DSN")
+        return
+    server = EmbeddedPostgres(data_dir=state_dir(state.root) / "postgres", log=_logs(state) / "postgres.log")
+    _start_embedded(state, server, timeout=timeout, echo=echo)
+    asyncio.run(isolation.ensure_database(server.dsn(), EMBEDDED_DATABASE))
+    state.settings["postgres_dsn"] = server.dsn(EMBEDDED_DATABASE)
+
+
+def _provide_redis(state: StackState, *, tag: str, timeout: float, echo: Echo) -> None:
+    external = os.environ.get("BUDGETGATE_REDIS_URL")
+    prefix = os.environ.get("BUDGETGATE_REDIS_PREFIX")
+    if external:
+        isolation.check_redis(external)
+        state.settings["redis_url"] = external
+        state.settings["redis_prefix"] = prefix or isolation.redis_prefix(tag)
+        echo(f"redis: {external} (BUDGETGATE_REDIS_URL), key prefix {state.settings['redis_prefix']}")
+        return
+    server = EmbeddedRedis(log=_logs(state) / "redis.log", workdir=state_dir(state.root) / "redis")
+    _start_embedded(state, server, timeout=timeout, echo=echo)
+    state.settings["redis_url"] = server.url
+    state.settings["redis_prefix"] = prefix or "bg"
+
+
+def _provide_kafka(state: StackState, *, tag: str, timeout: float, echo: Echo) -> None:
+    external = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
+    prefix = os.environ.get("BUDGETGATE_TOPIC_PREFIX")
+    if external:
+        isolation.check_kafka(external)
+        state.settings["kafka_bootstrap"] = external
+        state.settings["topic_prefix"] = prefix if prefix is not None else isolation.topic_prefix(tag)
+        echo(f"kafka: {external} (BUDGETGATE_KAFKA_BOOTSTRAP), topic prefix {state.settings['topic_prefix']!r}")
+        return
+    server = TansuBroker(log=_logs(state) / "kafka.log")
+    _start_embedded(state, server, timeout=timeout, echo=echo)
+    state.settings["kafka_bootstrap"] = server.url
+    state.settings["topic_prefix"] = prefix or ""
+
+
+def _migrate(dsn: str, echo: Echo) -> None:
+    try:
+        from budgetgate.ledger.migrations import migrate_dsn
+    except ModuleNotFoundError as exc:
+        if exc.name != "budgetgate.ledger.migrations":
+            raise
+        echo("migrations: skipped, this checkout has no budgetgate.ledger.migrations yet")
+        return
+    try:
+        applied = asyncio.run(migrate_dsn(dsn))
+    except Exception as exc:
+        raise StackStepError(f"migrations failed on {dsn}: {exc}") from exc
+    echo(f"migrations: {len(applied)} applied" + (f" ({', '.join(applied)})" if applied else ", schema up to date"))
+
+
+def _create_topics(bootstrap: str, prefix: str, echo: Echo) -> None:
+    try:
+        from budgetgate.topics import ensure_topics
+    except ModuleNotFoundError as exc:
+        if exc.name != "budgetgate.topics":
+            raise
+        echo("topics: skipped, this checkout has no budgetgate.topics yet")
+        return
+    try:
+        created = asyncio.run(ensure_topics(bootstrap, prefix=prefix))
+    except Exception as exc:
+        raise StackStepError(f"creating topics on {bootstrap} failed: {exc}") from exc
+    echo(f"topics: {len(created)} ensured")
+
+
+def _start_services(state: StackState, *, timeout: float, echo: Echo) -> None:
+    # Start them all, then wait for each: their start-up times overlap instead of adding up.
+    pending: list[tuple[Service, subprocess.Popen[bytes], str | None, Path, int]] = []
+    for service in SERVICES:
+        if not service.runnable():
+            echo(f"{service.name}: not started, {service.module} has no __main__ yet")
+            continue
+        port = free_port() if service.http else None
+        url = f"http://127.0.0.1:{port}" if port is not None else None
+        log = _logs(state) / f"{service.name}.log"
+        offset = log.stat().st_size if log.exists() else 0
+        proc = start_service(service, settings=state.settings, port=port, log=log, cwd=state.root)
+        if service.name == "admission":
+            state.settings["admission_url"] = url
+        state.add(ProcessRecord(name=service.name, pid=proc.pid, cmdline=[str(a) for a in proc.args],  # type: ignore[union-attr]
+                                log=str(log), extra={"url": url} if url else {}))
+        pending.append((service, proc, url, log, offset))
+    for service, proc, url, log, offset in pending:
+        awaiting = wait_ready(service, proc, url=url, log=log, log_offset=offset, timeout=timeout)
+        where = f" at {url}" if url else ""
+        if awaiting:
+            echo(f"{service.name}: serving{where}, not ready until an operator acts ({awaiting})")
+        else:
+            echo(f"{service.name}: ready{where}")
+    _refresh_cmdlines(state)
+
+
+def _refresh_cmdlines(state: StackState) -> None:
+    # A process may retitle itself once running; `down` must recognise it by what it shows now.
+    state.processes = [replace(p, cmdline=read_cmdline(p.pid) or p.cmdline) for p in state.processes]
+    state.save()
+
+
+def down(root: Path, *, echo: Echo = print) -> bool:
+    """Stop every process the stack of `root` started, and forget it; False if there was none."""
+    root = root.resolve()
+    with stack_lock(root):
+        state = StackState.load(root)
+        if state is None:
+            return False
+        _stop_all(state, echo)
+        StackState.remove(root)
+        return True
+
+
+def _stop_all(state: StackState, echo: Echo) -> None:
+    for record in reversed(state.processes):
+        echo(f"{record.name}: {'stopped' if _stop(record) else 'was not running'}")
+
+
+def _stop(record: ProcessRecord) -> bool:
+    if not is_running(record):
+        return False
+    if record.pgdata is not None and _postmaster_pid(Path(record.pgdata)) == record.pid:
+        if pg_ctl_stop(Path(record.pgdata)) and wait_gone(record, 10.0):
+            return True
+    # SIGINT is Postgres' fast shutdown, should pg_ctl have failed; everything else gets SIGTERM.
+    return terminate(record, first=signal.SIGINT if record.pgdata else signal.SIGTERM)
+
+
+def _postmaster_pid(pgdata: Path) -> int | None:
+    try:
+        return int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return None
+
+
+def status(root: Path) -> dict[str, Any] | None:
+    """Settings and process liveness of the stack of `root`; None when there is none."""
+    state = StackState.load(root.resolve())
+    if state is None:
+        return None
+    alive = state.alive()
+    return {
+        "root": str(state.root),
+        "up": all(alive.values()),
+        **state.settings,
+        "processes": [
+            {"name": p.name, "pid": p.pid, "alive": alive[p.name], "log": p.log} for p in state.processes
+        ],
+    }
+
+
+def run_foreground(root: Path, *, echo: Echo = print) -> None:
+    """Stay until Ctrl-C or SIGTERM, or until `dev down` runs elsewhere; then stop the stack."""
+    reported: set[str] = set()
+    try:
+        while (state := StackState.load(root)) is not None:
+            for name, alive in state.alive().items():
+                if not alive and name not in reported:
+                    reported.add(name)
+                    echo(f"{name} is no longer running; see its log in {_logs(state)}")
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        echo("stopping the stack")
+    finally:
+        down(root, echo=echo)
