@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 import asyncpg
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
+from opentelemetry.trace import SpanKind
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -25,7 +26,7 @@ from budgetgate.services.admission.relay import OutboxRelay
 from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, Problem, ScopeUsage
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.admission.usage import scope_usage
-from budgetgate.telemetry import Telemetry, setup_telemetry
+from budgetgate.telemetry import Telemetry, extract_context, setup_telemetry
 from budgetgate.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,18 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
         if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
             return JSONResponse({"detail": f"request body larger than {settings.max_body_bytes} bytes"}, status_code=413)
         return await call_next(request)
+
+    tracer = telemetry.tracer("budgetgate.admission")
+
+    @app.middleware("http")
+    async def trace_request(request: Request, call_next):  # type: ignore[no-untyped-def]
+        # One server span per request, continuing the caller's W3C trace when it sends one; the
+        # decision published through the outbox carries this span's context in its headers.
+        parent = extract_context(request.headers.items())
+        with tracer.start_as_current_span(f"{request.method} {request.url.path}", context=parent, kind=SpanKind.SERVER) as span:
+            response = await call_next(request)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
 
     @app.exception_handler(Unavailable)
     async def unavailable(_request: Request, exc: Unavailable) -> JSONResponse:

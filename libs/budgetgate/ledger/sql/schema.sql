@@ -1,0 +1,103 @@
+-- The whole current schema in one file, for reading and for the drift test: a database built
+-- from it must equal one built from the numbered migrations. Update it with every migration.
+-- Amounts are bigint in fixed-point units (milli-unit-seconds; micro-currency for cost).
+
+CREATE TABLE policy_bundles (
+    git_sha     text PRIMARY KEY,
+    documents   jsonb NOT NULL,
+    source      text NOT NULL,
+    applied_by  text NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- The active bundle is the latest activation; re-applying an older SHA activates it again.
+CREATE TABLE policy_activations (
+    seq          bigserial PRIMARY KEY,
+    git_sha      text NOT NULL REFERENCES policy_bundles (git_sha),
+    activated_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE ledger_entries (
+    ledger_key     text PRIMARY KEY,
+    scope_id       text NOT NULL,
+    unit           text NOT NULL CHECK (unit IN ('gpu_hours', 'node_hours', 'wall_hours', 'cost')),
+    window_key     text NOT NULL,
+    window_start   timestamptz,          -- NULL for rolling windows
+    window_end     timestamptz,
+    policy_id      text NOT NULL,
+    policy_git_sha text NOT NULL,
+    limit_amount   bigint NOT NULL CHECK (limit_amount >= 0),
+    consumed       bigint NOT NULL DEFAULT 0 CHECK (consumed >= 0),
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    updated_at     timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX ledger_entries_scope ON ledger_entries (scope_id, window_start);
+CREATE INDEX ledger_entries_policy ON ledger_entries (policy_id);
+
+CREATE TABLE decisions (
+    decision_id       uuid PRIMARY KEY,
+    run_id            text NOT NULL,
+    attempt           integer NOT NULL CHECK (attempt >= 1),
+    outcome           text NOT NULL CHECK (outcome IN ('ALLOW', 'DENY', 'DELAY')),
+    reason            text NOT NULL,
+    namespace         text NOT NULL,
+    labels            jsonb NOT NULL,
+    job_namespace     text,
+    job_name          text,
+    policy_bundle_sha text,
+    projected_gpu     bigint NOT NULL,
+    showback_micros   bigint,
+    currency          text,
+    request           jsonb NOT NULL,
+    response          jsonb NOT NULL,   -- the answer as first given; replays return it
+    decided_at        timestamptz NOT NULL,
+    UNIQUE (run_id, attempt)
+);
+CREATE INDEX decisions_decided_at ON decisions (decided_at);
+
+CREATE TABLE decision_evaluations (
+    decision_id        uuid NOT NULL REFERENCES decisions (decision_id),
+    policy_id          text NOT NULL,
+    policy_git_sha     text NOT NULL,
+    scope_id           text NOT NULL,
+    ledger_key         text,             -- NULL when a label violation denied before any ledger
+    window_start       timestamptz,
+    window_end         timestamptz,
+    unit               text NOT NULL,
+    enforcement        text NOT NULL,
+    outcome            text NOT NULL,
+    limit_amount       bigint NOT NULL,
+    projected          bigint NOT NULL,
+    remaining          bigint,
+    admitted           bigint NOT NULL,
+    deficit            bigint,
+    next_eligible_time timestamptz,
+    PRIMARY KEY (decision_id, policy_id)
+);
+CREATE INDEX decision_evaluations_scope ON decision_evaluations (scope_id, window_start);
+
+CREATE TABLE reservations (
+    run_id         text NOT NULL,
+    ledger_key     text NOT NULL REFERENCES ledger_entries (ledger_key),
+    decision_id    uuid NOT NULL REFERENCES decisions (decision_id),
+    amount         bigint NOT NULL CHECK (amount >= 0),
+    state          text NOT NULL DEFAULT 'held' CHECK (state IN ('held', 'released', 'reconciled')),
+    expected_end   timestamptz NOT NULL,  -- submission time + projected runtime
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    ended_at       timestamptz,
+    end_reason     text,
+    PRIMARY KEY (run_id, ledger_key)
+);
+CREATE INDEX reservations_held ON reservations (ledger_key, expected_end) WHERE state = 'held';
+
+-- Transactional outbox: written with the decision, published to Kafka by a relay.
+CREATE TABLE outbox (
+    id           bigserial PRIMARY KEY,
+    topic        text NOT NULL,           -- logical topic name, without any deployment prefix
+    key          text,
+    payload      bytea NOT NULL,
+    headers      jsonb NOT NULL DEFAULT '[]',
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    published_at timestamptz
+);
+CREATE INDEX outbox_pending ON outbox (id) WHERE published_at IS NULL;

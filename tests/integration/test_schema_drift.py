@@ -1,0 +1,76 @@
+"""A database built from the numbered migrations equals one built from sql/schema.sql."""
+
+from __future__ import annotations
+
+import uuid
+from importlib import resources
+
+import asyncpg
+
+from budgetgate.ledger.migrations import migrate, migration_files
+
+CATALOG = """
+SELECT 'column' AS kind, table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable || ' ' || coalesce(column_default, '') AS what
+FROM information_schema.columns WHERE table_schema = 'public' AND table_name <> 'schema_migrations'
+UNION ALL
+SELECT 'index', indexdef FROM pg_indexes WHERE schemaname = 'public' AND tablename <> 'schema_migrations'
+UNION ALL
+SELECT 'constraint', conrelid::regclass || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
+WHERE connamespace = 'public'::regnamespace AND conrelid::regclass::text <> 'schema_migrations'
+ORDER BY 1, 2
+"""
+
+
+async def _fresh(admin_dsn: str) -> tuple[str, str]:
+    name = f"drift_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    return name, admin_dsn.rsplit("/", 1)[0] + f"/{name}"
+
+
+async def _drop(admin_dsn: str, name: str) -> None:
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+async def _catalog(dsn: str) -> list[tuple[str, str]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return [(r["kind"], r["what"]) for r in await conn.fetch(CATALOG)]
+    finally:
+        await conn.close()
+
+
+async def test_migrations_and_schema_file_build_the_same_database(pg_dsn) -> None:
+    schema = resources.files("budgetgate.ledger").joinpath("sql", "schema.sql").read_text()
+    names = []
+    try:
+        a_name, a_dsn = await _fresh(pg_dsn)
+        b_name, b_dsn = await _fresh(pg_dsn)
+        names = [a_name, b_name]
+        conn = await asyncpg.connect(a_dsn)
+        try:
+            applied = await migrate(conn)
+            assert applied == [name for name, _ in migration_files()]
+            assert await migrate(conn) == []  # idempotent
+        finally:
+            await conn.close()
+        conn = await asyncpg.connect(b_dsn)
+        try:
+            await conn.execute(schema)
+        finally:
+            await conn.close()
+        from_migrations, from_schema = await _catalog(a_dsn), await _catalog(b_dsn)
+        assert from_migrations, "the catalog query found nothing"
+        missing = sorted(set(from_migrations) - set(from_schema))
+        extra = sorted(set(from_schema) - set(from_migrations))
+        assert not missing and not extra, f"schema.sql drifted from the migrations: missing {missing}, extra {extra}"
+    finally:
+        for name in names:
+            await _drop(pg_dsn, name)
