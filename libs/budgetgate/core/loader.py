@@ -69,6 +69,15 @@ class SourceDocument:
 
 def read_directory(directory: Path) -> list[SourceDocument]:
     """Every document of every *.yaml / *.yml file below `directory`, in path order."""
+    documents, errors = _read_directory(directory)
+    if errors:
+        raise PolicyValidationError(errors)
+    return documents
+
+
+def _read_directory(directory: Path) -> tuple[list[SourceDocument], list[PolicyError]]:
+    # Documents of the readable files and the errors of the others, so that a syntax error in
+    # one file does not hide what is wrong with the rest.
     if not directory.is_dir():
         raise PolicyValidationError([PolicyError(str(directory), 0, "not a directory")])
     documents: list[SourceDocument] = []
@@ -85,9 +94,7 @@ def read_directory(directory: Path) -> list[SourceDocument]:
             errors.extend(exc.errors)
         except (OSError, UnicodeDecodeError) as exc:
             errors.append(PolicyError(name, 0, f"cannot read file: {exc}"))
-    if errors:
-        raise PolicyValidationError(errors)
-    return documents
+    return documents, errors
 
 
 def parse_text(text: str, file: str) -> list[SourceDocument]:
@@ -230,9 +237,16 @@ def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCar
 
 
 def load_directory(directory: Path, *, git_sha: str) -> tuple[PolicyBundle, list[SourceDocument]]:
-    """Read and validate a policy directory; raises PolicyValidationError on any problem."""
-    documents = read_directory(directory)
-    return build_bundle(documents, git_sha=git_sha), documents
+    """Read and validate a policy directory; raises PolicyValidationError listing every problem
+    of every file at once."""
+    documents, errors = _read_directory(directory)
+    try:
+        bundle = build_bundle(documents, git_sha=git_sha)
+    except PolicyValidationError as exc:
+        errors.extend(exc.errors)
+    if errors:
+        raise PolicyValidationError(errors)
+    return bundle, documents
 
 
 def documents_to_json(documents: Sequence[SourceDocument]) -> str:

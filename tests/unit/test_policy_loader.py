@@ -1,0 +1,663 @@
+"""Policy files: the example repository, line-level errors, label strings, scope ids, rate cards."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from budgetgate.core.loader import (
+    PolicyError,
+    PolicyValidationError,
+    bundle_from_json,
+    build_bundle,
+    documents_to_json,
+    load_directory,
+    parse_text,
+)
+from budgetgate.core.policy import BudgetPolicy, Enforcement, OnExhausted, PolicyBundle, Rate, RateCard, Scope, Source
+from budgetgate.core.units import Unit, to_amount
+from budgetgate.core.windows import WindowSpec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "policies"
+
+POLICY = """\
+apiVersion: budgetgate/v1
+kind: BudgetPolicy
+metadata:
+  id: {id}
+spec:
+  scope:
+    namespace: {namespace}
+  window:
+    calendar: month
+  limit:
+    gpu_hours: 100
+"""
+
+RATES = """\
+apiVersion: budgetgate/v1
+kind: RateCard
+metadata:
+  id: rates/test
+spec:
+  currency: USD
+  rates:
+    - {flavor: h100, rate_per_gpu_hour: 3.933}
+"""
+
+
+def write(root: Path, name: str, text: str) -> Path:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def load(root: Path) -> PolicyBundle:
+    bundle, _ = load_directory(root, git_sha="0" * 40)
+    return bundle
+
+
+def errors(root: Path) -> tuple[PolicyError, ...]:
+    with pytest.raises(PolicyValidationError) as info:
+        load_directory(root, git_sha="0" * 40)
+    return info.value.errors
+
+
+def only_error(root: Path) -> PolicyError:
+    found = errors(root)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def policy(bundle: PolicyBundle, policy_id: str) -> BudgetPolicy:
+    return next(p for p in bundle.policies if p.id == policy_id)
+
+
+# --- the example repository ---------------------------------------------------------------------
+
+
+def test_example_repository_loads() -> None:
+    bundle, documents = load_directory(EXAMPLES, git_sha="abc123")
+    assert bundle.git_sha == "abc123"
+    assert sorted(p.id for p in bundle.policies) == [
+        "cost/cc-1042",
+        "gpu-budget/org-dry-run",
+        "gpu-budget/team-nlp",
+        "gpu-budget/team-vision-prod",
+        "gpu-budget/team-vision-research",
+        "node-budget/team-nlp-preprocessing",
+    ]
+    assert [card.id for card in bundle.rate_cards] == ["rates/2026"]
+    assert len(documents) == 7
+
+
+def test_example_policies_are_read_as_written() -> None:
+    bundle = load(EXAMPLES)
+    vision = policy(bundle, "gpu-budget/team-vision-prod")
+    assert vision.scope == Scope(namespaces=frozenset({"vision-prod"}), labels={"cost-center": "1042", "team": "vision"})
+    assert vision.scope.scope_id == "ns=vision-prod;cost-center=1042;team=vision"
+    assert vision.window == WindowSpec(calendar="month", timezone="UTC")
+    assert vision.limit.unit is Unit.GPU_HOURS
+    assert vision.limit.amount == 500 * 3_600_000
+    assert vision.enforcement is Enforcement.HARD
+    assert vision.on_exhausted is OnExhausted.DENY
+    assert vision.source == Source("teams/vision.yaml", 2)
+
+    research = policy(bundle, "gpu-budget/team-vision-research")
+    assert research.window == WindowSpec(calendar="week", timezone="Europe/Berlin")
+    assert research.on_exhausted is OnExhausted.DELAY
+    assert research.source == Source("teams/vision.yaml", 22)
+
+    nlp = policy(bundle, "gpu-budget/team-nlp")
+    assert nlp.window == WindowSpec(rolling_days=30)
+    assert nlp.scope.scope_id == "ns=nlp-dev,nlp-prod;environment=*;team=nlp"
+
+    cost = policy(bundle, "cost/cc-1042")
+    assert (cost.limit.unit, cost.limit.amount, cost.limit.currency) == (Unit.COST, 5_000_000_000, "USD")
+    assert cost.scope.scope_id == "cost-center=1042"
+
+    assert policy(bundle, "gpu-budget/org-dry-run").enforcement is Enforcement.DRY_RUN
+    # on_exhausted defaults to deny; enforcement defaults to hard when not written.
+    assert policy(bundle, "gpu-budget/org-dry-run").on_exhausted is OnExhausted.DENY
+    assert policy(bundle, "node-budget/team-nlp-preprocessing").enforcement is Enforcement.SOFT
+    assert policy(bundle, "node-budget/team-nlp-preprocessing").limit.unit is Unit.NODE_HOURS
+
+
+def test_example_rates_are_exact_decimals() -> None:
+    card = load(EXAMPLES).rate_cards[0]
+    assert card.currency == "USD"
+    assert card.source == Source("finance/cost-centers.yaml", 33)
+    h100 = [r for r in card.rates if r.flavor == "h100"]
+    assert h100[0].rate_per_gpu_hour == Decimal("3.933")
+    assert isinstance(h100[0].rate_per_gpu_hour, Decimal)
+    assert str(h100[0].rate_per_gpu_hour) == "3.933"  # not 3.93299999999999982946974341757595539093017578125
+    assert h100[1].region == "eu-west-1"
+
+
+def test_enforcement_defaults_to_hard(tmp_path: Path) -> None:
+    write(tmp_path, "p.yaml", POLICY.format(id="p", namespace="ns-a"))
+    only = load(tmp_path).policies[0]
+    assert only.enforcement is Enforcement.HARD
+    assert only.on_exhausted is OnExhausted.DENY
+
+
+def test_empty_directory_is_an_empty_bundle(tmp_path: Path) -> None:
+    write(tmp_path, "README.md", "not a policy")
+    assert load(tmp_path) == PolicyBundle(git_sha="0" * 40)
+
+
+def test_missing_directory_is_an_error(tmp_path: Path) -> None:
+    error = only_error(tmp_path / "nope")
+    assert error.message == "not a directory"
+
+
+def test_yml_files_and_subdirectories_are_read_and_git_is_skipped(tmp_path: Path) -> None:
+    write(tmp_path, "a/b/one.yml", POLICY.format(id="one", namespace="ns-a"))
+    write(tmp_path, ".git/config.yaml", "this: is not: valid: yaml")
+    bundle = load(tmp_path)
+    assert [p.id for p in bundle.policies] == ["one"]
+    assert bundle.policies[0].source.file == "a/b/one.yml"
+
+
+# --- errors, each with file and line ------------------------------------------------------------
+
+
+def test_bad_yaml_syntax_names_file_and_line(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "bad.yaml",
+        """\
+        apiVersion: budgetgate/v1
+        kind: BudgetPolicy
+        metadata:
+          id: x
+        spec:
+          scope: {namespace: a
+          window: {calendar: month}
+        """,
+    )
+    error = only_error(tmp_path)
+    assert error.file == "bad.yaml"
+    assert error.line in (6, 7)
+    assert error.message.startswith("invalid YAML")
+
+
+def test_tab_indentation_error_has_its_line(tmp_path: Path) -> None:
+    write(tmp_path, "tabs.yaml", "apiVersion: budgetgate/v1\nkind: BudgetPolicy\nmetadata:\n\tid: x\n")
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("tabs.yaml", 4)
+    assert "invalid YAML" in error.message
+
+
+def test_unknown_kind(tmp_path: Path) -> None:
+    write(tmp_path, "k.yaml", "# a comment\napiVersion: budgetgate/v1\nkind: Budget\nmetadata: {id: x}\nspec: {}\n")
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("k.yaml", 3)
+    assert "unknown kind 'Budget'" in error.message
+    assert "BudgetPolicy" in error.message and "RateCard" in error.message
+
+
+@pytest.mark.parametrize("kind", ["Quota", "ResourcePool"])
+def test_planned_kinds_say_not_supported_yet(tmp_path: Path, kind: str) -> None:
+    write(tmp_path, "q.yaml", f"apiVersion: budgetgate/v1\nkind: {kind}\nmetadata: {{id: q}}\nspec: {{hard: {{gpus: 8}}}}\n")
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("q.yaml", 2)
+    assert error.message == f"kind {kind} is not supported by this version of budgetgate yet"
+
+
+def test_wrong_api_version(tmp_path: Path) -> None:
+    write(tmp_path, "v.yaml", "apiVersion: budgetgate/v2\nkind: BudgetPolicy\nmetadata: {id: x}\nspec: {}\n")
+    error = only_error(tmp_path)
+    assert error.line == 1
+    assert error.message.startswith("apiVersion:")
+    assert "budgetgate/v1" in error.message
+
+
+def test_document_that_is_not_a_mapping(tmp_path: Path) -> None:
+    write(tmp_path, "list.yaml", "apiVersion: budgetgate/v1\n---\n- just\n- a list\n")
+    found = errors(tmp_path)
+    assert {e.message for e in found if e.line == 1} == {"kind: Field required", "metadata: Field required", "spec: Field required"}
+    [not_mapping] = [e for e in found if e.line == 3]
+    assert not_mapping.message.startswith("a policy document must be a mapping")
+
+
+def test_missing_fields_are_named_with_the_line_of_their_parent(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "m.yaml",
+        """\
+        apiVersion: budgetgate/v1
+        kind: BudgetPolicy
+        metadata:
+          id: missing
+        spec:
+          scope:
+            namespace: a
+          limit:
+            gpu_hours: 10
+        """,
+    )
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("m.yaml", 5)
+    assert error.message == "spec.window: Field required"
+
+
+def test_missing_metadata_id(tmp_path: Path) -> None:
+    write(tmp_path, "m.yaml", "apiVersion: budgetgate/v1\nkind: BudgetPolicy\nmetadata:\n  owner: me\nspec: {}\n")
+    error = only_error(tmp_path)
+    assert error.line == 3
+    assert error.message == "metadata.id: Field required"
+
+
+def test_unknown_field_is_rejected_at_its_line(tmp_path: Path) -> None:
+    text = POLICY.format(id="p", namespace="a") + "  enforcment: soft\n"
+    write(tmp_path, "typo.yaml", text)
+    error = only_error(tmp_path)
+    assert error.line == 12
+    assert error.message.startswith("spec.enforcment:")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expect"),
+    [
+        ("enforcement", "strict", "'hard', 'soft' or 'dry-run'"),
+        ("on_exhausted", "retry", "'deny', 'delay', 'hold' or 'hold-and-drain'"),
+    ],
+)
+def test_wrong_enum_value(tmp_path: Path, field: str, value: str, expect: str) -> None:
+    write(tmp_path, "e.yaml", POLICY.format(id="p", namespace="a") + f"  {field}: {value}\n")
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("e.yaml", 12)
+    assert error.message.startswith(f"spec.{field}:")
+    assert expect in error.message
+
+
+def test_wrong_calendar_value(tmp_path: Path) -> None:
+    write(tmp_path, "c.yaml", POLICY.format(id="p", namespace="a").replace("calendar: month", "calendar: year"))
+    error = only_error(tmp_path)
+    assert error.line == 9
+    assert error.message.startswith("spec.window.calendar:")
+
+
+@pytest.mark.parametrize("value", ["-5", "0", ".inf", ".nan", "-.inf"])
+def test_non_positive_or_non_finite_limit(tmp_path: Path, value: str) -> None:
+    write(tmp_path, "n.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", f"gpu_hours: {value}"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("n.yaml", 11)
+    assert error.message.startswith("spec.limit.gpu_hours:")
+
+
+def test_negative_limit_message(tmp_path: Path) -> None:
+    write(tmp_path, "n.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "gpu_hours: -5"))
+    assert only_error(tmp_path).message == "spec.limit.gpu_hours: Input should be greater than 0"
+
+
+def test_two_units_in_one_limit(tmp_path: Path) -> None:
+    write(tmp_path, "two.yaml", POLICY.format(id="p", namespace="a") + "    node_hours: 50\n")
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("two.yaml", 10)
+    assert error.message == "spec.limit: give exactly one of gpu_hours, node_hours, wall_hours or cost"
+
+
+def test_cost_without_currency(tmp_path: Path) -> None:
+    write(tmp_path, "rates.yaml", RATES)
+    write(tmp_path, "c.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "cost: 100"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("c.yaml", 10)
+    assert "a cost limit needs a currency" in error.message
+
+
+def test_currency_without_cost(tmp_path: Path) -> None:
+    write(tmp_path, "c.yaml", POLICY.format(id="p", namespace="a") + "    currency: USD\n")
+    assert "currency goes only with a cost limit" in only_error(tmp_path).message
+
+
+def test_bad_currency_code_is_explained(tmp_path: Path) -> None:
+    write(tmp_path, "c.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "cost: 100\n    currency: usd"))
+    error = only_error(tmp_path)
+    assert error.line == 12
+    assert "'usd' is not a three-letter ISO 4217 currency code" in error.message
+
+
+def test_unknown_time_zone(tmp_path: Path) -> None:
+    write(tmp_path, "tz.yaml", POLICY.format(id="p", namespace="a").replace("calendar: month", "calendar: month\n    timezone: Europe/Atlantis"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("tz.yaml", 10)
+    assert error.message == "spec.window.timezone: unknown time zone 'Europe/Atlantis'"
+
+
+def test_bad_namespace_name_is_explained(tmp_path: Path) -> None:
+    write(tmp_path, "ns.yaml", POLICY.format(id="p", namespace="Vision_Prod"))
+    error = only_error(tmp_path)
+    assert error.line == 7
+    assert "'Vision_Prod' is not a Kubernetes namespace name" in error.message
+
+
+def test_error_in_a_later_document_has_its_own_line(tmp_path: Path) -> None:
+    text = POLICY.format(id="one", namespace="a") + "---\n" + POLICY.format(id="two", namespace="b").replace("gpu_hours: 100", "gpu_hours: -1")
+    write(tmp_path, "multi.yaml", text)
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("multi.yaml", 11 + 1 + 11)
+
+
+def test_duplicate_id_across_files_names_both_places(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", POLICY.format(id="gpu-budget/dup", namespace="ns-a"))
+    write(tmp_path, "b/c.yaml", "# second copy\n" + POLICY.format(id="gpu-budget/dup", namespace="ns-b"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("b/c.yaml", 2)
+    assert "'gpu-budget/dup'" in error.message
+    assert "already defined at a.yaml:1" in error.message
+
+
+def test_two_policies_on_one_scope_window_and_unit(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", POLICY.format(id="first", namespace="ns-a"))
+    write(tmp_path, "b.yaml", POLICY.format(id="second", namespace="ns-a").replace("gpu_hours: 100", "gpu_hours: 200"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("b.yaml", 1)
+    assert "'second'" in error.message and "'first'" in error.message
+    assert "a.yaml:1" in error.message
+
+
+def test_same_scope_in_another_window_or_unit_is_fine(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", POLICY.format(id="monthly", namespace="ns-a"))
+    write(tmp_path, "b.yaml", POLICY.format(id="weekly", namespace="ns-a").replace("calendar: month", "calendar: week"))
+    write(tmp_path, "c.yaml", POLICY.format(id="nodes", namespace="ns-a").replace("gpu_hours", "node_hours"))
+    assert len(load(tmp_path).policies) == 3
+
+
+def test_cost_policy_needs_a_rate_card_in_its_currency(tmp_path: Path) -> None:
+    write(tmp_path, "rates.yaml", RATES)
+    write(tmp_path, "c.yaml", POLICY.format(id="eur-cap", namespace="a").replace("gpu_hours: 100", "cost: 100\n    currency: EUR"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("c.yaml", 1)
+    assert "'eur-cap'" in error.message and "no RateCard is in EUR" in error.message
+
+
+def test_cost_policy_without_any_rate_card(tmp_path: Path) -> None:
+    write(tmp_path, "c.yaml", POLICY.format(id="usd-cap", namespace="a").replace("gpu_hours: 100", "cost: 100\n    currency: USD"))
+    assert "no RateCard is in USD" in only_error(tmp_path).message
+
+
+def test_rate_cards_in_several_currencies(tmp_path: Path) -> None:
+    write(tmp_path, "usd.yaml", RATES)
+    write(tmp_path, "eur.yaml", RATES.replace("rates/test", "rates/eur").replace("USD", "EUR"))
+    found = errors(tmp_path)
+    assert {e.file for e in found} == {"usd.yaml", "eur.yaml"}
+    assert all("several currencies (EUR, USD)" in e.message for e in found)
+
+
+def test_rate_effective_from_needs_a_time_zone(tmp_path: Path) -> None:
+    write(tmp_path, "r.yaml", RATES + '    - {flavor: a100, rate_per_gpu_hour: 2, effective_from: "2026-07-01T00:00:00"}\n')
+    error = only_error(tmp_path)
+    assert error.line == 9
+    assert error.message.startswith("spec.rates.1.effective_from:")
+    assert "effective_from needs a time zone" in error.message
+
+
+def test_every_error_of_a_file_is_reported(tmp_path: Path) -> None:
+    text = "\n---\n".join(
+        [
+            POLICY.format(id="neg", namespace="a").replace("gpu_hours: 100", "gpu_hours: -1"),
+            "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec: {}\n",
+            POLICY.format(id="tz", namespace="b").replace("calendar: month", "calendar: month\n    timezone: Nowhere/Land"),
+        ]
+    )
+    write(tmp_path, "many.yaml", text)
+    found = errors(tmp_path)
+    assert len(found) == 3
+    assert [e.file for e in found] == ["many.yaml"] * 3
+    assert "greater than 0" in found[0].message
+    assert "not supported" in found[1].message
+    assert "unknown time zone" in found[2].message
+
+
+def test_every_error_of_a_directory_is_reported_at_once(tmp_path: Path) -> None:
+    write(tmp_path, "a-syntax.yaml", "apiVersion: budgetgate/v1\nkind: [BudgetPolicy\n")
+    write(tmp_path, "b-quota.yaml", "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec: {}\n")
+    write(tmp_path, "c-negative.yaml", POLICY.format(id="neg", namespace="a").replace("gpu_hours: 100", "gpu_hours: -1"))
+    write(tmp_path, "d-dup.yaml", POLICY.format(id="ok", namespace="b"))
+    write(tmp_path, "e-dup.yaml", POLICY.format(id="ok", namespace="c"))
+    found = errors(tmp_path)
+    assert [e.file for e in found] == ["a-syntax.yaml", "b-quota.yaml", "c-negative.yaml", "e-dup.yaml"]
+
+
+def test_validation_error_lists_errors_sorted_in_its_message(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec: {}\n")
+    write(tmp_path, "a.yaml", POLICY.format(id="neg", namespace="a").replace("gpu_hours: 100", "gpu_hours: -1"))
+    with pytest.raises(PolicyValidationError) as info:
+        load_directory(tmp_path, git_sha="x")
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("a.yaml:11: spec.limit.gpu_hours:")
+    assert lines[1].startswith("b.yaml:2: kind Quota is not supported")
+
+
+# --- label values are strings -------------------------------------------------------------------
+
+
+def test_label_values_written_as_numbers_are_strings(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "labels.yaml",
+        """\
+        apiVersion: budgetgate/v1
+        kind: BudgetPolicy
+        metadata:
+          id: 0123
+        spec:
+          scope:
+            namespace: "1042"
+            labels:
+              cost-center: 1042
+              project: 0123
+              ratio: 1.50
+              flag: true
+              hex: 0x1F
+              big: 1_000
+          window: {calendar: month}
+          limit: {gpu_hours: 10}
+        """,
+    )
+    only = load(tmp_path).policies[0]
+    assert only.id == "0123"
+    assert only.scope.namespaces == frozenset({"1042"})
+    assert dict(only.scope.labels) == {
+        "cost-center": "1042",
+        "project": "0123",
+        "ratio": "1.50",
+        "flag": "true",
+        "hex": "0x1F",
+        "big": "1_000",
+    }
+    assert all(isinstance(v, str) for v in only.scope.labels.values())
+
+
+def test_null_label_value_is_an_error(tmp_path: Path) -> None:
+    write(tmp_path, "n.yaml", POLICY.format(id="p", namespace="a").replace("namespace: a", "namespace: a\n    labels:\n      team:"))
+    error = only_error(tmp_path)
+    assert error.line == 9
+    assert error.message.startswith("spec.scope.labels.team:")
+
+
+def test_numbers_outside_names_stay_numbers(tmp_path: Path) -> None:
+    write(tmp_path, "p.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "gpu_hours: 1_000.5"))
+    assert load(tmp_path).policies[0].limit.amount == to_amount(Unit.GPU_HOURS, "1000.5")
+
+
+# --- scope ids ---------------------------------------------------------------------------------
+
+
+def test_scope_id_is_canonical_and_sorted() -> None:
+    scope = Scope(namespaces=frozenset({"vision-prod"}), labels={"team": "vision", "cost-center": "1042"})
+    assert scope.scope_id == "ns=vision-prod;cost-center=1042;team=vision"
+    assert Scope(namespaces=frozenset({"b", "a"})).scope_id == "ns=a,b"
+    assert Scope(labels={"environment": "*"}).scope_id == "environment=*"
+    assert Scope().scope_id == "all"
+
+
+def test_two_spellings_of_one_scope_have_one_scope_id(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "one.yaml",
+        """\
+        apiVersion: budgetgate/v1
+        kind: BudgetPolicy
+        metadata: {id: one}
+        spec:
+          scope:
+            namespace: vision-prod
+            labels: {team: vision, cost-center: 1042}
+          window: {calendar: month}
+          limit: {gpu_hours: 10}
+        """,
+    )
+    write(
+        tmp_path,
+        "two.yaml",
+        """\
+        apiVersion: budgetgate/v1
+        kind: BudgetPolicy
+        metadata: {id: two}
+        spec:
+          scope:
+            labels:
+              cost-center: "1042"
+              team: 'vision'
+            namespaces: [vision-prod]
+          window: {calendar: week}
+          limit: {gpu_hours: 10}
+        """,
+    )
+    one, two = load(tmp_path).policies
+    assert one.scope.scope_id == two.scope.scope_id == "ns=vision-prod;cost-center=1042;team=vision"
+    assert one.scope == two.scope
+
+
+def test_two_spellings_of_one_scope_window_and_unit_collide(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", POLICY.format(id="a", namespace="x").replace("namespace: x", "namespaces: [y, x]"))
+    write(tmp_path, "b.yaml", POLICY.format(id="b", namespace="x").replace("namespace: x", "namespaces: [x, y]").replace("calendar: month", "calendar: month\n    timezone: UTC"))
+    assert "same scope, window and unit" in only_error(tmp_path).message
+
+
+# --- stored documents -------------------------------------------------------------------------
+
+
+def test_documents_round_trip_through_json() -> None:
+    bundle, documents = load_directory(EXAMPLES, git_sha="abc")
+    text = documents_to_json(documents)
+    assert isinstance(json.loads(text), list)
+    assert bundle_from_json(text, git_sha="abc") == bundle
+
+
+def test_json_round_trip_keeps_exact_rates_and_unquoted_timestamps(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "r.yaml",
+        """\
+        apiVersion: budgetgate/v1
+        kind: RateCard
+        metadata: {id: r}
+        spec:
+          currency: USD
+          rates:
+            - {flavor: a100, rate_per_gpu_hour: 1.85, effective_from: 2026-07-01T00:00:00Z}
+            - {flavor: a100, rate_per_gpu_hour: 2.10}
+            - {flavor: "1042", region: 0123, rate_per_gpu_hour: 0.1}
+        """,
+    )
+    write(tmp_path, "p.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "cost: 0.1\n    currency: USD"))
+    bundle, documents = load_directory(tmp_path, git_sha="s")
+    rebuilt = bundle_from_json(documents_to_json(documents), git_sha="s")
+    assert rebuilt == bundle
+    rates = rebuilt.rate_cards[0].rates
+    assert rates[0].effective_from == datetime(2026, 7, 1, tzinfo=UTC)
+    assert [r.rate_per_gpu_hour for r in rates] == [Decimal("1.85"), Decimal("2.10"), Decimal("0.1")]
+    assert (rates[2].flavor, rates[2].region) == ("1042", "0123")
+    assert rebuilt.policies[0].limit.amount == 100_000
+
+
+def test_stored_documents_are_validated_again(tmp_path: Path) -> None:
+    write(tmp_path, "p.yaml", POLICY.format(id="p", namespace="a"))
+    _, documents = load_directory(tmp_path, git_sha="s")
+    stored = json.loads(documents_to_json(documents))
+    stored[0]["data"]["spec"]["limit"]["gpu_hours"] = -1
+    with pytest.raises(PolicyValidationError) as info:
+        bundle_from_json(json.dumps(stored), git_sha="s")
+    assert info.value.errors[0].file == "p.yaml"
+    assert "greater than 0" in info.value.errors[0].message
+
+
+def test_build_bundle_from_parsed_text() -> None:
+    documents = parse_text(POLICY.format(id="p", namespace="a"), "inline.yaml")
+    bundle = build_bundle(documents, git_sha="s")
+    assert bundle.policies[0].source == Source("inline.yaml", 1)
+
+
+# --- rate cards -------------------------------------------------------------------------------
+
+
+def card(*rates: Rate) -> RateCard:
+    return RateCard(id="c", currency="USD", rates=rates, source=Source("c.yaml", 1))
+
+
+def test_region_rate_beats_a_rate_without_region() -> None:
+    generic = Rate("h100", Decimal("3.933"))
+    eu = Rate("h100", Decimal("4.25"), region="eu-west-1")
+    at = datetime(2026, 3, 1, tzinfo=UTC)
+    assert card(eu, generic).rate_for("h100", "eu-west-1", at) == eu
+    assert card(generic, eu).rate_for("h100", "eu-west-1", at) == eu
+    assert card(generic, eu).rate_for("h100", "us-east-1", at) == generic
+    assert card(generic, eu).rate_for("h100", None, at) == generic
+
+
+def test_latest_effective_rate_not_after_the_instant_wins() -> None:
+    old = Rate("a100", Decimal("2.10"))
+    july = Rate("a100", Decimal("1.85"), effective_from=datetime(2026, 7, 1, tzinfo=UTC))
+    october = Rate("a100", Decimal("1.50"), effective_from=datetime(2026, 10, 1, tzinfo=UTC))
+    rates = card(october, old, july)
+    assert rates.rate_for("a100", None, datetime(2026, 6, 30, 23, 59, tzinfo=UTC)) == old
+    assert rates.rate_for("a100", None, datetime(2026, 7, 1, tzinfo=UTC)) == july  # effective at its first instant
+    assert rates.rate_for("a100", None, datetime(2026, 9, 30, tzinfo=UTC)) == july
+    assert rates.rate_for("a100", None, datetime(2027, 1, 1, tzinfo=UTC)) == october
+
+
+def test_future_rates_are_ignored() -> None:
+    future = Rate("l4", Decimal("0.50"), effective_from=datetime(2030, 1, 1, tzinfo=UTC))
+    assert card(future).rate_for("l4", None, datetime(2026, 1, 1, tzinfo=UTC)) is None
+    current = Rate("l4", Decimal("0.71"))
+    assert card(future, current).rate_for("l4", None, datetime(2026, 1, 1, tzinfo=UTC)) == current
+
+
+def test_region_rate_in_the_future_does_not_win() -> None:
+    generic = Rate("h100", Decimal("3.933"))
+    eu_later = Rate("h100", Decimal("4.25"), region="eu-west-1", effective_from=datetime(2027, 1, 1, tzinfo=UTC))
+    assert card(generic, eu_later).rate_for("h100", "eu-west-1", datetime(2026, 6, 1, tzinfo=UTC)) == generic
+
+
+def test_rate_lookup_with_an_instant_in_a_zone_ahead_of_utc() -> None:
+    old = Rate("a100", Decimal("2.10"))
+    july = Rate("a100", Decimal("1.85"), effective_from=datetime(2026, 7, 1, tzinfo=UTC))
+    kolkata = ZoneInfo("Asia/Kolkata")
+    # 05:29 in Kolkata on 1 July is still 30 June in UTC.
+    assert card(old, july).rate_for("a100", None, datetime(2026, 7, 1, 5, 29, tzinfo=kolkata)) == old
+    assert card(old, july).rate_for("a100", None, datetime(2026, 7, 1, 5, 30, tzinfo=kolkata)) == july
+
+
+def test_unknown_flavor_has_no_rate() -> None:
+    assert card(Rate("h100", Decimal(1))).rate_for("b200", None, datetime(2026, 1, 1, tzinfo=UTC)) is None
+
+
+def test_bundle_rate_for_gives_the_currency_and_known_flavors() -> None:
+    bundle = load(EXAMPLES)
+    rate, currency = bundle.rate_for("h100", "eu-west-1", datetime(2026, 3, 1, tzinfo=UTC)) or (None, None)
+    assert rate == Rate("h100", Decimal("4.25"), region="eu-west-1")
+    assert currency == "USD"
+    assert bundle.rate_for("a100", None, datetime(2026, 7, 1, tzinfo=UTC))[0].rate_per_gpu_hour == Decimal("1.85")  # type: ignore[index]
+    assert bundle.rate_for("tpu", None, datetime(2026, 3, 1, tzinfo=UTC)) is None
+    assert bundle.known_flavors() == frozenset({"h100", "a100", "l4"})
