@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import redis.asyncio as aioredis
@@ -194,11 +194,16 @@ async def _readiness(rt: Runtime) -> dict[str, str]:
 
 async def _keep_ready(rt: Runtime, settings: AdmissionSettings, held: dict[str, int]) -> None:
     """Load policies and the Redis ledger, and keep them current, outliving any outage."""
+    next_sweep = 0.0
     while True:
         try:
             await rt.policies.refresh()
             await rt.sync.ensure_loaded()
             held["count"] = await rt.pool.fetchval("SELECT count(*) FROM reservations WHERE state = 'held'")
+            if time.monotonic() >= next_sweep:
+                # Until the reconciler owns leak protection, admission sweeps orphaned holds.
+                await rt.sync.sweep_orphans(grace=timedelta(seconds=settings.orphan_grace_seconds), now=datetime.now(UTC))
+                next_sweep = time.monotonic() + settings.orphan_grace_seconds / 2
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - retried on the next tick

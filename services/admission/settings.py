@@ -17,3 +17,6 @@ class AdmissionSettings(CommonSettings):
     unmatched: Literal["allow", "deny"] = "allow"
     policy_refresh_seconds: float = 5.0
     max_body_bytes: int = 64 * 1024
+    # A Redis hold older than this whose decision is not in Postgres is an orphan of a process
+    # that died between reserving and committing, and is released.
+    orphan_grace_seconds: float = 120.0

@@ -9,7 +9,7 @@ import asyncpg
 import pytest
 
 from budgetgate.ledger.migrations import migrate_dsn
-from tests.integration.conftest import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml, submission
 from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
 
 LIMIT = budget_yaml("faulty", limit="gpu_hours: 100")
@@ -134,3 +134,28 @@ async def test_nothing_is_reserved_when_a_backend_is_down_from_the_start(admissi
     await wait_for(lambda: ready(server))
     assert await held_in_postgres(dsn) == {}
     assert await reserved_in_redis(server) == {}
+
+
+async def test_sweeper_releases_orphans_and_keeps_real_holds(admission_factory, pg_dsn) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from budgetgate.ledger.redis_ledger import ChargeRequest
+
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="d" * 40)
+    server = await admission_factory(orphan_grace_seconds=3600)
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("real"))).json()["decision"] == "ALLOW"
+    [key] = (await held_in_postgres(pg_dsn)).keys()
+    old = int((datetime.now(UTC) - timedelta(hours=2)).timestamp() * 1000)
+    for name, at in (("old-orphan", old), ("young-orphan", int(datetime.now(UTC).timestamp() * 1000))):
+        result = await server.rt.ledger.reserve(run_id=name, decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 8 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=at)
+        assert result.status == "RESERVED"
+    released = await server.rt.sync.sweep_orphans(grace=timedelta(minutes=10), now=datetime.now(UTC))
+    assert released == ["old-orphan"]
+    # The real run and the orphan still inside its grace period keep their holds.
+    assert await reserved_in_redis(server) == {key: 16 * GPU_HOUR}
+    assert set(await server.rt.ledger.held_runs()) == {"run-real", "young-orphan"}
+    # With no grace at all, only holds without a committed decision go.
+    assert await server.rt.sync.sweep_orphans(grace=timedelta(0), now=datetime.now(UTC)) == ["young-orphan"]
+    assert await reserved_in_redis(server) == {key: 8 * GPU_HOUR}
+    assert set(await server.rt.ledger.held_runs()) == {"run-real"}

@@ -8,7 +8,7 @@ import uuid
 import asyncpg
 import pytest
 
-from tests.integration.conftest import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml, submission
 
 GPU_HOUR = 3_600_000
 

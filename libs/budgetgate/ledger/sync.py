@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import defaultdict
+from datetime import datetime, timedelta
 
 import asyncpg
 
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
+
+log = logging.getLogger(__name__)
 
 
 class LedgerSync:
@@ -46,3 +50,30 @@ class LedgerSync:
                 runs[row["run_id"]] = (str(row["decision_id"]), int(row["created_at"].timestamp() * 1000), amounts[row["run_id"]])
             await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex)
         return True
+
+    async def sweep_orphans(self, *, grace: timedelta, now: datetime) -> list[str]:
+        """Release Redis holds older than `grace` whose decision never reached Postgres (the
+        process died between reserving and committing). Returns the run ids released."""
+        cutoff_ms = int((now - grace).timestamp() * 1000)
+        released = []
+        for run_id, (decision_id, at_ms) in (await self.redis.held_runs()).items():
+            if at_ms > cutoff_ms:
+                continue
+            async with self.pool.acquire() as conn, conn.transaction():
+                # The run's lock: a retry of this run deciding right now finishes first.
+                await conn.execute(sql("lock_ledger_shared"))
+                await conn.execute(sql("lock_run"), run_id)
+                known = await conn.fetchval("SELECT 1 FROM decisions WHERE decision_id = $1", _uuid(decision_id))
+                if known:
+                    continue
+                if await self.redis.release(run_id, decision_id=decision_id):
+                    log.warning("released orphaned reservation of run %r (decision %s never committed)", run_id, decision_id)
+                    released.append(run_id)
+        return released
+
+
+def _uuid(text: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        return None

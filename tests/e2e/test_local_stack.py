@@ -1,0 +1,108 @@
+"""The whole local stack from the command line: dev up, policy apply at a Git SHA, submissions
+over HTTP, the decision on budget.decisions.v1 with the same decision id, dev down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from budgetgate import wire
+from budgetgate.topics import Topics
+from budgetgate.v1 import decisions_pb2
+from tests.support.admission import EXAMPLES, git, submission
+
+
+def budgetgate(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "budgetgate.cli.main", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+
+
+async def decisions_for(bootstrap: str, topic: str, run_ids: set[str], timeout: float = 30) -> dict[str, decisions_pb2.Decision]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    found: dict[str, decisions_pb2.Decision] = {}
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout
+        assigned = False
+        while len(found) < len(run_ids) and asyncio.get_running_loop().time() < deadline:
+            if not assigned:
+                await consumer._client.force_metadata_update()  # noqa: SLF001 - topic may be new
+                partitions = consumer.partitions_for_topic(topic)
+                if not partitions:
+                    await asyncio.sleep(0.2)
+                    continue
+                consumer.assign([TopicPartition(topic, p) for p in partitions])
+                await consumer.seek_to_beginning()
+                assigned = True
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
+                    if message.run_id in run_ids:
+                        found[message.run_id] = message
+    finally:
+        await consumer.stop()
+    return found
+
+
+async def test_dev_up_apply_submit_publish_down(tmp_path: Path) -> None:
+    workdir = tmp_path / "checkout"
+    policies = workdir / "policies"
+    shutil.copytree(EXAMPLES, policies)
+    git("init", "-q", cwd=workdir)
+    git("-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "--allow-empty", "-m", "init", cwd=workdir)
+    git("add", ".", cwd=workdir)
+    git("-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "-m", "policies", cwd=workdir)
+    sha = git("rev-parse", "HEAD", cwd=workdir)
+
+    up = budgetgate("dev", "up", "--detach", cwd=workdir)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        status = budgetgate("dev", "status", "--json", cwd=workdir)
+        assert status.returncode == 0, status.stderr
+        state = json.loads(status.stdout)
+        for field in ("admission_url", "kafka_bootstrap", "postgres_dsn", "redis_url"):
+            assert state[field], field
+
+        (policies / "teams" / "vision.yaml").write_text((policies / "teams" / "vision.yaml").read_text() + "\n# edited\n")
+        dirty = budgetgate("policy", "apply", "policies", cwd=workdir)
+        assert dirty.returncode != 0 and "uncommitted" in dirty.stderr
+        git("checkout", "--", ".", cwd=workdir)
+        applied = budgetgate("policy", "apply", "policies", cwd=workdir)
+        assert applied.returncode == 0, applied.stderr
+        assert sha in applied.stdout
+
+        async with httpx.AsyncClient(base_url=state["admission_url"], timeout=30) as client:
+            for _ in range(200):
+                ready = await client.get("/readyz")
+                if ready.status_code == 200 and ready.json()["checks"]["policy_bundle"] == "ok":
+                    break
+                await asyncio.sleep(0.1)
+            answers = {}
+            for run_id, overrides in {
+                "e2e/allow": {},
+                "e2e/violation": {"labels": {"team": "vision"}},
+                "e2e/deny": {"resources": {"gpus": 64, "flavor": "h100"}, "projected_runtime_hours": 10.0},
+            }.items():
+                response = await client.post("/v1/admissions", json=submission(run_id=run_id, **overrides))
+                assert response.status_code == 200, response.text
+                answers[run_id] = response.json()
+        assert [a["decision"] for a in answers.values()] == ["ALLOW", "DENY", "DENY"]
+        assert all(a["policy_bundle_sha"] == sha for a in answers.values())
+
+        topic = Topics(state.get("topic_prefix", "")).decisions
+        published = await decisions_for(state["kafka_bootstrap"], topic, set(answers))
+        assert set(published) == set(answers)
+        for run_id, answer in answers.items():
+            assert published[run_id].decision_id == answer["decision_id"]
+            assert published[run_id].policy_bundle_sha == sha
+    finally:
+        down = budgetgate("dev", "down", cwd=workdir)
+    assert down.returncode == 0, down.stderr
+    assert budgetgate("dev", "status", "--json", cwd=workdir).returncode != 0

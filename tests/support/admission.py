@@ -1,0 +1,142 @@
+"""Admission service harness: a real uvicorn server on a free port, wired to the test's own
+Postgres database, Redis prefix and Kafka topic prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+import uvicorn
+
+from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.policy_repo import apply_bundle
+from budgetgate.services.admission.app import create_app
+from budgetgate.services.admission.settings import AdmissionSettings
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "policies"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class AdmissionServer:
+    """A running admission service and an HTTP client for it."""
+
+    def __init__(self, settings: AdmissionSettings) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        self.url = f"http://127.0.0.1:{settings.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on"))
+        self.task: asyncio.Task[None] | None = None
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    @property
+    def rt(self):  # type: ignore[no-untyped-def]
+        return self.app.state.rt
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            await asyncio.sleep(0.02)
+
+    async def wait_ready(self, timeout: float = 20) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            response = await self.client.get("/readyz")
+            if response.status_code == 200:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"admission not ready: {response.text}")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+    async def submit(self, **overrides: object) -> httpx.Response:
+        return await self.client.post("/v1/admissions", json=submission(**overrides))
+
+
+def submission(**overrides: object) -> dict[str, object]:
+    body: dict[str, object] = {
+        "run_id": "flyte/vision/exec-7f3a/n0",
+        "attempt": 1,
+        "namespace": "vision-prod",
+        "labels": {"cost-center": "1042", "team": "vision", "environment": "prod"},
+        "resources": {"gpus": 8, "nodes": 1, "flavor": "h100", "region": "us-east-1"},
+        "projected_runtime_hours": 6.0,
+        "job": {"namespace": "vision-prod", "name": "train-resnet"},
+    }
+    body.update(overrides)
+    return body
+
+
+async def apply_policies(dsn: str, text_by_file: dict[str, str], *, sha: str) -> None:
+    """Apply policy documents given as YAML text, at a made-up SHA."""
+    documents = [doc for name, text in text_by_file.items() for doc in parse_text(text, name)]
+    bundle = build_bundle(documents, git_sha=sha)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await apply_bundle(conn, bundle=bundle, documents=documents, source="test", applied_by="test")
+    finally:
+        await conn.close()
+
+
+def example_policies() -> dict[str, str]:
+    return {p.relative_to(EXAMPLES).as_posix(): p.read_text() for p in sorted(EXAMPLES.rglob("*.yaml"))}
+
+
+def budget_yaml(policy_id: str, *, namespace: str = "vision-prod", labels: str = "{team: vision}", limit: str = "gpu_hours: 100", enforcement: str = "hard", on_exhausted: str = "deny", window: str = "{calendar: month}") -> str:
+    return f"""apiVersion: budgetgate/v1
+kind: BudgetPolicy
+metadata: {{id: {policy_id}}}
+spec:
+  scope: {{namespace: {namespace}, labels: {labels}}}
+  window: {window}
+  limit: {{{limit}}}
+  enforcement: {enforcement}
+  on_exhausted: {on_exhausted}
+"""
+
+
+@pytest.fixture
+async def admission_factory(settings) -> AsyncIterator:  # type: ignore[no-untyped-def]
+    """Start admission servers on the test's backends (several share one ledger)."""
+    servers: list[AdmissionServer] = []
+
+    async def start(**overrides: object) -> AdmissionServer:
+        values = {**settings.model_dump(), "port": free_port(), "policy_refresh_seconds": 0.2, **overrides}
+        server = AdmissionServer(AdmissionSettings(**values))
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+@pytest.fixture
+async def admission(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
+    """One admission service with the example policy repository applied."""
+    await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    return server
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
