@@ -232,15 +232,17 @@ def next_eligible(charge: Charge, reading: Reading, releases: Sequence[Release])
     is larger than the limit, so no moment will ever do."""
     if charge.amount > charge.policy.limit.amount:
         return None
+    # A rolling window's `end` is the submission instant, so the horizon a release must beat is
+    # when the window has moved on, not `end` itself.
+    rolling_days = charge.policy.window.rolling_days
+    horizon = charge.window.end + timedelta(days=rolling_days) if rolling_days is not None else charge.window.end
     needed = charge.amount - reading.remaining
     freed = 0
     for at, amount in sorted(releases):
         freed += amount
-        if freed >= needed and at < charge.window.end:
+        if freed >= needed and at < horizon:
             return at
-    if charge.policy.window.rolling_days is not None:
-        return charge.window.end + timedelta(days=charge.policy.window.rolling_days)
-    return charge.window.end
+    return horizon
 
 
 def _evaluation(charge: Charge, sha: str, reading: Reading | None, *, admitted: int, outcome: str, deficit: int | None = None, eligible: datetime | None = None) -> Evaluation:
