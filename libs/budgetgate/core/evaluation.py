@@ -330,7 +330,8 @@ def _blocked_reason(outcome: str, blocked: Sequence[Charge], readings: Mapping[s
         )
     eligible = [by_key[c.ledger_key].next_eligible_time for c in blocked]
     if outcome == "DELAY":
-        when = max((e for e in eligible if e is not None), default=None)
+        # One budget the run can never fit makes every other budget's reset moot.
+        when = None if any(e is None for e in eligible) else max(e for e in eligible if e is not None)
         hint = f"Resubmit at or after {iso(when)}." if when else "This run is larger than the whole budget; reduce it or ask to raise the limit."
         return "delayed: " + "; ".join(parts) + ". " + hint
     return "denied: " + "; ".join(parts) + ". Reduce the request, wait for the window to reset, or ask the budget owner to raise the limit."
