@@ -36,7 +36,7 @@ def redis_prefix(tag: str) -> str:
 
 
 def topic_prefix(tag: str) -> str:
-    return f"{tag}."
+    return f"{tag}-"
 
 
 def with_database(dsn: str, database: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError
 from budgetgate.devstack.ports import port_open
-from budgetgate.devstack.processes import ProcessRecord, spawn
+from budgetgate.devstack.processes import ProcessRecord, read_cmdline, spawn
 
 # Postgres refuses to run as root. As root, it runs as this system user: the name the wheel itself
 # uses, so a machine that has both ends up with one such user.
@@ -90,8 +90,8 @@ class EmbeddedPostgres(EmbeddedServer):
     def __init__(self, *, data_dir: Path, log: Path, port: int | None = None, durable: bool = True) -> None:
         super().__init__(log=log, port=port)
         self.data_dir = data_dir.resolve()
-        # Throwaway test clusters skip fsync: a killed server still recovers (the kernel keeps the
-        # written pages); only a machine crash could lose data, which a test cluster can afford.
+        # Throwaway test clusters skip fsync: a killed server still recovers everything committed
+        # (the kernel keeps the written pages); only a machine crash could lose data.
         self.durable = durable
 
     @property
@@ -111,6 +111,19 @@ class EmbeddedPostgres(EmbeddedServer):
         self.data_dir.chmod(0o700)
         if not (self.data_dir / "PG_VERSION").exists():
             self._initdb(user)
+        self._remove_stale_lock()
+
+    def _remove_stale_lock(self) -> None:
+        # A killed postmaster whose parent is gone may stay a zombie when nothing reaps orphans
+        # (some container inits do not); Postgres takes a zombie for a live postmaster and would
+        # refuse to start. A lock naming a pid that runs nothing is stale: remove it.
+        lock = self.data_dir / "postmaster.pid"
+        try:
+            pid = int(lock.read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return
+        if read_cmdline(pid) is None:
+            lock.unlink(missing_ok=True)
 
     def _initdb(self, user: str | None) -> None:
         if any(self.data_dir.iterdir()):
@@ -131,7 +144,9 @@ class EmbeddedPostgres(EmbeddedServer):
                "-c", f"listen_addresses={self.host}", "-c", "unix_socket_directories=",
                "-c", "max_connections=200"]
         if not self.durable:
-            cmd += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+            # Commits still write their WAL to the kernel before answering (synchronous_commit
+            # stays on), so a killed server loses no committed transaction; fsync is skipped.
+            cmd += ["-c", "fsync=off", "-c", "full_page_writes=off"]
         return cmd
 
     def spawn_process(self) -> subprocess.Popen[bytes]:

@@ -1,0 +1,165 @@
+"""Fixtures every tier shares: real Postgres, Redis and Kafka, with one test isolated from another.
+
+Servers are resolved once per session and only when a test asks for one (see
+tests/support/backends.py for where they come from), so unit and property tests start nothing.
+Each test gets its own database, Redis key prefix and topic prefix, so tests can run in parallel.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import redis as redis_client
+
+from budgetgate.settings import CommonSettings
+from tests.support import backends
+from tests.support.databases import DatabaseFactory
+from tests.support.killable import KillablePostgres, KillableServer
+
+TESTS = Path(__file__).parent
+# Tests under these folders get the folder's marker, so `-m "not faults"` and the like just work.
+TIER_MARKERS = ("integration", "e2e", "faults", "property")
+NO_SERVER_TIERS = ("unit", "property")
+SERVER_FIXTURES = frozenset({
+    "postgres_admin_dsn", "redis_server_url", "kafka_server_bootstrap", "pg_dsn", "redis_url",
+    "redis_prefix", "kafka_bootstrap", "topic_prefix", "settings",
+    "killable_postgres", "killable_redis", "killable_kafka",
+})  # fmt: skip
+
+
+def _tier(item: pytest.Item) -> str | None:
+    try:
+        return Path(item.path).relative_to(TESTS).parts[0]
+    except (ValueError, IndexError):
+        return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = _tier(item)
+        if tier in TIER_MARKERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Keeps the fast tiers fast: a unit test that wants a server belongs in tests/integration.
+    if _tier(item) in NO_SERVER_TIERS:
+        wanted = SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if wanted:
+            pytest.fail(f"tests/{_tier(item)} runs without servers, but this test asks for {sorted(wanted)}")
+
+
+# -- servers, once per session ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_dsn() -> Iterator[str]:
+    """DSN of the `postgres` database on the session's Postgres server (create databases from it)."""
+    with ExitStack() as stack:
+        yield backends.postgres(stack).url
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> Iterator[str]:
+    with ExitStack() as stack:
+        yield backends.redis(stack).url
+
+
+@pytest.fixture(scope="session")
+def kafka_server_bootstrap() -> Iterator[str]:
+    with ExitStack() as stack:
+        yield backends.kafka(stack).url
+
+
+@pytest.fixture(scope="session")
+def _database_factory(postgres_admin_dsn: str) -> Iterator[DatabaseFactory]:
+    factory = DatabaseFactory(postgres_admin_dsn)
+    yield factory
+    factory.close()
+
+
+# -- per test ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pg_dsn(_database_factory: DatabaseFactory) -> Iterator[str]:
+    """DSN of a database of this test's own, fully migrated, dropped afterwards."""
+    name, dsn = _database_factory.create()
+    yield dsn
+    _database_factory.drop(name)
+
+
+@pytest.fixture
+def redis_url(redis_server_url: str) -> str:
+    """The session's Redis; keep to `redis_prefix` in key names."""
+    return redis_server_url
+
+
+@pytest.fixture
+def redis_prefix(redis_server_url: str) -> Iterator[str]:
+    """A key prefix unique to this test; every key containing it is deleted afterwards."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis_client.Redis.from_url(redis_server_url)
+    try:
+        keys = list(client.scan_iter(match=f"*{prefix}*", count=1000))
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start : start + 500])
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def kafka_bootstrap(kafka_server_bootstrap: str) -> str:
+    """The session's Kafka; name topics and consumer groups with `topic_prefix`."""
+    return kafka_server_bootstrap
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    """A topic name prefix unique to this test (topics are left on the broker afterwards)."""
+    return f"t{uuid.uuid4().hex[:10]}-"
+
+
+@pytest.fixture
+def settings(
+    pg_dsn: str, redis_url: str, redis_prefix: str, kafka_bootstrap: str, topic_prefix: str
+) -> CommonSettings:
+    """CommonSettings wired to this test's database, Redis prefix and topic prefix."""
+    return CommonSettings(
+        postgres_dsn=pg_dsn,
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        kafka_bootstrap=kafka_bootstrap,
+        topic_prefix=topic_prefix,
+        service_name="budgetgate-test",
+        otlp_endpoint=None,
+    )
+
+
+# -- fault tests: private servers to kill -----------------------------------------------------
+
+
+@pytest.fixture
+def killable_postgres() -> Iterator[KillablePostgres]:
+    """A private Postgres: `.dsn`, `.stop()` kills it, `.start()` restarts it with its data."""
+    with ExitStack() as stack:
+        yield KillablePostgres(backends.run_embedded(stack, backends.new_postgres(stack)))
+
+
+@pytest.fixture
+def killable_redis() -> Iterator[KillableServer]:
+    """A private Redis: `.url`, `.stop()` kills it, `.start()` restarts it EMPTY."""
+    with ExitStack() as stack:
+        yield KillableServer(backends.run_embedded(stack, backends.new_redis(stack)))
+
+
+@pytest.fixture
+def killable_kafka() -> Iterator[KillableServer]:
+    """A private Tansu broker: `.url` (bootstrap), `.stop()` kills it, `.start()` restarts it EMPTY."""
+    with ExitStack() as stack:
+        yield KillableServer(backends.run_embedded(stack, backends.new_kafka(stack)))

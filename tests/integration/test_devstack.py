@@ -1,0 +1,270 @@
+"""The shared fixtures and the local stack (`budgetgate dev up/status/down`), on real servers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from budgetgate.devstack.isolation import checkout_tag, database_name
+from budgetgate.devstack.ports import port_open, split_host_port
+from budgetgate.ledger.migrations import migration_files
+from budgetgate.settings import CommonSettings
+from tests.support.databases import DatabaseFactory
+from tests.support.killable import KillablePostgres, KillableServer
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+async def test_killable_redis_comes_back_empty_on_the_same_port(killable_redis: KillableServer) -> None:
+    client = aioredis.Redis.from_url(killable_redis.url)
+    try:
+        await client.set("k", "v")
+        port = killable_redis.port
+        killable_redis.stop()
+        assert not port_open("127.0.0.1", port)
+        with pytest.raises(aioredis.ConnectionError):
+            await client.get("k")
+        killable_redis.start()
+        assert killable_redis.port == port
+        assert await client.get("k") is None
+        assert await client.dbsize() == 0
+    finally:
+        await client.aclose()
+
+
+async def test_killable_postgres_keeps_committed_data_across_a_kill(killable_postgres: KillablePostgres) -> None:
+    conn = await asyncpg.connect(killable_postgres.dsn)
+    await conn.execute("CREATE TABLE kept (n int); INSERT INTO kept VALUES (1), (2)")
+    killable_postgres.stop()
+    with pytest.raises((ConnectionError, OSError, asyncpg.PostgresError)):
+        await conn.fetchval("SELECT 1")
+    conn.terminate()
+    with pytest.raises(OSError):
+        await asyncpg.connect(killable_postgres.dsn, timeout=2)
+    killable_postgres.start()
+    conn = await asyncpg.connect(killable_postgres.dsn)
+    try:
+        assert await conn.fetchval("SELECT sum(n) FROM kept") == 3
+    finally:
+        await conn.close()
+
+
+async def test_killable_kafka_comes_back_without_topics(killable_kafka: KillableServer, topic_prefix: str) -> None:
+    topic = f"{topic_prefix}kept"
+    admin = AIOKafkaAdminClient(bootstrap_servers=killable_kafka.url)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+        assert topic in await admin.list_topics()
+    finally:
+        await admin.close()
+    killable_kafka.stop()
+    assert not port_open(*split_host_port(killable_kafka.url, 9092))
+    killable_kafka.start()
+    admin = AIOKafkaAdminClient(bootstrap_servers=killable_kafka.url)
+    await admin.start()
+    try:
+        assert topic not in await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+async def test_pg_dsn_is_migrated_and_its_own(pg_dsn: str, _database_factory: DatabaseFactory) -> None:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        applied = [r["name"] for r in await conn.fetch("SELECT name FROM schema_migrations ORDER BY name")]
+        assert applied == [name for name, _ in migration_files()]
+        await conn.execute("CREATE TABLE only_here (n int)")
+    finally:
+        await conn.close()
+    name, other = _database_factory.create()
+    try:
+        assert other != pg_dsn
+        conn = await asyncpg.connect(other)
+        try:
+            assert await conn.fetchval("SELECT to_regclass('only_here')") is None
+            assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == len(applied)
+        finally:
+            await conn.close()
+    finally:
+        _database_factory.drop(name)
+
+
+def test_settings_point_at_this_tests_own_resources(settings: CommonSettings, pg_dsn: str, redis_prefix: str, topic_prefix: str) -> None:
+    assert (settings.postgres_dsn, settings.redis_prefix, settings.topic_prefix) == (pg_dsn, redis_prefix, topic_prefix)
+    assert redis_prefix != "bg" and topic_prefix != ""
+
+
+# -- dev up / status / down -------------------------------------------------------------------
+
+NO_BACKEND_ENV = ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_REDIS_URL", "BUDGETGATE_KAFKA_BOOTSTRAP",
+                  "BUDGETGATE_REDIS_PREFIX", "BUDGETGATE_TOPIC_PREFIX")  # fmt: skip
+
+
+def dev(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `budgetgate dev ARGS` in `root`, with no BUDGETGATE_* servers unless `env` names some."""
+    base = {k: v for k, v in os.environ.items() if k not in NO_BACKEND_ENV}
+    cmd = [sys.executable, "-c", "from budgetgate.cli.main import cli; cli()", "dev", *args]
+    return subprocess.run(cmd, cwd=root, env={**base, **(env or {})}, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
+
+
+def status(root: Path) -> dict:  # type: ignore[type-arg]
+    result = dev(root, "status", "--json")
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def checkout(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A directory to run a stack in; whatever is left up there is taken down afterwards."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    yield root
+    dev(root, "down")
+
+
+def alive_pids(info: dict) -> dict[str, int]:  # type: ignore[type-arg]
+    return {p["name"]: p["pid"] for p in info["processes"] if p["alive"]}
+
+
+async def test_up_status_down_with_embedded_servers(checkout: Path) -> None:
+    started = dev(checkout, "up", "--detach", "--no-services")
+    assert started.returncode == 0, started.stderr
+    info = status(checkout)
+    assert info["up"] is True
+    assert set(alive_pids(info)) == {"postgres", "redis", "kafka"}
+    conn = await asyncpg.connect(info["postgres_dsn"])
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == len(migration_files())
+    finally:
+        await conn.close()
+    client = aioredis.Redis.from_url(info["redis_url"])
+    assert await client.ping()
+    await client.aclose()
+    assert port_open(*split_host_port(info["kafka_bootstrap"], 9092))
+    # Settings reach any command run in the checkout through the state file.
+    assert json.loads((checkout / ".budgetgate" / "dev.json").read_text())["settings"]["redis_url"] == info["redis_url"]
+
+    again = dev(checkout, "up", "--detach", "--no-services")
+    assert again.returncode == 0 and "already up" in again.stdout
+    assert alive_pids(status(checkout)) == alive_pids(info)
+
+    stopped = dev(checkout, "down")
+    assert stopped.returncode == 0, stopped.stderr
+    assert not (checkout / ".budgetgate" / "dev.json").exists()
+    assert not any(Path(f"/proc/{pid}").exists() and _not_zombie(pid) for pid in alive_pids(info).values())
+    assert dev(checkout, "down").returncode == 0
+    assert dev(checkout, "status").returncode == 1
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_two_checkouts_run_side_by_side(tmp_path: Path) -> None:
+    roots = [tmp_path / "a", tmp_path / "b"]
+    try:
+        for root in roots:
+            root.mkdir()
+            result = dev(root, "up", "--detach", "--no-services")
+            assert result.returncode == 0, result.stderr
+        a, b = (status(root) for root in roots)
+        for key in ("postgres_dsn", "redis_url", "kafka_bootstrap"):
+            assert a[key] != b[key]
+        assert a["up"] and b["up"]
+    finally:
+        for root in roots:
+            dev(root, "down")
+
+
+def test_up_on_shared_servers_isolates_the_checkout(
+    checkout: Path, postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str
+) -> None:
+    env = {"BUDGETGATE_POSTGRES_DSN": postgres_admin_dsn, "BUDGETGATE_REDIS_URL": redis_server_url,
+           "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap}  # fmt: skip
+    database = database_name(checkout_tag(checkout))
+    try:
+        result = dev(checkout, "up", "--detach", "--no-services", env=env)
+        assert result.returncode == 0, result.stderr
+        info = json.loads(dev(checkout, "status", "--json").stdout)
+        assert info["processes"] == []  # nothing of its own to run
+        assert info["postgres_dsn"].endswith(f"/{database}")
+        assert info["redis_prefix"] == f"bg-{checkout_tag(checkout)}"
+        assert info["topic_prefix"] == f"{checkout_tag(checkout)}-"
+        assert (info["redis_url"], info["kafka_bootstrap"]) == (redis_server_url, kafka_server_bootstrap)
+        assert dev(checkout, "down").returncode == 0
+    finally:
+        from tests.support.databases import _execute, run_async
+
+        run_async(lambda: _execute(postgres_admin_dsn, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+
+
+def test_up_that_fails_names_the_culprit_and_leaves_nothing_running(checkout: Path) -> None:
+    result = dev(checkout, "up", "--detach", "--no-services", env={"BUDGETGATE_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert result.returncode == 1
+    assert "Redis at redis://127.0.0.1:1/0 does not answer" in result.stderr
+    assert "postgres: stopped" in result.stderr  # the embedded Postgres it had started
+    assert not (checkout / ".budgetgate" / "dev.json").exists()
+
+
+def test_down_signals_only_processes_that_still_run_what_up_started(checkout: Path) -> None:
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        state = {"settings": {}, "processes": [
+            {"name": "admission", "pid": bystander.pid, "cmdline": ["python", "-m", "budgetgate.services.admission"],
+             "log": "/dev/null"}]}  # fmt: skip
+        (checkout / ".budgetgate").mkdir()
+        (checkout / ".budgetgate" / "dev.json").write_text(json.dumps(state))
+        result = dev(checkout, "down")
+        assert result.returncode == 0
+        assert "admission: was not running" in result.stderr
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_up_replaces_a_stack_whose_processes_all_died(checkout: Path) -> None:
+    assert dev(checkout, "up", "--detach", "--no-services").returncode == 0
+    first = status(checkout)
+    for pid in alive_pids(first).values():
+        os.killpg(pid, 9)
+    assert dev(checkout, "status").returncode == 1
+    again = dev(checkout, "up", "--detach", "--no-services")
+    assert again.returncode == 0, again.stderr
+    assert "no longer running" in again.stderr
+    assert status(checkout)["up"] is True
+
+
+ADMISSION_MAIN = "budgetgate.services.admission.__main__"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec(ADMISSION_MAIN) is None,
+    reason=f"{ADMISSION_MAIN} does not exist yet, so `dev up` has no admission service to start",
+)
+def test_up_starts_admission_and_down_stops_it(checkout: Path) -> None:
+    result = dev(checkout, "up", "--detach")
+    assert result.returncode == 0, result.stderr
+    info = status(checkout)
+    assert "admission" in alive_pids(info)
+    assert httpx.get(f"{info['admission_url']}/healthz", timeout=5).status_code == 200
+    readiness = httpx.get(f"{info['admission_url']}/readyz", timeout=5)
+    # A fresh stack has no policy bundle: admission fails closed until one is applied.
+    checks = readiness.json()["checks"]
+    assert checks["postgres"] == "ok" and checks["redis_ledger"] == "ok", checks
+    assert dev(checkout, "down").returncode == 0
+    assert not port_open(*split_host_port(info["admission_url"].removeprefix("http://"), 80))
