@@ -1,0 +1,38 @@
+# Everyday commands. `just --list` shows them; each one is also runnable by hand.
+
+venv := ".venv"
+python := venv / "bin/python"
+budgetgate := venv / "bin/budgetgate"
+
+# Create the virtualenv and install the project with its dev tools.
+setup:
+    test -x {{python}} || python3 -m venv {{venv}}
+    {{python}} -m pip install --quiet -e '.[dev]'
+
+# Run the whole test suite (it starts the servers it needs); extra arguments go to pytest.
+test *args:
+    {{python}} -m pytest {{args}}
+
+# Apply the example policies to the local stack and submit a mix of workloads.
+demo *args:
+    {{budgetgate}} demo {{args}}
+
+# Start the local stack in the background (Postgres, Redis, Kafka and the services).
+up *args:
+    {{budgetgate}} dev up --detach {{args}}
+
+# Stop what `just up` started.
+down:
+    {{budgetgate}} dev down
+
+# Show the local stack: URLs, and which processes are alive.
+status:
+    {{budgetgate}} dev status
+
+# Regenerate the Python code of the wire contracts in proto/.
+proto:
+    {{python}} -m budgetgate.contracts_build
+
+# Benchmarks (outside the test run).
+bench *args:
+    {{budgetgate}} bench admission {{args}}
