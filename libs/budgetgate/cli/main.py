@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from budgetgate.cli import db, demo, dev, policy
+from budgetgate.cli import bench, db, demo, dev, policy
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,6 +16,7 @@ cli.add_command(dev.dev)
 cli.add_command(db.db)
 cli.add_command(policy.policy)
 cli.add_command(demo.demo)
+cli.add_command(bench.bench)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""The load generator: N clients on keep-alive HTTP/1.1 connections, each sending the next
+submission as soon as its previous one was answered (a closed loop).
+
+A few lines of asyncio streams instead of a full HTTP client: on a small machine the client
+shares the cores with the services it measures, and a general-purpose client's own CPU time
+would be a noticeable part of every latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+TIMEOUT_SECONDS = 30.0
+
+
+@dataclass
+class Outcome:
+    """What one phase of load produced."""
+
+    elapsed: float = 0.0
+    latencies: list[float] = field(default_factory=list)  # seconds, answered requests only
+    decisions: list[str | None] = field(default_factory=list)  # per submission; None = error
+    errors: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def answered(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+    def count(self, decision: str) -> int:
+        return sum(d == decision for d in self.decisions)
+
+    def percentile_ms(self, p: float) -> float | None:
+        """Nearest-rank percentile of the answered requests' latencies, in milliseconds."""
+        if not self.latencies:
+            return None
+        ordered = sorted(self.latencies)
+        rank = max(1, -(-len(ordered) * p // 100))
+        return ordered[int(rank) - 1] * 1000
+
+
+class _Connection:
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.writer.write(head + body)
+        status_line, *header_lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in header_lines if line)}
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            payload = await self._chunked()
+        else:
+            payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        return int(status_line.split(" ", 2)[1]), payload
+
+    async def _chunked(self) -> bytes:
+        assert self.reader is not None
+        parts = []
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")
+                return b"".join(parts)
+            parts.append(await self.reader.readexactly(size))
+            await self.reader.readexactly(2)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            try:
+                await self.writer.wait_closed()
+            except OSError:
+                pass
+        self.reader = self.writer = None
+
+
+async def drive(*, host: str, port: int, bodies: Sequence[bytes], concurrency: int, path: str = "/v1/admissions") -> Outcome:
+    """Send every body once with `concurrency` clients; errors are counted, never retried."""
+    outcome = Outcome(decisions=[None] * len(bodies))
+    next_index = iter(range(len(bodies)))
+
+    async def client() -> None:
+        connection = _Connection(host, port)
+        try:
+            for i in next_index:
+                started = time.perf_counter()
+                try:
+                    async with asyncio.timeout(TIMEOUT_SECONDS):
+                        status, payload = await connection.post(path, bodies[i])
+                except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError) as exc:
+                    outcome.errors[type(exc).__name__] += 1
+                    await connection.close()
+                    continue
+                if status != 200:
+                    outcome.errors[f"HTTP {status}"] += 1
+                    continue
+                outcome.latencies.append(time.perf_counter() - started)
+                outcome.decisions[i] = json.loads(payload)["decision"]
+        finally:
+            await connection.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(bodies))))))
+    outcome.elapsed = time.perf_counter() - started
+    return outcome

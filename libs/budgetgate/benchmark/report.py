@@ -1,0 +1,144 @@
+"""The benchmark's results as a table with ratios, and as JSON."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from budgetgate.benchmark.runner import Options, RunResult
+from budgetgate.benchmark.workload import GPU_HOURS_EACH, GPUS, RUNTIME_HOURS
+
+_COLUMNS = ("system", "scenario", "requests", "decisions/s", "p50 ms", "p95 ms", "p99 ms", "errors", "allowed")
+
+
+def row(result: RunResult) -> dict[str, Any]:
+    """One run's figures, as the JSON report carries them."""
+    out = result.outcome
+    return {
+        "system": result.system,
+        "scenario": result.scenario,
+        "budgets": len(result.workload.budgets),
+        "requests": len(result.workload.measured),
+        "answered": out.answered,
+        "seconds": round(out.elapsed, 3),
+        "decisions_per_second": round(out.answered / out.elapsed, 1) if out.elapsed else 0.0,
+        "p50_ms": _round(out.percentile_ms(50)),
+        "p95_ms": _round(out.percentile_ms(95)),
+        "p99_ms": _round(out.percentile_ms(99)),
+        "errors": out.error_count,
+        "error_kinds": dict(out.errors),
+        "allowed": out.count("ALLOW"),
+        "denied": out.count("DENY"),
+        "expected_allowed": result.workload.measured_expected_allows,
+        "correct": result.audit.ok,
+        "correctness": {
+            "budgets": result.audit.budgets,
+            "admitted_gpu_hours": result.audit.admitted_gpu_hours,
+            "limit_gpu_hours": result.audit.limit_gpu_hours,
+            "stored_allows": result.audit.stored_allows,
+            "problems": result.audit.problems,
+        },
+        **({"notes": result.notes} if result.notes else {}),
+    }
+
+
+def ratios(results: list[RunResult]) -> list[dict[str, Any]]:
+    """budgetgate ÷ baseline per scenario, for throughput and p99 latency."""
+    by_key = {(r.system, r.scenario): row(r) for r in results}
+    out = []
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        bg, base = by_key.get(("budgetgate", scenario)), by_key.get(("baseline", scenario))
+        if not bg or not base:
+            continue
+        out.append(
+            {
+                "scenario": scenario,
+                "throughput": _ratio(bg["decisions_per_second"], base["decisions_per_second"]),
+                "p99": _ratio(bg["p99_ms"], base["p99_ms"]),
+            }
+        )
+    return out
+
+
+def as_json(options: Options, results: list[RunResult]) -> dict[str, Any]:
+    return {
+        "options": {
+            "requests": options.requests,
+            "concurrency": options.concurrency,
+            "warmup": options.warmup,
+            "budgets": options.budgets,
+            "allow_fraction": options.allow_fraction,
+            "scenarios": list(options.scenarios),
+            "systems": list(options.systems),
+            "submission": {"gpus": GPUS, "runtime_hours": RUNTIME_HOURS, "gpu_hours": GPU_HOURS_EACH},
+        },
+        "cpus": os.cpu_count(),
+        "results": [row(r) for r in results],
+        "ratios": ratios(results),
+        "correct": all(r.audit.ok for r in results),
+    }
+
+
+def as_text(options: Options, results: list[RunResult]) -> str:
+    rows = [row(r) for r in results]
+    cells = [
+        [
+            r["system"],
+            f"{r['scenario']} ({r['budgets']})",
+            str(r["requests"]),
+            f"{r['decisions_per_second']:.1f}",
+            _ms(r["p50_ms"]),
+            _ms(r["p95_ms"]),
+            _ms(r["p99_ms"]),
+            str(r["errors"]),
+            f"{r['allowed']} ({100 * r['allowed'] / r['requests']:.0f}%)" if r["requests"] else "0",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(c) for c in column) for column in zip(_COLUMNS, *cells, strict=True)]
+    lines = [
+        f"{options.concurrency} concurrent clients, {options.warmup} warm-up submissions, then the measured ones; "
+        f"each asks for {GPUS} GPUs x {RUNTIME_HOURS:g} h = {GPU_HOURS_EACH:g} GPU-hours; budgets fit ~{options.allow_fraction:.0%} of them",
+        "",
+        "  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(_COLUMNS, widths, strict=True))),
+    ]
+    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))) for line in cells]
+    lines.append("")
+    for r in rows:
+        lines.append(_correctness_line(r))
+    for r in rows:
+        if r.get("notes"):
+            lines.append(f"{r['system']}/{r['scenario']}: " + ", ".join(f"{k} {v}" for k, v in r["notes"].items()) + " (right after the measured phase)")
+    for ratio in ratios(results):
+        lines.append(
+            f"budgetgate/baseline, {ratio['scenario']}: throughput {_x(ratio['throughput'])}, p99 latency {_x(ratio['p99'])}"
+        )
+    return "\n".join(lines)
+
+
+def _correctness_line(r: dict[str, Any]) -> str:
+    c = r["correctness"]
+    head = f"correctness {r['system']}/{r['scenario']}: "
+    if r["correct"]:
+        return head + (
+            f"OK - no budget over its limit ({c['budgets']} budget(s) reached, {c['admitted_gpu_hours']:g} of "
+            f"{c['limit_gpu_hours']:g} GPU-hours admitted, {c['stored_allows']} admitted runs stored, "
+            f"{r['allowed']} of the {r['expected_allowed']} measured submissions that fit were allowed; retries answered alike)"
+        )
+    return head + "FAILED - " + "; ".join(c["problems"])
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 2) if value is not None else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def _x(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"

@@ -1,0 +1,163 @@
+"""One benchmark run: for each scenario and system, a fresh database and service, a warm-up,
+the measured load, a retry probe and the correctness check; everything started is stopped and
+dropped again, also on Ctrl-C, SIGTERM or an error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import httpx
+import redis.exceptions
+from aiokafka.errors import KafkaError
+
+from budgetgate.benchmark import databases, load, workload
+from budgetgate.benchmark.audit import Audit, check
+from budgetgate.benchmark.processes import StartError, Subprocess, free_port, tansu_command
+from budgetgate.benchmark.systems import Backends, Baseline, Budgetgate, System
+from budgetgate.settings import CommonSettings
+
+SYSTEMS = ("baseline", "budgetgate")
+# Failures of the machinery around the measurement: reported as a message, not a traceback.
+BENCH_ERRORS: tuple[type[BaseException], ...] = (StartError, OSError, asyncpg.PostgresError, redis.exceptions.RedisError, KafkaError, httpx.HTTPError)
+
+
+@dataclass(frozen=True)
+class Options:
+    requests: int = 2000
+    concurrency: int = 32
+    warmup: int = 100
+    budgets: int = 100
+    allow_fraction: float = 0.8
+    scenarios: tuple[str, ...] = workload.SCENARIOS
+    systems: tuple[str, ...] = SYSTEMS
+    probe: int = 20  # measured run ids submitted again after the run
+    ready_timeout: float = 60.0
+
+
+@dataclass
+class RunResult:
+    system: str
+    scenario: str
+    workload: workload.Workload
+    outcome: load.Outcome
+    audit: Audit
+    notes: dict[str, int]
+
+
+class Run:
+    def __init__(self, options: Options, *, echo: Callable[[str], None]) -> None:
+        self.options = options
+        self.echo = echo
+        self.tag = uuid.uuid4().hex[:8]
+        self.settings = CommonSettings()
+        self.children: list[Subprocess] = []
+
+    async def execute(self) -> list[RunResult]:
+        """Every scenario × system, in that order."""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, task.cancel)
+        log_dir = Path(tempfile.mkdtemp(prefix="budgetgate-bench-"))
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                backends = await self._backends(stack, log_dir)
+                results = []
+                for scenario in self.options.scenarios:
+                    work = workload.build(
+                        scenario, requests=self.options.requests, warmup=self.options.warmup,
+                        budgets=self.options.budgets, allow_fraction=self.options.allow_fraction, tag=self.tag,
+                    )  # fmt: skip
+                    for name in self.options.systems:
+                        system: System = Budgetgate(backends, tag=f"{self.tag}-{scenario}") if name == "budgetgate" else Baseline()
+                        results.append(await self._measure(system, work, log_dir))
+                return results
+        finally:
+            for child in self.children:  # only reached alive when cleanup itself was cut short
+                child.kill()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    async def _backends(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> Backends:
+        given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
+        if given:
+            return Backends(redis_url=self.settings.redis_url, kafka_bootstrap=given, kafka_is_ours=False)
+        port = free_port()
+        self.echo(f"starting a Tansu broker on 127.0.0.1:{port} (BUDGETGATE_KAFKA_BOOTSTRAP is unset)")
+        broker = self._start("kafka", tansu_command(port), log_dir=log_dir)
+        stack.push_async_callback(broker.stop)
+        await broker.wait_port(port, timeout=self.options.ready_timeout)
+        return Backends(redis_url=self.settings.redis_url, kafka_bootstrap=f"127.0.0.1:{port}", kafka_is_ours=True)
+
+    def _start(self, name: str, command: list[str], *, log_dir: Path, env: dict[str, str] | None = None) -> Subprocess:
+        child = Subprocess(name, command, log_dir=log_dir, env=env, cwd=log_dir)
+        self.children.append(child)
+        return child
+
+    async def _measure(self, system: System, work: workload.Workload, log_dir: Path) -> RunResult:
+        label = f"{system.name}/{work.scenario}"
+        server_dsn = self.settings.postgres_dsn
+        database = f"bench_{self.tag}_{system.name}_{work.scenario}"
+        async with contextlib.AsyncExitStack() as stack:
+            dsn = await databases.create(server_dsn, database)
+            stack.push_async_callback(databases.drop, server_dsn, database)
+            stack.push_async_callback(system.cleanup)
+            await system.prepare(dsn, work)
+            port = free_port()
+            command, env = system.command(dsn=dsn, port=port)
+            service = self._start(f"{system.name}-{work.scenario}", command, log_dir=log_dir, env=env)
+            stack.push_async_callback(service.stop)
+            await self._wait_ready(service, port, system.ready_path)
+
+            run = self.options
+            self.echo(f"[{label}] warm-up: {len(work.warmup)} submissions")
+            warm = await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
+            self.echo(f"[{label}] measuring: {len(work.measured)} submissions, {run.concurrency} clients, {len(work.budgets)} budget(s)")
+            measured = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
+            self.echo(f"[{label}] {measured.answered / measured.elapsed:.0f} decisions/s, {measured.error_count} errors")
+            notes = await system.notes(dsn)
+            probe_bodies = work.measured[: run.probe]
+            probe = await load.drive(host="127.0.0.1", port=port, bodies=probe_bodies, concurrency=min(run.concurrency, 8))
+            mismatches = sum(again != first for again, first in zip(probe.decisions, measured.decisions, strict=False) if first is not None)
+            await service.stop()  # nothing in flight while the ledger is read
+            totals, problems = await system.totals(dsn)
+            audit = check(
+                totals,
+                told_allows=warm.count("ALLOW") + measured.count("ALLOW"),
+                expected_allows=work.expected_allows,
+                errors=warm.error_count + measured.error_count + probe.error_count,
+                probe_mismatches=mismatches,
+                problems=problems,
+            )
+            return RunResult(system.name, work.scenario, work, measured, audit, notes)
+
+    async def _wait_ready(self, service: Subprocess, port: int, path: str) -> None:
+        await service.wait_port(port, timeout=self.options.ready_timeout)
+        deadline = time.monotonic() + self.options.ready_timeout
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            while True:
+                service.check_alive()
+                response = await client.get(path)
+                if response.status_code == 200:
+                    return
+                if time.monotonic() > deadline:
+                    raise StartError(f"{service.name} not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{service.log_tail()}")
+                await asyncio.sleep(0.1)
+
+
+async def run(options: Options, *, echo: Callable[[str], None]) -> list[RunResult]:
+    """Run the benchmark described by `options`; progress goes to `echo`."""
+    return await Run(options, echo=echo).execute()

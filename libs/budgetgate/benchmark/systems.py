@@ -1,0 +1,158 @@
+"""The two systems under test, each able to prepare a fresh database, start as a subprocess,
+report its budgets' totals afterwards, and clean up what it left outside its database."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+import asyncpg
+import redis.asyncio as aioredis
+
+from budgetgate.benchmark import baseline, queries
+from budgetgate.benchmark.audit import MILLI_PER_HOUR, BudgetTotal
+from budgetgate.benchmark.processes import python_module
+from budgetgate.benchmark.workload import Workload, policy_yaml
+from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.ledger.migrations import migrate_dsn
+from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.policy_repo import apply_bundle
+from budgetgate.topics import Topics, ensure_topics
+
+
+@dataclass(frozen=True)
+class Backends:
+    redis_url: str
+    kafka_bootstrap: str
+    kafka_is_ours: bool  # started for this run, so its topics vanish with it
+
+
+class System(Protocol):
+    name: str
+    ready_path: str
+
+    async def prepare(self, dsn: str, workload: Workload) -> None: ...
+    def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]: ...
+    async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]: ...
+    async def notes(self, dsn: str) -> dict[str, int]: ...
+    async def cleanup(self) -> None: ...
+
+
+class Budgetgate:
+    """budgetgate's admission service, on its own Redis prefix and Kafka topic prefix."""
+
+    name = "budgetgate"
+    ready_path = "/readyz"
+
+    def __init__(self, backends: Backends, *, tag: str) -> None:
+        self.backends = backends
+        self.redis_prefix = f"bench-{tag}"
+        self.topics = Topics(f"bench-{tag}-")
+
+    async def prepare(self, dsn: str, workload: Workload) -> None:
+        await migrate_dsn(dsn)
+        documents = parse_text(policy_yaml(workload.budgets), "bench/policies.yaml")
+        bundle = build_bundle(documents, git_sha=uuid.uuid4().hex + "00000000")
+        conn = await asyncpg.connect(dsn)
+        try:
+            await apply_bundle(conn, bundle=bundle, documents=documents, source="budgetgate bench", applied_by="budgetgate bench")
+        finally:
+            await conn.close()
+        await ensure_topics(self.backends.kafka_bootstrap, prefix=self.topics.prefix, partitions=1)
+
+    def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]:
+        env = {
+            "BUDGETGATE_POSTGRES_DSN": dsn,
+            "BUDGETGATE_REDIS_URL": self.backends.redis_url,
+            "BUDGETGATE_REDIS_PREFIX": self.redis_prefix,
+            "BUDGETGATE_KAFKA_BOOTSTRAP": self.backends.kafka_bootstrap,
+            "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
+        }
+        return python_module("budgetgate.services.admission", "--host", "127.0.0.1", "--port", str(port)), env
+
+    async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = await conn.fetch(queries.sql("audit.sql", "ledger_totals"))
+            allow_decisions = await conn.fetchval(queries.sql("audit.sql", "allow_decisions"))
+        finally:
+            await conn.close()
+        totals = [BudgetTotal(r["budget"], r["limit_amount"], r["consumed"], r["admitted"], r["allows"]) for r in rows]
+        problems = []
+        if allow_decisions != sum(t.allows for t in totals):
+            problems.append(f"{allow_decisions} ALLOW decisions but {sum(t.allows for t in totals)} held reservations")
+        in_redis = await self._redis_reserved([t.budget for t in totals])
+        for t in totals:
+            if in_redis.get(t.budget) != t.admitted:
+                problems.append(f"Redis holds {in_redis.get(t.budget)} on {t.budget}, Postgres {t.admitted}")
+        return totals, problems
+
+    async def _redis_reserved(self, ledger_keys: list[str]) -> dict[str, int]:
+        client = aioredis.from_url(self.backends.redis_url)
+        try:
+            readings = await RedisLedger(client, prefix=self.redis_prefix).readings(ledger_keys)
+        finally:
+            await client.aclose()
+        return {key: reserved for key, (reserved, _consumed) in readings.items()}
+
+    async def notes(self, dsn: str) -> dict[str, int]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            row = await conn.fetchrow(queries.sql("audit.sql", "outbox_state"))
+        finally:
+            await conn.close()
+        return {"outbox_rows": row["total"], "outbox_unpublished": row["pending"]}
+
+    async def cleanup(self) -> None:
+        client = aioredis.from_url(self.backends.redis_url)
+        try:
+            keys = [key async for key in client.scan_iter(match="{" + self.redis_prefix + "}:*", count=1000)]
+            for start in range(0, len(keys), 500):
+                await client.delete(*keys[start : start + 500])
+        finally:
+            await client.aclose()
+        if not self.backends.kafka_is_ours:
+            from aiokafka.admin import AIOKafkaAdminClient
+
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.backends.kafka_bootstrap)
+            with contextlib.suppress(Exception):
+                await admin.start()
+                await admin.delete_topics(self.topics.all())
+            with contextlib.suppress(Exception):
+                await admin.close()
+
+
+class Baseline:
+    """The FastAPI + asyncpg service with SELECT … FOR UPDATE (budgetgate.benchmark.baseline)."""
+
+    name = "baseline"
+    ready_path = "/readyz"
+
+    async def prepare(self, dsn: str, workload: Workload) -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = [(b.team, b.namespace, round(b.limit_gpu_hours * MILLI_PER_HOUR)) for b in workload.budgets]
+            await baseline.prepare(conn, rows)
+        finally:
+            await conn.close()
+
+    def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]:
+        return python_module("budgetgate.benchmark.baseline", "--dsn", dsn, "--host", "127.0.0.1", "--port", str(port)), {}
+
+    async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = await conn.fetch(baseline.sql("totals"))
+        finally:
+            await conn.close()
+        totals = [BudgetTotal(r["budget_id"], r["limit_amount"], r["consumed"], r["admitted"], r["allows"]) for r in rows]
+        problems = [f"budget {r['budget_id']}: reserved {r['reserved']} but ALLOW decisions add up to {r['admitted']}" for r in rows if r["reserved"] != r["admitted"]]
+        return totals, problems
+
+    async def notes(self, dsn: str) -> dict[str, int]:
+        return {}
+
+    async def cleanup(self) -> None:
+        return None

@@ -1,0 +1,54 @@
+"""`budgetgate bench …`: benchmarks against the obvious alternative (see budgetgate.benchmark)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import click
+
+from budgetgate.benchmark.runner import SYSTEMS
+from budgetgate.benchmark.workload import SCENARIOS
+
+
+@click.group()
+def bench() -> None:
+    """Measure budgetgate against a baseline (not part of the test run)."""
+
+
+@bench.command()
+@click.option("--requests", default=2000, show_default=True, type=click.IntRange(1), help="Measured submissions per system and scenario.")
+@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(1), help="Concurrent HTTP clients.")
+@click.option("--warmup", default=100, show_default=True, type=click.IntRange(0), help="Submissions sent before measuring.")
+@click.option("--budgets", default=100, show_default=True, type=click.IntRange(1), help="Budgets of the spread scenario.")
+@click.option("--allow-fraction", default=0.8, show_default=True, type=click.FloatRange(0.0, 1.0), help="Share of measured submissions the budgets fit.")
+@click.option("--scenario", "scenarios", multiple=True, type=click.Choice(SCENARIOS), help="hot: one budget; spread: --budgets budgets. Default: both.")
+@click.option("--system", "systems", multiple=True, type=click.Choice(SYSTEMS), help="Default: both.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def admission(requests: int, concurrency: int, warmup: int, budgets: int, allow_fraction: float, scenarios: tuple[str, ...], systems: tuple[str, ...], as_json: bool) -> None:
+    """Admission decisions/s and latency: budgetgate vs. a FastAPI + Postgres row-lock service.
+
+    Each system and scenario gets a fresh database on the Postgres server of
+    BUDGETGATE_POSTGRES_DSN; budgetgate uses BUDGETGATE_REDIS_URL and BUDGETGATE_KAFKA_BOOTSTRAP,
+    or a Tansu broker started for the run. Exits 1 if any budget was over-admitted.
+    """
+    from budgetgate.benchmark import report, runner
+
+    options = runner.Options(
+        requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
+        scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS,
+    )  # fmt: skip
+    try:
+        results = asyncio.run(runner.run(options, echo=lambda message: click.echo(message, err=True)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        click.echo("interrupted; everything the benchmark started was stopped", err=True)
+        sys.exit(130)
+    except runner.BENCH_ERRORS as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(report.as_json(options, results), indent=2))
+    else:
+        click.echo(report.as_text(options, results))
+    if not all(r.audit.ok for r in results):
+        raise click.ClickException("correctness check failed: see the lines above")
