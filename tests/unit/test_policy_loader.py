@@ -124,7 +124,7 @@ def test_example_policies_are_read_as_written() -> None:
     assert cost.scope.scope_id == "cost-center=1042"
 
     assert policy(bundle, "gpu-budget/org-dry-run").enforcement is Enforcement.DRY_RUN
-    # on_exhausted defaults to deny; enforcement defaults to hard when not written.
+    # on_exhausted defaults to deny when not written.
     assert policy(bundle, "gpu-budget/org-dry-run").on_exhausted is OnExhausted.DENY
     assert policy(bundle, "node-budget/team-nlp-preprocessing").enforcement is Enforcement.SOFT
     assert policy(bundle, "node-budget/team-nlp-preprocessing").limit.unit is Unit.NODE_HOURS
@@ -497,6 +497,9 @@ def test_scope_id_is_canonical_and_sorted() -> None:
     scope = Scope(namespaces=frozenset({"vision-prod"}), labels={"team": "vision", "cost-center": "1042"})
     assert scope.scope_id == "ns=vision-prod;cost-center=1042;team=vision"
     assert Scope(namespaces=frozenset({"b", "a"})).scope_id == "ns=a,b"
+    # Set order depends on string hashing; the id must not.
+    names = [f"team-{c}" for c in "hgfedcba"]
+    assert Scope(namespaces=frozenset(names)).scope_id == "ns=" + ",".join(sorted(names))
     assert Scope(labels={"environment": "*"}).scope_id == "environment=*"
     assert Scope().scope_id == "all"
 

@@ -1,0 +1,560 @@
+"""Evaluation: which budgets a submission falls under, and the decision the ledger's readings give."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from budgetgate.core.evaluation import (
+    Decision,
+    Evaluation,
+    Plan,
+    Reading,
+    Resources,
+    Submission,
+    UnknownFlavor,
+    decide,
+    describe,
+    fits,
+    ledger_key,
+    next_eligible,
+    plan,
+)
+from budgetgate.core.policy import (
+    BudgetPolicy,
+    Enforcement,
+    Limit,
+    OnExhausted,
+    PolicyBundle,
+    Rate,
+    RateCard,
+    Scope,
+    Source,
+)
+from budgetgate.core.units import Unit, to_amount
+from budgetgate.core.windows import WindowSpec, window_at
+
+AT = datetime(2026, 3, 10, 12, tzinfo=UTC)
+MONTH = WindowSpec(calendar="month")
+MARCH = (datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 4, 1, tzinfo=UTC))
+GPU_48 = 48 * 3_600_000  # 8 GPUs × 6 h
+VISION_LABELS = {"team": "vision", "cost-center": "1042", "environment": "prod"}
+
+
+def budget(
+    policy_id: str,
+    *,
+    namespaces: tuple[str, ...] = (),
+    labels: Mapping[str, str] | None = None,
+    unit: Unit = Unit.GPU_HOURS,
+    limit: str = "100",
+    currency: str | None = None,
+    enforcement: Enforcement = Enforcement.HARD,
+    on_exhausted: OnExhausted = OnExhausted.DENY,
+    window: WindowSpec = MONTH,
+) -> BudgetPolicy:
+    return BudgetPolicy(
+        id=policy_id,
+        scope=Scope(namespaces=frozenset(namespaces), labels=dict(labels or {})),
+        window=window,
+        limit=Limit(unit=unit, amount=to_amount(unit, limit), currency=currency),
+        enforcement=enforcement,
+        on_exhausted=on_exhausted,
+        source=Source(f"{policy_id}.yaml", 1),
+    )
+
+
+RATES = RateCard(
+    id="rates",
+    currency="USD",
+    rates=(Rate("h100", Decimal("3.933")), Rate("h100", Decimal("4.25"), region="eu-west-1")),
+    source=Source("rates.yaml", 1),
+)
+
+TEAM = budget("team-vision", namespaces=("vision-prod",), labels={"team": "vision"}, limit="500")
+COST_CENTER = budget("cc-1042", labels={"cost-center": "1042"}, unit=Unit.COST, limit="5000", currency="USD")
+ORG = budget("org", labels={"environment": "*"}, limit="10000", window=WindowSpec(rolling_days=30))
+
+
+def bundle(*policies: BudgetPolicy, rates: bool = True) -> PolicyBundle:
+    return PolicyBundle(git_sha="f" * 40, policies=policies, rate_cards=(RATES,) if rates else ())
+
+
+def submission(
+    *,
+    namespace: str = "vision-prod",
+    labels: Mapping[str, str] | None = None,
+    gpus: int = 8,
+    nodes: int = 1,
+    hours: str = "6",
+    flavor: str | None = "h100",
+    region: str | None = None,
+    at: datetime = AT,
+) -> Submission:
+    return Submission(
+        run_id="run-1",
+        namespace=namespace,
+        labels=dict(VISION_LABELS if labels is None else labels),
+        resources=Resources(gpus=gpus, nodes=nodes, flavor=flavor, region=region),
+        runtime_hours=Decimal(hours),
+        at=at,
+    )
+
+
+def room(p: Plan, **remaining_by_policy: int) -> dict[str, Reading]:
+    """Readings with plenty of room, except where a policy's remaining amount is given."""
+    readings = {}
+    for charge in p.charges:
+        limit = charge.policy.limit.amount
+        left = remaining_by_policy.get(charge.policy.id.replace("-", "_"), limit)
+        readings[charge.ledger_key] = Reading(limit=limit, reserved=limit - left, consumed=0)
+    return readings
+
+
+def by_policy(decision: Decision) -> dict[str, Evaluation]:
+    return {e.policy_id: e for e in decision.evaluations}
+
+
+# --- matching -----------------------------------------------------------------------------------
+
+
+def test_namespace_and_exact_labels_match() -> None:
+    p = plan(bundle(TEAM), submission())
+    assert [c.policy.id for c in p.charges] == ["team-vision"]
+    assert p.violations == ()
+
+
+def test_label_value_must_be_equal() -> None:
+    p = plan(bundle(TEAM), submission(labels={"team": "nlp"}))
+    assert p.charges == ()
+    assert p.violations == ()
+
+
+def test_other_namespace_does_not_match() -> None:
+    p = plan(bundle(TEAM), submission(namespace="vision-research"))
+    assert p.charges == () and p.violations == ()
+
+
+def test_any_of_several_namespaces_matches() -> None:
+    policy = budget("nlp", namespaces=("nlp-prod", "nlp-dev"), labels={"team": "nlp"})
+    assert len(plan(bundle(policy), submission(namespace="nlp-dev", labels={"team": "nlp"})).charges) == 1
+    assert len(plan(bundle(policy), submission(namespace="nlp-prod", labels={"team": "nlp"})).charges) == 1
+    assert plan(bundle(policy), submission(namespace="nlp-test", labels={"team": "nlp"})).charges == ()
+
+
+def test_star_means_present_with_any_value() -> None:
+    p = plan(bundle(ORG), submission(labels={"environment": "anything-at-all"}))
+    assert [c.policy.id for c in p.charges] == ["org"]
+    assert plan(bundle(ORG), submission(labels={"environment": ""})).charges != ()
+    assert plan(bundle(ORG), submission(labels={"team": "vision"})).charges == ()
+
+
+def test_a_literal_star_on_the_submission_is_just_a_value() -> None:
+    # "*" in the policy matches it like any value; a policy asking for "prod" does not.
+    assert len(plan(bundle(ORG), submission(labels={"environment": "*"})).charges) == 1
+    exact = budget("exact", labels={"environment": "prod"})
+    assert plan(bundle(exact), submission(labels={"environment": "*"})).charges == ()
+
+
+def test_missing_required_label_in_a_covered_namespace_is_a_violation() -> None:
+    policy = budget("team-vision", namespaces=("vision-prod",), labels={"team": "vision", "cost-center": "*"})
+    p = plan(bundle(policy), submission(labels={"environment": "prod"}))
+    assert p.charges == ()
+    assert [(v.policy.id, v.missing) for v in p.violations] == [("team-vision", ("cost-center", "team"))]
+
+
+def test_violation_denies_without_ledger_readings() -> None:
+    policy = budget("team-vision", namespaces=("vision-prod",), labels={"team": "vision", "cost-center": "*"})
+    p = plan(bundle(policy), submission(labels={"team": "vision"}))
+    decision = decide(p, None)
+    assert decision.outcome == "DENY"
+    assert not decision.admitted and not decision.reserves
+    [evaluation] = decision.evaluations
+    assert evaluation.missing_labels == ("cost-center",)
+    assert evaluation.outcome == "DENY"
+    assert evaluation.ledger_key is None and evaluation.remaining is None
+    assert evaluation.admitted == 0
+    assert "'team-vision'" in decision.reason
+    assert "requires label cost-center" in decision.reason
+    assert "'vision-prod'" in decision.reason
+    assert "Add the missing labels" in decision.reason
+
+
+def test_violation_reason_names_every_missing_label() -> None:
+    policy = budget("strict", namespaces=("vision-prod",), labels={"team": "vision", "cost-center": "1042"})
+    decision = decide(plan(bundle(policy), submission(labels={})), None)
+    assert "requires labels cost-center, team" in decision.reason
+
+
+def test_violation_denies_even_when_other_budgets_match() -> None:
+    strict = budget("strict", namespaces=("vision-prod",), labels={"owner": "*"})
+    p = plan(bundle(strict, TEAM), submission())
+    assert [c.policy.id for c in p.charges] == ["team-vision"]
+    decision = decide(p, None)
+    assert decision.outcome == "DENY"
+    assert all(e.admitted == 0 for e in decision.evaluations)
+    assert by_policy(decision)["strict"].missing_labels == ("owner",)
+
+
+def test_label_only_policies_do_not_violate_they_just_do_not_match() -> None:
+    p = plan(bundle(COST_CENTER, ORG), submission(labels={"team": "vision"}))
+    assert p.charges == () and p.violations == ()
+    decision = decide(p, None)
+    assert decision.outcome == "ALLOW"
+    assert not decision.reserves
+    assert "no budget policy covers namespace 'vision-prod'" in decision.reason
+
+
+def test_wrong_label_value_in_covered_namespace_is_not_a_violation() -> None:
+    p = plan(bundle(TEAM), submission(labels={"team": "nlp"}))
+    assert p.violations == ()
+    assert decide(p, None).outcome == "ALLOW"
+
+
+# --- charges ------------------------------------------------------------------------------------
+
+
+def test_a_run_under_three_policies_gets_three_charges() -> None:
+    p = plan(bundle(TEAM, COST_CENTER, ORG), submission())
+    assert [c.policy.id for c in p.charges] == ["team-vision", "cc-1042", "org"]
+    amounts = {c.policy.id: c.amount for c in p.charges}
+    assert amounts == {"team-vision": GPU_48, "cc-1042": 188_784_000, "org": GPU_48}
+    assert len({c.ledger_key for c in p.charges}) == 3
+    assert p.projected_gpu == GPU_48
+    assert (p.showback_micros, p.currency) == (188_784_000, "USD")
+    assert p.bundle_sha == "f" * 40
+
+
+def test_charge_windows_and_ledger_keys() -> None:
+    p = plan(bundle(TEAM, ORG), submission())
+    team, org = p.charges
+    assert (team.window.start, team.window.end) == MARCH
+    assert team.ledger_key == "ns=vision-prod;team=vision|2026-03-01T00:00:00Z/2026-04-01T00:00:00Z|gpu_hours"
+    assert org.ledger_key == "environment=*|rolling-30d|gpu_hours"
+    assert team.ledger_key == ledger_key(TEAM, window_at(MONTH, AT))
+    assert team.hard
+
+
+def test_node_and_wall_hour_charges() -> None:
+    nodes = budget("nodes", namespaces=("vision-prod",), unit=Unit.NODE_HOURS)
+    wall = budget("wall", namespaces=("vision-prod",), unit=Unit.WALL_HOURS)
+    p = plan(bundle(nodes, wall), submission(gpus=0, nodes=3, hours="2.5", flavor=None))
+    assert {c.policy.id: c.amount for c in p.charges} == {"nodes": to_amount(Unit.NODE_HOURS, "7.5"), "wall": to_amount(Unit.WALL_HOURS, "2.5")}
+    assert p.projected_gpu == 0
+
+
+def test_region_rate_prices_the_cost_charge() -> None:
+    p = plan(bundle(COST_CENTER), submission(region="eu-west-1"))
+    assert p.charges[0].amount == 204_000_000  # 48 × 4.25
+
+
+def test_unknown_flavor_when_a_cost_policy_applies() -> None:
+    with pytest.raises(UnknownFlavor, match="'cc-1042'.*flavor 'b200'"):
+        plan(bundle(COST_CENTER), submission(flavor="b200"))
+    with pytest.raises(UnknownFlavor, match="in region 'ap-south-1'"):
+        plan(bundle(COST_CENTER, rates=False), submission(region="ap-south-1"))
+
+
+def test_cost_policy_needs_a_flavor() -> None:
+    with pytest.raises(UnknownFlavor, match="must name a resources.flavor"):
+        plan(bundle(COST_CENTER), submission(flavor=None))
+
+
+def test_unknown_flavor_is_fine_when_no_cost_policy_applies() -> None:
+    p = plan(bundle(TEAM, COST_CENTER), submission(flavor="b200", labels={"team": "vision"}))
+    assert [c.policy.id for c in p.charges] == ["team-vision"]
+    assert p.showback_micros is None and p.currency is None
+
+
+# --- decisions ----------------------------------------------------------------------------------
+
+
+def test_no_policy_allows_without_reserving() -> None:
+    decision = decide(plan(bundle(), submission()), {})
+    assert decision.outcome == "ALLOW" and decision.admitted
+    assert decision.evaluations == ()
+    assert not decision.reserves
+
+
+def test_allow_reserves_the_projected_amount_on_every_key() -> None:
+    p = plan(bundle(TEAM, COST_CENTER, ORG), submission())
+    decision = decide(p, room(p))
+    assert decision.outcome == "ALLOW" and decision.reserves
+    assert [(e.policy_id, e.admitted, e.projected, e.outcome) for e in decision.evaluations] == [
+        ("team-vision", GPU_48, GPU_48, "ALLOW"),
+        ("cc-1042", 188_784_000, 188_784_000, "ALLOW"),
+        ("org", GPU_48, GPU_48, "ALLOW"),
+    ]
+    team = decision.evaluations[0]
+    assert team.policy_git_sha == "f" * 40
+    assert team.scope_id == "ns=vision-prod;team=vision"
+    assert (team.window_start, team.window_end) == MARCH
+    assert team.limit == team.remaining == 500 * 3_600_000
+    assert team.unit is Unit.GPU_HOURS
+    assert team.enforcement is Enforcement.HARD
+    assert team.on_exhausted == "deny"
+    assert team.deficit is None and team.next_eligible_time is None
+
+
+def test_exactly_the_remaining_amount_fits() -> None:
+    p = plan(bundle(TEAM), submission())
+    assert decide(p, room(p, team_vision=GPU_48)).outcome == "ALLOW"
+    assert decide(p, room(p, team_vision=GPU_48 - 1)).outcome == "DENY"
+
+
+def test_fits_is_remaining_after_reserved_and_consumed() -> None:
+    assert fits(10, Reading(limit=100, reserved=50, consumed=40))
+    assert not fits(11, Reading(limit=100, reserved=50, consumed=40))
+    assert fits(0, Reading(limit=100, reserved=0, consumed=100))
+    assert not fits(1, Reading(limit=100, reserved=0, consumed=120))
+    assert Reading(limit=100, reserved=30, consumed=90).remaining == -20
+
+
+@pytest.mark.parametrize(
+    ("on_exhausted", "outcome"),
+    [
+        (OnExhausted.DENY, "DENY"),
+        (OnExhausted.DELAY, "DELAY"),
+        (OnExhausted.HOLD, "DELAY"),
+        (OnExhausted.HOLD_AND_DRAIN, "DELAY"),
+    ],
+)
+def test_hard_policy_without_room_blocks_by_on_exhausted(on_exhausted: OnExhausted, outcome: str) -> None:
+    policy = budget("team", namespaces=("vision-prod",), on_exhausted=on_exhausted)
+    p = plan(bundle(policy), submission())
+    decision = decide(p, room(p, team=to_amount(Unit.GPU_HOURS, 2)))
+    assert decision.outcome == outcome
+    assert not decision.reserves and not decision.admitted
+    [evaluation] = decision.evaluations
+    assert evaluation.outcome == outcome
+    assert evaluation.admitted == 0
+    assert evaluation.deficit == GPU_48 - to_amount(Unit.GPU_HOURS, 2)
+
+
+def test_any_deny_makes_the_decision_deny() -> None:
+    deny = budget("deny", namespaces=("vision-prod",))
+    delay = budget("delay", labels={"team": "vision"}, on_exhausted=OnExhausted.DELAY)
+    p = plan(bundle(deny, delay), submission())
+    assert decide(p, room(p, deny=0, delay=0)).outcome == "DENY"
+    assert decide(p, room(p, delay=0)).outcome == "DELAY"
+    assert decide(p, room(p, deny=0)).outcome == "DENY"
+    both = decide(p, room(p, deny=0, delay=0))
+    assert {e.policy_id: e.outcome for e in both.evaluations} == {"deny": "DENY", "delay": "DELAY"}
+
+
+def test_all_or_nothing_when_one_budget_is_short() -> None:
+    p = plan(bundle(TEAM, COST_CENTER, ORG), submission())
+    decision = decide(p, room(p, org=0))
+    assert decision.outcome == "DENY"
+    assert [e.admitted for e in decision.evaluations] == [0, 0, 0]
+    assert {e.policy_id: e.outcome for e in decision.evaluations} == {"team-vision": "ALLOW", "cc-1042": "ALLOW", "org": "DENY"}
+    assert {e.policy_id: e.deficit for e in decision.evaluations} == {"team-vision": None, "cc-1042": None, "org": GPU_48}
+
+
+@pytest.mark.parametrize("enforcement", [Enforcement.SOFT, Enforcement.DRY_RUN])
+def test_soft_and_dry_run_never_block(enforcement: Enforcement) -> None:
+    policy = budget("trial", namespaces=("vision-prod",), enforcement=enforcement)
+    p = plan(bundle(policy), submission())
+    decision = decide(p, room(p, trial=-to_amount(Unit.GPU_HOURS, 50)))
+    assert decision.outcome == "ALLOW" and decision.reserves
+    assert decision.evaluations[0].admitted == GPU_48
+    assert not p.charges[0].hard
+
+
+def test_dry_run_records_what_it_would_have_decided() -> None:
+    dry_deny = budget("dry-deny", namespaces=("vision-prod",), enforcement=Enforcement.DRY_RUN)
+    dry_delay = budget("dry-delay", labels={"team": "vision"}, enforcement=Enforcement.DRY_RUN, on_exhausted=OnExhausted.DELAY)
+    soft = budget("soft", labels={"environment": "*"}, enforcement=Enforcement.SOFT)
+    p = plan(bundle(dry_deny, dry_delay, soft), submission())
+    decision = decide(p, room(p, dry_deny=0, dry_delay=0, soft=0))
+    assert decision.outcome == "ALLOW"
+    assert {e.policy_id: e.outcome for e in decision.evaluations} == {"dry-deny": "DENY", "dry-delay": "DELAY", "soft": "ALLOW"}
+
+
+def test_dry_run_over_its_limit_next_to_a_blocking_hard_policy() -> None:
+    hard = budget("hard", namespaces=("vision-prod",))
+    dry = budget("dry", labels={"team": "vision"}, enforcement=Enforcement.DRY_RUN, on_exhausted=OnExhausted.DELAY)
+    p = plan(bundle(hard, dry), submission())
+    decision = decide(p, room(p, hard=0, dry=GPU_48 - 10))
+    assert decision.outcome == "DENY"
+    assert by_policy(decision)["dry"].outcome == "DELAY"
+    assert by_policy(decision)["dry"].deficit == 10
+    assert "'dry'" not in decision.reason  # only blocking budgets explain the answer
+
+
+def test_soft_policy_alone_never_changes_a_denial_into_delay() -> None:
+    hard = budget("hard", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
+    soft = budget("soft", labels={"team": "vision"}, enforcement=Enforcement.SOFT, on_exhausted=OnExhausted.DENY)
+    p = plan(bundle(hard, soft), submission())
+    assert decide(p, room(p, hard=0, soft=0)).outcome == "DELAY"
+
+
+def test_deficit_counts_overconsumption() -> None:
+    p = plan(bundle(TEAM), submission())
+    key = p.charges[0].ledger_key
+    limit = TEAM.limit.amount
+    decision = decide(p, {key: Reading(limit=limit, reserved=0, consumed=limit + 1000)})
+    assert decision.evaluations[0].remaining == -1000
+    assert decision.evaluations[0].deficit == GPU_48 + 1000
+
+
+# --- next eligible time -------------------------------------------------------------------------
+
+
+def delayed(policy: BudgetPolicy, remaining: int, releases: list[tuple[datetime, int]] | None = None, **kwargs: object) -> Decision:
+    p = plan(bundle(policy), submission(**kwargs))  # type: ignore[arg-type]
+    key = p.charges[0].ledger_key
+    limit = policy.limit.amount
+    return decide(p, {key: Reading(limit=limit, reserved=limit - remaining, consumed=0)}, releases={key: releases or []})
+
+
+WAITING = budget("waiting", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
+
+
+def test_next_eligible_is_the_window_end_without_releases() -> None:
+    decision = delayed(WAITING, remaining=0)
+    assert decision.evaluations[0].next_eligible_time == MARCH[1]
+    assert "Resubmit at or after 2026-04-01T00:00:00Z" in decision.reason
+
+
+def test_next_eligible_is_the_earliest_release_that_frees_enough() -> None:
+    soon, later, latest = AT + timedelta(hours=1), AT + timedelta(hours=2), AT + timedelta(hours=3)
+    # 20 GPU-hours free; needs 28 more: the first release frees 10, the second 20 → enough at `later`.
+    releases = [(latest, GPU_48), (soon, 10 * 3_600_000), (later, 20 * 3_600_000)]
+    decision = delayed(WAITING, remaining=20 * 3_600_000, releases=releases)
+    assert decision.evaluations[0].deficit == 28 * 3_600_000
+    assert decision.evaluations[0].next_eligible_time == later
+
+
+def test_release_that_frees_exactly_the_deficit_is_enough() -> None:
+    soon = AT + timedelta(minutes=5)
+    decision = delayed(WAITING, remaining=GPU_48 - 7, releases=[(soon, 7)])
+    assert decision.evaluations[0].next_eligible_time == soon
+
+
+def test_releases_that_do_not_free_enough_fall_back_to_the_window_end() -> None:
+    decision = delayed(WAITING, remaining=0, releases=[(AT + timedelta(hours=1), GPU_48 - 1)])
+    assert decision.evaluations[0].next_eligible_time == MARCH[1]
+
+
+def test_releases_after_the_window_end_do_not_count() -> None:
+    decision = delayed(WAITING, remaining=0, releases=[(MARCH[1] + timedelta(days=3), GPU_48)])
+    assert decision.evaluations[0].next_eligible_time == MARCH[1]
+
+
+def test_no_eligible_time_when_the_run_alone_exceeds_the_limit() -> None:
+    small = budget("small", namespaces=("vision-prod",), limit="40", on_exhausted=OnExhausted.DELAY)
+    decision = delayed(small, remaining=to_amount(Unit.GPU_HOURS, 40), releases=[(AT + timedelta(hours=1), GPU_48)])
+    assert decision.outcome == "DELAY"
+    assert decision.evaluations[0].next_eligible_time is None
+    assert "larger than the whole budget" in decision.reason
+
+
+def test_run_exactly_the_size_of_the_limit_can_wait() -> None:
+    exact = budget("exact", namespaces=("vision-prod",), limit="48", on_exhausted=OnExhausted.DELAY)
+    assert delayed(exact, remaining=0).evaluations[0].next_eligible_time == MARCH[1]
+
+
+def test_rolling_window_without_releases_waits_for_the_window_to_move_on() -> None:
+    rolling = budget("rolling", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY, window=WindowSpec(rolling_days=7))
+    decision = delayed(rolling, remaining=0)
+    assert decision.evaluations[0].next_eligible_time == AT + timedelta(days=7)
+
+
+def test_rolling_window_uses_an_earlier_release() -> None:
+    rolling = budget("rolling", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY, window=WindowSpec(rolling_days=7))
+    soon = AT + timedelta(hours=2)
+    decision = delayed(rolling, remaining=0, releases=[(soon, GPU_48)])
+    assert decision.evaluations[0].next_eligible_time == soon
+
+
+def test_next_eligible_helper_directly() -> None:
+    p = plan(bundle(WAITING), submission())
+    charge = p.charges[0]
+    reading = Reading(limit=WAITING.limit.amount, reserved=WAITING.limit.amount, consumed=0)
+    assert next_eligible(charge, reading, ()) == MARCH[1]
+    assert next_eligible(charge, reading, [(AT + timedelta(hours=1), GPU_48)]) == AT + timedelta(hours=1)
+
+
+def test_delay_waits_for_the_latest_of_the_blocked_budgets() -> None:
+    monthly = budget("monthly", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
+    weekly = budget("weekly", labels={"team": "vision"}, on_exhausted=OnExhausted.DELAY, window=WindowSpec(calendar="week"))
+    p = plan(bundle(monthly, weekly), submission())
+    decision = decide(p, room(p, monthly=0, weekly=0))
+    times = {e.policy_id: e.next_eligible_time for e in decision.evaluations}
+    assert times == {"monthly": MARCH[1], "weekly": datetime(2026, 3, 16, tzinfo=UTC)}
+    assert "Resubmit at or after 2026-04-01T00:00:00Z" in decision.reason
+
+
+def test_delay_never_advises_a_time_when_one_blocked_budget_can_never_fit() -> None:
+    monthly = budget("monthly", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
+    tiny = budget("tiny", labels={"team": "vision"}, limit="10", on_exhausted=OnExhausted.DELAY)
+    p = plan(bundle(monthly, tiny), submission())
+    decision = decide(p, room(p, monthly=0, tiny=0))
+    assert decision.outcome == "DELAY"
+    assert by_policy(decision)["tiny"].next_eligible_time is None
+    assert "Resubmit at or after" not in decision.reason
+    assert "larger than the whole budget" in decision.reason
+
+
+# --- reasons ------------------------------------------------------------------------------------
+
+
+def test_allow_reason_names_the_tightest_budget_and_what_is_left() -> None:
+    p = plan(bundle(TEAM, ORG), submission())
+    decision = decide(p, room(p, team_vision=to_amount(Unit.GPU_HOURS, 100)))
+    assert decision.reason == "admitted: reserved on 2 budgets; tightest is 'team-vision' with 52 GPU-hours of 500 GPU-hours left after this run"
+
+
+def test_allow_reason_for_one_cost_budget() -> None:
+    p = plan(bundle(COST_CENTER), submission())
+    decision = decide(p, room(p))
+    assert decision.reason == "admitted: reserved on 1 budget; tightest is 'cc-1042' with 4,811.22 USD of 5,000.00 USD left after this run"
+
+
+def test_deny_reason_names_policy_scope_window_numbers_and_what_to_do() -> None:
+    p = plan(bundle(TEAM), submission())
+    decision = decide(p, room(p, team_vision=to_amount(Unit.GPU_HOURS, "12.5")))
+    assert decision.reason == (
+        "denied: budget 'team-vision' (scope ns=vision-prod;team=vision, window 2026-03-01T00:00:00Z to 2026-04-01T00:00:00Z) "
+        "has 12.5 GPU-hours of 500 GPU-hours left and this run needs 48 GPU-hours (short by 35.5 GPU-hours). "
+        "Reduce the request, wait for the window to reset, or ask the budget owner to raise the limit."
+    )
+
+
+def test_deny_reason_for_an_overspent_cost_budget() -> None:
+    p = plan(bundle(COST_CENTER), submission())
+    key = p.charges[0].ledger_key
+    decision = decide(p, {key: Reading(limit=COST_CENTER.limit.amount, reserved=0, consumed=to_amount(Unit.COST, "5100"))})
+    assert "has 0.00 USD of 5,000.00 USD left" in decision.reason
+    assert "this run needs 188.78 USD (short by 288.78 USD)" in decision.reason
+
+
+def test_delay_reason_names_the_blocking_budgets() -> None:
+    monthly = budget("monthly", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
+    weekly = budget("weekly", labels={"team": "vision"}, on_exhausted=OnExhausted.HOLD, window=WindowSpec(calendar="week"))
+    p = plan(bundle(monthly, weekly), submission())
+    decision = decide(p, room(p, monthly=0))
+    assert decision.reason.startswith("delayed: budget 'monthly'")
+    assert "'weekly'" not in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("unit", "amount", "currency", "text"),
+    [
+        (Unit.GPU_HOURS, GPU_48, None, "48 GPU-hours"),
+        (Unit.GPU_HOURS, 1_800_000, None, "0.5 GPU-hours"),
+        (Unit.GPU_HOURS, to_amount(Unit.GPU_HOURS, 1234), None, "1,234 GPU-hours"),
+        (Unit.GPU_HOURS, 0, None, "0 GPU-hours"),
+        (Unit.NODE_HOURS, to_amount(Unit.NODE_HOURS, "12.25"), None, "12.25 node-hours"),
+        (Unit.WALL_HOURS, to_amount(Unit.WALL_HOURS, 100), None, "100 wall-hours"),
+        (Unit.COST, 188_784_000, "USD", "188.78 USD"),
+        (Unit.COST, 5_000_000_000, "EUR", "5,000.00 EUR"),
+        (Unit.COST, 5_000, None, "0.01"),
+    ],
+)
+def test_describe(unit: Unit, amount: int, currency: str | None, text: str) -> None:
+    assert describe(unit, amount, currency) == text
