@@ -36,6 +36,9 @@ class StackState:
     root: Path
     settings: dict[str, str | None] = field(default_factory=dict)
     processes: list[ProcessRecord] = field(default_factory=list)
+    # Settings derived from a BUDGETGATE_* variable (setting -> the variable's value then): the
+    # variable named a shared server, the setting is this checkout's room on it.
+    from_env: dict[str, str] = field(default_factory=dict)
 
     def add(self, record: ProcessRecord) -> None:
         """Remember a started process, on disk at once, so a crash of `dev up` leaves nothing unowned."""
@@ -53,6 +56,7 @@ class StackState:
             "root": str(self.root),
             "settings": self.settings,
             "processes": [p.to_json() for p in self.processes],
+            "from_env": self.from_env,
         }
         # Write then rename: a reader (CommonSettings in another process) never sees half a file.
         tmp = path.with_suffix(f".tmp.{os.getpid()}")
@@ -68,6 +72,7 @@ class StackState:
                 root=root,
                 settings=dict(data.get("settings", {})),
                 processes=[ProcessRecord.from_json(p) for p in data.get("processes", [])],
+                from_env=dict(data.get("from_env", {})),
             )
         except FileNotFoundError:
             return None
