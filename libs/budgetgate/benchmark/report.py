@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from budgetgate.benchmark.runner import Options, RunResult
+from budgetgate.benchmark.runner import Measurements, Options, RunResult
 from budgetgate.benchmark.workload import GPU_HOURS_EACH, GPUS, RUNTIME_HOURS
 
 _COLUMNS = ("system", "scenario", "requests", "decisions/s", "p50 ms", "p95 ms", "p99 ms", "errors", "allowed")
@@ -60,8 +60,10 @@ def ratios(results: list[RunResult]) -> list[dict[str, Any]]:
     return out
 
 
-def as_json(options: Options, results: list[RunResult]) -> dict[str, Any]:
+def as_json(options: Options, measured: Measurements) -> dict[str, Any]:
+    results = measured.results
     return {
+        "run_tag": measured.tag,
         "options": {
             "requests": options.requests,
             "concurrency": options.concurrency,
@@ -75,11 +77,12 @@ def as_json(options: Options, results: list[RunResult]) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "results": [row(r) for r in results],
         "ratios": ratios(results),
-        "correct": all(r.audit.ok for r in results),
+        "correct": measured.correct,
     }
 
 
-def as_text(options: Options, results: list[RunResult]) -> str:
+def as_text(options: Options, measured: Measurements) -> str:
+    results = measured.results
     rows = [row(r) for r in results]
     cells = [
         [

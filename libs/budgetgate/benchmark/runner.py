@@ -55,6 +55,19 @@ class RunResult:
     notes: dict[str, int]
 
 
+@dataclass
+class Measurements:
+    """Everything one `bench admission` measured; `tag` names its databases (bench_<tag>_…),
+    Redis prefixes and topic prefixes (bench-<tag>-…)."""
+
+    tag: str
+    results: list[RunResult]
+
+    @property
+    def correct(self) -> bool:
+        return all(r.audit.ok for r in self.results)
+
+
 class Run:
     def __init__(self, options: Options, *, echo: Callable[[str], None]) -> None:
         self.options = options
@@ -63,7 +76,7 @@ class Run:
         self.settings = CommonSettings()
         self.children: list[Subprocess] = []
 
-    async def execute(self) -> list[RunResult]:
+    async def execute(self) -> Measurements:
         """Every scenario × system, in that order."""
         task = asyncio.current_task()
         assert task is not None
@@ -83,7 +96,7 @@ class Run:
                     for name in self.options.systems:
                         system: System = Budgetgate(backends, tag=f"{self.tag}-{scenario}") if name == "budgetgate" else Baseline()
                         results.append(await self._measure(system, work, log_dir))
-                return results
+                return Measurements(self.tag, results)
         finally:
             for child in self.children:  # only reached alive when cleanup itself was cut short
                 child.kill()
@@ -158,6 +171,6 @@ class Run:
                 await asyncio.sleep(0.1)
 
 
-async def run(options: Options, *, echo: Callable[[str], None]) -> list[RunResult]:
+async def run(options: Options, *, echo: Callable[[str], None]) -> Measurements:
     """Run the benchmark described by `options`; progress goes to `echo`."""
     return await Run(options, echo=echo).execute()

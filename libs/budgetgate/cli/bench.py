@@ -40,15 +40,15 @@ def admission(requests: int, concurrency: int, warmup: int, budgets: int, allow_
         scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS,
     )  # fmt: skip
     try:
-        results = asyncio.run(runner.run(options, echo=lambda message: click.echo(message, err=True)))
+        measured = asyncio.run(runner.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         click.echo("interrupted; everything the benchmark started was stopped", err=True)
         sys.exit(130)
     except runner.BENCH_ERRORS as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(f"benchmark aborted: {type(exc).__name__}: {exc}") from exc
     if as_json:
-        click.echo(json.dumps(report.as_json(options, results), indent=2))
+        click.echo(json.dumps(report.as_json(options, measured), indent=2))
     else:
-        click.echo(report.as_text(options, results))
-    if not all(r.audit.ok for r in results):
+        click.echo(report.as_text(options, measured))
+    if not measured.correct:
         raise click.ClickException("correctness check failed: see the lines above")

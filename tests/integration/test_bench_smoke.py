@@ -1,0 +1,51 @@
+"""`budgetgate bench admission` end to end with tiny numbers: both systems run, the report says
+so, the over-admission check passes, and nothing the benchmark created is left behind.
+No timing is asserted: wall-clock figures belong to the benchmark, not to the test run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import asyncpg
+import redis
+
+
+async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str) -> None:
+    env = {
+        **os.environ,
+        "BUDGETGATE_POSTGRES_DSN": postgres_admin_dsn,
+        "BUDGETGATE_REDIS_URL": redis_server_url,
+        "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap,
+    }
+    command = [sys.executable, "-m", "budgetgate.cli.main", "bench", "admission", "--requests", "60", "--concurrency", "4",
+               "--warmup", "10", "--scenario", "hot", "--json"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr
+
+    report = json.loads(done.stdout)
+    assert {r["system"] for r in report["results"]} == {"budgetgate", "baseline"}
+    assert report["correct"] is True
+    for result in report["results"]:
+        assert result["scenario"] == "hot" and result["requests"] == 60
+        assert result["errors"] == 0, result["error_kinds"]
+        assert result["correctness"]["problems"] == []
+        # 10 warm-up + 48 of the 60 measured submissions fit, at 8 GPU-hours each.
+        assert result["allowed"] == result["expected_allowed"] == 48
+        assert result["correctness"]["admitted_gpu_hours"] <= result["correctness"]["limit_gpu_hours"] == 58 * 8
+    assert [r["scenario"] for r in report["ratios"]] == ["hot"]
+
+    tag = report["run_tag"]
+    conn = await asyncpg.connect(postgres_admin_dsn)
+    try:
+        left = await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE $1", f"bench\\_{tag}\\_%")
+    finally:
+        await conn.close()
+    assert left == 0
+    client = redis.Redis.from_url(redis_server_url)
+    try:
+        assert list(client.scan_iter(match=f"{{bench-{tag}-*", count=1000)) == []
+    finally:
+        client.close()
