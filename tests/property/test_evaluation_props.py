@@ -98,7 +98,8 @@ def test_blocked_outcome_follows_on_exhausted(case: tuple[Plan, dict[str, Readin
     if not blocked:
         assert decision.outcome == "ALLOW"
         return
-    expected = "DELAY" if all(c.policy.on_exhausted.delays for c in blocked) else "DENY"
+    can_wait = [c.policy.on_exhausted.delays and c.amount <= c.policy.limit.amount for c in blocked]
+    expected = "DELAY" if all(can_wait) else "DENY"
     assert decision.outcome == expected
     assert decision.reason.startswith("delayed: " if expected == "DELAY" else "denied: ")
     for charge in blocked:
@@ -107,7 +108,8 @@ def test_blocked_outcome_follows_on_exhausted(case: tuple[Plan, dict[str, Readin
     for charge in blocked:
         evaluation = by_id[charge.policy.id]
         reading = readings[charge.ledger_key]
-        assert evaluation.outcome == ("DELAY" if charge.policy.on_exhausted.delays else "DENY")
+        waits = charge.policy.on_exhausted.delays and charge.amount <= charge.policy.limit.amount
+        assert evaluation.outcome == ("DELAY" if waits else "DENY")
         assert evaluation.deficit == charge.amount - reading.remaining > 0
         eligible = evaluation.next_eligible_time
         if charge.amount > charge.policy.limit.amount:
@@ -203,5 +205,6 @@ def test_planned_submission_is_admitted_iff_its_hard_budgets_have_room(
     expected = team_fits and (org_fits or org_enforcement is not Enforcement.HARD)
     decision = decide(p, readings)
     assert decision.admitted == expected
-    assert decision.outcome == ("ALLOW" if expected else "DELAY")
+    too_big = projected > team.limit.amount or (org_enforcement is Enforcement.HARD and projected > org.limit.amount and not org_fits)
+    assert decision.outcome == ("ALLOW" if expected else "DENY" if too_big else "DELAY")
     assert sum(e.admitted for e in decision.evaluations) == (2 * projected if expected else 0)

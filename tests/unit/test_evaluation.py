@@ -445,10 +445,11 @@ def test_releases_after_the_window_end_do_not_count() -> None:
     assert decision.evaluations[0].next_eligible_time == MARCH[1]
 
 
-def test_no_eligible_time_when_the_run_alone_exceeds_the_limit() -> None:
+def test_a_run_larger_than_a_delaying_budget_is_denied_not_delayed() -> None:
+    # Waiting can never make it fit, so DELAY would have the platform retry forever.
     small = budget("small", namespaces=("vision-prod",), limit="40", on_exhausted=OnExhausted.DELAY)
     decision = delayed(small, remaining=to_amount(Unit.GPU_HOURS, 40), releases=[(AT + timedelta(hours=1), GPU_48)])
-    assert decision.outcome == "DELAY"
+    assert decision.outcome == "DENY"
     assert decision.evaluations[0].next_eligible_time is None
     assert "larger than the whole budget" in decision.reason
 
@@ -489,12 +490,13 @@ def test_delay_waits_for_the_latest_of_the_blocked_budgets() -> None:
     assert "Resubmit at or after 2026-04-01T00:00:00Z" in decision.reason
 
 
-def test_delay_never_advises_a_time_when_one_blocked_budget_can_never_fit() -> None:
+def test_one_blocked_budget_that_can_never_fit_turns_delay_into_deny() -> None:
     monthly = budget("monthly", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
     tiny = budget("tiny", labels={"team": "vision"}, limit="10", on_exhausted=OnExhausted.DELAY)
     p = plan(bundle(monthly, tiny), submission())
     decision = decide(p, room(p, monthly=0, tiny=0))
-    assert decision.outcome == "DELAY"
+    assert decision.outcome == "DENY"
+    assert by_policy(decision)["monthly"].outcome == "DELAY" and by_policy(decision)["tiny"].outcome == "DENY"
     assert by_policy(decision)["tiny"].next_eligible_time is None
     assert "Resubmit at or after" not in decision.reason
     assert "larger than the whole budget" in decision.reason

@@ -664,3 +664,25 @@ def test_bundle_rate_for_gives_the_currency_and_known_flavors() -> None:
     assert bundle.rate_for("a100", None, datetime(2026, 7, 1, tzinfo=UTC))[0].rate_per_gpu_hour == Decimal("1.85")  # type: ignore[index]
     assert bundle.rate_for("tpu", None, datetime(2026, 3, 1, tzinfo=UTC)) is None
     assert bundle.known_flavors() == frozenset({"h100", "a100", "l4"})
+
+
+def test_label_key_ns_is_reserved_for_namespaces(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", POLICY.format(id="a", namespace="x").replace("    namespace: x\n", "    labels: {ns: x}\n"))
+    error = only_error(tmp_path)
+    assert "reserved" in error.message and error.line == 7
+
+
+def test_same_scope_and_calendar_in_equivalent_time_zones_is_one_ledger(tmp_path: Path) -> None:
+    write(tmp_path, "a.yaml", POLICY.format(id="a", namespace="x"))
+    write(tmp_path, "b.yaml", POLICY.format(id="b", namespace="x").replace("calendar: month", "calendar: month\n    timezone: Etc/UTC"))
+    error = only_error(tmp_path)
+    assert error.file == "b.yaml" and "same scope, window and unit" in error.message
+
+
+def test_most_specific_rate_wins_across_rate_cards(tmp_path: Path) -> None:
+    write(tmp_path, "rates-a.yaml", RATES)
+    write(tmp_path, "rates-b.yaml", RATES.replace("rates/test", "rates/eu").replace("{flavor: h100, rate_per_gpu_hour: 3.933}", "{flavor: h100, region: eu-west-1, rate_per_gpu_hour: 4.25}"))
+    bundle = load(tmp_path)
+    at = datetime(2026, 11, 1, tzinfo=UTC)
+    assert bundle.rate_for("h100", "eu-west-1", at) == (Rate("h100", Decimal("4.25"), "eu-west-1"), "USD")
+    assert bundle.rate_for("h100", "us-east-1", at) == (Rate("h100", Decimal("3.933")), "USD")

@@ -9,7 +9,7 @@ from pathlib import Path
 import asyncpg
 import click
 
-from budgetgate.core.loader import PolicyValidationError, build_bundle, read_directory
+from budgetgate.core.loader import PolicyValidationError, load_directory
 from budgetgate.policy_repo import RepositoryError, apply_bundle, revision
 from budgetgate.settings import CommonSettings
 
@@ -21,8 +21,7 @@ def policy() -> None:
 
 def _load(directory: Path, git_sha: str):  # type: ignore[no-untyped-def]
     try:
-        documents = read_directory(directory)
-        return build_bundle(documents, git_sha=git_sha), documents
+        return load_directory(directory, git_sha=git_sha)
     except PolicyValidationError as exc:
         for error in exc.errors:
             click.echo(f"error: {error}", err=True)

@@ -40,6 +40,13 @@ class ScopeDoc(_Strict):
     namespaces: list[Namespace] | None = Field(default=None, min_length=1)
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
 
+    @field_validator("labels")
+    @classmethod
+    def _no_ns_label(cls, labels: dict[str, str]) -> dict[str, str]:
+        if "ns" in labels:
+            raise ValueError("the label key 'ns' is reserved: scope ids use ns= for namespaces; use namespace/namespaces")
+        return labels
+
     @model_validator(mode="after")
     def _one_namespace_form(self) -> ScopeDoc:
         if self.namespace is not None and self.namespaces is not None:

@@ -205,18 +205,25 @@ def decide(
     if not blocked:
         evaluations = tuple(_evaluation(c, sha, readings[c.ledger_key], admitted=c.amount, outcome=_soft_outcome(c, readings)) for c in plan.charges)
         return Decision("ALLOW", _allow_reason(plan, readings), evaluations, reserves=True)
-    outcome = "DELAY" if all(c.policy.on_exhausted.delays for c in blocked) else "DENY"
+    # Waiting helps only when every blocking budget says so and the run fits each one at all.
+    outcome = "DELAY" if all(_can_wait(c) for c in blocked) else "DENY"
     releases = releases or {}
     evaluations = []
     for charge in plan.charges:
         reading = readings[charge.ledger_key]
         if charge in blocked or (charge.policy.enforcement is Enforcement.DRY_RUN and not fits(charge.amount, reading)):
-            own = "DELAY" if charge.policy.on_exhausted.delays else "DENY"
+            own = "DELAY" if _can_wait(charge) else "DENY"
             eligible = next_eligible(charge, reading, releases.get(charge.ledger_key, ()))
             evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome=own, deficit=charge.amount - reading.remaining, eligible=eligible))
         else:
             evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome="ALLOW"))
     return Decision(outcome, _blocked_reason(outcome, blocked, readings, evaluations), tuple(evaluations))
+
+
+def _can_wait(charge: Charge) -> bool:
+    """Whether a blocked charge should wait (DELAY): its policy says so and the run fits the
+    budget at all; a run larger than the whole limit would wait forever."""
+    return charge.policy.on_exhausted.delays and charge.amount <= charge.policy.limit.amount
 
 
 def _soft_outcome(charge: Charge, readings: Mapping[str, Reading]) -> str:
@@ -334,4 +341,6 @@ def _blocked_reason(outcome: str, blocked: Sequence[Charge], readings: Mapping[s
         when = None if any(e is None for e in eligible) else max(e for e in eligible if e is not None)
         hint = f"Resubmit at or after {iso(when)}." if when else "This run is larger than the whole budget; reduce it or ask to raise the limit."
         return "delayed: " + "; ".join(parts) + ". " + hint
+    if any(c.amount > c.policy.limit.amount for c in blocked):
+        return "denied: " + "; ".join(parts) + ". This run is larger than the whole budget; reduce it or ask the budget owner to raise the limit."
     return "denied: " + "; ".join(parts) + ". Reduce the request, wait for the window to reset, or ask the budget owner to raise the limit."

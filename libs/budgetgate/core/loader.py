@@ -220,10 +220,13 @@ def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:
 
 def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCard]) -> list[PolicyError]:
     errors = []
-    ledgers: dict[tuple[str, WindowSpec, Unit], BudgetPolicy] = {}
+    ledgers: dict[tuple[str, str | None, int | None, Unit], BudgetPolicy] = {}
     for policy in policies:
         # One ledger per scope, window and unit: two policies on it would fight over its limit.
-        identity = (policy.scope.scope_id, policy.window, policy.limit.unit)
+        # The time zone is left out on purpose: `UTC` and `Etc/UTC` (or London in winter) lay
+        # out the same windows, and two calendars of one kind in different zones on one scope
+        # are a mistake either way.
+        identity = (policy.scope.scope_id, policy.window.calendar, policy.window.rolling_days, policy.limit.unit)
         other = ledgers.setdefault(identity, policy)
         if other is not policy:
             errors.append(PolicyError(policy.source.file, policy.source.line, f"policy {policy.id!r} budgets the same scope, window and unit as {other.id!r} ({other.source.file}:{other.source.line}); merge them"))

@@ -115,10 +115,7 @@ class RateCard:
         ]
         if not candidates:
             return None
-        return max(
-            candidates,
-            key=lambda r: (r.region is not None, r.effective_from or datetime.min.replace(tzinfo=at.tzinfo)),
-        )
+        return max(candidates, key=lambda r: _specificity(r, at))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +127,19 @@ class PolicyBundle:
     rate_cards: tuple[RateCard, ...] = ()
 
     def rate_for(self, flavor: str, region: str | None, at: datetime) -> tuple[Rate, str] | None:
-        """The rate for a flavor and the currency it is in, from the first rate card that has one."""
+        """The most specific rate in effect across all rate cards, and its currency (validation
+        keeps every card in one currency, so cards can be split across files freely)."""
+        best: tuple[Rate, str] | None = None
         for card in self.rate_cards:
             rate = card.rate_for(flavor, region, at)
-            if rate is not None:
-                return rate, card.currency
-        return None
+            if rate is not None and (best is None or _specificity(rate, at) > _specificity(best[0], at)):
+                best = (rate, card.currency)
+        return best
 
     def known_flavors(self) -> frozenset[str]:
         return frozenset(rate.flavor for card in self.rate_cards for rate in card.rates)
+
+
+def _specificity(rate: Rate, at: datetime) -> tuple[bool, datetime]:
+    # A region match beats a rate for any region; then the most recent effective_from wins.
+    return rate.region is not None, rate.effective_from or datetime.min.replace(tzinfo=at.tzinfo)
