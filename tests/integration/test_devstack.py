@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import asyncpg
@@ -112,9 +114,13 @@ NO_BACKEND_ENV = ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_REDIS_URL", "BUDGETGATE
 
 
 def dev(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `budgetgate dev ARGS` in `root`, with no BUDGETGATE_* servers unless `env` names some."""
+    """Run `budgetgate dev ARGS` in `root`, with no BUDGETGATE_* servers unless `env` names some.
+
+    The `dev` group is invoked directly: the whole CLI imports every command group, which costs
+    most of a second per call; tests/e2e goes through the `budgetgate` entry point.
+    """
     base = {k: v for k, v in os.environ.items() if k not in NO_BACKEND_ENV}
-    cmd = [sys.executable, "-c", "from budgetgate.cli.main import cli; cli()", "dev", *args]
+    cmd = [sys.executable, "-c", "from budgetgate.cli.dev import dev; dev()", *args]
     return subprocess.run(cmd, cwd=root, env={**base, **(env or {})}, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
 
@@ -125,12 +131,28 @@ def status(root: Path) -> dict:  # type: ignore[type-arg]
 
 
 @pytest.fixture
-def checkout(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """A directory to run a stack in; whatever is left up there is taken down afterwards."""
-    root = tmp_path / "checkout"
-    root.mkdir()
-    yield root
-    dev(root, "down")
+def new_checkout():  # type: ignore[no-untyped-def]
+    """Makes directories to run stacks in; whatever is left up there is taken down afterwards.
+
+    Under the system temp dir rather than tmp_path: the embedded Postgres runs as another user
+    that must traverse every parent, and pytest resets its own base directory to mode 0700
+    whenever a session starts (another one may start while this one runs).
+    """
+    roots: list[Path] = []
+
+    def make() -> Path:
+        roots.append(Path(tempfile.mkdtemp(prefix="budgetgate-checkout-")))
+        return roots[-1]
+
+    yield make
+    for root in roots:
+        dev(root, "down")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def checkout(new_checkout) -> Path:  # type: ignore[no-untyped-def]
+    return new_checkout()
 
 
 def alive_pids(info: dict) -> dict[str, int]:  # type: ignore[type-arg]
@@ -174,20 +196,15 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
-def test_two_checkouts_run_side_by_side(tmp_path: Path) -> None:
-    roots = [tmp_path / "a", tmp_path / "b"]
-    try:
-        for root in roots:
-            root.mkdir()
-            result = dev(root, "up", "--detach", "--no-services")
-            assert result.returncode == 0, result.stderr
-        a, b = (status(root) for root in roots)
-        for key in ("postgres_dsn", "redis_url", "kafka_bootstrap"):
-            assert a[key] != b[key]
-        assert a["up"] and b["up"]
-    finally:
-        for root in roots:
-            dev(root, "down")
+def test_two_checkouts_run_side_by_side(new_checkout) -> None:  # type: ignore[no-untyped-def]
+    roots = [new_checkout(), new_checkout()]
+    for root in roots:
+        result = dev(root, "up", "--detach", "--no-services")
+        assert result.returncode == 0, result.stderr
+    a, b = (status(root) for root in roots)
+    for key in ("postgres_dsn", "redis_url", "kafka_bootstrap"):
+        assert a[key] != b[key]
+    assert a["up"] and b["up"]
 
 
 def test_up_on_shared_servers_isolates_the_checkout(
