@@ -254,6 +254,24 @@ def test_down_signals_only_processes_that_still_run_what_up_started(checkout: Pa
         bystander.wait()
 
 
+def test_up_stops_what_an_abandoned_up_left_running(checkout: Path) -> None:
+    leftover = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        state = {"settings": {}, "complete": False, "processes": [
+            {"name": "redis", "pid": leftover.pid, "cmdline": ["sleep", "60"], "log": "/dev/null"}]}  # fmt: skip
+        (checkout / ".budgetgate").mkdir()
+        (checkout / ".budgetgate" / "dev.json").write_text(json.dumps(state))
+        assert dev(checkout, "status").returncode == 2
+        result = dev(checkout, "up", "--detach", "--no-services")
+        assert result.returncode == 0, result.stderr
+        assert "redis: stopped" in result.stderr
+        assert leftover.wait(timeout=5) == -15
+        assert status(checkout)["up"] is True
+    finally:
+        leftover.kill()
+        leftover.wait()
+
+
 def test_up_replaces_a_stack_whose_processes_all_died(checkout: Path) -> None:
     assert dev(checkout, "up", "--detach", "--no-services").returncode == 0
     first = status(checkout)

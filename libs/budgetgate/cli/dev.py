@@ -84,6 +84,9 @@ def status(as_json: bool) -> None:
     alive = [p["alive"] for p in info["processes"]]
     if alive and not any(alive):
         sys.exit(1)
+    if not info["complete"]:
+        click.echo("the stack is still starting, or the `dev up` that started it died midway", err=True)
+        sys.exit(2)
     if not all(alive):
         sys.exit(2)
 

@@ -54,9 +54,10 @@ def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo =
     with stack_lock(root):
         existing = StackState.load(root)
         if existing is not None:
-            if not existing.processes or any(existing.alive().values()):
+            if existing.complete and (not existing.processes or any(existing.alive().values())):
                 return UpResult(existing, already_up=True)
-            echo("the stack recorded here is no longer running; starting a new one")
+            echo("the stack recorded here is no longer running, or was never finished; starting a new one")
+            _stop_all(existing, echo)
             StackState.remove(root)
         state = StackState(root=root)
         try:
@@ -66,6 +67,8 @@ def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo =
             _stop_all(state, echo)
             StackState.remove(root)
             raise
+        state.complete = True
+        state.save()
         return UpResult(state, already_up=False)
 
 
@@ -250,7 +253,8 @@ def status(root: Path) -> dict[str, Any] | None:
     alive = state.alive()
     return {
         "root": str(state.root),
-        "up": all(alive.values()),
+        "up": state.complete and all(alive.values()),
+        "complete": state.complete,
         **state.settings,
         "processes": [
             {"name": p.name, "pid": p.pid, "alive": alive[p.name], "log": p.log} for p in state.processes

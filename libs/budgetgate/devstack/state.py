@@ -39,6 +39,9 @@ class StackState:
     # Settings derived from a BUDGETGATE_* variable (setting -> the variable's value then): the
     # variable named a shared server, the setting is this checkout's room on it.
     from_env: dict[str, str] = field(default_factory=dict)
+    # Set once `dev up` has finished; a stack left incomplete was abandoned by a `dev up` that
+    # died midway (one still running would hold the lock).
+    complete: bool = False
 
     def add(self, record: ProcessRecord) -> None:
         """Remember a started process, on disk at once, so a crash of `dev up` leaves nothing unowned."""
@@ -57,6 +60,7 @@ class StackState:
             "settings": self.settings,
             "processes": [p.to_json() for p in self.processes],
             "from_env": self.from_env,
+            "complete": self.complete,
         }
         # Write then rename: a reader (CommonSettings in another process) never sees half a file.
         tmp = path.with_suffix(f".tmp.{os.getpid()}")
@@ -73,6 +77,7 @@ class StackState:
                 settings=dict(data.get("settings", {})),
                 processes=[ProcessRecord.from_json(p) for p in data.get("processes", [])],
                 from_env=dict(data.get("from_env", {})),
+                complete=bool(data.get("complete", False)),
             )
         except FileNotFoundError:
             return None
