@@ -1,0 +1,1 @@
+-- 0003_metering: reserved; the work that fills it is in progress.

@@ -1,0 +1,1 @@
+-- 0004_reconciler: reserved; the work that fills it is in progress.

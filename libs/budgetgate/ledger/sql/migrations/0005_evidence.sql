@@ -1,0 +1,1 @@
+-- 0005_evidence: reserved; the work that fills it is in progress.

@@ -1,0 +1,1 @@
+-- 0006_quotas_pools: reserved; the work that fills it is in progress.
