@@ -34,7 +34,8 @@ async def migrate(conn: asyncpg.Connection) -> list[str]:
         for name, sql in migration_files():
             if name in done:
                 continue
-            await conn.execute(sql)
+            if _has_statements(sql):  # asyncpg rejects a query that is only comments
+                await conn.execute(sql)
             await conn.execute("INSERT INTO schema_migrations (name) VALUES ($1)", name)
             applied_now.append(name)
     return applied_now
@@ -47,3 +48,8 @@ async def migrate_dsn(dsn: str) -> list[str]:
         return await migrate(conn)
     finally:
         await conn.close()
+
+
+def _has_statements(sql: str) -> bool:
+    code = "\n".join(line.split("--", 1)[0] for line in sql.splitlines())
+    return bool(code.replace(";", "").strip())
