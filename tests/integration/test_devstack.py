@@ -102,7 +102,9 @@ async def test_pg_dsn_is_migrated_and_its_own(pg_dsn: str, _database_factory: Da
         _database_factory.drop(name)
 
 
-def test_settings_point_at_this_tests_own_resources(settings: CommonSettings, pg_dsn: str, redis_prefix: str, topic_prefix: str) -> None:
+def test_settings_point_at_this_tests_own_resources(
+    settings: CommonSettings, pg_dsn: str, redis_prefix: str, topic_prefix: str
+) -> None:
     assert (settings.postgres_dsn, settings.redis_prefix, settings.topic_prefix) == (pg_dsn, redis_prefix, topic_prefix)
     assert redis_prefix != "bg" and topic_prefix != ""
 

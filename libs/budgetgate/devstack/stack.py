@@ -231,9 +231,9 @@ def _stop_all(state: StackState, echo: Echo) -> None:
 def _stop(record: ProcessRecord) -> bool:
     if not is_running(record):
         return False
-    if record.pgdata is not None and _postmaster_pid(Path(record.pgdata)) == record.pid:
-        if pg_ctl_stop(Path(record.pgdata)) and wait_gone(record, 10.0):
-            return True
+    pgdata = Path(record.pgdata) if record.pgdata is not None else None
+    if pgdata is not None and _postmaster_pid(pgdata) == record.pid and pg_ctl_stop(pgdata) and wait_gone(record, 10.0):
+        return True
     # SIGINT is Postgres' fast shutdown, should pg_ctl have failed; everything else gets SIGTERM.
     return terminate(record, first=signal.SIGINT if record.pgdata else signal.SIGTERM)
 
