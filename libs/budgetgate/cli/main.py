@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from budgetgate.cli import bench, db, demo, dev, policy
+from budgetgate.cli import bench, db, demo, dev, policy, publish
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,6 +17,7 @@ cli.add_command(db.db)
 cli.add_command(policy.policy)
 cli.add_command(demo.demo)
 cli.add_command(bench.bench)
+cli.add_command(publish.publish)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""`budgetgate publish …`: send one well-formed test event to the running stack's Kafka.
+
+Each subcommand builds one message and hands it to `_send`, which reads the connection settings
+(BUDGETGATE_* variables, else the `.budgetgate/dev.json` of a running `budgetgate dev up`) and
+waits for the broker's acknowledgement. Another event type is one more subcommand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+
+import click
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate.settings import CommonSettings
+
+
+@click.group()
+def publish() -> None:
+    """Publish test events to the local stack's topics."""
+
+
+class _Time(click.ParamType):
+    """An ISO 8601 time; one without a zone is taken as UTC."""
+
+    name = "time"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> datetime:
+        if isinstance(value, datetime):
+            return value
+        try:
+            parsed = datetime.fromisoformat(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not an ISO 8601 time such as 2025-01-31T12:00:00Z", param, ctx)
+        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+TIME = _Time()
+
+
+def timestamp(at: datetime) -> Timestamp:
+    """A protobuf Timestamp of an aware datetime."""
+    stamp = Timestamp()
+    stamp.FromDatetime(at.astimezone(UTC))
+    return stamp
+
+
+@publish.command()
+@click.option("--run-id", required=True, help="The run the usage belongs to (as admitted).")
+@click.option("--gpu-seconds", required=True, type=float, help="GPU-seconds used since the run started (cumulative).")
+@click.option("--node-seconds", default=0.0, show_default=True, type=float, help="Node-seconds used since the run started (cumulative).")
+@click.option("--at", "at", type=TIME, default=None, help="When the counters were read (ISO 8601). Default: now.")
+@click.option("--sample-id", default=None, help="The exporter's id of this sample. Default: a new uuid.")
+@click.option("--exporter", default="budgetgate-cli", show_default=True, help="Name of the sending exporter.")
+def metering(run_id: str, gpu_seconds: float, node_seconds: float, at: datetime | None, sample_id: str | None, exporter: str) -> None:
+    """Send one metering sample to metering.samples.v1.
+
+    Values are sent as given, so a negative or NaN figure shows how metering-ingest rejects it
+    (on metering.samples.v1.dlq).
+    """
+    from budgetgate.topics import Topics
+    from budgetgate.v1.metering_pb2 import MeteringSample
+
+    now = datetime.now(UTC)
+    sample = MeteringSample(
+        event_id=str(uuid.uuid4()),
+        event_time=timestamp(now),
+        sample_id=sample_id or str(uuid.uuid4()),
+        run_id=run_id,
+        observed_at=timestamp(at or now),
+        gpu_seconds=gpu_seconds,
+        node_seconds=node_seconds,
+        exporter=exporter,
+    )
+    settings = CommonSettings()
+    topic = Topics(settings.topic_prefix).metering
+    partition, offset = _send(settings, topic, sample, key=run_id)
+    click.echo(f"sent sample {sample.sample_id} of run {run_id!r} to {topic} (partition {partition}, offset {offset})")
+
+
+def _send(settings: CommonSettings, topic: str, message: Message, *, key: str) -> tuple[int, int]:
+    """Publish `message` on `topic` and wait for the broker; (partition, offset) it landed at."""
+    from aiokafka.errors import KafkaError
+
+    from budgetgate import wire
+
+    async def send() -> tuple[int, int]:
+        async with wire.Publisher(settings.kafka_bootstrap, client_id="budgetgate-cli") as publisher:
+            meta = await publisher.send(topic, message, key=key)
+            return meta.partition, meta.offset
+
+    try:
+        return asyncio.run(send())
+    except (KafkaError, OSError) as exc:
+        raise click.ClickException(f"cannot publish to Kafka at {settings.kafka_bootstrap}: {type(exc).__name__}: {exc}") from exc
