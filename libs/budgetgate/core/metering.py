@@ -1,0 +1,340 @@
+"""Metering samples to usage: validation, normalization and deduplication, without I/O.
+
+An exporter reports, per run, the GPU-seconds and node-seconds used since the run started, as
+of a time (`observed_at`). Counters are cumulative, so a lost or repeated sample loses nothing:
+the next one carries the total. What one sample means, given what is known about its run:
+
+- **Normalized** amounts are integers of milli-unit-seconds: seconds × 1000, rounded half up
+  (one GPU-hour = 3,600,000).
+- **Consistent**: the accepted samples of a run, ordered by observed_at, never lower either
+  counter. A sample that would break this is rejected as a `counter_regression`, whichever
+  side of a known sample it falls on: the earlier record has already been published.
+- **Duplicates** change nothing: the same sample id again with the same values, or another
+  sample id with the same observed_at and the same counters (a resend under a new id). The
+  same sample id, or the same observed_at, with other values is a `conflict`.
+- **Cumulative** of a run is its high-water mark: the largest counters of any accepted sample,
+  which (the samples being consistent) are those of its latest. It never goes down.
+- **Delta** of an accepted sample is how much it raised the cumulative (after − before).
+  A late sample (observed_at before the run's latest) falls between two known samples, so its
+  delta is 0; it is still recorded with its own counters, so that usage can be attributed to
+  windows by observed_at (see `usage_through`). The deltas of a run sum to its cumulative,
+  whatever order they are added in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from decimal import ROUND_HALF_UP
+from enum import StrEnum
+
+from budgetgate.core.units import to_decimal
+
+MILLI_PER_SECOND = 1000
+# A counter above this is a unit mistake (a million GPUs for 30 years is 1e15 GPU-seconds); it
+# also keeps every amount, and any sum of them the ledger makes, far inside a Postgres bigint.
+MAX_SECONDS = 1e15
+MAX_ID_CHARS = 256
+MAX_EXPORTER_CHARS = 253
+# Run ids are those admission accepts, else the run could never be known.
+_RUN_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+# Postgres text cannot hold NUL, and control characters in an id are a bug upstream.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Namespace of the event ids derived from (run id, sample id), so that reprocessing a sample
+# yields the same event id and consumers of usage.records.v1 deduplicate it.
+_EVENT_NAMESPACE = uuid.UUID("6c1f3c52-5f0e-4b8e-9a59-0d8f4e3c9b21")
+
+
+class Rejection(StrEnum):
+    """Why a sample is refused; the code leads its dead-letter reason and labels the metric."""
+
+    UNPARSEABLE = "unparseable"
+    MISSING_FIELD = "missing_field"
+    INVALID_FIELD = "invalid_field"
+    NEGATIVE = "negative"
+    NOT_FINITE = "not_finite"
+    OUT_OF_RANGE = "out_of_range"
+    FUTURE_TIMESTAMP = "future_timestamp"
+    COUNTER_REGRESSION = "counter_regression"
+    CONFLICT = "conflict"
+    UNKNOWN_RUN = "unknown_run"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a sample: the reason, the field it is about (if one), and what."""
+
+    reason: Rejection
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}"
+
+
+class Rejected(ValueError):
+    """A sample that will never be usable; `problems` lists every reason, the first one leads."""
+
+    def __init__(self, *problems: Problem) -> None:
+        assert problems, "a rejection needs a reason"
+        super().__init__("; ".join(str(p) for p in problems))
+        self.problems = problems
+
+    @property
+    def reason(self) -> Rejection:
+        return self.problems[0].reason
+
+
+def reason_code(text: str) -> Rejection:
+    """The Rejection a dead-letter reason starts with; anything else could not be parsed."""
+    try:
+        return Rejection(text.split(":", 1)[0].strip())
+    except ValueError:
+        return Rejection.UNPARSEABLE
+
+
+@dataclass(frozen=True)
+class RawSample:
+    """A sample as the exporter sent it, before any check."""
+
+    run_id: str
+    sample_id: str
+    observed_at: datetime | None
+    gpu_seconds: float
+    node_seconds: float
+    exporter: str = ""
+
+
+@dataclass(frozen=True, order=True)
+class Counters:
+    """Cumulative usage of a run in milli-unit-seconds."""
+
+    gpu: int = 0
+    node: int = 0
+
+    def covers(self, other: Counters) -> bool:
+        """Both counters at least those of `other`."""
+        return self.gpu >= other.gpu and self.node >= other.node
+
+    def high_water(self, other: Counters) -> Counters:
+        return Counters(max(self.gpu, other.gpu), max(self.node, other.node))
+
+    def minus(self, other: Counters) -> Counters:
+        return Counters(self.gpu - other.gpu, self.node - other.node)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A valid sample, its counters normalized to milli-unit-seconds."""
+
+    run_id: str
+    sample_id: str
+    observed_at: datetime
+    counters: Counters
+    exporter: str = ""
+
+
+def milli(seconds: float) -> int:
+    """Seconds as integer milli-unit-seconds, rounded half up (1.0005 s → 1001)."""
+    return int((to_decimal(seconds) * MILLI_PER_SECOND).to_integral_value(rounding=ROUND_HALF_UP))
+
+
+def validate(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sample:
+    """The normalized sample, or Rejected naming every bad field.
+
+    `now` and `max_skew` bound observed_at: a sample read further in the future than the
+    clocks of exporter and service can disagree is a clock or unit bug, not usage.
+    """
+    problems = [*_id_problems(raw), *_counter_problems("gpu_seconds", raw.gpu_seconds), *_counter_problems("node_seconds", raw.node_seconds)]
+    if raw.observed_at is None:
+        problems.append(Problem(Rejection.MISSING_FIELD, "observed_at", "observed_at is missing"))
+    elif raw.observed_at.tzinfo is None:
+        problems.append(Problem(Rejection.INVALID_FIELD, "observed_at", "observed_at has no time zone"))
+    elif raw.observed_at > now + max_skew:
+        problems.append(Problem(Rejection.FUTURE_TIMESTAMP, "observed_at", f"observed_at {raw.observed_at.isoformat()} is more than {max_skew.total_seconds():g}s after now ({now.isoformat()})"))
+    if problems:
+        raise Rejected(*problems)
+    assert raw.observed_at is not None
+    return Sample(
+        run_id=raw.run_id,
+        sample_id=raw.sample_id,
+        observed_at=raw.observed_at,
+        counters=Counters(milli(raw.gpu_seconds), milli(raw.node_seconds)),
+        exporter=raw.exporter,
+    )
+
+
+def _id_problems(raw: RawSample) -> list[Problem]:
+    problems = []
+    if not raw.run_id:
+        problems.append(Problem(Rejection.MISSING_FIELD, "run_id", "run_id is missing"))
+    elif not _RUN_ID.match(raw.run_id):
+        problems.append(Problem(Rejection.INVALID_FIELD, "run_id", f"run_id must be 1-{MAX_ID_CHARS} printable ASCII characters without spaces"))
+    if not raw.sample_id:
+        problems.append(Problem(Rejection.MISSING_FIELD, "sample_id", "sample_id is missing"))
+    elif len(raw.sample_id) > MAX_ID_CHARS or _CONTROL.search(raw.sample_id):
+        problems.append(Problem(Rejection.INVALID_FIELD, "sample_id", f"sample_id must be at most {MAX_ID_CHARS} characters without control characters"))
+    if len(raw.exporter) > MAX_EXPORTER_CHARS or _CONTROL.search(raw.exporter):
+        problems.append(Problem(Rejection.INVALID_FIELD, "exporter", f"exporter must be at most {MAX_EXPORTER_CHARS} characters without control characters"))
+    return problems
+
+
+def _counter_problems(name: str, value: float) -> list[Problem]:
+    if not math.isfinite(value):
+        return [Problem(Rejection.NOT_FINITE, name, f"{name} is {value!r}, not a finite number")]
+    if value < 0:
+        return [Problem(Rejection.NEGATIVE, name, f"{name} is {value!r}; cumulative usage cannot be negative")]
+    if value > MAX_SECONDS:
+        return [Problem(Rejection.OUT_OF_RANGE, name, f"{name} is {value!r}, above the {MAX_SECONDS:g} a counter can plausibly reach")]
+    return []
+
+
+@dataclass(frozen=True)
+class Known:
+    """An accepted sample of a run, as recorded."""
+
+    sample_id: str
+    observed_at: datetime
+    counters: Counters
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What `assess` needs to know about a sample's run (a store answers it in one look-up)."""
+
+    cumulative: Counters = Counters()
+    latest: datetime | None = None
+    same_id: Known | None = None  # a recorded sample with the same sample id
+    same_time: Known | None = None  # a recorded sample with the same observed_at
+    before: Known | None = None  # the latest recorded sample observed before it
+    after: Known | None = None  # the earliest recorded sample observed after it
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A sample to record: the run's cumulative after it, and how much it raised it."""
+
+    sample: Sample
+    cumulative: Counters
+    delta: Counters
+    late: bool  # observed before the run's latest sample: recorded, delta 0
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """A sample already known (`of` is the recorded sample id): nothing to do."""
+
+    sample: Sample
+    of: str
+
+
+def assess(sample: Sample, run: RunView) -> Accepted | Duplicate:
+    """What `sample` does to its run; raises Rejected for a conflict or a counter regression."""
+    if run.same_id is not None:
+        if run.same_id.observed_at == sample.observed_at and run.same_id.counters == sample.counters:
+            return Duplicate(sample, of=run.same_id.sample_id)
+        raise Rejected(Problem(Rejection.CONFLICT, "sample_id", f"sample {sample.sample_id!r} of run {sample.run_id!r} was recorded before with other values ({_describe(run.same_id)})"))
+    if run.same_time is not None:
+        if run.same_time.counters == sample.counters:
+            return Duplicate(sample, of=run.same_time.sample_id)
+        raise Rejected(Problem(Rejection.CONFLICT, "observed_at", f"run {sample.run_id!r} already has sample {run.same_time.sample_id!r} at {sample.observed_at.isoformat()} with other counters ({_describe(run.same_time)})"))
+    if run.before is not None and not sample.counters.covers(run.before.counters):
+        raise Rejected(Problem(Rejection.COUNTER_REGRESSION, _lower_field(sample.counters, run.before.counters), f"counters of run {sample.run_id!r} went down: {_describe(run.before)}, then {_describe_sample(sample)}"))
+    if run.after is not None and not run.after.counters.covers(sample.counters):
+        raise Rejected(Problem(Rejection.COUNTER_REGRESSION, _lower_field(run.after.counters, sample.counters), f"counters of run {sample.run_id!r} would go down: {_describe_sample(sample)}, then {_describe(run.after)} (recorded earlier)"))
+    cumulative = run.cumulative.high_water(sample.counters)
+    late = run.latest is not None and sample.observed_at < run.latest
+    return Accepted(sample, cumulative=cumulative, delta=cumulative.minus(run.cumulative), late=late)
+
+
+def _lower_field(later: Counters, earlier: Counters) -> str:
+    return "gpu_seconds" if later.gpu < earlier.gpu else "node_seconds"
+
+
+def _describe(known: Known) -> str:
+    return f"{known.sample_id!r} at {known.observed_at.isoformat()}: gpu {known.counters.gpu}, node {known.counters.node} milli-seconds"
+
+
+def _describe_sample(sample: Sample) -> str:
+    return _describe(Known(sample.sample_id, sample.observed_at, sample.counters))
+
+
+def usage_event_id(run_id: str, sample_id: str) -> str:
+    """The event id of the usage record of a sample: the same every time it is processed."""
+    return str(uuid.uuid5(_EVENT_NAMESPACE, f"usage\x00{run_id}\x00{sample_id}"))
+
+
+def sample_event_id(run_id: str, sample_id: str) -> str:
+    """An event id for a sample that came without one (over HTTP)."""
+    return str(uuid.uuid5(_EVENT_NAMESPACE, f"sample\x00{run_id}\x00{sample_id}"))
+
+
+@dataclass
+class _Run:
+    samples: list[Known] = field(default_factory=list)  # sorted by observed_at
+    cumulative: Counters = Counters()
+
+
+class MemoryUsage:
+    """The usage store in memory: the reference the Postgres store must agree with, and what
+    tests of the normalization use without a server."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, _Run] = {}
+
+    def view(self, sample: Sample) -> RunView:
+        """The RunView of `sample`'s run."""
+        run = self._runs.get(sample.run_id, _Run())
+        times = [k.observed_at for k in run.samples]
+        at = bisect.bisect_left(times, sample.observed_at)
+        same_time = run.samples[at] if at < len(times) and times[at] == sample.observed_at else None
+        after_index = at + 1 if same_time is not None else at
+        return RunView(
+            cumulative=run.cumulative,
+            latest=times[-1] if times else None,
+            same_id=next((k for k in run.samples if k.sample_id == sample.sample_id), None),
+            same_time=same_time,
+            before=run.samples[at - 1] if at > 0 else None,
+            after=run.samples[after_index] if after_index < len(times) else None,
+        )
+
+    def apply(self, sample: Sample) -> Accepted | Duplicate:
+        """Assess `sample` and record it if accepted; raises Rejected like `assess`."""
+        outcome = assess(sample, self.view(sample))
+        if isinstance(outcome, Accepted):
+            run = self._runs.setdefault(sample.run_id, _Run())
+            bisect.insort(run.samples, Known(sample.sample_id, sample.observed_at, sample.counters), key=lambda k: k.observed_at)
+            run.cumulative = outcome.cumulative
+        return outcome
+
+    def cumulative(self, run_id: str) -> Counters:
+        """The run's high-water mark (zero for a run without samples)."""
+        run = self._runs.get(run_id)
+        return run.cumulative if run else Counters()
+
+    def recorded(self, run_id: str) -> list[Known]:
+        """The run's accepted samples, by observed_at."""
+        run = self._runs.get(run_id)
+        return list(run.samples) if run else []
+
+    def usage_through(self, run_id: str, at: datetime) -> Counters:
+        """The run's usage as of `at`: the counters of its latest sample observed at or before it."""
+        known = [k for k in self.recorded(run_id) if k.observed_at <= at]
+        return known[-1].counters if known else Counters()
+
+
+def normalize(samples: Iterable[Sample]) -> tuple[MemoryUsage, list[Accepted | Duplicate | Rejected]]:
+    """Apply `samples` in order to an empty store: the store, and each sample's outcome."""
+    store = MemoryUsage()
+    outcomes: list[Accepted | Duplicate | Rejected] = []
+    for sample in samples:
+        try:
+            outcomes.append(store.apply(sample))
+        except Rejected as exc:
+            outcomes.append(exc)
+    return store, outcomes

@@ -1,0 +1,109 @@
+"""Properties of metering normalization: duplicates, resends and reordering of a consistent
+sample stream give the same usage as the clean stream, and no stream at all can make a run's
+cumulative go down or its deltas disagree with it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from budgetgate.core.metering import Accepted, Counters, Duplicate, Rejected, Sample, normalize
+
+pytestmark = pytest.mark.property
+
+START = datetime(2025, 3, 1, tzinfo=UTC)
+
+
+@st.composite
+def clean_run(draw: st.DrawFn, run_id: str) -> list[Sample]:
+    """One run's samples as a healthy exporter sends them: later times, counters never lower."""
+    minutes = sorted(draw(st.sets(st.integers(0, 10_000), min_size=1, max_size=12)))
+    gpu = node = 0
+    samples = []
+    for index, minute in enumerate(minutes):
+        gpu += draw(st.integers(0, 10**9))
+        node += draw(st.integers(0, 10**7))
+        samples.append(Sample(run_id, f"{run_id}/s{index}", START + timedelta(minutes=minute), Counters(gpu, node)))
+    return samples
+
+
+@st.composite
+def clean_stream(draw: st.DrawFn) -> list[Sample]:
+    runs = draw(st.integers(1, 3))
+    return [s for r in range(runs) for s in draw(clean_run(f"run-{r}"))]
+
+
+@st.composite
+def messy(draw: st.DrawFn, clean: list[Sample]) -> list[Sample]:
+    """The clean stream as it arrives: some samples repeated, some resent under a new sample id,
+    and everything in any order."""
+    repeated = draw(st.lists(st.sampled_from(clean), max_size=len(clean) * 2))
+    resent = [
+        Sample(s.run_id, f"{s.sample_id}/resent{k}", s.observed_at, s.counters, s.exporter)
+        for k, s in enumerate(draw(st.lists(st.sampled_from(clean), max_size=len(clean))))
+    ]
+    return draw(st.permutations(clean + repeated + resent))
+
+
+def per_run(outcomes: list[Accepted | Duplicate | Rejected]) -> dict[str, list[Accepted]]:
+    accepted: dict[str, list[Accepted]] = defaultdict(list)
+    for outcome in outcomes:
+        if isinstance(outcome, Accepted):
+            accepted[outcome.sample.run_id].append(outcome)
+    return accepted
+
+
+def recorded(store, run_id: str) -> list[tuple[datetime, Counters]]:  # type: ignore[no-untyped-def]
+    return [(k.observed_at, k.counters) for k in store.recorded(run_id)]
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_duplicates_resends_and_reordering_give_the_clean_usage(data: st.DataObject) -> None:
+    clean = data.draw(clean_stream())
+    arriving = data.draw(messy(clean))
+    clean_store, clean_outcomes = normalize(clean)
+    store, outcomes = normalize(arriving)
+
+    assert not [o for o in outcomes if isinstance(o, Rejected)]
+    runs = {s.run_id for s in clean}
+    for run_id in runs:
+        last = max((s for s in clean if s.run_id == run_id), key=lambda s: s.observed_at)
+        assert store.cumulative(run_id) == clean_store.cumulative(run_id) == last.counters
+        assert recorded(store, run_id) == recorded(clean_store, run_id)
+    # Every clean sample is recorded exactly once, whatever arrived how often.
+    assert sum(isinstance(o, Accepted) for o in outcomes) == len(clean) == sum(isinstance(o, Accepted) for o in clean_outcomes)
+
+
+@st.composite
+def any_stream(draw: st.DrawFn) -> list[Sample]:
+    """Samples with no promise at all: counters may go down, ids and times may collide."""
+    sample = st.builds(
+        Sample,
+        run_id=st.sampled_from(["a", "b"]),
+        sample_id=st.sampled_from([f"s{i}" for i in range(8)]),
+        observed_at=st.integers(0, 20).map(lambda m: START + timedelta(minutes=m)),
+        counters=st.builds(Counters, st.integers(0, 50), st.integers(0, 50)),
+    )
+    return draw(st.lists(sample, max_size=40))
+
+
+@settings(max_examples=300)
+@given(stream=any_stream())
+def test_no_stream_lowers_a_cumulative_or_breaks_the_delta_sum(stream: list[Sample]) -> None:
+    store, outcomes = normalize(stream)
+    for run_id, accepted in per_run(outcomes).items():
+        cumulatives = [a.cumulative for a in accepted]
+        assert all(earlier.gpu <= later.gpu and earlier.node <= later.node for earlier, later in zip(cumulatives, cumulatives[1:], strict=False))
+        total = Counters(sum(a.delta.gpu for a in accepted), sum(a.delta.node for a in accepted))
+        assert total == cumulatives[-1] == store.cumulative(run_id)
+        assert all(a.delta.gpu >= 0 and a.delta.node >= 0 for a in accepted)
+        assert all(a.delta == Counters() for a in accepted if a.late)
+        # What is recorded stays consistent: ordered by time, neither counter ever goes down.
+        counters = [k.counters for k in store.recorded(run_id)]
+        assert all(later.covers(earlier) for earlier, later in zip(counters, counters[1:], strict=False))
+        assert store.cumulative(run_id) == counters[-1]
