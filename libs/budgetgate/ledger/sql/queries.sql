@@ -100,3 +100,85 @@ SELECT e.ledger_key, e.policy_id, e.policy_git_sha, e.unit, e.window_start, e.wi
        COALESCE((SELECT SUM(r.amount) FROM reservations r
                  WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
 FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
+
+-- metering-ingest ------------------------------------------------------------------------------
+
+-- name: lock_usage_run
+-- Serialises everything that changes one run's usage (the Kafka consumer, HTTP ingest, the
+-- pending re-check), across processes.
+SELECT pg_advisory_xact_lock(7310, hashtext($1));
+
+-- name: usage_run
+SELECT gpu_milli_hours_cumulative, node_milli_hours_cumulative, latest_observed_at
+FROM usage_runs WHERE run_id = $1;
+
+-- name: run_has_decision
+SELECT EXISTS (SELECT 1 FROM decisions WHERE run_id = $1);
+
+-- name: insert_usage_run
+INSERT INTO usage_runs (run_id) VALUES ($1) ON CONFLICT (run_id) DO NOTHING;
+
+-- name: usage_neighbours
+-- The recorded samples a new one is judged against: the same sample id, the same observed_at,
+-- the latest observed before it and the earliest observed after it.
+(SELECT 'same_id' AS role, sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND sample_id = $2)
+UNION ALL
+(SELECT 'same_time', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at = $3)
+UNION ALL
+(SELECT 'before', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at < $3 ORDER BY observed_at DESC LIMIT 1)
+UNION ALL
+(SELECT 'after', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at > $3 ORDER BY observed_at LIMIT 1);
+
+-- name: insert_usage_record
+INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours,
+                           gpu_milli_hours_cumulative, node_milli_hours_cumulative, gpu_milli_hours_delta,
+                           node_milli_hours_delta, late, exporter, source, event_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13);
+
+-- name: update_usage_run
+UPDATE usage_runs
+SET gpu_milli_hours_cumulative = $2, node_milli_hours_cumulative = $3, samples = samples + 1,
+    latest_observed_at = GREATEST(latest_observed_at, $4), updated_at = now()
+WHERE run_id = $1;
+
+-- name: insert_pending
+INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,
+                              kafka_offset, payload, headers)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (run_id, sample_id) DO NOTHING;
+
+-- name: take_pending_of_run
+DELETE FROM metering_pending WHERE run_id = $1
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers;
+
+-- name: pending_runs_with_decision
+SELECT DISTINCT p.run_id FROM metering_pending p
+WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id) LIMIT $1;
+
+-- name: take_expired_pending
+-- Pending samples past their grace period whose run still has no decision, taken to be
+-- dead-lettered in the same transaction. SKIP LOCKED: instances side by side share the work.
+DELETE FROM metering_pending
+WHERE (run_id, sample_id) IN (
+    SELECT p.run_id, p.sample_id FROM metering_pending p
+    WHERE p.expires_at <= $1 AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id)
+    ORDER BY p.expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers;
+
+-- name: pending_count
+SELECT count(*) FROM metering_pending;
+
+-- name: run_usage
+-- A run's metered usage so far (its high-water mark, which never goes down).
+SELECT run_id, gpu_milli_hours_cumulative, node_milli_hours_cumulative, samples, latest_observed_at
+FROM usage_runs WHERE run_id = $1;
+
+-- name: run_usage_through
+-- A run's usage as of a time: the counters of its latest sample observed at or before $2 (no
+-- row: nothing yet). Usage in a window (a, b] is through(b) - through(a).
+SELECT gpu_milli_hours, node_milli_hours, observed_at FROM usage_records
+WHERE run_id = $1 AND observed_at <= $2 ORDER BY observed_at DESC LIMIT 1;
