@@ -8,17 +8,20 @@ the next one carries the total. What one sample means, given what is known about
   (one GPU-hour = 3,600,000).
 - **Consistent**: the accepted samples of a run, ordered by observed_at, never lower either
   counter. A sample that would break this is rejected as a `counter_regression`, whichever
-  side of a known sample it falls on: the earlier record has already been published.
+  side of a recorded sample it falls on: what is recorded stays, it may have been announced.
 - **Duplicates** change nothing: the same sample id again with the same values, or another
   sample id with the same observed_at and the same counters (a resend under a new id). The
   same sample id, or the same observed_at, with other values is a `conflict`.
 - **Cumulative** of a run is its high-water mark: the largest counters of any accepted sample,
   which (the samples being consistent) are those of its latest. It never goes down.
 - **Delta** of an accepted sample is how much it raised the cumulative (after − before).
-  A late sample (observed_at before the run's latest) falls between two known samples, so its
-  delta is 0; it is still recorded with its own counters, so that usage can be attributed to
-  windows by observed_at (see `usage_through`). The deltas of a run sum to its cumulative,
-  whatever order they are added in.
+  The deltas of a run sum to its cumulative, whatever order they are added in.
+- **Late** samples (observed_at before the run's latest) fall between two known samples, so
+  their delta is 0 and the cumulative stays. They are still recorded with their own counters,
+  so usage can be attributed to windows by observed_at (see `MemoryUsage.usage_through`), but
+  they are not announced: every published usage record is its run's newest sample, whose own
+  counters are the new cumulative, so a reader of usage.records.v1 sees per run observed_at
+  rising, cumulative never falling, and deltas summing to it.
 """
 
 from __future__ import annotations

@@ -126,10 +126,11 @@ CREATE TABLE usage_runs (
     updated_at                 timestamptz NOT NULL DEFAULT now()
 );
 
--- One row per accepted sample, and per usage.records.v1 message. gpu/node_milli_hours are the
--- sample's own cumulative counters (what the run had used as of observed_at); *_cumulative is
--- the run's high-water mark after it, *_delta how much it raised that (0 for a late sample).
--- Accepted samples of a run never lower a counter as observed_at grows.
+-- One row per accepted sample. gpu/node_milli_hours are the sample's own counters (what the run
+-- had used as of observed_at); *_cumulative is the run's high-water mark after it, *_delta how
+-- much it raised that. A late sample (observed before the run's latest) has delta 0 and is not
+-- published; every other row is also a usage.records.v1 message with the same event_id.
+-- Ordered by observed_at, the counters of a run never go down.
 CREATE TABLE usage_records (
     run_id                      text NOT NULL,
     sample_id                   text NOT NULL,
