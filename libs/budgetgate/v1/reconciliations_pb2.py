@@ -26,7 +26,7 @@ from budgetgate.v1 import common_pb2 as budgetgate_dot_v1_dot_common__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#budgetgate/v1/reconciliations.proto\x12\rbudgetgate.v1\x1a\x1a\x62udgetgate/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc6\x04\n\x0eReconciliation\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x04 \x01(\t\x12\x13\n\x0b\x66inal_state\x18\x05 \x01(\t\x12\x13\n\x0bprovisional\x18\x06 \x01(\x08\x12!\n\x19projected_gpu_milli_hours\x18\x07 \x01(\x03\x12\x1e\n\x16\x61\x63tual_gpu_milli_hours\x18\x08 \x01(\x03\x12\x1d\n\x15\x65rror_gpu_milli_hours\x18\t \x01(\x03\x12;\n\x07\x63harges\x18\n \x03(\x0b\x32*.budgetgate.v1.Reconciliation.WindowCharge\x12\x1f\n\x03job\x18\x0b \x01(\x0b\x32\x12.budgetgate.v1.Job\x12\x19\n\x11policy_bundle_sha\x18\x0c \x01(\t\x1a\xc7\x01\n\x0cWindowCharge\x12\x12\n\nledger_key\x18\x01 \x01(\t\x12\x10\n\x08scope_id\x18\x02 \x01(\t\x12\x11\n\tpolicy_id\x18\x03 \x01(\t\x12\x30\n\x0cwindow_start\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nwindow_end\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x0c\n\x04unit\x18\x07 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#budgetgate/v1/reconciliations.proto\x12\rbudgetgate.v1\x1a\x1a\x62udgetgate/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x88\x05\n\x0eReconciliation\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x04 \x01(\t\x12\x13\n\x0b\x66inal_state\x18\x05 \x01(\t\x12\x13\n\x0bprovisional\x18\x06 \x01(\x08\x12!\n\x19projected_gpu_milli_hours\x18\x07 \x01(\x03\x12\x1e\n\x16\x61\x63tual_gpu_milli_hours\x18\x08 \x01(\x03\x12\x1d\n\x15\x65rror_gpu_milli_hours\x18\t \x01(\x03\x12;\n\x07\x63harges\x18\n \x03(\x0b\x32*.budgetgate.v1.Reconciliation.WindowCharge\x12\x1f\n\x03job\x18\x0b \x01(\x0b\x32\x12.budgetgate.v1.Job\x12\x19\n\x11policy_bundle_sha\x18\x0c \x01(\t\x12\x18\n\x10wall_milli_hours\x18\r \x01(\x03\x12\x14\n\x0cover_running\x18\x0e \x01(\x08\x12\x10\n\x08released\x18\x0f \x01(\x08\x1a\xc7\x01\n\x0cWindowCharge\x12\x12\n\nledger_key\x18\x01 \x01(\t\x12\x10\n\x08scope_id\x18\x02 \x01(\t\x12\x11\n\tpolicy_id\x18\x03 \x01(\t\x12\x30\n\x0cwindow_start\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nwindow_end\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x0c\n\x04unit\x18\x07 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'budgetgate.v1.reconciliatio
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RECONCILIATION']._serialized_start=116
-  _globals['_RECONCILIATION']._serialized_end=698
-  _globals['_RECONCILIATION_WINDOWCHARGE']._serialized_start=499
-  _globals['_RECONCILIATION_WINDOWCHARGE']._serialized_end=698
+  _globals['_RECONCILIATION']._serialized_end=764
+  _globals['_RECONCILIATION_WINDOWCHARGE']._serialized_start=565
+  _globals['_RECONCILIATION_WINDOWCHARGE']._serialized_end=764
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Reconciliation(_message.Message):
-    __slots__ = ("event_id", "event_time", "run_id", "decision_id", "final_state", "provisional", "projected_gpu_milli_hours", "actual_gpu_milli_hours", "error_gpu_milli_hours", "charges", "job", "policy_bundle_sha")
+    __slots__ = ("event_id", "event_time", "run_id", "decision_id", "final_state", "provisional", "projected_gpu_milli_hours", "actual_gpu_milli_hours", "error_gpu_milli_hours", "charges", "job", "policy_bundle_sha", "wall_milli_hours", "over_running", "released")
     class WindowCharge(_message.Message):
         __slots__ = ("ledger_key", "scope_id", "policy_id", "window_start", "window_end", "amount", "unit")
         LEDGER_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,9 @@ class Reconciliation(_message.Message):
     CHARGES_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     POLICY_BUNDLE_SHA_FIELD_NUMBER: _ClassVar[int]
+    WALL_MILLI_HOURS_FIELD_NUMBER: _ClassVar[int]
+    OVER_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     event_time: _timestamp_pb2.Timestamp
     run_id: str
@@ -53,4 +56,7 @@ class Reconciliation(_message.Message):
     charges: _containers.RepeatedCompositeFieldContainer[Reconciliation.WindowCharge]
     job: _common_pb2.Job
     policy_bundle_sha: str
-    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., run_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., final_state: _Optional[str] = ..., provisional: _Optional[bool] = ..., projected_gpu_milli_hours: _Optional[int] = ..., actual_gpu_milli_hours: _Optional[int] = ..., error_gpu_milli_hours: _Optional[int] = ..., charges: _Optional[_Iterable[_Union[Reconciliation.WindowCharge, _Mapping]]] = ..., job: _Optional[_Union[_common_pb2.Job, _Mapping]] = ..., policy_bundle_sha: _Optional[str] = ...) -> None: ...
+    wall_milli_hours: int
+    over_running: bool
+    released: bool
+    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., run_id: _Optional[str] = ..., decision_id: _Optional[str] = ..., final_state: _Optional[str] = ..., provisional: _Optional[bool] = ..., projected_gpu_milli_hours: _Optional[int] = ..., actual_gpu_milli_hours: _Optional[int] = ..., error_gpu_milli_hours: _Optional[int] = ..., charges: _Optional[_Iterable[_Union[Reconciliation.WindowCharge, _Mapping]]] = ..., job: _Optional[_Union[_common_pb2.Job, _Mapping]] = ..., policy_bundle_sha: _Optional[str] = ..., wall_milli_hours: _Optional[int] = ..., over_running: _Optional[bool] = ..., released: _Optional[bool] = ...) -> None: ...

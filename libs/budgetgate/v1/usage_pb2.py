@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62udgetgate/v1/usage.proto\x12\rbudgetgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xab\x02\n\x0bUsageRecord\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x11\n\tsample_id\x18\x04 \x01(\t\x12/\n\x0bobserved_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x1agpu_milli_hours_cumulative\x18\x06 \x01(\x03\x12#\n\x1bnode_milli_hours_cumulative\x18\x07 \x01(\x03\x12\x1d\n\x15gpu_milli_hours_delta\x18\x08 \x01(\x03\x12\x1e\n\x16node_milli_hours_delta\x18\t \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62udgetgate/v1/usage.proto\x12\rbudgetgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb5\x03\n\x0bUsageRecord\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x11\n\tsample_id\x18\x04 \x01(\t\x12/\n\x0bobserved_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\"\n\x1agpu_milli_hours_cumulative\x18\x06 \x01(\x03\x12#\n\x1bnode_milli_hours_cumulative\x18\x07 \x01(\x03\x12\x1d\n\x15gpu_milli_hours_delta\x18\x08 \x01(\x03\x12\x1e\n\x16node_milli_hours_delta\x18\t \x01(\x03\x12%\n\x18gpu_milli_hours_observed\x18\n \x01(\x03H\x00\x88\x01\x01\x12&\n\x19node_milli_hours_observed\x18\x0b \x01(\x03H\x01\x88\x01\x01\x42\x1b\n\x19_gpu_milli_hours_observedB\x1c\n\x1a_node_milli_hours_observedb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'budgetgate.v1.usage_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_USAGERECORD']._serialized_start=78
-  _globals['_USAGERECORD']._serialized_end=377
+  _globals['_USAGERECORD']._serialized_end=515
 # @@protoc_insertion_point(module_scope)
