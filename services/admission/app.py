@@ -22,7 +22,7 @@ from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.admission.admitter import BACKEND_ERRORS, Admitter, InvalidSubmission, Unavailable
 from budgetgate.services.admission.policies import PolicyCache
-from budgetgate.services.admission.relay import OutboxRelay
+from budgetgate.outbox import OutboxRelay
 from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, Problem, ScopeUsage
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.admission.usage import scope_usage

@@ -1,8 +1,11 @@
-"""The outbox relay: publishes committed outbox rows to Kafka, in order, at least once.
+"""The transactional outbox: a record written with the effect it announces, in the same
+Postgres transaction (`enqueue`), and a relay that publishes committed rows to Kafka, in order,
+at least once (`OutboxRelay`).
 
-Rows are claimed with FOR UPDATE SKIP LOCKED, so several admission instances can relay side by
-side; a row is marked published only after the broker acknowledged it. Consumers deduplicate on
-the event id, so a crash between the ack and the mark only causes a redelivery.
+Rows are claimed with FOR UPDATE SKIP LOCKED, so several instances (of any service) can relay
+side by side; a row is marked published only after the broker acknowledged it. Consumers
+deduplicate on the event id, so a crash between the ack and the mark only causes a redelivery.
+Rows name the topic without the deployment's prefix; the relay adds its own.
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ from budgetgate.topics import Topics
 log = logging.getLogger(__name__)
 
 
+async def enqueue(conn: asyncpg.Connection, *, topic: str, record: wire.Record) -> None:
+    """Write `record` to the outbox in `conn`'s transaction, for `topic` (unprefixed name)."""
+    # Header values are bytes; latin-1 maps each byte to one character and back unchanged.
+    headers = json.dumps([[name, value.decode("latin-1")] for name, value in record.headers])
+    key = record.key.decode("utf-8", errors="replace") if record.key is not None else None
+    await conn.execute(sql("insert_outbox"), topic, key, record.value, headers)
+
+
 class OutboxRelay:
+    """Publishes the outbox, batch by batch, through `publisher` under `topics`' prefix."""
+
     def __init__(self, *, pool: asyncpg.Pool, publisher: wire.Publisher, topics: Topics, batch: int = 200, idle_seconds: float = 0.2) -> None:
         self.pool = pool
         self.publisher = publisher
@@ -49,6 +62,19 @@ class OutboxRelay:
             await conn.execute(sql("mark_published"), [row["id"] for row in rows])
         self.published += len(rows)
         return len(rows)
+
+    async def serve(self) -> None:
+        """Connect the publisher (waiting for Kafka as long as it takes), then `run`."""
+        while True:
+            try:
+                await self.publisher.start()
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Kafka may come later; the rows wait
+                log.warning("Kafka not reachable yet (%s); outbox rows wait", exc)
+                await asyncio.sleep(2)
+        await self.run()
 
     async def run(self) -> None:
         """Relay until cancelled; backs off while Kafka or Postgres is unavailable."""
