@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -26,7 +26,7 @@ import asyncpg
 import redis.exceptions
 
 from budgetgate import topics, wire
-from budgetgate.core.evaluation import Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
+from budgetgate.core.evaluation import Charge, Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, fits, plan
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.sync import LedgerSync
@@ -42,6 +42,7 @@ BACKEND_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
     asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.InternalClientError,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     TimeoutError,
@@ -100,15 +101,14 @@ class Admitter:
             await tx.start()
             finished = False
             try:
-                await conn.execute(sql("lock_ledger_shared"))
-                await conn.execute(sql("lock_run"), request.run_id)
-                prior = await conn.fetchrow(sql("latest_decision"), request.run_id)
+                # Ledger lock (shared), the run's lock, and the run's latest decision.
+                prior = await conn.fetchrow(sql("begin_decision"), request.run_id)
                 if prior is not None and not (prior["outcome"] == "DELAY" and request.attempt > prior["attempt"]):
                     finished = True
                     await tx.rollback()
                     return replay(prior)
                 readings, reserved = await self._reserve(conn, the_plan, decision_id, now)
-                releases = {} if reserved or readings is None else await _releases(conn, the_plan)
+                releases = await _releases(conn, the_plan, readings) if readings is not None and not reserved else {}
                 decision = decide(the_plan, readings, releases=releases)
                 body = response_body(plan=the_plan, decision=decision, decision_id=decision_id, decided_at=now)
                 await _record(conn, request, the_plan, decision, body, reserved=reserved, now=now)
@@ -117,8 +117,12 @@ class Admitter:
                 return body
             except BaseException:
                 if not finished:
-                    with contextlib.suppress(Exception):
+                    try:
                         await tx.rollback()
+                    except Exception:  # noqa: BLE001
+                        # A connection that cannot even roll back must not go back to the pool
+                        # (it has no reset query to catch that): drop it.
+                        conn.terminate()
                 if reserved:
                     await self._undo(request.run_id, decision_id)
                 raise
@@ -194,40 +198,30 @@ def _submission(request: AdmissionRequest, now: datetime) -> Submission:
 
 
 async def _ensure_entries(conn: asyncpg.Connection, the_plan: Plan) -> None:
-    await conn.executemany(
-        sql("ensure_ledger_entry"),
-        [
-            (
-                c.ledger_key,
-                c.policy.scope.scope_id,
-                str(c.policy.limit.unit),
-                c.window.key,
-                None if c.policy.window.rolling else c.window.start,
-                None if c.policy.window.rolling else c.window.end,
-                c.policy.id,
-                the_plan.bundle_sha,
-                c.policy.limit.amount,
-            )
-            for c in the_plan.charges
-        ],
-    )
+    await conn.execute(sql("ensure_ledger_entries"), *_entry_columns(the_plan, the_plan.charges), the_plan.bundle_sha)
 
 
-async def _releases(conn: asyncpg.Connection, the_plan: Plan) -> dict[str, list[tuple[datetime, int]]]:
-    """When running reservations on each hard key are expected to end, for DELAY's eligible time."""
+async def _releases(conn: asyncpg.Connection, the_plan: Plan, readings: Mapping[str, Reading]) -> dict[str, list[tuple[datetime, int]]]:
+    """When running reservations on each blocked, delaying key are expected to end, so a DELAY
+    can name the earliest moment room appears. Denying budgets need no such time."""
     result = {}
     for charge in the_plan.charges:
-        if charge.hard:
+        if charge.hard and charge.policy.on_exhausted.delays and not fits(charge.amount, readings[charge.ledger_key]):
             rows = await conn.fetch(sql("expected_releases"), charge.ledger_key)
             result[charge.ledger_key] = [(r["expected_end"], r["amount"]) for r in rows]
     return result
 
 
-async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan: Plan, decision: Any, body: dict[str, Any], *, reserved: bool, now: datetime) -> None:
+async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan: Plan, decision: Decision, body: dict[str, Any], *, reserved: bool, now: datetime) -> None:
+    """Decision, evaluations, ledger entries, reservations and outbox row in one statement."""
     decision_id = uuid.UUID(body["decision_id"])
     job = (request.job.namespace, request.job.name) if request.job else None
+    evaluations = decision.evaluations
+    charges = the_plan.charges if reserved else ()
+    message = decision_message(plan=the_plan, decision=decision, decision_id=body["decision_id"], decided_at=now, job=job)
+    record = wire.encode(message, key=request.run_id)
     await conn.execute(
-        sql("insert_decision"),
+        sql("record_decision"),
         decision_id,
         request.run_id,
         request.attempt,
@@ -244,21 +238,39 @@ async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan:
         request.model_dump_json(),
         json.dumps(body),
         now,
+        [e.policy_id for e in evaluations],
+        [e.policy_git_sha for e in evaluations],
+        [e.scope_id for e in evaluations],
+        [e.ledger_key for e in evaluations],
+        [e.window_start for e in evaluations],
+        [e.window_end for e in evaluations],
+        [str(e.unit) for e in evaluations],
+        [str(e.enforcement) for e in evaluations],
+        [e.outcome for e in evaluations],
+        [e.limit for e in evaluations],
+        [e.projected for e in evaluations],
+        [e.remaining for e in evaluations],
+        [e.admitted for e in evaluations],
+        [e.deficit for e in evaluations],
+        [e.next_eligible_time for e in evaluations],
+        *_entry_columns(the_plan, charges),
+        [c.amount for c in charges],
+        now + timedelta(hours=float(the_plan.submission.runtime_hours)),
+        topics.DECISIONS,
+        record.value,
+        json.dumps([[k, v.decode("latin-1")] for k, v in record.headers]),
     )
-    await conn.executemany(
-        sql("insert_evaluation"),
-        [
-            (decision_id, e.policy_id, e.policy_git_sha, e.scope_id, e.ledger_key, e.window_start, e.window_end, str(e.unit), str(e.enforcement), e.outcome, e.limit, e.projected, e.remaining, e.admitted, e.deficit, e.next_eligible_time)
-            for e in decision.evaluations
-        ],
+
+
+def _entry_columns(the_plan: Plan, charges: Sequence[Charge]) -> tuple[list[Any], ...]:
+    """Column arrays of the ledger entries of `charges` (keys, scopes, units, windows, policies, limits)."""
+    return (
+        [c.ledger_key for c in charges],
+        [c.policy.scope.scope_id for c in charges],
+        [str(c.policy.limit.unit) for c in charges],
+        [c.window.key for c in charges],
+        [None if c.policy.window.rolling else c.window.start for c in charges],
+        [None if c.policy.window.rolling else c.window.end for c in charges],
+        [c.policy.id for c in charges],
+        [c.policy.limit.amount for c in charges],
     )
-    if reserved:
-        await _ensure_entries(conn, the_plan)
-        expected_end = now + timedelta(hours=float(the_plan.submission.runtime_hours))
-        await conn.executemany(
-            sql("insert_reservation"),
-            [(request.run_id, c.ledger_key, decision_id, c.amount, expected_end) for c in the_plan.charges],
-        )
-    record = wire.encode(decision_message(plan=the_plan, decision=decision, decision_id=body["decision_id"], decided_at=now, job=job), key=request.run_id)
-    headers = json.dumps([[k, v.decode("latin-1")] for k, v in record.headers])
-    await conn.execute(sql("insert_outbox"), topics.DECISIONS, request.run_id, record.value, headers)

@@ -17,6 +17,8 @@ SELECT 'index', indexdef FROM pg_indexes WHERE schemaname = 'public' AND tablena
 UNION ALL
 SELECT 'constraint', conrelid::regclass || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
 WHERE connamespace = 'public'::regnamespace AND conrelid::regclass::text <> 'schema_migrations'
+UNION ALL
+SELECT 'function', pg_get_functiondef(p.oid) FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace
 ORDER BY 1, 2
 """
 

@@ -8,13 +8,13 @@ every decision's keys together.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
 import redis.asyncio as aioredis
 
-_SCRIPTS = ("reserve", "release", "load_key")
+_SCRIPTS = ("reserve", "release", "load_key", "settle", "consume")
 
 
 class LedgerNotLoaded(RuntimeError):
@@ -35,6 +35,25 @@ class ReserveResult:
     readings: tuple[tuple[int, int], ...] = ()  # (reserved, consumed) per charge, before
     missing: int | None = None  # index of the first charge whose key was never loaded
     holder: str | None = None  # decision id holding the run key, for DUPLICATE
+
+
+@dataclass(frozen=True, slots=True)
+class KeyChange:
+    """How one settlement changes a ledger key; `held` is what the run holds on it afterwards,
+    None for a key the run has no reservation on."""
+
+    ledger_key: str
+    reserved: int = 0
+    consumed: int = 0
+    held: int | None = None
+
+
+class LedgerKeyMissing(LookupError):
+    """A ledger key was never loaded into Redis: load it from Postgres, then call again."""
+
+    def __init__(self, ledger_key: str) -> None:
+        super().__init__(f"ledger key {ledger_key!r} is not loaded in Redis")
+        self.ledger_key = ledger_key
 
 
 def _script(name: str) -> str:
@@ -99,6 +118,49 @@ class RedisLedger:
         if isinstance(reply, list):
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return bool(reply)
+
+    async def settle(self, *, run_id: str, decision_id: str, changes: Sequence[KeyChange], drop_run: bool, now_ms: int) -> None:
+        """Apply one run's settlement in one script: reserved and consumed deltas on each key, and
+        the run key rewritten (or deleted when `drop_run`). Raises LedgerNotLoaded, or
+        LedgerKeyMissing naming a key to load first; either way nothing changed."""
+        keys = [self.marker, self.run(run_id), *(self.ledger(c.ledger_key) for c in changes)]
+        args: list[object] = [decision_id, now_ms, 1 if drop_run else 0]
+        for c in changes:
+            args += [c.reserved, c.consumed, "" if c.held is None else c.held]
+        self._check(await self._scripts["settle"](keys=keys, args=args), [c.ledger_key for c in changes])
+
+    async def consume(self, changes: Mapping[str, int]) -> None:
+        """Add to (or, when negative, take from) what ledger keys have consumed, atomically."""
+        keys = list(changes)
+        reply = await self._scripts["consume"](keys=[self.marker, *(self.ledger(k) for k in keys)], args=[changes[k] for k in keys])
+        self._check(reply, keys)
+
+    @staticmethod
+    def _check(reply: object, ledger_keys: Sequence[str]) -> None:
+        if isinstance(reply, list):
+            status = _text(reply[0])
+            if status == "NOT_LOADED":
+                raise LedgerNotLoaded("the Redis ledger is not loaded")
+            if status == "MISSING":
+                raise LedgerKeyMissing(ledger_keys[int(_text(reply[1])) - 1])
+            raise RuntimeError(f"unexpected answer from the ledger: {reply!r}")
+
+    async def run_holds(self) -> dict[str, dict[str, int]]:
+        """What every run key holds: run id → {ledger key: amount}."""
+        prefix, ledger_prefix = f"{self.tag}:r:", f"{self.tag}:l:"
+        result = {}
+        async for key in self.client.scan_iter(match=f"{self.tag}:r:*", count=1000):
+            fields = await self.client.hgetall(key)
+            result[_text(key)[len(prefix):]] = {
+                _text(k)[len(ledger_prefix):]: int(v) for k, v in fields.items() if not _text(k).startswith("_")
+            }
+        return result
+
+    async def all_readings(self) -> dict[str, tuple[int, int]]:
+        """(reserved, consumed) of every ledger key Redis holds."""
+        prefix = f"{self.tag}:l:"
+        keys = [_text(k)[len(prefix):] async for k in self.client.scan_iter(match=f"{self.tag}:l:*", count=1000)]
+        return await self.readings(keys)
 
     async def is_loaded(self) -> bool:
         return bool(await self.client.exists(self.marker))

@@ -19,29 +19,53 @@ FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
 -- name: decision_by_id
 SELECT decision_id, run_id, attempt, outcome, response, decided_at FROM decisions WHERE decision_id = $1;
 
--- name: insert_decision
-INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace,
-                       job_name, policy_bundle_sha, projected_gpu, showback_micros, currency, request,
-                       response, decided_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16);
+-- name: begin_decision
+-- Ledger lock (shared) + run lock + the run's latest decision, in one round trip.
+SELECT decision_id, attempt, outcome, response FROM budgetgate_begin_decision($1);
 
--- name: insert_evaluation
-INSERT INTO decision_evaluations (decision_id, policy_id, policy_git_sha, scope_id, ledger_key, window_start,
-                                  window_end, unit, enforcement, outcome, limit_amount, projected, remaining,
-                                  admitted, deficit, next_eligible_time)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16);
-
--- name: insert_reservation
-INSERT INTO reservations (run_id, ledger_key, decision_id, amount, expected_end)
-VALUES ($1, $2, $3, $4, $5);
+-- name: record_decision
+-- The decision, its evaluations, its ledger entries and reservations (when it reserved) and
+-- its outbox row, in one statement. Arrays carry the per-policy and per-key rows.
+WITH decision AS (
+    INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace,
+                           job_name, policy_bundle_sha, projected_gpu, showback_micros, currency, request,
+                           response, decided_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+    RETURNING decision_id
+), evaluations AS (
+    INSERT INTO decision_evaluations (decision_id, policy_id, policy_git_sha, scope_id, ledger_key, window_start,
+                                      window_end, unit, enforcement, outcome, limit_amount, projected, remaining,
+                                      admitted, deficit, next_eligible_time)
+    SELECT decision.decision_id, e.*
+    FROM decision, unnest($17::text[], $18::text[], $19::text[], $20::text[], $21::timestamptz[], $22::timestamptz[],
+                          $23::text[], $24::text[], $25::text[], $26::bigint[], $27::bigint[], $28::bigint[],
+                          $29::bigint[], $30::bigint[], $31::timestamptz[]) AS e
+), entries AS (
+    INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
+                                policy_git_sha, limit_amount)
+    SELECT l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start, l.window_end, l.policy_id, $10, l.limit_amount
+    FROM unnest($32::text[], $33::text[], $34::text[], $35::text[], $36::timestamptz[], $37::timestamptz[],
+                $38::text[], $39::bigint[]) AS l(ledger_key, scope_id, unit, window_key, window_start, window_end,
+                                                 policy_id, limit_amount)
+    ON CONFLICT (ledger_key) DO NOTHING
+), held AS (
+    INSERT INTO reservations (run_id, ledger_key, decision_id, amount, expected_end)
+    SELECT $2, r.ledger_key, decision.decision_id, r.amount, $41
+    FROM decision, unnest($32::text[], $40::bigint[]) AS r(ledger_key, amount)
+)
+INSERT INTO outbox (topic, key, payload, headers)
+SELECT $42, $2, $43, $44 FROM decision;
 
 -- name: insert_outbox
 INSERT INTO outbox (topic, key, payload, headers) VALUES ($1, $2, $3, $4);
 
--- name: ensure_ledger_entry
+-- name: ensure_ledger_entries
+-- Ledger entries of a plan (arrays of keys, scopes, units, windows, policies and limits).
 INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
                             policy_git_sha, limit_amount)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+SELECT l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start, l.window_end, l.policy_id, $9, l.limit_amount
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::timestamptz[], $7::text[],
+            $8::bigint[]) AS l(ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id, limit_amount)
 ON CONFLICT (ledger_key) DO NOTHING;
 
 -- name: ledger_figures
@@ -182,3 +206,280 @@ FROM usage_runs WHERE run_id = $1;
 -- row: nothing yet). Usage in a window (a, b] is through(b) - through(a).
 SELECT gpu_milli_hours, node_milli_hours, observed_at FROM usage_records
 WHERE run_id = $1 AND observed_at <= $2 ORDER BY observed_at DESC LIMIT 1;
+
+-- reconciler -----------------------------------------------------------------------------------
+
+-- name: record_lifecycle
+-- A lifecycle event as reported; true when it is new (its event id was never seen).
+INSERT INTO lifecycle_events (event_id, run_id, kind, event_time, gpus, nodes, flavor, reason)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (event_id) DO NOTHING RETURNING true;
+
+-- name: record_sample
+INSERT INTO run_samples (run_id, sample_id, observed_at, gpu, node) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (run_id, sample_id) DO NOTHING RETURNING true;
+
+-- name: mark_to_settle
+INSERT INTO runs_to_settle (run_id) VALUES ($1) ON CONFLICT (run_id) DO NOTHING;
+
+-- name: runs_waiting
+SELECT run_id FROM runs_to_settle ORDER BY since LIMIT $1;
+
+-- name: unmark_settled
+DELETE FROM runs_to_settle WHERE run_id = $1;
+
+-- name: runs_due
+-- Runs whose charges change with time alone (wall time, grace, deadline) by $1.
+SELECT run_id FROM run_settlements WHERE review_at <= $1 ORDER BY review_at LIMIT $2;
+
+-- name: unseen_holds
+-- Reservations of runs the reconciler never heard of, held since before $1 (the start
+-- deadline): settled so that the never-started rule can release them.
+SELECT DISTINCT r.run_id FROM reservations r
+WHERE r.state = 'held' AND r.created_at <= $1
+  AND NOT EXISTS (SELECT 1 FROM run_settlements s WHERE s.run_id = r.run_id)
+LIMIT $2;
+
+-- name: run_decision
+-- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt).
+SELECT decision_id, decided_at, policy_bundle_sha, projected_gpu, request, labels, job_namespace, job_name
+FROM decisions WHERE run_id = $1 AND outcome = 'ALLOW' ORDER BY attempt DESC LIMIT 1;
+
+-- name: run_reservations
+SELECT r.ledger_key, r.amount, r.state, e.policy_id, e.admitted
+FROM reservations r JOIN decision_evaluations e ON e.decision_id = r.decision_id AND e.ledger_key = r.ledger_key
+WHERE r.run_id = $1 AND r.decision_id = $2;
+
+-- name: run_lifecycle
+SELECT event_id, kind, event_time, gpus, nodes FROM lifecycle_events WHERE run_id = $1;
+
+-- name: run_sample_rows
+SELECT sample_id, observed_at, gpu, node FROM run_samples WHERE run_id = $1;
+
+-- name: run_settlement
+SELECT run_id, released, final, provisional, revision FROM run_settlements WHERE run_id = $1;
+
+-- name: run_charge_rows
+SELECT ledger_key, bucket, amount FROM run_charges WHERE run_id = $1;
+
+-- name: put_run_charges
+INSERT INTO run_charges (run_id, ledger_key, bucket, amount)
+SELECT $1, c.ledger_key, c.bucket, c.amount FROM unnest($2::text[], $3::timestamptz[], $4::bigint[]) AS c(ledger_key, bucket, amount)
+ON CONFLICT (run_id, ledger_key, bucket) DO UPDATE SET amount = EXCLUDED.amount;
+
+-- name: drop_run_charges
+DELETE FROM run_charges c USING unnest($2::text[], $3::timestamptz[]) AS d(ledger_key, bucket)
+WHERE c.run_id = $1 AND c.ledger_key = d.ledger_key AND c.bucket = d.bucket;
+
+-- name: set_held
+-- What the run holds on each reserved key now; $4 closes the reservations ('reconciled' when
+-- replaced by actuals, 'released' when given back unused, NULL while the run goes on).
+UPDATE reservations r
+SET amount = h.amount,
+    state = COALESCE($4, r.state),
+    ended_at = CASE WHEN $4 IS NULL THEN r.ended_at ELSE now() END,
+    end_reason = CASE WHEN $4 IS NULL THEN r.end_reason ELSE $5 END
+FROM unnest($2::text[], $3::bigint[]) AS h(ledger_key, amount)
+WHERE r.run_id = $1 AND r.ledger_key = h.ledger_key AND r.state = 'held';
+
+-- name: put_settlement
+INSERT INTO run_settlements (run_id, decision_id, phase, final, provisional, released, over_running, final_state,
+                             ended_at, wall, projected_gpu, actual_gpu, error_gpu, review_at, revision, settled_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 1, clock_timestamp())
+ON CONFLICT (run_id) DO UPDATE SET
+    decision_id = EXCLUDED.decision_id, phase = EXCLUDED.phase, final = EXCLUDED.final,
+    provisional = EXCLUDED.provisional, released = EXCLUDED.released, over_running = EXCLUDED.over_running,
+    final_state = EXCLUDED.final_state, ended_at = EXCLUDED.ended_at, wall = EXCLUDED.wall,
+    projected_gpu = EXCLUDED.projected_gpu, actual_gpu = EXCLUDED.actual_gpu, error_gpu = EXCLUDED.error_gpu,
+    review_at = EXCLUDED.review_at, revision = run_settlements.revision + 1, settled_at = clock_timestamp()
+RETURNING revision;
+
+-- name: entry_exists
+SELECT ledger_key FROM ledger_entries WHERE ledger_key = ANY($1::text[]);
+
+-- name: create_entry
+-- A window's ledger entry the first time usage lands in it (admission creates the others).
+INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
+                            policy_git_sha, limit_amount)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (ledger_key) DO NOTHING;
+
+-- name: add_consumed
+-- Rows locked in key order first, so two settlements never wait on each other in a cycle.
+WITH locked AS (
+    SELECT e.ledger_key FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[])
+    ORDER BY e.ledger_key FOR NO KEY UPDATE
+)
+UPDATE ledger_entries e SET consumed = e.consumed + u.delta, updated_at = now()
+FROM unnest($1::text[], $2::bigint[]) AS u(ledger_key, delta), locked l
+WHERE e.ledger_key = u.ledger_key AND l.ledger_key = u.ledger_key
+RETURNING e.ledger_key, e.consumed, e.limit_amount, e.policy_id, e.scope_id, e.window_end;
+
+-- name: ensure_rolling_ages
+INSERT INTO rolling_ages (ledger_key, rolling_days, aged_through)
+SELECT a.ledger_key, a.days, a.through FROM unnest($1::text[], $2::integer[], $3::timestamptz[]) AS a(ledger_key, days, through)
+ON CONFLICT (ledger_key) DO NOTHING;
+
+-- name: rolling_ages_shared
+-- Where rolling keys have aged to; FOR SHARE so ageing waits for this settlement, and back.
+SELECT ledger_key, aged_through FROM rolling_ages WHERE ledger_key = ANY($1::text[]) ORDER BY ledger_key FOR SHARE;
+
+-- name: rolling_keys
+SELECT ledger_key, rolling_days, aged_through FROM rolling_ages ORDER BY ledger_key;
+
+-- name: lock_rolling_age
+SELECT rolling_days, aged_through FROM rolling_ages WHERE ledger_key = $1 FOR UPDATE;
+
+-- name: charges_between
+SELECT COALESCE(SUM(amount), 0)::bigint FROM run_charges WHERE ledger_key = $1 AND bucket >= $2 AND bucket < $3;
+
+-- name: set_aged_through
+UPDATE rolling_ages SET aged_through = $2 WHERE ledger_key = $1;
+
+-- name: insert_alert
+INSERT INTO budget_alerts (ledger_key, threshold_percent) VALUES ($1, $2)
+ON CONFLICT (ledger_key, threshold_percent) DO NOTHING RETURNING true;
+
+-- name: rearm_alerts
+-- A rolling window whose usage aged out below a threshold may cross it again.
+DELETE FROM budget_alerts WHERE ledger_key = $1 AND threshold_percent::numeric * $3 > $2::numeric * 100;
+
+-- name: insert_hold
+INSERT INTO budget_holds (ledger_key, policy_id, scope_id, on_exhausted) VALUES ($1, $2, $3, $4)
+ON CONFLICT (ledger_key) DO NOTHING RETURNING true;
+
+-- name: active_holds
+SELECT h.ledger_key, h.policy_id, h.scope_id, h.on_exhausted, e.consumed, e.limit_amount, e.window_end
+FROM budget_holds h JOIN ledger_entries e USING (ledger_key) ORDER BY h.ledger_key;
+
+-- name: lift_hold
+DELETE FROM budget_holds WHERE ledger_key = $1 RETURNING policy_id, scope_id;
+
+-- name: running_under_policy
+-- Running workloads a budget covers: those a hold-and-drain asks the platform to drain.
+SELECT s.run_id FROM run_settlements s JOIN decision_evaluations e ON e.decision_id = s.decision_id
+WHERE e.policy_id = $1 AND s.phase = 'running' ORDER BY s.run_id;
+
+-- name: tenant_runs
+-- The runs of a tenant (label $1 = $2): how many, GPU-hours held by reservations not yet
+-- replaced by actuals, and GPU/node-hours metered since $3.
+WITH runs AS (
+    SELECT DISTINCT ON (d.run_id) d.run_id, d.outcome, d.projected_gpu
+    FROM decisions d WHERE d.labels ->> $1 = $2 ORDER BY d.run_id, d.attempt DESC
+), metered AS (
+    SELECT s.run_id, max(s.gpu) AS gpu, COALESCE(max(s.gpu) FILTER (WHERE s.observed_at < $3), 0) AS gpu_before,
+           max(s.node) AS node, COALESCE(max(s.node) FILTER (WHERE s.observed_at < $3), 0) AS node_before
+    FROM run_samples s JOIN runs USING (run_id) GROUP BY s.run_id
+), holding AS (
+    SELECT DISTINCT r.run_id FROM reservations r JOIN runs USING (run_id) WHERE r.state = 'held'
+)
+SELECT count(*)::bigint AS runs,
+       count(*) FILTER (WHERE runs.outcome = 'ALLOW')::bigint AS admitted,
+       COALESCE(SUM(GREATEST(runs.projected_gpu - COALESCE(m.gpu, 0), 0)) FILTER (WHERE h.run_id IS NOT NULL), 0)::bigint AS reserved_gpu,
+       COALESCE(SUM(m.gpu - m.gpu_before), 0)::bigint AS consumed_gpu,
+       COALESCE(SUM(m.node - m.node_before), 0)::bigint AS consumed_node
+FROM runs LEFT JOIN metered m USING (run_id) LEFT JOIN holding h USING (run_id);
+
+-- evidence-emitter ------------------------------------------------------------------------------
+
+-- name: evidence_insert_event
+-- One OpenLineage event per consumed message; a redelivered message adds nothing.
+INSERT INTO evidence_events (source_event_id, stage, run_id, run_uuid, decision_id, event_type, event_time, payload)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (source_event_id) DO NOTHING;
+
+-- name: evidence_decision_event
+-- The event of the decision a reconciliation settles: that decision's if known, else the run's latest.
+SELECT payload FROM evidence_events
+WHERE run_id = $1 AND stage = 'decision'
+ORDER BY (decision_id IS NOT DISTINCT FROM $2) DESC, seq DESC LIMIT 1;
+
+-- name: evidence_terminal_sent
+SELECT EXISTS (SELECT 1 FROM evidence_events
+               WHERE run_id = $1 AND event_type IN ('COMPLETE', 'FAIL', 'ABORT'));
+
+-- name: evidence_insert_reconciliation
+INSERT INTO evidence_reconciliations (event_id, run_id, decision_id, final_state, terminal, provisional,
+                                      policy_git_sha, projected_gpu, actual_gpu, reconciled_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (event_id) DO NOTHING;
+
+-- name: evidence_insert_charges
+INSERT INTO evidence_reconciliation_charges (event_id, ledger_key, scope_id, window_key, window_start, window_end,
+                                             policy_id, unit, amount)
+SELECT $1, * FROM unnest($2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::timestamptz[],
+                         $7::text[], $8::text[], $9::bigint[])
+ON CONFLICT DO NOTHING;
+
+-- name: evidence_next_batch
+-- Pending events due now, oldest first, at most one per run: a run's later events wait for its
+-- earlier ones, so Marquez sees each run's transitions in order.
+SELECT e.seq, e.payload, e.attempts FROM evidence_events e
+WHERE e.state = 'pending' AND e.next_attempt_at <= now()
+  AND NOT EXISTS (SELECT 1 FROM evidence_events b
+                  WHERE b.run_uuid = e.run_uuid AND b.state = 'pending' AND b.seq < e.seq)
+ORDER BY e.seq LIMIT $1;
+
+-- name: evidence_mark_delivered
+UPDATE evidence_events SET state = 'delivered', delivered_at = now(), attempts = attempts + 1, last_error = NULL
+WHERE seq = $1;
+
+-- name: evidence_mark_retry
+UPDATE evidence_events
+SET attempts = attempts + 1, last_error = $2, next_attempt_at = now() + make_interval(secs => $3)
+WHERE seq = $1 AND state = 'pending';
+
+-- name: evidence_mark_dead
+WITH dead AS (
+    UPDATE evidence_events SET state = 'dead', attempts = attempts + 1, last_error = $4
+    WHERE seq = $1 RETURNING seq
+)
+INSERT INTO evidence_dead_letters (seq, status_code, body)
+SELECT seq, $2, $3 FROM dead
+ON CONFLICT (seq) DO NOTHING;
+
+-- name: evidence_backlog
+SELECT count(*) AS pending,
+       COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_seconds
+FROM evidence_events WHERE state = 'pending';
+
+-- name: evidence_try_lead
+-- One sender at a time (session lock, dropped with its connection), so events go out in order.
+SELECT pg_try_advisory_lock(7305, 0);
+
+-- name: evidence_unlead
+SELECT pg_advisory_unlock(7305, 0);
+
+-- name: audit_denial_rate_for_scope
+-- $2: an instant the window must contain, $3: a window key; both NULL: every window.
+SELECT scope_id, window_key, window_start, window_end, runs, allowed, denied, delayed, denial_rate
+FROM audit_denial_rate
+WHERE scope_id = $1
+  AND (($2::timestamptz IS NULL AND $3::text IS NULL)
+       OR (window_start <= $2 AND $2 < window_end) OR window_key = $3)
+ORDER BY window_start NULLS LAST, window_key NULLS LAST;
+
+-- name: audit_reservation_error_for_scope
+SELECT scope_id, window_key, window_start, window_end, policy_git_sha, runs, provisional_runs,
+       reserved_gpu, actual_gpu, error_gpu, abs_error_gpu, error_ratio
+FROM audit_reservation_error
+WHERE scope_id = $1
+  AND (($2::timestamptz IS NULL AND $3::text IS NULL)
+       OR (window_start <= $2 AND $2 < window_end) OR window_key = $3)
+ORDER BY window_start NULLS LAST, window_key, policy_git_sha;
+
+-- name: audit_window_exhaustion_for_scope
+SELECT ledger_key, scope_id, policy_id, policy_git_sha, unit, window_key, window_start, window_end,
+       limit_amount, used, burn_per_hour, exhausted_at, projected_exhaustion_at
+FROM audit_window_exhaustion
+WHERE scope_id = $1
+  AND (($2::timestamptz IS NULL AND $3::text IS NULL)
+       OR (window_start <= $2 AND $2 < window_end) OR window_key = $3)
+ORDER BY window_start, policy_id;
+
+-- name: audit_decisions_by_policy_sha_for_scope
+SELECT policy_id, policy_git_sha, scope_id, enforcement, decisions, allowed, denied, delayed,
+       first_decided_at, last_decided_at
+FROM audit_decisions_by_policy_sha
+WHERE scope_id = $1
+ORDER BY policy_id, first_decided_at;
