@@ -1,0 +1,162 @@
+"""The evidence-emitter: create_app(settings) wires the Kafka consumer (decisions and
+reconciliations into the delivery table) and the sender (delivery table to OpenLineage), and
+serves /healthz, /readyz and /metrics.
+
+Admission never waits for any of this: it only writes its outbox; a Marquez outage delays the
+events here and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from openlineage.client import OpenLineageClient
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from budgetgate import wire
+from budgetgate.consumer import InboxConsumer, Route
+from budgetgate.services.evidence_emitter import events, transport
+from budgetgate.services.evidence_emitter.handlers import EvidenceHandlers
+from budgetgate.services.evidence_emitter.sender import Sender
+from budgetgate.services.evidence_emitter.settings import EvidenceSettings
+from budgetgate.telemetry import Telemetry, setup_telemetry
+from budgetgate.topics import Topics
+from budgetgate.v1 import decisions_pb2, reconciliations_pb2
+
+log = logging.getLogger(__name__)
+
+CONSUMER_NAME = "evidence_emitter"
+
+
+@dataclass
+class Runtime:
+    """What the service holds while it runs."""
+
+    pool: asyncpg.Pool
+    publisher: wire.Publisher
+    consumer: InboxConsumer
+    sender: Sender
+    client: OpenLineageClient
+    consuming: bool = False
+
+
+def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None = None, telemetry: Telemetry | None = None) -> FastAPI:
+    """The evidence-emitter for `settings`; `client` overrides the OpenLineage configuration."""
+    telemetry = telemetry or setup_telemetry(service_name=settings.service_name, otlp_endpoint=settings.otlp_endpoint)
+    meter = telemetry.meter("budgetgate.evidence")
+    stored = meter.create_counter("budgetgate_evidence_events", description="OpenLineage events stored for delivery, by stage and event type")
+    topics = Topics(settings.topic_prefix)
+    holder: dict[str, Runtime] = {}
+
+    def gauge(read: Callable[[Runtime], float]) -> Callable[[CallbackOptions], list[Observation]]:
+        return lambda _options: [Observation(read(holder["rt"]))] if "rt" in holder else []
+
+    meter.create_observable_gauge("budgetgate_evidence_backlog", callbacks=[gauge(lambda rt: rt.sender.stats.backlog.pending)],
+                                  description="events stored and not yet delivered")
+    meter.create_observable_gauge("budgetgate_evidence_oldest_undelivered_age", unit="s",
+                                  callbacks=[gauge(lambda rt: rt.sender.stats.backlog.oldest_seconds)],
+                                  description="age of the oldest event not yet delivered")
+    meter.create_observable_counter("budgetgate_evidence_delivered", callbacks=[gauge(lambda rt: rt.sender.stats.delivered)],
+                                    description="events the receiver acknowledged")
+    meter.create_observable_counter("budgetgate_evidence_dead_lettered", callbacks=[gauge(lambda rt: rt.sender.stats.dead_lettered)],
+                                    description="events the receiver refused (4xx), kept in evidence_dead_letters")
+    meter.create_observable_counter("budgetgate_evidence_delivery_failures", callbacks=[gauge(lambda rt: rt.sender.stats.failures)],
+                                    description="sends that failed and will be retried")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ol_client = client or transport.build_client(settings.evidence_file)
+        pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10)
+        publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name)
+        handlers = EvidenceHandlers(producer=events.producer_uri(), on_stored=lambda stage, kind: stored.add(1, {"stage": stage, "event_type": kind}))
+        consumer = InboxConsumer(
+            name=CONSUMER_NAME,
+            group=settings.consumer_group,
+            bootstrap=settings.kafka_bootstrap,
+            pool=pool,
+            publisher=publisher,
+            routes={
+                topics.decisions: Route(decisions_pb2.Decision, handlers.decision),
+                topics.reconciliations: Route(reconciliations_pb2.Reconciliation, handlers.reconciliation),
+            },
+        )
+        sender = Sender(
+            pool=pool,
+            send=lambda event: transport.send(ol_client, event),
+            batch=settings.evidence_batch,
+            initial_backoff=settings.evidence_initial_backoff_seconds,
+            max_backoff=settings.evidence_max_backoff_seconds,
+            idle_seconds=settings.evidence_idle_seconds,
+        )
+        rt = Runtime(pool, publisher, consumer, sender, ol_client)
+        holder["rt"] = app.state.rt = rt
+        tasks = [asyncio.create_task(_consume(rt), name="evidence-consumer"), asyncio.create_task(sender.run(), name="evidence-sender")]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await consumer.stop()
+            await publisher.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(ol_client.close, 5.0)
+            await pool.close()
+            holder.pop("rt", None)
+
+    app = FastAPI(title="budgetgate evidence-emitter", version="1", lifespan=lifespan)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        rt: Runtime = request.app.state.rt
+        checks: dict[str, Any] = {}
+        try:
+            await rt.pool.fetchval("SELECT 1")
+            checks["postgres"] = "ok"
+        except (OSError, asyncpg.PostgresError) as exc:
+            checks["postgres"] = f"unreachable: {exc}"
+        checks["kafka_consumer"] = "ok" if rt.consuming else "not consuming yet"
+        ok = all(v == "ok" for v in checks.values())
+        # Delivery is reported, never required: a Marquez outage must not make the emitter unready.
+        stats = rt.sender.stats
+        delivery = {"transport": rt.client.transport.kind, "backlog": stats.backlog.pending,
+                    "oldest_undelivered_seconds": round(stats.backlog.oldest_seconds, 3), "last_error": stats.last_error}
+        return JSONResponse({"ready": ok, "checks": checks, "delivery": delivery}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(telemetry.metrics_text(), media_type=telemetry.metrics_content_type)
+
+    return app
+
+
+async def _consume(rt: Runtime) -> None:
+    """Consume until cancelled; Kafka being away at start or later only delays it."""
+    while True:
+        try:
+            await rt.publisher.start()
+            await rt.consumer.start()
+            rt.consuming = True
+            while True:
+                if await rt.consumer.poll_once() > 0:
+                    rt.sender.wakeup.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Kafka may come later; nothing is lost meanwhile
+            rt.consuming = False
+            log.warning("evidence consumer: %s; retrying", exc)
+            await rt.consumer.stop()
+            await rt.publisher.stop()
+            await asyncio.sleep(2)

@@ -1,0 +1,274 @@
+"""The `budget` run facet: what a decision or a reconciliation tells about a run, as plain fields.
+
+Pure: built from the Kafka messages alone (and, for a reconciliation, the facet of the decision
+it settles), so the same message always gives the same facet. Its JSON schema is published in
+schemas/facets/budget/<version>/BudgetRunFacet.json under the URL in SCHEMA_URL.
+
+When several policies apply, every evaluation is listed under `evaluations` in the decision's
+order, and the top-level policy fields repeat the one marked `deciding: true`:
+
+- DENY: the first budget that denied for missing labels, else the hard budget, among those
+  whose own answer was DENY, short by the largest part of the run;
+- DELAY: the blocking hard budget with the latest next eligible time (it sets when the run may
+  start);
+- ALLOW: the hard budget with the least room left after the run, relative to its limit (the
+  "tightest" budget admission's reason names), else the tightest of any enforcement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
+from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
+
+FACET_KEY = "budget"
+SCHEMA_VERSION = "1-0-0"
+SCHEMA_BASE = "https://budgetgate.dev/schemas/"
+SCHEMA_ID = f"{SCHEMA_BASE}facets/budget/{SCHEMA_VERSION}/BudgetRunFacet.json"
+SCHEMA_URL = f"{SCHEMA_ID}#/$defs/BudgetRunFacet"
+
+DECISION, RECONCILIATION = "decision", "reconciliation"
+Fields = dict[str, Any]
+
+
+class UnusableMessage(ValueError):
+    """A message no facet can be built from; the reason goes with it to the dead-letter topic."""
+
+
+def decision_fields(message: decisions_pb2.Decision) -> Fields:
+    """The facet fields of one admission decision."""
+    if not message.run_id:
+        raise UnusableMessage(f"decision {message.decision_id or message.event_id!r} has no run_id")
+    outcome = common_pb2.Outcome.Name(message.outcome)
+    if outcome not in ("ALLOW", "DENY", "DELAY"):
+        raise UnusableMessage(f"decision {message.decision_id!r} has outcome {outcome}")
+    projected_gpu = message.projected_gpu_milli_hours
+    evaluations = [_evaluation(e, projected_gpu) for e in message.evaluations]
+    deciding = deciding_index(outcome, message.evaluations)
+    if deciding is not None:
+        evaluations[deciding]["deciding"] = True
+    fields: Fields = {
+        "stage": DECISION,
+        "run_id": message.run_id,
+        "decision_id": message.decision_id or message.event_id,
+        "attempt": max(message.attempt, 1),
+        "decision": outcome,
+        "reason": message.reason,
+        "policy_bundle_sha": message.policy_bundle_sha,
+        "projected_gpu_hours": hours(projected_gpu),
+        "admitted_gpu_hours": hours(projected_gpu) if outcome == "ALLOW" else 0.0,
+        "evaluations": evaluations,
+    }
+    if deciding is not None:
+        chosen = evaluations[deciding]
+        for key in ("policy_id", "policy_git_sha", "scope_id", "window_key", "window_start", "window_end"):
+            if key in chosen:
+                fields[key] = chosen[key]
+        if outcome != "ALLOW":
+            fields["deficit_gpu_hours"] = chosen.get("deficit_gpu_hours", 0.0)
+            if "next_eligible_time" in chosen:
+                fields["next_eligible_time"] = chosen["next_eligible_time"]
+    elif outcome != "ALLOW":
+        fields["deficit_gpu_hours"] = 0.0
+    return fields
+
+
+def reconciliation_fields(message: reconciliations_pb2.Reconciliation, decided: Mapping[str, Any] | None) -> Fields:
+    """The facet fields of a reconciliation: the settled decision's, plus the actuals.
+
+    `decided` is the facet of the run's decision when the emitter has seen it; without it the
+    decision is inferred from the message (a reconciled run was admitted, on the keys charged).
+    """
+    if not message.run_id:
+        raise UnusableMessage(f"reconciliation {message.event_id!r} has no run_id")
+    projected, actual = message.projected_gpu_milli_hours, message.actual_gpu_milli_hours
+    charges = [_charge(c) for c in message.charges]
+    if decided is not None:
+        fields = {k: v for k, v in decided.items() if not k.startswith("_")}
+    else:
+        fields = _inferred_decision(message, charges)
+    if message.policy_bundle_sha:
+        fields["policy_bundle_sha"] = message.policy_bundle_sha
+    error = actual - projected
+    fields.update(
+        stage=RECONCILIATION,
+        run_id=message.run_id,
+        reconciliation_id=message.event_id,
+        final_state=normalized_state(message.final_state),
+        provisional=message.provisional,
+        projected_gpu_hours=hours(projected),
+        actual_gpu_hours=hours(actual),
+        reservation_error_gpu_hours=hours(error),
+        charges=charges,
+    )
+    if message.decision_id:
+        fields["decision_id"] = message.decision_id
+    fields.pop("reservation_error_ratio", None)
+    if projected > 0:
+        fields["reservation_error_ratio"] = round(error / projected, 6)
+    return fields
+
+
+def _inferred_decision(message: reconciliations_pb2.Reconciliation, charges: Sequence[Fields]) -> Fields:
+    sha = message.policy_bundle_sha
+    evaluations = []
+    for charge in charges:
+        entry = {
+            "policy_id": charge.get("policy_id", ""),
+            "policy_git_sha": sha,
+            "scope_id": charge["scope_id"],
+            "ledger_key": charge["ledger_key"],
+            "unit": charge["unit"],
+            "enforcement": "hard",
+            "decision": "ALLOW",
+            "deciding": False,
+            "limit": 0.0,
+            "projected": 0.0,
+            "admitted": 0.0,
+            "projected_gpu_hours": hours(message.projected_gpu_milli_hours),
+            "admitted_gpu_hours": hours(message.projected_gpu_milli_hours),
+        }
+        entry.update({k: charge[k] for k in ("window_key", "window_start", "window_end") if k in charge})
+        # One entry per ledger key is what a decision lists, whatever the charges' split.
+        if all(e["ledger_key"] != entry["ledger_key"] for e in evaluations):
+            evaluations.append(entry)
+    fields: Fields = {
+        "stage": DECISION,
+        "run_id": message.run_id,
+        "decision": "ALLOW",
+        "policy_bundle_sha": sha,
+        "projected_gpu_hours": hours(message.projected_gpu_milli_hours),
+        "admitted_gpu_hours": hours(message.projected_gpu_milli_hours),
+        "evaluations": evaluations,
+    }
+    gpu = [e for e in evaluations if e["unit"] == Unit.GPU_HOURS] or evaluations
+    if gpu:
+        gpu[0]["deciding"] = True
+        fields.update({k: gpu[0][k] for k in ("policy_id", "policy_git_sha", "scope_id", "window_key", "window_start", "window_end") if k in gpu[0]})
+    return fields
+
+
+def deciding_index(outcome: str, evaluations: Sequence[decisions_pb2.Decision.Evaluation]) -> int | None:
+    """Which evaluation the decision's top-level policy fields describe (see the module doc)."""
+    if not evaluations:
+        return None
+    indexed = list(enumerate(evaluations))
+    if outcome == "DENY":
+        labels = [i for i, e in indexed if e.missing_labels]
+        if labels:
+            return labels[0]
+        denied = [(i, e) for i, e in indexed if _outcome(e) == "DENY" and e.enforcement == "hard"]
+        denied = denied or [(i, e) for i, e in indexed if _outcome(e) == "DENY"]
+        if denied:
+            return max(denied, key=lambda ie: (_shortfall(ie[1]), -ie[0]))[0]
+    if outcome == "DELAY":
+        delayed = [(i, e) for i, e in indexed if _outcome(e) == "DELAY" and e.enforcement == "hard"]
+        delayed = delayed or [(i, e) for i, e in indexed if _outcome(e) == "DELAY"]
+        if delayed:
+            return max(delayed, key=lambda ie: (_seconds(ie[1].next_eligible_time) if ie[1].HasField("next_eligible_time") else 0, -ie[0]))[0]
+    hard = [(i, e) for i, e in indexed if e.enforcement == "hard"] or indexed
+    return min(hard, key=lambda ie: ((ie[1].remaining_amount - ie[1].projected_amount) / max(ie[1].limit_amount, 1), ie[0]))[0]
+
+
+def _shortfall(e: decisions_pb2.Decision.Evaluation) -> float:
+    return e.deficit_amount / e.projected_amount if e.projected_amount > 0 else 0.0
+
+
+def _outcome(e: decisions_pb2.Decision.Evaluation) -> str:
+    return common_pb2.Outcome.Name(e.outcome)
+
+
+def _evaluation(e: decisions_pb2.Decision.Evaluation, projected_gpu: int) -> Fields:
+    unit = Unit(e.unit) if e.unit in Unit._value2member_map_ else None
+    shown = (lambda amount: display(unit, amount)) if unit is not None else (lambda amount: float(amount))
+    outcome = _outcome(e)
+    entry: Fields = {
+        "policy_id": e.policy_id,
+        "policy_git_sha": e.policy_git_sha,
+        "scope_id": e.scope_id,
+        "unit": e.unit,
+        "enforcement": e.enforcement,
+        "decision": outcome,
+        "deciding": False,
+        "limit": shown(e.limit_amount),
+        "projected": shown(e.projected_amount),
+        "admitted": shown(e.admitted_amount),
+        "projected_gpu_hours": hours(projected_gpu),
+        "admitted_gpu_hours": hours(projected_gpu) if e.admitted_amount else 0.0,
+    }
+    if e.ledger_key:
+        entry["ledger_key"] = e.ledger_key
+        entry["window_key"] = window_key(e.ledger_key)
+        # Label violations are judged before any ledger, so they have no remaining room.
+        entry["remaining"] = shown(e.remaining_amount)
+    if e.HasField("window_start"):
+        entry["window_start"] = timestamp_text(e.window_start)
+    if e.HasField("window_end"):
+        entry["window_end"] = timestamp_text(e.window_end)
+    if outcome != "ALLOW":
+        entry["deficit"] = shown(e.deficit_amount)
+        entry["deficit_gpu_hours"] = deficit_gpu_hours(e.deficit_amount, e.projected_amount, projected_gpu)
+    if e.HasField("next_eligible_time"):
+        entry["next_eligible_time"] = timestamp_text(e.next_eligible_time)
+    if e.missing_labels:
+        entry["missing_labels"] = list(e.missing_labels)
+    return entry
+
+
+def _charge(c: reconciliations_pb2.Reconciliation.WindowCharge) -> Fields:
+    unit = Unit(c.unit) if c.unit in Unit._value2member_map_ else None
+    entry: Fields = {
+        "ledger_key": c.ledger_key,
+        "scope_id": c.scope_id,
+        "unit": c.unit,
+        "amount": display(unit, c.amount) if unit is not None else float(c.amount),
+    }
+    if c.policy_id:
+        entry["policy_id"] = c.policy_id
+    if c.ledger_key:
+        entry["window_key"] = window_key(c.ledger_key)
+    if c.HasField("window_start"):
+        entry["window_start"] = timestamp_text(c.window_start)
+    if c.HasField("window_end"):
+        entry["window_end"] = timestamp_text(c.window_end)
+    return entry
+
+
+def deficit_gpu_hours(deficit: int, projected: int, projected_gpu: int) -> float:
+    """A budget's shortfall scaled to the run's GPU-hours: exact for GPU-hour budgets, and the
+    same share of the run for node-hour, wall-hour and cost budgets."""
+    if deficit <= 0 or projected <= 0:
+        return 0.0
+    return round(projected_gpu * min(deficit / projected, 1.0) / MILLI_PER_HOUR, 6)
+
+
+def window_key(ledger_key: str) -> str:
+    """The window part of a ledger key `<scope>|<window>|<unit>` (`<start>/<end>` or `rolling-<n>d`)."""
+    parts = ledger_key.rsplit("|", 2)
+    return parts[1] if len(parts) == 3 else ""
+
+
+def normalized_state(state: str) -> str:
+    """A reconciler's final state in one spelling: `completed`, `Completed` -> `COMPLETED`."""
+    return state.strip().upper().replace("-", "_").replace(" ", "_").removeprefix("LIFECYCLE_TYPE_")
+
+
+def timestamp_text(stamp: Timestamp) -> str:
+    """A protobuf timestamp as ISO 8601 in UTC."""
+    return stamp.ToDatetime(tzinfo=UTC).isoformat()
+
+
+def _seconds(stamp: Timestamp) -> float:
+    return stamp.ToDatetime(tzinfo=UTC).timestamp()
+
+
+def event_time(stamp: Timestamp) -> datetime:
+    """A message's event time (UTC), or now for a producer that left it out."""
+    if stamp.seconds == 0 and stamp.nanos == 0:
+        return datetime.now(UTC)
+    return stamp.ToDatetime(tzinfo=UTC)

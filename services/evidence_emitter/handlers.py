@@ -1,0 +1,109 @@
+"""The consumer's handlers: each decision or reconciliation becomes one stored OpenLineage event,
+in the transaction that also records the message in the inbox (budgetgate.consumer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+
+from budgetgate.consumer import Poison
+from budgetgate.services.evidence_emitter import events, facet, store
+from budgetgate.v1 import decisions_pb2, reconciliations_pb2
+
+Stored = Callable[[str, str], None]  # (stage, event type), for metrics
+
+
+class EvidenceHandlers:
+    """Handlers for budget.decisions.v1 and budget.reconciliations.v1."""
+
+    def __init__(self, *, producer: str, on_stored: Stored | None = None) -> None:
+        self.producer = producer
+        self.on_stored = on_stored or (lambda _stage, _type: None)
+
+    async def decision(self, conn: asyncpg.Connection, message: decisions_pb2.Decision, _record: Any) -> None:
+        try:
+            fields = facet.decision_fields(message)
+        except facet.UnusableMessage as exc:
+            raise Poison(str(exc)) from exc
+        event_type = events.decision_event_type(fields["decision"])
+        job = _job(message.job) or (message.namespace or "budgetgate", message.run_id)
+        await self._store(conn, stage=facet.DECISION, message_id=message.event_id, run_id=message.run_id,
+                          decision_id=fields["decision_id"], event_type=event_type, at=facet.event_time(message.event_time),
+                          job=job, fields=fields)
+
+    async def reconciliation(self, conn: asyncpg.Connection, message: reconciliations_pb2.Reconciliation, _record: Any) -> None:
+        decided = await store.decision_event(conn, message.run_id, message.decision_id or None)
+        decided_facet = decided["run"]["facets"][facet.FACET_KEY] if decided else None
+        try:
+            fields = facet.reconciliation_fields(message, decided_facet)
+            event_type = events.reconciliation_event_type(fields["final_state"], terminal_sent=await store.terminal_sent(conn, message.run_id))
+        except facet.UnusableMessage as exc:
+            raise Poison(str(exc)) from exc
+        # The decision's job first: every event of a run must name the same job in Marquez.
+        job = (decided["job"]["namespace"], decided["job"]["name"]) if decided else _job(message.job) or ("budgetgate", message.run_id)
+        at = facet.event_time(message.event_time)
+        await store.add_reconciliation(conn, _reconciliation_row(message, fields, at))
+        await self._store(conn, stage=facet.RECONCILIATION, message_id=message.event_id, run_id=message.run_id,
+                          decision_id=fields.get("decision_id"), event_type=event_type, at=at, job=job, fields=fields)
+
+    async def _store(self, conn: asyncpg.Connection, *, stage: str, message_id: str, run_id: str, decision_id: str | None,
+                     event_type: events.RunState, at: datetime, job: tuple[str, str], fields: dict[str, Any]) -> None:
+        event = events.run_event(event_type=event_type, at=at, run_id=run_id, job=job, fields=fields, producer=self.producer)
+        await store.add_event(conn, store.StoredEvent(
+            source_event_id=message_id,
+            stage=stage,
+            run_id=run_id,
+            run_uuid=events.run_uuid(run_id),
+            decision_id=decision_id,
+            event_type=event_type.value,
+            event_time=at,
+            payload=events.to_json(event),
+        ))  # fmt: skip
+        self.on_stored(stage, event_type.value)
+
+
+def _job(job: Any) -> tuple[str, str] | None:
+    if job is not None and job.namespace and job.name:
+        return job.namespace, job.name
+    return None
+
+
+def _reconciliation_row(message: reconciliations_pb2.Reconciliation, fields: dict[str, Any], at: datetime) -> store.ReconciliationRow:
+    state = fields["final_state"]
+    return store.ReconciliationRow(
+        event_id=message.event_id,
+        run_id=message.run_id,
+        decision_id=message.decision_id or fields.get("decision_id"),
+        final_state=state,
+        terminal=events.reconciliation_event_type(state, terminal_sent=False) in events.TERMINAL,
+        provisional=message.provisional,
+        policy_git_sha=fields.get("policy_bundle_sha", "") or message.policy_bundle_sha,
+        projected_gpu=message.projected_gpu_milli_hours,
+        actual_gpu=message.actual_gpu_milli_hours,
+        reconciled_at=at,
+        charges=_charges_by_key(message),
+    )
+
+
+def _charges_by_key(message: reconciliations_pb2.Reconciliation) -> tuple[tuple[Any, ...], ...]:
+    """One row per ledger key: a reconciler may split a key's charge (rolling-window buckets)."""
+    rows: dict[str, list[Any]] = {}
+    for c in message.charges:
+        row = rows.get(c.ledger_key)
+        if row is None:
+            rows[c.ledger_key] = [
+                c.ledger_key,
+                c.scope_id,
+                facet.window_key(c.ledger_key),
+                c.window_start.ToDatetime(tzinfo=UTC) if c.HasField("window_start") else None,
+                c.window_end.ToDatetime(tzinfo=UTC) if c.HasField("window_end") else None,
+                c.policy_id or None,
+                c.unit,
+                c.amount,
+            ]
+        else:
+            row[7] += c.amount
+    return tuple(tuple(row) for row in rows.values())

@@ -1,0 +1,131 @@
+"""The sender: delivers stored events in order, marks each delivered as soon as it is acknowledged,
+and waits with capped exponential backoff while the receiver is down, slow or failing.
+
+Only the event in flight can be sent twice (acknowledged, then the process dies before the mark).
+A refused event (4xx) is dead-lettered with the receiver's answer and never retried. One sender
+runs at a time across instances (a Postgres advisory lock), so a run's events stay in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from budgetgate.ledger.queries import sql
+from budgetgate.services.evidence_emitter import events, store
+from budgetgate.services.evidence_emitter.transport import NotDelivered, Refused
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[object], None]  # blocking; raises Refused or NotDelivered
+
+
+def backoff(failures: int, *, initial: float, cap: float) -> float:
+    """Seconds to wait after `failures` consecutive failures: initial, doubled each time, capped."""
+    if failures <= 0:
+        return 0.0
+    return min(cap, initial * 2 ** min(failures - 1, 62))
+
+
+@dataclass
+class SenderStats:
+    delivered: int = 0
+    dead_lettered: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    backlog: store.Backlog = field(default_factory=lambda: store.Backlog(0, 0.0))
+
+
+class Sender:
+    def __init__(self, *, pool: asyncpg.Pool, send: Send, batch: int = 100, initial_backoff: float = 0.5,
+                 max_backoff: float = 60.0, idle_seconds: float = 0.5) -> None:
+        self.pool = pool
+        self.send = send
+        self.batch = batch
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+        self.idle_seconds = idle_seconds
+        self.wakeup = asyncio.Event()
+        self.stats = SenderStats()
+
+    async def run(self) -> None:
+        """Deliver until cancelled, outliving Postgres and receiver outages."""
+        while True:
+            try:
+                async with self._leadership() as lead:
+                    while not lead.is_closed():
+                        await self.refresh_backlog()
+                        if await self.deliver_once() == 0:
+                            await self._idle()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Postgres went away: try again shortly
+                log.warning("evidence sender: %s; retrying", exc)
+                await asyncio.sleep(self.idle_seconds * 4)
+
+    async def deliver_once(self) -> int:
+        """Send one batch of due events; returns how many were taken care of (delivered or dead).
+
+        Stops at the first failure and waits out the backoff before returning.
+        """
+        done = 0
+        for pending in await store.next_batch(self.pool, self.batch):
+            event = events.from_json(pending.payload)
+            try:
+                await asyncio.to_thread(self.send, event)
+            except Refused as exc:
+                log.error("evidence event %d refused (HTTP %s), dead-lettered: %s", pending.seq, exc.status, exc.body[:500])
+                await store.mark_dead(self.pool, pending.seq, status=exc.status, body=exc.body, error=str(exc))
+                self.stats.dead_lettered += 1
+                done += 1
+                continue
+            except NotDelivered as exc:
+                await self._failed(pending, exc)
+                return done
+            await store.mark_delivered(self.pool, pending.seq)
+            self.stats.delivered += 1
+            self.stats.consecutive_failures = 0
+            done += 1
+        return done
+
+    async def _failed(self, pending: store.Pending, exc: NotDelivered) -> None:
+        self.stats.failures += 1
+        self.stats.consecutive_failures += 1
+        self.stats.last_error = str(exc)
+        wait = backoff(self.stats.consecutive_failures, initial=self.initial_backoff, cap=self.max_backoff)
+        # The event's own delay grows with its attempts, so one event the receiver keeps failing
+        # on (a 5xx for its content) does not hold back other runs' events for ever.
+        own = backoff(pending.attempts + 1, initial=self.initial_backoff, cap=self.max_backoff)
+        log.warning("evidence event %d not delivered (%s); retrying in %.1fs", pending.seq, exc, wait)
+        await store.mark_retry(self.pool, pending.seq, error=str(exc), after_seconds=own)
+        await asyncio.sleep(wait)
+
+    async def refresh_backlog(self) -> store.Backlog:
+        self.stats.backlog = await store.backlog(self.pool)
+        return self.stats.backlog
+
+    async def _idle(self) -> None:
+        self.wakeup.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wakeup.wait(), timeout=self.idle_seconds)
+
+    @contextlib.asynccontextmanager
+    async def _leadership(self) -> AsyncIterator[asyncpg.Connection]:
+        conn: asyncpg.Connection = await self.pool.acquire()
+        try:
+            while not await conn.fetchval(sql("evidence_try_lead")):
+                await self.refresh_backlog()
+                await asyncio.sleep(self.idle_seconds * 4)
+            try:
+                yield conn
+            finally:
+                with contextlib.suppress(Exception):
+                    await conn.fetchval(sql("evidence_unlead"))
+        finally:
+            await self.pool.release(conn)

@@ -1,0 +1,29 @@
+"""Settings of the evidence-emitter (BUDGETGATE_ variables).
+
+Where events go is openlineage-python's own configuration (OPENLINEAGE_URL, OPENLINEAGE_CONFIG
+or openlineage.yml, OPENLINEAGE__TRANSPORT__* variables); with none of it, events are appended
+to `evidence_file`, which is what the local stack does unless Marquez is configured.
+"""
+
+from __future__ import annotations
+
+from budgetgate.settings import CommonSettings
+
+
+class EvidenceSettings(CommonSettings):
+    service_name: str = "budgetgate-evidence-emitter"
+    # /healthz, /readyz and /metrics (the backlog gauges) are served here.
+    host: str = "127.0.0.1"
+    port: int = 8081
+    pg_pool_min: int = 1
+    pg_pool_max: int = 4
+    evidence_file: str = ".budgetgate/evidence/openlineage.jsonl"
+    # Delivery retries: the first wait, doubled per consecutive failure up to the cap.
+    evidence_initial_backoff_seconds: float = 0.5
+    evidence_max_backoff_seconds: float = 60.0
+    evidence_batch: int = 100
+    evidence_idle_seconds: float = 0.5
+
+    @property
+    def consumer_group(self) -> str:
+        return f"{self.topic_prefix}budgetgate-evidence-emitter"

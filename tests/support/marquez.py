@@ -1,0 +1,315 @@
+"""A Marquez stand-in: a small HTTP server following ../shared/reference/marquez/openapi.yml for
+`POST /api/v1/lineage` (answers 201, stores without deduplicating, as Marquez does) and the read
+endpoints the audit uses (namespaces, jobs, runs with merged facets, one run, run facets, events).
+
+It can be told to fail (5xx), refuse chosen events (4xx with a body), stall (hold requests
+unanswered and unrecorded), be slow, or go away (its port refuses connections) and come back on
+the same port. Every event it receives is validated against the OpenLineage spec 2-0-2 and the
+budget facet's schema; `invalid` lists what failed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT.parent / "shared" / "reference" / "openlineage-spec" / "spec"
+FACET_SCHEMAS = ROOT / "schemas"
+OPENLINEAGE_ID = "https://openlineage.io/spec/2-0-2/OpenLineage.json"
+_STATES = {"START": "RUNNING", "RUNNING": "RUNNING", "COMPLETE": "COMPLETED", "FAIL": "FAILED", "ABORT": "ABORTED"}
+
+
+def require_spec() -> Path:
+    """The OpenLineage spec folder, or skip the test saying where it was looked for."""
+    if not (SPEC / "OpenLineage.json").is_file():
+        pytest.skip(f"OpenLineage spec not found at {SPEC} (../shared/reference/openlineage-spec beside the checkout); events cannot be validated")
+    return SPEC
+
+
+class OpenLineageValidator:
+    """Validates RunEvents against spec 2-0-2 and custom facets against the project's schemas."""
+
+    def __init__(self, spec: Path) -> None:
+        from jsonschema import Draft202012Validator, FormatChecker
+        from referencing import Registry, Resource
+
+        resources = []
+        for path in [spec / "OpenLineage.json", *sorted((spec / "facets").glob("*.json")), *sorted(FACET_SCHEMAS.rglob("*.json"))]:
+            contents = json.loads(path.read_text())
+            resources.append((contents["$id"], Resource.from_contents(contents)))
+        self.registry = Registry().with_resources(resources)
+        self._validator = Draft202012Validator
+        self._checker = FormatChecker()
+
+    def errors(self, event: dict[str, Any]) -> list[str]:
+        """Every way `event` departs from the spec and from its facets' schemas."""
+        found = [f"event: {e.message} at {list(e.absolute_path)}" for e in self._errors({"$ref": f"{OPENLINEAGE_ID}#/$defs/RunEvent"}, event)]
+        try:
+            uuid.UUID(event["run"]["runId"])
+        except (KeyError, TypeError, ValueError):
+            found.append("run.runId is not a UUID")
+        try:
+            datetime.fromisoformat(event["eventTime"])
+        except (KeyError, TypeError, ValueError):
+            found.append("eventTime is not an ISO 8601 date-time")
+        for key, facet in ((event.get("run") or {}).get("facets") or {}).items():
+            url = facet.get("_schemaURL", "") if isinstance(facet, dict) else ""
+            if not url.startswith("https://budgetgate.dev/"):
+                continue
+            found += [f"facet {key}: {e.message} at {list(e.absolute_path)}" for e in self._errors({"$ref": url}, facet)]
+        return found
+
+    def _errors(self, schema: dict[str, Any], instance: Any) -> list[Any]:
+        validator = self._validator(schema, registry=self.registry, format_checker=self._checker)
+        return list(validator.iter_errors(instance))
+
+
+class MarquezStandIn:
+    """The server; use as a context manager or start()/close(). `url` is its base URL."""
+
+    def __init__(self, *, validate: bool = True) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.invalid: list[tuple[dict[str, Any], list[str]]] = []
+        self.requests = 0
+        self.status = 201  # what POST /api/v1/lineage answers; 5xx = failing
+        self.refuse: Callable[[dict[str, Any]], bool] = lambda _event: False
+        self.delay = 0.0  # seconds before answering (the event is recorded first)
+        self._stall = threading.Event()
+        self._stall.set()  # set = not stalling
+        self._lock = threading.Lock()
+        self._validator = OpenLineageValidator(SPEC) if validate and (SPEC / "OpenLineage.json").is_file() else None
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> MarquezStandIn:
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="marquez-stand-in", daemon=True)
+        self._thread.start()
+        return self
+
+    def go_away(self) -> None:
+        """Stop listening: connections to the port are refused until come_back()."""
+        server, self._server = self._server, None
+        self._stall.set()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def come_back(self) -> None:
+        """Listen again on the same port, with everything received so far."""
+        self.start()
+
+    def close(self) -> None:
+        self.go_away()
+
+    def __enter__(self) -> MarquezStandIn:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- behaviour ------------------------------------------------------------------------------
+
+    def fail(self, status: int = 503) -> None:
+        """Answer every POST with `status` and record nothing."""
+        self.status = status
+
+    def recover(self) -> None:
+        self.status = 201
+        self._stall.set()
+
+    def stall(self) -> None:
+        """Hold every POST unanswered (and unrecorded) until recover()."""
+        self._stall.clear()
+
+    # -- what arrived ---------------------------------------------------------------------------
+
+    def received(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.events)
+
+    def wait_for(self, count: int, timeout: float = 60) -> list[dict[str, Any]]:
+        """Block until at least `count` events arrived; returns them (fails the test on timeout)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            events = self.received()
+            if len(events) >= count:
+                return events
+            time.sleep(0.05)
+        raise AssertionError(f"Marquez stand-in received {len(self.received())} events, expected {count} within {timeout}s")
+
+    def runs(self) -> dict[str, dict[str, Any]]:
+        """Every run as Marquez serves it (merged facets, state), keyed by run id."""
+        with self._lock:
+            events = list(self.events)
+        runs: dict[str, dict[str, Any]] = {}
+        for event in sorted(enumerate(events), key=lambda ie: (_instant(ie[1]["eventTime"]), ie[0])):
+            _apply(runs, event[1])
+        return runs
+
+    # -- request handling -----------------------------------------------------------------------
+
+    def _post_lineage(self, body: bytes) -> tuple[int, Any]:
+        with self._lock:
+            self.requests += 1
+        if not self._stall.is_set():
+            # A wedged server: the request is held, then dropped unanswered and unprocessed.
+            self._stall.wait(timeout=120)
+            return 0, None
+        if self.status >= 400:
+            return self.status, {"code": self.status, "message": "stand-in told to fail"}
+        try:
+            event = json.loads(body)
+        except ValueError:
+            return 400, {"code": 400, "message": "body is not JSON"}
+        if self.refuse(event):
+            return 422, {"code": 422, "message": "stand-in refuses this event", "runId": event.get("run", {}).get("runId")}
+        with self._lock:
+            self.events.append(event)
+            if self._validator is not None:
+                errors = self._validator.errors(event)
+                if errors:
+                    self.invalid.append((event, errors))
+        if self.delay:
+            time.sleep(self.delay)
+        return 201, None
+
+    def _get(self, path: str, query: dict[str, list[str]]) -> tuple[int, Any]:
+        parts = [unquote(p) for p in path.strip("/").split("/")]
+        if parts[:2] != ["api", "v1"]:
+            return 404, {"code": 404, "message": f"no route {path}"}
+        parts = parts[2:]
+        limit = int(query.get("limit", ["100"])[0])
+        offset = int(query.get("offset", ["0"])[0])
+        runs = self.runs()
+        if parts == ["namespaces"]:
+            names = sorted({r["_job"][0] for r in runs.values()})
+            return 200, {"namespaces": [_namespace(n) for n in names][offset : offset + limit]}
+        if len(parts) == 3 and parts[0] == "namespaces" and parts[2] == "jobs":
+            jobs = sorted({r["_job"] for r in runs.values() if r["_job"][0] == parts[1]})
+            return 200, {"jobs": [_job(j) for j in jobs][offset : offset + limit], "totalCount": len(jobs)}
+        if len(parts) == 5 and parts[0] == "namespaces" and parts[2] == "jobs" and parts[4] == "runs":
+            mine = [r for r in runs.values() if r["_job"] == (parts[1], parts[3])]
+            mine.sort(key=lambda r: r["updatedAt"], reverse=True)
+            return 200, {"runs": [_public(r) for r in mine][offset : offset + limit]}
+        if len(parts) >= 3 and parts[:2] == ["jobs", "runs"]:
+            run = runs.get(parts[2])
+            if run is None:
+                return 404, {"code": 404, "message": f"run {parts[2]} not found"}
+            if len(parts) == 4 and parts[3] == "facets":
+                return 200, {"runId": parts[2], "facets": run["facets"]}
+            return 200, _public(run)
+        if parts == ["events", "lineage"]:
+            events = self.received()
+            return 200, {"events": events[offset : offset + limit], "totalCount": len(events)}
+        return 404, {"code": 404, "message": f"no route {path}"}
+
+
+def _handler(stand_in: MarquezStandIn) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *_args: object) -> None:  # quiet
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+            if urlsplit(self.path).path.rstrip("/") != "/api/v1/lineage":
+                self._answer(404, {"code": 404, "message": "no route"})
+                return
+            status, payload = stand_in._post_lineage(body)
+            if status == 0:
+                self.close_connection = True
+                return
+            self._answer(status, payload)
+
+        def do_GET(self) -> None:  # noqa: N802
+            parts = urlsplit(self.path)
+            status, payload = stand_in._get(parts.path, parse_qs(parts.query))
+            self._answer(status, payload)
+
+        def _answer(self, status: int, payload: Any) -> None:
+            body = b"" if payload is None else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+def _instant(text: str) -> datetime:
+    at = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _apply(runs: dict[str, dict[str, Any]], event: dict[str, Any]) -> None:
+    run_id = event["run"]["runId"]
+    job = (event["job"]["namespace"], event["job"]["name"])
+    at = event["eventTime"]
+    run = runs.setdefault(run_id, {"id": run_id, "createdAt": at, "updatedAt": at, "state": "NEW", "startedAt": None,
+                                   "endedAt": None, "facets": {}, "_job": job})
+    run["updatedAt"] = at
+    run["facets"].update((event["run"].get("facets") or {}))
+    state = _STATES.get(event.get("eventType", ""))
+    if state is not None:
+        run["state"] = state
+        if state == "RUNNING" and run["startedAt"] is None:
+            run["startedAt"] = at
+        if state in ("COMPLETED", "FAILED", "ABORTED"):
+            run["endedAt"] = at
+
+
+def _public(run: dict[str, Any]) -> dict[str, Any]:
+    namespace, name = run["_job"]
+    duration = None
+    if run["startedAt"] and run["endedAt"]:
+        duration = int((_instant(run["endedAt"]) - _instant(run["startedAt"])).total_seconds() * 1000)
+    return {
+        "id": run["id"], "createdAt": run["createdAt"], "updatedAt": run["updatedAt"], "nominalStartTime": None,
+        "nominalEndTime": None, "state": run["state"], "startedAt": run["startedAt"], "endedAt": run["endedAt"],
+        "durationMs": duration, "args": {}, "jobVersion": {"namespace": namespace, "name": name, "version": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}/{name}"))},
+        "inputDatasetVersions": [], "outputDatasetVersions": [], "context": {}, "facets": run["facets"],
+    }  # fmt: skip
+
+
+def _namespace(name: str) -> dict[str, Any]:
+    now = datetime.now(UTC).isoformat()
+    return {"name": name, "createdAt": now, "updatedAt": now, "ownerName": "anonymous", "description": None}
+
+
+def _job(job: tuple[str, str]) -> dict[str, Any]:
+    now = datetime.now(UTC).isoformat()
+    return {"id": {"namespace": job[0], "name": job[1]}, "type": "BATCH", "name": job[1], "simpleName": job[1],
+            "namespace": job[0], "createdAt": now, "updatedAt": now, "inputs": [], "outputs": [], "facets": {},
+            "latestRun": None, "latestRuns": []}  # fmt: skip
+
+
+@pytest.fixture
+def marquez() -> Iterator[MarquezStandIn]:
+    """A running Marquez stand-in, closed after the test."""
+    with MarquezStandIn() as server:
+        yield server
