@@ -6,6 +6,7 @@ import asyncio
 import logging
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import asyncpg
@@ -42,14 +43,55 @@ class LedgerSync:
             await conn.execute(sql("lock_ledger_exclusive"))
             if not force and await self.redis.is_loaded():
                 return False
-            ledgers = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
-            runs: dict[str, tuple[str, int, dict[str, int]]] = {}
-            amounts: dict[str, dict[str, int]] = defaultdict(dict)
-            for row in await conn.fetch(sql("held_reservations")):
-                amounts[row["run_id"]][row["ledger_key"]] = row["amount"]
-                runs[row["run_id"]] = (str(row["decision_id"]), int(row["created_at"].timestamp() * 1000), amounts[row["run_id"]])
-            await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex)
+            await self._replace(conn)
         return True
+
+    async def _replace(self, conn: asyncpg.Connection) -> None:
+        """Write Postgres's ledger to Redis; the caller holds the ledger lock exclusively."""
+        ledgers, runs = await _postgres_state(conn)
+        await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex)
+
+    async def check_drift(self, *, repair: bool) -> Drift | None:
+        """Compare Redis with Postgres (Postgres is the truth); None when Redis is not loaded.
+
+        A difference seen without locks may be a change in flight (in Redis, not yet committed),
+        so it is confirmed under the exclusive ledger lock, when nothing is in flight; with
+        `repair`, a confirmed difference is repaired by rebuilding Redis within that same lock.
+        """
+        if not await self.redis.is_loaded():
+            return None
+        async with self.pool.acquire() as conn:
+            first = await self._compare(conn)
+            if first.clean:
+                return first
+            async with conn.transaction():
+                await conn.execute(sql("lock_ledger_exclusive"))
+                if not await self.redis.is_loaded():
+                    return None
+                confirmed = await self._compare(conn)
+                if not confirmed.clean and repair:
+                    log.warning("Redis drifted from Postgres on %d ledger key(s) and %d run(s); rebuilding it", len(confirmed.keys), len(confirmed.runs))
+                    await self._replace(conn)
+                    return Drift(confirmed.keys, confirmed.runs, repaired=True)
+                return confirmed
+
+    async def _compare(self, conn: asyncpg.Connection) -> Drift:
+        ledgers, runs = await _postgres_state(conn)
+        in_redis = await self.redis.all_readings()
+        keys = {}
+        for key in sorted(set(ledgers) | set(in_redis)):
+            redis_figures, pg_figures = in_redis.get(key), ledgers.get(key, (0, 0))
+            # A key Redis never loaded gets Postgres's figures when first used: not drift.
+            if redis_figures is not None and redis_figures != pg_figures:
+                keys[key] = (redis_figures, pg_figures)
+        held = {run_id: amounts for run_id, (_decision, _at, amounts) in runs.items()}
+        redis_runs = await self.redis.run_holds()
+        drifted_runs = {
+            run_id: (redis_runs.get(run_id, {}), held.get(run_id, {}))
+            for run_id in sorted(set(held) | set(redis_runs))
+            if redis_runs.get(run_id, {}) != held.get(run_id, {})
+        }
+        return Drift(keys, drifted_runs)
 
     async def sweep_orphans(self, *, grace: timedelta, now: datetime) -> list[str]:
         """Release Redis holds older than `grace` whose decision never reached Postgres (the
@@ -70,6 +112,31 @@ class LedgerSync:
                     log.warning("released orphaned reservation of run %r (decision %s never committed)", run_id, decision_id)
                     released.append(run_id)
         return released
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Where Redis differs from Postgres: ledger key → ((reserved, consumed) in Redis, in
+    Postgres), and run id → (what its Redis run key holds, what Postgres holds for it)."""
+
+    keys: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
+    runs: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
+    repaired: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not self.keys and not self.runs
+
+
+async def _postgres_state(conn: asyncpg.Connection) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[str, int, dict[str, int]]]]:
+    """Every ledger key's (reserved, consumed), and every run's held amounts, from Postgres."""
+    ledgers = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
+    runs: dict[str, tuple[str, int, dict[str, int]]] = {}
+    amounts: dict[str, dict[str, int]] = defaultdict(dict)
+    for row in await conn.fetch(sql("held_reservations")):
+        amounts[row["run_id"]][row["ledger_key"]] = row["amount"]
+        runs[row["run_id"]] = (str(row["decision_id"]), int(row["created_at"].timestamp() * 1000), amounts[row["run_id"]])
+    return ledgers, runs
 
 
 def _uuid(text: str) -> uuid.UUID | None:

@@ -257,7 +257,12 @@ SELECT event_id, kind, event_time, gpus, nodes FROM lifecycle_events WHERE run_i
 SELECT sample_id, observed_at, gpu, node FROM run_samples WHERE run_id = $1;
 
 -- name: run_settlement
-SELECT run_id, released, final, provisional, revision FROM run_settlements WHERE run_id = $1;
+SELECT run_id, phase, released, final, provisional, wall, review_at, revision FROM run_settlements WHERE run_id = $1;
+
+-- name: entry_figures
+SELECT e.consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM ledger_entries e WHERE e.ledger_key = $1;
 
 -- name: run_charge_rows
 SELECT ledger_key, bucket, amount FROM run_charges WHERE run_id = $1;

@@ -1,0 +1,39 @@
+"""Run the reconciler: python -m budgetgate.services.reconciler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from budgetgate.services.reconciler.settings import ReconcilerSettings
+from budgetgate.services.reconciler.worker import build
+
+
+async def _main() -> None:
+    settings = ReconcilerSettings()
+    reconciler = build(settings)
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, addr="127.0.0.1", registry=reconciler.telemetry.registry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await reconciler.start()
+    try:
+        await stop.wait()
+    finally:
+        await reconciler.stop()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Budget-level consequences of consumption: threshold alerts, holds (and drains) when a budget
+is exhausted and their lifting, and usage ageing out of rolling windows.
+
+A budget is exhausted when what its window has consumed reaches its limit (reservations alone
+never exhaust a budget: they are what running workloads are expected to use). Admission already
+answers DELAY for a `hold` or `hold-and-drain` budget without room; the reconciler announces
+the hold, asks the platform to drain the budget's running workloads under `hold-and-drain`, and
+announces the release when the window rolls on, the limit is raised, or usage ages out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+
+from budgetgate.core.policy import OnExhausted
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
+from budgetgate.services.reconciler import messages
+from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.services.reconciler.transaction import ledger_transaction
+from budgetgate.v1 import actions_pb2
+
+log = logging.getLogger(__name__)
+
+THRESHOLDS = (80, 100)
+HOLDING = (OnExhausted.HOLD, OnExhausted.HOLD_AND_DRAIN)
+
+
+def age_cutoff(rolling_days: int, now: datetime) -> datetime:
+    """The first hour bucket still inside a rolling window of `rolling_days` ending now."""
+    return now.astimezone(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(days=rolling_days)
+
+
+async def after_consumption(conn: asyncpg.Connection, rows: Sequence[Any], *, bundles: Bundles, now: datetime) -> None:
+    """Alerts and holds for ledger keys whose consumption just changed (rows of add_consumed)."""
+    for row in rows:
+        key, limit, consumed = row["ledger_key"], row["limit_amount"], row["consumed"]
+        if limit <= 0:
+            continue
+        for threshold in THRESHOLDS:
+            if consumed * 100 >= threshold * limit and await conn.fetchval(sql("insert_alert"), key, threshold):
+                await messages.action(
+                    conn, kind=actions_pb2.THRESHOLD_ALERT, ledger_key=key, policy_id=row["policy_id"], scope_id=row["scope_id"], threshold=threshold, now=now,
+                    text=f"budget {row['policy_id']!r} has consumed {100 * consumed / limit:.1f}% of its limit in this window (threshold {threshold}%)",
+                )  # fmt: skip
+        policy = bundles.active_policy(row["policy_id"])
+        current = row["window_end"] is None or row["window_end"] > now
+        if policy is None or policy.on_exhausted not in HOLDING or consumed < limit or not current:
+            continue
+        if await conn.fetchval(sql("insert_hold"), key, policy.id, row["scope_id"], str(policy.on_exhausted)):
+            await messages.action(
+                conn, kind=actions_pb2.HOLD, ledger_key=key, policy_id=policy.id, scope_id=row["scope_id"], now=now,
+                text=f"budget {policy.id!r} is exhausted: new submissions in scope {row['scope_id']} are delayed; running workloads "
+                + ("are asked to drain" if policy.on_exhausted is OnExhausted.HOLD_AND_DRAIN else "continue"),
+            )  # fmt: skip
+            if policy.on_exhausted is OnExhausted.HOLD_AND_DRAIN:
+                for run in await conn.fetch(sql("running_under_policy"), policy.id):
+                    await messages.action(
+                        conn, kind=actions_pb2.DRAIN, ledger_key=key, policy_id=policy.id, scope_id=row["scope_id"], run_id=run["run_id"], now=now,
+                        text=f"drain run {run['run_id']!r}: budget {policy.id!r} is exhausted",
+                    )  # fmt: skip
+
+
+async def lift_holds(pool: asyncpg.Pool, *, bundles: Bundles, now: datetime) -> list[str]:
+    """Release holds whose window rolled on, whose limit was raised above what was consumed, or
+    whose policy no longer holds; returns the ledger keys released."""
+    lifted = []
+    async with pool.acquire() as conn, conn.transaction():
+        for hold in await conn.fetch(sql("active_holds")):
+            policy = bundles.active_policy(hold["policy_id"])
+            rolled = hold["window_end"] is not None and hold["window_end"] <= now
+            raised = hold["consumed"] < hold["limit_amount"]
+            if not (rolled or raised or policy is None or policy.on_exhausted not in HOLDING):
+                continue
+            await conn.execute(sql("lift_hold"), hold["ledger_key"])
+            why = "its window has ended" if rolled else "it has room again" if raised else "its policy no longer holds"
+            await messages.action(
+                conn, kind=actions_pb2.RELEASE_HOLD, ledger_key=hold["ledger_key"], policy_id=hold["policy_id"], scope_id=hold["scope_id"], now=now,
+                text=f"hold on budget {hold['policy_id']!r} lifted: {why}",
+            )  # fmt: skip
+            lifted.append(hold["ledger_key"])
+    return lifted
+
+
+async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime) -> dict[str, int]:
+    """Take usage that has left each rolling window out of its consumed (Postgres and Redis);
+    returns how much aged out per ledger key."""
+    aged = {}
+    for row in await pool.fetch(sql("rolling_keys")):
+        cutoff = age_cutoff(row["rolling_days"], now)
+        if cutoff <= row["aged_through"]:
+            continue
+        try:
+            amount = await _age_key(pool, ledger, row["ledger_key"], cutoff)
+        except (LedgerNotLoaded, LedgerKeyMissing) as exc:
+            log.info("ageing %s waits for the Redis ledger: %s", row["ledger_key"], exc)
+            continue
+        if amount:
+            aged[row["ledger_key"]] = amount
+    return aged
+
+
+async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: datetime) -> int:
+    async with ledger_transaction(pool, ledger) as work:
+        conn = work.conn
+        locked = await conn.fetchrow(sql("lock_rolling_age"), key)
+        if locked is None or cutoff <= locked["aged_through"]:
+            return 0
+        amount = await conn.fetchval(sql("charges_between"), key, locked["aged_through"], cutoff)
+        if amount:
+            await ledger.consume({key: -amount})
+            work.redis_changed = True
+            [row] = await conn.fetch(sql("add_consumed"), [key], [-amount])
+            await conn.execute(sql("rearm_alerts"), key, row["consumed"], row["limit_amount"])
+        await conn.execute(sql("set_aged_through"), key, cutoff)
+        return amount

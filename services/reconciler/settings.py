@@ -1,0 +1,41 @@
+"""Settings of the reconciler (BUDGETGATE_ variables)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from budgetgate.core.reconciliation import Rules
+from budgetgate.settings import CommonSettings
+
+
+class ReconcilerSettings(CommonSettings):
+    service_name: str = "budgetgate-reconciler"
+    consumer_group: str = "budgetgate-reconciler"
+    pg_pool_min: int = 2
+    pg_pool_max: int = 10
+    # A run admitted but not running (never started, or evicted and not re-admitted) for this
+    # long gives its reservation back.
+    start_deadline_seconds: float = 3600.0
+    # A finished run whose metering has not caught up is charged provisionally (bound GPUs ×
+    # wall time) after this long, and corrected when the samples arrive.
+    provisional_grace_seconds: float = 600.0
+    # A sample this close before a run stopped counts as its final reading.
+    metering_tolerance_seconds: float = 60.0
+    # How often a running run's wall time is charged anew when a wall-hours budget covers it.
+    wall_refresh_seconds: float = 60.0
+    # How often time-driven work runs: due runs, rolling windows, holds.
+    tick_seconds: float = 2.0
+    # A Redis hold whose decision never reached Postgres is released after this long.
+    orphan_grace_seconds: float = 120.0
+    # How often Redis is compared with Postgres (the drift check, a metric); 0 turns it off.
+    drift_check_seconds: float = 60.0
+    # Serve Prometheus metrics on this port (127.0.0.1); none = no HTTP listener.
+    metrics_port: int | None = None
+
+    def rules(self) -> Rules:
+        return Rules(
+            start_deadline=timedelta(seconds=self.start_deadline_seconds),
+            provisional_grace=timedelta(seconds=self.provisional_grace_seconds),
+            metering_tolerance=timedelta(seconds=self.metering_tolerance_seconds),
+            wall_refresh=timedelta(seconds=self.wall_refresh_seconds),
+        )

@@ -1,0 +1,242 @@
+"""Settle one run: load its facts from Postgres, compute its charges (pure rules in
+budgetgate.core.reconciliation), and apply the difference from what the ledger holds for it —
+to Redis in one script, then to Postgres, committed together (see transaction.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+
+from budgetgate.core.policy import BudgetPolicy, PolicyBundle
+from budgetgate.core.reconciliation import CALENDAR_BUCKET, LifecycleFact, Reservation, Rules, RunFacts, Settlement, UsageFact, settle
+from budgetgate.core.windows import Window
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger
+from budgetgate.ledger.sync import LedgerSync
+from budgetgate.services.reconciler import budgets, messages
+from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.services.reconciler.transaction import LedgerTransaction, ledger_transaction
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What settling a run did, for metrics and tests."""
+
+    run_id: str
+    changed: bool
+    result: Settlement | None
+
+
+@dataclass
+class Loaded:
+    decision: Any
+    bundle: PolicyBundle | None
+    facts: RunFacts
+    held: dict[str, int]  # what the run holds now, per reserved key
+    open: bool  # its reservations are still held (not reconciled or released)
+    charges: dict[tuple[str, datetime], int]
+    settlement: Any
+
+
+class Settler:
+    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles, rules: Rules) -> None:
+        self.pool = pool
+        self.ledger = ledger
+        self.sync = sync
+        self.bundles = bundles
+        self.rules = rules
+
+    async def settle(self, run_id: str, *, now: datetime | None = None) -> Outcome:
+        """Bring the run's charges in line with its facts; rebuilds Redis first if it was lost."""
+        for _ in range(5):
+            try:
+                return await self._settle(run_id, now or datetime.now(UTC))
+            except LedgerNotLoaded:
+                await self.sync.ensure_loaded()
+            except LedgerKeyMissing as missing:
+                await self._load_key(missing.ledger_key)
+        raise RuntimeError(f"run {run_id!r}: the Redis ledger kept changing while settling")
+
+    async def _settle(self, run_id: str, now: datetime) -> Outcome:
+        async with ledger_transaction(self.pool, self.ledger) as work:
+            conn = work.conn
+            await conn.execute(sql("lock_run"), run_id)
+            await conn.execute(sql("unmark_settled"), run_id)
+            loaded = await self._load(conn, run_id)
+            if loaded is None:
+                # Denied, delayed or unknown: nothing is held, and facts wait for an admission.
+                return Outcome(run_id, False, None)
+            result = settle(loaded.facts, bundle=loaded.bundle, rules=self.rules, now=now)
+            return await self._apply(work, loaded, result, now)
+
+    async def _load(self, conn: asyncpg.Connection, run_id: str) -> Loaded | None:
+        decision = await conn.fetchrow(sql("run_decision"), run_id)
+        if decision is None:
+            return None
+        bundle = await self.bundles.get(conn, decision["policy_bundle_sha"])
+        policies = {p.id: p for p in bundle.policies} if bundle else {}
+        reservations, held, is_open = [], {}, False
+        for row in await conn.fetch(sql("run_reservations"), run_id, decision["decision_id"]):
+            policy = policies.get(row["policy_id"])
+            if policy is None:
+                log.error("run %r: policy %r of its decision is not in bundle %s", run_id, row["policy_id"], decision["policy_bundle_sha"])
+                continue
+            reservations.append(Reservation(policy, row["ledger_key"], row["admitted"]))
+            held[row["ledger_key"]] = row["amount"] if row["state"] == "held" else 0
+            is_open = is_open or row["state"] == "held"
+        request = _json(decision["request"])
+        resources = request.get("resources", {})
+        settlement = await conn.fetchrow(sql("run_settlement"), run_id)
+        facts = RunFacts(
+            run_id=run_id,
+            admitted_at=decision["decided_at"],
+            reservations=tuple(reservations),
+            gpus=int(resources.get("gpus") or 0),
+            nodes=int(resources.get("nodes") or 1),
+            projected_gpu=decision["projected_gpu"],
+            flavor=resources.get("flavor"),
+            region=resources.get("region"),
+            events=frozenset(
+                LifecycleFact(r["event_id"], r["kind"], r["event_time"], r["gpus"], r["nodes"]) for r in await conn.fetch(sql("run_lifecycle"), run_id)
+            ),
+            samples=frozenset(UsageFact(r["sample_id"], r["observed_at"], r["gpu"], r["node"]) for r in await conn.fetch(sql("run_sample_rows"), run_id)),
+            # Given back once is given back for good: a late start is charged, never held again.
+            released=bool(settlement and settlement["released"]) or (bool(reservations) and not is_open and not (settlement and settlement["final"])),
+        )
+        charges = {(r["ledger_key"], r["bucket"]): r["amount"] for r in await conn.fetch(sql("run_charge_rows"), run_id)}
+        return Loaded(decision, bundle, facts, held, is_open, charges, settlement)
+
+    async def _apply(self, work: LedgerTransaction, loaded: Loaded, result: Settlement, now: datetime) -> Outcome:
+        conn = work.conn
+        run_id = loaded.facts.run_id
+        decision_id = str(loaded.decision["decision_id"])
+        bucket_deltas = {k: result.consumed.get(k, 0) - loaded.charges.get(k, 0) for k in set(result.consumed) | set(loaded.charges)}
+        bucket_deltas = {k: d for k, d in bucket_deltas.items() if d}
+        held_deltas = {key: result.held.get(key, 0) - amount for key, amount in loaded.held.items()}
+        closing = loaded.open and (result.final or result.released)
+        settlement_moved = _settlement_changed(loaded.settlement, result)
+        if not bucket_deltas and not any(held_deltas.values()) and not closing and not settlement_moved:
+            if (loaded.settlement["phase"], loaded.settlement["wall"], loaded.settlement["review_at"]) != (result.phase, result.wall, result.review_at):
+                await _put_settlement(conn, run_id, decision_id, result)
+            return Outcome(run_id, False, result)
+
+        windows = self._windows(loaded, result)
+        await self._ensure_entries(conn, {key for key, _ in bucket_deltas}, windows, loaded.decision["policy_bundle_sha"] or "")
+        consumed_deltas = await _consumed_deltas(conn, bucket_deltas, windows, now)
+        keys = sorted(set(held_deltas) | set(consumed_deltas))
+        changes = [
+            KeyChange(key, reserved=held_deltas.get(key, 0), consumed=consumed_deltas.get(key, 0), held=result.held[key] if key in loaded.held else None)
+            for key in keys
+        ]
+        drop_run = (result.final or result.released) and not any(result.held.values())
+        if changes or drop_run:
+            try:
+                await self.ledger.settle(run_id=run_id, decision_id=decision_id, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000))
+            except (LedgerNotLoaded, LedgerKeyMissing):
+                raise  # Redis changed nothing
+            except BaseException:
+                work.redis_changed = True  # it may have run: Redis must not outlive a rollback
+                raise
+            work.redis_changed = True
+
+        await _write_charges(conn, run_id, bucket_deltas, result)
+        if held_deltas or closing:
+            state = ("reconciled" if result.final else "released") if closing else None
+            reason = (result.final_state or "").lower() if result.final else "not running within the start deadline"
+            await conn.execute(sql("set_held"), run_id, list(loaded.held), [result.held.get(k, 0) for k in loaded.held], state, reason if state else None)
+        revision = await _put_settlement(conn, run_id, decision_id, result)
+        if result.final or closing:
+            job = (loaded.decision["job_namespace"], loaded.decision["job_name"]) if loaded.decision["job_name"] else None
+            await messages.reconciliation(conn, run_id=run_id, decision_id=decision_id, result=result, windows=windows, bundle_sha=loaded.decision["policy_bundle_sha"] or "", job=job, revision=revision, now=now)
+        if consumed_deltas:
+            # Last: the ledger rows stay locked only from here to the commit.
+            rows = await conn.fetch(sql("add_consumed"), list(consumed_deltas), list(consumed_deltas.values()))
+            await budgets.after_consumption(conn, rows, bundles=self.bundles, now=now)
+        return Outcome(run_id, True, result)
+
+    def _windows(self, loaded: Loaded, result: Settlement) -> dict[str, tuple[BudgetPolicy, Window]]:
+        """The policy and window of every key the run touches or touched. Keys it no longer
+        charges (usage moved by a late sample) exist already, so only their policy is needed."""
+        windows = dict(result.windows)
+        by_scope_unit = {(r.policy.scope.scope_id, str(r.policy.limit.unit)): r.policy for r in loaded.facts.reservations}
+        for key in [r.ledger_key for r in loaded.facts.reservations] + [k for k, _ in loaded.charges]:
+            scope_id, window_key, unit = key.split("|")[0], key.split("|")[1], key.split("|")[-1]
+            policy = by_scope_unit.get((scope_id, unit))
+            if policy is not None:
+                windows.setdefault(key, (policy, Window(CALENDAR_BUCKET, CALENDAR_BUCKET, window_key)))
+        return windows
+
+    async def _ensure_entries(self, conn: asyncpg.Connection, keys: set[str], windows: dict[str, tuple[BudgetPolicy, Window]], decision_sha: str) -> None:
+        """Create the ledger entries of windows usage lands in for the first time."""
+        existing = {r["ledger_key"] for r in await conn.fetch(sql("entry_exists"), sorted(keys))}
+        for key in sorted(keys - existing):
+            policy, window = windows[key]
+            current = self.bundles.current(policy)
+            rolling = policy.window.rolling
+            await conn.execute(
+                sql("create_entry"), key, policy.scope.scope_id, str(policy.limit.unit), window.key,
+                None if rolling else window.start, None if rolling else window.end, policy.id,
+                self.bundles.active.git_sha if self.bundles.active and current is not policy else decision_sha, current.limit.amount,
+            )  # fmt: skip
+
+    async def _load_key(self, ledger_key: str) -> None:
+        """Load a key into Redis from Postgres's committed figures (none: it starts empty)."""
+        row = await self.pool.fetchrow(sql("entry_figures"), ledger_key)
+        await self.ledger.load_key(ledger_key, reserved=row["reserved"] if row else 0, consumed=row["consumed"] if row else 0)
+
+
+async def _consumed_deltas(conn: asyncpg.Connection, bucket_deltas: dict[tuple[str, datetime], int], windows: dict[str, tuple[BudgetPolicy, Window]], now: datetime) -> dict[str, int]:
+    """Per ledger key, how much its consumed changes: every bucket of a calendar window, and the
+    buckets of a rolling window that have not aged out of it."""
+    rolling = sorted({key for key, _ in bucket_deltas if windows[key][0].window.rolling})
+    aged: dict[str, datetime] = {}
+    if rolling:
+        days = [windows[k][0].window.rolling_days or 0 for k in rolling]
+        await conn.execute(sql("ensure_rolling_ages"), rolling, days, [budgets.age_cutoff(d, now) for d in days])
+        aged = {r["ledger_key"]: r["aged_through"] for r in await conn.fetch(sql("rolling_ages_shared"), rolling)}
+    totals: dict[str, int] = defaultdict(int)
+    for (key, bucket), delta in bucket_deltas.items():
+        if key in aged and bucket < aged[key]:
+            continue
+        totals[key] += delta
+    return {key: delta for key, delta in sorted(totals.items()) if delta}
+
+
+async def _write_charges(conn: asyncpg.Connection, run_id: str, bucket_deltas: dict[tuple[str, datetime], int], result: Settlement) -> None:
+    put = [(k, b, result.consumed[(k, b)]) for (k, b) in bucket_deltas if result.consumed.get((k, b), 0) > 0]
+    gone = [(k, b) for (k, b) in bucket_deltas if result.consumed.get((k, b), 0) <= 0]
+    if put:
+        await conn.execute(sql("put_run_charges"), run_id, [p[0] for p in put], [p[1] for p in put], [p[2] for p in put])
+    if gone:
+        await conn.execute(sql("drop_run_charges"), run_id, [g[0] for g in gone], [g[1] for g in gone])
+
+
+async def _put_settlement(conn: asyncpg.Connection, run_id: str, decision_id: str, r: Settlement) -> int:
+    return await conn.fetchval(
+        sql("put_settlement"), run_id, _uuid(decision_id), r.phase, r.final, r.provisional, r.released, r.over_running,
+        r.final_state, r.ended_at, r.wall, r.projected_gpu, r.actual_gpu, r.error_gpu, r.review_at,
+    )  # fmt: skip
+
+
+def _settlement_changed(row: Any, r: Settlement) -> bool:
+    if row is None:
+        return True
+    return (row["final"], row["provisional"], row["released"]) != (r.final, r.provisional, r.released)
+
+
+def _json(value: Any) -> dict[str, Any]:
+    return json.loads(value) if isinstance(value, str) else dict(value or {})
+
+
+def _uuid(text: str):  # type: ignore[no-untyped-def]
+    import uuid
+
+    return uuid.UUID(text)

@@ -1,0 +1,193 @@
+"""The reconciler process: build(settings) wires Postgres, Redis and Kafka to four loops —
+consume facts, settle marked runs, time-driven upkeep, relay the outbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import redis.asyncio as aioredis
+from opentelemetry.metrics import Observation
+
+from budgetgate import wire
+from budgetgate.consumer import InboxConsumer
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.sync import LedgerSync
+from budgetgate.services.reconciler import budgets, facts
+from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.services.reconciler.settings import ReconcilerSettings
+from budgetgate.services.reconciler.settler import Settler
+from budgetgate.telemetry import Telemetry, setup_telemetry
+from budgetgate.topics import Topics, ensure_topics
+
+try:  # the relay may move to the shared library; both places work
+    from budgetgate.outbox import OutboxRelay  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the checkout
+    from budgetgate.services.admission.relay import OutboxRelay
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stats:
+    settled: int = 0
+    changed: int = 0
+    drifted_keys: int = 0
+    drift_checks: int = 0
+    repairs: int = 0
+    errors: int = 0
+    fresh: set[str] = field(default_factory=set)
+
+
+class Reconciler:
+    """One reconciler instance; several may run side by side (runs are locked one at a time)."""
+
+    def __init__(self, settings: ReconcilerSettings, *, telemetry: Telemetry | None = None) -> None:
+        self.settings = settings
+        self.telemetry = telemetry or setup_telemetry(service_name=settings.service_name, otlp_endpoint=settings.otlp_endpoint)
+        self.topics = Topics(settings.topic_prefix)
+        self.stats = Stats()
+        self.wakeup = asyncio.Event()
+        meter = self.telemetry.meter("budgetgate.reconciler")
+        self._settlements = meter.create_counter("budgetgate_reconciler_settlements", description="runs settled, by whether the ledger changed")
+        self._lag = meter.create_histogram("budgetgate_reconciliation_lag", unit="s", description="from a run's end (event time) to its reservation replaced by actuals")
+        meter.create_observable_gauge("budgetgate_ledger_drift_keys", callbacks=[lambda _o: [Observation(self.stats.drifted_keys)]], description="ledger keys and runs on which Redis differed from Postgres at the last drift check")
+        meter.create_observable_counter("budgetgate_ledger_drift_repairs", callbacks=[lambda _o: [Observation(self.stats.repairs)]], description="Redis rebuilds after a confirmed drift")
+        self.pool: asyncpg.Pool | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        s = self.settings
+        self.pool = await asyncpg.create_pool(s.postgres_dsn, min_size=s.pg_pool_min, max_size=s.pg_pool_max, command_timeout=30)
+        self.redis = aioredis.from_url(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
+        self.sync = LedgerSync(self.pool, self.ledger)
+        self.bundles = Bundles()
+        self.settler = Settler(pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules())
+        self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name)
+        self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics)
+        self.consumer = InboxConsumer(
+            name="reconciler", group=f"{s.topic_prefix}{s.consumer_group}", bootstrap=s.kafka_bootstrap, pool=self.pool,
+            publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add),
+        )  # fmt: skip
+        self._tasks = [
+            asyncio.create_task(self._guarded("consume", self._consume), name="reconciler-consume"),
+            asyncio.create_task(self._guarded("settle", self._settle_marked), name="reconciler-settle"),
+            asyncio.create_task(self._guarded("upkeep", self._upkeep), name="reconciler-upkeep"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.consumer.stop()
+        with contextlib.suppress(Exception):
+            await self.publisher.stop()
+        await self.redis.aclose()
+        if self.pool is not None:
+            await self.pool.close()
+
+    async def _guarded(self, name: str, loop) -> None:  # type: ignore[no-untyped-def]
+        """Run a loop for ever, outliving any outage of Postgres, Redis or Kafka."""
+        delay = 0.5
+        while True:
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried with backoff
+                self.stats.errors += 1
+                log.warning("reconciler %s loop failed, retrying in %.1fs: %s: %s", name, delay, type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _consume(self) -> None:
+        with contextlib.suppress(Exception):
+            await ensure_topics(self.settings.kafka_bootstrap, prefix=self.settings.topic_prefix)
+        await self.publisher.start()
+        relay = asyncio.create_task(self.relay.run(), name="reconciler-relay")
+        try:
+            await self.consumer.start()
+            while True:
+                await self.consumer.poll_once(timeout_ms=200)
+                if self.stats.fresh:
+                    # Set only now: the facts are committed, so the settle loop will see them.
+                    self.stats.fresh.clear()
+                    self.wakeup.set()
+        finally:
+            relay.cancel()
+            await asyncio.gather(relay, return_exceptions=True)
+            await self.consumer.stop()
+            self.consumer._consumer = None  # noqa: SLF001 - a new one is made on the next start
+            await self.publisher.stop()
+
+    async def _settle_marked(self) -> None:
+        assert self.pool is not None
+        while True:
+            rows = await self.pool.fetch(sql("runs_waiting"), 200)
+            await self._settle_all([r["run_id"] for r in rows])
+            if len(rows) < 200:
+                self.wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), timeout=self.settings.tick_seconds)
+
+    async def _settle_all(self, run_ids: list[str]) -> None:
+        gate = asyncio.Semaphore(4)
+
+        async def one(run_id: str) -> None:
+            async with gate:
+                outcome = await self.settler.settle(run_id)
+            self.stats.settled += 1
+            self.stats.changed += outcome.changed
+            self._settlements.add(1, {"changed": str(outcome.changed).lower()})
+            result = outcome.result
+            if outcome.changed and result is not None and result.final and result.ended_at is not None:
+                self._lag.record(max(0.0, (datetime.now(UTC) - result.ended_at).total_seconds()))
+            if outcome.changed:
+                self.relay.wakeup.set()
+
+        await asyncio.gather(*(one(r) for r in run_ids))
+
+    async def _upkeep(self) -> None:
+        assert self.pool is not None
+        s = self.settings
+        next_sweep = next_drift = 0.0
+        while True:
+            now = datetime.now(UTC)
+            async with self.pool.acquire() as conn:
+                await self.bundles.refresh(conn)
+            due = [r["run_id"] for r in await self.pool.fetch(sql("runs_due"), now, 500)]
+            unseen = [r["run_id"] for r in await self.pool.fetch(sql("unseen_holds"), now - timedelta(seconds=s.start_deadline_seconds), 500)]
+            await self._settle_all(sorted(set(due) | set(unseen)))
+            await budgets.age_rolling(self.pool, self.ledger, now=now)
+            if await budgets.lift_holds(self.pool, bundles=self.bundles, now=now):
+                self.relay.wakeup.set()
+            if time.monotonic() >= next_sweep:
+                # Leak protection for Redis holds whose decision never committed (a process died
+                # between reserving and committing).
+                await self.sync.sweep_orphans(grace=timedelta(seconds=s.orphan_grace_seconds), now=now)
+                next_sweep = time.monotonic() + s.orphan_grace_seconds / 2
+            if s.drift_check_seconds > 0 and time.monotonic() >= next_drift:
+                await self.check_drift()
+                next_drift = time.monotonic() + s.drift_check_seconds
+            await asyncio.sleep(s.tick_seconds)
+
+    async def check_drift(self) -> None:
+        drift = await self.sync.check_drift(repair=True)
+        if drift is None:
+            return
+        self.stats.drift_checks += 1
+        self.stats.drifted_keys = len(drift.keys) + len(drift.runs)
+        self.stats.repairs += drift.repaired
+
+
+def build(settings: ReconcilerSettings, *, telemetry: Telemetry | None = None) -> Reconciler:
+    """The reconciler for `settings`; connections open on start()."""
+    return Reconciler(settings, telemetry=telemetry)

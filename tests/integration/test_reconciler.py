@@ -1,0 +1,350 @@
+"""The reconciler on real Postgres, Redis and Kafka, next to a real admission service: lifecycle
+events and usage records published on Kafka become actuals in the ledger (Postgres and Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate import wire
+from budgetgate.services.reconciler.settings import ReconcilerSettings
+from budgetgate.services.reconciler.worker import Reconciler, build
+from budgetgate.telemetry import setup_telemetry
+from budgetgate.topics import Topics, ensure_topics
+from budgetgate.v1 import actions_pb2, lifecycle_pb2, reconciliations_pb2, usage_pb2
+from tests.support.admission import apply_policies, budget_yaml, submission
+
+H = 3_600_000
+VISION_SCOPE = "ns=vision-prod;cost-center=1042;team=vision"
+
+
+def ts(at: datetime) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromDatetime(at)
+    return stamp
+
+
+def lifecycle(run_id: str, kind: str, at: datetime, *, gpus: int = 0, event_id: str | None = None) -> lifecycle_pb2.LifecycleEvent:
+    return lifecycle_pb2.LifecycleEvent(event_id=event_id or str(uuid.uuid4()), event_time=ts(at), run_id=run_id, type=lifecycle_pb2.LifecycleType.Value(kind), gpus=gpus)
+
+
+def usage(run_id: str, sample: str, at: datetime, gpu_hours: float, node_hours: float = 0.0) -> usage_pb2.UsageRecord:
+    gpu, node = int(gpu_hours * H), int(node_hours * H)
+    return usage_pb2.UsageRecord(
+        event_id=str(uuid.uuid4()), event_time=ts(at), run_id=run_id, sample_id=sample, observed_at=ts(at),
+        gpu_milli_hours_cumulative=gpu, node_milli_hours_cumulative=node, gpu_milli_hours_observed=gpu, node_milli_hours_observed=node,
+    )  # fmt: skip
+
+
+class Feed:
+    """Publishes lifecycle events and usage records to the test's topics."""
+
+    def __init__(self, publisher: wire.Publisher, topics: Topics) -> None:
+        self.publisher = publisher
+        self.topics = topics
+
+    async def send(self, *messages: object) -> None:
+        for message in messages:
+            topic = self.topics.lifecycle if isinstance(message, lifecycle_pb2.LifecycleEvent) else self.topics.usage
+            await self.publisher.send(topic, message, key=message.run_id)  # type: ignore[attr-defined, arg-type]
+
+
+@pytest.fixture
+async def feed(settings) -> AsyncIterator[Feed]:  # type: ignore[no-untyped-def]
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        yield Feed(publisher, Topics(settings.topic_prefix))
+
+
+@pytest.fixture
+async def reconciler_factory(settings) -> AsyncIterator[Callable[..., Awaitable[Reconciler]]]:  # type: ignore[no-untyped-def]
+    started: list[Reconciler] = []
+
+    async def start(**overrides: object) -> Reconciler:
+        values = {**settings.model_dump(), "tick_seconds": 0.2, "drift_check_seconds": 0, **overrides}
+        reconciler = build(ReconcilerSettings(**values), telemetry=setup_telemetry(service_name="reconciler-test", otlp_endpoint=None))
+        await reconciler.start()
+        started.append(reconciler)
+        return reconciler
+
+    yield start
+    for reconciler in started:
+        await reconciler.stop()
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 45.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:.0f}s")
+        await asyncio.sleep(0.1)
+
+
+async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:
+    """(reserved, consumed) of every ledger key, from Postgres."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT e.ledger_key, e.consumed, COALESCE((SELECT sum(amount) FROM reservations r WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved FROM ledger_entries e"
+        )
+        return {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in rows}
+    finally:
+        await conn.close()
+
+
+async def ledger_in_redis(reconciler: Reconciler) -> dict[str, tuple[int, int]]:
+    return await reconciler.ledger.all_readings()
+
+
+async def outbox(dsn: str, topic: str, message_class):  # type: ignore[no-untyped-def]
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT payload, headers FROM outbox WHERE topic = $1 ORDER BY id", topic)
+    finally:
+        await conn.close()
+    return [wire.decode(message_class, r["payload"], None) for r in rows]
+
+
+async def settled(dsn: str, run_id: str) -> asyncpg.Record | None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchrow("SELECT * FROM run_settlements WHERE run_id = $1", run_id)
+    finally:
+        await conn.close()
+
+
+async def run_charges(dsn: str, run_id: str) -> dict[tuple[str, datetime], int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {(r["ledger_key"], r["bucket"]): r["amount"] for r in await conn.fetch("SELECT * FROM run_charges WHERE run_id = $1", run_id)}
+    finally:
+        await conn.close()
+
+
+async def test_48_projected_16_metered_completed_leaves_16_consumed_0_reserved(admission, reconciler_factory, feed, pg_dsn) -> None:
+    answer = (await admission.submit(run_id="exec-48")).json()
+    assert answer["decision"] == "ALLOW" and answer["projected_gpu_hours"] == 48.0
+    reconciler = await reconciler_factory()
+    start = datetime.now(UTC) - timedelta(minutes=30)
+    await feed.send(
+        lifecycle("exec-48", "STARTED", start, gpus=8),
+        usage("exec-48", "s1", start + timedelta(minutes=10), 8),
+        usage("exec-48", "s2", start + timedelta(minutes=20), 16),
+        lifecycle("exec-48", "COMPLETED", start + timedelta(minutes=20)),
+    )
+    touched = {e["scope_id"] for e in answer["evaluations"]}
+
+    async def actuals_visible() -> bool:
+        budgets = [b for scope in touched for b in (await admission.client.get(f"/v1/scopes/{scope}/usage")).json()["budgets"]]
+        return all(b["reserved"] == 0 for b in budgets) and all(b["consumed"] > 0 for b in budgets)
+
+    await wait_for(actuals_visible, what="actuals at /v1/scopes/{id}/usage")
+    [vision] = (await admission.client.get(f"/v1/scopes/{VISION_SCOPE}/usage")).json()["budgets"]
+    assert (vision["reserved"], vision["consumed"], vision["remaining"]) == (0.0, 16.0, 484.0)
+    ledger = await ledger_in_postgres(pg_dsn)
+    gpu_keys = [k for k in ledger if k.endswith("|gpu_hours")]
+    assert len(gpu_keys) == 2 and all(ledger[k] == (0, 16 * H) for k in gpu_keys)
+    [cost_key] = [k for k in ledger if k.endswith("|cost")]
+    assert ledger[cost_key] == (0, 62_928_000)  # 16 GPU-hours at $3.933
+    assert await ledger_in_redis(reconciler) == ledger
+    assert await reconciler.ledger.run_holds() == {}
+    row = await settled(pg_dsn, "exec-48")
+    assert row["final"] and not row["provisional"] and row["error_gpu"] == -32 * H and row["wall"] == 20 * 60_000
+    [rec] = await outbox(pg_dsn, "budget.reconciliations.v1", reconciliations_pb2.Reconciliation)
+    assert (rec.projected_gpu_milli_hours, rec.actual_gpu_milli_hours, rec.error_gpu_milli_hours) == (48 * H, 16 * H, -32 * H)
+    assert rec.final_state == "COMPLETED" and {c.ledger_key for c in rec.charges} == set(ledger)
+
+
+def _stream(run_id: str, start: datetime) -> list[object]:
+    """A run that starts, is evicted, re-admitted, and completes, metered along the way."""
+    return [
+        lifecycle(run_id, "STARTED", start, gpus=4, event_id=f"{run_id}-start"),
+        usage(run_id, "a", start + timedelta(minutes=30), 2),
+        lifecycle(run_id, "EVICTED", start + timedelta(minutes=40), event_id=f"{run_id}-evict"),
+        usage(run_id, "b", start + timedelta(minutes=40), 2.5),
+        lifecycle(run_id, "READMITTED", start + timedelta(minutes=70), event_id=f"{run_id}-readmit"),
+        usage(run_id, "c", start + timedelta(minutes=100), 4.5),
+        lifecycle(run_id, "COMPLETED", start + timedelta(minutes=110), event_id=f"{run_id}-done"),
+        usage(run_id, "d", start + timedelta(minutes=110), 5.25),
+    ]
+
+
+async def test_duplicated_reordered_late_stream_gives_the_clean_ledger(admission, reconciler_factory, feed, pg_dsn) -> None:
+    for run_id in ("clean", "messy"):
+        assert (await admission.submit(run_id=run_id, resources={"gpus": 4, "flavor": "h100"}, projected_runtime_hours=2.0)).json()["decision"] == "ALLOW"
+    reconciler = await reconciler_factory()
+    start = datetime.now(UTC) - timedelta(hours=3)
+    await feed.send(*_stream("clean", start))
+    messy = _stream("messy", start)
+    shuffled = random.Random(7).sample(messy, len(messy))
+    # The completion and the first usage record arrive first; everything is sent twice, the
+    # second copies with new event ids for the samples (a resend by the exporter).
+    await feed.send(messy[6], messy[1], *shuffled)
+    await feed.send(*[usage("messy", u.sample_id, u.observed_at.ToDatetime(tzinfo=UTC), u.gpu_milli_hours_observed / H) if isinstance(u, usage_pb2.UsageRecord) else u for u in shuffled])
+
+    async def both_final() -> bool:
+        rows = [await settled(pg_dsn, r) for r in ("clean", "messy")]
+        return all(r is not None and r["final"] for r in rows) and len(await run_charges(pg_dsn, "messy")) == len(await run_charges(pg_dsn, "clean")) > 0
+
+    await wait_for(both_final, what="both runs settled")
+    await asyncio.sleep(1.0)  # let any straggler of the duplicates be consumed
+    assert await run_charges(pg_dsn, "messy") == await run_charges(pg_dsn, "clean")
+    clean, messy_row = await settled(pg_dsn, "clean"), await settled(pg_dsn, "messy")
+    for column in ("wall", "actual_gpu", "error_gpu", "final_state", "over_running", "provisional"):
+        assert clean[column] == messy_row[column], column
+    assert clean["wall"] == (40 + 40) * 60_000 and clean["actual_gpu"] == int(5.25 * H)
+    ledger = await ledger_in_postgres(pg_dsn)
+    assert all(reserved == 0 for reserved, _ in ledger.values())
+    assert ledger[next(k for k in ledger if k.startswith(VISION_SCOPE) and k.endswith("gpu_hours"))] == (0, 2 * int(5.25 * H))
+    assert await ledger_in_redis(reconciler) == ledger
+
+
+async def test_metering_stops_reservation_stays_admission_decides_then_converges(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("lag", limit="gpu_hours: 100")}, sha="a" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    reconciler = await reconciler_factory(provisional_grace_seconds=3600)
+    body = {"labels": {"team": "vision"}, "resources": {"gpus": 8}, "projected_runtime_hours": 10.0}
+    assert (await server.submit(run_id="long", **body)).json()["decision"] == "ALLOW"
+    start = datetime.now(UTC) - timedelta(hours=4)
+    await feed.send(lifecycle("long", "STARTED", start), usage("long", "1", start + timedelta(hours=1), 8))
+    [key] = (await ledger_in_postgres(pg_dsn)).keys()
+
+    async def figures_are(expected: tuple[int, int]) -> bool:
+        return (await ledger_in_postgres(pg_dsn))[key] == expected
+
+    await wait_for(lambda: figures_are((72 * H, 8 * H)), what="first sample charged")
+    # Metering stops; the run goes on and ends. The reservation stays the upper bound and
+    # admission keeps deciding from it: 20 more GPU-hours do not fit, 20 is the room left.
+    await feed.send(lifecycle("long", "COMPLETED", start + timedelta(hours=3)))
+    await wait_for(lambda: _phase_is(pg_dsn, "long", "ended"), what="completion recorded")
+    assert (await ledger_in_postgres(pg_dsn))[key] == (72 * H, 8 * H)
+    denied = (await server.submit(run_id="blocked", labels={"team": "vision"}, resources={"gpus": 21}, projected_runtime_hours=1.0)).json()
+    assert denied["decision"] == "DENY" and denied["evaluations"][0]["remaining_gpu_hours"] == 20.0
+    # Samples resume: the ledger converges on the actuals.
+    await feed.send(usage("long", "2", start + timedelta(hours=2), 15), usage("long", "3", start + timedelta(hours=3), 23))
+    await wait_for(lambda: figures_are((0, 23 * H)), what="actuals after metering resumed")
+    assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+    assert (await server.submit(run_id="fits-now", labels={"team": "vision"}, resources={"gpus": 7}, projected_runtime_hours=11.0)).json()["decision"] == "ALLOW"
+
+
+async def _phase_is(dsn: str, run_id: str, phase: str) -> bool:
+    row = await settled(dsn, run_id)
+    return row is not None and row["phase"] == phase
+
+
+async def test_provisional_actual_after_grace_then_corrected(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("p", limit="gpu_hours: 100")}, sha="b" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    await reconciler_factory(provisional_grace_seconds=1)
+    assert (await server.submit(run_id="quiet", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=5.0)).json()["decision"] == "ALLOW"
+    start = datetime.now(UTC) - timedelta(hours=3)
+    await feed.send(lifecycle("quiet", "STARTED", start, gpus=2), lifecycle("quiet", "COMPLETED", start + timedelta(hours=2)))
+    [key] = (await ledger_in_postgres(pg_dsn)).keys()
+
+    async def figures_are(expected: tuple[int, int]) -> bool:
+        return (await ledger_in_postgres(pg_dsn))[key] == expected
+
+    # No samples at all: after the grace, 2 bound GPUs × 2 hours, provisionally.
+    await wait_for(lambda: figures_are((0, 4 * H)), what="provisional actual")
+    assert (await settled(pg_dsn, "quiet"))["provisional"] is True
+    await feed.send(usage("quiet", "late", start + timedelta(hours=2), 3.5))
+    await wait_for(lambda: figures_are((0, int(3.5 * H))), what="correction from the late sample")
+    row = await settled(pg_dsn, "quiet")
+    assert row["provisional"] is False and row["actual_gpu"] == int(3.5 * H)
+    recs = await outbox(pg_dsn, "budget.reconciliations.v1", reconciliations_pb2.Reconciliation)
+    assert [(r.provisional, r.actual_gpu_milli_hours) for r in recs] == [(True, 4 * H), (False, int(3.5 * H))]
+
+
+async def test_never_started_is_released_after_the_deadline_denied_holds_nothing(admission_factory, reconciler_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("d", limit="gpu_hours: 10")}, sha="c" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.submit(run_id="idle", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    assert (await server.submit(run_id="too-big", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()["decision"] == "DENY"
+    reconciler = await reconciler_factory(start_deadline_seconds=1)
+    [key] = (await ledger_in_postgres(pg_dsn)).keys()
+
+    async def released() -> bool:
+        return (await ledger_in_postgres(pg_dsn))[key] == (0, 0)
+
+    await wait_for(released, what="never-started reservation released")
+    assert await ledger_in_redis(reconciler) == {key: (0, 0)}
+    assert await reconciler.ledger.run_holds() == {}
+    assert (await settled(pg_dsn, "idle"))["released"] is True and await settled(pg_dsn, "too-big") is None
+    assert (await server.submit(run_id="after", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+
+
+WALL_HOLD = budget_yaml("wall", limit="wall_hours: 4", on_exhausted="hold-and-drain")
+
+
+async def test_wall_budget_across_eviction_then_hold_and_drain_lifted_by_a_raise(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"w.yaml": WALL_HOLD}, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    body = {"labels": {"team": "vision"}, "resources": {"gpus": 1}, "projected_runtime_hours": 1.0}
+    for run_id in ("w1", "w2"):
+        assert (await server.submit(run_id=run_id, **body)).json()["decision"] == "ALLOW"
+    await reconciler_factory()
+    now = datetime.now(UTC)
+    # w1 ran 1 h, was evicted, re-admitted 1 h later and has run 1.5 h since: 2.5 wall-hours.
+    await feed.send(
+        lifecycle("w1", "STARTED", now - timedelta(hours=3.5)), lifecycle("w1", "EVICTED", now - timedelta(hours=2.5)),
+        lifecycle("w1", "READMITTED", now - timedelta(hours=1.5)),
+    )  # fmt: skip
+    await wait_for(lambda: _wall_at_least(pg_dsn, "w1", int(2.5 * H)), what="w1 wall time")
+    row = await settled(pg_dsn, "w1")
+    assert row["phase"] == "running" and int(2.5 * H) <= row["wall"] < int(2.6 * H)
+    assert await outbox(pg_dsn, "budget.actions.v1", actions_pb2.BudgetAction) == []
+    # w2 starts 2 h ago: 4.5 wall-hours in all, over the 4 h limit: hold, and drain both.
+    await feed.send(lifecycle("w2", "STARTED", now - timedelta(hours=2)))
+
+    async def actions() -> list[actions_pb2.BudgetAction]:
+        return await outbox(pg_dsn, "budget.actions.v1", actions_pb2.BudgetAction)
+
+    async def drained() -> bool:
+        return sum(a.type == actions_pb2.DRAIN for a in await actions()) == 2
+
+    await wait_for(drained, what="drain commands")
+    kinds = [actions_pb2.ActionType.Name(a.type) for a in await actions()]
+    assert kinds.count("HOLD") == 1 and kinds.count("THRESHOLD_ALERT") == 2
+    assert {a.run_id for a in await actions() if a.type == actions_pb2.DRAIN} == {"w1", "w2"}
+    assert sorted(a.threshold_percent for a in await actions() if a.type == actions_pb2.THRESHOLD_ALERT) == [80, 100]
+    delayed = (await server.submit(run_id="w3", **body)).json()
+    assert delayed["decision"] == "DELAY"
+    # Raising the limit lifts the hold.
+    await apply_policies(pg_dsn, {"w.yaml": WALL_HOLD.replace("wall_hours: 4", "wall_hours: 100")}, sha="e" * 40)
+
+    async def released() -> bool:
+        return any(a.type == actions_pb2.RELEASE_HOLD for a in await actions())
+
+    await wait_for(released, what="hold released")
+    assert [actions_pb2.ActionType.Name(a.type) for a in await actions()].count("HOLD") == 1
+
+
+async def _wall_at_least(dsn: str, run_id: str, wall: int) -> bool:
+    row = await settled(dsn, run_id)
+    return row is not None and row["wall"] >= wall
+
+
+async def test_drift_check_finds_and_repairs_redis(admission, reconciler_factory, pg_dsn) -> None:
+    assert (await admission.submit(run_id="drifty")).json()["decision"] == "ALLOW"
+    reconciler = await reconciler_factory()
+    assert (await reconciler.sync.check_drift(repair=False)).clean
+    key = next(iter(await ledger_in_postgres(pg_dsn)))
+    await reconciler.redis.hincrby(reconciler.ledger.ledger(key), "consumed", 5 * H)
+    await reconciler.check_drift()
+    assert reconciler.stats.drifted_keys == 1 and reconciler.stats.repairs == 1
+    assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+    metrics = reconciler.telemetry.metrics_text().decode()
+    assert "budgetgate_ledger_drift_keys 1.0" in metrics
+    await reconciler.check_drift()
+    assert reconciler.stats.drifted_keys == 0 and "budgetgate_ledger_drift_keys 0.0" in reconciler.telemetry.metrics_text().decode()
