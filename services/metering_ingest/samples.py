@@ -1,0 +1,78 @@
+"""Metering samples and usage records on the wire, to and from the metering core's types."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, sample_event_id, usage_event_id
+from budgetgate.v1.metering_pb2 import MeteringSample
+from budgetgate.v1.usage_pb2 import UsageRecord
+
+# json_format names the field it failed on by its JSON name (or by the name it was given).
+_FAILED_FIELD = re.compile(r"Failed to parse (\w+) field")
+_FIELD_NAMES = {name: f.name for f in MeteringSample.DESCRIPTOR.fields for name in (f.name, f.json_name)}
+
+
+def raw_sample(message: MeteringSample) -> RawSample:
+    """The core's view of a sample message; Rejected if its observed_at is no real time."""
+    observed_at = None
+    if message.HasField("observed_at"):
+        try:
+            observed_at = message.observed_at.ToDatetime(tzinfo=UTC)
+        except (ValueError, OverflowError) as exc:
+            raise Rejected(Problem(Rejection.INVALID_FIELD, "observed_at", f"observed_at is not a valid time: {exc}")) from exc
+    return RawSample(
+        run_id=message.run_id,
+        sample_id=message.sample_id,
+        observed_at=observed_at,
+        gpu_seconds=message.gpu_seconds,
+        node_seconds=message.node_seconds,
+        exporter=message.exporter,
+    )
+
+
+def from_json(data: Any) -> MeteringSample:
+    """A sample given in the canonical protobuf JSON mapping (an HTTP batch entry).
+
+    Unknown fields are skipped, as on Kafka; a sample without an event_id gets one derived
+    from its run and sample id, so a resend carries the same one.
+    """
+    if not isinstance(data, dict):
+        raise Rejected(Problem(Rejection.UNPARSEABLE, None, f"a sample must be a JSON object, not {type(data).__name__}"))
+    message = MeteringSample()
+    try:
+        json_format.ParseDict(data, message, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        found = _FAILED_FIELD.search(str(exc))
+        field = _FIELD_NAMES.get(found.group(1)) if found else None
+        raise Rejected(Problem(Rejection.UNPARSEABLE, field, str(exc))) from exc
+    if not message.event_id and message.run_id and message.sample_id:
+        message.event_id = sample_event_id(message.run_id, message.sample_id)
+    return message
+
+
+def timestamp(at: datetime) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromDatetime(at)
+    return stamp
+
+
+def usage_record(accepted: Accepted, *, recorded_at: datetime) -> UsageRecord:
+    """The usage.records.v1 message of an accepted sample (its event id is derived, stable)."""
+    sample = accepted.sample
+    return UsageRecord(
+        event_id=usage_event_id(sample.run_id, sample.sample_id),
+        event_time=timestamp(recorded_at),
+        run_id=sample.run_id,
+        sample_id=sample.sample_id,
+        observed_at=timestamp(sample.observed_at),
+        gpu_milli_hours_cumulative=accepted.cumulative.gpu,
+        node_milli_hours_cumulative=accepted.cumulative.node,
+        gpu_milli_hours_delta=accepted.delta.gpu,
+        node_milli_hours_delta=accepted.delta.node,
+    )

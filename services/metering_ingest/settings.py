@@ -1,0 +1,37 @@
+"""Settings of the metering-ingest service (BUDGETGATE_ variables)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from pydantic import Field
+
+from budgetgate.settings import CommonSettings
+
+
+class MeteringSettings(CommonSettings):
+    service_name: str = "budgetgate-metering-ingest"
+    host: str = "127.0.0.1"
+    port: int = 8081
+    pg_pool_min: int = 1
+    pg_pool_max: int = 10
+    # The Kafka consumer group, and the name the inbox records processed event ids under.
+    consumer_group: str = "budgetgate-metering-ingest"
+    inbox_name: str = "metering-ingest"
+    # How far past this service's clock a sample's observed_at may be: further is a clock or
+    # unit bug at the exporter, and the sample is dead-lettered as future_timestamp.
+    max_future_skew_seconds: float = Field(default=300.0, ge=0)
+    # A sample whose run has no decision is kept pending until observed_at + this, re-checked
+    # every pending_recheck_seconds, then dead-lettered as unknown_run.
+    unknown_run_grace_seconds: float = Field(default=600.0, ge=0)
+    pending_recheck_seconds: float = Field(default=5.0, gt=0)
+    max_batch_samples: int = Field(default=1000, ge=1)
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1)
+
+    @property
+    def max_future_skew(self) -> timedelta:
+        return timedelta(seconds=self.max_future_skew_seconds)
+
+    @property
+    def unknown_run_grace(self) -> timedelta:
+        return timedelta(seconds=self.unknown_run_grace_seconds)

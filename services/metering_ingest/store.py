@@ -1,0 +1,162 @@
+"""The usage tables in Postgres (usage_runs, usage_records, metering_pending).
+
+Every function runs in the caller's transaction; whoever changes a run's usage holds the run's
+lock (`lock_run`) first, so the Kafka consumer, HTTP ingest and the pending re-check, in any
+number of processes, see and change one run's usage one at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+import asyncpg
+
+from budgetgate.core.metering import Accepted, Counters, Known, RunView, Sample, usage_event_id
+from budgetgate.ledger.queries import sql
+
+Source = Literal["kafka", "http"]
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A known run's high-water mark and the observed_at of its latest sample."""
+
+    cumulative: Counters
+    latest: datetime | None
+
+
+@dataclass(frozen=True)
+class PendingSample:
+    """A valid sample of a run without a decision, kept as it arrived."""
+
+    run_id: str
+    sample_id: str
+    observed_at: datetime
+    source: Source
+    topic: str
+    payload: bytes
+    headers: tuple[tuple[str, bytes], ...]
+    partition: int | None = None
+    offset: int | None = None
+
+
+async def lock_run(conn: asyncpg.Connection, run_id: str) -> None:
+    await conn.execute(sql("lock_usage_run"), run_id)
+
+
+async def run_state(conn: asyncpg.Connection, run_id: str) -> RunState | None:
+    """The run's usage so far, or None while it is not known to metering."""
+    row = await conn.fetchrow(sql("usage_run"), run_id)
+    if row is None:
+        return None
+    return RunState(Counters(row["gpu_milli_hours_cumulative"], row["node_milli_hours_cumulative"]), row["latest_observed_at"])
+
+
+async def has_decision(conn: asyncpg.Connection, run_id: str) -> bool:
+    return bool(await conn.fetchval(sql("run_has_decision"), run_id))
+
+
+async def create_run(conn: asyncpg.Connection, run_id: str) -> None:
+    await conn.execute(sql("insert_usage_run"), run_id)
+
+
+async def view(conn: asyncpg.Connection, sample: Sample, state: RunState) -> RunView:
+    """What the core needs to assess `sample`, in one round trip."""
+    rows = await conn.fetch(sql("usage_neighbours"), sample.run_id, sample.sample_id, sample.observed_at)
+    found = {row["role"]: Known(row["sample_id"], row["observed_at"], Counters(row["gpu_milli_hours"], row["node_milli_hours"])) for row in rows}
+    return RunView(
+        cumulative=state.cumulative,
+        latest=state.latest,
+        same_id=found.get("same_id"),
+        same_time=found.get("same_time"),
+        before=found.get("before"),
+        after=found.get("after"),
+    )
+
+
+async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source) -> None:
+    """Store an accepted sample and raise its run's high-water mark."""
+    sample = accepted.sample
+    await conn.execute(
+        sql("insert_usage_record"),
+        sample.run_id,
+        sample.sample_id,
+        sample.observed_at,
+        sample.counters.gpu,
+        sample.counters.node,
+        accepted.cumulative.gpu,
+        accepted.cumulative.node,
+        accepted.delta.gpu,
+        accepted.delta.node,
+        accepted.late,
+        sample.exporter,
+        source,
+        usage_event_id(sample.run_id, sample.sample_id),
+    )
+    await conn.execute(sql("update_usage_run"), sample.run_id, accepted.cumulative.gpu, accepted.cumulative.node, sample.observed_at)
+
+
+async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> None:
+    """Keep a sample until its run is known; the same sample id kept twice is kept once."""
+    await conn.execute(
+        sql("insert_pending"),
+        pending.run_id,
+        pending.sample_id,
+        pending.observed_at,
+        expires_at,
+        pending.source,
+        pending.topic,
+        pending.partition,
+        pending.offset,
+        pending.payload,
+        _pack_headers(pending.headers),
+    )
+
+
+async def take_pending(conn: asyncpg.Connection, run_id: str) -> list[PendingSample]:
+    """Remove and return the run's pending samples, earliest observation first."""
+    rows = await conn.fetch(sql("take_pending_of_run"), run_id)
+    return sorted((_pending(row) for row in rows), key=lambda p: p.observed_at)
+
+
+async def take_expired(conn: asyncpg.Connection, *, now: datetime, limit: int) -> list[PendingSample]:
+    """Remove and return pending samples past their grace whose run still has no decision."""
+    return [_pending(row) for row in await conn.fetch(sql("take_expired_pending"), now, limit)]
+
+
+async def runs_pending_with_decision(conn: asyncpg.Connection, *, limit: int) -> list[str]:
+    """Runs with pending samples that have a decision by now."""
+    return [row["run_id"] for row in await conn.fetch(sql("pending_runs_with_decision"), limit)]
+
+
+async def pending_count(conn: asyncpg.Connection | asyncpg.Pool) -> int:
+    return int(await conn.fetchval(sql("pending_count")))
+
+
+def _pending(row: asyncpg.Record) -> PendingSample:
+    return PendingSample(
+        run_id=row["run_id"],
+        sample_id=row["sample_id"],
+        observed_at=row["observed_at"],
+        source=row["source"],
+        topic=row["topic"],
+        payload=bytes(row["payload"]),
+        headers=_unpack_headers(bytes(row["headers"])),
+        partition=row["kafka_partition"],
+        offset=row["kafka_offset"],
+    )
+
+
+def _pack_headers(headers: Sequence[tuple[str, bytes]]) -> bytes:
+    # Base64 in bytea: Kafka header values are arbitrary bytes, which neither text nor jsonb
+    # can hold in general (NUL), and a header must never turn a sample into a database error.
+    return json.dumps([[name, base64.b64encode(value or b"").decode("ascii")] for name, value in headers]).encode()
+
+
+def _unpack_headers(packed: bytes) -> tuple[tuple[str, bytes], ...]:
+    return tuple((name, base64.b64decode(value)) for name, value in json.loads(packed))

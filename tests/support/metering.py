@@ -1,0 +1,172 @@
+"""metering-ingest harness: a real uvicorn server on a free port (its Kafka consumer, relay and
+pending re-check inside), wired to the test's own database and topic prefix; plus samples,
+decisions and readers for what the service wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import httpx
+import pytest
+import uvicorn
+from google.protobuf import json_format
+from prometheus_client.parser import text_string_to_metric_families
+
+from budgetgate import wire
+from budgetgate.services.metering_ingest.app import create_app
+from budgetgate.services.metering_ingest.settings import MeteringSettings
+from budgetgate.topics import ensure_topics
+from budgetgate.v1.metering_pb2 import MeteringSample
+from budgetgate.v1.usage_pb2 import UsageRecord
+from tests.integration.test_consumer import drain
+from tests.support.admission import free_port
+
+T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
+
+
+class MeteringServer:
+    """A running metering-ingest service and an HTTP client for it."""
+
+    def __init__(self, settings: MeteringSettings) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        self.url = f"http://127.0.0.1:{settings.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on"))
+        self.task: asyncio.Task[None] | None = None
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    @property
+    def rt(self):  # type: ignore[no-untyped-def]
+        return self.app.state.rt
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            await asyncio.sleep(0.02)
+
+    async def wait_ready(self, timeout: float = 30) -> None:
+        await wait_for(lambda: self._ready(), timeout=timeout, what="metering-ingest ready")
+
+    async def _ready(self) -> bool:
+        return (await self.client.get("/readyz")).status_code == 200
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+    async def post(self, *samples: dict[str, object]) -> httpx.Response:
+        return await self.client.post("/v1/metering/samples", json={"samples": list(samples)})
+
+
+@pytest.fixture
+async def metering_factory(settings) -> AsyncIterator[Callable[..., Awaitable[MeteringServer]]]:  # type: ignore[no-untyped-def]
+    """Start metering-ingest servers on the test's backends (topics created first)."""
+    servers: list[MeteringServer] = []
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+
+    async def start(**overrides: object) -> MeteringServer:
+        values = {**settings.model_dump(), "port": free_port(), "pending_recheck_seconds": 0.2, "consumer_group": f"{settings.topic_prefix}metering", **overrides}
+        server = MeteringServer(MeteringSettings(**values))
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+@pytest.fixture
+async def metering(metering_factory) -> MeteringServer:  # type: ignore[no-untyped-def]
+    """One ready metering-ingest service."""
+    server = await metering_factory()
+    await server.wait_ready()
+    return server
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], *, timeout: float = 30, what: str = "condition") -> None:
+    """Poll until `predicate` holds; fails the test, naming `what`, after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout:.0f}s")
+        await asyncio.sleep(0.1)
+
+
+def sample(run_id: str, sample_id: str, gpu_seconds: float, *, minute: float = 0, node_seconds: float = 0.0, at: datetime | None = None) -> MeteringSample:
+    """A sample as an exporter publishes it, observed `minute` minutes after T0."""
+    stamp_at = at or T0 + timedelta(minutes=minute)
+    message = MeteringSample(event_id=str(uuid.uuid4()), sample_id=sample_id, run_id=run_id, gpu_seconds=gpu_seconds, node_seconds=node_seconds, exporter="test")
+    message.event_time.FromDatetime(datetime.now(UTC))
+    message.observed_at.FromDatetime(stamp_at)
+    return message
+
+
+def as_json(message: MeteringSample) -> dict[str, object]:
+    """The canonical protobuf JSON mapping of a sample."""
+    return json_format.MessageToDict(message)
+
+
+def json_record(message: MeteringSample) -> wire.Record:
+    """A Kafka record carrying `message` in the protobuf JSON mapping."""
+    return wire.Record(
+        value=json.dumps(as_json(message)).encode(),
+        key=message.run_id.encode(),
+        headers=[(wire.CONTENT_TYPE, b"application/json; charset=utf-8"), (wire.EVENT_ID, message.event_id.encode())],
+    )
+
+
+async def decide(dsn: str, *run_ids: str) -> None:
+    """Record an ALLOW decision for each run, as admission would have: the runs become known."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.executemany(
+            """INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu, request, response, decided_at)
+               VALUES ($1, $2, 1, 'ALLOW', 'test', 'test', '{}', 0, '{}', '{}', now())""",
+            [(uuid.uuid4(), run_id) for run_id in run_ids],
+        )
+    finally:
+        await conn.close()
+
+
+async def usage_rows(dsn: str, run_id: str | None = None) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetch("SELECT * FROM usage_records WHERE $1::text IS NULL OR run_id = $1 ORDER BY run_id, observed_at", run_id)
+    finally:
+        await conn.close()
+
+
+async def fetchval(dsn: str, query: str, *args: object) -> object:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(query, *args)
+    finally:
+        await conn.close()
+
+
+async def usage_records(bootstrap: str, topic: str, expected: int, timeout: float = 20) -> list[UsageRecord]:
+    """The usage records on `topic`, once `expected` are there (or whatever came by `timeout`)."""
+    return [wire.decode(UsageRecord, r.value, r.headers) for r in await drain(bootstrap, topic, expected, timeout=timeout)]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of the Prometheus sample `name` whose labels include `labels` (0 if none)."""
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and all(found.labels.get(k) == v for k, v in labels.items()):
+                return found.value
+    return 0.0
+
+
+def dlq_reasons(records: list) -> list[str]:  # type: ignore[type-arg]
+    return [(wire.header(r.headers, wire.DLQ_REASON) or b"").decode() for r in records]
