@@ -3,11 +3,17 @@
 Precedence: environment variables, then the state file that `budgetgate dev up` writes in the
 working directory (`.budgetgate/dev.json`), then the defaults below. So a CLI command run in a
 checkout reaches the stack that `dev up` started there without further configuration.
+
+One exception: where `dev up` derived a value from a variable (a database of the checkout's own
+on the server BUDGETGATE_POSTGRES_DSN names), the state file records the variable's value under
+`from_env`; while the variable still has that value, the derived one wins, since that variable is
+what the stack was built from.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +24,12 @@ DEV_STATE_FILE = Path(".budgetgate") / "dev.json"
 
 
 class _DevStateSource(PydanticBaseSettingsSource):
-    """Values published by a running `budgetgate dev up` in the current directory."""
+    """Values published by a running `budgetgate dev up` in the current directory; with
+    `derived_only`, just those derived from a variable that still has the recorded value."""
+
+    def __init__(self, settings_cls: type[BaseSettings], *, derived_only: bool = False) -> None:
+        super().__init__(settings_cls)
+        self.derived_only = derived_only
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
         return None, field_name, False
@@ -32,7 +43,12 @@ class _DevStateSource(PydanticBaseSettingsSource):
         except (OSError, ValueError):
             return {}
         fields = self.settings_cls.model_fields
-        return {k: v for k, v in state.get("settings", {}).items() if k in fields}
+        values = {k: v for k, v in state.get("settings", {}).items() if k in fields}
+        if not self.derived_only:
+            return values
+        derived = state.get("from_env", {})
+        prefix = self.settings_cls.model_config.get("env_prefix", "")
+        return {k: v for k, v in values.items() if k in derived and os.environ.get(f"{prefix}{k}".upper()) == derived[k]}
 
 
 class CommonSettings(BaseSettings):
@@ -60,4 +76,10 @@ class CommonSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _DevStateSource(settings_cls), file_secret_settings)
+        return (
+            init_settings,
+            _DevStateSource(settings_cls, derived_only=True),
+            env_settings,
+            _DevStateSource(settings_cls),
+            file_secret_settings,
+        )

@@ -108,9 +108,6 @@ def _provide_postgres(state: StackState, *, tag: str, timeout: float, echo: Echo
         state.settings["postgres_dsn"] = dsn
         state.from_env["postgres_dsn"] = external
         echo(f"postgres: database {database} on the server of BUDGETGATE_POSTGRES_DSN")
-        # CommonSettings reads the variable before .budgetgate/dev.json: until the variable is
-        # changed, other commands run here would reach the server's other database.
-        echo(f"  note: for other commands to reach it, export BUDGETGATE_POSTGRES_DSN={dsn}")
         return
     server = EmbeddedPostgres(data_dir=state_dir(state.root) / "postgres", log=_logs(state) / "postgres.log")
     _start_embedded(state, server, timeout=timeout, echo=echo)

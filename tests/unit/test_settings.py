@@ -1,0 +1,44 @@
+"""Where settings come from: variables, the dev stack's state file, and values derived from both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from budgetgate.settings import CommonSettings
+
+
+@pytest.fixture
+def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for name in ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_REDIS_URL", "BUDGETGATE_REDIS_PREFIX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".budgetgate").mkdir()
+    state = {"settings": {"postgres_dsn": "postgresql://pg/derived", "redis_prefix": "stack"}, "from_env": {"postgres_dsn": "postgresql://pg/base"}}
+    (tmp_path / ".budgetgate" / "dev.json").write_text(json.dumps(state))
+    return tmp_path
+
+
+def test_the_state_file_is_used_without_variables(checkout: Path) -> None:
+    settings = CommonSettings()
+    assert settings.postgres_dsn == "postgresql://pg/derived" and settings.redis_prefix == "stack"
+
+
+def test_a_value_derived_from_the_variable_wins_while_the_variable_is_unchanged(checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUDGETGATE_POSTGRES_DSN", "postgresql://pg/base")
+    assert CommonSettings().postgres_dsn == "postgresql://pg/derived"
+
+
+def test_a_changed_variable_wins_over_the_state_file(checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUDGETGATE_POSTGRES_DSN", "postgresql://pg/elsewhere")
+    monkeypatch.setenv("BUDGETGATE_REDIS_PREFIX", "mine")
+    settings = CommonSettings()
+    assert settings.postgres_dsn == "postgresql://pg/elsewhere" and settings.redis_prefix == "mine"
+
+
+def test_defaults_without_a_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BUDGETGATE_POSTGRES_DSN", raising=False)
+    assert CommonSettings().postgres_dsn == "postgresql://postgres@127.0.0.1:5432/postgres"
