@@ -3,19 +3,19 @@ change it reports: reconciliations (budget.reconciliations.v1) and actions (budg
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
 
 import asyncpg
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate import topics, wire
 from budgetgate.core.policy import BudgetPolicy
 from budgetgate.core.reconciliation import Settlement
 from budgetgate.core.windows import Window
-from budgetgate.ledger.queries import sql
+from budgetgate.outbox import enqueue
 from budgetgate.v1 import actions_pb2, common_pb2, reconciliations_pb2
 
 
@@ -27,10 +27,8 @@ def _ts(at: datetime | None) -> Timestamp | None:
     return stamp
 
 
-async def _outbox(conn: asyncpg.Connection, topic: str, key: str, message: object) -> None:
-    record = wire.encode(message, key=key)  # type: ignore[arg-type]
-    headers = json.dumps([[k, v.decode("latin-1")] for k, v in record.headers])
-    await conn.execute(sql("insert_outbox"), topic, key, record.value, headers)
+async def _outbox(conn: asyncpg.Connection, topic: str, key: str, message: Message) -> None:
+    await enqueue(conn, topic=topic, record=wire.encode(message, key=key))
 
 
 async def reconciliation(

@@ -19,6 +19,7 @@ from budgetgate.consumer import InboxConsumer
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
+from budgetgate.outbox import OutboxRelay
 from budgetgate.services.reconciler import budgets, facts
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
@@ -26,10 +27,6 @@ from budgetgate.services.reconciler.settler import Settler
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 
-try:  # the relay may move to the shared library; both places work
-    from budgetgate.outbox import OutboxRelay  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - depends on the checkout
-    from budgetgate.services.admission.relay import OutboxRelay
 
 log = logging.getLogger(__name__)
 

@@ -201,13 +201,13 @@ def increments(samples: Iterable[UsageFact]) -> list[tuple[datetime, int, int]]:
 
 
 def hour_pieces(start: datetime, end: datetime) -> list[tuple[datetime, int]]:
-    """[start, end) cut at UTC hour boundaries: (piece start, milliseconds)."""
+    """[start, end) cut at UTC hour boundaries: (piece start, milliseconds in it)."""
     pieces = []
     at = start
     while at < end:
         boundary = at.astimezone(UTC).replace(minute=0, second=0, microsecond=0) + _HOUR
         stop = min(boundary, end)
-        pieces.append((at, _ms(stop - at)))
+        pieces.append((at, _epoch_ms(stop) - _epoch_ms(at)))
         at = stop
     return pieces
 
@@ -316,9 +316,14 @@ def _end(interval: Interval, now: datetime) -> datetime:
     return interval.end if interval.end is not None else max(now, interval.start)
 
 
-def _ms(delta: timedelta) -> int:
-    # Wall milli-hours are milliseconds: one hour is 3,600,000 of either.
+def _epoch_ms(at: datetime) -> int:
+    # Wall milli-hours are milliseconds: one hour is 3,600,000 of either. Pieces measured
+    # between whole milliseconds since the epoch add up exactly to the stretch they cut.
+    delta = at - _EPOCH
     return (delta.days * 86_400_000) + (delta.seconds * 1000) + delta.microseconds // 1000
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 assert MILLI_PER_HOUR == 3_600_000, "wall milli-hours are milliseconds only at this scale"
