@@ -53,7 +53,7 @@ class Service:
 
 SERVICES: tuple[Service, ...] = (
     Service(name="admission", module="budgetgate.services.admission", http=True, awaits_operator=("policy_bundle",)),
-    Service(name="metering_ingest", module="budgetgate.services.metering_ingest", http=False),
+    Service(name="metering_ingest", module="budgetgate.services.metering_ingest", http=True),
     Service(name="reconciler", module="budgetgate.services.reconciler", http=False),
     Service(name="evidence_emitter", module="budgetgate.services.evidence_emitter", http=False),
 )
