@@ -81,6 +81,7 @@ class MarquezStandIn:
     def __init__(self, *, validate: bool = True) -> None:
         self.events: list[dict[str, Any]] = []
         self.invalid: list[tuple[dict[str, Any], list[str]]] = []
+        self.refused: list[dict[str, Any]] = []
         self.requests = 0
         self.status = 201  # what POST /api/v1/lineage answers; 5xx = failing
         self.refuse: Callable[[dict[str, Any]], bool] = lambda _event: False
@@ -150,14 +151,16 @@ class MarquezStandIn:
         with self._lock:
             return list(self.events)
 
-    def wait_for(self, count: int, timeout: float = 60) -> list[dict[str, Any]]:
-        """Block until at least `count` events arrived; returns them (fails the test on timeout)."""
+    async def wait_for(self, count: int, timeout: float = 60) -> list[dict[str, Any]]:
+        """Wait until at least `count` events arrived; returns them (fails the test on timeout)."""
+        import asyncio
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             events = self.received()
             if len(events) >= count:
                 return events
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
         raise AssertionError(f"Marquez stand-in received {len(self.received())} events, expected {count} within {timeout}s")
 
     def runs(self) -> dict[str, dict[str, Any]]:
@@ -185,6 +188,8 @@ class MarquezStandIn:
         except ValueError:
             return 400, {"code": 400, "message": "body is not JSON"}
         if self.refuse(event):
+            with self._lock:
+                self.refused.append(event)
             return 422, {"code": 422, "message": "stand-in refuses this event", "runId": event.get("run", {}).get("runId")}
         with self._lock:
             self.events.append(event)
@@ -313,3 +318,147 @@ def marquez() -> Iterator[MarquezStandIn]:
     """A running Marquez stand-in, closed after the test."""
     with MarquezStandIn() as server:
         yield server
+
+
+# -- the evidence-emitter, run in-process or as a process to kill -------------------------------
+
+
+class EmitterServer:
+    """The evidence-emitter in this process (uvicorn on a free port), sending to `client`."""
+
+    def __init__(self, settings: Any, client: Any | None) -> None:
+        import httpx
+        import uvicorn
+
+        from budgetgate.services.evidence_emitter.app import create_app
+
+        self.settings = settings
+        self.app = create_app(settings, client=client)
+        self.url = f"http://127.0.0.1:{settings.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on"))
+        self.task: Any = None
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    @property
+    def rt(self) -> Any:
+        return self.app.state.rt
+
+    async def start(self) -> EmitterServer:
+        import asyncio
+
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            await asyncio.sleep(0.02)
+        return self
+
+    async def wait_consuming(self, timeout: float = 30) -> None:
+        import asyncio
+
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (await self.client.get("/readyz")).status_code != 200:
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"evidence-emitter not ready: {(await self.client.get('/readyz')).text}")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+def emitter_settings(settings: Any, **overrides: Any) -> Any:
+    """EvidenceSettings on the test's backends, retrying fast."""
+    from budgetgate.services.evidence_emitter.settings import EvidenceSettings
+    from tests.support.admission import free_port
+
+    values = {**settings.model_dump(), "port": free_port(), "evidence_initial_backoff_seconds": 0.1,
+              "evidence_max_backoff_seconds": 1.0, "evidence_idle_seconds": 0.1, **overrides}
+    return EvidenceSettings(**values)
+
+
+def http_client(url: str, *, timeout: float = 5.0) -> Any:
+    """An OpenLineage client posting to `url` (the stand-in), as the emitter would build it."""
+    from budgetgate.services.evidence_emitter import transport
+
+    return transport.build_client("unused.jsonl", config={"transport": {"type": "http", "url": url, "timeout": timeout}})
+
+
+async def wait_until(predicate: Callable[[], Any], *, timeout: float = 60, what: str = "condition") -> Any:
+    """Await `predicate()` (sync or async) until it is truthy; fail the test on timeout."""
+    import asyncio
+    import inspect
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def decision(run_id: str, outcome: str = "ALLOW", *, scope: str = "ns=vision-prod;team=vision", policy: str = "team",
+             sha: str = "b" * 40, gpus: int = 8, hours: float = 6.0, at: datetime | None = None, attempt: int = 1,
+             job: tuple[str, str] = ("vision-prod", "train-resnet"), remaining_hours: float = 100.0) -> Any:
+    """A Decision message as admission publishes it, with one GPU-hour budget evaluated."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from budgetgate.core.units import MILLI_PER_HOUR
+    from budgetgate.v1 import common_pb2, decisions_pb2
+
+    def ts(value: datetime) -> Timestamp:
+        stamp = Timestamp()
+        stamp.FromDatetime(value)
+        return stamp
+
+    at = at or datetime.now(UTC)
+    start = at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    window_key = f"{start.strftime('%Y-%m-%dT%H:%M:%SZ')}/{end.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+    projected = int(gpus * hours * MILLI_PER_HOUR)
+    remaining = int(remaining_hours * MILLI_PER_HOUR)
+    decision_id = str(uuid.uuid4())
+    evaluation = decisions_pb2.Decision.Evaluation(
+        policy_id=policy, policy_git_sha=sha, scope_id=scope, ledger_key=f"{scope}|{window_key}|gpu_hours",
+        window_start=ts(start), window_end=ts(end), unit="gpu_hours", enforcement="hard",
+        on_exhausted="delay" if outcome == "DELAY" else "deny", limit_amount=int(1000 * MILLI_PER_HOUR),
+        projected_amount=projected, remaining_amount=remaining, admitted_amount=projected if outcome == "ALLOW" else 0,
+        deficit_amount=max(projected - remaining, 0) if outcome != "ALLOW" else 0, outcome=common_pb2.Outcome.Value(outcome))  # fmt: skip
+    if outcome != "ALLOW":
+        evaluation.next_eligible_time.CopyFrom(ts(end))
+    return decisions_pb2.Decision(
+        event_id=decision_id, event_time=ts(at), decision_id=decision_id, run_id=run_id, attempt=attempt,
+        outcome=common_pb2.Outcome.Value(outcome), reason=f"{outcome.lower()} in a test", policy_bundle_sha=sha,
+        namespace=job[0], labels={"team": "vision"}, job=common_pb2.Job(namespace=job[0], name=job[1]),
+        resources=common_pb2.Resources(gpus=gpus, nodes=1), projected_runtime_hours=hours,
+        projected_gpu_milli_hours=projected, evaluations=[evaluation])  # fmt: skip
+
+
+def reconciliation(source: Any, final_state: str, *, actual_hours: float, provisional: bool = False,
+                   at: datetime | None = None) -> Any:
+    """The Reconciliation the reconciler would publish for the Decision `source`."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from budgetgate.core.units import MILLI_PER_HOUR
+    from budgetgate.v1 import reconciliations_pb2
+
+    stamp = Timestamp()
+    stamp.FromDatetime(at or datetime.now(UTC))
+    actual = int(actual_hours * MILLI_PER_HOUR)
+    message = reconciliations_pb2.Reconciliation(
+        event_id=str(uuid.uuid4()), event_time=stamp, run_id=source.run_id, decision_id=source.decision_id,
+        final_state=final_state, provisional=provisional, projected_gpu_milli_hours=source.projected_gpu_milli_hours,
+        actual_gpu_milli_hours=actual, error_gpu_milli_hours=actual - source.projected_gpu_milli_hours,
+        job=source.job, policy_bundle_sha=source.policy_bundle_sha)  # fmt: skip
+    for e in source.evaluations:
+        if e.ledger_key:
+            message.charges.append(reconciliations_pb2.Reconciliation.WindowCharge(
+                ledger_key=e.ledger_key, scope_id=e.scope_id, policy_id=e.policy_id, window_start=e.window_start,
+                window_end=e.window_end, amount=actual if e.unit == "gpu_hours" else e.projected_amount, unit=e.unit))  # fmt: skip
+    return message

@@ -1,0 +1,203 @@
+"""The evidence-emitter on real Postgres and Kafka, with the real admission service and the Marquez
+stand-in: one valid event per transition, a restart that resends nothing, 4xx to the dead-letter
+table, and the file and Kafka transports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import asyncpg
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from budgetgate import wire
+from budgetgate.services.evidence_emitter import events, transport
+from budgetgate.topics import Topics, ensure_topics
+from tests.support.admission import apply_policies, budget_yaml
+from tests.support.marquez import (
+    EmitterServer,
+    decision,
+    emitter_settings,
+    http_client,
+    marquez,  # noqa: F401 - pytest fixture
+    reconciliation,
+    require_spec,
+    wait_until,
+)
+
+POLICIES = {
+    "team.yaml": budget_yaml("team", limit="gpu_hours: 80"),
+    "research.yaml": budget_yaml("research", namespace="vision-research", limit="gpu_hours: 60", on_exhausted="delay"),
+}
+
+
+def kinds(received: list[dict]) -> Counter:  # type: ignore[type-arg]
+    return Counter((e["run"]["runId"], e["eventType"]) for e in received)
+
+
+async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_dsn, admission_factory, marquez) -> None:  # type: ignore[no-untyped-def]
+    require_spec()
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    await apply_policies(pg_dsn, POLICIES, sha="c" * 40)
+    admission = await admission_factory()
+    await admission.wait_ready()
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
+    try:
+        answers = {}
+        for name, overrides in {
+            "allow": {"run_id": "prod/allow"},
+            "deny": {"run_id": "prod/deny"},
+            "labels": {"run_id": "prod/labels", "labels": {"environment": "prod"}},
+            "research": {"run_id": "research/allow", "namespace": "vision-research", "job": {"namespace": "vision-research", "name": "sweep"}},
+            "delay": {"run_id": "research/delay", "namespace": "vision-research", "job": {"namespace": "vision-research", "name": "sweep"}},
+        }.items():
+            response = await admission.submit(**overrides)
+            assert response.status_code == 200, response.text
+            answers[name] = response.json()
+        assert [answers[n]["decision"] for n in answers] == ["ALLOW", "DENY", "DENY", "ALLOW", "DELAY"]
+        assert (await admission.submit(run_id="prod/allow")).json()["replayed"] is True  # a retry: no new decision
+
+        received = await marquez.wait_for(5)
+        expected = {
+            ("prod/allow", "START"), ("prod/deny", "ABORT"), ("prod/labels", "ABORT"), ("research/allow", "START"), ("research/delay", "OTHER"),
+        }  # fmt: skip
+        assert kinds(received) == Counter({(str(events.run_uuid(r)), k): 1 for r, k in expected})
+        by_run = {e["run"]["facets"]["budget"]["run_id"]: e for e in received}
+        allow = by_run["prod/allow"]["run"]["facets"]["budget"]
+        assert allow["decision_id"] == answers["allow"]["decision_id"] and allow["policy_id"] == "team"
+        assert allow["policy_git_sha"] == "c" * 40 and allow["projected_gpu_hours"] == 48.0 == allow["admitted_gpu_hours"]
+        assert allow["window_start"] == answers["allow"]["evaluations"][0]["window_start"]
+        assert by_run["prod/allow"]["job"] == {"namespace": "vision-prod", "name": "train-resnet", "facets": {}}
+        deny = by_run["prod/deny"]["run"]["facets"]["budget"]
+        assert deny["deficit_gpu_hours"] == 16.0 and deny["next_eligible_time"] == answers["deny"]["evaluations"][0]["next_eligible_time"]
+        assert by_run["prod/labels"]["run"]["facets"]["budget"]["evaluations"][0]["missing_labels"] == ["team"]
+        delay = by_run["research/delay"]["run"]["facets"]["budget"]
+        assert delay["decision"] == "DELAY" and delay["deficit_gpu_hours"] == 36.0 and "next_eligible_time" in delay
+
+        # Reconciliations, as the reconciler publishes them: a running snapshot, the completion, a
+        # later correction, a failure; plus one message delivered twice.
+        topics = Topics(settings.topic_prefix)
+        allowed = admission_decision(answers["allow"], "prod/allow")
+        research = admission_decision(answers["research"], "research/allow", job=("vision-research", "sweep"))
+        running = reconciliation(allowed, "RUNNING", actual_hours=10, provisional=True)
+        completed = reconciliation(allowed, "COMPLETED", actual_hours=40, provisional=True)
+        corrected = reconciliation(allowed, "COMPLETED", actual_hours=42)
+        failed = reconciliation(research, "FAILED", actual_hours=50)
+        async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+            for message in (running, completed, corrected, failed, failed):
+                await publisher.send(topics.reconciliations, message, key=message.run_id)
+        received = await marquez.wait_for(9)
+        await asyncio.sleep(1.0)  # anything extra would arrive now
+        received = marquez.received()
+        expected |= {("prod/allow", "RUNNING"), ("prod/allow", "COMPLETE"), ("prod/allow", "OTHER"), ("research/allow", "FAIL")}
+        assert kinds(received) == Counter({(str(events.run_uuid(r)), k): 1 for r, k in expected})
+        assert marquez.invalid == []
+
+        runs = marquez.runs()
+        done = runs[str(events.run_uuid("prod/allow"))]
+        assert done["state"] == "COMPLETED"
+        budget = done["facets"]["budget"]
+        assert budget["stage"] == "reconciliation" and budget["actual_gpu_hours"] == 42.0
+        assert budget["reservation_error_gpu_hours"] == -6.0 and budget["decision"] == "ALLOW" and budget["provisional"] is False
+        assert runs[str(events.run_uuid("research/allow"))]["state"] == "FAILED"
+        assert runs[str(events.run_uuid("research/delay"))]["state"] == "NEW"  # OTHER changes no state
+    finally:
+        await emitter.stop()
+
+
+def admission_decision(answer: dict, run_id: str, *, job: tuple[str, str] = ("vision-prod", "train-resnet")):  # type: ignore[no-untyped-def,type-arg]
+    """The Decision message behind an admission answer, enough for a Reconciliation of it."""
+    message = decision(run_id, "ALLOW", scope=answer["evaluations"][0]["scope_id"], policy=answer["evaluations"][0]["policy_id"],
+                       sha=answer["policy_bundle_sha"], job=job)
+    message.decision_id = answer["decision_id"]
+    return message
+
+
+async def publish(settings, *messages) -> None:  # type: ignore[no-untyped-def]
+    topics = Topics(settings.topic_prefix)
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        for message in messages:
+            topic = topics.decisions if message.DESCRIPTOR.name == "Decision" else topics.reconciliations
+            await publisher.send(topic, message, key=message.run_id)
+
+
+async def test_a_restart_resends_nothing_and_a_refusal_is_dead_lettered(settings, pg_dsn, marquez) -> None:  # type: ignore[no-untyped-def]
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    refused_run = str(events.run_uuid("runs/refused"))
+    marquez.refuse = lambda event: event["run"]["runId"] == refused_run
+    first = [decision(f"runs/{i}") for i in range(3)] + [decision("runs/refused", "DENY")]
+    await publish(settings, *first)
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
+    try:
+        await marquez.wait_for(3)
+        await wait_until(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the refused event to be dead-lettered")
+    finally:
+        await emitter.stop()
+    assert len(marquez.refused) == 1, "a refused event is not retried"
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        dead = await conn.fetch("SELECT d.status_code, d.body, e.run_id, e.state FROM evidence_dead_letters d JOIN evidence_events e USING (seq)")
+        states = Counter(r["state"] for r in await conn.fetch("SELECT state FROM evidence_events"))
+    finally:
+        await conn.close()
+    assert [(r["status_code"], r["run_id"], r["state"]) for r in dead] == [(422, "runs/refused", "dead")]
+    assert "refuses this event" in dead[0]["body"]
+    assert states == Counter({"delivered": 3, "dead": 1})
+
+    # A new process on the same database and consumer group: only the new decision goes out.
+    await publish(settings, decision("runs/after-restart"))
+    again = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
+    try:
+        await marquez.wait_for(4)
+        await asyncio.sleep(1.0)
+    finally:
+        await again.stop()
+    assert sorted(e["run"]["facets"]["budget"]["run_id"] for e in marquez.received()) == ["runs/0", "runs/1", "runs/2", "runs/after-restart"]
+    assert len(marquez.refused) == 1
+
+
+async def test_without_configuration_the_file_transport_is_used(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    for name in ("OPENLINEAGE_URL", "OPENLINEAGE_CONFIG", "OPENLINEAGE__TRANSPORT__TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    await publish(settings, decision("file/1"), decision("file/2", "DELAY"))
+    path = tmp_path / "evidence" / "openlineage.jsonl"
+    emitter = await EmitterServer(emitter_settings(settings, evidence_file=str(path)), None).start()
+    try:
+        await wait_until(lambda: path.exists() and len(path.read_text().splitlines()) == 2, what="two events in the file")
+        assert emitter.rt.client.transport.kind == "file"
+    finally:
+        await emitter.stop()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted((e["run"]["facets"]["budget"]["run_id"], e["eventType"]) for e in lines) == [("file/1", "START"), ("file/2", "OTHER")]
+
+
+async def test_the_kafka_transport_delivers_to_a_topic(settings) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("confluent_kafka", reason="the Kafka transport needs confluent-kafka")
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    lineage_topic = f"{settings.topic_prefix}openlineage.events"
+    client = transport.build_client("unused", config={"transport": {"type": "kafka", "topic": lineage_topic,
+                                                                     "config": {"bootstrap.servers": settings.kafka_bootstrap}}})
+    await publish(settings, decision("kafka/1"), decision("kafka/2", "DENY"))
+    emitter = await EmitterServer(emitter_settings(settings), client).start()
+    try:
+        await wait_until(lambda: emitter.rt.sender.stats.delivered == 2, timeout=60, what="two events delivered to Kafka")
+    finally:
+        await emitter.stop()
+    consumer = AIOKafkaConsumer(lineage_topic, bootstrap_servers=settings.kafka_bootstrap, auto_offset_reset="earliest",
+                                group_id=f"g-{uuid.uuid4().hex[:8]}", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        found: list[dict] = []  # type: ignore[type-arg]
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(found) < 2 and asyncio.get_running_loop().time() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                found += [json.loads(r.value) for r in records]
+    finally:
+        await consumer.stop()
+    assert sorted((e["run"]["facets"]["budget"]["run_id"], e["eventType"]) for e in found) == [("kafka/1", "START"), ("kafka/2", "ABORT")]
