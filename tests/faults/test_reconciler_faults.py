@@ -1,0 +1,117 @@
+"""The reconciler killed (SIGKILL) mid-stream and started again: no event lost, none applied twice;
+and Redis invalidated under it is rebuilt from Postgres with every settlement in it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import asyncpg
+
+from tests.integration.test_reconciler import H, feed, ledger_in_postgres, lifecycle, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures
+from tests.support.admission import apply_policies, budget_yaml
+
+RUNS = 40
+
+
+def start_reconciler(settings, log: Path) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
+    env = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None and k != "service_name"}}
+    env |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "0"}
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "budgetgate.services.reconciler"], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+async def counts(dsn: str) -> tuple[int, int, int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        final = await conn.fetchval("SELECT count(*) FROM run_settlements WHERE final")
+        inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = 'reconciler'")
+        facts = await conn.fetchval("SELECT (SELECT count(*) FROM lifecycle_events) + (SELECT count(*) FROM run_samples)")
+        return final, inbox, facts
+    finally:
+        await conn.close()
+
+
+async def test_killed_mid_stream_and_restarted_loses_nothing_applies_nothing_twice(admission_factory, feed, settings, pg_dsn, tmp_path) -> None:  # noqa: F811
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("k", limit="gpu_hours: 100000")}, sha="f" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    for i in range(RUNS):
+        answer = await server.submit(run_id=f"k{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)
+        assert answer.json()["decision"] == "ALLOW"
+    start = datetime.now(UTC) - timedelta(hours=5)
+    messages = []
+    for i in range(RUNS):
+        messages += [lifecycle(f"k{i}", "STARTED", start), usage(f"k{i}", "1", start + timedelta(hours=1), 4 + i % 5)]
+        messages += [usage(f"k{i}", "2", start + timedelta(hours=2), 8 + i % 5), lifecycle(f"k{i}", "COMPLETED", start + timedelta(hours=2))]
+    log = tmp_path / "reconciler.log"
+    first = start_reconciler(settings, log)
+    try:
+        sending = asyncio.create_task(feed.send(*messages))
+
+        async def some_done() -> bool:
+            final, _, _ = await counts(pg_dsn)
+            return final >= 3
+
+        await wait_for(some_done, timeout=60, what="a few runs settled")
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        await sending
+        final_at_kill, _, _ = await counts(pg_dsn)
+        assert final_at_kill < RUNS, "the kill came too late to interrupt anything"
+    finally:
+        if first.poll() is None:
+            first.kill()
+    [key] = await ledger_in_postgres(pg_dsn)
+    expected = {key: (0, sum((8 + i % 5) * H for i in range(RUNS)))}
+    second = start_reconciler(settings, log)
+    try:
+
+        async def all_done() -> bool:
+            final, inbox, _ = await counts(pg_dsn)
+            return final == RUNS and inbox == len(messages) and (await ledger_in_postgres(pg_dsn)) == expected
+
+        await wait_for(all_done, timeout=90, what="every run settled after the restart")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(20)
+    final, inbox, facts = await counts(pg_dsn)
+    assert inbox == facts == len(messages)
+    ledger = await ledger_in_postgres(pg_dsn)
+    assert ledger == expected
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(settings.redis_url)
+    try:
+        reserved, consumed = await client.hmget(f"{{{settings.redis_prefix}}}:l:{key}", "reserved", "consumed")
+    finally:
+        await client.aclose()
+    assert (int(reserved), int(consumed)) == ledger[key]
+
+
+async def test_redis_invalidated_mid_stream_is_rebuilt_with_every_settlement(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("r", limit="gpu_hours: 100000")}, sha="9" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    for i in range(10):
+        assert (await server.submit(run_id=f"r{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)).json()["decision"] == "ALLOW"
+    reconciler = await reconciler_factory()
+    start = datetime.now(UTC) - timedelta(hours=5)
+    for i in range(10):
+        await feed.send(lifecycle(f"r{i}", "STARTED", start), usage(f"r{i}", "1", start + timedelta(hours=1), 5), lifecycle(f"r{i}", "COMPLETED", start + timedelta(hours=1)))
+        if i == 4:
+            await reconciler.redis.delete(reconciler.ledger.marker)  # as a failed commit does
+    [key] = await ledger_in_postgres(pg_dsn)
+
+    async def settled_everything() -> bool:
+        return (await ledger_in_postgres(pg_dsn))[key] == (0, 50 * H)
+
+    await wait_for(settled_everything, what="all ten settled")
+    assert await reconciler.ledger.is_loaded()
+    assert await reconciler.ledger.all_readings() == await ledger_in_postgres(pg_dsn)
+    assert (await reconciler.sync.check_drift(repair=False)).clean
