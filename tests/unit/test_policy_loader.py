@@ -205,11 +205,10 @@ def test_unknown_kind(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["Quota", "ResourcePool"])
-def test_planned_kinds_say_not_supported_yet(tmp_path: Path, kind: str) -> None:
-    write(tmp_path, "q.yaml", f"apiVersion: budgetgate/v1\nkind: {kind}\nmetadata: {{id: q}}\nspec: {{hard: {{gpus: 8}}}}\n")
-    error = only_error(tmp_path)
-    assert (error.file, error.line) == ("q.yaml", 2)
-    assert error.message == f"kind {kind} is not supported by this version of budgetgate yet"
+def test_concurrency_kinds_reject_unknown_fields_at_their_line(tmp_path: Path, kind: str) -> None:
+    write(tmp_path, "q.yaml", f"apiVersion: budgetgate/v1\nkind: {kind}\nmetadata: {{id: q}}\nspec:\n  hard: {{gpus: 8}}\n")
+    found = errors(tmp_path)
+    assert any(e.line == 5 and "spec.hard" in e.message for e in found), found
 
 
 def test_wrong_api_version(tmp_path: Path) -> None:
@@ -414,7 +413,7 @@ def test_every_error_of_a_file_is_reported(tmp_path: Path) -> None:
     assert len(found) == 3
     assert [e.file for e in found] == ["many.yaml"] * 3
     assert "greater than 0" in found[0].message
-    assert "not supported" in found[1].message
+    assert "a Quota needs a tenant" in found[1].message
     assert "unknown time zone" in found[2].message
 
 
@@ -435,7 +434,7 @@ def test_validation_error_lists_errors_sorted_in_its_message(tmp_path: Path) -> 
         load_directory(tmp_path, git_sha="x")
     lines = str(info.value).splitlines()
     assert lines[0].startswith("a.yaml:11: spec.limit.gpu_hours:")
-    assert lines[1].startswith("b.yaml:2: kind Quota is not supported")
+    assert lines[1].startswith("b.yaml:4: spec: a Quota needs a tenant")
 
 
 # --- label values are strings -------------------------------------------------------------------
@@ -686,3 +685,73 @@ def test_most_specific_rate_wins_across_rate_cards(tmp_path: Path) -> None:
     at = datetime(2026, 11, 1, tzinfo=UTC)
     assert bundle.rate_for("h100", "eu-west-1", at) == (Rate("h100", Decimal("4.25"), "eu-west-1"), "USD")
     assert bundle.rate_for("h100", "us-east-1", at) == (Rate("h100", Decimal("3.933")), "USD")
+
+
+QUOTAS = """\
+apiVersion: budgetgate/v1
+kind: Quota
+metadata: {id: tenant-physics}
+spec: {tenant: physics, max_nodes: 200, max_gpus: 1600, max_concurrent_allocations: 50, fair_share_target: 0.25, burst_allowance: 1.5}
+---
+apiVersion: budgetgate/v1
+kind: Cluster
+metadata: {id: cluster}
+spec: {gpus: 2048, nodes: 256}
+---
+apiVersion: budgetgate/v1
+kind: Quota
+metadata: {id: sensitive}
+spec: {sensitive_pool_size: 64, sensitive_unit: nodes}
+---
+apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {id: warehouse}
+spec: {namespace: "snowflake:wh-1", quota: 50, project_cap: 10}
+---
+apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {id: snowflake}
+spec: {namespace: snowflake, quota: 80}
+"""
+
+
+def test_quota_cluster_and_pool_documents_load(tmp_path: Path) -> None:
+    write(tmp_path, "q.yaml", QUOTAS)
+    bundle = load(tmp_path)
+    physics = bundle.quota_for("physics")
+    assert physics is not None and (physics.max_gpus, physics.max_nodes, physics.max_concurrent_allocations) == (1600, 200, 50)
+    assert physics.fair_share_target == 0.25 and physics.burst_allowance == 1.5
+    assert bundle.quota_for("chemistry") is None and bundle.quota_for(None) is None
+    assert bundle.cluster is not None and bundle.cluster.gpus == 2048
+    assert bundle.sensitive is not None and (bundle.sensitive.size, bundle.sensitive.unit) == (64, "nodes")
+    assert [p.namespace for p in bundle.pool_chain("snowflake:wh-1")] == ["snowflake:wh-1", "snowflake"]
+    assert [p.namespace for p in bundle.pool_chain("snowflake:wh-9")] == ["snowflake"]
+    assert bundle.pool_chain("qubole") == []
+
+
+@pytest.mark.parametrize(
+    ("replace", "expect"),
+    [
+        ("spec: {gpus: 2048, nodes: 256}", "fair_share_target but no kind: Cluster"),
+        ("spec: {sensitive_pool_size: 64, sensitive_unit: nodes}", "needs a tenant"),
+        ("burst_allowance: 1.5}", "burst_allowance: 1.5, sensitive_pool_size: 3}"),
+    ],
+)
+def test_quota_documents_explain_their_mistakes(tmp_path: Path, replace: str, expect: str) -> None:
+    text = QUOTAS
+    if replace.startswith("spec: {gpus"):
+        text = text.replace("kind: Cluster", "kind: Quota").replace(replace, "spec: {tenant: chemistry, max_gpus: 8}")
+    elif replace.startswith("spec: {sensitive"):
+        text = text.replace(replace, "spec: {max_gpus: 4}")
+    else:
+        text = text.replace(replace, expect)
+        expect = "sensitive_pool_size is system-wide"
+    write(tmp_path, "q.yaml", text)
+    assert any(expect in e.message for e in errors(tmp_path)), errors(tmp_path)
+
+
+def test_two_quotas_for_one_tenant_are_an_error(tmp_path: Path) -> None:
+    write(tmp_path, "q.yaml", QUOTAS)
+    write(tmp_path, "r.yaml", QUOTAS.split("---")[0].replace("tenant-physics", "physics-again"))
+    error = only_error(tmp_path)
+    assert error.file == "r.yaml" and "tenant quota 'physics' is already defined at q.yaml:1" in error.message

@@ -12,9 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from budgetgate.core.windows import CALENDARS, zone
 
 API_VERSION = "budgetgate/v1"
-SUPPORTED_KINDS = ("BudgetPolicy", "RateCard")
+SUPPORTED_KINDS = ("BudgetPolicy", "RateCard", "Quota", "Cluster", "ResourcePool")
 # Kinds the project will read once their features exist; named so the error says "not yet".
-PLANNED_KINDS = ("Quota", "ResourcePool", "Cluster")
+PLANNED_KINDS: tuple[str, ...] = ()
 
 # Kubernetes label keys and values, and DNS-1123 namespace names.
 LabelKey = Annotated[str, StringConstraints(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")]
@@ -139,9 +139,68 @@ PATTERN_MEANINGS = {
     Namespace.__metadata__[0].pattern: "a Kubernetes namespace name (lowercase letters, digits and '-', up to 63)",
     PolicyId.__metadata__[0].pattern: "an id of letters, digits and . _ / - (up to 200)",
     Currency.__metadata__[0].pattern: "a three-letter ISO 4217 currency code such as USD",
+    r"^[a-z0-9][a-z0-9_.-]{0,62}(:[a-z0-9][a-z0-9_.-]{0,62}){0,7}$": "a pool namespace such as snowflake:wh-1 (lowercase parts joined by ':')",
 }
 
-SPEC_MODELS: dict[str, type[BaseModel]] = {"BudgetPolicy": BudgetPolicySpec, "RateCard": RateCardSpec}
+class LabelMatch(_Strict):
+    key: LabelKey
+    value: LabelValue
+
+
+class QuotaSpec(_Strict):
+    """A tenant's hard limits and fair-share terms, or (without tenant) the sensitive pool."""
+
+    tenant: LabelValue | None = None
+    max_gpus: int | None = Field(default=None, ge=0)
+    max_nodes: int | None = Field(default=None, ge=0)
+    max_concurrent_allocations: int | None = Field(default=None, ge=0)
+    fair_share_target: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    burst_allowance: float | None = Field(default=None, ge=1, le=100, allow_inf_nan=False)
+    sensitive_pool_size: int | None = Field(default=None, ge=0)
+    sensitive_unit: Literal["gpus", "nodes"] = "gpus"
+    sensitive_label: LabelMatch = LabelMatch(key="sensitive", value="true")
+
+    @model_validator(mode="after")
+    def _one_kind_of_quota(self) -> QuotaSpec:
+        tenant_fields = [f for f in ("max_gpus", "max_nodes", "max_concurrent_allocations", "fair_share_target", "burst_allowance") if getattr(self, f) is not None]
+        if self.tenant is None:
+            if self.sensitive_pool_size is None:
+                raise ValueError("a Quota needs a tenant (with max_gpus, max_nodes, max_concurrent_allocations or fair_share_target) or a sensitive_pool_size")
+            if tenant_fields:
+                raise ValueError(f"{', '.join(tenant_fields)} need a tenant")
+        else:
+            if self.sensitive_pool_size is not None:
+                raise ValueError("sensitive_pool_size is system-wide: put it in a Quota without tenant")
+            if not tenant_fields:
+                raise ValueError("a tenant Quota needs at least one of max_gpus, max_nodes, max_concurrent_allocations or fair_share_target")
+            if self.burst_allowance is not None and self.fair_share_target is None:
+                raise ValueError("burst_allowance goes with a fair_share_target")
+        return self
+
+
+class ClusterSpec(_Strict):
+    gpus: int = Field(ge=1)
+    nodes: int | None = Field(default=None, ge=1)
+
+
+PoolNamespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}(:[a-z0-9][a-z0-9_.-]{0,62}){0,7}$")]
+
+
+class ResourcePoolSpec(_Strict):
+    namespace: PoolNamespace
+    quota: int = Field(ge=0)
+    project_cap: int | None = Field(default=None, ge=0)
+    namespace_cap: int | None = Field(default=None, ge=0)
+    lease_seconds: int = Field(default=3600, ge=1, le=30 * 86400)
+
+
+SPEC_MODELS: dict[str, type[BaseModel]] = {
+    "BudgetPolicy": BudgetPolicySpec,
+    "RateCard": RateCardSpec,
+    "Quota": QuotaSpec,
+    "Cluster": ClusterSpec,
+    "ResourcePool": ResourcePoolSpec,
+}
 
 
 def kind_problem(kind: str) -> str | None:

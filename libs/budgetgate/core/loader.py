@@ -25,6 +25,7 @@ from budgetgate.core.policy import (
     Scope,
     Source,
 )
+from budgetgate.core.quota_documents import ConcurrencyLimit, concurrency_checks, concurrency_fields, concurrency_limit
 from budgetgate.core.units import Unit, to_amount
 from budgetgate.core.windows import WindowSpec
 
@@ -142,6 +143,7 @@ def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str) -> Policy
     errors: list[PolicyError] = []
     policies: list[BudgetPolicy] = []
     rate_cards: list[RateCard] = []
+    limits: list[ConcurrencyLimit] = []
     seen_ids: dict[tuple[str, str], SourceDocument] = {}
     for doc in documents:
         parsed = _validate(doc, errors)
@@ -159,10 +161,13 @@ def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str) -> Policy
             policies.append(_policy(envelope.metadata.id, spec, source))
         elif isinstance(spec, RateCardSpec):
             rate_cards.append(_rate_card(envelope.metadata.id, spec, source))
+        else:
+            limits.append(concurrency_limit(envelope.metadata.id, spec, source))
     errors.extend(_cross_checks(policies, rate_cards))
+    errors.extend(concurrency_checks(limits))
     if errors:
         raise PolicyValidationError(errors)
-    return PolicyBundle(git_sha=git_sha, policies=tuple(policies), rate_cards=tuple(rate_cards))
+    return PolicyBundle(git_sha=git_sha, policies=tuple(policies), rate_cards=tuple(rate_cards), **concurrency_fields(limits))
 
 
 def _validate(doc: SourceDocument, errors: list[PolicyError]) -> tuple[Document, BaseModel] | None:

@@ -7,8 +7,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from budgetgate.core.units import Unit
+
+if TYPE_CHECKING:
+    from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
 from budgetgate.core.windows import WindowSpec
 
 ANY_VALUE = "*"
@@ -125,6 +129,18 @@ class PolicyBundle:
     git_sha: str
     policies: tuple[BudgetPolicy, ...] = ()
     rate_cards: tuple[RateCard, ...] = ()
+    quotas: tuple[TenantQuota, ...] = ()
+    sensitive: SensitivePool | None = None
+    cluster: Cluster | None = None
+    pools: tuple[ResourcePool, ...] = ()
+
+    def quota_for(self, tenant: str | None) -> TenantQuota | None:
+        return next((q for q in self.quotas if q.tenant == tenant), None) if tenant else None
+
+    def pool_chain(self, namespace: str) -> list[ResourcePool]:
+        """The declared pools an allocation in `namespace` counts against, most specific first."""
+        declared = {p.namespace: p for p in self.pools}
+        return [declared[ns] for ns in pool_chain(namespace) if ns in declared]
 
     def rate_for(self, flavor: str, region: str | None, at: datetime) -> tuple[Rate, str] | None:
         """The most specific rate in effect across all rate cards, and its currency (validation
@@ -143,3 +159,9 @@ class PolicyBundle:
 def _specificity(rate: Rate, at: datetime) -> tuple[bool, datetime]:
     # A region match beats a rate for any region; then the most recent effective_from wins.
     return rate.region is not None, rate.effective_from or datetime.min.replace(tzinfo=at.tzinfo)
+
+
+def pool_chain(namespace: str) -> list[str]:
+    """A namespace and its ancestors, most specific first: `a:b:c` → [`a:b:c`, `a:b`, `a`]."""
+    parts = namespace.split(":")
+    return [":".join(parts[: i + 1]) for i in reversed(range(len(parts)))]

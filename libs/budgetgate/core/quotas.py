@@ -1,0 +1,153 @@
+"""Quotas on what runs at once, fair share, and token pools toward external services.
+
+Budgets limit GPU-hours over a window; these limit concurrency: the GPUs, nodes and allocations
+a tenant holds from admission until its runs end, the GPUs or nodes sensitive work holds in
+total, and the tokens held in a pool of an external service.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from budgetgate.core.policy import Source, pool_chain  # noqa: F401 - pool_chain is part of this module's API
+
+SOFT_START = 0.8  # utilization where the soft-quota priority penalty starts
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """Hard limits and fair-share terms of one tenant (the value of the tenant label)."""
+
+    id: str
+    tenant: str
+    max_gpus: int | None
+    max_nodes: int | None
+    max_concurrent_allocations: int | None
+    fair_share_target: float | None
+    burst_allowance: float | None
+    source: Source
+
+
+@dataclass(frozen=True, slots=True)
+class SensitivePool:
+    """The GPUs or nodes that workloads labelled sensitive may hold in total."""
+
+    id: str
+    size: int
+    unit: str  # "gpus" | "nodes"
+    label_key: str
+    label_value: str
+    source: Source
+
+    def covers(self, labels: Mapping[str, str]) -> bool:
+        return labels.get(self.label_key) == self.label_value
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Cluster capacity, the denominator of fair shares."""
+
+    id: str
+    gpus: int
+    nodes: int | None
+    source: Source
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcePool:
+    """Tokens toward one external service namespace, e.g. `snowflake:wh-1`."""
+
+    id: str
+    namespace: str
+    quota: int
+    project_cap: int | None
+    namespace_cap: int | None
+    lease_seconds: int
+    source: Source
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What a tenant (or the sensitive pool) holds right now."""
+
+    gpus: int = 0
+    nodes: int = 0
+    allocations: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    gpus: int
+    nodes: int
+
+
+QUOTA_FIELDS = ("max_gpus", "max_nodes", "max_concurrent_allocations")
+
+
+def quota_violation(tenant: str, quota: TenantQuota, held: Holdings, request: Request) -> str | None:
+    """The rejection reason when admitting `request` would break a hard limit of `quota`, else None.
+
+    Checked in order GPUs, nodes, allocations; the first one broken is reported, in the exact
+    form platforms match on. A limit lowered below current use keeps rejecting until use drops.
+    """
+    for name, current, requested in (
+        ("max_gpus", held.gpus, request.gpus),
+        ("max_nodes", held.nodes, request.nodes),
+        ("max_concurrent_allocations", held.allocations, 1),
+    ):
+        limit = getattr(quota, name)
+        if limit is not None and current + requested > limit:
+            reason = f'allocation rejected: tenant "{tenant}" would exceed {name} quota (current: {current}, requested: {requested}, limit: {limit})'
+            if current >= limit:
+                reason += "; usage is already at or above the limit (it may have been lowered): wait for running work to finish or ask the tenant admin to raise it"
+            return reason
+    return None
+
+
+def sensitive_violation(pool: SensitivePool, held: Holdings, request: Request) -> str | None:
+    """The rejection reason when sensitive work would hold more than the pool, else None."""
+    current = held.gpus if pool.unit == "gpus" else held.nodes
+    requested = request.gpus if pool.unit == "gpus" else request.nodes
+    if current + requested > pool.size:
+        return f"allocation rejected: sensitive workloads would exceed sensitive_pool_size (current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
+    return None
+
+
+def priority_penalty(utilization: float) -> float:
+    """Scheduling penalty in [0, 1) of a soft budget at `utilization` (used ÷ limit, this run
+    included): 0 below 80 %, rising linearly to 0.9 at 100 %, then approaching 1 (0.99 at 123 %,
+    0.9993 at 150 %) — effective starvation in the platform's scheduler, never a rejection."""
+    if not math.isfinite(utilization) or utilization <= SOFT_START:
+        return 0.0 if utilization <= SOFT_START else 1.0
+    if utilization <= 1.0:
+        return round(0.9 * (utilization - SOFT_START) / (1.0 - SOFT_START), 6)
+    return round(1.0 - 0.1 * math.exp(-10.0 * (utilization - 1.0)), 6)
+
+
+@dataclass(frozen=True, slots=True)
+class FairShare:
+    share: float  # the tenant's share of cluster GPUs before this run
+    share_after: float
+    target: float
+    burst_limit: float
+    deficit: float  # target − share: positive means below target, so first in line
+    preemptible: bool  # admitted above the target, on burst: preempt these first
+
+
+def fair_share(quota: TenantQuota, cluster: Cluster, held: Holdings, request: Request) -> FairShare | None:
+    """Where a tenant stands against its fair-share target, if it has one."""
+    if quota.fair_share_target is None:
+        return None
+    share = held.gpus / cluster.gpus
+    after = (held.gpus + request.gpus) / cluster.gpus
+    target = quota.fair_share_target
+    return FairShare(
+        share=round(share, 6),
+        share_after=round(after, 6),
+        target=target,
+        burst_limit=round(target * (quota.burst_allowance or 1.0), 6),
+        deficit=round(target - share, 6),
+        preemptible=after > target,
+    )
