@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import asyncpg
 import redis.asyncio as aioredis
@@ -25,6 +25,7 @@ from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.outbox import OutboxRelay
 from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, Problem, ScopeUsage
 from budgetgate.services.admission.settings import AdmissionSettings
+from budgetgate.services.admission.tenants import add_tenant_routes
 from budgetgate.services.admission.usage import scope_usage
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics
@@ -156,6 +157,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     async def metrics() -> Response:
         return Response(telemetry.metrics_text(), media_type=telemetry.metrics_content_type)
 
+    add_tenant_routes(app, settings)
     return app
 
 
@@ -186,16 +188,13 @@ async def _readiness(rt: Runtime) -> dict[str, str]:
 
 async def _keep_ready(rt: Runtime, settings: AdmissionSettings, held: dict[str, int]) -> None:
     """Load policies and the Redis ledger, and keep them current, outliving any outage."""
-    next_sweep = 0.0
+    # Orphaned Redis holds (a process died between reserving and committing) are swept by the
+    # reconciler, which owns leak protection; a retry of the same run releases its orphan here.
     while True:
         try:
             await rt.policies.refresh()
             await rt.sync.ensure_loaded()
             held["count"] = await rt.pool.fetchval("SELECT count(*) FROM reservations WHERE state = 'held'")
-            if time.monotonic() >= next_sweep:
-                # Until the reconciler owns leak protection, admission sweeps orphaned holds.
-                await rt.sync.sweep_orphans(grace=timedelta(seconds=settings.orphan_grace_seconds), now=datetime.now(UTC))
-                next_sweep = time.monotonic() + settings.orphan_grace_seconds / 2
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - retried on the next tick

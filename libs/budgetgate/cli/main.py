@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from budgetgate.cli import bench, db, demo, dev, policy, publish
+from budgetgate.cli.usage import usage
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,6 +19,7 @@ cli.add_command(policy.policy)
 cli.add_command(demo.demo)
 cli.add_command(bench.bench)
 cli.add_command(publish.publish)
+cli.add_command(usage)
 
 
 if __name__ == "__main__":

@@ -96,3 +96,36 @@ def _send(settings: CommonSettings, topic: str, message: Message, *, key: str) -
         return asyncio.run(send())
     except (KafkaError, OSError) as exc:
         raise click.ClickException(f"cannot publish to Kafka at {settings.kafka_bootstrap}: {type(exc).__name__}: {exc}") from exc
+
+
+LIFECYCLE_EVENTS = ("started", "completed", "failed", "cancelled", "evicted", "readmitted")
+
+
+@publish.command()
+@click.option("--run-id", required=True, help="The run the event is about (as admitted).")
+@click.option("--event", "kind", required=True, type=click.Choice(LIFECYCLE_EVENTS, case_sensitive=False), help="What happened to the run.")
+@click.option("--at", "at", type=TIME, default=None, help="When it happened on the platform (ISO 8601). Default: now.")
+@click.option("--gpus", type=click.IntRange(0), default=0, show_default=True, help="GPUs bound (for started/readmitted; 0 = as requested).")
+@click.option("--nodes", type=click.IntRange(0), default=0, show_default=True, help="Nodes bound (for started/readmitted; 0 = as requested).")
+@click.option("--flavor", default="", help="Resource flavor bound, e.g. h100.")
+@click.option("--reason", default="", help="Why (for failed, cancelled, evicted).")
+@click.option("--event-id", default=None, help="The event's id; send the same id twice to see deduplication. Default: a new uuid.")
+def lifecycle(run_id: str, kind: str, at: datetime | None, gpus: int, nodes: int, flavor: str, reason: str, event_id: str | None) -> None:
+    """Send one lifecycle event to workload.lifecycle.v1 (what the reconciler settles runs from)."""
+    from budgetgate.topics import Topics
+    from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
+
+    event = LifecycleEvent(
+        event_id=event_id or str(uuid.uuid4()),
+        event_time=timestamp(at or datetime.now(UTC)),
+        run_id=run_id,
+        type=LifecycleType.Value(kind.upper()),
+        gpus=gpus,
+        nodes=nodes,
+        flavor=flavor,
+        reason=reason,
+    )
+    settings = CommonSettings()
+    topic = Topics(settings.topic_prefix).lifecycle
+    partition, offset = _send(settings, topic, event, key=run_id)
+    click.echo(f"sent {kind.upper()} of run {run_id!r} (event {event.event_id}) to {topic} (partition {partition}, offset {offset})")

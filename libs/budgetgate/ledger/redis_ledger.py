@@ -146,14 +146,15 @@ class RedisLedger:
             raise RuntimeError(f"unexpected answer from the ledger: {reply!r}")
 
     async def run_holds(self) -> dict[str, dict[str, int]]:
-        """What every run key holds: run id → {ledger key: amount}."""
+        """What every run key holds on ledger keys: run id → {ledger key: amount} (runs holding
+        only other things, such as quota counters, are left out)."""
         prefix, ledger_prefix = f"{self.tag}:r:", f"{self.tag}:l:"
         result = {}
         async for key in self.client.scan_iter(match=f"{self.tag}:r:*", count=1000):
             fields = await self.client.hgetall(key)
-            result[_text(key)[len(prefix):]] = {
-                _text(k)[len(ledger_prefix):]: int(v) for k, v in fields.items() if not _text(k).startswith("_")
-            }
+            holds = {_text(k)[len(ledger_prefix):]: int(v) for k, v in fields.items() if _text(k).startswith(ledger_prefix)}
+            if holds:
+                result[_text(key)[len(prefix):]] = holds
         return result
 
     async def all_readings(self) -> dict[str, tuple[int, int]]:

@@ -2,7 +2,7 @@
 -- all at once (the reconciler computed the changes from Postgres, which it commits after this).
 -- KEYS[1] loaded marker, KEYS[2] run key, KEYS[3..] ledger keys.
 -- ARGV[1] decision id, ARGV[2] now (ms), ARGV[3] '1' when the run holds nothing any more (its
--- run key goes), then per ledger key: reserved delta, consumed delta, and what the run holds on
+-- ledger holds leave the run key), then per ledger key: reserved delta, consumed delta, and what the run holds on
 -- it afterwards ('' for a key the run has no reservation on).
 -- Returns 'OK', NOT_LOADED (rebuild from Postgres first) or MISSING with the index of the
 -- first ledger key never loaded; nothing is changed unless the answer is OK.
@@ -26,7 +26,16 @@ for i = 1, n do
   end
 end
 if ARGV[3] == '1' then
-  redis.call('DEL', KEYS[2])
+  -- The run's ledger holds go; anything else its run key holds (quota counters, pool leases)
+  -- is not this script's to give back, so the key itself goes only once nothing else is left.
+  for i = 1, n do
+    if ARGV[3 + 3 * i] ~= '' then
+      redis.call('HDEL', KEYS[2], KEYS[2 + i])
+    end
+  end
+  if redis.call('HLEN', KEYS[2]) <= 2 then
+    redis.call('DEL', KEYS[2])
+  end
   return 'OK'
 end
 for i = 1, n do

@@ -1,0 +1,79 @@
+"""`budgetgate usage`: limit, reserved, consumed and remaining of budgets, by scope or by tenant,
+read from the ledger's truth in Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from budgetgate.settings import CommonSettings
+
+
+@click.command()
+@click.option("--scope", "scope_id", default=None, help="A scope id, e.g. 'ns=vision-prod;cost-center=1042;team=vision'.")
+@click.option("--tenant", default=None, help="A tenant: the value of the tenant label (see --label).")
+@click.option("--label", default=None, help="The label naming tenants (default: BUDGETGATE_TENANT_LABEL, else team).")
+@click.option("--days", default=90, show_default=True, type=click.IntRange(1, 3660), help="For --tenant: how far back runs' usage is summed.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def usage(scope_id: str | None, tenant: str | None, label: str | None, days: int, as_json: bool) -> None:
+    """Budgets' limit, reserved, consumed and remaining in their current windows."""
+    if (scope_id is None) == (tenant is None):
+        raise click.UsageError("give exactly one of --scope or --tenant")
+    from budgetgate.services.admission.tenants import TenantSettings
+
+    settings = TenantSettings()
+    result = asyncio.run(_read(settings.postgres_dsn, scope_id=scope_id, tenant=tenant, label=label or settings.tenant_label, days=days))
+    if result is None:
+        raise click.ClickException(f"no budget policy of the active bundle has scope {scope_id!r}")
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    _print(result)
+
+
+async def _read(dsn: str, *, scope_id: str | None, tenant: str | None, label: str, days: int) -> dict[str, Any] | None:
+    import asyncpg
+
+    from budgetgate.core.loader import bundle_from_json
+    from budgetgate.ledger.queries import sql
+    from budgetgate.services.admission.tenants import tenant_usage
+    from budgetgate.services.admission.usage import scope_usage
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    try:
+        row = await pool.fetchrow(sql("active_bundle"))
+        bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"]) if row else None
+        now = datetime.now(UTC)
+        if tenant is not None:
+            return await tenant_usage(pool, bundle, label=label, tenant=tenant, days=days, now=now)
+        if bundle is None:
+            return None
+        found = await scope_usage(pool, bundle, scope_id or "", now)
+        return None if found is None else {**found, "budgets": [{"scope_id": found["scope_id"], **b} for b in found["budgets"]]}
+    finally:
+        await pool.close()
+
+
+def _print(result: dict[str, Any]) -> None:
+    headers = ["budget", "scope", "unit", "window", "limit", "reserved", "consumed", "remaining", "used"]
+    rows = []
+    for b in result["budgets"]:
+        unit = b["currency"] if b["unit"] == "cost" else b["unit"].replace("_", "-")
+        window = f"{b['window_start'][:10]} to {b['window_end'][:10]}"
+        used = f"{100 * (b['utilization'] or 0):.1f}%"
+        rows.append([b["policy_id"], b["scope_id"], unit, window, f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}", f"{b['remaining']:g}", used])
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    click.echo("  ".join("-" * w for w in widths))
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    if "runs" in result:
+        r = result["runs"]
+        click.echo(
+            f"\ntenant {result['label']}={result['tenant']}, last {result['days']} days: {r['runs']} run(s), {r['admitted']} admitted; "
+            f"{r['reserved_gpu_hours']:g} GPU-hours reserved, {r['consumed_gpu_hours']:g} GPU-hours and {r['consumed_node_hours']:g} node-hours metered"
+        )

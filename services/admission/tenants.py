@@ -1,0 +1,65 @@
+"""Usage by tenant: `GET /v1/tenants/{tenant}/usage?days=90`. A tenant is the value of one label
+(`team` unless BUDGETGATE_TENANT_LABEL says otherwise): its budgets (policies whose scope requires
+that label value) in their current windows, and its runs' reservations and metered usage over
+the last `days` days."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import asyncpg
+from fastapi import FastAPI, Query, Request
+
+from budgetgate.core.policy import PolicyBundle
+from budgetgate.core.units import hours
+from budgetgate.ledger.queries import sql
+from budgetgate.services.admission.usage import scope_usage
+from budgetgate.settings import CommonSettings
+
+
+class TenantSettings(CommonSettings):
+    tenant_label: str = "team"
+
+
+async def tenant_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, label: str, tenant: str, days: int, now: datetime) -> dict[str, Any]:
+    """Budgets of the tenant in their current windows, and its runs' usage since `days` ago."""
+    since = now - timedelta(days=days)
+    scopes = sorted({p.scope.scope_id for p in (bundle.policies if bundle else ()) if p.scope.labels.get(label) == tenant})
+    budgets = []
+    for scope_id in scopes:
+        usage = await scope_usage(pool, bundle, scope_id, now) if bundle else None  # type: ignore[arg-type]
+        budgets += [{"scope_id": scope_id, **b} for b in (usage or {}).get("budgets", [])]
+    runs = await pool.fetchrow(sql("tenant_runs"), label, tenant, since)
+    return {
+        "tenant": tenant,
+        "label": label,
+        "days": days,
+        "since": since.isoformat(),
+        "policy_bundle_sha": bundle.git_sha if bundle else None,
+        "budgets": budgets,
+        "runs": {
+            "runs": runs["runs"],
+            "admitted": runs["admitted"],
+            "reserved_gpu_hours": hours(runs["reserved_gpu"]),
+            "consumed_gpu_hours": hours(runs["consumed_gpu"]),
+            "consumed_node_hours": hours(runs["consumed_node"]),
+        },
+    }
+
+
+def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:
+    """Register GET /v1/tenants/{tenant}/usage on the admission app."""
+    label = getattr(settings, "tenant_label", None) or TenantSettings().tenant_label
+
+    @app.get("/v1/tenants/{tenant}/usage", tags=["usage"])
+    async def tenant(tenant: str, request: Request, days: int = Query(90, ge=1, le=3660)) -> dict[str, Any]:
+        from datetime import UTC
+
+        from budgetgate.services.admission.admitter import BACKEND_ERRORS, Unavailable
+
+        rt = request.app.state.rt
+        try:
+            return await tenant_usage(rt.pool, rt.policies.current, label=label, tenant=tenant, days=days, now=datetime.now(UTC))
+        except BACKEND_ERRORS as exc:
+            raise Unavailable(f"Postgres unavailable: {exc}") from exc
