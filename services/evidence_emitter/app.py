@@ -95,6 +95,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
             initial_backoff=settings.evidence_initial_backoff_seconds,
             max_backoff=settings.evidence_max_backoff_seconds,
             idle_seconds=settings.evidence_idle_seconds,
+            decision_wait=settings.evidence_decision_wait_seconds,
         )
         rt = Runtime(pool, publisher, consumer, sender, ol_client)
         holder["rt"] = app.state.rt = rt

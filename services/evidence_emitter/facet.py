@@ -78,39 +78,53 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
     return fields
 
 
+# The fields a reconciliation contributes; the rest of its facet is the settled decision's.
+RECONCILED_KEYS = (
+    "stage", "run_id", "decision_id", "reconciliation_id", "final_state", "provisional", "projected_gpu_hours",
+    "actual_gpu_hours", "reservation_error_gpu_hours", "reservation_error_ratio", "charges",
+)  # fmt: skip
+
+
 def reconciliation_fields(message: reconciliations_pb2.Reconciliation, decided: Mapping[str, Any] | None) -> Fields:
     """The facet fields of a reconciliation: the settled decision's, plus the actuals.
 
     `decided` is the facet of the run's decision when the emitter has seen it; without it the
-    decision is inferred from the message (a reconciled run was admitted, on the keys charged).
+    decision is inferred from the message (a reconciled run was admitted, on the keys charged),
+    and with_decision() puts the real one in once it arrives.
     """
     if not message.run_id:
         raise UnusableMessage(f"reconciliation {message.event_id!r} has no run_id")
     projected, actual = message.projected_gpu_milli_hours, message.actual_gpu_milli_hours
     charges = [_charge(c) for c in message.charges]
-    if decided is not None:
-        fields = {k: v for k, v in decided.items() if not k.startswith("_")}
-    else:
-        fields = _inferred_decision(message, charges)
-    if message.policy_bundle_sha:
-        fields["policy_bundle_sha"] = message.policy_bundle_sha
     error = actual - projected
-    fields.update(
-        stage=RECONCILIATION,
-        run_id=message.run_id,
-        reconciliation_id=message.event_id,
-        final_state=normalized_state(message.final_state),
-        provisional=message.provisional,
-        projected_gpu_hours=hours(projected),
-        actual_gpu_hours=hours(actual),
-        reservation_error_gpu_hours=hours(error),
-        charges=charges,
-    )
+    own: Fields = {
+        "stage": RECONCILIATION,
+        "run_id": message.run_id,
+        "reconciliation_id": message.event_id,
+        "final_state": normalized_state(message.final_state),
+        "provisional": message.provisional,
+        "projected_gpu_hours": hours(projected),
+        "actual_gpu_hours": hours(actual),
+        "reservation_error_gpu_hours": hours(error),
+        "charges": charges,
+    }
     if message.decision_id:
-        fields["decision_id"] = message.decision_id
-    fields.pop("reservation_error_ratio", None)
+        own["decision_id"] = message.decision_id
     if projected > 0:
-        fields["reservation_error_ratio"] = round(error / projected, 6)
+        own["reservation_error_ratio"] = round(error / projected, 6)
+    if message.policy_bundle_sha:
+        own["policy_bundle_sha"] = message.policy_bundle_sha
+    return with_decision(own, decided if decided is not None else _inferred_decision(message, charges))
+
+
+def with_decision(reconciled: Mapping[str, Any], decided: Mapping[str, Any]) -> Fields:
+    """A reconciliation's own fields on top of the facet of the decision it settles."""
+    fields = {k: v for k, v in decided.items() if not k.startswith("_") and k not in RECONCILED_KEYS}
+    if "decision_id" in decided:
+        fields["decision_id"] = decided["decision_id"]
+    fields.update({k: reconciled[k] for k in RECONCILED_KEYS if k in reconciled})
+    sha = reconciled.get("policy_bundle_sha") or decided.get("policy_bundle_sha", "")
+    fields["policy_bundle_sha"] = sha
     return fields
 
 

@@ -33,6 +33,20 @@ class EvidenceHandlers:
         await self._store(conn, stage=facet.DECISION, message_id=message.event_id, run_id=message.run_id,
                           decision_id=fields["decision_id"], event_type=event_type, at=facet.event_time(message.event_time),
                           job=job, fields=fields)
+        await self._settle_waiting(conn, message.run_id, fields, job)
+
+    async def _settle_waiting(self, conn: asyncpg.Connection, run_id: str, decided: dict[str, Any], job: tuple[str, str]) -> None:
+        """Reconciliations of this decision that came first get its facet (and its job) now."""
+        for seq, payload in await store.waiting_for_run(conn, run_id):
+            reconciled = payload["run"]["facets"][facet.FACET_KEY]
+            if reconciled.get("decision_id") not in (None, decided["decision_id"]):
+                continue
+            payload["run"]["facets"][facet.FACET_KEY] = {
+                **{k: v for k, v in reconciled.items() if k.startswith("_")},
+                **facet.with_decision(reconciled, decided),
+            }
+            payload["job"] = {**payload["job"], "namespace": job[0], "name": job[1]}
+            await store.settle_waiting(conn, seq, payload)
 
     async def reconciliation(self, conn: asyncpg.Connection, message: reconciliations_pb2.Reconciliation, _record: Any) -> None:
         decided = await store.decision_event(conn, message.run_id, message.decision_id or None)
@@ -47,10 +61,12 @@ class EvidenceHandlers:
         at = facet.event_time(message.event_time)
         await store.add_reconciliation(conn, _reconciliation_row(message, fields, at))
         await self._store(conn, stage=facet.RECONCILIATION, message_id=message.event_id, run_id=message.run_id,
-                          decision_id=fields.get("decision_id"), event_type=event_type, at=at, job=job, fields=fields)
+                          decision_id=fields.get("decision_id"), event_type=event_type, at=at, job=job, fields=fields,
+                          state="pending" if decided else "waiting")
 
     async def _store(self, conn: asyncpg.Connection, *, stage: str, message_id: str, run_id: str, decision_id: str | None,
-                     event_type: events.RunState, at: datetime, job: tuple[str, str], fields: dict[str, Any]) -> None:
+                     event_type: events.RunState, at: datetime, job: tuple[str, str], fields: dict[str, Any],
+                     state: str = "pending") -> None:
         event = events.run_event(event_type=event_type, at=at, run_id=run_id, job=job, fields=fields, producer=self.producer)
         await store.add_event(conn, store.StoredEvent(
             source_event_id=message_id,
@@ -61,6 +77,7 @@ class EvidenceHandlers:
             event_type=event_type.value,
             event_time=at,
             payload=events.to_json(event),
+            state=state,
         ))  # fmt: skip
         self.on_stored(stage, event_type.value)
 

@@ -44,13 +44,14 @@ class SenderStats:
 
 class Sender:
     def __init__(self, *, pool: asyncpg.Pool, send: Send, batch: int = 100, initial_backoff: float = 0.5,
-                 max_backoff: float = 60.0, idle_seconds: float = 0.5) -> None:
+                 max_backoff: float = 60.0, idle_seconds: float = 0.5, decision_wait: float = 600.0) -> None:
         self.pool = pool
         self.send = send
         self.batch = batch
         self.initial_backoff = initial_backoff
         self.max_backoff = max_backoff
         self.idle_seconds = idle_seconds
+        self.decision_wait = decision_wait
         self.wakeup = asyncio.Event()
         self.stats = SenderStats()
 
@@ -60,6 +61,7 @@ class Sender:
             try:
                 async with self._leadership() as lead:
                     while not lead.is_closed():
+                        await store.release_stale(self.pool, self.decision_wait)
                         await self.refresh_backlog()
                         if await self.deliver_once() == 0:
                             await self._idle()

@@ -22,6 +22,9 @@ class EvidenceSettings(CommonSettings):
     evidence_initial_backoff_seconds: float = 0.5
     evidence_max_backoff_seconds: float = 60.0
     evidence_batch: int = 100
+    # A reconciliation consumed before its decision waits this long for it, then goes out with
+    # the decision inferred from its charges.
+    evidence_decision_wait_seconds: float = 600.0
     evidence_idle_seconds: float = 0.5
 
     @property

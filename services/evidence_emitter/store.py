@@ -26,6 +26,7 @@ class StoredEvent:
     event_type: str
     event_time: datetime
     payload: dict[str, Any]
+    state: str = "pending"  # or "waiting" (a reconciliation before its decision)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,21 @@ async def add_event(conn: asyncpg.Connection, event: StoredEvent) -> None:
         event.event_type,
         event.event_time,
         json.dumps(event.payload),
+        event.state,
     )
+
+
+async def waiting_for_run(conn: asyncpg.Connection, run_id: str) -> list[tuple[int, dict[str, Any]]]:
+    """The run's events waiting for their decision, locked until the transaction ends."""
+    return [(r["seq"], json.loads(r["payload"])) for r in await conn.fetch(sql("evidence_waiting_for_run"), run_id)]
+
+
+async def settle_waiting(conn: asyncpg.Connection, seq: int, payload: dict[str, Any]) -> None:
+    await conn.execute(sql("evidence_settle_waiting"), seq, json.dumps(payload))
+
+
+async def release_stale(pool: asyncpg.Pool, older_than_seconds: float) -> None:
+    await pool.execute(sql("evidence_release_stale"), older_than_seconds)
 
 
 async def decision_event(conn: asyncpg.Connection, run_id: str, decision_id: str | None) -> dict[str, Any] | None:

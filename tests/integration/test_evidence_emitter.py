@@ -114,6 +114,7 @@ def admission_decision(answer: dict, run_id: str, *, job: tuple[str, str] = ("vi
     message = decision(run_id, "ALLOW", scope=answer["evaluations"][0]["scope_id"], policy=answer["evaluations"][0]["policy_id"],
                        sha=answer["policy_bundle_sha"], job=job)
     message.decision_id = answer["decision_id"]
+    message.projected_gpu_milli_hours = round(answer["projected_gpu_hours"] * 3_600_000)
     return message
 
 

@@ -20,6 +20,7 @@ cli.add_command(demo.demo)
 cli.add_command(bench.bench)
 cli.add_command(publish.publish)
 cli.add_command(usage)
+cli.add_command(audit)
 
 
 if __name__ == "__main__":

@@ -389,15 +389,27 @@ FROM runs LEFT JOIN metered m USING (run_id) LEFT JOIN holding h USING (run_id);
 
 -- name: evidence_insert_event
 -- One OpenLineage event per consumed message; a redelivered message adds nothing.
-INSERT INTO evidence_events (source_event_id, stage, run_id, run_uuid, decision_id, event_type, event_time, payload)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+INSERT INTO evidence_events (source_event_id, stage, run_id, run_uuid, decision_id, event_type, event_time, payload, state)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
 ON CONFLICT (source_event_id) DO NOTHING;
 
+-- name: evidence_waiting_for_run
+SELECT seq, payload FROM evidence_events WHERE run_id = $1 AND state = 'waiting' ORDER BY seq FOR UPDATE;
+
+-- name: evidence_settle_waiting
+-- A waiting reconciliation event, rebuilt on its decision's facet, released to the sender.
+UPDATE evidence_events SET payload = $2, state = 'pending', next_attempt_at = now() WHERE seq = $1 AND state = 'waiting';
+
+-- name: evidence_release_stale
+-- Reconciliations whose decision never came within $1 seconds go out with the inferred one.
+UPDATE evidence_events SET state = 'pending', next_attempt_at = now()
+WHERE state = 'waiting' AND created_at < now() - make_interval(secs => $1);
+
 -- name: evidence_decision_event
--- The event of the decision a reconciliation settles: that decision's if known, else the run's latest.
+-- The event of the decision a reconciliation settles: that decision's when named, else the run's latest.
 SELECT payload FROM evidence_events
-WHERE run_id = $1 AND stage = 'decision'
-ORDER BY (decision_id IS NOT DISTINCT FROM $2) DESC, seq DESC LIMIT 1;
+WHERE run_id = $1 AND stage = 'decision' AND ($2::text IS NULL OR decision_id = $2)
+ORDER BY seq DESC LIMIT 1;
 
 -- name: evidence_terminal_sent
 SELECT EXISTS (SELECT 1 FROM evidence_events
@@ -417,12 +429,13 @@ SELECT $1, * FROM unnest($2::text[], $3::text[], $4::text[], $5::timestamptz[], 
 ON CONFLICT DO NOTHING;
 
 -- name: evidence_next_batch
--- Pending events due now, oldest first, at most one per run: a run's later events wait for its
--- earlier ones, so Marquez sees each run's transitions in order.
+-- Pending events due now, oldest first, at most one per run: a run's later events (by event
+-- time) wait for its earlier ones, so Marquez sees each run's transitions in order.
 SELECT e.seq, e.payload, e.attempts FROM evidence_events e
 WHERE e.state = 'pending' AND e.next_attempt_at <= now()
   AND NOT EXISTS (SELECT 1 FROM evidence_events b
-                  WHERE b.run_uuid = e.run_uuid AND b.state = 'pending' AND b.seq < e.seq)
+                  WHERE b.run_uuid = e.run_uuid AND b.state = 'pending'
+                    AND (b.event_time, b.seq) < (e.event_time, e.seq))
 ORDER BY e.seq LIMIT $1;
 
 -- name: evidence_mark_delivered
@@ -446,7 +459,7 @@ ON CONFLICT (seq) DO NOTHING;
 -- name: evidence_backlog
 SELECT count(*) AS pending,
        COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_seconds
-FROM evidence_events WHERE state = 'pending';
+FROM evidence_events WHERE state IN ('pending', 'waiting');
 
 -- name: evidence_try_lead
 -- One sender at a time (session lock, dropped with its connection), so events go out in order.

@@ -287,7 +287,9 @@ CREATE TABLE budget_alerts (
 -- the audit views (one per question the design asks).
 
 -- Every OpenLineage event, stored in the transaction that consumed its source message and then
--- delivered by the sender: `delivered` is what keeps a restart from sending it again.
+-- delivered by the sender: `delivered` is what keeps a restart from sending it again. A
+-- reconciliation consumed before its decision `waits` for it (or for a timeout), so its facet
+-- carries the decision's evaluations.
 CREATE TABLE evidence_events (
     seq             bigserial PRIMARY KEY,
     source_event_id text NOT NULL UNIQUE,   -- event id of the decision / reconciliation message
@@ -298,7 +300,7 @@ CREATE TABLE evidence_events (
     event_type      text NOT NULL CHECK (event_type IN ('START', 'RUNNING', 'COMPLETE', 'ABORT', 'FAIL', 'OTHER')),
     event_time      timestamptz NOT NULL,
     payload         jsonb NOT NULL,         -- the RunEvent as sent
-    state           text NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'delivered', 'dead')),
+    state           text NOT NULL DEFAULT 'pending' CHECK (state IN ('waiting', 'pending', 'delivered', 'dead')),
     attempts        integer NOT NULL DEFAULT 0,
     next_attempt_at timestamptz NOT NULL DEFAULT now(),
     last_error      text,
@@ -306,7 +308,8 @@ CREATE TABLE evidence_events (
     delivered_at    timestamptz
 );
 CREATE INDEX evidence_events_pending ON evidence_events (next_attempt_at, seq) WHERE state = 'pending';
-CREATE INDEX evidence_events_pending_run ON evidence_events (run_uuid, seq) WHERE state = 'pending';
+CREATE INDEX evidence_events_pending_run ON evidence_events (run_uuid, event_time, seq) WHERE state = 'pending';
+CREATE INDEX evidence_events_waiting ON evidence_events (run_id) WHERE state = 'waiting';
 CREATE INDEX evidence_events_run ON evidence_events (run_id, seq);
 
 -- Events the receiver refused (4xx): kept with its answer, never retried.
@@ -448,8 +451,8 @@ GROUP BY ev.policy_id, ev.policy_git_sha, ev.scope_id, ev.enforcement;
 
 -- The evidence not yet delivered, for dashboards (the emitter exports the same as metrics).
 CREATE VIEW audit_evidence_backlog AS
-SELECT count(*) FILTER (WHERE state = 'pending')                               AS pending,
-       count(*) FILTER (WHERE state = 'dead')                                  AS dead,
-       count(*) FILTER (WHERE state = 'delivered')                             AS delivered,
-       extract(epoch FROM now() - min(created_at) FILTER (WHERE state = 'pending')) AS oldest_pending_seconds
+SELECT count(*) FILTER (WHERE state IN ('pending', 'waiting'))                        AS pending,
+       count(*) FILTER (WHERE state = 'dead')                                           AS dead,
+       count(*) FILTER (WHERE state = 'delivered')                                      AS delivered,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE state IN ('pending', 'waiting'))) AS oldest_pending_seconds
 FROM evidence_events;
