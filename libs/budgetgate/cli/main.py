@@ -6,6 +6,7 @@ import click
 
 from budgetgate.cli import bench, db, demo, dev, policy, publish
 from budgetgate.cli.usage import usage
+from budgetgate.cli.audit import audit
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
