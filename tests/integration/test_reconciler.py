@@ -4,6 +4,7 @@ events and usage records published on Kafka become actuals in the ledger (Postgr
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import uuid
@@ -353,3 +354,40 @@ async def test_drift_check_finds_and_repairs_redis(admission, reconciler_factory
 def drift_metric(reconciler: Reconciler) -> float:
     [value] = re.findall(r"^budgetgate_ledger_drift_keys(?:\{[^}]*\})? (\S+)$", reconciler.telemetry.metrics_text().decode(), re.M)
     return float(value)
+
+
+async def test_tenant_usage_route_and_cli(admission, reconciler_factory, feed, pg_dsn) -> None:
+    assert (await admission.submit(run_id="t1")).json()["decision"] == "ALLOW"
+    assert (await admission.submit(run_id="t2", projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    await reconciler_factory()
+    start = datetime.now(UTC) - timedelta(hours=2)
+    await feed.send(lifecycle("t1", "STARTED", start), usage("t1", "s", start + timedelta(hours=1), 10), lifecycle("t1", "COMPLETED", start + timedelta(hours=1)))
+    await wait_for(lambda: _final(pg_dsn, "t1"), what="t1 settled")
+    body = (await admission.client.get("/v1/tenants/vision/usage", params={"days": 30})).json()
+    assert body["tenant"] == "vision" and body["label"] == "team" and body["days"] == 30
+    assert body["runs"] == {"runs": 2, "admitted": 2, "reserved_gpu_hours": 8.0, "consumed_gpu_hours": 10.0, "consumed_node_hours": 0.0}
+    [vision] = [b for b in body["budgets"] if b["policy_id"] == "gpu-budget/team-vision-prod"]
+    assert (vision["limit"], vision["reserved"], vision["consumed"], vision["remaining"]) == (500.0, 8.0, 10.0, 482.0)
+    assert (await admission.client.get("/v1/tenants/nobody/usage")).json()["runs"]["runs"] == 0
+    assert (await admission.client.get("/v1/tenants/vision/usage", params={"days": 0})).status_code == 422
+    from click.testing import CliRunner
+
+    from budgetgate.cli.main import cli
+
+    env = {"BUDGETGATE_POSTGRES_DSN": pg_dsn}
+
+    def run(*args: str):  # type: ignore[no-untyped-def] # the CLI runs its own event loop
+        return asyncio.to_thread(CliRunner().invoke, cli, list(args), env=env)
+
+    as_json = await run("usage", "--tenant", "vision", "--days", "30", "--json")
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output)["runs"] == body["runs"]
+    table = await run("usage", "--scope", VISION_SCOPE)
+    assert table.exit_code == 0, table.output
+    assert "gpu-budget/team-vision-prod" in table.output and "482" in table.output
+    assert (await run("usage", "--scope", "ns=nowhere")).exit_code != 0
+
+
+async def _final(dsn: str, run_id: str) -> bool:
+    row = await settled(dsn, run_id)
+    return row is not None and row["final"]
