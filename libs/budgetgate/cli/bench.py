@@ -52,3 +52,29 @@ def admission(requests: int, concurrency: int, warmup: int, budgets: int, allow_
         click.echo(report.as_text(options, measured))
     if not measured.correct:
         raise click.ClickException("correctness check failed: see the lines above")
+
+
+@bench.command()
+@click.option("--runs", default=600, show_default=True, type=click.IntRange(1), help="Runs fed through their whole lifecycle.")
+@click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(0.1), help="Completed runs per second (open loop).")
+@click.option("--samples", default=4, show_default=True, type=click.IntRange(1), help="Usage records per run.")
+@click.option("--budgets", default=20, show_default=True, type=click.IntRange(1), help="Team budgets the runs spread over.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def reconciliation(runs: int, rate: float, samples: int, budgets: int, as_json: bool) -> None:
+    """Reconciliation lag p50/p99: a run's COMPLETED event sent -> its actuals committed.
+
+    Starts admission and the reconciler as subprocesses on a fresh database of the Postgres of
+    BUDGETGATE_POSTGRES_DSN, with BUDGETGATE_REDIS_URL and BUDGETGATE_KAFKA_BOOTSTRAP (or a Tansu
+    broker started for the run). Exits 1 if the ledger does not add up afterwards.
+    """
+    from budgetgate.benchmark import reconciliation as bench_reconciliation
+
+    options = bench_reconciliation.Options(runs=runs, rate=rate, samples=samples, budgets=budgets)
+    try:
+        report = asyncio.run(bench_reconciliation.run(options, echo=lambda message: click.echo(message, err=True)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        click.echo("interrupted; everything the benchmark started was stopped", err=True)
+        sys.exit(130)
+    click.echo(json.dumps(report.as_json(), indent=2) if as_json else report.as_text())
+    if not report.ledger_ok or report.runs_settled < runs:
+        raise click.ClickException("the ledger does not add up, or runs were left unsettled: see above")
