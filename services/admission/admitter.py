@@ -28,7 +28,9 @@ import redis.exceptions
 from budgetgate import topics, wire
 from budgetgate.core.evaluation import Charge, Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, fits, plan
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger
+from budgetgate.core.policy import PolicyBundle
+from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger, ReserveResult
+from budgetgate.services.admission.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import decision_message, response_body
@@ -62,12 +64,13 @@ class InvalidSubmission(ValueError):
 
 
 class Admitter:
-    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyCache, unmatched: str = "allow") -> None:
+    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyCache, unmatched: str = "allow", tenant_label: str = "team") -> None:
         self.pool = pool
         self.ledger = ledger
         self.sync = sync
         self.policies = policies
         self.unmatched = unmatched
+        self.tenant_label = tenant_label
 
     async def admit(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
         """Decide a submission; raises Unavailable (503) or InvalidSubmission (422)."""
@@ -93,6 +96,10 @@ class Admitter:
             raise InvalidSubmission("resources.flavor", str(exc)) from exc
         if not the_plan.charges and not the_plan.violations and self.unmatched == "deny":
             raise InvalidSubmission("namespace", f"no budget policy covers namespace {request.namespace!r} with these labels, and unmatched submissions are denied")
+        try:
+            the_asks = asks(bundle, request, tenant_label=self.tenant_label, now=now)
+        except NoSuchPool as exc:
+            raise InvalidSubmission("pool_token.namespace", str(exc)) from exc
 
         decision_id = str(uuid.uuid4())
         reserved = False
@@ -107,11 +114,17 @@ class Admitter:
                     finished = True
                     await tx.rollback()
                     return replay(prior)
-                readings, reserved = await self._reserve(conn, the_plan, decision_id, now)
+                readings, result = await self._reserve(conn, the_plan, the_asks, decision_id, now)
+                reserved = result is not None and result.status == "RESERVED"
                 releases = await _releases(conn, the_plan, readings) if readings is not None and not reserved else {}
                 decision = decide(the_plan, readings, releases=releases)
-                body = response_body(plan=the_plan, decision=decision, decision_id=decision_id, decided_at=now)
-                await _record(conn, request, the_plan, decision, body, reserved=reserved, now=now)
+                if result is not None and result.status == "REJECTED":
+                    decision = _refusal(bundle, request, the_asks, result, decision)
+                elif reserved and not decision.admitted:
+                    raise RuntimeError(f"the ledger reserved for run {request.run_id!r} but the evaluation refuses it")
+                view = standing(bundle, request, the_asks, the_plan, readings, result).body()
+                body = response_body(plan=the_plan, decision=decision, decision_id=decision_id, decided_at=now, standing=view)
+                await _record(conn, request, the_plan, decision, body, reserved=reserved, now=now, the_asks=the_asks)
                 finished = True
                 await tx.commit()
                 return body
@@ -127,14 +140,15 @@ class Admitter:
                     await self._undo(request.run_id, decision_id)
                 raise
 
-    async def _reserve(self, conn: asyncpg.Connection, the_plan: Plan, decision_id: str, now: datetime) -> tuple[dict[str, Reading] | None, bool]:
-        """Check-and-reserve in Redis; the readings each key had before, and whether it reserved."""
-        if the_plan.violations or not the_plan.charges:
-            return None, False
+    async def _reserve(self, conn: asyncpg.Connection, the_plan: Plan, the_asks: Asks, decision_id: str, now: datetime) -> tuple[dict[str, Reading] | None, ReserveResult | None]:
+        """Check-and-reserve in Redis: the readings each budget had before, and the raw result
+        (None when the ledger was not consulted: a label violation, or nothing to hold)."""
+        if the_plan.violations or not (the_plan.charges or the_asks.any):
+            return None, None
         charges = [ChargeRequest(c.ledger_key, c.amount, c.policy.limit.amount, c.hard) for c in the_plan.charges]
         run_id = the_plan.submission.run_id
         for _ in range(4):
-            result = await self.ledger.reserve(run_id=run_id, decision_id=decision_id, charges=charges, now_ms=int(now.timestamp() * 1000))
+            result = await self.ledger.reserve(run_id=run_id, decision_id=decision_id, charges=charges, now_ms=int(now.timestamp() * 1000), counters=the_asks.counters, pool=the_asks.pool)
             if result.status == "MISSING":
                 await self._load_keys(conn, the_plan)
                 continue
@@ -148,7 +162,7 @@ class Admitter:
                 c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed)
                 for c, (reserved, consumed) in zip(the_plan.charges, result.readings, strict=True)
             }
-            return readings, result.status == "RESERVED"
+            return readings, result
         raise Unavailable(f"could not reserve for run {run_id!r}: the ledger kept changing")
 
     async def _load_keys(self, conn: asyncpg.Connection, the_plan: Plan) -> None:
@@ -176,6 +190,17 @@ class Admitter:
     async def lookup(self, run_id: str) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(sql("latest_decision"), run_id)
         return replay(row) if row else None
+
+
+def _refusal(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, result: ReserveResult, decision: Decision) -> Decision:
+    """The decision when the atomic step refused: a concurrency limit's reason comes first; else
+    a budget must be what refused, or the ledger and the evaluation disagree (a bug)."""
+    reason = rejection(bundle, request, the_asks, result)
+    if reason is not None:
+        return refused(decision, reason)
+    if decision.admitted:
+        raise RuntimeError(f"the ledger refused run {request.run_id!r} but the evaluation finds room everywhere")
+    return decision
 
 
 def replay(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -212,13 +237,16 @@ async def _releases(conn: asyncpg.Connection, the_plan: Plan, readings: Mapping[
     return result
 
 
-async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan: Plan, decision: Decision, body: dict[str, Any], *, reserved: bool, now: datetime) -> None:
+async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan: Plan, decision: Decision, body: dict[str, Any], *, reserved: bool, now: datetime, the_asks: Asks) -> None:
     """Decision, evaluations, ledger entries, reservations and outbox row in one statement."""
     decision_id = uuid.UUID(body["decision_id"])
     job = (request.job.namespace, request.job.name) if request.job else None
     evaluations = decision.evaluations
     charges = the_plan.charges if reserved else ()
-    message = decision_message(plan=the_plan, decision=decision, decision_id=body["decision_id"], decided_at=now, job=job)
+    standing_view = {k: body[k] for k in ("tenant", "priority_penalty", "preemptible")}
+    message = decision_message(plan=the_plan, decision=decision, decision_id=body["decision_id"], decided_at=now, job=job, standing=standing_view)
+    holds = reserved and bool(the_asks.counters)
+    pool = the_asks.pool if reserved else None
     record = wire.encode(message, key=request.run_id)
     await conn.execute(
         sql("record_decision"),
@@ -259,6 +287,16 @@ async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan:
         topics.DECISIONS,
         record.value,
         json.dumps([[k, v.decode("latin-1")] for k, v in record.headers]),
+        holds,
+        the_asks.tenant,
+        request.resources.gpus,
+        request.resources.nodes,
+        the_asks.sensitive,
+        pool.levels[0].namespace if pool else None,
+        [level.namespace for level in pool.levels] if pool else None,
+        pool.project if pool else "",
+        pool.sub_namespace if pool else "",
+        datetime.fromtimestamp(pool.expiry_ms / 1000, UTC) if pool else None,
     )
 
 

@@ -12,7 +12,7 @@ from budgetgate.core.units import Unit, display, hours, money
 from budgetgate.v1 import common_pb2, decisions_pb2
 
 
-def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime) -> dict[str, Any]:
+def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, standing: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON answer to a submission, stored with the decision so a replay repeats it."""
     sub = plan.submission
     return {
@@ -28,6 +28,7 @@ def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_a
         "currency": plan.currency,
         "decided_at": decided_at.isoformat(),
         "evaluations": [_evaluation(e, plan.projected_gpu) for e in decision.evaluations],
+        **(standing or {"tenant": None, "priority_penalty": 0.0, "preemptible": False, "fair_share": None}),
     }
 
 
@@ -65,7 +66,7 @@ def _ts(at: datetime | None) -> Timestamp | None:
     return stamp
 
 
-def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, job: tuple[str, str] | None) -> decisions_pb2.Decision:
+def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, job: tuple[str, str] | None, standing: dict[str, Any] | None = None) -> decisions_pb2.Decision:
     """The budget.decisions.v1 message; its event id is the decision id, so redelivery dedupes."""
     sub = plan.submission
     res = sub.resources
@@ -86,6 +87,9 @@ def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decide
         projected_gpu_milli_hours=plan.projected_gpu,
         showback_cost_micros=plan.showback_micros or 0,
         currency=plan.currency or "",
+        tenant=(standing or {}).get("tenant") or "",
+        priority_penalty=(standing or {}).get("priority_penalty", 0.0),
+        preemptible=(standing or {}).get("preemptible", False),
     )
     for e in decision.evaluations:
         message.evaluations.append(

@@ -32,6 +32,34 @@ class JobIn(_Body):
     name: Name
 
 
+class PoolConstraintsIn(_Body):
+    project: int | None = Field(default=None, ge=0, description="most tokens one project may hold in the pool")
+    namespace: int | None = Field(default=None, ge=0, description="most tokens one sub-namespace may hold")
+
+
+PoolNamespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}(:[a-z0-9][a-z0-9_.-]{0,62}){0,7}$")]
+Token = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+Project = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$")]
+
+
+class PoolTokenIn(_Body):
+    """A token toward an external service, granted together with the GPU reservation or not at all."""
+
+    namespace: PoolNamespace
+    project: Project | None = None
+    sub_namespace: Project | None = None
+    constraints: PoolConstraintsIn | None = None
+    lease_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+
+
+class AllocationIn(_Body):
+    token: Token
+    project: Project | None = None
+    sub_namespace: Project | None = None
+    constraints: PoolConstraintsIn | None = None
+    lease_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+
+
 class AdmissionRequest(_Body):
     run_id: RunId = Field(description="stable id of the run, reused on every retry")
     attempt: int = Field(default=1, ge=1, le=100_000)
@@ -40,6 +68,7 @@ class AdmissionRequest(_Body):
     resources: ResourcesIn
     projected_runtime_hours: float = Field(gt=0, le=MAX_RUNTIME_HOURS, allow_inf_nan=False)
     job: JobIn | None = None
+    pool_token: PoolTokenIn | None = None
 
     @field_validator("labels")
     @classmethod
@@ -89,6 +118,10 @@ class AdmissionResponse(BaseModel):
     currency: str | None
     decided_at: datetime
     evaluations: list[EvaluationOut]
+    tenant: str | None = Field(default=None, description="value of the tenant label")
+    priority_penalty: float = Field(default=0.0, description="0..1, from the most used soft budget; see README")
+    preemptible: bool = Field(default=False, description="admitted above the tenant's fair-share target, on burst")
+    fair_share: dict[str, float] | None = None
 
 
 class BudgetUsage(BaseModel):

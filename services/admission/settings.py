@@ -16,6 +16,8 @@ class AdmissionSettings(CommonSettings):
     # What a submission that no budget covers gets: allowed (and recorded), or rejected.
     unmatched: Literal["allow", "deny"] = "allow"
     policy_refresh_seconds: float = 5.0
+    # The label whose value names the tenant that quotas and fair shares apply to.
+    tenant_label: str = "team"
     max_body_bytes: int = 64 * 1024
     # A Redis hold older than this whose decision is not in Postgres is an orphan of a process
     # that died between reserving and committing, and is released.

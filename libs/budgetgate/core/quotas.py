@@ -116,7 +116,7 @@ def sensitive_violation(pool: SensitivePool, held: Holdings, request: Request) -
 
 
 def priority_penalty(utilization: float) -> float:
-    """Scheduling penalty in [0, 1) of a soft budget at `utilization` (used ÷ limit, this run
+    """Scheduling penalty in [0, 1] of a soft budget at `utilization` (used ÷ limit, this run
     included): 0 below 80 %, rising linearly to 0.9 at 100 %, then approaching 1 (0.99 at 123 %,
     0.9993 at 150 %) — effective starvation in the platform's scheduler, never a rejection."""
     if not math.isfinite(utilization) or utilization <= SOFT_START:
@@ -151,3 +151,30 @@ def fair_share(quota: TenantQuota, cluster: Cluster, held: Holdings, request: Re
         deficit=round(target - share, 6),
         preemptible=after > target,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOutcome:
+    """How one pool level judged a token request (from the atomic step)."""
+
+    namespace: str
+    check: str  # OK | HELD | EXHAUSTED | CAP
+    used: int
+    quota: int
+
+
+def pool_rejection(outcomes: list[PoolOutcome]) -> str | None:
+    """Why a token request is refused: the pool (or an ancestor) is full, or a project or
+    sub-namespace cap is reached while the pool has room. None when every level has room."""
+    for outcome in outcomes:
+        if outcome.check == "EXHAUSTED":
+            return f'token pool "{outcome.namespace}" is exhausted (used: {outcome.used}, quota: {outcome.quota})'
+    for outcome in outcomes:
+        if outcome.check == "CAP":
+            return f'token pool "{outcome.namespace}" has room but the project or sub-namespace cap is reached'
+    return None
+
+
+def soft_penalty(utilizations: list[float]) -> float:
+    """The worse-of rule: the most used soft budget drives the penalty (0 with none)."""
+    return max((priority_penalty(u) for u in utilizations), default=0.0)

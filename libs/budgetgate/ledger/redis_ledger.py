@@ -8,13 +8,24 @@ every decision's keys together.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from importlib import resources
 
 import redis.asyncio as aioredis
 
-_SCRIPTS = ("reserve", "release", "load_key", "settle", "consume")
+from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolRequest, counter_args, pool_args, pool_readings
+
+_SCRIPTS = ("reserve", "release", "load_key", "settle", "consume", "allocate", "deallocate", "release_holds")
+# Lua shared by several scripts, prepended when they are registered.
+_LIBRARIES = {
+    "reserve": ("pools",),
+    "release": ("pools", "holds"),
+    "allocate": ("pools",),
+    "deallocate": ("pools",),
+    "release_holds": ("pools", "holds"),
+}
 
 
 class LedgerNotLoaded(RuntimeError):
@@ -35,6 +46,8 @@ class ReserveResult:
     readings: tuple[tuple[int, int], ...] = ()  # (reserved, consumed) per charge, before
     missing: int | None = None  # index of the first charge whose key was never loaded
     holder: str | None = None  # decision id holding the run key, for DUPLICATE
+    counters: tuple[tuple[int, int, int], ...] = ()  # (gpus, nodes, allocations) held, before
+    pools: tuple[PoolReading, ...] = ()  # per pool level, before
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +70,8 @@ class LedgerKeyMissing(LookupError):
 
 
 def _script(name: str) -> str:
-    return resources.files("budgetgate.ledger").joinpath("lua", f"{name}.lua").read_text()
+    folder = resources.files("budgetgate.ledger").joinpath("lua")
+    return "\n".join(folder.joinpath(f"{part}.lua").read_text() for part in (*_LIBRARIES.get(name, ()), name))
 
 
 class RedisLedger:
@@ -66,6 +80,7 @@ class RedisLedger:
     def __init__(self, client: aioredis.Redis, *, prefix: str) -> None:
         self.client = client
         self.tag = "{" + prefix + "}"
+        self.keys = HoldKeys(self.tag)
         self._scripts = {name: client.register_script(_script(name)) for name in _SCRIPTS}
 
     @property
@@ -78,12 +93,31 @@ class RedisLedger:
     def run(self, run_id: str) -> str:
         return f"{self.tag}:r:{run_id}"
 
-    async def reserve(self, *, run_id: str, decision_id: str, charges: Sequence[ChargeRequest], now_ms: int) -> ReserveResult:
-        """Reserve every charge or none; raises LedgerNotLoaded when Redis lost the ledger."""
-        keys = [self.marker, self.run(run_id), *(self.ledger(c.ledger_key) for c in charges)]
-        args: list[object] = [decision_id, now_ms]
+    async def reserve(
+        self,
+        *,
+        run_id: str,
+        decision_id: str,
+        charges: Sequence[ChargeRequest],
+        now_ms: int,
+        counters: Sequence[CounterRequest] = (),
+        pool: PoolRequest | None = None,
+    ) -> ReserveResult:
+        """Reserve every charge, counter and pool token, or none; raises LedgerNotLoaded when
+        Redis lost the ledger."""
+        levels = pool.levels if pool else ()
+        keys = [
+            self.marker,
+            self.run(run_id),
+            self.keys.holds(run_id),
+            *(self.ledger(c.ledger_key) for c in charges),
+            *(self.keys.counter(c.name) for c in counters),
+            *(key for level in levels for key in self.keys.pool(level.namespace)),
+        ]
+        args: list[object] = [decision_id, now_ms, len(charges), len(counters), len(levels)]
         for c in charges:
             args += [c.amount, c.limit, 1 if c.hard else 0]
+        args += counter_args(counters) + pool_args(pool)
         reply = await self._scripts["reserve"](keys=keys, args=args)
         status = _text(reply[0])
         if status == "NOT_LOADED":
@@ -92,16 +126,25 @@ class RedisLedger:
             return ReserveResult(status, missing=int(_text(reply[1])) - 1)
         if status == "DUPLICATE":
             return ReserveResult(status, holder=_text(reply[1]))
-        values = [int(v) for v in reply[1:]]
-        return ReserveResult(status, readings=tuple(zip(values[::2], values[1::2], strict=True)))
+        n, m = 2 * len(charges), 3 * len(counters)
+        ledger = [int(v) for v in reply[1 : 1 + n]]
+        held = [int(v) for v in reply[1 + n : 1 + n + m]]
+        return ReserveResult(
+            status,
+            readings=tuple(zip(ledger[::2], ledger[1::2], strict=True)),
+            counters=tuple(zip(held[::3], held[1::3], held[2::3], strict=True)),
+            pools=pool_readings(reply[1 + n + m :]),
+        )
 
     async def release(self, run_id: str, *, decision_id: str = "") -> int:
-        """Give back what a run holds; returns the number of ledger keys released (0 if none)."""
-        run_key = self.run(run_id)
+        """Give back what a run holds (charges and concurrency); returns the number of keys
+        released (0 if none)."""
+        run_key, holds_key = self.run(run_id), self.keys.holds(run_id)
         for _ in range(5):
             held = await self.client.hgetall(run_key)
             ledger_keys = [_text(k) for k in held if not _text(k).startswith("_")]
-            reply = await self._scripts["release"](keys=[self.marker, run_key, *ledger_keys], args=[decision_id])
+            holds = self.keys.expand([_text(k) for k in await self.client.hkeys(holds_key)])
+            reply = await self._scripts["release"](keys=[self.marker, run_key, holds_key, *ledger_keys, *holds], args=[decision_id, len(ledger_keys)])
             if isinstance(reply, list):
                 status = _text(reply[0])
                 if status == "NOT_LOADED":
@@ -111,6 +154,37 @@ class RedisLedger:
                 continue  # STALE_KEYS: the run changed between read and script; read again
             return int(reply)
         raise RuntimeError(f"run {run_id!r} kept changing while being released")
+
+    async def release_holds(self, run_id: str) -> int:
+        """Give back a run's concurrency holds (quota counters, pool tokens) when it ends."""
+        holds_key = self.keys.holds(run_id)
+        for _ in range(5):
+            holds = self.keys.expand([_text(k) for k in await self.client.hkeys(holds_key)])
+            reply = await self._scripts["release_holds"](keys=[self.marker, holds_key, *holds], args=[])
+            if isinstance(reply, list):
+                if _text(reply[0]) == "NOT_LOADED":
+                    raise LedgerNotLoaded("the Redis ledger is not loaded")
+                continue
+            return int(reply)
+        raise RuntimeError(f"holds of run {run_id!r} kept changing while being released")
+
+    async def allocate(self, pool: PoolRequest, *, now_ms: int) -> tuple[str, tuple[PoolReading, ...]]:
+        """Allocate `pool.token` on every level or none: GRANTED, RENEWED, EXHAUSTED or CAP."""
+        keys = [self.marker, *(key for level in pool.levels for key in self.keys.pool(level.namespace))]
+        args = pool_args(pool)
+        reply = await self._scripts["allocate"](keys=keys, args=[args[0], args[1], args[2], now_ms, args[3], *args[4:]])
+        status = _text(reply[0])
+        if status == "NOT_LOADED":
+            raise LedgerNotLoaded("the Redis ledger is not loaded")
+        return status, pool_readings(reply[1:])
+
+    async def deallocate(self, namespaces: Sequence[str], token: str) -> int:
+        """Release `token` from every given pool level; returns the levels it was held on."""
+        keys = [self.marker, *(key for ns in namespaces for key in self.keys.pool(ns))]
+        reply = await self._scripts["deallocate"](keys=keys, args=[token])
+        if isinstance(reply, list):
+            raise LedgerNotLoaded("the Redis ledger is not loaded")
+        return int(reply)
 
     async def load_key(self, ledger_key: str, *, reserved: int, consumed: int) -> bool:
         """Load a ledger key from Postgres's figures unless present; True when loaded now."""
@@ -191,7 +265,14 @@ class RedisLedger:
             result[_text(key)[len(prefix):]] = (_text(decision or b""), int(at or 0))
         return result
 
-    async def replace_all(self, *, ledgers: dict[str, tuple[int, int]], runs: dict[str, tuple[str, int, dict[str, int]]], generation: str) -> None:
+    async def replace_all(
+        self,
+        *,
+        ledgers: dict[str, tuple[int, int]],
+        runs: dict[str, tuple[str, int, dict[str, int]]],
+        generation: str,
+        extra: Callable[[Any], None] | None = None,
+    ) -> None:
         """Replace everything under the prefix with Postgres's state, then mark the ledger loaded.
 
         The marker goes first (deleted) and last (set), so no reservation is made from a
@@ -207,6 +288,8 @@ class RedisLedger:
         for run_id, (decision_id, at_ms, amounts) in runs.items():
             fields: dict[str, object] = {self.ledger(k): v for k, v in amounts.items()}
             pipe.hset(self.run(run_id), mapping={**fields, "_decision": decision_id, "_at": at_ms})
+        if extra is not None:
+            extra(pipe)  # more state to write before the marker goes back (concurrency holds)
         await pipe.execute()
         await self.client.set(self.marker, generation)
 

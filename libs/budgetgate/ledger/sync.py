@@ -7,10 +7,11 @@ import logging
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
+from budgetgate.ledger.concurrency import concurrency_state, write_concurrency
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 
@@ -49,7 +50,8 @@ class LedgerSync:
     async def _replace(self, conn: asyncpg.Connection) -> None:
         """Write Postgres's ledger to Redis; the caller holds the ledger lock exclusively."""
         ledgers, runs = await _postgres_state(conn)
-        await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex)
+        held = await concurrency_state(conn, self.redis.keys, now=datetime.now(UTC))
+        await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held))
 
     async def check_drift(self, *, repair: bool) -> Drift | None:
         """Compare Redis with Postgres (Postgres is the truth); None when Redis is not loaded.

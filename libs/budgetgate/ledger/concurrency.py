@@ -1,0 +1,67 @@
+"""Concurrency holds in Postgres (the truth) and their copy in Redis: tenant and sensitive
+counters, run holds, and pool allocations."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from budgetgate.ledger.holds import SENSITIVE, HoldKeys, tenant_counter
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import RedisLedger
+
+
+@dataclass
+class ConcurrencyState:
+    counters: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
+    holds: dict[str, dict[str, str]] = field(default_factory=lambda: defaultdict(dict))  # run → {key: value}
+    pools: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def concurrency_state(conn: asyncpg.Connection, keys: HoldKeys, *, now: datetime) -> ConcurrencyState:
+    """What Postgres says runs and pool users hold right now."""
+    state = ConcurrencyState()
+    for row in await conn.fetch(sql("held_concurrency")):
+        names = ([tenant_counter(row["tenant"])] if row["tenant"] else []) + ([SENSITIVE] if row["sensitive"] else [])
+        for name in names:
+            counter = state.counters[name]
+            counter[0] += row["gpus"]
+            counter[1] += row["nodes"]
+            counter[2] += 1
+            state.holds[row["run_id"]][keys.counter(name)] = f"{row['gpus']},{row['nodes']},1"
+    for row in await conn.fetch(sql("held_pool_allocations"), now):
+        state.pools.append(dict(row))
+        if row["run_id"]:
+            for namespace in row["levels"]:
+                state.holds[row["run_id"]][keys.pool(namespace)[0]] = row["token"]
+    return state
+
+
+def write_concurrency(pipe: Any, keys: HoldKeys, state: ConcurrencyState) -> None:
+    """Queue the Redis writes that recreate `state` (into a pipeline of a rebuild)."""
+    for name, (gpus, nodes, allocations) in state.counters.items():
+        pipe.hset(keys.counter(name), mapping={"gpus": gpus, "nodes": nodes, "allocations": allocations})
+    for run_id, held in state.holds.items():
+        pipe.hset(keys.holds(run_id), mapping=held)
+    for allocation in state.pools:
+        expiry = int(allocation["lease_expires_at"].timestamp() * 1000)
+        owner = f"{allocation['project']}\t{allocation['sub_namespace']}"
+        for namespace in allocation["levels"]:
+            leases, owners, projects, subns = keys.pool(namespace)
+            pipe.zadd(leases, {allocation["token"]: expiry})
+            pipe.hset(owners, allocation["token"], owner)
+            if allocation["project"]:
+                pipe.hincrby(projects, allocation["project"], 1)
+            if allocation["sub_namespace"]:
+                pipe.hincrby(subns, allocation["sub_namespace"], 1)
+
+
+async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str) -> int:
+    """A run ended: give back its concurrency holds, in Postgres (within the caller's
+    transaction, which holds the ledger lock shared) and in Redis. Returns what Redis released."""
+    await conn.execute(sql("end_run_holds"), run_id)
+    return await ledger.release_holds(run_id)

@@ -1,0 +1,145 @@
+"""What a submission asks of concurrency limits (tenant quota, sensitive pool, token pool), and
+what the atomic step's readings say about it: a rejection, a soft penalty, a fair share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from budgetgate.core.evaluation import Decision, Plan, Reading
+from budgetgate.core.policy import Enforcement, PolicyBundle
+from budgetgate.core.quotas import (
+    Holdings,
+    PoolOutcome,
+    Request,
+    fair_share,
+    pool_rejection,
+    quota_violation,
+    sensitive_violation,
+    soft_penalty,
+)
+from budgetgate.ledger.holds import SENSITIVE, CounterRequest, PoolLevel, PoolRequest, tenant_counter
+from budgetgate.ledger.redis_ledger import ReserveResult
+from budgetgate.services.admission.schemas import AdmissionRequest
+
+
+class NoSuchPool(LookupError):
+    """A submission or allocation names a pool namespace no ResourcePool declares."""
+
+
+@dataclass(frozen=True)
+class Asks:
+    """The concurrency a submission holds if admitted."""
+
+    tenant: str | None
+    sensitive: bool
+    counters: tuple[CounterRequest, ...] = ()
+    pool: PoolRequest | None = None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.counters) or self.pool is not None
+
+
+def pool_request(bundle: PolicyBundle, namespace: str, *, token: str, project: str, sub_namespace: str, constraints: dict[str, int | None], lease_seconds: int | None, now: datetime) -> PoolRequest:
+    """A token request on a namespace and its declared ancestors; caps are the tighter of the
+    pool's own and the request's constraints."""
+    chain = bundle.pool_chain(namespace)
+    if not chain:
+        raise NoSuchPool(f"no ResourcePool declares namespace {namespace!r} or any of its parents")
+    levels = tuple(
+        PoolLevel(
+            namespace=pool.namespace,
+            quota=pool.quota,
+            project_cap=_tighter(pool.project_cap, constraints.get("project")),
+            namespace_cap=_tighter(pool.namespace_cap, constraints.get("namespace")),
+        )
+        for pool in chain
+    )
+    lease = lease_seconds or chain[0].lease_seconds
+    expiry = now + timedelta(seconds=lease)
+    return PoolRequest(levels=levels, token=token, project=project, sub_namespace=sub_namespace, expiry_ms=int(expiry.timestamp() * 1000))
+
+
+def _tighter(a: int | None, b: int | None) -> int | None:
+    values = [v for v in (a, b) if v is not None]
+    return min(values) if values else None
+
+
+def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, now: datetime) -> Asks:
+    res = request.resources
+    tenant = request.labels.get(tenant_label)
+    counters = []
+    if tenant:
+        quota = bundle.quota_for(tenant)
+        limits = (quota.max_gpus, quota.max_nodes, quota.max_concurrent_allocations) if quota else (None, None, None)
+        counters.append(CounterRequest(tenant_counter(tenant), res.gpus, res.nodes, 1, limits))
+    sensitive = bundle.sensitive is not None and bundle.sensitive.covers(request.labels)
+    if sensitive:
+        size = bundle.sensitive.size  # type: ignore[union-attr]
+        limits = (size, None, None) if bundle.sensitive.unit == "gpus" else (None, size, None)  # type: ignore[union-attr]
+        counters.append(CounterRequest(SENSITIVE, res.gpus, res.nodes, 1, limits))
+    pool = None
+    if request.pool_token is not None:
+        ask = request.pool_token
+        pool = pool_request(bundle, ask.namespace, token=f"run:{request.run_id}", project=ask.project or "", sub_namespace=ask.sub_namespace or "", constraints=ask.constraints.model_dump() if ask.constraints else {}, lease_seconds=ask.lease_seconds, now=now)
+    return Asks(tenant=tenant, sensitive=sensitive, counters=tuple(counters), pool=pool)
+
+
+def rejection(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, result: ReserveResult) -> str | None:
+    """Why the concurrency limits refuse the submission, from the readings before it."""
+    wanted = Request(gpus=request.resources.gpus, nodes=request.resources.nodes)
+    held = dict(zip((c.name for c in the_asks.counters), result.counters, strict=True))
+    if the_asks.tenant and (quota := bundle.quota_for(the_asks.tenant)) is not None:
+        reason = quota_violation(the_asks.tenant, quota, Holdings(*held[tenant_counter(the_asks.tenant)]), wanted)
+        if reason:
+            return reason
+    if the_asks.sensitive and bundle.sensitive is not None:
+        reason = sensitive_violation(bundle.sensitive, Holdings(*held[SENSITIVE]), wanted)
+        if reason:
+            return reason
+    if the_asks.pool is not None:
+        outcomes = [PoolOutcome(level.namespace, reading.check, reading.used, level.quota) for level, reading in zip(the_asks.pool.levels, result.pools, strict=True)]
+        return pool_rejection(outcomes)
+    return None
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the decision tells the platform's scheduler beyond allow or deny."""
+
+    tenant: str | None
+    priority_penalty: float
+    preemptible: bool
+    fair_share: dict[str, Any] | None = field(default=None)
+
+    def body(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "priority_penalty": self.priority_penalty, "preemptible": self.preemptible, "fair_share": self.fair_share}
+
+
+def standing(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, the_plan: Plan, readings: dict[str, Reading] | None, result: ReserveResult | None) -> Standing:
+    """Soft-budget penalty (worse of the soft budgets, this run included) and fair share."""
+    utilizations = []
+    for charge in the_plan.charges:
+        if charge.policy.enforcement is Enforcement.SOFT and readings is not None and charge.policy.limit.amount > 0:
+            r = readings[charge.ledger_key]
+            utilizations.append((r.reserved + r.consumed + charge.amount) / charge.policy.limit.amount)
+    share = None
+    quota = bundle.quota_for(the_asks.tenant)
+    if quota is not None and bundle.cluster is not None and result is not None and result.counters:
+        held = Holdings(*result.counters[0])
+        share = fair_share(quota, bundle.cluster, held, Request(request.resources.gpus, request.resources.nodes))
+    return Standing(
+        tenant=the_asks.tenant,
+        priority_penalty=soft_penalty(utilizations),
+        preemptible=bool(share and share.preemptible),
+        fair_share=None if share is None else {"share": share.share, "share_after": share.share_after, "target": share.target, "burst_limit": share.burst_limit, "deficit": share.deficit},
+    )
+
+
+def refused(decision: Decision, reason: str) -> Decision:
+    """The decision turned into a DENY for a concurrency reason: nothing admitted anywhere."""
+    from dataclasses import replace
+
+    return replace(decision, outcome="DENY", reason=reason, evaluations=tuple(replace(e, admitted=0) for e in decision.evaluations), reserves=False)
