@@ -66,7 +66,7 @@ def demo(keep: bool, policies: Path) -> None:
     try:
         subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "policy", "apply", str(policies), "--allow-dirty"], check=True)
         state = json.loads((Path.cwd() / DEV_STATE_FILE).read_text())
-        asyncio.run(_run(state["settings"]["admission_url"]))
+        asyncio.run(_run(state["settings"]["admission_url"], state["settings"]))
     finally:
         if started and not keep:
             _dev("down")
@@ -74,7 +74,7 @@ def demo(keep: bool, policies: Path) -> None:
             click.echo("the stack keeps running: `budgetgate dev status`, `budgetgate dev down`")
 
 
-async def _run(url: str) -> None:
+async def _run(url: str, settings: dict[str, Any]) -> None:
     demo_id = uuid.uuid4().hex[:6]
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         await _wait_for_policies(client)
@@ -96,6 +96,74 @@ async def _run(url: str) -> None:
         scopes = sorted({e["scope_id"] for _, answer in rows for e in answer["evaluations"]})
         usage = [(await client.get(f"/v1/scopes/{scope}/usage")).json() for scope in scopes]
         _print_budgets(usage)
+        allowed = [(w, answer) for w, answer in rows if answer["decision"] == "ALLOW" and not answer["replayed"]]
+        finished = await _lifecycles(settings, allowed)
+        settled = await _wait_settled(client, scopes)
+        _print_runs(finished)
+        _print_budgets(settled, title="Budgets after the runs finished: reservations replaced by actuals")
+        if any(b["reserved"] for scope in settled for b in scope.get("budgets", [])):
+            click.echo("\n(some reservations are still held: the reconciler has not caught up yet; `budgetgate usage --scope …` shows the ledger as it goes)")
+
+
+# How much of its projection each finished run really used, in turn: most finish early, one runs over.
+USE = (0.6, 0.9, 1.25, 0.4)
+
+
+async def _lifecycles(settings: dict[str, Any], allowed: list[tuple[Workload, dict[str, Any]]]) -> list[tuple[Workload, dict[str, Any], float]]:
+    """Each admitted run starts, reports cumulative GPU usage halfway and at the end, and completes."""
+    from datetime import UTC, datetime, timedelta
+
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from budgetgate import wire
+    from budgetgate.topics import Topics
+    from budgetgate.v1 import lifecycle_pb2, metering_pb2
+
+    def ts(at: datetime) -> Timestamp:
+        stamp = Timestamp()
+        stamp.FromDatetime(at)
+        return stamp
+
+    topics = Topics(settings.get("topic_prefix") or "")
+    now = datetime.now(UTC).replace(microsecond=0)
+    finished = []
+    async with wire.Publisher(settings["kafka_bootstrap"], client_id="budgetgate-demo") as publisher:
+        for i, (w, answer) in enumerate(allowed):
+            used = USE[i % len(USE)]
+            ran = timedelta(hours=w.hours * used)
+            start, run_id = now - ran, answer["run_id"]
+            event = lambda kind, at: lifecycle_pb2.LifecycleEvent(event_id=str(uuid.uuid4()), event_time=ts(at), run_id=run_id, type=lifecycle_pb2.LifecycleType.Value(kind), gpus=w.gpus, nodes=1, flavor=w.flavor)  # noqa: E731
+            await publisher.send(topics.lifecycle, event("STARTED", start), key=run_id)
+            for part in (0.5, 1.0):
+                at = start + ran * part
+                sample = metering_pb2.MeteringSample(
+                    event_id=str(uuid.uuid4()), event_time=ts(at), sample_id=f"{run_id}/{part}", run_id=run_id, observed_at=ts(at),
+                    gpu_seconds=w.gpus * ran.total_seconds() * part, node_seconds=ran.total_seconds() * part, exporter="budgetgate-demo",
+                )  # fmt: skip
+                await publisher.send(topics.metering, sample, key=run_id)
+            await publisher.send(topics.lifecycle, event("COMPLETED", now), key=run_id)
+            finished.append((w, answer, used))
+    return finished
+
+
+async def _wait_settled(client: httpx.AsyncClient, scopes: list[str], timeout: float = 60.0) -> list[dict[str, Any]]:
+    """The scopes' budgets once no reservation is held any more (or as they are at `timeout`)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        usage = [(await client.get(f"/v1/scopes/{scope}/usage")).json() for scope in scopes]
+        if all(b["reserved"] == 0 for scope in usage for b in scope.get("budgets", [])) or asyncio.get_running_loop().time() > deadline:
+            return usage
+        await asyncio.sleep(0.5)
+
+
+def _print_runs(finished: list[tuple[Workload, dict[str, Any], float]]) -> None:
+    click.echo("\nRuns: started, metered, completed\n")
+    table = []
+    for w, answer, used in finished:
+        projected = answer["projected_gpu_hours"]
+        actual = projected * used
+        table.append([w.what, f"{projected:g}", f"{actual:g}", f"{actual - projected:+g}", "over-ran its reservation" if used > 1 else ""])
+    _table(["workload", "reserved GPU-h", "metered GPU-h", "error", ""], table)
 
 
 async def _wait_for_policies(client: httpx.AsyncClient) -> None:
@@ -129,8 +197,8 @@ def _print_decisions(rows: list[tuple[Workload, dict[str, Any]]]) -> None:
         click.echo(f"- {w.what}: {answer['reason']}")
 
 
-def _print_budgets(usage: list[dict[str, Any]]) -> None:
-    click.echo("\nBudgets, current window\n")
+def _print_budgets(usage: list[dict[str, Any]], *, title: str = "Budgets, current window") -> None:
+    click.echo(f"\n{title}\n")
     table = []
     for scope in usage:
         for b in scope.get("budgets", []):
