@@ -17,10 +17,10 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import redis.exceptions
@@ -37,6 +37,7 @@ from budgetgate.services.admission.rendering import decision_message, response_b
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Errors that mean a ledger backend is unreachable or failed mid-call: answer 503.
 BACKEND_ERRORS: tuple[type[BaseException], ...] = (
@@ -49,6 +50,21 @@ BACKEND_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.TimeoutError,
     TimeoutError,
 )
+
+
+async def with_ledger(sync: LedgerSync, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work` against the ledger, failing closed: a Redis that lost the ledger is rebuilt
+    from Postgres and the work tried once more; an unreachable backend becomes Unavailable."""
+    try:
+        try:
+            return await work()
+        except LedgerNotLoaded:
+            await sync.ensure_loaded()
+            return await work()
+    except LedgerNotLoaded as exc:
+        raise Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly") from exc
+    except BACKEND_ERRORS as exc:
+        raise Unavailable(f"ledger backend unavailable: {type(exc).__name__}: {exc}") from exc
 
 
 class Unavailable(RuntimeError):
@@ -74,17 +90,7 @@ class Admitter:
 
     async def admit(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
         """Decide a submission; raises Unavailable (503) or InvalidSubmission (422)."""
-        try:
-            try:
-                return await self._admit(request, now or datetime.now(UTC))
-            except LedgerNotLoaded:
-                # Redis lost the ledger: rebuild from Postgres, then decide from the rebuilt one.
-                await self.sync.ensure_loaded()
-                return await self._admit(request, now or datetime.now(UTC))
-        except LedgerNotLoaded as exc:
-            raise Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly") from exc
-        except BACKEND_ERRORS as exc:
-            raise Unavailable(f"ledger backend unavailable: {type(exc).__name__}: {exc}") from exc
+        return await with_ledger(self.sync, lambda: self._admit(request, now or datetime.now(UTC)))
 
     async def _admit(self, request: AdmissionRequest, now: datetime) -> dict[str, Any]:
         bundle = self.policies.current

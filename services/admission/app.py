@@ -23,7 +23,9 @@ from budgetgate.services.admission.middleware import BodyLimit, ServerSpans
 from budgetgate.services.admission.admitter import BACKEND_ERRORS, Admitter, InvalidSubmission, Unavailable
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.outbox import OutboxRelay
-from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, Problem, ScopeUsage
+from budgetgate.services.admission.concurrency import NoSuchPool
+from budgetgate.services.admission.pools import TokenPools
+from budgetgate.services.admission.schemas import AllocationIn, AdmissionRequest, AdmissionResponse, Problem, ScopeUsage
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.admission.tenants import add_tenant_routes
 from budgetgate.services.admission.usage import scope_usage
@@ -45,6 +47,7 @@ class Runtime:
     admitter: Admitter
     relay: OutboxRelay
     publisher: wire.Publisher
+    pools: TokenPools
 
 
 def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = None) -> FastAPI:
@@ -71,7 +74,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
         sync = LedgerSync(pool, ledger)
         policies = PolicyCache(pool)
         publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name)
-        rt = Runtime(pool, client, ledger, sync, policies, Admitter(pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched), OutboxRelay(pool=pool, publisher=publisher, topics=topics), publisher)
+        rt = Runtime(pool, client, ledger, sync, policies, Admitter(pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label), OutboxRelay(pool=pool, publisher=publisher, topics=topics), publisher, TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies))
         app.state.rt = rt
         tasks = [
             asyncio.create_task(_keep_ready(rt, settings, held), name="keep-ready"),
@@ -142,6 +145,25 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
         if result is None:
             return JSONResponse({"detail": f"no budget policy has scope {scope_id!r} in bundle {rt.policies.current.git_sha}"}, status_code=404)
         return result
+
+    @app.post("/v1/pools/{namespace}/allocations", responses={404: {"model": Problem}, 503: {"model": Problem}})
+    async def allocate(namespace: str, body: AllocationIn, request: Request) -> JSONResponse:
+        """Granted | Exhausted | NamespaceQuotaExceeded, in `status`; idempotent per token."""
+        try:
+            return JSONResponse(await request.app.state.rt.pools.allocate(namespace, body))
+        except NoSuchPool as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.delete("/v1/pools/{namespace}/allocations/{token:path}", responses={503: {"model": Problem}})
+    async def deallocate(namespace: str, token: str, request: Request) -> JSONResponse:
+        return JSONResponse(await request.app.state.rt.pools.release(namespace, token))
+
+    @app.get("/v1/pools/{namespace}", responses={404: {"model": Problem}})
+    async def pool_status(namespace: str, request: Request) -> JSONResponse:
+        found = await request.app.state.rt.pools.status(namespace)
+        if found is None:
+            return JSONResponse({"detail": f"no ResourcePool declares namespace {namespace!r}"}, status_code=404)
+        return JSONResponse(found)
 
     @app.get("/healthz")
     async def healthz() -> dict:

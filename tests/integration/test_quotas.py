@@ -1,0 +1,215 @@
+"""Hard quotas, the sensitive pool, soft penalties, fair share and token pools on real servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+import pytest
+
+from budgetgate.ledger.concurrency import end_run_holds
+from budgetgate.ledger.queries import sql
+from tests.support.admission import apply_policies, budget_yaml, submission
+
+QUOTA = """apiVersion: budgetgate/v1
+kind: Quota
+metadata: {{id: tenant-physics}}
+spec: {{tenant: physics, {limits}}}
+"""
+CLUSTER = """apiVersion: budgetgate/v1
+kind: Cluster
+metadata: {id: cluster}
+spec: {gpus: 100, nodes: 50}
+"""
+SENSITIVE = """apiVersion: budgetgate/v1
+kind: Quota
+metadata: {id: sensitive}
+spec: {sensitive_pool_size: 16}
+"""
+POOLS = """apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {{id: warehouse}}
+spec: {{namespace: "snowflake:wh-1", quota: {child}, project_cap: {cap}}}
+---
+apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {{id: snowflake}}
+spec: {{namespace: snowflake, quota: {parent}}}
+"""
+BIG_BUDGET = budget_yaml("physics-gpus", namespace="physics", labels="{team: physics}", limit="gpu_hours: 100000")
+
+
+def physics(run_id: str, *, gpus: int = 1, nodes: int = 1, **extra: object) -> dict[str, object]:
+    return submission(run_id=run_id, namespace="physics", labels={"team": "physics", **extra.pop("labels", {})}, resources={"gpus": gpus, "nodes": nodes}, projected_runtime_hours=1.0, **extra)
+
+
+async def started(admission_factory, pg_dsn, files: dict[str, str], sha: str = "9" * 40):  # type: ignore[no-untyped-def]
+    await apply_policies(pg_dsn, files, sha=sha)
+    server = await admission_factory(pg_pool_max=30)
+    await server.wait_ready()
+    return server
+
+
+async def test_exact_rejection_message_from_a_real_submission(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 200, max_gpus: 1600, max_concurrent_allocations: 50"), "b.yaml": BIG_BUDGET})
+    first = (await server.client.post("/v1/admissions", json=physics("big", gpus=8, nodes=195))).json()
+    assert first["decision"] == "ALLOW" and first["tenant"] == "physics"
+    denied = (await server.client.post("/v1/admissions", json=physics("more", gpus=8, nodes=10))).json()
+    assert denied["decision"] == "DENY"
+    assert denied["reason"] == 'allocation rejected: tenant "physics" would exceed max_nodes quota (current: 195, requested: 10, limit: 200)'
+    assert all(e["admitted_gpu_hours"] == 0 for e in denied["evaluations"])
+    fits = (await server.client.post("/v1/admissions", json=physics("fits", gpus=8, nodes=5))).json()
+    assert fits["decision"] == "ALLOW"
+
+
+async def test_concurrent_submissions_never_exceed_the_quota(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 7, max_gpus: 1000"), "b.yaml": BIG_BUDGET})
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=physics(f"c-{i}", gpus=2)) for i in range(100)))
+    outcomes = [a.json()["decision"] for a in answers]
+    assert outcomes.count("ALLOW") == 7
+    held = await server.rt.ledger.client.hgetall(server.rt.ledger.keys.counter("t:physics"))
+    assert {k.decode(): int(v) for k, v in held.items()} == {"gpus": 14, "nodes": 7, "allocations": 7}
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM run_holds WHERE state = 'held' AND tenant = 'physics'") == 7
+    finally:
+        await conn.close()
+
+
+async def test_lowered_quota_preempts_nothing_and_rejects_until_usage_drops(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 10"), "b.yaml": BIG_BUDGET}, sha="1" * 40)
+    for i in range(4):
+        assert (await server.client.post("/v1/admissions", json=physics(f"r{i}", nodes=2))).json()["decision"] == "ALLOW"
+    await apply_policies(pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 5"), "b.yaml": BIG_BUDGET}, sha="2" * 40)
+    while server.rt.policies.current.git_sha != "2" * 40:
+        await asyncio.sleep(0.05)
+    denied = (await server.client.post("/v1/admissions", json=physics("late", nodes=1))).json()
+    assert denied["reason"].startswith('allocation rejected: tenant "physics" would exceed max_nodes quota (current: 8, requested: 1, limit: 5)')
+    assert "wait for running work" in denied["reason"]
+    # Nothing was preempted: the four runs still hold their nodes until they end.
+    async with server.rt.pool.acquire() as conn, conn.transaction():
+        await conn.execute(sql("lock_ledger_shared"))
+        for i in range(3):
+            await end_run_holds(conn, server.rt.ledger, f"r{i}")
+    after = (await server.client.post("/v1/admissions", json=physics("after", nodes=1))).json()
+    assert after["decision"] == "ALLOW"
+
+
+async def test_sensitive_workloads_share_one_pool(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn, {"s.yaml": SENSITIVE, "b.yaml": BIG_BUDGET})
+    ok = (await server.client.post("/v1/admissions", json=physics("s1", gpus=12, labels={"sensitive": "true"}))).json()
+    assert ok["decision"] == "ALLOW"
+    over = (await server.client.post("/v1/admissions", json=physics("s2", gpus=8, labels={"sensitive": "true"}))).json()
+    assert over["reason"] == "allocation rejected: sensitive workloads would exceed sensitive_pool_size (current: 12, requested: 8, limit: 16 gpus)"
+    other = (await server.client.post("/v1/admissions", json=physics("plain", gpus=8))).json()
+    assert other["decision"] == "ALLOW"
+
+
+async def test_soft_budgets_penalise_by_the_worse_utilisation(admission_factory, pg_dsn) -> None:
+    files = {
+        "g.yaml": budget_yaml("soft-gpu", namespace="physics", labels="{team: physics}", limit="gpu_hours: 100", enforcement="soft"),
+        "n.yaml": budget_yaml("soft-nodes", namespace="physics", labels="{team: physics}", limit="node_hours: 10", enforcement="soft"),
+    }
+    server = await started(admission_factory, pg_dsn, files)
+    low = (await server.client.post("/v1/admissions", json=physics("low", gpus=10, nodes=1))).json()
+    assert low["decision"] == "ALLOW" and low["priority_penalty"] == 0.0  # 10 % and 10 % used
+    # GPU-hours reach 90 %, node-hours 20 %: the GPU budget drives the penalty.
+    mid = (await server.client.post("/v1/admissions", json=physics("mid", gpus=80, nodes=1))).json()
+    assert mid["decision"] == "ALLOW" and mid["priority_penalty"] == pytest.approx(0.45)
+    # Beyond 100 % a soft budget never rejects; the penalty approaches 1.
+    over = (await server.client.post("/v1/admissions", json=physics("over", gpus=60, nodes=1))).json()
+    assert over["decision"] == "ALLOW" and over["priority_penalty"] > 0.99
+
+
+async def test_fair_share_reports_share_deficit_and_preemptible_burst(admission_factory, pg_dsn) -> None:
+    files = {"q.yaml": QUOTA.format(limits="fair_share_target: 0.2, burst_allowance: 1.5"), "c.yaml": CLUSTER, "b.yaml": BIG_BUDGET}
+    server = await started(admission_factory, pg_dsn, files)
+    within = (await server.client.post("/v1/admissions", json=physics("within", gpus=15))).json()
+    assert within["fair_share"] == {"share": 0.0, "share_after": 0.15, "target": 0.2, "burst_limit": 0.3, "deficit": 0.2}
+    assert within["preemptible"] is False
+    burst = (await server.client.post("/v1/admissions", json=physics("burst", gpus=10))).json()
+    assert burst["decision"] == "ALLOW" and burst["preemptible"] is True
+    assert burst["fair_share"]["deficit"] == pytest.approx(0.05)
+
+
+async def test_500_concurrent_token_allocations_grant_exactly_the_quota(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=50, parent=80, cap=1000)})
+    url = "/v1/pools/snowflake:wh-1/allocations"
+    answers = await asyncio.gather(*(server.client.post(url, json={"token": f"t-{i}", "project": f"p{i % 5}"}) for i in range(500)))
+    statuses = [a.json()["status"] for a in answers]
+    assert statuses.count("Granted") == 50 and statuses.count("Exhausted") == 450
+    status = (await server.client.get("/v1/pools/snowflake:wh-1")).json()
+    assert status["used"] == 50 and status["quota"] == 50 and len(status["holders"]) == 50
+    assert (await server.client.get("/v1/pools/snowflake")).json()["used"] == 50  # counted on the parent too
+    granted = [f"t-{i}" for i, s in enumerate(statuses) if s == "Granted"]
+    releases = await asyncio.gather(*(server.client.delete(f"{url}/{t}") for t in granted[:20]))
+    assert all(r.json()["released"] for r in releases)
+    again = await asyncio.gather(*(server.client.post(url, json={"token": f"u-{i}"}) for i in range(60)))
+    assert [a.json()["status"] for a in again].count("Granted") == 20
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 50
+    # Idempotent per token: asking again renews, it does not take a second token.
+    renew = (await server.client.post(url, json={"token": granted[-1]})).json()
+    assert renew["status"] == "Granted" and renew["renewed"] is True
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM pool_allocations WHERE state = 'held' AND namespace = 'snowflake:wh-1'") == 50
+    finally:
+        await conn.close()
+
+
+async def test_caps_parent_quota_and_lease_reclaim(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=10, parent=3, cap=2)})
+    url = "/v1/pools/snowflake:wh-1/allocations"
+    first = [(await server.client.post(url, json={"token": f"a{i}", "project": "alpha"})).json()["status"] for i in range(3)]
+    assert first == ["Granted", "Granted", "NamespaceQuotaExceeded"]  # project cap 2, pool has room
+    constrained = (await server.client.post(url, json={"token": "b0", "project": "beta", "constraints": {"project": 0}})).json()
+    assert constrained["status"] == "NamespaceQuotaExceeded"
+    assert (await server.client.post(url, json={"token": "b1", "project": "beta"})).json()["status"] == "Granted"
+    # The parent pool (quota 3) is now full even though the child has room.
+    assert (await server.client.post(url, json={"token": "b2", "project": "beta"})).json()["status"] == "Exhausted"
+    # A holder that never releases is reclaimed once its lease runs out.
+    await server.client.delete(f"{url}/b1")
+    leased = (await server.client.post(url, json={"token": "short", "project": "gamma", "lease_seconds": 1})).json()
+    assert leased["status"] == "Granted"
+    assert (await server.client.post(url, json={"token": "waiting", "project": "gamma"})).json()["status"] == "Exhausted"
+    await asyncio.sleep(1.2)
+    assert (await server.client.post(url, json={"token": "waiting", "project": "gamma"})).json()["status"] == "Granted"
+    holders = {h["token"] for h in (await server.client.get("/v1/pools/snowflake")).json()["holders"]}
+    assert holders == {"a0", "a1", "waiting"}
+    assert (await server.client.post("/v1/pools/nowhere/allocations", json={"token": "x"})).status_code == 404
+
+
+async def test_a_submission_gets_its_token_and_gpus_together_or_neither(admission_factory, pg_dsn) -> None:
+    files = {"p.yaml": POOLS.format(child=1, parent=5, cap=5), "b.yaml": budget_yaml("small", namespace="physics", labels="{team: physics}", limit="gpu_hours: 10")}
+    server = await started(admission_factory, pg_dsn, files)
+    ask = {"namespace": "snowflake:wh-1", "project": "physics"}
+    both = (await server.client.post("/v1/admissions", json=physics("with-token", gpus=4, pool_token=ask))).json()
+    assert both["decision"] == "ALLOW"
+    assert [h["token"] for h in (await server.client.get("/v1/pools/snowflake:wh-1")).json()["holders"]] == ["run:with-token"]
+    # The pool is full: the GPUs are not reserved either.
+    no_token = (await server.client.post("/v1/admissions", json=physics("no-token", gpus=4, pool_token=ask))).json()
+    assert no_token["decision"] == "DENY" and 'token pool "snowflake:wh-1" is exhausted' in no_token["reason"]
+    usage = (await server.client.get("/v1/scopes/ns=physics;team=physics/usage")).json()["budgets"][0]
+    assert usage["reserved"] == 4.0
+    # The budget has no room: the token is not taken either.
+    await server.client.delete("/v1/pools/snowflake:wh-1/allocations/run:with-token")
+    no_budget = (await server.client.post("/v1/admissions", json=physics("no-budget", gpus=8, pool_token=ask))).json()
+    assert no_budget["decision"] == "DENY" and "budget 'small'" in no_budget["reason"]
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 0
+    unknown = await server.client.post("/v1/admissions", json=physics("bad-pool", pool_token={"namespace": "nowhere"}))
+    assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["body", "pool_token", "namespace"]
+
+
+async def test_counters_and_tokens_survive_a_redis_rebuild(admission_factory, pg_dsn) -> None:
+    files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 3"), "b.yaml": BIG_BUDGET, "p.yaml": POOLS.format(child=2, parent=5, cap=5)}
+    server = await started(admission_factory, pg_dsn, files)
+    for i in range(3):
+        assert (await server.client.post("/v1/admissions", json=physics(f"k{i}"))).json()["decision"] == "ALLOW"
+    assert (await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "kept"})).json()["status"] == "Granted"
+    ledger = server.rt.ledger
+    await ledger.client.delete(*[k async for k in ledger.client.scan_iter(match=f"{ledger.tag}:*")])
+    denied = (await server.client.post("/v1/admissions", json=physics("k3"))).json()
+    assert denied["reason"].startswith('allocation rejected: tenant "physics" would exceed max_concurrent_allocations quota (current: 3')
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 1
+    assert (await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "next"})).json()["status"] == "Granted"
+    assert (await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "third"})).json()["status"] == "Exhausted"
