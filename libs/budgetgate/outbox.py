@@ -25,10 +25,16 @@ log = logging.getLogger(__name__)
 
 async def enqueue(conn: asyncpg.Connection, *, topic: str, record: wire.Record) -> None:
     """Write `record` to the outbox in `conn`'s transaction, for `topic` (unprefixed name)."""
+    await conn.execute(sql("insert_outbox"), *row(topic=topic, record=record))
+
+
+def row(*, topic: str, record: wire.Record) -> tuple[str, str | None, bytes, str]:
+    """The outbox columns (topic, key, payload, headers) of `record`, for a statement that
+    writes the outbox row together with other changes."""
     # Header values are bytes; latin-1 maps each byte to one character and back unchanged.
     headers = json.dumps([[name, value.decode("latin-1")] for name, value in record.headers])
     key = record.key.decode("utf-8", errors="replace") if record.key is not None else None
-    await conn.execute(sql("insert_outbox"), topic, key, record.value, headers)
+    return topic, key, record.value, headers
 
 
 class OutboxRelay:

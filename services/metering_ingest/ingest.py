@@ -24,7 +24,7 @@ from typing import Protocol
 import asyncpg
 
 from budgetgate import outbox, topics, wire
-from budgetgate.core.metering import Accepted, Duplicate, Problem, Rejected, Rejection, Sample, assess, reason_code, validate
+from budgetgate.core.metering import Accepted, Duplicate, Problem, Rejected, Rejection, RunView, Sample, assess, reason_code, validate
 from budgetgate.services.metering_ingest import store
 from budgetgate.services.metering_ingest.samples import raw_sample, usage_record
 from budgetgate.services.metering_ingest.store import PendingSample, RunState, Source
@@ -84,10 +84,12 @@ class Ingestor:
     async def place(self, conn: asyncpg.Connection, sample: Sample, origin: Origin) -> Outcome:
         """Record a valid sample, find it a duplicate, or keep it pending; raises Rejected."""
         now = self.clock()
-        await store.lock_run(conn, sample.run_id)
-        state = await self._known(conn, sample.run_id)
-        if state is not None:
-            return await self._apply(conn, sample, state, origin.source, now)
+        begun = await store.begin(conn, sample)  # the run's lock is held from here on
+        if begun.view is not None:
+            return await self._apply(conn, sample, begun.view, origin.source, now)
+        if begun.has_decision:
+            state = await self._introduce(conn, sample.run_id)
+            return await self._apply(conn, sample, await store.view(conn, sample, state), origin.source, now)
         until = sample.observed_at + self.grace
         if until <= now:
             raise Rejected(Problem(Rejection.UNKNOWN_RUN, "run_id", f"run {sample.run_id!r} has no decision {self.grace.total_seconds():g}s after the sample was observed"))
@@ -95,24 +97,20 @@ class Ingestor:
         await store.add_pending(conn, pending, expires_at=until)
         return Pending(sample, until)
 
-    async def _known(self, conn: asyncpg.Connection, run_id: str) -> RunState | None:
-        """The run's state; a run seen with a decision for the first time takes its pending samples."""
-        state = await store.run_state(conn, run_id)
-        if state is not None:
-            return state
-        if not await store.has_decision(conn, run_id):
-            return None
+    async def _introduce(self, conn: asyncpg.Connection, run_id: str) -> RunState:
+        """Start the usage of a run that has a decision (its lock held): its pending samples first."""
         await store.create_run(conn, run_id)
         await self._drain(conn, run_id)
-        return await store.run_state(conn, run_id)
+        state = await store.run_state(conn, run_id)
+        assert state is not None
+        return state
 
-    async def _apply(self, conn: asyncpg.Connection, sample: Sample, state: RunState, source: Source, now: datetime) -> Accepted | Duplicate:
-        outcome = assess(sample, await store.view(conn, sample, state))
+    async def _apply(self, conn: asyncpg.Connection, sample: Sample, view: RunView, source: Source, now: datetime) -> Accepted | Duplicate:
+        outcome = assess(sample, view)
         if isinstance(outcome, Accepted):
-            await store.record(conn, outcome, source=source)
-            if not outcome.late:  # a late sample is recorded for window attribution, not announced
-                message = usage_record(outcome, recorded_at=now)
-                await outbox.enqueue(conn, topic=topics.USAGE, record=wire.encode(message, key=sample.run_id))
+            # A late sample is recorded for window attribution, not announced (see the core).
+            announce = None if outcome.late else outbox.row(topic=topics.USAGE, record=wire.encode(usage_record(outcome, recorded_at=now), key=sample.run_id))
+            await store.record(conn, outcome, source=source, announce=announce)
         return outcome
 
     async def _drain(self, conn: asyncpg.Connection, run_id: str) -> None:
@@ -122,7 +120,7 @@ class Ingestor:
             assert state is not None
             try:
                 sample = self.validate(wire.decode(MeteringSample, pending.payload, pending.headers))
-                outcome = await self._apply(conn, sample, state, pending.source, self.clock())
+                outcome = await self._apply(conn, sample, await store.view(conn, sample, state), pending.source, self.clock())
             except (Rejected, wire.WireError) as exc:
                 await self._dead_letter(conn, pending, str(exc))
                 continue
@@ -135,8 +133,10 @@ class Ingestor:
             for run_id in await store.runs_pending_with_decision(conn, limit=batch):
                 async with conn.transaction():
                     await store.lock_run(conn, run_id)
-                    if await self._known(conn, run_id) is not None:
-                        await self._drain(conn, run_id)  # rows a newly known run left behind
+                    if await store.run_state(conn, run_id) is None:
+                        await self._introduce(conn, run_id)
+                    else:
+                        await self._drain(conn, run_id)  # not expected (a known run keeps nothing pending), but never left behind
             async with conn.transaction():
                 for pending in await store.take_expired(conn, now=self.clock(), limit=batch):
                     reason = f"{Rejection.UNKNOWN_RUN}: run {pending.run_id!r} has no decision {self.grace.total_seconds():g}s after the sample was observed"

@@ -31,6 +31,15 @@ class RunState:
 
 
 @dataclass(frozen=True)
+class Begun:
+    """A sample's run, locked: the view to judge the sample by, or None while metering does not
+    know the run (then whether it has a decision by now)."""
+
+    view: RunView | None
+    has_decision: bool
+
+
+@dataclass(frozen=True)
 class PendingSample:
     """A valid sample of a run without a decision, kept as it arrived."""
 
@@ -65,10 +74,24 @@ async def create_run(conn: asyncpg.Connection, run_id: str) -> None:
     await conn.execute(sql("insert_usage_run"), run_id)
 
 
+async def begin(conn: asyncpg.Connection, sample: Sample) -> Begun:
+    """Take the run's lock and read what judging `sample` needs, in one round trip."""
+    rows = await conn.fetch(sql("begin_sample"), sample.run_id, sample.sample_id, sample.observed_at)
+    found = {row["role"]: row for row in rows}
+    run = found.get("run")
+    if run is None:
+        return Begun(view=None, has_decision="decision" in found)
+    state = RunState(Counters(run["gpu_milli_hours"], run["node_milli_hours"]), run["observed_at"])
+    return Begun(view=_view(state, rows), has_decision=True)
+
+
 async def view(conn: asyncpg.Connection, sample: Sample, state: RunState) -> RunView:
-    """What the core needs to assess `sample`, in one round trip."""
-    rows = await conn.fetch(sql("usage_neighbours"), sample.run_id, sample.sample_id, sample.observed_at)
-    found = {row["role"]: Known(row["sample_id"], row["observed_at"], Counters(row["gpu_milli_hours"], row["node_milli_hours"])) for row in rows}
+    """What the core needs to assess `sample` against a run whose lock is held."""
+    return _view(state, await conn.fetch(sql("usage_neighbours"), sample.run_id, sample.sample_id, sample.observed_at))
+
+
+def _view(state: RunState, rows: list[asyncpg.Record]) -> RunView:
+    found = {row["role"]: Known(row["sample_id"], row["observed_at"], Counters(row["gpu_milli_hours"], row["node_milli_hours"])) for row in rows if row["role"] != "run"}
     return RunView(
         cumulative=state.cumulative,
         latest=state.latest,
@@ -79,11 +102,12 @@ async def view(conn: asyncpg.Connection, sample: Sample, state: RunState) -> Run
     )
 
 
-async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source) -> None:
-    """Store an accepted sample and raise its run's high-water mark."""
+async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source, announce: tuple[str, str | None, bytes, str] | None) -> None:
+    """Store an accepted sample, raise its run's high-water mark and, when `announce` (outbox
+    columns) is given, write its usage record to the outbox: one statement."""
     sample = accepted.sample
     await conn.execute(
-        sql("insert_usage_record"),
+        sql("record_usage"),
         sample.run_id,
         sample.sample_id,
         sample.observed_at,
@@ -97,8 +121,8 @@ async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source
         sample.exporter,
         source,
         usage_event_id(sample.run_id, sample.sample_id),
+        *(announce or (None, None, None, None)),
     )
-    await conn.execute(sql("update_usage_run"), sample.run_id, accepted.cumulative.gpu, accepted.cumulative.node, sample.observed_at)
 
 
 async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> None:

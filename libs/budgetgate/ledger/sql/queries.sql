@@ -157,17 +157,26 @@ UNION ALL
 (SELECT 'after', sample_id, observed_at, gpu_milli_hours, node_milli_hours
  FROM usage_records WHERE run_id = $1 AND observed_at > $3 ORDER BY observed_at LIMIT 1);
 
--- name: insert_usage_record
-INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours,
-                           gpu_milli_hours_cumulative, node_milli_hours_cumulative, gpu_milli_hours_delta,
-                           node_milli_hours_delta, late, exporter, source, event_id)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13);
+-- name: begin_sample
+-- The run's lock, its state and the recorded neighbours of a sample (see metering_begin_sample).
+SELECT role, sample_id, observed_at, gpu_milli_hours, node_milli_hours FROM metering_begin_sample($1, $2, $3);
 
--- name: update_usage_run
-UPDATE usage_runs
-SET gpu_milli_hours_cumulative = $2, node_milli_hours_cumulative = $3, samples = samples + 1,
-    latest_observed_at = GREATEST(latest_observed_at, $4), updated_at = now()
-WHERE run_id = $1;
+-- name: record_usage
+-- An accepted sample, its run's new high-water mark and, unless $14 is NULL, the outbox row of
+-- its usage record ($14 topic, $15 key, $16 payload, $17 headers): one statement, one round trip.
+WITH recorded AS (
+    INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours,
+                               gpu_milli_hours_cumulative, node_milli_hours_cumulative, gpu_milli_hours_delta,
+                               node_milli_hours_delta, late, exporter, source, event_id)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+), run AS (
+    UPDATE usage_runs
+    SET gpu_milli_hours_cumulative = $6, node_milli_hours_cumulative = $7, samples = samples + 1,
+        latest_observed_at = GREATEST(latest_observed_at, $3), updated_at = now()
+    WHERE run_id = $1
+)
+INSERT INTO outbox (topic, key, payload, headers)
+SELECT $14, $15, $16, $17 WHERE $14::text IS NOT NULL;
 
 -- name: insert_pending
 INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,

@@ -188,6 +188,43 @@ CREATE TABLE metering_pending (
 );
 CREATE INDEX metering_pending_expiry ON metering_pending (expires_at);
 
+-- Begins judging a sample in one round trip: takes the run's lock, then returns the run's state
+-- (role 'run': latest observed_at and the cumulative counters) and the recorded samples the new
+-- one is compared with ('same_id', 'same_time', 'before', 'after'); for a run metering does not
+-- know yet, only whether it has a decision (role 'decision'). VOLATILE on purpose: in READ
+-- COMMITTED each query of a volatile function takes a fresh snapshot, so the reads see
+-- everything committed before the lock was granted.
+CREATE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz)
+RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(7310, hashtext(p_run_id));
+    RETURN QUERY
+        SELECT 'run', NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative
+        FROM usage_runs r WHERE r.run_id = p_run_id;
+    IF NOT FOUND THEN
+        RETURN QUERY
+            SELECT 'decision', NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint
+            WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p_run_id);
+        RETURN;
+    END IF;
+    RETURN QUERY
+        (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+         FROM usage_records u WHERE u.run_id = p_run_id AND u.sample_id = p_sample_id)
+        UNION ALL
+        (SELECT 'same_time', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+         FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at = p_observed_at)
+        UNION ALL
+        (SELECT 'before', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+         FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at < p_observed_at
+         ORDER BY u.observed_at DESC LIMIT 1)
+        UNION ALL
+        (SELECT 'after', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+         FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at > p_observed_at
+         ORDER BY u.observed_at LIMIT 1);
+END
+$$;
+
 -- 0004_reconciler: the facts the reconciler settles runs from (lifecycle events, usage samples),
 -- what each run is charged on each ledger key, and the hold and alert state of budgets.
 -- No foreign keys to ledger_entries: a KEY SHARE lock on a hot ledger row per insert would
