@@ -55,6 +55,35 @@ def admission(requests: int, concurrency: int, warmup: int, budgets: int, allow_
 
 
 @bench.command()
+@click.option("--samples", default=10_000, show_default=True, type=click.IntRange(1), help="Distinct samples in the load.")
+@click.option("--runs", default=100, show_default=True, type=click.IntRange(1), help="Runs the samples are spread over (round robin).")
+@click.option("--resend-every", default=10, show_default=True, type=click.IntRange(0), help="Resend every n-th sample under a new event id (0: never).")
+@click.option("--partitions", default=3, show_default=True, type=click.IntRange(1), help="Partitions of the metering topic.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def metering(samples: int, runs: int, resend_every: int, partitions: int, as_json: bool) -> None:
+    """Metering ingest samples/s into Postgres through the real consumer, vs. a plain COPY.
+
+    The load is published to Kafka first; then metering-ingest is started and timed from ready
+    until its inbox holds every sample. The rows it wrote are then COPYed into a fresh database
+    with the same schema, timed. Uses BUDGETGATE_POSTGRES_DSN, and BUDGETGATE_KAFKA_BOOTSTRAP or
+    a Tansu broker started for the run. Exits 1 if the recorded usage is wrong.
+    """
+    from budgetgate.benchmark import metering_report, metering_runner, runner
+
+    options = metering_runner.Options(samples=samples, runs=runs, resend_every=resend_every, partitions=partitions)
+    try:
+        result = asyncio.run(metering_runner.run(options, echo=lambda message: click.echo(message, err=True)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        click.echo("interrupted; everything the benchmark started was stopped", err=True)
+        sys.exit(130)
+    except runner.BENCH_ERRORS as exc:
+        raise click.ClickException(f"benchmark aborted: {type(exc).__name__}: {exc}") from exc
+    click.echo(json.dumps(metering_report.as_json(options, result), indent=2) if as_json else metering_report.as_text(options, result))
+    if not result.correct:
+        raise click.ClickException("correctness check failed: see the lines above")
+
+
+@bench.command()
 @click.option("--runs", default=600, show_default=True, type=click.IntRange(1), help="Runs fed through their whole lifecycle.")
 @click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(0.1), help="Completed runs per second (open loop).")
 @click.option("--samples", default=4, show_default=True, type=click.IntRange(1), help="Usage records per run.")

@@ -1,0 +1,258 @@
+"""One `budgetgate bench metering` run: the load published to Kafka first, then the real
+metering-ingest service started and timed until it has consumed all of it; then the rows it
+wrote are copied with COPY into a second, identical database and that is timed too.
+
+Everything started is stopped, and the databases dropped, also on Ctrl-C, SIGTERM or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import httpx
+
+from budgetgate import wire
+from budgetgate.benchmark import databases, metering_workload, queries
+from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
+from budgetgate.core.metering import Counters
+from budgetgate.ledger.migrations import migrate_dsn
+from budgetgate.settings import CommonSettings
+from budgetgate.topics import Topics, ensure_topics
+
+INBOX = "metering-ingest"  # the service's default inbox name
+_PUBLISH_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class Options:
+    samples: int = 10_000
+    runs: int = 100
+    resend_every: int = 10
+    partitions: int = 3
+    ready_timeout: float = 60.0
+    # Long enough for the slowest machine this runs on; the run fails rather than hang.
+    consume_timeout: float = 1800.0
+
+
+@dataclass
+class Result:
+    """What one run measured, and whether the service's usage came out right."""
+
+    tag: str
+    messages: int
+    distinct: int
+    runs: int
+    ingest_seconds: float
+    rows: int
+    copy_seconds: float
+    published: int
+    unpublished_at_end: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def correct(self) -> bool:
+        return not self.problems
+
+
+class Run:
+    def __init__(self, options: Options, *, echo: Callable[[str], None]) -> None:
+        self.options = options
+        self.echo = echo
+        self.tag = uuid.uuid4().hex[:8]
+        self.settings = CommonSettings()
+        self.topics = Topics(f"bench-{self.tag}-")
+        self.children: list[Subprocess] = []
+
+    async def execute(self) -> Result:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, task.cancel)
+        log_dir = Path(tempfile.mkdtemp(prefix="budgetgate-bench-"))
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                return await self._measure(stack, log_dir)
+        finally:
+            for child in self.children:  # only reached alive when cleanup itself was cut short
+                child.kill()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    async def _measure(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> Result:
+        bootstrap = await self._kafka(stack, log_dir)
+        ingest_dsn = await self._database(stack, "ingest")
+        copy_dsn = await self._database(stack, "copy")
+        work = metering_workload.build(samples=self.options.samples, runs=self.options.runs, resend_every=self.options.resend_every, tag=self.tag)
+        await _execute(ingest_dsn, queries.sql("metering.sql", "decide_runs"), work.runs)
+        await ensure_topics(bootstrap, prefix=self.topics.prefix, partitions=self.options.partitions)
+        self.echo(f"publishing {len(work.messages)} samples ({work.resends} resends) of {len(work.runs)} runs to {self.topics.metering}")
+        await _publish(bootstrap, self.topics.metering, work.messages)
+
+        service = self._start_service(stack, log_dir, ingest_dsn, bootstrap)
+        await self._wait_ready(service)
+        self.echo("metering-ingest ready; measuring until it has consumed every sample")
+        started = time.perf_counter()
+        await self._wait_consumed(service, ingest_dsn, len(work.messages))
+        ingest_seconds = time.perf_counter() - started
+        pending, published = await _outbox(ingest_dsn)
+        await _wait_relayed(service, ingest_dsn)
+        await service[0].stop()  # nothing in flight while the rows are read
+
+        rows = await _fetch(ingest_dsn, queries.sql("metering.sql", "usage_rows"))
+        problems = await _check(ingest_dsn, work, rows)
+        self.echo(f"copying the same {len(rows)} rows with COPY")
+        copy_seconds = await _copy(copy_dsn, rows)
+        return Result(self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems)
+
+    async def _kafka(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> str:
+        given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
+        if given:
+            stack.push_async_callback(_delete_topics, given, self.topics)
+            return given
+        port = free_port()
+        self.echo(f"starting a Tansu broker on 127.0.0.1:{port} (BUDGETGATE_KAFKA_BOOTSTRAP is unset)")
+        broker = self._child("kafka", tansu_command(port), log_dir=log_dir)
+        stack.push_async_callback(broker.stop)
+        await broker.wait_port(port, timeout=self.options.ready_timeout)
+        return f"127.0.0.1:{port}"
+
+    async def _database(self, stack: contextlib.AsyncExitStack, role: str) -> str:
+        name = f"bench_{self.tag}_metering_{role}"
+        dsn = await databases.create(self.settings.postgres_dsn, name)
+        stack.push_async_callback(databases.drop, self.settings.postgres_dsn, name)
+        await migrate_dsn(dsn)
+        return dsn
+
+    def _start_service(self, stack: contextlib.AsyncExitStack, log_dir: Path, dsn: str, bootstrap: str) -> tuple[Subprocess, int]:
+        port = free_port()
+        env = {
+            "BUDGETGATE_POSTGRES_DSN": dsn,
+            "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap,
+            "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
+            "BUDGETGATE_CONSUMER_GROUP": f"{self.topics.prefix}metering-ingest",
+        }
+        child = self._child("metering-ingest", python_module("budgetgate.services.metering_ingest", "--host", "127.0.0.1", "--port", str(port)), log_dir=log_dir, env=env)
+        stack.push_async_callback(child.stop)
+        return child, port
+
+    def _child(self, name: str, command: list[str], *, log_dir: Path, env: dict[str, str] | None = None) -> Subprocess:
+        child = Subprocess(name, command, log_dir=log_dir, env=env, cwd=log_dir)
+        self.children.append(child)
+        return child
+
+    async def _wait_ready(self, service: tuple[Subprocess, int]) -> None:
+        child, port = service
+        await child.wait_port(port, timeout=self.options.ready_timeout)
+        deadline = time.monotonic() + self.options.ready_timeout
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            while (response := await client.get("/readyz")).status_code != 200:
+                child.check_alive()
+                if time.monotonic() > deadline:
+                    raise StartError(f"metering-ingest not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{child.log_tail()}")
+                await asyncio.sleep(0.05)
+
+    async def _wait_consumed(self, service: tuple[Subprocess, int], dsn: str, expected: int) -> None:
+        child, _ = service
+        deadline = time.monotonic() + self.options.consume_timeout
+        conn = await asyncpg.connect(dsn)
+        try:
+            while (done := await conn.fetchval(queries.sql("metering.sql", "consumed"), INBOX)) < expected:
+                child.check_alive()
+                if time.monotonic() > deadline:
+                    raise StartError(f"metering-ingest consumed {done} of {expected} samples in {self.options.consume_timeout:.0f}s\n{child.log_tail()}")
+                await asyncio.sleep(0.05)
+        finally:
+            await conn.close()
+
+
+async def _execute(dsn: str, query: str, *args: object) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(query, *args)
+    finally:
+        await conn.close()
+
+
+async def _fetch(dsn: str, query: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetch(query)
+    finally:
+        await conn.close()
+
+
+async def _publish(bootstrap: str, topic: str, messages: list) -> None:  # type: ignore[type-arg]
+    async with wire.Publisher(bootstrap, client_id="budgetgate-bench") as publisher:
+        for start in range(0, len(messages), _PUBLISH_CHUNK):
+            chunk = messages[start : start + _PUBLISH_CHUNK]
+            # One producer sends a chunk in order per partition; acknowledged together.
+            await asyncio.gather(*(publisher.send(topic, m, key=m.run_id) for m in chunk))
+
+
+async def _outbox(dsn: str) -> tuple[int, int]:
+    [row] = await _fetch(dsn, queries.sql("metering.sql", "outbox_state"))
+    return row["pending"], row["total"]
+
+
+async def _wait_relayed(service: tuple[Subprocess, int], dsn: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (await _outbox(dsn))[0] > 0 and time.monotonic() < deadline:
+        service[0].check_alive()
+        await asyncio.sleep(0.1)
+
+
+async def _check(dsn: str, work: metering_workload.MeteringWorkload, rows: list[asyncpg.Record]) -> list[str]:
+    """What is wrong with the usage the service recorded, compared with the clean stream."""
+    problems = []
+    if len(rows) != work.distinct:
+        problems.append(f"{len(rows)} usage rows for {work.distinct} distinct samples")
+    totals = {r["run_id"]: r for r in await _fetch(dsn, queries.sql("metering.sql", "run_totals"))}
+    for run_id, expected in work.expected.items():
+        total = totals.get(run_id)
+        found = Counters(total["gpu"], total["node"]) if total else None
+        if found != expected:
+            problems.append(f"run {run_id}: cumulative {found}, expected {expected}")
+    return problems
+
+
+async def _copy(dsn: str, rows: list[asyncpg.Record]) -> float:
+    """Seconds to COPY `rows` into the usage table of `dsn` (one transaction, as a bulk load does)."""
+    columns = list(rows[0].keys()) if rows else []
+    records = [tuple(r.values()) for r in rows]
+    conn = await asyncpg.connect(dsn)
+    try:
+        started = time.perf_counter()
+        async with conn.transaction():
+            await conn.copy_records_to_table("usage_records", records=records, columns=columns)
+        return time.perf_counter() - started
+    finally:
+        await conn.close()
+
+
+async def _delete_topics(bootstrap: str, topics: Topics) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    with contextlib.suppress(Exception):
+        await admin.start()
+        await admin.delete_topics(topics.all())
+    with contextlib.suppress(Exception):
+        await admin.close()
+
+
+async def run(options: Options, *, echo: Callable[[str], None]) -> Result:
+    """Run the metering benchmark described by `options`; progress goes to `echo`."""
+    return await Run(options, echo=echo).execute()

@@ -1,0 +1,24 @@
+-- What `budgetgate bench metering` sets up and reads back.
+
+-- name: decide_runs
+-- An ALLOW decision per run id ($1 text[]), so metering-ingest knows every run of the load.
+INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu,
+                       request, response, decided_at)
+SELECT gen_random_uuid(), r, 1, 'ALLOW', 'budgetgate bench metering', 'bench', '{}', 0, '{}', '{}', now()
+FROM unnest($1::text[]) AS r;
+
+-- name: consumed
+-- Messages metering-ingest has taken care of (one inbox row per event id).
+SELECT count(*) FROM inbox WHERE consumer = $1;
+
+-- name: outbox_state
+SELECT count(*) FILTER (WHERE published_at IS NULL) AS pending, count(*) AS total FROM outbox;
+
+-- name: usage_rows
+SELECT run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative,
+       node_milli_hours_cumulative, gpu_milli_hours_delta, node_milli_hours_delta, late, exporter, source,
+       event_id, recorded_at
+FROM usage_records ORDER BY run_id, observed_at;
+
+-- name: run_totals
+SELECT run_id, gpu_milli_hours_cumulative AS gpu, node_milli_hours_cumulative AS node, samples FROM usage_runs;
