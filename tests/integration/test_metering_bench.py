@@ -1,0 +1,33 @@
+"""`budgetgate bench metering` end to end with tiny numbers: both figures are reported, the usage
+check passes, and the benchmark's databases are gone afterwards. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import asyncpg
+
+
+async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres_admin_dsn: str, kafka_server_bootstrap: str) -> None:
+    env = {**os.environ, "BUDGETGATE_POSTGRES_DSN": postgres_admin_dsn, "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap}
+    command = [sys.executable, "-m", "budgetgate.cli.main", "bench", "metering", "--samples", "120", "--runs", "6", "--resend-every", "4", "--json"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr
+
+    report = json.loads(done.stdout)
+    assert report["correct"] is True and report["problems"] == []
+    assert report["load"] == {"messages": 150, "distinct_samples": 120, "resends": 30, "runs": 6}
+    assert report["ingest"]["rows"] == report["copy"]["rows"] == 120
+    assert report["ingest"]["usage_records"] == 120
+    assert report["ingest"]["rows_per_second"] > 0 and report["copy"]["rows_per_second"] > 0
+    assert report["ratio_rows_per_second"] is not None
+
+    conn = await asyncpg.connect(postgres_admin_dsn)
+    try:
+        left = await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE $1", f"bench\\_{report['run_tag']}\\_%")
+    finally:
+        await conn.close()
+    assert left == 0
