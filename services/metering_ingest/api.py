@@ -32,7 +32,14 @@ from budgetgate.services.metering_ingest.samples import from_json
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 # Errors that mean Postgres is unreachable or failed mid-call: answer 503.
-BACKEND_ERRORS: tuple[type[BaseException], ...] = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.exceptions.CannotConnectNowError, TimeoutError)
+BACKEND_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    # Shutting down, restarting, or not yet accepting connections (SQLSTATE class 57).
+    asyncpg.exceptions.OperatorInterventionError,
+)
 
 _SAMPLE_SCHEMA = {
     "type": "object",

@@ -14,6 +14,7 @@ from aiokafka import AIOKafkaProducer
 from budgetgate import wire
 from budgetgate.core.metering import Counters, Sample, milli, normalize, reason_code, usage_event_id
 from budgetgate.topics import Topics, dlq
+from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.integration.test_consumer import drain
 from tests.support.metering import (  # noqa: F401 - pytest fixtures
     T0,
@@ -177,20 +178,28 @@ async def test_json_mapped_samples_are_accepted(metering, settings, pg_dsn) -> N
 async def test_unknown_run_waits_for_its_decision(metering, settings, pg_dsn) -> None:
     topics = Topics(settings.topic_prefix)
     now = datetime.now(UTC)
+    waiting = [
+        sample("late-run", "p2", 20.0, at=now - timedelta(seconds=30)),
+        sample("late-run", "p1", 10.0, at=now - timedelta(seconds=60)),
+        sample("late-run", "p3", 15.0, at=now - timedelta(seconds=10)),  # lower than p2, later
+    ]
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-        for message in [sample("late-run", "p2", 20.0, at=now - timedelta(seconds=30)), sample("late-run", "p1", 10.0, at=now - timedelta(seconds=60))]:
+        for message in waiting:
             await publisher.send(topics.metering, message, key=message.run_id)
-    await wait_for(lambda: _pending(pg_dsn, 2), what="two samples pending")
+    await wait_for(lambda: _pending(pg_dsn, 3), what="three samples pending")
     assert await usage_rows(pg_dsn) == []
 
     await decide(pg_dsn, "late-run")
-    await wait_for(lambda: _rows(pg_dsn, 2), what="pending samples applied")
+    await wait_for(lambda: _pending(pg_dsn, 0), what="pending samples taken")
     rows = await usage_rows(pg_dsn, "late-run")
     # Applied earliest observation first, so neither is late and p2 carries the increase.
     assert [(r["sample_id"], r["gpu_milli_hours_delta"], r["late"]) for r in rows] == [("p1", 10_000, False), ("p2", 10_000, False)]
-    assert await count(pg_dsn, "metering_pending") == 0
     records = await usage_records(settings.kafka_bootstrap, topics.usage, 2)
     assert [r.sample_id for r in records] == ["p1", "p2"]
+    # p3 went down after p2: dead-lettered through the outbox, with what came with it.
+    [dead] = await drain(settings.kafka_bootstrap, dlq(topics.metering), 1)
+    assert dlq_reasons([dead])[0].startswith("counter_regression:")
+    assert wire.decode(MeteringSample, dead.value, dead.headers).sample_id == "p3"
 
 
 async def _pending(dsn: str, expected: int) -> bool:
