@@ -11,6 +11,7 @@ budget facet's schema; `invalid` lists what failed.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import uuid
@@ -92,6 +93,8 @@ class MarquezStandIn:
         self._validator = OpenLineageValidator(SPEC) if validate and (SPEC / "OpenLineage.json").is_file() else None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._connections: set[Any] = set()
+        self._away = False
         self.port = 0
 
     @property
@@ -101,6 +104,7 @@ class MarquezStandIn:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> MarquezStandIn:
+        self._away = False
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -111,10 +115,19 @@ class MarquezStandIn:
     def go_away(self) -> None:
         """Stop listening: connections to the port are refused until come_back()."""
         server, self._server = self._server, None
+        self._away = True
         self._stall.set()
         if server is not None:
             server.shutdown()
             server.server_close()
+        # Kept-alive connections would otherwise go on being served by their handler threads.
+        with self._lock:
+            connections, self._connections = set(self._connections), set()
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -175,6 +188,8 @@ class MarquezStandIn:
     # -- request handling -----------------------------------------------------------------------
 
     def _post_lineage(self, body: bytes) -> tuple[int, Any]:
+        if self._away:
+            return 0, None
         with self._lock:
             self.requests += 1
         if not self._stall.is_set():
@@ -239,6 +254,19 @@ def _handler(stand_in: MarquezStandIn) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *_args: object) -> None:  # quiet
             pass
 
+        def setup(self) -> None:
+            super().setup()
+            with stand_in._lock:
+                stand_in._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with stand_in._lock:
+                stand_in._connections.discard(self.connection)
+            try:
+                super().finish()
+            except OSError:
+                pass
+
         def do_POST(self) -> None:  # noqa: N802
             body = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
             if urlsplit(self.path).path.rstrip("/") != "/api/v1/lineage":
@@ -257,11 +285,14 @@ def _handler(stand_in: MarquezStandIn) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self, status: int, payload: Any) -> None:
             body = b"" if payload is None else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError:  # the client went away (killed, or timed out) before the answer
+                self.close_connection = True
 
     return Handler
 

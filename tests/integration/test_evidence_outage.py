@@ -1,0 +1,123 @@
+"""Marquez down, failing or stalled: admission is untouched, evidence waits with backoff, and once
+Marquez is back every event arrives exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+from collections import Counter
+
+import asyncpg
+
+from budgetgate.services.admission.settings import AdmissionSettings
+from budgetgate.topics import ensure_topics
+from tests.integration.test_evidence_emitter import publish
+from tests.support.admission import apply_policies, budget_yaml
+from tests.support.marquez import (
+    EmitterServer,
+    decision,
+    emitter_settings,
+    http_client,
+    marquez,  # noqa: F401 - pytest fixture
+    require_spec,
+    wait_until,
+)
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled sample `name` in a Prometheus text page."""
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert found, f"{name} not in the metrics page"
+    return float(found.group(1))
+
+
+def exactly_once(received: list[dict]) -> Counter:  # type: ignore[type-arg]
+    return Counter(e["run"]["facets"]["budget"]["decision_id"] for e in received)
+
+
+async def test_marquez_away_for_a_burst(settings, pg_dsn, admission_factory, marquez) -> None:  # type: ignore[no-untyped-def]
+    require_spec()
+    # Structurally: admission has no setting that could name Marquez or an OpenLineage endpoint.
+    assert not [f for f in AdmissionSettings.model_fields if "marquez" in f or "lineage" in f or "evidence" in f]
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    await apply_policies(pg_dsn, {"team.yaml": budget_yaml("team", limit="gpu_hours: 100000")}, sha="e" * 40)
+    admission = await admission_factory()
+    await admission.wait_ready()
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url, timeout=2)).start()
+
+    async def burst(prefix: str, count: int) -> list[float]:
+        latencies = []
+        for i in range(count):
+            started = time.perf_counter()
+            response = await admission.submit(run_id=f"{prefix}/{i}")
+            latencies.append(time.perf_counter() - started)
+            assert response.status_code == 200 and response.json()["decision"] == "ALLOW", response.text
+        return latencies
+
+    try:
+        baseline = await burst("before", 20)
+        await marquez.wait_for(20)
+        marquez.go_away()
+        during = await burst("outage", 40)  # every answer above was a 200 ALLOW with nothing on Marquez's port
+
+        seen = {}
+
+        async def backlog_page() -> str | None:
+            page = (await emitter.client.get("/metrics")).text
+            seen["page"] = page
+            grown = metric(page, "budgetgate_evidence_backlog") >= 40 and metric(page, "budgetgate_evidence_delivery_failures_total") >= 2
+            return page if grown else None
+
+        try:
+            page = await wait_until(backlog_page, timeout=60, what="the backlog and failures to show in /metrics")
+        except AssertionError:
+            raise AssertionError(f"{seen.get('page')} {emitter.rt.sender.stats}") from None
+        assert metric(page, "budgetgate_evidence_oldest_undelivered_age_seconds") > 0
+        assert len(marquez.received()) == 20
+        # Same process, same machine, seconds apart: a Marquez outage that leaked into admission
+        # would multiply its latency; a generous bound tells that apart from noise.
+        assert statistics.median(during) <= max(5 * statistics.median(baseline), statistics.median(baseline) + 0.25), (baseline, during)
+
+        marquez.come_back()
+        await marquez.wait_for(60)
+        await wait_until(lambda: emitter.rt.sender.stats.backlog.pending == 0, what="the backlog to drain")
+        await asyncio.sleep(1.0)  # a duplicate would arrive now
+    finally:
+        await emitter.stop()
+    received = marquez.received()
+    counts = exactly_once(received)
+    assert len(received) == 60 and set(counts.values()) == {1}
+    assert sorted(e["run"]["facets"]["budget"]["run_id"] for e in received) == sorted([f"before/{i}" for i in range(20)] + [f"outage/{i}" for i in range(40)])
+    assert marquez.invalid == []
+
+
+async def test_marquez_failing_then_stalled(settings, pg_dsn, marquez) -> None:  # type: ignore[no-untyped-def]
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url, timeout=1)).start()
+    try:
+        marquez.fail(503)
+        await publish(settings, *[decision(f"failing/{i}") for i in range(5)])
+        await wait_until(lambda: emitter.rt.sender.stats.failures >= 3, what="503s to be retried")
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            row = await conn.fetchrow("SELECT max(attempts) AS attempts, max(last_error) AS error, count(*) FILTER (WHERE state = 'pending') AS pending FROM evidence_events")
+        finally:
+            await conn.close()
+        assert row["attempts"] >= 1 and "503" in row["error"] and row["pending"] == 5
+        marquez.recover()
+        await marquez.wait_for(5)
+
+        marquez.stall()
+        await publish(settings, *[decision(f"stalled/{i}") for i in range(5)])
+        before = emitter.rt.sender.stats.failures
+        await wait_until(lambda: emitter.rt.sender.stats.failures >= before + 2, what="stalled sends to time out")
+        marquez.recover()
+        await marquez.wait_for(10)
+        await wait_until(lambda: emitter.rt.sender.stats.backlog.pending == 0, what="the backlog to drain")
+        await asyncio.sleep(1.0)
+    finally:
+        await emitter.stop()
+    received = marquez.received()
+    assert len(received) == 10 and set(exactly_once(received).values()) == {1}
