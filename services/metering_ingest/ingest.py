@@ -92,7 +92,7 @@ class Ingestor:
             return await self._apply(conn, sample, await store.view(conn, sample, state), origin.source, now)
         until = sample.observed_at + self.grace
         if until <= now:
-            raise Rejected(Problem(Rejection.UNKNOWN_RUN, "run_id", f"run {sample.run_id!r} has no decision {self.grace.total_seconds():g}s after the sample was observed"))
+            raise Rejected(self._unknown_run(sample.run_id))
         pending = PendingSample(sample.run_id, sample.sample_id, sample.observed_at, origin.source, origin.topic, origin.payload, origin.headers, origin.partition, origin.offset)
         await store.add_pending(conn, pending, expires_at=until)
         return Pending(sample, until)
@@ -139,9 +139,11 @@ class Ingestor:
                         await self._drain(conn, run_id)  # not expected (a known run keeps nothing pending), but never left behind
             async with conn.transaction():
                 for pending in await store.take_expired(conn, now=self.clock(), limit=batch):
-                    reason = f"{Rejection.UNKNOWN_RUN}: run {pending.run_id!r} has no decision {self.grace.total_seconds():g}s after the sample was observed"
-                    await self._dead_letter(conn, pending, reason)
+                    await self._dead_letter(conn, pending, str(self._unknown_run(pending.run_id)))
             return await store.pending_count(conn)
+
+    def _unknown_run(self, run_id: str) -> Problem:
+        return Problem(Rejection.UNKNOWN_RUN, "run_id", f"run {run_id!r} has no decision {self.grace.total_seconds():g}s after the sample was observed")
 
     async def _dead_letter(self, conn: asyncpg.Connection, pending: PendingSample, reason: str) -> None:
         """Park a pending sample on the metering DLQ, through the outbox (so, with this transaction)."""
