@@ -97,8 +97,14 @@ async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime)
             continue
         try:
             amount = await _age_key(pool, ledger, row["ledger_key"], cutoff)
-        except (LedgerNotLoaded, LedgerKeyMissing) as exc:
-            log.info("ageing %s waits for the Redis ledger: %s", row["ledger_key"], exc)
+        except LedgerKeyMissing:
+            # Never loaded since the last rebuild: load Postgres's figure, age on the next tick.
+            figures = await pool.fetchrow(sql("entry_figures"), row["ledger_key"])
+            if figures is not None:
+                await ledger.load_key(row["ledger_key"], reserved=figures["reserved"], consumed=figures["consumed"])
+            continue
+        except LedgerNotLoaded as exc:
+            log.info("ageing %s waits for the Redis ledger to be rebuilt: %s", row["ledger_key"], exc)
             continue
         if amount:
             aged[row["ledger_key"]] = amount

@@ -391,3 +391,32 @@ async def test_tenant_usage_route_and_cli(admission, reconciler_factory, feed, p
 async def _final(dsn: str, run_id: str) -> bool:
     row = await settled(dsn, run_id)
     return row is not None and row["final"]
+
+
+async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    from budgetgate.services.reconciler import budgets
+
+    await apply_policies(pg_dsn, {"r.yaml": budget_yaml("roll", limit="gpu_hours: 100", window="{rolling_days: 1}")}, sha="7" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.submit(run_id="old", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=2.0)).json()["decision"] == "ALLOW"
+    reconciler = await reconciler_factory()
+    now = datetime.now(UTC)
+    start = now - timedelta(hours=20)
+    await feed.send(
+        lifecycle("old", "STARTED", start), usage("old", "1", start + timedelta(hours=1), 6),
+        usage("old", "2", start + timedelta(hours=3), 10), lifecycle("old", "COMPLETED", start + timedelta(hours=3)),
+    )  # fmt: skip
+    [key] = (await ledger_in_postgres(pg_dsn)).keys()
+    assert "|rolling-1d|" in key
+
+    async def figures_are(expected: tuple[int, int]) -> bool:
+        return (await ledger_in_postgres(pg_dsn))[key] == expected
+
+    await wait_for(lambda: figures_are((0, 10 * H)), what="usage in the rolling window")
+    # Six hours on, the first sample's hour has left the window; two more hours on, all of it.
+    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert await figures_are((0, 4 * H)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
+    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=8)) == {key: 4 * H}
+    assert await figures_are((0, 0)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)

@@ -10,7 +10,6 @@ from typing import Any
 
 import click
 
-from budgetgate.settings import CommonSettings
 
 
 @click.command()
