@@ -108,8 +108,7 @@ class Ingestor:
     async def _apply(self, conn: asyncpg.Connection, sample: Sample, view: RunView, source: Source, now: datetime) -> Accepted | Duplicate:
         outcome = assess(sample, view)
         if isinstance(outcome, Accepted):
-            # A late sample is recorded for window attribution, not announced (see the core).
-            announce = None if outcome.late else outbox.row(topic=topics.USAGE, record=wire.encode(usage_record(outcome, recorded_at=now), key=sample.run_id))
+            announce = outbox.row(topic=topics.USAGE, record=wire.encode(usage_record(outcome, recorded_at=now), key=sample.run_id))
             await store.record(conn, outcome, source=source, announce=announce)
         return outcome
 

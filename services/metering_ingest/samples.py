@@ -75,4 +75,8 @@ def usage_record(accepted: Accepted, *, recorded_at: datetime) -> UsageRecord:
         node_milli_hours_cumulative=accepted.cumulative.node,
         gpu_milli_hours_delta=accepted.delta.gpu,
         node_milli_hours_delta=accepted.delta.node,
+        # The sample's own counters: below the cumulative for a late sample, which the reader
+        # needs to attribute usage to windows by observed_at.
+        gpu_milli_hours_observed=sample.counters.gpu,
+        node_milli_hours_observed=sample.counters.node,
     )

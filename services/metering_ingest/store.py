@@ -102,9 +102,9 @@ def _view(state: RunState, rows: list[asyncpg.Record]) -> RunView:
     )
 
 
-async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source, announce: tuple[str, str | None, bytes, str] | None) -> None:
-    """Store an accepted sample, raise its run's high-water mark and, when `announce` (outbox
-    columns) is given, write its usage record to the outbox: one statement."""
+async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source, announce: tuple[str, str | None, bytes, str]) -> None:
+    """Store an accepted sample, raise its run's high-water mark and write the outbox row of its
+    usage record (`announce`: the outbox columns), in one statement."""
     sample = accepted.sample
     await conn.execute(
         sql("record_usage"),
@@ -121,7 +121,7 @@ async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source
         sample.exporter,
         source,
         usage_event_id(sample.run_id, sample.sample_id),
-        *(announce or (None, None, None, None)),
+        *announce,
     )
 
 

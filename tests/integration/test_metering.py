@@ -67,6 +67,7 @@ async def test_samples_become_usage_rows_and_usage_records(metering, settings, p
         ("s3", GPU_HOUR, 0, 0),
     ]
     assert [r.event_id for r in records] == [usage_event_id("run-a", s) for s in ("s1", "s2", "s3")]
+    assert [r.gpu_milli_hours_observed for r in records] == [r.gpu_milli_hours_cumulative for r in records]
     assert records[0].observed_at.ToDatetime(tzinfo=UTC) == T0
 
 
@@ -102,15 +103,20 @@ async def test_duplicated_resent_and_shuffled_stream_gives_the_clean_usage(meter
         assert cumulative == f"({expected.cumulative(run_id).gpu},{expected.cumulative(run_id).node})"
 
     await wait_for(lambda: published_outbox(pg_dsn), what="outbox relayed")
-    announced = await count(pg_dsn, "outbox")
-    records = await usage_records(settings.kafka_bootstrap, topics.usage, announced)
-    assert len(records) == announced == sum(not r["late"] for r in await usage_rows(pg_dsn))
+    recorded = await usage_rows(pg_dsn)
+    records = await usage_records(settings.kafka_bootstrap, topics.usage, len(recorded))
+    # One usage record per usage row, late ones included.
+    assert sorted(r.event_id for r in records) == sorted(r["event_id"] for r in recorded)
     for run_id in runs:
         mine = [r for r in records if r.run_id == run_id]
         assert sum(r.gpu_milli_hours_delta for r in mine) == max(r.gpu_milli_hours_cumulative for r in mine) == expected.cumulative(run_id).gpu
         assert sum(r.node_milli_hours_delta for r in mine) == expected.cumulative(run_id).node
-        # One partition per run key: the records of a run arrive in the order they were made.
+        # One partition per run key: the records of a run arrive in the order they were made,
+        # and in that order the cumulative never goes down.
         assert [r.gpu_milli_hours_cumulative for r in mine] == sorted(r.gpu_milli_hours_cumulative for r in mine)
+        # The own counters of all records are the clean stream's points, whatever came late.
+        points = sorted((r.observed_at.ToDatetime(tzinfo=UTC), Counters(r.gpu_milli_hours_observed, r.node_milli_hours_observed)) for r in mine)
+        assert points == [(k.observed_at, k.counters) for k in expected.recorded(run_id)]
 
 
 async def _processed(server, expected: int) -> bool:  # type: ignore[no-untyped-def]

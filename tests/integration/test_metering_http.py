@@ -34,7 +34,7 @@ async def test_batch_is_recorded_before_the_answer_with_a_result_per_sample(mete
     assert [(r.sample_id, r.gpu_milli_hours_delta, r.node_milli_hours_cumulative) for r in records] == [("h1", 36_000, 0), ("h2", 36_000, 9_000)]
 
 
-async def test_snake_case_fields_and_a_late_sample(metering, pg_dsn) -> None:
+async def test_snake_case_fields_and_a_late_sample(metering, settings, pg_dsn) -> None:
     await decide(pg_dsn, "run-s")
     now = datetime.now(UTC).replace(microsecond=0)
     body = [
@@ -47,8 +47,9 @@ async def test_snake_case_fields_and_a_late_sample(metering, pg_dsn) -> None:
     assert (late["status"], late["late"], late["gpu_milli_hours_delta"], late["gpu_milli_hours_cumulative"]) == ("accepted", True, 0, 50_000)
     rows = await usage_rows(pg_dsn, "run-s")
     assert [(r["sample_id"], r["gpu_milli_hours"], r["late"]) for r in rows] == [("a", 20_000, True), ("b", 50_000, False)]
-    # Only the newest-at-the-time sample was announced.
-    assert await fetchval(pg_dsn, "SELECT count(*) FROM outbox") == 1
+    # Announced too: cumulative unchanged and delta 0, with its own counters for windows.
+    records = await usage_records(settings.kafka_bootstrap, Topics(settings.topic_prefix).usage, 2)
+    assert [(r.sample_id, r.gpu_milli_hours_cumulative, r.gpu_milli_hours_delta, r.gpu_milli_hours_observed) for r in records] == [("b", 50_000, 50_000, 50_000), ("a", 50_000, 0, 20_000)]
 
 
 async def test_bad_fields_are_named_and_nothing_of_the_batch_is_recorded(metering, pg_dsn) -> None:

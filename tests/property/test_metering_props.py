@@ -103,12 +103,10 @@ def test_no_stream_lowers_a_cumulative_or_breaks_the_delta_sum(stream: list[Samp
         assert total == cumulatives[-1] == store.cumulative(run_id)
         assert all(a.delta.gpu >= 0 and a.delta.node >= 0 for a in accepted)
         assert all(a.delta == Counters() for a in accepted if a.late)
-        # What gets published (the samples that were newest when they came): observed_at rising,
-        # each one's own counters are the run's cumulative, and their deltas sum to it.
-        published = [a for a in accepted if not a.late]
-        assert all(a.cumulative == a.sample.counters for a in published)
-        assert all(x.sample.observed_at < y.sample.observed_at for x, y in zip(published, published[1:], strict=False))
-        assert Counters(sum(a.delta.gpu for a in published), sum(a.delta.node for a in published)) == store.cumulative(run_id)
+        # A sample that was the newest when it came carries the new cumulative as its own
+        # counters; a late one lies below it.
+        assert all(a.cumulative == a.sample.counters for a in accepted if not a.late)
+        assert all(a.cumulative.covers(a.sample.counters) for a in accepted)
         # What is recorded stays consistent: ordered by time, neither counter ever goes down.
         counters = [k.counters for k in store.recorded(run_id)]
         assert all(later.covers(earlier) for earlier, later in zip(counters, counters[1:], strict=False))

@@ -17,11 +17,11 @@ the next one carries the total. What one sample means, given what is known about
 - **Delta** of an accepted sample is how much it raised the cumulative (after − before).
   The deltas of a run sum to its cumulative, whatever order they are added in.
 - **Late** samples (observed_at before the run's latest) fall between two known samples, so
-  their delta is 0 and the cumulative stays. They are still recorded with their own counters,
-  so usage can be attributed to windows by observed_at (see `MemoryUsage.usage_through`), but
-  they are not announced: every published usage record is its run's newest sample, whose own
-  counters are the new cumulative, so a reader of usage.records.v1 sees per run observed_at
-  rising, cumulative never falling, and deltas summing to it.
+  their delta is 0 and the cumulative stays. They are recorded and announced like any other,
+  with their own counters beside the cumulative, so usage can be attributed to windows by
+  observed_at (see `MemoryUsage.usage_through`). A reader of usage.records.v1 thus sees per run
+  the cumulative never falling, deltas summing to it, and each record's own counters a true
+  point of the run's usage at its observed_at.
 """
 
 from __future__ import annotations

@@ -162,8 +162,8 @@ UNION ALL
 SELECT role, sample_id, observed_at, gpu_milli_hours, node_milli_hours FROM metering_begin_sample($1, $2, $3);
 
 -- name: record_usage
--- An accepted sample, its run's new high-water mark and, unless $14 is NULL, the outbox row of
--- its usage record ($14 topic, $15 key, $16 payload, $17 headers): one statement, one round trip.
+-- An accepted sample, its run's new high-water mark and the outbox row of its usage record
+-- ($14 topic, $15 key, $16 payload, $17 headers): one statement, one round trip.
 WITH recorded AS (
     INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours,
                                gpu_milli_hours_cumulative, node_milli_hours_cumulative, gpu_milli_hours_delta,
@@ -175,8 +175,7 @@ WITH recorded AS (
         latest_observed_at = GREATEST(latest_observed_at, $3), updated_at = now()
     WHERE run_id = $1
 )
-INSERT INTO outbox (topic, key, payload, headers)
-SELECT $14, $15, $16, $17 WHERE $14::text IS NOT NULL;
+INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
 
 -- name: insert_pending
 INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,

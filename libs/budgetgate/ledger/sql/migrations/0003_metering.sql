@@ -14,8 +14,8 @@ CREATE TABLE usage_runs (
 
 -- One row per accepted sample. gpu/node_milli_hours are the sample's own counters (what the run
 -- had used as of observed_at); *_cumulative is the run's high-water mark after it, *_delta how
--- much it raised that. A late sample (observed before the run's latest) has delta 0 and is not
--- published; every other row is also a usage.records.v1 message with the same event_id.
+-- much it raised that (0 for a late sample, observed before the run's latest). Every row is
+-- also a usage.records.v1 message with the same event_id.
 -- Ordered by observed_at, the counters of a run never go down.
 CREATE TABLE usage_records (
     run_id                      text NOT NULL,
