@@ -202,3 +202,30 @@ async def test_the_kafka_transport_delivers_to_a_topic(settings) -> None:  # typ
     finally:
         await consumer.stop()
     assert sorted((e["run"]["facets"]["budget"]["run_id"], e["eventType"]) for e in found) == [("kafka/1", "START"), ("kafka/2", "ABORT")]
+
+
+async def test_a_reconciliation_before_its_decision_waits_for_it(settings, marquez) -> None:  # type: ignore[no-untyped-def]
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    early = decision("order/early")
+    early.evaluations.append(decision("x", scope="ns=vision-prod").evaluations[0])  # a second budget, on the namespace
+    orphan = decision("order/orphan")  # its decision never comes
+    await publish(settings, reconciliation(early, "COMPLETED", actual_hours=40), reconciliation(orphan, "COMPLETED", actual_hours=10))
+    emitter = await EmitterServer(emitter_settings(settings, evidence_decision_wait_seconds=3.0), http_client(marquez.url)).start()
+    try:
+        await wait_until(lambda: emitter.rt.sender.stats.backlog.pending == 2, what="both reconciliations to be stored")
+        await asyncio.sleep(0.5)
+        assert marquez.received() == [], "a reconciliation waits for its decision"
+        await publish(settings, early)
+        received = await marquez.wait_for(3, timeout=60)
+    finally:
+        await emitter.stop()
+    by_run = [(e["run"]["facets"]["budget"]["run_id"], e["eventType"]) for e in received]
+    assert by_run.index(("order/early", "START")) < by_run.index(("order/early", "COMPLETE")), by_run
+    complete = next(e for e in received if e["eventType"] == "COMPLETE" and e["run"]["facets"]["budget"]["run_id"] == "order/early")
+    budget = complete["run"]["facets"]["budget"]
+    assert [e["scope_id"] for e in budget["evaluations"]] == ["ns=vision-prod;team=vision", "ns=vision-prod"]
+    assert budget["actual_gpu_hours"] == 40.0 and budget["decision_id"] == early.decision_id and budget["reason"] == early.reason
+    # The orphan went out after the wait, with the decision inferred from its charges.
+    inferred = next(e for e in received if e["run"]["facets"]["budget"]["run_id"] == "order/orphan")["run"]["facets"]["budget"]
+    assert inferred["decision"] == "ALLOW" and [e["scope_id"] for e in inferred["evaluations"]] == ["ns=vision-prod;team=vision"]
+    assert marquez.invalid == []
