@@ -132,6 +132,7 @@ async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_goi
     bad = {
         "negative": sample("run-ok", "neg", -5.0, minute=1),
         "not_finite": sample("run-ok", "nan", float("nan"), minute=2),
+        "out_of_range": sample("run-ok", "huge", 2e15, minute=2.5),
         "missing_field": sample("", "no-run", 5.0, minute=3),
         "invalid_field": sample("run ok", "space", 5.0, minute=4),
         "future_timestamp": sample("run-ok", "future", 5.0, at=future),
