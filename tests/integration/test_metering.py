@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from aiokafka import AIOKafkaProducer
 
 from budgetgate import wire
-from budgetgate.core.metering import Counters, Sample, milli, normalize, reason_code, usage_event_id
+from budgetgate.core.metering import Counters, Rejection, Sample, milli, normalize, reason_code, usage_event_id
 from budgetgate.topics import Topics, dlq
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.integration.test_consumer import drain
@@ -149,6 +149,7 @@ async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_goi
         await publisher.send(topics.metering, sample("run-ok", "last", 200.0, minute=40), key="run-ok")
 
     expected_reasons = sorted([*bad, "unparseable", "unparseable"])
+    assert set(expected_reasons) == {str(r) for r in Rejection}, "every reason is tried"
     dead = await drain(settings.kafka_bootstrap, dlq(topics.metering), len(expected_reasons))
     reasons = dlq_reasons(dead)
     # Samples that do not even parse carry the consumer's reason, which names no code of ours.
