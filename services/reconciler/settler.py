@@ -16,6 +16,7 @@ import asyncpg
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.reconciliation import CALENDAR_BUCKET, LifecycleFact, Reservation, Rules, RunFacts, Settlement, UsageFact, settle
 from budgetgate.core.windows import Window
+from budgetgate.ledger.concurrency import end_run_holds
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.sync import LedgerSync
@@ -121,6 +122,15 @@ class Settler:
         bucket_deltas = {k: result.consumed.get(k, 0) - loaded.charges.get(k, 0) for k in set(result.consumed) | set(loaded.charges)}
         bucket_deltas = {k: d for k, d in bucket_deltas.items() if d}
         held_deltas = {key: result.held.get(key, 0) - amount for key, amount in loaded.held.items()}
+        if result.ended_at is not None or result.released:
+            # The run stopped holding GPUs (or never started): its quota counters and pool token
+            # go back now, even while its budget reservation waits for metered actuals.
+            try:
+                if await end_run_holds(conn, self.ledger, run_id):
+                    work.redis_changed = True
+            except BaseException:
+                work.redis_changed = True
+                raise
         closing = loaded.open and (result.final or result.released)
         settlement_moved = _settlement_changed(loaded.settlement, result)
         if not bucket_deltas and not any(held_deltas.values()) and not closing and not settlement_moved:

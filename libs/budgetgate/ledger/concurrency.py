@@ -12,7 +12,7 @@ import asyncpg
 
 from budgetgate.ledger.holds import SENSITIVE, HoldKeys, tenant_counter
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 
 
 @dataclass
@@ -64,4 +64,9 @@ async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: s
     """A run ended: give back its concurrency holds, in Postgres (within the caller's
     transaction, which holds the ledger lock shared) and in Redis. Returns what Redis released."""
     await conn.execute(sql("end_run_holds"), run_id)
-    return await ledger.release_holds(run_id)
+    try:
+        return await ledger.release_holds(run_id)
+    except LedgerNotLoaded:
+        # Redis lost the ledger; the caller holds the ledger lock shared, so the rebuild that
+        # must come first runs after this commit and takes its counts from these rows.
+        return 0
