@@ -154,6 +154,11 @@ class InboxConsumer:
             except Poison as exc:
                 await self._dead_letter(record, exc.reason)
                 return
+            except asyncpg.DataError as exc:
+                # Postgres refuses the message's own data (class 22: a value out of range, an
+                # invalid byte): retrying cannot help, so it is poison, not an outage.
+                await self._dead_letter(record, f"data Postgres cannot store: {type(exc).__name__}: {exc}")
+                return
         self.processed += 1
 
     async def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:

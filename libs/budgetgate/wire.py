@@ -33,6 +33,7 @@ DLQ_SOURCE_TOPIC = "dlq-source-topic"
 DLQ_PARTITION = "dlq-partition"
 DLQ_OFFSET = "dlq-offset"
 _DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_SOURCE_TOPIC, DLQ_PARTITION, DLQ_OFFSET})
+MAX_EVENT_ID = 256
 # Kafka has no limit this small, but a reason quoting a whole payload helps nobody.
 _MAX_REASON_CHARS = 1000
 
@@ -136,6 +137,9 @@ def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -
     event_id = getattr(message, "event_id", "")
     if not event_id:
         raise WireError(f"{expected} has no event_id")
+    if len(event_id) > MAX_EVENT_ID or not event_id.isprintable():
+        # Inboxes key on it: a NUL or a huge id would fail there on every redelivery.
+        raise WireError(f"{expected} event_id is not up to {MAX_EVENT_ID} printable characters: {event_id[:80]!r}")
     declared_id = header(headers, EVENT_ID)
     if declared_id is not None and declared_id.decode(errors="replace") != event_id:
         raise WireError(f"event-id header {declared_id.decode(errors='replace')!r} != body event_id {event_id!r}")

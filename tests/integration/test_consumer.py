@@ -52,6 +52,8 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
     async def handle(conn: asyncpg.Connection, message: lifecycle_pb2.LifecycleEvent, _record: object) -> None:
         if message.run_id == "poison":
             raise Poison("run id 'poison' is not acceptable")
+        if message.run_id == "overflow":
+            await conn.fetchval("SELECT $1::int", 2**40)  # Postgres refuses the data itself
         if message.run_id == "flaky" and failures["left"] > 0:
             failures["left"] -= 1
             raise ConnectionError("Postgres went away")
@@ -59,7 +61,7 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
 
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
         duplicate = event("twice")
-        for message in [event("a"), duplicate, duplicate, event("poison"), event("flaky"), event("b")]:
+        for message in [event("a"), duplicate, duplicate, event("poison"), event("overflow"), event("flaky"), event("b")]:
             await publisher.send(topics.lifecycle, message, key=message.run_id)
         raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
         await raw.start()
@@ -72,18 +74,18 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
         try:
             taken = 0
             deadline = asyncio.get_running_loop().time() + 30
-            while taken < 7 and asyncio.get_running_loop().time() < deadline:
+            while taken < 8 and asyncio.get_running_loop().time() < deadline:
                 taken += await consumer.poll_once()
         finally:
             await consumer.stop()
-        assert taken == 7
+        assert taken == 8
 
         rows = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
         assert rows == ["a", "b", "flaky", "twice"]
-        assert consumer.duplicates == 1 and consumer.dead_lettered == 2 and failures["left"] == 0
-        dead = await drain(settings.kafka_bootstrap, dlq(topics.lifecycle), 2)
+        assert consumer.duplicates == 1 and consumer.dead_lettered == 3 and failures["left"] == 0
+        dead = await drain(settings.kafka_bootstrap, dlq(topics.lifecycle), 3)
         reasons = sorted(wire.header(r.headers, "dlq-reason").decode() for r in dead)
-        assert len(reasons) == 2
+        assert len(reasons) == 3 and any("cannot store" in r for r in reasons)
         assert any("poison" in r for r in reasons) and any("protobuf" in r.lower() or "parse" in r.lower() for r in reasons)
 
         # The group's offsets were committed after the effects: a restart reads nothing again.

@@ -266,3 +266,15 @@ async def test_publisher_that_cannot_connect_fails_at_start() -> None:
         await publisher.start()
     with pytest.raises(RuntimeError, match="before start"):
         await publisher.send(METERING, _sample(), key=None)
+
+
+def test_event_ids_an_inbox_cannot_store_are_refused() -> None:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from budgetgate import wire
+    from budgetgate.v1 import lifecycle_pb2
+
+    for bad in ("run\x00id", "x" * 300):
+        message = lifecycle_pb2.LifecycleEvent(event_id=bad, event_time=Timestamp(seconds=1), run_id="r")
+        with pytest.raises(wire.WireError, match="printable"):
+            wire.decode(lifecycle_pb2.LifecycleEvent, message.SerializeToString(), [])
