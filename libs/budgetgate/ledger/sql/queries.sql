@@ -24,8 +24,9 @@ SELECT decision_id, run_id, attempt, outcome, response, decided_at FROM decision
 SELECT decision_id, attempt, outcome, response FROM budgetgate_begin_decision($1);
 
 -- name: record_decision
--- The decision, its evaluations, its ledger entries and reservations (when it reserved) and
--- its outbox row, in one statement. Arrays carry the per-policy and per-key rows.
+-- The decision, its evaluations, its ledger entries and reservations (when it reserved), its
+-- concurrency holds and pool token (when it holds any) and its outbox row, in one statement.
+-- Arrays carry the per-policy and per-key rows.
 WITH decision AS (
     INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace,
                            job_name, policy_bundle_sha, projected_gpu, showback_micros, currency, request,
@@ -52,6 +53,12 @@ WITH decision AS (
     INSERT INTO reservations (run_id, ledger_key, decision_id, amount, expected_end)
     SELECT $2, r.ledger_key, decision.decision_id, r.amount, $41
     FROM decision, unnest($32::text[], $40::bigint[]) AS r(ledger_key, amount)
+), concurrency AS (
+    INSERT INTO run_holds (run_id, decision_id, tenant, gpus, nodes, sensitive)
+    SELECT $2, decision.decision_id, $46, $47, $48, $49 FROM decision WHERE $45::boolean
+), token AS (
+    INSERT INTO pool_allocations (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at)
+    SELECT $50, 'run:' || $2, $51, $52, $53, $2, $54 FROM decision WHERE $50::text IS NOT NULL
 )
 INSERT INTO outbox (topic, key, payload, headers)
 SELECT $42, $2, $43, $44 FROM decision;
@@ -509,3 +516,31 @@ SELECT policy_id, policy_git_sha, scope_id, enforcement, decisions, allowed, den
 FROM audit_decisions_by_policy_sha
 WHERE scope_id = $1
 ORDER BY policy_id, first_decided_at;
+
+-- quotas and pools
+
+-- name: held_concurrency
+SELECT run_id, decision_id, tenant, gpus, nodes, sensitive FROM run_holds WHERE state = 'held';
+
+-- name: held_pool_allocations
+SELECT namespace, token, levels, project, sub_namespace, run_id, lease_expires_at FROM pool_allocations
+WHERE state = 'held' AND lease_expires_at > $1;
+
+-- name: end_run_holds
+WITH holds AS (
+    UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING run_id
+)
+UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held';
+
+-- name: upsert_pool_allocation
+-- Granted or renewed: a renewal extends the lease of the same (namespace, token).
+INSERT INTO pool_allocations (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (namespace, token) DO UPDATE
+SET lease_expires_at = EXCLUDED.lease_expires_at, state = 'held', released_at = NULL, levels = EXCLUDED.levels,
+    project = EXCLUDED.project, sub_namespace = EXCLUDED.sub_namespace, granted_at = CASE
+        WHEN pool_allocations.state = 'held' THEN pool_allocations.granted_at ELSE now() END;
+
+-- name: release_pool_allocation
+UPDATE pool_allocations SET state = 'released', released_at = now()
+WHERE namespace = $1 AND token = $2 AND state = 'held' RETURNING levels;
