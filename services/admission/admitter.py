@@ -13,7 +13,6 @@ Postgres before the next decision (fail closed).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import uuid

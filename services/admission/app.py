@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import asyncpg
 import redis.asyncio as aioredis
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -29,6 +29,7 @@ from budgetgate.services.admission.schemas import AllocationIn, AdmissionRequest
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.admission.tenants import add_tenant_routes
 from budgetgate.services.admission.usage import scope_usage
+from budgetgate.serving import add_operational_routes, stop_tasks
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics
 
@@ -84,9 +85,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(tasks)
             await publisher.stop()
             await client.aclose()
             await pool.close()
@@ -165,19 +164,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
             return JSONResponse({"detail": f"no ResourcePool declares namespace {namespace!r}"}, status_code=404)
         return JSONResponse(found)
 
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz(request: Request) -> JSONResponse:
-        checks = await _readiness(request.app.state.rt)
-        ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(telemetry.metrics_text(), media_type=telemetry.metrics_content_type)
+    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: _readiness(request.app.state.rt))
 
     add_tenant_routes(app, settings)
     return app

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import asyncpg
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from opentelemetry.trace import SpanKind
 
@@ -27,6 +27,7 @@ from budgetgate.services.metering_ingest.api import BACKEND_ERRORS, Unavailable,
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
+from budgetgate.serving import add_operational_routes
 from budgetgate.telemetry import Telemetry, extract_context, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
@@ -104,19 +105,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
 
     app.include_router(router(max_batch=settings.max_batch_samples, metering_topic=topics.metering))
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz(request: Request) -> JSONResponse:
-        checks = await _readiness(request.app.state.rt)
-        ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        return Response(telemetry.metrics_text(), media_type=telemetry.metrics_content_type)
+    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: _readiness(request.app.state.rt))
 
     return app
 

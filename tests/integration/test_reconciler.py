@@ -21,7 +21,7 @@ from budgetgate.services.reconciler.worker import Reconciler, build
 from budgetgate.telemetry import setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 from budgetgate.v1 import actions_pb2, lifecycle_pb2, reconciliations_pb2, usage_pb2
-from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml
 
 H = 3_600_000
 VISION_SCOPE = "ns=vision-prod;cost-center=1042;team=vision"

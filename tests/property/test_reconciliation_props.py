@@ -3,7 +3,6 @@ time, and the same ledger whatever the order, duplication or lateness of events 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
