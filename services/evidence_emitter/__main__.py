@@ -1,26 +1,8 @@
 """Run the evidence-emitter: python -m budgetgate.services.evidence_emitter [--host H] [--port P]."""
 
-from __future__ import annotations
-
-import argparse
-import logging
-
-import uvicorn
-
+from budgetgate.serving import serve
 from budgetgate.services.evidence_emitter.app import create_app
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="budgetgate-evidence-emitter")
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    args = parser.parse_args()
-    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
-    settings = EvidenceSettings(**overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
-
-
 if __name__ == "__main__":
-    main()
+    serve(prog="budgetgate-evidence-emitter", settings_cls=EvidenceSettings, create_app=create_app)

@@ -23,6 +23,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from budgetgate import wire
 from budgetgate.consumer import InboxConsumer, Route
+from budgetgate.serving import stop_tasks
 from budgetgate.services.evidence_emitter import events, transport
 from budgetgate.services.evidence_emitter.handlers import EvidenceHandlers
 from budgetgate.services.evidence_emitter.sender import Sender
@@ -103,9 +104,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(tasks)
             await consumer.stop()
             await publisher.stop()
             with contextlib.suppress(Exception):
