@@ -15,7 +15,7 @@ import httpx
 
 from budgetgate.topics import ensure_topics
 from tests.integration.test_evidence_emitter import publish
-from tests.support.admission import free_port
+from tests.support.servers import free_port
 from tests.support.marquez import decision, marquez, wait_until  # noqa: F401 - pytest fixture
 
 EVENTS = 100

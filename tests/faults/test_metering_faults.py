@@ -17,7 +17,7 @@ from budgetgate.core.metering import Counters, milli
 from budgetgate.topics import Topics, ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.faults.test_admission_faults import private_database
-from tests.support.admission import free_port
+from tests.support.servers import free_port
 from tests.support.metering import T0, as_json, decide, fetchval, metering_factory, sample, usage_records, usage_rows, wait_for  # noqa: F401 - fixture
 
 RUNS = [f"run-{i}" for i in range(4)]

@@ -3,8 +3,6 @@ Postgres database, Redis prefix and Kafka topic prefix."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,59 +10,24 @@ from pathlib import Path
 import asyncpg
 import httpx
 import pytest
-import uvicorn
 
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.policy_repo import apply_bundle
 from budgetgate.services.admission.app import create_app
 from budgetgate.services.admission.settings import AdmissionSettings
+from tests.support.servers import InProcessServer, free_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "policies"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class AdmissionServer:
+class AdmissionServer(InProcessServer):
     """A running admission service and an HTTP client for it."""
+
+    name = "admission"
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
-        self.app = create_app(settings)
-        self.url = f"http://127.0.0.1:{settings.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on"))
-        self.task: asyncio.Task[None] | None = None
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
-
-    @property
-    def rt(self):  # type: ignore[no-untyped-def]
-        return self.app.state.rt
-
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()
-            await asyncio.sleep(0.02)
-
-    async def wait_ready(self, timeout: float = 20) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            response = await self.client.get("/readyz")
-            if response.status_code == 200:
-                return
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"admission not ready: {response.text}")
-            await asyncio.sleep(0.05)
-
-    async def stop(self) -> None:
-        await self.client.aclose()
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
+        super().__init__(create_app(settings), port=settings.port)
 
     async def submit(self, **overrides: object) -> httpx.Response:
         return await self.client.post("/v1/admissions", json=submission(**overrides))

@@ -403,7 +403,7 @@ class EmitterServer:
 def emitter_settings(settings: Any, **overrides: Any) -> Any:
     """EvidenceSettings on the test's backends, retrying fast."""
     from budgetgate.services.evidence_emitter.settings import EvidenceSettings
-    from tests.support.admission import free_port
+    from tests.support.servers import free_port
 
     values = {**settings.model_dump(), "port": free_port(), "evidence_initial_backoff_seconds": 0.1,
               "evidence_max_backoff_seconds": 1.0, "evidence_idle_seconds": 0.1, **overrides}

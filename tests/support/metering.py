@@ -13,7 +13,6 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import httpx
 import pytest
-import uvicorn
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,44 +23,19 @@ from budgetgate.topics import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 from tests.integration.test_consumer import drain
-from tests.support.admission import free_port
+from tests.support.servers import InProcessServer, free_port
 
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
 
 
-class MeteringServer:
+class MeteringServer(InProcessServer):
     """A running metering-ingest service and an HTTP client for it."""
+
+    name = "metering-ingest"
 
     def __init__(self, settings: MeteringSettings) -> None:
         self.settings = settings
-        self.app = create_app(settings)
-        self.url = f"http://127.0.0.1:{settings.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on"))
-        self.task: asyncio.Task[None] | None = None
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
-
-    @property
-    def rt(self):  # type: ignore[no-untyped-def]
-        return self.app.state.rt
-
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()
-            await asyncio.sleep(0.02)
-
-    async def wait_ready(self, timeout: float = 30) -> None:
-        await wait_for(lambda: self._ready(), timeout=timeout, what="metering-ingest ready")
-
-    async def _ready(self) -> bool:
-        return (await self.client.get("/readyz")).status_code == 200
-
-    async def stop(self) -> None:
-        await self.client.aclose()
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
+        super().__init__(create_app(settings), port=settings.port)
 
     async def post(self, *samples: dict[str, object]) -> httpx.Response:
         return await self.client.post("/v1/metering/samples", json={"samples": list(samples)})

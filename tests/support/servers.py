@@ -1,0 +1,56 @@
+"""A budgetgate service running in the test's event loop on a free port, with an HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class InProcessServer:
+    """Serves `app` with uvicorn (lifespan on) and talks to it over real HTTP."""
+
+    name = "service"
+
+    def __init__(self, app: Any, *, port: int) -> None:
+        self.app = app
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        self.task: asyncio.Task[None] | None = None
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
+
+    @property
+    def rt(self) -> Any:
+        return self.app.state.rt
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            await asyncio.sleep(0.02)
+
+    async def wait_ready(self, timeout: float = 30) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            response = await self.client.get("/readyz")
+            if response.status_code == 200:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{self.name} not ready: {response.text}")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
