@@ -28,7 +28,7 @@ class ReconcilerSettings(CommonSettings):
     # A Redis hold whose decision never reached Postgres is released after this long.
     orphan_grace_seconds: float = 120.0
     # How often Redis is compared with Postgres (the drift check, a metric); 0 turns it off.
-    drift_check_seconds: float = 60.0
+    drift_check_seconds: float = 15.0
     # Serve Prometheus metrics on this port (127.0.0.1); none = no HTTP listener.
     metrics_port: int | None = None
 

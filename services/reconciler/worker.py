@@ -58,6 +58,7 @@ class Reconciler:
         meter.create_observable_counter("budgetgate_ledger_drift_repairs", callbacks=[lambda _o: [Observation(self.stats.repairs)]], description="Redis rebuilds after a confirmed drift")
         self.pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._repaired = False
 
     async def start(self) -> None:
         s = self.settings
@@ -127,6 +128,12 @@ class Reconciler:
 
     async def _settle_marked(self) -> None:
         assert self.pool is not None
+        if not self._repaired:
+            # A reconciler killed between a settlement's Redis script and its commit leaves Redis
+            # ahead of Postgres; settling again on top would count that change twice. So before
+            # settling anything, Redis is compared with Postgres and rebuilt if they differ.
+            await self.check_drift()
+            self._repaired = True
         while True:
             rows = await self.pool.fetch(sql("runs_waiting"), 200)
             await self._settle_all([r["run_id"] for r in rows])
