@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +20,7 @@ import asyncpg
 import httpx
 
 from budgetgate import wire
+from budgetgate.benchmark.session import session
 from budgetgate.benchmark import databases, metering_workload, queries
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.metering import Counters
@@ -75,21 +73,8 @@ class Run:
         self.children: list[Subprocess] = []
 
     async def execute(self) -> Result:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            loop.add_signal_handler(sig, task.cancel)
-        log_dir = Path(tempfile.mkdtemp(prefix="budgetgate-bench-"))
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                return await self._measure(stack, log_dir)
-        finally:
-            for child in self.children:  # only reached alive when cleanup itself was cut short
-                child.kill()
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-            shutil.rmtree(log_dir, ignore_errors=True)
+        async with session(self.children) as (stack, log_dir):
+            return await self._measure(stack, log_dir)
 
     async def _measure(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> Result:
         bootstrap = await self._kafka(stack, log_dir)

@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +18,7 @@ import httpx
 import redis.exceptions
 from aiokafka.errors import KafkaError
 
+from budgetgate.benchmark.session import session
 from budgetgate.benchmark import databases, load, workload
 from budgetgate.benchmark.audit import Audit, check
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, tansu_command
@@ -78,31 +76,18 @@ class Run:
 
     async def execute(self) -> Measurements:
         """Every scenario × system, in that order."""
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            loop.add_signal_handler(sig, task.cancel)
-        log_dir = Path(tempfile.mkdtemp(prefix="budgetgate-bench-"))
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                backends = await self._backends(stack, log_dir)
-                results = []
-                for scenario in self.options.scenarios:
-                    work = workload.build(
-                        scenario, requests=self.options.requests, warmup=self.options.warmup,
-                        budgets=self.options.budgets, allow_fraction=self.options.allow_fraction, tag=self.tag,
-                    )  # fmt: skip
-                    for name in self.options.systems:
-                        system: System = Budgetgate(backends, tag=f"{self.tag}-{scenario}") if name == "budgetgate" else Baseline()
-                        results.append(await self._measure(system, work, log_dir))
-                return Measurements(self.tag, results)
-        finally:
-            for child in self.children:  # only reached alive when cleanup itself was cut short
-                child.kill()
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-            shutil.rmtree(log_dir, ignore_errors=True)
+        async with session(self.children) as (stack, log_dir):
+            backends = await self._backends(stack, log_dir)
+            results = []
+            for scenario in self.options.scenarios:
+                work = workload.build(
+                    scenario, requests=self.options.requests, warmup=self.options.warmup,
+                    budgets=self.options.budgets, allow_fraction=self.options.allow_fraction, tag=self.tag,
+                )  # fmt: skip
+                for name in self.options.systems:
+                    system: System = Budgetgate(backends, tag=f"{self.tag}-{scenario}") if name == "budgetgate" else Baseline()
+                    results.append(await self._measure(system, work, log_dir))
+            return Measurements(self.tag, results)
 
     async def _backends(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> Backends:
         given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
