@@ -30,7 +30,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger, ReserveResult
 from budgetgate.services.admission.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import decision_message, response_body
 from budgetgate.services.admission.schemas import AdmissionRequest
@@ -179,18 +179,12 @@ class Admitter:
 
     async def _undo(self, run_id: str, decision_id: str) -> None:
         """Give back a reservation whose decision did not commit, or invalidate Redis if unsure."""
-        try:
-            committed = await self.pool.fetchval("SELECT 1 FROM decisions WHERE decision_id = $1", uuid.UUID(decision_id))
-            if not committed:
-                await self.ledger.release(run_id, decision_id=decision_id)
-                return
-            return  # the commit reached Postgres after all: the reservation is real
-        except BaseException as exc:  # noqa: BLE001 - any failure here leaves us unsure
-            log.error("cannot tell whether decision %s committed (%s); invalidating the Redis ledger", decision_id, exc)
-        try:
-            await self.ledger.client.delete(self.ledger.marker)
-        except BaseException as exc:  # noqa: BLE001
-            log.error("cannot invalidate the Redis ledger either (%s); the sweeper will reconcile", exc)
+        await undo_unless_committed(
+            self.ledger,
+            committed=lambda: self.pool.fetchval("SELECT 1 FROM decisions WHERE decision_id = $1", uuid.UUID(decision_id)),
+            undo=lambda: self.ledger.release(run_id, decision_id=decision_id),
+            what=f"decision {decision_id}",
+        )
 
     async def lookup(self, run_id: str) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(sql("latest_decision"), run_id)

@@ -13,7 +13,7 @@ import asyncpg
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.services.admission.concurrency import pool_request
 from budgetgate.services.admission.policies import PolicyCache
@@ -87,15 +87,12 @@ class TokenPools:
 
     async def _undo(self, namespace: str, token: str, levels: list[str]) -> None:
         """Give back a grant whose row did not commit, or invalidate Redis if that is unknown."""
-        try:
-            committed = await self.pool.fetchval("SELECT 1 FROM pool_allocations WHERE namespace = $1 AND token = $2 AND state = 'held'", namespace, token)
-            if not committed:
-                await self.ledger.deallocate(levels, token)
-            return
-        except Exception as exc:  # noqa: BLE001 - unsure: Postgres decides after a rebuild
-            log.error("cannot tell whether token %r in %r committed (%s); invalidating the Redis ledger", token, namespace, exc)
-        with contextlib.suppress(Exception):
-            await self.ledger.client.delete(self.ledger.marker)
+        await undo_unless_committed(
+            self.ledger,
+            committed=lambda: self.pool.fetchval("SELECT 1 FROM pool_allocations WHERE namespace = $1 AND token = $2 AND state = 'held'", namespace, token),
+            undo=lambda: self.ledger.deallocate(levels, token),
+            what=f"token {token!r} in {namespace!r}",
+        )
 
     async def release(self, namespace: str, token: str) -> dict[str, Any]:
         """Give a token back; releasing one that is not held is not an error."""

@@ -39,20 +39,11 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIt
             with contextlib.suppress(Exception):
                 await tx.rollback()
             if work.redis_changed:
-                await invalidate(ledger, "its transaction failed")
+                await ledger.invalidate("a reconciler transaction failed after its Redis script")
             raise
         try:
             await tx.commit()
         except BaseException:
             if work.redis_changed:
-                await invalidate(ledger, "its commit failed or was not confirmed")
+                await ledger.invalidate("a reconciler commit failed or was not confirmed")
             raise
-
-
-async def invalidate(ledger: RedisLedger, why: str) -> None:
-    """Drop the loaded marker: every script answers NOT_LOADED until Redis is rebuilt."""
-    log.error("Redis changed but Postgres may not have (%s); invalidating the Redis ledger", why)
-    try:
-        await ledger.client.delete(ledger.marker)
-    except Exception as exc:  # noqa: BLE001 - the drift check will find and repair the difference
-        log.error("cannot invalidate the Redis ledger either (%s); the drift check will repair it", exc)

@@ -8,6 +8,7 @@ every decision's keys together.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from importlib import resources
 import redis.asyncio as aioredis
 
 from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolRequest, counter_args, pool_args, pool_readings
+
+log = logging.getLogger(__name__)
 
 _SCRIPTS = ("reserve", "release", "load_key", "settle", "consume", "allocate", "deallocate", "release_holds")
 # Lua shared by several scripts, prepended when they are registered.
@@ -236,6 +239,15 @@ class RedisLedger:
         prefix = f"{self.tag}:l:"
         keys = [_text(k)[len(prefix):] async for k in self.client.scan_iter(match=f"{self.tag}:l:*", count=1000)]
         return await self.readings(keys)
+
+    async def invalidate(self, why: str) -> None:
+        """Drop the loaded marker, so every script answers NOT_LOADED until Redis is rebuilt from
+        Postgres: for when Redis may hold a change Postgres does not."""
+        log.error("Redis may hold a change Postgres does not (%s); invalidating the Redis ledger", why)
+        try:
+            await self.client.delete(self.marker)
+        except Exception as exc:  # noqa: BLE001 - the drift check finds and repairs the difference
+            log.error("cannot invalidate the Redis ledger either (%s); the drift check will repair it", exc)
 
     async def is_loaded(self) -> bool:
         return bool(await self.client.exists(self.marker))

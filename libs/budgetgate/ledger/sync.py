@@ -6,6 +6,7 @@ import asyncio
 import logging
 import uuid
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -146,3 +147,13 @@ def _uuid(text: str) -> uuid.UUID | None:
         return uuid.UUID(text)
     except ValueError:
         return None
+
+
+async def undo_unless_committed(ledger: RedisLedger, *, committed: Callable[[], Awaitable[object]], undo: Callable[[], Awaitable[object]], what: str) -> None:
+    """After a failure that followed a Redis change: undo the change when Postgres is known not to
+    hold its row; when that cannot be known, invalidate Redis so it is rebuilt from Postgres."""
+    try:
+        if not await committed():
+            await undo()
+    except Exception as exc:  # noqa: BLE001 - any failure here leaves us unsure
+        await ledger.invalidate(f"cannot tell whether {what} committed: {exc}")
