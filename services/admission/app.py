@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry.metrics import Observation
 
 from budgetgate import wire
 from budgetgate.ledger.redis_ledger import RedisLedger
@@ -60,7 +61,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     held = {"count": 0}
     meter.create_observable_gauge(
         "budgetgate_reservations_held",
-        callbacks=[lambda _options: [_observation(held["count"])]],
+        callbacks=[lambda _options: [Observation(held["count"])]],
         description="reservations held by admitted runs not yet reconciled",
     )
     topics = Topics(settings.topic_prefix)
@@ -172,12 +173,6 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
 
 async def _no_reset(_conn: asyncpg.Connection) -> None:
     return None
-
-
-def _observation(value: int):  # type: ignore[no-untyped-def]
-    from opentelemetry.metrics import Observation
-
-    return Observation(value)
 
 
 async def _readiness(rt: Runtime) -> dict[str, str]:

@@ -142,4 +142,4 @@ def refused(decision: Decision, reason: str) -> Decision:
     """The decision turned into a DENY for a concurrency reason: nothing admitted anywhere."""
     from dataclasses import replace
 
-    return replace(decision, outcome="DENY", reason=reason, evaluations=tuple(replace(e, admitted=0) for e in decision.evaluations), reserves=False)
+    return replace(decision, outcome="DENY", reason=reason, evaluations=tuple(replace(e, admitted=0) for e in decision.evaluations))

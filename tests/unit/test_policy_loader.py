@@ -655,14 +655,13 @@ def test_unknown_flavor_has_no_rate() -> None:
     assert card(Rate("h100", Decimal(1))).rate_for("b200", None, datetime(2026, 1, 1, tzinfo=UTC)) is None
 
 
-def test_bundle_rate_for_gives_the_currency_and_known_flavors() -> None:
+def test_bundle_rate_for_gives_the_currency() -> None:
     bundle = load(EXAMPLES)
     rate, currency = bundle.rate_for("h100", "eu-west-1", datetime(2026, 3, 1, tzinfo=UTC)) or (None, None)
     assert rate == Rate("h100", Decimal("4.25"), region="eu-west-1")
     assert currency == "USD"
     assert bundle.rate_for("a100", None, datetime(2026, 7, 1, tzinfo=UTC))[0].rate_per_gpu_hour == Decimal("1.85")  # type: ignore[index]
     assert bundle.rate_for("tpu", None, datetime(2026, 3, 1, tzinfo=UTC)) is None
-    assert bundle.known_flavors() == frozenset({"h100", "a100", "l4"})
 
 
 def test_label_key_ns_is_reserved_for_namespaces(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from budgetgate.core.policy import Source
+from budgetgate.core.policy import Source, pool_chain
 from budgetgate.core.quotas import (
     Cluster,
     Holdings,
@@ -15,7 +15,6 @@ from budgetgate.core.quotas import (
     SensitivePool,
     TenantQuota,
     fair_share,
-    pool_chain,
     pool_rejection,
     priority_penalty,
     quota_violation,

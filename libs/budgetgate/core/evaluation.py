@@ -5,7 +5,7 @@ applies exactly `fits()` below to every hard charge."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -170,11 +170,16 @@ class Decision:
     outcome: str  # ALLOW | DENY | DELAY
     reason: str
     evaluations: tuple[Evaluation, ...]
-    reserves: bool = field(default=False)
 
     @property
     def admitted(self) -> bool:
         return self.outcome == "ALLOW"
+
+    @property
+    def reserves(self) -> bool:
+        """Whether the decision reserves on budgets: an ALLOW that some budget covers (even for a
+        zero amount, the run is then held on the ledger)."""
+        return self.admitted and any(e.ledger_key is not None for e in self.evaluations)
 
 
 Release = tuple[datetime, int]
@@ -204,7 +209,7 @@ def decide(
     blocked = [c for c in plan.charges if c.hard and not fits(c.amount, readings[c.ledger_key])]
     if not blocked:
         evaluations = tuple(_evaluation(c, sha, readings[c.ledger_key], admitted=c.amount, outcome=_soft_outcome(c, readings)) for c in plan.charges)
-        return Decision("ALLOW", _allow_reason(plan, readings), evaluations, reserves=True)
+        return Decision("ALLOW", _allow_reason(plan, readings), evaluations)
     # Waiting helps only when every blocking budget says so and the run fits each one at all.
     outcome = "DELAY" if all(_can_wait(c) for c in blocked) else "DENY"
     releases = releases or {}

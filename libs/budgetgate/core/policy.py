@@ -152,9 +152,6 @@ class PolicyBundle:
                 best = (rate, card.currency)
         return best
 
-    def known_flavors(self) -> frozenset[str]:
-        return frozenset(rate.flavor for card in self.rate_cards for rate in card.rates)
-
 
 def _specificity(rate: Rate, at: datetime) -> tuple[bool, datetime]:
     # A region match beats a rate for any region; then the most recent effective_from wins.

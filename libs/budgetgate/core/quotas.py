@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from budgetgate.core.policy import Source, pool_chain  # noqa: F401 - pool_chain is part of this module's API
+from budgetgate.core.policy import Source
 
 SOFT_START = 0.8  # utilization where the soft-quota priority penalty starts
 

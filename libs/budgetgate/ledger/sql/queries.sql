@@ -16,9 +16,6 @@ SELECT pg_advisory_xact_lock(7302, hashtext($1));
 SELECT decision_id, run_id, attempt, outcome, response, decided_at
 FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
 
--- name: decision_by_id
-SELECT decision_id, run_id, attempt, outcome, response, decided_at FROM decisions WHERE decision_id = $1;
-
 -- name: begin_decision
 -- Ledger lock (shared) + run lock + the run's latest decision, in one round trip.
 SELECT decision_id, attempt, outcome, response FROM budgetgate_begin_decision($1);
@@ -95,19 +92,12 @@ SELECT run_id, decision_id, ledger_key, amount, created_at FROM reservations WHE
 SELECT expected_end, amount FROM reservations
 WHERE ledger_key = $1 AND state = 'held' ORDER BY expected_end;
 
--- name: release_run
-UPDATE reservations SET state = 'released', ended_at = now(), end_reason = $2
-WHERE run_id = $1 AND state = 'held' RETURNING ledger_key, amount;
-
 -- name: claim_outbox
 SELECT id, topic, key, payload, headers FROM outbox
 WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED;
 
 -- name: mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[]);
-
--- name: outbox_backlog
-SELECT count(*) AS pending, min(created_at) AS oldest FROM outbox WHERE published_at IS NULL;
 
 -- name: insert_bundle
 INSERT INTO policy_bundles (git_sha, documents, source, applied_by) VALUES ($1, $2, $3, $4)
@@ -210,19 +200,6 @@ RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_
 
 -- name: pending_count
 SELECT count(*) FROM metering_pending;
-
--- name: run_usage
--- A run's metered usage so far (its high-water mark, which never goes down).
-SELECT run_id, gpu_milli_hours_cumulative, node_milli_hours_cumulative, samples, latest_observed_at
-FROM usage_runs WHERE run_id = $1;
-
--- name: run_usage_through
--- A run's usage as of a time: the counters of its latest sample observed at or before $2 (no
--- row: nothing yet). Usage in a window (a, b] is through(b) - through(a).
-SELECT gpu_milli_hours, node_milli_hours, observed_at FROM usage_records
-WHERE run_id = $1 AND observed_at <= $2 ORDER BY observed_at DESC LIMIT 1;
-
--- reconciler -----------------------------------------------------------------------------------
 
 -- name: record_lifecycle
 -- A lifecycle event as reported; true when it is new (its event id was never seen).
