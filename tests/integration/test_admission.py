@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import datetime
 
 import asyncpg
 import pytest
@@ -42,7 +43,11 @@ async def test_allow_answers_with_the_numbers(admission) -> None:
     assert vision["scope_id"] == "ns=vision-prod;cost-center=1042;team=vision"
     assert vision["policy_git_sha"] == "e" * 40
     assert vision["remaining_gpu_hours"] == 500.0 and vision["admitted_gpu_hours"] == 48.0
-    assert vision["window_start"].startswith(vision["window_start"][:8]) and vision["window_end"] > vision["window_start"]
+    start, end = datetime.fromisoformat(vision["window_start"]), datetime.fromisoformat(vision["window_end"])
+    decided = datetime.fromisoformat(body["decided_at"])
+    # The calendar month (UTC) the decision fell in: from its first day to the next month's.
+    assert start == decided.replace(day=1, hour=0, minute=0, second=0, microsecond=0) and start <= decided < end
+    assert end.day == 1 and end.hour == 0 and (end.month - start.month) % 12 == 1
     assert by_policy["cost/cc-1042"]["projected"] == 188.78
 
 
