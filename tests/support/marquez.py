@@ -24,6 +24,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
+from tests.support.servers import InProcessServer, free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT.parent / "shared" / "reference" / "openlineage-spec" / "spec"
 FACET_SCHEMAS = ROOT / "schemas"
@@ -354,56 +356,28 @@ def marquez() -> Iterator[MarquezStandIn]:
 # -- the evidence-emitter, run in-process or as a process to kill -------------------------------
 
 
-class EmitterServer:
+class EmitterServer(InProcessServer):
     """The evidence-emitter in this process (uvicorn on a free port), sending to `client`."""
 
-    def __init__(self, settings: Any, client: Any | None) -> None:
-        import httpx
-        import uvicorn
+    name = "evidence-emitter"
 
+    def __init__(self, settings: Any, client: Any | None) -> None:
         from budgetgate.services.evidence_emitter.app import create_app
 
         self.settings = settings
-        self.app = create_app(settings, client=client)
-        self.url = f"http://127.0.0.1:{settings.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on"))
-        self.task: Any = None
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
-
-    @property
-    def rt(self) -> Any:
-        return self.app.state.rt
+        super().__init__(create_app(settings, client=client), port=settings.port)
 
     async def start(self) -> EmitterServer:
-        import asyncio
-
-        self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()
-            await asyncio.sleep(0.02)
+        await super().start()
         return self
 
     async def wait_consuming(self, timeout: float = 30) -> None:
-        import asyncio
-
-        deadline = asyncio.get_running_loop().time() + timeout
-        while (await self.client.get("/readyz")).status_code != 200:
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"evidence-emitter not ready: {(await self.client.get('/readyz')).text}")
-            await asyncio.sleep(0.05)
-
-    async def stop(self) -> None:
-        await self.client.aclose()
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
+        await self.wait_ready(timeout)
 
 
 def emitter_settings(settings: Any, **overrides: Any) -> Any:
     """EvidenceSettings on the test's backends, retrying fast."""
     from budgetgate.services.evidence_emitter.settings import EvidenceSettings
-    from tests.support.servers import free_port
 
     values = {**settings.model_dump(), "port": free_port(), "evidence_initial_backoff_seconds": 0.1,
               "evidence_max_backoff_seconds": 1.0, "evidence_idle_seconds": 0.1, **overrides}
