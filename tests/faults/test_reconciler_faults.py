@@ -51,8 +51,11 @@ async def test_killed_mid_stream_and_restarted_loses_nothing_applies_nothing_twi
         messages += [usage(f"k{i}", "2", start + timedelta(hours=2), 8 + i % 5), lifecycle(f"k{i}", "COMPLETED", start + timedelta(hours=2))]
     log = tmp_path / "reconciler.log"
     first = start_reconciler(settings, log)
+    # The first half goes out while the first reconciler runs, the rest only after it was
+    # killed, so the kill always interrupts the stream, however fast the reconciler is.
+    half = len(messages) // 2
     try:
-        sending = asyncio.create_task(feed.send(*messages))
+        sending = asyncio.create_task(feed.send(*messages[:half]))
 
         async def some_done() -> bool:
             final, _, _ = await counts(pg_dsn)
@@ -64,6 +67,7 @@ async def test_killed_mid_stream_and_restarted_loses_nothing_applies_nothing_twi
         await sending
         final_at_kill, _, _ = await counts(pg_dsn)
         assert final_at_kill < RUNS, "the kill came too late to interrupt anything"
+        await feed.send(*messages[half:])
     finally:
         if first.poll() is None:
             first.kill()
