@@ -7,13 +7,14 @@ import json
 import subprocess
 import uuid
 from datetime import UTC, datetime
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 import asyncpg
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate import topics, wire
-from budgetgate.core.loader import SourceDocument, documents_to_json
+from budgetgate.core.loader import SourceDocument, directory_files, documents_to_json
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.queries import sql
 from budgetgate.v1 import policies_pb2
@@ -24,31 +25,129 @@ class RepositoryError(RuntimeError):
 
 
 def _git(directory: Path, *args: str) -> str:
-    result = subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True, check=False)
+    return _git_bytes(directory, *args).decode("utf-8", "replace").strip()
+
+
+def _git_bytes(directory: Path, *args: str) -> bytes:
+    try:
+        result = subprocess.run(["git", "-C", str(directory), *args], capture_output=True, check=False)
+    except FileNotFoundError as exc:
+        raise RepositoryError("git is not installed") from exc
     if result.returncode != 0:
-        raise RepositoryError(f"git {' '.join(args)} failed in {directory}: {result.stderr.strip() or result.stdout.strip()}")
-    return result.stdout.strip()
+        message = (result.stderr or result.stdout).decode("utf-8", "replace").strip()
+        raise RepositoryError(f"git {' '.join(args)} failed in {directory}: {message}")
+    return result.stdout
 
 
-def revision(directory: Path, *, allow_dirty: bool, documents: list[SourceDocument]) -> str:
-    """The Git SHA the directory's policies are at.
+@dataclass(frozen=True, slots=True)
+class Revision:
+    """Where a policy directory's documents come from: a commit, or (dirty) the working tree."""
+
+    sha: str
+    head: str | None
+    dirty: bool
+
+
+def revision(directory: Path, *, allow_dirty: bool) -> Revision:
+    """The Git commit the directory's policies are at.
 
     A tree with uncommitted changes under the directory is refused unless `allow_dirty`; then the
-    SHA is suffixed with a digest of the documents, so two different dirty trees never share one.
-    """
+    documents are the working tree's files Git would commit (ignored files are not), and the
+    SHA gets a digest suffix (see `dirty_sha`)."""
+    if not directory.is_dir():
+        raise RepositoryError(f"{directory} is not a directory")
     try:
         head = _git(directory, "rev-parse", "HEAD")
         dirty = bool(_git(directory, "status", "--porcelain", "--", "."))
-    except (RepositoryError, FileNotFoundError) as exc:
+    except RepositoryError as exc:
         if not allow_dirty:
             raise RepositoryError(f"{directory} is not in a Git repository with a commit ({exc}); commit the policies or pass --allow-dirty") from exc
-        head, dirty = "nogit", True
-    if not dirty:
-        return head
-    if not allow_dirty:
+        return Revision("nogit", None, True)
+    if dirty and not allow_dirty:
         raise RepositoryError(f"{directory} has uncommitted changes; commit them (policies are applied at a Git SHA) or pass --allow-dirty")
+    return Revision(head, head, dirty)
+
+
+def dirty_sha(rev: Revision, documents: list[SourceDocument]) -> str:
+    """The SHA a dirty tree is applied under: two different dirty trees never share one."""
+    if not rev.dirty:
+        return rev.sha
     digest = hashlib.sha256(documents_to_json(documents).encode()).hexdigest()[:12]
-    return f"{head}-dirty.{digest}"
+    return f"{rev.sha}-dirty.{digest}"
+
+
+def policy_files(directory: Path, rev: Revision) -> list[tuple[str, bytes | OSError]]:
+    """(name relative to `directory`, content) of every *.yaml / *.yml file the revision holds.
+
+    A clean revision is read from the commit itself, never from the working tree; a dirty one
+    from the files Git would commit. A symlink is followed only within the repository."""
+    if rev.head is None:
+        return directory_files(directory)
+    top = Path(_git(directory, "rev-parse", "--show-toplevel")).resolve()
+    prefix = directory.resolve().relative_to(top).as_posix()
+    prefix = "" if prefix == "." else prefix + "/"
+    if rev.dirty:
+        return _worktree_files(directory, top, prefix)
+    return _commit_files(directory, rev.sha, prefix)
+
+
+def _commit_files(directory: Path, sha: str, prefix: str) -> list[tuple[str, bytes | OSError]]:
+    listing = _git_bytes(directory, "ls-tree", "-r", "-z", "--full-tree", sha, "--", prefix or ".")
+    files: list[tuple[str, bytes | OSError]] = []
+    for entry in sorted(filter(None, listing.split(b"\0"))):
+        meta, _, raw_path = entry.partition(b"\t")
+        mode, kind, obj = meta.decode().split()
+        path = raw_path.decode("utf-8", "replace")
+        if PurePosixPath(path).suffix not in (".yaml", ".yml") or kind != "blob":
+            continue
+        name = path.removeprefix(prefix)
+        if mode == "120000":
+            target = _inside_repository(path, _git_bytes(directory, "cat-file", "blob", obj).decode("utf-8", "replace"))
+            if target is None:
+                files.append((name, OSError("a symlink to a file outside the repository; policies are only what Git holds")))
+                continue
+            try:
+                files.append((name, _git_bytes(directory, "show", f"{sha}:{target}")))
+            except RepositoryError:
+                files.append((name, OSError(f"a symlink to {target}, which the commit does not hold")))
+            continue
+        files.append((name, _git_bytes(directory, "cat-file", "blob", obj)))
+    return files
+
+
+def _inside_repository(link: str, target: str) -> str | None:
+    """The repository path a symlink at `link` points to, or None when it leaves the repository."""
+    if target.startswith("/"):
+        return None
+    parts: list[str] = []
+    for part in (*PurePosixPath(link).parent.parts, *PurePosixPath(target).parts):
+        if part == "..":
+            if not parts:
+                return None
+            parts.pop()
+        elif part not in (".", ""):
+            parts.append(part)
+    return "/".join(parts)
+
+
+def _worktree_files(directory: Path, top: Path, prefix: str) -> list[tuple[str, bytes | OSError]]:
+    listing = _git_bytes(directory, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--full-name", "--", ".")
+    files: list[tuple[str, bytes | OSError]] = []
+    for path in sorted({p.decode("utf-8", "replace") for p in listing.split(b"\0") if p}):
+        if PurePosixPath(path).suffix not in (".yaml", ".yml"):
+            continue
+        on_disk = top / path
+        if not on_disk.exists():
+            continue  # deleted, not yet committed
+        name = path.removeprefix(prefix)
+        if not on_disk.resolve().is_relative_to(top):
+            files.append((name, OSError("a symlink to a file outside the repository; policies are only what Git holds")))
+            continue
+        try:
+            files.append((name, on_disk.read_bytes()))
+        except OSError as exc:
+            files.append((name, exc))
+    return files
 
 
 async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, documents: list[SourceDocument], source: str, applied_by: str) -> int:
@@ -64,6 +163,8 @@ async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, docume
     record = wire.encode(message, key=bundle.git_sha)
     async with conn.transaction():
         await conn.execute(sql("insert_bundle"), bundle.git_sha, documents_json, source, applied_by)
+        if await conn.fetchval(sql("bundle_differs"), bundle.git_sha, documents_json):
+            raise RepositoryError(f"a bundle with SHA {bundle.git_sha} was applied before with other documents; a SHA names one content (commit the change and apply the new SHA)")
         seq = await conn.fetchval(sql("activate_bundle"), bundle.git_sha)
         for policy in bundle.policies:
             await conn.execute(sql("update_policy_limits"), policy.id, policy.limit.amount, bundle.git_sha, str(policy.limit.unit))

@@ -1,7 +1,7 @@
 """Settings shared by every service and the CLI, read from BUDGETGATE_* variables.
 
 Precedence: environment variables, then the state file that `budgetgate dev up` writes in the
-working directory (`.budgetgate/dev.json`), then the defaults below. So a CLI command run in a
+working directory or a parent (`.budgetgate/dev.json`; BUDGETGATE_HOME names the folder instead), then the defaults below. So a CLI command run in a
 checkout reaches the stack that `dev up` started there without further configuration.
 
 One exception: where `dev up` derived a value from a variable (a database of the checkout's own
@@ -23,6 +23,17 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 DEV_STATE_FILE = Path(".budgetgate") / "dev.json"
 
 
+def find_dev_state(start: Path | None = None) -> Path | None:
+    """The state file of the local stack: under BUDGETGATE_HOME when set, else the first
+    `.budgetgate/dev.json` in the current folder or one of its parents."""
+    home = os.environ.get("BUDGETGATE_HOME")
+    if home:
+        path = Path(home).expanduser() / DEV_STATE_FILE
+        return path if path.is_file() else None
+    here = (start or Path.cwd()).resolve()
+    return next((folder / DEV_STATE_FILE for folder in (here, *here.parents) if (folder / DEV_STATE_FILE).is_file()), None)
+
+
 class _DevStateSource(PydanticBaseSettingsSource):
     """Values published by a running `budgetgate dev up` in the current directory; with
     `derived_only`, just those derived from a variable that still has the recorded value."""
@@ -35,8 +46,8 @@ class _DevStateSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = Path.cwd() / DEV_STATE_FILE
-        if not path.is_file():
+        path = find_dev_state()
+        if path is None:
             return {}
         try:
             state = json.loads(path.read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.test_local_stack import budgetgate
+from tests.support.cli import budgetgate
 from tests.support.admission import EXAMPLES, submission
 
 SCOPE = "ns=vision-prod;cost-center=1042;team=vision"

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -18,10 +15,7 @@ from budgetgate import wire
 from budgetgate.topics import Topics
 from budgetgate.v1 import decisions_pb2
 from tests.support.admission import EXAMPLES, git, submission
-
-
-def budgetgate(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "budgetgate.cli.main", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+from tests.support.cli import budgetgate
 
 
 async def decisions_for(bootstrap: str, topic: str, run_ids: set[str], timeout: float = 30) -> dict[str, decisions_pb2.Decision]:

@@ -112,7 +112,7 @@ def test_settings_point_at_this_tests_own_resources(
 # -- dev up / status / down -------------------------------------------------------------------
 
 NO_BACKEND_ENV = ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_REDIS_URL", "BUDGETGATE_KAFKA_BOOTSTRAP",
-                  "BUDGETGATE_REDIS_PREFIX", "BUDGETGATE_TOPIC_PREFIX")  # fmt: skip
+                  "BUDGETGATE_REDIS_PREFIX", "BUDGETGATE_TOPIC_PREFIX", "BUDGETGATE_HOME")  # fmt: skip
 
 
 def dev(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -284,6 +284,40 @@ def test_up_replaces_a_stack_whose_processes_all_died(checkout: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert "no longer running" in again.stderr
     assert status(checkout)["up"] is True
+
+
+def test_every_command_finds_the_stack_from_a_subfolder_or_budgetgate_home(new_checkout) -> None:  # type: ignore[no-untyped-def]
+    checkout, elsewhere = new_checkout(), new_checkout()
+    assert dev(checkout, "up", "--detach", "--no-services").returncode == 0
+    sub = checkout / "policies" / "teams"
+    sub.mkdir(parents=True)
+    info = status(sub)
+    assert info["root"] == str(checkout)
+    assert {s["name"]: s["url"] for s in info["services"]} == {
+        "postgres": info["postgres_dsn"], "redis": info["redis_url"], "kafka": info["kafka_bootstrap"]}  # fmt: skip
+    listed = dev(sub, "status")
+    for service in info["services"]:
+        assert f"{service['url']}" in listed.stdout
+    assert json.loads(dev(elsewhere, "status", "--json", env={"BUDGETGATE_HOME": str(checkout)}).stdout)["root"] == str(checkout)
+    assert dev(elsewhere, "status").returncode == 1  # no stack there, and none above it
+
+    # Any other command from the subfolder reaches that stack, and says so on stderr.
+    base = {k: v for k, v in os.environ.items() if k not in NO_BACKEND_ENV}
+    result = subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "usage", "--scope", "x"], cwd=sub, env=base,
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    assert f"budgetgate: postgres at {info['postgres_dsn']} (stack in {checkout})" in result.stderr
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+
+
+def test_up_exits_non_zero_when_a_part_is_not_running(checkout: Path) -> None:
+    assert dev(checkout, "up", "--detach", "--no-services").returncode == 0
+    redis_pid = alive_pids(status(checkout))["redis"]
+    os.killpg(redis_pid, 9)
+    again = dev(checkout, "up", "--detach", "--no-services")
+    assert again.returncode == 2
+    assert "not running: redis" in again.stderr
+    assert dev(checkout, "status").returncode == 2
+    assert next(s for s in status(checkout)["services"] if s["name"] == "redis")["alive"] is False
 
 
 ADMISSION_MAIN = "budgetgate.services.admission.__main__"

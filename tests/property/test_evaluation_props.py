@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from budgetgate.core.eligibility import Held, Outlook
 from budgetgate.core.evaluation import Charge, Plan, Reading, Resources, Submission, decide, fits, plan
 from budgetgate.core.policy import BudgetPolicy, Enforcement, Limit, OnExhausted, PolicyBundle, Scope, Source
 from budgetgate.core.units import Unit, hours_amount
@@ -49,7 +50,7 @@ def charge_and_reading(draw: st.DrawFn, index: int) -> tuple[Charge, Reading]:
 
 
 @st.composite
-def plans(draw: st.DrawFn) -> tuple[Plan, dict[str, Reading], dict[str, list[tuple[datetime, int]]]]:
+def plans(draw: st.DrawFn) -> tuple[Plan, dict[str, Reading], dict[str, Outlook]]:
     count = draw(st.integers(min_value=1, max_value=6))
     pairs = [draw(charge_and_reading(i)) for i in range(count)]
     submission = Submission(
@@ -65,18 +66,17 @@ def plans(draw: st.DrawFn) -> tuple[Plan, dict[str, Reading], dict[str, list[tup
         currency=None,
     )
     readings = {c.ledger_key: r for c, r in pairs}
-    release = st.tuples(
-        st.datetimes(min_value=datetime(2026, 3, 10, 12), max_value=datetime(2026, 9, 1), timezones=st.just(UTC)),
-        st.integers(min_value=0, max_value=BIG),
-    )
-    releases = {c.ledger_key: draw(st.lists(release, max_size=4)) for c, _ in pairs}
-    return p, readings, releases
+    instants = st.datetimes(min_value=datetime(2026, 1, 1), max_value=datetime(2026, 9, 1), timezones=st.just(UTC))
+    held = st.builds(Held, amount=st.integers(min_value=1, max_value=BIG), started=st.booleans(), start_deadline=instants, expected_end=instants)
+    bucket = st.tuples(instants.map(lambda at: at.replace(minute=0, second=0, microsecond=0)), st.integers(min_value=1, max_value=BIG))
+    outlooks = {c.ledger_key: Outlook(tuple(draw(st.lists(held, max_size=4))), tuple(draw(st.lists(bucket, max_size=4)))) for c, _ in pairs}
+    return p, readings, outlooks
 
 
 @given(case=plans())
-def test_allow_iff_every_hard_charge_fits(case: tuple[Plan, dict[str, Reading], dict[str, list[tuple[datetime, int]]]]) -> None:
+def test_allow_iff_every_hard_charge_fits(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
     p, readings, releases = case
-    decision = decide(p, readings, releases=releases)
+    decision = decide(p, readings, outlooks=releases)
     every_hard_fits = all(fits(c.amount, readings[c.ledger_key]) for c in p.charges if c.hard)
     assert (decision.outcome == "ALLOW") == every_hard_fits
     assert decision.admitted == every_hard_fits
@@ -91,9 +91,9 @@ def test_allow_iff_every_hard_charge_fits(case: tuple[Plan, dict[str, Reading], 
 
 
 @given(case=plans())
-def test_blocked_outcome_follows_on_exhausted(case: tuple[Plan, dict[str, Reading], dict[str, list[tuple[datetime, int]]]]) -> None:
+def test_blocked_outcome_follows_on_exhausted(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
     p, readings, releases = case
-    decision = decide(p, readings, releases=releases)
+    decision = decide(p, readings, outlooks=releases)
     blocked = [c for c in p.charges if c.hard and not fits(c.amount, readings[c.ledger_key])]
     if not blocked:
         assert decision.outcome == "ALLOW"
@@ -112,21 +112,29 @@ def test_blocked_outcome_follows_on_exhausted(case: tuple[Plan, dict[str, Readin
         assert evaluation.outcome == ("DELAY" if waits else "DENY")
         assert evaluation.deficit == charge.amount - reading.remaining > 0
         eligible = evaluation.next_eligible_time
+        outlook = releases[charge.ledger_key]
         if charge.amount > charge.policy.limit.amount:
             assert eligible is None
-        else:
-            rolling = charge.policy.window.rolling_days
-            horizon = charge.window.end + timedelta(days=rolling) if rolling else charge.window.end
-            assert eligible is not None and eligible <= horizon
-            if eligible < horizon:
-                # An earlier time is only named when known releases up to it free enough.
-                freed = sum(amount for at, amount in releases[charge.ledger_key] if at <= eligible)
+        elif charge.policy.window.rolling_days is None:
+            # A calendar window: the next window's start, or earlier only when runs that have not
+            # started give back enough by their start deadlines. A run's end frees nothing.
+            assert eligible is not None and AT <= eligible <= charge.window.end
+            if eligible < charge.window.end:
+                freed = sum(h.amount for h in outlook.holds if not h.started and max(h.start_deadline, AT) <= eligible)
                 assert freed >= evaluation.deficit
+        else:
+            days = timedelta(days=charge.policy.window.rolling_days)
+            assert eligible is not None and AT <= eligible
+            freed = sum(h.amount for h in outlook.holds if not h.started and max(h.start_deadline, AT) <= eligible)
+            freed += sum(used for bucket, used in outlook.buckets if bucket + days + timedelta(hours=1) <= eligible)
+            freed += sum(h.amount for h in outlook.holds if h.started and max(h.expected_end, AT) + days <= eligible)
+            everything_gone = eligible >= AT.replace(minute=0) + days + timedelta(hours=1)
+            assert freed >= evaluation.deficit or everything_gone
 
 
 @given(case=plans(), data=st.data())
 def test_more_room_never_turns_an_admission_into_a_refusal(
-    case: tuple[Plan, dict[str, Reading], dict[str, list[tuple[datetime, int]]]], data: st.DataObject
+    case: tuple[Plan, dict[str, Reading], dict[str, Outlook]], data: st.DataObject
 ) -> None:
     p, readings, _ = case
     roomier = {
@@ -138,7 +146,7 @@ def test_more_room_never_turns_an_admission_into_a_refusal(
 
 @given(case=plans())
 def test_soft_and_dry_run_readings_never_change_the_outcome(
-    case: tuple[Plan, dict[str, Reading], dict[str, list[tuple[datetime, int]]]]
+    case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]
 ) -> None:
     p, readings, _ = case
     exhausted = {
@@ -200,11 +208,24 @@ def test_planned_submission_is_admitted_iff_its_hard_budgets_have_room(
         p.charges[0].ledger_key: Reading(limit=team.limit.amount, reserved=0, consumed=team_used),
         p.charges[1].ledger_key: Reading(limit=org.limit.amount, reserved=org_used, consumed=0),
     }
-    team_fits = projected <= team.limit.amount - team_used
-    org_fits = projected <= org.limit.amount - org_used
+    # A zero charge (a CPU-only run on a GPU budget) fits even an over-run budget.
+    team_fits = projected == 0 or projected <= team.limit.amount - team_used
+    org_fits = projected == 0 or projected <= org.limit.amount - org_used
     expected = team_fits and (org_fits or org_enforcement is not Enforcement.HARD)
     decision = decide(p, readings)
     assert decision.admitted == expected
     too_big = projected > team.limit.amount or (org_enforcement is Enforcement.HARD and projected > org.limit.amount and not org_fits)
     assert decision.outcome == ("ALLOW" if expected else "DENY" if too_big else "DELAY")
     assert sum(e.admitted for e in decision.evaluations) == (2 * projected if expected else 0)
+
+
+@given(case=plans())
+def test_the_deciding_evaluation_named_by_admission_is_the_one_the_evidence_derives(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
+    from budgetgate.services.admission.rendering import decision_message
+    from budgetgate.services.evidence_emitter.facet import deciding_index as derived
+
+    p, readings, releases = case
+    decision = decide(p, readings, outlooks=releases)
+    message = decision_message(plan=p, decision=decision, decision_id="d", decided_at=AT, job=None)
+    assert message.HasField("deciding_evaluation")
+    assert message.deciding_evaluation == derived(decision.outcome, message.evaluations)

@@ -20,9 +20,10 @@ from budgetgate.core.evaluation import (
     describe,
     fits,
     ledger_key,
-    next_eligible,
+    eligible_at,
     plan,
 )
+from budgetgate.core.eligibility import Held, Outlook
 from budgetgate.core.policy import (
     BudgetPolicy,
     Enforcement,
@@ -404,51 +405,76 @@ def test_deficit_counts_overconsumption() -> None:
 # --- next eligible time -------------------------------------------------------------------------
 
 
-def delayed(policy: BudgetPolicy, remaining: int, releases: list[tuple[datetime, int]] | None = None, **kwargs: object) -> Decision:
+def delayed(policy: BudgetPolicy, remaining: int, outlook: Outlook | None = None, **kwargs: object) -> Decision:
     p = plan(bundle(policy), submission(**kwargs))  # type: ignore[arg-type]
     key = p.charges[0].ledger_key
     limit = policy.limit.amount
-    return decide(p, {key: Reading(limit=limit, reserved=limit - remaining, consumed=0)}, releases={key: releases or []})
+    return decide(p, {key: Reading(limit=limit, reserved=limit - remaining, consumed=0)}, outlooks={key: outlook or Outlook()})
+
+
+def running(amount: int, *, ends: datetime) -> Held:
+    return Held(amount, started=True, start_deadline=AT - timedelta(hours=1), expected_end=ends)
+
+
+def unstarted(amount: int, *, deadline: datetime) -> Held:
+    return Held(amount, started=False, start_deadline=deadline, expected_end=deadline + timedelta(hours=6))
 
 
 WAITING = budget("waiting", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
+ROLLING = budget("rolling", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY, window=WindowSpec(rolling_days=7))
+GPU_H = 3_600_000
 
 
-def test_next_eligible_is_the_window_end_without_releases() -> None:
+def test_the_issue_repro_a_running_reservation_ending_frees_nothing() -> None:
+    # 10 GPU-hours, one 6-hour run admitted: a second 1 GPU × 6 h run must wait for the next
+    # window, not for the first run's end (its reservation then becomes consumption).
+    ten = budget("ten", namespaces=("vision-prod",), limit="10", on_exhausted=OnExhausted.DELAY)
+    first = running(6 * GPU_H, ends=AT + timedelta(hours=6))
+    decision = delayed(ten, remaining=4 * GPU_H, outlook=Outlook(holds=(first,)), gpus=1)
+    assert decision.outcome == "DELAY"
+    assert decision.evaluations[0].next_eligible_time == MARCH[1]
+
+
+def test_next_eligible_is_the_next_window_start_without_releases() -> None:
     decision = delayed(WAITING, remaining=0)
     assert decision.evaluations[0].next_eligible_time == MARCH[1]
     assert "Resubmit at or after 2026-04-01T00:00:00Z" in decision.reason
 
 
-def test_next_eligible_is_the_earliest_release_that_frees_enough() -> None:
+def test_unstarted_runs_give_their_reservation_back_at_their_start_deadline() -> None:
     soon, later, latest = AT + timedelta(hours=1), AT + timedelta(hours=2), AT + timedelta(hours=3)
-    # 20 GPU-hours free; needs 28 more: the first release frees 10, the second 20 → enough at `later`.
-    releases = [(latest, GPU_48), (soon, 10 * 3_600_000), (later, 20 * 3_600_000)]
-    decision = delayed(WAITING, remaining=20 * 3_600_000, releases=releases)
-    assert decision.evaluations[0].deficit == 28 * 3_600_000
+    # 20 GPU-hours free; needs 28 more: the first unstarted run frees 10, the second 20 → `later`.
+    holds = (unstarted(GPU_48, deadline=latest), unstarted(10 * GPU_H, deadline=soon), unstarted(20 * GPU_H, deadline=later), running(GPU_48, ends=soon))
+    decision = delayed(WAITING, remaining=20 * GPU_H, outlook=Outlook(holds=holds))
+    assert decision.evaluations[0].deficit == 28 * GPU_H
     assert decision.evaluations[0].next_eligible_time == later
+
+
+def test_a_start_deadline_already_passed_counts_from_now() -> None:
+    decision = delayed(WAITING, remaining=0, outlook=Outlook(holds=(unstarted(GPU_48, deadline=AT - timedelta(minutes=5)),)))
+    assert decision.evaluations[0].next_eligible_time == AT
 
 
 def test_release_that_frees_exactly_the_deficit_is_enough() -> None:
     soon = AT + timedelta(minutes=5)
-    decision = delayed(WAITING, remaining=GPU_48 - 7, releases=[(soon, 7)])
+    decision = delayed(WAITING, remaining=GPU_48 - 7, outlook=Outlook(holds=(unstarted(7, deadline=soon),)))
     assert decision.evaluations[0].next_eligible_time == soon
 
 
-def test_releases_that_do_not_free_enough_fall_back_to_the_window_end() -> None:
-    decision = delayed(WAITING, remaining=0, releases=[(AT + timedelta(hours=1), GPU_48 - 1)])
+def test_releases_that_do_not_free_enough_fall_back_to_the_next_window() -> None:
+    decision = delayed(WAITING, remaining=0, outlook=Outlook(holds=(unstarted(GPU_48 - 1, deadline=AT + timedelta(hours=1)),)))
     assert decision.evaluations[0].next_eligible_time == MARCH[1]
 
 
 def test_releases_after_the_window_end_do_not_count() -> None:
-    decision = delayed(WAITING, remaining=0, releases=[(MARCH[1] + timedelta(days=3), GPU_48)])
+    decision = delayed(WAITING, remaining=0, outlook=Outlook(holds=(unstarted(GPU_48, deadline=MARCH[1] + timedelta(days=3)),)))
     assert decision.evaluations[0].next_eligible_time == MARCH[1]
 
 
 def test_a_run_larger_than_a_delaying_budget_is_denied_not_delayed() -> None:
     # Waiting can never make it fit, so DELAY would have the platform retry forever.
     small = budget("small", namespaces=("vision-prod",), limit="40", on_exhausted=OnExhausted.DELAY)
-    decision = delayed(small, remaining=to_amount(Unit.GPU_HOURS, 40), releases=[(AT + timedelta(hours=1), GPU_48)])
+    decision = delayed(small, remaining=to_amount(Unit.GPU_HOURS, 40), outlook=Outlook(holds=(unstarted(GPU_48, deadline=AT),)))
     assert decision.outcome == "DENY"
     assert decision.evaluations[0].next_eligible_time is None
     assert "larger than the whole budget" in decision.reason
@@ -459,25 +485,42 @@ def test_run_exactly_the_size_of_the_limit_can_wait() -> None:
     assert delayed(exact, remaining=0).evaluations[0].next_eligible_time == MARCH[1]
 
 
-def test_rolling_window_without_releases_waits_for_the_window_to_move_on() -> None:
-    rolling = budget("rolling", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY, window=WindowSpec(rolling_days=7))
-    decision = delayed(rolling, remaining=0)
-    assert decision.evaluations[0].next_eligible_time == AT + timedelta(days=7)
+def test_rolling_window_waits_for_recorded_usage_to_age_out_hour_by_hour() -> None:
+    # 100 GPU-hours over 7 days, all used: 30 in the 09:00 bucket three days ago, 70 at 10:00.
+    # The run needs 48, so the 10:00 bucket must be gone too: 7 days after it ends.
+    three_days_ago = AT - timedelta(days=3)
+    buckets = ((three_days_ago.replace(hour=9), 30 * GPU_H), (three_days_ago.replace(hour=10), 70 * GPU_H))
+    decision = delayed(ROLLING, remaining=0, outlook=Outlook(buckets=buckets))
+    assert decision.evaluations[0].next_eligible_time == three_days_ago.replace(hour=11) + timedelta(days=7)
+    # Needing only 30 (18 free already), the older bucket is enough.
+    decision = delayed(ROLLING, remaining=18 * GPU_H, outlook=Outlook(buckets=buckets))
+    assert decision.evaluations[0].next_eligible_time == three_days_ago.replace(hour=10) + timedelta(days=7)
 
 
-def test_rolling_window_uses_an_earlier_release() -> None:
-    rolling = budget("rolling", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY, window=WindowSpec(rolling_days=7))
+def test_rolling_window_ages_a_running_reservation_out_after_its_expected_end() -> None:
+    ends = AT + timedelta(hours=5, minutes=30)
+    decision = delayed(ROLLING, remaining=0, outlook=Outlook(holds=(running(100 * GPU_H, ends=ends),)))
+    assert decision.evaluations[0].next_eligible_time == AT + timedelta(hours=6) + timedelta(days=7)
+
+
+def test_rolling_window_uses_an_earlier_start_deadline() -> None:
     soon = AT + timedelta(hours=2)
-    decision = delayed(rolling, remaining=0, releases=[(soon, GPU_48)])
+    decision = delayed(ROLLING, remaining=0, outlook=Outlook(holds=(unstarted(GPU_48, deadline=soon), running(52 * GPU_H, ends=AT))))
     assert decision.evaluations[0].next_eligible_time == soon
 
 
-def test_next_eligible_helper_directly() -> None:
+def test_rolling_window_without_an_outlook_waits_a_whole_window_past_this_hour() -> None:
+    decision = delayed(ROLLING, remaining=0)
+    assert decision.evaluations[0].next_eligible_time == AT + timedelta(days=7, hours=1)
+
+
+def test_eligible_at_helper_directly() -> None:
     p = plan(bundle(WAITING), submission())
     charge = p.charges[0]
     reading = Reading(limit=WAITING.limit.amount, reserved=WAITING.limit.amount, consumed=0)
-    assert next_eligible(charge, reading, ()) == MARCH[1]
-    assert next_eligible(charge, reading, [(AT + timedelta(hours=1), GPU_48)]) == AT + timedelta(hours=1)
+    assert eligible_at(charge, reading, Outlook(), AT) == MARCH[1]
+    assert eligible_at(charge, reading, Outlook(holds=(unstarted(GPU_48, deadline=AT + timedelta(hours=1)),)), AT) == AT + timedelta(hours=1)
+    assert eligible_at(charge, reading, Outlook(holds=(running(GPU_48, ends=AT + timedelta(hours=1)),)), AT) == MARCH[1]
 
 
 def test_delay_waits_for_the_latest_of_the_blocked_budgets() -> None:
@@ -560,3 +603,22 @@ def test_delay_reason_names_the_blocking_budgets() -> None:
 )
 def test_describe(unit: Unit, amount: int, currency: str | None, text: str) -> None:
     assert describe(unit, amount, currency) == text
+
+
+def test_a_run_too_small_for_the_unit_cannot_slip_through_an_exhausted_budget() -> None:
+    p = plan(bundle(TEAM), submission(gpus=1, hours="0.000000001"))
+    [charge] = p.charges
+    assert charge.amount == 1 and p.projected_gpu == 1
+    decision = decide(p, {charge.ledger_key: Reading(limit=TEAM.limit.amount, reserved=TEAM.limit.amount, consumed=0)})
+    assert decision.outcome == "DENY"
+
+
+def test_cpu_only_work_charges_nothing_on_gpu_budgets_and_is_never_blocked_by_them() -> None:
+    nodes = budget("nodes", namespaces=("vision-prod",), unit=Unit.NODE_HOURS, limit="10")
+    p = plan(bundle(TEAM, nodes), submission(gpus=0, nodes=2, hours="3"))
+    amounts = {c.policy.id: c.amount for c in p.charges}
+    assert amounts == {"team-vision": 0, "nodes": 6 * 3_600_000}
+    over_run = {c.ledger_key: Reading(limit=c.policy.limit.amount, reserved=0, consumed=c.policy.limit.amount + (5 if c.policy.id == "team-vision" else 0)) for c in p.charges}
+    over_run[p.charges[1].ledger_key] = Reading(limit=nodes.limit.amount, reserved=0, consumed=0)
+    decision = decide(p, over_run)
+    assert decision.outcome == "ALLOW"

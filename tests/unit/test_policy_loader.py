@@ -155,7 +155,7 @@ def test_empty_directory_is_an_empty_bundle(tmp_path: Path) -> None:
 
 def test_missing_directory_is_an_error(tmp_path: Path) -> None:
     error = only_error(tmp_path / "nope")
-    assert error.message == "not a directory"
+    assert error.message == "no such file or directory"
 
 
 def test_yml_files_and_subdirectories_are_read_and_git_is_skipped(tmp_path: Path) -> None:
@@ -754,3 +754,129 @@ def test_two_quotas_for_one_tenant_are_an_error(tmp_path: Path) -> None:
     write(tmp_path, "r.yaml", QUOTAS.split("---")[0].replace("tenant-physics", "physics-again"))
     error = only_error(tmp_path)
     assert error.file == "r.yaml" and "tenant quota 'physics' is already defined at q.yaml:1" in error.message
+
+
+# --- YAML read safely and bounded -----------------------------------------------------------
+
+ALIAS_BOMB = """\
+a: &a ["x","x","x","x","x","x","x","x","x"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+"""
+
+
+@pytest.mark.timeout(5)
+def test_an_alias_bomb_is_a_validation_error(tmp_path: Path) -> None:
+    write(tmp_path, "bomb.yaml", ALIAS_BOMB)
+    error = only_error(tmp_path)
+    assert error.file == "bomb.yaml" and "alias bomb" in error.message
+
+
+@pytest.mark.timeout(5)
+def test_a_recursive_alias_is_a_validation_error(tmp_path: Path) -> None:
+    write(tmp_path, "loop.yaml", "apiVersion: budgetgate/v1\nkind: BudgetPolicy\nmetadata: &m {id: x, owner: *m}\n")
+    assert "recursive alias" in only_error(tmp_path).message
+
+
+def test_duplicate_keys_are_errors_with_their_line(tmp_path: Path) -> None:
+    write(tmp_path, "dup.yaml", POLICY.format(id="a", namespace="a") + "  enforcement: soft\n  enforcement: hard\n")
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("dup.yaml", 13)
+    assert "duplicate key 'enforcement' (first at line 12)" in error.message
+
+
+def test_a_limit_beyond_the_ledgers_integers_fails_validation(tmp_path: Path) -> None:
+    write(tmp_path, "big.yaml", POLICY.format(id="a", namespace="a").replace("gpu_hours: 100", "gpu_hours: 1e300"))
+    error = only_error(tmp_path)
+    assert error.line == 11 and "spec.limit.gpu_hours" in error.message and "at most" in error.message
+
+
+def test_a_quota_beyond_the_counters_fails_validation(tmp_path: Path) -> None:
+    write(tmp_path, "q.yaml", "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec: {tenant: t, max_gpus: 100000000000000000000}\n")
+    assert "max_gpus" in only_error(tmp_path).message
+
+
+# --- the policy folder ------------------------------------------------------------------------
+
+def test_other_yaml_is_skipped_and_listed(tmp_path: Path) -> None:
+    from budgetgate.core.loader import load_path
+
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a"))
+    write(tmp_path, "kueue.yaml", "apiVersion: kueue.x-k8s.io/v1beta1\nkind: ClusterQueue\nmetadata: {name: q}\nspec: {cohort: x}\n")
+    write(tmp_path, "grafana/datasources.yaml", "apiVersion: 1\ndatasources: []\n")
+    loaded = load_path(tmp_path, git_sha="s")
+    assert [p.id for p in loaded.bundle.policies] == ["a"]
+    assert [(s.file, s.line) for s in loaded.skipped] == [("grafana/datasources.yaml", 1), ("kueue.yaml", 1)]
+    assert "kind ClusterQueue" in loaded.skipped[1].what
+    assert [d.file for d in loaded.documents] == ["b.yaml"]
+
+
+def test_a_budgetgate_kind_without_api_version_is_still_an_error(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a").replace("apiVersion: budgetgate/v1\n", ""))
+    assert "apiVersion" in only_error(tmp_path).message
+
+
+def test_metadata_name_is_the_id(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a").replace("  id: a", "  name: team-a"))
+    assert [p.id for p in load(tmp_path).policies] == ["team-a"]
+
+
+@pytest.mark.parametrize(
+    ("typo", "path", "suggestion"),
+    [("enforcment: hard", "spec.enforcment", "enforcement"), ("windw: {calendar: month}", "spec.windw", "window")],
+)
+def test_unknown_keys_get_a_did_you_mean(tmp_path: Path, typo: str, path: str, suggestion: str) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a") + f"  {typo}\n")
+    error = only_error(tmp_path)
+    assert error.line == 12 and error.message == f"{path}: unknown key; did you mean {suggestion!r}?"
+
+
+def test_unknown_nested_key_suggests_from_its_own_mapping(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a").replace("gpu_hours: 100", "gpu_hour: 100"))
+    assert only_error(tmp_path).message == "spec.limit.gpu_hour: unknown key; did you mean 'gpu_hours'?"
+
+
+def test_a_soft_budget_cannot_delay(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a") + "  enforcement: soft\n  on_exhausted: delay\n")
+    error = only_error(tmp_path)
+    assert error.line == 13 and "soft budget never blocks" in error.message
+
+
+def test_two_rates_for_one_flavor_region_and_date_are_an_error(tmp_path: Path) -> None:
+    write(tmp_path, "r.yaml", RATES + "    - {flavor: a100, rate_per_gpu_hour: 2}\n    - {flavor: h100, rate_per_gpu_hour: 4}\n")
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("r.yaml", 10)
+    assert "second rate for flavor 'h100'" in error.message and "r.yaml:8" in error.message
+
+
+def test_a_single_file_can_be_validated(tmp_path: Path) -> None:
+    from budgetgate.core.loader import load_path
+
+    cost = POLICY.format(id="c", namespace="a").replace("gpu_hours: 100", "cost: 100\n    currency: USD")
+    write(tmp_path, "cost.yaml", cost)
+    write(tmp_path, "other.yaml", "not: [valid")
+    loaded = load_path(tmp_path / "cost.yaml", git_sha="s")
+    assert [p.id for p in loaded.bundle.policies] == ["c"]
+    assert [e.file for e in errors(tmp_path)] == ["cost.yaml", "other.yaml"]
+
+
+@pytest.mark.timeout(5)
+def test_deep_nesting_is_a_validation_error_not_a_stack_overflow(tmp_path: Path) -> None:
+    write(tmp_path, "deep.yaml", "a: " + "[" * 20000 + "]" * 20000 + "\n")
+    assert "nested more than 64 levels deep" in only_error(tmp_path).message
+
+
+def test_an_unknown_kind_gets_a_did_you_mean(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a").replace("kind: BudgetPolicy", "kind: BudgetPolicie"))
+    assert only_error(tmp_path).message.startswith("unknown kind 'BudgetPolicie'; did you mean 'BudgetPolicy'? expected one of")
+
+
+def test_a_misspelt_metadata_name_suggests_name(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a").replace("  id: a", "  id: a\n  nmae: team-a"))
+    assert only_error(tmp_path).message == "metadata.nmae: unknown key; did you mean 'name'?"

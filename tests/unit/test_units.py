@@ -174,3 +174,14 @@ def test_display_shows_hours_as_float_and_cost_in_cents() -> None:
 
 def test_micros_per_unit_matches_cost_scale() -> None:
     assert to_amount(Unit.COST, 1) == MICROS_PER_UNIT
+
+
+def test_projected_amounts_round_up_never_down_to_nothing() -> None:
+    from budgetgate.core.units import projected_cost_micros, projected_hours_amount
+
+    # 1 GPU × 1e-9 h is 0.0036 milli-GPU-seconds: half-up makes it 0, a projection makes it 1.
+    assert hours_amount(1, "1e-9") == 0
+    assert projected_hours_amount(1, "1e-9") == 1
+    assert projected_hours_amount(8, "6") == hours_amount(8, "6") == 172_800_000  # exact stays exact
+    assert projected_hours_amount(0, "6") == 0  # CPU-only work on GPU-hours
+    assert projected_cost_micros(1, H100_RATE) == 2 and cost_micros(1, H100_RATE) == 1

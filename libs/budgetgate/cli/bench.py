@@ -25,19 +25,25 @@ def bench() -> None:
 @click.option("--allow-fraction", default=0.8, show_default=True, type=click.FloatRange(0.0, 1.0), help="Share of measured submissions the budgets fit.")
 @click.option("--scenario", "scenarios", multiple=True, type=click.Choice(SCENARIOS), help="hot: one budget; spread: --budgets budgets. Default: both.")
 @click.option("--system", "systems", multiple=True, type=click.Choice(SYSTEMS), help="Default: both.")
+@click.option("--ceiling/--no-ceiling", default=True, show_default=True, help="Also measure a FastAPI endpoint that validates the same body and answers a constant.")
+@click.option("--open-loop-rate", default=0.0, show_default=True, type=click.FloatRange(0.0), help="Also offer this many submissions/s to each system, whatever its answers (0: no open loop).")
+@click.option("--open-loop-seconds", default=30.0, show_default=True, type=click.FloatRange(0.1), help="How long the open loop offers its rate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def admission(requests: int, concurrency: int, warmup: int, budgets: int, allow_fraction: float, scenarios: tuple[str, ...], systems: tuple[str, ...], as_json: bool) -> None:
+def admission(requests: int, concurrency: int, warmup: int, budgets: int, allow_fraction: float, scenarios: tuple[str, ...], systems: tuple[str, ...], ceiling: bool, open_loop_rate: float, open_loop_seconds: float, as_json: bool) -> None:
     """Admission decisions/s and latency: budgetgate vs. a FastAPI + Postgres row-lock service.
 
     Each system and scenario gets a fresh database on the Postgres server of
     BUDGETGATE_POSTGRES_DSN; budgetgate uses BUDGETGATE_REDIS_URL and BUDGETGATE_KAFKA_BOOTSTRAP,
-    or a Tansu broker started for the run. Exits 1 if any budget was over-admitted.
+    or a Tansu broker started for the run. Also measures, in the same run, a FastAPI endpoint
+    that validates the same body (the ceiling), and with --open-loop-rate an open loop at a fixed
+    offered rate (p50/p99/p99.9, errors). Exits 1 if any budget was over-admitted.
     """
     from budgetgate.benchmark import report, runner
 
     options = runner.Options(
         requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
-        scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS,
+        scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
+        open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds,
     )  # fmt: skip
     try:
         measured = asyncio.run(runner.run(options, echo=lambda message: click.echo(message, err=True)))
@@ -88,14 +94,22 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, as_jso
 @click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(0.1), help="Completed runs per second (open loop).")
 @click.option("--samples", default=4, show_default=True, type=click.IntRange(1), help="Usage records per run.")
 @click.option("--budgets", default=20, show_default=True, type=click.IntRange(1), help="Team budgets the runs spread over.")
+@click.option("--records-per-s", type=click.FloatRange(1), default=None, help="Steady load instead: usage records per second, half on short runs, half on long ones.")
+@click.option("--run-lengths", default="100,10000", show_default=True, help="With --records-per-s: samples per short run, and the history of the long runs (preloaded by COPY).")
+@click.option("--long-runs", default=10, show_default=True, type=click.IntRange(1), help="With --records-per-s: long runs fed at once (short runs: as many at a time).")
+@click.option("--duration", default=30.0, show_default=True, type=click.FloatRange(1), help="With --records-per-s: seconds of load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def reconciliation(runs: int, rate: float, samples: int, budgets: int, as_json: bool) -> None:
-    """Reconciliation lag p50/p99: a run's COMPLETED event sent -> its actuals committed.
+def reconciliation(runs: int, rate: float, samples: int, budgets: int, records_per_s: float | None, run_lengths: str, long_runs: int, duration: float, as_json: bool) -> None:
+    """Reconciliation lag p50/p99: a run's COMPLETED event sent -> its actuals committed; with
+    --records-per-s, a usage record sent -> the ledger showing it, for short and long runs.
 
     Starts admission and the reconciler as subprocesses on a fresh database of the Postgres of
     BUDGETGATE_POSTGRES_DSN, with BUDGETGATE_REDIS_URL and BUDGETGATE_KAFKA_BOOTSTRAP (or a Tansu
     broker started for the run). Exits 1 if the ledger does not add up afterwards.
     """
+    if records_per_s is not None:
+        _steady(records_per_s, run_lengths, long_runs, duration, budgets, as_json)
+        return
     from budgetgate.benchmark import reconciliation as bench_reconciliation
 
     options = bench_reconciliation.Options(runs=runs, rate=rate, samples=samples, budgets=budgets)
@@ -107,3 +121,45 @@ def reconciliation(runs: int, rate: float, samples: int, budgets: int, as_json: 
     click.echo(json.dumps(report.as_json(), indent=2) if as_json else report.as_text())
     if not report.ledger_ok or report.runs_settled < runs:
         raise click.ClickException("the ledger does not add up, or runs were left unsettled: see above")
+
+
+def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: float, budgets: int, as_json: bool) -> None:
+    from budgetgate.benchmark import reconciliation_steady
+
+    try:
+        short, long = (int(part) for part in run_lengths.split(","))
+    except ValueError as exc:
+        raise click.BadParameter("two numbers: SHORT,LONG", param_hint="--run-lengths") from exc
+    options = reconciliation_steady.SteadyOptions(records_per_s=records_per_s, short_length=short, long_length=long, long_runs=long_runs, short_slots=long_runs, duration=duration, budgets=budgets)
+    try:
+        report = asyncio.run(reconciliation_steady.run(options, echo=lambda message: click.echo(message, err=True)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        click.echo("interrupted; everything the benchmark started was stopped", err=True)
+        sys.exit(130)
+    click.echo(json.dumps(report.as_json(), indent=2) if as_json else report.as_text())
+    if not report.ledger_ok:
+        raise click.ClickException("the ledger does not add up: see above")
+
+
+@bench.command()
+@click.option("--held", default=3000, show_default=True, type=click.IntRange(0), help="Reservations held before measuring.")
+@click.option("--rate", default=40.0, show_default=True, type=click.FloatRange(0.1), help="Submissions per second (open loop).")
+@click.option("--duration", default=20.0, show_default=True, type=click.FloatRange(1), help="Seconds per phase.")
+@click.option("--budgets", default=50, show_default=True, type=click.IntRange(1), help="Team budgets the runs spread over.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def drift(held: int, rate: float, duration: float, budgets: int, as_json: bool) -> None:
+    """Admission latency A/B: with the reconciler's drift check looping, and without it.
+
+    Same backends as `bench reconciliation`. Exits 1 if Redis differs from Postgres at the end.
+    """
+    from budgetgate.benchmark import drift as bench_drift
+
+    options = bench_drift.DriftOptions(held=held, rate=rate, duration=duration, budgets=budgets)
+    try:
+        report = asyncio.run(bench_drift.run(options, echo=lambda message: click.echo(message, err=True)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        click.echo("interrupted; everything the benchmark started was stopped", err=True)
+        sys.exit(130)
+    click.echo(json.dumps(report.as_json(), indent=2) if as_json else report.as_text())
+    if not report.ledger_ok:
+        raise click.ClickException("Redis does not equal Postgres: see above")

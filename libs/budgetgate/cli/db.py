@@ -6,7 +6,7 @@ import asyncio
 
 import click
 
-from budgetgate.settings import CommonSettings
+from budgetgate.cli import backend
 
 
 @click.group()
@@ -17,7 +17,14 @@ def db() -> None:
 @db.command()
 def migrate() -> None:
     """Apply every numbered migration not yet applied."""
+    import asyncpg
+
     from budgetgate.ledger.migrations import migrate_dsn
 
-    applied = asyncio.run(migrate_dsn(CommonSettings().postgres_dsn))
+    dsn = backend.stack_settings().postgres_dsn
+    backend.announce("postgres", dsn)
+    try:
+        applied = asyncio.run(migrate_dsn(dsn))
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise click.ClickException(f"cannot reach Postgres at {backend.redact(dsn)}: {exc}; start the local stack with `budgetgate dev up`, or set BUDGETGATE_POSTGRES_DSN") from None
     click.echo(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +18,7 @@ from typing import Any
 import click
 import httpx
 
+from budgetgate.core.loader import LoadedPolicies
 from budgetgate.settings import DEV_STATE_FILE
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "policies"
@@ -40,9 +45,9 @@ MIX = [
     Workload("vision fine-tune in EU", "vision/finetune", "vision-prod", VISION, 8, 4.0, region="eu-west-1"),
     Workload("vision giant sweep", "vision/sweep", "vision-prod", VISION, 64, 8.0),
     Workload("vision job, no cost-center", "vision/unlabelled", "vision-prod", {"team": "vision"}, 2, 1.0),
-    Workload("research experiment", "vision/research-1", "vision-research", {"team": "vision", "environment": "dev"}, 4, 20.0),
-    Workload("research experiment", "vision/research-2", "vision-research", {"team": "vision", "environment": "dev"}, 4, 12.0),
-    Workload("research, resubmitted smaller", "vision/research-2", "vision-research", {"team": "vision", "environment": "dev"}, 2, 4.0, attempt=2),
+    Workload("research experiment 1", "vision/research-1", "vision-research", {"team": "vision", "environment": "dev"}, 4, 20.0),
+    Workload("research experiment 2", "vision/research-2", "vision-research", {"team": "vision", "environment": "dev"}, 4, 12.0),
+    Workload("research experiment 2, resubmitted smaller", "vision/research-2", "vision-research", {"team": "vision", "environment": "dev"}, 2, 4.0, attempt=2),
     Workload("nlp pretraining", "nlp/pretrain", "nlp-prod", {"team": "nlp", "environment": "prod"}, 16, 24.0),
     Workload("nlp eval on a100", "nlp/eval", "nlp-dev", NLP, 4, 3.0, flavor="a100"),
     Workload("nlp job, no environment", "nlp/adhoc", "nlp-dev", {"team": "nlp"}, 1, 1.0, flavor="l4"),
@@ -50,38 +55,68 @@ MIX = [
 ]
 
 
-def _dev(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "dev", *args], check=True)
+def _dev(root: Path, *args: str) -> None:
+    env = {**os.environ, "BUDGETGATE_HOME": str(root)}
+    subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "dev", *args], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 @click.command()
-@click.option("--keep", is_flag=True, help="leave the local stack running afterwards")
+@click.option("--keep", is_flag=True, help="leave the demo's stack running afterwards (its folder is printed)")
 @click.option("--policies", type=click.Path(path_type=Path), default=EXAMPLES, show_default=True)
 def demo(keep: bool, policies: Path) -> None:
-    """Apply the example policies, submit a mix of workloads, print decisions and budgets."""
-    started = not (Path.cwd() / DEV_STATE_FILE).is_file()
-    if started:
-        click.echo("starting the local stack (budgetgate dev up --detach) …")
-        _dev("up", "--detach")
+    """Apply the example policies, submit a mix of workloads, print decisions and budgets.
+
+    The demo runs on a stack of its own, in a fresh folder, so it never replaces the bundle of a
+    stack someone else runs, and a run prints the same as the one before."""
+    from budgetgate.cli.policy import load_revision
+
+    _, loaded = load_revision(policies, allow_dirty=True)
+    root = Path(tempfile.mkdtemp(prefix="budgetgate-demo-"))
+    click.echo(f"starting a stack of the demo's own in {root} …", err=True)
+    os.environ["BUDGETGATE_HOME"] = str(root)  # every connection below names the demo's stack
     try:
-        subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "policy", "apply", str(policies), "--allow-dirty"], check=True)
-        state = json.loads((Path.cwd() / DEV_STATE_FILE).read_text())
-        asyncio.run(_run(state["settings"]["admission_url"], state["settings"]))
+        _dev(root, "up", "--detach")
+        state = json.loads((root / DEV_STATE_FILE).read_text())["settings"]
+        asyncio.run(_run(state, loaded))
     finally:
-        if started and not keep:
-            _dev("down")
-        elif started:
-            click.echo("the stack keeps running: `budgetgate dev status`, `budgetgate dev down`")
+        if keep:
+            click.echo(f"\nthe demo's stack keeps running: BUDGETGATE_HOME={root} budgetgate budgets; BUDGETGATE_HOME={root} budgetgate dev down", err=True)
+        else:
+            _dev(root, "down")
+            _forget(root)
 
 
-async def _run(url: str, settings: dict[str, Any]) -> None:
-    demo_id = uuid.uuid4().hex[:6]
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+def _forget(root: Path) -> None:
+    """Drop what the demo's stack left on shared servers (its database), then its folder."""
+    shared = os.environ.get("BUDGETGATE_POSTGRES_DSN")
+    if shared:
+        from budgetgate.devstack.isolation import checkout_tag, database_name
+
+        asyncio.run(_drop_database(shared, database_name(checkout_tag(root))))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def _drop_database(dsn: str, name: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
+    from budgetgate.cli.policy import apply_loaded
+
+    with contextlib.redirect_stdout(sys.stderr):  # the plan: the demo's output is its story
+        await apply_loaded(settings["postgres_dsn"], loaded, source="budgetgate demo", applied_by="budgetgate demo")
+    async with httpx.AsyncClient(base_url=settings["admission_url"], timeout=30) as client:
         await _wait_for_policies(client)
         rows = []
         for w in MIX:
             body = {
-                "run_id": f"demo-{demo_id}/{w.run}",
+                "run_id": f"demo/{w.run}",
                 "attempt": w.attempt,
                 "namespace": w.namespace,
                 "labels": w.labels,

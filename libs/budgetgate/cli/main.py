@@ -6,7 +6,11 @@ import click
 
 from budgetgate.cli import bench, db, demo, dev, policy, publish
 from budgetgate.cli.usage import usage
+from budgetgate.cli.actions import actions, dlq
 from budgetgate.cli.audit import audit
+from budgetgate.cli.ledger import ledger
+from budgetgate.cli.budgets import budgets
+from budgetgate.cli.asyncapi import asyncapi
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,6 +26,11 @@ cli.add_command(bench.bench)
 cli.add_command(publish.publish)
 cli.add_command(usage)
 cli.add_command(audit)
+cli.add_command(ledger)
+cli.add_command(budgets)
+cli.add_command(actions)
+cli.add_command(dlq)
+cli.add_command(asyncapi)
 
 
 if __name__ == "__main__":

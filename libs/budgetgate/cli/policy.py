@@ -1,4 +1,4 @@
-"""`budgetgate policy …`: validate and apply a policy repository."""
+"""`budgetgate policy …`: validate, diff and apply a policy repository."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import asyncio
 import getpass
 from pathlib import Path
 
-import asyncpg
 import click
 
-from budgetgate.core.loader import PolicyValidationError, load_directory
-from budgetgate.policy_repo import RepositoryError, apply_bundle, revision
-from budgetgate.settings import CommonSettings
+from budgetgate.cli import backend
+from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle_from_json, load_files, load_path
+from budgetgate.core.policy import PolicyBundle
+from budgetgate.policy_plan import Change, emptiness, plan
+from budgetgate.policy_repo import RepositoryError, Revision, apply_bundle, dirty_sha, policy_files, revision
 
 
 @click.group()
@@ -19,41 +20,110 @@ def policy() -> None:
     """Budgets as code: YAML policy documents in Git."""
 
 
-def _load(directory: Path, git_sha: str):  # type: ignore[no-untyped-def]
+def _report(loaded: LoadedPolicies) -> None:
+    for skipped in loaded.skipped:
+        click.echo(f"skipped: {skipped}", err=True)
+
+
+def _fail(exc: PolicyValidationError, where: Path) -> SystemExit:
+    for error in exc.errors:
+        click.echo(f"error: {error}", err=True)
+    return SystemExit(f"{len(exc.errors)} error(s) in {where}")
+
+
+@policy.command()
+@click.argument("path", type=click.Path(path_type=Path))
+def validate(path: Path) -> None:
+    """Check every document of a folder, or of one file; print each error with file and line."""
     try:
-        return load_directory(directory, git_sha=git_sha)
+        loaded = load_path(path, git_sha="validate")
     except PolicyValidationError as exc:
-        for error in exc.errors:
-            click.echo(f"error: {error}", err=True)
-        raise SystemExit(f"{len(exc.errors)} error(s) in {directory}") from None
+        raise _fail(exc, path) from None
+    _report(loaded)
+    bundle = loaded.bundle
+    click.echo(f"ok: {len(loaded.documents)} document(s), {len(bundle.policies)} budget(s), {len(bundle.rate_cards)} rate card(s)"
+               + (f", {len(loaded.skipped)} skipped" if loaded.skipped else ""))
+
+
+def load_revision(directory: Path, *, allow_dirty: bool) -> tuple[Revision, LoadedPolicies]:
+    """The documents Git holds for `directory` at its revision (the working tree's, if dirty and
+    allowed), validated under the SHA they will be applied at."""
+    try:
+        rev = revision(directory, allow_dirty=allow_dirty)
+        files = policy_files(directory, rev)
+    except RepositoryError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        loaded = load_files(files, git_sha=rev.sha)
+        sha = dirty_sha(rev, loaded.documents)
+        if sha != rev.sha:
+            loaded = load_files(files, git_sha=sha)
+    except PolicyValidationError as exc:
+        raise _fail(exc, directory) from None
+    return rev, loaded
+
+
+async def _active(conn: object) -> PolicyBundle | None:
+    from budgetgate.ledger.queries import sql
+
+    row = await conn.fetchrow(sql("active_bundle"))  # type: ignore[attr-defined]
+    if row is None:
+        return None
+    try:
+        return bundle_from_json(row["documents"], git_sha=row["git_sha"])
+    except PolicyValidationError as exc:
+        raise click.ClickException(f"the active bundle {row['git_sha']} no longer validates: {exc.errors[0]}") from None
+
+
+def print_plan(active: PolicyBundle | None, changes: list[Change], new: PolicyBundle) -> None:
+    head = f"plan against active bundle {active.git_sha}" if active is not None else "plan: no bundle is active yet"
+    click.echo(f"{head} -> {new.git_sha}")
+    for change in changes:
+        click.echo(f"  {change}")
+    if not changes:
+        click.echo("  no changes")
 
 
 @policy.command()
 @click.argument("directory", type=click.Path(path_type=Path))
-def validate(directory: Path) -> None:
-    """Check every document; print each error with file and line."""
-    bundle, documents = _load(directory, "validate")
-    click.echo(f"ok: {len(documents)} document(s), {len(bundle.policies)} budget(s), {len(bundle.rate_cards)} rate card(s)")
+@click.option("--allow-dirty", is_flag=True, help="diff the working tree's uncommitted changes too")
+def diff(directory: Path, allow_dirty: bool) -> None:
+    """Print what applying DIRECTORY would change against the active bundle."""
+    _, loaded = load_revision(directory, allow_dirty=allow_dirty)
+    _report(loaded)
+    settings = backend.stack_settings()
+
+    async def run() -> None:
+        async with backend.postgres(settings.postgres_dsn) as conn:
+            active = await _active(conn)
+        print_plan(active, plan(active, loaded.bundle), loaded.bundle)
+
+    asyncio.run(run())
 
 
 @policy.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--allow-dirty", is_flag=True, help="apply uncommitted changes (the SHA gets a -dirty suffix)")
-def apply(directory: Path, allow_dirty: bool) -> None:
-    """Validate, then store the bundle at its Git SHA and make it active everywhere."""
-    _, documents = _load(directory, "validate")
-    try:
-        sha = revision(directory, allow_dirty=allow_dirty, documents=documents)
-    except RepositoryError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    bundle, documents = _load(directory, sha)
-    seq = asyncio.run(_apply(bundle, documents, str(directory.resolve())))
-    click.echo(f"applied {sha} ({len(bundle.policies)} budget(s)) as activation {seq}")
+@click.option("--allow-empty", is_flag=True, help="apply even a bundle without documents, or one that removes every budget")
+def apply(directory: Path, allow_dirty: bool, allow_empty: bool) -> None:
+    """Validate, print the plan, then store the bundle at its Git SHA and make it active everywhere."""
+    _, loaded = load_revision(directory, allow_dirty=allow_dirty)
+    _report(loaded)
+    settings = backend.stack_settings()
+    seq = asyncio.run(apply_loaded(settings.postgres_dsn, loaded, source=str(directory.resolve()), allow_empty=allow_empty))
+    click.echo(f"applied {loaded.bundle.git_sha} ({len(loaded.bundle.policies)} budget(s)) as activation {seq}")
 
 
-async def _apply(bundle, documents, source: str) -> int:  # type: ignore[no-untyped-def]
-    conn = await asyncpg.connect(CommonSettings().postgres_dsn)
-    try:
-        return await apply_bundle(conn, bundle=bundle, documents=documents, source=source, applied_by=getpass.getuser())
-    finally:
-        await conn.close()
+async def apply_loaded(dsn: str, loaded: LoadedPolicies, *, source: str, allow_empty: bool = False, applied_by: str | None = None) -> int:
+    """Print the plan and apply; refuses an empty bundle, or one that removes every budget,
+    unless `allow_empty`."""
+    async with backend.postgres(dsn) as conn:
+        active = await _active(conn)
+        print_plan(active, plan(active, loaded.bundle), loaded.bundle)
+        empty = emptiness(active, loaded.bundle, len(loaded.documents))
+        if empty and not allow_empty:
+            raise click.ClickException(f"refused: {empty}; pass --allow-empty if that is what you mean")
+        try:
+            return await apply_bundle(conn, bundle=loaded.bundle, documents=loaded.documents, source=source, applied_by=applied_by or getpass.getuser())  # type: ignore[arg-type]
+        except RepositoryError as exc:
+            raise click.ClickException(str(exc)) from None

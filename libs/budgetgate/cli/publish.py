@@ -15,6 +15,7 @@ import click
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from budgetgate.cli import backend
 from budgetgate.settings import CommonSettings
 
 
@@ -75,7 +76,7 @@ def metering(run_id: str, gpu_seconds: float, node_seconds: float, at: datetime 
         node_seconds=node_seconds,
         exporter=exporter,
     )
-    settings = CommonSettings()
+    settings = backend.stack_settings(needs="kafka")
     topic = Topics(settings.topic_prefix).metering
     partition, offset = _send(settings, topic, sample, key=run_id)
     click.echo(f"sent sample {sample.sample_id} of run {run_id!r} to {topic} (partition {partition}, offset {offset})")
@@ -86,6 +87,8 @@ def _send(settings: CommonSettings, topic: str, message: Message, *, key: str) -
     from aiokafka.errors import KafkaError
 
     from budgetgate import wire
+
+    backend.kafka(settings.kafka_bootstrap)
 
     async def send() -> tuple[int, int]:
         async with wire.Publisher(settings.kafka_bootstrap, client_id="budgetgate-cli") as publisher:
@@ -125,7 +128,7 @@ def lifecycle(run_id: str, kind: str, at: datetime | None, gpus: int, nodes: int
         flavor=flavor,
         reason=reason,
     )
-    settings = CommonSettings()
+    settings = backend.stack_settings(needs="kafka")
     topic = Topics(settings.topic_prefix).lifecycle
     partition, offset = _send(settings, topic, event, key=run_id)
     click.echo(f"sent {kind.upper()} of run {run_id!r} (event {event.event_id}) to {topic} (partition {partition}, offset {offset})")

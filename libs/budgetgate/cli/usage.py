@@ -13,7 +13,7 @@ import click
 
 
 @click.command()
-@click.option("--scope", "scope_id", default=None, help="A scope id, e.g. 'ns=vision-prod;cost-center=1042;team=vision'.")
+@click.option("--scope", "scope_id", default=None, help="A scope id, e.g. 'ns=vision-prod;cost-center=1042;team=vision', or a budget's policy id.")
 @click.option("--tenant", default=None, help="A tenant: the value of the tenant label (see --label).")
 @click.option("--label", default=None, help="The label naming tenants (default: BUDGETGATE_TENANT_LABEL, else team).")
 @click.option("--days", default=90, show_default=True, type=click.IntRange(1, 3660), help="For --tenant: how far back runs' usage is summed.")
@@ -22,12 +22,13 @@ def usage(scope_id: str | None, tenant: str | None, label: str | None, days: int
     """Budgets' limit, reserved, consumed and remaining in their current windows."""
     if (scope_id is None) == (tenant is None):
         raise click.UsageError("give exactly one of --scope or --tenant")
+    from budgetgate.cli import backend
     from budgetgate.services.admission.tenants import TenantSettings
 
-    settings = TenantSettings()
+    settings = backend.stack_settings(TenantSettings)
     result = asyncio.run(_read(settings.postgres_dsn, scope_id=scope_id, tenant=tenant, label=label or settings.tenant_label, days=days))
     if result is None:
-        raise click.ClickException(f"no budget policy of the active bundle has scope {scope_id!r}")
+        raise click.ClickException(f"no budget policy of the active bundle has scope or id {scope_id!r}; `budgetgate budgets` lists them")
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
@@ -35,15 +36,13 @@ def usage(scope_id: str | None, tenant: str | None, label: str | None, days: int
 
 
 async def _read(dsn: str, *, scope_id: str | None, tenant: str | None, label: str, days: int) -> dict[str, Any] | None:
-    import asyncpg
-
+    from budgetgate.cli import backend
     from budgetgate.core.loader import bundle_from_json
     from budgetgate.ledger.queries import sql
     from budgetgate.services.admission.tenants import tenant_usage
     from budgetgate.services.admission.usage import scope_usage
 
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
-    try:
+    async with backend.postgres(dsn) as pool:
         row = await pool.fetchrow(sql("active_bundle"))
         bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"]) if row else None
         now = datetime.now(UTC)
@@ -51,10 +50,10 @@ async def _read(dsn: str, *, scope_id: str | None, tenant: str | None, label: st
             return await tenant_usage(pool, bundle, label=label, tenant=tenant, days=days, now=now)
         if bundle is None:
             return None
-        found = await scope_usage(pool, bundle, scope_id or "", now)
+        # A policy id names its scope: `--scope gpu-budget/team-vision-prod` is what people type.
+        by_id = next((p.scope.scope_id for p in bundle.policies if p.id == scope_id), None)
+        found = await scope_usage(pool, bundle, by_id or scope_id or "", now)
         return None if found is None else {**found, "budgets": [{"scope_id": found["scope_id"], **b} for b in found["budgets"]]}
-    finally:
-        await pool.close()
 
 
 def _print(result: dict[str, Any]) -> None:

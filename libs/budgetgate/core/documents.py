@@ -5,10 +5,15 @@ from __future__ import annotations
 import re
 from datetime import datetime
 from decimal import Decimal
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+import difflib
+import types
+import typing
 
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+
+from budgetgate.core.units import Unit
 from budgetgate.core.windows import CALENDARS, zone
 
 API_VERSION = "budgetgate/v1"
@@ -23,6 +28,10 @@ Namespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}
 PolicyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")]
 Currency = Annotated[str, StringConstraints(pattern=r"^[A-Z]{3}$")]
 Positive = Annotated[Decimal, Field(gt=0, allow_inf_nan=False)]
+# The largest ledger amount: integers stay exact in Redis Lua, whose numbers are doubles.
+MAX_AMOUNT = 2**53 - 1
+# Counts (GPUs, nodes, tokens) stay far inside the ledger's integers.
+MAX_COUNT = 1_000_000_000
 
 
 class _Strict(BaseModel):
@@ -30,9 +39,26 @@ class _Strict(BaseModel):
 
 
 class Metadata(_Strict):
+    """`id`, or `name` as Kubernetes users write it (one of them, or both the same)."""
+
+    KEY_ALIASES: ClassVar[tuple[str, ...]] = ("name",)
+
     id: PolicyId
     description: str | None = None
     owner: str | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_is_id(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "name" in data:
+            data = dict(data)
+            name = data.pop("name")
+            if "id" in data and data["id"] != name:
+                raise ValueError(f"metadata.id {data['id']!r} and metadata.name {name!r} differ; give one of them")
+            data["id"] = name
+        return data
 
 
 class ScopeDoc(_Strict):
@@ -86,6 +112,15 @@ class LimitDoc(_Strict):
     cost: Positive | None = None
     currency: Currency | None = None
 
+    @field_validator("gpu_hours", "node_hours", "wall_hours", "cost")
+    @classmethod
+    def _fits_the_ledger(cls, value: Decimal | None, info: ValidationInfo) -> Decimal | None:
+        # The ledger holds amounts as integers that must stay exact in Redis Lua (doubles).
+        most = Decimal(MAX_AMOUNT) / Unit(info.field_name).scale
+        if value is not None and value > most:
+            raise ValueError(f"{value} is more than the ledger can hold; {most:.0f} at most")
+        return value
+
     @model_validator(mode="after")
     def _one_unit(self) -> LimitDoc:
         given = [name for name in ("gpu_hours", "node_hours", "wall_hours", "cost") if getattr(self, name) is not None]
@@ -105,12 +140,20 @@ class BudgetPolicySpec(_Strict):
     enforcement: Literal["hard", "soft", "dry-run"] = "hard"
     on_exhausted: Literal["deny", "delay", "hold", "hold-and-drain"] = "deny"
 
+    @field_validator("on_exhausted")
+    @classmethod
+    def _delay_needs_hard(cls, value: str, info: ValidationInfo) -> str:
+        # A soft budget never blocks, so it can never make a run wait.
+        if value == "delay" and info.data.get("enforcement") == "soft":
+            raise ValueError("a soft budget never blocks, so it cannot delay; use enforcement: hard, or on_exhausted: deny")
+        return value
+
 
 class RateDoc(_Strict):
     flavor: Annotated[str, StringConstraints(min_length=1, max_length=63)]
     region: Annotated[str, StringConstraints(min_length=1, max_length=63)] | None = None
     effective_from: datetime | None = None
-    rate_per_gpu_hour: Annotated[Decimal, Field(ge=0, allow_inf_nan=False)]
+    rate_per_gpu_hour: Annotated[Decimal, Field(ge=0, le=1_000_000, allow_inf_nan=False)]
 
     @field_validator("effective_from")
     @classmethod
@@ -151,12 +194,12 @@ class QuotaSpec(_Strict):
     """A tenant's hard limits and fair-share terms, or (without tenant) the sensitive pool."""
 
     tenant: LabelValue | None = None
-    max_gpus: int | None = Field(default=None, ge=0)
-    max_nodes: int | None = Field(default=None, ge=0)
-    max_concurrent_allocations: int | None = Field(default=None, ge=0)
+    max_gpus: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_nodes: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_concurrent_allocations: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     fair_share_target: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     burst_allowance: float | None = Field(default=None, ge=1, le=100, allow_inf_nan=False)
-    sensitive_pool_size: int | None = Field(default=None, ge=0)
+    sensitive_pool_size: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     sensitive_unit: Literal["gpus", "nodes"] = "gpus"
     sensitive_label: LabelMatch = LabelMatch(key="sensitive", value="true")
 
@@ -179,8 +222,8 @@ class QuotaSpec(_Strict):
 
 
 class ClusterSpec(_Strict):
-    gpus: int = Field(ge=1)
-    nodes: int | None = Field(default=None, ge=1)
+    gpus: int = Field(ge=1, le=MAX_COUNT)
+    nodes: int | None = Field(default=None, ge=1, le=MAX_COUNT)
 
 
 PoolNamespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}(:[a-z0-9][a-z0-9_.-]{0,62}){0,7}$")]
@@ -188,9 +231,9 @@ PoolNamespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{
 
 class ResourcePoolSpec(_Strict):
     namespace: PoolNamespace
-    quota: int = Field(ge=0)
-    project_cap: int | None = Field(default=None, ge=0)
-    namespace_cap: int | None = Field(default=None, ge=0)
+    quota: int = Field(ge=0, le=MAX_COUNT)
+    project_cap: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    namespace_cap: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     lease_seconds: int = Field(default=3600, ge=1, le=30 * 86400)
 
 
@@ -209,8 +252,42 @@ def kind_problem(kind: str) -> str | None:
         return None
     if kind in PLANNED_KINDS:
         return f"kind {kind} is not supported by this version of budgetgate yet"
-    return f"unknown kind {kind!r}; expected one of {', '.join(SUPPORTED_KINDS)}"
+    close = difflib.get_close_matches(kind, SUPPORTED_KINDS, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown kind {kind!r}; {hint}expected one of {', '.join(SUPPORTED_KINDS)}"
 
 
 def id_slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys a mapping at `loc` inside `model` may have (for "did you mean")."""
+    current: type[BaseModel] | None = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = current.model_fields.get(part) if current is not None else None
+        current = _model_in(field.annotation) if field is not None else None
+        if current is None:
+            return []
+    return [*current.model_fields, *getattr(current, "KEY_ALIASES", ())] if current is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is not None:
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """"; did you mean 'x'?" for the closest choice, else the list of choices."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; expected one of {', '.join(choices)}" if choices else ""

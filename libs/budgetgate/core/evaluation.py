@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import Decimal
 
+from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
-from budgetgate.core.units import Unit, cost_micros, display, hours_amount
+from budgetgate.core.eligibility import Outlook, next_eligible
+from budgetgate.core.units import Unit, display, projected_cost_micros, projected_hours_amount
 from budgetgate.core.windows import Window, iso, window_at
 
 
@@ -47,7 +49,9 @@ class Charge:
 
     @property
     def hard(self) -> bool:
-        return self.policy.enforcement is Enforcement.HARD
+        """Whether the ledger checks this charge for room: a hard policy's, unless it is zero (a
+        CPU-only run on a GPU budget), which no budget, not even an over-run one, can refuse."""
+        return self.policy.enforcement is Enforcement.HARD and self.amount > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +92,22 @@ class UnknownFlavor(ValueError):
 
 def ledger_key(policy: BudgetPolicy, window: Window) -> str:
     """The ledger key (scope, window, unit) a policy's charges in a window are filed under."""
-    return f"{policy.scope.scope_id}|{window.key}|{policy.limit.unit}"
+    return str(LedgerKey.of(policy, window))
 
 
 def fits(amount: int, reading: Reading) -> bool:
-    """Whether a hard budget has room for `amount`: the one rule the ledger enforces atomically."""
-    return amount <= reading.remaining
+    """Whether a budget has room for `amount`: the one rule the ledger enforces atomically on
+    hard charges. Nothing always fits."""
+    return amount <= 0 or amount <= reading.remaining
 
 
 def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
-    """Which budgets a submission falls under, and how much it would reserve on each."""
+    """Which budgets a submission falls under, and how much it would reserve on each (projected
+    amounts are rounded up to the ledger's unit, never down to nothing)."""
     res = submission.resources
-    projected_gpu = hours_amount(res.gpus, submission.runtime_hours)
+    projected_gpu = projected_hours_amount(res.gpus, submission.runtime_hours)
     priced = bundle.rate_for(res.flavor, res.region, submission.at) if res.flavor else None
-    showback = cost_micros(projected_gpu, priced[0].rate_per_gpu_hour) if priced else None
+    showback = projected_cost_micros(projected_gpu, priced[0].rate_per_gpu_hour) if priced else None
     charges, violations = [], []
     for policy in bundle.policies:
         scope = policy.scope
@@ -130,9 +136,9 @@ def _amount(policy: BudgetPolicy, submission: Submission, projected_gpu: int, sh
     if unit is Unit.GPU_HOURS:
         return projected_gpu
     if unit is Unit.NODE_HOURS:
-        return hours_amount(submission.resources.nodes, submission.runtime_hours)
+        return projected_hours_amount(submission.resources.nodes, submission.runtime_hours)
     if unit is Unit.WALL_HOURS:
-        return hours_amount(1, submission.runtime_hours)
+        return projected_hours_amount(1, submission.runtime_hours)
     if showback is None:
         flavor = submission.resources.flavor
         raise UnknownFlavor(
@@ -182,20 +188,44 @@ class Decision:
         return self.admitted and any(e.ledger_key is not None for e in self.evaluations)
 
 
-Release = tuple[datetime, int]
+def deciding_index(decision: Decision) -> int | None:
+    """Which evaluation decided: for a DENY the first missing-labels one, else the denying
+    budget (hard first) most short of the run; for a DELAY the delaying budget (hard first) that
+    waits longest; otherwise the hard budget (else any) with the least room left after the run,
+    relative to its limit. None when no policy applied."""
+    indexed = list(enumerate(decision.evaluations))
+    if not indexed:
+        return None
+    if decision.outcome == "DENY":
+        labels = [i for i, e in indexed if e.missing_labels]
+        if labels:
+            return labels[0]
+        denied = _hard_first([(i, e) for i, e in indexed if e.outcome == "DENY"])
+        if denied:
+            return max(denied, key=lambda ie: ((ie[1].deficit or 0) / ie[1].projected if ie[1].projected > 0 else 0.0, -ie[0]))[0]
+    if decision.outcome == "DELAY":
+        delayed = _hard_first([(i, e) for i, e in indexed if e.outcome == "DELAY"])
+        if delayed:
+            return max(delayed, key=lambda ie: (ie[1].next_eligible_time.timestamp() if ie[1].next_eligible_time else 0, -ie[0]))[0]
+    hard = [(i, e) for i, e in indexed if e.enforcement is Enforcement.HARD] or indexed
+    return min(hard, key=lambda ie: (((ie[1].remaining or 0) - ie[1].projected) / max(ie[1].limit, 1), ie[0]))[0]
+
+
+def _hard_first(indexed: list[tuple[int, Evaluation]]) -> list[tuple[int, Evaluation]]:
+    return [(i, e) for i, e in indexed if e.enforcement is Enforcement.HARD] or indexed
 
 
 def decide(
     plan: Plan,
     readings: Mapping[str, Reading] | None,
     *,
-    releases: Mapping[str, Sequence[Release]] | None = None,
+    outlooks: Mapping[str, Outlook] | None = None,
 ) -> Decision:
     """The decision for a plan given each ledger key's reading before this decision.
 
     `readings` is None when the ledger was not consulted (a label violation denies first).
-    `releases` lists, per ledger key, when running reservations are expected to end and how
-    much each frees, so a DELAY can name the earliest moment room appears.
+    `outlooks` tells, per ledger key that lacks room, how its usage changes with time alone
+    (see budgetgate.core.eligibility), so a DELAY can name the earliest instant room appears.
     """
     sha = plan.bundle_sha
     if plan.violations:
@@ -212,13 +242,13 @@ def decide(
         return Decision("ALLOW", _allow_reason(plan, readings), evaluations)
     # Waiting helps only when every blocking budget says so and the run fits each one at all.
     outcome = "DELAY" if all(_can_wait(c) for c in blocked) else "DENY"
-    releases = releases or {}
+    outlooks = outlooks or {}
     evaluations = []
     for charge in plan.charges:
         reading = readings[charge.ledger_key]
         if charge in blocked or (charge.policy.enforcement is Enforcement.DRY_RUN and not fits(charge.amount, reading)):
             own = "DELAY" if _can_wait(charge) else "DENY"
-            eligible = next_eligible(charge, reading, releases.get(charge.ledger_key, ()))
+            eligible = eligible_at(charge, reading, outlooks.get(charge.ledger_key, Outlook()), plan.submission.at)
             evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome=own, deficit=charge.amount - reading.remaining, eligible=eligible))
         else:
             evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome="ALLOW"))
@@ -238,23 +268,18 @@ def _soft_outcome(charge: Charge, readings: Mapping[str, Reading]) -> str:
     return "ALLOW"
 
 
-def next_eligible(charge: Charge, reading: Reading, releases: Sequence[Release]) -> datetime | None:
-    """The earliest moment a blocked charge could fit: when known releases free enough, else the
-    window's end (a rolling window has fully moved on after its length). None when the run alone
-    is larger than the limit, so no moment will ever do."""
-    if charge.amount > charge.policy.limit.amount:
-        return None
-    # A rolling window's `end` is the submission instant, so the horizon a release must beat is
-    # when the window has moved on, not `end` itself.
-    rolling_days = charge.policy.window.rolling_days
-    horizon = charge.window.end + timedelta(days=rolling_days) if rolling_days is not None else charge.window.end
-    needed = charge.amount - reading.remaining
-    freed = 0
-    for at, amount in sorted(releases):
-        freed += amount
-        if freed >= needed and at < horizon:
-            return at
-    return horizon
+def eligible_at(charge: Charge, reading: Reading, outlook: Outlook, now: datetime) -> datetime | None:
+    """The earliest instant a charge that lacks room could fit its budget (None: never, the run
+    is larger than the whole limit)."""
+    return next_eligible(
+        amount=charge.amount,
+        limit=charge.policy.limit.amount,
+        remaining=reading.remaining,
+        window=charge.window,
+        rolling_days=charge.policy.window.rolling_days,
+        outlook=outlook,
+        now=now,
+    )
 
 
 def _evaluation(charge: Charge, sha: str, reading: Reading | None, *, admitted: int, outcome: str, deficit: int | None = None, eligible: datetime | None = None) -> Evaluation:

@@ -1,19 +1,27 @@
-"""Read a directory of policy YAML into a PolicyBundle, reporting every error with file and line."""
+"""Validate policy documents into a PolicyBundle, reporting every error with file and line."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import yaml
-from yaml.constructor import SafeConstructor
 from pydantic import BaseModel, ValidationError
 
-from budgetgate.core.documents import PATTERN_MEANINGS, SPEC_MODELS, BudgetPolicySpec, Document, RateCardSpec, kind_problem
+from budgetgate.core.documents import (
+    API_VERSION,
+    PATTERN_MEANINGS,
+    SPEC_MODELS,
+    SUPPORTED_KINDS,
+    BudgetPolicySpec,
+    Document,
+    RateCardSpec,
+    did_you_mean,
+    kind_problem,
+    known_keys,
+)
 from budgetgate.core.policy import (
     BudgetPolicy,
     Enforcement,
@@ -29,123 +37,83 @@ from budgetgate.core.quota_documents import ConcurrencyLimit, concurrency_checks
 from budgetgate.core.units import Unit, to_amount
 from budgetgate.core.windows import WindowSpec
 
-MAX_FILE_BYTES = 1 << 20
-# Keys whose values are names, not numbers: `cost-center: 1042` means the string "1042".
-_RAW_SCALAR_PARENTS = frozenset({"labels", "id", "namespace", "namespaces", "flavor", "region"})
+# Re-exported: callers find the reading side of policies here too.
+from budgetgate.core.policy_files import (
+    MAX_FILE_BYTES,
+    PolicyError,
+    PolicyValidationError,
+    SourceDocument,
+    directory_files,
+    parse_files,
+    parse_text,
+    read_directory,
+)
+
+__all__ = [
+    "MAX_FILE_BYTES", "LoadedPolicies", "PolicyError", "PolicyValidationError", "SkippedDocument", "SourceDocument",
+    "build_bundle", "bundle_from_json", "directory_files", "documents_to_json", "load_directory", "load_files",
+    "load_path", "parse_files", "parse_text", "read_directory", "skipped_documents",
+]
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyError:
+class SkippedDocument:
+    """A YAML document that is not a budgetgate document (a Kueue queue, a Grafana file)."""
+
     file: str
     line: int
-    message: str
+    what: str
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.message}"
-
-
-class PolicyValidationError(ValueError):
-    """One or more policy documents are invalid; `errors` lists each with file and line."""
-
-    def __init__(self, errors: Sequence[PolicyError]) -> None:
-        self.errors = tuple(sorted(errors, key=lambda e: (e.file, e.line, e.message)))
-        super().__init__("\n".join(str(e) for e in self.errors))
+        return f"{self.file}:{self.line}: {self.what}"
 
 
 @dataclass(frozen=True, slots=True)
-class SourceDocument:
-    """One YAML document as read, with a map from field paths to lines for error messages."""
-
-    file: str
-    line: int
-    data: Any
-    lines: dict[tuple[Any, ...], int]
-
-    def line_of(self, path: Iterable[Any]) -> int:
-        path = tuple(path)
-        while path and path not in self.lines:
-            path = path[:-1]
-        return self.lines.get(path, self.line)
+class LoadedPolicies:
+    bundle: PolicyBundle
+    documents: list[SourceDocument]
+    skipped: list[SkippedDocument]
 
 
-def read_directory(directory: Path) -> list[SourceDocument]:
-    """Every document of every *.yaml / *.yml file below `directory`, in path order."""
-    documents, errors = _read_directory(directory)
-    if errors:
-        raise PolicyValidationError(errors)
-    return documents
+def skip_reason(doc: SourceDocument) -> str | None:
+    """Why a document is not a budgetgate document, or None when it is one.
+
+    A policy folder may hold other YAML (Kueue queues, Grafana provisioning): only documents with
+    `apiVersion: budgetgate/v1` are read; a budgetgate kind without it is still an error."""
+    data = doc.data
+    if not isinstance(data, dict):
+        return None
+    version, kind = data.get("apiVersion"), data.get("kind")
+    if version == API_VERSION:
+        return None
+    if isinstance(version, str) and version.startswith("budgetgate/"):
+        return None  # a budgetgate document of another version: validation names the problem
+    if version is None and kind in SUPPORTED_KINDS:
+        return None
+    what = f"apiVersion {version}" if version is not None else "no apiVersion"
+    return f"skipped, not a budgetgate/v1 document ({what}" + (f", kind {kind})" if kind is not None else ")")
 
 
-def _read_directory(directory: Path) -> tuple[list[SourceDocument], list[PolicyError]]:
-    # Documents of the readable files and the errors of the others, so that a syntax error in
-    # one file does not hide what is wrong with the rest.
-    if not directory.is_dir():
-        raise PolicyValidationError([PolicyError(str(directory), 0, "not a directory")])
-    documents: list[SourceDocument] = []
-    errors: list[PolicyError] = []
-    files = sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml") and ".git" not in p.parts)
-    for path in files:
-        name = path.relative_to(directory).as_posix()
-        try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                errors.append(PolicyError(name, 0, f"file is larger than {MAX_FILE_BYTES} bytes"))
-                continue
-            documents.extend(parse_text(path.read_text(encoding="utf-8"), name))
-        except PolicyValidationError as exc:
-            errors.extend(exc.errors)
-        except (OSError, UnicodeDecodeError) as exc:
-            errors.append(PolicyError(name, 0, f"cannot read file: {exc}"))
-    return documents, errors
+def skipped_documents(documents: Sequence[SourceDocument]) -> list[SkippedDocument]:
+    return [SkippedDocument(d.file, d.line, reason) for d in documents if (reason := skip_reason(d)) is not None]
 
 
-def parse_text(text: str, file: str) -> list[SourceDocument]:
-    """The documents of one YAML text; YAML syntax errors carry their line."""
-    try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else 0
-        raise PolicyValidationError([PolicyError(file, line, f"invalid YAML: {getattr(exc, 'problem', exc)}")]) from exc
-    documents = []
-    for node in nodes:
-        if node is None:
-            continue
-        lines: dict[tuple[Any, ...], int] = {}
-        data = _to_python(node, (), lines, raw=False)
-        documents.append(SourceDocument(file, node.start_mark.line + 1, data, lines))
-    return documents
+def budgetgate_documents(documents: Sequence[SourceDocument]) -> list[SourceDocument]:
+    return [d for d in documents if skip_reason(d) is None]
 
 
-def _to_python(node: yaml.Node, path: tuple[Any, ...], lines: dict[tuple[Any, ...], int], *, raw: bool) -> Any:
-    lines[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        result: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value
-            result[key] = _to_python(value_node, (*path, key), lines, raw=raw or key in _RAW_SCALAR_PARENTS)
-            lines[(*path, key)] = key_node.start_mark.line + 1
-        return result
-    if isinstance(node, yaml.SequenceNode):
-        return [_to_python(item, (*path, i), lines, raw=raw) for i, item in enumerate(node.value)]
-    if raw and node.tag != "tag:yaml.org,2002:null":
-        return node.value
-    if node.tag == "tag:yaml.org,2002:float":
-        # Limits and rates are exact decimals; going through float would round 3.933.
-        try:
-            return Decimal(node.value.replace("_", ""))
-        except ArithmeticError:
-            pass  # .inf / .nan: let validation reject them by name
-    return SafeConstructor().construct_object(node, deep=True)
+def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str, partial: bool = False) -> PolicyBundle:
+    """Validate documents into a bundle; raises PolicyValidationError listing every problem.
 
-
-def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str) -> PolicyBundle:
-    """Validate documents into a bundle; raises PolicyValidationError listing every problem."""
+    Documents that are not budgetgate documents are left out. `partial` (one file of a folder)
+    leaves out the checks that need the rest of the folder (a RateCard, a Cluster)."""
     errors: list[PolicyError] = []
     policies: list[BudgetPolicy] = []
     rate_cards: list[RateCard] = []
     limits: list[ConcurrencyLimit] = []
     seen_ids: dict[tuple[str, str], SourceDocument] = {}
-    for doc in documents:
+    rates_seen: dict[tuple[str, str, str | None, Any], str] = {}
+    for doc in budgetgate_documents(documents):
         parsed = _validate(doc, errors)
         if parsed is None:
             continue
@@ -160,14 +128,28 @@ def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str) -> Policy
         if isinstance(spec, BudgetPolicySpec):
             policies.append(_policy(envelope.metadata.id, spec, source))
         elif isinstance(spec, RateCardSpec):
+            errors.extend(_duplicate_rates(doc, spec, rates_seen))
             rate_cards.append(_rate_card(envelope.metadata.id, spec, source))
         else:
             limits.append(concurrency_limit(envelope.metadata.id, spec, source))
-    errors.extend(_cross_checks(policies, rate_cards))
-    errors.extend(concurrency_checks(limits))
+    errors.extend(_cross_checks(policies, rate_cards, partial=partial))
+    errors.extend(concurrency_checks(limits, partial=partial))
     if errors:
         raise PolicyValidationError(errors)
     return PolicyBundle(git_sha=git_sha, policies=tuple(policies), rate_cards=tuple(rate_cards), **concurrency_fields(limits))
+
+
+def _duplicate_rates(doc: SourceDocument, spec: RateCardSpec, seen: dict[tuple[str, str, str | None, Any], str]) -> list[PolicyError]:
+    # Two rates for one flavor, region and date leave the price to document order: refuse.
+    errors = []
+    for i, rate in enumerate(spec.rates):
+        key = (spec.currency, rate.flavor, rate.region, rate.effective_from)
+        line = doc.line_of(("spec", "rates", i))
+        first = seen.setdefault(key, f"{doc.file}:{line}")
+        if first != f"{doc.file}:{line}":
+            when = f" from {rate.effective_from.isoformat()}" if rate.effective_from else ""
+            errors.append(PolicyError(doc.file, line, f"a second rate for flavor {rate.flavor!r}" + (f" in region {rate.region!r}" if rate.region else "") + f"{when}; the first is at {first}"))
+    return errors
 
 
 def _validate(doc: SourceDocument, errors: list[PolicyError]) -> tuple[Document, BaseModel] | None:
@@ -177,7 +159,7 @@ def _validate(doc: SourceDocument, errors: list[PolicyError]) -> tuple[Document,
     try:
         envelope = Document.model_validate(doc.data)
     except ValidationError as exc:
-        errors.extend(_errors(doc, exc, ()))
+        errors.extend(_errors(doc, exc, (), Document))
         return None
     problem = kind_problem(envelope.kind)
     if problem is not None:
@@ -186,12 +168,12 @@ def _validate(doc: SourceDocument, errors: list[PolicyError]) -> tuple[Document,
     try:
         spec = SPEC_MODELS[envelope.kind].model_validate(envelope.spec)
     except ValidationError as exc:
-        errors.extend(_errors(doc, exc, ("spec",)))
+        errors.extend(_errors(doc, exc, ("spec",), SPEC_MODELS[envelope.kind]))
         return None
     return envelope, spec
 
 
-def _errors(doc: SourceDocument, exc: ValidationError, prefix: tuple[Any, ...]) -> list[PolicyError]:
+def _errors(doc: SourceDocument, exc: ValidationError, prefix: tuple[Any, ...], model: type[BaseModel]) -> list[PolicyError]:
     result = []
     for err in exc.errors():
         loc = tuple(part for part in err["loc"] if not (isinstance(part, str) and part.startswith("function-")))
@@ -200,6 +182,8 @@ def _errors(doc: SourceDocument, exc: ValidationError, prefix: tuple[Any, ...]) 
         if err["type"] == "string_pattern_mismatch":
             meaning = PATTERN_MEANINGS.get(err.get("ctx", {}).get("pattern", ""), "")
             message = f"{err['input']!r} is not {meaning}" if meaning else message
+        elif err["type"] == "extra_forbidden" and loc:
+            message = "unknown key" + did_you_mean(str(loc[-1]), known_keys(model, loc[:-1]))
         result.append(PolicyError(doc.file, doc.line_of((*prefix, *loc)), f"{path}: {message}" if path else message))
     return result
 
@@ -223,7 +207,7 @@ def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:
     return RateCard(id=card_id, currency=spec.currency, rates=rates, source=source)
 
 
-def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCard]) -> list[PolicyError]:
+def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCard], *, partial: bool) -> list[PolicyError]:
     errors = []
     ledgers: dict[tuple[str, str | None, int | None, Unit], BudgetPolicy] = {}
     for policy in policies:
@@ -235,7 +219,7 @@ def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCar
         other = ledgers.setdefault(identity, policy)
         if other is not policy:
             errors.append(PolicyError(policy.source.file, policy.source.line, f"policy {policy.id!r} budgets the same scope, window and unit as {other.id!r} ({other.source.file}:{other.source.line}); merge them"))
-        if policy.limit.unit is Unit.COST and not any(card.currency == policy.limit.currency for card in rate_cards):
+        if not partial and policy.limit.unit is Unit.COST and not any(card.currency == policy.limit.currency for card in rate_cards):
             errors.append(PolicyError(policy.source.file, policy.source.line, f"policy {policy.id!r} limits cost in {policy.limit.currency} but no RateCard is in {policy.limit.currency}"))
     currencies = {card.currency for card in rate_cards}
     if len(currencies) > 1:
@@ -244,17 +228,29 @@ def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCar
     return errors
 
 
-def load_directory(directory: Path, *, git_sha: str) -> tuple[PolicyBundle, list[SourceDocument]]:
-    """Read and validate a policy directory; raises PolicyValidationError listing every problem
-    of every file at once."""
-    documents, errors = _read_directory(directory)
+def load_files(files: Iterable[tuple[str, bytes | OSError]], *, git_sha: str, partial: bool = False) -> LoadedPolicies:
+    """Read and validate policy files; raises PolicyValidationError listing every problem of
+    every file at once."""
+    documents, errors = parse_files(files)
+    bundle = None
     try:
-        bundle = build_bundle(documents, git_sha=git_sha)
+        bundle = build_bundle(documents, git_sha=git_sha, partial=partial)
     except PolicyValidationError as exc:
         errors.extend(exc.errors)
-    if errors:
+    if errors or bundle is None:
         raise PolicyValidationError(errors)
-    return bundle, documents
+    return LoadedPolicies(bundle, budgetgate_documents(documents), skipped_documents(documents))
+
+
+def load_path(path: Path, *, git_sha: str) -> LoadedPolicies:
+    """A policy folder as it is on disk, or one file of it (checked on its own)."""
+    return load_files(directory_files(path), git_sha=git_sha, partial=path.is_file())
+
+
+def load_directory(directory: Path, *, git_sha: str) -> tuple[PolicyBundle, list[SourceDocument]]:
+    """Read and validate a policy directory (its budgetgate documents)."""
+    loaded = load_path(directory, git_sha=git_sha)
+    return loaded.bundle, loaded.documents
 
 
 def documents_to_json(documents: Sequence[SourceDocument]) -> str:

@@ -7,12 +7,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
+from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
+from budgetgate.core.sources import Source
 from budgetgate.core.units import Unit
-
-if TYPE_CHECKING:
-    from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
 from budgetgate.core.windows import WindowSpec
 
 ANY_VALUE = "*"
@@ -34,14 +32,6 @@ class OnExhausted(StrEnum):
     def delays(self) -> bool:
         """Whether exhaustion asks the platform to wait (DELAY) rather than give up (DENY)."""
         return self is not OnExhausted.DENY
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where a document came from, for error messages and audit."""
-
-    file: str
-    line: int
 
 
 @dataclass(frozen=True, slots=True)

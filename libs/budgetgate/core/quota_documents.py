@@ -8,8 +8,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from budgetgate.core.documents import ClusterSpec, QuotaSpec, ResourcePoolSpec
-from budgetgate.core.policy import Source
 from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
+from budgetgate.core.sources import PolicyError, Source
 
 ConcurrencyLimit = TenantQuota | SensitivePool | Cluster | ResourcePool
 
@@ -28,11 +28,10 @@ def concurrency_limit(doc_id: str, spec: BaseModel, source: Source) -> Concurren
     raise TypeError(f"not a concurrency document: {type(spec).__name__}")
 
 
-def concurrency_checks(limits: Sequence[ConcurrencyLimit]) -> list[Any]:
+def concurrency_checks(limits: Sequence[ConcurrencyLimit], *, partial: bool = False) -> list[PolicyError]:
     """Errors across documents: one quota per tenant, one sensitive pool, one cluster, one pool
-    per namespace, and fair shares only with a cluster to take them of."""
-    from budgetgate.core.loader import PolicyError  # the loader imports this module
-
+    per namespace, and fair shares only with a cluster to take them of (unless `partial`: one
+    file of a folder, whose Cluster may be in another file)."""
     errors = []
     seen: dict[tuple[str, str], ConcurrencyLimit] = {}
     for limit in limits:
@@ -46,7 +45,7 @@ def concurrency_checks(limits: Sequence[ConcurrencyLimit]) -> list[Any]:
         if first is not limit:
             what = f"{key[0]} {key[1]!r}" if key[1] else ("the sensitive pool" if isinstance(limit, SensitivePool) else "the cluster capacity")
             errors.append(PolicyError(limit.source.file, limit.source.line, f"{what} is already defined at {first.source.file}:{first.source.line}"))
-    has_cluster = any(isinstance(limit, Cluster) for limit in limits)
+    has_cluster = partial or any(isinstance(limit, Cluster) for limit in limits)
     for limit in limits:
         if isinstance(limit, TenantQuota) and limit.fair_share_target is not None and not has_cluster:
             errors.append(PolicyError(limit.source.file, limit.source.line, f"quota {limit.id!r} sets a fair_share_target but no kind: Cluster document gives the capacity it is a share of"))

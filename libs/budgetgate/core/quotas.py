@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from budgetgate.core.policy import Source
+from budgetgate.core.sources import Source
 
 SOFT_START = 0.8  # utilization where the soft-quota priority penalty starts
 

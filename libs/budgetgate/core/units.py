@@ -8,7 +8,7 @@ edges (JSON in, JSON out), converted through Decimal with one rounding, half up.
 from __future__ import annotations
 
 import math
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal, InvalidOperation
 from enum import StrEnum
 
 MILLI_PER_HOUR = 3_600_000
@@ -42,8 +42,8 @@ def to_decimal(value: Decimal | float | int | str) -> Decimal:
     return result
 
 
-def _round(value: Decimal) -> int:
-    return int(value.quantize(Decimal(1), rounding=ROUND_HALF_UP))
+def _round(value: Decimal, rounding: str = ROUND_HALF_UP) -> int:
+    return int(value.quantize(Decimal(1), rounding=rounding))
 
 
 def to_amount(unit: Unit, value: Decimal | float | int | str) -> int:
@@ -56,14 +56,25 @@ def from_amount(unit: Unit, amount: int) -> Decimal:
     return Decimal(amount) / unit.scale
 
 
-def hours_amount(count: int, runtime_hours: Decimal | float | str) -> int:
+def hours_amount(count: int, runtime_hours: Decimal | float | str, *, rounding: str = ROUND_HALF_UP) -> int:
     """count × runtime_hours in milli-unit-seconds (8 GPUs × 6 h = 48 GPU-hours)."""
-    return _round(Decimal(count) * to_decimal(runtime_hours) * MILLI_PER_HOUR)
+    return _round(Decimal(count) * to_decimal(runtime_hours) * MILLI_PER_HOUR, rounding)
 
 
-def cost_micros(gpu_milli_hours: int, rate_per_gpu_hour: Decimal) -> int:
+def projected_hours_amount(count: int, runtime_hours: Decimal | float | str) -> int:
+    """What a run is projected to use, rounded up to the ledger's unit: a run too small to
+    show in the unit still reserves one, so it can never slip through an exhausted budget."""
+    return hours_amount(count, runtime_hours, rounding=ROUND_CEILING)
+
+
+def cost_micros(gpu_milli_hours: int, rate_per_gpu_hour: Decimal, *, rounding: str = ROUND_HALF_UP) -> int:
     """Showback cost, in micro-units, of an amount of GPU-hours at a rate per GPU-hour."""
-    return _round(Decimal(gpu_milli_hours) * rate_per_gpu_hour * MICROS_PER_UNIT / MILLI_PER_HOUR)
+    return _round(Decimal(gpu_milli_hours) * rate_per_gpu_hour * MICROS_PER_UNIT / MILLI_PER_HOUR, rounding)
+
+
+def projected_cost_micros(gpu_milli_hours: int, rate_per_gpu_hour: Decimal) -> int:
+    """The showback cost a run is projected to incur, rounded up like projected hours."""
+    return cost_micros(gpu_milli_hours, rate_per_gpu_hour, rounding=ROUND_CEILING)
 
 
 def money(micros: int) -> Decimal:

@@ -98,3 +98,9 @@ def _iso(at: datetime) -> str:
 def iso(at: datetime) -> str:
     """An instant as RFC 3339 UTC with a Z, seconds precision."""
     return _iso(at)
+
+
+def rfc3339(at: datetime) -> str:
+    """An instant as every HTTP answer writes it: RFC 3339 in UTC with a `Z`, fractions of a
+    second only when there are any (the form pydantic gives response models too)."""
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")

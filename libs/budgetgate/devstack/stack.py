@@ -17,17 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from budgetgate.devstack import isolation
 from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError
 from budgetgate.devstack.isolation import ExternalServerError
 from budgetgate.devstack.kafka import TansuBroker
-from budgetgate.devstack.ports import free_port
+from budgetgate.devstack.ports import free_port, port_open
 from budgetgate.devstack.postgres import EmbeddedPostgres, pg_ctl_stop
 from budgetgate.devstack.processes import ProcessRecord, is_running, read_cmdline, terminate, wait_gone
 from budgetgate.devstack.redis import EmbeddedRedis
 from budgetgate.devstack.services import SERVICES, Service, ServiceNotReady, start_service, wait_ready
 from budgetgate.devstack.state import StackState, StateFileError, stack_lock, state_dir
+from budgetgate.settings import find_dev_state
 
 Echo = Callable[[str], None]
 
@@ -242,17 +244,47 @@ def _postmaster_pid(pgdata: Path) -> int | None:
         return None
 
 
+def find_root(start: Path | None = None) -> Path | None:
+    """The folder of the local stack seen from `start`: BUDGETGATE_HOME, else the nearest folder
+    at or above `start` holding `.budgetgate/dev.json`; None when there is none."""
+    found = find_dev_state(start)
+    return found.parent.parent if found is not None else None
+
+
+# Where each backend's address is, and the port when the address has none.
+_BACKENDS = (("postgres", "postgres_dsn", 5432), ("redis", "redis_url", 6379), ("kafka", "kafka_bootstrap", 9092))
+
+
+def _address_open(address: str, default_port: int) -> bool:
+    parts = urlsplit(address if "://" in address else f"tcp://{address.split(',')[0]}")
+    return port_open(parts.hostname or "127.0.0.1", parts.port or default_port)
+
+
 def status(root: Path) -> dict[str, Any] | None:
-    """Settings and process liveness of the stack of `root`; None when there is none."""
+    """Settings, process liveness and every service's URL of the stack of `root`; None when
+    there is none. Servers the stack did not start (given by variables) are checked by port."""
     state = StackState.load(root.resolve())
     if state is None:
         return None
     alive = state.alive()
+    records = {p.name: p for p in state.processes}
+    services = []
+    for name, setting, port in _BACKENDS:
+        url = state.settings.get(setting)
+        record = records.get(name)
+        if record is not None:
+            services.append({"name": name, "url": url, "alive": alive[name], "started_here": True})
+        elif url:
+            services.append({"name": name, "url": url, "alive": _address_open(str(url), port), "started_here": False})
+    for record in state.processes:
+        if record.name not in {b[0] for b in _BACKENDS}:
+            services.append({"name": record.name, "url": record.extra.get("url"), "alive": alive[record.name], "started_here": True})
     return {
         "root": str(state.root),
-        "up": state.complete and all(alive.values()),
+        "up": state.complete and all(s["alive"] for s in services),
         "complete": state.complete,
         **state.settings,
+        "services": services,
         "processes": [
             {"name": p.name, "pid": p.pid, "alive": alive[p.name], "log": p.log} for p in state.processes
         ],

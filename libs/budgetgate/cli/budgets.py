@@ -1,0 +1,57 @@
+"""`budgetgate budgets`: every budget of the active bundle in its current window, from the
+ledger's truth in Postgres (the same figures as `GET /v1/budgets`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from budgetgate.cli import backend
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def budgets(as_json: bool) -> None:
+    """Limit, reserved, consumed, remaining, used % and state of every budget."""
+    settings = backend.stack_settings()
+    found = asyncio.run(read_budgets(settings.postgres_dsn))
+    if found is None:
+        raise click.ClickException("no policy bundle has been applied yet; `budgetgate policy apply DIR` applies one")
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    click.echo(f"bundle {found['policy_bundle_sha']}")
+    table(
+        ["budget", "scope", "window", "unit", "limit", "reserved", "consumed", "remaining", "used", "state"],
+        [[b["policy_id"], b["scope_id"], b["window_key"], unit_label(b), f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}",
+          f"{b['remaining']:g}", f"{b['used_percent']:.1f}%", b["state"]] for b in found["budgets"]],
+    )  # fmt: skip
+
+
+async def read_budgets(dsn: str) -> dict[str, Any] | None:
+    from budgetgate.core.loader import bundle_from_json
+    from budgetgate.ledger.queries import sql
+    from budgetgate.services.admission.budgets import list_budgets
+
+    async with backend.postgres(dsn) as conn:
+        row = await conn.fetchrow(sql("active_bundle"))  # type: ignore[attr-defined]
+        if row is None:
+            return None
+        bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"])
+        return {"policy_bundle_sha": bundle.git_sha, "budgets": await list_budgets(conn, bundle, datetime.now(UTC))}
+
+
+def unit_label(budget: dict[str, Any]) -> str:
+    return budget["currency"] if budget["unit"] == "cost" else budget["unit"].replace("_", "-")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    click.echo("  ".join("-" * w for w in widths))
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

@@ -1,0 +1,213 @@
+"""Policy files as read: bounded, safe YAML with the line of every field, for error messages.
+
+YAML is read with the safe loader and bounded before anything is built from it: nesting deeper
+than MAX_DEPTH, a document expanding (aliases included) to more than MAX_NODES nodes, a node
+that contains itself and duplicate keys are errors with file and line, never a hang."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.constructor import SafeConstructor
+
+from budgetgate.core.sources import PolicyError
+
+MAX_FILE_BYTES = 1 << 20
+# Keys whose values are names, not numbers: `cost-center: 1042` means the string "1042".
+_RAW_SCALAR_PARENTS = frozenset({"labels", "id", "namespace", "namespaces", "flavor", "region"})
+
+class PolicyValidationError(ValueError):
+    """One or more policy documents are invalid; `errors` lists each with file and line."""
+
+    def __init__(self, errors: Sequence[PolicyError]) -> None:
+        self.errors = tuple(sorted(errors, key=lambda e: (e.file, e.line, e.message)))
+        super().__init__("\n".join(str(e) for e in self.errors))
+
+
+@dataclass(frozen=True, slots=True)
+class SourceDocument:
+    """One YAML document as read, with a map from field paths to lines for error messages."""
+
+    file: str
+    line: int
+    data: Any
+    lines: dict[tuple[Any, ...], int]
+
+    def line_of(self, path: Iterable[Any]) -> int:
+        path = tuple(path)
+        while path and path not in self.lines:
+            path = path[:-1]
+        return self.lines.get(path, self.line)
+
+
+def read_directory(directory: Path) -> list[SourceDocument]:
+    """Every document of every *.yaml / *.yml file below `directory`, in path order."""
+    documents, errors = parse_files(directory_files(directory))
+    if errors:
+        raise PolicyValidationError(errors)
+    return documents
+
+
+def directory_files(path: Path) -> list[tuple[str, bytes | OSError]]:
+    """(name, content) of every *.yaml / *.yml file below a directory, or of one file; a file
+    that cannot be read comes with its error instead."""
+    if path.is_file():
+        files, root = [path], path.parent
+    elif path.is_dir():
+        files, root = sorted(p for p in path.rglob("*") if p.suffix in (".yaml", ".yml") and ".git" not in p.relative_to(path).parts), path
+    else:
+        raise PolicyValidationError([PolicyError(str(path), 0, "no such file or directory")])
+    result: list[tuple[str, bytes | OSError]] = []
+    for file in files:
+        name = file.relative_to(root).as_posix()
+        try:
+            if file.stat().st_size > MAX_FILE_BYTES:
+                result.append((name, OSError(f"file is larger than {MAX_FILE_BYTES} bytes")))
+                continue
+            result.append((name, file.read_bytes()))
+        except OSError as exc:
+            result.append((name, exc))
+    return result
+
+
+def parse_files(files: Iterable[tuple[str, bytes | OSError]]) -> tuple[list[SourceDocument], list[PolicyError]]:
+    """Documents of the readable files and the errors of the others, so that a syntax error in
+    one file does not hide what is wrong with the rest."""
+    documents: list[SourceDocument] = []
+    errors: list[PolicyError] = []
+    for name, content in files:
+        if isinstance(content, OSError):
+            errors.append(PolicyError(name, 0, f"cannot read file: {content.strerror or content}"))
+            continue
+        if len(content) > MAX_FILE_BYTES:
+            errors.append(PolicyError(name, 0, f"file is larger than {MAX_FILE_BYTES} bytes"))
+            continue
+        try:
+            documents.extend(parse_text(content.decode("utf-8"), name))
+        except UnicodeDecodeError as exc:
+            errors.append(PolicyError(name, 0, f"cannot read file: not UTF-8 ({exc.reason})"))
+        except PolicyValidationError as exc:
+            errors.extend(exc.errors)
+    return documents, errors
+
+
+# Documents are small: one expanding to more nodes than this is an alias bomb, and one nested
+# deeper than this would only exhaust the parser's stack.
+MAX_NODES = 50_000
+MAX_DEPTH = 64
+# libyaml when present: much faster on big files; the same events, nodes and marks.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_STR = "tag:yaml.org,2002:str"
+
+
+class _YamlProblem(Exception):
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.message = message
+
+
+def parse_text(text: str, file: str) -> list[SourceDocument]:
+    """The documents of one YAML text; YAML syntax errors, duplicate keys, deep nesting,
+    recursive aliases and documents that expand beyond MAX_NODES carry their line."""
+    try:
+        _check_depth(text)
+        nodes = list(yaml.compose_all(text, Loader=_LOADER))
+    except _YamlProblem as problem:
+        raise PolicyValidationError([PolicyError(file, problem.line, problem.message)]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 0
+        raise PolicyValidationError([PolicyError(file, line, f"invalid YAML: {getattr(exc, 'problem', exc)}")]) from exc
+    documents, errors = [], []
+    for node in nodes:
+        if node is None:
+            continue
+        lines: dict[tuple[Any, ...], int] = {}
+        try:
+            if _expanded_size(node, {}, set()) > MAX_NODES:
+                raise _YamlProblem(node.start_mark.line + 1, f"the document expands to more than {MAX_NODES} YAML nodes (an alias bomb?)")
+            data = _Converter(lines).convert(node, (), raw=False)
+        except _YamlProblem as problem:
+            errors.append(PolicyError(file, problem.line, problem.message))
+            continue
+        documents.append(SourceDocument(file, node.start_mark.line + 1, data, lines))
+    if errors:
+        raise PolicyValidationError(errors)
+    return documents
+
+
+def _check_depth(text: str) -> None:
+    # The event parser is iterative; composing nodes is not, so bound the nesting first.
+    depth = events = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        events += 1
+        if events > 2 * MAX_NODES:
+            raise _YamlProblem(event.start_mark.line + 1, f"more than {MAX_NODES} YAML nodes")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _YamlProblem(event.start_mark.line + 1, f"nested more than {MAX_DEPTH} levels deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """How many nodes `node` becomes once every alias is expanded, without expanding them."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise _YamlProblem(node.start_mark.line + 1, "a YAML alias refers to a node that contains it (recursive alias)")
+    size = 1
+    if isinstance(node, yaml.CollectionNode):
+        open_.add(key)
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+        size += sum(_expanded_size(child, sizes, open_) for child in children)
+        open_.discard(key)
+    sizes[key] = size
+    return size
+
+
+class _Converter:
+    """YAML nodes (checked by _expanded_size) to Python values, with the line of every path."""
+
+    def __init__(self, lines: dict[tuple[Any, ...], int]) -> None:
+        self.lines = lines
+        self.constructor = SafeConstructor()
+
+    def convert(self, node: yaml.Node, path: tuple[Any, ...], *, raw: bool) -> Any:
+        line = node.start_mark.line + 1
+        self.lines.setdefault(path, line)
+        if isinstance(node, yaml.MappingNode):
+            result: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise _YamlProblem(key_node.start_mark.line + 1, "a mapping key must be a plain name")
+                key = key_node.value
+                if key in result:
+                    raise _YamlProblem(key_node.start_mark.line + 1, f"duplicate key {key!r} (first at line {self.lines[(*path, key)]})")
+                self.lines[(*path, key)] = key_node.start_mark.line + 1
+                result[key] = self.convert(value_node, (*path, key), raw=raw or key in _RAW_SCALAR_PARENTS)
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            return [self.convert(item, (*path, i), raw=raw) for i, item in enumerate(node.value)]
+        if node.tag == _STR or (raw and node.tag != "tag:yaml.org,2002:null"):
+            return node.value
+        if node.tag == "tag:yaml.org,2002:float":
+            # Limits and rates are exact decimals; going through float would round 3.933.
+            try:
+                return Decimal(node.value.replace("_", ""))
+            except ArithmeticError:
+                pass  # .inf / .nan: let validation reject them by name
+        try:
+            return self.constructor.construct_object(node, deep=True)
+        except yaml.YAMLError as exc:
+            raise _YamlProblem(line, f"invalid YAML value: {getattr(exc, 'problem', exc)}") from exc
+
+

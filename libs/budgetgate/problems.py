@@ -1,0 +1,131 @@
+"""Every error answer of every budgetgate HTTP service as RFC 9457 problem details
+(`application/problem+json`), whoever produced it: a route's `{"detail": ...}`, FastAPI's
+validation errors (the offending fields listed under `errors`), a body too large, an unknown
+route, or an unexpected exception.
+
+One plain ASGI middleware rewrites error answers (only those: success answers pass through
+untouched), so routes keep answering `{"detail": ...}` and no service can forget the format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+log = logging.getLogger(__name__)
+
+PROBLEM_JSON = "application/problem+json"
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
+def problem_body(status: int, body: Any) -> dict[str, Any]:
+    """An error answer's body as problem details: `type`, `title`, `status`, `detail`, then
+    `errors` (each offending field) and the answer's other members as extensions."""
+    if isinstance(body, Mapping) and {"type", "title", "status", "detail"} <= body.keys():
+        return dict(body)
+    members = dict(body) if isinstance(body, Mapping) else {"detail": body}
+    detail = members.pop("detail", None)
+    errors = None
+    if isinstance(detail, list):
+        errors = [offending(e) for e in detail]
+        detail = "invalid " + "; ".join(f"{e['field'] or 'body'}: {e['msg']}" for e in errors)
+    title = phrase(status)
+    problem: dict[str, Any] = {"type": "about:blank", "title": title, "status": status, "detail": str(detail) if detail not in (None, "") else title}
+    if errors is not None:
+        problem["errors"] = errors
+    problem.update((k, v) for k, v in members.items() if k not in problem)
+    return problem
+
+
+def offending(error: Any) -> dict[str, Any]:
+    """One offending field: `field` (dotted path in the body or the parameter's name), `loc`,
+    `msg` and `type`, as FastAPI and the services name them."""
+    if not isinstance(error, Mapping):
+        return {"field": "", "loc": [], "msg": str(error), "type": "value_error"}
+    loc = list(error.get("loc") or [])
+    path = loc[1:] if loc and loc[0] in _LOCATIONS else loc
+    return {"field": ".".join(str(p) for p in path), "loc": loc, "msg": str(error.get("msg", "")), "type": str(error.get("type", "value_error"))}
+
+
+def problem_response(status: int, detail: Any, *, headers: Mapping[str, str] | None = None, **extensions: Any) -> JSONResponse:
+    """A problem details answer built directly (the middleware leaves it as it is)."""
+    body = problem_body(status, {"detail": detail, **extensions})
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}), media_type=PROBLEM_JSON)
+
+
+class ProblemDetails:
+    """Plain ASGI middleware: turns every answer with status ≥ 400 into problem details."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held: dict[str, Any] = {}
+        chunks: list[bytes] = []
+
+        async def rewrite(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held["start"] = message
+                return
+            if "start" not in held or message["type"] != "http.response.body":
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            start = held["start"]
+            body = json.dumps(problem_body(start["status"], _parsed(b"".join(chunks)))).encode()
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-type", b"content-length")]
+            headers += [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode())]
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, rewrite)
+
+
+def install_problems(app: FastAPI) -> None:
+    """Problem details for every error answer of `app`; a route's own handlers stay in charge of
+    what an error says, the middleware of how it is written."""
+    app.add_middleware(ProblemDetails)
+    app.exception_handlers.setdefault(RequestValidationError, _invalid_request)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI's default echoes each bad input back, which fails on NaN and repeats oversized
+    # values; the location and message name the problem well enough.
+    return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]}, status_code=422)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
+    return problem_response(500, f"unexpected error: {type(exc).__name__}")
+
+
+def _parsed(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", errors="replace").strip()
+
+
+# RFC 9110's names where Python's table still has the older ones.
+_RFC_9110 = {413: "Content Too Large", 422: "Unprocessable Content"}
+
+
+def phrase(status: int) -> str:
+    """The short phrase of an HTTP status (RFC 9110)."""
+    try:
+        return _RFC_9110.get(status) or HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"

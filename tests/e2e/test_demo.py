@@ -1,0 +1,47 @@
+"""`budgetgate demo`: on a stack of its own, the same output on every run, and never the bundle of
+a stack it did not start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+
+from budgetgate.cli.demo import MIX
+from budgetgate.ledger.queries import sql
+from tests.support.admission import apply_policies, budget_yaml
+
+
+def demo(cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "BUDGETGATE_HOME"}
+    return subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "demo"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+async def active_sha(dsn: str) -> str:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return (await conn.fetchrow(sql("active_bundle")))["git_sha"]
+    finally:
+        await conn.close()
+
+
+def test_workloads_have_distinct_names() -> None:
+    assert len({w.what for w in MIX}) == len(MIX)
+
+
+async def test_demo_runs_on_its_own_stack_and_prints_the_same_every_time(tmp_path: Path, pg_dsn: str) -> None:
+    # Someone's stack is recorded here: the demo must leave its bundle alone.
+    await apply_policies(pg_dsn, {"mine.yaml": budget_yaml("mine")}, sha="m" * 40)
+    (tmp_path / ".budgetgate").mkdir()
+    (tmp_path / ".budgetgate" / "dev.json").write_text(json.dumps({"settings": {"postgres_dsn": pg_dsn}, "processes": [], "complete": True}))
+    first = demo(tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = demo(tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert first.stdout == second.stdout
+    assert "research experiment 2, resubmitted smaller" in first.stdout
+    assert await active_sha(pg_dsn) == "m" * 40

@@ -1,0 +1,48 @@
+"""Every service classifies backend failures with one tuple, and it covers what a real Postgres
+says when an administrator ends a session (57P01), which must mean 503 and never 500."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+import pytest
+
+from budgetgate import backends
+from budgetgate.services.admission import admitter
+from budgetgate.services.metering_ingest import api as metering_api
+
+
+async def test_admin_shutdown_of_a_session_is_a_backend_error(pg_dsn) -> None:
+    victim = await asyncpg.connect(pg_dsn)
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        pid = victim.get_server_pid()
+        query = asyncio.create_task(victim.fetchval("SELECT pg_sleep(30)"))
+        # Wait until the query really runs in the victim's backend, then end the session.
+        while not await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND query LIKE '%pg_sleep%' AND state = 'active'", pid):
+            await asyncio.sleep(0.01)
+        assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
+        with pytest.raises(BaseException) as raised:
+            await query
+    finally:
+        await admin.close()
+        victim.terminate()
+    # asyncpg reports a session ended mid-query as the connection lost, naming the reason.
+    assert "administrator command" in str(raised.value)
+    assert isinstance(raised.value, backends.BACKEND_ERRORS)
+
+
+@pytest.mark.parametrize("sqlstate", ["57P01", "57P02", "57P03"])
+def test_operator_intervention_is_a_backend_error_in_every_service(sqlstate: str) -> None:
+    # What asyncpg raises when the server answers with these SQLSTATEs (e.g. 57P01 to a query
+    # that reaches a backend being shut down by an administrator).
+    error = asyncpg.PostgresError.new({"C": sqlstate, "M": "terminating connection due to administrator command", "S": "FATAL"})
+    assert error.sqlstate == sqlstate
+    for tuple_ in (backends.BACKEND_ERRORS, admitter.BACKEND_ERRORS, metering_api.BACKEND_ERRORS):
+        assert isinstance(error, tuple_)
+
+
+def test_every_service_uses_the_one_tuple() -> None:
+    assert admitter.BACKEND_ERRORS is backends.BACKEND_ERRORS
+    assert metering_api.BACKEND_ERRORS is backends.BACKEND_ERRORS

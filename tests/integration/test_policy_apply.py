@@ -1,0 +1,193 @@
+"""`budgetgate policy apply|diff` against a real Postgres: what Git holds at the SHA, the plan,
+refusing bundles that leave nothing enforced, and one-line errors about the backend."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from click.testing import CliRunner, Result
+
+from budgetgate.cli.main import cli
+from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.devstack.isolation import with_database
+from budgetgate.ledger.queries import sql
+from budgetgate.policy_repo import RepositoryError, apply_bundle
+from tests.support.admission import budget_yaml
+from tests.support.databases import _execute, run_async
+
+RATES = """\
+apiVersion: budgetgate/v1
+kind: RateCard
+metadata: {id: rates}
+spec:
+  currency: USD
+  rates: [{flavor: h100, rate_per_gpu_hour: 3.933}]
+"""
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "policies"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    git(root, "config", "user.email", "t@example.com")
+    git(root, "config", "user.name", "t")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BUDGETGATE_HOME", raising=False)
+    return root
+
+
+def commit(repo: Path, files: dict[str, str], message: str = "policies") -> str:
+    for name, text in files.items():
+        path = repo / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD")
+
+
+def run(dsn: str, *args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), env={"BUDGETGATE_POSTGRES_DSN": dsn})
+
+
+async def active(dsn: str) -> tuple[str, str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(sql("active_bundle"))
+        return row["git_sha"], row["documents"]
+    finally:
+        await conn.close()
+
+
+def test_apply_reads_the_commit_not_ignored_files(repo: Path, pg_dsn: str) -> None:
+    sha = commit(repo, {".gitignore": "local.yaml\n", "team.yaml": budget_yaml("team")})
+    (repo / "local.yaml").write_text(budget_yaml("sneaky", namespace="other"))
+    result = run(pg_dsn, "policy", "apply", str(repo))
+    assert result.exit_code == 0, result.output
+    stored_sha, documents = asyncio.run(active(pg_dsn))
+    assert stored_sha == sha
+    assert "sneaky" not in documents and "team" in documents
+    assert "+ budget team: 100 gpu-hours per month" in result.output
+
+
+def test_uncommitted_edits_are_not_applied_under_the_head_sha(repo: Path, pg_dsn: str) -> None:
+    commit(repo, {"team.yaml": budget_yaml("team")})
+    (repo / "team.yaml").write_text(budget_yaml("team", limit="gpu_hours: 999"))
+    result = run(pg_dsn, "policy", "apply", str(repo))
+    assert result.exit_code == 1 and "uncommitted changes" in result.output
+
+
+def test_a_symlink_leaving_the_repository_is_refused(repo: Path, pg_dsn: str, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.yaml"
+    outside.write_text(budget_yaml("outside"))
+    (repo / "linked.yaml").symlink_to(outside)
+    commit(repo, {"team.yaml": budget_yaml("team")})
+    result = run(pg_dsn, "policy", "apply", str(repo))
+    assert result.exit_code == 1
+    assert "linked.yaml:0: cannot read file: a symlink to a file outside the repository" in result.output
+
+
+def test_a_symlink_inside_the_repository_is_read_from_the_commit(repo: Path, pg_dsn: str) -> None:
+    (repo / "policies").mkdir()
+    (repo / "policies" / "team.yaml").symlink_to("../common/team.txt")
+    commit(repo, {"common/team.txt": budget_yaml("team")})
+    # An edit outside the policy folder leaves it clean, but is not in the commit: not applied.
+    (repo / "common" / "team.txt").write_text(budget_yaml("team", limit="gpu_hours: 999"))
+    result = run(pg_dsn, "policy", "apply", str(repo / "policies"))
+    assert result.exit_code == 0, result.output
+    documents = asyncio.run(active(pg_dsn))[1]
+    assert '"gpu_hours": 100' in documents and "999" not in documents
+
+
+async def test_reapplying_a_sha_with_other_content_is_an_error(pg_dsn: str) -> None:
+    first = parse_text(budget_yaml("team"), "b.yaml")
+    other = parse_text(budget_yaml("team", limit="gpu_hours: 5"), "b.yaml")
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await apply_bundle(conn, bundle=build_bundle(first, git_sha="s" * 40), documents=first, source="t", applied_by="t")
+        await apply_bundle(conn, bundle=build_bundle(first, git_sha="s" * 40), documents=first, source="t", applied_by="t")
+        with pytest.raises(RepositoryError, match="applied before with other documents"):
+            await apply_bundle(conn, bundle=build_bundle(other, git_sha="s" * 40), documents=other, source="t", applied_by="t")
+        assert await conn.fetchval("SELECT count(*) FROM policy_activations") == 2
+    finally:
+        await conn.close()
+
+
+def test_diff_prints_the_plan_against_the_active_bundle(repo: Path, pg_dsn: str) -> None:
+    commit(repo, {"team.yaml": budget_yaml("team"), "old.yaml": budget_yaml("old", namespace="old"), "rates.yaml": RATES})
+    assert run(pg_dsn, "policy", "apply", str(repo)).exit_code == 0
+    (repo / "old.yaml").unlink()
+    commit(repo, {"team.yaml": budget_yaml("team", limit="gpu_hours: 250"), "new.yaml": budget_yaml("new", namespace="new"),
+                  "rates.yaml": RATES.replace("3.933", "4.1")})
+    result = run(pg_dsn, "policy", "diff", str(repo))
+    assert result.exit_code == 0, result.output
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    assert "+ budget new: 100 gpu-hours per month (UTC) on ns=new;team=vision, hard, on exhausted deny" in lines
+    assert "- budget old: 100 gpu-hours per month (UTC) on ns=old;team=vision, hard, on exhausted deny" in lines
+    assert "~ budget team: limit 100 gpu-hours -> limit 250 gpu-hours" in lines
+    assert "~ rate h100: rate 3.933 USD/GPU-hour -> rate 4.1 USD/GPU-hour" in lines
+    assert "budgetgate: postgres at" in result.stderr
+
+
+def test_apply_refuses_a_bundle_that_removes_every_budget(repo: Path, pg_dsn: str) -> None:
+    sha = commit(repo, {"team.yaml": budget_yaml("team"), "rates.yaml": RATES})
+    assert run(pg_dsn, "policy", "apply", str(repo)).exit_code == 0
+    (repo / "team.yaml").unlink()
+    commit(repo, {})
+    result = run(pg_dsn, "policy", "apply", str(repo))
+    assert result.exit_code == 1 and "removes every budget (1 active)" in result.output
+    assert asyncio.run(active(pg_dsn))[0] == sha
+    assert run(pg_dsn, "policy", "apply", str(repo), "--allow-empty").exit_code == 0
+    assert asyncio.run(active(pg_dsn))[0] != sha
+
+
+def test_apply_refuses_an_empty_bundle(repo: Path, pg_dsn: str) -> None:
+    commit(repo, {"kueue.yaml": "apiVersion: kueue.x-k8s.io/v1beta1\nkind: LocalQueue\nmetadata: {name: q}\n"})
+    result = run(pg_dsn, "policy", "apply", str(repo))
+    assert result.exit_code == 1 and "no budgetgate documents" in result.output
+    assert "skipped: kueue.yaml:1" in result.output
+
+
+@pytest.fixture
+def blank_dsn(postgres_admin_dsn: str) -> Iterator[str]:
+    name = f"bg_t_blank_{uuid.uuid4().hex[:10]}"
+    run_async(lambda: _execute(postgres_admin_dsn, f'CREATE DATABASE "{name}"'))
+    yield with_database(postgres_admin_dsn, name)
+    run_async(lambda: _execute(postgres_admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def test_a_database_without_budgetgate_tables_is_one_line_with_the_fix(repo: Path, blank_dsn: str) -> None:
+    commit(repo, {"team.yaml": budget_yaml("team")})
+    result = run(blank_dsn, "policy", "apply", str(repo))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and "has no budgetgate tables" in error[0] and "run `budgetgate db migrate`" in error[0]
+
+
+def test_an_unreachable_postgres_is_one_line_with_the_fix(repo: Path) -> None:
+    commit(repo, {"team.yaml": budget_yaml("team")})
+    result = run("postgresql://postgres@127.0.0.1:1/none", "usage", "--scope", "x")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and errors[0].startswith("Error: cannot reach Postgres at postgresql://postgres@127.0.0.1:1/none")
+    assert "budgetgate dev up" in errors[0]
+
+
+def test_without_a_stack_or_variable_nothing_falls_back_to_the_default_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BUDGETGATE_HOME", raising=False)
+    monkeypatch.delenv("BUDGETGATE_POSTGRES_DSN", raising=False)
+    result = CliRunner().invoke(cli, ["usage", "--scope", "x"])
+    assert result.exit_code == 1
+    assert "no local stack found from" in result.stderr and "budgetgate dev up" in result.stderr
