@@ -1,12 +1,33 @@
-"""The one way budgetgate consumes Kafka: each message's effect and its inbox row are committed
-in one Postgres transaction, and the Kafka offset only after that (invariant 5); a message that
-cannot be used goes to the topic's dead-letter topic with the reason (invariant 6).
+"""The one way budgetgate consumes Kafka: what one poll returned is applied in ONE Postgres
+transaction with the inbox rows of its messages, and the Kafka offsets are committed only after
+that (invariant 5); a message that cannot be used goes to its topic's dead-letter topic with the
+reason, and the others of its batch are neither lost nor repeated (invariant 6).
 
-A service supplies a `Handler` per topic. The handler runs inside the transaction, gets the
-decoded message, and either does its work through the connection, or raises `Poison` for a
-message that will never be usable (it goes to the DLQ, and the consumer moves on). Any other
-exception is taken as a passing outage: the partition is rewound to the message and retried
-with capped backoff, so nothing is skipped.
+A service gives each topic a route:
+
+- `Route(message_cls, handler)`: `await handler(conn, message, record)` per message, as before
+  batches. Each runs under a savepoint of the batch's transaction, so a `Poison` it raises (or
+  data Postgres refuses, SQLSTATE class 22) undoes that message alone and sends it to the DLQ.
+- `BatchRoute(message_cls, handler)`: `await handler(conn, deliveries)` once per batch with
+  every fresh (not yet in the inbox) message of that topic, in offset order per partition.
+  The handler does its work through `conn` with multi-row statements, and may
+  - return a mapping {delivery: reason} of messages it refuses: those go to the DLQ, the
+    transaction commits the rest (the handler must have written nothing for them);
+  - raise `Poison(reason, delivery=d)`: the transaction is rolled back and the batch applied
+    again without `d`;
+  - raise `Poison(reason)` without a delivery, or let Postgres refuse the data (class 22): the
+    transaction is rolled back and the batch applied again, each message of that topic under a
+    savepoint of its own (`handler(conn, [delivery])`), to find the one to blame.
+  A batch may be applied more than once before it commits (after an outage, or as above), so a
+  handler keeps its side effects outside Postgres (metrics, callbacks) idempotent or harmless.
+
+Messages are decoded (`wire.decode`) before any handler sees them; one that cannot be is poison.
+Duplicates (an event id this consumer's inbox already has, or one repeated within the batch)
+never reach a handler. Any other exception is a passing outage: the whole batch is retried with
+capped backoff, in place, so nothing is skipped; its offsets are committed only once it is done.
+
+`Inbox.apply(records)` is that transactional step, whatever polled the records;
+`InboxConsumer` polls with aiokafka and calls it (see `poll_once`).
 """
 
 from __future__ import annotations
@@ -14,17 +35,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord
 from google.protobuf.message import Message
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Link, SpanKind
 
 from budgetgate import wire
+from budgetgate.ledger.queries import sql
+
+if TYPE_CHECKING:
+    from budgetgate.lag import ConsumerProgress
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("budgetgate.consumer")
@@ -32,24 +59,234 @@ tracer = trace.get_tracer("budgetgate.consumer")
 Handler = Callable[[asyncpg.Connection, Any, ConsumerRecord], Awaitable[None]]
 
 
-class Poison(ValueError):
-    """A message that can never be processed; `reason` goes with it to the dead-letter topic."""
+@dataclass(frozen=True, eq=False)
+class Delivery:
+    """One decoded message of a batch and the record it came in (compared by identity)."""
 
-    def __init__(self, reason: str) -> None:
+    message: Any
+    record: ConsumerRecord
+
+
+BatchHandler = Callable[[asyncpg.Connection, Sequence[Delivery]], Awaitable[Mapping[Delivery, str] | None]]
+
+
+class Poison(ValueError):
+    """A message that can never be processed; `reason` goes with it to the dead-letter topic.
+
+    A batch handler names the message with `delivery`; without it, the batch is split to find it.
+    """
+
+    def __init__(self, reason: str, *, delivery: Delivery | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.delivery = delivery
 
 
 @dataclass(frozen=True)
 class Route:
-    """How one topic is read: its message class and the handler of each message."""
+    """How one topic is read, message by message: its message class and the handler of each."""
 
     message: type[Message]
     handler: Handler
 
 
-class InboxConsumer:
-    """Consumes `routes` (topic → Route) in consumer group `group`; `name` keys the inbox."""
+@dataclass(frozen=True)
+class BatchRoute:
+    """How one topic is read, batch by batch: its message class and the handler of a batch."""
+
+    message: type[Message]
+    handler: BatchHandler
+
+
+@dataclass
+class Applied:
+    """What one `Inbox.apply` did."""
+
+    records: int = 0
+    processed: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    # The fresh messages whose effects committed, for lag measurements.
+    committed: list[Delivery] = field(default_factory=list)
+
+
+class Inbox:
+    """Applies batches of consumed records for `routes` (topic → route); `name` keys the inbox."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        pool: asyncpg.Pool,
+        publisher: wire.Publisher,
+        routes: Mapping[str, Route | BatchRoute],
+        max_backoff: float = 10.0,
+        on_dead_letter: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.publisher = publisher
+        self.routes = dict(routes)
+        self.max_backoff = max_backoff
+        self.on_dead_letter = on_dead_letter
+        self.processed = 0
+        self.duplicates = 0
+        self.dead_lettered = 0
+
+    async def apply(self, records: Sequence[ConsumerRecord]) -> Applied:
+        """Apply `records` (any topics and partitions, offset order within each partition) in one
+        transaction; returns once their effects and their dead letters are durable. Retries
+        outages until it succeeds (or is cancelled)."""
+        poisoned: dict[int, str] = {}  # index in `records` → reason
+        deliveries: list[tuple[int, Delivery]] = []
+        for index, record in enumerate(records):
+            try:
+                message = wire.decode(self.routes[record.topic].message, record.value, record.headers)
+            except wire.WireError as exc:
+                poisoned[index] = exc.reason
+                continue
+            deliveries.append((index, Delivery(message, record)))
+        split: set[str] = set()  # topics whose batch handler runs message by message
+        delay = 0.2
+        while True:
+            try:
+                outcome = await self._transaction([d for i, d in deliveries if i not in poisoned], split)
+            except asyncio.CancelledError:
+                raise
+            except _Blame as blame:
+                if blame.delivery is None:
+                    split.add(blame.topic)
+                else:
+                    index = next((i for i, d in deliveries if d is blame.delivery), None)
+                    if index is None:
+                        raise RuntimeError(f"{self.name}: a handler of {blame.topic} named poison that is not in its batch") from blame
+                    poisoned[index] = blame.reason
+                continue
+            except Exception as exc:  # noqa: BLE001 - an outage: apply the batch again
+                first = records[0]
+                log.warning("%s: batch of %d from %s[%d]@%d failed, retrying in %.1fs: %s: %s", self.name, len(records), first.topic, first.partition, first.offset, delay, type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff)
+                continue
+            break
+        fresh, duplicates, refused = outcome
+        index_of = {id(d): i for i, d in deliveries}
+        poisoned.update((index_of[id(d)], reason) for d, reason in refused.items())
+        # Parked only now that the others are committed: a crash before this point redelivers the
+        # whole batch, and the poison (which has no inbox row) is found poison again.
+        for index in sorted(poisoned):
+            await self._dead_letter(records[index], poisoned[index])
+        committed = [d for d in fresh if d not in refused]
+        self.processed += len(committed)
+        self.duplicates += duplicates
+        return Applied(records=len(records), processed=len(committed), duplicates=duplicates, dead_lettered=len(poisoned), committed=committed)
+
+    async def _transaction(self, deliveries: list[Delivery], split: set[str]) -> tuple[list[Delivery], int, dict[Delivery, str]]:
+        """One try: inbox rows, then every route's handler; the fresh deliveries, the number of
+        duplicates and the deliveries a handler refused (their inbox rows removed again)."""
+        links = [Link(ctx) for d in deliveries[:64] if (ctx := trace.get_current_span(wire.context_from_headers(d.record.headers)).get_span_context()).is_valid]
+        with tracer.start_as_current_span("consume batch", kind=SpanKind.CONSUMER, links=links) as span:
+            span.set_attribute("messaging.batch.message_count", len(deliveries))
+            async with self.pool.acquire() as conn, conn.transaction():
+                fresh = await self._claim(conn, deliveries)
+                refused: dict[Delivery, str] = {}
+                by_topic: dict[str, list[Delivery]] = defaultdict(list)
+                for delivery in fresh:
+                    by_topic[delivery.record.topic].append(delivery)
+                for topic, batch in by_topic.items():
+                    route = self.routes[topic]
+                    if isinstance(route, BatchRoute) and topic not in split:
+                        refused.update(await self._whole(conn, topic, route, batch))
+                    else:
+                        for delivery in batch:
+                            reason = await self._alone(conn, route, delivery)
+                            if reason is not None:
+                                refused[delivery] = reason
+                if refused:
+                    await conn.execute(sql("inbox_forget"), self.name, [d.message.event_id for d in refused])
+        return fresh, len(deliveries) - len(fresh), refused
+
+    async def _claim(self, conn: asyncpg.Connection, deliveries: list[Delivery]) -> list[Delivery]:
+        """Insert the inbox rows; the deliveries whose event id was new (the first of each)."""
+        if not deliveries:
+            return []
+        # Sorted, so two consumers that claim overlapping ids (during a rebalance) lock them in
+        # the same order and cannot deadlock.
+        ids = sorted({d.message.event_id: d.record.topic for d in deliveries}.items())
+        new = {row["event_id"] for row in await conn.fetch(sql("inbox_claim"), self.name, [i for i, _ in ids], [t for _, t in ids])}
+        fresh = []
+        for delivery in deliveries:
+            if delivery.message.event_id in new:
+                new.discard(delivery.message.event_id)
+                fresh.append(delivery)
+        return fresh
+
+    async def _whole(self, conn: asyncpg.Connection, topic: str, route: BatchRoute, batch: list[Delivery]) -> Mapping[Delivery, str]:
+        try:
+            return await route.handler(conn, batch) or {}
+        except Poison as exc:
+            if exc.delivery is None and len(batch) == 1:
+                raise _Blame(topic, exc.reason, batch[0]) from exc
+            raise _Blame(topic, exc.reason, exc.delivery) from exc
+        except asyncpg.DataError as exc:
+            raise _Blame(topic, _refused(exc), batch[0] if len(batch) == 1 else None) from exc
+
+    async def _alone(self, conn: asyncpg.Connection, route: Route | BatchRoute, delivery: Delivery) -> str | None:
+        """Run one message's handler under a savepoint; the reason if it is poison."""
+        parent = wire.context_from_headers(delivery.record.headers)
+        with tracer.start_as_current_span(f"consume {delivery.record.topic}", context=parent, kind=SpanKind.CONSUMER):
+            try:
+                async with conn.transaction():
+                    if isinstance(route, BatchRoute):
+                        refused = await route.handler(conn, [delivery]) or {}
+                        if delivery in refused:
+                            return refused[delivery]
+                    else:
+                        await route.handler(conn, delivery.message, delivery.record)
+            except Poison as exc:
+                return exc.reason
+            except asyncpg.DataError as exc:
+                return _refused(exc)
+        return None
+
+    async def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
+        log.warning("%s: %s[%d]@%d to the dead-letter topic: %s", self.name, record.topic, record.partition, record.offset, reason)
+        delay = 0.2
+        while True:
+            try:
+                await self.publisher.send_dead_letter(record, reason=reason)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Kafka away: the offset waits for the DLQ copy
+                log.warning("%s: dead letter not sent, retrying in %.1fs: %s", self.name, delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff)
+        self.dead_lettered += 1
+        if self.on_dead_letter is not None:
+            self.on_dead_letter(record.topic, reason)
+
+
+class _Blame(Exception):
+    """A batch handler found poison: roll back, then drop `delivery` (or split `topic`'s batch)."""
+
+    def __init__(self, topic: str, reason: str, delivery: Delivery | None) -> None:
+        super().__init__(reason)
+        self.topic = topic
+        self.reason = reason
+        self.delivery = delivery
+
+
+def _refused(exc: asyncpg.DataError) -> str:
+    # Postgres refuses the message's own data (class 22: a value out of range, an invalid
+    # byte): retrying cannot help, so it is poison, not an outage.
+    return f"data Postgres cannot store: {type(exc).__name__}: {exc}"
+
+
+class InboxConsumer(Inbox):
+    """Consumes `routes` (topic → Route or BatchRoute) in consumer group `group` with aiokafka,
+    one poll per transaction (see the module docstring); `progress` (budgetgate.lag) shows its
+    lag, batch sizes and records/s on /metrics."""
 
     def __init__(
         self,
@@ -59,21 +296,17 @@ class InboxConsumer:
         bootstrap: str,
         pool: asyncpg.Pool,
         publisher: wire.Publisher,
-        routes: Mapping[str, Route],
+        routes: Mapping[str, Route | BatchRoute],
         max_backoff: float = 10.0,
+        max_records: int = 500,
         on_dead_letter: Callable[[str, str], None] | None = None,
+        progress: ConsumerProgress | None = None,
     ) -> None:
-        self.name = name
+        super().__init__(name=name, pool=pool, publisher=publisher, routes=routes, max_backoff=max_backoff, on_dead_letter=on_dead_letter)
         self.group = group
         self.bootstrap = bootstrap
-        self.pool = pool
-        self.publisher = publisher
-        self.routes = dict(routes)
-        self.max_backoff = max_backoff
-        self.on_dead_letter = on_dead_letter
-        self.processed = 0
-        self.duplicates = 0
-        self.dead_lettered = 0
+        self.max_records = max_records
+        self.progress = progress
         self._consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
@@ -101,69 +334,18 @@ class InboxConsumer:
             await self.poll_once()
 
     async def poll_once(self, timeout_ms: int = 500) -> int:
-        """Process what one poll returns; returns the number of records taken care of."""
+        """Apply what one poll returns in one transaction, then commit its offsets; returns the
+        number of records taken care of."""
         assert self._consumer is not None, "start() first"
-        batches = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=500)
-        done = 0
-        for partition, records in batches.items():
-            done += await self._partition(partition, records)
-        return done
-
-    async def _partition(self, partition: TopicPartition, records: list[ConsumerRecord]) -> int:
-        assert self._consumer is not None
-        delay = 0.2
-        index = 0
-        while index < len(records):
-            record = records[index]
-            try:
-                await self._one(record)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - an outage: retry this very record
-                log.warning("%s: %s[%d]@%d failed, retrying in %.1fs: %s", self.name, record.topic, record.partition, record.offset, delay, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.max_backoff)
-                continue
-            delay = 0.2
-            index += 1
-        # Only now: every record up to here has its effect (or its DLQ copy) durable.
-        await self._consumer.commit({partition: records[-1].offset + 1})
+        polled = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
+        records = [record for batch in polled.values() for record in batch]
+        if not records:
+            return 0
+        started = time.perf_counter()
+        applied = await self.apply(records)
+        # Only now: every record polled has its effect (or its DLQ copy) durable.
+        await self._consumer.commit({partition: batch[-1].offset + 1 for partition, batch in polled.items() if batch})
+        if self.progress is not None:
+            self.progress.batch(applied, seconds=time.perf_counter() - started, topics=(r.topic for r in records))
+            await self.progress.refresh(self._consumer)
         return len(records)
-
-    async def _one(self, record: ConsumerRecord) -> None:
-        route = self.routes[record.topic]
-        try:
-            message = wire.decode(route.message, record.value, record.headers)
-        except wire.WireError as exc:
-            await self._dead_letter(record, exc.reason)
-            return
-        parent = wire.context_from_headers(record.headers)
-        with tracer.start_as_current_span(f"consume {record.topic}", context=parent, kind=SpanKind.CONSUMER):
-            try:
-                async with self.pool.acquire() as conn, conn.transaction():
-                    fresh = await conn.fetchval(
-                        "INSERT INTO inbox (consumer, event_id, topic) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING RETURNING true",
-                        self.name,
-                        message.event_id,
-                        record.topic,
-                    )
-                    if not fresh:
-                        self.duplicates += 1
-                        return
-                    await route.handler(conn, message, record)
-            except Poison as exc:
-                await self._dead_letter(record, exc.reason)
-                return
-            except asyncpg.DataError as exc:
-                # Postgres refuses the message's own data (class 22: a value out of range, an
-                # invalid byte): retrying cannot help, so it is poison, not an outage.
-                await self._dead_letter(record, f"data Postgres cannot store: {type(exc).__name__}: {exc}")
-                return
-        self.processed += 1
-
-    async def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
-        log.warning("%s: %s[%d]@%d to the dead-letter topic: %s", self.name, record.topic, record.partition, record.offset, reason)
-        await self.publisher.send_dead_letter(record, reason=reason)
-        self.dead_lettered += 1
-        if self.on_dead_letter is not None:
-            self.on_dead_letter(record.topic, reason)

@@ -6,6 +6,16 @@ Rows are claimed with FOR UPDATE SKIP LOCKED, so several instances (of any servi
 side by side; a row is marked published only after the broker acknowledged it. Consumers
 deduplicate on the event id, so a crash between the ack and the mark only causes a redelivery.
 Rows name the topic without the deployment's prefix; the relay adds its own.
+
+A broker may forget records it acknowledged: Tansu with in-memory storage loses everything when
+it restarts, and a Kafka cluster can be restored from an older state. Published rows therefore
+stay for a replay window (pruned after it), each with the partition it went to, and the relays
+keep, per partition, an offset it acknowledged: the first of the latest batch (`outbox_watermarks`;
+not the last, since Tansu reports a partition's end as its last record batch's base offset plus
+one). A partition whose log ends at or below that offset, or that acknowledges a new record at
+or below it, has lost records: its rows published within the window become pending again and
+are sent anew, in id order. Nothing older than the window can be recovered. This needs neither
+idempotent nor transactional producers, which Tansu lacks; consumers deduplicate the resends.
 """
 
 from __future__ import annotations
@@ -13,12 +23,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from datetime import timedelta
 
 import asyncpg
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import RecordMetadata
 
 from budgetgate import wire
 from budgetgate.ledger.queries import sql
-from budgetgate.topics import Topics
+from budgetgate.topics import Topics, ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -38,36 +52,144 @@ def row(*, topic: str, record: wire.Record) -> tuple[str, str | None, bytes, str
 
 
 class OutboxRelay:
-    """Publishes the outbox, batch by batch, through `publisher` under `topics`' prefix."""
+    """Publishes the outbox, batch by batch, through `publisher` under `topics`' prefix, and
+    sends again what the broker forgot within `replay_window`."""
 
-    def __init__(self, *, pool: asyncpg.Pool, publisher: wire.Publisher, topics: Topics, batch: int = 200, idle_seconds: float = 0.2) -> None:
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        publisher: wire.Publisher,
+        topics: Topics,
+        batch: int = 200,
+        idle_seconds: float = 0.2,
+        replay_window: timedelta = timedelta(minutes=15),
+        check_seconds: float = 1.0,
+    ) -> None:
         self.pool = pool
         self.publisher = publisher
         self.topics = topics
         self.batch = batch
         self.idle_seconds = idle_seconds
+        self.replay_window = replay_window
+        self.check_seconds = check_seconds
         self.wakeup = asyncio.Event()
         self.published = 0
+        self.replayed = 0  # rows made pending again because the broker lost them
+        self.forgotten_partitions = 0
+        # Per partition, the first offset of the latest batch it acknowledged (committed to
+        # outbox_watermarks): a partition that acknowledges a new record at or below it went
+        # backwards.
+        self._acked: dict[TopicPartition, int] = {}
+        self._next_check = 0.0
+        self._next_prune = 0.0
+        self._ensure_topics = False
+        self._offsets: AIOKafkaConsumer | None = None
 
     async def relay_once(self) -> int:
-        """Publish one batch; returns how many rows were published."""
+        """Publish one batch (after the broker check and pruning, when they are due);
+        returns how many rows were published."""
+        await self._upkeep()
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(sql("claim_outbox"), self.batch)
             if not rows:
                 return 0
-            sends = [
-                self.publisher.send_record(
-                    self.topics.name(row["topic"]),
-                    wire.Record(value=row["payload"], key=row["key"].encode() if row["key"] else None, headers=[(k, v.encode("latin-1")) for k, v in json.loads(row["headers"])]),
-                )
-                for row in rows
-            ]
+            sends = [self.publisher.send_record(self.topics.name(row["topic"]), _record(row)) for row in rows]
             # Sent together, acknowledged together: per-key order holds because one producer
             # sends them in id order to the partition of each key.
-            await asyncio.gather(*sends)
-            await conn.execute(sql("mark_published"), [row["id"] for row in rows])
+            acks: list[RecordMetadata] = await asyncio.gather(*sends)
+            lowest = _lowest(acks)
+            backwards = {tp: self._acked[tp] for tp, offset in lowest.items() if offset <= self._acked.get(tp, -1)}
+            if backwards:
+                # Before the mark: these rows are still pending, so the replay leaves them be.
+                await self._replay(conn, backwards, why="acknowledged new records at or below")
+            await conn.execute(
+                sql("mark_published"),
+                [row["id"] for row in rows], [ack.partition for ack in acks],
+                [tp.topic for tp in lowest], [tp.partition for tp in lowest], list(lowest.values()),
+            )  # fmt: skip
+        for tp, offset in lowest.items():
+            self._acked[tp] = max(offset, self._acked.get(tp, -1))
+        if backwards:
+            self._next_check = 0.0  # the other partitions of a broker that forgot are checked now
         self.published += len(rows)
         return len(rows)
+
+    async def check_broker(self) -> int:
+        """Compare each partition's end with an offset it acknowledged, and make the rows of
+        every partition that lost records pending again; returns how many."""
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(sql("outbox_watermarks"), self.topics.prefix)
+        acked = {TopicPartition(r["topic"], r["kafka_partition"]): r["acked_offset"] for r in rows}
+        self._acked = dict(acked)
+        if not acked:
+            return 0
+        if self._offsets is None:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.publisher.bootstrap, group_id=None, client_id="budgetgate-outbox-check")
+            await consumer.start()
+            self._offsets = consumer
+        try:
+            ends = await asyncio.wait_for(self._offsets.end_offsets(list(acked)), timeout=10)
+        except BaseException:
+            await self.close()
+            raise
+        # The end offset is past every record the partition holds, so past what it acknowledged.
+        lost = {tp: offset for tp, offset in acked.items() if ends.get(tp, 0) <= offset}
+        if not lost:
+            return 0
+        await ensure_topics(self.publisher.bootstrap, prefix=self.topics.prefix)
+        async with self.pool.acquire() as conn, conn.transaction():
+            replayed = await self._replay(conn, lost, why="ends at or below")
+        self.wakeup.set()
+        return replayed
+
+    async def _replay(self, conn: asyncpg.Connection, lost: dict[TopicPartition, int], *, why: str) -> int:
+        replayed = 0
+        for tp, acked in sorted(lost.items()):
+            status = await conn.execute(sql("replay_partition"), tp.topic, tp.partition, acked, tp.topic.removeprefix(self.topics.prefix), self.replay_window)
+            count = int(status.rsplit(" ", 1)[-1])
+            log.warning("Kafka partition %s[%d] %s offset %d it had acknowledged: sending %d outbox rows again", tp.topic, tp.partition, why, acked, count)
+            self._acked.pop(tp, None)
+            replayed += count
+            self.forgotten_partitions += 1
+        self.replayed += replayed
+        return replayed
+
+    async def prune(self, *, limit: int = 5000) -> int:
+        """Delete rows published before the replay window; returns how many."""
+        pruned = 0
+        while True:
+            status = await self.pool.execute(sql("prune_outbox"), self.replay_window, limit)
+            count = int(status.rsplit(" ", 1)[-1])
+            pruned += count
+            if count < limit:
+                return pruned
+
+    async def _upkeep(self) -> None:
+        if self._ensure_topics:
+            # After a failure: a broker that came back empty gets its topics (with their
+            # partition counts) before a send would have it create them on its own terms.
+            await ensure_topics(self.publisher.bootstrap, prefix=self.topics.prefix)
+            self._ensure_topics = False
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self.check_seconds
+            try:
+                await self.check_broker()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed check must not stop the relay
+                log.warning("outbox broker check failed (%s); next try in %.1fs", exc, self.check_seconds)
+                self._ensure_topics = True
+        if now >= self._next_prune:
+            self._next_prune = now + max(self.replay_window.total_seconds() / 10, 1.0)
+            await self.prune()
+
+    async def close(self) -> None:
+        """Disconnect the broker check's client (the publisher is its owner's to stop)."""
+        consumer, self._offsets = self._offsets, None
+        if consumer is not None:
+            await consumer.stop()
 
     async def serve(self) -> None:
         """Connect the publisher (waiting for Kafka as long as it takes), then `run`."""
@@ -85,21 +207,41 @@ class OutboxRelay:
     async def run(self) -> None:
         """Relay until cancelled; backs off while Kafka or Postgres is unavailable."""
         delay = self.idle_seconds
-        while True:
-            try:
-                sent = await self.relay_once()
-                delay = self.idle_seconds
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the relay must outlive any outage
-                log.warning("outbox relay failed, retrying in %.1fs: %s", delay, exc)
-                sent = 0
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
-                continue
-            if sent < self.batch:
-                self.wakeup.clear()
+        try:
+            while True:
                 try:
-                    await asyncio.wait_for(self.wakeup.wait(), timeout=self.idle_seconds)
-                except TimeoutError:
-                    pass
+                    sent = await self.relay_once()
+                    delay = self.idle_seconds
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the relay must outlive any outage
+                    log.warning("outbox relay failed, retrying in %.1fs: %s", delay, exc)
+                    # The broker may come back empty: check it, and give it its topics, first.
+                    self._ensure_topics = True
+                    self._next_check = 0.0
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+                    continue
+                if sent < self.batch:
+                    self.wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self.wakeup.wait(), timeout=self.idle_seconds)
+                    except TimeoutError:
+                        pass
+        finally:
+            await self.close()
+
+
+def _record(row: asyncpg.Record) -> wire.Record:
+    headers = [(k, v.encode("latin-1")) for k, v in json.loads(row["headers"])]
+    return wire.Record(value=row["payload"], key=row["key"].encode() if row["key"] else None, headers=headers)
+
+
+def _lowest(acks: list[RecordMetadata]) -> dict[TopicPartition, int]:
+    # The lowest, not the highest: Tansu reports a partition's end as the base offset of its
+    # last record batch plus one, so only the first record of our batch is sure to be below it.
+    lowest: dict[TopicPartition, int] = {}
+    for ack in acks:
+        tp = TopicPartition(ack.topic, ack.partition)
+        lowest[tp] = min(ack.offset, lowest.get(tp, ack.offset))
+    return lowest

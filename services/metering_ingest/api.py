@@ -5,9 +5,12 @@ MeteringSample (`runId` or `run_id`, `observedAt` as RFC 3339, `gpuSeconds`, ...
 exactly the checks of the Kafka path. Answers:
 
 - 422, nothing recorded: the body is not JSON, has no samples, has too many, or any sample has
-  a bad field; `detail` names each one (`loc` = body, samples, index, field).
+  a bad field; the problem details (RFC 9457) list each one under `errors` (`loc` = body,
+  samples, index, field).
 - Otherwise every sample is applied in its own transaction, in order, and `results` has one
-  entry per sample: accepted (with `late`), duplicate, pending (run has no decision yet) or
+  entry per sample, in the lowerCamelCase naming of the samples themselves: accepted (with
+  `late`, and the run's counters in GPU- and node-milliseconds: `gpuMillisecondsCumulative`,
+  `gpuMillisecondsDelta`, ...), duplicate, pending (run has no decision yet) or
   rejected (a conflict or counter regression with what is recorded). The answer is 422 when
   any sample was rejected (the others are recorded, and resending them is harmless), else 202
   when any is pending, else 200. Every sample reported accepted or pending is durable.
@@ -25,21 +28,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from budgetgate import wire
+from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.metering import Accepted, Duplicate, Rejected, Sample
+from budgetgate.core.windows import rfc3339
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin, Outcome, Pending
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.samples import from_json
 from budgetgate.v1.metering_pb2 import MeteringSample
-
-# Errors that mean Postgres is unreachable or failed mid-call: answer 503.
-BACKEND_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    # Shutting down, restarting, or not yet accepting connections (SQLSTATE class 57).
-    asyncpg.exceptions.OperatorInterventionError,
-)
 
 _SAMPLE_SCHEMA = {
     "type": "object",
@@ -47,19 +42,62 @@ _SAMPLE_SCHEMA = {
     "required": ["sampleId", "runId", "observedAt", "gpuSeconds"],
     "properties": {
         "sampleId": {"type": "string", "description": "the exporter's id of this sample; the dedup key"},
-        "runId": {"type": "string"},
+        "runId": {"type": "string", "description": "the run's id, as admission decided it"},
         "observedAt": {"type": "string", "format": "date-time", "description": "when the counters were read (RFC 3339)"},
         "gpuSeconds": {"type": "number", "minimum": 0, "description": "GPU-seconds since the run started (cumulative)"},
         "nodeSeconds": {"type": "number", "minimum": 0, "description": "node-seconds since the run started (cumulative)"},
-        "exporter": {"type": "string"},
+        "exporter": {"type": "string", "description": "which exporter sent the sample"},
         "eventId": {"type": "string", "description": "optional; derived from run and sample id when missing"},
     },
 }
+_RESULT_SCHEMA = {
+    "type": "object",
+    "description": "What became of one sample of the batch.",
+    "required": ["index", "runId", "sampleId", "status"],
+    "properties": {
+        "index": {"type": "integer", "description": "the sample's place in the batch"},
+        "runId": {"type": "string", "description": "the sample's run"},
+        "sampleId": {"type": "string", "description": "the sample's id"},
+        "status": {"type": "string", "enum": ["accepted", "duplicate", "pending", "rejected"], "description": "accepted, duplicate (recorded before), pending (its run has no decision yet) or rejected"},
+        "late": {"type": "boolean", "description": "accepted: observed before the run's latest sample (recorded for window attribution only)"},
+        "gpuMillisecondsCumulative": {"type": "integer", "description": "accepted: the run's GPU-milliseconds so far (one GPU-hour is 3,600,000)"},
+        "nodeMillisecondsCumulative": {"type": "integer", "description": "accepted: the run's node-milliseconds so far"},
+        "gpuMillisecondsDelta": {"type": "integer", "description": "accepted: how much this sample raised the GPU-milliseconds"},
+        "nodeMillisecondsDelta": {"type": "integer", "description": "accepted: how much this sample raised the node-milliseconds"},
+        "duplicateOf": {"type": "string", "description": "duplicate: the sample id it repeats"},
+        "pendingUntil": {"type": "string", "format": "date-time", "description": "pending: when it is dead-lettered if its run still has no decision"},
+        "reason": {"type": "string", "description": "rejected: the reason code"},
+        "detail": {"type": "string", "description": "rejected: what is wrong"},
+    },
+}
+_SAMPLE_EXAMPLE = {"sampleId": "dcgm-0007", "runId": "flyte/vision/exec-7f3a/n0", "observedAt": "2026-07-14T10:00:00Z", "gpuSeconds": 28800, "nodeSeconds": 3600, "exporter": "dcgm"}
+_RESULTS = {
+    "type": "object",
+    "description": "One result per sample, in the batch's order.",
+    "required": ["results"],
+    "properties": {"results": {"type": "array", "items": _RESULT_SCHEMA, "description": "per sample, in order"}},
+}
+_RESULTS_EXAMPLE = {"results": [{"index": 0, "runId": "flyte/vision/exec-7f3a/n0", "sampleId": "dcgm-0007", "status": "accepted", "late": False,
+                                 "gpuMillisecondsCumulative": 28_800_000, "nodeMillisecondsCumulative": 3_600_000, "gpuMillisecondsDelta": 28_800_000, "nodeMillisecondsDelta": 3_600_000}]}  # fmt: skip
 _OPENAPI = {
     "requestBody": {
         "required": True,
-        "content": {"application/json": {"schema": {"type": "object", "required": ["samples"], "properties": {"samples": {"type": "array", "items": _SAMPLE_SCHEMA}}}}},
-    }
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "description": "A batch of metering samples.",
+                    "required": ["samples"],
+                    "properties": {"samples": {"type": "array", "items": _SAMPLE_SCHEMA, "description": "the samples, applied in order"}},
+                },
+                "example": {"samples": [_SAMPLE_EXAMPLE]},
+            }
+        },
+    },
+    "responses": {
+        "200": {"description": "every sample accepted or a duplicate", "content": {"application/json": {"schema": _RESULTS, "example": _RESULTS_EXAMPLE}}},
+        "202": {"description": "some samples are pending", "content": {"application/json": {"schema": _RESULTS, "example": _RESULTS_EXAMPLE}}},
+    },
 }
 
 
@@ -75,7 +113,7 @@ def router(*, max_batch: int, metering_topic: str) -> APIRouter:
     """The ingest route; reads the Ingestor, pool and metrics from `app.state.rt`."""
     api = APIRouter()
 
-    @api.post("/v1/metering/samples", openapi_extra=_OPENAPI, responses={202: {"description": "some samples are pending"}, 422: {}, 503: {}})
+    @api.post("/v1/metering/samples", operation_id="ingestMeteringSamples", openapi_extra=_OPENAPI, responses={422: {}, 503: {}})
     async def ingest_samples(request: Request) -> JSONResponse:
         rt = request.app.state.rt
         items, problems = _batch(await request.body(), max_batch)
@@ -140,7 +178,7 @@ async def _apply(pool: asyncpg.Pool, ingestor: Ingestor, metrics: MeteringMetric
 
 
 def _identity(index: int, sample: Sample) -> dict[str, Any]:
-    return {"index": index, "run_id": sample.run_id, "sample_id": sample.sample_id}
+    return {"index": index, "runId": sample.run_id, "sampleId": sample.sample_id}
 
 
 def _result(outcome: Outcome) -> dict[str, Any]:
@@ -148,16 +186,23 @@ def _result(outcome: Outcome) -> dict[str, Any]:
         return {
             "status": "accepted",
             "late": outcome.late,
-            "gpu_milli_hours_cumulative": outcome.cumulative.gpu,
-            "node_milli_hours_cumulative": outcome.cumulative.node,
-            "gpu_milli_hours_delta": outcome.delta.gpu,
-            "node_milli_hours_delta": outcome.delta.node,
+            # The ledger's milli-unit-seconds: GPU-milliseconds (one GPU-hour is 3,600,000).
+            "gpuMillisecondsCumulative": outcome.cumulative.gpu,
+            "nodeMillisecondsCumulative": outcome.cumulative.node,
+            "gpuMillisecondsDelta": outcome.delta.gpu,
+            "nodeMillisecondsDelta": outcome.delta.node,
         }
     if isinstance(outcome, Duplicate):
-        return {"status": "duplicate", "duplicate_of": outcome.of}
+        return {"status": "duplicate", "duplicateOf": outcome.of}
     assert isinstance(outcome, Pending)
-    return {"status": "pending", "pending_until": outcome.until.isoformat()}
+    return {"status": "pending", "pendingUntil": rfc3339(outcome.until)}
 
 
 def _problem(loc: list[Any], msg: str, kind: str) -> dict[str, Any]:
-    return {"loc": loc, "msg": msg, "type": kind}
+    # Fields named as the samples name them in the canonical JSON mapping (gpuSeconds).
+    return {"loc": [_camel(p) if isinstance(p, str) and i > 2 else p for i, p in enumerate(loc)], "msg": msg, "type": kind}
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(word.title() for word in rest)

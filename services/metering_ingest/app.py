@@ -17,20 +17,21 @@ from dataclasses import dataclass, field
 import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from faststream.kafka import KafkaBroker
 from opentelemetry.trace import SpanKind
 
 from budgetgate import wire
-from budgetgate.consumer import InboxConsumer, Poison, Route
-from budgetgate.core.metering import Rejected
+from budgetgate.consumer import Inbox
+from budgetgate.lag import ConsumerProgress
 from budgetgate.outbox import OutboxRelay
+from budgetgate.services.metering_ingest import consumers
 from budgetgate.services.metering_ingest.api import BACKEND_ERRORS, Unavailable, router
-from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
+from budgetgate.services.metering_ingest.ingest import Ingestor
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.serving import add_operational_routes
 from budgetgate.telemetry import Telemetry, extract_context, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
-from budgetgate.v1.metering_pb2 import MeteringSample
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ class Runtime:
     metrics: MeteringMetrics
     relay: OutboxRelay
     dlq_publisher: wire.Publisher
-    consumer: InboxConsumer | None = None
+    inbox: Inbox
+    progress: ConsumerProgress
+    broker: KafkaBroker
     consuming: bool = False
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -55,6 +58,8 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
     metrics = MeteringMetrics(telemetry.meter("budgetgate.metering_ingest"))
     topics = Topics(settings.topic_prefix)
 
+    progress = ConsumerProgress(telemetry.meter("budgetgate.consumer"), name=settings.inbox_name)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10)
@@ -62,11 +67,15 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         # Two producers: the relay's waits for Kafka on its own schedule, the consumer's
         # (dead letters) is started with the consumer.
         relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay"), topics=topics)
-        rt = Runtime(pool, ingestor, metrics, relay, wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq"))
+        dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq")
+        inbox = Inbox(name=settings.inbox_name, pool=pool, publisher=dlq_publisher, routes={topics.metering: consumers.metering_route(ingestor, metrics)}, on_dead_letter=metrics.dead_lettered)
+        broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG)
+        broker.include_router(consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))
+        rt = Runtime(pool, ingestor, metrics, relay, dlq_publisher, inbox, progress, broker)
         app.state.rt = rt
         rt.tasks = [
             asyncio.create_task(relay.serve(), name="outbox-relay"),
-            asyncio.create_task(_consume(rt, settings, topics), name="metering-consumer"),
+            asyncio.create_task(_consume(rt, settings), name="metering-consumer"),
             asyncio.create_task(_recheck_pending(rt, settings), name="pending-recheck"),
         ]
         try:
@@ -75,6 +84,8 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
             for task in rt.tasks:
                 task.cancel()
             await asyncio.gather(*rt.tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await broker.stop()
             await relay.publisher.stop()
             await rt.dlq_publisher.stop()
             await pool.close()
@@ -121,45 +132,25 @@ async def _readiness(rt: Runtime) -> dict[str, str]:
     return checks
 
 
-def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> Route:
-    """How the consumer handles metering.samples.v1: a rejected sample is poison (to the DLQ)."""
-
-    async def handle(conn: asyncpg.Connection, message: MeteringSample, record) -> None:  # type: ignore[no-untyped-def]
-        origin = Origin(source="kafka", topic=record.topic, payload=record.value, headers=tuple(record.headers or ()), partition=record.partition, offset=record.offset)
-        try:
-            outcome = await ingestor.ingest(conn, message, origin)
-        except Rejected as exc:
-            raise Poison(str(exc)) from exc
-        metrics.outcome(outcome, source="kafka")
-
-    return Route(MeteringSample, handle)
-
-
-async def _consume(rt: Runtime, settings: MeteringSettings, topics: Topics) -> None:
-    """Consume metering.samples.v1 until cancelled, reconnecting whenever Kafka goes away."""
-    publisher_started = False
+async def _consume(rt: Runtime, settings: MeteringSettings) -> None:
+    """Start the Kafka subscriber (and the dead-letter producer it needs), waiting for Kafka as
+    long as it takes; once started, FastStream reconnects by itself. Samples wait in their topic."""
     while True:
-        consumer = InboxConsumer(
-            name=settings.inbox_name, group=settings.consumer_group, bootstrap=settings.kafka_bootstrap, pool=rt.pool,
-            publisher=rt.dlq_publisher, routes={topics.metering: metering_route(rt.ingestor, rt.metrics)},
-            on_dead_letter=rt.metrics.dead_lettered,
-        )  # fmt: skip
         try:
             await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
-            if not publisher_started:
-                await rt.dlq_publisher.start()
-                publisher_started = True
-            await consumer.start()
-            rt.consumer, rt.consuming = consumer, True
-            await consumer.run()
+            await rt.dlq_publisher.start()
+            await rt.broker.start()
+            break
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - Kafka may come back; samples wait in their topic
-            log.warning("metering consumer stopped (%s); reconnecting in 2s", exc)
+        except Exception as exc:  # noqa: BLE001 - Kafka may come later
+            log.warning("metering consumer not started (%s); retrying in 2s", exc)
+            with contextlib.suppress(Exception):
+                await rt.broker.stop()
+            with contextlib.suppress(Exception):
+                await rt.dlq_publisher.stop()
             await asyncio.sleep(2)
-        finally:
-            rt.consuming = False
-            await consumer.stop()
+    rt.consuming = True
 
 
 async def _recheck_pending(rt: Runtime, settings: MeteringSettings) -> None:

@@ -16,17 +16,18 @@ run is known: by the next sample of that run, or by `recheck`, which runs period
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import asyncpg
 
 from budgetgate import outbox, topics, wire
-from budgetgate.core.metering import Accepted, Duplicate, Problem, Rejected, Rejection, RunView, Sample, assess, reason_code, validate
+from budgetgate.core.metering import Accepted, Duplicate, Problem, Rejected, Rejection, RunView, Sample, assess, assess_batch, reason_code, usage_event_id, validate
 from budgetgate.services.metering_ingest import store
-from budgetgate.services.metering_ingest.samples import raw_sample, usage_record
+from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_record
+from budgetgate.telemetry import inject_headers
 from budgetgate.services.metering_ingest.store import PendingSample, RunState, Source
 from budgetgate.v1.metering_pb2 import MeteringSample
 
@@ -44,9 +45,9 @@ class Pending:
 Outcome = Accepted | Duplicate | Pending
 
 
-@dataclass(frozen=True)
-class Origin:
-    """Where a sample came from, kept with it while pending and on its way to the DLQ."""
+class Origin(NamedTuple):
+    """Where a sample came from, kept with it while pending and on its way to the DLQ (a tuple:
+    one is made per sample of every batch)."""
 
     source: Source
     topic: str  # as the sample arrived on it (prefixed); HTTP samples name the metering topic
@@ -73,9 +74,10 @@ class Ingestor:
         self.counts = counts
         self.clock = clock
 
-    def validate(self, message: MeteringSample) -> Sample:
-        """The normalized sample; raises Rejected naming every bad field."""
-        return validate(raw_sample(message), now=self.clock(), max_skew=self.max_skew)
+    def validate(self, message: MeteringSample, *, now: datetime | None = None) -> Sample:
+        """The normalized sample; raises Rejected naming every bad field (`now`: the clock's, read
+        once for a whole batch)."""
+        return validate(raw_sample(message), now=now or self.clock(), max_skew=self.max_skew)
 
     async def ingest(self, conn: asyncpg.Connection, message: MeteringSample, origin: Origin) -> Outcome:
         """Validate and place one sample in `conn`'s transaction; raises Rejected."""
@@ -90,9 +92,48 @@ class Ingestor:
         if begun.has_decision:
             state = await self._introduce(conn, sample.run_id)
             return await self._apply(conn, sample, await store.view(conn, sample, state), origin.source, now)
+        kept = await self._keep_pending(conn, sample, origin, now)
+        if isinstance(kept, Rejected):
+            raise kept
+        return kept
+
+    async def place_batch(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origin]]) -> list[Outcome | Rejected]:
+        """`place` for many valid samples at once, in order (two samples of one run judge each
+        other as if placed one after the other); a sample's Rejected is its outcome."""
+        now = self.clock()
+        samples = [sample for sample, _ in batch]
+        begun = await store.begin_batch(conn, samples)  # every run's lock is held from here on
+        introduced = sorted({s.run_id for s in samples if s.run_id not in begun.runs and s.run_id in begun.decided})
+        if introduced:
+            for run_id in introduced:
+                await self._introduce(conn, run_id)
+            begun = await store.begin_batch(conn, samples)  # re-read with their pending samples applied
+        outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
+        known: list[int] = []
+        for index, (sample, origin) in enumerate(batch):
+            if sample.run_id in begun.runs:
+                known.append(index)
+            else:
+                outcomes[index] = await self._keep_pending(conn, sample, origin, now)
+        judged = assess_batch((samples[i], begun.view(i, begun.runs[samples[i].run_id])) for i in known)
+        recorded, announce = [], []
+        recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
+        for index, outcome in zip(known, judged, strict=True):
+            outcomes[index] = outcome
+            if isinstance(outcome, Accepted):
+                sample = outcome.sample
+                event_id = usage_event_id(sample.run_id, sample.sample_id)
+                recorded.append((outcome, batch[index][1].source, event_id))
+                message = usage_record(outcome, recorded_at=recorded_at, event_id=event_id)
+                announce.append(outbox.row(topic=topics.USAGE, record=wire.encode(message, key=sample.run_id, trace_headers=trace_headers)))
+        await store.record_batch(conn, recorded, announce)
+        return [o for o in outcomes if o is not None]
+
+    async def _keep_pending(self, conn: asyncpg.Connection, sample: Sample, origin: Origin, now: datetime) -> Pending | Rejected:
+        """Keep a sample of a run without a decision until its grace ends (the run's lock held)."""
         until = sample.observed_at + self.grace
         if until <= now:
-            raise Rejected(self._unknown_run(sample.run_id))
+            return Rejected(self._unknown_run(sample.run_id))
         pending = PendingSample(sample.run_id, sample.sample_id, sample.observed_at, origin.source, origin.topic, origin.payload, origin.headers, origin.partition, origin.offset)
         await store.add_pending(conn, pending, expires_at=until)
         return Pending(sample, until)

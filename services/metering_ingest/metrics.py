@@ -6,6 +6,7 @@ On /metrics (Prometheus) these read `budgetgate_metering_samples_total{outcome,s
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -26,6 +27,11 @@ class MeteringMetrics:
     def outcome(self, outcome: Outcome, *, source: str) -> None:
         """Count one sample that was recorded, found a duplicate, or kept pending."""
         self._samples.add(1, {"outcome": _name(outcome), "source": source})
+
+    def outcomes(self, outcomes: Iterable[Outcome], *, source: str) -> None:
+        """Count many samples at once (one addition per outcome name)."""
+        for name, count in Counter(_name(o) for o in outcomes).items():
+            self._samples.add(count, {"outcome": name, "source": source})
 
     def rejected(self, reason: Rejection, *, source: str) -> None:
         """Count one rejected sample under its (first) reason."""

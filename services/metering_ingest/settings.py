@@ -18,6 +18,12 @@ class MeteringSettings(CommonSettings):
     # The Kafka consumer group, and the name the inbox records processed event ids under.
     consumer_group: str = "budgetgate-metering-ingest"
     inbox_name: str = "metering-ingest"
+    # The most samples one poll takes, and so one Postgres transaction.
+    consumer_max_records: int = Field(default=5000, ge=1)
+    # Consumers of the group in this process (each owns some partitions; more than there are
+    # partitions only wait). One by default: every member that joins stops the whole group for
+    # a rebalance, which costs seconds on Tansu, more than the overlap gains on a short load.
+    consumer_concurrency: int = Field(default=1, ge=1)
     # How far past this service's clock a sample's observed_at may be: further is a clock or
     # unit bug at the exporter, and the sample is dead-lettered as future_timestamp.
     max_future_skew_seconds: float = Field(default=300.0, ge=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -122,6 +123,63 @@ async def record(conn: asyncpg.Connection, accepted: Accepted, *, source: Source
         source,
         usage_event_id(sample.run_id, sample.sample_id),
         *announce,
+    )
+
+
+@dataclass(frozen=True)
+class BatchBegun:
+    """A batch's runs, locked: the state of each run metering knows, the unknown runs that have
+    a decision, and the recorded neighbours of each sample (by its index in the batch)."""
+
+    runs: dict[str, RunState]
+    decided: frozenset[str]
+    neighbours: dict[int, list[asyncpg.Record]]
+
+    def view(self, index: int, state: RunState) -> RunView:
+        return _view(state, self.neighbours.get(index, []))
+
+
+async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> BatchBegun:
+    """Take the locks of the samples' runs and read what judging them needs, in one round trip."""
+    rows = await conn.fetch(sql("metering_begin_batch"), [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples])
+    runs, decided, neighbours = {}, set(), defaultdict(list)
+    for row in rows:
+        if row["role"] == "run":
+            runs[row["run_id"]] = RunState(Counters(row["gpu_milli_hours"], row["node_milli_hours"]), row["observed_at"])
+        elif row["role"] == "decision":
+            decided.add(row["run_id"])
+        else:
+            neighbours[row["idx"] - 1].append(row)
+    return BatchBegun(runs, frozenset(decided), dict(neighbours))
+
+
+_USAGE_COLUMNS = (
+    "run_id", "sample_id", "observed_at", "gpu_milli_hours", "node_milli_hours", "gpu_milli_hours_cumulative",
+    "node_milli_hours_cumulative", "gpu_milli_hours_delta", "node_milli_hours_delta", "late", "exporter", "source", "event_id",
+)  # fmt: skip
+
+
+async def record_batch(conn: asyncpg.Connection, recorded: Sequence[tuple[Accepted, Source, str]], announce: Sequence[tuple[str, str | None, bytes, str]]) -> None:
+    """Store accepted samples (each with its source and usage event id; their runs' locks held,
+    judged with `assess_batch`), raise their runs' high-water marks and write the outbox rows of
+    their usage records (`announce`, the outbox columns of each): COPY for the rows, one
+    statement for the runs."""
+    if not recorded:
+        return
+    rows, runs = [], {}
+    for accepted, source, event_id in recorded:
+        sample = accepted.sample
+        rows.append((
+            sample.run_id, sample.sample_id, sample.observed_at, sample.counters.gpu, sample.counters.node, accepted.cumulative.gpu,
+            accepted.cumulative.node, accepted.delta.gpu, accepted.delta.node, accepted.late, sample.exporter, source, event_id,
+        ))  # fmt: skip
+        cumulative, added, latest = runs.get(sample.run_id, (Counters(), 0, sample.observed_at))
+        runs[sample.run_id] = (cumulative.high_water(accepted.cumulative), added + 1, max(latest, sample.observed_at))
+    await conn.copy_records_to_table("usage_records", records=rows, columns=_USAGE_COLUMNS)
+    await conn.copy_records_to_table("outbox", records=announce, columns=("topic", "key", "payload", "headers"))
+    ids = sorted(runs)
+    await conn.execute(
+        sql("raise_usage_runs"), ids, [runs[r][0].gpu for r in ids], [runs[r][0].node for r in ids], [runs[r][1] for r in ids], [runs[r][2] for r in ids]
     )
 
 

@@ -17,7 +17,7 @@ async def _main() -> None:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port, addr="127.0.0.1", registry=reconciler.telemetry.registry)
+        start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=reconciler.telemetry.registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

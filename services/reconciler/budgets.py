@@ -22,7 +22,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.services.reconciler import messages
 from budgetgate.services.reconciler.bundles import Bundles
-from budgetgate.services.reconciler.transaction import ledger_transaction
+from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.v1 import actions_pb2
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,14 @@ class ReconcilerSettings(CommonSettings):
     orphan_grace_seconds: float = 120.0
     # How often Redis is compared with Postgres (the drift check, a metric); 0 turns it off.
     drift_check_seconds: float = 15.0
-    # Serve Prometheus metrics on this port (127.0.0.1); none = no HTTP listener.
+    # Runs settled at once (each in its own transaction; keep below pg_pool_max).
+    settle_concurrency: int = 8
+    # A run whose settlement fails this many times for a reason other than an outage is
+    # dead-lettered (settlement_failures) instead of being tried for ever.
+    settle_tries: int = 3
+    # Serve Prometheus metrics on this port and address; no port = no HTTP listener.
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def rules(self) -> Rules:
         return Rules(

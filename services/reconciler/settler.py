@@ -1,28 +1,29 @@
-"""Settle one run: load its facts from Postgres, compute its charges (pure rules in
-budgetgate.core.reconciliation), and apply the difference from what the ledger holds for it —
-to Redis in one script, then to Postgres, committed together (see transaction.py)."""
+"""Settle one run: fold its new facts into its running state (budgetgate.core.run_state, at a
+cost independent of the run's history), and apply how its charges moved — to Redis in one
+script, then to Postgres, committed together (see transaction.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
-from budgetgate.core.reconciliation import CALENDAR_BUCKET, LifecycleFact, Reservation, Rules, RunFacts, Settlement, UsageFact, settle
+from budgetgate.core.ledger_key import LedgerKey
+from budgetgate.core.reconciliation import LifecycleFact, Reservation, Rules, RunFacts, Settlement
+from budgetgate.core.run_state import settle_state
 from budgetgate.core.windows import Window
 from budgetgate.ledger.concurrency import end_run_holds
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger
+from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sync import LedgerSync
-from budgetgate.services.reconciler import budgets, messages
+from budgetgate.services.reconciler import budgets, messages, meter
 from budgetgate.services.reconciler.bundles import Bundles
-from budgetgate.services.reconciler.transaction import LedgerTransaction, ledger_transaction
+from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,10 @@ class Outcome:
 class Loaded:
     decision: Any
     bundle: PolicyBundle | None
-    facts: RunFacts
+    facts: RunFacts  # without samples: those are folded into `folded`
     held: dict[str, int]  # what the run holds now, per reserved key
     open: bool  # its reservations are still held (not reconciled or released)
-    charges: dict[tuple[str, datetime], int]
+    folded: meter.Folded
     settlement: Any
 
 
@@ -64,19 +65,52 @@ class Settler:
                 await self.sync.ensure_loaded()
             except LedgerKeyMissing as missing:
                 await self._load_key(missing.ledger_key)
+            except SettlementPending:
+                continue  # its predecessor's parked half is ended under the run lock first
         raise RuntimeError(f"run {run_id!r}: the Redis ledger kept changing while settling")
 
     async def _settle(self, run_id: str, now: datetime) -> Outcome:
         async with ledger_transaction(self.pool, self.ledger) as work:
             conn = work.conn
             await conn.execute(sql("lock_run"), run_id)
+            await self._end_parked(conn, run_id)
             await conn.execute(sql("unmark_settled"), run_id)
             loaded = await self._load(conn, run_id)
             if loaded is None:
                 # Denied, delayed or unknown: nothing is held, and facts wait for an admission.
                 return Outcome(run_id, False, None)
-            result = settle(loaded.facts, bundle=loaded.bundle, rules=self.rules, now=now)
+            result = settle_state(loaded.facts, loaded.folded.state, bundle=loaded.bundle, rules=self.rules, now=now)
             return await self._apply(work, loaded, result, now)
+
+    async def end_pending(self, *, older_than_ms: int) -> int:
+        """End every settlement parked in Redis before `older_than_ms` whose run is not being
+        settled right now (its settler died, or could not reach Redis after its commit): applied
+        if Postgres committed it, taken back if not. Returns how many were ended."""
+        ended = 0
+        for run_id, (_seq, at_ms) in (await self.ledger.pending_settlements()).items():
+            if at_ms > older_than_ms:
+                continue
+            async with self.pool.acquire() as conn, conn.transaction():
+                if await conn.fetchval(sql("try_lock_run"), run_id):
+                    ended += await self._end_parked(conn, run_id)
+        return ended
+
+    async def _end_parked(self, conn: asyncpg.Connection, run_id: str) -> bool:
+        """End the run's parked settlement, if any; the caller holds the run's lock, so the
+        transaction that parked it is over and Postgres says whether it committed."""
+        seq = await self.ledger.client.hget(self.ledger.pending(run_id), "seq")
+        if seq is None:
+            return False
+        revision = await conn.fetchval(sql("run_revision"), run_id)
+        committed = revision is not None and revision >= int(seq)
+        return await self.ledger.settle_end(run_id, seq=int(seq), committed=committed)
+
+    async def repair(self, run_id: str, *, now: datetime | None = None) -> Outcome:
+        """Recompute the run from its whole history (the repair tool, never the hot path)."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(sql("lock_run"), run_id)
+            await conn.execute(sql("reset_run_meter"), run_id)
+        return await self.settle(run_id, now=now)
 
     async def _load(self, conn: asyncpg.Connection, run_id: str) -> Loaded | None:
         decision = await conn.fetchrow(sql("run_decision"), run_id)
@@ -93,34 +127,30 @@ class Settler:
             reservations.append(Reservation(policy, row["ledger_key"], row["admitted"]))
             held[row["ledger_key"]] = row["amount"] if row["state"] == "held" else 0
             is_open = is_open or row["state"] == "held"
-        request = _json(decision["request"])
-        resources = request.get("resources", {})
         settlement = await conn.fetchrow(sql("run_settlement"), run_id)
         facts = RunFacts(
             run_id=run_id,
             admitted_at=decision["decided_at"],
             reservations=tuple(reservations),
-            gpus=int(resources.get("gpus") or 0),
-            nodes=int(resources.get("nodes") or 1),
+            gpus=decision["gpus"] or 0,
+            nodes=decision["nodes"] or 1,
             projected_gpu=decision["projected_gpu"],
-            flavor=resources.get("flavor"),
-            region=resources.get("region"),
+            flavor=decision["flavor"],
+            region=decision["region"],
             events=frozenset(
                 LifecycleFact(r["event_id"], r["kind"], r["event_time"], r["gpus"], r["nodes"]) for r in await conn.fetch(sql("run_lifecycle"), run_id)
             ),
-            samples=frozenset(UsageFact(r["sample_id"], r["observed_at"], r["gpu"], r["node"]) for r in await conn.fetch(sql("run_sample_rows"), run_id)),
             # Given back once is given back for good: a late start is charged, never held again.
             released=bool(settlement and settlement["released"]) or (bool(reservations) and not is_open and not (settlement and settlement["final"])),
         )
-        charges = {(r["ledger_key"], r["bucket"]): r["amount"] for r in await conn.fetch(sql("run_charge_rows"), run_id)}
-        return Loaded(decision, bundle, facts, held, is_open, charges, settlement)
+        folded = await meter.fold_new_samples(conn, facts, bundle)
+        return Loaded(decision, bundle, facts, held, is_open, folded, settlement)
 
     async def _apply(self, work: LedgerTransaction, loaded: Loaded, result: Settlement, now: datetime) -> Outcome:
         conn = work.conn
         run_id = loaded.facts.run_id
         decision_id = str(loaded.decision["decision_id"])
-        bucket_deltas = {k: result.consumed.get(k, 0) - loaded.charges.get(k, 0) for k in set(result.consumed) | set(loaded.charges)}
-        bucket_deltas = {k: d for k, d in bucket_deltas.items() if d}
+        bucket_deltas, charges = await _bucket_deltas(conn, run_id, loaded.folded, result)
         held_deltas = {key: result.held.get(key, 0) - amount for key, amount in loaded.held.items()}
         if result.ended_at is not None or result.released:
             # The run stopped holding GPUs (or never started): its quota counters and pool token
@@ -133,12 +163,13 @@ class Settler:
                 raise
         closing = loaded.open and (result.final or result.released)
         settlement_moved = _settlement_changed(loaded.settlement, result)
+        await meter.save(conn, run_id, loaded.folded, dict(result.consumed))
         if not bucket_deltas and not any(held_deltas.values()) and not closing and not settlement_moved:
             if (loaded.settlement["phase"], loaded.settlement["wall"], loaded.settlement["review_at"]) != (result.phase, result.wall, result.review_at):
                 await _put_settlement(conn, run_id, decision_id, result)
             return Outcome(run_id, False, result)
 
-        windows = self._windows(loaded, result)
+        windows = self._windows(loaded, result, bucket_deltas)
         await self._ensure_entries(conn, {key for key, _ in bucket_deltas}, windows, loaded.decision["policy_bundle_sha"] or "")
         consumed_deltas = await _consumed_deltas(conn, bucket_deltas, windows, now)
         keys = sorted(set(held_deltas) | set(consumed_deltas))
@@ -147,23 +178,26 @@ class Settler:
             for key in keys
         ]
         drop_run = (result.final or result.released) and not any(result.held.values())
+        seq = (loaded.settlement["revision"] if loaded.settlement else 0) + 1
         if changes or drop_run:
-            try:
-                await self.ledger.settle(run_id=run_id, decision_id=decision_id, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000))
-            except (LedgerNotLoaded, LedgerKeyMissing):
-                raise  # Redis changed nothing
-            except BaseException:
-                work.redis_changed = True  # it may have run: Redis must not outlive a rollback
-                raise
-            work.redis_changed = True
+            # Parked before the Redis call: if the call ran but its answer was lost, the parked
+            # half is still ended (or Settler.end_pending ends it).
+            work.parked.append((run_id, seq))
+            await self.ledger.settle_begin(run_id=run_id, decision_id=decision_id, seq=seq, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000))
 
-        await _write_charges(conn, run_id, bucket_deltas, result)
+        await _write_charges(conn, run_id, charges)
         if held_deltas or closing:
             state = ("reconciled" if result.final else "released") if closing else None
             reason = (result.final_state or "").lower() if result.final else "not running within the start deadline"
             await conn.execute(sql("set_held"), run_id, list(loaded.held), [result.held.get(k, 0) for k in loaded.held], state, reason if state else None)
         revision = await _put_settlement(conn, run_id, decision_id, result)
+        if revision != seq:
+            raise RuntimeError(f"run {run_id!r}: settlement revision {revision} is not the sequence number {seq} parked in Redis")
         if result.final or closing:
+            # Once per run: the message lists every charge, so the run's charges are read whole.
+            whole = {(r["ledger_key"], r["bucket"]): r["amount"] for r in await conn.fetch(sql("run_charge_rows"), run_id)}
+            result = replace(result, consumed=whole)
+            windows = self._windows(loaded, result, whole)
             job = (loaded.decision["job_namespace"], loaded.decision["job_name"]) if loaded.decision["job_name"] else None
             await messages.reconciliation(conn, run_id=run_id, decision_id=decision_id, result=result, windows=windows, bundle_sha=loaded.decision["policy_bundle_sha"] or "", job=job, revision=revision, now=now)
         if consumed_deltas:
@@ -172,16 +206,19 @@ class Settler:
             await budgets.after_consumption(conn, rows, bundles=self.bundles, now=now)
         return Outcome(run_id, True, result)
 
-    def _windows(self, loaded: Loaded, result: Settlement) -> dict[str, tuple[BudgetPolicy, Window]]:
-        """The policy and window of every key the run touches or touched. Keys it no longer
-        charges (usage moved by a late sample) exist already, so only their policy is needed."""
-        windows = dict(result.windows)
+    def _windows(self, loaded: Loaded, result: Settlement, touched: Any) -> dict[str, tuple[BudgetPolicy, Window]]:
+        """The policy and window of every key the run touches or touched, from the fold where it
+        knows them and else from the key itself and the run's policy of that scope and unit."""
+        windows = {**loaded.folded.windows, **result.windows}
         by_scope_unit = {(r.policy.scope.scope_id, str(r.policy.limit.unit)): r.policy for r in loaded.facts.reservations}
-        for key in [r.ledger_key for r in loaded.facts.reservations] + [k for k, _ in loaded.charges]:
-            scope_id, window_key, unit = key.split("|")[0], key.split("|")[1], key.split("|")[-1]
-            policy = by_scope_unit.get((scope_id, unit))
+        for text in [r.ledger_key for r in loaded.facts.reservations] + [k for k, _ in touched]:
+            if text in windows:
+                continue
+            key = LedgerKey.parse(text)
+            policy = by_scope_unit.get((key.scope_id, key.unit))
             if policy is not None:
-                windows.setdefault(key, (policy, Window(CALENDAR_BUCKET, CALENDAR_BUCKET, window_key)))
+                window = key.window()
+                windows[text] = (policy, window or Window(result.ended_at or datetime.now(UTC), result.ended_at or datetime.now(UTC), key.window_key))
         return windows
 
     async def _ensure_entries(self, conn: asyncpg.Connection, keys: set[str], windows: dict[str, tuple[BudgetPolicy, Window]], decision_sha: str) -> None:
@@ -220,9 +257,35 @@ async def _consumed_deltas(conn: asyncpg.Connection, bucket_deltas: dict[tuple[s
     return {key: delta for key, delta in sorted(totals.items()) if delta}
 
 
-async def _write_charges(conn: asyncpg.Connection, run_id: str, bucket_deltas: dict[tuple[str, datetime], int], result: Settlement) -> None:
-    put = [(k, b, result.consumed[(k, b)]) for (k, b) in bucket_deltas if result.consumed.get((k, b), 0) > 0]
-    gone = [(k, b) for (k, b) in bucket_deltas if result.consumed.get((k, b), 0) <= 0]
+async def _bucket_deltas(conn: asyncpg.Connection, run_id: str, folded: meter.Folded, result: Settlement) -> tuple[dict[tuple[str, datetime], int], dict[tuple[str, datetime], int]]:
+    """How the run's charges move per (key, bucket), and what they become on the buckets that move.
+
+    The metered part comes from the fold; the part from time alone (wall time, the provisional
+    tail) is whole in `result.consumed` and compared with what was last settled. A run folded
+    whole has no past state: its totals are compared with every charge it holds.
+    """
+    timed = {k: a for k, a in result.consumed.items() if a}
+    if folded.whole:
+        before = {(r["ledger_key"], r["bucket"]): r["amount"] for r in await conn.fetch(sql("run_charge_rows"), run_id)}
+        target: dict[tuple[str, datetime], int] = defaultdict(int, folded.deltas)
+        for k, a in timed.items():
+            target[k] += a
+        deltas = {k: target.get(k, 0) - before.get(k, 0) for k in set(target) | set(before)}
+    else:
+        moved: dict[tuple[str, datetime], int] = defaultdict(int, folded.deltas)
+        for k in set(timed) | set(folded.timed):
+            moved[k] += timed.get(k, 0) - folded.timed.get(k, 0)
+        deltas = dict(moved)
+        keys = sorted(k for k, d in deltas.items() if d)
+        rows = await conn.fetch(sql("run_charges_at"), run_id, [k for k, _ in keys], [b for _, b in keys]) if keys else []
+        before = {(r["ledger_key"], r["bucket"]): r["amount"] for r in rows}
+    deltas = {k: d for k, d in deltas.items() if d}
+    return deltas, {k: before.get(k, 0) + d for k, d in deltas.items()}
+
+
+async def _write_charges(conn: asyncpg.Connection, run_id: str, charges: dict[tuple[str, datetime], int]) -> None:
+    put = [(k, b, a) for (k, b), a in charges.items() if a > 0]
+    gone = [(k, b) for (k, b), a in charges.items() if a <= 0]
     if put:
         await conn.execute(sql("put_run_charges"), run_id, [p[0] for p in put], [p[1] for p in put], [p[2] for p in put])
     if gone:
@@ -240,10 +303,6 @@ def _settlement_changed(row: Any, r: Settlement) -> bool:
     if row is None:
         return True
     return (row["final"], row["provisional"], row["released"]) != (r.final, r.provisional, r.released)
-
-
-def _json(value: Any) -> dict[str, Any]:
-    return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 
 def _uuid(text: str):  # type: ignore[no-untyped-def]

@@ -12,10 +12,12 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import redis.asyncio as aioredis
+import redis.exceptions
 from opentelemetry.metrics import Observation
 
 from budgetgate import wire
 from budgetgate.consumer import InboxConsumer
+from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
@@ -30,6 +32,14 @@ from budgetgate.topics import Topics, ensure_topics
 
 log = logging.getLogger(__name__)
 
+# A settlement parked in Redis longer than this is ended by upkeep (its settler died or lost Redis).
+PARKED_GRACE_MS = 2000
+
+# Failures that say something about the run's data or the rules, not about an outage: retrying
+# them cannot help, so they are dead-lettered after `settle_tries` (anything else is an outage
+# and the loop retries it with backoff).
+REFUSALS = (AmountOutOfRange, asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, redis.exceptions.ResponseError, ValueError, LookupError, ArithmeticError, AssertionError, TypeError)
+
 
 @dataclass
 class Stats:
@@ -39,6 +49,9 @@ class Stats:
     drift_checks: int = 0
     repairs: int = 0
     errors: int = 0
+    dead_letters: int = 0
+    ended_parked: int = 0
+    failing: dict[str, int] = field(default_factory=dict)  # run id → failed tries so far
     fresh: set[str] = field(default_factory=set)
 
 
@@ -56,6 +69,7 @@ class Reconciler:
         self._lag = meter.create_histogram("budgetgate_reconciliation_lag", unit="s", description="from a run's end (event time) to its reservation replaced by actuals")
         meter.create_observable_gauge("budgetgate_ledger_drift_keys", callbacks=[lambda _o: [Observation(self.stats.drifted_keys)]], description="ledger keys and runs on which Redis differed from Postgres at the last drift check")
         meter.create_observable_counter("budgetgate_ledger_drift_repairs", callbacks=[lambda _o: [Observation(self.stats.repairs)]], description="Redis rebuilds after a confirmed drift")
+        self._dead_letters = meter.create_counter("budgetgate_reconciler_dead_letters", description="runs whose settlement kept failing for a reason other than an outage, set aside in settlement_failures (alert on any increase)")
         self.pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._repaired = False
@@ -129,10 +143,9 @@ class Reconciler:
     async def _settle_marked(self) -> None:
         assert self.pool is not None
         if not self._repaired:
-            # A reconciler killed between a settlement's Redis script and its commit leaves Redis
-            # ahead of Postgres; settling again on top would count that change twice. So before
-            # settling anything, Redis is compared with Postgres and rebuilt if they differ.
-            await self.check_drift()
+            # A reconciler killed between the two halves of a settlement left one parked in
+            # Redis; the runs' own settlements end theirs first anyway, this ends the others now.
+            await self.settler.end_pending(older_than_ms=int(time.time() * 1000))
             self._repaired = True
         while True:
             rows = await self.pool.fetch(sql("runs_waiting"), 200)
@@ -143,11 +156,17 @@ class Reconciler:
                     await asyncio.wait_for(self.wakeup.wait(), timeout=self.settings.tick_seconds)
 
     async def _settle_all(self, run_ids: list[str]) -> None:
-        gate = asyncio.Semaphore(4)
+        gate = asyncio.Semaphore(self.settings.settle_concurrency)
 
         async def one(run_id: str) -> None:
             async with gate:
-                outcome = await self.settler.settle(run_id)
+                try:
+                    outcome = await self.settler.settle(run_id)
+                except REFUSALS as exc:
+                    await self._failed(run_id, exc)
+                    return
+            if self.stats.failing.pop(run_id, None) is not None:
+                await self.pool.execute(sql("clear_settlement_failure"), run_id)  # type: ignore[union-attr]
             self.stats.settled += 1
             self.stats.changed += outcome.changed
             self._settlements.add(1, {"changed": str(outcome.changed).lower()})
@@ -158,6 +177,20 @@ class Reconciler:
                 self.relay.wakeup.set()
 
         await asyncio.gather(*(one(r) for r in run_ids))
+
+    async def _failed(self, run_id: str, exc: BaseException) -> None:
+        """A settlement refused for a reason other than an outage: tried again a bounded number of
+        times (the run stays marked), then dead-lettered with the reason, and never looped on."""
+        assert self.pool is not None
+        reason = f"{type(exc).__name__}: {exc}"[:2000]
+        row = await self.pool.fetchrow(sql("record_settlement_failure"), run_id, reason, self.settings.settle_tries)
+        self.stats.failing[run_id] = row["attempts"]
+        if row["dead"]:
+            self.stats.dead_letters += 1
+            self._dead_letters.add(1)
+            log.error("run %r dead-lettered after %d failed settlements: %s", run_id, row["attempts"], reason)
+        else:
+            log.warning("settling run %r failed (try %d of %d): %s", run_id, row["attempts"], self.settings.settle_tries, reason)
 
     async def _upkeep(self) -> None:
         assert self.pool is not None
@@ -170,6 +203,9 @@ class Reconciler:
             due = [r["run_id"] for r in await self.pool.fetch(sql("runs_due"), now, 500)]
             unseen = [r["run_id"] for r in await self.pool.fetch(sql("unseen_holds"), now - timedelta(seconds=s.start_deadline_seconds), 500)]
             await self._settle_all(sorted(set(due) | set(unseen)))
+            # Settlements parked by a reconciler that died (or lost Redis) after its commit:
+            # Redis converges on Postgres within a tick or two, without a restart or a rebuild.
+            self.stats.ended_parked += await self.settler.end_pending(older_than_ms=int(time.time() * 1000) - PARKED_GRACE_MS)
             await budgets.age_rolling(self.pool, self.ledger, now=now)
             if await budgets.lift_holds(self.pool, bundles=self.bundles, now=now):
                 self.relay.wakeup.set()

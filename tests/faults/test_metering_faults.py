@@ -166,6 +166,6 @@ async def test_postgres_killed_mid_stream_is_waited_out(metering_factory, killab
 
     await wait_for(lambda: _at_least(dsn, 400), timeout=120, what="every sample applied after Postgres returned")
     # Nothing was taken for poison while Postgres was away.
-    assert server.rt.consumer.dead_lettered == 0
+    assert server.rt.inbox.dead_lettered == 0
     await assert_applied_exactly_once(settings, dsn, messages)
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from budgetgate import wire
-from budgetgate.consumer import InboxConsumer, Poison, Route
+from budgetgate.consumer import BatchRoute, Delivery, InboxConsumer, Poison, Route
+from budgetgate.lag import ConsumerProgress
 from budgetgate.topics import Topics, dlq, ensure_topics
 from budgetgate.v1 import lifecycle_pb2
 
@@ -95,4 +99,145 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
             assert await again.poll_once(timeout_ms=3000) == 0
         finally:
             await again.stop()
+    await pool.close()
+
+
+async def _publish(settings, topic: str, messages: list) -> None:  # type: ignore[no-untyped-def,type-arg]
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        await asyncio.gather(*(publisher.send(topic, m, key="one-partition") for m in messages))
+
+
+async def _consume(consumer: InboxConsumer, expected: int, timeout: float = 30) -> int:
+    taken = 0
+    deadline = asyncio.get_running_loop().time() + timeout
+    while taken < expected and asyncio.get_running_loop().time() < deadline:
+        taken += await consumer.poll_once()
+    return taken
+
+
+async def _committed(bootstrap: str, group: str, topic: str) -> int | None:
+    """The offset group `group` has committed on partition 0 of `topic` (None: nothing yet)."""
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    await reader.start()
+    try:
+        return await reader.committed(TopicPartition(topic, 0))
+    finally:
+        await reader.stop()
+
+
+def _batch_route(seen: list[list[str]]) -> BatchRoute:
+    """Writes every message's run id with one statement; refuses 'refused', names 'poison' as
+    poison, and lets Postgres refuse 'overflow'."""
+
+    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> dict[Delivery, str]:
+        seen.append([d.message.run_id for d in deliveries])
+        for delivery in deliveries:
+            if delivery.message.run_id == "poison":
+                raise Poison("run id 'poison' is not acceptable", delivery=delivery)
+        refused = {d: "refused by the handler" for d in deliveries if d.message.run_id == "refused"}
+        kept = [d for d in deliveries if d not in refused]
+        if any(d.message.run_id == "overflow" for d in kept):
+            await conn.fetchval("SELECT $1::int", 2**40)
+        await conn.executemany("INSERT INTO effects VALUES ($1, $2)", [(d.message.run_id, d.message.event_id) for d in kept])
+        return refused
+
+    return BatchRoute(lifecycle_pb2.LifecycleEvent, handle)
+
+
+async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings, pg_dsn) -> None:
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL, event_id text NOT NULL UNIQUE)")
+    twice = event("twice")
+    names = ["a", "poison", "b", "refused", "c", "overflow", "d"]
+    await _publish(settings, topics.lifecycle, [event(n) for n in names[:3]] + [twice, twice] + [event(n) for n in names[3:]])
+    seen: list[list[str]] = []
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    reader = InMemoryMetricReader()
+    progress = ConsumerProgress(MeterProvider(metric_readers=[reader]).get_meter("test"), name="test")
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        consumer = InboxConsumer(name="test", group=group, bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)}, progress=progress)
+        await consumer.start()
+        try:
+            assert await _consume(consumer, 9) == 9
+        finally:
+            await consumer.stop()
+    rows = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
+    assert rows == ["a", "b", "c", "d", "twice"]
+    assert consumer.dead_lettered == 3 and consumer.duplicates == 1 and consumer.processed == 5
+    assert max(len(batch) for batch in seen) > 1, "the handler was never given a batch"
+    reasons = sorted(wire.header(r.headers, wire.DLQ_REASON).decode() for r in await drain(settings.kafka_bootstrap, dlq(topics.lifecycle), 3))
+    assert len(reasons) == 3 and any("cannot store" in r for r in reasons) and any("poison" in r for r in reasons) and "refused by the handler" in reasons
+    # Refused and poison messages keep no inbox row: a redelivery finds them poison again.
+    inbox = {r["event_id"] for r in await pool.fetch("SELECT event_id FROM inbox WHERE consumer = 'test'")}
+    effect_ids = {r["event_id"] for r in await pool.fetch("SELECT event_id FROM effects")}
+    assert inbox == effect_ids
+    assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 9
+    # What the consumer showed: every record counted, nothing left behind, the lag of the five applied.
+    points = {m.name: list(m.data.data_points) for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert sum(p.value for p in points["budgetgate_consumer_records"]) == 9
+    assert [(p.attributes["partition"], p.value) for p in points["budgetgate_consumer_lag_records"]] == [("0", 0)]
+    assert sum(p.count for p in points["budgetgate_consumer_event_lag"]) == 5
+    await pool.close()
+
+
+async def test_redelivered_batch_changes_nothing(settings, pg_dsn) -> None:
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL, event_id text NOT NULL UNIQUE)")
+    await _publish(settings, topics.lifecycle, [event(f"run-{i}") for i in range(20)])
+    seen: list[list[str]] = []
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        # A second group reads the same records again: the inbox (same name) takes every one as a duplicate.
+        for attempt in range(2):
+            consumer = InboxConsumer(name="test", group=f"g-{attempt}-{uuid.uuid4().hex[:8]}", bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
+            await consumer.start()
+            try:
+                assert await _consume(consumer, 20) == 20
+            finally:
+                await consumer.stop()
+            assert consumer.processed == (20 if attempt == 0 else 0)
+            assert consumer.duplicates == (0 if attempt == 0 else 20)
+    assert await pool.fetchval("SELECT count(*) FROM effects") == 20
+    assert sum(len(batch) for batch in seen) == 20, "a duplicate reached the handler"
+    await pool.close()
+
+
+async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn) -> None:
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL, event_id text NOT NULL UNIQUE)")
+    await _publish(settings, topics.lifecycle, [event(f"run-{i}") for i in range(5)])
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    inside, release = asyncio.Event(), asyncio.Event()
+    outages = {"left": 1}
+
+    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> None:
+        await conn.executemany("INSERT INTO effects VALUES ($1, $2)", [(d.message.run_id, d.message.event_id) for d in deliveries])
+        inside.set()
+        await release.wait()
+        if outages["left"]:
+            outages["left"] -= 1
+            raise ConnectionError("Postgres went away before the commit")
+
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        consumer = InboxConsumer(name="test", group=group, bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
+        await consumer.start()
+        try:
+            polling = asyncio.create_task(_consume(consumer, 5))
+            await asyncio.wait_for(inside.wait(), 30)
+            # The handler has written its effects but the transaction is open: nothing committed anywhere.
+            assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) is None
+            assert await pool.fetchval("SELECT count(*) FROM inbox") == 0
+            release.set()
+            assert await asyncio.wait_for(polling, 60) == 5
+        finally:
+            await consumer.stop()
+    # The outage rolled the first try back; the retry committed every effect once, then the offset.
+    assert outages["left"] == 0
+    assert await pool.fetchval("SELECT count(*) FROM effects") == 5
+    assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 5
     await pool.close()

@@ -9,10 +9,12 @@ import json
 import random
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from budgetgate import wire
-from budgetgate.core.metering import Counters, Rejection, Sample, milli, normalize, reason_code, usage_event_id
+from budgetgate.core.metering import Counters, Duplicate, Rejected, Rejection, Sample, milli, normalize, reason_code, usage_event_id
+from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
 from budgetgate.topics import Topics, dlq
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.integration.test_consumer import drain
@@ -120,8 +122,8 @@ async def test_duplicated_resent_and_shuffled_stream_gives_the_clean_usage(meter
 
 
 async def _processed(server, expected: int) -> bool:  # type: ignore[no-untyped-def]
-    consumer = server.rt.consumer
-    return consumer is not None and consumer.processed + consumer.duplicates + consumer.dead_lettered >= expected
+    inbox = server.rt.inbox
+    return inbox.processed + inbox.duplicates + inbox.dead_lettered >= expected
 
 
 async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_going(metering, settings, pg_dsn) -> None:
@@ -226,3 +228,77 @@ async def test_unknown_run_past_its_grace_is_dead_lettered(metering_factory, set
     assert wire.header(dead[0].headers, wire.DLQ_SOURCE_TOPIC) == topics.metering.encode()
     assert wire.header(dead[0].headers, wire.DLQ_OFFSET) == b"0"
     assert await count(pg_dsn, "metering_pending") == 0 and await usage_rows(pg_dsn) == []
+
+
+async def test_a_header_that_is_not_utf8_loses_nothing(metering, settings, pg_dsn) -> None:
+    """Kafka headers are bytes: a record with one that is no UTF-8 is used like any other (and its
+    neighbours in the batch too), and a poison one among them goes to the DLQ."""
+    topics = Topics(settings.topic_prefix)
+    await decide(pg_dsn, "run-h")
+    odd = ("x-exporter-blob", b"\xff\xfe\x00")
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        await publisher.send(topics.metering, sample("run-h", "s1", 60.0, minute=1), key="run-h")
+        record = wire.encode(sample("run-h", "s2", 120.0, minute=2), key="run-h")
+        await publisher.send_record(topics.metering, wire.Record(value=record.value, key=record.key, headers=[*record.headers, odd]))
+        await publisher.send_record(topics.metering, wire.Record(value=b"\x00not protobuf", key=b"run-h", headers=[odd]))
+        await publisher.send(topics.metering, sample("run-h", "s3", 180.0, minute=3), key="run-h")
+    await wait_for(lambda: _rows(pg_dsn, 3), what="the three samples recorded")
+    assert [r["sample_id"] for r in await usage_rows(pg_dsn, "run-h")] == ["s1", "s2", "s3"]
+    [dead] = await drain(settings.kafka_bootstrap, dlq(topics.metering), 1)
+    assert wire.header(dead.headers, "x-exporter-blob") == odd[1] and dead.value == b"\x00not protobuf"
+
+
+async def test_batches_judged_against_recorded_history_give_what_one_by_one_gives(pg_dsn) -> None:
+    """Ingestor.place_batch on Postgres, batch after batch, against the pure core applying the
+    same samples one by one: late samples, resends under new ids, repeats, conflicts and
+    regressions, within a batch and against what earlier batches recorded."""
+    runs = ["run-x", "run-y", "run-z"]
+    await decide(pg_dsn, *runs)
+    ingestor = Ingestor(max_skew=timedelta(minutes=5), grace=timedelta(minutes=10), counts=_NoCounts())
+    conn = await asyncpg.connect(pg_dsn)
+    reference, _ = normalize([])
+    try:
+        for seed in range(3):
+            rng = random.Random(seed)
+            minutes = [seed * 100 + k for k in range(1, 16)]
+            clean = [Sample(r, f"{r}/{m}", T0 + timedelta(minutes=m), Counters(1000 * m, 100 * m)) for r in runs for m in minutes]
+            stream = clean + rng.sample(clean, 8)  # repeats
+            stream += [Sample(s.run_id, f"{s.sample_id}/again", s.observed_at, s.counters) for s in rng.sample(clean, 5)]  # resends
+            rng.shuffle(stream)
+            # Last, so that most are judged against neighbours recorded by earlier batches.
+            stream += [Sample(s.run_id, f"{s.sample_id}/odd", s.observed_at + timedelta(seconds=30), Counters(rng.randrange(0, 400_000), s.counters.node + 50)) for s in rng.sample(clean, 12)]
+            stream += [Sample(r, f"{r}/{seed}/down", T0 + timedelta(minutes=seed * 100 + 20), Counters(500, 50)) for r in runs]
+            at = 0
+            while at < len(stream):
+                batch = stream[at : at + rng.randrange(1, 25)]
+                at += len(batch)
+                origin = Origin(source="kafka", topic="t", payload=b"", headers=())
+                async with conn.transaction():
+                    got = await ingestor.place_batch(conn, [(s, origin) for s in batch])
+                assert [_shape(o) for o in got] == [_shape(_one(reference, s)) for s in batch]
+        for run_id in runs:
+            recorded = await fetchval(pg_dsn, "SELECT gpu_milli_hours_cumulative FROM usage_runs WHERE run_id = $1", run_id)
+            assert recorded == reference.cumulative(run_id).gpu
+    finally:
+        await conn.close()
+
+
+class _NoCounts:
+    def outcome(self, *_args: object, **_kwargs: object) -> None: ...
+
+    def rejected(self, *_args: object, **_kwargs: object) -> None: ...
+
+
+def _one(store, sample: Sample):  # type: ignore[no-untyped-def]
+    try:
+        return store.apply(sample)
+    except Rejected as exc:
+        return exc
+
+
+def _shape(outcome) -> tuple[object, ...]:  # type: ignore[no-untyped-def]
+    if isinstance(outcome, Rejected):
+        return ("rejected", outcome.reason)
+    if isinstance(outcome, Duplicate):
+        return ("duplicate", outcome.sample.sample_id, outcome.of)
+    return ("accepted", outcome.sample.sample_id, outcome.cumulative, outcome.delta, outcome.late)

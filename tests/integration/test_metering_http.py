@@ -25,9 +25,9 @@ async def test_batch_is_recorded_before_the_answer_with_a_result_per_sample(mete
     response = await metering.post(as_json(first), as_json(second), as_json(first))
     assert response.status_code == 200, response.text
     results = response.json()["results"]
-    assert [(r["index"], r["sample_id"], r["status"]) for r in results] == [(0, "h1", "accepted"), (1, "h2", "accepted"), (2, "h1", "duplicate")]
-    assert (results[1]["gpu_milli_hours_cumulative"], results[1]["gpu_milli_hours_delta"], results[1]["late"]) == (72_000, 36_000, False)
-    assert results[2]["duplicate_of"] == "h1"
+    assert [(r["index"], r["sampleId"], r["status"]) for r in results] == [(0, "h1", "accepted"), (1, "h2", "accepted"), (2, "h1", "duplicate")]
+    assert (results[1]["gpuMillisecondsCumulative"], results[1]["gpuMillisecondsDelta"], results[1]["late"]) == (72_000, 36_000, False)
+    assert results[2]["duplicateOf"] == "h1"
     # Durable once answered: the rows are there without waiting for anything.
     assert [(r["sample_id"], r["source"]) for r in await usage_rows(pg_dsn)] == [("h1", "http"), ("h2", "http")]
     records = await usage_records(settings.kafka_bootstrap, Topics(settings.topic_prefix).usage, 2)
@@ -44,7 +44,7 @@ async def test_snake_case_fields_and_a_late_sample(metering, settings, pg_dsn) -
     response = await metering.post(*body)
     assert response.status_code == 200, response.text
     late = response.json()["results"][1]
-    assert (late["status"], late["late"], late["gpu_milli_hours_delta"], late["gpu_milli_hours_cumulative"]) == ("accepted", True, 0, 50_000)
+    assert (late["status"], late["late"], late["gpuMillisecondsDelta"], late["gpuMillisecondsCumulative"]) == ("accepted", True, 0, 50_000)
     rows = await usage_rows(pg_dsn, "run-s")
     assert [(r["sample_id"], r["gpu_milli_hours"], r["late"]) for r in rows] == [("a", 20_000, True), ("b", 50_000, False)]
     # Announced too: cumulative unchanged and delta 0, with its own counters for windows.
@@ -66,14 +66,15 @@ async def test_bad_fields_are_named_and_nothing_of_the_batch_is_recorded(meterin
         "not an object",
     )
     assert response.status_code == 422, response.text
-    found = {(tuple(d["loc"]), d["type"]) for d in response.json()["detail"]}
+    assert response.headers["content-type"] == "application/problem+json"
+    found = {(tuple(d["loc"]), d["type"]) for d in response.json()["errors"]}
     assert found == {
-        (("body", "samples", 1, "gpu_seconds"), "negative"),
-        (("body", "samples", 2, "node_seconds"), "not_finite"),
-        (("body", "samples", 3, "observed_at"), "future_timestamp"),
-        (("body", "samples", 4, "gpu_seconds"), "unparseable"),
-        (("body", "samples", 5, "run_id"), "missing_field"),
-        (("body", "samples", 5, "observed_at"), "missing_field"),
+        (("body", "samples", 1, "gpuSeconds"), "negative"),
+        (("body", "samples", 2, "nodeSeconds"), "not_finite"),
+        (("body", "samples", 3, "observedAt"), "future_timestamp"),
+        (("body", "samples", 4, "gpuSeconds"), "unparseable"),
+        (("body", "samples", 5, "runId"), "missing_field"),
+        (("body", "samples", 5, "observedAt"), "missing_field"),
         (("body", "samples", 6), "unparseable"),
     }
     assert await usage_rows(pg_dsn) == []
@@ -89,7 +90,7 @@ async def test_a_regression_is_rejected_while_the_rest_is_recorded(metering, pg_
     body = response.json()
     assert [r["status"] for r in body["results"]] == ["accepted", "rejected", "accepted"]
     assert body["results"][1]["reason"] == "counter_regression"
-    assert [(tuple(d["loc"]), d["type"]) for d in body["detail"]] == [(("body", "samples", 1, "gpu_seconds"), "counter_regression")]
+    assert [(tuple(d["loc"]), d["type"]) for d in body["errors"]] == [(("body", "samples", 1, "gpuSeconds"), "counter_regression")]
     assert [r["sample_id"] for r in await usage_rows(pg_dsn)] == ["up", "up2"]
 
 
@@ -98,7 +99,7 @@ async def test_samples_of_an_unknown_run_are_accepted_as_pending(metering, pg_ds
     response = await metering.post(as_json(sample("run-later", "p", 5.0, at=now)))
     assert response.status_code == 202
     [result] = response.json()["results"]
-    assert result["status"] == "pending" and datetime.fromisoformat(result["pending_until"]) > now
+    assert result["status"] == "pending" and result["pendingUntil"].endswith("Z") and datetime.fromisoformat(result["pendingUntil"]) > now
     assert await fetchval(pg_dsn, "SELECT count(*) FROM metering_pending WHERE source = 'http'") == 1
     assert await usage_rows(pg_dsn) == []
 
@@ -106,11 +107,11 @@ async def test_samples_of_an_unknown_run_are_accepted_as_pending(metering, pg_ds
 async def test_malformed_empty_oversized_and_overlong_bodies(metering_factory) -> None:
     server = await metering_factory(max_batch_samples=2, max_body_bytes=2000)
     malformed = await server.client.post("/v1/metering/samples", content=b"{not json", headers={"content-type": "application/json"})
-    assert malformed.status_code == 422 and malformed.json()["detail"][0]["loc"] == ["body"]
+    assert malformed.status_code == 422 and malformed.json()["errors"][0]["loc"] == ["body"]
     empty = await server.client.post("/v1/metering/samples", json={"samples": []})
-    assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body", "samples"]
+    assert empty.status_code == 422 and empty.json()["errors"][0]["loc"] == ["body", "samples"]
     too_many = await server.post(*[as_json(sample("r", f"s{i}", 1.0, minute=i)) for i in range(3)])
-    assert too_many.status_code == 422 and "at most 2" in too_many.json()["detail"][0]["msg"]
+    assert too_many.status_code == 422 and "at most 2" in too_many.json()["errors"][0]["msg"]
     too_big = await server.client.post("/v1/metering/samples", content=b"x" * 2001, headers={"content-type": "application/json"})
     assert too_big.status_code == 413
 

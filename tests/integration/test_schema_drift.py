@@ -19,6 +19,11 @@ SELECT 'constraint', conrelid::regclass || ' ' || pg_get_constraintdef(oid) FROM
 WHERE connamespace = 'public'::regnamespace AND conrelid::regclass::text <> 'schema_migrations'
 UNION ALL
 SELECT 'function', pg_get_functiondef(p.oid) FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace
+UNION ALL
+SELECT 'view', viewname || ': ' || definition FROM pg_views WHERE schemaname = 'public'
+UNION ALL
+SELECT 'trigger', pg_get_triggerdef(t.oid) FROM pg_trigger t
+JOIN pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace = 'public'::regnamespace AND NOT t.tgisinternal
 ORDER BY 1, 2
 """
 
@@ -76,3 +81,16 @@ async def test_migrations_and_schema_file_build_the_same_database(pg_dsn) -> Non
     finally:
         for name in names:
             await _drop(pg_dsn, name)
+
+
+async def test_the_catalog_compares_view_definitions(pg_dsn) -> None:
+    # A view redefined by a migration but not in schema.sql (or the other way) is drift too.
+    before = await _catalog(pg_dsn)
+    assert any(kind == "view" and what.startswith("audit_window_exhaustion: ") for kind, what in before)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("CREATE OR REPLACE VIEW audit_evidence_backlog AS SELECT 0::bigint AS pending, 0::bigint AS dead, 0::bigint AS delivered, 0::numeric AS oldest_pending_seconds")
+    finally:
+        await conn.close()
+    changed = sorted(set(before) ^ set(await _catalog(pg_dsn)))
+    assert [kind for kind, _ in changed] == ["view", "view"]

@@ -4,14 +4,19 @@ cumulative go down or its deltas disagree with it."""
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
+from decimal import ROUND_HALF_UP
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from budgetgate.core.metering import Accepted, Counters, Duplicate, Rejected, Sample, normalize
+from budgetgate.core.metering import Accepted, Counters, Duplicate, Rejected, Sample, assess_batch, milli, normalize, usage_event_id
+from budgetgate.core.units import to_decimal
+from budgetgate.services.metering_ingest.samples import raw_sample
+from budgetgate.v1.metering_pb2 import MeteringSample
 
 pytestmark = pytest.mark.property
 
@@ -111,3 +116,54 @@ def test_no_stream_lowers_a_cumulative_or_breaks_the_delta_sum(stream: list[Samp
         counters = [k.counters for k in store.recorded(run_id)]
         assert all(later.covers(earlier) for earlier, later in zip(counters, counters[1:], strict=False))
         assert store.cumulative(run_id) == counters[-1]
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_a_batch_judged_together_gives_what_one_by_one_gives(data: st.DataObject) -> None:
+    """assess_batch against the views recorded before the batch == applying the batch's samples
+    one by one (whatever was recorded before, with duplicates, resends, reorderings and
+    regressions inside the batch)."""
+    stream = data.draw(messy(data.draw(clean_stream())))
+    stream += data.draw(st.lists(st.builds(lambda s, g: Sample(s.run_id, f"{s.sample_id}/odd", s.observed_at + timedelta(seconds=30), Counters(g, 0)), st.sampled_from(stream), st.integers(0, 10**10)), max_size=3))
+    split = data.draw(st.integers(0, len(stream)))
+    before, batch = stream[:split], stream[split:]
+    one_by_one, _ = normalize(before)
+    together, _ = normalize(before)
+    views = [(sample, together.view(sample)) for sample in batch]
+    expected = [_outcome(one_by_one, sample) for sample in batch]
+    assert [_shape(o) for o in assess_batch(views)] == [_shape(o) for o in expected]
+
+
+def _outcome(store, sample: Sample) -> Accepted | Duplicate | Rejected:  # type: ignore[no-untyped-def]
+    try:
+        return store.apply(sample)
+    except Rejected as exc:
+        return exc
+
+
+def _shape(outcome: Accepted | Duplicate | Rejected) -> tuple[object, ...]:
+    if isinstance(outcome, Rejected):
+        return ("rejected", outcome.reason, str(outcome))
+    if isinstance(outcome, Duplicate):
+        return ("duplicate", outcome.sample, outcome.of)
+    return ("accepted", outcome.sample, outcome.cumulative, outcome.delta, outcome.late)
+
+
+@settings(max_examples=2000)
+@given(st.one_of(st.floats(min_value=0, max_value=1e13), st.integers(0, 10**9).flatmap(lambda n: st.integers(0, 6).map(lambda d: n / 10**d)), st.decimals(min_value=0, max_value=10**9, places=4).map(float)))
+def test_milli_reads_the_shortest_decimal_as_decimal_does(seconds: float) -> None:
+    exact = int((to_decimal(seconds) * 1000).to_integral_value(rounding=ROUND_HALF_UP))
+    assert milli(seconds) == exact
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_usage_event_id_is_the_uuid5_of_run_and_sample(run_id: str, sample_id: str) -> None:
+    assert usage_event_id(run_id, sample_id) == str(uuid.uuid5(uuid.UUID("6c1f3c52-5f0e-4b8e-9a59-0d8f4e3c9b21"), f"usage\x00{run_id}\x00{sample_id}"))
+
+
+@given(st.integers(-62_135_596_800, 253_402_300_799), st.integers(0, 999_999_999))
+def test_observed_at_is_read_as_timestamp_to_datetime_reads_it(seconds: int, nanos: int) -> None:
+    message = MeteringSample(run_id="r", sample_id="s")
+    message.observed_at.seconds, message.observed_at.nanos = seconds, nanos
+    assert raw_sample(message).observed_at == message.observed_at.ToDatetime(tzinfo=UTC)

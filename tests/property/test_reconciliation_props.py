@@ -3,6 +3,8 @@ time, and the same ledger whatever the order, duplication or lateness of events 
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budgetgate.core.evaluation import ledger_key
+from budgetgate.core.ledger_key import MAX_AMOUNT, AmountOutOfRange
 from budgetgate.core.policy import BudgetPolicy, Enforcement, Limit, OnExhausted, PolicyBundle, Rate, RateCard, Scope, Source
 from budgetgate.core.reconciliation import (
     CALENDAR_BUCKET,
@@ -25,6 +28,7 @@ from budgetgate.core.reconciliation import (
     UsageFact,
     settle,
 )
+from budgetgate.core.run_state import RunState, SampleLine, fold, settle_state
 from budgetgate.core.units import Unit, cost_micros, hours_amount
 from budgetgate.core.windows import WindowSpec, window_at
 
@@ -231,3 +235,79 @@ def test_wall_time_is_the_sum_of_running_stretches(stream) -> None:  # type: ign
         if since is not None:
             expected += int((now - since) / timedelta(milliseconds=1))
     assert abs(result.wall - expected) <= 24  # hour pieces round each to the millisecond
+
+
+def fold_all(run: RunFacts, facts_in_order: list, now: datetime):  # type: ignore[no-untyped-def, type-arg]
+    """Fold lifecycle facts and samples one at a time, as the reconciler does, into a settlement
+    whose `consumed` is the whole ledger (the fold's metered deltas plus the timed charges)."""
+    line, state = SampleLine(), RunState()
+    metered: dict = defaultdict(int)  # type: ignore[type-arg]
+    events: set = set()  # type: ignore[type-arg]
+    windows: dict = {}  # type: ignore[type-arg]
+    for fact in facts_in_order:
+        if isinstance(fact, LifecycleFact):
+            events.add(fact)
+            continue
+        state, moved = fold(state, fact, line.add(fact), run=run, bundle=BUNDLE)
+        for key, delta in moved.deltas.items():
+            metered[key] += delta
+        windows.update(moved.windows)
+    result = settle_state(replace(run, events=frozenset(events), samples=frozenset()), state, bundle=BUNDLE, rules=RULES, now=now)
+    consumed = defaultdict(int, metered)
+    for key, amount in result.consumed.items():
+        consumed[key] += amount
+    return replace(result, consumed={k: v for k, v in consumed.items() if v}, windows={**windows, **result.windows}), line
+
+
+@settings(max_examples=400, deadline=None)
+@given(stream=clean_streams(), data=st.data(), minutes_later=st.floats(0, 900), released=st.booleans())
+def test_folding_facts_in_any_order_with_duplicates_gives_the_whole_run_ledger(stream, data, minutes_later, released) -> None:  # type: ignore[no-untyped-def]
+    events, samples = stream
+    now = T0 + timedelta(minutes=600 + minutes_later)
+    oracle = settle(facts(events, samples, released=released), bundle=BUNDLE, rules=RULES, now=now)
+    folded, line = fold_all(facts(released=released), messy(data.draw, [*events, *samples]), now)
+    assert folded.consumed == oracle.consumed
+    assert {k: w for k, w in folded.windows.items() if k in oracle.windows} == oracle.windows
+    assert replace(folded, consumed={}, windows={}) == replace(oracle, consumed={}, windows={})
+    # The line's own marks are the running maxima of its samples, in order.
+    high = (0, 0)
+    for row in line.rows:
+        high = (max(high[0], row.gpu), max(high[1], row.node))
+        assert row.highs == high
+
+
+@st.composite
+def wild_samples(draw):  # type: ignore[no-untyped-def]
+    """Counters that fall as well as rise (resets, resends), repeated ids with other readings."""
+    ids = [f"s{i}" for i in range(draw(st.integers(1, 8)))]
+    return [
+        UsageFact(draw(st.sampled_from(ids)), T0 + timedelta(minutes=draw(st.integers(0, 400))), draw(st.integers(0, 50)) * H // 10, draw(st.integers(0, 50)) * H // 10)
+        for _ in range(draw(st.integers(0, 16)))
+    ]
+
+
+@settings(max_examples=400, deadline=None)
+@given(samples=wild_samples(), data=st.data())
+def test_folding_counters_that_reset_and_ids_that_repeat_gives_the_whole_run_ledger(samples, data) -> None:  # type: ignore[no-untyped-def]
+    events = [ev(STARTED, 0), ev(COMPLETED, 420)]
+    now = T0 + timedelta(hours=12)
+    oracle = settle(facts(events, samples), bundle=BUNDLE, rules=RULES, now=now)
+    folded, _line = fold_all(facts(), data.draw(st.permutations([*events, *samples])), now)
+    assert folded.consumed == oracle.consumed
+    assert replace(folded, consumed={}, windows={}) == replace(oracle, consumed={}, windows={})
+
+
+def test_an_appended_sample_touches_no_other_row() -> None:
+    line = SampleLine()
+    for i in range(50):
+        line.add(sample(i, i + 1, 0))
+    step = line.add(sample(60, 100, 0))
+    assert len(step.rows) == 1 and len(step.changes) == 1
+    late = line.add(UsageFact("late", T0 + timedelta(minutes=10.5), int(11.5 * H), 0))
+    assert len(late.changes) == 2  # its own increment and the next row's, nothing further
+
+
+def test_an_amount_beyond_the_ledger_range_is_refused() -> None:
+    run = facts()
+    with pytest.raises(AmountOutOfRange):
+        fold(RunState(), UsageFact("big", T0, MAX_AMOUNT + 1, 0), SampleLine().add(UsageFact("big", T0, MAX_AMOUNT + 1, 0)), run=run, bundle=BUNDLE)

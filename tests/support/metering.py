@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from budgetgate import wire
 from budgetgate.services.metering_ingest.app import create_app
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.topics import ensure_topics
+from budgetgate.topics import Topics, ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 from tests.integration.test_consumer import drain
@@ -144,3 +144,23 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 def dlq_reasons(records: list) -> list[str]:  # type: ignore[type-arg]
     return [(wire.header(r.headers, wire.DLQ_REASON) or b"").decode() for r in records]
+
+
+async def metrics_after_one_sample(server: MeteringServer, dsn: str) -> str:
+    """The service's /metrics once it has consumed one sample from Kafka (so that every metric
+    of the consumer has a value to export)."""
+    run_id = f"metrics-{uuid.uuid4().hex[:8]}"
+    await decide(dsn, run_id)
+    async with wire.Publisher(server.settings.kafka_bootstrap) as publisher:
+        await publisher.send(Topics(server.settings.topic_prefix).metering, sample(run_id, "s1", 60.0), key=run_id)
+    await wait_for(lambda: _has_usage(dsn, run_id), what="the sample consumed")
+
+    async def lag_exported() -> bool:
+        return "budgetgate_consumer_lag_records{" in (await server.client.get("/metrics")).text
+
+    await wait_for(lag_exported, what="consumer lag exported")
+    return (await server.client.get("/metrics")).text
+
+
+async def _has_usage(dsn: str, run_id: str) -> bool:
+    return bool(await usage_rows(dsn, run_id))

@@ -16,6 +16,7 @@ from budgetgate.core.metering import (
     Rejected,
     Rejection,
     Sample,
+    MAX_MILLI,
     milli,
     reason_code,
     usage_event_id,
@@ -53,6 +54,9 @@ def test_milli_rounds_half_up_from_the_shortest_decimal(seconds: float, expected
         ({"gpu_seconds": math.nan}, Rejection.NOT_FINITE, "gpu_seconds"),
         ({"node_seconds": math.inf}, Rejection.NOT_FINITE, "node_seconds"),
         ({"gpu_seconds": 2e15}, Rejection.OUT_OF_RANGE, "gpu_seconds"),
+        # Accepted up to 1e15 s once; the ledger's integers (2**53 - 1 milli-seconds) end far below.
+        ({"node_seconds": 1e14}, Rejection.OUT_OF_RANGE, "node_seconds"),
+        ({"gpu_seconds": (2**53) / 1000}, Rejection.OUT_OF_RANGE, "gpu_seconds"),
         ({"run_id": ""}, Rejection.MISSING_FIELD, "run_id"),
         ({"run_id": "has space"}, Rejection.INVALID_FIELD, "run_id"),
         ({"run_id": "x" * 257}, Rejection.INVALID_FIELD, "run_id"),
@@ -75,6 +79,14 @@ def test_every_bad_field_of_one_sample_is_reported() -> None:
     with pytest.raises(Rejected) as caught:
         validate(raw(run_id="", gpu_seconds=-1.0, node_seconds=math.nan), now=NOW, max_skew=SKEW)
     assert {p.field for p in caught.value.problems} == {"run_id", "gpu_seconds", "node_seconds"}
+
+
+def test_the_largest_counter_the_ledger_holds_is_accepted() -> None:
+    # 9007199254740.991 s is no float; the float just below it is the largest counter there is.
+    sample = validate(raw(gpu_seconds=9_007_199_254_740.99), now=NOW, max_skew=SKEW)
+    assert sample.counters.gpu == 9_007_199_254_740_990 <= MAX_MILLI == 2**53 - 1
+    with pytest.raises(Rejected, match="out_of_range"):
+        validate(raw(gpu_seconds=9_007_199_254_740.992), now=NOW, max_skew=SKEW)
 
 
 def test_a_sample_within_the_skew_is_accepted() -> None:

@@ -1,6 +1,7 @@
 """One `budgetgate bench metering` run: the load published to Kafka first, then the real
-metering-ingest service started and timed until it has consumed all of it; then the rows it
-wrote are copied with COPY into a second, identical database and that is timed too.
+metering-ingest service started and timed, on the database's clock, from the start of its first
+transaction until it has consumed all of it; then the rows it wrote are copied with COPY into a
+second, identical database and that is timed too.
 
 Everything started is stopped, and the databases dropped, also on Ctrl-C, SIGTERM or an error.
 """
@@ -87,11 +88,14 @@ class Run:
         await _publish(bootstrap, self.topics.metering, work.messages)
 
         service = self._start_service(stack, log_dir, ingest_dsn, bootstrap)
-        await self._wait_ready(service)
-        self.echo("metering-ingest ready; measuring until it has consumed every sample")
-        started = time.perf_counter()
-        await self._wait_consumed(service, ingest_dsn, len(work.messages))
-        ingest_seconds = time.perf_counter() - started
+        # Watched from the start: the service may consume everything before it answers ready.
+        consumed = asyncio.create_task(self._wait_consumed(service, ingest_dsn, len(work.messages)))
+        try:
+            await self._wait_ready(service)
+            self.echo("metering-ingest ready; timed from its first transaction until it has consumed every sample")
+            ingest_seconds = await consumed
+        finally:
+            consumed.cancel()
         pending, published = await _outbox(ingest_dsn)
         await _wait_relayed(service, ingest_dsn)
         await service[0].stop()  # nothing in flight while the rows are read
@@ -149,16 +153,19 @@ class Run:
                     raise StartError(f"metering-ingest not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{child.log_tail()}")
                 await asyncio.sleep(0.05)
 
-    async def _wait_consumed(self, service: tuple[Subprocess, int], dsn: str, expected: int) -> None:
+    async def _wait_consumed(self, service: tuple[Subprocess, int], dsn: str, expected: int) -> float:
+        """Seconds from the service's first transaction until every sample is consumed (the
+        service may start consuming before it answers ready: its start is not timed)."""
         child, _ = service
         deadline = time.monotonic() + self.options.consume_timeout
         conn = await asyncpg.connect(dsn)
         try:
-            while (done := await conn.fetchval(queries.sql("metering.sql", "consumed"), INBOX)) < expected:
+            while (found := await conn.fetchrow(queries.sql("metering.sql", "consumed"), INBOX))["done"] < expected:
                 child.check_alive()
                 if time.monotonic() > deadline:
-                    raise StartError(f"metering-ingest consumed {done} of {expected} samples in {self.options.consume_timeout:.0f}s\n{child.log_tail()}")
-                await asyncio.sleep(0.05)
+                    raise StartError(f"metering-ingest consumed {found['done']} of {expected} samples in {self.options.consume_timeout:.0f}s\n{child.log_tail()}")
+                await asyncio.sleep(0.02)
+            return float(found["seconds"])
         finally:
             await conn.close()
 

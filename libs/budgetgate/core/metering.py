@@ -27,6 +27,7 @@ the next one carries the total. What one sample means, given what is known about
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 import re
 import uuid
@@ -39,9 +40,12 @@ from enum import StrEnum
 from budgetgate.core.units import to_decimal
 
 MILLI_PER_SECOND = 1000
-# A counter above this is a unit mistake (a million GPUs for 30 years is 1e15 GPU-seconds); it
-# also keeps every amount, and any sum of them the ledger makes, far inside a Postgres bigint.
-MAX_SECONDS = 1e15
+# The largest amount the ledger holds in one figure, in its unit (milli-unit-seconds): Postgres
+# bigint and Redis HINCRBY are int64, and below 2**53 a figure is also exact as a Lua number and
+# in JSON. The same bound as the ledger core's MAX_AMOUNT. A counter above it (285,000 GPU-years
+# in one run) is a unit mistake, and would jam every consumer after this one: rejected at ingest.
+MAX_MILLI = 2**53 - 1
+MAX_SECONDS = MAX_MILLI / MILLI_PER_SECOND
 MAX_ID_CHARS = 256
 MAX_EXPORTER_CHARS = 253
 # Run ids are those admission accepts, else the run could never be known.
@@ -51,6 +55,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Namespace of the event ids derived from (run id, sample id), so that reprocessing a sample
 # yields the same event id and consumers of usage.records.v1 deduplicate it.
 _EVENT_NAMESPACE = uuid.UUID("6c1f3c52-5f0e-4b8e-9a59-0d8f4e3c9b21")
+_NAMESPACE_BYTES = _EVENT_NAMESPACE.bytes
 
 
 class Rejection(StrEnum):
@@ -125,7 +130,9 @@ class Counters:
         return self.gpu >= other.gpu and self.node >= other.node
 
     def high_water(self, other: Counters) -> Counters:
-        return Counters(max(self.gpu, other.gpu), max(self.node, other.node))
+        if self.covers(other):
+            return self
+        return Counters(self.gpu if self.gpu > other.gpu else other.gpu, self.node if self.node > other.node else other.node)
 
     def minus(self, other: Counters) -> Counters:
         return Counters(self.gpu - other.gpu, self.node - other.node)
@@ -143,8 +150,17 @@ class Sample:
 
 
 def milli(seconds: float) -> int:
-    """Seconds as integer milli-unit-seconds, rounded half up (1.0005 s → 1001)."""
-    return int((to_decimal(seconds) * MILLI_PER_SECOND).to_integral_value(rounding=ROUND_HALF_UP))
+    """Seconds as integer milli-unit-seconds, rounded half up from the shortest decimal of
+    `seconds` (1.0005 s → 1001)."""
+    # The same digits Decimal would use (repr is the shortest decimal), read without Decimal:
+    # this runs twice per sample on the ingest path.
+    text = repr(seconds)
+    whole, dot, fraction = text.partition(".")
+    if "e" in text or "n" in text or not dot:  # exponent, inf or nan: the exact way
+        return int((to_decimal(seconds) * MILLI_PER_SECOND).to_integral_value(rounding=ROUND_HALF_UP))
+    negative = whole.startswith("-")
+    amount = int(whole.lstrip("-") + fraction[:3].ljust(3, "0")) + (len(fraction) > 3 and fraction[3] >= "5")
+    return -amount if negative else amount
 
 
 def validate(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sample:
@@ -192,8 +208,9 @@ def _counter_problems(name: str, value: float) -> list[Problem]:
         return [Problem(Rejection.NOT_FINITE, name, f"{name} is {value!r}, not a finite number")]
     if value < 0:
         return [Problem(Rejection.NEGATIVE, name, f"{name} is {value!r}; cumulative usage cannot be negative")]
-    if value > MAX_SECONDS:
-        return [Problem(Rejection.OUT_OF_RANGE, name, f"{name} is {value!r}, above the {MAX_SECONDS:g} a counter can plausibly reach")]
+    # The float product is within a few units of the exact one: only near the bound is milli() needed.
+    if value > MAX_SECONDS or (value * MILLI_PER_SECOND > MAX_MILLI - 64 and milli(value) > MAX_MILLI):
+        return [Problem(Rejection.OUT_OF_RANGE, name, f"{name} is {value!r}, above the {MAX_MILLI} milli-seconds the ledger's integers hold")]
     return []
 
 
@@ -255,6 +272,69 @@ def assess(sample: Sample, run: RunView) -> Accepted | Duplicate:
     return Accepted(sample, cumulative=cumulative, delta=cumulative.minus(run.cumulative), late=late)
 
 
+def assess_batch(batch: Iterable[tuple[Sample, RunView]]) -> list[Accepted | Duplicate | Rejected]:
+    """`assess` for samples taken together, in order: each comes with the view of its run as
+    recorded before the batch, and the samples accepted earlier in the batch count as recorded
+    (two samples of one run in one batch judge each other). Gives what assessing and recording
+    them one by one would; a rejection is returned, not raised, and the batch goes on."""
+    runs: dict[str, _Batched] = {}
+    outcomes: list[Accepted | Duplicate | Rejected] = []
+    for sample, recorded in batch:
+        run = runs.setdefault(sample.run_id, _Batched())
+        try:
+            outcome = assess(sample, run.view(sample, recorded))
+        except Rejected as exc:
+            outcomes.append(exc)
+            continue
+        if isinstance(outcome, Accepted):
+            run.add(outcome)
+        outcomes.append(outcome)
+    return outcomes
+
+
+@dataclass
+class _Batched:
+    """The samples of one run accepted so far in a batch."""
+
+    samples: list[Known] = field(default_factory=list)  # sorted by observed_at
+    times: list[datetime] = field(default_factory=list)  # their observed_at, for bisect
+    by_id: dict[str, Known] = field(default_factory=dict)
+    cumulative: Counters = Counters()
+
+    def view(self, sample: Sample, recorded: RunView) -> RunView:
+        """`recorded` with the batch's accepted samples added."""
+        if not self.samples:
+            return recorded
+        times = self.times
+        at = bisect.bisect_left(times, sample.observed_at)
+        same_time = self.samples[at] if at < len(times) and times[at] == sample.observed_at else None
+        after = at + 1 if same_time is not None else at
+        return RunView(
+            cumulative=recorded.cumulative.high_water(self.cumulative),
+            latest=times[-1] if recorded.latest is None else max(recorded.latest, times[-1]),
+            same_id=recorded.same_id or self.by_id.get(sample.sample_id),
+            same_time=recorded.same_time or same_time,
+            before=_nearest(recorded.before, self.samples[at - 1] if at > 0 else None, latest=True),
+            after=_nearest(recorded.after, self.samples[after] if after < len(times) else None, latest=False),
+        )
+
+    def add(self, accepted: Accepted) -> None:
+        sample = accepted.sample
+        known = Known(sample.sample_id, sample.observed_at, sample.counters)
+        at = bisect.bisect_right(self.times, sample.observed_at)
+        self.samples.insert(at, known)
+        self.times.insert(at, sample.observed_at)
+        self.by_id[sample.sample_id] = known
+        self.cumulative = self.cumulative.high_water(sample.counters)
+
+
+def _nearest(a: Known | None, b: Known | None, *, latest: bool) -> Known | None:
+    """Of two neighbours on one side of a sample, the one closer to it."""
+    if a is None or b is None:
+        return a or b
+    return max(a, b, key=lambda k: k.observed_at) if latest else min(a, b, key=lambda k: k.observed_at)
+
+
 def _lower_field(later: Counters, earlier: Counters) -> str:
     return "gpu_seconds" if later.gpu < earlier.gpu else "node_seconds"
 
@@ -268,8 +348,13 @@ def _describe_sample(sample: Sample) -> str:
 
 
 def usage_event_id(run_id: str, sample_id: str) -> str:
-    """The event id of the usage record of a sample: the same every time it is processed."""
-    return str(uuid.uuid5(_EVENT_NAMESPACE, f"usage\x00{run_id}\x00{sample_id}"))
+    """The event id of the usage record of a sample: the same every time it is processed
+    (uuid5 in `_EVENT_NAMESPACE`, built without uuid.UUID: this runs once per sample)."""
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + f"usage\x00{run_id}\x00{sample_id}".encode()).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    text = digest.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def sample_event_id(run_id: str, sample_id: str) -> str:

@@ -217,17 +217,8 @@ def settle(facts: RunFacts, *, bundle: PolicyBundle | None, rules: Rules, now: d
     line = timeline(facts.events, gpus=facts.gpus, nodes=facts.nodes)
     metered = increments(facts.samples)
     covered = max((s.observed_at for s in facts.samples), default=None)
-    wall = [(at, ms) for iv in line.intervals for at, ms in hour_pieces(iv.start, _end(iv, now))]
-    stopped = max((_end(iv, now) for iv in line.intervals), default=None)
-    complete = stopped is None or (covered is not None and covered >= stopped - rules.metering_tolerance)
-    ended = line.phase == "ended"
-    assert line.ended_at is None or ended
-    final = ended and (complete or now >= line.ended_at + rules.provisional_grace)  # type: ignore[operator]
-    provisional = final and not complete
-    tail = _uncovered(line.intervals, covered, now) if provisional else []
-    idle_since = line.last_change or facts.admitted_at
-    release_due = line.phase in ("admitted", "evicted") and now >= idle_since + rules.start_deadline
-    released = facts.released or release_due
+    st = standing(line, covered, admitted_at=facts.admitted_at, released=facts.released, rules=rules, now=now)
+    wall, tail, final, provisional, released, idle_since = st.wall, st.tail, st.final, st.provisional, st.released, st.idle_since
 
     held: dict[str, int] = {}
     consumed: dict[tuple[str, datetime], int] = defaultdict(int)
@@ -267,6 +258,56 @@ def settle(facts: RunFacts, *, bundle: PolicyBundle | None, rules: Rules, now: d
         review_at=_review_at(line, facts, rules, now, final=final, released=released, idle_since=idle_since),
         used=used,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """Where a run stands from its lifecycle and how far metering covers it, before any amount."""
+
+    wall: list[tuple[datetime, int]]  # wall time, cut at hours
+    tail: list[tuple[datetime, int, int, int]]  # provisional running time no sample covers
+    final: bool
+    provisional: bool
+    released: bool
+    idle_since: datetime
+
+
+def standing(line: Timeline, covered: datetime | None, *, admitted_at: datetime, released: bool, rules: Rules, now: datetime) -> Standing:
+    """The time-driven half of the rules: completeness, finality, release, wall time, the tail."""
+    wall = [(at, ms) for iv in line.intervals for at, ms in hour_pieces(iv.start, _end(iv, now))]
+    stopped = max((_end(iv, now) for iv in line.intervals), default=None)
+    complete = stopped is None or (covered is not None and covered >= stopped - rules.metering_tolerance)
+    ended = line.phase == "ended"
+    assert line.ended_at is None or ended
+    final = ended and (complete or now >= line.ended_at + rules.provisional_grace)  # type: ignore[operator]
+    provisional = final and not complete
+    tail = _uncovered(line.intervals, covered, now) if provisional else []
+    idle_since = line.last_change or admitted_at
+    release_due = line.phase in ("admitted", "evicted") and now >= idle_since + rules.start_deadline
+    return Standing(wall, tail, final, provisional, released or release_due, idle_since)
+
+
+def unit_amount(unit: Unit, gpu: int, node: int, at: datetime, facts: RunFacts, bundle: PolicyBundle | None) -> int:
+    """Metered usage of (gpu, node) milli-hours at `at`, in `unit` (wall hours are not metered)."""
+    if unit is Unit.NODE_HOURS:
+        return node
+    if unit is Unit.GPU_HOURS:
+        return gpu
+    if unit is Unit.WALL_HOURS:
+        return 0
+    return _price(gpu, at, facts, bundle) if gpu else 0
+
+
+def bucket_of(policy: BudgetPolicy, at: datetime) -> tuple[str, datetime, Window]:
+    """The ledger key and bucket usage of `policy` at `at` lands on, and its window."""
+    window = window_at(policy.window, at)
+    bucket = at.astimezone(UTC).replace(minute=0, second=0, microsecond=0) if policy.window.rolling else CALENDAR_BUCKET
+    return ledger_key(policy, window), bucket, window
+
+
+def review_at(line: Timeline, facts: RunFacts, rules: Rules, now: datetime, st: Standing) -> datetime | None:
+    """When time alone changes the run's settlement next; None = never."""
+    return _review_at(line, facts, rules, now, final=st.final, released=st.released, idle_since=st.idle_since)
 
 
 def _usage(unit: Unit, metered: list[tuple[datetime, int, int]], wall: list[tuple[datetime, int]], tail: list[tuple[datetime, int, int, int]], facts: RunFacts, bundle: PolicyBundle | None) -> list[tuple[datetime, int]]:

@@ -8,6 +8,7 @@ every decision's keys together.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,11 +17,12 @@ from importlib import resources
 
 import redis.asyncio as aioredis
 
+from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolRequest, counter_args, pool_args, pool_readings
 
 log = logging.getLogger(__name__)
 
-_SCRIPTS = ("reserve", "release", "load_key", "settle", "consume", "allocate", "deallocate", "release_holds")
+_SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds")
 # Lua shared by several scripts, prepended when they are registered.
 _LIBRARIES = {
     "reserve": ("pools",),
@@ -44,6 +46,17 @@ class ChargeRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Reservation:
+    """What one decision asks the ledger to hold, all or none."""
+
+    run_id: str
+    decision_id: str
+    charges: tuple[ChargeRequest, ...]
+    counters: tuple[CounterRequest, ...] = ()
+    pool: PoolRequest | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ReserveResult:
     status: str  # RESERVED | REJECTED | MISSING | DUPLICATE
     readings: tuple[tuple[int, int], ...] = ()  # (reserved, consumed) per charge, before
@@ -51,6 +64,7 @@ class ReserveResult:
     holder: str | None = None  # decision id holding the run key, for DUPLICATE
     counters: tuple[tuple[int, int, int], ...] = ()  # (gpus, nodes, allocations) held, before
     pools: tuple[PoolReading, ...] = ()  # per pool level, before
+    seq: int | None = None  # the ledger sequence this reservation advanced to, when RESERVED
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +76,15 @@ class KeyChange:
     reserved: int = 0
     consumed: int = 0
     held: int | None = None
+
+
+class SettlementPending(RuntimeError):
+    """An earlier settlement of the run is parked in Redis: end it (settle_end) first."""
+
+    def __init__(self, run_id: str, seq: int) -> None:
+        super().__init__(f"settlement {seq} of run {run_id!r} is still pending in Redis")
+        self.run_id = run_id
+        self.seq = seq
 
 
 class LedgerKeyMissing(LookupError):
@@ -96,6 +119,11 @@ class RedisLedger:
     def run(self, run_id: str) -> str:
         return f"{self.tag}:r:{run_id}"
 
+    @property
+    def sequence(self) -> str:
+        """The ledger generation: advanced by every reservation, recorded by Postgres with it."""
+        return f"{self.tag}:seq"
+
     async def reserve(
         self,
         *,
@@ -105,39 +133,32 @@ class RedisLedger:
         now_ms: int,
         counters: Sequence[CounterRequest] = (),
         pool: PoolRequest | None = None,
+        committed_seq: int = 0,
     ) -> ReserveResult:
         """Reserve every charge, counter and pool token, or none; raises LedgerNotLoaded when
-        Redis lost the ledger."""
-        levels = pool.levels if pool else ()
-        keys = [
-            self.marker,
-            self.run(run_id),
-            self.keys.holds(run_id),
-            *(self.ledger(c.ledger_key) for c in charges),
-            *(self.keys.counter(c.name) for c in counters),
-            *(key for level in levels for key in self.keys.pool(level.namespace)),
-        ]
-        args: list[object] = [decision_id, now_ms, len(charges), len(counters), len(levels)]
-        for c in charges:
-            args += [c.amount, c.limit, 1 if c.hard else 0]
-        args += counter_args(counters) + pool_args(pool)
+        Redis lost the ledger (or is behind `committed_seq`, see reserve_batch)."""
+        [result] = await self.reserve_batch([Reservation(run_id, decision_id, tuple(charges), tuple(counters), pool)], now_ms=now_ms, committed_seq=committed_seq)
+        return result
+
+    async def reserve_batch(self, batch: Sequence[Reservation], *, now_ms: int, committed_seq: int) -> list[ReserveResult]:
+        """Check-and-reserve each of `batch` in order, all or none per reservation, in one
+        script. `committed_seq` is the highest ledger sequence Postgres committed: a Redis
+        behind it is not current, invalidates itself and raises LedgerNotLoaded (as an empty one)."""
+        keys: list[str] = [self.marker, self.sequence]
+        args: list[object] = [committed_seq, now_ms, len(batch)]
+        for r in batch:
+            levels = r.pool.levels if r.pool else ()
+            keys += [self.run(r.run_id), self.keys.holds(r.run_id), *(self.ledger(c.ledger_key) for c in r.charges)]
+            keys += [self.keys.counter(c.name) for c in r.counters]
+            keys += [key for level in levels for key in self.keys.pool(level.namespace)]
+            args += [r.decision_id, len(r.charges), len(r.counters), len(levels)]
+            for c in r.charges:
+                args += [c.amount, c.limit, 1 if c.hard else 0]
+            args += counter_args(r.counters) + pool_args(r.pool)
         reply = await self._scripts["reserve"](keys=keys, args=args)
-        status = _text(reply[0])
-        if status == "NOT_LOADED":
-            raise LedgerNotLoaded("the Redis ledger is not loaded")
-        if status == "MISSING":
-            return ReserveResult(status, missing=int(_text(reply[1])) - 1)
-        if status == "DUPLICATE":
-            return ReserveResult(status, holder=_text(reply[1]))
-        n, m = 2 * len(charges), 3 * len(counters)
-        ledger = [int(v) for v in reply[1 : 1 + n]]
-        held = [int(v) for v in reply[1 + n : 1 + n + m]]
-        return ReserveResult(
-            status,
-            readings=tuple(zip(ledger[::2], ledger[1::2], strict=True)),
-            counters=tuple(zip(held[::3], held[1::3], held[2::3], strict=True)),
-            pools=pool_readings(reply[1 + n + m :]),
-        )
+        if not isinstance(reply, list):
+            raise LedgerNotLoaded("the Redis ledger is not loaded, or is behind what Postgres committed")
+        return [_reserve_result(r, item) for r, item in zip(batch, reply[1:], strict=True)]
 
     async def release(self, run_id: str, *, decision_id: str = "") -> int:
         """Give back what a run holds (charges and concurrency); returns the number of keys
@@ -196,15 +217,55 @@ class RedisLedger:
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return bool(reply)
 
-    async def settle(self, *, run_id: str, decision_id: str, changes: Sequence[KeyChange], drop_run: bool, now_ms: int) -> None:
-        """Apply one run's settlement in one script: reserved and consumed deltas on each key, and
-        the run key rewritten (or deleted when `drop_run`). Raises LedgerNotLoaded, or
-        LedgerKeyMissing naming a key to load first; either way nothing changed."""
-        keys = [self.marker, self.run(run_id), *(self.ledger(c.ledger_key) for c in changes)]
-        args: list[object] = [decision_id, now_ms, 1 if drop_run else 0]
+    def pending(self, run_id: str) -> str:
+        return f"{self.tag}:p:{run_id}"
+
+    async def settle_begin(self, *, run_id: str, decision_id: str, seq: int, changes: Sequence[KeyChange], drop_run: bool, now_ms: int) -> None:
+        """First half of a run's settlement, before its Postgres commit: the increases only, the
+        rest parked under `seq` for `settle_end` (see settle_begin.lua). Raises LedgerNotLoaded,
+        LedgerKeyMissing, AmountOutOfRange or SettlementPending; then nothing changed."""
+        keys = [self.marker, self.run(run_id), self.pending(run_id), self.parked, *(self.ledger(c.ledger_key) for c in changes)]
+        args: list[object] = [decision_id, now_ms, 1 if drop_run else 0, seq]
         for c in changes:
             args += [c.reserved, c.consumed, "" if c.held is None else c.held]
-        self._check(await self._scripts["settle"](keys=keys, args=args), [c.ledger_key for c in changes])
+        reply = await self._scripts["settle_begin"](keys=keys, args=[str(a) for a in args])
+        if isinstance(reply, list) and _text(reply[0]) == "PENDING":
+            raise SettlementPending(run_id, int(_text(reply[1])))
+        self._check(reply, [c.ledger_key for c in changes])
+
+    async def settle_end(self, run_id: str, *, seq: int, committed: bool) -> bool:
+        """Second half: apply the rest of settlement `seq` once Postgres committed it, or take its
+        increases back if Postgres did not. False when it had ended already (or Redis was rebuilt)."""
+        for _ in range(5):
+            keys = await self.client.hget(self.pending(run_id), "keys")
+            if keys is None:
+                return False
+            ledger_keys = json.loads(_text(keys))
+            reply = await self._scripts["settle_end"](keys=[self.marker, self.run(run_id), self.pending(run_id), self.parked, *ledger_keys], args=[str(seq), "commit" if committed else "undo"])
+            if isinstance(reply, list):
+                if _text(reply[0]) == "NOT_LOADED":
+                    return False  # the rebuild that follows reads Postgres, which has it right
+                continue  # STALE: another settlement was parked in between; read again
+            return _text(reply) == "OK"
+        raise RuntimeError(f"the pending settlement of run {run_id!r} kept changing")
+
+    @property
+    def parked(self) -> str:
+        """The set of pending keys of parked settlements (no SCAN of the keyspace to find them)."""
+        return f"{self.tag}:parked"
+
+    async def pending_settlements(self) -> dict[str, tuple[int, int]]:
+        """Every parked settlement: run id → (sequence number, parked at ms)."""
+        prefix = f"{self.tag}:p:"
+        keys = sorted(_text(k) for k in await self.client.smembers(self.parked))
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(key, "seq", "at")
+        result = {}
+        for key, (seq, at) in zip(keys, await pipe.execute(), strict=True):
+            if seq is not None:
+                result[key[len(prefix):]] = (int(seq), int(at or 0))
+        return result
 
     async def consume(self, changes: Mapping[str, int]) -> None:
         """Add to (or, when negative, take from) what ledger keys have consumed, atomically."""
@@ -220,6 +281,8 @@ class RedisLedger:
                 raise LedgerNotLoaded("the Redis ledger is not loaded")
             if status == "MISSING":
                 raise LedgerKeyMissing(ledger_keys[int(_text(reply[1])) - 1])
+            if status == "OUT_OF_RANGE":
+                raise AmountOutOfRange(f"a figure of ledger key {ledger_keys[int(_text(reply[1])) - 1]!r} would leave the ledger's range")
             raise RuntimeError(f"unexpected answer from the ledger: {reply!r}")
 
     async def run_holds(self) -> dict[str, dict[str, int]]:
@@ -233,6 +296,35 @@ class RedisLedger:
             if holds:
                 result[_text(key)[len(prefix):]] = holds
         return result
+
+    async def holds_of(self, run_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        """What each given run key holds on ledger keys (one pipelined round trip)."""
+        ledger_prefix = f"{self.tag}:l:"
+        pipe = self.client.pipeline(transaction=False)
+        for run_id in run_ids:
+            pipe.hgetall(self.run(run_id))
+        return {
+            run_id: {_text(k)[len(ledger_prefix):]: int(v) for k, v in fields.items() if _text(k).startswith(ledger_prefix)}
+            for run_id, fields in zip(run_ids, await pipe.execute(), strict=True)
+        }
+
+    async def parked_scope(self) -> tuple[set[str], set[str]]:
+        """The runs and ledger keys of settlements parked between their halves (in flight)."""
+        runs = set(await self.pending_settlements())
+        pipe = self.client.pipeline(transaction=False)
+        for run_id in runs:
+            pipe.hget(self.pending(run_id), "keys")
+        prefix = f"{self.tag}:l:"
+        keys = {k[len(prefix):] for found in await pipe.execute() if found for k in json.loads(_text(found))}
+        return runs, keys
+
+    async def set_figures(self, figures: Mapping[str, tuple[int, int]]) -> None:
+        """Overwrite ledger keys' (reserved, consumed) with Postgres's: the drift check's repair,
+        made under the exclusive ledger lock."""
+        pipe = self.client.pipeline(transaction=True)
+        for key, (reserved, consumed) in figures.items():
+            pipe.hset(self.ledger(key), mapping={"reserved": reserved, "consumed": consumed})
+        await pipe.execute()
 
     async def all_readings(self) -> dict[str, tuple[int, int]]:
         """(reserved, consumed) of every ledger key Redis holds."""
@@ -283,12 +375,14 @@ class RedisLedger:
         ledgers: dict[str, tuple[int, int]],
         runs: dict[str, tuple[str, int, dict[str, int]]],
         generation: str,
+        seq: int = 0,
         extra: Callable[[Any], None] | None = None,
     ) -> None:
         """Replace everything under the prefix with Postgres's state, then mark the ledger loaded.
 
         The marker goes first (deleted) and last (set), so no reservation is made from a
-        half-written ledger: until it is set again every script answers NOT_LOADED.
+        half-written ledger: until it is set again every script answers NOT_LOADED. The ledger
+        sequence restarts at `seq`, the highest Postgres committed (see reserve.lua).
         """
         await self.client.delete(self.marker)
         stale = [key async for key in self.client.scan_iter(match=f"{self.tag}:*", count=1000)]
@@ -300,10 +394,31 @@ class RedisLedger:
         for run_id, (decision_id, at_ms, amounts) in runs.items():
             fields: dict[str, object] = {self.ledger(k): v for k, v in amounts.items()}
             pipe.hset(self.run(run_id), mapping={**fields, "_decision": decision_id, "_at": at_ms})
+        pipe.set(self.sequence, seq)
         if extra is not None:
             extra(pipe)  # more state to write before the marker goes back (concurrency holds)
         await pipe.execute()
         await self.client.set(self.marker, generation)
+
+
+def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
+    status = _text(reply[0])
+    if status == "MISSING":
+        return ReserveResult(status, missing=int(_text(reply[1])) - 1)
+    if status == "DUPLICATE":
+        return ReserveResult(status, holder=_text(reply[1]))
+    n, m = 2 * len(asked.charges), 3 * len(asked.counters)
+    ledger = [int(v) for v in reply[1 : 1 + n]]
+    held = [int(v) for v in reply[1 + n : 1 + n + m]]
+    levels = len(asked.pool.levels) if asked.pool else 0
+    pools = reply[1 + n + m : 1 + n + m + 4 * levels]
+    return ReserveResult(
+        status,
+        readings=tuple(zip(ledger[::2], ledger[1::2], strict=True)),
+        counters=tuple(zip(held[::3], held[1::3], held[2::3], strict=True)),
+        pools=pool_readings(pools),
+        seq=int(reply[-1]) if status == "RESERVED" else None,
+    )
 
 
 def _text(value: bytes | str) -> str:

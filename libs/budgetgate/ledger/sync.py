@@ -7,12 +7,13 @@ import logging
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
+from budgetgate.ledger import drift
 from budgetgate.ledger.concurrency import concurrency_state, write_concurrency
+from budgetgate.ledger.drift import Drift
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 
@@ -49,52 +50,21 @@ class LedgerSync:
         return True
 
     async def _replace(self, conn: asyncpg.Connection) -> None:
-        """Write Postgres's ledger to Redis; the caller holds the ledger lock exclusively."""
+        """Write Postgres's ledger to Redis; the caller holds the ledger lock exclusively.
+
+        Redis's ledger sequence restarts at the highest Postgres committed, so every later
+        reservation is numbered above it and a Redis restored to an older state is caught (see
+        reserve.lua). Only reservations advance it; settlements are the reconciler's to guard.
+        """
         ledgers, runs = await _postgres_state(conn)
         held = await concurrency_state(conn, self.redis.keys, now=datetime.now(UTC))
-        await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held))
+        seq = await conn.fetchval(sql("committed_ledger_seq"))
+        await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held))
 
     async def check_drift(self, *, repair: bool) -> Drift | None:
-        """Compare Redis with Postgres (Postgres is the truth); None when Redis is not loaded.
-
-        A difference seen without locks may be a change in flight (in Redis, not yet committed),
-        so it is confirmed under the exclusive ledger lock, when nothing is in flight; with
-        `repair`, a confirmed difference is repaired by rebuilding Redis within that same lock.
-        """
-        if not await self.redis.is_loaded():
-            return None
-        async with self.pool.acquire() as conn:
-            first = await self._compare(conn)
-            if first.clean:
-                return first
-            async with conn.transaction():
-                await conn.execute(sql("lock_ledger_exclusive"))
-                if not await self.redis.is_loaded():
-                    return None
-                confirmed = await self._compare(conn)
-                if not confirmed.clean and repair:
-                    log.warning("Redis drifted from Postgres on %d ledger key(s) and %d run(s); rebuilding it", len(confirmed.keys), len(confirmed.runs))
-                    await self._replace(conn)
-                    return Drift(confirmed.keys, confirmed.runs, repaired=True)
-                return confirmed
-
-    async def _compare(self, conn: asyncpg.Connection) -> Drift:
-        ledgers, runs = await _postgres_state(conn)
-        in_redis = await self.redis.all_readings()
-        keys = {}
-        for key in sorted(set(ledgers) | set(in_redis)):
-            redis_figures, pg_figures = in_redis.get(key), ledgers.get(key, (0, 0))
-            # A key Redis never loaded gets Postgres's figures when first used: not drift.
-            if redis_figures is not None and redis_figures != pg_figures:
-                keys[key] = (redis_figures, pg_figures)
-        held = {run_id: amounts for run_id, (_decision, _at, amounts) in runs.items()}
-        redis_runs = await self.redis.run_holds()
-        drifted_runs = {
-            run_id: (redis_runs.get(run_id, {}), held.get(run_id, {}))
-            for run_id in sorted(set(held) | set(redis_runs))
-            if redis_runs.get(run_id, {}) != held.get(run_id, {})
-        }
-        return Drift(keys, drifted_runs)
+        """Compare Redis with Postgres a page at a time (budgetgate.ledger.drift); None when Redis
+        is not loaded. With `repair`, confirmed differences are repaired."""
+        return await drift.check(self.pool, self.redis, repair=repair, rebuild=self._replace)
 
     async def sweep_orphans(self, *, grace: timedelta, now: datetime) -> list[str]:
         """Release Redis holds older than `grace` whose decision never reached Postgres (the
@@ -115,20 +85,6 @@ class LedgerSync:
                     log.warning("released orphaned reservation of run %r (decision %s never committed)", run_id, decision_id)
                     released.append(run_id)
         return released
-
-
-@dataclass(frozen=True)
-class Drift:
-    """Where Redis differs from Postgres: ledger key → ((reserved, consumed) in Redis, in
-    Postgres), and run id → (what its Redis run key holds, what Postgres holds for it)."""
-
-    keys: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
-    runs: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
-    repaired: bool = False
-
-    @property
-    def clean(self) -> bool:
-        return not self.keys and not self.runs
 
 
 async def _postgres_state(conn: asyncpg.Connection) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[str, int, dict[str, int]]]]:

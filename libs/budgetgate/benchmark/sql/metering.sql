@@ -8,8 +8,11 @@ SELECT gen_random_uuid(), r, 1, 'ALLOW', 'budgetgate bench metering', 'bench', '
 FROM unnest($1::text[]) AS r;
 
 -- name: consumed
--- Messages metering-ingest has taken care of (one inbox row per event id).
-SELECT count(*) FROM inbox WHERE consumer = $1;
+-- Messages metering-ingest has taken care of (one inbox row per event id), and the seconds from
+-- the start of its first transaction (the inbox rows' processed_at is their transaction's start)
+-- to now, both on the server's clock.
+SELECT count(*) AS done, extract(epoch FROM clock_timestamp() - min(processed_at))::float8 AS seconds
+FROM inbox WHERE consumer = $1;
 
 -- name: outbox_state
 SELECT count(*) FILTER (WHERE published_at IS NULL) AS pending, count(*) AS total FROM outbox;

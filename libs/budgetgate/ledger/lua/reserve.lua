@@ -1,94 +1,126 @@
--- Check and reserve everything one decision needs, or nothing: budget charges on ledger keys,
--- concurrency on quota counters, and tokens in pools.
--- KEYS: [1] loaded marker, [2] run key (its budget charges), [3] run holds key (its counters
---       and tokens), then n ledger keys, m counter keys, and 4 keys per pool level (pools.lua).
--- ARGV: [1] decision id, [2] now ms, [3] n, [4] m, [5] pool levels,
---       then per ledger key: amount, limit, hard (1|0);
---       per counter: gpus, nodes, allocations to add, then their limits (-1 = none);
---       then token, project, sub-namespace, lease expiry ms; per pool level: quota,
---       project cap, sub-namespace cap (-1 = none).
--- Returns {status, ledger (reserved, consumed)..., counter (gpus, nodes, allocations)...,
--- pool (check, used, by project, by sub-namespace)...}; status is RESERVED, REJECTED (something
--- lacks room; nothing changed), NOT_LOADED (rebuild from Postgres first), MISSING (a ledger
--- key was never loaded; its index follows) or DUPLICATE (this run holds already; decision id).
+-- Check and reserve, for a batch of decisions in submission order, everything each decision
+-- needs or nothing of it: budget charges on ledger keys, concurrency on quota counters, and
+-- tokens in pools. Decisions are independent: one refused does not refuse the next.
+--
+-- Ledger generation: KEYS[2] holds a sequence every reserving decision advances, and Postgres
+-- records the value with the decision (decisions.ledger_seq). ARGV[1] is the highest value
+-- Postgres has committed. A Redis whose sequence is behind it lost reservations Postgres holds
+-- (restored from a snapshot, a lagging replica): it invalidates itself (drops the loaded
+-- marker) and answers NOT_LOADED, so it is rebuilt from Postgres before anything is decided.
+-- A Redis ahead of it is normal: reservations in flight, or whose transaction failed (gaps).
+--
+-- KEYS: [1] loaded marker, [2] sequence; then per decision: run key (its budget charges), run
+--       holds key (its counters and tokens), n ledger keys, m counter keys, and 4 keys per pool
+--       level (pools.lua).
+-- ARGV: [1] sequence Postgres committed, [2] now ms, [3] decisions; then per decision:
+--       decision id, n, m, pool levels; per ledger key: amount, limit, hard (1|0); per counter:
+--       gpus, nodes, allocations to add, then their limits (-1 = none); then token, project,
+--       sub-namespace, lease expiry ms; per pool level: quota, project cap, sub-namespace cap
+--       (-1 = none).
+-- Returns NOT_LOADED (rebuild from Postgres first), or {'OK', reply...} with one reply per
+-- decision: {status, ledger (reserved, consumed)..., counter (gpus, nodes, allocations)...,
+-- pool (check, used, by project, by sub-namespace)..., sequence (RESERVED only)}; status is
+-- RESERVED, REJECTED (something lacks room; nothing changed), MISSING (a ledger key was never
+-- loaded; its index follows) or DUPLICATE (this run holds already; the holder's decision id).
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  return {'NOT_LOADED'}
+  return 'NOT_LOADED'
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return {'DUPLICATE', redis.call('HGET', KEYS[2], '_decision') or ''}
+if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return 'NOT_LOADED'
 end
 local now = tonumber(ARGV[2])
-local n, m, levels = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local reply = {'RESERVED'}
-local fits = true
 
-for i = 1, n do
-  local state = redis.call('HMGET', KEYS[3 + i], 'reserved', 'consumed')
-  if not state[1] then
-    return {'MISSING', tostring(i)}
+local function reserve(kb, ab)
+  -- kb: index of the run key in KEYS; ab: index of the decision id in ARGV.
+  local run, holds = KEYS[kb], KEYS[kb + 1]
+  local n, m, levels = tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2]), tonumber(ARGV[ab + 3])
+  if redis.call('EXISTS', run) == 1 then
+    return {'DUPLICATE', redis.call('HGET', run, '_decision') or ''}
   end
-  local reserved, consumed = tonumber(state[1]), tonumber(state[2] or '0')
-  local a = 5 + 3 * (i - 1)
-  if ARGV[a + 3] == '1' and tonumber(ARGV[a + 1]) > tonumber(ARGV[a + 2]) - reserved - consumed then
-    fits = false
-  end
-  reply[#reply + 1] = reserved
-  reply[#reply + 1] = consumed
-end
+  local reply = {'RESERVED'}
+  local fits = true
 
-local counters = 5 + 3 * n
-for j = 1, m do
-  local held = redis.call('HMGET', KEYS[3 + n + j], 'gpus', 'nodes', 'allocations')
-  local a = counters + 6 * (j - 1)
-  for f = 1, 3 do
-    local current = tonumber(held[f] or '0')
-    local limit = tonumber(ARGV[a + 3 + f])
-    if limit >= 0 and current + tonumber(ARGV[a + f]) > limit then
+  for i = 1, n do
+    local state = redis.call('HMGET', KEYS[kb + 1 + i], 'reserved', 'consumed')
+    if not state[1] then
+      return {'MISSING', tostring(i)}
+    end
+    local reserved, consumed = tonumber(state[1]), tonumber(state[2] or '0')
+    local a = ab + 3 + 3 * (i - 1)
+    if ARGV[a + 3] == '1' and tonumber(ARGV[a + 1]) > tonumber(ARGV[a + 2]) - reserved - consumed then
       fits = false
     end
-    reply[#reply + 1] = current
+    reply[#reply + 1] = reserved
+    reply[#reply + 1] = consumed
   end
-end
 
-local pools = counters + 6 * m
-local token, project, subns = ARGV[pools + 1], ARGV[pools + 2], ARGV[pools + 3]
-local expiry = tonumber(ARGV[pools + 4])
-for l = 1, levels do
-  local k = pool_keys(4 + n + m + 4 * (l - 1))
-  pool_purge(k, now)
-  local a = pools + 4 + 3 * (l - 1)
-  local status, used, by_project, by_subns = pool_check(k, token, project, subns, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]))
-  if status == 'EXHAUSTED' or status == 'CAP' then
-    fits = false
+  local counters = ab + 3 + 3 * n
+  for j = 1, m do
+    local held = redis.call('HMGET', KEYS[kb + 1 + n + j], 'gpus', 'nodes', 'allocations')
+    local a = counters + 6 * (j - 1)
+    for f = 1, 3 do
+      local current = tonumber(held[f] or '0')
+      local limit = tonumber(ARGV[a + 3 + f])
+      if limit >= 0 and current + tonumber(ARGV[a + f]) > limit then
+        fits = false
+      end
+      reply[#reply + 1] = current
+    end
   end
-  reply[#reply + 1] = status
-  reply[#reply + 1] = used
-  reply[#reply + 1] = by_project
-  reply[#reply + 1] = by_subns
-end
 
-if not fits then
-  reply[1] = 'REJECTED'
+  local pools = counters + 6 * m
+  local token, project, subns = ARGV[pools + 1], ARGV[pools + 2], ARGV[pools + 3]
+  local expiry = tonumber(ARGV[pools + 4])
+  for l = 1, levels do
+    local k = pool_keys(kb + 2 + n + m + 4 * (l - 1))
+    pool_purge(k, now)
+    local a = pools + 4 + 3 * (l - 1)
+    local status, used, by_project, by_subns = pool_check(k, token, project, subns, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]))
+    if status == 'EXHAUSTED' or status == 'CAP' then
+      fits = false
+    end
+    reply[#reply + 1] = status
+    reply[#reply + 1] = used
+    reply[#reply + 1] = by_project
+    reply[#reply + 1] = by_subns
+  end
+
+  if not fits then
+    reply[1] = 'REJECTED'
+    return reply
+  end
+
+  for i = 1, n do
+    local amount = ARGV[ab + 3 + 3 * (i - 1) + 1]
+    redis.call('HINCRBY', KEYS[kb + 1 + i], 'reserved', amount)
+    redis.call('HSET', run, KEYS[kb + 1 + i], amount)
+  end
+  for j = 1, m do
+    local a = counters + 6 * (j - 1)
+    local key = KEYS[kb + 1 + n + j]
+    redis.call('HINCRBY', key, 'gpus', ARGV[a + 1])
+    redis.call('HINCRBY', key, 'nodes', ARGV[a + 2])
+    redis.call('HINCRBY', key, 'allocations', ARGV[a + 3])
+    redis.call('HSET', holds, key, ARGV[a + 1] .. ',' .. ARGV[a + 2] .. ',' .. ARGV[a + 3])
+  end
+  for l = 1, levels do
+    local k = pool_keys(kb + 2 + n + m + 4 * (l - 1))
+    pool_take(k, token, project, subns, expiry)
+    redis.call('HSET', holds, k[1], token)
+  end
+  local seq = redis.call('INCR', KEYS[2])
+  redis.call('HSET', run, '_decision', ARGV[ab], '_at', ARGV[2])
+  reply[#reply + 1] = seq
   return reply
 end
 
-for i = 1, n do
-  local amount = ARGV[5 + 3 * (i - 1) + 1]
-  redis.call('HINCRBY', KEYS[3 + i], 'reserved', amount)
-  redis.call('HSET', KEYS[2], KEYS[3 + i], amount)
+local replies = {'OK'}
+local kb, ab = 3, 4
+for _ = 1, tonumber(ARGV[3]) do
+  local n, m, levels = tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2]), tonumber(ARGV[ab + 3])
+  replies[#replies + 1] = reserve(kb, ab)
+  kb = kb + 2 + n + m + 4 * levels
+  ab = ab + 4 + 3 * n + 6 * m + 4 + 3 * levels
 end
-for j = 1, m do
-  local a = counters + 6 * (j - 1)
-  local key = KEYS[3 + n + j]
-  redis.call('HINCRBY', key, 'gpus', ARGV[a + 1])
-  redis.call('HINCRBY', key, 'nodes', ARGV[a + 2])
-  redis.call('HINCRBY', key, 'allocations', ARGV[a + 3])
-  redis.call('HSET', KEYS[3], key, ARGV[a + 1] .. ',' .. ARGV[a + 2] .. ',' .. ARGV[a + 3])
-end
-for l = 1, levels do
-  local k = pool_keys(4 + n + m + 4 * (l - 1))
-  pool_take(k, token, project, subns, expiry)
-  redis.call('HSET', KEYS[3], k[1], token)
-end
-redis.call('HSET', KEYS[2], '_decision', ARGV[1], '_at', ARGV[2])
-return reply
+return replies

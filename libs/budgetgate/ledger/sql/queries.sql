@@ -16,60 +16,84 @@ SELECT pg_advisory_xact_lock(7302, hashtext($1));
 SELECT decision_id, run_id, attempt, outcome, response, decided_at
 FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
 
--- name: begin_decision
--- Ledger lock (shared) + run lock + the run's latest decision, in one round trip.
-SELECT decision_id, attempt, outcome, response FROM budgetgate_begin_decision($1);
+-- name: begin_batch
+-- Ledger lock (shared) + the lock of every run of a batch; then a row with only the highest
+-- ledger sequence Postgres committed, then each run's latest decision: one round trip.
+SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq FROM budgetgate_begin_batch($1::text[]);
 
--- name: record_decision
--- The decision, its evaluations, its ledger entries and reservations (when it reserved), its
--- concurrency holds and pool token (when it holds any) and its outbox row, in one statement.
--- Arrays carry the per-policy and per-key rows.
-WITH decision AS (
+-- name: committed_ledger_seq
+SELECT COALESCE(max(ledger_seq), 0)::bigint FROM decisions WHERE ledger_seq IS NOT NULL;
+
+-- name: record_decisions
+-- A batch of decisions, each with its evaluations, its ledger entries and reservations (when it
+-- reserved), its concurrency holds and pool token (when it holds any), in one statement. $1 is
+-- a jsonb array of DecisionRecord (services/admission/records.py); $2..$5 are the outbox rows
+-- (topic, key, payload, headers), one per decision.
+WITH batch AS (
+    SELECT * FROM jsonb_to_recordset($1::jsonb) AS d(
+        decision_id uuid, run_id text, attempt integer, outcome text, reason text, namespace text, labels jsonb,
+        job_namespace text, job_name text, policy_bundle_sha text, projected_gpu bigint, showback_micros bigint,
+        currency text, request jsonb, response jsonb, decided_at timestamptz, ledger_seq bigint, gpus integer,
+        nodes integer, flavor text, region text, expected_end timestamptz, evaluations jsonb, entries jsonb,
+        reservations jsonb, holds jsonb, token jsonb)
+), decision AS (
     INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace,
                            job_name, policy_bundle_sha, projected_gpu, showback_micros, currency, request,
-                           response, decided_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
-    RETURNING decision_id
+                           response, decided_at, ledger_seq, gpus, nodes, flavor, region)
+    SELECT decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace, job_name,
+           policy_bundle_sha, projected_gpu, showback_micros, currency, request, response, decided_at, ledger_seq,
+           gpus, nodes, flavor, region
+    FROM batch
 ), evaluations AS (
     INSERT INTO decision_evaluations (decision_id, policy_id, policy_git_sha, scope_id, ledger_key, window_start,
                                       window_end, unit, enforcement, outcome, limit_amount, projected, remaining,
                                       admitted, deficit, next_eligible_time)
-    SELECT decision.decision_id, e.*
-    FROM decision, unnest($17::text[], $18::text[], $19::text[], $20::text[], $21::timestamptz[], $22::timestamptz[],
-                          $23::text[], $24::text[], $25::text[], $26::bigint[], $27::bigint[], $28::bigint[],
-                          $29::bigint[], $30::bigint[], $31::timestamptz[]) AS e
+    SELECT b.decision_id, e.*
+    FROM batch b, jsonb_to_recordset(b.evaluations) AS e(
+        policy_id text, policy_git_sha text, scope_id text, ledger_key text, window_start timestamptz,
+        window_end timestamptz, unit text, enforcement text, outcome text, limit_amount bigint, projected bigint,
+        remaining bigint, admitted bigint, deficit bigint, next_eligible_time timestamptz)
 ), entries AS (
     INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
                                 policy_git_sha, limit_amount)
-    SELECT l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start, l.window_end, l.policy_id, $10, l.limit_amount
-    FROM unnest($32::text[], $33::text[], $34::text[], $35::text[], $36::timestamptz[], $37::timestamptz[],
-                $38::text[], $39::bigint[]) AS l(ledger_key, scope_id, unit, window_key, window_start, window_end,
-                                                 policy_id, limit_amount)
+    SELECT DISTINCT ON (l.ledger_key) l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start,
+           l.window_end, l.policy_id, b.policy_bundle_sha, l.limit_amount
+    FROM batch b, jsonb_to_recordset(b.entries) AS l(
+        ledger_key text, scope_id text, unit text, window_key text, window_start timestamptz,
+        window_end timestamptz, policy_id text, limit_amount bigint)
+    ORDER BY l.ledger_key
     ON CONFLICT (ledger_key) DO NOTHING
 ), held AS (
     INSERT INTO reservations (run_id, ledger_key, decision_id, amount, expected_end)
-    SELECT $2, r.ledger_key, decision.decision_id, r.amount, $41
-    FROM decision, unnest($32::text[], $40::bigint[]) AS r(ledger_key, amount)
+    SELECT b.run_id, r.ledger_key, b.decision_id, r.amount, b.expected_end
+    FROM batch b, jsonb_to_recordset(b.reservations) AS r(ledger_key text, amount bigint)
 ), concurrency AS (
     INSERT INTO run_holds (run_id, decision_id, tenant, gpus, nodes, sensitive)
-    SELECT $2, decision.decision_id, $46, $47, $48, $49 FROM decision WHERE $45::boolean
+    SELECT b.run_id, b.decision_id, b.holds ->> 'tenant', (b.holds ->> 'gpus')::integer,
+           (b.holds ->> 'nodes')::integer, (b.holds ->> 'sensitive')::boolean
+    FROM batch b WHERE b.holds IS NOT NULL AND b.holds <> 'null'::jsonb
 ), token AS (
     INSERT INTO pool_allocations (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at)
-    SELECT $50, 'run:' || $2, $51, $52, $53, $2, $54 FROM decision WHERE $50::text IS NOT NULL
+    SELECT b.token ->> 'namespace', 'run:' || b.run_id, ARRAY(SELECT jsonb_array_elements_text(b.token -> 'levels')),
+           b.token ->> 'project', b.token ->> 'sub_namespace', b.run_id, (b.token ->> 'lease_expires_at')::timestamptz
+    FROM batch b WHERE b.token IS NOT NULL AND b.token <> 'null'::jsonb
 )
 INSERT INTO outbox (topic, key, payload, headers)
-SELECT $42, $2, $43, $44 FROM decision;
+SELECT o.topic, o.key, o.payload, o.headers::jsonb
+FROM unnest($2::text[], $3::text[], $4::bytea[], $5::text[]) AS o(topic, key, payload, headers);
 
 -- name: insert_outbox
 INSERT INTO outbox (topic, key, payload, headers) VALUES ($1, $2, $3, $4);
 
 -- name: ensure_ledger_entries
--- Ledger entries of a plan (arrays of keys, scopes, units, windows, policies and limits).
+-- Ledger entries of plans: a jsonb array of entries (see services/admission/records.py entry()).
 INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
                             policy_git_sha, limit_amount)
-SELECT l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start, l.window_end, l.policy_id, $9, l.limit_amount
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::timestamptz[], $7::text[],
-            $8::bigint[]) AS l(ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id, limit_amount)
+SELECT l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start, l.window_end, l.policy_id, l.policy_git_sha,
+       l.limit_amount
+FROM jsonb_to_recordset($1::jsonb) AS l(ledger_key text, scope_id text, unit text, window_key text,
+                                        window_start timestamptz, window_end timestamptz, policy_id text,
+                                        policy_git_sha text, limit_amount bigint)
 ON CONFLICT (ledger_key) DO NOTHING;
 
 -- name: ledger_figures
@@ -85,19 +109,92 @@ SELECT e.ledger_key, e.limit_amount, e.consumed,
 FROM ledger_entries e LEFT JOIN reservations r ON r.ledger_key = e.ledger_key
 GROUP BY e.ledger_key;
 
+-- name: ledger_figures_page
+-- The drift check's pages: ledger keys after $1, $2 at a time, with Postgres's figures.
+SELECT e.ledger_key, e.consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM ledger_entries e WHERE e.ledger_key > $1 ORDER BY e.ledger_key LIMIT $2;
+
+-- name: ledger_figures_of
+SELECT e.ledger_key, e.consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
+
+-- name: held_of_runs
+SELECT run_id, ledger_key, amount FROM reservations WHERE state = 'held' AND run_id = ANY($1::text[]);
+
+-- name: held_runs_page
+-- Runs holding reservations, after $1, $2 at a time.
+SELECT DISTINCT run_id FROM reservations WHERE state = 'held' AND run_id > $1 ORDER BY run_id LIMIT $2;
+
 -- name: held_reservations
 SELECT run_id, decision_id, ledger_key, amount, created_at FROM reservations WHERE state = 'held';
 
--- name: expected_releases
-SELECT expected_end, amount FROM reservations
-WHERE ledger_key = $1 AND state = 'held' ORDER BY expected_end;
+-- name: outlook_holds
+-- The reservations held on ledger keys $1, for when room appears (core/eligibility.py), summed
+-- per instant that matters: an unstarted run's start deadline (the reconciler's once it has
+-- settled the run, else admission + $2 seconds; rounded up to the second), by which it gives its
+-- reservation back, and a started run's expected end (to the hour: rolling windows age by hour).
+WITH held AS (
+    SELECT r.ledger_key, r.amount,
+           (s.phase IS NOT NULL AND s.phase NOT IN ('admitted', 'evicted')) AS started,
+           COALESCE(s.review_at, r.created_at + make_interval(secs => $2::float8)) AS deadline,
+           r.expected_end
+    FROM reservations r LEFT JOIN run_settlements s ON s.run_id = r.run_id
+    WHERE r.ledger_key = ANY($1::text[]) AND r.state = 'held' AND r.amount > 0
+)
+SELECT ledger_key, started,
+       CASE WHEN started THEN date_trunc('hour', expected_end)
+            ELSE date_trunc('second', deadline) + CASE WHEN deadline > date_trunc('second', deadline) THEN interval '1 second' ELSE interval '0' END
+       END AS at,
+       SUM(amount)::bigint AS amount
+FROM held GROUP BY 1, 2, 3;
+
+-- name: outlook_buckets
+-- What rolling-window keys $1 have consumed per hour bucket that has not aged out yet.
+SELECT c.ledger_key, c.bucket, SUM(c.amount)::bigint AS amount
+FROM run_charges c LEFT JOIN rolling_ages a ON a.ledger_key = c.ledger_key
+WHERE c.ledger_key = ANY($1::text[]) AND c.bucket >= COALESCE(a.aged_through, '-infinity'::timestamptz)
+GROUP BY c.ledger_key, c.bucket;
 
 -- name: claim_outbox
 SELECT id, topic, key, payload, headers FROM outbox
 WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED;
 
 -- name: mark_published
-UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[]);
+-- Rows the broker acknowledged ($1 ids, $2 their partitions), and the highest offset each
+-- partition acknowledged in the batch ($3 topics, $4 partitions, $5 offsets: one per partition).
+WITH marked AS (
+    UPDATE outbox o SET published_at = now(), kafka_partition = a.kafka_partition
+    FROM unnest($1::bigint[], $2::integer[]) AS a(id, kafka_partition)
+    WHERE o.id = a.id
+)
+INSERT INTO outbox_watermarks AS w (topic, kafka_partition, acked_offset)
+SELECT * FROM unnest($3::text[], $4::integer[], $5::bigint[])
+ON CONFLICT (topic, kafka_partition)
+DO UPDATE SET acked_offset = GREATEST(w.acked_offset, EXCLUDED.acked_offset), updated_at = now();
+
+-- name: outbox_watermarks
+-- What the broker acknowledged, per partition of the topics under prefix $1.
+SELECT topic, kafka_partition, acked_offset FROM outbox_watermarks WHERE starts_with(topic, $1);
+
+-- name: replay_partition
+-- A partition ($1 topic in Kafka, $2 partition) lost what it acknowledged up to $3: its rows
+-- published within the window ($4 topic in the outbox, $5 window) are pending again. Nothing
+-- happens when another relay already did it (the watermark moved on).
+WITH forgotten AS (
+    DELETE FROM outbox_watermarks WHERE topic = $1 AND kafka_partition = $2 AND acked_offset = $3
+    RETURNING 1
+)
+UPDATE outbox SET published_at = NULL, kafka_partition = NULL
+WHERE topic = $4 AND kafka_partition = $2 AND published_at >= now() - $5::interval
+  AND EXISTS (SELECT FROM forgotten);
+
+-- name: prune_outbox
+-- Published rows older than the replay window ($1), at most $2 at a time.
+DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox WHERE published_at < now() - $1::interval ORDER BY published_at LIMIT $2
+);
 
 -- name: insert_bundle
 INSERT INTO policy_bundles (git_sha, documents, source, applied_by) VALUES ($1, $2, $3, $4)
@@ -121,6 +218,20 @@ SELECT e.ledger_key, e.policy_id, e.policy_git_sha, e.unit, e.window_start, e.wi
        COALESCE((SELECT SUM(r.amount) FROM reservations r
                  WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
 FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
+
+-- inbox (libs/budgetgate/consumer.py) ---------------------------------------------------------
+
+-- name: inbox_claim
+-- The inbox rows of one batch ($2 event ids, sorted; $3 their topics); returns the ids that were
+-- new. A duplicate, in the inbox already or twice in the batch, is left out.
+INSERT INTO inbox (consumer, event_id, topic)
+SELECT $1, e.event_id, e.topic FROM unnest($2::text[], $3::text[]) AS e(event_id, topic)
+ON CONFLICT DO NOTHING
+RETURNING event_id;
+
+-- name: inbox_forget
+-- Removes the inbox rows of messages a handler refused, so a redelivery finds them poison again.
+DELETE FROM inbox WHERE consumer = $1 AND event_id = ANY($2::text[]);
 
 -- metering-ingest ------------------------------------------------------------------------------
 
@@ -174,6 +285,21 @@ WITH recorded AS (
 )
 INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
 
+-- name: metering_begin_batch
+-- The runs' locks, their state and the recorded neighbours of every sample of a batch
+-- (see metering_begin_batch).
+SELECT idx, role, run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours
+FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[]);
+
+-- name: raise_usage_runs
+-- The new high-water marks of the runs a batch recorded samples of: per run its cumulative
+-- counters after the batch, how many samples it added and the latest observed_at among them.
+UPDATE usage_runs r
+SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
+    latest_observed_at = GREATEST(r.latest_observed_at, x.latest), updated_at = now()
+FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[]) AS x(run_id, gpu, node, added, latest)
+WHERE r.run_id = x.run_id;
+
 -- name: insert_pending
 INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,
                               kafka_offset, payload, headers)
@@ -201,28 +327,36 @@ RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_
 -- name: pending_count
 SELECT count(*) FROM metering_pending;
 
--- name: record_lifecycle
--- A lifecycle event as reported; true when it is new (its event id was never seen).
+-- name: record_lifecycle_batch
+-- Lifecycle events as reported; returns the runs of the events that were new.
 INSERT INTO lifecycle_events (event_id, run_id, kind, event_time, gpus, nodes, flavor, reason)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-ON CONFLICT (event_id) DO NOTHING RETURNING true;
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::integer[], $6::integer[], $7::text[], $8::text[])
+ON CONFLICT (event_id) DO NOTHING RETURNING run_id;
 
--- name: record_sample
-INSERT INTO run_samples (run_id, sample_id, observed_at, gpu, node) VALUES ($1, $2, $3, $4, $5)
-ON CONFLICT (run_id, sample_id) DO NOTHING RETURNING true;
+-- name: record_samples
+-- Usage samples; returns the runs of the samples that were new (a sample id seen before is not).
+INSERT INTO run_samples (run_id, sample_id, observed_at, gpu, node)
+SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::bigint[], $5::bigint[])
+ON CONFLICT (run_id, sample_id) DO NOTHING RETURNING run_id;
 
--- name: mark_to_settle
-INSERT INTO runs_to_settle (run_id) VALUES ($1) ON CONFLICT (run_id) DO NOTHING;
+-- name: mark_runs_to_settle
+-- Sorted run ids, so two consumers marking overlapping runs lock them in the same order.
+INSERT INTO runs_to_settle (run_id) SELECT unnest($1::text[]) ON CONFLICT (run_id) DO NOTHING;
 
 -- name: runs_waiting
-SELECT run_id FROM runs_to_settle ORDER BY since LIMIT $1;
+-- Dead-lettered runs wait for an operator, not for the next loop.
+SELECT w.run_id FROM runs_to_settle w
+WHERE NOT EXISTS (SELECT 1 FROM settlement_failures f WHERE f.run_id = w.run_id AND f.dead)
+ORDER BY w.since LIMIT $1;
 
 -- name: unmark_settled
 DELETE FROM runs_to_settle WHERE run_id = $1;
 
 -- name: runs_due
 -- Runs whose charges change with time alone (wall time, grace, deadline) by $1.
-SELECT run_id FROM run_settlements WHERE review_at <= $1 ORDER BY review_at LIMIT $2;
+SELECT s.run_id FROM run_settlements s WHERE s.review_at <= $1
+  AND NOT EXISTS (SELECT 1 FROM settlement_failures f WHERE f.run_id = s.run_id AND f.dead)
+ORDER BY s.review_at LIMIT $2;
 
 -- name: unseen_holds
 -- Reservations of runs the reconciler never heard of, held since before $1 (the start
@@ -234,7 +368,8 @@ LIMIT $2;
 
 -- name: run_decision
 -- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt).
-SELECT decision_id, decided_at, policy_bundle_sha, projected_gpu, request, labels, job_namespace, job_name
+SELECT decision_id, decided_at, policy_bundle_sha, projected_gpu, gpus, nodes, flavor, region, labels, job_namespace,
+       job_name
 FROM decisions WHERE run_id = $1 AND outcome = 'ALLOW' ORDER BY attempt DESC LIMIT 1;
 
 -- name: run_reservations
@@ -247,6 +382,62 @@ SELECT event_id, kind, event_time, gpus, nodes FROM lifecycle_events WHERE run_i
 
 -- name: run_sample_rows
 SELECT sample_id, observed_at, gpu, node FROM run_samples WHERE run_id = $1;
+
+-- name: run_meter
+SELECT gpu, node, covered, last_at, last_id, used, timed FROM run_meters WHERE run_id = $1;
+
+-- name: put_run_meter
+INSERT INTO run_meters (run_id, gpu, node, covered, last_at, last_id, used, timed)
+VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8::jsonb)
+ON CONFLICT (run_id) DO UPDATE SET gpu = EXCLUDED.gpu, node = EXCLUDED.node, covered = EXCLUDED.covered,
+    last_at = EXCLUDED.last_at, last_id = EXCLUDED.last_id, used = EXCLUDED.used, timed = EXCLUDED.timed;
+
+-- name: reset_run_meter
+-- Repair: forget the run's folded state, so its next settlement folds its whole history again.
+WITH gone AS (DELETE FROM run_meters WHERE run_id = $1)
+UPDATE run_samples SET gpu_high = NULL, node_high = NULL WHERE run_id = $1;
+
+-- name: unfolded_samples
+SELECT sample_id, observed_at, gpu, node FROM run_samples WHERE run_id = $1 AND gpu_high IS NULL
+ORDER BY observed_at, sample_id COLLATE "C";
+
+-- name: sample_before
+-- The folded sample just before (observed_at, sample_id) = ($2, $3) on the run's line.
+SELECT gpu_high, node_high FROM run_samples
+WHERE run_id = $1 AND gpu_high IS NOT NULL AND (observed_at, sample_id COLLATE "C") < ($2, $3 COLLATE "C")
+ORDER BY observed_at DESC, sample_id COLLATE "C" DESC LIMIT 1;
+
+-- name: samples_after
+SELECT sample_id, observed_at, gpu, node, gpu_high, node_high FROM run_samples
+WHERE run_id = $1 AND gpu_high IS NOT NULL AND (observed_at, sample_id COLLATE "C") > ($2, $3 COLLATE "C")
+ORDER BY observed_at, sample_id COLLATE "C" LIMIT $4;
+
+-- name: put_sample_highs
+UPDATE run_samples s SET gpu_high = h.gpu_high, node_high = h.node_high
+FROM unnest($2::text[], $3::bigint[], $4::bigint[]) AS h(sample_id, gpu_high, node_high)
+WHERE s.run_id = $1 AND s.sample_id = h.sample_id;
+
+-- name: run_charges_at
+SELECT c.ledger_key, c.bucket, c.amount FROM run_charges c
+JOIN unnest($2::text[], $3::timestamptz[]) AS t(ledger_key, bucket) ON c.ledger_key = t.ledger_key AND c.bucket = t.bucket
+WHERE c.run_id = $1;
+
+-- name: record_settlement_failure
+-- One more failed try; dead once $3 tries have failed.
+INSERT INTO settlement_failures (run_id, reason, dead) VALUES ($1, $2, $3 <= 1)
+ON CONFLICT (run_id) DO UPDATE SET attempts = settlement_failures.attempts + 1, reason = EXCLUDED.reason,
+    last_failed_at = now(), dead = settlement_failures.attempts + 1 >= $3
+RETURNING attempts, dead;
+
+-- name: clear_settlement_failure
+DELETE FROM settlement_failures WHERE run_id = $1 AND NOT dead;
+
+-- name: try_lock_run
+-- The run's lock (lock_run) if free: a settlement in flight keeps it.
+SELECT pg_try_advisory_xact_lock(7302, hashtext($1));
+
+-- name: run_revision
+SELECT revision FROM run_settlements WHERE run_id = $1;
 
 -- name: run_settlement
 SELECT run_id, phase, released, final, provisional, wall, review_at, revision FROM run_settlements WHERE run_id = $1;
@@ -488,11 +679,28 @@ WHERE scope_id = $1
 ORDER BY window_start, policy_id;
 
 -- name: audit_decisions_by_policy_sha_for_scope
-SELECT policy_id, policy_git_sha, scope_id, enforcement, decisions, allowed, denied, delayed,
-       first_decided_at, last_decided_at
-FROM audit_decisions_by_policy_sha
-WHERE scope_id = $1
+-- As audit_decisions_by_policy_sha, for the decisions filed in the windows $2/$3 select (a label
+-- violation, decided before any window, counts only when no window is asked for).
+SELECT ev.policy_id, ev.policy_git_sha, ev.scope_id, ev.enforcement,
+       count(*)                                       AS decisions,
+       count(*) FILTER (WHERE ev.outcome = 'ALLOW')   AS allowed,
+       count(*) FILTER (WHERE ev.outcome = 'DENY')    AS denied,
+       count(*) FILTER (WHERE ev.outcome = 'DELAY')   AS delayed,
+       min(d.decided_at)                              AS first_decided_at,
+       max(d.decided_at)                              AS last_decided_at
+FROM decision_evaluations ev JOIN decisions d ON d.decision_id = ev.decision_id
+LEFT JOIN ledger_entries le ON le.ledger_key = ev.ledger_key
+WHERE ev.scope_id = $1
+  AND (($2::timestamptz IS NULL AND $3::text IS NULL)
+       OR (COALESCE(le.window_start, ev.window_start) <= $2 AND $2 < COALESCE(le.window_end, ev.window_end))
+       OR le.window_key = $3)
+GROUP BY ev.policy_id, ev.policy_git_sha, ev.scope_id, ev.enforcement
 ORDER BY policy_id, first_decided_at;
+
+-- name: audit_scope_known
+-- Whether the ledger or a decision ever named the scope.
+SELECT EXISTS (SELECT 1 FROM ledger_entries WHERE scope_id = $1)
+    OR EXISTS (SELECT 1 FROM decision_evaluations WHERE scope_id = $1);
 
 -- quotas and pools
 
@@ -521,3 +729,16 @@ SET lease_expires_at = EXCLUDED.lease_expires_at, state = 'held', released_at = 
 -- name: release_pool_allocation
 UPDATE pool_allocations SET state = 'released', released_at = now()
 WHERE namespace = $1 AND token = $2 AND state = 'held' RETURNING levels;
+
+-- name: bundle_differs
+-- A SHA names one content: re-applying it with other documents is refused.
+SELECT documents <> $2::jsonb FROM policy_bundles WHERE git_sha = $1;
+
+-- name: budget_figures
+-- Reserved, consumed and whether a hold is in force, for each ledger key of $1 (keys without a
+-- ledger entry yet read as nothing used): one round trip for every budget of a bundle.
+SELECT k.ledger_key, COALESCE(e.consumed, 0)::bigint AS consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r
+                 WHERE r.ledger_key = k.ledger_key AND r.state = 'held'), 0)::bigint AS reserved,
+       EXISTS (SELECT 1 FROM budget_holds h WHERE h.ledger_key = k.ledger_key) AS held
+FROM unnest($1::text[]) AS k (ledger_key) LEFT JOIN ledger_entries e USING (ledger_key);

@@ -51,9 +51,15 @@ CREATE TABLE decisions (
     request           jsonb NOT NULL,
     response          jsonb NOT NULL,   -- the answer as first given; replays return it
     decided_at        timestamptz NOT NULL,
+    ledger_seq        bigint,           -- 0009: Redis's ledger sequence after this decision reserved
+    gpus              integer,          -- 0009: the run's resources, typed
+    nodes             integer,
+    flavor            text,
+    region            text,
     UNIQUE (run_id, attempt)
 );
 CREATE INDEX decisions_decided_at ON decisions (decided_at);
+CREATE INDEX decisions_ledger_seq ON decisions (ledger_seq) WHERE ledger_seq IS NOT NULL;
 
 CREATE TABLE decision_evaluations (
     decision_id        uuid NOT NULL REFERENCES decisions (decision_id),
@@ -98,9 +104,21 @@ CREATE TABLE outbox (
     payload      bytea NOT NULL,
     headers      jsonb NOT NULL DEFAULT '[]',
     created_at   timestamptz NOT NULL DEFAULT now(),
-    published_at timestamptz
+    published_at timestamptz,
+    kafka_partition integer                -- 0011: where the broker put it, for a replay
 );
 CREATE INDEX outbox_pending ON outbox (id) WHERE published_at IS NULL;
+CREATE INDEX outbox_published ON outbox (published_at) WHERE published_at IS NOT NULL;
+
+-- 0011_outbox_replay: the highest offset each partition acknowledged to a relay; a partition
+-- that later ends at or below it lost acknowledged records, which the relay sends again.
+CREATE TABLE outbox_watermarks (
+    topic           text NOT NULL,   -- the name in Kafka, deployment prefix included
+    kafka_partition integer NOT NULL,
+    acked_offset    bigint NOT NULL,
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (topic, kafka_partition)
+);
 
 -- 0002_inbox: the inbox of every Kafka consumer: an event id is processed at most once per
 -- consumer, recorded in the same transaction as its effect.
@@ -116,18 +134,29 @@ CREATE TABLE inbox (
 -- reservations to ledger_entries (every reservation insert took a KEY SHARE lock on its ledger
 -- row, which on a hot budget makes every concurrent decision share one row lock).
 
--- Takes the ledger lock (shared) and the run's lock, then reads the run's latest decision.
--- VOLATILE on purpose: in READ COMMITTED each query of a volatile function takes a fresh
--- snapshot, so the read sees every decision committed before the run's lock was granted.
-CREATE FUNCTION budgetgate_begin_decision(p_run_id text)
-RETURNS TABLE (decision_id uuid, attempt integer, outcome text, response jsonb)
+-- 0009_group_commit: decisions begun a batch at a time.
+-- Takes the ledger lock (shared) and the lock of every run of a batch (in one order, so two
+-- batches never wait on each other in a cycle), then reads: first a row with only the highest
+-- ledger sequence Postgres committed, then the latest decision of each run that has one.
+-- VOLATILE on purpose: each query takes a fresh snapshot after the locks were granted.
+CREATE FUNCTION budgetgate_begin_batch(p_run_ids text[])
+RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
+               committed_seq bigint)
 LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    lock_key integer;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(7301, 0);
-    PERFORM pg_advisory_xact_lock(7302, hashtext(p_run_id));
+    FOR lock_key IN SELECT DISTINCT hashtext(r) FROM unnest(p_run_ids) AS r ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock(7302, lock_key);
+    END LOOP;
     RETURN QUERY
-        SELECT d.decision_id, d.attempt, d.outcome, d.response
-        FROM decisions d WHERE d.run_id = p_run_id ORDER BY d.attempt DESC LIMIT 1;
+        SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
+               COALESCE((SELECT max(d.ledger_seq) FROM decisions d WHERE d.ledger_seq IS NOT NULL), 0)::bigint;
+    RETURN QUERY
+        SELECT DISTINCT ON (d.run_id) d.run_id, d.decision_id, d.attempt, d.outcome, d.request, d.response,
+               NULL::bigint
+        FROM decisions d WHERE d.run_id = ANY(p_run_ids) ORDER BY d.run_id, d.attempt DESC;
 END
 $$;
 
@@ -225,6 +254,61 @@ BEGIN
 END
 $$;
 
+-- 0010_metering_batches: begins judging a batch of samples ($1 run ids, $2 sample ids, $3 observed_at; one entry per
+-- sample) in one round trip: takes the lock of every run (in lock-key order, so batches with
+-- runs in common wait for each other instead of deadlocking), then returns
+--   'run':      per run metering knows, its latest observed_at and cumulative counters;
+--   'decision': per run metering does not know yet that has a decision;
+--   per sample (idx, 1-based) of a known run, its recorded neighbours, as metering_begin_sample.
+-- VOLATILE, so the reads after the locks see everything committed before they were granted.
+CREATE FUNCTION metering_begin_batch(p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[])
+RETURNS TABLE (idx integer, role text, run_id text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM pg_advisory_xact_lock(7310, k.h)
+    FROM (SELECT DISTINCT hashtext(r) AS h FROM unnest(p_run_ids) AS r ORDER BY 1) AS k;
+    RETURN QUERY
+        SELECT NULL::integer, 'run', r.run_id, NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative
+        FROM usage_runs r WHERE r.run_id = ANY (p_run_ids);
+    RETURN QUERY
+        SELECT NULL::integer, 'decision', x.id, NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint
+        FROM (SELECT DISTINCT i.id FROM unnest(p_run_ids) AS i(id)) AS x
+        WHERE NOT EXISTS (SELECT 1 FROM usage_runs r WHERE r.run_id = x.id)
+          AND EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = x.id);
+    RETURN QUERY
+        WITH s AS (
+            SELECT x.rid, x.sid, x.at, x.i FROM unnest(p_run_ids, p_sample_ids, p_observed_at) WITH ORDINALITY AS x(rid, sid, at, i)
+        ), latest AS (
+            -- The latest recorded sample of each run: one index probe per run.
+            SELECT l.run_id, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours
+            FROM (SELECT DISTINCT y.rid FROM s AS y) AS k
+            CROSS JOIN LATERAL (SELECT u.run_id, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+                                FROM usage_records u WHERE u.run_id = k.rid ORDER BY u.observed_at DESC LIMIT 1) AS l
+        )
+        SELECT s.i::integer, 'same_id', s.rid, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+        FROM s JOIN usage_records u ON u.run_id = s.rid AND u.sample_id = s.sid
+        UNION ALL
+        -- The usual case, a sample after everything recorded: its neighbour before is the latest.
+        SELECT s.i::integer, 'before', s.rid, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours
+        FROM s JOIN latest l ON l.run_id = s.rid WHERE s.at > l.observed_at
+        UNION ALL
+        -- A late sample: its neighbours at, before and after its observed_at.
+        SELECT s.i::integer, n.role, s.rid, n.sid, n.at, n.gpu, n.node
+        FROM s JOIN latest l ON l.run_id = s.rid AND s.at <= l.observed_at
+        CROSS JOIN LATERAL (
+            (SELECT 'same_time' AS role, u.sample_id AS sid, u.observed_at AS at, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
+             FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at = s.at)
+            UNION ALL
+            (SELECT 'before', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+             FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at < s.at ORDER BY u.observed_at DESC LIMIT 1)
+            UNION ALL
+            (SELECT 'after', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+             FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at > s.at ORDER BY u.observed_at LIMIT 1)
+        ) AS n;
+END
+$$;
+
 -- 0004_reconciler: the facts the reconciler settles runs from (lifecycle events, usage samples),
 -- what each run is charged on each ledger key, and the hold and alert state of budgets.
 -- No foreign keys to ledger_entries: a KEY SHARE lock on a hot ledger row per insert would
@@ -253,7 +337,33 @@ CREATE TABLE run_samples (
     gpu         bigint NOT NULL CHECK (gpu >= 0),
     node        bigint NOT NULL CHECK (node >= 0),
     received_at timestamptz NOT NULL DEFAULT now(),
+    gpu_high    bigint,  -- high-water marks through this sample in (observed_at, sample_id) order; NULL until folded
+    node_high   bigint,
     PRIMARY KEY (run_id, sample_id)
+);
+CREATE INDEX run_samples_line ON run_samples (run_id, observed_at, sample_id COLLATE "C") WHERE gpu_high IS NOT NULL;
+CREATE INDEX run_samples_unfolded ON run_samples (run_id) WHERE gpu_high IS NULL;
+
+-- A run's metered side as folded so far; no row: fold the whole run on its next settlement.
+CREATE TABLE run_meters (
+    run_id    text PRIMARY KEY,
+    gpu       bigint NOT NULL,
+    node      bigint NOT NULL,
+    covered   timestamptz,
+    last_at   timestamptz,
+    last_id   text,
+    used      jsonb NOT NULL DEFAULT '{}',
+    timed     jsonb NOT NULL DEFAULT '[]'
+);
+
+-- Settlements that failed for a reason other than an outage, retried a bounded number of times.
+CREATE TABLE settlement_failures (
+    run_id          text PRIMARY KEY,
+    attempts        integer NOT NULL DEFAULT 1,
+    reason          text NOT NULL,
+    dead            boolean NOT NULL DEFAULT false,
+    first_failed_at timestamptz NOT NULL DEFAULT now(),
+    last_failed_at  timestamptz NOT NULL DEFAULT now()
 );
 
 -- Runs with new facts, waiting to be settled; claimed with FOR UPDATE SKIP LOCKED.
@@ -437,8 +547,9 @@ FROM scoped
 GROUP BY scope_id, window_key, window_start, window_end, policy_git_sha;
 
 -- Window exhaustion: when each calendar-window budget ran out, or when it will at its burn rate
--- so far. It ran out at the first decision that left it no room, or that turned away a run
--- which would have fitted the empty window. Used = consumed + held reservations.
+-- so far. It ran out at the first decision that found or left it with no room at all (0012: a
+-- run turned away for being larger than the room left did not exhaust it; the budget still had
+-- room, and a DELAY names when it will have enough). Used = consumed + held reservations.
 CREATE VIEW audit_window_exhaustion AS
 WITH figures AS (
     SELECT e.ledger_key, e.scope_id, e.policy_id, e.policy_git_sha, e.unit, e.window_key,
@@ -450,9 +561,7 @@ WITH figures AS (
 ), ran_out AS (
     SELECT ev.ledger_key, min(d.decided_at) AS exhausted_at
     FROM decision_evaluations ev JOIN decisions d ON d.decision_id = ev.decision_id
-    WHERE ev.remaining IS NOT NULL
-      AND (ev.remaining - ev.admitted <= 0
-           OR (ev.outcome IN ('DENY', 'DELAY') AND ev.deficit > 0 AND ev.projected <= ev.limit_amount))
+    WHERE ev.remaining IS NOT NULL AND ev.remaining - ev.admitted <= 0
     GROUP BY ev.ledger_key
 ), burn AS (
     SELECT f.*, f.consumed + f.reserved AS used,

@@ -1,0 +1,165 @@
+"""`budgetgate bench drift`: admission latency with the reconciler's drift check running
+back to back, and without it (A/B), on a ledger holding many reservations.
+
+A fresh database gets `budgets` team budgets and a real admission service (subprocess) admits
+`held` runs that stay held. Then for `duration` seconds per phase, submissions go out open loop
+at `rate` per second (each admitted and held too), first with the drift check (repairing, as the
+reconciler runs it) looping back to back in this process, then without. Reported: admission
+latency p50/p99/max per phase and the p99 ratio; the ledger audit checks that Redis equals
+Postgres at the end (exit 1 when it does not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import asyncpg
+import httpx
+import redis.asyncio as aioredis
+
+from budgetgate.benchmark import databases
+from budgetgate.benchmark.processes import free_port, python_module
+from budgetgate.benchmark.reconciliation import Bench, Options
+from budgetgate.ledger.migrations import migrate_dsn
+from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.sync import LedgerSync
+from budgetgate.topics import ensure_topics
+
+
+@dataclass(frozen=True)
+class DriftOptions:
+    held: int = 3000
+    rate: float = 40.0
+    duration: float = 20.0
+    budgets: int = 50
+
+
+@dataclass
+class DriftReport:
+    options: DriftOptions
+    latencies_ms: dict[str, list[float]] = field(repr=False)
+    checks: int
+    ledger_ok: bool
+    ledger_note: str
+
+    def percentile(self, phase: str, q: float) -> float:
+        ordered = sorted(self.latencies_ms[phase])
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+    def as_json(self) -> dict[str, object]:
+        phases = {p: {"requests": len(v), "p50_ms": round(self.percentile(p, 0.5), 1), "p99_ms": round(self.percentile(p, 0.99), 1), "max_ms": round(max(v, default=float("nan")), 1)} for p, v in self.latencies_ms.items()}
+        return {"options": asdict(self.options), "admission_latency": phases, "p99_ratio_on_to_off": round(self.percentile("on", 0.99) / self.percentile("off", 0.99), 2), "drift_checks": self.checks, "ledger_ok": self.ledger_ok, "ledger": self.ledger_note}
+
+    def as_text(self) -> str:
+        o = self.options
+        lines = [f"load: {o.rate:g} submissions/s for {o.duration:g} s per phase, {o.held} reservations held beforehand, {o.budgets} budgets"]
+        for phase in ("on", "off"):
+            v = self.latencies_ms[phase]
+            lines.append(f"drift check {phase:>3}: {len(v)} submissions, latency p50 {self.percentile(phase, 0.5):.1f} ms, p99 {self.percentile(phase, 0.99):.1f} ms, max {max(v, default=float('nan')):.1f} ms")
+        lines.append(f"p99 ratio on/off: {self.percentile('on', 0.99) / self.percentile('off', 0.99):.2f}; drift checks completed during 'on': {self.checks}")
+        lines.append(f"ledger: {'OK' if self.ledger_ok else 'WRONG'} - {self.ledger_note}")
+        return "\n".join(lines)
+
+
+class DriftBench(Bench):
+    def __init__(self, options: DriftOptions, *, echo: Callable[[str], None]) -> None:
+        super().__init__(Options(budgets=options.budgets), echo=echo)
+        self.drift = options
+        self.count = 0
+        self._checks = 0
+
+    async def run_ab(self) -> DriftReport:
+        log_dir = Path(tempfile.mkdtemp(prefix=f"budgetgate-bench-{self.tag}-"))
+        database = f"bench_{self.tag}_drift"
+        dsn = await databases.create(self.settings.postgres_dsn, database)
+        prefix, topic_prefix = f"bench-{self.tag}", f"bench-{self.tag}-"
+        redis = aioredis.from_url(self.settings.redis_url)
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+        try:
+            bootstrap = await self._kafka(log_dir)
+            await migrate_dsn(dsn)
+            await self._apply(dsn)
+            await ensure_topics(bootstrap, prefix=topic_prefix)
+            env = {"BUDGETGATE_POSTGRES_DSN": dsn, "BUDGETGATE_REDIS_URL": self.settings.redis_url, "BUDGETGATE_REDIS_PREFIX": prefix, "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix}
+            port = free_port()
+            admission = self._start("admission", python_module("budgetgate.services.admission", "--port", str(port)), log_dir, env)
+            await admission.wait_port(port, timeout=60)
+            sync = LedgerSync(pool, RedisLedger(redis, prefix=prefix))
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                await self._ready(client)
+                self.echo(f"admitting {self.drift.held} runs that stay held …")
+                gate = asyncio.Semaphore(16)
+
+                async def held() -> None:
+                    async with gate:
+                        await self._submit(client)
+
+                await asyncio.gather(*(held() for _ in range(self.drift.held)))
+                latencies, checks = {}, 0
+                for phase in ("on", "off"):
+                    self.echo(f"measuring admission with the drift check {phase} …")
+                    checker = asyncio.create_task(self._check_forever(sync)) if phase == "on" else None
+                    latencies[phase] = await self._load(client)
+                    if checker is not None:
+                        checker.cancel()
+                        await asyncio.gather(checker, return_exceptions=True)
+                        checks = self._checks
+            drift = await sync.check_drift(repair=False)
+            ok = drift is not None and drift.clean
+            return DriftReport(self.drift, latencies, checks, ok, "Redis equals Postgres" if ok else f"Redis differs from Postgres: {drift}")
+        finally:
+            for child in reversed(self.children):
+                await child.stop()
+            await pool.close()
+            with contextlib.suppress(Exception):
+                await databases.drop(self.settings.postgres_dsn, database)
+            with contextlib.suppress(Exception):
+                keys = [k async for k in redis.scan_iter(match=f"{{{prefix}}}:*", count=1000)]
+                for start in range(0, len(keys), 500):
+                    await redis.delete(*keys[start : start + 500])
+            await redis.aclose()
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    async def _ready(self, client: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + 60
+        while (await client.get("/readyz")).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("admission did not become ready")
+            await asyncio.sleep(0.2)
+
+    async def _submit(self, client: httpx.AsyncClient) -> float:
+        self.count += 1
+        team = self.count % self.drift.budgets
+        body = {"run_id": f"bench/{self.tag}/{self.count}", "namespace": f"team-{team}", "labels": {"team": f"t{team}"}, "resources": {"gpus": 1}, "projected_runtime_hours": 1.0}
+        began = time.monotonic()
+        answer = await client.post("/v1/admissions", json=body)
+        if answer.status_code != 200 or answer.json()["decision"] != "ALLOW":
+            raise RuntimeError(f"submission refused: {answer.status_code} {answer.text[:200]}")
+        return (time.monotonic() - began) * 1000
+
+    async def _load(self, client: httpx.AsyncClient) -> list[float]:
+        total = int(self.drift.rate * self.drift.duration)
+        began = time.monotonic()
+
+        async def one(i: int) -> float:
+            await asyncio.sleep(max(0.0, began + i / self.drift.rate - time.monotonic()))
+            return await self._submit(client)
+
+        return list(await asyncio.gather(*(one(i) for i in range(total))))
+
+    async def _check_forever(self, sync: LedgerSync) -> None:
+        self._checks = 0
+        while True:
+            await sync.check_drift(repair=True)
+            self._checks += 1
+
+
+async def run(options: DriftOptions, *, echo: Callable[[str], None]) -> DriftReport:
+    return await DriftBench(options, echo=echo).run_ab()

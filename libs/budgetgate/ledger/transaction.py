@@ -1,0 +1,65 @@
+"""A unit of change to the ledger (a batch of admission decisions, a reconciler settlement): one
+Postgres transaction holding the ledger lock (shared) from before its Redis call until its commit, so a rebuild of Redis from Postgres
+never misses a change Redis has seen.
+
+A settlement goes to Redis in two halves around the commit (settle_begin.lua / settle_end.lua):
+the increases before, the decreases after, so Redis never shows more room than Postgres holds.
+After a rollback its increases are taken back; when the commit cannot be confirmed, or this
+process dies in between, the parked half waits for `Settler.end_pending`, which asks Postgres.
+Any other Redis change whose transaction fails invalidates the Redis ledger, to be rebuilt."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import RedisLedger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LedgerTransaction:
+    conn: asyncpg.Connection
+    ledger: RedisLedger
+    redis_changed: bool = False
+    parked: list[tuple[str, int]] = field(default_factory=list)  # (run id, settlement seq) begun in Redis
+
+
+@contextlib.asynccontextmanager
+async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIterator[LedgerTransaction]:
+    """A transaction holding the ledger lock shared; commits on leaving the block."""
+    async with pool.acquire() as conn:
+        tx = conn.transaction()
+        await tx.start()
+        work = LedgerTransaction(conn, ledger)
+        try:
+            await conn.execute(sql("lock_ledger_shared"))
+            yield work
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await tx.rollback()
+            if work.redis_changed:
+                await ledger.invalidate("a ledger transaction failed after its Redis script")
+            await _end(ledger, work.parked, committed=False)
+            raise
+        try:
+            await tx.commit()
+        except BaseException:
+            if work.redis_changed:
+                await ledger.invalidate("a ledger transaction's commit failed or was not confirmed")
+            raise  # parked settlements wait for end_pending, which asks Postgres
+    await _end(ledger, work.parked, committed=True)
+
+
+async def _end(ledger: RedisLedger, parked: list[tuple[str, int]], *, committed: bool) -> None:
+    for run_id, seq in parked:
+        try:
+            await ledger.settle_end(run_id, seq=seq, committed=committed)
+        except Exception as exc:  # noqa: BLE001 - left parked: conservative, and ended later
+            log.warning("settlement %d of run %r stays parked in Redis (%s); it is ended on the next pass", seq, run_id, exc)
