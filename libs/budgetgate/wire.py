@@ -77,13 +77,14 @@ def header(headers: Headers | None, name: str) -> bytes | None:
     """The first header called `name` (compared without case), or None."""
     wanted = name.lower()
     for key, value in headers or ():
-        if key.lower() == wanted:
+        if key == wanted or key.lower() == wanted:  # most are lower case already: skip lower()
             return value
     return None
 
 
-def encode(message: Message, *, key: str | None) -> Record:
-    """A Kafka record for `message`, with the current trace context in its headers.
+def encode(message: Message, *, key: str | None, trace_headers: Headers | None = None) -> Record:
+    """A Kafka record for `message`, with the current trace context in its headers
+    (`trace_headers`: those of `inject_headers()`, when the caller encodes many at once).
 
     Refuses a message without event_id or event_time: consumers deduplicate on the one and
     window on the other, so a producer that forgot them must fail here, not downstream.
@@ -97,7 +98,7 @@ def encode(message: Message, *, key: str | None) -> Record:
         (CONTENT_TYPE, PROTOBUF.encode()),
         (EVENT_ID, event_id.encode()),
         (MESSAGE_TYPE, message.DESCRIPTOR.full_name.encode()),
-        *inject_headers(),
+        *(inject_headers() if trace_headers is None else trace_headers),
     ]
     return Record(
         value=message.SerializeToString(),
@@ -190,6 +191,11 @@ class Publisher:
         self._bootstrap = bootstrap
         self._client_id = client_id
         self._producer: AIOKafkaProducer | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        """The bootstrap servers it connects to."""
+        return self._bootstrap
 
     async def start(self) -> None:
         """Connect to the cluster."""

@@ -1,55 +1,53 @@
-"""Admission: load → decide → save, with the reservation made atomically in Redis and the
-decision made durable in Postgres before anyone hears it.
+"""Admission: load → decide → save, a batch of submissions at a time (group commit), with the
+reservations made atomically in Redis and the decisions made durable in Postgres before anyone
+hears them.
 
-The order of one submission:
-1. In one Postgres transaction, take the ledger lock (shared) and the run's lock.
-2. A decision already stored for the run id is answered again (`replayed: true`).
-3. Otherwise plan the charges, check-and-reserve them in Redis (all or none), decide.
-4. Store the decision, its evaluations, its reservations and an outbox row; commit; answer.
-If anything fails after Redis reserved, the reservation is released once Postgres is known not
-to hold it; when that cannot be known, the Redis ledger is invalidated and rebuilt from
-Postgres before the next decision (fail closed).
+The order of one batch:
+1. In one Postgres transaction, take the ledger lock (shared) and the lock of every run of the
+   batch, and read each run's latest decision and the ledger sequence Postgres committed.
+2. A retry of a decided run is answered again (`replayed: true`), a conflicting reuse of a run
+   id and attempt gets 409; a second submission of one run within the batch follows the first.
+3. The others are checked and reserved in Redis in one script, in submission order, all or none
+   per decision; the script first proves Redis is current (see reserve.lua).
+4. Every decision, with its evaluations, reservations, holds and outbox row, is stored in one
+   statement; the transaction commits; only then is anyone answered.
+If anything fails after Redis reserved, the Redis ledger is invalidated and rebuilt from
+Postgres before the next decision (fail closed; ledger_transaction).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, TypeVar
 
 import asyncpg
-import redis.exceptions
+import orjson
 
-from budgetgate import topics, wire
-from budgetgate.core.evaluation import Charge, Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, fits, plan
-from budgetgate.ledger.queries import sql
+from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.core.eligibility import Outlook
+from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, fits, plan
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger, ReserveResult
+from budgetgate.ledger.outlooks import outlooks
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
+from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
+from budgetgate.services.admission import records
+from budgetgate.services.admission.batching import GroupCommit
 from budgetgate.services.admission.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
-from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
 from budgetgate.services.admission.policies import PolicyCache
-from budgetgate.services.admission.rendering import decision_message, response_body
+from budgetgate.services.admission.rendering import canonical, response_body
+from budgetgate.services.admission.resubmission import Conflict, decided_afresh, differences
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# Errors that mean a ledger backend is unreachable or failed mid-call: answer 503.
-BACKEND_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.CannotConnectNowError,
-    asyncpg.InternalClientError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    TimeoutError,
-)
-
 
 async def with_ledger(sync: LedgerSync, work: Callable[[], Awaitable[T]]) -> T:
     """Run `work` against the ledger, failing closed: a Redis that lost the ledger is rebuilt
@@ -78,25 +76,53 @@ class InvalidSubmission(ValueError):
         self.field = field
 
 
+@dataclass(eq=False)
+class Pending:
+    """A submission waiting in a batch: its pure part done, its answer to come."""
+
+    request: AdmissionRequest
+    bundle: PolicyBundle
+    plan: Plan
+    asks: Asks
+    decided_at: datetime
+    answer: asyncio.Future[dict[str, Any]]
+    decision_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    result: ReserveResult | None = None
+
+    @property
+    def run_id(self) -> str:
+        return self.request.run_id
+
+    @property
+    def needs_ledger(self) -> bool:
+        return not self.plan.violations and bool(self.plan.charges or self.asks.any)
+
+
 class Admitter:
-    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyCache, unmatched: str = "allow", tenant_label: str = "team") -> None:
+    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyCache, unmatched: str = "allow", tenant_label: str = "team", start_deadline: timedelta = timedelta(hours=1), max_batch: int = 64, max_wait: float = 0.001, in_flight: int = 2) -> None:
+        self.start_deadline = start_deadline
         self.pool = pool
         self.ledger = ledger
         self.sync = sync
         self.policies = policies
         self.unmatched = unmatched
         self.tenant_label = tenant_label
+        self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
+        self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
 
     async def admit(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
-        """Decide a submission; raises Unavailable (503) or InvalidSubmission (422)."""
-        return await with_ledger(self.sync, lambda: self._admit(request, now or datetime.now(UTC)))
+        """Decide a submission; raises Unavailable (503), InvalidSubmission (422) or Conflict (409)."""
+        pending = self._prepare(request, now or datetime.now(UTC))
+        self.batches.submit(pending)
+        return await pending.answer
 
-    async def _admit(self, request: AdmissionRequest, now: datetime) -> dict[str, Any]:
+    def _prepare(self, request: AdmissionRequest, now: datetime) -> Pending:
+        """The pure part, done before joining a batch: the plan and the concurrency asked for."""
         bundle = self.policies.current
         if bundle is None:
             raise Unavailable("no policy bundle has been applied yet; run `budgetgate policy apply`")
         try:
-            the_plan = plan(bundle, _submission(request, now))
+            the_plan = plan(self._covering(bundle, request.namespace), _submission(request, now))
         except UnknownFlavor as exc:
             raise InvalidSubmission("resources.flavor", str(exc)) from exc
         if not the_plan.charges and not the_plan.violations and self.unmatched == "deny":
@@ -105,90 +131,169 @@ class Admitter:
             the_asks = asks(bundle, request, tenant_label=self.tenant_label, now=now)
         except NoSuchPool as exc:
             raise InvalidSubmission("pool_token.namespace", str(exc)) from exc
+        return Pending(request, bundle, the_plan, the_asks, now, asyncio.get_running_loop().create_future())
 
-        decision_id = str(uuid.uuid4())
-        reserved = False
-        async with self.pool.acquire() as conn:
-            tx = conn.transaction()
-            await tx.start()
-            finished = False
-            try:
-                # Ledger lock (shared), the run's lock, and the run's latest decision.
-                prior = await conn.fetchrow(sql("begin_decision"), request.run_id)
-                if prior is not None and not (prior["outcome"] == "DELAY" and request.attempt > prior["attempt"]):
-                    finished = True
-                    await tx.rollback()
-                    return replay(prior)
-                readings, result = await self._reserve(conn, the_plan, the_asks, decision_id, now)
-                reserved = result is not None and result.status == "RESERVED"
-                releases = await _releases(conn, the_plan, readings) if readings is not None and not reserved else {}
-                decision = decide(the_plan, readings, releases=releases)
-                if result is not None and result.status == "REJECTED":
-                    decision = _refusal(bundle, request, the_asks, result, decision)
-                elif reserved and not decision.admitted:
-                    raise RuntimeError(f"the ledger reserved for run {request.run_id!r} but the evaluation refuses it")
-                view = standing(bundle, request, the_asks, the_plan, readings, result).body()
-                body = response_body(plan=the_plan, decision=decision, decision_id=decision_id, decided_at=now, standing=view)
-                await _record(conn, request, the_plan, decision, body, reserved=reserved, now=now, the_asks=the_asks)
-                finished = True
-                await tx.commit()
-                return body
-            except BaseException:
-                if not finished:
-                    try:
-                        await tx.rollback()
-                    except Exception:  # noqa: BLE001
-                        # A connection that cannot even roll back must not go back to the pool
-                        # (it has no reset query to catch that): drop it.
-                        conn.terminate()
-                if reserved:
-                    await self._undo(request.run_id, decision_id)
-                raise
+    def _covering(self, bundle: PolicyBundle, namespace: str) -> PolicyBundle:
+        """`bundle` with only the policies whose scope covers `namespace` (any others cannot
+        apply): planning then looks at a handful of policies, not every team's."""
+        found = self._scoped.get(namespace)
+        if found is None or found.git_sha != bundle.git_sha:
+            if len(self._scoped) > 10_000:
+                self._scoped.clear()
+            found = self._scoped[namespace] = replace(bundle, policies=tuple(p for p in bundle.policies if p.scope.covers_namespace(namespace)))
+        return found
 
-    async def _reserve(self, conn: asyncpg.Connection, the_plan: Plan, the_asks: Asks, decision_id: str, now: datetime) -> tuple[dict[str, Reading] | None, ReserveResult | None]:
-        """Check-and-reserve in Redis: the readings each budget had before, and the raw result
-        (None when the ledger was not consulted: a label violation, or nothing to hold)."""
-        if the_plan.violations or not (the_plan.charges or the_asks.any):
-            return None, None
-        charges = [ChargeRequest(c.ledger_key, c.amount, c.policy.limit.amount, c.hard) for c in the_plan.charges]
-        run_id = the_plan.submission.run_id
+    async def _commit(self, batch: list[Pending]) -> None:
+        """Decide and commit `batch`, then answer each of its submissions."""
+        answers: dict[Pending, dict[str, Any] | BaseException] = {}
+        try:
+            answers = await with_ledger(self.sync, lambda: self._decide(batch))
+        except asyncio.CancelledError:
+            for p in batch:
+                p.answer.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - every waiting submission hears of it
+            failure = exc
+            answers = {p: failure for p in batch}
+        deferred = [p for p in batch if p not in answers]
+        for p, answer in answers.items():
+            if p.answer.done():
+                continue  # the client went away
+            if isinstance(answer, BaseException):
+                p.answer.set_exception(answer)
+            else:
+                p.answer.set_result(answer)
+        if deferred:
+            self.batches.resubmit(deferred)
+
+    async def _decide(self, batch: list[Pending]) -> dict[Pending, dict[str, Any] | BaseException]:
+        """The answers of `batch`, committed; submissions left out wait for the next batch."""
+        run_ids = sorted({p.run_id for p in batch})
+        async with ledger_transaction(self.pool, self.ledger) as work:
+            rows = await work.conn.fetch(sql("begin_batch"), run_ids)
+            committed_seq = rows[0]["committed_seq"]
+            latest = {row["run_id"]: row for row in rows[1:]}
+            answers, fresh, followers = _sort_out(batch, latest)
+            await self._reserve(work, [p for p in fresh if p.needs_ledger], committed_seq)
+            decided = await self._decisions(work.conn, fresh)
+            if decided:
+                await records.record(work.conn, decided)
+        for r, p in zip(decided, fresh, strict=True):
+            answers[p] = r.body
+        for follower, leader in followers:
+            led = answers[leader]
+            answers[follower] = led if isinstance(led, BaseException) else {**led, "replayed": True}
+        return answers
+
+    async def _reserve(self, work: LedgerTransaction, pending: list[Pending], committed_seq: int) -> None:
+        """Check-and-reserve every submission of `pending` in Redis, in order; each gets its
+        `result`. Keys Redis never saw are loaded and orphaned holds released, then tried again."""
+        now_ms = int(datetime.now(UTC).timestamp() * 1000)
+        for p in pending:
+            p.result = None
         for _ in range(4):
-            result = await self.ledger.reserve(run_id=run_id, decision_id=decision_id, charges=charges, now_ms=int(now.timestamp() * 1000), counters=the_asks.counters, pool=the_asks.pool)
-            if result.status == "MISSING":
-                await self._load_keys(conn, the_plan)
-                continue
-            if result.status == "DUPLICATE":
-                # We hold the run's lock and Postgres has no decision for it: the Redis hold is an
-                # orphan of a process that died between reserving and committing.
-                log.warning("releasing orphaned reservation of run %r (decision %s)", run_id, result.holder)
-                await self.ledger.release(run_id, decision_id=result.holder or "")
-                continue
-            readings = {
-                c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed)
-                for c, (reserved, consumed) in zip(the_plan.charges, result.readings, strict=True)
-            }
-            return readings, result
-        raise Unavailable(f"could not reserve for run {run_id!r}: the ledger kept changing")
+            if not pending:
+                return
+            asked = [Reservation(p.run_id, p.decision_id, _charges(p.plan), p.asks.counters, p.asks.pool) for p in pending]
+            work.redis_changed = True
+            results = await self.ledger.reserve_batch(asked, now_ms=now_ms, committed_seq=committed_seq)
+            again = []
+            for p, result in zip(pending, results, strict=True):
+                if result.status == "MISSING":
+                    again.append(p)
+                elif result.status == "DUPLICATE":
+                    # We hold the run's lock and Postgres has no decision for it: the Redis hold is
+                    # an orphan of a process that died between reserving and committing.
+                    log.warning("releasing orphaned reservation of run %r (decision %s)", p.run_id, result.holder)
+                    await self.ledger.release(p.run_id, decision_id=result.holder or "")
+                    again.append(p)
+                else:
+                    p.result = result
+            missing = [p.plan for p in again if p.plan.charges]
+            if missing:
+                await self._load_keys(work.conn, missing)
+            pending = again
+        raise Unavailable(f"could not reserve for runs {[p.run_id for p in pending]!r}: the ledger kept changing")
 
-    async def _load_keys(self, conn: asyncpg.Connection, the_plan: Plan) -> None:
-        """Create the ledger entries of a plan in Postgres (if new) and load them into Redis."""
-        await _ensure_entries(conn, the_plan)
-        keys = [c.ledger_key for c in the_plan.charges]
-        for row in await conn.fetch(sql("ledger_figures"), keys):
+    async def _load_keys(self, conn: asyncpg.Connection, plans: list[Plan]) -> None:
+        """Create the ledger entries of `plans` in Postgres (if new) and load them into Redis."""
+        charges = {c.ledger_key: (c, p.bundle_sha) for p in plans for c in p.charges}
+        entries = [records.entry(c) | {"policy_git_sha": sha} for c, sha in charges.values()]
+        await conn.execute(sql("ensure_ledger_entries"), orjson.dumps(entries).decode())
+        for row in await conn.fetch(sql("ledger_figures"), list(charges)):
             await self.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"])
 
-    async def _undo(self, run_id: str, decision_id: str) -> None:
-        """Give back a reservation whose decision did not commit, or invalidate Redis if unsure."""
-        await undo_unless_committed(
-            self.ledger,
-            committed=lambda: self.pool.fetchval("SELECT 1 FROM decisions WHERE decision_id = $1", uuid.UUID(decision_id)),
-            undo=lambda: self.ledger.release(run_id, decision_id=decision_id),
-            what=f"decision {decision_id}",
-        )
+    async def _decisions(self, conn: asyncpg.Connection, fresh: list[Pending]) -> list[records.DecisionRecord]:
+        """The decision of every fresh submission, from what Redis read and reserved."""
+        readings = {p: _readings(p) for p in fresh}
+        releases = await _releases(conn, [(p.plan, r) for p, r in readings.items() if r is not None and not _reserved(p)], self.start_deadline)
+        decided = []
+        for p in fresh:
+            reserved = _reserved(p)
+            decision = decide(p.plan, readings[p], outlooks=releases)
+            if p.result is not None and p.result.status == "REJECTED":
+                decision = _refusal(p.bundle, p.request, p.asks, p.result, decision)
+            elif reserved and not decision.admitted:
+                raise RuntimeError(f"the ledger reserved for run {p.run_id!r} but the evaluation refuses it")
+            view = standing(p.bundle, p.request, p.asks, p.plan, readings[p], p.result).body()
+            body = response_body(plan=p.plan, decision=decision, decision_id=p.decision_id, decided_at=p.decided_at, standing=view)
+            seq = p.result.seq if p.result is not None and reserved else None
+            decided.append(records.DecisionRecord(p.request, p.plan, decision, body, p.asks, p.decided_at, reserved, seq))
+        return decided
 
     async def lookup(self, run_id: str) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(sql("latest_decision"), run_id)
         return replay(row) if row else None
+
+
+def _sort_out(batch: list[Pending], latest: Mapping[str, Any]) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:
+    """Split a batch, in submission order, into answers known already (replays, conflicts), the
+    submissions to decide, and followers answered as their leader (a retry within the batch).
+    A second submission of a run with another attempt is left for the next batch."""
+    answers: dict[Pending, Any] = {}
+    fresh: list[Pending] = []
+    followers: list[tuple[Pending, Pending]] = []
+    leaders: dict[str, Pending] = {}
+    for p in batch:
+        req = p.request
+        leader = leaders.get(p.run_id)
+        if leader is not None:
+            if leader.request.attempt != req.attempt:
+                continue  # deferred: decided against what the leader committed
+            fields = differences(leader.request.model_dump(mode="json"), req)
+            if fields:
+                answers[p] = Conflict(p.run_id, req.attempt, fields)
+            else:
+                followers.append((p, leader))
+            continue
+        leaders[p.run_id] = p
+        prior = latest.get(p.run_id)
+        if prior is None or decided_afresh(prior["outcome"], prior["attempt"], req.attempt):
+            fresh.append(p)
+        elif prior["attempt"] == req.attempt and (fields := differences(prior["request"], req)):
+            answers[p] = Conflict(p.run_id, req.attempt, fields)
+        else:
+            answers[p] = replay(prior)
+    return answers, fresh, followers
+
+
+def _charges(the_plan: Plan) -> tuple[ChargeRequest, ...]:
+    return tuple(ChargeRequest(c.ledger_key, c.amount, c.policy.limit.amount, c.hard) for c in the_plan.charges)
+
+
+def _reserved(p: Pending) -> bool:
+    return p.result is not None and p.result.status == "RESERVED"
+
+
+def _readings(p: Pending) -> dict[str, Reading] | None:
+    """What each budget held before this decision; None when the ledger was not consulted (a
+    label violation, or nothing to hold)."""
+    if p.result is None:
+        return None
+    return {
+        c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed)
+        for c, (reserved, consumed) in zip(p.plan.charges, p.result.readings, strict=True)
+    }
 
 
 def _refusal(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, result: ReserveResult, decision: Decision) -> Decision:
@@ -203,7 +308,7 @@ def _refusal(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, re
 
 
 def replay(row: Mapping[str, Any]) -> dict[str, Any]:
-    body = json.loads(row["response"]) if isinstance(row["response"], str) else dict(row["response"])
+    body = canonical(orjson.loads(row["response"]) if isinstance(row["response"], str) else dict(row["response"]))
     body["replayed"] = True
     return body
 
@@ -221,93 +326,14 @@ def _submission(request: AdmissionRequest, now: datetime) -> Submission:
     )
 
 
-async def _ensure_entries(conn: asyncpg.Connection, the_plan: Plan) -> None:
-    await conn.execute(sql("ensure_ledger_entries"), *_entry_columns(the_plan, the_plan.charges), the_plan.bundle_sha)
-
-
-async def _releases(conn: asyncpg.Connection, the_plan: Plan, readings: Mapping[str, Reading]) -> dict[str, list[tuple[datetime, int]]]:
-    """When running reservations on each blocked, delaying key are expected to end, so a DELAY
-    can name the earliest moment room appears. Denying budgets need no such time."""
-    result = {}
-    for charge in the_plan.charges:
-        if charge.hard and charge.policy.on_exhausted.delays and not fits(charge.amount, readings[charge.ledger_key]):
-            rows = await conn.fetch(sql("expected_releases"), charge.ledger_key)
-            result[charge.ledger_key] = [(r["expected_end"], r["amount"]) for r in rows]
-    return result
-
-
-async def _record(conn: asyncpg.Connection, request: AdmissionRequest, the_plan: Plan, decision: Decision, body: dict[str, Any], *, reserved: bool, now: datetime, the_asks: Asks) -> None:
-    """Decision, evaluations, ledger entries, reservations and outbox row in one statement."""
-    decision_id = uuid.UUID(body["decision_id"])
-    job = (request.job.namespace, request.job.name) if request.job else None
-    evaluations = decision.evaluations
-    charges = the_plan.charges if reserved else ()
-    standing_view = {k: body[k] for k in ("tenant", "priority_penalty", "preemptible")}
-    message = decision_message(plan=the_plan, decision=decision, decision_id=body["decision_id"], decided_at=now, job=job, standing=standing_view)
-    holds = reserved and bool(the_asks.counters)
-    pool = the_asks.pool if reserved else None
-    record = wire.encode(message, key=request.run_id)
-    await conn.execute(
-        sql("record_decision"),
-        decision_id,
-        request.run_id,
-        request.attempt,
-        decision.outcome,
-        decision.reason,
-        request.namespace,
-        json.dumps(request.labels),
-        job[0] if job else None,
-        job[1] if job else None,
-        the_plan.bundle_sha,
-        the_plan.projected_gpu,
-        the_plan.showback_micros,
-        the_plan.currency,
-        request.model_dump_json(),
-        json.dumps(body),
-        now,
-        [e.policy_id for e in evaluations],
-        [e.policy_git_sha for e in evaluations],
-        [e.scope_id for e in evaluations],
-        [e.ledger_key for e in evaluations],
-        [e.window_start for e in evaluations],
-        [e.window_end for e in evaluations],
-        [str(e.unit) for e in evaluations],
-        [str(e.enforcement) for e in evaluations],
-        [e.outcome for e in evaluations],
-        [e.limit for e in evaluations],
-        [e.projected for e in evaluations],
-        [e.remaining for e in evaluations],
-        [e.admitted for e in evaluations],
-        [e.deficit for e in evaluations],
-        [e.next_eligible_time for e in evaluations],
-        *_entry_columns(the_plan, charges),
-        [c.amount for c in charges],
-        now + timedelta(hours=float(the_plan.submission.runtime_hours)),
-        topics.DECISIONS,
-        record.value,
-        json.dumps([[k, v.decode("latin-1")] for k, v in record.headers]),
-        holds,
-        the_asks.tenant,
-        request.resources.gpus,
-        request.resources.nodes,
-        the_asks.sensitive,
-        pool.levels[0].namespace if pool else None,
-        [level.namespace for level in pool.levels] if pool else None,
-        pool.project if pool else "",
-        pool.sub_namespace if pool else "",
-        datetime.fromtimestamp(pool.expiry_ms / 1000, UTC) if pool else None,
-    )
-
-
-def _entry_columns(the_plan: Plan, charges: Sequence[Charge]) -> tuple[list[Any], ...]:
-    """Column arrays of the ledger entries of `charges` (keys, scopes, units, windows, policies, limits)."""
-    return (
-        [c.ledger_key for c in charges],
-        [c.policy.scope.scope_id for c in charges],
-        [str(c.policy.limit.unit) for c in charges],
-        [c.window.key for c in charges],
-        [None if c.policy.window.rolling else c.window.start for c in charges],
-        [None if c.policy.window.rolling else c.window.end for c in charges],
-        [c.policy.id for c in charges],
-        [c.policy.limit.amount for c in charges],
-    )
+async def _releases(conn: asyncpg.Connection, refused_plans: list[tuple[Plan, Mapping[str, Reading]]], start_deadline: timedelta) -> dict[str, Outlook]:
+    """How the usage of each key that lacks room on a delaying budget changes with time alone
+    (one query for the batch), so a DELAY can name the earliest instant room appears; a denying
+    budget's time is only informative (the next window, read without a query)."""
+    short = {
+        c.ledger_key: c
+        for the_plan, readings in refused_plans
+        for c in the_plan.charges
+        if c.policy.on_exhausted.delays and not fits(c.amount, readings[c.ledger_key])
+    }  # fmt: skip
+    return await outlooks(conn, list(short.values()), start_deadline=start_deadline)

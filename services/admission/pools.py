@@ -11,6 +11,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.core.policy import PolicyBundle
+from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
@@ -76,7 +77,7 @@ class TokenPools:
                 "namespace": namespace,
                 "token": body.token,
                 "renewed": status == "RENEWED",
-                "lease_expires_at": expires.isoformat() if granted else None,
+                "lease_expires_at": rfc3339(expires) if granted else None,
                 "levels": [
                     {"namespace": level.namespace, "quota": level.quota, "used": reading.used + (1 if status == "GRANTED" else 0), "project_cap": level.project_cap, "namespace_cap": level.namespace_cap}
                     for level, reading in zip(request.levels, readings, strict=True)
@@ -125,7 +126,7 @@ class TokenPools:
             for token, expiry in live:
                 owner = who.get(token, b"\t").decode()
                 project, _, sub = owner.partition("\t")
-                holders.append({"token": token.decode(), "project": project or None, "sub_namespace": sub or None, "lease_expires_at": datetime.fromtimestamp(expiry / 1000, UTC).isoformat()})
+                holders.append({"token": token.decode(), "project": project or None, "sub_namespace": sub or None, "lease_expires_at": rfc3339(datetime.fromtimestamp(expiry / 1000, UTC))})
             return {
                 "namespace": namespace,
                 "quota": declared.quota,

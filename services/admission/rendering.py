@@ -1,4 +1,8 @@
-"""A decision as the API answers it, and as the Decision message the outbox publishes."""
+"""A decision as the API answers it, and as the Decision message the outbox publishes.
+
+Every answer has one shape: the keys in the order of the published models (AdmissionResponse,
+EvaluationOut) and every instant as RFC 3339 UTC with a `Z`, first answers and replays alike
+(a replay comes back from Postgres's jsonb, which keeps neither key order nor text)."""
 
 from __future__ import annotations
 
@@ -7,9 +11,15 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.core.evaluation import Decision, Evaluation, Plan
+from budgetgate.core.evaluation import Decision, Evaluation, Plan, deciding_index
 from budgetgate.core.units import Unit, display, hours, money
+from budgetgate.core.windows import rfc3339
+from budgetgate.services.admission.schemas import AdmissionResponse, EvaluationOut
 from budgetgate.v1 import common_pb2, decisions_pb2
+
+_ANSWER_KEYS = tuple(AdmissionResponse.model_fields)
+_EVALUATION_KEYS = tuple(EvaluationOut.model_fields)
+_INSTANTS = ("decided_at", "window_start", "window_end", "next_eligible_time")
 
 
 def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, standing: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -26,7 +36,7 @@ def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_a
         "projected_gpu_hours": hours(plan.projected_gpu),
         "showback_cost": float(money(plan.showback_micros)) if plan.showback_micros is not None else None,
         "currency": plan.currency,
-        "decided_at": decided_at.isoformat(),
+        "decided_at": rfc3339(decided_at),
         "evaluations": [_evaluation(e, plan.projected_gpu) for e in decision.evaluations],
         **(standing or {"tenant": None, "priority_penalty": 0.0, "preemptible": False, "fair_share": None}),
     }
@@ -38,8 +48,8 @@ def _evaluation(e: Evaluation, projected_gpu: int) -> dict[str, Any]:
         "policy_id": e.policy_id,
         "policy_git_sha": e.policy_git_sha,
         "scope_id": e.scope_id,
-        "window_start": e.window_start.isoformat() if e.window_start else None,
-        "window_end": e.window_end.isoformat() if e.window_end else None,
+        "window_start": rfc3339(e.window_start) if e.window_start else None,
+        "window_end": rfc3339(e.window_end) if e.window_end else None,
         "unit": str(e.unit),
         "enforcement": str(e.enforcement),
         "on_exhausted": e.on_exhausted,
@@ -53,9 +63,27 @@ def _evaluation(e: Evaluation, projected_gpu: int) -> dict[str, Any]:
         "admitted_gpu_hours": hours(projected_gpu) if e.admitted else 0.0,
         "deficit": display(e.unit, e.deficit) if e.deficit is not None else None,
         "deficit_gpu_hours": hours(e.deficit) if gpu and e.deficit is not None else None,
-        "next_eligible_time": e.next_eligible_time.isoformat() if e.next_eligible_time else None,
+        "next_eligible_time": rfc3339(e.next_eligible_time) if e.next_eligible_time else None,
         "missing_labels": list(e.missing_labels),
     }
+
+
+def canonical(body: dict[str, Any]) -> dict[str, Any]:
+    """A stored answer in the one shape every answer has (see the module doc); keys the models
+    do not name keep their place after the known ones."""
+    answer = {k: _instant(k, body[k]) for k in _ANSWER_KEYS if k in body}
+    answer["evaluations"] = [
+        {**{k: _instant(k, e[k]) for k in _EVALUATION_KEYS if k in e}, **{k: v for k, v in e.items() if k not in _EVALUATION_KEYS}}
+        for e in body.get("evaluations", [])
+    ]
+    answer.update((k, v) for k, v in body.items() if k not in answer)
+    return answer
+
+
+def _instant(key: str, value: Any) -> Any:
+    if key in _INSTANTS and isinstance(value, str):
+        return rfc3339(datetime.fromisoformat(value))
+    return value
 
 
 def _ts(at: datetime | None) -> Timestamp | None:
@@ -90,6 +118,7 @@ def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decide
         tenant=(standing or {}).get("tenant") or "",
         priority_penalty=(standing or {}).get("priority_penalty", 0.0),
         preemptible=(standing or {}).get("preemptible", False),
+        deciding_evaluation=deciding_index(decision),
     )
     for e in decision.evaluations:
         message.evaluations.append(

@@ -1,19 +1,36 @@
-"""The admission HTTP API's request and response bodies (published as OpenAPI)."""
+"""The admission HTTP API's request and response bodies (published as OpenAPI).
+
+Numbers in requests are strict: `"gpus": true` or `"gpus": "8"` is a 422, never 1 or 8.
+Every model and field carries a description and every model an example, so the published
+contract documents itself; `OPERATIONS` names each endpoint for generated clients.
+"""
 
 from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StringConstraints, field_validator
 
 from budgetgate.core.documents import LabelKey, LabelValue, Namespace
+from budgetgate.openapi import Operation
 
 MAX_RUNTIME_HOURS = 8784.0  # a leap year: anything longer is a unit mistake, not a plan
 RunId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$")]
 Flavor = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9._-]+$")]
+Outcome = Literal["ALLOW", "DENY", "DELAY"]
+UnitName = Literal["gpu_hours", "node_hours", "wall_hours", "cost"]
+EnforcementName = Literal["hard", "soft", "dry-run"]
+OnExhaustedName = Literal["deny", "delay", "hold", "hold-and-drain"]
+PoolStatusName = Literal["Granted", "Exhausted", "NamespaceQuotaExceeded"]
+
+_EXAMPLE_WINDOW = {"window_start": "2026-07-01T00:00:00Z", "window_end": "2026-08-01T00:00:00Z"}
+
+
+def _example(example: dict) -> ConfigDict:
+    return ConfigDict(json_schema_extra={"examples": [example]})
 
 
 class _Body(BaseModel):
@@ -21,20 +38,32 @@ class _Body(BaseModel):
 
 
 class ResourcesIn(_Body):
-    gpus: int = Field(ge=1, le=1_000_000, description="GPUs the workload asks for")
-    nodes: int = Field(default=1, ge=1, le=100_000)
+    """What the workload asks for."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"gpus": 8, "nodes": 1, "flavor": "h100", "region": "us-east-1"}]})
+
+    gpus: StrictInt = Field(ge=0, le=1_000_000, description="GPUs the workload asks for; 0 for CPU-only work (charged on node-hour, wall-hour and cost budgets)")
+    nodes: StrictInt = Field(default=1, ge=1, le=100_000, description="nodes the workload asks for (at least 1)")
     flavor: Flavor | None = Field(default=None, description="resource flavor the rate card prices, e.g. h100")
-    region: Flavor | None = None
+    region: Flavor | None = Field(default=None, description="region, for rate cards with regional prices")
 
 
 class JobIn(_Body):
-    namespace: Name
-    name: Name
+    """The job the run belongs to, as OpenLineage names it."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"namespace": "vision-prod", "name": "train-resnet"}]})
+
+    namespace: Name = Field(description="OpenLineage job namespace")
+    name: Name = Field(description="OpenLineage job name")
 
 
 class PoolConstraintsIn(_Body):
-    project: int | None = Field(default=None, ge=0, description="most tokens one project may hold in the pool")
-    namespace: int | None = Field(default=None, ge=0, description="most tokens one sub-namespace may hold")
+    """Caps tighter than the pool's own; the tighter of the two applies."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"project": 10, "namespace": 50}]})
+
+    project: StrictInt | None = Field(default=None, ge=0, description="most tokens one project may hold in the pool")
+    namespace: StrictInt | None = Field(default=None, ge=0, description="most tokens one sub-namespace may hold")
 
 
 PoolNamespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}(:[a-z0-9][a-z0-9_.-]{0,62}){0,7}$")]
@@ -45,30 +74,53 @@ Project = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern
 class PoolTokenIn(_Body):
     """A token toward an external service, granted together with the GPU reservation or not at all."""
 
-    namespace: PoolNamespace
-    project: Project | None = None
-    sub_namespace: Project | None = None
-    constraints: PoolConstraintsIn | None = None
-    lease_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"namespace": "snowflake:wh-1", "project": "vision"}]})
+
+    namespace: PoolNamespace = Field(description="the declared pool, e.g. snowflake:wh-1 (counts against its ancestors too)")
+    project: Project | None = Field(default=None, description="project the token is held for")
+    sub_namespace: Project | None = Field(default=None, description="sub-namespace the token is held for")
+    constraints: PoolConstraintsIn | None = Field(default=None, description="caps tighter than the pool's")
+    lease_seconds: StrictInt | None = Field(default=None, ge=1, le=30 * 86400, description="lease length; the pool's default when absent")
 
 
 class AllocationIn(_Body):
-    token: Token
-    project: Project | None = None
-    sub_namespace: Project | None = None
-    constraints: PoolConstraintsIn | None = None
-    lease_seconds: int | None = Field(default=None, ge=1, le=30 * 86400)
+    """A request for one token of a pool; asking again with the same token renews its lease."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"token": "job-42", "project": "vision", "lease_seconds": 600}]})
+
+    token: Token = Field(description="the caller's id of the allocation; the idempotency key")
+    project: Project | None = Field(default=None, description="project the token is held for")
+    sub_namespace: Project | None = Field(default=None, description="sub-namespace the token is held for")
+    constraints: PoolConstraintsIn | None = Field(default=None, description="caps tighter than the pool's")
+    lease_seconds: StrictInt | None = Field(default=None, ge=1, le=30 * 86400, description="lease length; the pool's default when absent")
+
+
+_SUBMISSION_EXAMPLE = {
+    "run_id": "flyte/vision/exec-7f3a/n0",
+    "attempt": 1,
+    "namespace": "vision-prod",
+    "labels": {"cost-center": "1042", "team": "vision", "environment": "prod"},
+    "resources": {"gpus": 8, "nodes": 1, "flavor": "h100", "region": "us-east-1"},
+    "projected_runtime_hours": 6.0,
+    "job": {"namespace": "vision-prod", "name": "train-resnet"},
+}
 
 
 class AdmissionRequest(_Body):
+    """May this workload start? One submission, sent again unchanged on every retry."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [_SUBMISSION_EXAMPLE]})
+
     run_id: RunId = Field(description="stable id of the run, reused on every retry")
-    attempt: int = Field(default=1, ge=1, le=100_000)
-    namespace: Namespace
-    labels: dict[LabelKey, Annotated[str, StringConstraints(max_length=63)]] = Field(default_factory=dict, max_length=64)
-    resources: ResourcesIn
-    projected_runtime_hours: float = Field(gt=0, le=MAX_RUNTIME_HOURS, allow_inf_nan=False)
-    job: JobIn | None = None
-    pool_token: PoolTokenIn | None = None
+    attempt: StrictInt = Field(default=1, ge=1, le=100_000, description="resubmission number; a higher attempt after DELAY is evaluated afresh")
+    namespace: Namespace = Field(description="Kubernetes namespace the workload runs in")
+    labels: dict[LabelKey, Annotated[str, StringConstraints(max_length=63)]] = Field(
+        default_factory=dict, max_length=64, description="Kubernetes labels; budgets and quotas match on them"
+    )
+    resources: ResourcesIn = Field(description="what the workload asks for")
+    projected_runtime_hours: StrictFloat = Field(gt=0, le=MAX_RUNTIME_HOURS, allow_inf_nan=False, description="how long the run is expected to take, in hours")
+    job: JobIn | None = Field(default=None, description="the OpenLineage job of the run; else the namespace and run id")
+    pool_token: PoolTokenIn | None = Field(default=None, description="a token to take together with the reservation")
 
     @field_validator("labels")
     @classmethod
@@ -81,68 +133,277 @@ class AdmissionRequest(_Body):
 
 _LABEL_VALUE = re.compile(LabelValue.__metadata__[0].pattern)
 
+_EVALUATION_EXAMPLE = {
+    "policy_id": "gpu-budget/team-vision-prod",
+    "policy_git_sha": "e" * 40,
+    "scope_id": "ns=vision-prod;cost-center=1042;team=vision",
+    **_EXAMPLE_WINDOW,
+    "unit": "gpu_hours",
+    "enforcement": "hard",
+    "on_exhausted": "deny",
+    "decision": "ALLOW",
+    "limit": 500.0,
+    "projected": 48.0,
+    "remaining": 500.0,
+    "admitted": 48.0,
+    "projected_gpu_hours": 48.0,
+    "remaining_gpu_hours": 500.0,
+    "admitted_gpu_hours": 48.0,
+    "deficit": None,
+    "deficit_gpu_hours": None,
+    "next_eligible_time": None,
+    "missing_labels": [],
+}
+
 
 class EvaluationOut(BaseModel):
-    policy_id: str
-    policy_git_sha: str
-    scope_id: str
-    window_start: datetime | None
-    window_end: datetime | None
-    unit: str
-    enforcement: str
-    on_exhausted: str
-    decision: str
-    limit: float
-    projected: float
+    """How one budget policy judged the submission."""
+
+    model_config = _example(_EVALUATION_EXAMPLE)
+
+    policy_id: str = Field(description="the policy's id in the policy repository")
+    policy_git_sha: str = Field(description="Git SHA of the policy bundle the policy came from")
+    scope_id: str = Field(description="canonical scope: namespaces, then labels sorted by key")
+    window_start: datetime | None = Field(description="start of the budget window (null for a label violation)")
+    window_end: datetime | None = Field(description="end of the budget window; for a rolling window, the decision instant")
+    unit: UnitName = Field(description="the unit of limit, projected, remaining, admitted and deficit")
+    enforcement: EnforcementName = Field(description="hard blocks; soft and dry-run are charged and recorded, never block")
+    on_exhausted: OnExhaustedName = Field(description="what an exhausted hard budget answers: deny, or DELAY for the others")
+    decision: Outcome = Field(description="this budget's own answer")
+    limit: float = Field(description="the budget's limit, in its unit")
+    projected: float = Field(description="what this run would use of it, in its unit (rounded up to the ledger unit)")
     remaining: float | None = Field(description="room left before this decision, in the policy's unit")
-    admitted: float
-    projected_gpu_hours: float
-    remaining_gpu_hours: float | None
-    admitted_gpu_hours: float
-    deficit: float | None = None
-    deficit_gpu_hours: float | None = None
-    next_eligible_time: datetime | None = None
-    missing_labels: list[str] = Field(default_factory=list)
+    admitted: float = Field(description="what was reserved on it by this decision, in its unit")
+    projected_gpu_hours: float = Field(description="the run's projected GPU-hours")
+    remaining_gpu_hours: float | None = Field(description="room left in GPU-hours; null for budgets in other units")
+    admitted_gpu_hours: float = Field(description="GPU-hours reserved by this decision")
+    deficit: float | None = Field(default=None, description="DENY/DELAY: how much room was missing, in the budget's unit")
+    deficit_gpu_hours: float | None = Field(default=None, description="DENY/DELAY: the deficit in GPU-hours, for GPU-hour budgets")
+    next_eligible_time: datetime | None = Field(
+        default=None, description="DENY/DELAY: the earliest instant this budget will have room for the run under its own rules; null when no instant will do"
+    )
+    missing_labels: list[str] = Field(default_factory=list, description="labels the policy requires that the submission lacks")
+
+
+_ANSWER_EXAMPLE = {
+    "run_id": "flyte/vision/exec-7f3a/n0",
+    "attempt": 1,
+    "decision_id": "0b5e3a4c-6c1f-4a53-9f0e-2f7d1c9a8b11",
+    "decision": "ALLOW",
+    "reason": "admitted: reserved on 1 budget; tightest is 'gpu-budget/team-vision-prod' with 452 GPU-hours of 500 GPU-hours left after this run",
+    "replayed": False,
+    "policy_bundle_sha": "e" * 40,
+    "projected_gpu_hours": 48.0,
+    "showback_cost": 188.78,
+    "currency": "USD",
+    "decided_at": "2026-07-14T09:30:00.123456Z",
+    "evaluations": [_EVALUATION_EXAMPLE],
+    "tenant": "vision",
+    "priority_penalty": 0.0,
+    "preemptible": False,
+    "fair_share": None,
+}
 
 
 class AdmissionResponse(BaseModel):
-    run_id: str
-    attempt: int
-    decision_id: str
-    decision: str = Field(description="ALLOW | DENY | DELAY")
-    reason: str
-    replayed: bool
-    policy_bundle_sha: str | None
-    projected_gpu_hours: float
-    showback_cost: float | None
-    currency: str | None
-    decided_at: datetime
-    evaluations: list[EvaluationOut]
+    """The decision on a submission, with the numbers behind it; a replay repeats it exactly."""
+
+    model_config = _example(_ANSWER_EXAMPLE)
+
+    run_id: str = Field(description="the submission's run id")
+    attempt: int = Field(description="the attempt this decision answers")
+    decision_id: str = Field(description="id of the stored decision (UUID)")
+    decision: Outcome = Field(description="ALLOW: start now; DENY: do not; DELAY: resubmit at or after next_eligible_time")
+    reason: str = Field(description="why, in words a person can act on")
+    replayed: bool = Field(description="true when this is the stored answer to an earlier identical submission")
+    policy_bundle_sha: str | None = Field(description="Git SHA of the policy bundle that decided")
+    projected_gpu_hours: float = Field(description="gpus × projected runtime hours")
+    showback_cost: float | None = Field(description="projected GPU-hours × the flavor's rate, rounded to cents; null when unpriced")
+    currency: str | None = Field(description="currency of showback_cost")
+    decided_at: datetime = Field(description="when the decision was made (UTC)")
+    evaluations: list[EvaluationOut] = Field(description="one entry per matching policy, in the bundle's order")
     tenant: str | None = Field(default=None, description="value of the tenant label")
     priority_penalty: float = Field(default=0.0, description="0..1, from the most used soft budget; see README")
     preemptible: bool = Field(default=False, description="admitted above the tenant's fair-share target, on burst")
-    fair_share: dict[str, float] | None = None
+    fair_share: dict[str, float] | None = Field(default=None, description="share, share_after, target, burst_limit and deficit of the tenant's fair share")
 
 
 class BudgetUsage(BaseModel):
-    policy_id: str
-    policy_git_sha: str
-    unit: str
-    currency: str | None
-    enforcement: str
-    window_start: datetime
-    window_end: datetime
-    limit: float
-    reserved: float
-    consumed: float
-    remaining: float
+    """One budget of a scope in its current window."""
+
+    model_config = _example({
+        "policy_id": "gpu-budget/team-vision-prod", "policy_git_sha": "e" * 40, "unit": "gpu_hours", "currency": None, "enforcement": "hard",
+        **_EXAMPLE_WINDOW, "limit": 500.0, "reserved": 48.0, "consumed": 120.5, "remaining": 331.5, "utilization": 0.337,
+    })  # fmt: skip
+
+    policy_id: str = Field(description="the policy's id")
+    policy_git_sha: str = Field(description="Git SHA of the active policy bundle")
+    unit: UnitName = Field(description="unit of limit, reserved, consumed and remaining")
+    currency: str | None = Field(description="currency of a cost budget")
+    enforcement: EnforcementName = Field(description="hard, soft or dry-run")
+    window_start: datetime = Field(description="start of the current window")
+    window_end: datetime = Field(description="end of the current window")
+    limit: float = Field(description="the budget's limit")
+    reserved: float = Field(description="held by admitted runs not yet reconciled")
+    consumed: float = Field(description="metered actuals")
+    remaining: float = Field(description="limit − reserved − consumed")
     utilization: float | None = Field(description="(reserved + consumed) / limit")
 
 
 class ScopeUsage(BaseModel):
-    scope_id: str
-    budgets: list[BudgetUsage]
+    """Every budget of a scope in its current window."""
+
+    model_config = _example({"scope_id": "ns=vision-prod;cost-center=1042;team=vision", "budgets": [BudgetUsage.model_config["json_schema_extra"]["examples"][0]]})  # type: ignore[index]
+
+    scope_id: str = Field(description="the canonical scope id")
+    budgets: list[BudgetUsage] = Field(description="its budgets")
+
+
+class PoolLevel(BaseModel):
+    """One declared pool an allocation counts against."""
+
+    namespace: str = Field(description="the pool's namespace")
+    quota: int = Field(description="tokens the pool holds")
+    used: int = Field(description="tokens held, this one included when granted")
+    project_cap: int | None = Field(description="most tokens one project may hold")
+    namespace_cap: int | None = Field(description="most tokens one sub-namespace may hold")
+
+
+class AllocationOut(BaseModel):
+    """The answer to a token request."""
+
+    model_config = _example({
+        "status": "Granted", "namespace": "snowflake:wh-1", "token": "job-42", "renewed": False, "lease_expires_at": "2026-07-14T09:40:00Z",
+        "levels": [{"namespace": "snowflake:wh-1", "quota": 50, "used": 7, "project_cap": 10, "namespace_cap": 50}],
+    })  # fmt: skip
+
+    status: PoolStatusName = Field(description="Granted; Exhausted (the pool or an ancestor is full); NamespaceQuotaExceeded (a project or sub-namespace cap)")
+    namespace: str = Field(description="the pool asked")
+    token: str = Field(description="the token asked")
+    renewed: bool = Field(description="the token was held already and its lease was renewed")
+    lease_expires_at: datetime | None = Field(description="when the lease runs out unless renewed; null when not granted")
+    levels: list[PoolLevel] = Field(description="the pool and its declared ancestors, most specific first")
+
+
+class ReleaseOut(BaseModel):
+    """The answer to giving a token back."""
+
+    model_config = _example({"namespace": "snowflake:wh-1", "token": "job-42", "released": True})
+
+    namespace: str = Field(description="the pool")
+    token: str = Field(description="the token")
+    released: bool = Field(description="false when the token was not held (releasing is idempotent)")
+
+
+class PoolHolder(BaseModel):
+    """A token held in a pool."""
+
+    token: str = Field(description="the token")
+    project: str | None = Field(description="project it is held for")
+    sub_namespace: str | None = Field(description="sub-namespace it is held for")
+    lease_expires_at: datetime = Field(description="when its lease runs out")
+
+
+class PoolStatus(BaseModel):
+    """A declared pool: quota, use and holders (leases that ran out are not counted)."""
+
+    model_config = _example({
+        "namespace": "snowflake:wh-1", "quota": 50, "used": 1, "project_cap": 10, "namespace_cap": 50,
+        "holders": [{"token": "job-42", "project": "vision", "sub_namespace": None, "lease_expires_at": "2026-07-14T09:40:00Z"}],
+    })  # fmt: skip
+
+    namespace: str = Field(description="the pool's namespace")
+    quota: int = Field(description="tokens the pool holds")
+    used: int = Field(description="tokens held now")
+    project_cap: int | None = Field(description="most tokens one project may hold")
+    namespace_cap: int | None = Field(description="most tokens one sub-namespace may hold")
+    holders: list[PoolHolder] = Field(description="who holds them")
+
+
+class TenantRuns(BaseModel):
+    """A tenant's runs over the period."""
+
+    runs: int = Field(description="runs decided")
+    admitted: int = Field(description="runs admitted")
+    reserved_gpu_hours: float = Field(description="GPU-hours held by reservations not yet reconciled")
+    consumed_gpu_hours: float = Field(description="GPU-hours metered")
+    consumed_node_hours: float = Field(description="node-hours metered")
+
+
+class TenantBudget(BudgetUsage):
+    """One budget of the tenant in its current window, with its scope."""
+
+    scope_id: str = Field(description="the budget's scope")
+
+
+class TenantUsage(BaseModel):
+    """A tenant's budgets in their current windows and its runs' usage over the last days."""
+
+    model_config = _example({
+        "tenant": "vision", "label": "team", "days": 90, "since": "2026-04-15T09:30:00Z", "policy_bundle_sha": "e" * 40, "budgets": [],
+        "runs": {"runs": 12, "admitted": 10, "reserved_gpu_hours": 48.0, "consumed_gpu_hours": 310.25, "consumed_node_hours": 40.0},
+    })  # fmt: skip
+
+    tenant: str = Field(description="the tenant (a value of the tenant label)")
+    label: str = Field(description="the tenant label")
+    days: int = Field(description="the period, in days")
+    since: datetime = Field(description="start of the period")
+    policy_bundle_sha: str | None = Field(description="the active policy bundle")
+    budgets: list[TenantBudget] = Field(description="budgets whose scope requires this tenant")
+    runs: TenantRuns = Field(description="its runs over the period")
+
+
+class BudgetLine(BaseModel):
+    """One budget of the active bundle in its current window, in human units."""
+
+    policy_id: str = Field(description="the policy's id")
+    scope_id: str = Field(description="the budget's canonical scope id")
+    window_key: str = Field(description="the current window, e.g. 2026-07 or rolling-30d")
+    window_start: datetime = Field(description="start of the current window")
+    window_end: datetime = Field(description="end of the current window")
+    unit: str = Field(description="gpu_hours, node_hours, wall_hours or cost")
+    currency: str | None = Field(description="the currency of a cost budget")
+    enforcement: str = Field(description="hard, soft or dry-run")
+    limit: float = Field(description="the limit, in hours or the currency")
+    reserved: float = Field(description="held by admitted runs not yet reconciled")
+    consumed: float = Field(description="metered actuals")
+    remaining: float = Field(description="limit - reserved - consumed")
+    used_percent: float = Field(description="(reserved + consumed) / limit, in percent")
+    used_ratio: float = Field(description="(reserved + consumed) / limit")
+    state: Literal["ok", "alerting", "exhausted", "held"] = Field(description="ok; alerting from 80 % used; exhausted; held while a hold is in force")
+
+
+class BudgetList(BaseModel):
+    """Every budget of the active policy bundle in its current window."""
+
+    model_config = _example({
+        "policy_bundle_sha": "e" * 40,
+        "budgets": [{
+            "policy_id": "gpu-budget/team-vision-prod", "scope_id": "ns=vision-prod;cost-center=1042;team=vision", "window_key": "2026-07",
+            "window_start": "2026-07-01T00:00:00Z", "window_end": "2026-08-01T00:00:00Z", "unit": "gpu_hours", "currency": None,
+            "enforcement": "hard", "limit": 500.0, "reserved": 48.0, "consumed": 310.25, "remaining": 141.75, "used_percent": 71.7,
+            "used_ratio": 0.7165, "state": "ok",
+        }],
+    })  # fmt: skip
+
+    policy_bundle_sha: str = Field(description="the active policy bundle's Git SHA")
+    budgets: list[BudgetLine] = Field(description="one line per budget")
 
 
 class Problem(BaseModel):
-    detail: str
+    """An error (RFC 9457 problem details)."""
+
+    detail: str = Field(description="what went wrong")
+
+
+# Each endpoint's name for generated clients, and what it answers when FastAPI cannot tell.
+OPERATIONS: dict[str, Operation] = {
+    "POST /v1/admissions": Operation("submitAdmission"),
+    "GET /v1/admissions/{run_id}": Operation("getAdmission", parameters={"run_id": "the run id (it may contain slashes)"}),
+    "GET /v1/scopes/{scope_id}/usage": Operation("getScopeUsage", parameters={"scope_id": "a canonical scope id, e.g. ns=vision-prod;team=vision"}),
+    "GET /v1/tenants/{tenant}/usage": Operation("getTenantUsage", answer=TenantUsage, parameters={"tenant": "a value of the tenant label", "days": "the period, in days"}),
+    "POST /v1/pools/{namespace}/allocations": Operation("allocatePoolToken", answer=AllocationOut, parameters={"namespace": "a declared pool, e.g. snowflake:wh-1"}),
+    "DELETE /v1/pools/{namespace}/allocations/{token}": Operation("releasePoolToken", answer=ReleaseOut, parameters={"namespace": "the pool", "token": "the token to give back"}),
+    "GET /v1/pools/{namespace}": Operation("getPool", answer=PoolStatus, parameters={"namespace": "a declared pool"}),
+    "GET /v1/budgets": Operation("listBudgets", answer=BudgetList),
+}

@@ -22,3 +22,11 @@ class AdmissionSettings(CommonSettings):
     # A Redis hold older than this whose decision is not in Postgres is an orphan of a process
     # that died between reserving and committing, and is released.
     orphan_grace_seconds: float = 120.0
+    # A run admitted but not started for this long gives its reservation back (the reconciler's
+    # BUDGETGATE_START_DEADLINE_SECONDS; the same variable): a DELAY counts on that release.
+    start_deadline_seconds: float = 3600.0
+    # Group commit: a batch takes up to `batch_max` submissions, waits at most
+    # `batch_wait_seconds` to fill, and up to `batches_in_flight` batches run at once.
+    batch_max: int = 64
+    batch_wait_seconds: float = 0.001
+    batches_in_flight: int = 2

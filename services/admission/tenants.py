@@ -13,6 +13,7 @@ from fastapi import FastAPI, Query, Request
 
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import hours
+from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.usage import scope_usage
 from budgetgate.settings import CommonSettings
@@ -35,7 +36,7 @@ async def tenant_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, label
         "tenant": tenant,
         "label": label,
         "days": days,
-        "since": since.isoformat(),
+        "since": rfc3339(since),
         "policy_bundle_sha": bundle.git_sha if bundle else None,
         "budgets": budgets,
         "runs": {
@@ -56,7 +57,8 @@ def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:
     async def tenant(tenant: str, request: Request, days: int = Query(90, ge=1, le=3660)) -> dict[str, Any]:
         from datetime import UTC
 
-        from budgetgate.services.admission.admitter import BACKEND_ERRORS, Unavailable
+        from budgetgate.backends import BACKEND_ERRORS
+        from budgetgate.services.admission.admitter import Unavailable
 
         rt = request.app.state.rt
         try:

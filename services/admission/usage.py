@@ -10,7 +10,7 @@ import asyncpg
 from budgetgate.core.evaluation import ledger_key
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import display
-from budgetgate.core.windows import window_at
+from budgetgate.core.windows import rfc3339, window_at
 from budgetgate.ledger.queries import sql
 
 
@@ -36,8 +36,8 @@ async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, n
                 "unit": str(unit),
                 "currency": policy.limit.currency,
                 "enforcement": str(policy.enforcement),
-                "window_start": windows[policy.id].start.isoformat(),
-                "window_end": windows[policy.id].end.isoformat(),
+                "window_start": rfc3339(windows[policy.id].start),
+                "window_end": rfc3339(windows[policy.id].end),
                 "limit": display(unit, limit),
                 "reserved": display(unit, reserved),
                 "consumed": display(unit, consumed),

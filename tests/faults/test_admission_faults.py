@@ -7,9 +7,10 @@ import uuid
 
 import asyncpg
 import pytest
+import redis.asyncio as aioredis
 
 from budgetgate.ledger.migrations import migrate_dsn
-from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml, one_batch, submission
 from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
 
 LIMIT = budget_yaml("faulty", limit="gpu_hours: 100")
@@ -159,3 +160,66 @@ async def test_sweeper_releases_orphans_and_keeps_real_holds(admission_factory, 
     assert await server.rt.sync.sweep_orphans(grace=timedelta(0), now=datetime.now(UTC)) == ["young-orphan"]
     assert await reserved_in_redis(server) == {key: 8 * GPU_HOUR}
     assert set(await server.rt.ledger.held_runs()) == {"run-real"}
+
+
+async def test_redis_restored_from_an_old_snapshot_is_rebuilt_and_never_over_admits(admission_factory, killable_redis, pg_dsn) -> None:
+    # The repro of the over-admission: 25 ALLOW, SAVE, 25 more ALLOW, Redis restarted with the
+    # same arguments loads the old dump.rdb (its "loaded" marker included), 100 more submissions.
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("snap", limit="gpu_hours: 50")}, sha="5" * 40)
+    server = await admission_factory(redis_url=killable_redis.url, pg_pool_max=30)
+    await server.wait_ready()
+
+    def one(i: int | str) -> dict[str, object]:
+        return submission(run_id=f"snap-{i}", labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)
+
+    first = await asyncio.gather(*(server.client.post("/v1/admissions", json=one(i)) for i in range(25)))
+    assert [a.json()["decision"] for a in first] == ["ALLOW"] * 25
+    assert await server.rt.redis.save()
+    second = await asyncio.gather(*(server.client.post("/v1/admissions", json=one(i)) for i in range(25, 50)))
+    assert [a.json()["decision"] for a in second] == ["ALLOW"] * 25
+
+    killable_redis.stop()
+    killable_redis.start()
+    # The restored Redis carries the marker and the first 25 reservations only.
+    restored = aioredis.from_url(killable_redis.url)
+    try:
+        ledger = server.rt.ledger
+        assert await restored.exists(ledger.marker)
+        assert await restored.hget(ledger.ledger(next(iter(await held_in_postgres(pg_dsn)))), "reserved") == str(25 * GPU_HOUR).encode()
+    finally:
+        await restored.aclose()
+
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=one(i)) for i in range(50, 150)))
+    assert {a.status_code for a in answers} <= {200, 503}
+    assert sum(a.status_code == 200 and a.json()["decision"] == "ALLOW" for a in answers) == 0
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [50 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+
+
+async def test_redis_lost_between_the_reserve_and_the_commit(admission_factory, killable_redis, pg_dsn, monkeypatch) -> None:
+    from budgetgate.services.admission import records
+
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="6" * 40)
+    server = await admission_factory(redis_url=killable_redis.url)
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+    record = records.record
+
+    async def record_after_losing_redis(conn, batch):  # type: ignore[no-untyped-def]
+        if killable_redis.running:
+            killable_redis.stop()  # Redis reserved for the batch and is gone before the commit
+        await record(conn, batch)
+
+    monkeypatch.setattr(records, "record", record_after_losing_redis)
+    answers = await one_batch(server, [body(f"lost-{i}") for i in range(3)])
+    monkeypatch.setattr(records, "record", record)
+    # Postgres committed the batch, so its answers stand: durable before acknowledged.
+    assert [a["decision"] for a in answers] == ["ALLOW"] * 3
+    killable_redis.start()  # empty: rebuilt from Postgres, the batch's reservations included
+    after = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(f"after-{i}")) for i in range(12)))
+    assert {a.status_code for a in after} <= {200, 503}
+    assert sum(a.status_code == 200 and a.json()["decision"] == "ALLOW" for a in after) == 12 - 4
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [96 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held

@@ -139,7 +139,7 @@ async def test_exhausted_delay_budget_delays_until_room(admission_factory, pg_ds
     delayed = (await server.submit(run_id="later", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=1.0)).json()
     assert delayed["decision"] == "DELAY"
     evaluation = delayed["evaluations"][0]
-    # The running reservation is expected to end an hour after it was admitted: room appears then.
+    # The admitted run has not started: it gives its reservation back at its start deadline.
     assert evaluation["next_eligible_time"] is not None
     assert evaluation["next_eligible_time"] < evaluation["window_end"]
     assert evaluation["deficit_gpu_hours"] == 2.0
@@ -150,7 +150,12 @@ async def test_exhausted_delay_budget_delays_until_room(admission_factory, pg_ds
 
 
 BAD_BODIES = [
-    ({"resources": {"gpus": 0}}, "gpus"),
+    ({"resources": {"gpus": 0, "nodes": 0}}, "nodes"),
+    ({"resources": {"gpus": True}}, "gpus"),
+    ({"resources": {"gpus": "8"}}, "gpus"),
+    ({"resources": {"gpus": 8, "nodes": False}}, "nodes"),
+    ({"attempt": True}, "attempt"),
+    ({"projected_runtime_hours": True}, "projected_runtime_hours"),
     ({"resources": {"gpus": -3}}, "gpus"),
     ({"projected_runtime_hours": 0}, "projected_runtime_hours"),
     ({"projected_runtime_hours": -1.5}, "projected_runtime_hours"),
@@ -168,7 +173,8 @@ BAD_BODIES = [
 async def test_bad_input_is_422_naming_the_field(admission, pg_dsn, override, field) -> None:
     response = await admission.submit(run_id=f"bad-{uuid.uuid4()}", **override) if "run_id" not in override else await admission.submit(**override)
     assert response.status_code == 422, response.text
-    assert any(field in ".".join(str(p) for p in err["loc"]) for err in response.json()["detail"])
+    assert response.headers["content-type"] == "application/problem+json"
+    assert any(field in ".".join(str(p) for p in err["loc"]) for err in response.json()["errors"])
     assert await held_in_postgres(pg_dsn) == {}
 
 
@@ -182,8 +188,8 @@ async def test_malformed_or_non_finite_json_is_422(admission, pg_dsn, raw) -> No
 async def test_unpriced_flavor_under_a_cost_budget_is_422(admission, pg_dsn) -> None:
     response = await admission.submit(run_id="odd-flavor", resources={"gpus": 1, "flavor": "tpu-v9"})
     assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"] == ["body", "resources", "flavor"]
-    assert "tpu-v9" in response.json()["detail"][0]["msg"]
+    assert response.json()["errors"][0]["loc"] == ["body", "resources", "flavor"]
+    assert "tpu-v9" in response.json()["errors"][0]["msg"]
     assert await held_in_postgres(pg_dsn) == {}
 
 

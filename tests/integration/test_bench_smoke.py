@@ -21,7 +21,7 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
         "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap,
     }
     command = [sys.executable, "-m", "budgetgate.cli.main", "bench", "admission", "--requests", "60", "--concurrency", "4",
-               "--warmup", "10", "--scenario", "hot", "--json"]  # fmt: skip
+               "--warmup", "10", "--scenario", "hot", "--open-loop-rate", "40", "--open-loop-seconds", "1", "--json"]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr
 
@@ -36,6 +36,13 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
         assert result["allowed"] == result["expected_allowed"] == 48
         assert result["correctness"]["admitted_gpu_hours"] <= result["correctness"]["limit_gpu_hours"] == 58 * 8
     assert [r["scenario"] for r in report["ratios"]] == ["hot"]
+    ceiling = report["fastapi_ceiling"]
+    assert ceiling["errors"] == 0 and ceiling["requests_per_second"] > 0 and set(ceiling["budgetgate"]) == {"hot"}
+    opened = {r["system"]: r for r in report["open_loop"]}
+    assert set(opened) == {"budgetgate", "baseline"}
+    for result in opened.values():
+        assert result["requests"] == 40 and result["errors"] == 0 and result["correct"] is True
+        assert result["p50_ms"] <= result["p99_ms"] <= result["p999_ms"]
 
     tag = report["run_tag"]
     conn = await asyncpg.connect(postgres_admin_dsn)

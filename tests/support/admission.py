@@ -3,8 +3,11 @@ Postgres database, Redis prefix and Kafka topic prefix."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
 from pathlib import Path
 
 import asyncpg
@@ -14,6 +17,7 @@ import pytest
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.policy_repo import apply_bundle
 from budgetgate.services.admission.app import create_app
+from budgetgate.services.admission.schemas import AdmissionRequest
 from budgetgate.services.admission.settings import AdmissionSettings
 from tests.support.servers import InProcessServer, free_port
 
@@ -31,6 +35,15 @@ class AdmissionServer(InProcessServer):
 
     async def submit(self, **overrides: object) -> httpx.Response:
         return await self.client.post("/v1/admissions", json=submission(**overrides))
+
+
+async def one_batch(server, bodies: list[dict[str, Any]]) -> list[Any]:  # type: ignore[no-untyped-def]
+    """Decide `bodies` as ONE batch of the server's admitter (deterministically, not by timing);
+    returns each answer, or the exception it was answered with."""
+    admitter = server.rt.admitter
+    pending = [admitter._prepare(AdmissionRequest.model_validate(b), datetime.now(UTC)) for b in bodies]
+    await admitter._commit(pending)
+    return list(await asyncio.gather(*(p.answer for p in pending), return_exceptions=True))
 
 
 def submission(**overrides: object) -> dict[str, object]:

@@ -1,5 +1,6 @@
-"""The load generator: N clients on keep-alive HTTP/1.1 connections, each sending the next
-submission as soon as its previous one was answered (a closed loop).
+"""The load generators: N clients on keep-alive HTTP/1.1 connections, each sending the next
+submission as soon as its previous one was answered (a closed loop, `drive`); or submissions
+sent at a fixed offered rate whatever the answers (an open loop, `offer`).
 
 A few lines of asyncio streams instead of a full HTTP client: on a small machine the client
 shares the cores with the services it measures, and a general-purpose client's own CPU time
@@ -93,6 +94,60 @@ class _Connection:
         self.reader = self.writer = None
 
 
+async def _send(connection: _Connection, path: str, body: bytes, outcome: Outcome, i: int, started: float) -> bool:
+    """Send one body and record its answer; False when the connection is no longer usable."""
+    try:
+        async with asyncio.timeout(TIMEOUT_SECONDS):
+            status, payload = await connection.post(path, body)
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError) as exc:
+        outcome.errors[type(exc).__name__] += 1
+        await connection.close()
+        return False
+    if status != 200:
+        outcome.errors[f"HTTP {status}"] += 1
+        return True
+    outcome.latencies.append(time.perf_counter() - started)
+    outcome.decisions[i] = json.loads(payload)["decision"]
+    return True
+
+
+async def offer(*, host: str, port: int, bodies: Sequence[bytes], rate: float, path: str = "/v1/admissions", max_connections: int = 512) -> Outcome:
+    """Send body i at i / `rate` seconds after the start, whether or not earlier ones were
+    answered (an open loop: a slow answer does not slow the offered load). Latency counts from
+    the moment a submission was due, so time spent queued behind a slow server (or waiting for
+    one of the `max_connections` connections) is included."""
+    outcome = Outcome(decisions=[None] * len(bodies))
+    idle: asyncio.Queue[_Connection] = asyncio.Queue()
+    opened = 0
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(i: int, due: float) -> None:
+        nonlocal opened
+        if idle.empty() and opened < max_connections:
+            opened += 1
+            connection = _Connection(host, port)
+        else:
+            connection = await idle.get()
+        await _send(connection, path, bodies[i], outcome, i, due)
+        idle.put_nowait(connection)  # closed after an error; it reconnects on its next use
+
+    start = time.perf_counter()
+    for i in range(len(bodies)):
+        due = start + i / rate
+        # Behind schedule, still yield, so the requests already due get sent and answered.
+        await asyncio.sleep(max(due - time.perf_counter(), 0))
+        task = loop.create_task(one(i, due))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    while tasks:
+        await asyncio.gather(*list(tasks))
+    outcome.elapsed = time.perf_counter() - start
+    while not idle.empty():
+        await idle.get_nowait().close()
+    return outcome
+
+
 async def drive(*, host: str, port: int, bodies: Sequence[bytes], concurrency: int, path: str = "/v1/admissions") -> Outcome:
     """Send every body once with `concurrency` clients; errors are counted, never retried."""
     outcome = Outcome(decisions=[None] * len(bodies))
@@ -102,19 +157,7 @@ async def drive(*, host: str, port: int, bodies: Sequence[bytes], concurrency: i
         connection = _Connection(host, port)
         try:
             for i in next_index:
-                started = time.perf_counter()
-                try:
-                    async with asyncio.timeout(TIMEOUT_SECONDS):
-                        status, payload = await connection.post(path, bodies[i])
-                except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError) as exc:
-                    outcome.errors[type(exc).__name__] += 1
-                    await connection.close()
-                    continue
-                if status != 200:
-                    outcome.errors[f"HTTP {status}"] += 1
-                    continue
-                outcome.latencies.append(time.perf_counter() - started)
-                outcome.decisions[i] = json.loads(payload)["decision"]
+                await _send(connection, path, bodies[i], outcome, i, time.perf_counter())
         finally:
             await connection.close()
 

@@ -77,7 +77,44 @@ def as_json(options: Options, measured: Measurements) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "results": [row(r) for r in results],
         "ratios": ratios(results),
+        "fastapi_ceiling": ceiling(measured),
+        "open_loop": [open_row(r, options) for r in measured.open_loop],
         "correct": measured.correct,
+    }
+
+
+def ceiling(measured: Measurements) -> dict[str, Any] | None:
+    """The FastAPI ceiling's requests/s, and budgetgate's decisions/s per scenario against it."""
+    out = measured.ceiling
+    if out is None or not out.elapsed:
+        return None
+    per_second = out.answered / out.elapsed
+    return {
+        "requests_per_second": round(per_second, 1),
+        "p99_ms": _round(out.percentile_ms(99)),
+        "errors": out.error_count,
+        "budgetgate": {
+            r.scenario: _ratio(round(r.outcome.answered / r.outcome.elapsed, 1), per_second)
+            for r in measured.results
+            if r.system == "budgetgate" and r.outcome.elapsed
+        },
+    }
+
+
+def open_row(result: RunResult, options: Options) -> dict[str, Any]:
+    out = result.outcome
+    return {
+        "system": result.system,
+        "offered_per_second": options.open_loop_rate,
+        "seconds": options.open_loop_seconds,
+        "requests": len(result.workload.measured),
+        "answered_per_second": round(out.answered / out.elapsed, 1) if out.elapsed else 0.0,
+        "p50_ms": _round(out.percentile_ms(50)),
+        "p99_ms": _round(out.percentile_ms(99)),
+        "p999_ms": _round(out.percentile_ms(99.9)),
+        "errors": out.error_count,
+        "error_kinds": dict(out.errors),
+        "correct": result.audit.ok,
     }
 
 
@@ -116,6 +153,21 @@ def as_text(options: Options, measured: Measurements) -> str:
         lines.append(
             f"budgetgate/baseline, {ratio['scenario']}: throughput {_x(ratio['throughput'])}, p99 latency {_x(ratio['p99'])}"
         )
+    top = ceiling(measured)
+    if top is not None:
+        against = ", ".join(f"{scenario} {_x(x)}" for scenario, x in top["budgetgate"].items())
+        lines.append(
+            f"fastapi ceiling (validates the same body, answers a constant): {top['requests_per_second']:.1f} requests/s, "
+            f"p99 {_ms(top['p99_ms'])} ms, {top['errors']} errors; budgetgate/ceiling: {against or '-'}"
+        )
+    for r in measured.open_loop:
+        o = open_row(r, options)
+        lines.append(
+            f"open loop {r.system}: {o['offered_per_second']:g}/s offered for {o['seconds']:g} s, {o['answered_per_second']:.1f}/s answered, "
+            f"p50 {_ms(o['p50_ms'])} ms, p99 {_ms(o['p99_ms'])} ms, p99.9 {_ms(o['p999_ms'])} ms, {o['errors']} errors"
+            + (f" ({', '.join(f'{k}: {v}' for k, v in o['error_kinds'].items())})" if o["errors"] else "")
+        )
+        lines.append(_correctness_line({**row(r), "scenario": "open loop"}))
     return "\n".join(lines)
 
 

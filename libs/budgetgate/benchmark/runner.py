@@ -10,7 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
@@ -21,7 +21,7 @@ from aiokafka.errors import KafkaError
 from budgetgate.benchmark.session import session
 from budgetgate.benchmark import databases, load, workload
 from budgetgate.benchmark.audit import Audit, check
-from budgetgate.benchmark.processes import StartError, Subprocess, free_port, tansu_command
+from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.benchmark.systems import Backends, Baseline, Budgetgate, System
 from budgetgate.settings import CommonSettings
 
@@ -41,6 +41,9 @@ class Options:
     systems: tuple[str, ...] = SYSTEMS
     probe: int = 20  # measured run ids submitted again after the run
     ready_timeout: float = 60.0
+    ceiling: bool = True  # also measure a FastAPI endpoint that validates the body, answers a constant
+    open_loop_rate: float = 0.0  # > 0: also offer this many submissions/s (open loop) to each system
+    open_loop_seconds: float = 30.0
 
 
 @dataclass
@@ -60,10 +63,12 @@ class Measurements:
 
     tag: str
     results: list[RunResult]
+    ceiling: load.Outcome | None = None
+    open_loop: list[RunResult] = field(default_factory=list)
 
     @property
     def correct(self) -> bool:
-        return all(r.audit.ok for r in self.results)
+        return all(r.audit.ok for r in [*self.results, *self.open_loop])
 
 
 class Run:
@@ -76,18 +81,44 @@ class Run:
 
     async def execute(self) -> Measurements:
         """Every scenario × system, in that order."""
+        options = self.options
         async with session(self.children) as (stack, log_dir):
             backends = await self._backends(stack, log_dir)
-            results = []
-            for scenario in self.options.scenarios:
-                work = workload.build(
-                    scenario, requests=self.options.requests, warmup=self.options.warmup,
-                    budgets=self.options.budgets, allow_fraction=self.options.allow_fraction, tag=self.tag,
-                )  # fmt: skip
-                for name in self.options.systems:
-                    system: System = Budgetgate(backends, tag=f"{self.tag}-{scenario}") if name == "budgetgate" else Baseline()
-                    results.append(await self._measure(system, work, log_dir))
-            return Measurements(self.tag, results)
+            measured = Measurements(self.tag, [])
+            for scenario in options.scenarios:
+                work = self._workload(scenario, options.requests, "run")
+                if options.ceiling and measured.ceiling is None:
+                    measured.ceiling = await self._ceiling(work, log_dir)
+                for name in options.systems:
+                    measured.results.append(await self._measure(self._system(name, backends, scenario), work, log_dir))
+            if options.open_loop_rate > 0:
+                work = self._workload("spread", round(options.open_loop_rate * options.open_loop_seconds), "open")
+                for name in options.systems:
+                    system = self._system(name, backends, "open")
+                    measured.open_loop.append(await self._measure(system, work, log_dir, rate=options.open_loop_rate))
+            return measured
+
+    def _workload(self, scenario: str, requests: int, kind: str) -> workload.Workload:
+        o = self.options
+        return workload.build(scenario, requests=requests, warmup=o.warmup, budgets=o.budgets, allow_fraction=o.allow_fraction, tag=f"{self.tag}/{kind}")
+
+    def _system(self, name: str, backends: Backends, label: str) -> System:
+        return Budgetgate(backends, tag=f"{self.tag}-{label}") if name == "budgetgate" else Baseline()
+
+    async def _ceiling(self, work: workload.Workload, log_dir: Path) -> load.Outcome:
+        """The same load against a FastAPI endpoint that only validates the body."""
+        port = free_port()
+        service = self._start("ceiling", python_module("budgetgate.benchmark.ceiling", "--port", str(port)), log_dir=log_dir)
+        try:
+            await self._wait_ready(service, port, "/readyz")
+            run = self.options
+            await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
+            self.echo(f"[fastapi-ceiling] measuring: {len(work.measured)} submissions, {run.concurrency} clients")
+            outcome = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
+            self.echo(f"[fastapi-ceiling] {outcome.answered / outcome.elapsed:.0f} requests/s, {outcome.error_count} errors")
+            return outcome
+        finally:
+            await service.stop()
 
     async def _backends(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> Backends:
         given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
@@ -105,8 +136,9 @@ class Run:
         self.children.append(child)
         return child
 
-    async def _measure(self, system: System, work: workload.Workload, log_dir: Path) -> RunResult:
-        label = f"{system.name}/{work.scenario}"
+    async def _measure(self, system: System, work: workload.Workload, log_dir: Path, *, rate: float = 0.0) -> RunResult:
+        """Closed loop, or with `rate` an open loop offering that many submissions/s."""
+        label = f"{system.name}/{work.scenario}" + (f" open loop {rate:g}/s" if rate else "")
         server_dsn = self.settings.postgres_dsn
         database = f"bench_{self.tag}_{system.name}_{work.scenario}"
         async with contextlib.AsyncExitStack() as stack:
@@ -123,8 +155,12 @@ class Run:
             run = self.options
             self.echo(f"[{label}] warm-up: {len(work.warmup)} submissions")
             warm = await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
-            self.echo(f"[{label}] measuring: {len(work.measured)} submissions, {run.concurrency} clients, {len(work.budgets)} budget(s)")
-            measured = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
+            if rate:
+                self.echo(f"[{label}] offering {len(work.measured)} submissions at {rate:g}/s, {len(work.budgets)} budget(s)")
+                measured = await load.offer(host="127.0.0.1", port=port, bodies=work.measured, rate=rate)
+            else:
+                self.echo(f"[{label}] measuring: {len(work.measured)} submissions, {run.concurrency} clients, {len(work.budgets)} budget(s)")
+                measured = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
             self.echo(f"[{label}] {measured.answered / measured.elapsed:.0f} decisions/s, {measured.error_count} errors")
             notes = await system.notes(dsn)
             probe_bodies = work.measured[: run.probe]

@@ -1,0 +1,62 @@
+"""Group commit: submissions that arrive together are decided and committed together.
+
+A submission joins the queue; a committer takes what is queued (up to `max_batch`, after
+waiting at most `max_wait` seconds for the batch to fill) and hands it to `commit`, which
+answers every item. Up to `in_flight` batches run at once, so one batch's Postgres commit
+overlaps the next batch's Redis step; while all are busy the queue grows and batches get
+larger. Committers are started on demand and stop when the queue is empty, so nothing runs
+(and nothing needs stopping) while no submission waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class GroupCommit(Generic[T]):
+    def __init__(self, commit: Callable[[list[T]], Awaitable[None]], *, max_batch: int = 64, max_wait: float = 0.001, in_flight: int = 2) -> None:
+        self._commit = commit
+        self.max_batch = max_batch
+        self.max_wait = max_wait
+        self.in_flight = in_flight
+        self._queue: deque[T] = deque()
+        self._committers: set[asyncio.Task[None]] = set()
+        self.batches = 0  # committed batches, for metrics and tests
+        self.items = 0
+
+    def submit(self, item: T) -> None:
+        """Queue `item`; `commit` will answer it."""
+        self._queue.append(item)
+        self._start()
+
+    def resubmit(self, items: Iterable[T]) -> None:
+        """Queue `items` ahead of everything else (they were held back from a batch)."""
+        self._queue.extendleft(reversed(list(items)))
+        self._start()
+
+    def _start(self) -> None:
+        if len(self._committers) < self.in_flight:
+            task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
+            self._committers.add(task)
+            task.add_done_callback(self._committers.discard)
+
+    async def _run(self) -> None:
+        while self._queue:
+            if self.max_wait > 0 and len(self._queue) < self.max_batch:
+                await asyncio.sleep(self.max_wait)  # let concurrent submissions join
+            batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+            if not batch:
+                continue
+            self.batches += 1
+            self.items += len(batch)
+            try:
+                await self._commit(batch)
+            except Exception:  # noqa: BLE001 - commit answers its items; this is a bug, not an outage
+                log.exception("a batch of %d submissions failed outside its own error handling", len(batch))

@@ -1,0 +1,152 @@
+"""Every budget of the active bundle in its current window: `GET /v1/budgets`, and Prometheus
+gauges per budget (`budgetgate_budget_used_ratio`, `budgetgate_budget_remaining`,
+`budgetgate_budget_held`), refreshed periodically from Postgres so a scrape costs no query."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from opentelemetry.metrics import Meter, Observation
+
+from budgetgate.core.evaluation import ledger_key
+from budgetgate.core.policy import PolicyBundle
+from budgetgate.core.units import display
+from budgetgate.core.windows import rfc3339, window_at
+from budgetgate.ledger.queries import sql
+from budgetgate.backends import BACKEND_ERRORS
+
+log = logging.getLogger(__name__)
+
+# The share of a budget used from which it is "alerting" (the reconciler alerts at 80 % too).
+ALERT_RATIO = 0.8
+REFRESH_SECONDS = 15.0
+
+
+def budget_state(*, used_ratio: float, remaining: int, held: bool) -> str:
+    """ok / alerting / exhausted / held: a hold wins, then no room left, then 80 % used."""
+    if held:
+        return "held"
+    if remaining <= 0:
+        return "exhausted"
+    return "alerting" if used_ratio >= ALERT_RATIO else "ok"
+
+
+async def list_budgets(conn: Any, bundle: PolicyBundle, now: datetime) -> list[dict[str, Any]]:
+    """Each budget of `bundle` in the window containing `now`, in human units, in one query."""
+    # Most budgets share a few window specs (month in UTC, ...): lay each out once.
+    laid_out = {spec: window_at(spec, now) for spec in {p.window for p in bundle.policies}}
+    windows = [laid_out[p.window] for p in bundle.policies]
+    keys = [ledger_key(p, w) for p, w in zip(bundle.policies, windows, strict=True)]
+    rows = {r["ledger_key"]: r for r in await conn.fetch(sql("budget_figures"), keys)} if keys else {}
+    budgets = []
+    for policy, window, key in zip(bundle.policies, windows, keys, strict=True):
+        row = rows.get(key)
+        reserved, consumed, held = (row["reserved"], row["consumed"], row["held"]) if row else (0, 0, False)
+        unit, limit = policy.limit.unit, policy.limit.amount
+        remaining = limit - reserved - consumed
+        ratio = (reserved + consumed) / limit if limit else 0.0
+        budgets.append({
+            "policy_id": policy.id,
+            "scope_id": policy.scope.scope_id,
+            "window_key": window.key,
+            "window_start": rfc3339(window.start),
+            "window_end": rfc3339(window.end),
+            "unit": str(unit),
+            "currency": policy.limit.currency,
+            "enforcement": str(policy.enforcement),
+            "limit": display(unit, limit),
+            "reserved": display(unit, reserved),
+            "consumed": display(unit, consumed),
+            "remaining": display(unit, remaining),
+            "used_percent": round(100 * ratio, 1),
+            "used_ratio": round(ratio, 6),
+            "state": budget_state(used_ratio=ratio, remaining=remaining, held=held),
+        })  # fmt: skip
+    return budgets
+
+
+class BudgetBoard:
+    """The last reading of every budget, for the gauges; `refresh` reads Postgres once."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.budgets: list[dict[str, Any]] = []
+
+    def _runtime(self) -> tuple[Any, PolicyBundle | None]:
+        rt = self.app.state.rt
+        return rt.pool, rt.policies.current
+
+    async def refresh(self, now: datetime | None = None) -> None:
+        pool, bundle = self._runtime()
+        self.budgets = [] if bundle is None else await list_budgets(pool, bundle, now or datetime.now(UTC))
+
+    async def run(self, every: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the gauges keep their last reading until the next tick
+                log.warning("budget gauges not refreshed: %s", exc)
+            await asyncio.sleep(every)
+
+    def observe(self, field: str) -> list[Observation]:
+        observations = []
+        for b in self.budgets:
+            value = {"used_ratio": b["used_ratio"], "remaining": b["remaining"], "held": 1 if b["state"] == "held" else 0}[field]
+            observations.append(Observation(value, {"policy_id": b["policy_id"], "scope_id": b["scope_id"], "unit": b["unit"]}))
+        return observations
+
+
+router = APIRouter()
+
+
+@router.get("/v1/budgets", responses={503: {"description": "no policy bundle applied yet, or Postgres unavailable"}})
+async def budgets(request: Request) -> JSONResponse:
+    """Every budget of the active bundle in its current window: limit, reserved, consumed,
+    remaining (in hours, or the currency), used % and state (ok, alerting, exhausted, held)."""
+    rt = request.app.state.rt
+    bundle = rt.policies.current
+    if bundle is None:
+        return JSONResponse({"detail": "no policy bundle has been applied yet"}, status_code=503, headers={"Retry-After": "1"})
+    try:
+        found = await list_budgets(rt.pool, bundle, datetime.now(UTC))
+    except BACKEND_ERRORS as exc:
+        return JSONResponse({"detail": f"Postgres unavailable: {exc}"}, status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse({"policy_bundle_sha": bundle.git_sha, "budgets": found})
+
+
+def add_budget_routes(app: FastAPI, meter: Meter, *, refresh_seconds: float = REFRESH_SECONDS) -> BudgetBoard:
+    """`GET /v1/budgets`, and the budget gauges with their refresh task (started and stopped with
+    the app). Needs `app.state.rt.pool` and `app.state.rt.policies`."""
+    app.include_router(router)
+    board = BudgetBoard(app)
+    app.state.budget_board = board
+    for name, field, description in (
+        ("budgetgate_budget_used_ratio", "used_ratio", "share of the budget reserved or consumed in its current window"),
+        ("budgetgate_budget_remaining", "remaining", "what is left of the budget in its current window, in hours or its currency"),
+        ("budgetgate_budget_held", "held", "1 while a hold is in force on the budget, else 0"),
+    ):
+        meter.create_observable_gauge(name, callbacks=[lambda _options, f=field: board.observe(f)], description=description)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_: FastAPI) -> AsyncIterator[Any]:
+        async with inner(app_) as state:
+            task = asyncio.create_task(board.run(refresh_seconds), name="budget-gauges")
+            try:
+                yield state
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app.router.lifespan_context = lifespan
+    return board

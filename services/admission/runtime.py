@@ -1,0 +1,136 @@
+"""What the admission service holds while it runs (`build`), and the background work that keeps
+it ready: policies and the Redis ledger loaded, the outbox relayed, policy announcements heard."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import asyncpg
+import redis.asyncio as aioredis
+
+from budgetgate import wire
+from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.sync import LedgerSync
+from budgetgate.outbox import OutboxRelay
+from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.services.admission.admitter import Admitter
+from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.services.admission.pools import TokenPools
+from budgetgate.services.admission.settings import AdmissionSettings
+from budgetgate.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """The service's adapters, built from its settings when it starts."""
+
+    settings: AdmissionSettings
+    pool: asyncpg.Pool
+    redis: aioredis.Redis
+    ledger: RedisLedger
+    sync: LedgerSync
+    policies: PolicyCache
+    admitter: Admitter
+    relay: OutboxRelay
+    publisher: wire.Publisher
+    pools: TokenPools
+    topics: Topics
+    held: int = 0  # reservations held, for the gauge
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        await self.publisher.stop()
+        await self.redis.aclose()
+        await self.pool.close()
+
+
+async def build(settings: AdmissionSettings) -> Runtime:
+    """Connect to Postgres, Redis and Kafka (lazily), and wire the admitter to them."""
+    # No reset query on release: every use ends its transaction, advisory locks are
+    # transaction-scoped and no session state is set, so the reset round trip buys nothing.
+    pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10, reset=_no_reset)
+    client = aioredis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    ledger = RedisLedger(client, prefix=settings.redis_prefix)
+    sync = LedgerSync(pool, ledger)
+    policies = PolicyCache(pool)
+    topics = Topics(settings.topic_prefix)
+    publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name)
+    admitter = Admitter(
+        pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label,
+        start_deadline=timedelta(seconds=settings.start_deadline_seconds),
+        max_batch=settings.batch_max, max_wait=settings.batch_wait_seconds, in_flight=settings.batches_in_flight,
+    )  # fmt: skip
+    return Runtime(
+        settings=settings, pool=pool, redis=client, ledger=ledger, sync=sync, policies=policies, admitter=admitter,
+        relay=OutboxRelay(pool=pool, publisher=publisher, topics=topics), publisher=publisher,
+        pools=TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies), topics=topics,
+    )  # fmt: skip
+
+
+def start_background(rt: Runtime) -> None:
+    rt.tasks += [
+        asyncio.create_task(_keep_ready(rt), name="keep-ready"),
+        asyncio.create_task(rt.relay.serve(), name="outbox-relay"),
+        asyncio.create_task(_policy_announcements(rt), name="policy-announcements"),
+    ]
+
+
+async def _no_reset(_conn: asyncpg.Connection) -> None:
+    return None
+
+
+async def readiness(rt: Runtime) -> dict[str, str]:
+    checks = {}
+    try:
+        await rt.pool.fetchval("SELECT 1")
+        checks["postgres"] = "ok"
+    except BACKEND_ERRORS as exc:
+        checks["postgres"] = f"unreachable: {exc}"
+    try:
+        checks["redis_ledger"] = "ok" if await rt.ledger.is_loaded() else "not loaded"
+    except BACKEND_ERRORS as exc:
+        checks["redis_ledger"] = f"unreachable: {exc}"
+    checks["policy_bundle"] = "ok" if rt.policies.current is not None else "none applied"
+    return checks
+
+
+async def _keep_ready(rt: Runtime) -> None:
+    """Load policies and the Redis ledger, and keep them current, outliving any outage."""
+    # Orphaned Redis holds (a process died between reserving and committing) are swept by the
+    # reconciler, which owns leak protection; a retry of the same run releases its orphan here.
+    while True:
+        try:
+            await rt.policies.refresh()
+            await rt.sync.ensure_loaded()
+            rt.held = await rt.pool.fetchval("SELECT count(*) FROM reservations WHERE state = 'held'")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried on the next tick
+            log.warning("readiness upkeep failed: %s", exc)
+        await asyncio.sleep(rt.settings.policy_refresh_seconds if rt.policies.current else 0.5)
+
+
+async def _policy_announcements(rt: Runtime) -> None:
+    """Switch bundles as soon as budget.policies.v1 announces one (polling is the safety net)."""
+    from aiokafka import AIOKafkaConsumer
+
+    while True:
+        consumer = AIOKafkaConsumer(rt.topics.policies, bootstrap_servers=rt.settings.kafka_bootstrap, group_id=None, auto_offset_reset="latest", enable_auto_commit=False)
+        try:
+            await consumer.start()
+            async for _record in consumer:
+                await rt.policies.refresh()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.warning("policy announcements unavailable (%s); relying on polling", exc)
+            await asyncio.sleep(5)
+        finally:
+            with contextlib.suppress(Exception):
+                await consumer.stop()

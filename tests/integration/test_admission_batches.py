@@ -1,0 +1,161 @@
+"""Group commit and resubmission: batches decided as one Redis script and one Postgres
+transaction keep every invariant of a decision taken alone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import pytest
+
+from budgetgate.services.admission.admitter import Unavailable
+from budgetgate.services.admission.resubmission import Conflict
+from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
+from tests.support.admission import apply_policies, budget_yaml, one_batch, submission
+
+LIMIT = budget_yaml("batched", limit="gpu_hours: 100")
+
+
+def body(run_id: str, *, gpus: int = 8, hours: float = 1.0, attempt: int = 1, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return submission(run_id=run_id, attempt=attempt, labels={"team": "vision"} if labels is None else labels, resources={"gpus": gpus}, projected_runtime_hours=hours)
+
+
+async def decisions_of(dsn: str) -> dict[str, list[tuple[int, str]]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT run_id, attempt, outcome FROM decisions ORDER BY run_id, attempt")
+    finally:
+        await conn.close()
+    result: dict[str, list[tuple[int, str]]] = {}
+    for r in rows:
+        result.setdefault(r["run_id"], []).append((r["attempt"], r["outcome"]))
+    return result
+
+
+async def test_a_batch_mixing_duplicates_conflicts_violations_and_over_budget_runs(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="b" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("a"))).json()["decision"] == "ALLOW"  # 8 held
+    assert (await server.client.post("/v1/admissions", json=body("d", gpus=50, hours=4.0))).json()["decision"] == "DENY"
+
+    answers = await one_batch(server, [
+        body("r1", hours=5.0),                 # 40 -> 48 held: ALLOW
+        body("r1", hours=5.0),                 # the same request again in the batch: follows r1
+        body("r1", gpus=4, hours=5.0),         # same run and attempt, other GPUs: 409
+        body("a"),                             # a retry of a decided run: replayed
+        body("a", hours=2.0),                  # a decided run and attempt, other hours: 409
+        body("d", gpus=8, hours=5.0, attempt=2),  # a higher attempt after a DENY: afresh, 40 -> 88
+        body("lv", labels={"cost": "x"}),      # no team label: a label violation, DENY
+        body("big", gpus=50, hours=4.0),       # 200 GPU-hours on a 100 limit: DENY
+        body("r2", hours=5.0),                 # 40 more do not fit in the 12 left: DENY
+        body("r3"),                            # 8 still fit: ALLOW, 96 held
+        body("r1", hours=5.0, attempt=2),      # another attempt of r1 in the same batch: next batch
+    ])  # fmt: skip
+    r1, r1_again, r1_conflict, a, a_conflict, d2, lv, big, r2, r3, r1_next = answers
+    assert r1["decision"] == "ALLOW" and r1["replayed"] is False
+    assert r1_again["decision_id"] == r1["decision_id"] and r1_again["replayed"] is True
+    assert isinstance(r1_conflict, Conflict) and r1_conflict.fields == ["resources.gpus"]
+    assert a["replayed"] is True and a["decision"] == "ALLOW"
+    assert isinstance(a_conflict, Conflict) and a_conflict.fields == ["projected_runtime_hours"]
+    assert d2["decision"] == "ALLOW" and d2["replayed"] is False and d2["attempt"] == 2
+    assert lv["decision"] == "DENY" and lv["evaluations"][0]["missing_labels"] == ["team"]
+    assert big["decision"] == "DENY" and r2["decision"] == "DENY"
+    assert r3["decision"] == "ALLOW"
+    assert r1_next["decision_id"] == r1["decision_id"] and r1_next["replayed"] is True  # an ALLOW sticks
+
+    recorded = await decisions_of(pg_dsn)
+    assert set(recorded) == {"a", "d", "r1", "lv", "big", "r2", "r3"}
+    assert recorded["a"] == [(1, "ALLOW")]
+    assert recorded["d"] == [(1, "DENY"), (2, "ALLOW")]
+    assert recorded["r1"] == [(1, "ALLOW")]
+    assert recorded["lv"] == [(1, "DENY")] and recorded["big"] == [(1, "DENY")] and recorded["r2"] == [(1, "DENY")]
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [96 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+
+
+async def test_resubmission_over_http(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("small", limit="gpu_hours: 10")}, sha="1" * 40)
+    server = await admission_factory(policy_refresh_seconds=0.1)
+    await server.wait_ready()
+    denied = (await server.client.post("/v1/admissions", json=body("run", gpus=8, hours=2.0))).json()
+    assert denied["decision"] == "DENY"
+    retried = (await server.client.post("/v1/admissions", json=body("run", gpus=8, hours=2.0))).json()
+    assert retried["decision"] == "DENY" and retried["replayed"] is True
+    conflict = await server.client.post("/v1/admissions", json=body("run", gpus=4, hours=3.0))
+    assert conflict.status_code == 409
+    assert conflict.json()["fields"] == ["resources.gpus", "projected_runtime_hours"]
+    assert await decisions_of(pg_dsn) == {"run": [(1, "DENY")]}
+
+    # The budget owner raises the limit, as the denial said to ask; the next attempt is decided afresh.
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("small", limit="gpu_hours: 100")}, sha="2" * 40)
+    while server.rt.policies.current.git_sha != "2" * 40:
+        await asyncio.sleep(0.05)
+    second = (await server.client.post("/v1/admissions", json=body("run", gpus=8, hours=2.0, attempt=2))).json()
+    assert second["decision"] == "ALLOW" and second["replayed"] is False
+    third = (await server.client.post("/v1/admissions", json=body("run", gpus=8, hours=2.0, attempt=3))).json()
+    assert third["decision_id"] == second["decision_id"] and third["replayed"] is True  # an ALLOW is not decided again
+    assert list((await held_in_postgres(pg_dsn)).values()) == [16 * GPU_HOUR]
+    lookup = (await server.client.get("/v1/admissions/run")).json()
+    assert lookup["decision_id"] == second["decision_id"]
+
+
+@pytest.fixture
+async def terminating_trigger(pg_dsn):  # type: ignore[no-untyped-def]
+    """A trigger that kills the recording connection when it stores run 'poison': Postgres lost
+    in the middle of a batch's statement, after Redis reserved."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("""
+            CREATE FUNCTION test_die() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NEW; END $$;
+            CREATE TRIGGER test_die BEFORE INSERT ON decisions FOR EACH ROW
+            WHEN (NEW.run_id = 'poison') EXECUTE FUNCTION test_die();
+        """)  # fmt: skip
+    finally:
+        await conn.close()
+    yield
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("DROP TRIGGER test_die ON decisions; DROP FUNCTION test_die();")
+    finally:
+        await conn.close()
+
+
+async def test_postgres_lost_in_the_middle_of_a_batch_answers_503_to_all_and_leaks_nothing(admission_factory, pg_dsn, terminating_trigger) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="c" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+    answers = await one_batch(server, [body("x1"), body("x2"), body("poison"), body("x3")])
+    assert all(isinstance(a, Unavailable) for a in answers), answers
+    assert set(await decisions_of(pg_dsn)) == {"before"}
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [8 * GPU_HOUR]
+    # Redis reserved for the whole batch before Postgres failed: it was invalidated, and is
+    # rebuilt from Postgres before the next decision, which sees only what Postgres holds.
+    after = (await server.client.post("/v1/admissions", json=body("x1"))).json()
+    assert after["decision"] == "ALLOW" and after["replayed"] is False
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [16 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+
+
+async def test_group_commit_under_load_admits_exactly_what_fits(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="e" * 40)
+    server = await admission_factory(batch_wait_seconds=0.005, batches_in_flight=2)
+    await server.wait_ready()
+    bodies = [body(f"load-{i % 150}") for i in range(300)]  # every run submitted twice
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=b) for b in bodies))
+    assert {a.status_code for a in answers} == {200}
+    by_run: dict[str, set[str]] = {}
+    for b, a in zip(bodies, answers, strict=True):
+        by_run.setdefault(str(b["run_id"]), set()).add(a.json()["decision_id"])
+    assert all(len(ids) == 1 for ids in by_run.values())  # one decision per run id
+    assert sum(a.json()["decision"] == "ALLOW" and not a.json()["replayed"] for a in answers) == 12
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [96 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+    assert server.rt.admitter.batches.items == 300
