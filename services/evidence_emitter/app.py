@@ -22,7 +22,9 @@ from openlineage.client import OpenLineageClient
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from budgetgate import wire
+from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.consumer import InboxConsumer, Route
+from budgetgate.problems import install_problems
 from budgetgate.serving import stop_tasks
 from budgetgate.services.evidence_emitter import events, transport
 from budgetgate.services.evidence_emitter.handlers import EvidenceHandlers
@@ -113,6 +115,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
             holder.pop("rt", None)
 
     app = FastAPI(title="budgetgate evidence-emitter", version="1", lifespan=lifespan)
+    install_problems(app)  # its own /readyz reports delivery too; errors are problem details all the same
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -125,7 +128,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
         try:
             await rt.pool.fetchval("SELECT 1")
             checks["postgres"] = "ok"
-        except (OSError, asyncpg.PostgresError) as exc:
+        except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:
             checks["postgres"] = f"unreachable: {exc}"
         checks["kafka_consumer"] = "ok" if rt.consuming else "not consuming yet"
         ok = all(v == "ok" for v in checks.values())

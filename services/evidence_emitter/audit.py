@@ -22,7 +22,7 @@ from urllib.parse import quote
 import asyncpg
 import httpx
 
-from budgetgate.core.units import MILLI_PER_HOUR
+from budgetgate.core.units import MILLI_PER_HOUR, Unit, display
 from budgetgate.ledger.queries import sql
 from budgetgate.services.evidence_emitter import events
 from budgetgate.services.evidence_emitter.facet import FACET_KEY, RECONCILIATION
@@ -127,14 +127,25 @@ async def postgres_report(conn: asyncpg.Connection, scope_id: str, window: Windo
                           reserved=r["reserved_gpu"], actual=r["actual_gpu"], abs_error=r["abs_error_gpu"])
         for r in await conn.fetch(sql("audit_reservation_error_for_scope"), *args)
     ]
-    exhaustion = [_plain(dict(r)) for r in await conn.fetch(sql("audit_window_exhaustion_for_scope"), *args)]
-    by_sha = [_plain(dict(r)) for r in await conn.fetch(sql("audit_decisions_by_policy_sha_for_scope"), scope_id)]
-    return {"scope": scope_id, "source": "postgres", "denial_rate": [asdict(d) for d in denial],
-            "reservation_error": [asdict(e) for e in error], "window_exhaustion": exhaustion, "decisions_by_policy_sha": by_sha}
+    exhaustion = [_exhaustion(dict(r)) for r in await conn.fetch(sql("audit_window_exhaustion_for_scope"), *args)]
+    by_sha = [_plain(dict(r)) for r in await conn.fetch(sql("audit_decisions_by_policy_sha_for_scope"), *args)]
+    return {"scope": scope_id, "source": "postgres", "known": await conn.fetchval(sql("audit_scope_known"), scope_id),
+            "denial_rate": [asdict(d) for d in denial], "reservation_error": [asdict(e) for e in error],
+            "window_exhaustion": exhaustion, "decisions_by_policy_sha": by_sha}
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.items()}
+
+
+def _exhaustion(row: dict[str, Any]) -> dict[str, Any]:
+    """A window exhaustion row in human units: hours of the budget's unit, or its currency."""
+    unit = Unit(row["unit"])
+    human = {"limit": display(unit, row.pop("limit_amount")), "used": display(unit, row["used"])}
+    human["remaining"] = round(human["limit"] - human["used"], 6)
+    burn = row.pop("burn_per_hour")
+    human["burn_per_hour"] = display(unit, burn) if burn is not None else None
+    return _plain({**row, **human})
 
 
 # -- from Marquez -------------------------------------------------------------------------------
@@ -168,8 +179,10 @@ def marquez_report(runs: Iterable[Mapping[str, Any]], scope_id: str, window: Win
     """Denial rate and reservation error of `scope_id` from Marquez runs (merged facets)."""
     counts: dict[str | None, Counter] = defaultdict(Counter)
     errors: dict[tuple[str | None, str], Counter] = defaultdict(Counter)
+    known = False
     for run in runs:
         budget = run["facets"][FACET_KEY]
+        known = known or any(e.get("scope_id") == scope_id for e in budget.get("evaluations", []))
         for key in sorted({e.get("window_key") for e in budget.get("evaluations", []) if e.get("scope_id") == scope_id}, key=str):
             if window.matches(key):
                 counts[key]["runs"] += 1
@@ -187,7 +200,7 @@ def marquez_report(runs: Iterable[Mapping[str, Any]], scope_id: str, window: Win
     error = [reservation_error(scope_id, key, sha, runs=c["runs"], provisional=c["provisional"], reserved=c["reserved"],
                                actual=c["actual"], abs_error=c["abs_error"])
              for (key, sha), c in sorted(errors.items(), key=lambda kv: (*_window_order((kv[0][0], None)), kv[0][1]))]
-    return {"scope": scope_id, "source": "marquez", "denial_rate": [asdict(d) for d in denial], "reservation_error": [asdict(e) for e in error]}
+    return {"scope": scope_id, "source": "marquez", "known": known, "denial_rate": [asdict(d) for d in denial], "reservation_error": [asdict(e) for e in error]}
 
 
 def _window_order(item: tuple[str | None, Any]) -> tuple[bool, str, bool, str]:

@@ -10,7 +10,10 @@ order, and the top-level policy fields repeat the one marked `deciding: true`:
 - DENY: the first budget that denied for missing labels, else the hard budget, among those
   whose own answer was DENY, short by the largest part of the run;
 - DELAY: the blocking hard budget with the latest next eligible time (it sets when the run may
-  start);
+  start). Each budget's time is the earliest instant it will have room under its own rules
+  (budgetgate.core.eligibility): a run ending as projected frees nothing, so it is the next
+  window's start, the instant enough usage ages out of a rolling window, or an unstarted run's
+  start deadline; the facet repeats the deciding budget's time as the decision gave it;
 - ALLOW: the hard budget with the least room left after the run, relative to its limit (the
   "tightest" budget admission's reason names), else the tightest of any enforcement.
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 
@@ -49,7 +53,9 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
         raise UnusableMessage(f"decision {message.decision_id!r} has outcome {outcome}")
     projected_gpu = message.projected_gpu_milli_hours
     evaluations = [_evaluation(e, projected_gpu) for e in message.evaluations]
-    deciding = deciding_index(outcome, message.evaluations)
+    # Admission names the deciding evaluation; messages from before it did are judged here.
+    named = message.HasField("deciding_evaluation") and 0 <= message.deciding_evaluation < len(evaluations)
+    deciding = message.deciding_evaluation if named else deciding_index(outcome, message.evaluations)
     if deciding is not None:
         evaluations[deciding]["deciding"] = True
     fields: Fields = {
@@ -263,8 +269,10 @@ def deficit_gpu_hours(deficit: int, projected: int, projected_gpu: int) -> float
 
 def window_key(ledger_key: str) -> str:
     """The window part of a ledger key `<scope>|<window>|<unit>` (`<start>/<end>` or `rolling-<n>d`)."""
-    parts = ledger_key.rsplit("|", 2)
-    return parts[1] if len(parts) == 3 else ""
+    try:
+        return LedgerKey.parse(ledger_key).window_key
+    except ValueError:
+        return ""
 
 
 def normalized_state(state: str) -> str:

@@ -3,7 +3,6 @@ the one in flight arrives twice."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -14,9 +13,8 @@ from pathlib import Path
 import httpx
 
 from budgetgate.topics import ensure_topics
-from tests.integration.test_evidence_emitter import publish
+from tests.support.marquez import decision, marquez, publish, wait_evidence_settled, wait_until  # noqa: F401 - pytest fixture
 from tests.support.servers import free_port
-from tests.support.marquez import decision, marquez, wait_until  # noqa: F401 - pytest fixture
 
 EVENTS = 100
 
@@ -59,7 +57,7 @@ async def test_killed_mid_delivery_resends_at_most_the_one_in_flight(settings, m
         await marquez.wait_for(EVENTS, timeout=120)
         async with httpx.AsyncClient() as client:
             await wait_until(lambda: _backlog_empty(client, url), timeout=60, what="the restarted emitter to drain its backlog")
-        await asyncio.sleep(1.0)  # a late duplicate would arrive now
+        await wait_evidence_settled(settings)  # after this, no late duplicate can arrive
     finally:
         for proc in procs:
             if proc.poll() is None:

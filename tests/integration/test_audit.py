@@ -11,14 +11,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 
 from budgetgate.services.evidence_emitter.audit import WindowFilter, marquez_report, marquez_runs
 from budgetgate.topics import Topics, ensure_topics
 from budgetgate import wire
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.marquez import EmitterServer, emitter_settings, http_client, marquez, reconciliation, wait_until  # noqa: F401
-from tests.integration.test_evidence_emitter import admission_decision
+from tests.support.marquez import EmitterServer, admission_decision, emitter_settings, http_client, marquez, reconciliation, wait_until  # noqa: F401
 
 TEAM = "ns=vision-prod;team=vision"
 ORG = "ns=vision-prod"
@@ -92,11 +90,15 @@ async def test_postgres_and_marquez_agree(settings, pg_dsn, admission_factory, m
     assert (error["runs"], error["reserved_gpu_hours"], error["actual_gpu_hours"], error["error_gpu_hours"]) == (2, 72.0, 74.0, 2.0)
     assert error["policy_git_sha"] == "d" * 40 and error["provisional_runs"] == 0
     [exhausted] = team["window_exhaustion"]
-    # The team budget ran out when it first turned away a run that an empty window would take.
-    assert exhausted["policy_id"] == "team" and exhausted["exhausted_at"] == answers["p3"]["decided_at"]
+    # p3 was turned away with 28 GPU-hours left, and p4 then fitted: the budget never ran out.
+    assert exhausted["policy_id"] == "team" and exhausted["exhausted_at"] is None
     [by_sha] = team["decisions_by_policy_sha"]
-    # What this revision of the team policy answered, its label check on p5 included.
-    assert (by_sha["policy_git_sha"], by_sha["decisions"], by_sha["allowed"], by_sha["denied"]) == ("d" * 40, 5, 3, 2)
+    # What this revision of the team policy answered in the window; p5's label check, decided
+    # before any window, is in no window (as in the denial rate) ...
+    assert (by_sha["policy_git_sha"], by_sha["decisions"], by_sha["allowed"], by_sha["denied"]) == ("d" * 40, 4, 3, 1)
+    # ... and counts when no window is asked for.
+    [all_time] = (await asyncio.to_thread(from_pg_team, pg_dsn, tmp_path))["decisions_by_policy_sha"]
+    assert (all_time["decisions"], all_time["allowed"], all_time["denied"]) == (5, 3, 2)
 
     org = await asyncio.to_thread(audit_cli, pg_dsn, tmp_path, "--scope", ORG)
     [org_denial] = org["denial_rate"]
@@ -104,7 +106,9 @@ async def test_postgres_and_marquez_agree(settings, pg_dsn, admission_factory, m
     [org_exhaustion] = org["window_exhaustion"]
     # 80 of 1000 GPU-hours used: not run out (whether the burn rate projects it to run out before
     # the month ends depends on the day this runs; test_audit_views covers the projection).
-    assert org_exhaustion["exhausted_at"] is None and org_exhaustion["used"] == 80 * 3_600_000
+    assert org_exhaustion["exhausted_at"] is None
+    # In GPU-hours, as a person reads them.
+    assert (org_exhaustion["limit"], org_exhaustion["used"], org_exhaustion["remaining"]) == (1000.0, 80.0, 920.0)
 
     research = await asyncio.to_thread(audit_cli, pg_dsn, tmp_path, "--scope", RESEARCH)
     assert [(d["runs"], d["delayed"]) for d in research["denial_rate"]] == [(2, 1)]
@@ -112,7 +116,11 @@ async def test_postgres_and_marquez_agree(settings, pg_dsn, admission_factory, m
     assert (cancelled["reserved_gpu_hours"], cancelled["actual_gpu_hours"], cancelled["error_ratio"]) == (48.0, 0.0, -1.0)
 
     elsewhere = await asyncio.to_thread(audit_cli, pg_dsn, tmp_path, "--scope", TEAM, "--window", "1999-01")
-    assert elsewhere["denial_rate"] == [] and elsewhere["reservation_error"] == []
+    # --window narrows every section, decisions by policy SHA included.
+    for section in ("denial_rate", "reservation_error", "window_exhaustion", "decisions_by_policy_sha"):
+        assert elsewhere[section] == [], section
+    by_policy_id = await asyncio.to_thread(audit_cli, pg_dsn, tmp_path, "--scope", "team", "--window", now)
+    assert by_policy_id["scope"] == TEAM and by_policy_id["denial_rate"] == team["denial_rate"]
 
 
 def from_pg_team(pg_dsn: str, cwd: Path) -> dict[str, Any]:
@@ -120,10 +128,18 @@ def from_pg_team(pg_dsn: str, cwd: Path) -> dict[str, Any]:
 
 
 async def test_audit_prints_tables(pg_dsn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    conn = await asyncpg.connect(pg_dsn)
-    await conn.close()
+    await apply_policies(pg_dsn, POLICIES, sha="d" * 40)  # the scope is known from the active bundle
     env = {"BUDGETGATE_POSTGRES_DSN": pg_dsn, "PATH": "/usr/bin:/bin"}
     done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "budgetgate.cli.main", "audit", "--scope", TEAM],
                                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Denial rate" in done.stdout and "(none)" in done.stdout and "Decisions by policy SHA" in done.stdout
+
+
+async def test_an_unknown_scope_exits_1_with_a_clear_message(pg_dsn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    await apply_policies(pg_dsn, POLICIES, sha="d" * 40)
+    env = {"BUDGETGATE_POSTGRES_DSN": pg_dsn, "PATH": "/usr/bin:/bin"}
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "budgetgate.cli.main", "audit", "--scope", "ns=typo"],
+                                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "Error: unknown scope 'ns=typo'" in done.stderr and "budgetgate budgets" in done.stderr

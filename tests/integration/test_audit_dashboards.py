@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from tests.support.marquez import EmitterServer, emitter_settings, http_client, marquez  # noqa: F401 - pytest fixture
+from tests.support.metering import metering, metering_factory, metrics_after_one_sample  # noqa: F401 - pytest fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
@@ -60,7 +61,7 @@ async def seed(conn: asyncpg.Connection) -> None:
         ("r1", 1, "ALLOW", key, SCOPE, 90 * H, 10 * H, None, NOW - timedelta(hours=12), "sha1"),
         ("r3", 1, "DELAY", key, SCOPE, 80 * H, 0, 0, NOW - timedelta(hours=6), "sha1"),
         ("r3", 2, "ALLOW", key, SCOPE, 90 * H, 0, None, NOW - timedelta(hours=5), "sha2"),
-        ("r2", 1, "DENY", past, PAST_SCOPE, 20 * H, 0, 28 * H, NOW - timedelta(days=20), "sha1"),
+        ("r2", 1, "DENY", past, PAST_SCOPE, 0, 0, 48 * H, NOW - timedelta(days=20), "sha1"),
     ]
     for run, attempt, outcome, ledger_key, scope, remaining, admitted, deficit, at, sha in rows:
         decision_id = uuid.uuid4()
@@ -142,11 +143,12 @@ def test_dashboards_have_sql_panels() -> None:
     assert len(DASHBOARDS) >= 2 and len(sql_targets()) >= 8
 
 
-async def test_prometheus_panels_name_exported_metrics(settings, admission, marquez) -> None:  # type: ignore[no-untyped-def]
+async def test_prometheus_panels_name_exported_metrics(settings, admission, marquez, metering) -> None:  # type: ignore[no-untyped-def]
     assert (await admission.submit()).status_code == 200
     emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
     try:
         exported = (await admission.client.get("/metrics")).text + (await emitter.client.get("/metrics")).text
+        exported += await metrics_after_one_sample(metering, settings.postgres_dsn)
     finally:
         await emitter.stop()
     names = set()
@@ -157,3 +159,12 @@ async def test_prometheus_panels_name_exported_metrics(settings, admission, marq
     assert names, "no Prometheus panels found"
     missing = sorted(n for n in names if not re.search(rf"^{n}[{{ ]", exported, re.M))
     assert not missing, f"panels query metrics nobody exports: {missing}"
+
+
+async def test_denial_rate_over_time_counts_runs_as_the_table_does(seeded: asyncpg.Connection) -> None:
+    [target] = [t for _, title, t in sql_targets() if title == "Denial rate over time"]
+    points = [(r["time"], r["denial_rate"]) for r in await seeded.fetch(rendered(target["rawSql"]))]
+    latest = await seeded.fetch("SELECT DISTINCT ON (run_id) outcome, date_trunc('hour', decided_at) AS hour FROM decisions ORDER BY run_id, attempt DESC")
+    # Each run once, at its latest decision: r3's DELAY, later allowed on attempt 2, is no point of its own.
+    assert points == sorted((r["hour"], 1.0 if r["outcome"] == "DENY" else 0.0) for r in latest)
+    assert len(points) == 3

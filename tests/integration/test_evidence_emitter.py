@@ -4,6 +4,8 @@ table, and the file and Kafka transports."""
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import asyncio
 import json
 import uuid
@@ -20,12 +22,15 @@ from budgetgate.topics import Topics, ensure_topics
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import (
     EmitterServer,
+    admission_decision,
     decision,
     emitter_settings,
     http_client,
     marquez,  # noqa: F401 - pytest fixture
+    publish,
     reconciliation,
     require_spec,
+    wait_evidence_settled,
     wait_until,
 )
 
@@ -38,6 +43,11 @@ POLICIES = {
 def kinds(received: list[dict]) -> Counter:  # type: ignore[type-arg]
     return Counter((e["run"]["runId"], e["eventType"]) for e in received)
 
+
+
+def instant(text: str) -> datetime:
+    """The facet and the HTTP answer name the same instants (each in its own RFC 3339 spelling)."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_dsn, admission_factory, marquez) -> None:  # type: ignore[no-untyped-def]
     require_spec()
@@ -70,10 +80,10 @@ async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_
         allow = by_run["prod/allow"]["run"]["facets"]["budget"]
         assert allow["decision_id"] == answers["allow"]["decision_id"] and allow["policy_id"] == "team"
         assert allow["policy_git_sha"] == "c" * 40 and allow["projected_gpu_hours"] == 48.0 == allow["admitted_gpu_hours"]
-        assert allow["window_start"] == answers["allow"]["evaluations"][0]["window_start"]
+        assert instant(allow["window_start"]) == instant(answers["allow"]["evaluations"][0]["window_start"])
         assert by_run["prod/allow"]["job"] == {"namespace": "vision-prod", "name": "train-resnet", "facets": {}}
         deny = by_run["prod/deny"]["run"]["facets"]["budget"]
-        assert deny["deficit_gpu_hours"] == 16.0 and deny["next_eligible_time"] == answers["deny"]["evaluations"][0]["next_eligible_time"]
+        assert deny["deficit_gpu_hours"] == 16.0 and instant(deny["next_eligible_time"]) == instant(answers["deny"]["evaluations"][0]["next_eligible_time"])
         assert by_run["prod/labels"]["run"]["facets"]["budget"]["evaluations"][0]["missing_labels"] == ["team"]
         delay = by_run["research/delay"]["run"]["facets"]["budget"]
         assert delay["decision"] == "DELAY" and delay["deficit_gpu_hours"] == 36.0 and "next_eligible_time" in delay
@@ -90,8 +100,8 @@ async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_
         async with wire.Publisher(settings.kafka_bootstrap) as publisher:
             for message in (running, completed, corrected, failed, failed):
                 await publisher.send(topics.reconciliations, message, key=message.run_id)
-        received = await marquez.wait_for(9)
-        await asyncio.sleep(1.0)  # anything extra would arrive now
+        await marquez.wait_for(9)
+        await wait_evidence_settled(settings)  # after this, nothing more can arrive
         received = marquez.received()
         expected |= {("prod/allow", "RUNNING"), ("prod/allow", "COMPLETE"), ("prod/allow", "OTHER"), ("research/allow", "FAIL")}
         assert kinds(received) == Counter({(str(events.run_uuid(r)), k): 1 for r, k in expected})
@@ -107,23 +117,6 @@ async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_
         assert runs[str(events.run_uuid("research/delay"))]["state"] == "NEW"  # OTHER changes no state
     finally:
         await emitter.stop()
-
-
-def admission_decision(answer: dict, run_id: str, *, job: tuple[str, str] = ("vision-prod", "train-resnet")):  # type: ignore[no-untyped-def,type-arg]
-    """The Decision message behind an admission answer, enough for a Reconciliation of it."""
-    message = decision(run_id, "ALLOW", scope=answer["evaluations"][0]["scope_id"], policy=answer["evaluations"][0]["policy_id"],
-                       sha=answer["policy_bundle_sha"], job=job)
-    message.decision_id = answer["decision_id"]
-    message.projected_gpu_milli_hours = round(answer["projected_gpu_hours"] * 3_600_000)
-    return message
-
-
-async def publish(settings, *messages) -> None:  # type: ignore[no-untyped-def]
-    topics = Topics(settings.topic_prefix)
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-        for message in messages:
-            topic = topics.decisions if message.DESCRIPTOR.name == "Decision" else topics.reconciliations
-            await publisher.send(topic, message, key=message.run_id)
 
 
 async def test_a_restart_resends_nothing_and_a_refusal_is_dead_lettered(settings, pg_dsn, marquez) -> None:  # type: ignore[no-untyped-def]
@@ -154,7 +147,7 @@ async def test_a_restart_resends_nothing_and_a_refusal_is_dead_lettered(settings
     again = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
     try:
         await marquez.wait_for(4)
-        await asyncio.sleep(1.0)
+        await wait_evidence_settled(settings)
     finally:
         await again.stop()
     assert sorted(e["run"]["facets"]["budget"]["run_id"] for e in marquez.received()) == ["runs/0", "runs/1", "runs/2", "runs/after-restart"]
@@ -213,7 +206,10 @@ async def test_a_reconciliation_before_its_decision_waits_for_it(settings, marqu
     emitter = await EmitterServer(emitter_settings(settings, evidence_decision_wait_seconds=3.0), http_client(marquez.url)).start()
     try:
         await wait_until(lambda: emitter.rt.sender.stats.backlog.pending == 2, what="both reconciliations to be stored")
-        await asyncio.sleep(0.5)
+        # The sender reads the backlog at the start of each pass: a new reading means it has been
+        # through a delivery pass with both reconciliations stored.
+        seen = emitter.rt.sender.stats.backlog
+        await wait_until(lambda: emitter.rt.sender.stats.backlog is not seen, what="a delivery pass")
         assert marquez.received() == [], "a reconciliation waits for its decision"
         await publish(settings, early)
         received = await marquez.wait_for(3, timeout=60)

@@ -3,7 +3,6 @@ Marquez is back every event arrives exactly once."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections import Counter
 
@@ -11,7 +10,6 @@ import asyncpg
 
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.topics import ensure_topics
-from tests.integration.test_evidence_emitter import publish
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import (
     EmitterServer,
@@ -19,7 +17,9 @@ from tests.support.marquez import (
     emitter_settings,
     http_client,
     marquez,  # noqa: F401 - pytest fixture
+    publish,
     require_spec,
+    wait_evidence_settled,
     wait_until,
 )
 
@@ -75,8 +75,7 @@ async def test_marquez_away_for_a_burst(settings, pg_dsn, admission_factory, mar
 
         marquez.come_back()
         await marquez.wait_for(60)
-        await wait_until(lambda: emitter.rt.sender.stats.backlog.pending == 0, what="the backlog to drain")
-        await asyncio.sleep(1.0)  # a duplicate would arrive now
+        await wait_evidence_settled(settings)  # after this, a duplicate could not arrive any more
     finally:
         await emitter.stop()
     received = marquez.received()
@@ -108,8 +107,7 @@ async def test_marquez_failing_then_stalled(settings, pg_dsn, marquez) -> None: 
         await wait_until(lambda: emitter.rt.sender.stats.failures >= before + 2, what="stalled sends to time out")
         marquez.recover()
         await marquez.wait_for(10)
-        await wait_until(lambda: emitter.rt.sender.stats.backlog.pending == 0, what="the backlog to drain")
-        await asyncio.sleep(1.0)
+        await wait_evidence_settled(settings)
     finally:
         await emitter.stop()
     received = marquez.received()

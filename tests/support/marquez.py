@@ -11,6 +11,7 @@ budget facet's schema; `invalid` lists what failed.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -27,17 +28,32 @@ import pytest
 from tests.support.servers import InProcessServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = ROOT.parent / "shared" / "reference" / "openlineage-spec" / "spec"
 FACET_SCHEMAS = ROOT / "schemas"
 OPENLINEAGE_ID = "https://openlineage.io/spec/2-0-2/OpenLineage.json"
 _STATES = {"START": "RUNNING", "RUNNING": "RUNNING", "COMPLETE": "COMPLETED", "FAIL": "FAILED", "ABORT": "ABORTED"}
 
 
+class MissingSpec(RuntimeError):
+    """The OpenLineage spec to validate events against is not where it should be."""
+
+
+def spec_folder() -> Path:
+    """Where the OpenLineage spec 2-0-2 is: `openlineage-spec/spec` under BUDGETGATE_REFERENCE_DIR,
+    else under ../shared/reference beside the checkout (as CI lays it out)."""
+    reference = os.environ.get("BUDGETGATE_REFERENCE_DIR") or str(ROOT.parent / "shared" / "reference")
+    return Path(reference) / "openlineage-spec" / "spec"
+
+
 def require_spec() -> Path:
-    """The OpenLineage spec folder, or skip the test saying where it was looked for."""
-    if not (SPEC / "OpenLineage.json").is_file():
-        pytest.skip(f"OpenLineage spec not found at {SPEC} (../shared/reference/openlineage-spec beside the checkout); events cannot be validated")
-    return SPEC
+    """The OpenLineage spec folder. Missing, it fails loudly: a test that cannot validate events
+    must not pass as if they were valid."""
+    spec = spec_folder()
+    if not (spec / "OpenLineage.json").is_file():
+        raise MissingSpec(
+            f"OpenLineage spec not found at {spec}: put the shared reference beside the checkout "
+            "(../shared/reference) or set BUDGETGATE_REFERENCE_DIR to it; events cannot be validated without it"
+        )
+    return spec
 
 
 class OpenLineageValidator:
@@ -92,7 +108,7 @@ class MarquezStandIn:
         self._stall = threading.Event()
         self._stall.set()  # set = not stalling
         self._lock = threading.Lock()
-        self._validator = OpenLineageValidator(SPEC) if validate and (SPEC / "OpenLineage.json").is_file() else None
+        self._validator = OpenLineageValidator(require_spec()) if validate else None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[Any] = set()
@@ -467,3 +483,64 @@ def reconciliation(source: Any, final_state: str, *, actual_hours: float, provis
                 ledger_key=e.ledger_key, scope_id=e.scope_id, policy_id=e.policy_id, window_start=e.window_start,
                 window_end=e.window_end, amount=actual if e.unit == "gpu_hours" else e.projected_amount, unit=e.unit))  # fmt: skip
     return message
+
+
+def admission_decision(answer: dict, run_id: str, *, job: tuple[str, str] = ("vision-prod", "train-resnet")):  # type: ignore[no-untyped-def,type-arg]
+    """The Decision message behind an admission answer, enough for a Reconciliation of it."""
+    message = decision(run_id, "ALLOW", scope=answer["evaluations"][0]["scope_id"], policy=answer["evaluations"][0]["policy_id"],
+                       sha=answer["policy_bundle_sha"], job=job)
+    message.decision_id = answer["decision_id"]
+    message.projected_gpu_milli_hours = round(answer["projected_gpu_hours"] * 3_600_000)
+    return message
+
+
+async def publish(settings, *messages) -> None:  # type: ignore[no-untyped-def]
+    """Send Decision and Reconciliation messages to the test's topics."""
+    from budgetgate import wire
+    from budgetgate.topics import Topics
+
+    topics = Topics(settings.topic_prefix)
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        for message in messages:
+            topic = topics.decisions if message.DESCRIPTOR.name == "Decision" else topics.reconciliations
+            await publisher.send(topic, message, key=message.run_id)
+
+
+async def wait_evidence_settled(settings: Any, *, timeout: float = 60) -> None:
+    """Wait until the evidence-emitter has consumed (committed) every message on its topics and
+    every stored event is delivered or dead: from then on nothing more can reach Marquez, so a
+    test may count what arrived without sleeping "long enough" first."""
+    import asyncpg
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from budgetgate.topics import Topics
+
+    topics = Topics(settings.topic_prefix)
+    group = emitter_settings(settings).consumer_group
+    # A consumer in the emitter's group that never subscribes: it only reads the group's
+    # committed offsets, and joining nothing, takes no partition from the emitter.
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(t, p) for t in (topics.decisions, topics.reconciliations) for p in sorted(consumer.partitions_for_topic(t) or ())]
+        assert partitions, f"no partitions of {topics.decisions} or {topics.reconciliations} on the broker"
+        ends = await consumer.end_offsets(partitions)
+
+        async def consumed() -> bool:
+            for partition in partitions:
+                if ends[partition] > 0 and ((await consumer.committed(partition)) or 0) < ends[partition]:
+                    return False
+            return True
+
+        await wait_until(consumed, timeout=timeout, what=f"group {group} to commit every message")
+    finally:
+        await consumer.stop()
+    conn = await asyncpg.connect(settings.postgres_dsn)
+    try:
+        await wait_until(lambda: _no_pending(conn), timeout=timeout, what="every stored evidence event to be delivered or dead")
+    finally:
+        await conn.close()
+
+
+async def _no_pending(conn: Any) -> bool:
+    return await conn.fetchval("SELECT count(*) FROM evidence_events WHERE state IN ('pending', 'waiting')") == 0

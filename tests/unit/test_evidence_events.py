@@ -38,7 +38,7 @@ def decided(policies, *, gpus: int = 8, hours: str = "6", labels: dict[str, str]
                      resources=Resources(gpus=gpus), runtime_hours=Decimal(hours), at=AT)
     p = plan(policies, sub)
     readings = {c.ledger_key: Reading(limit=c.policy.limit.amount, reserved=(used or {}).get(c.policy.id, 0), consumed=0) for c in p.charges}
-    d = decide(p, readings if p.charges else None, releases=releases)
+    d = decide(p, readings if p.charges else None, outlooks=releases)
     return decision_message(plan=p, decision=d, decision_id=str(uuid.uuid4()), decided_at=AT, job=("vision-prod", "train-resnet"))
 
 
@@ -219,3 +219,14 @@ def test_every_kind_of_event_is_valid_against_the_spec_and_the_facet_schema() ->
     broken["run"] = {"runId": broken["run"]["runId"], "facets": {"budget": {**samples[1]["run"]["facets"]["budget"]}}}
     del broken["run"]["facets"]["budget"]["deficit_gpu_hours"]
     assert any("deficit_gpu_hours" in e for e in validator.errors(broken))
+
+
+def test_a_missing_spec_fails_loudly_instead_of_skipping_validation(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.marquez import MarquezStandIn, MissingSpec
+
+    monkeypatch.setenv("BUDGETGATE_REFERENCE_DIR", str(tmp_path))
+    with pytest.raises(MissingSpec, match=str(tmp_path)):
+        require_spec()
+    with pytest.raises(MissingSpec):
+        MarquezStandIn()
+    assert MarquezStandIn(validate=False).invalid == []
