@@ -22,7 +22,7 @@ MAX_RUN_ID = 256
 
 
 def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, BatchRoute]:
-    """Routes for InboxConsumer: lifecycle events and usage records, a batch at a time."""
+    """Routes for the inbox: lifecycle events and usage records, a batch at a time."""
 
     async def lifecycle(conn: asyncpg.Connection, batch: Sequence[Delivery]) -> Mapping[Delivery, str]:
         refused, rows = {}, []

@@ -11,6 +11,8 @@ from budgetgate.settings import CommonSettings
 class ReconcilerSettings(CommonSettings):
     service_name: str = "budgetgate-reconciler"
     consumer_group: str = "budgetgate-reconciler"
+    # Records one poll hands to one transaction.
+    consumer_max_records: int = 500
     pg_pool_min: int = 2
     pg_pool_max: int = 10
     # A run admitted but not running (never started, or evicted and not re-admitted) for this

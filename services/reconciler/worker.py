@@ -15,14 +15,17 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from opentelemetry.metrics import Observation
 
+from faststream.kafka import KafkaBroker
+
 from budgetgate import wire
-from budgetgate.consumer import InboxConsumer
+from budgetgate.consumer import Inbox
+from budgetgate.lag import ConsumerProgress
 from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.outbox import OutboxRelay
-from budgetgate.services.reconciler import budgets, facts
+from budgetgate.services.reconciler import budgets, consumers, facts
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.settler import Settler
@@ -70,6 +73,7 @@ class Reconciler:
         meter.create_observable_gauge("budgetgate_ledger_drift_keys", callbacks=[lambda _o: [Observation(self.stats.drifted_keys)]], description="ledger keys and runs on which Redis differed from Postgres at the last drift check")
         meter.create_observable_counter("budgetgate_ledger_drift_repairs", callbacks=[lambda _o: [Observation(self.stats.repairs)]], description="Redis rebuilds after a confirmed drift")
         self._dead_letters = meter.create_counter("budgetgate_reconciler_dead_letters", description="runs whose settlement kept failing for a reason other than an outage, set aside in settlement_failures (alert on any increase)")
+        self.progress = ConsumerProgress(self.telemetry.meter("budgetgate.consumer"), name="reconciler")
         self.pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._repaired = False
@@ -84,10 +88,9 @@ class Reconciler:
         self.settler = Settler(pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules())
         self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics)
-        self.consumer = InboxConsumer(
-            name="reconciler", group=f"{s.topic_prefix}{s.consumer_group}", bootstrap=s.kafka_bootstrap, pool=self.pool,
-            publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add),
-        )  # fmt: skip
+        self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add))
+        self.broker = KafkaBroker(s.kafka_bootstrap, client_id=s.service_name, log_level=logging.DEBUG)
+        self.broker.include_router(consumers.router(settings=s, topics=self.topics, reconciler=lambda: self))
         self._tasks = [
             asyncio.create_task(self._guarded("consume", self._consume), name="reconciler-consume"),
             asyncio.create_task(self._guarded("settle", self._settle_marked), name="reconciler-settle"),
@@ -99,7 +102,8 @@ class Reconciler:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self.consumer.stop()
+        with contextlib.suppress(Exception):
+            await self.broker.stop()
         with contextlib.suppress(Exception):
             await self.publisher.stop()
         await self.redis.aclose()
@@ -121,23 +125,20 @@ class Reconciler:
                 delay = min(delay * 2, 10.0)
 
     async def _consume(self) -> None:
+        """Start the subscriber (and the producer its dead letters and the relay need), waiting
+        for Kafka as long as it takes; once started, FastStream reconnects by itself."""
         with contextlib.suppress(Exception):
             await ensure_topics(self.settings.kafka_bootstrap, prefix=self.settings.topic_prefix)
         await self.publisher.start()
         relay = asyncio.create_task(self.relay.run(), name="reconciler-relay")
         try:
-            await self.consumer.start()
-            while True:
-                await self.consumer.poll_once(timeout_ms=200)
-                if self.stats.fresh:
-                    # Set only now: the facts are committed, so the settle loop will see them.
-                    self.stats.fresh.clear()
-                    self.wakeup.set()
+            await self.broker.start()
+            await asyncio.Event().wait()
         finally:
             relay.cancel()
             await asyncio.gather(relay, return_exceptions=True)
-            await self.consumer.stop()
-            self.consumer._consumer = None  # noqa: SLF001 - a new one is made on the next start
+            with contextlib.suppress(Exception):
+                await self.broker.stop()
             await self.publisher.stop()
 
     async def _settle_marked(self) -> None:

@@ -30,13 +30,14 @@ def test_every_topic_and_its_dead_letter_topic_is_a_channel_with_its_message_fie
         payload = _resolve(doc, _resolve(doc, message_ref)["payload"]["$ref"])
         expected = {f.name for f in topics.MESSAGE_TYPES[topic].DESCRIPTOR.fields}
         assert set(payload["properties"]) == expected
-    # The metering-ingest subscriber is there as the service runs it: a receive operation.
-    assert any(op["action"] == "receive" and _resolve(doc, op["channel"]["$ref"])["address"] == f"p-{topics.METERING}" for op in doc["operations"].values())
+    # The subscribers of metering-ingest and the reconciler are there as the services run them.
+    received = {_resolve(doc, op["channel"]["$ref"])["address"] for op in doc["operations"].values() if op["action"] == "receive"}
+    assert received == {f"p-{topics.METERING}", f"p-{topics.LIFECYCLE}", f"p-{topics.USAGE}"}
 
 
 def test_the_cli_prints_json_and_yaml() -> None:
     as_json = CliRunner().invoke(cli, ["asyncapi"])
     assert as_json.exit_code == 0, as_json.output
-    assert json.loads(as_json.output)["info"]["title"] == "budgetgate"
+    assert json.loads(as_json.stdout)["info"]["title"] == "budgetgate"
     as_yaml = CliRunner().invoke(cli, ["asyncapi", "--format", "yaml"])
     assert as_yaml.exit_code == 0 and as_yaml.output.startswith("asyncapi: 3.0.0")

@@ -25,6 +25,8 @@ from pydantic import BaseModel, Field, create_model
 from budgetgate import topics
 from budgetgate.services.metering_ingest import consumers as metering_consumers
 from budgetgate.services.metering_ingest.settings import MeteringSettings
+from budgetgate.services.reconciler import consumers as reconciler_consumers
+from budgetgate.services.reconciler.settings import ReconcilerSettings
 
 # Who writes and who reads each topic (the design's table of services).
 _ROLES: dict[str, tuple[str, str]] = {
@@ -54,6 +56,7 @@ def document(*, prefix: str = "") -> dict[str, Any]:
     names = topics.Topics(prefix)
     settings = MeteringSettings(topic_prefix=prefix)
     broker.include_router(metering_consumers.router(settings=settings, topics=names, runtime=_described_only))
+    broker.include_router(reconciler_consumers.router(settings=ReconcilerSettings(topic_prefix=prefix), topics=names, reconciler=_described_only))
     for topic in topics.EVENT_TOPICS:
         message = topics.MESSAGE_TYPES[topic]
         producer, consumer = _ROLES[topic]

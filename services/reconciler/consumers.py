@@ -1,0 +1,46 @@
+"""The reconciler's Kafka side: one FastStream router with a batch subscriber on the lifecycle and
+usage-record topics. Each poll is recorded by the inbox in one Postgres transaction (facts.py),
+acknowledged only after that commit (budgetgate.subscriber), and then wakes the settle loop for
+the runs it marked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from faststream.kafka import KafkaRouter
+from faststream.kafka.annotations import KafkaMessage
+
+from budgetgate.services.reconciler.settings import ReconcilerSettings
+from budgetgate.subscriber import INBOX_SUBSCRIBER, apply_acked
+from budgetgate.topics import Topics
+
+if TYPE_CHECKING:
+    from budgetgate.services.reconciler.worker import Reconciler
+
+
+def router(*, settings: ReconcilerSettings, topics: Topics, reconciler: Callable[[], Reconciler]) -> KafkaRouter:
+    """The reconciler's subscriber, in consumer group `<topic prefix><consumer_group>`;
+    `reconciler()` gives the running reconciler."""
+    s = settings
+    kafka = KafkaRouter()
+
+    @kafka.subscriber(
+        topics.lifecycle,
+        topics.usage,
+        group_id=f"{s.topic_prefix}{s.consumer_group}",
+        max_records=s.consumer_max_records,
+        title="reconciler",
+        description="Lifecycle events (budgetgate.v1.LifecycleEvent) and usage records (budgetgate.v1.UsageRecord) are recorded "
+        "and their runs marked to be settled; poison goes to <topic>.dlq with the reason.",
+        **INBOX_SUBSCRIBER,
+    )
+    async def facts(message: KafkaMessage) -> None:
+        rc = reconciler()
+        await apply_acked(rc.inbox, message, progress=rc.progress)
+        if rc.stats.fresh:
+            # Set only now: the facts are committed, so the settle loop will see them.
+            rc.stats.fresh.clear()
+            rc.wakeup.set()
+
+    return kafka
