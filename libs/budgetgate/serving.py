@@ -19,6 +19,8 @@ from budgetgate.openapi import Operation, document
 from budgetgate.problems import install_problems, problem_response
 from budgetgate.telemetry import Telemetry
 
+log = logging.getLogger(__name__)
+
 __all__ = ["BACKEND_ERRORS", "Operation", "add_operational_routes", "serve", "stop_tasks"]
 
 
@@ -88,9 +90,15 @@ def add_operational_routes(
     document(app, operations or {})
 
 
-async def stop_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel background tasks and wait until each has stopped."""
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], *, timeout: float = 15.0) -> None:
+    """Cancel background tasks and wait until each has stopped, or `timeout` seconds: a task stuck
+    in its clean-up (a client waiting on a server that went away) must not keep a service from
+    shutting down. One that did not stop is logged."""
     tasks = list(tasks)
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if not tasks:
+        return
+    _done, stuck = await asyncio.wait(tasks, timeout=timeout)
+    for task in stuck:
+        log.warning("background task %s did not stop within %.0fs", task.get_name(), timeout)

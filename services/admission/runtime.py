@@ -132,5 +132,6 @@ async def _policy_announcements(rt: Runtime) -> None:
             log.warning("policy announcements unavailable (%s); relying on polling", exc)
             await asyncio.sleep(5)
         finally:
+            # Bounded: a consumer whose broker went away can wait on it for ever while stopping.
             with contextlib.suppress(Exception):
-                await consumer.stop()
+                await asyncio.wait_for(consumer.stop(), timeout=5)

@@ -381,7 +381,7 @@ async def test_tenant_usage_route_and_cli(admission, reconciler_factory, feed, p
 
     as_json = await run("usage", "--tenant", "vision", "--days", "30", "--json")
     assert as_json.exit_code == 0, as_json.output
-    assert json.loads(as_json.output)["runs"] == body["runs"]
+    assert json.loads(as_json.stdout)["runs"] == body["runs"]
     table = await run("usage", "--scope", VISION_SCOPE)
     assert table.exit_code == 0, table.output
     assert "gpu-budget/team-vision-prod" in table.output and "482" in table.output

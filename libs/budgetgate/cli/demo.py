@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +231,25 @@ def _print_decisions(rows: list[tuple[Workload, dict[str, Any]]]) -> None:
     _table(["workload", "request", "GPU-h", "showback", "decision", "dry-run"], table)
     click.echo("\nReasons\n")
     for w, answer in rows:
-        click.echo(f"- {w.what}: {answer['reason']}")
+        click.echo(f"- {w.what}: {_relative_times(answer['reason'], answer['decided_at'])}")
+
+
+_INSTANT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?Z")
+
+
+def _relative_times(text: str, decided_at: str) -> str:
+    """Instants within a day of the decision as a distance from it ("decision time + 1h00m"), so
+    the demo prints the same on every run; later ones (a window's start) are stable as they are."""
+    start = datetime.fromisoformat(decided_at)
+
+    def relative(match: re.Match[str]) -> str:
+        seconds = (datetime.fromisoformat(match.group()) - start).total_seconds()
+        if not 0 <= seconds < 86400:
+            return match.group()
+        minutes = round(seconds / 60)
+        return f"decision time + {minutes // 60}h{minutes % 60:02d}m"
+
+    return _INSTANT.sub(relative, text)
 
 
 def _print_budgets(usage: list[dict[str, Any]], *, title: str = "Budgets, current window") -> None:
