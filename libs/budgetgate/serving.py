@@ -10,6 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
+import asyncpg
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -21,7 +22,7 @@ from budgetgate.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_ERRORS", "Operation", "add_operational_routes", "serve", "stop_tasks"]
+__all__ = ["BACKEND_ERRORS", "Operation", "add_operational_routes", "postgres_check", "serve", "stop_tasks"]
 
 
 class Health(BaseModel):
@@ -88,6 +89,15 @@ def add_operational_routes(
 
     install_problems(app)
     document(app, operations or {})
+
+
+async def postgres_check(pool: asyncpg.Pool) -> str:
+    """A readiness check's word on Postgres: "ok", or why it does not answer."""
+    try:
+        await pool.fetchval("SELECT 1")
+    except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:
+        return f"unreachable: {exc}"
+    return "ok"
 
 
 async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], *, timeout: float = 15.0) -> None:

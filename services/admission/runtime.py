@@ -21,6 +21,7 @@ from budgetgate.services.admission.admitter import Admitter
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.pools import TokenPools
 from budgetgate.services.admission.settings import AdmissionSettings
+from budgetgate.serving import postgres_check
 from budgetgate.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,7 @@ async def _no_reset(_conn: asyncpg.Connection) -> None:
 
 
 async def readiness(rt: Runtime) -> dict[str, str]:
-    checks = {}
-    try:
-        await rt.pool.fetchval("SELECT 1")
-        checks["postgres"] = "ok"
-    except BACKEND_ERRORS as exc:
-        checks["postgres"] = f"unreachable: {exc}"
+    checks = {"postgres": await postgres_check(rt.pool)}
     try:
         checks["redis_ledger"] = "ok" if await rt.ledger.is_loaded() else "not loaded"
     except BACKEND_ERRORS as exc:

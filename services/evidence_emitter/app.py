@@ -22,10 +22,9 @@ from openlineage.client import OpenLineageClient
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from budgetgate import wire
-from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.consumer import InboxConsumer, Route
 from budgetgate.problems import install_problems
-from budgetgate.serving import stop_tasks
+from budgetgate.serving import postgres_check, stop_tasks
 from budgetgate.services.evidence_emitter import events, transport
 from budgetgate.services.evidence_emitter.handlers import EvidenceHandlers
 from budgetgate.services.evidence_emitter.sender import Sender
@@ -124,12 +123,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
         rt: Runtime = request.app.state.rt
-        checks: dict[str, Any] = {}
-        try:
-            await rt.pool.fetchval("SELECT 1")
-            checks["postgres"] = "ok"
-        except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:
-            checks["postgres"] = f"unreachable: {exc}"
+        checks: dict[str, Any] = {"postgres": await postgres_check(rt.pool)}
         checks["kafka_consumer"] = "ok" if rt.consuming else "not consuming yet"
         ok = all(v == "ok" for v in checks.values())
         # Delivery is reported, never required: a Marquez outage must not make the emitter unready.

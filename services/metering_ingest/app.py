@@ -25,11 +25,11 @@ from budgetgate.consumer import Inbox
 from budgetgate.lag import ConsumerProgress
 from budgetgate.outbox import OutboxRelay
 from budgetgate.services.metering_ingest import consumers
-from budgetgate.services.metering_ingest.api import BACKEND_ERRORS, Unavailable, router
+from budgetgate.services.metering_ingest.api import Unavailable, router
 from budgetgate.services.metering_ingest.ingest import Ingestor
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.serving import add_operational_routes
+from budgetgate.serving import add_operational_routes, postgres_check
 from budgetgate.telemetry import Telemetry, extract_context, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 
@@ -122,12 +122,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
 
 
 async def _readiness(rt: Runtime) -> dict[str, str]:
-    checks = {}
-    try:
-        await rt.pool.fetchval("SELECT 1")
-        checks["postgres"] = "ok"
-    except BACKEND_ERRORS as exc:
-        checks["postgres"] = f"unreachable: {exc}"
+    checks = {"postgres": await postgres_check(rt.pool)}
     checks["kafka_consumer"] = "ok" if rt.consuming else "not consuming yet"
     return checks
 

@@ -153,17 +153,21 @@ class Bench:
             ok, note = await self._audit(dsn, len(sent_at))
             return Report(self.options, len(lags), messages, seconds, lags, ok, note)
         finally:
-            for child in reversed(self.children):
-                await child.stop()
-            with contextlib.suppress(Exception):
-                await databases.drop(self.settings.postgres_dsn, database)
-            with contextlib.suppress(Exception):
-                client = aioredis.from_url(self.settings.redis_url)
-                keys = [k async for k in client.scan_iter(match=f"{{{prefix}}}:*", count=1000)]
-                for start in range(0, len(keys), 500):
-                    await client.delete(*keys[start : start + 500])
-                await client.aclose()
-            shutil.rmtree(log_dir, ignore_errors=True)
+            await self._clean_up(database, prefix, log_dir)
+
+    async def _clean_up(self, database: str, prefix: str, log_dir: Path) -> None:
+        """Stop the services, drop the run's database and Redis keys, remove its logs."""
+        for child in reversed(self.children):
+            await child.stop()
+        with contextlib.suppress(Exception):
+            await databases.drop(self.settings.postgres_dsn, database)
+        with contextlib.suppress(Exception):
+            client = aioredis.from_url(self.settings.redis_url)
+            keys = [k async for k in client.scan_iter(match=f"{{{prefix}}}:*", count=1000)]
+            for start in range(0, len(keys), 500):
+                await client.delete(*keys[start : start + 500])
+            await client.aclose()
+        shutil.rmtree(log_dir, ignore_errors=True)
 
     def _start(self, name: str, command: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Subprocess:
         child = Subprocess(name, command, log_dir=log_dir, env=env, cwd=log_dir)

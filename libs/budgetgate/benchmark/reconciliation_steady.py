@@ -12,9 +12,7 @@ every `poll` seconds, which bounds the resolution. Ends with the ledger audit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import shutil
 import tempfile
 import time
 import uuid
@@ -26,7 +24,6 @@ from pathlib import Path
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
-import redis.asyncio as aioredis
 
 from budgetgate import wire
 from budgetgate.benchmark import databases
@@ -139,17 +136,7 @@ class SteadyBench(Bench):
             unseen = sum(len(r.pending) for r in self.runs)
             return SteadyReport(self.steady, records, seconds, dict(self.lags), unseen, ok, note)
         finally:
-            for child in reversed(self.children):
-                await child.stop()
-            with contextlib.suppress(Exception):
-                await databases.drop(self.settings.postgres_dsn, database)
-            with contextlib.suppress(Exception):
-                client = aioredis.from_url(self.settings.redis_url)
-                keys = [k async for k in client.scan_iter(match=f"{{{prefix}}}:*", count=1000)]
-                for start in range(0, len(keys), 500):
-                    await client.delete(*keys[start : start + 500])
-                await client.aclose()
-            shutil.rmtree(log_dir, ignore_errors=True)
+            await self._clean_up(database, prefix, log_dir)
 
     async def _admit_all(self, url: str) -> None:
         import httpx
