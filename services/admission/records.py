@@ -32,6 +32,7 @@ class DecisionRecord:
     decided_at: datetime
     reserved: bool
     ledger_seq: int | None
+    readings: dict[str, Any]  # what the decision was made on (deciding.readings_record)
 
     def row(self) -> dict[str, Any]:
         """The jsonb object record_decisions reads (see queries.sql)."""
@@ -57,6 +58,7 @@ class DecisionRecord:
             "response": self.body,
             "decided_at": self.decided_at.isoformat(),
             "ledger_seq": self.ledger_seq,
+            "readings": self.readings,
             "gpus": res.gpus,
             "nodes": res.nodes,
             "flavor": res.flavor,
