@@ -1,0 +1,112 @@
+"""Quotes and explanations against real Postgres, Redis and Kafka: a quote answers what admission
+would decide and changes nothing; explain recomputes a recorded decision from its readings."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from tests.support.admission import apply_policies, budget_yaml, submission
+
+GPU_HOUR = 3_600_000
+
+
+async def _count(dsn: str, query: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(query)
+    finally:
+        await conn.close()
+
+
+async def _redis_state(server) -> dict[str, tuple[int, int]]:  # type: ignore[no-untyped-def]
+    ledger = server.rt.ledger
+    keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
+    return await ledger.readings(keys)
+
+
+async def test_quote_answers_as_admission_would_and_changes_nothing(admission, pg_dsn) -> None:
+    await admission.submit(run_id="earlier")  # the budgets hold 48 GPU-hours already
+    before_redis = await _redis_state(admission)
+    before_rows = await _count(pg_dsn, "SELECT count(*) FROM decisions") + await _count(pg_dsn, "SELECT count(*) FROM outbox")
+
+    quoted = await admission.client.post("/v1/quotes", json=submission(run_id="quoted"))
+    assert quoted.status_code == 200, quoted.text
+    q = quoted.json()
+    assert q["quote"] is True and q["decision"] == "ALLOW" and q["next_eligible_time"] is None
+    assert q["projected_gpu_hours"] == 48.0 and q["showback_cost"] == 188.78
+    vision = {e["policy_id"]: e for e in q["evaluations"]}["gpu-budget/team-vision-prod"]
+    assert vision["remaining_gpu_hours"] == 452.0  # 500 less the earlier run's hold
+
+    assert await _redis_state(admission) == before_redis
+    assert await _count(pg_dsn, "SELECT count(*) FROM decisions") + await _count(pg_dsn, "SELECT count(*) FROM outbox") == before_rows
+
+    # The same submission for real: the very answer the quote gave, bar what only a decision has.
+    real = (await admission.submit(run_id="quoted")).json()
+    for key in ("decision", "reason", "evaluations", "projected_gpu_hours", "showback_cost", "priority_penalty", "fair_share", "policy_bundle_sha"):
+        assert real[key] == q[key], key
+
+
+async def test_quote_never_replays_and_counts_in_metrics_only(admission, pg_dsn) -> None:
+    first = (await admission.submit(run_id="again")).json()
+    assert first["decision"] == "ALLOW"
+    q = (await admission.client.post("/v1/quotes", json=submission(run_id="again"))).json()
+    assert "replayed" not in q and "decision_id" not in q
+    # A fresh evaluation: the run's own hold of 48 GPU-hours is counted like any other.
+    vision = {e["policy_id"]: e for e in q["evaluations"]}["gpu-budget/team-vision-prod"]
+    assert vision["remaining_gpu_hours"] == 452.0
+    text = (await admission.client.get("/metrics")).text
+    assert [line for line in text.splitlines() if line.startswith("budgetgate_admission_quotes_total{") and 'decision="ALLOW"' in line and line.endswith(" 1.0")]
+    assert await _count(pg_dsn, "SELECT count(*) FROM decisions") == 1
+
+
+async def test_quote_of_a_delay_names_the_next_eligible_time(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("wait", limit="gpu_hours: 50", on_exhausted="delay")}, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.submit(run_id="fill", labels={"team": "vision"})).json()["decision"] == "ALLOW"
+    q = (await server.client.post("/v1/quotes", json=submission(run_id="next", labels={"team": "vision"}))).json()
+    assert q["decision"] == "DELAY"
+    assert q["next_eligible_time"] is not None and q["next_eligible_time"] == q["evaluations"][0]["next_eligible_time"]
+    real = (await server.submit(run_id="next", labels={"team": "vision"})).json()
+    assert real["decision"] == "DELAY" and real["reason"] == q["reason"]
+
+
+async def test_quote_rejects_what_admission_rejects(admission) -> None:
+    bad = await admission.client.post("/v1/quotes", json=submission(resources={"gpus": -1, "nodes": 1}))
+    assert bad.status_code == 422
+
+
+async def test_explain_recomputes_the_stored_decision(admission, pg_dsn) -> None:
+    await admission.submit(run_id="flyte/a/1")
+    denied = (await admission.submit(run_id="flyte/a/2", labels={"team": "vision"})).json()
+    assert denied["decision"] == "DENY"  # the cost-center label is missing
+    answer = await admission.client.get("/v1/admissions/flyte/a/1/explain")
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["identical"] is True and body["replayable"] is True and body["differences"] == []
+    assert body["stored"]["decision"] == body["recomputed"]["decision"] == "ALLOW"
+    vision = {r["ledger_key"]: r for r in body["readings"]}
+    assert any(r["limit"] == 500 * GPU_HOUR and r["reserved"] == 0 and r["remaining"] == 500 * GPU_HOUR for r in vision.values())
+    text = "\n".join(body["account"])
+    assert "'gpu-budget/team-vision-prod'" in text and "matched: namespace 'vision-prod'" in text
+    assert "limit 500 GPU-hours, reserved 0 GPU-hours, consumed 0 GPU-hours, remaining 500 GPU-hours" in text
+    assert "Deciding: " in text
+
+    labels = (await admission.client.get("/v1/admissions/flyte/a/2/explain")).json()
+    assert labels["identical"] is True
+    assert any("lacks its required label(s) cost-center" in line for line in labels["account"])
+    assert (await admission.client.get("/v1/admissions/nothing/explain")).status_code == 404
+
+
+async def test_explain_tells_a_corrupted_reading(admission, pg_dsn) -> None:
+    await admission.submit(run_id="tampered")
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(
+            "UPDATE decisions SET readings = jsonb_set(readings, '{ledger,0,reserved}', to_jsonb(((readings #>> '{ledger,0,limit}')::bigint))) WHERE run_id = 'tampered'"
+        )
+    finally:
+        await conn.close()
+    body = (await admission.client.get("/v1/admissions/tampered/explain")).json()
+    assert body["identical"] is False
+    assert body["differences"] and "the ledger reserved" in body["differences"][0]
