@@ -11,6 +11,8 @@ from budgetgate.cli.audit import audit
 from budgetgate.cli.ledger import ledger
 from budgetgate.cli.budgets import budgets
 from budgetgate.cli.asyncapi import asyncapi
+from budgetgate.cli.explain import explain, replay
+from budgetgate.cli.quote import quote
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,6 +33,9 @@ cli.add_command(budgets)
 cli.add_command(actions)
 cli.add_command(dlq)
 cli.add_command(asyncapi)
+cli.add_command(quote)
+cli.add_command(explain)
+cli.add_command(replay)
 
 
 if __name__ == "__main__":

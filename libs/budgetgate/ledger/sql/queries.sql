@@ -747,14 +747,19 @@ FROM unnest($1::text[]) AS k (ledger_key) LEFT JOIN ledger_entries e USING (ledg
 SELECT documents FROM policy_bundles WHERE git_sha = $1;
 
 -- name: decision_inputs
--- A run's latest decision with what it was decided on (explain).
-SELECT decision_id, run_id, attempt, policy_bundle_sha, request, response, decided_at, readings
-FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
+-- A run's latest decision with what it was decided on (explain), and its evaluations' amounts
+-- in the ledger's units (policy id -> outcome, limit, projected, remaining, admitted, deficit).
+SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.request, d.response, d.decided_at, d.readings,
+       (SELECT jsonb_object_agg(e.policy_id, jsonb_build_array(e.outcome, e.limit_amount, e.projected, e.remaining, e.admitted, e.deficit))
+        FROM decision_evaluations e WHERE e.decision_id = d.decision_id) AS amounts
+FROM decisions d WHERE d.run_id = $1 ORDER BY d.attempt DESC LIMIT 1;
 
 -- name: decisions_since
 -- Recorded decisions from $1 on, in the order they were made, optionally only those with an
--- evaluation on scope (or policy id) $2 (replay, what-if).
-SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.request, d.response, d.decided_at, d.readings
+-- evaluation on scope (or policy id) $2 (replay, what-if); amounts as in decision_inputs.
+SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.request, d.response, d.decided_at, d.readings,
+       (SELECT jsonb_object_agg(e.policy_id, jsonb_build_array(e.outcome, e.limit_amount, e.projected, e.remaining, e.admitted, e.deficit))
+        FROM decision_evaluations e WHERE e.decision_id = d.decision_id) AS amounts
 FROM decisions d
 WHERE d.decided_at >= $1
   AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM decision_evaluations e
