@@ -31,7 +31,7 @@ from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 
 FACET_KEY = "budget"
-SCHEMA_VERSION = "1-0-0"
+SCHEMA_VERSION = "1-1-0"
 SCHEMA_BASE = "https://budgetgate.dev/schemas/"
 SCHEMA_ID = f"{SCHEMA_BASE}facets/budget/{SCHEMA_VERSION}/BudgetRunFacet.json"
 SCHEMA_URL = f"{SCHEMA_ID}#/$defs/BudgetRunFacet"
@@ -237,7 +237,24 @@ def _evaluation(e: decisions_pb2.Decision.Evaluation, projected_gpu: int) -> Fie
         entry["next_eligible_time"] = timestamp_text(e.next_eligible_time)
     if e.missing_labels:
         entry["missing_labels"] = list(e.missing_labels)
+    if e.HasField("reserved_amount") and e.HasField("consumed_amount"):
+        entry["reading"] = reading(e, shown)
     return entry
+
+
+def reading(e: decisions_pb2.Decision.Evaluation, shown: Any) -> Fields:
+    """The ledger key as the decision read it, shown in the evaluation's unit and, so the
+    decision can be recomputed exactly, in the ledger's own integers."""
+    remaining = e.limit_amount - e.reserved_amount - e.consumed_amount
+    return {
+        "limit": shown(e.limit_amount),
+        "reserved": shown(e.reserved_amount),
+        "consumed": shown(e.consumed_amount),
+        "remaining": shown(remaining),
+        "limit_amount": e.limit_amount,
+        "reserved_amount": e.reserved_amount,
+        "consumed_amount": e.consumed_amount,
+    }
 
 
 def _charge(c: reconciliations_pb2.Reconciliation.WindowCharge) -> Fields:
