@@ -765,3 +765,22 @@ WHERE d.decided_at >= $1
   AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM decision_evaluations e
                                    WHERE e.decision_id = d.decision_id AND (e.scope_id = $2 OR e.policy_id = $2)))
 ORDER BY d.decided_at, d.ledger_seq NULLS FIRST, d.decision_id;
+
+-- name: whatif_decisions
+-- The submissions recorded from $1 on, in the order decided, with what history decided and the
+-- ledger readings each was decided on (policy what-if).
+SELECT run_id, attempt, outcome, request, decided_at, readings -> 'ledger' AS ledger
+FROM decisions WHERE decided_at >= $1
+ORDER BY decided_at, ledger_seq NULLS FIRST, decision_id;
+
+-- name: whatif_ends
+-- Runs whose end was recorded from $1 on: their metered GPU use, or released unused.
+SELECT run_id, ended_at, actual_gpu, released
+FROM run_settlements WHERE final AND ended_at >= $1;
+
+-- name: whatif_holds
+-- Reservations held at instant $1 by runs decided before it: amount per ledger key.
+SELECT r.run_id, d.projected_gpu, jsonb_object_agg(r.ledger_key, r.amount) AS amounts
+FROM reservations r JOIN decisions d ON d.decision_id = r.decision_id
+WHERE d.decided_at < $1 AND r.created_at < $1 AND (r.ended_at IS NULL OR r.ended_at >= $1)
+GROUP BY r.run_id, d.projected_gpu;
