@@ -110,3 +110,30 @@ async def test_explain_tells_a_corrupted_reading(admission, pg_dsn) -> None:
     body = (await admission.client.get("/v1/admissions/tampered/explain")).json()
     assert body["identical"] is False
     assert body["differences"] and "the ledger reserved" in body["differences"][0]
+
+
+async def test_quote_on_the_command_line(admission, tmp_path) -> None:
+    import asyncio
+    import json
+    import os
+    import sys
+
+    await admission.submit(run_id="cli/earlier")
+    env = {k: v for k, v in os.environ.items() if k not in ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_HOME")} | {"BUDGETGATE_ADMISSION_URL": admission.url}
+    args = ["quote", "-n", "vision-prod", "-l", "team=vision", "-l", "cost-center=1042", "--gpus", "8", "--flavor", "h100", "--region", "us-east-1", "--hours", "6"]
+
+    async def cli(*extra: str) -> tuple[int, str, str]:
+        # The server runs in this event loop: the command must not block it.
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "budgetgate.cli.main", *args, *extra, cwd=tmp_path, env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+    code, out, err = await cli("--json")
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["quote"] is True and answer["decision"] == "ALLOW" and answer["showback_cost"] == 188.78
+    code, out, err = await cli()
+    assert code == 0, err
+    assert out.startswith("ALLOW (a quote: nothing reserved) — 48 GPU-hours, 188.78 USD")
+    assert "gpu-budget/team-vision-prod (hard): needs 48 of 452 remaining, limit 500 gpu_hours" in out

@@ -4,13 +4,14 @@ admission service (POST /v1/quotes); nothing is reserved or recorded."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import click
 
 from budgetgate.cli import backend
-from budgetgate.settings import CommonSettings
+from budgetgate.settings import CommonSettings, find_dev_state
 
 
 class ClientSettings(CommonSettings):
@@ -65,7 +66,9 @@ def quote(body_file: Path | None, run_id: str | None, namespace: str | None, lab
 def post_quote(body: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
-    url = backend.stack_settings(ClientSettings).admission_url
+    if find_dev_state() is None and not os.environ.get("BUDGETGATE_ADMISSION_URL"):
+        raise click.ClickException(f"no local stack found from {Path.cwd()}; start one with `budgetgate dev up`, or set BUDGETGATE_ADMISSION_URL")
+    url = ClientSettings().admission_url
     backend.announce("admission", url)
     try:
         response = httpx.post(f"{url.rstrip('/')}/v1/quotes", json=body, timeout=30)
