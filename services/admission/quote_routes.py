@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
@@ -16,7 +16,7 @@ from budgetgate.openapi import Operation
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.explain import BundleCache, explanation, recompute
 from budgetgate.services.admission.quotes import Quoter
-from budgetgate.services.admission.schemas import _EVALUATION_EXAMPLE, AdmissionRequest, EvaluationOut, Outcome, Problem
+from budgetgate.services.admission.schemas import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem
 
 router = APIRouter()
 
@@ -35,27 +35,16 @@ _EXPLAIN_EXAMPLE = {
 }  # fmt: skip
 
 
-class QuoteResponse(BaseModel):
-    """What admission would decide on the submission now; nothing is reserved or recorded."""
-
-    model_config = ConfigDict(json_schema_extra={"examples": [_QUOTE_EXAMPLE]})
-
-    run_id: str = Field(description="the submission's run id")
-    attempt: int = Field(description="the submission's attempt")
-    quote: bool = Field(description="always true: this answer decided nothing")
-    quoted_at: str = Field(description="the instant the quote was computed (UTC)")
-    decision: Outcome = Field(description="what admission would answer now")
-    reason: str = Field(description="why, as admission would say it")
-    next_eligible_time: str | None = Field(description="for a DELAY (and a DENY some time will cure): the deciding budget's earliest instant with room")
-    policy_bundle_sha: str | None = Field(description="the active bundle quoted under")
-    projected_gpu_hours: float = Field(description="gpus × projected runtime hours")
-    showback_cost: float | None = Field(description="projected GPU-hours × the flavor's rate; null when unpriced")
-    currency: str | None = Field(description="currency of showback_cost")
-    evaluations: list[EvaluationOut] = Field(description="one entry per matching policy, as admission would give them")
-    tenant: str | None = Field(default=None, description="value of the tenant label")
-    priority_penalty: float = Field(default=0.0, description="0..1, from the most used soft budget")
-    preemptible: bool = Field(default=False, description="the run would take the tenant above its fair-share target")
-    fair_share: dict[str, float] | None = Field(default=None, description="share, share_after, target, burst_limit and deficit")
+# A quote answers what a submission's answer would hold, bar what only a recorded decision has.
+QuoteResponse = create_model(
+    "QuoteResponse",
+    __doc__="What admission would decide on the submission now; nothing is reserved or recorded.",
+    __config__=ConfigDict(json_schema_extra={"examples": [_QUOTE_EXAMPLE]}),
+    quote=(bool, Field(description="always true: this answer decided nothing")),
+    quoted_at=(str, Field(description="the instant the quote was computed (UTC)")),
+    next_eligible_time=(str | None, Field(description="for a DELAY (and a DENY some time will cure): the deciding budget's earliest instant with room")),
+    **{name: (f.annotation, f) for name, f in AdmissionResponse.model_fields.items() if name not in ("decision_id", "replayed", "decided_at")},  # type: ignore[call-overload]
+)
 
 
 class ExplainResponse(BaseModel):
