@@ -22,6 +22,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -85,7 +86,7 @@ class Pending:
     def run_id(self) -> str:
         return self.request.run_id
 
-    @property
+    @cached_property
     def prepared(self) -> Prepared:
         return Prepared(self.request, self.bundle, self.plan, self.asks, self.decided_at)
 

@@ -774,9 +774,10 @@ FROM decisions WHERE decided_at >= $1
 ORDER BY decided_at, ledger_seq NULLS FIRST, decision_id;
 
 -- name: whatif_ends
--- Runs whose end was recorded from $1 on: their metered GPU use, or released unused.
-SELECT run_id, ended_at, actual_gpu, released
-FROM run_settlements WHERE final AND ended_at >= $1;
+-- Runs whose end was recorded from $1 on: their metered GPU use, or released unused (a run
+-- that never started has no end of its own: its release counts from when it was settled).
+SELECT run_id, COALESCE(ended_at, settled_at) AS ended_at, actual_gpu, released
+FROM run_settlements WHERE (final OR released) AND COALESCE(ended_at, settled_at) >= $1;
 
 -- name: whatif_holds
 -- Reservations held at instant $1 by runs decided before it: amount per ledger key.
