@@ -69,6 +69,7 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
         "projected_gpu_hours": hours(projected_gpu),
         "admitted_gpu_hours": hours(projected_gpu) if outcome == "ALLOW" else 0.0,
         "evaluations": evaluations,
+        "submission": submission(message),
     }
     if deciding is not None:
         chosen = evaluations[deciding]
@@ -82,6 +83,15 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
     elif outcome != "ALLOW":
         fields["deficit_gpu_hours"] = 0.0
     return fields
+
+
+def submission(message: decisions_pb2.Decision) -> Fields:
+    """What was asked, as the decision recorded it: with each evaluation's `reading`, what the
+    decision can be recomputed and explained from (with the bundle at `policy_bundle_sha`)."""
+    res = message.resources
+    resources: Fields = {"gpus": res.gpus, "nodes": res.nodes}
+    resources.update({k: v for k, v in (("flavor", res.flavor), ("region", res.region)) if v})
+    return {"namespace": message.namespace, "labels": dict(message.labels), "resources": resources, "projected_runtime_hours": message.projected_runtime_hours}
 
 
 # The fields a reconciliation contributes; the rest of its facet is the settled decision's.

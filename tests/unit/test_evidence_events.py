@@ -232,6 +232,9 @@ def test_the_facet_carries_each_ledger_keys_reading_so_marquez_alone_explains_it
     broken = {**data, "run": {"runId": data["run"]["runId"], "facets": {"budget": {**data["run"]["facets"]["budget"]}}}}
     broken["run"]["facets"]["budget"]["evaluations"] = [{**by_policy["team"], "reading": {**by_policy["team"]["reading"], "reserved_amount": "30"}}]
     assert any("reserved_amount" in e or "'30'" in e for e in validator.errors(broken))
+    # With what was asked, the facet alone recomputes the decision (given the bundle at its SHA).
+    assert data["run"]["facets"]["budget"]["submission"] == {"namespace": "vision-prod", "labels": {"team": "vision"},
+                                                             "resources": {"gpus": 8, "nodes": 1}, "projected_runtime_hours": 6.0}
     # A label violation consulted no ledger: no reading.
     labels = event_for(decided(bundle(budget_yaml("strict", labels="{team: vision, cost-center: '*'}"))))
     assert "reading" not in labels["run"]["facets"]["budget"]["evaluations"][0]
