@@ -4,8 +4,10 @@ would decide and changes nothing; explain recomputes a recorded decision from it
 from __future__ import annotations
 
 import asyncpg
+import pytest
 
 from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.quotas import CLUSTER, QUOTA, physics
 
 GPU_HOUR = 3_600_000
 
@@ -137,3 +139,29 @@ async def test_quote_on_the_command_line(admission, tmp_path) -> None:
     assert code == 0, err
     assert out.startswith("ALLOW (a quote: nothing reserved) — 48 GPU-hours, 188.78 USD")
     assert "gpu-budget/team-vision-prod (hard): needs 48 of 452 remaining, limit 500 gpu_hours" in out
+
+
+async def test_quote_gives_penalty_fair_share_and_quota_refusals_as_admission_would(admission_factory, pg_dsn) -> None:
+    files = {
+        "q.yaml": QUOTA.format(limits="max_gpus: 40, fair_share_target: 0.2, burst_allowance: 1.5"),
+        "c.yaml": CLUSTER,
+        "s.yaml": budget_yaml("soft-gpu", namespace="physics", labels="{team: physics}", limit="gpu_hours: 100", enforcement="soft"),
+    }
+    await apply_policies(pg_dsn, files, sha="7" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=physics("first", gpus=15))).json()["decision"] == "ALLOW"
+
+    # 15 + 10 GPUs of a 100-GPU cluster: above the 0.2 target, within the burst; 25 of 100 soft GPU-hours.
+    q = (await server.client.post("/v1/quotes", json=physics("second", gpus=10))).json()
+    assert q["fair_share"] == {"share": 0.15, "share_after": 0.25, "target": 0.2, "burst_limit": 0.3, "deficit": pytest.approx(0.05)}
+    assert q["preemptible"] is True and q["priority_penalty"] == 0.0
+    real = (await server.client.post("/v1/admissions", json=physics("second", gpus=10))).json()
+    assert (real["fair_share"], real["preemptible"], real["priority_penalty"]) == (q["fair_share"], q["preemptible"], q["priority_penalty"])
+
+    # 25 held + 80 asked: over the 40-GPU quota, and 105 % of the soft budget.
+    refused = (await server.client.post("/v1/quotes", json=physics("third", gpus=80))).json()
+    assert refused["decision"] == "DENY"
+    assert refused["reason"] == 'allocation rejected: tenant "physics" would exceed max_gpus quota (current: 25, requested: 80, limit: 40)'
+    assert refused["priority_penalty"] > 0.9
+    assert (await server.client.post("/v1/admissions", json=physics("third", gpus=80))).json()["reason"] == refused["reason"]
