@@ -10,9 +10,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from budgetgate.core.eligibility import Outlook
+from budgetgate.core.eligibility import Held, Outlook
 from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
 from budgetgate.core.policy import PolicyBundle
+from budgetgate.ledger.holds import PoolReading
 from budgetgate.ledger.redis_ledger import ChargeRequest, ReserveResult
 from budgetgate.services.admission.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
 from budgetgate.services.admission.schemas import AdmissionRequest
@@ -112,11 +113,9 @@ def conclude(p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outl
 
 
 def rebuilt_result(recorded: dict[str, Any]) -> ReserveResult | None:
-    """The script's answer as recorded with a decision (see records.readings_record)."""
+    """The script's answer as recorded with a decision (readings_record), for recomputing it."""
     if recorded.get("status") is None:
         return None
-    from budgetgate.ledger.holds import PoolReading
-
     return ReserveResult(
         recorded["status"],
         readings=tuple((r["reserved"], r["consumed"]) for r in recorded.get("ledger", [])),
@@ -126,8 +125,7 @@ def rebuilt_result(recorded: dict[str, Any]) -> ReserveResult | None:
 
 
 def rebuilt_outlooks(recorded: dict[str, Any]) -> dict[str, Outlook]:
-    from budgetgate.core.eligibility import Held
-
+    """The outlooks a DELAY's next eligible time was computed from, as recorded with it."""
     return {
         key: Outlook(
             holds=tuple(Held(h[0], h[1], datetime.fromisoformat(h[2]), datetime.fromisoformat(h[3])) for h in o.get("holds", [])),
