@@ -22,8 +22,8 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from typing import Any, TypeVar
 
 import asyncpg
@@ -31,16 +31,17 @@ import orjson
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.eligibility import Outlook
-from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, fits, plan
+from budgetgate.core.evaluation import Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
+from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 from budgetgate.services.admission import records
 from budgetgate.services.admission.batching import GroupCommit
-from budgetgate.services.admission.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
+from budgetgate.services.admission.concurrency import Asks
+from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import canonical, response_body
 from budgetgate.services.admission.resubmission import Conflict, decided_afresh, differences
@@ -68,14 +69,6 @@ class Unavailable(RuntimeError):
     """The ledger cannot be used right now; nothing was reserved or recorded as allowed."""
 
 
-class InvalidSubmission(ValueError):
-    """The submission is well-formed JSON but cannot be evaluated; `field` names the culprit."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
 @dataclass(eq=False)
 class Pending:
     """A submission waiting in a batch: its pure part done, its answer to come."""
@@ -93,9 +86,13 @@ class Pending:
     def run_id(self) -> str:
         return self.request.run_id
 
+    @cached_property
+    def prepared(self) -> Prepared:
+        return Prepared(self.request, self.bundle, self.plan, self.asks, self.decided_at)
+
     @property
     def needs_ledger(self) -> bool:
-        return not self.plan.violations and bool(self.plan.charges or self.asks.any)
+        return self.prepared.needs_ledger
 
 
 class Admitter:
@@ -116,22 +113,19 @@ class Admitter:
         self.batches.submit(pending)
         return await pending.answer
 
-    def _prepare(self, request: AdmissionRequest, now: datetime) -> Pending:
-        """The pure part, done before joining a batch: the plan and the concurrency asked for."""
+    def prepare(self, request: AdmissionRequest, now: datetime) -> Prepared:
+        """The pure part of deciding `request` under the active bundle (a quote stops here
+        before asking the ledger); raises Unavailable or InvalidSubmission."""
         bundle = self.policies.current
         if bundle is None:
             raise Unavailable("no policy bundle has been applied yet; run `budgetgate policy apply`")
-        try:
-            the_plan = plan(self._covering(bundle, request.namespace), _submission(request, now))
-        except UnknownFlavor as exc:
-            raise InvalidSubmission("resources.flavor", str(exc)) from exc
-        if not the_plan.charges and not the_plan.violations and self.unmatched == "deny":
-            raise InvalidSubmission("namespace", f"no budget policy covers namespace {request.namespace!r} with these labels, and unmatched submissions are denied")
-        try:
-            the_asks = asks(bundle, request, tenant_label=self.tenant_label, now=now)
-        except NoSuchPool as exc:
-            raise InvalidSubmission("pool_token.namespace", str(exc)) from exc
-        return Pending(request, bundle, the_plan, the_asks, now, asyncio.get_running_loop().create_future())
+        covering = self._covering(bundle, request.namespace)
+        return prepare(bundle, request, now, unmatched=self.unmatched, tenant_label=self.tenant_label, covering=covering)
+
+    def _prepare(self, request: AdmissionRequest, now: datetime) -> Pending:
+        """The pure part, done before joining a batch: the plan and the concurrency asked for."""
+        p = self.prepare(request, now)
+        return Pending(request, p.bundle, p.plan, p.asks, now, asyncio.get_running_loop().create_future())
 
     def _covering(self, bundle: PolicyBundle, namespace: str) -> PolicyBundle:
         """`bundle` with only the policies whose scope covers `namespace` (any others cannot
@@ -194,7 +188,7 @@ class Admitter:
         for _ in range(4):
             if not pending:
                 return
-            asked = [Reservation(p.run_id, p.decision_id, _charges(p.plan), p.asks.counters, p.asks.pool) for p in pending]
+            asked = [Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool) for p in pending]
             work.redis_changed = True
             results = await self.ledger.reserve_batch(asked, now_ms=now_ms, committed_seq=committed_seq)
             again = []
@@ -225,20 +219,16 @@ class Admitter:
 
     async def _decisions(self, conn: asyncpg.Connection, fresh: list[Pending]) -> list[records.DecisionRecord]:
         """The decision of every fresh submission, from what Redis read and reserved."""
-        readings = {p: _readings(p) for p in fresh}
-        releases = await _releases(conn, [(p.plan, r) for p, r in readings.items() if r is not None and not _reserved(p)], self.start_deadline)
+        found = {p: readings(p.plan, p.result) for p in fresh}
+        ahead = await releases(conn, [(p.plan, r) for p, r in found.items() if r is not None and not holds(p.result)], self.start_deadline)
         decided = []
         for p in fresh:
-            reserved = _reserved(p)
-            decision = decide(p.plan, readings[p], outlooks=releases)
-            if p.result is not None and p.result.status == "REJECTED":
-                decision = _refusal(p.bundle, p.request, p.asks, p.result, decision)
-            elif reserved and not decision.admitted:
-                raise RuntimeError(f"the ledger reserved for run {p.run_id!r} but the evaluation refuses it")
-            view = standing(p.bundle, p.request, p.asks, p.plan, readings[p], p.result).body()
+            reserved = holds(p.result)
+            decision, view = conclude(p.prepared, p.result, ahead)
             body = response_body(plan=p.plan, decision=decision, decision_id=p.decision_id, decided_at=p.decided_at, standing=view)
             seq = p.result.seq if p.result is not None and reserved else None
-            decided.append(records.DecisionRecord(p.request, p.plan, decision, body, p.asks, p.decided_at, reserved, seq))
+            recorded = readings_record(p.prepared, p.result, ahead, tenant_label=self.tenant_label)
+            decided.append(records.DecisionRecord(p.request, p.plan, decision, body, p.asks, p.decided_at, reserved, seq, recorded))
         return decided
 
     async def lookup(self, run_id: str) -> dict[str, Any] | None:
@@ -277,56 +267,13 @@ def _sort_out(batch: list[Pending], latest: Mapping[str, Any]) -> tuple[dict[Pen
     return answers, fresh, followers
 
 
-def _charges(the_plan: Plan) -> tuple[ChargeRequest, ...]:
-    return tuple(ChargeRequest(c.ledger_key, c.amount, c.policy.limit.amount, c.hard) for c in the_plan.charges)
-
-
-def _reserved(p: Pending) -> bool:
-    return p.result is not None and p.result.status == "RESERVED"
-
-
-def _readings(p: Pending) -> dict[str, Reading] | None:
-    """What each budget held before this decision; None when the ledger was not consulted (a
-    label violation, or nothing to hold)."""
-    if p.result is None:
-        return None
-    return {
-        c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed)
-        for c, (reserved, consumed) in zip(p.plan.charges, p.result.readings, strict=True)
-    }
-
-
-def _refusal(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, result: ReserveResult, decision: Decision) -> Decision:
-    """The decision when the atomic step refused: a concurrency limit's reason comes first; else
-    a budget must be what refused, or the ledger and the evaluation disagree (a bug)."""
-    reason = rejection(bundle, request, the_asks, result)
-    if reason is not None:
-        return refused(decision, reason)
-    if decision.admitted:
-        raise RuntimeError(f"the ledger refused run {request.run_id!r} but the evaluation finds room everywhere")
-    return decision
-
-
 def replay(row: Mapping[str, Any]) -> dict[str, Any]:
     body = canonical(orjson.loads(row["response"]) if isinstance(row["response"], str) else dict(row["response"]))
     body["replayed"] = True
     return body
 
 
-def _submission(request: AdmissionRequest, now: datetime) -> Submission:
-    res = request.resources
-    return Submission(
-        run_id=request.run_id,
-        attempt=request.attempt,
-        namespace=request.namespace,
-        labels=dict(request.labels),
-        resources=Resources(gpus=res.gpus, nodes=res.nodes, flavor=res.flavor, region=res.region),
-        runtime_hours=Decimal(repr(request.projected_runtime_hours)),
-        at=now,
-    )
-
-
-async def _releases(conn: asyncpg.Connection, refused_plans: list[tuple[Plan, Mapping[str, Reading]]], start_deadline: timedelta) -> dict[str, Outlook]:
+async def releases(conn: asyncpg.Connection, refused_plans: list[tuple[Plan, Mapping[str, Reading]]], start_deadline: timedelta) -> dict[str, Outlook]:
     """How the usage of each key that lacks room on a delaying budget changes with time alone
     (one query for the batch), so a DELAY can name the earliest instant room appears; a denying
     budget's time is only informative (the next window, read without a query)."""

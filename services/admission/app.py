@@ -14,8 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
-from budgetgate.services.admission import routes
-from budgetgate.services.admission.admitter import InvalidSubmission, Unavailable
+from budgetgate.services.admission import quote_routes, routes
+from budgetgate.services.admission.admitter import Unavailable
+from budgetgate.services.admission.deciding import InvalidSubmission
 from budgetgate.services.admission.fastpath import SubmissionFastPath
 from budgetgate.services.admission.middleware import BodyLimit, ServerSpans
 from budgetgate.services.admission.resubmission import Conflict
@@ -32,6 +33,7 @@ from budgetgate.telemetry import Telemetry, setup_telemetry
 class Metrics:
     decisions: Counter
     latency: Histogram
+    quotes: Counter
 
     @classmethod
     def create(cls, meter: Meter, app: FastAPI) -> Metrics:
@@ -43,11 +45,15 @@ class Metrics:
         return cls(
             decisions=meter.create_counter("budgetgate_admission_decisions", description="admission answers by decision"),
             latency=meter.create_histogram("budgetgate_admission_latency", unit="s", description="time to answer a submission"),
+            quotes=meter.create_counter("budgetgate_admission_quotes", description="quotes answered, by the decision quoted (never decisions)"),
         )
 
     def observe(self, answer: dict[str, Any], seconds: float) -> None:
         self.decisions.add(1, {"decision": answer["decision"], "replayed": "true" if answer["replayed"] else "false"})
         self.latency.record(seconds, {"decision": answer["decision"]})
+
+    def observe_quote(self, answer: dict[str, Any], _seconds: float) -> None:
+        self.quotes.add(1, {"decision": answer["decision"]})
 
 
 # FastAPI (0.165+) adds its own server and per-operation spans once an OpenTelemetry SDK is
@@ -80,8 +86,10 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ServerSpans, tracer=telemetry.tracer("budgetgate.admission"))
     _add_error_handlers(app)
+    # Before routes.router: its GET /v1/admissions/{run_id:path} would take .../explain too.
+    app.include_router(quote_routes.router)
     app.include_router(routes.router)
-    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations=OPERATIONS)
+    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations={**OPERATIONS, **quote_routes.OPERATIONS})
     add_tenant_routes(app, settings)
     add_budget_routes(app, telemetry.meter("budgetgate.admission"))
     return app

@@ -13,7 +13,7 @@ import asyncpg
 import orjson
 
 from budgetgate import outbox, topics, wire
-from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan
+from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.concurrency import Asks
 from budgetgate.services.admission.rendering import decision_message
@@ -32,6 +32,7 @@ class DecisionRecord:
     decided_at: datetime
     reserved: bool
     ledger_seq: int | None
+    readings: dict[str, Any]  # what the decision was made on (deciding.readings_record)
 
     def row(self) -> dict[str, Any]:
         """The jsonb object record_decisions reads (see queries.sql)."""
@@ -57,6 +58,7 @@ class DecisionRecord:
             "response": self.body,
             "decided_at": self.decided_at.isoformat(),
             "ledger_seq": self.ledger_seq,
+            "readings": self.readings,
             "gpus": res.gpus,
             "nodes": res.nodes,
             "flavor": res.flavor,
@@ -79,7 +81,8 @@ class DecisionRecord:
         """The budget.decisions.v1 message announcing the decision."""
         job = (self.request.job.namespace, self.request.job.name) if self.request.job else None
         standing = {k: self.body[k] for k in ("tenant", "priority_penalty", "preemptible")}
-        message = decision_message(plan=self.plan, decision=self.decision, decision_id=self.body["decision_id"], decided_at=self.decided_at, job=job, standing=standing)
+        readings = {r["ledger_key"]: Reading(r["limit"], r["reserved"], r["consumed"]) for r in self.readings.get("ledger", [])}
+        message = decision_message(plan=self.plan, decision=self.decision, decision_id=self.body["decision_id"], decided_at=self.decided_at, job=job, standing=standing, readings=readings)
         return wire.encode(message, key=self.request.run_id)
 
 

@@ -11,7 +11,9 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.core.evaluation import Decision, Evaluation, Plan, deciding_index
+from collections.abc import Mapping
+
+from budgetgate.core.evaluation import Decision, Evaluation, Plan, Reading, deciding_index
 from budgetgate.core.units import Unit, display, hours, money
 from budgetgate.core.windows import rfc3339
 from budgetgate.services.admission.schemas import AdmissionResponse, EvaluationOut
@@ -94,8 +96,9 @@ def _ts(at: datetime | None) -> Timestamp | None:
     return stamp
 
 
-def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, job: tuple[str, str] | None, standing: dict[str, Any] | None = None) -> decisions_pb2.Decision:
-    """The budget.decisions.v1 message; its event id is the decision id, so redelivery dedupes."""
+def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, job: tuple[str, str] | None, standing: dict[str, Any] | None = None, readings: Mapping[str, Reading] | None = None) -> decisions_pb2.Decision:
+    """The budget.decisions.v1 message; its event id is the decision id, so redelivery dedupes.
+    `readings` are what each ledger key held before the decision, carried for the evidence."""
     sub = plan.submission
     res = sub.resources
     message = decisions_pb2.Decision(
@@ -121,6 +124,7 @@ def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decide
         deciding_evaluation=deciding_index(decision),
     )
     for e in decision.evaluations:
+        reading = (readings or {}).get(e.ledger_key or "")
         message.evaluations.append(
             decisions_pb2.Decision.Evaluation(
                 policy_id=e.policy_id,
@@ -140,6 +144,8 @@ def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decide
                 outcome=common_pb2.Outcome.Value(e.outcome),
                 next_eligible_time=_ts(e.next_eligible_time),
                 missing_labels=list(e.missing_labels),
+                reserved_amount=reading.reserved if reading else None,
+                consumed_amount=reading.consumed if reading else None,
             )
         )
     return message

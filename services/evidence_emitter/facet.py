@@ -31,7 +31,7 @@ from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 
 FACET_KEY = "budget"
-SCHEMA_VERSION = "1-0-0"
+SCHEMA_VERSION = "1-1-0"
 SCHEMA_BASE = "https://budgetgate.dev/schemas/"
 SCHEMA_ID = f"{SCHEMA_BASE}facets/budget/{SCHEMA_VERSION}/BudgetRunFacet.json"
 SCHEMA_URL = f"{SCHEMA_ID}#/$defs/BudgetRunFacet"
@@ -69,6 +69,7 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
         "projected_gpu_hours": hours(projected_gpu),
         "admitted_gpu_hours": hours(projected_gpu) if outcome == "ALLOW" else 0.0,
         "evaluations": evaluations,
+        "submission": submission(message),
     }
     if deciding is not None:
         chosen = evaluations[deciding]
@@ -82,6 +83,15 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
     elif outcome != "ALLOW":
         fields["deficit_gpu_hours"] = 0.0
     return fields
+
+
+def submission(message: decisions_pb2.Decision) -> Fields:
+    """What was asked, as the decision recorded it: with each evaluation's `reading`, what the
+    decision can be recomputed and explained from (with the bundle at `policy_bundle_sha`)."""
+    res = message.resources
+    resources: Fields = {"gpus": res.gpus, "nodes": res.nodes}
+    resources.update({k: v for k, v in (("flavor", res.flavor), ("region", res.region)) if v})
+    return {"namespace": message.namespace, "labels": dict(message.labels), "resources": resources, "projected_runtime_hours": message.projected_runtime_hours}
 
 
 # The fields a reconciliation contributes; the rest of its facet is the settled decision's.
@@ -237,7 +247,24 @@ def _evaluation(e: decisions_pb2.Decision.Evaluation, projected_gpu: int) -> Fie
         entry["next_eligible_time"] = timestamp_text(e.next_eligible_time)
     if e.missing_labels:
         entry["missing_labels"] = list(e.missing_labels)
+    if e.HasField("reserved_amount") and e.HasField("consumed_amount"):
+        entry["reading"] = reading(e, shown)
     return entry
+
+
+def reading(e: decisions_pb2.Decision.Evaluation, shown: Any) -> Fields:
+    """The ledger key as the decision read it, shown in the evaluation's unit and, so the
+    decision can be recomputed exactly, in the ledger's own integers."""
+    remaining = e.limit_amount - e.reserved_amount - e.consumed_amount
+    return {
+        "limit": shown(e.limit_amount),
+        "reserved": shown(e.reserved_amount),
+        "consumed": shown(e.consumed_amount),
+        "remaining": shown(remaining),
+        "limit_amount": e.limit_amount,
+        "reserved_amount": e.reserved_amount,
+        "consumed_amount": e.consumed_amount,
+    }
 
 
 def _charge(c: reconciliations_pb2.Reconciliation.WindowCharge) -> Fields:

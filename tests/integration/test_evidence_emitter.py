@@ -85,6 +85,12 @@ async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_
         deny = by_run["prod/deny"]["run"]["facets"]["budget"]
         assert deny["deficit_gpu_hours"] == 16.0 and instant(deny["next_eligible_time"]) == instant(answers["deny"]["evaluations"][0]["next_eligible_time"])
         assert by_run["prod/labels"]["run"]["facets"]["budget"]["evaluations"][0]["missing_labels"] == ["team"]
+        # Each ledger key's reading as the decision read it reaches Marquez: prod/allow's hold of 48.
+        reading = deny["evaluations"][0]["reading"]
+        assert (reading["reserved"], reading["consumed"], reading["remaining"]) == (48.0, 0.0, answers["deny"]["evaluations"][0]["remaining"])
+        assert reading["limit"] - reading["reserved"] - reading["consumed"] == reading["remaining"]
+        assert deny["submission"]["namespace"] == "vision-prod" and deny["submission"]["resources"]["gpus"] == 8
+        assert "reading" not in by_run["prod/labels"]["run"]["facets"]["budget"]["evaluations"][0]
         delay = by_run["research/delay"]["run"]["facets"]["budget"]
         assert delay["decision"] == "DELAY" and delay["deficit_gpu_hours"] == 36.0 and "next_eligible_time" in delay
 

@@ -9,18 +9,9 @@ import pytest
 
 from budgetgate.ledger.concurrency import end_run_holds
 from budgetgate.ledger.queries import sql
-from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml
+from tests.support.quotas import CLUSTER, QUOTA, physics
 
-QUOTA = """apiVersion: budgetgate/v1
-kind: Quota
-metadata: {{id: tenant-physics}}
-spec: {{tenant: physics, {limits}}}
-"""
-CLUSTER = """apiVersion: budgetgate/v1
-kind: Cluster
-metadata: {id: cluster}
-spec: {gpus: 100, nodes: 50}
-"""
 SENSITIVE = """apiVersion: budgetgate/v1
 kind: Quota
 metadata: {id: sensitive}
@@ -37,10 +28,6 @@ metadata: {{id: snowflake}}
 spec: {{namespace: snowflake, quota: {parent}}}
 """
 BIG_BUDGET = budget_yaml("physics-gpus", namespace="physics", labels="{team: physics}", limit="gpu_hours: 100000")
-
-
-def physics(run_id: str, *, gpus: int = 1, nodes: int = 1, **extra: object) -> dict[str, object]:
-    return submission(run_id=run_id, namespace="physics", labels={"team": "physics", **extra.pop("labels", {})}, resources={"gpus": gpus, "nodes": nodes}, projected_runtime_hours=1.0, **extra)
 
 
 async def started(admission_factory, pg_dsn, files: dict[str, str], sha: str = "9" * 40):  # type: ignore[no-untyped-def]

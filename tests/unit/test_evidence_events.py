@@ -39,7 +39,7 @@ def decided(policies, *, gpus: int = 8, hours: str = "6", labels: dict[str, str]
     p = plan(policies, sub)
     readings = {c.ledger_key: Reading(limit=c.policy.limit.amount, reserved=(used or {}).get(c.policy.id, 0), consumed=0) for c in p.charges}
     d = decide(p, readings if p.charges else None, outlooks=releases)
-    return decision_message(plan=p, decision=d, decision_id=str(uuid.uuid4()), decided_at=AT, job=("vision-prod", "train-resnet"))
+    return decision_message(plan=p, decision=d, decision_id=str(uuid.uuid4()), decided_at=AT, job=("vision-prod", "train-resnet"), readings=readings)
 
 
 def stamp(at: datetime) -> Timestamp:
@@ -219,6 +219,25 @@ def test_every_kind_of_event_is_valid_against_the_spec_and_the_facet_schema() ->
     broken["run"] = {"runId": broken["run"]["runId"], "facets": {"budget": {**samples[1]["run"]["facets"]["budget"]}}}
     del broken["run"]["facets"]["budget"]["deficit_gpu_hours"]
     assert any("deficit_gpu_hours" in e for e in validator.errors(broken))
+
+
+def test_the_facet_carries_each_ledger_keys_reading_so_marquez_alone_explains_it() -> None:
+    validator = OpenLineageValidator(require_spec())
+    data = event_for(decided(bundle(TEAM, ORG), used={"team": 30 * H, "org": 200 * H}))
+    by_policy = {e["policy_id"]: e for e in data["run"]["facets"]["budget"]["evaluations"]}
+    assert by_policy["team"]["reading"] == {"limit": 100.0, "reserved": 30.0, "consumed": 0.0, "remaining": 70.0,
+                                            "limit_amount": 100 * H, "reserved_amount": 30 * H, "consumed_amount": 0}
+    assert by_policy["org"]["reading"]["remaining"] == 800.0 and by_policy["team"]["remaining"] == 70.0
+    assert validator.errors(data) == []
+    broken = {**data, "run": {"runId": data["run"]["runId"], "facets": {"budget": {**data["run"]["facets"]["budget"]}}}}
+    broken["run"]["facets"]["budget"]["evaluations"] = [{**by_policy["team"], "reading": {**by_policy["team"]["reading"], "reserved_amount": "30"}}]
+    assert any("reserved_amount" in e or "'30'" in e for e in validator.errors(broken))
+    # With what was asked, the facet alone recomputes the decision (given the bundle at its SHA).
+    assert data["run"]["facets"]["budget"]["submission"] == {"namespace": "vision-prod", "labels": {"team": "vision"},
+                                                             "resources": {"gpus": 8, "nodes": 1}, "projected_runtime_hours": 6.0}
+    # A label violation consulted no ledger: no reading.
+    labels = event_for(decided(bundle(budget_yaml("strict", labels="{team: vision, cost-center: '*'}"))))
+    assert "reading" not in labels["run"]["facets"]["budget"]["evaluations"][0]
 
 
 def test_a_missing_spec_fails_loudly_instead_of_skipping_validation(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

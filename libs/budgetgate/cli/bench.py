@@ -163,3 +163,23 @@ def drift(held: int, rate: float, duration: float, budgets: int, as_json: bool) 
     click.echo(json.dumps(report.as_json(), indent=2) if as_json else report.as_text())
     if not report.ledger_ok:
         raise click.ClickException("Redis does not equal Postgres: see above")
+
+
+@bench.command("what-if")
+@click.option("--decisions", default=100_000, show_default=True, type=click.IntRange(1), help="Recorded decisions in the period.")
+@click.option("--teams", default=200, show_default=True, type=click.IntRange(1), help="Budgets the decisions are spread over.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def what_if(decisions: int, teams: int, as_json: bool) -> None:
+    """`policy what-if` over a recorded history of DECISIONS, end to end (read and simulate).
+
+    Records the history in a fresh database on the Postgres server of BUDGETGATE_POSTGRES_DSN
+    (not timed), then times the command's own work against a candidate with every limit at 70 %."""
+    from budgetgate.benchmark import whatif
+    from budgetgate.settings import CommonSettings
+
+    measured = asyncio.run(whatif.run(CommonSettings().postgres_dsn, decisions=decisions, teams=teams, echo=lambda message: click.echo(message, err=True)))
+    if as_json:
+        click.echo(json.dumps(measured.as_json(), indent=2))
+    else:
+        click.echo(f"what-if: {measured.decisions} recorded decisions replayed in {measured.seconds:.1f} s "
+                   f"({measured.decisions / measured.seconds:,.0f} decisions/s); {measured.flips} flips of {measured.recorded_allows} recorded ALLOWs")  # fmt: skip

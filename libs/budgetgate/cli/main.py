@@ -11,6 +11,9 @@ from budgetgate.cli.audit import audit
 from budgetgate.cli.ledger import ledger
 from budgetgate.cli.budgets import budgets
 from budgetgate.cli.asyncapi import asyncapi
+from budgetgate.cli.explain import explain, replay
+from budgetgate.cli.quote import quote
+from budgetgate.cli.whatif import what_if
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,6 +24,7 @@ def cli() -> None:
 cli.add_command(dev.dev)
 cli.add_command(db.db)
 cli.add_command(policy.policy)
+policy.policy.add_command(what_if)
 cli.add_command(demo.demo)
 cli.add_command(bench.bench)
 cli.add_command(publish.publish)
@@ -31,6 +35,9 @@ cli.add_command(budgets)
 cli.add_command(actions)
 cli.add_command(dlq)
 cli.add_command(asyncapi)
+cli.add_command(quote)
+cli.add_command(explain)
+cli.add_command(replay)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ def migration_files() -> list[tuple[str, str]]:
     folder = resources.files("budgetgate.ledger").joinpath("sql", "migrations")
     names = sorted(entry.name for entry in folder.iterdir() if _NAME.match(entry.name))
     numbers = [int(n[:4]) for n in names]
-    if numbers != list(range(1, len(numbers) + 1)):
-        raise RuntimeError(f"migration numbers must run 1..N without gaps, found {numbers}")
+    # Unique and increasing; a gap is allowed, because numbers are handed out to branches
+    # developed in parallel and one may merge before another (each applies once, by name).
+    if len(set(numbers)) != len(numbers) or (numbers and numbers[0] < 1):
+        raise RuntimeError(f"migration numbers must be unique and start at 1 or later, found {numbers}")
     return [(name.removesuffix(".sql"), folder.joinpath(name).read_text()) for name in names]
 
 

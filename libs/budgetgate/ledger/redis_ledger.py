@@ -58,13 +58,14 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class ReserveResult:
-    status: str  # RESERVED | REJECTED | MISSING | DUPLICATE
+    status: str  # RESERVED | REJECTED | MISSING | DUPLICATE; a check: FITS | REJECTED
     readings: tuple[tuple[int, int], ...] = ()  # (reserved, consumed) per charge, before
     missing: int | None = None  # index of the first charge whose key was never loaded
     holder: str | None = None  # decision id holding the run key, for DUPLICATE
     counters: tuple[tuple[int, int, int], ...] = ()  # (gpus, nodes, allocations) held, before
     pools: tuple[PoolReading, ...] = ()  # per pool level, before
     seq: int | None = None  # the ledger sequence this reservation advanced to, when RESERVED
+    unloaded: tuple[int, ...] = ()  # a check: charges whose key Redis never loaded (read as empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +145,18 @@ class RedisLedger:
         """Check-and-reserve each of `batch` in order, all or none per reservation, in one
         script. `committed_seq` is the highest ledger sequence Postgres committed: a Redis
         behind it is not current, invalidates itself and raises LedgerNotLoaded (as an empty one)."""
+        return await self._reserve_script(batch, now_ms=now_ms, committed_seq=committed_seq, mode="reserve")
+
+    async def check(self, asked: Reservation, *, now_ms: int, committed_seq: int) -> ReserveResult:
+        """What reserving `asked` would find, by the same script and checks, holding nothing: FITS
+        or REJECTED with the readings (a quote). A ledger key Redis never loaded reads as empty
+        and is listed in `unloaded`, for the caller to confirm against Postgres."""
+        [result] = await self._reserve_script([asked], now_ms=now_ms, committed_seq=committed_seq, mode="check")
+        return result
+
+    async def _reserve_script(self, batch: Sequence[Reservation], *, now_ms: int, committed_seq: int, mode: str) -> list[ReserveResult]:
         keys: list[str] = [self.marker, self.sequence]
-        args: list[object] = [committed_seq, now_ms, len(batch)]
+        args: list[object] = [committed_seq, now_ms, len(batch), mode]
         for r in batch:
             levels = r.pool.levels if r.pool else ()
             keys += [self.run(r.run_id), self.keys.holds(r.run_id), *(self.ledger(c.ledger_key) for c in r.charges)]
@@ -412,12 +423,14 @@ def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
     held = [int(v) for v in reply[1 + n : 1 + n + m]]
     levels = len(asked.pool.levels) if asked.pool else 0
     pools = reply[1 + n + m : 1 + n + m + 4 * levels]
+    rest = reply[1 + n + m + 4 * levels :]
     return ReserveResult(
         status,
         readings=tuple(zip(ledger[::2], ledger[1::2], strict=True)),
         counters=tuple(zip(held[::3], held[1::3], held[2::3], strict=True)),
         pools=pool_readings(pools),
         seq=int(reply[-1]) if status == "RESERVED" else None,
+        unloaded=tuple(int(i) - 1 for i in rest) if status in ("FITS", "REJECTED") and rest else (),
     )
 
 

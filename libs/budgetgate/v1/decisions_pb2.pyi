@@ -20,7 +20,7 @@ class Decision(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     class Evaluation(_message.Message):
-        __slots__ = ("policy_id", "policy_git_sha", "scope_id", "ledger_key", "window_start", "window_end", "unit", "enforcement", "on_exhausted", "limit_amount", "projected_amount", "remaining_amount", "admitted_amount", "deficit_amount", "outcome", "next_eligible_time", "missing_labels")
+        __slots__ = ("policy_id", "policy_git_sha", "scope_id", "ledger_key", "window_start", "window_end", "unit", "enforcement", "on_exhausted", "limit_amount", "projected_amount", "remaining_amount", "admitted_amount", "deficit_amount", "outcome", "next_eligible_time", "missing_labels", "reserved_amount", "consumed_amount")
         POLICY_ID_FIELD_NUMBER: _ClassVar[int]
         POLICY_GIT_SHA_FIELD_NUMBER: _ClassVar[int]
         SCOPE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class Decision(_message.Message):
         OUTCOME_FIELD_NUMBER: _ClassVar[int]
         NEXT_ELIGIBLE_TIME_FIELD_NUMBER: _ClassVar[int]
         MISSING_LABELS_FIELD_NUMBER: _ClassVar[int]
+        RESERVED_AMOUNT_FIELD_NUMBER: _ClassVar[int]
+        CONSUMED_AMOUNT_FIELD_NUMBER: _ClassVar[int]
         policy_id: str
         policy_git_sha: str
         scope_id: str
@@ -55,7 +57,9 @@ class Decision(_message.Message):
         outcome: _common_pb2.Outcome
         next_eligible_time: _timestamp_pb2.Timestamp
         missing_labels: _containers.RepeatedScalarFieldContainer[str]
-        def __init__(self, policy_id: _Optional[str] = ..., policy_git_sha: _Optional[str] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., window_start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unit: _Optional[str] = ..., enforcement: _Optional[str] = ..., on_exhausted: _Optional[str] = ..., limit_amount: _Optional[int] = ..., projected_amount: _Optional[int] = ..., remaining_amount: _Optional[int] = ..., admitted_amount: _Optional[int] = ..., deficit_amount: _Optional[int] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., next_eligible_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., missing_labels: _Optional[_Iterable[str]] = ...) -> None: ...
+        reserved_amount: int
+        consumed_amount: int
+        def __init__(self, policy_id: _Optional[str] = ..., policy_git_sha: _Optional[str] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., window_start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unit: _Optional[str] = ..., enforcement: _Optional[str] = ..., on_exhausted: _Optional[str] = ..., limit_amount: _Optional[int] = ..., projected_amount: _Optional[int] = ..., remaining_amount: _Optional[int] = ..., admitted_amount: _Optional[int] = ..., deficit_amount: _Optional[int] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., next_eligible_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., missing_labels: _Optional[_Iterable[str]] = ..., reserved_amount: _Optional[int] = ..., consumed_amount: _Optional[int] = ...) -> None: ...
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -12,7 +12,9 @@
 -- KEYS: [1] loaded marker, [2] sequence; then per decision: run key (its budget charges), run
 --       holds key (its counters and tokens), n ledger keys, m counter keys, and 4 keys per pool
 --       level (pools.lua).
--- ARGV: [1] sequence Postgres committed, [2] now ms, [3] decisions; then per decision:
+-- ARGV: [1] sequence Postgres committed, [2] now ms, [3] decisions, [4] mode: 'reserve', or
+--       'check' (a quote: the same checks and readings, nothing held, a run's own earlier hold
+--       ignored, a ledger key never loaded read as empty and named); then per decision:
 --       decision id, n, m, pool levels; per ledger key: amount, limit, hard (1|0); per counter:
 --       gpus, nodes, allocations to add, then their limits (-1 = none); then token, project,
 --       sub-namespace, lease expiry ms; per pool level: quota, project cap, sub-namespace cap
@@ -22,6 +24,7 @@
 -- pool (check, used, by project, by sub-namespace)..., sequence (RESERVED only)}; status is
 -- RESERVED, REJECTED (something lacks room; nothing changed), MISSING (a ledger key was never
 -- loaded; its index follows) or DUPLICATE (this run holds already; the holder's decision id).
+-- In check mode the status is FITS or REJECTED, followed by the indexes of unloaded ledger keys.
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 'NOT_LOADED'
 end
@@ -30,21 +33,27 @@ if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[1]) then
   return 'NOT_LOADED'
 end
 local now = tonumber(ARGV[2])
+local check = ARGV[4] == 'check'
 
 local function reserve(kb, ab)
   -- kb: index of the run key in KEYS; ab: index of the decision id in ARGV.
   local run, holds = KEYS[kb], KEYS[kb + 1]
   local n, m, levels = tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2]), tonumber(ARGV[ab + 3])
-  if redis.call('EXISTS', run) == 1 then
+  if not check and redis.call('EXISTS', run) == 1 then
     return {'DUPLICATE', redis.call('HGET', run, '_decision') or ''}
   end
   local reply = {'RESERVED'}
   local fits = true
+  local unloaded = {}
 
   for i = 1, n do
     local state = redis.call('HMGET', KEYS[kb + 1 + i], 'reserved', 'consumed')
     if not state[1] then
-      return {'MISSING', tostring(i)}
+      if not check then
+        return {'MISSING', tostring(i)}
+      end
+      unloaded[#unloaded + 1] = i
+      state = {'0', '0'}
     end
     local reserved, consumed = tonumber(state[1]), tonumber(state[2] or '0')
     local a = ab + 3 + 3 * (i - 1)
@@ -88,6 +97,16 @@ local function reserve(kb, ab)
 
   if not fits then
     reply[1] = 'REJECTED'
+  elseif check then
+    reply[1] = 'FITS'
+  end
+  if check then
+    for _, i in ipairs(unloaded) do
+      reply[#reply + 1] = i
+    end
+    return reply
+  end
+  if not fits then
     return reply
   end
 
@@ -116,7 +135,7 @@ local function reserve(kb, ab)
 end
 
 local replies = {'OK'}
-local kb, ab = 3, 4
+local kb, ab = 3, 5
 for _ = 1, tonumber(ARGV[3]) do
   local n, m, levels = tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2]), tonumber(ARGV[ab + 3])
   replies[#replies + 1] = reserve(kb, ab)

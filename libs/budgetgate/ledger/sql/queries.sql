@@ -33,16 +33,16 @@ WITH batch AS (
     SELECT * FROM jsonb_to_recordset($1::jsonb) AS d(
         decision_id uuid, run_id text, attempt integer, outcome text, reason text, namespace text, labels jsonb,
         job_namespace text, job_name text, policy_bundle_sha text, projected_gpu bigint, showback_micros bigint,
-        currency text, request jsonb, response jsonb, decided_at timestamptz, ledger_seq bigint, gpus integer,
-        nodes integer, flavor text, region text, expected_end timestamptz, evaluations jsonb, entries jsonb,
-        reservations jsonb, holds jsonb, token jsonb)
+        currency text, request jsonb, response jsonb, decided_at timestamptz, ledger_seq bigint, readings jsonb,
+        gpus integer, nodes integer, flavor text, region text, expected_end timestamptz, evaluations jsonb,
+        entries jsonb, reservations jsonb, holds jsonb, token jsonb)
 ), decision AS (
     INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace,
                            job_name, policy_bundle_sha, projected_gpu, showback_micros, currency, request,
-                           response, decided_at, ledger_seq, gpus, nodes, flavor, region)
+                           response, decided_at, ledger_seq, readings, gpus, nodes, flavor, region)
     SELECT decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace, job_name,
            policy_bundle_sha, projected_gpu, showback_micros, currency, request, response, decided_at, ledger_seq,
-           gpus, nodes, flavor, region
+           readings, gpus, nodes, flavor, region
     FROM batch
 ), evaluations AS (
     INSERT INTO decision_evaluations (decision_id, policy_id, policy_git_sha, scope_id, ledger_key, window_start,
@@ -742,3 +742,46 @@ SELECT k.ledger_key, COALESCE(e.consumed, 0)::bigint AS consumed,
                  WHERE r.ledger_key = k.ledger_key AND r.state = 'held'), 0)::bigint AS reserved,
        EXISTS (SELECT 1 FROM budget_holds h WHERE h.ledger_key = k.ledger_key) AS held
 FROM unnest($1::text[]) AS k (ledger_key) LEFT JOIN ledger_entries e USING (ledger_key);
+
+-- name: bundle_documents
+SELECT documents FROM policy_bundles WHERE git_sha = $1;
+
+-- name: decision_inputs
+-- A run's latest decision with what it was decided on (explain), and its evaluations' amounts
+-- in the ledger's units (policy id -> outcome, limit, projected, remaining, admitted, deficit).
+SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.request, d.response, d.decided_at, d.readings,
+       (SELECT jsonb_object_agg(e.policy_id, jsonb_build_array(e.outcome, e.limit_amount, e.projected, e.remaining, e.admitted, e.deficit))
+        FROM decision_evaluations e WHERE e.decision_id = d.decision_id) AS amounts
+FROM decisions d WHERE d.run_id = $1 ORDER BY d.attempt DESC LIMIT 1;
+
+-- name: decisions_since
+-- Recorded decisions from $1 on, in the order they were made, optionally only those with an
+-- evaluation on scope (or policy id) $2 (replay, what-if); amounts as in decision_inputs.
+SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.request, d.response, d.decided_at, d.readings,
+       (SELECT jsonb_object_agg(e.policy_id, jsonb_build_array(e.outcome, e.limit_amount, e.projected, e.remaining, e.admitted, e.deficit))
+        FROM decision_evaluations e WHERE e.decision_id = d.decision_id) AS amounts
+FROM decisions d
+WHERE d.decided_at >= $1
+  AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM decision_evaluations e
+                                   WHERE e.decision_id = d.decision_id AND (e.scope_id = $2 OR e.policy_id = $2)))
+ORDER BY d.decided_at, d.ledger_seq NULLS FIRST, d.decision_id;
+
+-- name: whatif_decisions
+-- The submissions recorded from $1 on, in the order decided, with what history decided and the
+-- ledger readings each was decided on (policy what-if).
+SELECT run_id, attempt, outcome, request, decided_at, readings -> 'ledger' AS ledger
+FROM decisions WHERE decided_at >= $1
+ORDER BY decided_at, ledger_seq NULLS FIRST, decision_id;
+
+-- name: whatif_ends
+-- Runs whose end was recorded from $1 on: their metered GPU use, or released unused (a run
+-- that never started has no end of its own: its release counts from when it was settled).
+SELECT run_id, COALESCE(ended_at, settled_at) AS ended_at, actual_gpu, released
+FROM run_settlements WHERE (final OR released) AND COALESCE(ended_at, settled_at) >= $1;
+
+-- name: whatif_holds
+-- Reservations held at instant $1 by runs decided before it: amount per ledger key.
+SELECT r.run_id, d.projected_gpu, jsonb_object_agg(r.ledger_key, r.amount) AS amounts
+FROM reservations r JOIN decisions d ON d.decision_id = r.decision_id
+WHERE d.decided_at < $1 AND r.created_at < $1 AND (r.ended_at IS NULL OR r.ended_at >= $1)
+GROUP BY r.run_id, d.projected_gpu;

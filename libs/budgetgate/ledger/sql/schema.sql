@@ -56,6 +56,7 @@ CREATE TABLE decisions (
     nodes             integer,
     flavor            text,
     region            text,
+    readings          jsonb,            -- 0014: what the decision was made on; NULL before 0014
     UNIQUE (run_id, attempt)
 );
 CREATE INDEX decisions_decided_at ON decisions (decided_at);

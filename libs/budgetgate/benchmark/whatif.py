@@ -1,0 +1,102 @@
+"""`budgetgate bench what-if`: `policy what-if` over a large recorded history, end to end.
+
+A fresh database is filled (COPY, not timed) with N recorded decisions over the last 29 days,
+spread over `teams` teams with one monthly GPU-hour budget each, decided by a running tally as
+admission would, with their ledger readings and, for half the admitted runs, a recorded end at
+80 % of the projection. Then the candidate folder (every limit at 70 %) is replayed against it
+exactly as the command does it (read the history, simulate), and timed."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from budgetgate.benchmark import databases
+from budgetgate.core.evaluation import Resources, Submission, plan
+from budgetgate.core.loader import load_path
+from budgetgate.core.units import projected_hours_amount
+from budgetgate.ledger.migrations import migrate
+
+
+@dataclass(frozen=True)
+class Measured:
+    decisions: int
+    seconds: float
+    flips: int
+    recorded_allows: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"decisions": self.decisions, "seconds": round(self.seconds, 3), "decisions_per_s": round(self.decisions / self.seconds), "flips": self.flips, "recorded_allows": self.recorded_allows}
+
+
+def _policies(folder: Path, teams: int, limit_hours: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = [
+        f"apiVersion: budgetgate/v1\nkind: BudgetPolicy\nmetadata: {{id: gpu/t{i}}}\nspec:\n  scope: {{namespace: ns-{i}, labels: {{team: t{i}}}}}\n"
+        f"  window: {{calendar: month}}\n  limit: {{gpu_hours: {limit_hours}}}\n  enforcement: hard\n  on_exhausted: deny\n"
+        for i in range(teams)
+    ]
+    (folder / "teams.yaml").write_text("---\n".join(docs))
+    return folder
+
+
+def _history(decisions: int, teams: int, limit_hours: int, now: datetime) -> tuple[list[tuple], list[tuple], int]:
+    bundle = load_path(_policies(Path(tempfile.mkdtemp()) / "recorded", teams, limit_hours), git_sha="r" * 40).bundle
+    used: dict[str, int] = {}
+    rows, ends, allows = [], [], 0
+    span = timedelta(days=29) / decisions
+    start = now - timedelta(days=29)
+    for n in range(decisions):
+        team, gpus, hours = n % teams, 1 + (n * 7) % 8, 1 + (n * 13) % 12
+        at = start + span * n
+        sub = Submission(run_id=f"bench/{n}", namespace=f"ns-{team}", labels={"team": f"t{team}"}, resources=Resources(gpus=gpus), runtime_hours=Decimal(hours), at=at)
+        [charge] = plan(bundle, sub).charges
+        amount = projected_hours_amount(gpus, Decimal(hours))
+        held = used.get(charge.ledger_key, 0)
+        outcome = "ALLOW" if held + amount <= charge.policy.limit.amount else "DENY"
+        reading = {"ledger_key": charge.ledger_key, "limit": charge.policy.limit.amount, "reserved": held, "consumed": 0}
+        request = {"run_id": sub.run_id, "attempt": 1, "namespace": sub.namespace, "labels": dict(sub.labels), "resources": {"gpus": gpus, "nodes": 1}, "projected_runtime_hours": float(hours)}
+        decision_id = uuid.uuid4()
+        rows.append((decision_id, sub.run_id, 1, outcome, "bench", sub.namespace, json.dumps(sub.labels), "r" * 40, amount, json.dumps(request), "{}", at, json.dumps({"version": 1, "status": "RESERVED", "ledger": [reading]})))
+        if outcome == "ALLOW":
+            allows += 1
+            used[charge.ledger_key] = held + amount
+            if n % 2 == 0:
+                ends.append((sub.run_id, decision_id, "ended", True, at + timedelta(hours=hours), amount, amount * 4 // 5))
+    return rows, ends, allows
+
+
+async def run(server_dsn: str, *, decisions: int, teams: int, limit_hours: int = 2000, echo: Any = print) -> Measured:
+    from budgetgate.cli.whatif import run as what_if
+
+    name = f"bench_whatif_{uuid.uuid4().hex[:8]}"
+    dsn = await databases.create(server_dsn, name)
+    try:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await migrate(conn)
+            now = datetime.now(UTC)
+            echo(f"recording {decisions} decisions over {teams} budgets (not timed)")
+            rows, ends, allows = _history(decisions, teams, limit_hours, now)
+            await conn.copy_records_to_table("decisions", records=rows, columns=["decision_id", "run_id", "attempt", "outcome", "reason", "namespace", "labels", "policy_bundle_sha", "projected_gpu", "request", "response", "decided_at", "readings"])
+            await conn.copy_records_to_table("run_settlements", records=ends, columns=["run_id", "decision_id", "phase", "final", "ended_at", "projected_gpu", "actual_gpu"])
+            await conn.execute("ANALYZE")
+        finally:
+            await conn.close()
+        candidate = load_path(_policies(Path(tempfile.mkdtemp()) / "candidate", teams, limit_hours * 7 // 10), git_sha="what-if").bundle
+        echo("replaying against the candidate (every limit at 70 %)")
+        started = time.perf_counter()
+        report = await what_if(dsn, candidate, now - timedelta(days=30))
+        seconds = time.perf_counter() - started
+        return Measured(report["decisions"], seconds, len(report["flips"]), allows)
+    finally:
+        await databases.drop(server_dsn, name)

@@ -1,0 +1,95 @@
+"""`budgetgate quote`: what admission would decide on a submission now, asked of the running
+admission service (POST /v1/quotes); nothing is reserved or recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from budgetgate.cli import backend
+from budgetgate.settings import CommonSettings, find_dev_state
+
+
+class ClientSettings(CommonSettings):
+    admission_url: str = "http://127.0.0.1:8080"
+
+
+def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    labels = {}
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE")
+        labels[key] = val
+    return labels
+
+
+@click.command()
+@click.option("--file", "body_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A submission body as JSON (what POST /v1/admissions takes); the options below override its fields.")
+@click.option("--run-id", default=None, help="The run id (default: quote/preview).")
+@click.option("--namespace", "-n", default=None, help="The submission's namespace.")
+@click.option("--label", "-l", "labels", multiple=True, callback=_labels, help="A label, KEY=VALUE; repeatable.")
+@click.option("--gpus", type=int, default=None)
+@click.option("--nodes", type=int, default=None)
+@click.option("--flavor", default=None)
+@click.option("--region", default=None)
+@click.option("--hours", "runtime_hours", type=float, default=None, help="Projected runtime in hours.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def quote(body_file: Path | None, run_id: str | None, namespace: str | None, labels: dict[str, str], gpus: int | None, nodes: int | None, flavor: str | None, region: str | None, runtime_hours: float | None, as_json: bool) -> None:
+    """What admission would decide on a submission now (decision, cost, next eligible time)."""
+    body: dict[str, Any] = json.loads(body_file.read_text()) if body_file else {}
+    body.setdefault("run_id", "quote/preview")
+    resources = dict(body.get("resources") or {})
+    overrides = {"gpus": gpus, "nodes": nodes, "flavor": flavor, "region": region}
+    resources.update({k: v for k, v in overrides.items() if v is not None})
+    resources.setdefault("nodes", 1)
+    body["resources"] = resources
+    for key, value in (("run_id", run_id), ("namespace", namespace), ("projected_runtime_hours", runtime_hours)):
+        if value is not None:
+            body[key] = value
+    if labels:
+        body["labels"] = {**body.get("labels", {}), **labels}
+    missing = [name for name, present in (("--namespace", "namespace" in body), ("--gpus", "gpus" in resources), ("--hours", "projected_runtime_hours" in body)) if not present]
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)} (or a --file that has them)")
+    answer = post_quote(body)
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    print_quote(answer)
+
+
+def post_quote(body: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    if find_dev_state() is None and not os.environ.get("BUDGETGATE_ADMISSION_URL"):
+        raise click.ClickException(f"no local stack found from {Path.cwd()}; start one with `budgetgate dev up`, or set BUDGETGATE_ADMISSION_URL")
+    url = ClientSettings().admission_url
+    backend.announce("admission", url)
+    try:
+        response = httpx.post(f"{url.rstrip('/')}/v1/quotes", json=body, timeout=30)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"cannot reach admission at {url}: {exc}; is the stack running (`budgetgate dev status`)?") from None
+    if response.status_code != 200:
+        raise click.ClickException(f"admission answered {response.status_code}: {response.text}")
+    return response.json()
+
+
+def print_quote(answer: dict[str, Any]) -> None:
+    cost = f", {answer['showback_cost']:.2f} {answer['currency']}" if answer.get("showback_cost") is not None else ""
+    click.echo(f"{answer['decision']} (a quote: nothing reserved) — {answer['projected_gpu_hours']:g} GPU-hours{cost}")
+    click.echo(answer["reason"])
+    if answer.get("next_eligible_time"):
+        click.echo(f"next eligible time: {answer['next_eligible_time']}")
+    if answer.get("priority_penalty"):
+        click.echo(f"priority penalty: {answer['priority_penalty']:.4f}")
+    if answer.get("fair_share"):
+        fs = answer["fair_share"]
+        click.echo(f"fair share: {fs['share']:.3f} -> {fs['share_after']:.3f} of target {fs['target']:.3f} (deficit {fs['deficit']:.3f})" + (", preemptible" if answer.get("preemptible") else ""))
+    for e in answer["evaluations"]:
+        remaining = "n/a" if e["remaining"] is None else f"{e['remaining']:g}"
+        click.echo(f"  {e['decision']:<5} {e['policy_id']} ({e['enforcement']}): needs {e['projected']:g} of {remaining} remaining, limit {e['limit']:g} {e['unit']}")

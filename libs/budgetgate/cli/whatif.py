@@ -1,0 +1,99 @@
+"""`budgetgate policy what-if DIR`: the period's recorded submissions decided again under a
+candidate policy folder, on a simulated ledger (budgetgate.core.whatif); nothing live changes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from budgetgate.cli import backend
+from budgetgate.cli.explain import since as parse_since
+from budgetgate.core.loader import PolicyValidationError, load_path
+from budgetgate.core.policy import PolicyBundle
+from budgetgate.core.units import hours, money
+from budgetgate.core.whatif import Outcome, simulate
+from budgetgate.core.windows import rfc3339
+
+
+@click.command("what-if")
+@click.argument("directory", type=click.Path(exists=True, path_type=Path))
+@click.option("--since", "period", default="30d", show_default=True, help="From when: a period (30d, 12h, 2w) or an ISO date.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"decisions": N, "flips": [...], "by_budget": [...]}.')
+def what_if(directory: Path, period: str, as_json: bool) -> None:
+    """Replay the period's recorded submissions against the policies in DIRECTORY."""
+    try:
+        candidate = load_path(directory, git_sha="what-if").bundle
+    except PolicyValidationError as exc:
+        for error in exc.errors:
+            click.echo(f"error: {error}", err=True)
+        raise SystemExit(f"{len(exc.errors)} error(s) in {directory}") from None
+    start = parse_since(period)
+    report = asyncio.run(run(backend.stack_settings().postgres_dsn, candidate, start, show_progress=sys.stderr.isatty()))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        print_report(report, directory)
+
+
+async def run(dsn: str, candidate: PolicyBundle, start: datetime, *, show_progress: bool = False) -> dict[str, Any]:
+    """The what-if report of `candidate` over the decisions recorded since `start`."""
+    from budgetgate.services.admission.history import recorded_history
+
+    async with backend.postgres(dsn) as conn:
+        total = await conn.fetchval("SELECT count(*) FROM decisions WHERE decided_at >= $1", start)  # type: ignore[attr-defined]
+        with _progress(2 * total, show_progress) as advance:
+            history = await recorded_history(conn, start, progress=advance)
+            outcome = simulate(candidate, start=history.start, decisions=history.decisions, ends=history.ends, holds=history.holds, progress=advance)
+    return as_report(outcome, start)
+
+
+@contextlib.contextmanager
+def _progress(length: int, shown: bool) -> Iterator[Callable[[int], None]]:
+    if not shown or length == 0:
+        yield lambda _n: None
+        return
+    with click.progressbar(length=length, label="what-if", file=sys.stderr) as bar:
+        yield bar.update
+        bar.update(length - bar.pos)
+
+
+def as_report(outcome: Outcome, start: datetime) -> dict[str, Any]:
+    budgets = []
+    for b in outcome.by_budget.values():
+        cost = b.cost_before or b.cost_after
+        budgets.append({
+            "policy_id": b.policy_id, "scope_id": b.scope_id, "unit": b.unit,
+            "admitted_gpu_hours_before": hours(b.admitted_gpu_before), "admitted_gpu_hours_after": hours(b.admitted_gpu_after),
+            "admitted_gpu_hours_change": hours(b.admitted_gpu_after - b.admitted_gpu_before),
+            "showback_cost_before": float(money(b.cost_before)) if cost else None, "showback_cost_after": float(money(b.cost_after)) if cost else None,
+            "showback_cost_change": float(money(b.cost_after - b.cost_before)) if cost else None, "currency": b.currency,
+            "exhausted_at": rfc3339(b.exhausted_at) if b.exhausted_at else None,
+        })  # fmt: skip
+    return {
+        "since": rfc3339(start),
+        "decisions": outcome.decisions,
+        "flips": [{"run_id": f.run_id, "attempt": f.attempt, "decided_at": rfc3339(f.at), "before": f.before, "after": f.after, "reason": f.reason} for f in outcome.flips],
+        "by_budget": budgets,
+        "unplannable": outcome.unplannable,
+    }
+
+
+def print_report(report: dict[str, Any], directory: Path) -> None:
+    click.echo(f"what-if {directory} since {report['since']}: {report['decisions']} decisions replayed, {len(report['flips'])} would flip")
+    for f in report["flips"]:
+        click.echo(f"  {f['before']} -> {f['after']}  {f['run_id']} (attempt {f['attempt']}, {f['decided_at']}): {f['reason']}")
+    for b in report["by_budget"]:
+        line = f"  {b['policy_id']}: admitted {b['admitted_gpu_hours_before']:g} -> {b['admitted_gpu_hours_after']:g} GPU-hours ({b['admitted_gpu_hours_change']:+g})"
+        if b["showback_cost_before"] is not None:
+            line += f", {b['showback_cost_before']:.2f} -> {b['showback_cost_after']:.2f} {b['currency'] or ''} ({b['showback_cost_change']:+.2f})".rstrip()
+        if b["exhausted_at"]:
+            line += f"; exhausted at {b['exhausted_at']}"
+        click.echo(line)

@@ -1,0 +1,67 @@
+"""A quote: what admission would decide on a submission now, decided exactly as admission
+decides (deciding.prepare and deciding.conclude) on readings taken by the same Redis script in
+its checking mode, which holds nothing. A quote records nothing, reserves nothing and never
+repeats an earlier decision of the run id: it is a fresh evaluation every time."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from budgetgate.core.evaluation import deciding_index
+from budgetgate.core.windows import rfc3339
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import Reservation, ReserveResult
+from budgetgate.services.admission.admitter import Admitter, releases, with_ledger
+from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, readings
+from budgetgate.services.admission.rendering import response_body
+from budgetgate.services.admission.schemas import AdmissionRequest
+
+_NOT_QUOTED = ("decision_id", "replayed", "decided_at")
+
+
+class Quoter:
+    def __init__(self, admitter: Admitter) -> None:
+        self.admitter = admitter
+
+    async def quote(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
+        """The answer admission would give `request` now; raises Unavailable or InvalidSubmission."""
+        at = now or datetime.now(UTC)
+        p = self.admitter.prepare(request, at)
+        result = await with_ledger(self.admitter.sync, lambda: self._check(p)) if p.needs_ledger else None
+        found = readings(p.plan, result)
+        refused = [(p.plan, found)] if found is not None and not holds(result) else []
+        async with self.admitter.pool.acquire() as conn:
+            ahead = await releases(conn, refused, self.admitter.start_deadline)
+        decision, view = conclude(p, result, ahead)
+        body = response_body(plan=p.plan, decision=decision, decision_id="", decided_at=at, standing=view)
+        deciding = deciding_index(decision)
+        eligible = decision.evaluations[deciding].next_eligible_time if deciding is not None and decision.outcome != "ALLOW" else None
+        answer = {k: v for k, v in body.items() if k not in _NOT_QUOTED}
+        return {
+            "run_id": answer.pop("run_id"),
+            "attempt": answer.pop("attempt"),
+            "quote": True,
+            "quoted_at": rfc3339(at),
+            "decision": answer.pop("decision"),
+            "reason": answer.pop("reason"),
+            "next_eligible_time": rfc3339(eligible) if eligible else None,
+            **answer,
+        }
+
+    async def _check(self, p: Prepared) -> ReserveResult:
+        admitter = self.admitter
+        committed = await admitter.pool.fetchval(sql("committed_ledger_seq"))
+        asked = Reservation(p.request.run_id, "quote", charges(p.plan), p.asks.counters, p.asks.pool)
+        now_ms = int(datetime.now(UTC).timestamp() * 1000)
+        result = await admitter.ledger.check(asked, now_ms=now_ms, committed_seq=committed)
+        if result.unloaded:
+            # A key Redis never loaded is empty unless Postgres has it already (created a moment
+            # ago by the reconciler): then it is loaded, as admission would, and read again.
+            keys = [p.plan.charges[i].ledger_key for i in result.unloaded]
+            rows = await admitter.pool.fetch(sql("ledger_figures"), keys)
+            for row in rows:
+                await admitter.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"])
+            if rows:
+                result = await admitter.ledger.check(asked, now_ms=now_ms, committed_seq=committed)
+        return result
