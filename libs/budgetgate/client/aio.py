@@ -76,14 +76,19 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def send(self, call: Call[T], *, base: str | None = None) -> T:
+    async def send(self, call: Call[T], *, base: str | None = None, retry: RetryPolicy | None = None) -> T:
         """Send `call` (to `base`, default admission), resending it as the retry policy says."""
         url = (base or self.url) + call.path
-        async for attempt in self.retry.asynchronous():
+        async for attempt in (retry or self.retry).asynchronous():
             with attempt:
                 response = await self._http.request(call.method, url, json=call.json, params=dict(call.params) or None)
                 return answer(call, response)
         raise AssertionError("unreachable: the retry policy reraises")  # pragma: no cover
+
+    async def wait_ready(self, *, timeout: float = 30.0) -> dict[str, str]:
+        """Wait until admission is ready (its ledger loaded and a policy bundle active); its checks.
+        Raises Unavailable, naming the failing checks, when it is not ready within `timeout`."""
+        return await self.send(calls.readiness(), retry=RetryPolicy(attempts=1_000_000, initial=0.1, max_wait=1.0, deadline=timeout))
 
     async def submit(self, request: AdmissionRequest | Mapping[str, Any]) -> AdmissionResponse:
         """Ask whether a workload may start; the same run id and attempt on every retry."""

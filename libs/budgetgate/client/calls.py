@@ -52,6 +52,11 @@ def _body(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json", exclude_unset=True)
 
 
+def readiness() -> Call[dict[str, str]]:
+    """GET /readyz: the checks, all "ok" (a 503 names the failing ones)."""
+    return Call("GET", "/readyz", lambda body: dict(body.get("checks", {})))
+
+
 def submit(request: AdmissionRequest | Mapping[str, Any]) -> Call[AdmissionResponse]:
     """POST /v1/admissions (validated here first, with the server's own model)."""
     body = request if isinstance(request, AdmissionRequest) else AdmissionRequest.model_validate(dict(request))

@@ -57,13 +57,18 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def send(self, call: Call[T], *, base: str | None = None) -> T:
+    def send(self, call: Call[T], *, base: str | None = None, retry: RetryPolicy | None = None) -> T:
         """Send `call` (to `base`, default admission), resending it as the retry policy says."""
         url = (base or self.url) + call.path
-        for attempt in self.retry.sync():
+        for attempt in (retry or self.retry).sync():
             with attempt:
                 return answer(call, self._http.request(call.method, url, json=call.json, params=dict(call.params) or None))
         raise AssertionError("unreachable: the retry policy reraises")  # pragma: no cover
+
+    def wait_ready(self, *, timeout: float = 30.0) -> dict[str, str]:
+        """Wait until admission is ready (its ledger loaded and a policy bundle active); its checks.
+        Raises Unavailable, naming the failing checks, when it is not ready within `timeout`."""
+        return self.send(calls.readiness(), retry=RetryPolicy(attempts=1_000_000, initial=0.1, max_wait=1.0, deadline=timeout))
 
     def submit(self, request: AdmissionRequest | Mapping[str, Any]) -> AdmissionResponse:
         """Ask whether a workload may start; the same run id and attempt on every retry."""
