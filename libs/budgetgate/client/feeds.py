@@ -7,7 +7,6 @@ sample id, a lifecycle event's from its run, type and time, unless the caller na
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -16,11 +15,12 @@ from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.client.calls import Call
+from budgetgate.core.metering import sample_event_id
+from budgetgate.core.reconciliation import LIFECYCLE_KINDS
+from budgetgate.lifecycle import derived_event_id
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.v1.metering_pb2 import MeteringSample
 
-LIFECYCLE_KINDS = ("STARTED", "COMPLETED", "FAILED", "CANCELLED", "EVICTED", "READMITTED")
-_IDS = uuid.uuid5(uuid.NAMESPACE_URL, "https://budgetgate.dev/client/event-id")
 
 
 def timestamp(at: datetime) -> Timestamp:
@@ -47,18 +47,9 @@ def lifecycle_event(
     kind = kind.upper()
     if kind not in LIFECYCLE_KINDS:
         raise ValueError(f"lifecycle kind {kind!r} is not one of {', '.join(LIFECYCLE_KINDS)}")
-    stamp = timestamp(when)
-    return LifecycleEvent(
-        event_id=event_id or str(uuid.uuid5(_IDS, f"lifecycle\x00{run_id}\x00{kind}\x00{stamp.ToJsonString()}")),
-        event_time=stamp,
-        run_id=run_id,
-        type=LifecycleType.Value(kind),
-        gpus=gpus,
-        nodes=nodes,
-        flavor=flavor,
-        region=region,
-        reason=reason,
-    )
+    event = LifecycleEvent(event_time=timestamp(when), run_id=run_id, type=LifecycleType.Value(kind), gpus=gpus, nodes=nodes, flavor=flavor, region=region, reason=reason)
+    event.event_id = event_id or derived_event_id(event)
+    return event
 
 
 def metering_sample(
@@ -74,7 +65,7 @@ def metering_sample(
     """A MeteringSample: GPU- and node-seconds used since the run started (cumulative)."""
     observed = timestamp(observed_at or datetime.now(UTC))
     return MeteringSample(
-        event_id=event_id or str(uuid.uuid5(_IDS, f"sample\x00{run_id}\x00{sample_id}")),
+        event_id=event_id or sample_event_id(run_id, sample_id),
         event_time=timestamp(datetime.now(UTC)),
         sample_id=sample_id,
         run_id=run_id,
