@@ -62,7 +62,10 @@ class AsyncClient:
         retry: RetryPolicy = RetryPolicy(),
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.url = endpoints.admission_url(url)
+        try:
+            self._url: str | None = endpoints.admission_url(url)
+        except endpoints.NoEndpoint:
+            self._url = None  # fine for a client that only publishes; `url` says so when used
         self.metering_url = endpoints.metering_url(metering_url)
         self.retry = retry
         self._http = httpx.AsyncClient(timeout=timeout, headers=headers(endpoints.token(token)), transport=transport)
@@ -147,6 +150,11 @@ class AsyncClient:
     async def publish_metering(self, *samples: MeteringSample) -> list[dict[str, Any]]:
         """Post metering samples to metering-ingest; per-sample results (accepted, duplicate, pending)."""
         return await self.send(feeds.post_metering(samples), base=self._metering())
+
+    @property
+    def url(self) -> str:
+        """Admission's base URL (NoEndpoint when none is known: a client that only publishes needs none)."""
+        return self._url or endpoints.admission_url(None)
 
     def _metering(self) -> str:
         if self.metering_url is None:
