@@ -51,10 +51,16 @@ _EVENT_SCHEMA = {
 }
 _RESULTS = {
     "type": "object",
+    "description": "One result per event, in the batch's order.",
     "required": ["results"],
     "properties": {"results": {"type": "array", "description": "per event, in order", "items": {
-        "type": "object", "required": ["index", "eventId", "runId", "status"],
-        "properties": {"index": {"type": "integer"}, "eventId": {"type": "string"}, "runId": {"type": "string"}, "status": {"type": "string", "enum": ["accepted"]}},
+        "type": "object", "description": "What became of one event of the batch.", "required": ["index", "eventId", "runId", "status"],
+        "properties": {
+            "index": {"type": "integer", "description": "the event's place in the batch"},
+            "eventId": {"type": "string", "description": "its event id (the one given, or the one derived)"},
+            "runId": {"type": "string", "description": "the event's run"},
+            "status": {"type": "string", "enum": ["accepted"], "description": "accepted: in the outbox, to be published"},
+        },
     }}},
 }  # fmt: skip
 _OPENAPI = {
