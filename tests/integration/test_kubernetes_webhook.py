@@ -4,11 +4,20 @@ server expects; dry runs reserve nothing; failing closed or open when budgetgate
 
 from __future__ import annotations
 
+import os
+import ssl
+import subprocess
+import sys
 from typing import Any
+
+import httpx
+import pytest
 
 from tests.integration.test_admission import held_in_postgres
 from tests.support.admission import apply_policies, budget_yaml, example_policies
 from tests.support.kubernetes import admission_review, job, jobset, job_spec
+from tests.support.metering import wait_for
+from tests.support.servers import free_port
 
 URL = "/v1/kubernetes/admission-review"
 H100 = {"budgetgate.io/flavor": "h100"}  # the example policies price GPU-hours by flavor
@@ -89,3 +98,36 @@ async def test_namespace_default_runtime_from_the_environment(admission_factory,
     obj = job(gpus=4, annotations=H100)
     assert (await reviewed(server, admission_review(obj)))["allowed"] is True
     assert (await server.client.get(f"/v1/admissions/{obj.metadata.uid}")).json()["projected_gpu_hours"] == 10.0
+
+
+async def test_served_over_tls_as_the_deployment_runs_it(settings, pg_dsn, tmp_path) -> None:
+    """`python -m budgetgate.services.admission --ssl-certfile … --ssl-keyfile …`, as
+    deploy/kubernetes/webhook runs it, answers an AdmissionReview over HTTPS."""
+    await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)  # fmt: skip
+    port = free_port()
+    env = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None}, "BUDGETGATE_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "budgetgate.services.admission", "--port", str(port), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=str(cert)), timeout=10) as client:
+            async def ready() -> bool:
+                assert process.poll() is None, process.stderr.read().decode() if process.stderr else "exited"
+                try:
+                    return (await client.get("/readyz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await wait_for(ready, what="admission serving HTTPS")
+            answer = (await client.post(URL, json=admission_review(job(gpus=8, deadline=3600, annotations=H100)))).json()["response"]
+            assert answer["allowed"] is True
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not served
+            async with httpx.AsyncClient(timeout=5) as plain:
+                await plain.get(f"http://127.0.0.1:{port}/healthz")
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        if process.stderr:
+            process.stderr.close()
