@@ -12,6 +12,7 @@ from budgetgate.cli.ledger import ledger
 from budgetgate.cli.budgets import budgets
 from budgetgate.cli.asyncapi import asyncapi
 from budgetgate.cli.meter import meter
+from budgetgate.cli.kueue import kueue
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,6 +34,7 @@ cli.add_command(actions)
 cli.add_command(dlq)
 cli.add_command(asyncapi)
 cli.add_command(meter)
+cli.add_command(kueue)
 
 
 if __name__ == "__main__":
