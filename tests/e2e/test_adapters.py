@@ -15,10 +15,10 @@ import httpx
 
 from budgetgate.client import AsyncClient, Client, lifecycle_event
 from budgetgate.flyte import preflight
-from tests.integration.test_meter_dcgm import Exporters
 from tests.support import flyte_workflows as flows
 from tests.support.admission import EXAMPLES
 from tests.support.cli import budgetgate
+from tests.support.dcgm import Exporters
 from tests.support.kubernetes import admission_review, job
 
 RUN = "flyte/vision/exec-7f3a/n0"  # the run-id label of the recorded exporter pages
