@@ -46,18 +46,23 @@ _METRICS_EXAMPLE = "# HELP budgetgate_admission_decisions_total admission answer
 
 
 def serve(*, prog: str, settings_cls: type[Any], create_app: Callable[[Any], FastAPI]) -> None:
-    """`python -m budgetgate.services.<name> [--host H] [--port P]`: settings from BUDGETGATE_*
-    variables, the two flags winning, then uvicorn."""
+    """`python -m budgetgate.services.<name> [--host H] [--port P] [--ssl-certfile F --ssl-keyfile F]`:
+    settings from BUDGETGATE_* variables, the flags winning, then uvicorn (over TLS with a
+    certificate and key, as a Kubernetes admission webhook must be served)."""
     import uvicorn
 
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--ssl-certfile", help="PEM certificate (chain) to serve HTTPS with")
+    parser.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
     args = parser.parse_args()
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
     overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
     settings = settings_cls(**overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning", ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
 
 
 def add_operational_routes(

@@ -14,9 +14,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
-from budgetgate.services.admission import quote_routes, routes
+from budgetgate.services.admission import kubernetes, quote_routes, routes
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
+from budgetgate.services.admission.kubernetes import KubernetesWebhookSettings
 from budgetgate.services.admission.fastpath import SubmissionFastPath
 from budgetgate.services.admission.middleware import BodyLimit, ServerSpans
 from budgetgate.services.admission.resubmission import Conflict
@@ -66,8 +67,9 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
 )
 
 
-def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = None) -> FastAPI:
-    """The admission service for `settings`; connections open when the app starts."""
+def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = None, kubernetes_webhook: KubernetesWebhookSettings | None = None) -> FastAPI:
+    """The admission service for `settings` (and the Kubernetes webhook's, from BUDGETGATE_KUBERNETES_*
+    unless given); connections open when the app starts."""
     telemetry = telemetry or setup_telemetry(service_name=settings.service_name, otlp_endpoint=settings.otlp_endpoint)
 
     @contextlib.asynccontextmanager
@@ -89,6 +91,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     # Before routes.router: its GET /v1/admissions/{run_id:path} would take .../explain too.
     app.include_router(quote_routes.router)
     app.include_router(routes.router)
+    app.include_router(kubernetes.router(kubernetes_webhook or KubernetesWebhookSettings()))
     add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations={**OPERATIONS, **quote_routes.OPERATIONS})
     add_tenant_routes(app, settings)
     add_budget_routes(app, telemetry.meter("budgetgate.admission"))

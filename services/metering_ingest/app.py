@@ -24,7 +24,7 @@ from budgetgate import wire
 from budgetgate.consumer import Inbox
 from budgetgate.lag import ConsumerProgress
 from budgetgate.outbox import OutboxRelay
-from budgetgate.services.metering_ingest import consumers
+from budgetgate.services.metering_ingest import consumers, lifecycle
 from budgetgate.services.metering_ingest.api import Unavailable, router
 from budgetgate.services.metering_ingest.ingest import Ingestor
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
@@ -115,6 +115,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     app.include_router(router(max_batch=settings.max_batch_samples, metering_topic=topics.metering))
+    app.include_router(lifecycle.router(max_batch=settings.max_batch_events))
 
     add_operational_routes(app, telemetry=telemetry, readiness=lambda request: _readiness(request.app.state.rt))
 

@@ -32,6 +32,8 @@ class MeteringSettings(CommonSettings):
     unknown_run_grace_seconds: float = Field(default=600.0, ge=0)
     pending_recheck_seconds: float = Field(default=5.0, gt=0)
     max_batch_samples: int = Field(default=1000, ge=1)
+    # The most lifecycle events one POST /v1/lifecycle/events may carry.
+    max_batch_events: int = Field(default=1000, ge=1)
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
 
     @property

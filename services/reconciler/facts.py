@@ -11,9 +11,9 @@ from datetime import UTC
 
 import asyncpg
 
+from budgetgate import lifecycle
 from budgetgate.consumer import BatchRoute, Delivery
 from budgetgate.core.ledger_key import MAX_AMOUNT
-from budgetgate.core.reconciliation import LIFECYCLE_KINDS
 from budgetgate.ledger.queries import sql
 from budgetgate.topics import Topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
@@ -71,16 +71,9 @@ async def _mark(conn: asyncpg.Connection, run_ids: set[str], on_fact: Callable[[
 
 
 def _lifecycle_problem(event: lifecycle_pb2.LifecycleEvent) -> str | None:
-    kind = lifecycle_pb2.LifecycleType.Name(event.type) if event.type in lifecycle_pb2.LifecycleType.values() else ""
-    if reason := _run_id_problem(event.run_id):
-        return reason
-    if kind not in LIFECYCLE_KINDS:
-        return f"lifecycle event {event.event_id} has no known type ({event.type})"
-    if not event.HasField("event_time"):
-        return f"lifecycle event {event.event_id} has no event_time"
-    if event.gpus < 0 or event.nodes < 0:
-        return f"lifecycle event {event.event_id} reports negative resources"
-    return None
+    # The rules metering-ingest's HTTP lifecycle feed applies too (budgetgate/lifecycle.py).
+    found = lifecycle.problems(event)
+    return found[0][1] if found else None
 
 
 def _usage_problem(record: usage_pb2.UsageRecord) -> str | None:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 
+from budgetgate.client import AsyncClient, NotFound
 from budgetgate.core.loader import LoadedPolicies
 from budgetgate.settings import DEV_STATE_FILE
 
@@ -113,8 +113,8 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
 
     with contextlib.redirect_stdout(sys.stderr):  # the plan: the demo's output is its story
         await apply_loaded(settings["postgres_dsn"], loaded, source="budgetgate demo", applied_by="budgetgate demo")
-    async with httpx.AsyncClient(base_url=settings["admission_url"], timeout=30) as client:
-        await _wait_for_policies(client)
+    async with AsyncClient(settings["admission_url"]) as client:
+        await client.wait_ready(timeout=10)
         rows = []
         for w in MIX:
             body = {
@@ -126,13 +126,10 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
                 "projected_runtime_hours": w.hours,
                 "job": {"namespace": w.namespace, "name": w.run.split("/")[-1]},
             }
-            response = await client.post("/v1/admissions", json=body)
-            response.raise_for_status()
-            rows.append((w, response.json()))
+            rows.append((w, (await client.submit(body)).model_dump(mode="json")))
         _print_decisions(rows)
         scopes = sorted({e["scope_id"] for _, answer in rows for e in answer["evaluations"]})
-        usage = [(await client.get(f"/v1/scopes/{scope}/usage")).json() for scope in scopes]
-        _print_budgets(usage)
+        _print_budgets(await _usage(client, scopes))
         allowed = [(w, answer) for w, answer in rows if answer["decision"] == "ALLOW" and not answer["replayed"]]
         finished = await _lifecycles(settings, allowed)
         settled = await _wait_settled(client, scopes)
@@ -140,6 +137,17 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
         _print_budgets(settled, title="Budgets after the runs finished: reservations replaced by actuals")
         if any(b["reserved"] for scope in settled for b in scope.get("budgets", [])):
             click.echo("\n(some reservations are still held: the reconciler has not caught up yet; `budgetgate usage --scope …` shows the ledger as it goes)")
+
+
+async def _usage(client: AsyncClient, scopes: list[str]) -> list[dict[str, Any]]:
+    """Each scope's budgets (none for a scope no budget of the bundle has)."""
+    found = []
+    for scope in scopes:
+        try:
+            found.append((await client.scope_usage(scope)).model_dump(mode="json"))
+        except NotFound:
+            found.append({"scope_id": scope, "budgets": []})
+    return found
 
 
 # How much of its projection each finished run really used, in turn: most finish early, one runs over.
@@ -150,44 +158,32 @@ async def _lifecycles(settings: dict[str, Any], allowed: list[tuple[Workload, di
     """Each admitted run starts, reports cumulative GPU usage halfway and at the end, and completes."""
     from datetime import UTC, datetime, timedelta
 
-    from google.protobuf.timestamp_pb2 import Timestamp
+    from budgetgate.client import KafkaFeed, lifecycle_event, metering_sample
 
-    from budgetgate import wire
-    from budgetgate.topics import Topics
-    from budgetgate.v1 import lifecycle_pb2, metering_pb2
-
-    def ts(at: datetime) -> Timestamp:
-        stamp = Timestamp()
-        stamp.FromDatetime(at)
-        return stamp
-
-    topics = Topics(settings.get("topic_prefix") or "")
     now = datetime.now(UTC).replace(microsecond=0)
     finished = []
-    async with wire.Publisher(settings["kafka_bootstrap"], client_id="budgetgate-demo") as publisher:
+    async with KafkaFeed(settings["kafka_bootstrap"], topic_prefix=settings.get("topic_prefix") or "", client_id="budgetgate-demo") as feed:
         for i, (w, answer) in enumerate(allowed):
             used = USE[i % len(USE)]
             ran = timedelta(hours=w.hours * used)
             start, run_id = now - ran, answer["run_id"]
-            event = lambda kind, at: lifecycle_pb2.LifecycleEvent(event_id=str(uuid.uuid4()), event_time=ts(at), run_id=run_id, type=lifecycle_pb2.LifecycleType.Value(kind), gpus=w.gpus, nodes=1, flavor=w.flavor)  # noqa: E731
-            await publisher.send(topics.lifecycle, event("STARTED", start), key=run_id)
+            await feed.send_lifecycle(lifecycle_event(run_id, "STARTED", at=start, gpus=w.gpus, nodes=1, flavor=w.flavor, event_id=str(uuid.uuid4())))
             for part in (0.5, 1.0):
                 at = start + ran * part
-                sample = metering_pb2.MeteringSample(
-                    event_id=str(uuid.uuid4()), event_time=ts(at), sample_id=f"{run_id}/{part}", run_id=run_id, observed_at=ts(at),
-                    gpu_seconds=w.gpus * ran.total_seconds() * part, node_seconds=ran.total_seconds() * part, exporter="budgetgate-demo",
-                )  # fmt: skip
-                await publisher.send(topics.metering, sample, key=run_id)
-            await publisher.send(topics.lifecycle, event("COMPLETED", now), key=run_id)
+                await feed.send_metering(metering_sample(
+                    run_id, sample_id=f"{run_id}/{part}", observed_at=at, gpu_seconds=w.gpus * ran.total_seconds() * part,
+                    node_seconds=ran.total_seconds() * part, exporter="budgetgate-demo", event_id=str(uuid.uuid4()),
+                ))  # fmt: skip
+            await feed.send_lifecycle(lifecycle_event(run_id, "COMPLETED", at=now, gpus=w.gpus, nodes=1, flavor=w.flavor, event_id=str(uuid.uuid4())))
             finished.append((w, answer, used))
     return finished
 
 
-async def _wait_settled(client: httpx.AsyncClient, scopes: list[str], timeout: float = 60.0) -> list[dict[str, Any]]:
+async def _wait_settled(client: AsyncClient, scopes: list[str], timeout: float = 60.0) -> list[dict[str, Any]]:
     """The scopes' budgets once no reservation is held any more (or as they are at `timeout`)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        usage = [(await client.get(f"/v1/scopes/{scope}/usage")).json() for scope in scopes]
+        usage = await _usage(client, scopes)
         if all(b["reserved"] == 0 for scope in usage for b in scope.get("budgets", [])) or asyncio.get_running_loop().time() > deadline:
             return usage
         await asyncio.sleep(0.5)
@@ -201,15 +197,6 @@ def _print_runs(finished: list[tuple[Workload, dict[str, Any], float]]) -> None:
         actual = projected * used
         table.append([w.what, f"{projected:g}", f"{actual:g}", f"{actual - projected:+g}", "over-ran its reservation" if used > 1 else ""])
     _table(["workload", "reserved GPU-h", "metered GPU-h", "error", ""], table)
-
-
-async def _wait_for_policies(client: httpx.AsyncClient) -> None:
-    for _ in range(100):
-        ready = await client.get("/readyz")
-        if ready.status_code == 200:
-            return
-        await asyncio.sleep(0.1)
-    raise SystemExit(f"admission is not ready: {ready.text}")
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> None:

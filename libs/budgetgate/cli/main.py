@@ -14,6 +14,8 @@ from budgetgate.cli.asyncapi import asyncapi
 from budgetgate.cli.explain import explain, replay
 from budgetgate.cli.quote import quote
 from budgetgate.cli.whatif import what_if
+from budgetgate.cli.meter import meter
+from budgetgate.cli.kueue import kueue
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -38,6 +40,8 @@ cli.add_command(asyncapi)
 cli.add_command(quote)
 cli.add_command(explain)
 cli.add_command(replay)
+cli.add_command(meter)
+cli.add_command(kueue)
 
 
 if __name__ == "__main__":

@@ -62,20 +62,13 @@ def metering(run_id: str, gpu_seconds: float, node_seconds: float, at: datetime 
     Values are sent as given, so a negative or NaN figure shows how metering-ingest rejects it
     (on metering.samples.v1.dlq).
     """
+    from budgetgate.client import metering_sample
     from budgetgate.topics import Topics
-    from budgetgate.v1.metering_pb2 import MeteringSample
 
-    now = datetime.now(UTC)
-    sample = MeteringSample(
-        event_id=str(uuid.uuid4()),
-        event_time=timestamp(now),
-        sample_id=sample_id or str(uuid.uuid4()),
-        run_id=run_id,
-        observed_at=timestamp(at or now),
-        gpu_seconds=gpu_seconds,
-        node_seconds=node_seconds,
-        exporter=exporter,
-    )
+    sample = metering_sample(
+        run_id, sample_id=sample_id or str(uuid.uuid4()), gpu_seconds=gpu_seconds, node_seconds=node_seconds,
+        observed_at=at, exporter=exporter, event_id=str(uuid.uuid4()),
+    )  # fmt: skip
     settings = backend.stack_settings(needs="kafka")
     topic = Topics(settings.topic_prefix).metering
     partition, offset = _send(settings, topic, sample, key=run_id)
@@ -115,19 +108,10 @@ LIFECYCLE_EVENTS = ("started", "completed", "failed", "cancelled", "evicted", "r
 @click.option("--event-id", default=None, help="The event's id; send the same id twice to see deduplication. Default: a new uuid.")
 def lifecycle(run_id: str, kind: str, at: datetime | None, gpus: int, nodes: int, flavor: str, reason: str, event_id: str | None) -> None:
     """Send one lifecycle event to workload.lifecycle.v1 (what the reconciler settles runs from)."""
+    from budgetgate.client import lifecycle_event
     from budgetgate.topics import Topics
-    from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 
-    event = LifecycleEvent(
-        event_id=event_id or str(uuid.uuid4()),
-        event_time=timestamp(at or datetime.now(UTC)),
-        run_id=run_id,
-        type=LifecycleType.Value(kind.upper()),
-        gpus=gpus,
-        nodes=nodes,
-        flavor=flavor,
-        reason=reason,
-    )
+    event = lifecycle_event(run_id, kind, at=at, gpus=gpus, nodes=nodes, flavor=flavor, reason=reason, event_id=event_id or str(uuid.uuid4()))
     settings = backend.stack_settings(needs="kafka")
     topic = Topics(settings.topic_prefix).lifecycle
     partition, offset = _send(settings, topic, event, key=run_id)

@@ -77,7 +77,7 @@ def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo =
 def _start(state: StackState, *, timeout: float, services: bool, echo: Echo) -> None:
     tag = isolation.checkout_tag(state.root)
     state.settings = dict.fromkeys(
-        ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url")
+        ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url", "metering_url")
     )
     state.save()
     _provide_postgres(state, tag=tag, timeout=timeout, echo=echo)
@@ -191,6 +191,8 @@ def _start_services(state: StackState, *, timeout: float, echo: Echo) -> None:
         proc = start_service(service, settings=state.settings, port=port, log=log, cwd=state.root)
         if service.name == "admission":
             state.settings["admission_url"] = url
+        elif service.name == "metering_ingest":
+            state.settings["metering_url"] = url  # where budgetgate.client posts lifecycle events and samples
         state.add(ProcessRecord(name=service.name, pid=proc.pid, cmdline=[str(a) for a in proc.args],  # type: ignore[union-attr]
                                 log=str(log), extra={"url": url} if url else {}))
         pending.append((service, proc, url, log, offset))

@@ -1,0 +1,162 @@
+"""AsyncClient: the admission API (and metering-ingest's feeds) for asyncio code."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, TypeVar
+
+import httpx
+
+from budgetgate.client import calls, endpoints, feeds
+from budgetgate.client.calls import Call
+from budgetgate.client.errors import NotGranted, error_of
+from budgetgate.client.retries import RetryPolicy
+from budgetgate.services.admission.schemas import (
+    AdmissionRequest,
+    AdmissionResponse,
+    AllocationIn,
+    AllocationOut,
+    BudgetList,
+    PoolStatus,
+    ReleaseOut,
+    ScopeUsage,
+    TenantUsage,
+)
+from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
+from budgetgate.v1.metering_pb2 import MeteringSample
+
+T = TypeVar("T")
+
+
+def headers(token: str | None) -> dict[str, str]:
+    """What every request carries: who sends it and, when there is one, the bearer token."""
+    found = {"user-agent": "budgetgate-client/1", "accept": "application/json"}
+    if token:
+        found["authorization"] = f"Bearer {token}"
+    return found
+
+
+def answer(call: Call[T], response: httpx.Response) -> T:
+    """The call's reading of a successful answer, or its error raised."""
+    if response.status_code == 404 and call.not_found_is_none:
+        return None  # type: ignore[return-value]
+    if response.status_code >= 400:
+        raise error_of(response)
+    return call.read(response.json())
+
+
+class AsyncClient:
+    """Talks to admission at `url` (else BUDGETGATE_ADMISSION_URL, else the local stack) with
+    `token` (else BUDGETGATE_TOKEN); `metering_url` is metering-ingest, for publish_*.
+
+    Use as `async with AsyncClient() as client:`, or call aclose()."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        metering_url: str | None = None,
+        timeout: float = 30.0,
+        retry: RetryPolicy = RetryPolicy(),
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        try:
+            self._url: str | None = endpoints.admission_url(url)
+        except endpoints.NoEndpoint:
+            self._url = None  # fine for a client that only publishes; `url` says so when used
+        self.metering_url = endpoints.metering_url(metering_url)
+        self.retry = retry
+        self._http = httpx.AsyncClient(timeout=timeout, headers=headers(endpoints.token(token)), transport=transport)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def send(self, call: Call[T], *, base: str | None = None, retry: RetryPolicy | None = None) -> T:
+        """Send `call` (to `base`, default admission), resending it as the retry policy says."""
+        url = (base or self.url) + call.path
+        async for attempt in (retry or self.retry).asynchronous():
+            with attempt:
+                response = await self._http.request(call.method, url, json=call.json, params=dict(call.params) or None)
+                return answer(call, response)
+        raise AssertionError("unreachable: the retry policy reraises")  # pragma: no cover
+
+    async def wait_ready(self, *, timeout: float = 30.0) -> dict[str, str]:
+        """Wait until admission is ready (its ledger loaded and a policy bundle active); its checks.
+        Raises Unavailable, naming the failing checks, when it is not ready within `timeout`."""
+        return await self.send(calls.readiness(), retry=RetryPolicy(attempts=1_000_000, initial=0.1, max_wait=1.0, deadline=timeout))
+
+    async def submit(self, request: AdmissionRequest | Mapping[str, Any]) -> AdmissionResponse:
+        """Ask whether a workload may start; the same run id and attempt on every retry."""
+        return await self.send(calls.submit(request))
+
+    async def lookup(self, run_id: str) -> AdmissionResponse | None:
+        """The stored decision of a run, or None."""
+        return await self.send(calls.lookup(run_id))
+
+    async def budgets(self) -> BudgetList:
+        """Every budget of the active bundle in its current window."""
+        return await self.send(calls.budgets())
+
+    async def scope_usage(self, scope_id: str) -> ScopeUsage:
+        """Every budget of a scope in its current window."""
+        return await self.send(calls.scope_usage(scope_id))
+
+    async def tenant_usage(self, tenant: str, *, days: int = 90) -> TenantUsage:
+        """A tenant's budgets and its runs' usage over the last `days`."""
+        return await self.send(calls.tenant_usage(tenant, days=days))
+
+    async def allocate(self, namespace: str, request: AllocationIn | Mapping[str, Any]) -> AllocationOut:
+        """Ask a pool for a token (asking again with the same token renews its lease)."""
+        return await self.send(calls.allocate(namespace, request))
+
+    async def release(self, namespace: str, token: str) -> ReleaseOut:
+        """Give a token back (idempotent)."""
+        return await self.send(calls.release(namespace, token))
+
+    async def pool(self, namespace: str) -> PoolStatus:
+        """A pool's quota, use and holders."""
+        return await self.send(calls.pool(namespace))
+
+    @contextlib.asynccontextmanager
+    async def pool_token(self, namespace: str, token: str, **request: Any) -> AsyncIterator[AllocationOut]:
+        """`async with client.pool_token("snowflake:wh-1", "job-42"):` holds the token for the
+        block and gives it back however the block ends; raises NotGranted when not granted."""
+        try:
+            granted = await self.allocate(namespace, {"token": token, **request})
+        except BaseException:
+            # The grant may have happened with its answer lost: give it back to be sure.
+            with contextlib.suppress(Exception):
+                await self.release(namespace, token)
+            raise
+        if granted.status != "Granted":
+            raise NotGranted(granted)
+        try:
+            yield granted
+        finally:
+            await self.release(namespace, token)
+
+    async def publish_lifecycle(self, *events: LifecycleEvent) -> list[dict[str, Any]]:
+        """Post lifecycle events to metering-ingest, which publishes them durably; per-event results."""
+        return await self.send(feeds.post_lifecycle(events), base=self._metering())
+
+    async def publish_metering(self, *samples: MeteringSample) -> list[dict[str, Any]]:
+        """Post metering samples to metering-ingest; per-sample results (accepted, duplicate, pending)."""
+        return await self.send(feeds.post_metering(samples), base=self._metering())
+
+    @property
+    def url(self) -> str:
+        """Admission's base URL (NoEndpoint when none is known: a client that only publishes needs none)."""
+        return self._url or endpoints.admission_url(None)
+
+    def _metering(self) -> str:
+        if self.metering_url is None:
+            raise endpoints.NoEndpoint(f"no metering-ingest URL: pass metering_url or set {endpoints.METERING_VARIABLE}")
+        return self.metering_url

@@ -1,0 +1,99 @@
+"""Each admission API operation as a value: method, path, body and how its answer is read.
+
+Client and AsyncClient send the same Calls, so the API's shape is written once; only how
+bytes travel differs between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+from pydantic import BaseModel
+
+from budgetgate.services.admission.schemas import (
+    AdmissionRequest,
+    AdmissionResponse,
+    AllocationIn,
+    AllocationOut,
+    BudgetList,
+    PoolStatus,
+    ReleaseOut,
+    ScopeUsage,
+    TenantUsage,
+)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and the reader of its successful answer's JSON; `not_found_is_none`: a 404
+    is an answer (None), not an error (the lookup of a run without a decision)."""
+
+    method: str
+    path: str
+    read: Callable[[Any], T]
+    json: Any = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    not_found_is_none: bool = False
+
+
+def _model(cls: type[M]) -> Callable[[Any], M]:
+    return cls.model_validate
+
+
+def _body(model: BaseModel) -> dict[str, Any]:
+    # Fields left at their defaults are not sent: the server fills them the same way, and a
+    # request looks like what the user wrote (the same run id and attempt on every retry).
+    return model.model_dump(mode="json", exclude_unset=True)
+
+
+def readiness() -> Call[dict[str, str]]:
+    """GET /readyz: the checks, all "ok" (a 503 names the failing ones)."""
+    return Call("GET", "/readyz", lambda body: dict(body.get("checks", {})))
+
+
+def submit(request: AdmissionRequest | Mapping[str, Any]) -> Call[AdmissionResponse]:
+    """POST /v1/admissions (validated here first, with the server's own model)."""
+    body = request if isinstance(request, AdmissionRequest) else AdmissionRequest.model_validate(dict(request))
+    return Call("POST", "/v1/admissions", _model(AdmissionResponse), json=_body(body))
+
+
+def lookup(run_id: str) -> Call[AdmissionResponse | None]:
+    """GET /v1/admissions/{run_id}; None when the run has no decision."""
+    return Call("GET", f"/v1/admissions/{quote(run_id, safe='/')}", _model(AdmissionResponse), not_found_is_none=True)
+
+
+def budgets() -> Call[BudgetList]:
+    """GET /v1/budgets."""
+    return Call("GET", "/v1/budgets", _model(BudgetList))
+
+
+def scope_usage(scope_id: str) -> Call[ScopeUsage]:
+    """GET /v1/scopes/{scope_id}/usage."""
+    return Call("GET", f"/v1/scopes/{quote(scope_id, safe='')}/usage", _model(ScopeUsage))
+
+
+def tenant_usage(tenant: str, *, days: int = 90) -> Call[TenantUsage]:
+    """GET /v1/tenants/{tenant}/usage?days=N."""
+    return Call("GET", f"/v1/tenants/{quote(tenant, safe='')}/usage", _model(TenantUsage), params={"days": days})
+
+
+def allocate(namespace: str, request: AllocationIn | Mapping[str, Any]) -> Call[AllocationOut]:
+    """POST /v1/pools/{namespace}/allocations (idempotent per token: renews the lease)."""
+    body = request if isinstance(request, AllocationIn) else AllocationIn.model_validate(dict(request))
+    return Call("POST", f"/v1/pools/{quote(namespace, safe=':')}/allocations", _model(AllocationOut), json=_body(body))
+
+
+def release(namespace: str, token: str) -> Call[ReleaseOut]:
+    """DELETE /v1/pools/{namespace}/allocations/{token} (idempotent)."""
+    return Call("DELETE", f"/v1/pools/{quote(namespace, safe=':')}/allocations/{quote(token, safe='/')}", _model(ReleaseOut))
+
+
+def pool(namespace: str) -> Call[PoolStatus]:
+    """GET /v1/pools/{namespace}."""
+    return Call("GET", f"/v1/pools/{quote(namespace, safe=':')}", _model(PoolStatus))

@@ -1,0 +1,73 @@
+"""What a budgetgate service answered when it did not answer what was asked, as exceptions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class BudgetgateError(Exception):
+    """An error answer of a budgetgate service; `problem` is its RFC 9457 body."""
+
+    def __init__(self, status: int, problem: dict[str, Any], *, retry_after: float | None = None) -> None:
+        self.status = status
+        self.problem = problem
+        self.retry_after = retry_after  # seconds, from a Retry-After header
+        super().__init__(f"{status} {problem.get('title', '')}: {problem.get('detail', '')}".strip())
+
+    @property
+    def detail(self) -> str:
+        return str(self.problem.get("detail", ""))
+
+
+class InvalidRequest(BudgetgateError):
+    """422: the request has bad fields, listed in `errors` (`field`, `msg`, ...)."""
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return list(self.problem.get("errors") or [])
+
+
+class Conflict(BudgetgateError):
+    """409: the same run id and attempt were submitted before with another request."""
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self.problem.get("fields") or [])
+
+
+class NotFound(BudgetgateError):
+    """404."""
+
+
+class Unauthorized(BudgetgateError):
+    """401 or 403: no token, a bad token, or a principal without the role."""
+
+
+class Unavailable(BudgetgateError):
+    """503: the service cannot decide now (its ledger is down); retried, then raised."""
+
+
+class NotGranted(Exception):
+    """A pool token was asked for in a `with` block and not granted (`answer.status` says why)."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        super().__init__(f"pool {answer.namespace!r} did not grant token {answer.token!r}: {answer.status}")
+
+
+_BY_STATUS: dict[int, type[BudgetgateError]] = {401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 422: InvalidRequest, 503: Unavailable}
+
+
+def error_of(response: httpx.Response) -> BudgetgateError:
+    """The exception for an error answer (problem details, or whatever body it had)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    problem = dict(body) if isinstance(body, dict) else {"detail": response.text.strip() or response.reason_phrase}
+    problem.setdefault("title", response.reason_phrase)
+    raw = response.headers.get("retry-after", "")
+    retry_after = float(raw) if raw.replace(".", "", 1).isdigit() else None
+    return _BY_STATUS.get(response.status_code, BudgetgateError)(response.status_code, problem, retry_after=retry_after)

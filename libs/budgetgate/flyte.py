@@ -1,0 +1,220 @@
+"""A budget preflight for flytekit: before `FlyteRemote.execute`, ask budgetgate whether the
+execution may start, and refuse to launch it on DENY or DELAY.
+
+    from budgetgate.client import Client
+    from budgetgate.flyte import execute
+
+    with Client() as bg:
+        execution = execute(remote, training_wf, {"epochs": 10}, client=bg, labels={"team": "vision", "cost-center": "1042"})
+
+What an entity projects (`project`): for a task, its GPUs — `Resources(gpu=…)` requested, else
+the limit — for its timeout (`@task(timeout=…)`, else `default_runtime_hours`); its flavor from
+`accelerator=` (`nvidia-tesla-a100` → `a100`, `nvidia-h100` → `h100`). For a workflow, every task
+node, sub-workflows included, as if each ran for its whole timeout: the execution's GPU-hours
+are their sum, submitted as the largest task's GPUs for the hours that sum takes them (a
+submission has one GPU count and one runtime; GPU-hours, what budgets count, are exact).
+Flyte's own node-level overrides and map tasks' fan-out are not seen.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from budgetgate.client import Client
+from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse
+
+
+class Unprojectable(ValueError):
+    """An entity whose GPU-hours cannot be projected; the message says what to add."""
+
+
+class BudgetRefused(RuntimeError):
+    """budgetgate did not admit the execution; `answer` is the decision."""
+
+    def __init__(self, answer: AdmissionResponse, message: str) -> None:
+        super().__init__(message)
+        self.answer = answer
+
+
+class BudgetDenied(BudgetRefused):
+    """DENY: the execution must not start (its budget is exhausted, or labels are missing)."""
+
+
+class BudgetDelayed(BudgetRefused):
+    """DELAY: resubmit at or after `next_eligible_time`, with a higher attempt."""
+
+    @property
+    def next_eligible_time(self) -> datetime | None:
+        times = [e.next_eligible_time for e in self.answer.evaluations if e.decision == "DELAY" and e.next_eligible_time]
+        return max(times) if times else None
+
+
+@dataclass(frozen=True)
+class TaskUse:
+    """One task's projected use: `gpus` for `hours`, on `flavor`."""
+
+    name: str
+    gpus: int
+    hours: float
+    flavor: str | None
+
+
+@dataclass(frozen=True)
+class Projection:
+    """What an execution is projected to use, task by task."""
+
+    tasks: tuple[TaskUse, ...]
+
+    @property
+    def gpu_hours(self) -> float:
+        return sum(t.gpus * t.hours for t in self.tasks)
+
+    @property
+    def gpus(self) -> int:
+        return max((t.gpus for t in self.tasks), default=0)
+
+    @property
+    def runtime_hours(self) -> float:
+        """Hours the largest task's GPUs would take for all the GPU-hours (the longest task's
+        hours for CPU-only work)."""
+        if self.gpus:
+            return self.gpu_hours / self.gpus
+        return max((t.hours for t in self.tasks), default=0.0)
+
+    @property
+    def flavor(self) -> str | None:
+        """The flavor of most of the GPU-hours."""
+        by_flavor: dict[str, float] = {}
+        for t in self.tasks:
+            if t.flavor and t.gpus:
+                by_flavor[t.flavor] = by_flavor.get(t.flavor, 0.0) + t.gpus * t.hours
+        return max(by_flavor, key=by_flavor.__getitem__) if by_flavor else None
+
+
+def flavor_of(device: str) -> str:
+    """The rate card's flavor of a Flyte accelerator device name."""
+    name = device.lower().removeprefix("nvidia-").removeprefix("tesla-")
+    return re.sub(r"[^a-z0-9._-]", "-", name)
+
+
+def _gpus(task: Any) -> int:
+    resources = getattr(task, "resources", None)
+    asked = None
+    if resources is not None:
+        asked = getattr(resources.requests, "gpu", None) or getattr(resources.limits, "gpu", None)
+    if asked in (None, ""):
+        return 0
+    try:
+        count = float(str(asked))
+    except ValueError:
+        raise Unprojectable(f"task {task.name}: gpu={asked!r} is not a number of GPUs") from None
+    if count < 0 or count != int(count):
+        raise Unprojectable(f"task {task.name}: gpu={asked!r} is not a whole number of GPUs")
+    return int(count)
+
+
+def _task(task: Any, default_runtime_hours: float | None) -> TaskUse:
+    timeout = getattr(getattr(task, "metadata", None), "timeout", None)
+    if timeout:
+        hours = timeout.total_seconds() / 3600
+    elif default_runtime_hours is not None:
+        hours = default_runtime_hours
+    else:
+        raise Unprojectable(f"task {task.name} has no timeout: set @task(timeout=timedelta(...)) or pass default_runtime_hours")
+    accelerator = getattr(task, "accelerator", None)
+    flavor = flavor_of(accelerator.to_flyte_idl().device) if accelerator is not None else None
+    return TaskUse(task.name, _gpus(task), hours, flavor)
+
+
+def project(entity: Any, *, default_runtime_hours: float | None = None) -> Projection:
+    """The projected use of a flytekit task or workflow (see the module docstring)."""
+    from flytekit.core.base_task import PythonTask
+    from flytekit.core.launch_plan import LaunchPlan
+    from flytekit.core.workflow import WorkflowBase
+
+    if isinstance(entity, LaunchPlan):
+        entity = entity.workflow
+    if isinstance(entity, PythonTask):
+        return Projection((_task(entity, default_runtime_hours),))
+    if isinstance(entity, WorkflowBase):
+        found: list[TaskUse] = []
+        for node in entity.nodes:
+            found.extend(project(node.flyte_entity, default_runtime_hours=default_runtime_hours).tasks)
+        return Projection(tuple(found))
+    raise Unprojectable(f"{type(entity).__name__} {getattr(entity, 'name', '')!r} is not a flytekit task, workflow or launch plan")
+
+
+def submission(
+    entity: Any,
+    *,
+    run_id: str,
+    namespace: str,
+    labels: Mapping[str, str] | None = None,
+    attempt: int = 1,
+    flavor: str | None = None,
+    region: str | None = None,
+    default_runtime_hours: float | None = None,
+) -> AdmissionRequest:
+    """The submission for executing `entity` as run `run_id` (flavor: the accelerator's, unless given)."""
+    projected = project(entity, default_runtime_hours=default_runtime_hours)
+    if projected.runtime_hours <= 0:
+        raise Unprojectable(f"{getattr(entity, 'name', 'the entity')} has no task to run")
+    chosen = flavor or projected.flavor
+    return AdmissionRequest.model_validate({
+        "run_id": run_id, "attempt": attempt, "namespace": namespace, "labels": dict(labels or {}),
+        "resources": {"gpus": projected.gpus, "nodes": 1, **({"flavor": chosen} if chosen else {}), **({"region": region} if region else {})},
+        "projected_runtime_hours": projected.runtime_hours,
+        "job": {"namespace": namespace, "name": getattr(entity, "name", run_id)},
+    })  # fmt: skip
+
+
+def preflight(entity: Any, *, client: Client, **request: Any) -> AdmissionResponse:
+    """Submit `entity` (keywords of `submission`); the ALLOW answer, else BudgetDenied or BudgetDelayed."""
+    answer = client.submit(submission(entity, **request))
+    if answer.decision == "DENY":
+        raise BudgetDenied(answer, f"budgetgate denied run {answer.run_id}: {answer.reason}")
+    if answer.decision == "DELAY":
+        refused = BudgetDelayed(answer, "")
+        when = refused.next_eligible_time
+        refused.args = (f"budgetgate delayed run {answer.run_id}: {answer.reason}; resubmit with attempt={answer.attempt + 1}"
+                        + (f" at or after {when.isoformat()}" if when else ""),)  # fmt: skip
+        raise refused
+    return answer
+
+
+def execute(
+    remote: Any,
+    entity: Any,
+    inputs: Mapping[str, Any] | None = None,
+    *,
+    client: Client,
+    labels: Mapping[str, str] | None = None,
+    namespace: str | None = None,
+    project: str | None = None,
+    domain: str | None = None,
+    execution_name: str | None = None,
+    attempt: int = 1,
+    flavor: str | None = None,
+    region: str | None = None,
+    default_runtime_hours: float | None = None,
+    **execute_kwargs: Any,
+) -> Any:
+    """`remote.execute(entity, inputs, ...)` once budgetgate has admitted it, as run
+    `flyte/<project>/<domain>/<execution name>` in namespace `<project>-<domain>` (Flyte's default
+    mapping) unless `namespace` is given. The execution name is made here when not given, so a
+    retry of this call with the same name is the same run."""
+    project = project or remote.default_project
+    domain = domain or remote.default_domain
+    if not project or not domain:
+        raise ValueError("no Flyte project or domain: pass project= and domain=, or configure the remote's defaults")
+    name = execution_name or f"b{uuid.uuid4().hex[:19]}"  # Flyte execution names: a letter, then up to 19 more
+    preflight(
+        entity, client=client, run_id=f"flyte/{project}/{domain}/{name}", namespace=namespace or f"{project}-{domain}", labels=labels,
+        attempt=attempt, flavor=flavor, region=region, default_runtime_hours=default_runtime_hours,
+    )  # fmt: skip
+    return remote.execute(entity, dict(inputs or {}), project=project, domain=domain, execution_name=name, **execute_kwargs)

@@ -1,0 +1,47 @@
+"""What makes a lifecycle event usable, whichever way it comes in: the reconciler's Kafka
+consumer dead-letters an event that breaks these rules, and metering-ingest's
+`POST /v1/lifecycle/events` refuses it with a 422 naming the field.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from budgetgate.core.reconciliation import LIFECYCLE_KINDS
+from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
+from budgetgate.wire import MAX_EVENT_ID
+
+MAX_RUN_ID = 256
+_IDS = uuid.uuid5(uuid.NAMESPACE_URL, "https://budgetgate.dev/lifecycle/event-id")
+
+
+def problems(event: LifecycleEvent) -> list[tuple[str, str]]:
+    """Every broken rule of `event`, as (field, what is wrong); the first one is the reason a
+    consumer gives when it dead-letters the event."""
+    found = []
+    if not event.run_id or len(event.run_id) > MAX_RUN_ID:
+        found.append(("run_id", f"run_id must be 1 to {MAX_RUN_ID} characters"))
+    kind = LifecycleType.Name(event.type) if event.type in LifecycleType.values() else ""
+    if kind not in LIFECYCLE_KINDS:
+        found.append(("type", f"lifecycle event {event.event_id} has no known type ({event.type})"))
+    if not event.HasField("event_time"):
+        found.append(("event_time", f"lifecycle event {event.event_id} has no event_time"))
+    for field in ("gpus", "nodes"):
+        if getattr(event, field) < 0:
+            found.append((field, f"lifecycle event {event.event_id} reports negative resources"))
+    return found
+
+
+def event_id_problem(event_id: str) -> str | None:
+    """Why `event_id` cannot key a consumer's inbox, if it cannot (what wire.decode refuses)."""
+    if not event_id:
+        return "event_id is missing"
+    if len(event_id) > MAX_EVENT_ID or not event_id.isprintable():
+        return f"event_id is not up to {MAX_EVENT_ID} printable characters"
+    return None
+
+
+def derived_event_id(event: LifecycleEvent) -> str:
+    """A stable event id for an event sent without one: the same run, type and time give the
+    same id, so a platform resending the event is deduplicated."""
+    return str(uuid.uuid5(_IDS, f"{event.run_id}\x00{event.type}\x00{event.event_time.ToJsonString()}"))

@@ -1,0 +1,140 @@
+"""NVIDIA DCGM exporter scrapes to cumulative GPU- and node-seconds per run, without I/O.
+
+The exporter (`dcgm-exporter`, port 9400) exposes one `DCGM_FI_DEV_GPU_UTIL` sample per GPU in
+the Prometheus text format, labelled with the GPU (`UUID`, `gpu`, `Hostname`) and, when the GPU
+is allocated to a container, the `namespace`, `pod` and `container` holding it (empty
+otherwise). A GPU belongs to a run when it is allocated: the run id is the value of the run-id
+label when the sample has one (put there by the exporter's pod-label passthrough or a relabel),
+else `run_id_template` filled with namespace and pod.
+
+What is metered is allocation, not utilization: a run holding a GPU for a second uses one
+GPU-second of its budget whether it keeps the GPU busy or not (`gpu_count × runtime_hours`).
+Between two scrapes a GPU held at both counts the whole interval, a GPU held at one of them
+half of it (the trapezoid rule: unbiased when a run starts or ends anywhere in the interval);
+an interval longer than `max_gap` (the exporter was unreachable) is not counted, since nothing
+is known about it. Node-seconds follow the same rule over the hosts holding the run's GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from prometheus_client.parser import text_string_to_metric_families
+
+UTIL_METRIC = "DCGM_FI_DEV_GPU_UTIL"
+DEFAULT_RUN_ID_LABEL = "run_id"
+DEFAULT_RUN_ID_TEMPLATE = "{namespace}/{pod}"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """The GPUs (by UUID) and hosts holding them that one run had at one scrape."""
+
+    gpus: frozenset[str]
+    hosts: frozenset[str]
+
+
+def _label(labels: Mapping[str, str], *names: str) -> str:
+    # dcgm-exporter has written some labels in two cases across versions (UUID/uuid, Hostname/hostname).
+    return next((labels[n] for n in names if labels.get(n)), "")
+
+
+def holdings(
+    texts: Iterable[str],
+    *,
+    run_id_label: str = DEFAULT_RUN_ID_LABEL,
+    run_id_template: str | None = DEFAULT_RUN_ID_TEMPLATE,
+    metric: str = UTIL_METRIC,
+) -> dict[str, Holding]:
+    """Which run holds which GPUs, from the exposition texts of one scrape of every exporter
+    (`run_id_template` None: only GPUs whose sample has the run-id label count).
+
+    Raises ValueError when a text is not Prometheus text format."""
+    gpus: dict[str, set[str]] = {}
+    hosts: dict[str, set[str]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            if family.name != metric:
+                continue
+            for sample in family.samples:
+                labels = sample.labels
+                run_id = labels.get(run_id_label) or ""
+                if not run_id:
+                    namespace, pod = labels.get("namespace", ""), labels.get("pod", "")
+                    if not pod or run_id_template is None:
+                        continue  # an idle GPU (nobody is charged for it), or a pod not metered
+                    run_id = run_id_template.format(namespace=namespace, pod=pod, container=labels.get("container", ""))
+                host = _label(labels, "Hostname", "hostname")
+                gpu = _label(labels, "UUID", "uuid") or f"{host}/{labels.get('gpu', '')}"
+                gpus.setdefault(run_id, set()).add(gpu)
+                hosts.setdefault(run_id, set()).add(host)
+    return {run_id: Holding(frozenset(found), frozenset(hosts[run_id])) for run_id, found in gpus.items()}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A run's GPU- and node-seconds since the meter first saw it (cumulative)."""
+
+    run_id: str
+    observed_at: datetime
+    gpu_seconds: float
+    node_seconds: float
+
+
+@dataclass
+class Meter:
+    """Folds successive scrapes into each run's cumulative seconds; its state (`totals`, the
+    last scrape) can be saved and restored so a restarted meter does not count from zero."""
+
+    max_gap: timedelta = timedelta(minutes=5)
+    totals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    last_at: datetime | None = None
+    last: dict[str, Holding] = field(default_factory=dict)
+
+    def observe(self, at: datetime, now_holding: Mapping[str, Holding]) -> list[Usage]:
+        """Count the interval since the last scrape; the cumulative usage of every run held at
+        either end of it (a run that ended is reported once more). Totals are kept for runs no
+        longer held, so a run that holds GPUs again (re-admitted) goes on from its total."""
+        if self.last_at is not None and at <= self.last_at:
+            raise ValueError(f"scrape at {at.isoformat()} is not after the previous one ({self.last_at.isoformat()})")
+        seconds = (at - self.last_at).total_seconds() if self.last_at is not None else 0.0
+        counted = seconds if seconds <= self.max_gap.total_seconds() else 0.0
+        empty = Holding(frozenset(), frozenset())
+        usages = []
+        for run_id in sorted(set(self.last) | set(now_holding)):
+            before, after = self.last.get(run_id, empty), now_holding.get(run_id, empty)
+            gpu, node = self.totals.get(run_id, (0.0, 0.0))
+            gpu += counted * (len(before.gpus) + len(after.gpus)) / 2
+            node += counted * (len(before.hosts) + len(after.hosts)) / 2
+            self.totals[run_id] = (gpu, node)
+            usages.append(Usage(run_id, at, gpu, node))
+        self.last_at, self.last = at, dict(now_holding)
+        return usages
+
+    def state(self) -> dict[str, object]:
+        """What to save between runs of the meter (JSON-ready)."""
+        return {
+            "last_at": self.last_at.isoformat() if self.last_at else None,
+            "totals": {run: list(t) for run, t in self.totals.items()},
+            "last": {run: {"gpus": sorted(h.gpus), "hosts": sorted(h.hosts)} for run, h in self.last.items()},
+        }
+
+    @classmethod
+    def restored(cls, state: Mapping[str, object], *, max_gap: timedelta) -> Meter:
+        """A meter continuing from `state()`."""
+        last_at = state.get("last_at")
+        totals = state.get("totals") or {}
+        last = state.get("last") or {}
+        return cls(
+            max_gap=max_gap,
+            totals={run: (float(t[0]), float(t[1])) for run, t in totals.items()},  # type: ignore[union-attr]
+            last_at=datetime.fromisoformat(last_at) if isinstance(last_at, str) else None,
+            last={run: Holding(frozenset(h["gpus"]), frozenset(h["hosts"])) for run, h in last.items()},  # type: ignore[union-attr]
+        )
+
+
+def sample_id(exporter: str, at: datetime) -> str:
+    """The id of the sample a meter sends for a run at one scrape: the same on a resend."""
+    return f"{exporter}@{int(at.timestamp() * 1000)}"

@@ -1,0 +1,243 @@
+"""Kubernetes objects to submissions, and decisions to AdmissionReview answers, without I/O.
+
+What a Pod, a batch/v1 Job, a JobSet or a RayJob asks for (see `Mapping` for every knob):
+- **namespace and labels**: the object's own (the AdmissionRequest's namespace first).
+- **GPUs**: per pod, the `nvidia.com/gpu` request of each container (its limit when no request
+  is given: Kubernetes then takes the limit as the request) summed over containers, or the
+  largest init container's when that is more (init containers run one at a time); times the
+  pods that run at once: a Job's parallelism (at most its completions), a JobSet's replicas ×
+  each job's parallelism, a RayJob's head plus each worker group's replicas × numOfHosts.
+  Nodes are the pods that run at once.
+- **projected runtime**: `activeDeadlineSeconds` (the object's, else the largest of its jobs'
+  or pod templates'), else the annotation `budgetgate.io/projected-runtime-hours`, else the
+  namespace's default, else the default for all namespaces; none of them is an error that
+  names what to add.
+- **run id**: the annotation `budgetgate.io/run-id`, else the UID of the object's controller
+  (its owner), else the object's own UID. `budgetgate.io/attempt` gives the attempt (else 1).
+- Objects created by an object the webhook admits too (a Job's pods, a JobSet's Jobs, a
+  RayJob's RayCluster and pods) are skipped: their owner was decided for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping as MappingType
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from budgetgate.services.admission.schemas import AdmissionRequest
+
+ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob")}
+# Owners whose children are admitted with them: a child of one of these is skipped.
+_ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How objects become submissions; every name here is configurable (README, webhook)."""
+
+    gpu_resource: str = "nvidia.com/gpu"
+    run_id_annotation: str = "budgetgate.io/run-id"
+    attempt_annotation: str = "budgetgate.io/attempt"
+    runtime_annotation: str = "budgetgate.io/projected-runtime-hours"
+    flavor_annotation: str = "budgetgate.io/flavor"
+    region_annotation: str = "budgetgate.io/region"
+    namespace_runtime_hours: MappingType[str, float] = field(default_factory=dict)
+    default_runtime_hours: float | None = None
+    default_flavor: str | None = None
+    # Objects asking for no GPU are let through without a decision unless this is set (then
+    # they are submitted with "gpus": 0 and charged on node-hour and wall-hour budgets).
+    submit_cpu_only: bool = False
+
+
+@dataclass(frozen=True)
+class Submit:
+    """The object is a submission."""
+
+    request: AdmissionRequest
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The object is let through without a decision, for `reason`."""
+
+    reason: str
+
+
+class Unmappable(ValueError):
+    """The object cannot be turned into a submission; the message says what to add or fix."""
+
+
+def _meta(obj: MappingType[str, Any]) -> MappingType[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def _group(api_version: str) -> str:
+    return api_version.split("/")[0] if "/" in api_version else ""
+
+
+def quantity(value: Any) -> int:
+    """A count of an extended resource ("8", 8): a whole number, as Kubernetes requires of them."""
+    try:
+        number = float(str(value))
+    except ValueError:
+        raise Unmappable(f"GPU quantity {value!r} is not a whole number") from None
+    if not math.isfinite(number) or number < 0 or number != int(number):
+        raise Unmappable(f"GPU quantity {value!r} is not a whole number")
+    return int(number)
+
+
+def pod_gpus(pod_spec: MappingType[str, Any], resource: str) -> int:
+    """GPUs one pod holds: its containers' requests summed, or the largest init container's."""
+
+    def of(container: MappingType[str, Any]) -> int:
+        resources = container.get("resources") or {}
+        asked = (resources.get("requests") or {}).get(resource)
+        if asked is None:
+            asked = (resources.get("limits") or {}).get(resource)
+        return quantity(asked) if asked is not None else 0
+
+    running = sum(of(c) for c in pod_spec.get("containers") or [])
+    init = max((of(c) for c in pod_spec.get("initContainers") or []), default=0)
+    return max(running, init)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    gpus: int
+    pods: int
+    deadline_seconds: int | None
+
+
+def _job(spec: MappingType[str, Any], resource: str) -> _Shape:
+    parallelism = spec.get("parallelism", 1)
+    completions = spec.get("completions")
+    pods = min(parallelism, completions) if completions is not None else parallelism
+    template = (spec.get("template") or {}).get("spec") or {}
+    deadline = spec.get("activeDeadlineSeconds") or template.get("activeDeadlineSeconds")
+    return _Shape(pod_gpus(template, resource) * pods, pods, deadline)
+
+
+def _shape(group: str, kind: str, obj: MappingType[str, Any], resource: str) -> _Shape:
+    spec = obj.get("spec") or {}
+    if kind == "Pod":
+        return _Shape(pod_gpus(spec, resource), 1, spec.get("activeDeadlineSeconds"))
+    if kind == "Job":
+        return _job(spec, resource)
+    if kind == "JobSet":
+        jobs = [(rj.get("replicas", 1), _job(((rj.get("template") or {}).get("spec") or {}), resource)) for rj in spec.get("replicatedJobs") or []]
+        deadlines = [j.deadline_seconds for _, j in jobs if j.deadline_seconds]
+        return _Shape(sum(n * j.gpus for n, j in jobs), sum(n * j.pods for n, j in jobs), max(deadlines) if deadlines else None)
+    # RayJob: the cluster it creates, a head and its worker groups.
+    cluster = spec.get("rayClusterSpec") or {}
+    head = ((cluster.get("headGroupSpec") or {}).get("template") or {}).get("spec") or {}
+    gpus, pods = pod_gpus(head, resource), 1
+    for group_spec in cluster.get("workerGroupSpecs") or []:
+        count = group_spec.get("replicas", group_spec.get("minReplicas", 1)) * group_spec.get("numOfHosts", 1)
+        gpus += count * pod_gpus((group_spec.get("template") or {}).get("spec") or {}, resource)
+        pods += count
+    return _Shape(gpus, pods, spec.get("activeDeadlineSeconds"))
+
+
+def _runtime_hours(shape: _Shape, annotations: MappingType[str, str], namespace: str, mapping: Mapping) -> float:
+    if shape.deadline_seconds:
+        return shape.deadline_seconds / 3600
+    raw = annotations.get(mapping.runtime_annotation)
+    if raw is not None:
+        try:
+            hours = float(raw)
+        except ValueError:
+            raise Unmappable(f"annotation {mapping.runtime_annotation}={raw!r} is not a number of hours") from None
+        if not math.isfinite(hours) or hours <= 0:
+            raise Unmappable(f"annotation {mapping.runtime_annotation}={raw!r} must be a positive number of hours")
+        return hours
+    found = mapping.namespace_runtime_hours.get(namespace, mapping.default_runtime_hours)
+    if found is None:
+        raise Unmappable(f"no projected runtime: set spec.activeDeadlineSeconds or the annotation {mapping.runtime_annotation} (hours)")
+    return found
+
+
+def _controller(meta: MappingType[str, Any]) -> MappingType[str, Any] | None:
+    owners = meta.get("ownerReferences") or []
+    return next((o for o in owners if o.get("controller")), owners[0] if owners else None)
+
+
+def submission(review: MappingType[str, Any], mapping: Mapping = Mapping()) -> Submit | Skip:
+    """What the `request` of an admission.k8s.io/v1 AdmissionReview asks of budgetgate.
+
+    Raises Unmappable when the object should be a submission and cannot be one."""
+    request = review.get("request") or {}
+    if request.get("operation") != "CREATE":
+        return Skip(f"{request.get('operation')} is not a submission; only CREATE is")
+    group, kind = (request.get("kind") or {}).get("group", ""), (request.get("kind") or {}).get("kind", "")
+    if (group, kind) not in ADMITTED_KINDS:
+        return Skip(f"{kind or 'this kind'} ({group or 'core'}) is not a workload budgetgate admits")
+    obj = request.get("object") or {}
+    meta = _meta(obj)
+    owner = _controller(meta)
+    if owner is not None and (_group(owner.get("apiVersion", "")), owner.get("kind")) in _ADMITTED_OWNERS:
+        return Skip(f"created by {owner.get('kind')} {owner.get('name')}, which was admitted for it")
+    namespace = request.get("namespace") or meta.get("namespace") or "default"
+    annotations: MappingType[str, str] = meta.get("annotations") or {}
+    shape = _shape(group, kind, obj, mapping.gpu_resource)
+    if shape.gpus == 0 and not mapping.submit_cpu_only:
+        return Skip(f"asks for no {mapping.gpu_resource}")
+    run_id = annotations.get(mapping.run_id_annotation) or (owner or {}).get("uid") or meta.get("uid")
+    if not run_id:
+        raise Unmappable(f"no run id: the object has no UID, owner or annotation {mapping.run_id_annotation}")
+    attempt = annotations.get(mapping.attempt_annotation, "1")
+    if not attempt.isdigit() or int(attempt) < 1:
+        raise Unmappable(f"annotation {mapping.attempt_annotation}={attempt!r} must be a whole number from 1")
+    flavor = annotations.get(mapping.flavor_annotation) or mapping.default_flavor
+    region = annotations.get(mapping.region_annotation)
+    body = {
+        "run_id": run_id,
+        "attempt": int(attempt),
+        "namespace": namespace,
+        "labels": dict(meta.get("labels") or {}),
+        "resources": {"gpus": shape.gpus, "nodes": max(1, shape.pods), **({"flavor": flavor} if flavor else {}), **({"region": region} if region else {})},
+        "projected_runtime_hours": _runtime_hours(shape, annotations, namespace, mapping),
+        "job": {"namespace": namespace, "name": meta.get("name") or meta.get("generateName") or run_id},
+    }
+    try:
+        return Submit(AdmissionRequest.model_validate(body))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise Unmappable(f"not a valid submission: {problems}") from None
+
+
+def review(uid: str, *, allowed: bool, message: str | None = None, code: int | None = None, warnings: list[str] | None = None) -> dict[str, Any]:
+    """An admission.k8s.io/v1 AdmissionReview answering the request `uid`."""
+    response: dict[str, Any] = {"uid": uid, "allowed": allowed}
+    if message is not None:
+        response["status"] = {"code": code or (200 if allowed else 403), "message": message}
+        if not allowed:
+            response["status"]["reason"] = {403: "Forbidden", 429: "TooManyRequests", 503: "ServiceUnavailable"}.get(code or 403, "Forbidden")
+    if warnings:
+        response["warnings"] = warnings
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
+
+
+def decided(uid: str, answer: MappingType[str, Any], *, attempt_annotation: str = Mapping.attempt_annotation) -> dict[str, Any]:
+    """The AdmissionReview for a decision (the admission API's answer): ALLOW admits, with soft
+    budgets' penalties as warnings; DENY denies with the reason; DELAY denies saying when to retry."""
+    reason = f"budgetgate: {answer['reason']}"
+    warnings = []
+    penalty = answer.get("priority_penalty") or 0.0
+    if penalty > 0:
+        warnings.append(f"budgetgate: a soft budget is nearly used up; priority penalty {penalty:.2f} (0 none, 1 run last)")
+    if answer.get("preemptible"):
+        warnings.append("budgetgate: admitted above the tenant's fair-share target; preemptible")
+    warnings += [f"budgetgate: dry-run policy {e['policy_id']} would {e['decision']}" for e in answer.get("evaluations", []) if e.get("enforcement") == "dry-run" and e.get("decision") != "ALLOW"]
+    if answer["decision"] == "ALLOW":
+        return review(uid, allowed=True, message=reason, warnings=warnings)
+    if answer["decision"] == "DENY":
+        return review(uid, allowed=False, message=reason, code=403, warnings=warnings)
+    times = sorted(str(e["next_eligible_time"]) for e in answer.get("evaluations", []) if e.get("decision") == "DELAY" and e.get("next_eligible_time"))
+    when = f"retry at or after {times[-1]}" if times else "retry later"
+    again = int(answer.get("attempt", 1)) + 1
+    return review(uid, allowed=False, code=429, warnings=warnings, message=(
+        f"{reason}; {when} (create the object again, or with a fixed run id set the annotation {attempt_annotation}={again})"
+    ))  # fmt: skip

@@ -1,0 +1,134 @@
+"""The Kubernetes ValidatingAdmissionWebhook: `POST /v1/kubernetes/admission-review`.
+
+The API server sends an admission.k8s.io/v1 AdmissionReview for each Pod, Job, JobSet or RayJob
+created in the namespaces the ValidatingWebhookConfiguration selects
+(deploy/kubernetes/webhook/). The object is mapped to a submission
+(budgetgate/platforms/kubernetes.py), decided by this instance's admitter exactly as
+`POST /v1/admissions` would decide it, and answered with `allowed` and the decision's reason.
+
+When budgetgate cannot decide (its ledger unavailable, no policy bundle yet), the answer is a
+denial (`BUDGETGATE_KUBERNETES_FAIL_OPEN=false`, the default) or an admission with a warning
+(`true`). A `dryRun` request (kubectl --dry-run=server) reserves nothing: this build has no
+non-reserving evaluation yet, so it is answered with a denial saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.platforms.kubernetes import Mapping, Skip, Unmappable, decided, review, submission
+from budgetgate.services.admission.admitter import InvalidSubmission, Unavailable
+from budgetgate.services.admission.resubmission import Conflict
+
+_EXAMPLE = {
+    "apiVersion": "admission.k8s.io/v1",
+    "kind": "AdmissionReview",
+    "request": {
+        "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+        "kind": {"group": "batch", "version": "v1", "kind": "Job"},
+        "resource": {"group": "batch", "version": "v1", "resource": "jobs"},
+        "namespace": "vision-prod",
+        "operation": "CREATE",
+        "dryRun": False,
+        "object": {
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "train-resnet", "namespace": "vision-prod", "uid": "3c9a6f0e-2b7d-4c1e-9a8b-5d6e7f8a9b0c",
+                         "labels": {"team": "vision", "cost-center": "1042", "environment": "prod"}},
+            "spec": {"parallelism": 1, "activeDeadlineSeconds": 21600, "template": {"spec": {"restartPolicy": "Never", "containers": [
+                {"name": "trainer", "image": "trainer:1", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}},
+        },
+    },
+}  # fmt: skip
+
+
+_REVIEW = {"type": "object", "description": "an admission.k8s.io/v1 AdmissionReview (see the Kubernetes API reference)", "required": ["apiVersion", "kind"],
+           "properties": {"apiVersion": {"type": "string", "description": "admission.k8s.io/v1"}, "kind": {"type": "string", "description": "AdmissionReview"},
+                          "request": {"type": "object", "description": "what the API server asks about: uid, kind, namespace, operation, dryRun, object"},
+                          "response": {"type": "object", "description": "the answer: uid, allowed, status (code, reason, message), warnings"}}}  # fmt: skip
+_ANSWER_EXAMPLE = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {
+    "uid": "705ab4f5-6393-11e8-b7cc-42010a800002", "allowed": False,
+    "status": {"code": 403, "reason": "Forbidden", "message": "budgetgate: denied: 'gpu-budget/team-vision-prod' has 12 GPU-hours of 500 GPU-hours left; the run needs 48"}}}  # fmt: skip
+_OPENAPI = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": _REVIEW, "example": _EXAMPLE}}},
+    "responses": {"200": {"description": "the AdmissionReview answered (allowed, or denied with the reason)", "content": {"application/json": {"schema": _REVIEW, "example": _ANSWER_EXAMPLE}}}},
+}
+
+
+class KubernetesWebhookSettings(BaseSettings):
+    """The webhook's mapping and failure policy (BUDGETGATE_KUBERNETES_* variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="BUDGETGATE_KUBERNETES_", extra="ignore")
+
+    fail_open: bool = Field(default=False, description="admit (with a warning) when budgetgate cannot decide, instead of denying")
+    gpu_resource: str = Mapping.gpu_resource
+    run_id_annotation: str = Mapping.run_id_annotation
+    attempt_annotation: str = Mapping.attempt_annotation
+    runtime_annotation: str = Mapping.runtime_annotation
+    flavor_annotation: str = Mapping.flavor_annotation
+    region_annotation: str = Mapping.region_annotation
+    # JSON, e.g. {"vision-research": 12}: hours assumed for objects without a deadline or annotation.
+    namespace_runtime_hours: dict[str, float] = Field(default_factory=dict)
+    default_runtime_hours: float | None = None
+    default_flavor: str | None = None
+    submit_cpu_only: bool = False
+
+    def mapping(self) -> Mapping:
+        return Mapping(
+            gpu_resource=self.gpu_resource, run_id_annotation=self.run_id_annotation, attempt_annotation=self.attempt_annotation,
+            runtime_annotation=self.runtime_annotation, flavor_annotation=self.flavor_annotation, region_annotation=self.region_annotation,
+            namespace_runtime_hours=dict(self.namespace_runtime_hours), default_runtime_hours=self.default_runtime_hours,
+            default_flavor=self.default_flavor, submit_cpu_only=self.submit_cpu_only,
+        )  # fmt: skip
+
+
+def router(settings: KubernetesWebhookSettings) -> APIRouter:
+    """The webhook route; decides with `app.state.rt.admitter`."""
+    api = APIRouter()
+    mapping = settings.mapping()
+
+    @api.post("/v1/kubernetes/admission-review", operation_id="reviewKubernetesAdmission", openapi_extra=_OPENAPI, responses={422: {}})
+    async def admission_review(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        asked = body.get("request") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or body.get("kind") != "AdmissionReview" or not isinstance(asked, dict) or not asked.get("uid"):
+            return JSONResponse({"detail": [{"loc": ["body", "request"], "msg": "not an admission.k8s.io/v1 AdmissionReview with a request uid", "type": "value_error"}]}, status_code=422)
+        return JSONResponse(await _answer(request, body, asked["uid"], mapping, fail_open=settings.fail_open))
+
+    return api
+
+
+async def _answer(request: Request, body: dict[str, Any], uid: str, mapping: Mapping, *, fail_open: bool) -> dict[str, Any]:
+    try:
+        mapped = submission(body, mapping)
+    except Unmappable as exc:
+        return review(uid, allowed=False, code=422, message=f"budgetgate: {exc}")
+    if isinstance(mapped, Skip):
+        return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
+    if body["request"].get("dryRun"):
+        return review(uid, allowed=False, code=403, message="budgetgate: dry-run quoting is not available yet, so a dry run cannot be answered without reserving; nothing was reserved")
+    started = time.perf_counter()
+    rt = request.app.state.rt
+    try:
+        answer = await rt.admitter.admit(mapped.request)
+    except Conflict as exc:
+        return review(uid, allowed=False, code=409, message=f"budgetgate: {exc}")
+    except InvalidSubmission as exc:
+        return review(uid, allowed=False, code=422, message=f"budgetgate: {exc.field}: {exc}")
+    except (Unavailable, *BACKEND_ERRORS) as exc:
+        if fail_open:
+            return review(uid, allowed=True, warnings=[f"budgetgate could not decide ({exc}); admitted without a budget check (fail open)"])
+        return review(uid, allowed=False, code=503, message=f"budgetgate cannot decide now ({exc}); nothing was reserved, retry shortly")
+    request.app.state.metrics.observe(answer, time.perf_counter() - started)
+    rt.relay.wakeup.set()
+    return decided(uid, answer, attempt_annotation=mapping.attempt_annotation)

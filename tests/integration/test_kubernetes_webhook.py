@@ -1,0 +1,133 @@
+"""`POST /v1/kubernetes/admission-review` on a real admission service: AdmissionReviews of objects
+built with the official client's models are decided like submissions and answered as the API
+server expects; dry runs reserve nothing; failing closed or open when budgetgate cannot decide."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.test_admission import held_in_postgres
+from tests.support.admission import apply_policies, budget_yaml, example_policies
+from tests.support.kubernetes import admission_review, job, jobset, job_spec
+from tests.support.metering import wait_for
+from tests.support.servers import free_port
+
+URL = "/v1/kubernetes/admission-review"
+H100 = {"budgetgate.io/flavor": "h100"}  # the example policies price GPU-hours by flavor
+
+
+async def reviewed(server, review: dict[str, Any]) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    answer = await server.client.post(URL, json=review)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert (body["apiVersion"], body["kind"], body["response"]["uid"]) == ("admission.k8s.io/v1", "AdmissionReview", review["request"]["uid"])
+    return body["response"]
+
+
+async def test_a_job_within_budget_is_admitted_and_its_retry_replays(admission) -> None:
+    obj = job(gpus=8, parallelism=1, deadline=6 * 3600, annotations=H100)
+    first = await reviewed(admission, admission_review(obj))
+    assert first["allowed"] is True and first["status"]["message"].startswith("budgetgate: admitted")
+    decision = (await admission.client.get(f"/v1/admissions/{obj.metadata.uid}")).json()
+    assert (decision["decision"], decision["projected_gpu_hours"], decision["attempt"]) == ("ALLOW", 48.0, 1)
+    again = await reviewed(admission, admission_review(obj))  # the API server retried the call
+    assert again["allowed"] is True
+    replay = (await admission.client.get(f"/v1/admissions/{obj.metadata.uid}")).json()
+    assert replay["decision_id"] == decision["decision_id"]
+
+
+async def test_over_budget_is_denied_with_the_reason_and_reserves_nothing(admission, pg_dsn) -> None:
+    obj = jobset("sweep", [(4, job_spec(gpus=8, parallelism=2, deadline=10 * 3600))], annotations=H100)  # 64 GPUs × 10 h > 500
+    answer = await reviewed(admission, admission_review(obj))
+    assert answer["allowed"] is False and answer["status"]["code"] == 403
+    decision = (await admission.client.get(f"/v1/admissions/{obj['metadata']['uid']}")).json()
+    assert decision["decision"] == "DENY" and answer["status"]["message"] == f"budgetgate: {decision['reason']}"
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+async def test_delay_is_a_denial_saying_when_to_retry(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("held", limit="gpu_hours: 20", on_exhausted="delay")}, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    first = await reviewed(server, admission_review(job(gpus=8, deadline=2 * 3600, labels={"team": "vision"})))
+    assert first["allowed"] is True  # 16 of 20 GPU-hours: the next one must wait for the window
+    answer = await reviewed(server, admission_review(job(gpus=8, deadline=2 * 3600, labels={"team": "vision"})))
+    assert answer["allowed"] is False and answer["status"]["code"] == 429
+    assert "retry at or after 20" in answer["status"]["message"] and "budgetgate.io/attempt=2" in answer["status"]["message"]
+
+
+async def test_a_dry_run_reserves_nothing(admission, pg_dsn) -> None:
+    obj = job(gpus=8, deadline=3600)
+    answer = await reviewed(admission, admission_review(obj, dry_run=True))
+    assert answer["allowed"] is False and "dry-run quoting is not available yet" in answer["status"]["message"]
+    assert (await admission.client.get(f"/v1/admissions/{obj.metadata.uid}")).status_code == 404
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+async def test_what_cannot_be_mapped_is_denied_naming_the_fix_and_other_objects_pass(admission) -> None:
+    answer = await reviewed(admission, admission_review(job(gpus=1)))  # no deadline, annotation or default
+    assert answer["allowed"] is False and "budgetgate.io/projected-runtime-hours" in answer["status"]["message"]
+    update = await reviewed(admission, admission_review(job(gpus=1, deadline=60), operation="UPDATE"))
+    assert update["allowed"] is True
+    bad = await admission.client.post(URL, json={"kind": "Pod"})
+    assert bad.status_code == 422 and bad.headers["content-type"] == "application/problem+json"
+
+
+async def test_fails_closed_by_default_and_open_when_configured(admission_factory, monkeypatch) -> None:
+    closed = await admission_factory()  # no policy bundle applied: it cannot decide
+    answer = await reviewed(closed, admission_review(job(gpus=1, deadline=60)))
+    assert answer["allowed"] is False and answer["status"]["code"] == 503 and "cannot decide" in answer["status"]["message"]
+    monkeypatch.setenv("BUDGETGATE_KUBERNETES_FAIL_OPEN", "true")
+    opened = await admission_factory()
+    answer = await reviewed(opened, admission_review(job(gpus=1, deadline=60)))
+    assert answer["allowed"] is True and "fail open" in answer["warnings"][0]
+
+
+async def test_namespace_default_runtime_from_the_environment(admission_factory, pg_dsn, monkeypatch) -> None:
+    await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
+    monkeypatch.setenv("BUDGETGATE_KUBERNETES_NAMESPACE_RUNTIME_HOURS", '{"vision-prod": 2.5}')
+    server = await admission_factory()
+    await server.wait_ready()
+    obj = job(gpus=4, annotations=H100)
+    assert (await reviewed(server, admission_review(obj)))["allowed"] is True
+    assert (await server.client.get(f"/v1/admissions/{obj.metadata.uid}")).json()["projected_gpu_hours"] == 10.0
+
+
+async def test_served_over_tls_as_the_deployment_runs_it(settings, pg_dsn, tmp_path) -> None:
+    """`python -m budgetgate.services.admission --ssl-certfile … --ssl-keyfile …`, as
+    deploy/kubernetes/webhook runs it, answers an AdmissionReview over HTTPS."""
+    await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)  # fmt: skip
+    port = free_port()
+    env = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None}, "BUDGETGATE_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "budgetgate.services.admission", "--port", str(port), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=str(cert)), timeout=10) as client:
+            async def ready() -> bool:
+                assert process.poll() is None, process.stderr.read().decode() if process.stderr else "exited"
+                try:
+                    return (await client.get("/readyz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await wait_for(ready, what="admission serving HTTPS")
+            answer = (await client.post(URL, json=admission_review(job(gpus=8, deadline=3600, annotations=H100)))).json()["response"]
+            assert answer["allowed"] is True
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not served
+            async with httpx.AsyncClient(timeout=5) as plain:
+                await plain.get(f"http://127.0.0.1:{port}/healthz")
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        if process.stderr:
+            process.stderr.close()

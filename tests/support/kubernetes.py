@@ -1,0 +1,101 @@
+"""AdmissionReviews around objects built with the official `kubernetes` client's models, as the
+API server sends them (the object in its JSON form); JobSets and RayJobs, which the client has
+no models for, built from its pod templates."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kubernetes.client import (
+    ApiClient,
+    V1Container,
+    V1JobSpec,
+    V1Job,
+    V1ObjectMeta,
+    V1OwnerReference,
+    V1Pod,
+    V1PodSpec,
+    V1PodTemplateSpec,
+    V1ResourceRequirements,
+)
+
+GROUPS = {"Pod": ("", "v1", "pods"), "Job": ("batch", "v1", "jobs"), "JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets"), "RayJob": ("ray.io", "v1", "rayjobs")}
+VISION = {"team": "vision", "cost-center": "1042", "environment": "prod"}
+
+
+def as_json(obj: Any) -> Any:
+    """The object as the API server serializes it (camelCase, no nulls)."""
+    return ApiClient().sanitize_for_serialization(obj)
+
+
+def container(name: str = "trainer", *, gpus: int | None = None, limits_only: bool = True) -> V1Container:
+    asks = {"nvidia.com/gpu": str(gpus), "cpu": "8"} if gpus is not None else {"cpu": "1"}
+    resources = V1ResourceRequirements(limits=asks) if limits_only else V1ResourceRequirements(requests=asks, limits=asks)
+    return V1Container(name=name, image="registry.example/trainer:1", resources=resources)
+
+
+def meta(name: str, *, namespace: str = "vision-prod", labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None, owner: V1OwnerReference | None = None) -> V1ObjectMeta:
+    return V1ObjectMeta(
+        name=name, namespace=namespace, uid=str(uuid.uuid4()), labels=VISION if labels is None else labels, annotations=annotations,
+        owner_references=[owner] if owner else None,
+    )  # fmt: skip
+
+
+def pod(name: str = "train-0", *, containers: list[V1Container], init: list[V1Container] | None = None, deadline: int | None = None, **kwargs: Any) -> V1Pod:
+    return V1Pod(api_version="v1", kind="Pod", metadata=meta(name, **kwargs), spec=V1PodSpec(containers=containers, init_containers=init, active_deadline_seconds=deadline, restart_policy="Never"))
+
+
+def job_spec(*, gpus: int, parallelism: int | None = None, completions: int | None = None, deadline: int | None = None) -> V1JobSpec:
+    template = V1PodTemplateSpec(spec=V1PodSpec(containers=[container(gpus=gpus)], restart_policy="Never"))
+    return V1JobSpec(template=template, parallelism=parallelism, completions=completions, active_deadline_seconds=deadline)
+
+
+def job(name: str = "train-resnet", **spec: Any) -> V1Job:
+    labels, annotations = spec.pop("labels", None), spec.pop("annotations", None)
+    return V1Job(api_version="batch/v1", kind="Job", metadata=meta(name, labels=labels, annotations=annotations), spec=job_spec(**spec))
+
+
+def jobset(name: str, replicated: list[tuple[int, V1JobSpec]], *, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": as_json(meta(name, annotations=annotations)),
+        "spec": {"replicatedJobs": [{"name": f"rj-{i}", "replicas": n, "template": {"spec": as_json(spec)}} for i, (n, spec) in enumerate(replicated)]},
+    }  # fmt: skip
+
+
+def rayjob(name: str, *, head_gpus: int, workers: list[tuple[int, int, int]], deadline: int | None = None) -> dict[str, Any]:
+    """`workers`: (replicas, numOfHosts, GPUs per pod) per worker group."""
+    def template(gpus: int) -> dict[str, Any]:
+        return as_json(V1PodTemplateSpec(spec=V1PodSpec(containers=[container("ray", gpus=gpus)])))
+
+    spec: dict[str, Any] = {"entrypoint": "python train.py", "rayClusterSpec": {
+        "headGroupSpec": {"rayStartParams": {}, "template": template(head_gpus)},
+        "workerGroupSpecs": [{"groupName": f"g{i}", "replicas": r, "minReplicas": 0, "maxReplicas": 10, "numOfHosts": h, "rayStartParams": {}, "template": template(g)}
+                             for i, (r, h, g) in enumerate(workers)],
+    }}  # fmt: skip
+    if deadline:
+        spec["activeDeadlineSeconds"] = deadline
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": as_json(meta(name)), "spec": spec}
+
+
+def admission_review(obj: Any, *, operation: str = "CREATE", dry_run: bool = False, uid: str | None = None) -> dict[str, Any]:
+    """The AdmissionReview the API server sends for creating `obj` (a model or a dict)."""
+    body = obj if isinstance(obj, dict) else as_json(obj)
+    group, version, resource = GROUPS[body["kind"]]
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid or str(uuid.uuid4()),
+            "kind": {"group": group, "version": version, "kind": body["kind"]},
+            "resource": {"group": group, "version": version, "resource": resource},
+            "requestKind": {"group": group, "version": version, "kind": body["kind"]},
+            "namespace": body["metadata"].get("namespace", "vision-prod"),
+            "operation": operation,
+            "userInfo": {"username": "alice@example.com", "groups": ["system:authenticated"]},
+            "object": body,
+            "oldObject": None,
+            "dryRun": dry_run,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        },
+    }

@@ -1,0 +1,100 @@
+"""Kubernetes objects (built with the official client's models) to submissions, and decisions
+to AdmissionReview answers: budgetgate/platforms/kubernetes.py, without servers."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes.client import V1OwnerReference
+
+from budgetgate.platforms.kubernetes import Mapping, Skip, Submit, Unmappable, decided, submission
+from tests.support.kubernetes import admission_review, container, job, job_spec, jobset, pod, rayjob
+
+
+def submitted(obj, mapping: Mapping = Mapping()):  # type: ignore[no-untyped-def]
+    found = submission(admission_review(obj), mapping)
+    assert isinstance(found, Submit), found
+    return found.request
+
+
+def test_a_pod_sums_its_containers_gpus_and_takes_its_deadline() -> None:
+    request = submitted(pod(containers=[container("a", gpus=2), container("b", gpus=1, limits_only=False), container("sidecar")], deadline=7200))
+    assert (request.resources.gpus, request.resources.nodes, request.projected_runtime_hours) == (3, 1, 2.0)
+    assert request.namespace == "vision-prod" and request.labels == {"team": "vision", "cost-center": "1042", "environment": "prod"}
+    assert request.job is not None and request.job.name == "train-0"
+
+
+def test_an_init_container_counts_when_it_asks_for_more_than_the_containers() -> None:
+    request = submitted(pod(containers=[container(gpus=1)], init=[container("warmup", gpus=4)], deadline=3600))
+    assert request.resources.gpus == 4
+
+
+def test_a_job_multiplies_by_parallelism_capped_by_completions() -> None:
+    assert submitted(job(gpus=8, parallelism=4, deadline=21600)).resources.gpus == 32
+    capped = submitted(job(gpus=8, parallelism=4, completions=2, deadline=21600))
+    assert (capped.resources.gpus, capped.resources.nodes, capped.projected_runtime_hours) == (16, 2, 6.0)
+
+
+def test_a_jobset_sums_its_replicated_jobs() -> None:
+    obj = jobset("llm", [(2, job_spec(gpus=8, parallelism=4, deadline=3600)), (1, job_spec(gpus=1, deadline=7200))])
+    request = submitted(obj)
+    assert (request.resources.gpus, request.resources.nodes, request.projected_runtime_hours) == (2 * 4 * 8 + 1, 9, 2.0)
+
+
+def test_a_rayjob_counts_head_and_workers_times_hosts() -> None:
+    request = submitted(rayjob("tune", head_gpus=0, workers=[(2, 2, 4), (1, 1, 1)], deadline=1800))
+    assert (request.resources.gpus, request.resources.nodes, request.projected_runtime_hours) == (2 * 2 * 4 + 1, 6, 0.5)
+
+
+def test_runtime_falls_back_to_the_annotation_then_the_namespace_default() -> None:
+    annotated = submitted(job(gpus=1, annotations={"budgetgate.io/projected-runtime-hours": "1.5"}))
+    assert annotated.projected_runtime_hours == 1.5
+    mapping = Mapping(namespace_runtime_hours={"vision-prod": 12.0}, default_runtime_hours=1.0)
+    assert submitted(job(gpus=1), mapping).projected_runtime_hours == 12.0
+    with pytest.raises(Unmappable, match="budgetgate.io/projected-runtime-hours"):
+        submission(admission_review(job(gpus=1)))
+    with pytest.raises(Unmappable, match="positive"):
+        submission(admission_review(job(gpus=1, annotations={"budgetgate.io/projected-runtime-hours": "-3"})))
+
+
+def test_run_id_from_the_annotation_else_the_owner_else_the_object() -> None:
+    obj = job(gpus=1, deadline=60, annotations={"budgetgate.io/run-id": "flyte/vision/exec-1/n0", "budgetgate.io/attempt": "3", "budgetgate.io/flavor": "h100"})
+    request = submitted(obj)
+    assert (request.run_id, request.attempt, request.resources.flavor) == ("flyte/vision/exec-1/n0", 3, "h100")
+    plain = job(gpus=1, deadline=60)
+    assert submitted(plain).run_id == plain.metadata.uid
+    owner = V1OwnerReference(api_version="apps/v1", kind="ReplicaSet", name="infer-5d8f", uid="0f9e8d7c-1111-2222-3333-444455556666", controller=True)
+    assert submitted(pod(containers=[container(gpus=1)], deadline=60, owner=owner)).run_id == owner.uid
+
+
+def test_children_of_admitted_objects_and_cpu_only_work_are_skipped() -> None:
+    parent = V1OwnerReference(api_version="batch/v1", kind="Job", name="train-resnet", uid="9a8b7c6d-0000-1111-2222-333344445555", controller=True)
+    assert isinstance(submission(admission_review(pod(containers=[container(gpus=8)], deadline=60, owner=parent))), Skip)
+    assert isinstance(submission(admission_review(pod(containers=[container()], deadline=60))), Skip)
+    cpu = submitted(pod(containers=[container()], deadline=60), Mapping(submit_cpu_only=True))
+    assert cpu.resources.gpus == 0 and cpu.resources.nodes == 1
+    assert isinstance(submission(admission_review(job(gpus=1, deadline=60), operation="UPDATE")), Skip)
+
+
+def test_a_gpu_resource_name_is_configurable_and_quantities_are_whole() -> None:
+    obj = pod(containers=[container(gpus=2)], deadline=60)
+    assert isinstance(submission(admission_review(obj), Mapping(gpu_resource="amd.com/gpu")), Skip)
+    broken = admission_review(obj)
+    broken["request"]["object"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "500m"
+    with pytest.raises(Unmappable, match="whole number"):
+        submission(broken)
+
+
+def answer(decision: str, **extra: object) -> dict[str, object]:
+    return {"run_id": "r", "attempt": 1, "decision": decision, "reason": f"{decision.lower()} because", "evaluations": [], **extra}
+
+
+def test_decisions_become_admission_reviews() -> None:
+    allowed = decided("u1", answer("ALLOW", priority_penalty=0.42, evaluations=[{"policy_id": "org", "enforcement": "dry-run", "decision": "DENY"}]))
+    assert allowed["response"]["uid"] == "u1" and allowed["response"]["allowed"] is True
+    assert any("0.42" in w for w in allowed["response"]["warnings"]) and any("org would DENY" in w for w in allowed["response"]["warnings"])
+    denied = decided("u2", answer("DENY"))["response"]
+    assert (denied["allowed"], denied["status"]["code"], denied["status"]["message"]) == (False, 403, "budgetgate: deny because")
+    assert "warnings" not in denied
+    delayed = decided("u3", answer("DELAY", evaluations=[{"policy_id": "p", "enforcement": "hard", "decision": "DELAY", "next_eligible_time": "2026-08-01T00:00:00Z"}]))
+    message = delayed["response"]["status"]["message"]
+    assert delayed["response"]["allowed"] is False and "retry at or after 2026-08-01T00:00:00Z" in message and "budgetgate.io/attempt=2" in message

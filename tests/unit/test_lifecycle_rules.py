@@ -1,0 +1,39 @@
+"""The lifecycle rules both ways in share (budgetgate/lifecycle.py): the reconciler dead-letters
+with the first broken rule's words, the HTTP feed names every broken field."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate import lifecycle
+from budgetgate.services.reconciler.facts import _lifecycle_problem
+from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
+
+
+def event(**fields: object) -> LifecycleEvent:
+    found = LifecycleEvent(event_id="e1", run_id="r1", type=LifecycleType.STARTED, event_time=Timestamp(seconds=1_800_000_000))
+    for name, value in fields.items():
+        if name == "event_time":
+            found.ClearField("event_time")
+        else:
+            setattr(found, name, value)
+    return found
+
+
+def test_a_good_event_breaks_no_rule() -> None:
+    assert lifecycle.problems(event()) == [] and _lifecycle_problem(event()) is None
+
+
+def test_every_broken_rule_is_named_and_the_consumer_gives_the_first() -> None:
+    bad = event(run_id="", type=0, event_time=None, gpus=-1, nodes=-2)
+    assert [field for field, _ in lifecycle.problems(bad)] == ["run_id", "type", "event_time", "gpus", "nodes"]
+    assert _lifecycle_problem(bad) == "run_id must be 1 to 256 characters"
+    assert _lifecycle_problem(event(type=0)) == "lifecycle event e1 has no known type (0)"
+    assert _lifecycle_problem(event(event_time=None)) == "lifecycle event e1 has no event_time"
+    assert _lifecycle_problem(event(nodes=-1)) == "lifecycle event e1 reports negative resources"
+
+
+def test_derived_event_ids_are_stable_and_distinct() -> None:
+    assert lifecycle.derived_event_id(event()) == lifecycle.derived_event_id(event())
+    assert lifecycle.derived_event_id(event()) != lifecycle.derived_event_id(event(type=LifecycleType.COMPLETED))
+    assert lifecycle.event_id_problem("x" * 257) and lifecycle.event_id_problem("a\x00b") and lifecycle.event_id_problem("ok") is None
