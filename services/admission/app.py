@@ -14,10 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
+from budgetgate.auth import install_auth
 from budgetgate.services.admission import routes
 from budgetgate.services.admission.admitter import InvalidSubmission, Unavailable
 from budgetgate.services.admission.fastpath import SubmissionFastPath
-from budgetgate.services.admission.middleware import BodyLimit, ServerSpans
+from budgetgate.bodies import BodyLimit
+from budgetgate.services.admission.middleware import ServerSpans
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.services.admission.runtime import build, readiness, start_background
 from budgetgate.services.admission.schemas import OPERATIONS
@@ -80,8 +82,9 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ServerSpans, tracer=telemetry.tracer("budgetgate.admission"))
     _add_error_handlers(app)
+    install_auth(app, settings)
     app.include_router(routes.router)
-    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations=OPERATIONS)
+    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations=OPERATIONS, protect_metrics=settings.metrics_require_auth)
     add_tenant_routes(app, settings)
     add_budget_routes(app, telemetry.meter("budgetgate.admission"))
     return app

@@ -29,6 +29,8 @@ from budgetgate.services.metering_ingest.api import BACKEND_ERRORS, Unavailable,
 from budgetgate.services.metering_ingest.ingest import Ingestor
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
+from budgetgate.auth import install_auth
+from budgetgate.bodies import BodyLimit
 from budgetgate.serving import add_operational_routes
 from budgetgate.telemetry import Telemetry, extract_context, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
@@ -94,13 +96,6 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
     tracer = telemetry.tracer("budgetgate.metering_ingest")
 
     @app.middleware("http")
-    async def limit_body(request: Request, call_next):  # type: ignore[no-untyped-def]
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return JSONResponse({"detail": f"request body larger than {settings.max_body_bytes} bytes"}, status_code=413)
-        return await call_next(request)
-
-    @app.middleware("http")
     async def trace_request(request: Request, call_next):  # type: ignore[no-untyped-def]
         # One server span per request, continuing the caller's W3C trace; usage records written
         # while it is current carry its context to Kafka.
@@ -114,9 +109,12 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
     async def unavailable(_request: Request, exc: Unavailable) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
+    # Outermost of the app's own middleware: a body is bounded before anything reads it.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    install_auth(app, settings)
     app.include_router(router(max_batch=settings.max_batch_samples, metering_topic=topics.metering))
 
-    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: _readiness(request.app.state.rt))
+    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: _readiness(request.app.state.rt), protect_metrics=settings.metrics_require_auth)
 
     return app
 

@@ -11,6 +11,7 @@ from budgetgate.cli.audit import audit
 from budgetgate.cli.ledger import ledger
 from budgetgate.cli.budgets import budgets
 from budgetgate.cli.asyncapi import asyncapi
+from budgetgate.cli.tokens import admin_log, token
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,6 +32,8 @@ cli.add_command(budgets)
 cli.add_command(actions)
 cli.add_command(dlq)
 cli.add_command(asyncapi)
+cli.add_command(token)
+cli.add_command(admin_log)
 
 
 if __name__ == "__main__":
