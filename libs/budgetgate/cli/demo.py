@@ -76,8 +76,8 @@ def demo(keep: bool, policies: Path) -> None:
     os.environ["BUDGETGATE_HOME"] = str(root)  # every connection below names the demo's stack
     try:
         _dev(root, "up", "--detach")
-        state = json.loads((root / DEV_STATE_FILE).read_text())["settings"]
-        asyncio.run(_run(state, loaded))
+        stack = json.loads((root / DEV_STATE_FILE).read_text())
+        asyncio.run(_run(stack["settings"], loaded, tokens=stack["tokens"]))
     finally:
         if keep:
             click.echo(f"\nthe demo's stack keeps running: BUDGETGATE_HOME={root} budgetgate budgets; BUDGETGATE_HOME={root} budgetgate dev down", err=True)
@@ -106,12 +106,14 @@ async def _drop_database(dsn: str, name: str) -> None:
         await conn.close()
 
 
-async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
+async def _run(settings: dict[str, Any], loaded: LoadedPolicies, *, tokens: dict[str, str]) -> None:
     from budgetgate.cli.policy import apply_loaded
 
     with contextlib.redirect_stdout(sys.stderr):  # the plan: the demo's output is its story
         await apply_loaded(settings["postgres_dsn"], loaded, source="budgetgate demo", applied_by="budgetgate demo")
-    async with httpx.AsyncClient(base_url=settings["admission_url"], timeout=30) as client:
+    # The platform's submission API submits; the budget owners' dashboards read.
+    reader = {"Authorization": f"Bearer {tokens['reader']}"}
+    async with httpx.AsyncClient(base_url=settings["admission_url"], timeout=30, headers={"Authorization": f"Bearer {tokens['submitter']}"}) as client:
         await _wait_for_policies(client)
         rows = []
         for w in MIX:
@@ -129,11 +131,11 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
             rows.append((w, response.json()))
         _print_decisions(rows)
         scopes = sorted({e["scope_id"] for _, answer in rows for e in answer["evaluations"]})
-        usage = [(await client.get(f"/v1/scopes/{scope}/usage")).json() for scope in scopes]
+        usage = [(await client.get(f"/v1/scopes/{scope}/usage", headers=reader)).json() for scope in scopes]
         _print_budgets(usage)
         allowed = [(w, answer) for w, answer in rows if answer["decision"] == "ALLOW" and not answer["replayed"]]
         finished = await _lifecycles(settings, allowed)
-        settled = await _wait_settled(client, scopes)
+        settled = await _wait_settled(client, scopes, headers=reader)
         _print_runs(finished)
         _print_budgets(settled, title="Budgets after the runs finished: reservations replaced by actuals")
         if any(b["reserved"] for scope in settled for b in scope.get("budgets", [])):
@@ -181,11 +183,11 @@ async def _lifecycles(settings: dict[str, Any], allowed: list[tuple[Workload, di
     return finished
 
 
-async def _wait_settled(client: httpx.AsyncClient, scopes: list[str], timeout: float = 60.0) -> list[dict[str, Any]]:
+async def _wait_settled(client: httpx.AsyncClient, scopes: list[str], *, headers: dict[str, str], timeout: float = 60.0) -> list[dict[str, Any]]:
     """The scopes' budgets once no reservation is held any more (or as they are at `timeout`)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        usage = [(await client.get(f"/v1/scopes/{scope}/usage")).json() for scope in scopes]
+        usage = [(await client.get(f"/v1/scopes/{scope}/usage", headers=headers)).json() for scope in scopes]
         if all(b["reserved"] == 0 for scope in usage for b in scope.get("budgets", [])) or asyncio.get_running_loop().time() > deadline:
             return usage
         await asyncio.sleep(0.5)
