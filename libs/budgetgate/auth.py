@@ -11,6 +11,7 @@ issuer is configured, OIDC JWTs verified against its JWKS."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -31,6 +32,8 @@ from budgetgate.settings import ServingSettings
 from budgetgate.tokens import PREFIX, TokenStore
 
 __all__ = ["Action", "AuthSettings", "CheckUnavailable", "Forbidden", "Gate", "Principal", "RateLimited", "Unauthenticated", "allow", "install_auth"]
+
+log = logging.getLogger(__name__)
 
 CHALLENGE = 'Bearer realm="budgetgate"'
 
@@ -108,7 +111,11 @@ class Gate:
         try:
             allowed = await self.limiter.hit(self.limit, principal.name)
         except BACKEND_ERRORS as exc:
-            raise CheckUnavailable(f"rate limit cannot be checked: Redis unavailable ({exc})") from exc
+            # A limit protects against abuse; it is not a ledger. Redis being down must not
+            # take down a service that does not otherwise need it (metering-ingest), so the
+            # request goes on, and admission still fails closed on its own ledger check.
+            log.warning("rate limit of %s not checked, Redis unavailable: %s", principal.name, exc)
+            return
         if not allowed:
             stats = await self.limiter.get_window_stats(self.limit, principal.name)
             raise RateLimited(principal, max(1, int(stats.reset_time - time.time() + 0.999)))
@@ -171,7 +178,8 @@ def install_auth(app: FastAPI, settings: AuthSettings) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(app_: FastAPI) -> AsyncIterator[Any]:
-        pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=1, max_size=4, command_timeout=5)
+        # min_size=0: a service starts (and answers 503) while Postgres is down.
+        pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=0, max_size=4, command_timeout=5)
         try:
             app_.state.gate, _storage = await build_gate(settings, pool)
             async with inner(app_) as state:

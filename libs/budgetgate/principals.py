@@ -87,7 +87,7 @@ class Principal:
 
     def require_tenant(self, tenant: str | None) -> None:
         if not self.covers_tenant(tenant):
-            what = f"tenant {tenant!r}" if tenant is not None else "a request without a tenant"
+            what = f"tenant {tenant!r}" if tenant is not None else "what belongs to no tenant"
             raise Forbidden(f"{self.name!r} is not allowed {what} (allowed tenants: {', '.join(self.tenants)})")
 
     def require_scope(self, *, namespaces: Iterable[str], tenant: str | None) -> None:

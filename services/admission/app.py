@@ -19,7 +19,7 @@ from budgetgate.services.admission import routes
 from budgetgate.services.admission.admitter import InvalidSubmission, Unavailable
 from budgetgate.services.admission.fastpath import SubmissionFastPath
 from budgetgate.bodies import BodyLimit
-from budgetgate.services.admission.middleware import ServerSpans
+from budgetgate.spans import ServerSpans
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.services.admission.runtime import build, readiness, start_background
 from budgetgate.services.admission.schemas import OPERATIONS

@@ -18,7 +18,6 @@ import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from faststream.kafka import KafkaBroker
-from opentelemetry.trace import SpanKind
 
 from budgetgate import wire
 from budgetgate.consumer import Inbox
@@ -31,8 +30,9 @@ from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.auth import install_auth
 from budgetgate.bodies import BodyLimit
+from budgetgate.spans import ServerSpans
 from budgetgate.serving import add_operational_routes
-from budgetgate.telemetry import Telemetry, extract_context, setup_telemetry
+from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 
 log = logging.getLogger(__name__)
@@ -95,15 +95,9 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
     app = FastAPI(title="budgetgate metering-ingest", version="1", lifespan=lifespan)
     tracer = telemetry.tracer("budgetgate.metering_ingest")
 
-    @app.middleware("http")
-    async def trace_request(request: Request, call_next):  # type: ignore[no-untyped-def]
-        # One server span per request, continuing the caller's W3C trace; usage records written
-        # while it is current carry its context to Kafka.
-        parent = extract_context(request.headers.items())
-        with tracer.start_as_current_span(f"{request.method} {request.url.path}", context=parent, kind=SpanKind.SERVER) as span:
-            response = await call_next(request)
-            span.set_attribute("http.response.status_code", response.status_code)
-            return response
+    # One server span per request, continuing the caller's W3C trace; usage records written
+    # while it is current carry its context to Kafka.
+    app.add_middleware(ServerSpans, tracer=tracer)
 
     @app.exception_handler(Unavailable)
     async def unavailable(_request: Request, exc: Unavailable) -> JSONResponse:

@@ -1,5 +1,4 @@
-"""Plain ASGI middleware: one server span per request (the body size limit is
-budgetgate.bodies.BodyLimit, shared with metering-ingest).
+"""Plain ASGI middleware making one server span per request, for every budgetgate HTTP service.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which wraps every request in extra tasks
 and streams and cost about a quarter of the service's CPU under load.
