@@ -16,7 +16,7 @@ from budgetgate.principals import Principal, Unauthenticated
 @dataclass(frozen=True)
 class ClaimMapping:
     """Which claims name the principal, its roles, namespaces and tenants. A claim may be a
-    dotted path into nested claims (`kubernetes.io.namespace` is tried whole first)."""
+    dotted path into nested claims (`kubernetes.io.namespace`)."""
 
     subject: str = "sub"
     roles: str = "budgetgate_roles"
@@ -59,15 +59,19 @@ def principal_from_claims(claims: Mapping[str, Any], mapping: ClaimMapping) -> P
         raise Unauthenticated(f"bearer token claim {mapping.roles!r}: {exc}") from None
 
 
-def _claim(claims: Mapping[str, Any], path: str) -> Any:
+def _claim(claims: Any, path: str) -> Any:
+    """The claim at a dotted path; a key that has dots itself (`kubernetes.io`) is matched whole,
+    the longest one first."""
+    if not isinstance(claims, Mapping):
+        return None
     if path in claims:
         return claims[path]
-    value: Any = claims
-    for part in path.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return None
-        value = value[part]
-    return value
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:i])
+        if head in claims:
+            return _claim(claims[head], ".".join(parts[i:]))
+    return None
 
 
 def _strings(value: Any) -> list[str]:

@@ -12,13 +12,12 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from budgetgate.principals import Role
 from budgetgate.tokens import revoke_token
 from tests.support.admission import admission, admission_factory, apply_policies, example_policies, submission  # noqa: F401 - pytest fixtures
 from tests.support.metering import as_json, decide, metering, metering_factory, sample, usage_rows  # noqa: F401 - pytest fixtures
-from tests.support.principals import bearer, issue
+from tests.support.principals import bearer, issue, ledger_state
 
 OPEN = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 POOLS = """apiVersion: budgetgate/v1
@@ -26,26 +25,6 @@ kind: ResourcePool
 metadata: {id: warehouse}
 spec: {namespace: "snowflake:wh-1", quota: 5}
 """
-
-# What a refusal must leave as it was.
-_LEDGER_TABLES = ("decisions", "reservations", "run_holds", "pool_allocations", "usage_records", "outbox", "ledger_entries", "policy_bundles")
-
-
-async def ledger_state(dsn: str, redis_url: str, prefix: str) -> dict[str, Any]:
-    """Every ledger row (as text) and every Redis value under the test's prefix."""
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = {t: sorted(str(dict(r)) for r in await conn.fetch(f"SELECT * FROM {t}")) for t in _LEDGER_TABLES}  # noqa: S608 - fixed names
-    finally:
-        await conn.close()
-    client = aioredis.from_url(redis_url)
-    try:
-        keys = sorted([k async for k in client.scan_iter(match=f"{{{prefix}}}*")])
-        rows["redis"] = [(k, await client.dump(k)) for k in keys if b"ratelimit" not in k]
-    finally:
-        await client.aclose()
-    return rows
-
 
 @pytest.fixture
 async def anonymous(admission) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]

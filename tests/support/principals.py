@@ -7,7 +7,10 @@ import uuid
 from collections.abc import Iterable
 from datetime import timedelta
 
+from typing import Any
+
 import asyncpg
+import redis.asyncio as aioredis
 
 from budgetgate.principals import Role
 from budgetgate.tokens import create_token
@@ -30,3 +33,23 @@ async def issue(dsn: str, *roles: Role, namespaces: Iterable[str] = (), tenants:
 
 def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
+
+
+# What a refusal must leave as it was.
+_LEDGER_TABLES = ("decisions", "reservations", "run_holds", "pool_allocations", "usage_records", "outbox", "ledger_entries", "policy_bundles")
+
+
+async def ledger_state(dsn: str, redis_url: str, prefix: str) -> dict[str, Any]:
+    """Every ledger row (as text) and every Redis value under the test's prefix."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = {t: sorted(str(dict(r)) for r in await conn.fetch(f"SELECT * FROM {t}")) for t in _LEDGER_TABLES}  # noqa: S608 - fixed names
+    finally:
+        await conn.close()
+    client = aioredis.from_url(redis_url)
+    try:
+        keys = sorted([k async for k in client.scan_iter(match=f"{{{prefix}}}*")])
+        rows["redis"] = [(k, await client.dump(k)) for k in keys if b"ratelimit" not in k]
+    finally:
+        await client.aclose()
+    return rows
