@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
 from budgetgate.auth import install_auth
-from budgetgate.services.admission import routes
+from budgetgate.services.admission import bundles, routes
 from budgetgate.services.admission.admitter import InvalidSubmission, Unavailable
 from budgetgate.services.admission.fastpath import SubmissionFastPath
 from budgetgate.bodies import BodyLimit
@@ -84,6 +84,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     _add_error_handlers(app)
     install_auth(app, settings)
     app.include_router(routes.router)
+    app.include_router(bundles.router)
     add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations=OPERATIONS, protect_metrics=settings.metrics_require_auth)
     add_tenant_routes(app, settings)
     add_budget_routes(app, telemetry.meter("budgetgate.admission"))
