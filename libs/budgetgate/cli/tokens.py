@@ -16,6 +16,13 @@ from budgetgate.cli import backend
 from budgetgate.principals import Role
 
 _DURATION = re.compile(r"^(\d+)([mhdw])$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def _valid_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    if not _NAME.match(value):
+        raise click.BadParameter("1 to 100 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return value
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
@@ -37,9 +44,9 @@ def token() -> None:
 
 
 @token.command()
-@click.option("--name", required=True, help="a unique name, e.g. flyte-prod")
+@click.option("--name", required=True, callback=_valid_name, help="a unique name, e.g. flyte-prod")
 @click.option("--role", "roles", required=True, multiple=True, type=click.Choice([str(r) for r in Role]), help="repeat for several roles")
-@click.option("--namespace", "namespaces", multiple=True, help="limit to namespaces matching this glob (repeatable)")
+@click.option("--namespace", "namespaces", multiple=True, help="limit to namespaces matching this glob, e.g. 'vision-*' (repeatable)")
 @click.option("--tenant", "tenants", multiple=True, help="limit to this tenant (repeatable)")
 @click.option("--expires", help="lifetime, e.g. 90d; none = until revoked")
 def create(name: str, roles: tuple[str, ...], namespaces: tuple[str, ...], tenants: tuple[str, ...], expires: str | None) -> None:
