@@ -36,6 +36,8 @@ __all__ = ["Action", "AuthSettings", "CheckUnavailable", "Forbidden", "Gate", "P
 log = logging.getLogger(__name__)
 
 CHALLENGE = 'Bearer realm="budgetgate"'
+# Where a plain ASGI path leaves the principal it checked, in the request's scope["state"].
+CHECKED = "budgetgate.principal"
 
 
 class AuthSettings(ServingSettings):
@@ -63,6 +65,10 @@ class RateLimited(Exception):
         self.retry_after = retry_after
 
 
+class NoCredentials(Unauthenticated):
+    """The request carries no Authorization header at all."""
+
+
 class CheckUnavailable(Exception):
     """Postgres or Redis cannot be asked whether the caller may proceed: fail closed (503)."""
 
@@ -81,7 +87,7 @@ class Gate:
         """The caller named by the Authorization header; raises Unauthenticated."""
         value = next((v for k, v in headers if k.lower() == b"authorization"), None)
         if value is None:
-            raise Unauthenticated("no credentials: send `Authorization: Bearer <token>`")
+            raise NoCredentials("no credentials: send `Authorization: Bearer <token>`")
         scheme, _, credential = value.decode("latin-1").strip().partition(" ")
         credential = credential.strip()
         if scheme.lower() != "bearer" or not credential:
@@ -122,7 +128,9 @@ class Gate:
 
 
 def unauthenticated_response(exc: Unauthenticated) -> JSONResponse:
-    return JSONResponse({"detail": str(exc)}, status_code=401, headers={"WWW-Authenticate": f'{CHALLENGE}, error="invalid_token"' if "no credentials" not in str(exc) else CHALLENGE})
+    # RFC 6750: a request without credentials gets the bare challenge, a bad token the error code.
+    challenge = CHALLENGE if isinstance(exc, NoCredentials) else f'{CHALLENGE}, error="invalid_token"'
+    return JSONResponse({"detail": str(exc)}, status_code=401, headers={"WWW-Authenticate": challenge})
 
 
 def forbidden_response(exc: Forbidden) -> JSONResponse:
@@ -144,6 +152,10 @@ def allow(action: Action) -> Callable[..., Any]:
     """A FastAPI dependency: the calling Principal, allowed to do `action`."""
 
     async def dependency(request: Request, _credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
+        checked = request.scope.get("state", {}).get(CHECKED)
+        if checked is not None:  # a plain ASGI path checked (and counted) this request already
+            checked.require(action)
+            return checked
         return await gate_of(request.app).check(request.scope["headers"], action)
 
     return dependency

@@ -2,7 +2,9 @@
 
 A secret is 32 random bytes (URL-safe, prefixed `bg_`): with that much entropy a plain SHA-256
 is as good as a slow hash, and lets a lookup be one indexed equality. The secret is returned
-once, by `create`; only its hash is stored."""
+once, by `create`; only its hash is stored. No secret is ever compared: the lookup compares
+digests, and what its timing could reveal (how much of a stored SHA-256 a guess's digest
+shares) gives no way to a secret."""
 
 from __future__ import annotations
 

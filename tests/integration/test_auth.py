@@ -196,6 +196,11 @@ async def test_rate_limit_per_principal_answers_429_with_retry_after(admission_f
     limited = await server.client.get("/v1/budgets", headers=bearer(busy))
     assert limited.status_code == 429 and 1 <= int(limited.headers["retry-after"]) <= 60
     assert (await server.client.get("/v1/budgets", headers=bearer(other))).status_code == 200  # per principal
+    # A submission is counted once, also when the fast path hands a bad body to FastAPI's route.
+    submitter = await issue(pg_dsn, Role.SUBMITTER)
+    statuses = [(await server.client.post("/v1/admissions", json=body, headers=bearer(submitter))).status_code
+                for body in ({**submission(run_id="r0"), "attempt": 0}, submission(run_id="r1"), submission(run_id="r2"), submission(run_id="r3"))]  # fmt: skip
+    assert statuses == [422, 200, 200, 429]
 
 
 async def test_metrics_can_be_protected(admission_factory, pg_dsn) -> None:
