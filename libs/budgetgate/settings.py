@@ -16,9 +16,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
+from budgetgate.kafka_access import KafkaAccess
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 DEV_STATE_FILE = Path(".budgetgate") / "dev.json"
@@ -97,6 +98,19 @@ class CommonSettings(BaseSettings):
     topic_prefix: str = ""
     service_name: str = "budgetgate"
     otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint; none = no export")
+    # How Kafka clients reach the brokers: PLAINTEXT (the local stack), SSL, SASL_PLAINTEXT or
+    # SASL_SSL, with a SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) and credentials.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: str | None = None
+
+    @property
+    def kafka_access(self) -> KafkaAccess:
+        """The access every Kafka client of this process uses."""
+        password = self.kafka_sasl_password.get_secret_value() if self.kafka_sasl_password else None
+        return KafkaAccess(self.kafka_security_protocol, self.kafka_sasl_mechanism, self.kafka_sasl_username, password, self.kafka_ssl_cafile)
 
     @classmethod
     def settings_customise_sources(

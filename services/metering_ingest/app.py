@@ -68,10 +68,10 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         ingestor = Ingestor(max_skew=settings.max_future_skew, grace=settings.unknown_run_grace, counts=metrics)
         # Two producers: the relay's waits for Kafka on its own schedule, the consumer's
         # (dead letters) is started with the consumer.
-        relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay"), topics=topics)
-        dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq")
+        relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay", access=settings.kafka_access), topics=topics)
+        dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq", access=settings.kafka_access)
         inbox = Inbox(name=settings.inbox_name, pool=pool, publisher=dlq_publisher, routes={topics.metering: consumers.metering_route(ingestor, metrics)}, on_dead_letter=metrics.dead_lettered)
-        broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG)
+        broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG, security=settings.kafka_access.faststream())
         broker.include_router(consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))
         rt = Runtime(pool, ingestor, metrics, relay, dlq_publisher, inbox, progress, broker)
         app.state.rt = rt
@@ -129,7 +129,7 @@ async def _consume(rt: Runtime, settings: MeteringSettings) -> None:
     long as it takes; once started, FastStream reconnects by itself. Samples wait in their topic."""
     while True:
         try:
-            await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+            await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, access=settings.kafka_access)
             await rt.dlq_publisher.start()
             await rt.broker.start()
             break

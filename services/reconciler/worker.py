@@ -82,7 +82,7 @@ class Reconciler:
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = Bundles()
         self.settler = Settler(pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules())
-        self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name)
+        self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics)
         self.consumer = InboxConsumer(
             name="reconciler", group=f"{s.topic_prefix}{s.consumer_group}", bootstrap=s.kafka_bootstrap, pool=self.pool,
@@ -122,7 +122,7 @@ class Reconciler:
 
     async def _consume(self) -> None:
         with contextlib.suppress(Exception):
-            await ensure_topics(self.settings.kafka_bootstrap, prefix=self.settings.topic_prefix)
+            await ensure_topics(self.settings.kafka_bootstrap, prefix=self.settings.topic_prefix, access=self.settings.kafka_access)
         await self.publisher.start()
         relay = asyncio.create_task(self.relay.run(), name="reconciler-relay")
         try:
