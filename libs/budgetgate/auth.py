@@ -57,6 +57,8 @@ class AuthSettings(ServingSettings):
     oidc_roles_claim: str = "budgetgate_roles"
     oidc_namespaces_claim: str = "budgetgate_namespaces"
     oidc_tenants_claim: str = "budgetgate_tenants"
+    # Roles by subject, for tokens without a role claim (JSON: {"system:serviceaccount:flyte:flyte-admin": ["submitter"]}).
+    oidc_subject_roles: dict[str, list[str]] = {}
 
 
 class RateLimited(Exception):
@@ -173,7 +175,10 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
     if settings.oidc_issuer:
         if not settings.oidc_audience or not settings.oidc_jwks_url:
             raise ValueError("BUDGETGATE_OIDC_ISSUER needs BUDGETGATE_OIDC_AUDIENCE and BUDGETGATE_OIDC_JWKS_URL")
-        claims = ClaimMapping(subject=settings.oidc_subject_claim, roles=settings.oidc_roles_claim, namespaces=settings.oidc_namespaces_claim, tenants=settings.oidc_tenants_claim)
+        claims = ClaimMapping(
+            subject=settings.oidc_subject_claim, roles=settings.oidc_roles_claim, namespaces=settings.oidc_namespaces_claim, tenants=settings.oidc_tenants_claim,
+            subject_roles={subject: tuple(roles) for subject, roles in settings.oidc_subject_roles.items()},
+        )  # fmt: skip
         jwt = JwtVerifier(issuer=settings.oidc_issuer, audience=settings.oidc_audience, jwks_url=settings.oidc_jwks_url, algorithms=settings.oidc_algorithms, claims=claims)
     storage = limiter = None
     if settings.rate_limit:

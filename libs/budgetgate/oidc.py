@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jwt
@@ -22,6 +22,9 @@ class ClaimMapping:
     roles: str = "budgetgate_roles"
     namespaces: str = "budgetgate_namespaces"
     tenants: str = "budgetgate_tenants"
+    # Roles granted to a subject by configuration, for tokens that carry no role claim
+    # (Kubernetes service-account tokens: `system:serviceaccount:<namespace>:<name>`).
+    subject_roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class JwtVerifier:
@@ -54,7 +57,8 @@ def principal_from_claims(claims: Mapping[str, Any], mapping: ClaimMapping) -> P
     if not isinstance(subject, str) or not subject:
         raise Unauthenticated(f"bearer token has no {mapping.subject!r} claim")
     try:
-        return Principal.of(f"jwt:{subject}", _strings(_claim(claims, mapping.roles)), namespaces=_strings(_claim(claims, mapping.namespaces)), tenants=_strings(_claim(claims, mapping.tenants)))
+        roles = [*_strings(_claim(claims, mapping.roles)), *mapping.subject_roles.get(subject, ())]
+        return Principal.of(f"jwt:{subject}", roles, namespaces=_strings(_claim(claims, mapping.namespaces)), tenants=_strings(_claim(claims, mapping.tenants)))
     except ValueError as exc:
         raise Unauthenticated(f"bearer token claim {mapping.roles!r}: {exc}") from None
 

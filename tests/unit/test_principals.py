@@ -56,6 +56,13 @@ def test_claims_map_to_a_principal_and_unknown_roles_are_refused() -> None:
         principal_from_claims({"groups": ["reader"]}, mapping)
 
 
+def test_a_kubernetes_service_account_gets_its_roles_from_configuration() -> None:
+    mapping = ClaimMapping(namespaces="kubernetes.io.namespace", subject_roles={"system:serviceaccount:flyte:flyte-admin": ("submitter",)})
+    claims = {"sub": "system:serviceaccount:flyte:flyte-admin", "kubernetes.io": {"namespace": "flyte", "serviceaccount": {"name": "flyte-admin"}}}
+    assert principal_from_claims(claims, mapping) == Principal(name="jwt:system:serviceaccount:flyte:flyte-admin", roles=frozenset({Role.SUBMITTER}), namespaces=("flyte",))
+    assert principal_from_claims({**claims, "sub": "system:serviceaccount:flyte:other"}, mapping).roles == frozenset()
+
+
 def test_secrets_are_random_and_stored_as_a_hash() -> None:
     one, two = new_secret(), new_secret()
     assert one != two and one.startswith("bg_") and len(one) > 40
@@ -67,3 +74,10 @@ def test_durations() -> None:
     for bad in ("0d", "90", "1y", "-1d"):
         with pytest.raises(click.BadParameter):
             parse_duration(bad)
+
+
+def test_subject_roles_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from budgetgate.auth import AuthSettings
+
+    monkeypatch.setenv("BUDGETGATE_OIDC_SUBJECT_ROLES", '{"system:serviceaccount:flyte:flyte-admin": ["submitter", "reader"]}')
+    assert AuthSettings().oidc_subject_roles == {"system:serviceaccount:flyte:flyte-admin": ["submitter", "reader"]}
