@@ -317,6 +317,7 @@ class InboxConsumer(Inbox):
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             client_id=self.name,
+            **self.publisher.access.aiokafka(),
         )
         await self._consumer.start()
 

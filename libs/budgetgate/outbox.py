@@ -125,7 +125,7 @@ class OutboxRelay:
         if not acked:
             return 0
         if self._offsets is None:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.publisher.bootstrap, group_id=None, client_id="budgetgate-outbox-check")
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.publisher.bootstrap, group_id=None, client_id="budgetgate-outbox-check", **self.publisher.access.aiokafka())
             await consumer.start()
             self._offsets = consumer
         try:
@@ -137,7 +137,7 @@ class OutboxRelay:
         lost = {tp: offset for tp, offset in acked.items() if ends.get(tp, 0) <= offset}
         if not lost:
             return 0
-        await ensure_topics(self.publisher.bootstrap, prefix=self.topics.prefix)
+        await ensure_topics(self.publisher.bootstrap, prefix=self.topics.prefix, access=self.publisher.access)
         async with self.pool.acquire() as conn, conn.transaction():
             replayed = await self._replay(conn, lost, why="ends at or below")
         self.wakeup.set()
@@ -169,7 +169,7 @@ class OutboxRelay:
         if self._ensure_topics:
             # After a failure: a broker that came back empty gets its topics (with their
             # partition counts) before a send would have it create them on its own terms.
-            await ensure_topics(self.publisher.bootstrap, prefix=self.topics.prefix)
+            await ensure_topics(self.publisher.bootstrap, prefix=self.topics.prefix, access=self.publisher.access)
             self._ensure_topics = False
         now = time.monotonic()
         if now >= self._next_check:

@@ -151,8 +151,9 @@ def _worktree_files(directory: Path, top: Path, prefix: str) -> list[tuple[str, 
 
 
 async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, documents: list[SourceDocument], source: str, applied_by: str) -> int:
-    """Store and activate a bundle, move open windows to its limits, and announce it on
-    budget.policies.v1 through the outbox — all in one transaction. Returns the activation seq."""
+    """Store and activate a bundle, move open windows to its limits, announce it on
+    budget.policies.v1 through the outbox and record who applied it in the admin log — all in
+    one transaction. Returns the activation seq."""
     documents_json = documents_to_json(documents)
     now = datetime.now(UTC)
     stamp = Timestamp()
@@ -170,4 +171,6 @@ async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, docume
             await conn.execute(sql("update_policy_limits"), policy.id, policy.limit.amount, bundle.git_sha, str(policy.limit.unit))
         headers = json.dumps([[k, v.decode("latin-1")] for k, v in record.headers])
         await conn.execute(sql("insert_outbox"), topics.POLICIES, bundle.git_sha, record.value, headers)
+        details = json.dumps({"source": source, "activation": seq, "budgets": len(bundle.policies)})
+        await conn.execute(sql("log_admin_action"), applied_by, "policy.apply", bundle.git_sha, details)
     return seq

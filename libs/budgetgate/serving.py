@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import asyncpg
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -48,7 +48,8 @@ _METRICS_EXAMPLE = "# HELP budgetgate_admission_decisions_total admission answer
 def serve(*, prog: str, settings_cls: type[Any], create_app: Callable[[Any], FastAPI]) -> None:
     """`python -m budgetgate.services.<name> [--host H] [--port P] [--ssl-certfile F --ssl-keyfile F]`:
     settings from BUDGETGATE_* variables, the flags winning, then uvicorn (over TLS with a
-    certificate and key, as a Kubernetes admission webhook must be served)."""
+    certificate and key, from the flags or BUDGETGATE_TLS_CERTFILE/KEYFILE, as a Kubernetes
+    admission webhook must be served)."""
     import uvicorn
 
     parser = argparse.ArgumentParser(prog=prog)
@@ -62,7 +63,12 @@ def serve(*, prog: str, settings_cls: type[Any], create_app: Callable[[Any], Fas
     overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
     settings = settings_cls(**overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning", ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+    certfile = args.ssl_certfile or getattr(settings, "tls_certfile", None)
+    keyfile = args.ssl_keyfile or getattr(settings, "tls_keyfile", None)
+    if bool(certfile) != bool(keyfile):
+        parser.error("TLS needs both a certificate and a key (--ssl-certfile/--ssl-keyfile or BUDGETGATE_TLS_CERTFILE/BUDGETGATE_TLS_KEYFILE)")
+    tls = {"ssl_certfile": certfile, "ssl_keyfile": keyfile} if certfile else {}
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning", **tls)
 
 
 def add_operational_routes(
@@ -71,10 +77,15 @@ def add_operational_routes(
     telemetry: Telemetry,
     readiness: Callable[[Request], Awaitable[dict[str, str]]],
     operations: Mapping[str, Operation] | None = None,
+    protect_metrics: bool = False,
 ) -> None:
     """Liveness, readiness (200 only when every check says "ok", else a 503 problem naming the
     checks) and Prometheus metrics; every error answer of `app` as RFC 9457 problem details; and
-    its OpenAPI published with `operations` naming its other endpoints."""
+    its OpenAPI published with `operations` naming its other endpoints. Health and readiness are
+    open to anyone; metrics too unless `protect_metrics` (then a reader, auditor or operator)."""
+    from budgetgate.auth import Action, allow
+
+    metrics_guard = [Depends(allow(Action.METRICS))] if protect_metrics else []
 
     @app.get("/healthz", response_model=Health)
     async def healthz() -> dict[str, str]:
@@ -88,7 +99,7 @@ def add_operational_routes(
         failing = ", ".join(f"{name}: {found}" for name, found in checks.items() if found != "ok")
         return problem_response(503, f"not ready ({failing})", ready=False, checks=checks)
 
-    @app.get("/metrics", response_class=Response, responses={200: {"description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}, "example": _METRICS_EXAMPLE}}}})
+    @app.get("/metrics", dependencies=metrics_guard, response_class=Response, responses={200: {"description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}, "example": _METRICS_EXAMPLE}}}})
     async def metrics() -> Response:
         return Response(telemetry.metrics_text(), media_type=telemetry.metrics_content_type)
 

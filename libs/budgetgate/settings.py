@@ -5,19 +5,21 @@ working directory or a parent (`.budgetgate/dev.json`; BUDGETGATE_HOME names the
 checkout reaches the stack that `dev up` started there without further configuration.
 
 One exception: where `dev up` derived a value from a variable (a database of the checkout's own
-on the server BUDGETGATE_POSTGRES_DSN names), the state file records the variable's value under
-`from_env`; while the variable still has that value, the derived one wins, since that variable is
-what the stack was built from.
+on the server BUDGETGATE_POSTGRES_DSN names), the state file records a digest of the variable's
+value under `from_env` (not the value: it may hold a password); while the variable still has that
+value, the derived one wins, since that variable is what the stack was built from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
+from budgetgate.kafka_access import KafkaAccess
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 DEV_STATE_FILE = Path(".budgetgate") / "dev.json"
@@ -32,6 +34,25 @@ def find_dev_state(start: Path | None = None) -> Path | None:
         return path if path.is_file() else None
     here = (start or Path.cwd()).resolve()
     return next((folder / DEV_STATE_FILE for folder in (here, *here.parents) if (folder / DEV_STATE_FILE).is_file()), None)
+
+
+def fingerprint(value: str) -> str:
+    """What the state file keeps of a variable's value: enough to tell it changed, not what it was."""
+    return "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+
+
+def dev_token(role: str = "operator") -> str | None:
+    """The API token a CLI command sends: BUDGETGATE_TOKEN, else the local stack's token of `role`."""
+    token = os.environ.get("BUDGETGATE_TOKEN")
+    if token:
+        return token
+    path = find_dev_state()
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text()).get("tokens", {}).get(role)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class _DevStateSource(PydanticBaseSettingsSource):
@@ -59,7 +80,7 @@ class _DevStateSource(PydanticBaseSettingsSource):
             return values
         derived = state.get("from_env", {})
         prefix = self.settings_cls.model_config.get("env_prefix", "")
-        return {k: v for k, v in values.items() if k in derived and os.environ.get(f"{prefix}{k}".upper()) == derived[k]}
+        return {k: v for k, v in values.items() if k in derived and fingerprint(os.environ.get(f"{prefix}{k}".upper(), "")) == derived[k]}
 
 
 class CommonSettings(BaseSettings):
@@ -77,6 +98,19 @@ class CommonSettings(BaseSettings):
     topic_prefix: str = ""
     service_name: str = "budgetgate"
     otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint; none = no export")
+    # How Kafka clients reach the brokers: PLAINTEXT (the local stack), SSL, SASL_PLAINTEXT or
+    # SASL_SSL, with a SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) and credentials.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: str | None = None
+
+    @property
+    def kafka_access(self) -> KafkaAccess:
+        """The access every Kafka client of this process uses."""
+        password = self.kafka_sasl_password.get_secret_value() if self.kafka_sasl_password else None
+        return KafkaAccess(self.kafka_security_protocol, self.kafka_sasl_mechanism, self.kafka_sasl_username, password, self.kafka_ssl_cafile)
 
     @classmethod
     def settings_customise_sources(
@@ -94,3 +128,11 @@ class CommonSettings(BaseSettings):
             _DevStateSource(settings_cls),
             file_secret_settings,
         )
+
+
+class ServingSettings(CommonSettings):
+    """What an HTTP-serving process adds: TLS from a certificate and key (PEM files); both
+    unset = plain HTTP. Processes listen on loopback unless told otherwise (their `host`)."""
+
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None

@@ -16,6 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 from google.protobuf.message import Message
 
+from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
 from budgetgate.v1.actions_pb2 import BudgetAction
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
@@ -115,7 +116,7 @@ def message_class(topic: str) -> type[Message]:
 
 
 async def ensure_topics(
-    bootstrap: str, *, prefix: str = "", partitions: int = 3, replication_factor: int = 1
+    bootstrap: str, *, prefix: str = "", partitions: int = 3, replication_factor: int = 1, access: KafkaAccess = PLAINTEXT
 ) -> list[str]:
     """Create every budgetgate topic (and DLQ) under `prefix` that does not exist yet.
 
@@ -123,7 +124,7 @@ async def ensure_topics(
     service start is safe, also when several services race to create the same topic.
     """
     wanted = Topics(prefix).all()
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-topics")
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-topics", **access.aiokafka())
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 from opentelemetry.context import Context
 
+from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
 from budgetgate.telemetry import extract_context, inject_headers
 from budgetgate.topics import dlq
 
@@ -187,9 +188,10 @@ class Publisher:
     the local stack) do not all support them, and consumers deduplicate on event_id instead.
     """
 
-    def __init__(self, bootstrap: str, *, client_id: str = "budgetgate") -> None:
+    def __init__(self, bootstrap: str, *, client_id: str = "budgetgate", access: KafkaAccess = PLAINTEXT) -> None:
         self._bootstrap = bootstrap
         self._client_id = client_id
+        self.access = access
         self._producer: AIOKafkaProducer | None = None
 
     @property
@@ -206,6 +208,7 @@ class Publisher:
             client_id=self._client_id,
             acks="all",
             enable_idempotence=False,
+            **self.access.aiokafka(),
         )
         try:
             await producer.start()

@@ -231,9 +231,13 @@ class Admitter:
             decided.append(records.DecisionRecord(p.request, p.plan, decision, body, p.asks, p.decided_at, reserved, seq, recorded))
         return decided
 
-    async def lookup(self, run_id: str) -> dict[str, Any] | None:
+    async def lookup(self, run_id: str) -> tuple[dict[str, Any], str, dict[str, str]] | None:
+        """The latest stored answer for a run, with the namespace and labels it was asked for."""
         row = await self.pool.fetchrow(sql("latest_decision"), run_id)
-        return replay(row) if row else None
+        if row is None:
+            return None
+        labels = orjson.loads(row["labels"]) if isinstance(row["labels"], str) else dict(row["labels"])
+        return replay(row), row["namespace"], labels
 
 
 def _sort_out(batch: list[Pending], latest: Mapping[str, Any]) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:

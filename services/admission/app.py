@@ -14,12 +14,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
-from budgetgate.services.admission import kubernetes, quote_routes, routes
+from budgetgate.auth import install_auth
+from budgetgate.services.admission import bundles, kubernetes, quote_routes, routes
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
 from budgetgate.services.admission.kubernetes import KubernetesWebhookSettings
 from budgetgate.services.admission.fastpath import SubmissionFastPath
-from budgetgate.services.admission.middleware import BodyLimit, ServerSpans
+from budgetgate.bodies import BodyLimit
+from budgetgate.spans import ServerSpans
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.services.admission.runtime import build, readiness, start_background
 from budgetgate.services.admission.schemas import OPERATIONS
@@ -88,11 +90,13 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ServerSpans, tracer=telemetry.tracer("budgetgate.admission"))
     _add_error_handlers(app)
+    install_auth(app, settings)
     # Before routes.router: its GET /v1/admissions/{run_id:path} would take .../explain too.
     app.include_router(quote_routes.router)
     app.include_router(routes.router)
+    app.include_router(bundles.router)
     app.include_router(kubernetes.router(kubernetes_webhook or KubernetesWebhookSettings()))
-    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations={**OPERATIONS, **quote_routes.OPERATIONS})
+    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations={**OPERATIONS, **quote_routes.OPERATIONS}, protect_metrics=settings.metrics_require_auth)
     add_tenant_routes(app, settings)
     add_budget_routes(app, telemetry.meter("budgetgate.admission"))
     return app

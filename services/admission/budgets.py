@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Meter, Observation
 
@@ -21,6 +21,8 @@ from budgetgate.core.units import display
 from budgetgate.core.windows import rfc3339, window_at
 from budgetgate.ledger.queries import sql
 from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.auth import Action, Principal, allow
+from budgetgate.services.admission.access import sees_budget
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +111,15 @@ router = APIRouter()
 
 
 @router.get("/v1/budgets", responses={503: {"description": "no policy bundle applied yet, or Postgres unavailable"}})
-async def budgets(request: Request) -> JSONResponse:
+async def budgets(request: Request, principal: Principal = Depends(allow(Action.READ))) -> JSONResponse:
     """Every budget of the active bundle in its current window: limit, reserved, consumed,
-    remaining (in hours, or the currency), used % and state (ok, alerting, exhausted, held)."""
+    remaining (in hours, or the currency), used % and state (ok, alerting, exhausted, held).
+    A principal limited to namespaces or tenants sees only the budgets within its limits."""
     rt = request.app.state.rt
     bundle = rt.policies.current
+    if bundle is not None and not principal.unscoped:
+        label = rt.settings.tenant_label
+        bundle = bundle.restricted_to(lambda policy: sees_budget(principal, policy.scope, tenant_label=label))
     if bundle is None:
         return JSONResponse({"detail": "no policy bundle has been applied yet"}, status_code=503, headers={"Retry-After": "1"})
     try:

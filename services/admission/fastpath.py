@@ -6,7 +6,9 @@ and committing a submission. Here the body is validated straight from its bytes 
 pydantic model, and the answer written as JSON bytes. The route stays declared on the FastAPI
 app (OpenAPI, documentation); anything this path does not handle itself goes to FastAPI: a body
 that does not validate (so 422s look exactly like every other route's), and any error of the
-admitter, rendered by the app's own exception handlers.
+admitter, rendered by the app's own exception handlers. The caller is checked exactly as the
+route's dependency would (auth.Gate: a submitter, within its namespaces and tenants) before the
+body is even read.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 
+from budgetgate.auth import CHECKED, Action, gate_of
+from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 PATH = "/v1/admissions"
@@ -32,16 +36,21 @@ class SubmissionFastPath:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != PATH:
             await self.app(scope, receive, send)
             return
-        body = await _read(receive)
-        try:
-            request = AdmissionRequest.model_validate_json(body)
-        except ValidationError:
-            await self.app(scope, _replay(body), send)  # FastAPI renders the 422
-            return
         fastapi_app = scope["app"]
-        started = time.perf_counter()
+        body = b""
         try:
-            answer = await fastapi_app.state.rt.admitter.admit(request)
+            principal = await gate_of(fastapi_app).check(scope["headers"], Action.SUBMIT)
+            scope.setdefault("state", {})[CHECKED] = principal  # FastAPI's route does not count it again
+            body = await _read(receive)
+            try:
+                request = AdmissionRequest.model_validate_json(body)
+            except ValidationError:
+                await self.app(scope, _replay(body), send)  # FastAPI renders the 422
+                return
+            rt = fastapi_app.state.rt
+            require_submission(principal, namespace=request.namespace, labels=request.labels, tenant_label=rt.settings.tenant_label)
+            started = time.perf_counter()
+            answer = await rt.admitter.admit(request)
         except Exception as exc:  # noqa: BLE001 - rendered by the app's handler for it, or re-raised
             handler = _handler(fastapi_app, exc)
             if handler is None:

@@ -15,6 +15,7 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
+from budgetgate.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.services.admission.concurrency import pool_request
 from budgetgate.services.admission.policies import PolicyCache
@@ -38,8 +39,9 @@ class TokenPools:
             raise Unavailable("no policy bundle has been applied yet; run `budgetgate policy apply`")
         return self.policies.current
 
-    async def allocate(self, namespace: str, body: AllocationIn) -> dict[str, Any]:
-        """One token, idempotent per token: asking again renews its lease. Raises NoSuchPool."""
+    async def allocate(self, namespace: str, body: AllocationIn, *, principal: Principal) -> dict[str, Any]:
+        """One token, idempotent per token: asking again renews its lease. Raises NoSuchPool,
+        or Forbidden when the token is held by another principal."""
         now = datetime.now(UTC)
         request = pool_request(
             self._bundle(),
@@ -60,10 +62,11 @@ class TokenPools:
                 await tx.start()
                 try:
                     await conn.execute(sql("lock_ledger_shared"))
+                    _require_holder(principal, await conn.fetchrow(sql("pool_allocation_principal"), namespace, body.token), namespace, body.token)
                     status, readings = await self.ledger.allocate(request, now_ms=int(now.timestamp() * 1000))
                     if status in ("GRANTED", "RENEWED"):
                         levels = [level.namespace for level in request.levels]
-                        await conn.execute(sql("upsert_pool_allocation"), namespace, body.token, levels, request.project, request.sub_namespace, None, expires)
+                        await conn.execute(sql("upsert_pool_allocation"), namespace, body.token, levels, request.project, request.sub_namespace, None, expires, principal.name)
                     await tx.commit()
                 except BaseException:
                     with contextlib.suppress(Exception):
@@ -95,12 +98,19 @@ class TokenPools:
             what=f"token {token!r} in {namespace!r}",
         )
 
-    async def release(self, namespace: str, token: str) -> dict[str, Any]:
-        """Give a token back; releasing one that is not held is not an error."""
+    async def release(self, namespace: str, token: str, *, principal: Principal) -> dict[str, Any]:
+        """Give a token back; releasing one that is not held is not an error. A principal
+        other than an operator releases only the tokens it holds (Forbidden otherwise)."""
+        operator = Role.OPERATOR in principal.roles
 
         async def work() -> dict[str, Any]:
             async with self.pool.acquire() as conn, conn.transaction():
                 await conn.execute(sql("lock_ledger_shared"))
+                if not operator:
+                    held = await conn.fetchrow(sql("pool_allocation_principal"), namespace, token)
+                    if held is None:
+                        return {"namespace": namespace, "token": token, "released": False}
+                    _require_holder(principal, held, namespace, token)
                 levels = await conn.fetchval(sql("release_pool_allocation"), namespace, token)
                 if levels is None:  # not in Postgres: drop any copy Redis has on the current chain
                     levels = [p.namespace for p in self._bundle().pool_chain(namespace)]
@@ -137,3 +147,10 @@ class TokenPools:
             }
 
         return await with_ledger(self.sync, work)
+
+
+def _require_holder(principal: Principal, held: Any, namespace: str, token: str) -> None:
+    """`held` (the token's row while held, or None) is free or held by `principal`."""
+    if held is not None and held["principal"] != principal.name:
+        holder = repr(held["principal"]) if held["principal"] else "a submission"
+        raise Forbidden(f"{principal.name!r} does not hold token {token!r} in pool {namespace!r} (held by {holder}); only its holder or an operator may release or renew it")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from budgetgate.auth import Action, Principal, allow
 from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.services.admission.access import require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.concurrency import NoSuchPool
 from budgetgate.services.admission.runtime import Runtime
@@ -23,9 +25,10 @@ def _rt(request: Request) -> Runtime:
 
 
 @router.post("/v1/admissions", response_model=AdmissionResponse, responses={409: {"model": Problem}, 422: {}, 503: {"model": Problem}})
-async def submit(body: AdmissionRequest, request: Request) -> JSONResponse:
+async def submit(body: AdmissionRequest, request: Request, principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
     started = time.perf_counter()
     rt = _rt(request)
+    require_submission(principal, namespace=body.namespace, labels=body.labels, tenant_label=rt.settings.tenant_label)
     answer = await rt.admitter.admit(body)
     request.app.state.metrics.observe(answer, time.perf_counter() - started)
     rt.relay.wakeup.set()
@@ -36,21 +39,27 @@ async def submit(body: AdmissionRequest, request: Request) -> JSONResponse:
 
 
 @router.get("/v1/admissions/{run_id:path}", response_model=AdmissionResponse, responses={404: {"model": Problem}})
-async def lookup(run_id: str, request: Request) -> dict | JSONResponse:
+async def lookup(run_id: str, request: Request, principal: Principal = Depends(allow(Action.LOOKUP))) -> dict | JSONResponse:
+    rt = _rt(request)
     try:
-        answer = await _rt(request).admitter.lookup(run_id)
+        found = await rt.admitter.lookup(run_id)
     except BACKEND_ERRORS as exc:
         raise Unavailable(f"Postgres unavailable: {exc}") from exc
-    if answer is None:
+    if found is None:
         return JSONResponse({"detail": f"no decision for run {run_id!r}"}, status_code=404)
+    answer, namespace, labels = found
+    require_submission(principal, namespace=namespace, labels=labels, tenant_label=rt.settings.tenant_label)
     return answer
 
 
 @router.get("/v1/scopes/{scope_id}/usage", response_model=ScopeUsage, responses={404: {"model": Problem}})
-async def usage(scope_id: str, request: Request) -> dict | JSONResponse:
+async def usage(scope_id: str, request: Request, principal: Principal = Depends(allow(Action.READ))) -> dict | JSONResponse:
     rt = _rt(request)
     if rt.policies.current is None:
         raise Unavailable("no policy bundle has been applied yet")
+    matching = next((p.scope for p in rt.policies.current.policies if p.scope.scope_id == scope_id), None)
+    if matching is not None:  # one scope id, one scope
+        require_budget_scope(principal, matching, tenant_label=rt.settings.tenant_label)
     try:
         result = await scope_usage(rt.pool, rt.policies.current, scope_id, datetime.now(UTC))
     except BACKEND_ERRORS as exc:
@@ -60,22 +69,24 @@ async def usage(scope_id: str, request: Request) -> dict | JSONResponse:
     return result
 
 
-@router.post("/v1/pools/{namespace}/allocations", responses={404: {"model": Problem}, 503: {"model": Problem}})
-async def allocate(namespace: str, body: AllocationIn, request: Request) -> JSONResponse:
-    """Granted | Exhausted | NamespaceQuotaExceeded, in `status`; idempotent per token."""
+@router.post("/v1/pools/{namespace}/allocations", responses={403: {"model": Problem}, 404: {"model": Problem}, 503: {"model": Problem}})
+async def allocate(namespace: str, body: AllocationIn, request: Request, principal: Principal = Depends(allow(Action.ALLOCATE))) -> JSONResponse:
+    """Granted | Exhausted | NamespaceQuotaExceeded, in `status`; idempotent per token (only
+    the principal holding a token may renew it)."""
     try:
-        return JSONResponse(await _rt(request).pools.allocate(namespace, body))
+        return JSONResponse(await _rt(request).pools.allocate(namespace, body, principal=principal))
     except NoSuchPool as exc:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
 
-@router.delete("/v1/pools/{namespace}/allocations/{token:path}", responses={503: {"model": Problem}})
-async def deallocate(namespace: str, token: str, request: Request) -> JSONResponse:
-    return JSONResponse(await _rt(request).pools.release(namespace, token))
+@router.delete("/v1/pools/{namespace}/allocations/{token:path}", responses={403: {"model": Problem}, 503: {"model": Problem}})
+async def deallocate(namespace: str, token: str, request: Request, principal: Principal = Depends(allow(Action.RELEASE))) -> JSONResponse:
+    """A submitter releases the tokens it allocated; an operator any token."""
+    return JSONResponse(await _rt(request).pools.release(namespace, token, principal=principal))
 
 
 @router.get("/v1/pools/{namespace}", responses={404: {"model": Problem}})
-async def pool_status(namespace: str, request: Request) -> JSONResponse:
+async def pool_status(namespace: str, request: Request, _principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
     found = await _rt(request).pools.status(namespace)
     if found is None:
         return JSONResponse({"detail": f"no ResourcePool declares namespace {namespace!r}"}, status_code=404)

@@ -61,7 +61,7 @@ async def build(settings: AdmissionSettings) -> Runtime:
     sync = LedgerSync(pool, ledger)
     policies = PolicyCache(pool)
     topics = Topics(settings.topic_prefix)
-    publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name)
+    publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
     admitter = Admitter(
         pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label,
         start_deadline=timedelta(seconds=settings.start_deadline_seconds),
@@ -117,7 +117,9 @@ async def _policy_announcements(rt: Runtime) -> None:
     from aiokafka import AIOKafkaConsumer
 
     while True:
-        consumer = AIOKafkaConsumer(rt.topics.policies, bootstrap_servers=rt.settings.kafka_bootstrap, group_id=None, auto_offset_reset="latest", enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(
+            rt.topics.policies, bootstrap_servers=rt.settings.kafka_bootstrap, group_id=None, auto_offset_reset="latest", enable_auto_commit=False, **rt.settings.kafka_access.aiokafka()
+        )
         try:
             await consumer.start()
             async for _record in consumer:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StringConstraints, field_validator
 
@@ -397,6 +397,43 @@ class Problem(BaseModel):
 
 
 # Each endpoint's name for generated clients, and what it answers when FastAPI cannot tell.
+# A bundle is a few hundred documents at most; this bounds the JSON parsed (BodyLimit bounds the bytes).
+MAX_DOCUMENTS = 5000
+
+
+class PolicyDocument(BaseModel):
+    """One YAML document of the bundle, where it was read."""
+
+    file: str = Field(max_length=1024, description="the file in the policy repository")
+    line: int = Field(ge=0, description="the line the document starts at")
+    data: dict[str, Any] = Field(description="the YAML document, as JSON")
+
+
+class BundleIn(BaseModel):
+    """A policy bundle as `budgetgate policy apply --server` sends it."""
+
+    model_config = {"json_schema_extra": {"examples": [{"git_sha": "4f1c0de" + "0" * 33, "source": "git@example.com:platform/budgets.git", "documents": [], "allow_empty": False}]}}
+
+    git_sha: str = Field(min_length=7, max_length=200, description="the Git SHA the documents were read at")
+    source: str = Field(max_length=1024, description="where the documents come from (a repository, a folder)")
+    documents: list[PolicyDocument] = Field(max_length=MAX_DOCUMENTS, description="every budgetgate document of the bundle")
+    allow_empty: bool = Field(default=False, description="apply even a bundle without documents, or one that removes every budget")
+
+
+class BundleApplied(BaseModel):
+    """The bundle applied, and the plan against the bundle it replaced."""
+
+    model_config = {"json_schema_extra": {"examples": [{"git_sha": "4f1c0de" + "0" * 33, "activation": 7, "applied_by": "token:ci-deployer", "previous_sha": None,
+                                                        "changes": ["+ budget gpu-budget/team-vision-prod: 500 gpu_hours hard"], "budgets": 1}]}}  # fmt: skip
+
+    git_sha: str = Field(description="the SHA the bundle was applied at")
+    activation: int = Field(description="the activation sequence number")
+    applied_by: str = Field(description="the principal that applied it")
+    previous_sha: str | None = Field(description="the bundle active before, if any")
+    changes: list[str] = Field(description="the plan, one change per line (+ added, - removed, ~ changed)")
+    budgets: int = Field(description="how many budgets the bundle has")
+
+
 OPERATIONS: dict[str, Operation] = {
     "POST /v1/admissions": Operation("submitAdmission"),
     "GET /v1/admissions/{run_id}": Operation("getAdmission", parameters={"run_id": "the run id (it may contain slashes)"}),
@@ -406,4 +443,5 @@ OPERATIONS: dict[str, Operation] = {
     "DELETE /v1/pools/{namespace}/allocations/{token}": Operation("releasePoolToken", answer=ReleaseOut, parameters={"namespace": "the pool", "token": "the token to give back"}),
     "GET /v1/pools/{namespace}": Operation("getPool", answer=PoolStatus, parameters={"namespace": "a declared pool"}),
     "GET /v1/budgets": Operation("listBudgets", answer=BudgetList),
+    "POST /v1/policies": Operation("applyPolicies", answer=BundleApplied),
 }

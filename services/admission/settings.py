@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from budgetgate.settings import CommonSettings
+from budgetgate.auth import AuthSettings
 
 
-class AdmissionSettings(CommonSettings):
+class AdmissionSettings(AuthSettings):
     service_name: str = "budgetgate-admission"
     host: str = "127.0.0.1"
     port: int = 8080

@@ -9,7 +9,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
+
+from budgetgate.auth import Action, Forbidden, Principal, allow
 
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import hours
@@ -54,8 +56,12 @@ def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:
     label = getattr(settings, "tenant_label", None) or TenantSettings().tenant_label
 
     @app.get("/v1/tenants/{tenant}/usage", tags=["usage"])
-    async def tenant(tenant: str, request: Request, days: int = Query(90, ge=1, le=3660)) -> dict[str, Any]:
+    async def tenant(tenant: str, request: Request, days: int = Query(90, ge=1, le=3660), principal: Principal = Depends(allow(Action.READ))) -> dict[str, Any]:
         from datetime import UTC
+
+        principal.require_tenant(tenant)
+        if principal.namespaces and not principal.tenants:
+            raise Forbidden(f"{principal.name!r} is limited to namespaces {', '.join(principal.namespaces)}; a tenant's usage spans namespaces")
 
         from budgetgate.backends import BACKEND_ERRORS
         from budgetgate.services.admission.admitter import Unavailable

@@ -77,7 +77,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ol_client = client or transport.build_client(settings.evidence_file)
         pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10)
-        publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name)
+        publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
         handlers = EvidenceHandlers(producer=events.producer_uri(), on_stored=lambda stage, kind: stored.add(1, {"stage": stage, "event_type": kind}))
         consumer = InboxConsumer(
             name=CONSUMER_NAME,

@@ -7,10 +7,10 @@ to `evidence_file`, which is what the local stack does unless Marquez is configu
 
 from __future__ import annotations
 
-from budgetgate.settings import CommonSettings
+from budgetgate.settings import ServingSettings
 
 
-class EvidenceSettings(CommonSettings):
+class EvidenceSettings(ServingSettings):
     service_name: str = "budgetgate-evidence-emitter"
     # /healthz, /readyz and /metrics (the backlog gauges) are served here.
     host: str = "127.0.0.1"

@@ -24,10 +24,11 @@ import json
 from typing import Any
 
 import asyncpg
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from budgetgate import wire
+from budgetgate.auth import Action, allow
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.metering import Accepted, Duplicate, Rejected, Sample
 from budgetgate.core.windows import rfc3339
@@ -113,7 +114,7 @@ def router(*, max_batch: int, metering_topic: str) -> APIRouter:
     """The ingest route; reads the Ingestor, pool and metrics from `app.state.rt`."""
     api = APIRouter()
 
-    @api.post("/v1/metering/samples", operation_id="ingestMeteringSamples", openapi_extra=_OPENAPI, responses={422: {}, 503: {}})
+    @api.post("/v1/metering/samples", operation_id="ingestMeteringSamples", openapi_extra=_OPENAPI, responses={422: {}, 503: {}}, dependencies=[Depends(allow(Action.INGEST))])
     async def ingest_samples(request: Request) -> JSONResponse:
         rt = request.app.state.rt
         items, problems = _batch(await request.body(), max_batch)

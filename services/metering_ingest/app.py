@@ -18,7 +18,6 @@ import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from faststream.kafka import KafkaBroker
-from opentelemetry.trace import SpanKind
 
 from budgetgate import wire
 from budgetgate.consumer import Inbox
@@ -29,8 +28,11 @@ from budgetgate.services.metering_ingest.api import Unavailable, router
 from budgetgate.services.metering_ingest.ingest import Ingestor
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
+from budgetgate.auth import install_auth
+from budgetgate.bodies import BodyLimit
+from budgetgate.spans import ServerSpans
 from budgetgate.serving import add_operational_routes, postgres_check
-from budgetgate.telemetry import Telemetry, extract_context, setup_telemetry
+from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 
 log = logging.getLogger(__name__)
@@ -66,10 +68,10 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         ingestor = Ingestor(max_skew=settings.max_future_skew, grace=settings.unknown_run_grace, counts=metrics)
         # Two producers: the relay's waits for Kafka on its own schedule, the consumer's
         # (dead letters) is started with the consumer.
-        relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay"), topics=topics)
-        dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq")
+        relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay", access=settings.kafka_access), topics=topics)
+        dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq", access=settings.kafka_access)
         inbox = Inbox(name=settings.inbox_name, pool=pool, publisher=dlq_publisher, routes={topics.metering: consumers.metering_route(ingestor, metrics)}, on_dead_letter=metrics.dead_lettered)
-        broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG)
+        broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG, security=settings.kafka_access.faststream())
         broker.include_router(consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))
         rt = Runtime(pool, ingestor, metrics, relay, dlq_publisher, inbox, progress, broker)
         app.state.rt = rt
@@ -93,31 +95,21 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
     app = FastAPI(title="budgetgate metering-ingest", version="1", lifespan=lifespan)
     tracer = telemetry.tracer("budgetgate.metering_ingest")
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):  # type: ignore[no-untyped-def]
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return JSONResponse({"detail": f"request body larger than {settings.max_body_bytes} bytes"}, status_code=413)
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def trace_request(request: Request, call_next):  # type: ignore[no-untyped-def]
-        # One server span per request, continuing the caller's W3C trace; usage records written
-        # while it is current carry its context to Kafka.
-        parent = extract_context(request.headers.items())
-        with tracer.start_as_current_span(f"{request.method} {request.url.path}", context=parent, kind=SpanKind.SERVER) as span:
-            response = await call_next(request)
-            span.set_attribute("http.response.status_code", response.status_code)
-            return response
+    # One server span per request, continuing the caller's W3C trace; usage records written
+    # while it is current carry its context to Kafka.
+    app.add_middleware(ServerSpans, tracer=tracer)
 
     @app.exception_handler(Unavailable)
     async def unavailable(_request: Request, exc: Unavailable) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
+    # Outermost of the app's own middleware: a body is bounded before anything reads it.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    install_auth(app, settings)
     app.include_router(router(max_batch=settings.max_batch_samples, metering_topic=topics.metering))
     app.include_router(lifecycle.router(max_batch=settings.max_batch_events))
 
-    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: _readiness(request.app.state.rt))
+    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: _readiness(request.app.state.rt), protect_metrics=settings.metrics_require_auth)
 
     return app
 
@@ -133,7 +125,7 @@ async def _consume(rt: Runtime, settings: MeteringSettings) -> None:
     long as it takes; once started, FastStream reconnects by itself. Samples wait in their topic."""
     while True:
         try:
-            await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+            await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, access=settings.kafka_access)
             await rt.dlq_publisher.start()
             await rt.broker.start()
             break

@@ -6,10 +6,10 @@ from datetime import timedelta
 
 from pydantic import Field
 
-from budgetgate.settings import CommonSettings
+from budgetgate.auth import AuthSettings
 
 
-class MeteringSettings(CommonSettings):
+class MeteringSettings(AuthSettings):
     service_name: str = "budgetgate-metering-ingest"
     host: str = "127.0.0.1"
     port: int = 8081

@@ -17,7 +17,8 @@ async def _main() -> None:
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=reconciler.telemetry.registry)
+        # HTTPS when a certificate and key are set, like every HTTP service.
+        start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=reconciler.telemetry.registry, certfile=settings.tls_certfile, keyfile=settings.tls_keyfile)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.settings import CommonSettings
+from budgetgate.settings import ServingSettings
 
 
-class ReconcilerSettings(CommonSettings):
+class ReconcilerSettings(ServingSettings):
     service_name: str = "budgetgate-reconciler"
     consumer_group: str = "budgetgate-reconciler"
     # Records one poll hands to one transaction.

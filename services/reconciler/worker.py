@@ -86,7 +86,7 @@ class Reconciler:
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = Bundles()
         self.settler = Settler(pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules())
-        self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name)
+        self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics)
         self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add))
         self.broker = KafkaBroker(s.kafka_bootstrap, client_id=s.service_name, log_level=logging.DEBUG)
@@ -128,7 +128,7 @@ class Reconciler:
         """Start the subscriber (and the producer its dead letters and the relay need), waiting
         for Kafka as long as it takes; once started, FastStream reconnects by itself."""
         with contextlib.suppress(Exception):
-            await ensure_topics(self.settings.kafka_bootstrap, prefix=self.settings.topic_prefix)
+            await ensure_topics(self.settings.kafka_bootstrap, prefix=self.settings.topic_prefix, access=self.settings.kafka_access)
         await self.publisher.start()
         relay = asyncio.create_task(self.relay.run(), name="reconciler-relay")
         try:

@@ -178,6 +178,15 @@ async def test_up_status_down_with_embedded_servers(checkout: Path) -> None:
     assert port_open(*split_host_port(info["kafka_bootstrap"], 9092))
     # Settings reach any command run in the checkout through the state file.
     assert json.loads((checkout / ".budgetgate" / "dev.json").read_text())["settings"]["redis_url"] == info["redis_url"]
+    # One token per role, readable by the owner only, and live in the stack's database.
+    assert set(info["tokens"]) == {"submitter", "exporter", "reader", "operator", "auditor"}
+    assert (checkout / ".budgetgate" / "dev.json").stat().st_mode & 0o777 == 0o600
+    conn = await asyncpg.connect(info["postgres_dsn"])
+    try:
+        live = await conn.fetch("SELECT roles FROM api_tokens WHERE revoked_at IS NULL")
+        assert sorted(r["roles"][0] for r in live) == sorted(info["tokens"])
+    finally:
+        await conn.close()
 
     again = dev(checkout, "up", "--detach", "--no-services")
     assert again.returncode == 0 and "already up" in again.stdout
@@ -224,6 +233,29 @@ def test_up_on_shared_servers_isolates_the_checkout(
         assert info["redis_prefix"] == f"bg-{checkout_tag(checkout)}"
         assert info["topic_prefix"] == f"{checkout_tag(checkout)}-"
         assert (info["redis_url"], info["kafka_bootstrap"]) == (redis_server_url, kafka_server_bootstrap)
+        assert dev(checkout, "down").returncode == 0
+    finally:
+        from tests.support.databases import _execute, run_async
+
+        run_async(lambda: _execute(postgres_admin_dsn, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+
+
+def test_up_and_status_never_print_the_postgres_password(checkout: Path, postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str) -> None:
+    secret = "s3cret-pw"
+    with_password = postgres_admin_dsn.replace("postgres@", f"postgres:{secret}@", 1)
+    assert secret in with_password  # the test servers trust local connections, so any password works
+    env = {"BUDGETGATE_POSTGRES_DSN": with_password, "BUDGETGATE_REDIS_URL": redis_server_url, "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap}
+    database = database_name(checkout_tag(checkout))
+    try:
+        up = dev(checkout, "up", "--detach", "--no-services", env=env)
+        assert up.returncode == 0, up.stderr
+        printed = [up.stdout, up.stderr]
+        for args in (("status",), ("status", "--json")):
+            result = dev(checkout, *args, env=env)
+            printed += [result.stdout, result.stderr]
+        assert not any(secret in text for text in printed)
+        assert "***" in json.loads(dev(checkout, "status", "--json", env=env).stdout)["postgres_dsn"]
+        assert (checkout / ".budgetgate" / "dev.json").read_text().count(secret) == 1  # the stack's own DSN, for its commands
         assert dev(checkout, "down").returncode == 0
     finally:
         from tests.support.databases import _execute, run_async
@@ -337,5 +369,9 @@ def test_up_starts_admission_and_down_stops_it(checkout: Path) -> None:
     # A fresh stack has no policy bundle: admission fails closed until one is applied.
     checks = readiness.json()["checks"]
     assert checks["postgres"] == "ok" and checks["redis_ledger"] == "ok", checks
+    # Authentication is on: the stack's reader token reads, nobody else does.
+    assert httpx.get(f"{info['admission_url']}/v1/budgets", timeout=5).status_code == 401
+    with_token = httpx.get(f"{info['admission_url']}/v1/budgets", headers={"Authorization": f"Bearer {info['tokens']['reader']}"}, timeout=5)
+    assert with_token.status_code == 503 and "no policy bundle" in with_token.json()["detail"]
     assert dev(checkout, "down").returncode == 0
     assert not port_open(*split_host_port(info["admission_url"].removeprefix("http://"), 80))

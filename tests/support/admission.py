@@ -31,7 +31,7 @@ class AdmissionServer(InProcessServer):
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
-        super().__init__(create_app(settings), port=settings.port)
+        super().__init__(create_app(settings), port=settings.port, dsn=settings.postgres_dsn)
 
     async def submit(self, **overrides: object) -> httpx.Response:
         return await self.client.post("/v1/admissions", json=submission(**overrides))
@@ -94,7 +94,7 @@ async def admission_factory(settings) -> AsyncIterator:  # type: ignore[no-untyp
     servers: list[AdmissionServer] = []
 
     async def start(**overrides: object) -> AdmissionServer:
-        values = {**settings.model_dump(), "port": free_port(), "policy_refresh_seconds": 0.2, **overrides}
+        values = {**settings.model_dump(), "port": free_port(), "rate_limit": None, "policy_refresh_seconds": 0.2, **overrides}
         server = AdmissionServer(AdmissionSettings(**values))
         await server.start()
         servers.append(server)

@@ -35,7 +35,7 @@ class MeteringServer(InProcessServer):
 
     def __init__(self, settings: MeteringSettings) -> None:
         self.settings = settings
-        super().__init__(create_app(settings), port=settings.port)
+        super().__init__(create_app(settings), port=settings.port, dsn=settings.postgres_dsn)
 
     async def post(self, *samples: dict[str, object]) -> httpx.Response:
         return await self.client.post("/v1/metering/samples", json={"samples": list(samples)})
@@ -48,7 +48,7 @@ async def metering_factory(settings) -> AsyncIterator[Callable[..., Awaitable[Me
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
 
     async def start(**overrides: object) -> MeteringServer:
-        values = {**settings.model_dump(), "port": free_port(), "pending_recheck_seconds": 0.2, "consumer_group": f"{settings.topic_prefix}metering", **overrides}
+        values = {**settings.model_dump(), "port": free_port(), "rate_limit": None, "pending_recheck_seconds": 0.2, "consumer_group": f"{settings.topic_prefix}metering", **overrides}
         server = MeteringServer(MeteringSettings(**values))
         await server.start()
         servers.append(server)

@@ -17,12 +17,15 @@ def free_port() -> int:
 
 
 class InProcessServer:
-    """Serves `app` with uvicorn (lifespan on) and talks to it over real HTTP."""
+    """Serves `app` with uvicorn (lifespan on) and talks to it over real HTTP. With `dsn`, its
+    client carries a token of every role made in that database (authentication is always on)."""
 
     name = "service"
 
-    def __init__(self, app: Any, *, port: int) -> None:
+    def __init__(self, app: Any, *, port: int, dsn: str | None = None) -> None:
         self.app = app
+        self.dsn = dsn
+        self.token: str | None = None
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
         self.task: asyncio.Task[None] | None = None
@@ -33,6 +36,11 @@ class InProcessServer:
         return self.app.state.rt
 
     async def start(self) -> None:
+        if self.dsn is not None and self.token is None:
+            from tests.support.principals import bearer, issue
+
+            self.token = await issue(self.dsn)
+            self.client.headers.update(bearer(self.token))
         self.task = asyncio.create_task(self.server.serve())
         while not self.server.started:
             if self.task.done():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from budgetgate.settings import CommonSettings
+from budgetgate.settings import CommonSettings, fingerprint
 
 
 @pytest.fixture
@@ -16,7 +16,7 @@ def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".budgetgate").mkdir()
-    state = {"settings": {"postgres_dsn": "postgresql://pg/derived", "redis_prefix": "stack"}, "from_env": {"postgres_dsn": "postgresql://pg/base"}}
+    state = {"settings": {"postgres_dsn": "postgresql://pg/derived", "redis_prefix": "stack"}, "from_env": {"postgres_dsn": fingerprint("postgresql://pg/base")}}
     (tmp_path / ".budgetgate" / "dev.json").write_text(json.dumps(state))
     return tmp_path
 

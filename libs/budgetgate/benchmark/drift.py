@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.processes import free_port, python_module
 from budgetgate.benchmark.reconciliation import Bench, Options
+from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
@@ -70,6 +71,7 @@ class DriftReport:
 
 class DriftBench(Bench):
     def __init__(self, options: DriftOptions, *, echo: Callable[[str], None]) -> None:
+        self.token = ""  # the benchmark's API token, made in its database
         super().__init__(Options(budgets=options.budgets), echo=echo)
         self.drift = options
         self.count = 0
@@ -86,13 +88,14 @@ class DriftBench(Bench):
             bootstrap = await self._kafka(log_dir)
             await migrate_dsn(dsn)
             await self._apply(dsn)
+            self.token = await bench_token(dsn)
             await ensure_topics(bootstrap, prefix=topic_prefix)
-            env = {"BUDGETGATE_POSTGRES_DSN": dsn, "BUDGETGATE_REDIS_URL": self.settings.redis_url, "BUDGETGATE_REDIS_PREFIX": prefix, "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix}
+            env = {"BUDGETGATE_POSTGRES_DSN": dsn, "BUDGETGATE_REDIS_URL": self.settings.redis_url, "BUDGETGATE_REDIS_PREFIX": prefix, "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix, **SERVICE_ENV}
             port = free_port()
             admission = self._start("admission", python_module("budgetgate.services.admission", "--port", str(port)), log_dir, env)
             await admission.wait_port(port, timeout=60)
             sync = LedgerSync(pool, RedisLedger(redis, prefix=prefix))
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=bearer(self.token)) as client:
                 await self._ready(client)
                 self.echo(f"admitting {self.drift.held} runs that stay held …")
                 gate = asyncio.Semaphore(16)

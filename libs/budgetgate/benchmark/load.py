@@ -49,8 +49,9 @@ class Outcome:
 
 
 class _Connection:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, token: str | None = None) -> None:
         self.host, self.port = host, port
+        self.authorization = f"Authorization: Bearer {token}\r\n" if token else ""
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -60,7 +61,7 @@ class _Connection:
         assert self.reader is not None
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
+            f"{self.authorization}Content-Length: {len(body)}\r\n\r\n"
         ).encode()
         self.writer.write(head + body)
         status_line, *header_lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
@@ -111,7 +112,7 @@ async def _send(connection: _Connection, path: str, body: bytes, outcome: Outcom
     return True
 
 
-async def offer(*, host: str, port: int, bodies: Sequence[bytes], rate: float, path: str = "/v1/admissions", max_connections: int = 512) -> Outcome:
+async def offer(*, host: str, port: int, bodies: Sequence[bytes], rate: float, path: str = "/v1/admissions", max_connections: int = 512, token: str | None = None) -> Outcome:
     """Send body i at i / `rate` seconds after the start, whether or not earlier ones were
     answered (an open loop: a slow answer does not slow the offered load). Latency counts from
     the moment a submission was due, so time spent queued behind a slow server (or waiting for
@@ -126,7 +127,7 @@ async def offer(*, host: str, port: int, bodies: Sequence[bytes], rate: float, p
         nonlocal opened
         if idle.empty() and opened < max_connections:
             opened += 1
-            connection = _Connection(host, port)
+            connection = _Connection(host, port, token)
         else:
             connection = await idle.get()
         await _send(connection, path, bodies[i], outcome, i, due)
@@ -148,13 +149,13 @@ async def offer(*, host: str, port: int, bodies: Sequence[bytes], rate: float, p
     return outcome
 
 
-async def drive(*, host: str, port: int, bodies: Sequence[bytes], concurrency: int, path: str = "/v1/admissions") -> Outcome:
+async def drive(*, host: str, port: int, bodies: Sequence[bytes], concurrency: int, path: str = "/v1/admissions", token: str | None = None) -> Outcome:
     """Send every body once with `concurrency` clients; errors are counted, never retried."""
     outcome = Outcome(decisions=[None] * len(bodies))
     next_index = iter(range(len(bodies)))
 
     async def client() -> None:
-        connection = _Connection(host, port)
+        connection = _Connection(host, port, token)
         try:
             for i in next_index:
                 await _send(connection, path, bodies[i], outcome, i, time.perf_counter())

@@ -31,6 +31,7 @@ from budgetgate import wire
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.processes import Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.policy_repo import apply_bundle
 from budgetgate.settings import CommonSettings
@@ -120,6 +121,7 @@ def _usage(run_id: str, n: int, at: datetime, gpu: int) -> usage_pb2.UsageRecord
 
 class Bench:
     def __init__(self, options: Options, *, echo: Callable[[str], None]) -> None:
+        self.token = ""  # the benchmark's API token, made in its database
         self.options = options
         self.echo = echo
         self.tag = uuid.uuid4().hex[:8]
@@ -135,10 +137,11 @@ class Bench:
             bootstrap = await self._kafka(log_dir)
             await migrate_dsn(dsn)
             await self._apply(dsn)
+            self.token = await bench_token(dsn)
             await ensure_topics(bootstrap, prefix=topic_prefix)
             env = {
                 "BUDGETGATE_POSTGRES_DSN": dsn, "BUDGETGATE_REDIS_URL": self.settings.redis_url, "BUDGETGATE_REDIS_PREFIX": prefix,
-                "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix,
+                "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix, **SERVICE_ENV,
             }  # fmt: skip
             port = free_port()
             admission = self._start("admission", python_module("budgetgate.services.admission", "--port", str(port)), log_dir, env)
@@ -194,7 +197,7 @@ class Bench:
 
     async def _admit(self, url: str) -> list[str]:
         self.echo(f"admitting {self.options.runs + 1} runs …")
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=bearer(self.token)) as client:
             deadline = time.monotonic() + 60
             while (await client.get("/readyz")).status_code != 200:
                 if time.monotonic() > deadline:

@@ -29,6 +29,7 @@ from budgetgate import wire
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.processes import free_port, python_module
 from budgetgate.benchmark.reconciliation import Bench, Options, _lifecycle, _usage
+from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.topics import Topics, ensure_topics
 
@@ -97,6 +98,7 @@ class _Run:
 
 class SteadyBench(Bench):
     def __init__(self, options: SteadyOptions, *, echo: Callable[[str], None]) -> None:
+        self.token = ""  # the benchmark's API token, made in its database
         super().__init__(Options(budgets=options.budgets), echo=echo)
         self.steady = options
         o = options
@@ -115,10 +117,11 @@ class SteadyBench(Bench):
             bootstrap = self.bootstrap = await self._kafka(log_dir)
             await migrate_dsn(dsn)
             await self._apply(dsn)
+            self.token = await bench_token(dsn)
             await ensure_topics(bootstrap, prefix=topic_prefix)
             env = {
                 "BUDGETGATE_POSTGRES_DSN": dsn, "BUDGETGATE_REDIS_URL": self.settings.redis_url, "BUDGETGATE_REDIS_PREFIX": prefix,
-                "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix,
+                "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix, **SERVICE_ENV,
             }  # fmt: skip
             port = free_port()
             admission = self._start("admission", python_module("budgetgate.services.admission", "--port", str(port)), log_dir, env)
@@ -142,7 +145,7 @@ class SteadyBench(Bench):
         import httpx
 
         self.echo(f"admitting {len(self.runs)} runs …")
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=bearer(self.token)) as client:
             deadline = time.monotonic() + 60
             while (await client.get("/readyz")).status_code != 200:
                 if time.monotonic() > deadline:

@@ -154,17 +154,17 @@ class Run:
 
             run = self.options
             self.echo(f"[{label}] warm-up: {len(work.warmup)} submissions")
-            warm = await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
+            warm = await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency, token=system.token)
             if rate:
                 self.echo(f"[{label}] offering {len(work.measured)} submissions at {rate:g}/s, {len(work.budgets)} budget(s)")
-                measured = await load.offer(host="127.0.0.1", port=port, bodies=work.measured, rate=rate)
+                measured = await load.offer(host="127.0.0.1", port=port, bodies=work.measured, rate=rate, token=system.token)
             else:
                 self.echo(f"[{label}] measuring: {len(work.measured)} submissions, {run.concurrency} clients, {len(work.budgets)} budget(s)")
-                measured = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
+                measured = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency, token=system.token)
             self.echo(f"[{label}] {measured.answered / measured.elapsed:.0f} decisions/s, {measured.error_count} errors")
             notes = await system.notes(dsn)
             probe_bodies = work.measured[: run.probe]
-            probe = await load.drive(host="127.0.0.1", port=port, bodies=probe_bodies, concurrency=min(run.concurrency, 8))
+            probe = await load.drive(host="127.0.0.1", port=port, bodies=probe_bodies, concurrency=min(run.concurrency, 8), token=system.token)
             mismatches = sum(again != first for again, first in zip(probe.decisions, measured.decisions, strict=False) if first is not None)
             await service.stop()  # nothing in flight while the ledger is read
             totals, problems = await system.totals(dsn)

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from budgetgate.benchmark import baseline, queries
 from budgetgate.benchmark.audit import MILLI_PER_HOUR, BudgetTotal
+from budgetgate.benchmark.credentials import SERVICE_ENV, bench_token
 from budgetgate.benchmark.processes import python_module
 from budgetgate.benchmark.workload import Workload, policy_yaml
 from budgetgate.core.loader import build_bundle, parse_text
@@ -32,6 +33,7 @@ class Backends:
 class System(Protocol):
     name: str
     ready_path: str
+    token: str | None  # what the load generator sends as a bearer token
 
     async def prepare(self, dsn: str, workload: Workload) -> None: ...
     def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]: ...
@@ -47,6 +49,7 @@ class Budgetgate:
     ready_path = "/readyz"
 
     def __init__(self, backends: Backends, *, tag: str) -> None:
+        self.token: str | None = None
         self.backends = backends
         self.redis_prefix = f"bench-{tag}"
         self.topics = Topics(f"bench-{tag}-")
@@ -60,6 +63,7 @@ class Budgetgate:
             await apply_bundle(conn, bundle=bundle, documents=documents, source="budgetgate bench", applied_by="budgetgate bench")
         finally:
             await conn.close()
+        self.token = await bench_token(dsn)
         await ensure_topics(self.backends.kafka_bootstrap, prefix=self.topics.prefix, partitions=1)
 
     def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]:
@@ -69,6 +73,7 @@ class Budgetgate:
             "BUDGETGATE_REDIS_PREFIX": self.redis_prefix,
             "BUDGETGATE_KAFKA_BOOTSTRAP": self.backends.kafka_bootstrap,
             "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
+            **SERVICE_ENV,
         }
         return python_module("budgetgate.services.admission", "--host", "127.0.0.1", "--port", str(port)), env
 
@@ -129,6 +134,7 @@ class Baseline:
 
     name = "baseline"
     ready_path = "/readyz"
+    token: str | None = None  # the baseline has no authentication
 
     async def prepare(self, dsn: str, workload: Workload) -> None:
         conn = await asyncpg.connect(dsn)

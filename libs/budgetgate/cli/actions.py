@@ -12,17 +12,18 @@ from typing import Any
 import click
 from google.protobuf.json_format import MessageToDict
 
+from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
 from budgetgate.cli import backend
 
 
-async def read_topics(bootstrap: str, topics: list[str], *, follow: bool, skip_missing: bool = False) -> AsyncIterator[Any]:
+async def read_topics(bootstrap: str, topics: list[str], *, follow: bool, skip_missing: bool = False, access: KafkaAccess = PLAINTEXT) -> AsyncIterator[Any]:
     """Every record of `topics` from the beginning, in order per partition; then, with `follow`,
     new ones as they come. A topic the broker does not know is a ClickException (or, with
     `skip_missing`, left out)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.errors import KafkaError
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest", request_timeout_ms=10000)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest", request_timeout_ms=10000, **access.aiokafka())
     try:
         await consumer.start()
     except (KafkaError, OSError) as exc:
@@ -55,9 +56,9 @@ def _when(record: Any) -> str:
     return datetime.fromtimestamp(record.timestamp / 1000, UTC).isoformat().replace("+00:00", "Z")
 
 
-def _run(bootstrap: str, topics: list[str], follow: bool, show: Callable[[Any], None], *, skip_missing: bool = False) -> None:
+def _run(bootstrap: str, topics: list[str], follow: bool, show: Callable[[Any], None], *, skip_missing: bool = False, access: KafkaAccess = PLAINTEXT) -> None:
     async def main() -> None:
-        async for record in read_topics(bootstrap, topics, follow=follow, skip_missing=skip_missing):
+        async for record in read_topics(bootstrap, topics, follow=follow, skip_missing=skip_missing, access=access):
             show(record)
 
     try:
@@ -92,7 +93,7 @@ def actions(follow: bool, as_json: bool) -> None:
         subject = f"policy {action.policy_id} on {action.scope_id}" + (f", run {action.run_id}" if action.run_id else "")
         click.echo(f"{data.get('event_time', _when(record))}  {what:<18} {subject}" + (f": {action.message}" if action.message else ""))
 
-    _run(backend.kafka(settings.kafka_bootstrap), [topic], follow, show)
+    _run(backend.kafka(settings.kafka_bootstrap), [topic], follow, show, access=settings.kafka_access)
 
 
 @click.command()
@@ -130,4 +131,4 @@ def dlq(source: str | None, follow: bool, as_json: bool) -> None:
             where = f"{data['source_topic']}[{data['source_partition']}]@{data['source_offset']}"
             click.echo(f"{data['dead_lettered_at']}  {where}  key {data['key'] or '-'}  event {data['event_id'] or '-'}: {data['reason']}")
 
-    _run(backend.kafka(settings.kafka_bootstrap), dlqs, follow, show, skip_missing=source is None)
+    _run(backend.kafka(settings.kafka_bootstrap), dlqs, follow, show, skip_missing=source is None, access=settings.kafka_access)

@@ -78,8 +78,8 @@ def demo(keep: bool, policies: Path) -> None:
     os.environ["BUDGETGATE_HOME"] = str(root)  # every connection below names the demo's stack
     try:
         _dev(root, "up", "--detach")
-        state = json.loads((root / DEV_STATE_FILE).read_text())["settings"]
-        asyncio.run(_run(state, loaded))
+        stack = json.loads((root / DEV_STATE_FILE).read_text())
+        asyncio.run(_run(stack["settings"], loaded, tokens=stack["tokens"]))
     finally:
         if keep:
             click.echo(f"\nthe demo's stack keeps running: BUDGETGATE_HOME={root} budgetgate budgets; BUDGETGATE_HOME={root} budgetgate dev down", err=True)
@@ -108,12 +108,13 @@ async def _drop_database(dsn: str, name: str) -> None:
         await conn.close()
 
 
-async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
+async def _run(settings: dict[str, Any], loaded: LoadedPolicies, *, tokens: dict[str, str]) -> None:
     from budgetgate.cli.policy import apply_loaded
 
     with contextlib.redirect_stdout(sys.stderr):  # the plan: the demo's output is its story
         await apply_loaded(settings["postgres_dsn"], loaded, source="budgetgate demo", applied_by="budgetgate demo")
-    async with AsyncClient(settings["admission_url"]) as client:
+    # The platform's submission API submits; the budget owners' dashboards read.
+    async with AsyncClient(settings["admission_url"], token=tokens["submitter"]) as client, AsyncClient(settings["admission_url"], token=tokens["reader"]) as reader:
         await client.wait_ready(timeout=10)
         rows = []
         for w in MIX:
@@ -129,10 +130,10 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies) -> None:
             rows.append((w, (await client.submit(body)).model_dump(mode="json")))
         _print_decisions(rows)
         scopes = sorted({e["scope_id"] for _, answer in rows for e in answer["evaluations"]})
-        _print_budgets(await _usage(client, scopes))
+        _print_budgets(await _usage(reader, scopes))
         allowed = [(w, answer) for w, answer in rows if answer["decision"] == "ALLOW" and not answer["replayed"]]
         finished = await _lifecycles(settings, allowed)
-        settled = await _wait_settled(client, scopes)
+        settled = await _wait_settled(reader, scopes)
         _print_runs(finished)
         _print_budgets(settled, title="Budgets after the runs finished: reservations replaced by actuals")
         if any(b["reserved"] for scope in settled for b in scope.get("budgets", [])):

@@ -16,6 +16,7 @@ from budgetgate.cli.quote import quote
 from budgetgate.cli.whatif import what_if
 from budgetgate.cli.meter import meter
 from budgetgate.cli.kueue import kueue
+from budgetgate.cli.tokens import admin_log, token
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,6 +43,8 @@ cli.add_command(explain)
 cli.add_command(replay)
 cli.add_command(meter)
 cli.add_command(kueue)
+cli.add_command(token)
+cli.add_command(admin_log)
 
 
 if __name__ == "__main__":

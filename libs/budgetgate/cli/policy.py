@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import json
 from pathlib import Path
 
 import click
@@ -105,10 +106,14 @@ def diff(directory: Path, allow_dirty: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--allow-dirty", is_flag=True, help="apply uncommitted changes (the SHA gets a -dirty suffix)")
 @click.option("--allow-empty", is_flag=True, help="apply even a bundle without documents, or one that removes every budget")
-def apply(directory: Path, allow_dirty: bool, allow_empty: bool) -> None:
+@click.option("--server", metavar="URL", help="apply through admission's API at URL with an operator token (BUDGETGATE_TOKEN, else the local stack's), not the database")
+def apply(directory: Path, allow_dirty: bool, allow_empty: bool, server: str | None) -> None:
     """Validate, print the plan, then store the bundle at its Git SHA and make it active everywhere."""
     _, loaded = load_revision(directory, allow_dirty=allow_dirty)
     _report(loaded)
+    if server:
+        apply_over_http(server, loaded, source=str(directory.resolve()), allow_empty=allow_empty)
+        return
     settings = backend.stack_settings()
     seq = asyncio.run(apply_loaded(settings.postgres_dsn, loaded, source=str(directory.resolve()), allow_empty=allow_empty))
     click.echo(f"applied {loaded.bundle.git_sha} ({len(loaded.bundle.policies)} budget(s)) as activation {seq}")
@@ -127,3 +132,33 @@ async def apply_loaded(dsn: str, loaded: LoadedPolicies, *, source: str, allow_e
             return await apply_bundle(conn, bundle=loaded.bundle, documents=loaded.documents, source=source, applied_by=applied_by or getpass.getuser())  # type: ignore[arg-type]
         except RepositoryError as exc:
             raise click.ClickException(str(exc)) from None
+
+
+def apply_over_http(server: str, loaded: LoadedPolicies, *, source: str, allow_empty: bool) -> None:
+    """POST the bundle to admission's /v1/policies as an operator; print the plan it applied."""
+    import httpx
+
+    from budgetgate.settings import dev_token
+
+    token = dev_token("operator")
+    if not token:
+        raise click.ClickException("no token: set BUDGETGATE_TOKEN to an operator token (`budgetgate token create --role operator`)")
+    from budgetgate.core.loader import documents_to_json
+
+    documents = json.loads(documents_to_json(loaded.documents))  # as stored: dates as strings
+    body = {"git_sha": loaded.bundle.git_sha, "source": source, "documents": documents, "allow_empty": allow_empty}
+    click.echo(f"budgetgate: admission at {server}", err=True)
+    try:
+        response = httpx.post(server.rstrip("/") + "/v1/policies", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"cannot reach {server}: {exc}") from None
+    answer = response.json() if response.headers.get("content-type", "").endswith("json") else {"detail": response.text}
+    if response.status_code != 200:
+        for error in answer.get("errors", []):
+            click.echo(f"error: {error['msg']}", err=True)
+        raise click.ClickException(f"{server} refused the bundle ({response.status_code}): {answer.get('detail')}")
+    previous = answer["previous_sha"]
+    click.echo(f"plan against active bundle {previous} -> {answer['git_sha']}" if previous else f"plan: no bundle is active yet -> {answer['git_sha']}")
+    for change in answer["changes"] or ["no changes"]:
+        click.echo(f"  {change}")
+    click.echo(f"applied {answer['git_sha']} ({answer['budgets']} budget(s)) as activation {answer['activation']} by {answer['applied_by']}")

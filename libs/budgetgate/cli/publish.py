@@ -84,7 +84,7 @@ def _send(settings: CommonSettings, topic: str, message: Message, *, key: str) -
     backend.kafka(settings.kafka_bootstrap)
 
     async def send() -> tuple[int, int]:
-        async with wire.Publisher(settings.kafka_bootstrap, client_id="budgetgate-cli") as publisher:
+        async with wire.Publisher(settings.kafka_bootstrap, client_id="budgetgate-cli", access=settings.kafka_access) as publisher:
             meta = await publisher.send(topic, message, key=key)
             return meta.partition, meta.offset
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
@@ -123,6 +123,10 @@ class PolicyBundle:
     sensitive: SensitivePool | None = None
     cluster: Cluster | None = None
     pools: tuple[ResourcePool, ...] = ()
+
+    def restricted_to(self, keep: Callable[[BudgetPolicy], bool]) -> PolicyBundle:
+        """The same bundle with only the budget policies `keep` accepts."""
+        return replace(self, policies=tuple(p for p in self.policies if keep(p)))
 
     def quota_for(self, tenant: str | None) -> TenantQuota | None:
         return next((q for q in self.quotas if q.tenant == tenant), None) if tenant else None

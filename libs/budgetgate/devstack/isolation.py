@@ -54,7 +54,7 @@ async def ensure_database(dsn: str, database: str) -> None:
     try:
         conn = await asyncpg.connect(dsn, timeout=5)
     except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-        raise ExternalServerError(f"Postgres at {_redact(dsn)} does not answer: {exc}") from exc
+        raise ExternalServerError(f"Postgres at {redact(dsn)} does not answer: {exc}") from exc
     try:
         exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database)
         if not exists:
@@ -74,7 +74,7 @@ def check_redis(url: str) -> None:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise ExternalServerError(f"Redis at {_redact(url)} does not answer: {exc}") from exc
+        raise ExternalServerError(f"Redis at {redact(url)} does not answer: {exc}") from exc
     finally:
         client.close()
 
@@ -86,7 +86,8 @@ def check_kafka(bootstrap: str) -> None:
         raise ExternalServerError(f"no Kafka broker of {bootstrap!r} accepts connections")
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
+    """An address without its password."""
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from budgetgate.devstack import isolation
 from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError
-from budgetgate.devstack.isolation import ExternalServerError
+from budgetgate.devstack.isolation import ExternalServerError, redact
 from budgetgate.devstack.kafka import TansuBroker
 from budgetgate.devstack.ports import free_port, port_open
 from budgetgate.devstack.postgres import EmbeddedPostgres, pg_ctl_stop
@@ -29,7 +29,7 @@ from budgetgate.devstack.processes import ProcessRecord, is_running, read_cmdlin
 from budgetgate.devstack.redis import EmbeddedRedis
 from budgetgate.devstack.services import SERVICES, Service, ServiceNotReady, start_service, wait_ready
 from budgetgate.devstack.state import StackState, StateFileError, stack_lock, state_dir
-from budgetgate.settings import find_dev_state
+from budgetgate.settings import find_dev_state, fingerprint
 
 Echo = Callable[[str], None]
 
@@ -85,6 +85,7 @@ def _start(state: StackState, *, timeout: float, services: bool, echo: Echo) -> 
     _provide_kafka(state, tag=tag, timeout=timeout, echo=echo)
     state.save()
     _migrate(str(state.settings["postgres_dsn"]), echo)
+    _issue_tokens(state, echo)
     _create_topics(str(state.settings["kafka_bootstrap"]), str(state.settings["topic_prefix"]), echo)
     if services:
         _start_services(state, timeout=timeout, echo=echo)
@@ -108,7 +109,7 @@ def _provide_postgres(state: StackState, *, tag: str, timeout: float, echo: Echo
         asyncio.run(isolation.ensure_database(external, database))
         dsn = isolation.with_database(external, database)
         state.settings["postgres_dsn"] = dsn
-        state.from_env["postgres_dsn"] = external
+        state.from_env["postgres_dsn"] = fingerprint(external)
         echo(f"postgres: database {database} on the server of BUDGETGATE_POSTGRES_DSN")
         return
     server = EmbeddedPostgres(data_dir=state_dir(state.root) / "postgres", log=_logs(state) / "postgres.log")
@@ -160,6 +161,18 @@ def _migrate(dsn: str, echo: Echo) -> None:
     except Exception as exc:
         raise StackStepError(f"migrations failed on {dsn}: {exc}") from exc
     echo(f"migrations: {len(applied)} applied" + (f" ({', '.join(applied)})" if applied else ", schema up to date"))
+
+
+def _issue_tokens(state: StackState, echo: Echo) -> None:
+    """One API token per role for this stack, replacing (revoking) those of an earlier `dev up`."""
+    from budgetgate.devstack.tokens import issue_dev_tokens
+
+    try:
+        state.tokens = asyncio.run(issue_dev_tokens(str(state.settings["postgres_dsn"])))
+    except Exception as exc:
+        raise StackStepError(f"creating the stack's API tokens failed: {exc}") from exc
+    state.save()
+    echo(f"tokens: one per role ({', '.join(state.tokens)}), in {state_dir(state.root) / 'dev.json'} (`budgetgate dev status --json`)")
 
 
 def _create_topics(bootstrap: str, prefix: str, echo: Echo) -> None:
@@ -285,8 +298,9 @@ def status(root: Path) -> dict[str, Any] | None:
         "root": str(state.root),
         "up": state.complete and all(s["alive"] for s in services),
         "complete": state.complete,
-        **state.settings,
-        "services": services,
+        **{k: redact(v) if isinstance(v, str) else v for k, v in state.settings.items()},
+        "services": [{**s, "url": redact(s["url"]) if isinstance(s["url"], str) else s["url"]} for s in services],
+        "tokens": state.tokens,
         "processes": [
             {"name": p.name, "pid": p.pid, "alive": alive[p.name], "log": p.log} for p in state.processes
         ],

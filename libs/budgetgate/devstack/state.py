@@ -42,6 +42,8 @@ class StackState:
     # Set once `dev up` has finished; a stack left incomplete was abandoned by a `dev up` that
     # died midway (one still running would hold the lock).
     complete: bool = False
+    # One API token per role for this stack (role -> secret); the file is readable by its owner only.
+    tokens: dict[str, str] = field(default_factory=dict)
 
     def add(self, record: ProcessRecord) -> None:
         """Remember a started process, on disk at once, so a crash of `dev up` leaves nothing unowned."""
@@ -61,10 +63,15 @@ class StackState:
             "processes": [p.to_json() for p in self.processes],
             "from_env": self.from_env,
             "complete": self.complete,
+            "tokens": self.tokens,
         }
         # Write then rename: a reader (CommonSettings in another process) never sees half a file.
+        # Created 0600: the file holds API tokens (and the DSN, with any password it has).
         tmp = path.with_suffix(f".tmp.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(data, indent=2) + "\n")
+        os.chmod(tmp, 0o600)
         tmp.replace(path)
 
     @classmethod
@@ -78,6 +85,7 @@ class StackState:
                 processes=[ProcessRecord.from_json(p) for p in data.get("processes", [])],
                 from_env=dict(data.get("from_env", {})),
                 complete=bool(data.get("complete", False)),
+                tokens=dict(data.get("tokens", {})),
             )
         except FileNotFoundError:
             return None

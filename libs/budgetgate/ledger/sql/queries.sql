@@ -13,7 +13,7 @@ SELECT pg_advisory_xact_lock(7301, 0);
 SELECT pg_advisory_xact_lock(7302, hashtext($1));
 
 -- name: latest_decision
-SELECT decision_id, run_id, attempt, outcome, response, decided_at
+SELECT decision_id, run_id, attempt, outcome, response, decided_at, namespace, labels
 FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
 
 -- name: begin_batch
@@ -718,11 +718,12 @@ WITH holds AS (
 UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held';
 
 -- name: upsert_pool_allocation
--- Granted or renewed: a renewal extends the lease of the same (namespace, token).
-INSERT INTO pool_allocations (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
+-- Granted or renewed: a renewal extends the lease of the same (namespace, token). $8 is the
+-- principal that holds it.
+INSERT INTO pool_allocations (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at, principal)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (namespace, token) DO UPDATE
-SET lease_expires_at = EXCLUDED.lease_expires_at, state = 'held', released_at = NULL, levels = EXCLUDED.levels,
+SET lease_expires_at = EXCLUDED.lease_expires_at, state = 'held', released_at = NULL, levels = EXCLUDED.levels, principal = EXCLUDED.principal,
     project = EXCLUDED.project, sub_namespace = EXCLUDED.sub_namespace, granted_at = CASE
         WHEN pool_allocations.state = 'held' THEN pool_allocations.granted_at ELSE now() END;
 
@@ -785,3 +786,31 @@ SELECT r.run_id, d.projected_gpu, jsonb_object_agg(r.ledger_key, r.amount) AS am
 FROM reservations r JOIN decisions d ON d.decision_id = r.decision_id
 WHERE d.decided_at < $1 AND r.created_at < $1 AND (r.ended_at IS NULL OR r.ended_at >= $1)
 GROUP BY r.run_id, d.projected_gpu;
+
+-- authenticated callers
+
+-- name: create_api_token
+INSERT INTO api_tokens (token_id, name, secret_hash, roles, namespaces, tenants, created_by, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8);
+
+-- name: api_token_by_hash
+-- A token that is neither revoked nor expired; the principal it stands for.
+SELECT name, roles, namespaces, tenants, expires_at FROM api_tokens
+WHERE secret_hash = $1 AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now());
+
+-- name: list_api_tokens
+SELECT token_id, name, roles, namespaces, tenants, created_by, created_at, expires_at, revoked_at
+FROM api_tokens ORDER BY created_at, name;
+
+-- name: revoke_api_token
+UPDATE api_tokens SET revoked_at = now() WHERE name = $1 AND revoked_at IS NULL RETURNING token_id;
+
+-- name: log_admin_action
+INSERT INTO admin_log (actor, action, subject, details) VALUES ($1, $2, $3, $4::jsonb);
+
+-- name: admin_log
+SELECT actor, action, subject, details, logged_at FROM admin_log ORDER BY id DESC LIMIT $1;
+
+-- name: pool_allocation_principal
+-- The row of a held token: who holds it (NULL: granted with a submission, or before tokens had holders).
+SELECT principal FROM pool_allocations WHERE namespace = $1 AND token = $2 AND state = 'held' AND lease_expires_at > now();

@@ -636,3 +636,29 @@ CREATE TABLE pool_allocations (
 );
 CREATE INDEX pool_allocations_held ON pool_allocations (namespace) WHERE state = 'held';
 CREATE INDEX pool_allocations_run ON pool_allocations (run_id) WHERE run_id IS NOT NULL;
+
+-- authenticated callers (0013_auth)
+
+CREATE TABLE api_tokens (
+    token_id    uuid PRIMARY KEY,
+    name        text NOT NULL UNIQUE,
+    secret_hash bytea NOT NULL UNIQUE,
+    roles       text[] NOT NULL CHECK (cardinality(roles) > 0),
+    namespaces  text[] NOT NULL DEFAULT '{}',   -- globs; empty = every namespace
+    tenants     text[] NOT NULL DEFAULT '{}',   -- empty = every tenant
+    created_by  text NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at  timestamptz,
+    revoked_at  timestamptz
+);
+
+CREATE TABLE admin_log (
+    id        bigserial PRIMARY KEY,
+    actor     text NOT NULL,
+    action    text NOT NULL,
+    subject   text NOT NULL,
+    details   jsonb NOT NULL DEFAULT '{}',
+    logged_at timestamptz NOT NULL DEFAULT now()
+);
+
+ALTER TABLE pool_allocations ADD COLUMN principal text;

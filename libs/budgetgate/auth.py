@@ -1,0 +1,223 @@
+"""Authentication, role checks and per-principal rate limits for every budgetgate HTTP service.
+
+A service calls `install_auth(app, settings)` once: the app then holds a `Gate` (built when it
+starts), answers 401 / 403 / 429 as problem details, and each route names what it does with
+`Depends(allow(Action.X))`, which yields the calling Principal. Plain ASGI paths call
+`gate.check(scope["headers"], action)` themselves.
+
+Credentials are bearer tokens: budgetgate API tokens (`bg_…`, hashed in Postgres) or, when an
+issuer is configured, OIDC JWTs verified against its JWKS."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import asyncpg
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from limits import parse
+from limits.aio.storage import RedisStorage
+from limits.aio.strategies import FixedWindowRateLimiter
+from pydantic import Field
+
+from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.oidc import ClaimMapping, JwtVerifier
+from budgetgate.principals import Action, Forbidden, Principal, Unauthenticated
+from budgetgate.settings import ServingSettings
+from budgetgate.tokens import PREFIX, TokenStore
+
+__all__ = ["Action", "AuthSettings", "CheckUnavailable", "Forbidden", "Gate", "Principal", "RateLimited", "Unauthenticated", "allow", "install_auth"]
+
+log = logging.getLogger(__name__)
+
+CHALLENGE = 'Bearer realm="budgetgate"'
+# Where a plain ASGI path leaves the principal it checked, in the request's scope["state"].
+CHECKED = "budgetgate.principal"
+
+
+class AuthSettings(ServingSettings):
+    """Who may call an HTTP service (BUDGETGATE_ variables)."""
+
+    # A token revoked (or expired) stops working on every instance within this many seconds.
+    token_cache_seconds: float = Field(default=2.0, ge=0)
+    # Requests per principal, in the `limits` notation ("1000/second", "50000/minute"); none = no limit.
+    rate_limit: str | None = "1000/second"
+    # /metrics answers only a reader, auditor or operator when true.
+    metrics_require_auth: bool = False
+    oidc_issuer: str | None = None
+    oidc_audience: str | None = None
+    oidc_jwks_url: str | None = None
+    oidc_algorithms: list[str] = ["RS256", "ES256"]
+    oidc_subject_claim: str = "sub"
+    oidc_roles_claim: str = "budgetgate_roles"
+    oidc_namespaces_claim: str = "budgetgate_namespaces"
+    oidc_tenants_claim: str = "budgetgate_tenants"
+    # Roles by subject, for tokens without a role claim (JSON: {"system:serviceaccount:flyte:flyte-admin": ["submitter"]}).
+    oidc_subject_roles: dict[str, list[str]] = {}
+
+
+class RateLimited(Exception):
+    def __init__(self, principal: Principal, retry_after: int) -> None:
+        super().__init__(f"{principal.name!r} is over its rate limit; retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
+class NoCredentials(Unauthenticated):
+    """The request carries no Authorization header at all."""
+
+
+class CheckUnavailable(Exception):
+    """Postgres or Redis cannot be asked whether the caller may proceed: fail closed (503)."""
+
+
+class Gate:
+    """Authenticates a request's bearer credential, checks its role, and counts it against the
+    principal's rate limit."""
+
+    def __init__(self, *, tokens: TokenStore, jwt: JwtVerifier | None = None, limiter: FixedWindowRateLimiter | None = None, limit: str | None = None) -> None:
+        self.tokens = tokens
+        self.jwt = jwt
+        self.limiter = limiter
+        self.limit = parse(limit) if limit else None
+
+    async def principal(self, headers: Iterable[tuple[bytes, bytes]]) -> Principal:
+        """The caller named by the Authorization header; raises Unauthenticated."""
+        value = next((v for k, v in headers if k.lower() == b"authorization"), None)
+        if value is None:
+            raise NoCredentials("no credentials: send `Authorization: Bearer <token>`")
+        scheme, _, credential = value.decode("latin-1").strip().partition(" ")
+        credential = credential.strip()
+        if scheme.lower() != "bearer" or not credential:
+            raise Unauthenticated("credentials must be a bearer token (`Authorization: Bearer <token>`)")
+        if credential.startswith(PREFIX):
+            try:
+                found = await self.tokens.principal(credential)
+            except BACKEND_ERRORS as exc:
+                raise CheckUnavailable(f"credentials cannot be checked: Postgres unavailable ({exc})") from exc
+            if found is None:
+                raise Unauthenticated("API token unknown, revoked or expired")
+            return found
+        if self.jwt is None:
+            raise Unauthenticated("not a budgetgate API token, and no OIDC issuer is configured")
+        return await self.jwt.principal(credential)
+
+    async def check(self, headers: Iterable[tuple[bytes, bytes]], action: Action) -> Principal:
+        """The caller, if it may do `action` now; raises Unauthenticated, Forbidden or RateLimited."""
+        principal = await self.principal(headers)
+        principal.require(action)
+        await self.count(principal)
+        return principal
+
+    async def count(self, principal: Principal) -> None:
+        if self.limiter is None or self.limit is None:
+            return
+        try:
+            allowed = await self.limiter.hit(self.limit, principal.name)
+        except BACKEND_ERRORS as exc:
+            # A limit protects against abuse; it is not a ledger. Redis being down must not
+            # take down a service that does not otherwise need it (metering-ingest), so the
+            # request goes on, and admission still fails closed on its own ledger check.
+            log.warning("rate limit of %s not checked, Redis unavailable: %s", principal.name, exc)
+            return
+        if not allowed:
+            stats = await self.limiter.get_window_stats(self.limit, principal.name)
+            raise RateLimited(principal, max(1, int(stats.reset_time - time.time() + 0.999)))
+
+
+def unauthenticated_response(exc: Unauthenticated) -> JSONResponse:
+    # RFC 6750: a request without credentials gets the bare challenge, a bad token the error code.
+    challenge = CHALLENGE if isinstance(exc, NoCredentials) else f'{CHALLENGE}, error="invalid_token"'
+    return JSONResponse({"detail": str(exc)}, status_code=401, headers={"WWW-Authenticate": challenge})
+
+
+def forbidden_response(exc: Forbidden) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=403)
+
+
+def unavailable_response(exc: CheckUnavailable) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
+
+def rate_limited_response(exc: RateLimited) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after)})
+
+
+_bearer = HTTPBearer(auto_error=False, description="a budgetgate API token (`budgetgate token create`) or an OIDC JWT")
+
+
+def allow(action: Action) -> Callable[..., Any]:
+    """A FastAPI dependency: the calling Principal, allowed to do `action`."""
+
+    async def dependency(request: Request, _credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
+        checked = request.scope.get("state", {}).get(CHECKED)
+        if checked is not None:  # a plain ASGI path checked (and counted) this request already
+            checked.require(action)
+            return checked
+        return await gate_of(request.app).check(request.scope["headers"], action)
+
+    return dependency
+
+
+def gate_of(app: Any) -> Gate:
+    gate = getattr(app.state, "gate", None)
+    if gate is None:
+        raise Unauthenticated("the service is starting; credentials cannot be checked yet")
+    return gate
+
+
+async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStorage | None]:
+    jwt = None
+    if settings.oidc_issuer:
+        if not settings.oidc_audience or not settings.oidc_jwks_url:
+            raise ValueError("BUDGETGATE_OIDC_ISSUER needs BUDGETGATE_OIDC_AUDIENCE and BUDGETGATE_OIDC_JWKS_URL")
+        claims = ClaimMapping(
+            subject=settings.oidc_subject_claim, roles=settings.oidc_roles_claim, namespaces=settings.oidc_namespaces_claim, tenants=settings.oidc_tenants_claim,
+            subject_roles={subject: tuple(roles) for subject, roles in settings.oidc_subject_roles.items()},
+        )  # fmt: skip
+        jwt = JwtVerifier(issuer=settings.oidc_issuer, audience=settings.oidc_audience, jwks_url=settings.oidc_jwks_url, algorithms=settings.oidc_algorithms, claims=claims)
+    storage = limiter = None
+    if settings.rate_limit:
+        url = settings.redis_url.replace("redis://", "async+redis://", 1).replace("rediss://", "async+rediss://", 1)
+        storage = RedisStorage(url, implementation="redispy", key_prefix=f"{{{settings.redis_prefix}}}:ratelimit")
+        limiter = FixedWindowRateLimiter(storage)
+    return Gate(tokens=TokenStore(pool, cache_seconds=settings.token_cache_seconds), jwt=jwt, limiter=limiter, limit=settings.rate_limit), storage
+
+
+def install_auth(app: FastAPI, settings: AuthSettings) -> None:
+    """Give `app` a Gate while it runs (its own small Postgres pool for token lookups) and the
+    401 / 403 / 429 answers."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_: FastAPI) -> AsyncIterator[Any]:
+        # min_size=0: a service starts (and answers 503) while Postgres is down.
+        pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=0, max_size=4, command_timeout=5)
+        try:
+            app_.state.gate, _storage = await build_gate(settings, pool)
+            async with inner(app_) as state:
+                yield state
+        finally:
+            await pool.close()
+
+    app.router.lifespan_context = lifespan
+
+    @app.exception_handler(Unauthenticated)
+    async def _unauthenticated(_request: Request, exc: Unauthenticated) -> JSONResponse:
+        return unauthenticated_response(exc)
+
+    @app.exception_handler(Forbidden)
+    async def _forbidden(_request: Request, exc: Forbidden) -> JSONResponse:
+        return forbidden_response(exc)
+
+    @app.exception_handler(CheckUnavailable)
+    async def _unavailable(_request: Request, exc: CheckUnavailable) -> JSONResponse:
+        return unavailable_response(exc)
+
+    @app.exception_handler(RateLimited)
+    async def _rate_limited(_request: Request, exc: RateLimited) -> JSONResponse:
+        return rate_limited_response(exc)

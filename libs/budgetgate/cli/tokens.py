@@ -1,0 +1,131 @@
+"""`budgetgate token create|list|revoke` and `budgetgate admin-log`: API tokens and the log of
+administrative actions, in the ledger database."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import re
+from datetime import timedelta
+from typing import Any
+
+import click
+
+from budgetgate.cli import backend
+from budgetgate.principals import Role
+
+_DURATION = re.compile(r"^(\d+)([mhdw])$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def _valid_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    if not _NAME.match(value):
+        raise click.BadParameter("1 to 100 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return value
+_UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90d`, `12h`, `30m`, `2w`."""
+    found = _DURATION.match(text.strip())
+    if found is None or int(found.group(1)) == 0:
+        raise click.BadParameter(f"{text!r} is not a duration like 90d, 12h, 30m or 2w")
+    return timedelta(**{_UNITS[found.group(2)]: int(found.group(1))})
+
+
+def _actor() -> str:
+    return f"cli:{getpass.getuser()}"
+
+
+@click.group()
+def token() -> None:
+    """API tokens: create (the secret is printed once), list, revoke."""
+
+
+@token.command()
+@click.option("--name", required=True, callback=_valid_name, help="a unique name, e.g. flyte-prod")
+@click.option("--role", "roles", required=True, multiple=True, type=click.Choice([str(r) for r in Role]), help="repeat for several roles")
+@click.option("--namespace", "namespaces", multiple=True, help="limit to namespaces matching this glob, e.g. 'vision-*' (repeatable)")
+@click.option("--tenant", "tenants", multiple=True, help="limit to this tenant (repeatable)")
+@click.option("--expires", help="lifetime, e.g. 90d; none = until revoked")
+def create(name: str, roles: tuple[str, ...], namespaces: tuple[str, ...], tenants: tuple[str, ...], expires: str | None) -> None:
+    """Create a token and print its secret (shown only this once; Postgres keeps a hash)."""
+    from budgetgate.tokens import create_token
+
+    lifetime = parse_duration(expires) if expires else None
+    settings = backend.stack_settings()
+
+    async def run() -> Any:
+        import asyncpg
+
+        async with backend.postgres(settings.postgres_dsn) as conn:
+            try:
+                return await create_token(conn, name=name, roles=[Role(r) for r in roles], namespaces=list(namespaces), tenants=list(tenants), created_by=_actor(), expires_in=lifetime)
+            except asyncpg.UniqueViolationError:
+                raise click.ClickException(f"a token named {name!r} exists already (names are never reused, even revoked)") from None
+
+    issued = asyncio.run(run())
+    click.echo(issued.secret)
+    until = f", expires {issued.expires_at.isoformat(timespec='seconds')}" if issued.expires_at else ""
+    click.echo(f"token {name!r} created ({', '.join(roles)}{until}); the secret above is not shown again", err=True)
+
+
+@token.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def list_(as_json: bool) -> None:
+    """Every token: name, roles, limits, who created it, expiry and revocation (never secrets)."""
+    from budgetgate.tokens import list_tokens
+
+    settings = backend.stack_settings()
+
+    async def run() -> list[dict[str, Any]]:
+        async with backend.postgres(settings.postgres_dsn) as conn:
+            return await list_tokens(conn)
+
+    rows = [{k: (v.isoformat(timespec="seconds") if hasattr(v, "isoformat") else str(v) if k == "token_id" else v) for k, v in r.items()} for r in asyncio.run(run())]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        state = f"revoked {r['revoked_at']}" if r["revoked_at"] else (f"expires {r['expires_at']}" if r["expires_at"] else "live")
+        limits = " ".join([*(f"ns={n}" for n in r["namespaces"]), *(f"tenant={t}" for t in r["tenants"])]) or "-"
+        click.echo(f"{r['name']:<28} {','.join(r['roles']):<22} {limits:<30} {r['created_by']:<22} {state}")
+
+
+@token.command()
+@click.argument("name")
+def revoke(name: str) -> None:
+    """Revoke a token by name; every instance refuses it within seconds."""
+    from budgetgate.tokens import revoke_token
+
+    settings = backend.stack_settings()
+
+    async def run() -> bool:
+        async with backend.postgres(settings.postgres_dsn) as conn:
+            return await revoke_token(conn, name=name, revoked_by=_actor())
+
+    if not asyncio.run(run()):
+        raise click.ClickException(f"no live token named {name!r}")
+    click.echo(f"token {name!r} revoked")
+
+
+@click.command("admin-log")
+@click.option("--limit", default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def admin_log(limit: int, as_json: bool) -> None:
+    """Administrative actions, newest first: who did what, when (token changes, policy applies)."""
+    from budgetgate.tokens import admin_log as read_log
+
+    settings = backend.stack_settings()
+
+    async def run() -> list[dict[str, Any]]:
+        async with backend.postgres(settings.postgres_dsn) as conn:
+            return await read_log(conn, limit=limit)
+
+    rows = asyncio.run(run())
+    if as_json:
+        click.echo(json.dumps([{**r, "logged_at": r["logged_at"].isoformat()} for r in rows], indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['logged_at'].isoformat(timespec='seconds')}  {r['actor']:<28} {r['action']:<14} {r['subject']}  {json.dumps(r['details'], sort_keys=True)}")

@@ -1,0 +1,58 @@
+"""How every budgetgate Kafka client reaches the brokers: plaintext (the local stack), TLS, or
+SASL (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) with or without TLS. One value, built from the
+BUDGETGATE_KAFKA_* settings, turned into the options of aiokafka and of FastStream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Protocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+Mechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+
+@dataclass(frozen=True)
+class KafkaAccess:
+    security_protocol: Protocol = "PLAINTEXT"
+    sasl_mechanism: Mechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    ssl_cafile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.security_protocol.startswith("SASL") and not (self.sasl_mechanism and self.sasl_username and self.sasl_password):
+            raise ValueError(f"BUDGETGATE_KAFKA_SECURITY_PROTOCOL={self.security_protocol} needs BUDGETGATE_KAFKA_SASL_MECHANISM, _USERNAME and _PASSWORD")
+
+    @property
+    def tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    def _ssl_context(self) -> Any:
+        from aiokafka.helpers import create_ssl_context
+
+        return create_ssl_context(cafile=self.ssl_cafile) if self.tls else None
+
+    def aiokafka(self) -> dict[str, Any]:
+        """Keyword arguments for an aiokafka producer, consumer or admin client."""
+        if self.security_protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.tls:
+            options["ssl_context"] = self._ssl_context()
+        if self.sasl_mechanism:
+            options |= {"sasl_mechanism": self.sasl_mechanism, "sasl_plain_username": self.sasl_username, "sasl_plain_password": self.sasl_password}
+        return options
+
+    def faststream(self) -> Any:
+        """The `security` of a FastStream KafkaBroker (None for plaintext)."""
+        from faststream.security import BaseSecurity, SASLPlaintext, SASLScram256, SASLScram512
+
+        if self.security_protocol == "PLAINTEXT":
+            return None
+        if not self.sasl_mechanism:
+            return BaseSecurity(ssl_context=self._ssl_context(), use_ssl=True)
+        kind = {"PLAIN": SASLPlaintext, "SCRAM-SHA-256": SASLScram256, "SCRAM-SHA-512": SASLScram512}[self.sasl_mechanism]
+        return kind(username=self.sasl_username or "", password=self.sasl_password or "", ssl_context=self._ssl_context(), use_ssl=self.tls)
+
+
+PLAINTEXT = KafkaAccess()

@@ -1,0 +1,33 @@
+"""What a principal may see and do in admission's terms: a submission's namespace and tenant,
+a budget's scope, a stored decision."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from budgetgate.core.policy import Scope
+from budgetgate.principals import Forbidden, Principal
+
+
+def require_submission(principal: Principal, *, namespace: str, labels: Mapping[str, str], tenant_label: str) -> None:
+    """A submission (or a stored decision) in `namespace` with `labels` is within the principal's limits."""
+    principal.require_namespace(namespace)
+    principal.require_tenant(labels.get(tenant_label))
+
+
+def require_budget_scope(principal: Principal, scope: Scope, *, tenant_label: str) -> None:
+    """Every namespace a budget covers, and its tenant, are within the principal's limits; a
+    budget over every namespace is visible only to a principal not limited to namespaces."""
+    if principal.namespaces and not scope.namespaces:
+        raise Forbidden(f"{principal.name!r} is limited to namespaces {', '.join(principal.namespaces)}; scope {scope.scope_id!r} covers every namespace")
+    for namespace in sorted(scope.namespaces):
+        principal.require_namespace(namespace)
+    principal.require_tenant(scope.labels.get(tenant_label))
+
+
+def sees_budget(principal: Principal, scope: Scope, *, tenant_label: str) -> bool:
+    try:
+        require_budget_scope(principal, scope, tenant_label=tenant_label)
+    except Forbidden:
+        return False
+    return True

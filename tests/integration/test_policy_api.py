@@ -1,0 +1,47 @@
+"""Policies applied over HTTP by an operator: `budgetgate policy apply DIR --server URL` needs a
+token, not the database's credentials, and Postgres records who applied which Git SHA."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import asyncpg
+import pytest
+from click.testing import CliRunner, Result
+
+from budgetgate.cli.main import cli
+from budgetgate.principals import Role
+from tests.integration.test_policy_apply import commit, repo  # noqa: F401 - pytest fixture
+from tests.support.admission import admission_factory, budget_yaml  # noqa: F401 - pytest fixtures
+from tests.support.principals import issue
+
+
+async def apply(repo: Path, url: str, token: str | None) -> Result:  # noqa: F811 - the fixture's name
+    env = {"BUDGETGATE_TOKEN": token or "", "BUDGETGATE_HOME": str(repo / "no-stack")}
+    return await asyncio.to_thread(CliRunner().invoke, cli, ["policy", "apply", str(repo), "--server", url], env=env)
+
+
+@pytest.mark.usefixtures("repo")
+async def test_an_operator_applies_policies_over_http_and_who_is_recorded(repo: Path, admission_factory, pg_dsn: str) -> None:  # noqa: F811
+    sha = commit(repo, {"team.yaml": budget_yaml("team-vision")})
+    server = await admission_factory()
+    operator = await issue(pg_dsn, Role.OPERATOR, name="ci-deployer")
+
+    for token in (None, await issue(pg_dsn, Role.SUBMITTER), "bg_unknown"):
+        refused = await apply(repo, server.url, token)
+        assert refused.exit_code != 0
+        assert ("no token" if token is None else "refused the bundle (40") in refused.output, refused.output
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM policy_bundles") == 0
+
+        applied = await apply(repo, server.url, operator)
+        assert applied.exit_code == 0, applied.output
+        assert f"applied {sha}" in applied.output and "by token:ci-deployer" in applied.output and "+ budget team-vision" in applied.output
+        assert await conn.fetchval("SELECT applied_by FROM policy_bundles WHERE git_sha = $1", sha) == "token:ci-deployer"
+        logged = await conn.fetchrow("SELECT actor, action, subject FROM admin_log WHERE action = 'policy.apply'")
+        assert tuple(logged) == ("token:ci-deployer", "policy.apply", sha)
+    finally:
+        await conn.close()
+    await server.wait_ready()  # the instance that applied it switched to it
