@@ -5,11 +5,12 @@ created in the namespaces the ValidatingWebhookConfiguration selects
 (deploy/kubernetes/webhook/). The object is mapped to a submission
 (budgetgate/platforms/kubernetes.py), decided by this instance's admitter exactly as
 `POST /v1/admissions` would decide it, and answered with `allowed` and the decision's reason.
+A `dryRun` request (kubectl --dry-run=server) is quoted as `POST /v1/quotes` would: the same
+answer, nothing reserved or recorded.
 
 When budgetgate cannot decide (its ledger unavailable, no policy bundle yet), the answer is a
 denial (`BUDGETGATE_KUBERNETES_FAIL_OPEN=false`, the default) or an admission with a warning
-(`true`). A `dryRun` request (kubectl --dry-run=server) reserves nothing: this build has no
-non-reserving evaluation yet, so it is answered with a denial saying so.
+(`true`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+
+from budgetgate.auth import Action, Principal, allow
+from budgetgate.services.admission.quotes import Quoter
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.platforms.kubernetes import Mapping, Skip, Unmappable, decided, review, submission
-from budgetgate.services.admission.admitter import InvalidSubmission, Unavailable
+from budgetgate.services.admission.admitter import Unavailable
+from budgetgate.services.admission.deciding import InvalidSubmission
 from budgetgate.services.admission.resubmission import Conflict
 
 _EXAMPLE = {
@@ -95,7 +100,7 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
     mapping = settings.mapping()
 
     @api.post("/v1/kubernetes/admission-review", operation_id="reviewKubernetesAdmission", openapi_extra=_OPENAPI, responses={422: {}})
-    async def admission_review(request: Request) -> JSONResponse:
+    async def admission_review(request: Request, _principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
         try:
             body = json.loads(await request.body())
         except ValueError:
@@ -115,12 +120,12 @@ async def _answer(request: Request, body: dict[str, Any], uid: str, mapping: Map
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc}")
     if isinstance(mapped, Skip):
         return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
-    if body["request"].get("dryRun"):
-        return review(uid, allowed=False, code=403, message="budgetgate: dry-run quoting is not available yet, so a dry run cannot be answered without reserving; nothing was reserved")
+    dry_run = bool(body["request"].get("dryRun"))
     started = time.perf_counter()
     rt = request.app.state.rt
     try:
-        answer = await rt.admitter.admit(mapped.request)
+        # A dry run (kubectl --dry-run=server) is quoted: the same decision, nothing reserved or recorded.
+        answer = await (Quoter(rt.admitter).quote(mapped.request) if dry_run else rt.admitter.admit(mapped.request))
     except Conflict as exc:
         return review(uid, allowed=False, code=409, message=f"budgetgate: {exc}")
     except InvalidSubmission as exc:
@@ -129,6 +134,9 @@ async def _answer(request: Request, body: dict[str, Any], uid: str, mapping: Map
         if fail_open:
             return review(uid, allowed=True, warnings=[f"budgetgate could not decide ({exc}); admitted without a budget check (fail open)"])
         return review(uid, allowed=False, code=503, message=f"budgetgate cannot decide now ({exc}); nothing was reserved, retry shortly")
-    request.app.state.metrics.observe(answer, time.perf_counter() - started)
-    rt.relay.wakeup.set()
+    if dry_run:
+        request.app.state.metrics.observe_quote(answer, time.perf_counter() - started)
+    else:
+        request.app.state.metrics.observe(answer, time.perf_counter() - started)
+        rt.relay.wakeup.set()
     return decided(uid, answer, attempt_annotation=mapping.attempt_annotation)

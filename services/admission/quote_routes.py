@@ -3,11 +3,16 @@ explanation of a recorded decision (recomputed from what it was decided on)."""
 
 from __future__ import annotations
 
+import json
+
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+
+from budgetgate.auth import Action, Principal, allow
+from budgetgate.services.admission.access import require_submission
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from budgetgate.backends import BACKEND_ERRORS
@@ -72,8 +77,9 @@ OPERATIONS: dict[str, Operation] = {
 
 
 @router.post("/v1/quotes", response_model=QuoteResponse, responses={422: {}, 503: {"model": Problem}})
-async def quote(body: AdmissionRequest, request: Request) -> JSONResponse:
+async def quote(body: AdmissionRequest, request: Request, principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
     """What POST /v1/admissions would answer now, without reserving or recording anything."""
+    require_submission(principal, namespace=body.namespace, labels=body.labels, tenant_label=request.app.state.rt.settings.tenant_label)
     started = time.perf_counter()
     answer = await Quoter(request.app.state.rt.admitter).quote(body)
     request.app.state.metrics.observe_quote(answer, time.perf_counter() - started)
@@ -81,7 +87,7 @@ async def quote(body: AdmissionRequest, request: Request) -> JSONResponse:
 
 
 @router.get("/v1/admissions/{run_id:path}/explain", response_model=ExplainResponse, responses={404: {"model": Problem}, 503: {"model": Problem}})
-async def explain(run_id: str, request: Request) -> JSONResponse:
+async def explain(run_id: str, request: Request, principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
     """The run's latest decision recomputed from its recorded inputs, side by side, explained."""
     try:
         async with request.app.state.rt.pool.acquire() as conn:
@@ -91,5 +97,7 @@ async def explain(run_id: str, request: Request) -> JSONResponse:
             bundle = await BundleCache().get(conn, row["policy_bundle_sha"])
     except BACKEND_ERRORS as exc:
         raise Unavailable(f"Postgres unavailable: {exc}") from exc
+    asked = row["request"] if isinstance(row["request"], dict) else json.loads(row["request"])
+    require_submission(principal, namespace=asked["namespace"], labels=asked.get("labels") or {}, tenant_label=request.app.state.rt.settings.tenant_label)
     found = recompute(dict(row), bundle)
     return JSONResponse(explanation(found, bundle))

@@ -19,8 +19,10 @@ import json
 import re
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+
+from budgetgate.auth import Action, Principal, allow
 from google.protobuf import json_format
 
 from budgetgate import lifecycle, outbox, topics, wire
@@ -82,7 +84,7 @@ def router(*, max_batch: int) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/lifecycle/events", operation_id="publishLifecycleEvents", status_code=202, openapi_extra=_OPENAPI, responses={422: {}, 503: {}})
-    async def publish_lifecycle(request: Request) -> JSONResponse:
+    async def publish_lifecycle(request: Request, _principal: Principal = Depends(allow(Action.INGEST))) -> JSONResponse:
         rt = request.app.state.rt
         events, problems = parsed(await request.body(), max_batch)
         if problems:

@@ -12,10 +12,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 
 from budgetgate.client import AsyncClient, Client, lifecycle_event
-from budgetgate.flyte import preflight
-from tests.support import flyte_workflows as flows
 from tests.support.admission import EXAMPLES
 from tests.support.cli import budgetgate
 from tests.support.dcgm import Exporters
@@ -34,10 +33,14 @@ async def test_webhook_lifecycle_over_http_and_dcgm_metering_settle_a_run(tmp_pa
     try:
         assert budgetgate("policy", "apply", "policies", "--allow-dirty", cwd=workdir).returncode == 0
         monkeypatch.setenv("BUDGETGATE_HOME", str(workdir))  # the client finds the stack as the CLI does
+        # The platform's glue: one token for submitting (the webhook), lifecycle and reading.
+        made = budgetgate("token", "create", "--name", "platform", "--role", "submitter", "--role", "exporter", "--role", "reader", cwd=workdir)
+        assert made.returncode == 0, made.stderr
+        monkeypatch.setenv("BUDGETGATE_TOKEN", made.stdout.strip())
         async with AsyncClient() as client:
             await client.wait_ready(timeout=30)
             obj = job(gpus=2, deadline=4 * 3600, annotations={"budgetgate.io/run-id": RUN, "budgetgate.io/flavor": "h100"})
-            async with httpx.AsyncClient(base_url=client.url, timeout=30) as http:
+            async with httpx.AsyncClient(base_url=client.url, timeout=30, headers={"Authorization": f"Bearer {made.stdout.strip()}"}) as http:
                 review = (await http.post("/v1/kubernetes/admission-review", json=admission_review(obj))).json()["response"]
             assert review["allowed"] is True, review
             assert (await client.lookup(RUN)).projected_gpu_hours == 8.0  # type: ignore[union-attr]
@@ -67,6 +70,10 @@ async def test_webhook_lifecycle_over_http_and_dcgm_metering_settle_a_run(tmp_pa
 
 
 async def test_flyte_preflight_on_the_local_stack(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("flytekit")  # the `flyte` extra
+    from budgetgate.flyte import preflight
+    from tests.support import flyte_workflows as flows
+
     workdir = tmp_path / "checkout"
     shutil.copytree(EXAMPLES, workdir / "policies")
     assert budgetgate("dev", "up", "--detach", cwd=workdir).returncode == 0

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from budgetgate.client import AsyncClient, Client, Conflict, InvalidRequest, NotGranted, RetryPolicy, Unavailable
+from budgetgate.client import AsyncClient, Client, Conflict, InvalidRequest, NotGranted, RetryPolicy, Unauthorized, Unavailable
 from budgetgate.services.admission.schemas import AdmissionResponse, BudgetList, ScopeUsage, TenantUsage
 from tests.support.admission import apply_policies, example_policies, submission
 
@@ -21,6 +21,9 @@ metadata: {id: warehouse}
 spec: {namespace: "snowflake:wh-1", quota: 1}
 """
 FAST = RetryPolicy(attempts=4, initial=0.05, max_wait=0.2, deadline=10)
+from tests.support.principals import token_in_env  # noqa: F401 - a fixture, used by name
+
+pytestmark = pytest.mark.usefixtures("token_in_env")
 
 
 class Recorder(httpx.AsyncBaseTransport):
@@ -119,13 +122,17 @@ async def test_503_after_the_retries_is_raised(admission_factory) -> None:
 async def test_bearer_token_from_the_environment_or_the_argument(admission, monkeypatch) -> None:
     monkeypatch.setenv("BUDGETGATE_TOKEN", "from-env")
     recorder = Recorder()
+    # None of these is a token admission knows: each is sent as said, and refused.
     async with AsyncClient(admission.url, transport=recorder) as client:
-        await client.lookup("client/any")
+        with pytest.raises(Unauthorized):
+            await client.lookup("client/any")
     async with AsyncClient(admission.url, transport=recorder, token="from-argument") as client:
-        await client.lookup("client/any")
+        with pytest.raises(Unauthorized):
+            await client.lookup("client/any")
     monkeypatch.delenv("BUDGETGATE_TOKEN")
     async with AsyncClient(admission.url, transport=recorder) as client:
-        await client.lookup("client/any")
+        with pytest.raises(Unauthorized):
+            await client.lookup("client/any")
     assert [r.headers.get("authorization") for r in recorder.requests] == ["Bearer from-env", "Bearer from-argument", None]
 
 

@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from tests.integration.test_admission import held_in_postgres
+from budgetgate.principals import Role
+from tests.support.principals import bearer, issue
 from tests.support.admission import apply_policies, budget_yaml, example_policies
 from tests.support.kubernetes import admission_review, job, jobset, job_spec
 from tests.support.metering import wait_for
@@ -63,12 +65,14 @@ async def test_delay_is_a_denial_saying_when_to_retry(admission_factory, pg_dsn)
     assert "retry at or after 20" in answer["status"]["message"] and "budgetgate.io/attempt=2" in answer["status"]["message"]
 
 
-async def test_a_dry_run_reserves_nothing(admission, pg_dsn) -> None:
+async def test_a_dry_run_is_quoted_and_reserves_nothing(admission, pg_dsn) -> None:
     obj = job(gpus=8, deadline=3600)
-    answer = await reviewed(admission, admission_review(obj, dry_run=True))
-    assert answer["allowed"] is False and "dry-run quoting is not available yet" in answer["status"]["message"]
+    dry = await reviewed(admission, admission_review(obj, dry_run=True))
     assert (await admission.client.get(f"/v1/admissions/{obj.metadata.uid}")).status_code == 404
     assert await held_in_postgres(pg_dsn) == {}
+    # The dry run answered what the real review then decides.
+    real = await reviewed(admission, admission_review(obj))
+    assert (dry["allowed"], dry.get("status", {}).get("message")) == (real["allowed"], real.get("status", {}).get("message"))
 
 
 async def test_what_cannot_be_mapped_is_denied_naming_the_fix_and_other_objects_pass(admission) -> None:
@@ -112,7 +116,8 @@ async def test_served_over_tls_as_the_deployment_runs_it(settings, pg_dsn, tmp_p
     command = [sys.executable, "-m", "budgetgate.services.admission", "--port", str(port), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=str(cert)), timeout=10) as client:
+        token = await issue(pg_dsn, Role.SUBMITTER)
+        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=str(cert)), timeout=10, headers=bearer(token)) as client:
             async def ready() -> bool:
                 assert process.poll() is None, process.stderr.read().decode() if process.stderr else "exited"
                 try:

@@ -23,6 +23,9 @@ from tests.support.metering import wait_for
 from tests.support.servers import InProcessServer, free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"
+from tests.support.principals import token_in_env  # noqa: F401 - a fixture, used by name
+
+pytestmark = pytest.mark.usefixtures("token_in_env")
 
 
 def kubeconfig(url: str) -> KubeConfig:

@@ -3,6 +3,8 @@ workload.lifecycle.v1 as the reconciler reads it; 422 problem details with nothi
 
 from __future__ import annotations
 
+import pytest
+
 from datetime import UTC, datetime, timedelta
 
 from budgetgate import lifecycle, wire
@@ -13,6 +15,9 @@ from tests.integration.test_consumer import drain
 from tests.support.metering import fetchval, metering, metering_factory  # noqa: F401 - pytest fixtures
 
 AT = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
+from tests.support.principals import token_in_env  # noqa: F401 - a fixture, used by name
+
+pytestmark = pytest.mark.usefixtures("token_in_env")
 
 
 async def lifecycle_records(settings, expected: int) -> list[LifecycleEvent]:  # type: ignore[no-untyped-def]

@@ -17,6 +17,9 @@ from tests.support.servers import free_port
 
 FLYTE = "flyte/vision/exec-7f3a/n0"
 TRAIN = "vision-prod/train-resnet-0"
+from tests.support.principals import token_in_env  # noqa: F401 - a fixture, used by name
+
+pytestmark = pytest.mark.usefixtures("token_in_env")
 
 
 @pytest.fixture

@@ -121,7 +121,7 @@ async def test_quote_on_the_command_line(admission, tmp_path) -> None:
     import sys
 
     await admission.submit(run_id="cli/earlier")
-    env = {k: v for k, v in os.environ.items() if k not in ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_HOME")} | {"BUDGETGATE_ADMISSION_URL": admission.url}
+    env = {k: v for k, v in os.environ.items() if k not in ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_HOME")} | {"BUDGETGATE_ADMISSION_URL": admission.url, "BUDGETGATE_TOKEN": admission.token}
     args = ["quote", "-n", "vision-prod", "-l", "team=vision", "-l", "cost-center=1042", "--gpus", "8", "--flavor", "h100", "--region", "us-east-1", "--hours", "6"]
 
     async def cli(*extra: str) -> tuple[int, str, str]:

@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import asyncpg
+import pytest
 import redis.asyncio as aioredis
 
 from budgetgate.principals import Role
@@ -53,3 +54,11 @@ async def ledger_state(dsn: str, redis_url: str, prefix: str) -> dict[str, Any]:
     finally:
         await client.aclose()
     return rows
+
+
+@pytest.fixture
+async def token_in_env(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A token of every role in the test's database, as BUDGETGATE_TOKEN (what budgetgate.client reads)."""
+    secret = await issue(pg_dsn)
+    monkeypatch.setenv("BUDGETGATE_TOKEN", secret)
+    return secret

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from budgetgate.cli import backend
-from budgetgate.settings import CommonSettings, find_dev_state
+from budgetgate.settings import CommonSettings, dev_token, find_dev_state
 
 
 class ClientSettings(CommonSettings):
@@ -71,7 +71,9 @@ def post_quote(body: dict[str, Any]) -> dict[str, Any]:
     url = ClientSettings().admission_url
     backend.announce("admission", url)
     try:
-        response = httpx.post(f"{url.rstrip('/')}/v1/quotes", json=body, timeout=30)
+        token = dev_token("submitter")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        response = httpx.post(f"{url.rstrip('/')}/v1/quotes", json=body, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
         raise click.ClickException(f"cannot reach admission at {url}: {exc}; is the stack running (`budgetgate dev status`)?") from None
     if response.status_code != 200:
