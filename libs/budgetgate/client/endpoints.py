@@ -45,3 +45,13 @@ def metering_url(given: str | None = None) -> str | None:
 def token(given: str | None = None) -> str | None:
     """The bearer token to send: the argument, else BUDGETGATE_TOKEN; none when neither is set."""
     return given or os.environ.get(TOKEN_VARIABLE) or None
+
+
+def resolved(url: str | None, metering: str | None) -> tuple[str | None, str | None]:
+    """Admission's URL (None when none is known: fine for a client that only publishes, and said
+    when a call needs it) and metering-ingest's, for both clients."""
+    try:
+        found = admission_url(url)
+    except NoEndpoint:
+        found = None
+    return found, metering_url(metering)

@@ -43,11 +43,7 @@ class Client:
         retry: RetryPolicy = RetryPolicy(),
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        try:
-            self._url: str | None = endpoints.admission_url(url)
-        except endpoints.NoEndpoint:
-            self._url = None  # fine for a client that only publishes; `url` says so when used
-        self.metering_url = endpoints.metering_url(metering_url)
+        self._url, self.metering_url = endpoints.resolved(url, metering_url)
         self.retry = retry
         self._http = httpx.Client(timeout=timeout, headers=headers(endpoints.token(token)), transport=transport)
 
