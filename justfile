@@ -36,3 +36,12 @@ proto:
 # Benchmarks (outside the test run).
 bench *args:
     {{budgetgate}} bench admission {{args}}
+
+# What CI checks before the tests: ruff's lint rules and `ruff format`.
+lint:
+    {{venv}}/bin/ruff check .
+    {{venv}}/bin/ruff format --check .
+
+# Rewrite the tree as `ruff format` wants it.
+fmt:
+    {{venv}}/bin/ruff format .

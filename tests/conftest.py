@@ -126,9 +126,7 @@ def topic_prefix() -> str:
 
 
 @pytest.fixture
-def settings(
-    pg_dsn: str, redis_url: str, redis_prefix: str, kafka_bootstrap: str, topic_prefix: str
-) -> CommonSettings:
+def settings(pg_dsn: str, redis_url: str, redis_prefix: str, kafka_bootstrap: str, topic_prefix: str) -> CommonSettings:
     """CommonSettings wired to this test's database, Redis prefix and topic prefix."""
     return CommonSettings(
         postgres_dsn=pg_dsn,

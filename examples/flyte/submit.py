@@ -23,8 +23,14 @@ if __name__ == "__main__":
     remote = FlyteRemote(Config.auto(), default_project="vision", default_domain="production")
     with Client() as budgetgate:
         try:
-            execution = execute(remote, training, {"epochs": 10}, client=budgetgate, namespace="vision-prod",
-                                labels={"team": "vision", "cost-center": "1042", "environment": "prod"})
+            execution = execute(
+                remote,
+                training,
+                {"epochs": 10},
+                client=budgetgate,
+                namespace="vision-prod",
+                labels={"team": "vision", "cost-center": "1042", "environment": "prod"},
+            )
         except (BudgetDenied, BudgetDelayed) as refused:
             sys.exit(str(refused))
     print(f"launched {execution.id.name}")

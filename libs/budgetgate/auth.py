@@ -176,10 +176,15 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
         if not settings.oidc_audience or not settings.oidc_jwks_url:
             raise ValueError("BUDGETGATE_OIDC_ISSUER needs BUDGETGATE_OIDC_AUDIENCE and BUDGETGATE_OIDC_JWKS_URL")
         claims = ClaimMapping(
-            subject=settings.oidc_subject_claim, roles=settings.oidc_roles_claim, namespaces=settings.oidc_namespaces_claim, tenants=settings.oidc_tenants_claim,
+            subject=settings.oidc_subject_claim,
+            roles=settings.oidc_roles_claim,
+            namespaces=settings.oidc_namespaces_claim,
+            tenants=settings.oidc_tenants_claim,
             subject_roles={subject: tuple(roles) for subject, roles in settings.oidc_subject_roles.items()},
-        )  # fmt: skip
-        jwt = JwtVerifier(issuer=settings.oidc_issuer, audience=settings.oidc_audience, jwks_url=settings.oidc_jwks_url, algorithms=settings.oidc_algorithms, claims=claims)
+        )
+        jwt = JwtVerifier(
+            issuer=settings.oidc_issuer, audience=settings.oidc_audience, jwks_url=settings.oidc_jwks_url, algorithms=settings.oidc_algorithms, claims=claims
+        )
     storage = limiter = None
     if settings.rate_limit:
         url = settings.redis_url.replace("redis://", "async+redis://", 1).replace("rediss://", "async+rediss://", 1)

@@ -48,7 +48,9 @@ class BodyLimit:
 
     async def _too_large(self, send: Send) -> None:
         body = json.dumps({"detail": f"request body larger than {self.max_bytes} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -164,7 +164,17 @@ class Inbox:
                 continue
             except Exception as exc:  # noqa: BLE001 - an outage: apply the batch again
                 first = records[0]
-                log.warning("%s: batch of %d from %s[%d]@%d failed, retrying in %.1fs: %s: %s", self.name, len(records), first.topic, first.partition, first.offset, delay, type(exc).__name__, exc)
+                log.warning(
+                    "%s: batch of %d from %s[%d]@%d failed, retrying in %.1fs: %s: %s",
+                    self.name,
+                    len(records),
+                    first.topic,
+                    first.partition,
+                    first.offset,
+                    delay,
+                    type(exc).__name__,
+                    exc,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
                 continue

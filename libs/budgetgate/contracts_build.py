@@ -82,11 +82,7 @@ def _generated_names(directory: Path) -> set[str]:
 def stale_files(expected_dir: Path, actual_dir: Path) -> list[str]:
     """Generated file names that differ, are missing from `actual_dir`, or are left over in it."""
     expected, actual = _generated_names(expected_dir), _generated_names(actual_dir)
-    differing = {
-        name
-        for name in expected & actual
-        if not filecmp.cmp(expected_dir / name, actual_dir / name, shallow=False)
-    }
+    differing = {name for name in expected & actual if not filecmp.cmp(expected_dir / name, actual_dir / name, shallow=False)}
     return sorted(differing | (expected ^ actual))
 
 

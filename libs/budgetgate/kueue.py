@@ -95,7 +95,9 @@ class AdmissionCheckController:
         status = patch.status
         try:
             if patch.annotations:
-                updated = await self.kube.patch(Workload, meta["name"], {"metadata": {"annotations": patch.annotations}}, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+                updated = await self.kube.patch(
+                    Workload, meta["name"], {"metadata": {"annotations": patch.annotations}}, namespace=meta["namespace"], patch_type=PatchType.MERGE
+                )
                 # Only our annotation changed since the status was computed: carry its version.
                 status = {**status, "metadata": {"resourceVersion": updated.to_dict()["metadata"].get("resourceVersion")}}
             written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)

@@ -36,11 +36,19 @@ class ConsumerProgress:
             "budgetgate_consumer_event_lag", unit="s", explicit_bucket_boundaries_advisory=_LAG_BUCKETS,
             description="from a message's event time to the commit of its effect",
         )  # fmt: skip
-        self._batch = meter.create_histogram("budgetgate_consumer_batch_records", explicit_bucket_boundaries_advisory=_BATCH_BUCKETS, description="records per batch (one poll, one transaction)")
-        self._batch_seconds = meter.create_histogram("budgetgate_consumer_batch", unit="s", explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS, description="time to apply and commit one batch")
+        self._batch = meter.create_histogram(
+            "budgetgate_consumer_batch_records", explicit_bucket_boundaries_advisory=_BATCH_BUCKETS, description="records per batch (one poll, one transaction)"
+        )
+        self._batch_seconds = meter.create_histogram(
+            "budgetgate_consumer_batch", unit="s", explicit_bucket_boundaries_advisory=_SECONDS_BUCKETS, description="time to apply and commit one batch"
+        )
         self._records = meter.create_counter("budgetgate_consumer_records", description="records taken care of (applied, duplicate or dead-lettered)")
         self._behind: dict[int, dict[TopicPartition, int]] = {}  # per consumer (several may share a process)
-        meter.create_observable_gauge("budgetgate_consumer_lag_records", callbacks=[self._observe_lag], description="records not consumed yet, per assigned partition (end offset minus position)")
+        meter.create_observable_gauge(
+            "budgetgate_consumer_lag_records",
+            callbacks=[self._observe_lag],
+            description="records not consumed yet, per assigned partition (end offset minus position)",
+        )
 
     def batch(self, applied: Applied, *, seconds: float, topics: Iterable[str], committed_at: datetime | None = None) -> None:
         """Count one committed batch (`topics`: the topic of each of its records)."""
@@ -71,4 +79,8 @@ class ConsumerProgress:
         self._behind[id(consumer)] = behind
 
     def _observe_lag(self, _options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(lag, {"consumer": self.name, "topic": tp.topic, "partition": str(tp.partition)}) for each in self._behind.values() for tp, lag in each.items()]
+        return [
+            Observation(lag, {"consumer": self.name, "topic": tp.topic, "partition": str(tp.partition)})
+            for each in self._behind.values()
+            for tp, lag in each.items()
+        ]

@@ -52,7 +52,11 @@ PROBLEM_FIELD_SCHEMA: dict[str, Any] = {
     "required": ["field", "loc", "msg", "type"],
     "properties": {
         "field": {"type": "string", "description": "dotted path of the field in the body, or the parameter's name"},
-        "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "description": "where: body, query or path, then the path to the field"},
+        "loc": {
+            "type": "array",
+            "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            "description": "where: body, query or path, then the path to the field",
+        },
         "msg": {"type": "string", "description": "what is wrong with it"},
         "type": {"type": "string", "description": "a machine-readable kind of error, e.g. int_type, missing"},
     },

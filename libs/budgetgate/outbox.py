@@ -125,7 +125,9 @@ class OutboxRelay:
         if not acked:
             return 0
         if self._offsets is None:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.publisher.bootstrap, group_id=None, client_id="budgetgate-outbox-check", **self.publisher.access.aiokafka())
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.publisher.bootstrap, group_id=None, client_id="budgetgate-outbox-check", **self.publisher.access.aiokafka()
+            )
             await consumer.start()
             self._offsets = consumer
         try:

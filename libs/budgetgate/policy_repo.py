@@ -165,7 +165,9 @@ async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, docume
     async with conn.transaction():
         await conn.execute(sql("insert_bundle"), bundle.git_sha, documents_json, source, applied_by)
         if await conn.fetchval(sql("bundle_differs"), bundle.git_sha, documents_json):
-            raise RepositoryError(f"a bundle with SHA {bundle.git_sha} was applied before with other documents; a SHA names one content (commit the change and apply the new SHA)")
+            raise RepositoryError(
+                f"a bundle with SHA {bundle.git_sha} was applied before with other documents; a SHA names one content (commit the change and apply the new SHA)"
+            )
         seq = await conn.fetchval(sql("activate_bundle"), bundle.git_sha)
         for policy in bundle.policies:
             await conn.execute(sql("update_policy_limits"), policy.id, policy.limit.amount, bundle.git_sha, str(policy.limit.unit))

@@ -99,7 +99,14 @@ def add_operational_routes(
         failing = ", ".join(f"{name}: {found}" for name, found in checks.items() if found != "ok")
         return problem_response(503, f"not ready ({failing})", ready=False, checks=checks)
 
-    @app.get("/metrics", dependencies=metrics_guard, response_class=Response, responses={200: {"description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}, "example": _METRICS_EXAMPLE}}}})
+    @app.get(
+        "/metrics",
+        dependencies=metrics_guard,
+        response_class=Response,
+        responses={
+            200: {"description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}, "example": _METRICS_EXAMPLE}}}
+        },
+    )
     async def metrics() -> Response:
         return Response(telemetry.metrics_text(), media_type=telemetry.metrics_content_type)
 

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 async def keep_header_bytes(records: tuple[ConsumerRecord, ...], parse: Callable[[tuple[ConsumerRecord, ...]], Awaitable[Any]]) -> Any:
     """FastStream's batch parser, given header values it can decode; the records as they came."""
-    readable = tuple(r if _utf8(r.headers) else dataclasses.replace(r, headers=[(k, v.decode("utf-8", errors="replace").encode()) for k, v in r.headers]) for r in records)
+    readable = tuple(
+        r if _utf8(r.headers) else dataclasses.replace(r, headers=[(k, v.decode("utf-8", errors="replace").encode()) for k, v in r.headers]) for r in records
+    )
     message = await parse(readable)
     message.raw_message = records
     return message

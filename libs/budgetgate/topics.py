@@ -115,9 +115,7 @@ def message_class(topic: str) -> type[Message]:
     return Topics().message_class(topic)
 
 
-async def ensure_topics(
-    bootstrap: str, *, prefix: str = "", partitions: int = 3, replication_factor: int = 1, access: KafkaAccess = PLAINTEXT
-) -> list[str]:
+async def ensure_topics(bootstrap: str, *, prefix: str = "", partitions: int = 3, replication_factor: int = 1, access: KafkaAccess = PLAINTEXT) -> list[str]:
     """Create every budgetgate topic (and DLQ) under `prefix` that does not exist yet.
 
     Returns the names it created; existing topics are left as they are, so running it at every
@@ -131,9 +129,7 @@ async def ensure_topics(
         missing = [t for t in wanted if t not in existing]
         if not missing:
             return []
-        response = await admin.create_topics(
-            [NewTopic(t, num_partitions=partitions, replication_factor=replication_factor) for t in missing]
-        )
+        response = await admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=replication_factor) for t in missing])
     finally:
         await admin.close()
     created = []

@@ -50,6 +50,7 @@ from budgetgate.services.admission.schemas import AdmissionRequest
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
 async def with_ledger(sync: LedgerSync, work: Callable[[], Awaitable[T]]) -> T:
     """Run `work` against the ledger, failing closed: a Redis that lost the ledger is rebuilt
     from Postgres and the work tried once more; an unreachable backend becomes Unavailable."""
@@ -96,7 +97,20 @@ class Pending:
 
 
 class Admitter:
-    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyCache, unmatched: str = "allow", tenant_label: str = "team", start_deadline: timedelta = timedelta(hours=1), max_batch: int = 64, max_wait: float = 0.001, in_flight: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        ledger: RedisLedger,
+        sync: LedgerSync,
+        policies: PolicyCache,
+        unmatched: str = "allow",
+        tenant_label: str = "team",
+        start_deadline: timedelta = timedelta(hours=1),
+        max_batch: int = 64,
+        max_wait: float = 0.001,
+        in_flight: int = 2,
+    ) -> None:
         self.start_deadline = start_deadline
         self.pool = pool
         self.ledger = ledger

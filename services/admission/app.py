@@ -96,7 +96,13 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     app.include_router(routes.router)
     app.include_router(bundles.router)
     app.include_router(kubernetes.router(kubernetes_webhook or KubernetesWebhookSettings()))
-    add_operational_routes(app, telemetry=telemetry, readiness=lambda request: readiness(request.app.state.rt), operations={**OPERATIONS, **quote_routes.OPERATIONS}, protect_metrics=settings.metrics_require_auth)
+    add_operational_routes(
+        app,
+        telemetry=telemetry,
+        readiness=lambda request: readiness(request.app.state.rt),
+        operations={**OPERATIONS, **quote_routes.OPERATIONS},
+        protect_metrics=settings.metrics_require_auth,
+    )
     add_tenant_routes(app, settings)
     add_budget_routes(app, telemetry.meter("budgetgate.admission"))
     return app

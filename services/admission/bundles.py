@@ -22,7 +22,10 @@ from budgetgate.core.policy_files import SourceDocument
 
 router = APIRouter()
 
-@router.post("/v1/policies", responses={409: {"description": "refused: empty, or the SHA names other content"}, 422: {"description": "documents that do not validate"}})
+
+@router.post(
+    "/v1/policies", responses={409: {"description": "refused: empty, or the SHA names other content"}, 422: {"description": "documents that do not validate"}}
+)
 async def apply_policies(body: BundleIn, request: Request, principal: Principal = Depends(allow(Action.ADMINISTER))) -> JSONResponse:
     """Validate, plan and apply a bundle; answers the plan and the activation."""
     rt = request.app.state.rt

@@ -42,7 +42,17 @@ class Asks:
         return bool(self.counters) or self.pool is not None
 
 
-def pool_request(bundle: PolicyBundle, namespace: str, *, token: str, project: str, sub_namespace: str, constraints: dict[str, int | None], lease_seconds: int | None, now: datetime) -> PoolRequest:
+def pool_request(
+    bundle: PolicyBundle,
+    namespace: str,
+    *,
+    token: str,
+    project: str,
+    sub_namespace: str,
+    constraints: dict[str, int | None],
+    lease_seconds: int | None,
+    now: datetime,
+) -> PoolRequest:
     """A token request on a namespace and its declared ancestors; caps are the tighter of the
     pool's own and the request's constraints."""
     chain = bundle.pool_chain(namespace)
@@ -83,7 +93,16 @@ def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, 
     pool = None
     if request.pool_token is not None:
         ask = request.pool_token
-        pool = pool_request(bundle, ask.namespace, token=f"run:{request.run_id}", project=ask.project or "", sub_namespace=ask.sub_namespace or "", constraints=ask.constraints.model_dump() if ask.constraints else {}, lease_seconds=ask.lease_seconds, now=now)
+        pool = pool_request(
+            bundle,
+            ask.namespace,
+            token=f"run:{request.run_id}",
+            project=ask.project or "",
+            sub_namespace=ask.sub_namespace or "",
+            constraints=ask.constraints.model_dump() if ask.constraints else {},
+            lease_seconds=ask.lease_seconds,
+            now=now,
+        )
     return Asks(tenant=tenant, sensitive=sensitive, counters=tuple(counters), pool=pool)
 
 
@@ -100,7 +119,9 @@ def rejection(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, r
         if reason:
             return reason
     if the_asks.pool is not None:
-        outcomes = [PoolOutcome(level.namespace, reading.check, reading.used, level.quota) for level, reading in zip(the_asks.pool.levels, result.pools, strict=True)]
+        outcomes = [
+            PoolOutcome(level.namespace, reading.check, reading.used, level.quota) for level, reading in zip(the_asks.pool.levels, result.pools, strict=True)
+        ]
         return pool_rejection(outcomes)
     return None
 
@@ -118,7 +139,9 @@ class Standing:
         return {"tenant": self.tenant, "priority_penalty": self.priority_penalty, "preemptible": self.preemptible, "fair_share": self.fair_share}
 
 
-def standing(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, the_plan: Plan, readings: dict[str, Reading] | None, result: ReserveResult | None) -> Standing:
+def standing(
+    bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, the_plan: Plan, readings: dict[str, Reading] | None, result: ReserveResult | None
+) -> Standing:
     """Soft-budget penalty (worse of the soft budgets, this run included) and fair share."""
     utilizations = []
     for charge in the_plan.charges:
@@ -134,7 +157,9 @@ def standing(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, th
         tenant=the_asks.tenant,
         priority_penalty=soft_penalty(utilizations),
         preemptible=bool(share and share.preemptible),
-        fair_share=None if share is None else {"share": share.share, "share_after": share.share_after, "target": share.target, "burst_limit": share.burst_limit, "deficit": share.deficit},
+        fair_share=None
+        if share is None
+        else {"share": share.share, "share_after": share.share_after, "target": share.target, "burst_limit": share.burst_limit, "deficit": share.deficit},
     )
 
 

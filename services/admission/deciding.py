@@ -46,7 +46,9 @@ class Prepared:
         return not self.plan.violations and bool(self.plan.charges or self.asks.any)
 
 
-def prepare(bundle: PolicyBundle, request: AdmissionRequest, at: datetime, *, unmatched: str = "allow", tenant_label: str = "team", covering: PolicyBundle | None = None) -> Prepared:
+def prepare(
+    bundle: PolicyBundle, request: AdmissionRequest, at: datetime, *, unmatched: str = "allow", tenant_label: str = "team", covering: PolicyBundle | None = None
+) -> Prepared:
     """Plan `request` under `bundle` at `at`; raises InvalidSubmission. `covering` is `bundle`
     narrowed to the policies that can apply (a cache), planned with instead when given."""
     try:
@@ -85,10 +87,7 @@ def readings(the_plan: Plan, result: ReserveResult | None) -> dict[str, Reading]
     was not consulted (a label violation, or nothing to hold)."""
     if result is None:
         return None
-    return {
-        c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed)
-        for c, (reserved, consumed) in zip(the_plan.charges, result.readings, strict=True)
-    }
+    return {c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed) for c, (reserved, consumed) in zip(the_plan.charges, result.readings, strict=True)}
 
 
 def holds(result: ReserveResult | None) -> bool:

@@ -116,9 +116,7 @@ def explanation(found: Recomputed, bundle: PolicyBundle | None) -> dict[str, Any
     """The explain answer: stored and recomputed side by side, and a plain-language account."""
     row = found.row
     recorded = _json(row["readings"]) or {}
-    readings = [
-        {**r, "remaining": r["limit"] - r["reserved"] - r["consumed"]} for r in recorded.get("ledger", [])
-    ]
+    readings = [{**r, "remaining": r["limit"] - r["reserved"] - r["consumed"]} for r in recorded.get("ledger", [])]
     return {
         "run_id": row["run_id"],
         "attempt": row["attempt"],
@@ -138,7 +136,10 @@ def account(found: Recomputed, bundle: PolicyBundle | None, readings: list[dict[
     """The decision told in sentences: what matched and why, each budget's figures, what decided."""
     row, stored = found.row, found.stored
     request = _json(row["request"])
-    lines = [f"Run {row['run_id']!r} attempt {row['attempt']} was decided {stored['decision']} at {stored['decided_at']} under policy bundle {row['policy_bundle_sha']}."]
+    lines = [
+        f"Run {row['run_id']!r} attempt {row['attempt']} was decided {stored['decision']} at {stored['decided_at']} "
+        f"under policy bundle {row['policy_bundle_sha']}."
+    ]
     if not found.replayable:
         lines.append(f"It cannot be recomputed: {found.why_not}.")
     elif found.identical:
@@ -151,7 +152,9 @@ def account(found: Recomputed, bundle: PolicyBundle | None, readings: list[dict[
             scope = policy.scope
             if not scope.covers_namespace(request["namespace"]):
                 continue
-            where = f"namespace {request['namespace']!r} is " + (f"one of its namespaces ({', '.join(sorted(scope.namespaces))})" if scope.namespaces else "covered (it names no namespace)")
+            where = f"namespace {request['namespace']!r} is " + (
+                f"one of its namespaces ({', '.join(sorted(scope.namespaces))})" if scope.namespaces else "covered (it names no namespace)"
+            )
             missing = scope.missing_labels(labels)
             if missing and scope.namespaces:
                 lines.append(f"Policy {policy.id!r} applies: {where}, but the submission lacks its required label(s) {', '.join(missing)}, so it denies.")
@@ -168,7 +171,9 @@ def account(found: Recomputed, bundle: PolicyBundle | None, readings: list[dict[
             continue
         currency = stored.get("currency")
         fig = lambda amount: describe(e.unit, amount, currency)  # noqa: E731
-        verdict = "it fits" if e.outcome == "ALLOW" and (e.deficit is None) else f"{e.outcome}" + (f", short by {fig(e.deficit)}" if e.deficit is not None else "")
+        verdict = (
+            "it fits" if e.outcome == "ALLOW" and (e.deficit is None) else f"{e.outcome}" + (f", short by {fig(e.deficit)}" if e.deficit is not None else "")
+        )
         window = f"{iso(e.window_start)} to {iso(e.window_end)}" if e.window_start and e.window_end else "its window"
         lines.append(
             f"Budget {e.policy_id!r} (window {window}): limit {fig(r['limit'])}, reserved {fig(r['reserved'])}, consumed {fig(r['consumed'])}, "

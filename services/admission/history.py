@@ -35,7 +35,9 @@ async def recorded_history(conn: Any, since: datetime, *, progress: Callable[[in
     async with conn.transaction():
         n = 0
         async for row in conn.cursor(sql("whatif_decisions"), since, prefetch=2000):
-            request = AdmissionRequest.model_validate_json(row["request"]) if isinstance(row["request"], str) else AdmissionRequest.model_validate(row["request"])
+            request = (
+                AdmissionRequest.model_validate_json(row["request"]) if isinstance(row["request"], str) else AdmissionRequest.model_validate(row["request"])
+            )
             history.decisions.append(Recorded(submission(request, row["decided_at"]), row["outcome"]))
             for reading in _json(row["ledger"]) or ():
                 if reading["ledger_key"] not in history.start:

@@ -58,12 +58,27 @@ _REVIEW = {"type": "object", "description": "an admission.k8s.io/v1 AdmissionRev
            "properties": {"apiVersion": {"type": "string", "description": "admission.k8s.io/v1"}, "kind": {"type": "string", "description": "AdmissionReview"},
                           "request": {"type": "object", "description": "what the API server asks about: uid, kind, namespace, operation, dryRun, object"},
                           "response": {"type": "object", "description": "the answer: uid, allowed, status (code, reason, message), warnings"}}}  # fmt: skip
-_ANSWER_EXAMPLE = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {
-    "uid": "705ab4f5-6393-11e8-b7cc-42010a800002", "allowed": False,
-    "status": {"code": 403, "reason": "Forbidden", "message": "budgetgate: denied: 'gpu-budget/team-vision-prod' has 12 GPU-hours of 500 GPU-hours left; the run needs 48"}}}  # fmt: skip
+_ANSWER_EXAMPLE = {
+    "apiVersion": "admission.k8s.io/v1",
+    "kind": "AdmissionReview",
+    "response": {
+        "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+        "allowed": False,
+        "status": {
+            "code": 403,
+            "reason": "Forbidden",
+            "message": "budgetgate: denied: 'gpu-budget/team-vision-prod' has 12 GPU-hours of 500 GPU-hours left; the run needs 48",
+        },
+    },
+}
 _OPENAPI = {
     "requestBody": {"required": True, "content": {"application/json": {"schema": _REVIEW, "example": _EXAMPLE}}},
-    "responses": {"200": {"description": "the AdmissionReview answered (allowed, or denied with the reason)", "content": {"application/json": {"schema": _REVIEW, "example": _ANSWER_EXAMPLE}}}},
+    "responses": {
+        "200": {
+            "description": "the AdmissionReview answered (allowed, or denied with the reason)",
+            "content": {"application/json": {"schema": _REVIEW, "example": _ANSWER_EXAMPLE}},
+        }
+    },
 }
 
 
@@ -107,7 +122,10 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
             body = None
         asked = body.get("request") if isinstance(body, dict) else None
         if not isinstance(body, dict) or body.get("kind") != "AdmissionReview" or not isinstance(asked, dict) or not asked.get("uid"):
-            return JSONResponse({"detail": [{"loc": ["body", "request"], "msg": "not an admission.k8s.io/v1 AdmissionReview with a request uid", "type": "value_error"}]}, status_code=422)
+            return JSONResponse(
+                {"detail": [{"loc": ["body", "request"], "msg": "not an admission.k8s.io/v1 AdmissionReview with a request uid", "type": "value_error"}]},
+                status_code=422,
+            )
         return JSONResponse(await _answer(request, body, asked["uid"], mapping, fail_open=settings.fail_open))
 
     return api

@@ -66,7 +66,9 @@ class TokenPools:
                     status, readings = await self.ledger.allocate(request, now_ms=int(now.timestamp() * 1000))
                     if status in ("GRANTED", "RENEWED"):
                         levels = [level.namespace for level in request.levels]
-                        await conn.execute(sql("upsert_pool_allocation"), namespace, body.token, levels, request.project, request.sub_namespace, None, expires, principal.name)
+                        await conn.execute(
+                            sql("upsert_pool_allocation"), namespace, body.token, levels, request.project, request.sub_namespace, None, expires, principal.name
+                        )
                     await tx.commit()
                 except BaseException:
                     with contextlib.suppress(Exception):
@@ -82,7 +84,13 @@ class TokenPools:
                 "renewed": status == "RENEWED",
                 "lease_expires_at": rfc3339(expires) if granted else None,
                 "levels": [
-                    {"namespace": level.namespace, "quota": level.quota, "used": reading.used + (1 if status == "GRANTED" else 0), "project_cap": level.project_cap, "namespace_cap": level.namespace_cap}
+                    {
+                        "namespace": level.namespace,
+                        "quota": level.quota,
+                        "used": reading.used + (1 if status == "GRANTED" else 0),
+                        "project_cap": level.project_cap,
+                        "namespace_cap": level.namespace_cap,
+                    }
                     for level, reading in zip(request.levels, readings, strict=True)
                 ],
             }
@@ -136,7 +144,14 @@ class TokenPools:
             for token, expiry in live:
                 owner = who.get(token, b"\t").decode()
                 project, _, sub = owner.partition("\t")
-                holders.append({"token": token.decode(), "project": project or None, "sub_namespace": sub or None, "lease_expires_at": rfc3339(datetime.fromtimestamp(expiry / 1000, UTC))})
+                holders.append(
+                    {
+                        "token": token.decode(),
+                        "project": project or None,
+                        "sub_namespace": sub or None,
+                        "lease_expires_at": rfc3339(datetime.fromtimestamp(expiry / 1000, UTC)),
+                    }
+                )
             return {
                 "namespace": namespace,
                 "quota": declared.quota,
@@ -153,4 +168,6 @@ def _require_holder(principal: Principal, held: Any, namespace: str, token: str)
     """`held` (the token's row while held, or None) is free or held by `principal`."""
     if held is not None and held["principal"] != principal.name:
         holder = repr(held["principal"]) if held["principal"] else "a submission"
-        raise Forbidden(f"{principal.name!r} does not hold token {token!r} in pool {namespace!r} (held by {holder}); only its holder or an operator may release or renew it")
+        raise Forbidden(
+            f"{principal.name!r} does not hold token {token!r} in pool {namespace!r} (held by {holder}); only its holder or an operator may release or renew it"
+        )

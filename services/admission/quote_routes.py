@@ -26,18 +26,47 @@ from budgetgate.services.admission.schemas import _EVALUATION_EXAMPLE, Admission
 router = APIRouter()
 
 _QUOTE_EXAMPLE = {
-    "run_id": "flyte/vision/exec-7f3a/n0", "attempt": 1, "quote": True, "quoted_at": "2026-07-14T09:30:00Z",
-    "decision": "ALLOW", "reason": "admitted: reserved on 3 budgets; tightest is 'gpu-budget/team-vision-prod' with 452 GPU-hours of 500 GPU-hours left after this run",
-    "next_eligible_time": None, "policy_bundle_sha": "e" * 40, "projected_gpu_hours": 48.0, "showback_cost": 188.78, "currency": "USD",
-    "evaluations": [_EVALUATION_EXAMPLE], "tenant": "vision", "priority_penalty": 0.0, "preemptible": False, "fair_share": None,
-}  # fmt: skip
+    "run_id": "flyte/vision/exec-7f3a/n0",
+    "attempt": 1,
+    "quote": True,
+    "quoted_at": "2026-07-14T09:30:00Z",
+    "decision": "ALLOW",
+    "reason": ("admitted: reserved on 3 budgets; tightest is 'gpu-budget/team-vision-prod' with 452 GPU-hours of 500 GPU-hours left after this run"),
+    "next_eligible_time": None,
+    "policy_bundle_sha": "e" * 40,
+    "projected_gpu_hours": 48.0,
+    "showback_cost": 188.78,
+    "currency": "USD",
+    "evaluations": [_EVALUATION_EXAMPLE],
+    "tenant": "vision",
+    "priority_penalty": 0.0,
+    "preemptible": False,
+    "fair_share": None,
+}
 _EXPLAIN_EXAMPLE = {
-    "run_id": "flyte/vision/exec-7f3a/n0", "attempt": 1, "decision_id": "5d0f3c1e-8a8e-4d43-9a57-0b9a8f0e6c11",
-    "policy_bundle_sha": "e" * 40, "replayable": True, "identical": True, "differences": [],
-    "stored": {"decision": "ALLOW"}, "recomputed": {"decision": "ALLOW"},
-    "readings": [{"ledger_key": "ns=vision-prod;cost-center=1042;team=vision|2026-07|gpu_hours", "limit": 1800000000, "reserved": 0, "consumed": 0, "remaining": 1800000000}],
-    "account": ["Policy 'gpu-budget/team-vision-prod' (hard, on exhaustion deny) matched: namespace 'vision-prod' is one of its namespaces (vision-prod); labels cost-center=1042, team=vision."],
-}  # fmt: skip
+    "run_id": "flyte/vision/exec-7f3a/n0",
+    "attempt": 1,
+    "decision_id": "5d0f3c1e-8a8e-4d43-9a57-0b9a8f0e6c11",
+    "policy_bundle_sha": "e" * 40,
+    "replayable": True,
+    "identical": True,
+    "differences": [],
+    "stored": {"decision": "ALLOW"},
+    "recomputed": {"decision": "ALLOW"},
+    "readings": [
+        {
+            "ledger_key": "ns=vision-prod;cost-center=1042;team=vision|2026-07|gpu_hours",
+            "limit": 1800000000,
+            "reserved": 0,
+            "consumed": 0,
+            "remaining": 1800000000,
+        }
+    ],
+    "account": [
+        "Policy 'gpu-budget/team-vision-prod' (hard, on exhaustion deny) matched: "
+        "namespace 'vision-prod' is one of its namespaces (vision-prod); labels cost-center=1042, team=vision."
+    ],
+}
 
 
 # A quote answers what a submission's answer would hold, bar what only a recorded decision has.

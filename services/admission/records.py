@@ -67,7 +67,11 @@ class DecisionRecord:
             "evaluations": [_evaluation(e) for e in self.decision.evaluations],
             "entries": [entry(c) for c in charges],
             "reservations": [{"ledger_key": c.ledger_key, "amount": c.amount} for c in charges],
-            "holds": {"tenant": self.asks.tenant, "gpus": res.gpus, "nodes": res.nodes, "sensitive": self.asks.sensitive} if reserved and self.asks.counters else None,
+            "holds": (
+                {"tenant": self.asks.tenant, "gpus": res.gpus, "nodes": res.nodes, "sensitive": self.asks.sensitive}
+                if reserved and self.asks.counters
+                else None
+            ),
             "token": {
                 "namespace": pool.levels[0].namespace,
                 "levels": [level.namespace for level in pool.levels],
@@ -82,7 +86,15 @@ class DecisionRecord:
         job = (self.request.job.namespace, self.request.job.name) if self.request.job else None
         standing = {k: self.body[k] for k in ("tenant", "priority_penalty", "preemptible")}
         readings = {r["ledger_key"]: Reading(r["limit"], r["reserved"], r["consumed"]) for r in self.readings.get("ledger", [])}
-        message = decision_message(plan=self.plan, decision=self.decision, decision_id=self.body["decision_id"], decided_at=self.decided_at, job=job, standing=standing, readings=readings)
+        message = decision_message(
+            plan=self.plan,
+            decision=self.decision,
+            decision_id=self.body["decision_id"],
+            decided_at=self.decided_at,
+            job=job,
+            standing=standing,
+            readings=readings,
+        )
         return wire.encode(message, key=self.request.run_id)
 
 

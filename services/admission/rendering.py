@@ -96,7 +96,16 @@ def _ts(at: datetime | None) -> Timestamp | None:
     return stamp
 
 
-def decision_message(*, plan: Plan, decision: Decision, decision_id: str, decided_at: datetime, job: tuple[str, str] | None, standing: dict[str, Any] | None = None, readings: Mapping[str, Reading] | None = None) -> decisions_pb2.Decision:
+def decision_message(
+    *,
+    plan: Plan,
+    decision: Decision,
+    decision_id: str,
+    decided_at: datetime,
+    job: tuple[str, str] | None,
+    standing: dict[str, Any] | None = None,
+    readings: Mapping[str, Reading] | None = None,
+) -> decisions_pb2.Decision:
     """The budget.decisions.v1 message; its event id is the decision id, so redelivery dedupes.
     `readings` are what each ledger key held before the decision, carried for the evidence."""
     sub = plan.submission

@@ -18,7 +18,9 @@ class Conflict(ValueError):
     """The run id and attempt were already submitted with a different request; nothing changed."""
 
     def __init__(self, run_id: str, attempt: int, fields: list[str]) -> None:
-        super().__init__(f"run {run_id!r} attempt {attempt} was already submitted with a different {', '.join(fields)}; submit a higher attempt or a new run id")
+        super().__init__(
+            f"run {run_id!r} attempt {attempt} was already submitted with a different {', '.join(fields)}; submit a higher attempt or a new run id"
+        )
         self.fields = fields
 
 

@@ -118,7 +118,12 @@ async def _policy_announcements(rt: Runtime) -> None:
 
     while True:
         consumer = AIOKafkaConsumer(
-            rt.topics.policies, bootstrap_servers=rt.settings.kafka_bootstrap, group_id=None, auto_offset_reset="latest", enable_auto_commit=False, **rt.settings.kafka_access.aiokafka()
+            rt.topics.policies,
+            bootstrap_servers=rt.settings.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="latest",
+            enable_auto_commit=False,
+            **rt.settings.kafka_access.aiokafka(),
         )
         try:
             await consumer.start()

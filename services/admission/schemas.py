@@ -42,7 +42,9 @@ class ResourcesIn(_Body):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"gpus": 8, "nodes": 1, "flavor": "h100", "region": "us-east-1"}]})
 
-    gpus: StrictInt = Field(ge=0, le=1_000_000, description="GPUs the workload asks for; 0 for CPU-only work (charged on node-hour, wall-hour and cost budgets)")
+    gpus: StrictInt = Field(
+        ge=0, le=1_000_000, description="GPUs the workload asks for; 0 for CPU-only work (charged on node-hour, wall-hour and cost budgets)"
+    )
     nodes: StrictInt = Field(default=1, ge=1, le=100_000, description="nodes the workload asks for (at least 1)")
     flavor: Flavor | None = Field(default=None, description="resource flavor the rate card prices, e.g. h100")
     region: Flavor | None = Field(default=None, description="region, for rate cards with regional prices")
@@ -253,7 +255,9 @@ class BudgetUsage(BaseModel):
 class ScopeUsage(BaseModel):
     """Every budget of a scope in its current window."""
 
-    model_config = _example({"scope_id": "ns=vision-prod;cost-center=1042;team=vision", "budgets": [BudgetUsage.model_config["json_schema_extra"]["examples"][0]]})  # type: ignore[index]
+    model_config = _example(
+        {"scope_id": "ns=vision-prod;cost-center=1042;team=vision", "budgets": [BudgetUsage.model_config["json_schema_extra"]["examples"][0]]}
+    )  # type: ignore[index]
 
     scope_id: str = Field(description="the canonical scope id")
     budgets: list[BudgetUsage] = Field(description="its budgets")
@@ -412,7 +416,11 @@ class PolicyDocument(BaseModel):
 class BundleIn(BaseModel):
     """A policy bundle as `budgetgate policy apply --server` sends it."""
 
-    model_config = {"json_schema_extra": {"examples": [{"git_sha": "4f1c0de" + "0" * 33, "source": "git@example.com:platform/budgets.git", "documents": [], "allow_empty": False}]}}
+    model_config = {
+        "json_schema_extra": {
+            "examples": [{"git_sha": "4f1c0de" + "0" * 33, "source": "git@example.com:platform/budgets.git", "documents": [], "allow_empty": False}]
+        }
+    }
 
     git_sha: str = Field(min_length=7, max_length=200, description="the Git SHA the documents were read at")
     source: str = Field(max_length=1024, description="where the documents come from (a repository, a folder)")
@@ -423,8 +431,20 @@ class BundleIn(BaseModel):
 class BundleApplied(BaseModel):
     """The bundle applied, and the plan against the bundle it replaced."""
 
-    model_config = {"json_schema_extra": {"examples": [{"git_sha": "4f1c0de" + "0" * 33, "activation": 7, "applied_by": "token:ci-deployer", "previous_sha": None,
-                                                        "changes": ["+ budget gpu-budget/team-vision-prod: 500 gpu_hours hard"], "budgets": 1}]}}  # fmt: skip
+    model_config = {
+        "json_schema_extra": {
+            "examples": [
+                {
+                    "git_sha": "4f1c0de" + "0" * 33,
+                    "activation": 7,
+                    "applied_by": "token:ci-deployer",
+                    "previous_sha": None,
+                    "changes": ["+ budget gpu-budget/team-vision-prod: 500 gpu_hours hard"],
+                    "budgets": 1,
+                }
+            ]
+        }
+    }
 
     git_sha: str = Field(description="the SHA the bundle was applied at")
     activation: int = Field(description="the activation sequence number")
@@ -438,9 +458,15 @@ OPERATIONS: dict[str, Operation] = {
     "POST /v1/admissions": Operation("submitAdmission"),
     "GET /v1/admissions/{run_id}": Operation("getAdmission", parameters={"run_id": "the run id (it may contain slashes)"}),
     "GET /v1/scopes/{scope_id}/usage": Operation("getScopeUsage", parameters={"scope_id": "a canonical scope id, e.g. ns=vision-prod;team=vision"}),
-    "GET /v1/tenants/{tenant}/usage": Operation("getTenantUsage", answer=TenantUsage, parameters={"tenant": "a value of the tenant label", "days": "the period, in days"}),
-    "POST /v1/pools/{namespace}/allocations": Operation("allocatePoolToken", answer=AllocationOut, parameters={"namespace": "a declared pool, e.g. snowflake:wh-1"}),
-    "DELETE /v1/pools/{namespace}/allocations/{token}": Operation("releasePoolToken", answer=ReleaseOut, parameters={"namespace": "the pool", "token": "the token to give back"}),
+    "GET /v1/tenants/{tenant}/usage": Operation(
+        "getTenantUsage", answer=TenantUsage, parameters={"tenant": "a value of the tenant label", "days": "the period, in days"}
+    ),
+    "POST /v1/pools/{namespace}/allocations": Operation(
+        "allocatePoolToken", answer=AllocationOut, parameters={"namespace": "a declared pool, e.g. snowflake:wh-1"}
+    ),
+    "DELETE /v1/pools/{namespace}/allocations/{token}": Operation(
+        "releasePoolToken", answer=ReleaseOut, parameters={"namespace": "the pool", "token": "the token to give back"}
+    ),
     "GET /v1/pools/{namespace}": Operation("getPool", answer=PoolStatus, parameters={"namespace": "a declared pool"}),
     "GET /v1/budgets": Operation("listBudgets", answer=BudgetList),
     "POST /v1/policies": Operation("applyPolicies", answer=BundleApplied),

@@ -61,17 +61,26 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
     def gauge(read: Callable[[Runtime], float]) -> Callable[[CallbackOptions], list[Observation]]:
         return lambda _options: [Observation(read(holder["rt"]))] if "rt" in holder else []
 
-    meter.create_observable_gauge("budgetgate_evidence_backlog", callbacks=[gauge(lambda rt: rt.sender.stats.backlog.pending)],
-                                  description="events stored and not yet delivered")
-    meter.create_observable_gauge("budgetgate_evidence_oldest_undelivered_age", unit="s",
-                                  callbacks=[gauge(lambda rt: rt.sender.stats.backlog.oldest_seconds)],
-                                  description="age of the oldest event not yet delivered")
-    meter.create_observable_counter("budgetgate_evidence_delivered", callbacks=[gauge(lambda rt: rt.sender.stats.delivered)],
-                                    description="events the receiver acknowledged")
-    meter.create_observable_counter("budgetgate_evidence_dead_lettered", callbacks=[gauge(lambda rt: rt.sender.stats.dead_lettered)],
-                                    description="events the receiver refused (4xx), kept in evidence_dead_letters")
-    meter.create_observable_counter("budgetgate_evidence_delivery_failures", callbacks=[gauge(lambda rt: rt.sender.stats.failures)],
-                                    description="sends that failed and will be retried")
+    meter.create_observable_gauge(
+        "budgetgate_evidence_backlog", callbacks=[gauge(lambda rt: rt.sender.stats.backlog.pending)], description="events stored and not yet delivered"
+    )
+    meter.create_observable_gauge(
+        "budgetgate_evidence_oldest_undelivered_age",
+        unit="s",
+        callbacks=[gauge(lambda rt: rt.sender.stats.backlog.oldest_seconds)],
+        description="age of the oldest event not yet delivered",
+    )
+    meter.create_observable_counter(
+        "budgetgate_evidence_delivered", callbacks=[gauge(lambda rt: rt.sender.stats.delivered)], description="events the receiver acknowledged"
+    )
+    meter.create_observable_counter(
+        "budgetgate_evidence_dead_lettered",
+        callbacks=[gauge(lambda rt: rt.sender.stats.dead_lettered)],
+        description="events the receiver refused (4xx), kept in evidence_dead_letters",
+    )
+    meter.create_observable_counter(
+        "budgetgate_evidence_delivery_failures", callbacks=[gauge(lambda rt: rt.sender.stats.failures)], description="sends that failed and will be retried"
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -128,8 +137,12 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
         ok = all(v == "ok" for v in checks.values())
         # Delivery is reported, never required: a Marquez outage must not make the emitter unready.
         stats = rt.sender.stats
-        delivery = {"transport": rt.client.transport.kind, "backlog": stats.backlog.pending,
-                    "oldest_undelivered_seconds": round(stats.backlog.oldest_seconds, 3), "last_error": stats.last_error}
+        delivery = {
+            "transport": rt.client.transport.kind,
+            "backlog": stats.backlog.pending,
+            "oldest_undelivered_seconds": round(stats.backlog.oldest_seconds, 3),
+            "last_error": stats.last_error,
+        }
         return JSONResponse({"ready": ok, "checks": checks, "delivery": delivery}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

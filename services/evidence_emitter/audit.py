@@ -105,11 +105,25 @@ def denial_rate(scope_id: str, window_key: str | None, *, runs: int, allowed: in
     return DenialRate(scope_id, window_key, _iso(start), _iso(end), runs, allowed, denied, delayed, _rate(denied, runs))
 
 
-def reservation_error(scope_id: str, window_key: str | None, sha: str, *, runs: int, provisional: int, reserved: int, actual: int, abs_error: int) -> ReservationError:
+def reservation_error(
+    scope_id: str, window_key: str | None, sha: str, *, runs: int, provisional: int, reserved: int, actual: int, abs_error: int
+) -> ReservationError:
     start, end = window_bounds(window_key)
     ratio = float((Decimal(actual - reserved) / Decimal(reserved)).quantize(Decimal("0.0001"), ROUND_HALF_UP)) if reserved else None
-    return ReservationError(scope_id, window_key, _iso(start), _iso(end), sha, runs, provisional, _hours(reserved), _hours(actual),
-                            _hours(actual - reserved), _hours(abs_error), ratio)
+    return ReservationError(
+        scope_id,
+        window_key,
+        _iso(start),
+        _iso(end),
+        sha,
+        runs,
+        provisional,
+        _hours(reserved),
+        _hours(actual),
+        _hours(actual - reserved),
+        _hours(abs_error),
+        ratio,
+    )
 
 
 # -- from Postgres ------------------------------------------------------------------------------
@@ -123,15 +137,29 @@ async def postgres_report(conn: asyncpg.Connection, scope_id: str, window: Windo
         for r in await conn.fetch(sql("audit_denial_rate_for_scope"), *args)
     ]
     error = [
-        reservation_error(r["scope_id"], r["window_key"], r["policy_git_sha"], runs=r["runs"], provisional=r["provisional_runs"],
-                          reserved=r["reserved_gpu"], actual=r["actual_gpu"], abs_error=r["abs_error_gpu"])
+        reservation_error(
+            r["scope_id"],
+            r["window_key"],
+            r["policy_git_sha"],
+            runs=r["runs"],
+            provisional=r["provisional_runs"],
+            reserved=r["reserved_gpu"],
+            actual=r["actual_gpu"],
+            abs_error=r["abs_error_gpu"],
+        )
         for r in await conn.fetch(sql("audit_reservation_error_for_scope"), *args)
     ]
     exhaustion = [_exhaustion(dict(r)) for r in await conn.fetch(sql("audit_window_exhaustion_for_scope"), *args)]
     by_sha = [_plain(dict(r)) for r in await conn.fetch(sql("audit_decisions_by_policy_sha_for_scope"), *args)]
-    return {"scope": scope_id, "source": "postgres", "known": await conn.fetchval(sql("audit_scope_known"), scope_id),
-            "denial_rate": [asdict(d) for d in denial], "reservation_error": [asdict(e) for e in error],
-            "window_exhaustion": exhaustion, "decisions_by_policy_sha": by_sha}
+    return {
+        "scope": scope_id,
+        "source": "postgres",
+        "known": await conn.fetchval(sql("audit_scope_known"), scope_id),
+        "denial_rate": [asdict(d) for d in denial],
+        "reservation_error": [asdict(e) for e in error],
+        "window_exhaustion": exhaustion,
+        "decisions_by_policy_sha": by_sha,
+    }
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
@@ -193,13 +221,17 @@ def marquez_report(runs: Iterable[Mapping[str, Any]], scope_id: str, window: Win
         for key in sorted({c.get("window_key") for c in budget.get("charges", []) if c.get("scope_id") == scope_id}, key=str):
             if window.matches(key):
                 tally = errors[(key, budget.get("policy_bundle_sha", ""))]
-                tally.update(runs=1, provisional=int(bool(budget.get("provisional"))), reserved=reserved, actual=actual,
-                             abs_error=abs(actual - reserved))
-    denial = [denial_rate(scope_id, key, runs=c["runs"], allowed=c["allowed"], denied=c["denied"], delayed=c["delayed"])
-              for key, c in sorted(counts.items(), key=_window_order)]
-    error = [reservation_error(scope_id, key, sha, runs=c["runs"], provisional=c["provisional"], reserved=c["reserved"],
-                               actual=c["actual"], abs_error=c["abs_error"])
-             for (key, sha), c in sorted(errors.items(), key=lambda kv: (*_window_order((kv[0][0], None)), kv[0][1]))]
+                tally.update(runs=1, provisional=int(bool(budget.get("provisional"))), reserved=reserved, actual=actual, abs_error=abs(actual - reserved))
+    denial = [
+        denial_rate(scope_id, key, runs=c["runs"], allowed=c["allowed"], denied=c["denied"], delayed=c["delayed"])
+        for key, c in sorted(counts.items(), key=_window_order)
+    ]
+    error = [
+        reservation_error(
+            scope_id, key, sha, runs=c["runs"], provisional=c["provisional"], reserved=c["reserved"], actual=c["actual"], abs_error=c["abs_error"]
+        )
+        for (key, sha), c in sorted(errors.items(), key=lambda kv: (*_window_order((kv[0][0], None)), kv[0][1]))
+    ]
     return {"scope": scope_id, "source": "marquez", "known": known, "denial_rate": [asdict(d) for d in denial], "reservation_error": [asdict(e) for e in error]}
 
 
@@ -215,4 +247,3 @@ def _terminal(final_state: str) -> bool:
         return events.reconciliation_event_type(final_state, terminal_sent=False) in events.TERMINAL
     except ValueError:
         return False
-

@@ -30,9 +30,17 @@ class EvidenceHandlers:
             raise Poison(str(exc)) from exc
         event_type = events.decision_event_type(fields["decision"])
         job = _job(message.job) or (message.namespace or "budgetgate", message.run_id)
-        await self._store(conn, stage=facet.DECISION, message_id=message.event_id, run_id=message.run_id,
-                          decision_id=fields["decision_id"], event_type=event_type, at=facet.event_time(message.event_time),
-                          job=job, fields=fields)
+        await self._store(
+            conn,
+            stage=facet.DECISION,
+            message_id=message.event_id,
+            run_id=message.run_id,
+            decision_id=fields["decision_id"],
+            event_type=event_type,
+            at=facet.event_time(message.event_time),
+            job=job,
+            fields=fields,
+        )
         await self._settle_waiting(conn, message.run_id, fields, job)
 
     async def _settle_waiting(self, conn: asyncpg.Connection, run_id: str, decided: dict[str, Any], job: tuple[str, str]) -> None:
@@ -60,13 +68,33 @@ class EvidenceHandlers:
         job = (decided["job"]["namespace"], decided["job"]["name"]) if decided else _job(message.job) or ("budgetgate", message.run_id)
         at = facet.event_time(message.event_time)
         await store.add_reconciliation(conn, _reconciliation_row(message, fields, at))
-        await self._store(conn, stage=facet.RECONCILIATION, message_id=message.event_id, run_id=message.run_id,
-                          decision_id=fields.get("decision_id"), event_type=event_type, at=at, job=job, fields=fields,
-                          state="pending" if decided else "waiting")
+        await self._store(
+            conn,
+            stage=facet.RECONCILIATION,
+            message_id=message.event_id,
+            run_id=message.run_id,
+            decision_id=fields.get("decision_id"),
+            event_type=event_type,
+            at=at,
+            job=job,
+            fields=fields,
+            state="pending" if decided else "waiting",
+        )
 
-    async def _store(self, conn: asyncpg.Connection, *, stage: str, message_id: str, run_id: str, decision_id: str | None,
-                     event_type: events.RunState, at: datetime, job: tuple[str, str], fields: dict[str, Any],
-                     state: str = "pending") -> None:
+    async def _store(
+        self,
+        conn: asyncpg.Connection,
+        *,
+        stage: str,
+        message_id: str,
+        run_id: str,
+        decision_id: str | None,
+        event_type: events.RunState,
+        at: datetime,
+        job: tuple[str, str],
+        fields: dict[str, Any],
+        state: str = "pending",
+    ) -> None:
         event = events.run_event(event_type=event_type, at=at, run_id=run_id, job=job, fields=fields, producer=self.producer)
         await store.add_event(conn, store.StoredEvent(
             source_event_id=message_id,

@@ -43,8 +43,17 @@ class SenderStats:
 
 
 class Sender:
-    def __init__(self, *, pool: asyncpg.Pool, send: Send, batch: int = 100, initial_backoff: float = 0.5,
-                 max_backoff: float = 60.0, idle_seconds: float = 0.5, decision_wait: float = 600.0) -> None:
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        send: Send,
+        batch: int = 100,
+        initial_backoff: float = 0.5,
+        max_backoff: float = 60.0,
+        idle_seconds: float = 0.5,
+        decision_wait: float = 600.0,
+    ) -> None:
         self.pool = pool
         self.send = send
         self.batch = batch

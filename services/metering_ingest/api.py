@@ -59,7 +59,11 @@ _RESULT_SCHEMA = {
         "index": {"type": "integer", "description": "the sample's place in the batch"},
         "runId": {"type": "string", "description": "the sample's run"},
         "sampleId": {"type": "string", "description": "the sample's id"},
-        "status": {"type": "string", "enum": ["accepted", "duplicate", "pending", "rejected"], "description": "accepted, duplicate (recorded before), pending (its run has no decision yet) or rejected"},
+        "status": {
+            "type": "string",
+            "enum": ["accepted", "duplicate", "pending", "rejected"],
+            "description": "accepted, duplicate (recorded before), pending (its run has no decision yet) or rejected",
+        },
         "late": {"type": "boolean", "description": "accepted: observed before the run's latest sample (recorded for window attribution only)"},
         "gpuMillisecondsCumulative": {"type": "integer", "description": "accepted: the run's GPU-milliseconds so far (one GPU-hour is 3,600,000)"},
         "nodeMillisecondsCumulative": {"type": "integer", "description": "accepted: the run's node-milliseconds so far"},
@@ -71,15 +75,35 @@ _RESULT_SCHEMA = {
         "detail": {"type": "string", "description": "rejected: what is wrong"},
     },
 }
-_SAMPLE_EXAMPLE = {"sampleId": "dcgm-0007", "runId": "flyte/vision/exec-7f3a/n0", "observedAt": "2026-07-14T10:00:00Z", "gpuSeconds": 28800, "nodeSeconds": 3600, "exporter": "dcgm"}
+_SAMPLE_EXAMPLE = {
+    "sampleId": "dcgm-0007",
+    "runId": "flyte/vision/exec-7f3a/n0",
+    "observedAt": "2026-07-14T10:00:00Z",
+    "gpuSeconds": 28800,
+    "nodeSeconds": 3600,
+    "exporter": "dcgm",
+}
 _RESULTS = {
     "type": "object",
     "description": "One result per sample, in the batch's order.",
     "required": ["results"],
     "properties": {"results": {"type": "array", "items": _RESULT_SCHEMA, "description": "per sample, in order"}},
 }
-_RESULTS_EXAMPLE = {"results": [{"index": 0, "runId": "flyte/vision/exec-7f3a/n0", "sampleId": "dcgm-0007", "status": "accepted", "late": False,
-                                 "gpuMillisecondsCumulative": 28_800_000, "nodeMillisecondsCumulative": 3_600_000, "gpuMillisecondsDelta": 28_800_000, "nodeMillisecondsDelta": 3_600_000}]}  # fmt: skip
+_RESULTS_EXAMPLE = {
+    "results": [
+        {
+            "index": 0,
+            "runId": "flyte/vision/exec-7f3a/n0",
+            "sampleId": "dcgm-0007",
+            "status": "accepted",
+            "late": False,
+            "gpuMillisecondsCumulative": 28_800_000,
+            "nodeMillisecondsCumulative": 3_600_000,
+            "gpuMillisecondsDelta": 28_800_000,
+            "nodeMillisecondsDelta": 3_600_000,
+        }
+    ]
+}
 _OPENAPI = {
     "requestBody": {
         "required": True,
@@ -114,7 +138,13 @@ def router(*, max_batch: int, metering_topic: str) -> APIRouter:
     """The ingest route; reads the Ingestor, pool and metrics from `app.state.rt`."""
     api = APIRouter()
 
-    @api.post("/v1/metering/samples", operation_id="ingestMeteringSamples", openapi_extra=_OPENAPI, responses={422: {}, 503: {}}, dependencies=[Depends(allow(Action.INGEST))])
+    @api.post(
+        "/v1/metering/samples",
+        operation_id="ingestMeteringSamples",
+        openapi_extra=_OPENAPI,
+        responses={422: {}, 503: {}},
+        dependencies=[Depends(allow(Action.INGEST))],
+    )
     async def ingest_samples(request: Request) -> JSONResponse:
         rt = request.app.state.rt
         items, problems = _batch(await request.body(), max_batch)
@@ -158,7 +188,9 @@ def _validated(ingestor: Ingestor, metrics: MeteringMetrics, items: list[Any]) -
     return parsed, problems
 
 
-async def _apply(pool: asyncpg.Pool, ingestor: Ingestor, metrics: MeteringMetrics, parsed: list[tuple[MeteringSample, Sample]], topic: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+async def _apply(
+    pool: asyncpg.Pool, ingestor: Ingestor, metrics: MeteringMetrics, parsed: list[tuple[MeteringSample, Sample]], topic: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Place each sample in a transaction of its own; per-sample results and rejections."""
     results, problems = [], []
     for index, (message, sample) in enumerate(parsed):

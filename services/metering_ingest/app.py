@@ -68,9 +68,19 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         ingestor = Ingestor(max_skew=settings.max_future_skew, grace=settings.unknown_run_grace, counts=metrics)
         # Two producers: the relay's waits for Kafka on its own schedule, the consumer's
         # (dead letters) is started with the consumer.
-        relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay", access=settings.kafka_access), topics=topics)
+        relay = OutboxRelay(
+            pool=pool,
+            publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay", access=settings.kafka_access),
+            topics=topics,
+        )
         dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq", access=settings.kafka_access)
-        inbox = Inbox(name=settings.inbox_name, pool=pool, publisher=dlq_publisher, routes={topics.metering: consumers.metering_route(ingestor, metrics)}, on_dead_letter=metrics.dead_lettered)
+        inbox = Inbox(
+            name=settings.inbox_name,
+            pool=pool,
+            publisher=dlq_publisher,
+            routes={topics.metering: consumers.metering_route(ingestor, metrics)},
+            on_dead_letter=metrics.dead_lettered,
+        )
         broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG, security=settings.kafka_access.faststream())
         broker.include_router(consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))
         rt = Runtime(pool, ingestor, metrics, relay, dlq_publisher, inbox, progress, broker)

@@ -44,7 +44,10 @@ def router(*, settings: MeteringSettings, topics: Topics, runtime: Callable[[], 
             group_id=settings.consumer_group,
             **INBOX_SUBSCRIBER,
             title=f"metering.samples.v1:metering-ingest#{worker}" if worker else "metering.samples.v1:metering-ingest",
-            description="Metering samples (budgetgate.v1.MeteringSample, binary protobuf or its canonical JSON mapping) become usage rows and usage.records.v1 messages; poison goes to metering.samples.v1.dlq with the reason.",
+            description=(
+                "Metering samples (budgetgate.v1.MeteringSample, binary protobuf or its canonical JSON mapping) become usage rows "
+                "and usage.records.v1 messages; poison goes to metering.samples.v1.dlq with the reason."
+            ),
             include_in_schema=worker == 0,
         )(metering_samples)
 
@@ -66,7 +69,9 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
             except Rejected as exc:
                 refused[delivery] = str(exc)
                 continue
-            origin = Origin(source="kafka", topic=record.topic, payload=record.value, headers=tuple(record.headers or ()), partition=record.partition, offset=record.offset)
+            origin = Origin(
+                source="kafka", topic=record.topic, payload=record.value, headers=tuple(record.headers or ()), partition=record.partition, offset=record.offset
+            )
             valid.append((delivery, sample, origin))
         outcomes = await ingestor.place_batch(conn, [(sample, origin) for _, sample, origin in valid])
         placed = []

@@ -24,7 +24,20 @@ from typing import NamedTuple, Protocol
 import asyncpg
 
 from budgetgate import outbox, topics, wire
-from budgetgate.core.metering import Accepted, Duplicate, Problem, Rejected, Rejection, RunView, Sample, assess, assess_batch, reason_code, usage_event_id, validate
+from budgetgate.core.metering import (
+    Accepted,
+    Duplicate,
+    Problem,
+    Rejected,
+    Rejection,
+    RunView,
+    Sample,
+    assess,
+    assess_batch,
+    reason_code,
+    usage_event_id,
+    validate,
+)
 from budgetgate.services.metering_ingest import store
 from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_record
 from budgetgate.telemetry import inject_headers
@@ -134,7 +147,9 @@ class Ingestor:
         until = sample.observed_at + self.grace
         if until <= now:
             return Rejected(self._unknown_run(sample.run_id))
-        pending = PendingSample(sample.run_id, sample.sample_id, sample.observed_at, origin.source, origin.topic, origin.payload, origin.headers, origin.partition, origin.offset)
+        pending = PendingSample(
+            sample.run_id, sample.sample_id, sample.observed_at, origin.source, origin.topic, origin.payload, origin.headers, origin.partition, origin.offset
+        )
         await store.add_pending(conn, pending, expires_at=until)
         return Pending(sample, until)
 

@@ -34,7 +34,15 @@ from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 # json_format names the field it failed on by its JSON name (or by the name it was given).
 _FAILED_FIELD = re.compile(r"Failed to parse (\w+) field")
 _FIELD_NAMES = {name: f.name for f in LifecycleEvent.DESCRIPTOR.fields for name in (f.name, f.json_name)}
-_EXAMPLE = {"eventId": "b7c1…", "runId": "flyte/vision/exec-7f3a/n0", "type": "STARTED", "eventTime": "2026-07-14T09:31:00Z", "gpus": 8, "nodes": 1, "flavor": "h100"}
+_EXAMPLE = {
+    "eventId": "b7c1…",
+    "runId": "flyte/vision/exec-7f3a/n0",
+    "type": "STARTED",
+    "eventTime": "2026-07-14T09:31:00Z",
+    "gpus": 8,
+    "nodes": 1,
+    "flavor": "h100",
+}
 _EVENT_SCHEMA = {
     "type": "object",
     "description": "A LifecycleEvent in the canonical protobuf JSON mapping (lowerCamelCase or field names).",

@@ -19,10 +19,17 @@ class MeteringMetrics:
     """The instruments of one service instance."""
 
     def __init__(self, meter: Meter) -> None:
-        self._samples = meter.create_counter("budgetgate_metering_samples", description="metering samples taken care of, by outcome (accepted, late, duplicate, pending, rejected) and source (kafka, http)")
+        self._samples = meter.create_counter(
+            "budgetgate_metering_samples",
+            description="metering samples taken care of, by outcome (accepted, late, duplicate, pending, rejected) and source (kafka, http)",
+        )
         self._rejections = meter.create_counter("budgetgate_metering_rejections", description="metering samples rejected, by reason and source")
         self.pending = 0  # refreshed by the pending re-check
-        meter.create_observable_gauge("budgetgate_metering_pending", callbacks=[self._observe_pending], description="samples of runs without a decision, kept until one appears or their grace ends")
+        meter.create_observable_gauge(
+            "budgetgate_metering_pending",
+            callbacks=[self._observe_pending],
+            description="samples of runs without a decision, kept until one appears or their grace ends",
+        )
 
     def outcome(self, outcome: Outcome, *, source: str) -> None:
         """Count one sample that was recorded, found a duplicate, or kept pending."""

@@ -92,7 +92,11 @@ async def view(conn: asyncpg.Connection, sample: Sample, state: RunState) -> Run
 
 
 def _view(state: RunState, rows: list[asyncpg.Record]) -> RunView:
-    found = {row["role"]: Known(row["sample_id"], row["observed_at"], Counters(row["gpu_milli_hours"], row["node_milli_hours"])) for row in rows if row["role"] != "run"}
+    found = {
+        row["role"]: Known(row["sample_id"], row["observed_at"], Counters(row["gpu_milli_hours"], row["node_milli_hours"]))
+        for row in rows
+        if row["role"] != "run"
+    }
     return RunView(
         cumulative=state.cumulative,
         latest=state.latest,
@@ -159,7 +163,9 @@ _USAGE_COLUMNS = (
 )  # fmt: skip
 
 
-async def record_batch(conn: asyncpg.Connection, recorded: Sequence[tuple[Accepted, Source, str]], announce: Sequence[tuple[str, str | None, bytes, str]]) -> None:
+async def record_batch(
+    conn: asyncpg.Connection, recorded: Sequence[tuple[Accepted, Source, str]], announce: Sequence[tuple[str, str | None, bytes, str]]
+) -> None:
     """Store accepted samples (each with its source and usage event id; their runs' locks held,
     judged with `assess_batch`), raise their runs' high-water marks and write the outbox rows of
     their usage records (`announce`, the outbox columns of each): COPY for the rows, one

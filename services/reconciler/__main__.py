@@ -18,7 +18,13 @@ async def _main() -> None:
         from prometheus_client import start_http_server
 
         # HTTPS when a certificate and key are set, like every HTTP service.
-        start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=reconciler.telemetry.registry, certfile=settings.tls_certfile, keyfile=settings.tls_keyfile)
+        start_http_server(
+            settings.metrics_port,
+            addr=settings.metrics_host,
+            registry=reconciler.telemetry.registry,
+            certfile=settings.tls_certfile,
+            keyfile=settings.tls_keyfile,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

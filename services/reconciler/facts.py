@@ -33,7 +33,18 @@ def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, Batch
                 refused[delivery] = reason
                 continue
             kind = lifecycle_pb2.LifecycleType.Name(event.type)
-            rows.append((event.event_id, event.run_id, kind, event.event_time.ToDatetime(tzinfo=UTC), event.gpus, event.nodes, event.flavor or None, event.reason or None))
+            rows.append(
+                (
+                    event.event_id,
+                    event.run_id,
+                    kind,
+                    event.event_time.ToDatetime(tzinfo=UTC),
+                    event.gpus,
+                    event.nodes,
+                    event.flavor or None,
+                    event.reason or None,
+                )
+            )
         if rows:
             new = await conn.fetch(sql("record_lifecycle_batch"), *map(list, zip(*rows, strict=True)))
             await _mark(conn, {r["run_id"] for r in new}, on_fact)

@@ -183,7 +183,9 @@ class Settler:
             # Parked before the Redis call: if the call ran but its answer was lost, the parked
             # half is still ended (or Settler.end_pending ends it).
             work.parked.append((run_id, seq))
-            await self.ledger.settle_begin(run_id=run_id, decision_id=decision_id, seq=seq, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000))
+            await self.ledger.settle_begin(
+                run_id=run_id, decision_id=decision_id, seq=seq, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000)
+            )
 
         await _write_charges(conn, run_id, charges)
         if held_deltas or closing:
@@ -199,7 +201,17 @@ class Settler:
             result = replace(result, consumed=whole)
             windows = self._windows(loaded, result, whole)
             job = (loaded.decision["job_namespace"], loaded.decision["job_name"]) if loaded.decision["job_name"] else None
-            await messages.reconciliation(conn, run_id=run_id, decision_id=decision_id, result=result, windows=windows, bundle_sha=loaded.decision["policy_bundle_sha"] or "", job=job, revision=revision, now=now)
+            await messages.reconciliation(
+                conn,
+                run_id=run_id,
+                decision_id=decision_id,
+                result=result,
+                windows=windows,
+                bundle_sha=loaded.decision["policy_bundle_sha"] or "",
+                job=job,
+                revision=revision,
+                now=now,
+            )
         if consumed_deltas:
             # Last: the ledger rows stay locked only from here to the commit.
             rows = await conn.fetch(sql("add_consumed"), list(consumed_deltas), list(consumed_deltas.values()))
@@ -240,7 +252,9 @@ class Settler:
         await self.ledger.load_key(ledger_key, reserved=row["reserved"] if row else 0, consumed=row["consumed"] if row else 0)
 
 
-async def _consumed_deltas(conn: asyncpg.Connection, bucket_deltas: dict[tuple[str, datetime], int], windows: dict[str, tuple[BudgetPolicy, Window]], now: datetime) -> dict[str, int]:
+async def _consumed_deltas(
+    conn: asyncpg.Connection, bucket_deltas: dict[tuple[str, datetime], int], windows: dict[str, tuple[BudgetPolicy, Window]], now: datetime
+) -> dict[str, int]:
     """Per ledger key, how much its consumed changes: every bucket of a calendar window, and the
     buckets of a rolling window that have not aged out of it."""
     rolling = sorted({key for key, _ in bucket_deltas if windows[key][0].window.rolling})
@@ -257,7 +271,9 @@ async def _consumed_deltas(conn: asyncpg.Connection, bucket_deltas: dict[tuple[s
     return {key: delta for key, delta in sorted(totals.items()) if delta}
 
 
-async def _bucket_deltas(conn: asyncpg.Connection, run_id: str, folded: meter.Folded, result: Settlement) -> tuple[dict[tuple[str, datetime], int], dict[tuple[str, datetime], int]]:
+async def _bucket_deltas(
+    conn: asyncpg.Connection, run_id: str, folded: meter.Folded, result: Settlement
+) -> tuple[dict[tuple[str, datetime], int], dict[tuple[str, datetime], int]]:
     """How the run's charges move per (key, bucket), and what they become on the buckets that move.
 
     The metered part comes from the fold; the part from time alone (wall time, the provisional

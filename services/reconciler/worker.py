@@ -41,7 +41,17 @@ PARKED_GRACE_MS = 2000
 # Failures that say something about the run's data or the rules, not about an outage: retrying
 # them cannot help, so they are dead-lettered after `settle_tries` (anything else is an outage
 # and the loop retries it with backoff).
-REFUSALS = (AmountOutOfRange, asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, redis.exceptions.ResponseError, ValueError, LookupError, ArithmeticError, AssertionError, TypeError)
+REFUSALS = (
+    AmountOutOfRange,
+    asyncpg.DataError,
+    asyncpg.IntegrityConstraintViolationError,
+    redis.exceptions.ResponseError,
+    ValueError,
+    LookupError,
+    ArithmeticError,
+    AssertionError,
+    TypeError,
+)
 
 
 @dataclass
@@ -69,10 +79,21 @@ class Reconciler:
         self.wakeup = asyncio.Event()
         meter = self.telemetry.meter("budgetgate.reconciler")
         self._settlements = meter.create_counter("budgetgate_reconciler_settlements", description="runs settled, by whether the ledger changed")
-        self._lag = meter.create_histogram("budgetgate_reconciliation_lag", unit="s", description="from a run's end (event time) to its reservation replaced by actuals")
-        meter.create_observable_gauge("budgetgate_ledger_drift_keys", callbacks=[lambda _o: [Observation(self.stats.drifted_keys)]], description="ledger keys and runs on which Redis differed from Postgres at the last drift check")
-        meter.create_observable_counter("budgetgate_ledger_drift_repairs", callbacks=[lambda _o: [Observation(self.stats.repairs)]], description="Redis rebuilds after a confirmed drift")
-        self._dead_letters = meter.create_counter("budgetgate_reconciler_dead_letters", description="runs whose settlement kept failing for a reason other than an outage, set aside in settlement_failures (alert on any increase)")
+        self._lag = meter.create_histogram(
+            "budgetgate_reconciliation_lag", unit="s", description="from a run's end (event time) to its reservation replaced by actuals"
+        )
+        meter.create_observable_gauge(
+            "budgetgate_ledger_drift_keys",
+            callbacks=[lambda _o: [Observation(self.stats.drifted_keys)]],
+            description="ledger keys and runs on which Redis differed from Postgres at the last drift check",
+        )
+        meter.create_observable_counter(
+            "budgetgate_ledger_drift_repairs", callbacks=[lambda _o: [Observation(self.stats.repairs)]], description="Redis rebuilds after a confirmed drift"
+        )
+        self._dead_letters = meter.create_counter(
+            "budgetgate_reconciler_dead_letters",
+            description="runs whose settlement kept failing for a reason other than an outage, set aside in settlement_failures (alert on any increase)",
+        )
         self.progress = ConsumerProgress(self.telemetry.meter("budgetgate.consumer"), name="reconciler")
         self.pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -49,7 +49,17 @@ async def test_webhook_lifecycle_over_http_and_dcgm_metering_settle_a_run(tmp_pa
             # A meter that ran for the last hour (its state file), scraping once more now.
             state = workdir / "dcgm.json"
             before = datetime.now(UTC) - timedelta(seconds=10)
-            state.write_text(json.dumps({"last_at": before.isoformat(), "totals": {RUN: [7200.0, 3600.0]}, "last": {RUN: {"gpus": ["GPU-0a9b8c7d-6e5f-4a3b-9c1d-2e3f4a5b6c11", "GPU-5d4c3b2a-1f0e-4d9c-8b7a-6f5e4d3c2b12"], "hosts": ["gpu-node-b"]}}}))
+            state.write_text(
+                json.dumps(
+                    {
+                        "last_at": before.isoformat(),
+                        "totals": {RUN: [7200.0, 3600.0]},
+                        "last": {
+                            RUN: {"gpus": ["GPU-0a9b8c7d-6e5f-4a3b-9c1d-2e3f4a5b6c11", "GPU-5d4c3b2a-1f0e-4d9c-8b7a-6f5e4d3c2b12"], "hosts": ["gpu-node-b"]}
+                        },
+                    }
+                )
+            )
             metered = budgetgate("meter", "dcgm", "--url", f"{exporters.url}/b/metrics", "--count", "1", "--state", str(state), cwd=workdir)
             assert metered.returncode == 0, metered.stderr
             gpu_seconds = json.loads(state.read_text())["totals"][RUN][0]

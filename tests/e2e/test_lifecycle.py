@@ -27,7 +27,9 @@ async def test_started_metered_completed_run_becomes_actuals(tmp_path: Path) -> 
         applied = budgetgate("policy", "apply", "policies", "--allow-dirty", cwd=workdir)
         assert applied.returncode == 0, applied.stderr
         state = json.loads(budgetgate("dev", "status", "--json", cwd=workdir).stdout)
-        async with httpx.AsyncClient(base_url=state["admission_url"], timeout=30, headers={"Authorization": f"Bearer {state['tokens']['submitter']}"}) as client:
+        async with httpx.AsyncClient(
+            base_url=state["admission_url"], timeout=30, headers={"Authorization": f"Bearer {state['tokens']['submitter']}"}
+        ) as client:
             for _ in range(200):
                 if (await client.get("/readyz")).status_code == 200:
                     break

@@ -72,7 +72,9 @@ async def test_dev_up_apply_submit_publish_down(tmp_path: Path) -> None:
         assert applied.returncode == 0, applied.stderr
         assert sha in applied.stdout
 
-        async with httpx.AsyncClient(base_url=state["admission_url"], timeout=30, headers={"Authorization": f"Bearer {state['tokens']['submitter']}"}) as client:
+        async with httpx.AsyncClient(
+            base_url=state["admission_url"], timeout=30, headers={"Authorization": f"Bearer {state['tokens']['submitter']}"}
+        ) as client:
             for _ in range(200):
                 ready = await client.get("/readyz")
                 if ready.status_code == 200 and ready.json()["checks"]["policy_bundle"] == "ok":

@@ -63,7 +63,7 @@ async def test_postgres_stopped_mid_burst_answers_503_and_leaks_nothing(admissio
     answers = [r for r in results if r is not None]
     assert {a.status_code for a in answers} <= {200, 503}
     assert any(a.status_code == 503 for a in answers)
-    refused = (await server.client.post("/v1/admissions", json=body("while-down")))
+    refused = await server.client.post("/v1/admissions", json=body("while-down"))
     assert refused.status_code == 503 and "unavailable" in refused.json()["detail"]
     assert (await server.client.get("/readyz")).status_code == 503
 
@@ -113,7 +113,9 @@ async def test_orphaned_redis_hold_is_released_when_the_run_retries(admission_fa
     [key] = (await held_in_postgres(pg_dsn)).keys()
     from budgetgate.ledger.redis_ledger import ChargeRequest
 
-    orphan = await server.rt.ledger.reserve(run_id="run-crashed", decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 88 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=0)
+    orphan = await server.rt.ledger.reserve(
+        run_id="run-crashed", decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 88 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=0
+    )
     assert orphan.status == "RESERVED"
     retried = await server.client.post("/v1/admissions", json=body("crashed"))
     assert retried.json()["decision"] == "ALLOW" and retried.json()["replayed"] is False
@@ -149,7 +151,9 @@ async def test_sweeper_releases_orphans_and_keeps_real_holds(admission_factory, 
     [key] = (await held_in_postgres(pg_dsn)).keys()
     old = int((datetime.now(UTC) - timedelta(hours=2)).timestamp() * 1000)
     for name, at in (("old-orphan", old), ("young-orphan", int(datetime.now(UTC).timestamp() * 1000))):
-        result = await server.rt.ledger.reserve(run_id=name, decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 8 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=at)
+        result = await server.rt.ledger.reserve(
+            run_id=name, decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 8 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=at
+        )
         assert result.status == "RESERVED"
     released = await server.rt.sync.sweep_orphans(grace=timedelta(minutes=10), now=datetime.now(UTC))
     assert released == ["old-orphan"]

@@ -101,5 +101,3 @@ async def test_broker_restarted_empty_gets_every_answered_decision_again(admissi
     finally:
         await emitter.stop()
     assert delivered() - answered == set(), "no evidence of a decision that was never answered"
-
-

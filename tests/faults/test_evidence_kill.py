@@ -32,8 +32,9 @@ def start_emitter(settings, url: str, cwd: Path) -> tuple[subprocess.Popen[bytes
         "OPENLINEAGE_URL": url,
     }
     with open(cwd / f"emitter-{port}.log", "wb") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "budgetgate.services.evidence_emitter", "--port", str(port)],
-                                cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "budgetgate.services.evidence_emitter", "--port", str(port)], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     return proc, f"http://127.0.0.1:{port}"
 
 

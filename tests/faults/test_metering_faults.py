@@ -61,7 +61,9 @@ class IngestProcess:
 
     async def start(self) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "budgetgate.services.metering_ingest", "--port", str(self.port)], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "budgetgate.services.metering_ingest", "--port", str(self.port)], env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
         await wait_for(self._ready, timeout=60, what=f"metering-ingest ready (log: {self.log})")
 
     async def _ready(self) -> bool:
@@ -99,7 +101,9 @@ async def assert_applied_exactly_once(settings, dsn: str, messages: list[Meterin
     assert await fetchval(dsn, "SELECT count(*) FROM inbox WHERE consumer = 'metering-ingest'") == len({m.event_id for m in messages})
     final = expected_usage(messages)
     for run_id, counters in final.items():
-        state = await fetchval(dsn, "SELECT row(gpu_milli_hours_cumulative, node_milli_hours_cumulative, samples)::text FROM usage_runs WHERE run_id = $1", run_id)
+        state = await fetchval(
+            dsn, "SELECT row(gpu_milli_hours_cumulative, node_milli_hours_cumulative, samples)::text FROM usage_runs WHERE run_id = $1", run_id
+        )
         # `samples` counts applications: a sample applied twice would show here.
         assert state == f"({counters.gpu},{counters.node},{sum(1 for r in recorded if r['run_id'] == run_id)})"
     await wait_for(lambda: _relayed(dsn), what="outbox relayed")
@@ -168,4 +172,3 @@ async def test_postgres_killed_mid_stream_is_waited_out(metering_factory, killab
     # Nothing was taken for poison while Postgres was away.
     assert server.rt.inbox.dead_lettered == 0
     await assert_applied_exactly_once(settings, dsn, messages)
-

@@ -61,8 +61,17 @@ async def _record_run_facts(dsn: str, run_id: str) -> None:
     start = datetime.now(UTC) - timedelta(hours=5)
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("INSERT INTO lifecycle_events (event_id, run_id, kind, event_time) VALUES ($1, $2, 'STARTED', $3), ($4, $2, 'COMPLETED', $5)", f"{run_id}-s", run_id, start, f"{run_id}-c", start + timedelta(hours=4))
-        await conn.execute("INSERT INTO run_samples (run_id, sample_id, observed_at, gpu, node) VALUES ($1, 'x', $2, $3, 0)", run_id, start + timedelta(hours=4), 30 * H)
+        await conn.execute(
+            "INSERT INTO lifecycle_events (event_id, run_id, kind, event_time) VALUES ($1, $2, 'STARTED', $3), ($4, $2, 'COMPLETED', $5)",
+            f"{run_id}-s",
+            run_id,
+            start,
+            f"{run_id}-c",
+            start + timedelta(hours=4),
+        )
+        await conn.execute(
+            "INSERT INTO run_samples (run_id, sample_id, observed_at, gpu, node) VALUES ($1, 'x', $2, $3, 0)", run_id, start + timedelta(hours=4), 30 * H
+        )
     finally:
         await conn.close()
 
@@ -121,4 +130,6 @@ async def test_a_reconciler_dying_mid_settlement_never_lets_admission_over_admit
     assert await survivor.ledger.is_loaded() and survivor.stats.repairs == 0  # no rebuild
     assert await survivor.ledger.pending_settlements() == {}
     assert await survivor.ledger.run_holds() == {}
-    assert (await server.submit(run_id="fits-now", labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=60.0)).json()["decision"] == "ALLOW"
+    assert (await server.submit(run_id="fits-now", labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=60.0)).json()[
+        "decision"
+    ] == "ALLOW"

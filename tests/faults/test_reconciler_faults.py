@@ -103,11 +103,17 @@ async def test_redis_invalidated_mid_stream_is_rebuilt_with_every_settlement(adm
     server = await admission_factory()
     await server.wait_ready()
     for i in range(10):
-        assert (await server.submit(run_id=f"r{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)).json()["decision"] == "ALLOW"
+        assert (await server.submit(run_id=f"r{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)).json()[
+            "decision"
+        ] == "ALLOW"
     reconciler = await reconciler_factory()
     start = datetime.now(UTC) - timedelta(hours=5)
     for i in range(10):
-        await feed.send(lifecycle(f"r{i}", "STARTED", start), usage(f"r{i}", "1", start + timedelta(hours=1), 5), lifecycle(f"r{i}", "COMPLETED", start + timedelta(hours=1)))
+        await feed.send(
+            lifecycle(f"r{i}", "STARTED", start),
+            usage(f"r{i}", "1", start + timedelta(hours=1), 5),
+            lifecycle(f"r{i}", "COMPLETED", start + timedelta(hours=1)),
+        )
         if i == 4:
             await reconciler.redis.delete(reconciler.ledger.marker)  # as a failed commit does
     [key] = await ledger_in_postgres(pg_dsn)

@@ -79,10 +79,7 @@ async def test_200_concurrent_submissions_admit_exactly_what_fits(admission_fact
     servers = [await admission_factory(pg_pool_max=30), await admission_factory(pg_pool_max=30)]
     for server in servers:
         await server.wait_ready()
-    bodies = [
-        submission(run_id=f"run-{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)
-        for i in range(200)
-    ]
+    bodies = [submission(run_id=f"run-{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0) for i in range(200)]
     answers = await asyncio.gather(*(servers[i % 2].client.post("/v1/admissions", json=b) for i, b in enumerate(bodies)))
     outcomes = [a.json()["decision"] for a in answers]
     assert outcomes.count("ALLOW") == 12  # 12 × 8 GPU-hours = 96 ≤ 100 < 104

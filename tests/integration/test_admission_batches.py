@@ -18,7 +18,9 @@ LIMIT = budget_yaml("batched", limit="gpu_hours: 100")
 
 
 def body(run_id: str, *, gpus: int = 8, hours: float = 1.0, attempt: int = 1, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    return submission(run_id=run_id, attempt=attempt, labels={"team": "vision"} if labels is None else labels, resources={"gpus": gpus}, projected_runtime_hours=hours)
+    return submission(
+        run_id=run_id, attempt=attempt, labels={"team": "vision"} if labels is None else labels, resources={"gpus": gpus}, projected_runtime_hours=hours
+    )
 
 
 async def decisions_of(dsn: str) -> dict[str, list[tuple[int, str]]]:

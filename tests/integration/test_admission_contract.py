@@ -78,7 +78,9 @@ async def test_errors_are_problem_details(admission) -> None:
         "unknown run": await admission.client.get("/v1/admissions/never-submitted"),
         "unknown route": await admission.client.get("/v1/nothing-here"),
         "bad body": await admission.client.post("/v1/admissions", content=b"{", headers={"content-type": "application/json"}),
-        "too large": await admission.client.post("/v1/admissions", content=b"x" * (admission.settings.max_body_bytes + 1), headers={"content-type": "application/json"}),
+        "too large": await admission.client.post(
+            "/v1/admissions", content=b"x" * (admission.settings.max_body_bytes + 1), headers={"content-type": "application/json"}
+        ),
         "unknown pool": await admission.client.get("/v1/pools/nowhere"),
     }
     for what, answer in answers.items():
@@ -102,7 +104,9 @@ def fuzz(url: str, spec: dict[str, Any]) -> tuple[list[str], int]:
     for result in schema.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=15, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=15, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck)
+        )
         @given(case=operation.as_strategy())
         def check(case) -> None:  # type: ignore[no-untyped-def]
             response = case.call(base_url=url, timeout=30)

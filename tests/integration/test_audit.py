@@ -30,8 +30,9 @@ POLICIES = {
 
 def audit_cli(pg_dsn: str, cwd: Path, *args: str) -> dict[str, Any]:
     env = {"BUDGETGATE_POSTGRES_DSN": pg_dsn, "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "audit", *args, "--json"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "budgetgate.cli.main", "audit", *args, "--json"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -45,16 +46,28 @@ async def test_postgres_and_marquez_agree(settings, pg_dsn, admission_factory, m
     try:
         answers = {}
         for run, overrides in [
-            ("p1", {}), ("p2", {"resources": {"gpus": 4, "nodes": 1}}), ("p3", {}),  # 48 + 24 fit in 100; the next 48 does not
-            ("p4", {"projected_runtime_hours": 1.0}), ("p5", {"labels": {"environment": "prod"}}),  # 8 fits; p5 lacks team
-            ("r1", {"namespace": "vision-research"}), ("r2", {"namespace": "vision-research"}),
+            ("p1", {}),
+            ("p2", {"resources": {"gpus": 4, "nodes": 1}}),
+            ("p3", {}),  # 48 + 24 fit in 100; the next 48 does not
+            ("p4", {"projected_runtime_hours": 1.0}),
+            ("p5", {"labels": {"environment": "prod"}}),  # 8 fits; p5 lacks team
+            ("r1", {"namespace": "vision-research"}),
+            ("r2", {"namespace": "vision-research"}),
         ]:
             response = await admission.submit(run_id=run, **overrides)
             assert response.status_code == 200, response.text
             answers[run] = response.json()
         # r2 waits, and is resubmitted (attempt 2): it is still delayed, and counts once.
         assert (await admission.submit(run_id="r2", namespace="vision-research", attempt=2)).json()["decision"] == "DELAY"
-        assert {r: a["decision"] for r, a in answers.items()} == {"p1": "ALLOW", "p2": "ALLOW", "p3": "DENY", "p4": "ALLOW", "p5": "DENY", "r1": "ALLOW", "r2": "DELAY"}
+        assert {r: a["decision"] for r, a in answers.items()} == {
+            "p1": "ALLOW",
+            "p2": "ALLOW",
+            "p3": "DENY",
+            "p4": "ALLOW",
+            "p5": "DENY",
+            "r1": "ALLOW",
+            "r2": "DELAY",
+        }
 
         topics = Topics(settings.topic_prefix)
         settled = [
@@ -130,8 +143,15 @@ def from_pg_team(pg_dsn: str, cwd: Path) -> dict[str, Any]:
 async def test_audit_prints_tables(pg_dsn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     await apply_policies(pg_dsn, POLICIES, sha="d" * 40)  # the scope is known from the active bundle
     env = {"BUDGETGATE_POSTGRES_DSN": pg_dsn, "PATH": "/usr/bin:/bin"}
-    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "budgetgate.cli.main", "audit", "--scope", TEAM],
-                                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "budgetgate.cli.main", "audit", "--scope", TEAM],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "Denial rate" in done.stdout and "(none)" in done.stdout and "Decisions by policy SHA" in done.stdout
 
@@ -139,7 +159,14 @@ async def test_audit_prints_tables(pg_dsn, tmp_path: Path) -> None:  # type: ign
 async def test_an_unknown_scope_exits_1_with_a_clear_message(pg_dsn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     await apply_policies(pg_dsn, POLICIES, sha="d" * 40)
     env = {"BUDGETGATE_POSTGRES_DSN": pg_dsn, "PATH": "/usr/bin:/bin"}
-    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "budgetgate.cli.main", "audit", "--scope", "ns=typo"],
-                                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "budgetgate.cli.main", "audit", "--scope", "ns=typo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "Error: unknown scope 'ns=typo'" in done.stderr and "budgetgate budgets" in done.stderr

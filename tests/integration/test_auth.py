@@ -26,6 +26,7 @@ metadata: {id: warehouse}
 spec: {namespace: "snowflake:wh-1", quota: 5}
 """
 
+
 @pytest.fixture
 async def anonymous(admission) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]
     async with httpx.AsyncClient(base_url=admission.url, timeout=30) as client:
@@ -33,7 +34,13 @@ async def anonymous(admission) -> AsyncIterator[httpx.AsyncClient]:  # type: ign
 
 
 def _example_path(path: str) -> str:
-    return path.replace("{run_id}", "runs/x").replace("{token}", "t-1").replace("{scope_id}", "ns=vision-prod;team=vision").replace("{tenant}", "vision").replace("{namespace}", "snowflake:wh-1")
+    return (
+        path.replace("{run_id}", "runs/x")
+        .replace("{token}", "t-1")
+        .replace("{scope_id}", "ns=vision-prod;team=vision")
+        .replace("{tenant}", "vision")
+        .replace("{namespace}", "snowflake:wh-1")
+    )
 
 
 def _routes(app: Any) -> list[tuple[str, str]]:
@@ -120,7 +127,9 @@ async def test_other_namespace_or_tenant_is_refused_and_reads_are_limited(admiss
     allowed = await anonymous.post("/v1/admissions", json=submission(run_id="vision/ok"), headers=bearer(vision_only))
     assert allowed.status_code == 200 and allowed.json()["decision"] == "ALLOW"
     before = await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix)
-    outside = await anonymous.post("/v1/admissions", json=submission(run_id="nlp/x", namespace="nlp-prod", labels={"team": "nlp", "cost-center": "2001"}), headers=bearer(vision_only))
+    outside = await anonymous.post(
+        "/v1/admissions", json=submission(run_id="nlp/x", namespace="nlp-prod", labels={"team": "nlp", "cost-center": "2001"}), headers=bearer(vision_only)
+    )
     assert outside.status_code == 403 and "namespace 'nlp-prod'" in outside.json()["detail"]
     other_tenant = await anonymous.post("/v1/admissions", json=submission(run_id="vision/x"), headers=bearer(nlp_tenant))
     assert other_tenant.status_code == 403 and "tenant 'vision'" in other_tenant.json()["detail"]

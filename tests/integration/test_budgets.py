@@ -15,14 +15,16 @@ from budgetgate.ledger.queries import sql
 from tests.support.admission import apply_policies, budget_yaml, submission
 
 POLICIES = {
-    "b.yaml": "---\n".join([
-        budget_yaml("roomy", labels="{team: vision}", limit="gpu_hours: 1000"),
-        budget_yaml("tight", labels='{cost-center: "1042"}', limit="gpu_hours: 55"),
-        budget_yaml("full", labels="{environment: prod}", limit="gpu_hours: 48"),
-        budget_yaml("paused", namespace="other", labels="{team: vision}", limit="gpu_hours: 10", on_exhausted="hold"),
-        budget_yaml("money", namespace="other", labels="{team: vision}", limit="cost: 100, currency: USD", enforcement="soft"),
-        "apiVersion: budgetgate/v1\nkind: RateCard\nmetadata: {id: r}\nspec: {currency: USD, rates: [{flavor: h100, rate_per_gpu_hour: 2.5}]}\n",
-    ])  # fmt: skip
+    "b.yaml": "---\n".join(
+        [
+            budget_yaml("roomy", labels="{team: vision}", limit="gpu_hours: 1000"),
+            budget_yaml("tight", labels='{cost-center: "1042"}', limit="gpu_hours: 55"),
+            budget_yaml("full", labels="{environment: prod}", limit="gpu_hours: 48"),
+            budget_yaml("paused", namespace="other", labels="{team: vision}", limit="gpu_hours: 10", on_exhausted="hold"),
+            budget_yaml("money", namespace="other", labels="{team: vision}", limit="cost: 100, currency: USD", enforcement="soft"),
+            "apiVersion: budgetgate/v1\nkind: RateCard\nmetadata: {id: r}\nspec: {currency: USD, rates: [{flavor: h100, rate_per_gpu_hour: 2.5}]}\n",
+        ]
+    )  # fmt: skip
 }
 
 
@@ -36,7 +38,9 @@ async def _seed(pg_dsn: str, admission_factory) -> object:  # type: ignore[no-un
     server = await admission_factory()
     await server.wait_ready()
     assert (await server.client.post("/v1/admissions", json=submission(run_id="r1"))).json()["decision"] == "ALLOW"
-    other = submission(run_id="r2", namespace="other", labels={"team": "vision"}, resources={"gpus": 1, "nodes": 1, "flavor": "h100"}, projected_runtime_hours=2.0)
+    other = submission(
+        run_id="r2", namespace="other", labels={"team": "vision"}, resources={"gpus": 1, "nodes": 1, "flavor": "h100"}, projected_runtime_hours=2.0
+    )
     assert (await server.client.post("/v1/admissions", json=other)).json()["decision"] == "ALLOW"
     conn = await asyncpg.connect(pg_dsn)
     try:

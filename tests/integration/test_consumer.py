@@ -73,7 +73,14 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
         await raw.stop()
 
         group = f"g-{uuid.uuid4().hex[:8]}"
-        consumer = InboxConsumer(name="test", group=group, bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)})
+        consumer = InboxConsumer(
+            name="test",
+            group=group,
+            bootstrap=settings.kafka_bootstrap,
+            pool=pool,
+            publisher=publisher,
+            routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)},
+        )
         await consumer.start()
         try:
             taken = 0
@@ -93,7 +100,14 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
         assert any("poison" in r for r in reasons) and any("protobuf" in r.lower() or "parse" in r.lower() for r in reasons)
 
         # The group's offsets were committed after the effects: a restart reads nothing again.
-        again = InboxConsumer(name="test", group=group, bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)})
+        again = InboxConsumer(
+            name="test",
+            group=group,
+            bootstrap=settings.kafka_bootstrap,
+            pool=pool,
+            publisher=publisher,
+            routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)},
+        )
         await again.start()
         try:
             assert await again.poll_once(timeout_ms=3000) == 0
@@ -157,7 +171,15 @@ async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings,
     reader = InMemoryMetricReader()
     progress = ConsumerProgress(MeterProvider(metric_readers=[reader]).get_meter("test"), name="test")
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-        consumer = InboxConsumer(name="test", group=group, bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)}, progress=progress)
+        consumer = InboxConsumer(
+            name="test",
+            group=group,
+            bootstrap=settings.kafka_bootstrap,
+            pool=pool,
+            publisher=publisher,
+            routes={topics.lifecycle: _batch_route(seen)},
+            progress=progress,
+        )
         await consumer.start()
         try:
             assert await _consume(consumer, 9) == 9
@@ -192,7 +214,14 @@ async def test_redelivered_batch_changes_nothing(settings, pg_dsn) -> None:
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
         # A second group reads the same records again: the inbox (same name) takes every one as a duplicate.
         for attempt in range(2):
-            consumer = InboxConsumer(name="test", group=f"g-{attempt}-{uuid.uuid4().hex[:8]}", bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
+            consumer = InboxConsumer(
+                name="test",
+                group=f"g-{attempt}-{uuid.uuid4().hex[:8]}",
+                bootstrap=settings.kafka_bootstrap,
+                pool=pool,
+                publisher=publisher,
+                routes={topics.lifecycle: _batch_route(seen)},
+            )
             await consumer.start()
             try:
                 assert await _consume(consumer, 20) == 20
@@ -224,7 +253,14 @@ async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn
             raise ConnectionError("Postgres went away before the commit")
 
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-        consumer = InboxConsumer(name="test", group=group, bootstrap=settings.kafka_bootstrap, pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
+        consumer = InboxConsumer(
+            name="test",
+            group=group,
+            bootstrap=settings.kafka_bootstrap,
+            pool=pool,
+            publisher=publisher,
+            routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)},
+        )
         await consumer.start()
         try:
             polling = asyncio.create_task(_consume(consumer, 5))

@@ -102,9 +102,7 @@ async def test_pg_dsn_is_migrated_and_its_own(pg_dsn: str, _database_factory: Da
         _database_factory.drop(name)
 
 
-def test_settings_point_at_this_tests_own_resources(
-    settings: CommonSettings, pg_dsn: str, redis_prefix: str, topic_prefix: str
-) -> None:
+def test_settings_point_at_this_tests_own_resources(settings: CommonSettings, pg_dsn: str, redis_prefix: str, topic_prefix: str) -> None:
     assert (settings.postgres_dsn, settings.redis_prefix, settings.topic_prefix) == (pg_dsn, redis_prefix, topic_prefix)
     assert redis_prefix != "bg" and topic_prefix != ""
 
@@ -218,9 +216,7 @@ def test_two_checkouts_run_side_by_side(new_checkout) -> None:  # type: ignore[n
     assert a["up"] and b["up"]
 
 
-def test_up_on_shared_servers_isolates_the_checkout(
-    checkout: Path, postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str
-) -> None:
+def test_up_on_shared_servers_isolates_the_checkout(checkout: Path, postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str) -> None:
     env = {"BUDGETGATE_POSTGRES_DSN": postgres_admin_dsn, "BUDGETGATE_REDIS_URL": redis_server_url,
            "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap}  # fmt: skip
     database = database_name(checkout_tag(checkout))

@@ -44,10 +44,10 @@ def kinds(received: list[dict]) -> Counter:  # type: ignore[type-arg]
     return Counter((e["run"]["runId"], e["eventType"]) for e in received)
 
 
-
 def instant(text: str) -> datetime:
     """The facet and the HTTP answer name the same instants (each in its own RFC 3339 spelling)."""
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
 
 async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_dsn, admission_factory, marquez) -> None:  # type: ignore[no-untyped-def]
     require_spec()
@@ -181,16 +181,18 @@ async def test_the_kafka_transport_delivers_to_a_topic(settings) -> None:  # typ
     pytest.importorskip("confluent_kafka", reason="the Kafka transport needs confluent-kafka")
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
     lineage_topic = f"{settings.topic_prefix}openlineage.events"
-    client = transport.build_client("unused", config={"transport": {"type": "kafka", "topic": lineage_topic,
-                                                                     "config": {"bootstrap.servers": settings.kafka_bootstrap}}})
+    client = transport.build_client(
+        "unused", config={"transport": {"type": "kafka", "topic": lineage_topic, "config": {"bootstrap.servers": settings.kafka_bootstrap}}}
+    )
     await publish(settings, decision("kafka/1"), decision("kafka/2", "DENY"))
     emitter = await EmitterServer(emitter_settings(settings), client).start()
     try:
         await wait_until(lambda: emitter.rt.sender.stats.delivered == 2, timeout=60, what="two events delivered to Kafka")
     finally:
         await emitter.stop()
-    consumer = AIOKafkaConsumer(lineage_topic, bootstrap_servers=settings.kafka_bootstrap, auto_offset_reset="earliest",
-                                group_id=f"g-{uuid.uuid4().hex[:8]}", enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        lineage_topic, bootstrap_servers=settings.kafka_bootstrap, auto_offset_reset="earliest", group_id=f"g-{uuid.uuid4().hex[:8]}", enable_auto_commit=False
+    )
     await consumer.start()
     try:
         found: list[dict] = []  # type: ignore[type-arg]

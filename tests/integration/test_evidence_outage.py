@@ -94,7 +94,9 @@ async def test_marquez_failing_then_stalled(settings, pg_dsn, marquez) -> None: 
         await wait_until(lambda: emitter.rt.sender.stats.failures >= 3, what="503s to be retried")
         conn = await asyncpg.connect(pg_dsn)
         try:
-            row = await conn.fetchrow("SELECT max(attempts) AS attempts, max(last_error) AS error, count(*) FILTER (WHERE state = 'pending') AS pending FROM evidence_events")
+            row = await conn.fetchrow(
+                "SELECT max(attempts) AS attempts, max(last_error) AS error, count(*) FILTER (WHERE state = 'pending') AS pending FROM evidence_events"
+            )
         finally:
             await conn.close()
         assert row["attempts"] >= 1 and "503" in row["error"] and row["pending"] == 5

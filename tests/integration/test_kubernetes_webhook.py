@@ -117,7 +117,10 @@ async def test_served_over_tls_as_the_deployment_runs_it(settings, pg_dsn, tmp_p
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         token = await issue(pg_dsn, Role.SUBMITTER)
-        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=str(cert)), timeout=10, headers=bearer(token)) as client:
+        async with httpx.AsyncClient(
+            base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=str(cert)), timeout=10, headers=bearer(token)
+        ) as client:
+
             async def ready() -> bool:
                 assert process.poll() is None, process.stderr.read().decode() if process.stderr else "exited"
                 try:

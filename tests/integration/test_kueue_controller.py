@@ -69,7 +69,10 @@ def check_state(api: KubeApi, name: str) -> dict[str, Any]:
 async def test_workloads_waiting_on_the_check_are_decided(kube, admission) -> None:
     api, url = kube
     api.put("admissionchecks", fixture("admissioncheck.json"))
-    api.put("admissionchecks", {**fixture("admissioncheck.json"), "metadata": {"name": "someone-else", "generation": 1}, "spec": {"controllerName": "example.com/other"}})
+    api.put(
+        "admissionchecks",
+        {**fixture("admissioncheck.json"), "metadata": {"name": "someone-else", "generation": 1}, "spec": {"controllerName": "example.com/other"}},
+    )
     api.put("workloads", workload("job-fits", job_uid="11111111-1111-4111-8111-111111111111"))  # 8 H100 × 6 h
     kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
     async with AsyncClient(admission.url) as budgetgate:

@@ -49,7 +49,9 @@ async def test_scrapes_become_cumulative_samples_on_kafka(exporters, metering, s
     await decide(pg_dsn, FLYTE, TRAIN)
     state = tmp_path / "meter.json"
     env = {"BUDGETGATE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap, "BUDGETGATE_TOPIC_PREFIX": settings.topic_prefix}
-    await meter("--url", f"{exporters.url}/a/metrics", "--url", f"{exporters.url}/b/metrics", "--interval", "0.3", "--count", "3", "--state", str(state), env=env)
+    await meter(
+        "--url", f"{exporters.url}/a/metrics", "--url", f"{exporters.url}/b/metrics", "--interval", "0.3", "--count", "3", "--state", str(state), env=env
+    )
     assert exporters.scrapes == {"a": 3, "b": 3}
 
     async def both_sampled() -> bool:

@@ -48,7 +48,11 @@ async def test_samples_become_usage_rows_and_usage_records(metering, settings, p
     topics = Topics(settings.topic_prefix)
     await decide(pg_dsn, "run-a")
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-        for message in [sample("run-a", "s1", 1800.0, minute=0, node_seconds=225.0), sample("run-a", "s2", 3600.0, minute=10, node_seconds=450.0), sample("run-a", "s3", 3600.0, minute=20, node_seconds=450.0)]:
+        for message in [
+            sample("run-a", "s1", 1800.0, minute=0, node_seconds=225.0),
+            sample("run-a", "s2", 3600.0, minute=10, node_seconds=450.0),
+            sample("run-a", "s3", 3600.0, minute=20, node_seconds=450.0),
+        ]:
             await publisher.send(topics.metering, message, key=message.run_id)
 
     await wait_for(lambda: _rows(pg_dsn, 3), what="3 usage rows")
@@ -90,18 +94,26 @@ async def test_duplicated_resent_and_shuffled_stream_gives_the_clean_usage(meter
             clean.append(sample(run_id, f"{run_id}/s{i}", gpu, minute=i * 5, node_seconds=gpu / 8))
     # Every sample again (the same message re-sent), a third resent under a new sample id, all shuffled.
     arriving = clean + [sample(m.run_id, m.sample_id, m.gpu_seconds, at=m.observed_at.ToDatetime(tzinfo=UTC), node_seconds=m.node_seconds) for m in clean]
-    arriving += [sample(m.run_id, f"{m.sample_id}/again", m.gpu_seconds, at=m.observed_at.ToDatetime(tzinfo=UTC), node_seconds=m.node_seconds) for m in clean[::3]]
+    arriving += [
+        sample(m.run_id, f"{m.sample_id}/again", m.gpu_seconds, at=m.observed_at.ToDatetime(tzinfo=UTC), node_seconds=m.node_seconds) for m in clean[::3]
+    ]
     rng.shuffle(arriving)
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
         for message in arriving:
             await publisher.send(topics.metering, message, key=message.run_id)
 
     await wait_for(lambda: _processed(metering, len(arriving)), what="every sample consumed")
-    expected, _ = normalize(Sample(m.run_id, m.sample_id, m.observed_at.ToDatetime(tzinfo=UTC), Counters(milli(m.gpu_seconds), milli(m.node_seconds))) for m in clean)
+    expected, _ = normalize(
+        Sample(m.run_id, m.sample_id, m.observed_at.ToDatetime(tzinfo=UTC), Counters(milli(m.gpu_seconds), milli(m.node_seconds))) for m in clean
+    )
     for run_id in runs:
         rows = await usage_rows(pg_dsn, run_id)
-        assert [(r["observed_at"], Counters(r["gpu_milli_hours"], r["node_milli_hours"])) for r in rows] == [(k.observed_at, k.counters) for k in expected.recorded(run_id)]
-        cumulative = await fetchval(pg_dsn, "SELECT row(gpu_milli_hours_cumulative, node_milli_hours_cumulative)::text FROM usage_runs WHERE run_id = $1", run_id)
+        assert [(r["observed_at"], Counters(r["gpu_milli_hours"], r["node_milli_hours"])) for r in rows] == [
+            (k.observed_at, k.counters) for k in expected.recorded(run_id)
+        ]
+        cumulative = await fetchval(
+            pg_dsn, "SELECT row(gpu_milli_hours_cumulative, node_milli_hours_cumulative)::text FROM usage_runs WHERE run_id = $1", run_id
+        )
         assert cumulative == f"({expected.cumulative(run_id).gpu},{expected.cumulative(run_id).node})"
 
     await wait_for(lambda: published_outbox(pg_dsn), what="outbox relayed")
@@ -146,8 +158,17 @@ async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_goi
         await publisher.send(topics.metering, sample("run-ok", "first", 100.0, minute=20), key="run-ok")
         for message in bad.values():
             await publisher.send(topics.metering, message, key=message.run_id or "none")
-        await publisher.send_record(topics.metering, wire.Record(value=b"\x00not protobuf", key=b"run-ok", headers=[(wire.CONTENT_TYPE, wire.PROTOBUF.encode())]))
-        await publisher.send_record(topics.metering, wire.Record(value=json.dumps({"eventId": "e-1", "runId": "run-ok", "gpuSeconds": "lots"}).encode(), key=b"run-ok", headers=[(wire.CONTENT_TYPE, b"application/json")]))
+        await publisher.send_record(
+            topics.metering, wire.Record(value=b"\x00not protobuf", key=b"run-ok", headers=[(wire.CONTENT_TYPE, wire.PROTOBUF.encode())])
+        )
+        await publisher.send_record(
+            topics.metering,
+            wire.Record(
+                value=json.dumps({"eventId": "e-1", "runId": "run-ok", "gpuSeconds": "lots"}).encode(),
+                key=b"run-ok",
+                headers=[(wire.CONTENT_TYPE, b"application/json")],
+            ),
+        )
         await publisher.send(topics.metering, sample("run-ok", "last", 200.0, minute=40), key="run-ok")
 
     expected_reasons = sorted([*bad, "unparseable", "unparseable"])
@@ -266,7 +287,10 @@ async def test_batches_judged_against_recorded_history_give_what_one_by_one_give
             stream += [Sample(s.run_id, f"{s.sample_id}/again", s.observed_at, s.counters) for s in rng.sample(clean, 5)]  # resends
             rng.shuffle(stream)
             # Last, so that most are judged against neighbours recorded by earlier batches.
-            stream += [Sample(s.run_id, f"{s.sample_id}/odd", s.observed_at + timedelta(seconds=30), Counters(rng.randrange(0, 400_000), s.counters.node + 50)) for s in rng.sample(clean, 12)]
+            stream += [
+                Sample(s.run_id, f"{s.sample_id}/odd", s.observed_at + timedelta(seconds=30), Counters(rng.randrange(0, 400_000), s.counters.node + 50))
+                for s in rng.sample(clean, 12)
+            ]
             stream += [Sample(r, f"{r}/{seed}/down", T0 + timedelta(minutes=seed * 100 + 20), Counters(500, 50)) for r in runs]
             at = 0
             while at < len(stream):

@@ -49,7 +49,10 @@ async def test_snake_case_fields_and_a_late_sample(metering, settings, pg_dsn) -
     assert [(r["sample_id"], r["gpu_milli_hours"], r["late"]) for r in rows] == [("a", 20_000, True), ("b", 50_000, False)]
     # Announced too: cumulative unchanged and delta 0, with its own counters for windows.
     records = await usage_records(settings.kafka_bootstrap, Topics(settings.topic_prefix).usage, 2)
-    assert [(r.sample_id, r.gpu_milli_hours_cumulative, r.gpu_milli_hours_delta, r.gpu_milli_hours_observed) for r in records] == [("b", 50_000, 50_000, 50_000), ("a", 50_000, 0, 20_000)]
+    assert [(r.sample_id, r.gpu_milli_hours_cumulative, r.gpu_milli_hours_delta, r.gpu_milli_hours_observed) for r in records] == [
+        ("b", 50_000, 50_000, 50_000),
+        ("a", 50_000, 0, 20_000),
+    ]
 
 
 async def test_bad_fields_are_named_and_nothing_of_the_batch_is_recorded(metering, pg_dsn) -> None:
@@ -85,7 +88,9 @@ async def test_bad_fields_are_named_and_nothing_of_the_batch_is_recorded(meterin
 
 async def test_a_regression_is_rejected_while_the_rest_is_recorded(metering, pg_dsn) -> None:
     await decide(pg_dsn, "run-r")
-    response = await metering.post(as_json(sample("run-r", "up", 100.0, minute=0)), as_json(sample("run-r", "down", 50.0, minute=1)), as_json(sample("run-r", "up2", 150.0, minute=2)))
+    response = await metering.post(
+        as_json(sample("run-r", "up", 100.0, minute=0)), as_json(sample("run-r", "down", 50.0, minute=1)), as_json(sample("run-r", "up2", 150.0, minute=2))
+    )
     assert response.status_code == 422
     body = response.json()
     assert [r["status"] for r in body["results"]] == ["accepted", "rejected", "accepted"]

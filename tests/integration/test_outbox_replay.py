@@ -51,7 +51,9 @@ async def drain_all(relay: OutboxRelay) -> None:
 
 async def test_rows_stay_for_the_window_and_are_pruned_after_it(settings, pg_dsn) -> None:
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
-    relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap), topics=Topics(settings.topic_prefix), replay_window=timedelta(minutes=10))
+    relay = OutboxRelay(
+        pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap), topics=Topics(settings.topic_prefix), replay_window=timedelta(minutes=10)
+    )
     try:
         await enqueue(pool, 6)
         await pool.execute("UPDATE outbox SET published_at = now() - interval '11 minutes' WHERE id IN (SELECT id FROM outbox ORDER BY id LIMIT 2)")

@@ -128,8 +128,14 @@ def test_diff_prints_the_plan_against_the_active_bundle(repo: Path, pg_dsn: str)
     commit(repo, {"team.yaml": budget_yaml("team"), "old.yaml": budget_yaml("old", namespace="old"), "rates.yaml": RATES})
     assert run(pg_dsn, "policy", "apply", str(repo)).exit_code == 0
     (repo / "old.yaml").unlink()
-    commit(repo, {"team.yaml": budget_yaml("team", limit="gpu_hours: 250"), "new.yaml": budget_yaml("new", namespace="new"),
-                  "rates.yaml": RATES.replace("3.933", "4.1")})
+    commit(
+        repo,
+        {
+            "team.yaml": budget_yaml("team", limit="gpu_hours: 250"),
+            "new.yaml": budget_yaml("new", namespace="new"),
+            "rates.yaml": RATES.replace("3.933", "4.1"),
+        },
+    )
     result = run(pg_dsn, "policy", "diff", str(repo))
     assert result.exit_code == 0, result.output
     lines = [line.strip() for line in result.stdout.splitlines()]

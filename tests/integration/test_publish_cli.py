@@ -25,7 +25,9 @@ async def test_publish_sends_what_it_is_told(settings) -> None:
         assert result.exit_code == 0, result.output
         return result.output
 
-    await asyncio.to_thread(run, "lifecycle", "--run-id", "r1", "--event", "evicted", "--at", "2026-07-14T09:00:00", "--reason", "node drained", "--event-id", "e-1")
+    await asyncio.to_thread(
+        run, "lifecycle", "--run-id", "r1", "--event", "evicted", "--at", "2026-07-14T09:00:00", "--reason", "node drained", "--event-id", "e-1"
+    )
     await asyncio.to_thread(run, "lifecycle", "--run-id", "r1", "--event", "evicted", "--at", "2026-07-14T09:00:00", "--event-id", "e-1")
     await asyncio.to_thread(run, "metering", "--run-id", "r1", "--gpu-seconds", "nan", "--sample-id", "s-1")
     topics = Topics(settings.topic_prefix)

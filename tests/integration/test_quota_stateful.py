@@ -57,7 +57,10 @@ def make_machine(pg_dsn: str, redis_url: str, redis_prefix: str) -> type[RuleBas
             self.admitter = Admitter(pool=self.pool, ledger=self.ledger, sync=self.sync, policies=self.policies)
 
         async def _apply(self, limits: tuple[int, int, int]) -> None:
-            files = {"q.yaml": quota(self.tenant, limits), "b.yaml": budget_yaml(f"b-{self.tenant}", namespace="physics", labels=f"{{team: {self.tenant}}}", limit="gpu_hours: 1000000")}
+            files = {
+                "q.yaml": quota(self.tenant, limits),
+                "b.yaml": budget_yaml(f"b-{self.tenant}", namespace="physics", labels=f"{{team: {self.tenant}}}", limit="gpu_hours: 1000000"),
+            }
             await apply_policies(pg_dsn, files, sha=uuid.uuid4().hex + "00000000")
             await self.policies.refresh()
             self.limits = limits
@@ -71,7 +74,9 @@ def make_machine(pg_dsn: str, redis_url: str, redis_prefix: str) -> type[RuleBas
 
         async def _submit(self, gpus: int, nodes: int) -> tuple[str, dict]:  # type: ignore[type-arg]
             run_id = f"{self.tenant}/{uuid.uuid4().hex[:8]}"
-            body = AdmissionRequest(run_id=run_id, namespace="physics", labels={"team": self.tenant}, resources={"gpus": gpus, "nodes": nodes}, projected_runtime_hours=1.0)
+            body = AdmissionRequest(
+                run_id=run_id, namespace="physics", labels={"team": self.tenant}, resources={"gpus": gpus, "nodes": nodes}, projected_runtime_hours=1.0
+            )
             return run_id, await self.admitter.admit(body, now=datetime.now(UTC))
 
         @initialize(limits=LIMITS)
@@ -136,7 +141,10 @@ def make_machine(pg_dsn: str, redis_url: str, redis_prefix: str) -> type[RuleBas
         def redis_and_postgres_agree_with_the_model(self) -> None:
             async def read() -> tuple[dict[bytes, bytes], tuple[int, int, int] | None, bool]:
                 counter = await self.client.hgetall(self.ledger.keys.counter(f"t:{self.tenant}"))
-                row = await self.pool.fetchrow("SELECT coalesce(sum(gpus), 0) AS g, coalesce(sum(nodes), 0) AS n, count(*) AS a FROM run_holds WHERE state = 'held' AND tenant = $1", self.tenant)
+                row = await self.pool.fetchrow(
+                    "SELECT coalesce(sum(gpus), 0) AS g, coalesce(sum(nodes), 0) AS n, count(*) AS a FROM run_holds WHERE state = 'held' AND tenant = $1",
+                    self.tenant,
+                )
                 return counter, (row["g"], row["n"], row["a"]), await self.ledger.is_loaded()
 
             counter, in_postgres, loaded = self.run(read())

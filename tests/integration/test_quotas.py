@@ -38,7 +38,9 @@ async def started(admission_factory, pg_dsn, files: dict[str, str], sha: str = "
 
 
 async def test_exact_rejection_message_from_a_real_submission(admission_factory, pg_dsn) -> None:
-    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 200, max_gpus: 1600, max_concurrent_allocations: 50"), "b.yaml": BIG_BUDGET})
+    server = await started(
+        admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 200, max_gpus: 1600, max_concurrent_allocations: 50"), "b.yaml": BIG_BUDGET}
+    )
     first = (await server.client.post("/v1/admissions", json=physics("big", gpus=8, nodes=195))).json()
     assert first["decision"] == "ALLOW" and first["tenant"] == "physics"
     denied = (await server.client.post("/v1/admissions", json=physics("more", gpus=8, nodes=10))).json()
@@ -172,7 +174,10 @@ async def test_caps_parent_quota_and_lease_reclaim(admission_factory, pg_dsn) ->
 
 
 async def test_a_submission_gets_its_token_and_gpus_together_or_neither(admission_factory, pg_dsn) -> None:
-    files = {"p.yaml": POOLS.format(child=1, parent=5, cap=5), "b.yaml": budget_yaml("small", namespace="physics", labels="{team: physics}", limit="gpu_hours: 10")}
+    files = {
+        "p.yaml": POOLS.format(child=1, parent=5, cap=5),
+        "b.yaml": budget_yaml("small", namespace="physics", labels="{team: physics}", limit="gpu_hours: 10"),
+    }
     server = await started(admission_factory, pg_dsn, files)
     ask = {"namespace": "snowflake:wh-1", "project": "physics"}
     both = (await server.client.post("/v1/admissions", json=physics("with-token", gpus=4, pool_token=ask))).json()

@@ -57,7 +57,9 @@ async def test_quote_never_replays_and_counts_in_metrics_only(admission, pg_dsn)
     vision = {e["policy_id"]: e for e in q["evaluations"]}["gpu-budget/team-vision-prod"]
     assert vision["remaining_gpu_hours"] == 452.0
     text = (await admission.client.get("/metrics")).text
-    assert [line for line in text.splitlines() if line.startswith("budgetgate_admission_quotes_total{") and 'decision="ALLOW"' in line and line.endswith(" 1.0")]
+    assert [
+        line for line in text.splitlines() if line.startswith("budgetgate_admission_quotes_total{") and 'decision="ALLOW"' in line and line.endswith(" 1.0")
+    ]
     assert await _count(pg_dsn, "SELECT count(*) FROM decisions") == 1
 
 
@@ -105,7 +107,8 @@ async def test_explain_tells_a_corrupted_reading(admission, pg_dsn) -> None:
     conn = await asyncpg.connect(pg_dsn)
     try:
         await conn.execute(
-            "UPDATE decisions SET readings = jsonb_set(readings, '{ledger,0,reserved}', to_jsonb(((readings #>> '{ledger,0,limit}')::bigint))) WHERE run_id = 'tampered'"
+            "UPDATE decisions SET readings = jsonb_set(readings, '{ledger,0,reserved}', to_jsonb(((readings #>> "
+            "'{ledger,0,limit}')::bigint))) WHERE run_id = 'tampered'"
         )
     finally:
         await conn.close()
@@ -121,13 +124,33 @@ async def test_quote_on_the_command_line(admission, tmp_path) -> None:
     import sys
 
     await admission.submit(run_id="cli/earlier")
-    env = {k: v for k, v in os.environ.items() if k not in ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_HOME")} | {"BUDGETGATE_ADMISSION_URL": admission.url, "BUDGETGATE_TOKEN": admission.token}
-    args = ["quote", "-n", "vision-prod", "-l", "team=vision", "-l", "cost-center=1042", "--gpus", "8", "--flavor", "h100", "--region", "us-east-1", "--hours", "6"]
+    env = {k: v for k, v in os.environ.items() if k not in ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_HOME")} | {
+        "BUDGETGATE_ADMISSION_URL": admission.url,
+        "BUDGETGATE_TOKEN": admission.token,
+    }
+    args = [
+        "quote",
+        "-n",
+        "vision-prod",
+        "-l",
+        "team=vision",
+        "-l",
+        "cost-center=1042",
+        "--gpus",
+        "8",
+        "--flavor",
+        "h100",
+        "--region",
+        "us-east-1",
+        "--hours",
+        "6",
+    ]
 
     async def cli(*extra: str) -> tuple[int, str, str]:
         # The server runs in this event loop: the command must not block it.
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "budgetgate.cli.main", *args, *extra, cwd=tmp_path, env=env,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "budgetgate.cli.main", *args, *extra, cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
         out, err = await asyncio.wait_for(proc.communicate(), 120)
         return proc.returncode or 0, out.decode(), err.decode()
 

@@ -34,7 +34,9 @@ def ts(at: datetime) -> Timestamp:
 
 
 def lifecycle(run_id: str, kind: str, at: datetime, *, gpus: int = 0, event_id: str | None = None) -> lifecycle_pb2.LifecycleEvent:
-    return lifecycle_pb2.LifecycleEvent(event_id=event_id or str(uuid.uuid4()), event_time=ts(at), run_id=run_id, type=lifecycle_pb2.LifecycleType.Value(kind), gpus=gpus)
+    return lifecycle_pb2.LifecycleEvent(
+        event_id=event_id or str(uuid.uuid4()), event_time=ts(at), run_id=run_id, type=lifecycle_pb2.LifecycleType.Value(kind), gpus=gpus
+    )
 
 
 def usage(run_id: str, sample: str, at: datetime, gpu_hours: float, node_hours: float = 0.0) -> usage_pb2.UsageRecord:
@@ -94,7 +96,8 @@ async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:
     conn = await asyncpg.connect(dsn)
     try:
         rows = await conn.fetch(
-            "SELECT e.ledger_key, e.consumed, COALESCE((SELECT sum(amount) FROM reservations r WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved FROM ledger_entries e"
+            "SELECT e.ledger_key, e.consumed, COALESCE((SELECT sum(amount) FROM reservations r WHERE r.ledger_key = "
+            "e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved FROM ledger_entries e"
         )
         return {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in rows}
     finally:
@@ -189,7 +192,12 @@ async def test_duplicated_reordered_late_stream_gives_the_clean_ledger(admission
     # The completion and the first usage record arrive first; everything is sent twice, the
     # second copies with new event ids for the samples (a resend by the exporter).
     await feed.send(messy[6], messy[1], *shuffled)
-    await feed.send(*[usage("messy", u.sample_id, u.observed_at.ToDatetime(tzinfo=UTC), u.gpu_milli_hours_observed / H) if isinstance(u, usage_pb2.UsageRecord) else u for u in shuffled])
+    await feed.send(
+        *[
+            usage("messy", u.sample_id, u.observed_at.ToDatetime(tzinfo=UTC), u.gpu_milli_hours_observed / H) if isinstance(u, usage_pb2.UsageRecord) else u
+            for u in shuffled
+        ]
+    )
 
     async def both_final() -> bool:
         rows = [await settled(pg_dsn, r) for r in ("clean", "messy")]
@@ -234,7 +242,9 @@ async def test_metering_stops_reservation_stays_admission_decides_then_converges
     await feed.send(usage("long", "2", start + timedelta(hours=2), 15), usage("long", "3", start + timedelta(hours=3), 23))
     await wait_for(lambda: figures_are((0, 23 * H)), what="actuals after metering resumed")
     assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
-    assert (await server.submit(run_id="fits-now", labels={"team": "vision"}, resources={"gpus": 7}, projected_runtime_hours=11.0)).json()["decision"] == "ALLOW"
+    assert (await server.submit(run_id="fits-now", labels={"team": "vision"}, resources={"gpus": 7}, projected_runtime_hours=11.0)).json()[
+        "decision"
+    ] == "ALLOW"
 
 
 async def _phase_is(dsn: str, run_id: str, phase: str) -> bool:
@@ -361,7 +371,9 @@ async def test_tenant_usage_route_and_cli(admission, reconciler_factory, feed, p
     assert (await admission.submit(run_id="t2", projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
     await reconciler_factory()
     start = datetime.now(UTC) - timedelta(hours=2)
-    await feed.send(lifecycle("t1", "STARTED", start), usage("t1", "s", start + timedelta(hours=1), 10), lifecycle("t1", "COMPLETED", start + timedelta(hours=1)))
+    await feed.send(
+        lifecycle("t1", "STARTED", start), usage("t1", "s", start + timedelta(hours=1), 10), lifecycle("t1", "COMPLETED", start + timedelta(hours=1))
+    )
     await wait_for(lambda: _final(pg_dsn, "t1"), what="t1 settled")
     body = (await admission.client.get("/v1/tenants/vision/usage", params={"days": 30})).json()
     assert body["tenant"] == "vision" and body["label"] == "team" and body["days"] == 30

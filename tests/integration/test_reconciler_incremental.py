@@ -75,13 +75,25 @@ async def test_amounts_beyond_the_ledger_range_are_dead_lettered_and_never_jam(a
     reconciler = await reconciler_factory(settle_tries=2)
     start = datetime.now(UTC) - timedelta(hours=2)
     half = MAX_AMOUNT // 2 + 1
-    too_big = usage_pb2.UsageRecord(event_id="big", event_time=ts(start), run_id="too-big", sample_id="x", observed_at=ts(start), gpu_milli_hours_observed=MAX_AMOUNT + 1, node_milli_hours_observed=0)
+    too_big = usage_pb2.UsageRecord(
+        event_id="big",
+        event_time=ts(start),
+        run_id="too-big",
+        sample_id="x",
+        observed_at=ts(start),
+        gpu_milli_hours_observed=MAX_AMOUNT + 1,
+        node_milli_hours_observed=0,
+    )
     await feed.send(too_big)
     await feed.send(*(u for r in ("half-1", "half-2") for u in (lifecycle(r, "STARTED", start), _raw(r, start, half))))
     # One of the two halves fits; the other would take the key past the range and is set aside.
-    await wait_for(lambda: _fetchval(pg_dsn, "SELECT count(*) = 1 FROM settlement_failures WHERE dead AND reason LIKE '%range%'"), what="a dead-lettered settlement")
+    await wait_for(
+        lambda: _fetchval(pg_dsn, "SELECT count(*) = 1 FROM settlement_failures WHERE dead AND reason LIKE '%range%'"), what="a dead-lettered settlement"
+    )
     assert await _fetchval(pg_dsn, "SELECT count(*) FROM run_samples WHERE run_id = 'too-big'") == 0  # poison, never recorded
-    await feed.send(lifecycle("normal", "STARTED", start), usage("normal", "n", start + timedelta(hours=1), 1), lifecycle("normal", "COMPLETED", start + timedelta(hours=1)))
+    await feed.send(
+        lifecycle("normal", "STARTED", start), usage("normal", "n", start + timedelta(hours=1), 1), lifecycle("normal", "COMPLETED", start + timedelta(hours=1))
+    )
     await wait_for(lambda: _final(pg_dsn, "normal"), what="the run after the failure settled")
     assert await reconciler.ledger.is_loaded()  # a refusal never invalidates Redis
     assert reconciler.stats.dead_letters == 1
@@ -93,7 +105,9 @@ async def test_amounts_beyond_the_ledger_range_are_dead_lettered_and_never_jam(a
 
 def _raw(run_id: str, start: datetime, gpu: int) -> usage_pb2.UsageRecord:
     at = ts(start + timedelta(minutes=30))
-    return usage_pb2.UsageRecord(event_id=f"{run_id}-u", event_time=at, run_id=run_id, sample_id="h", observed_at=at, gpu_milli_hours_observed=gpu, node_milli_hours_observed=0)
+    return usage_pb2.UsageRecord(
+        event_id=f"{run_id}-u", event_time=at, run_id=run_id, sample_id="h", observed_at=at, gpu_milli_hours_observed=gpu, node_milli_hours_observed=0
+    )
 
 
 async def _final(dsn: str, run_id: str) -> bool:

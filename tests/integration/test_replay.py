@@ -18,8 +18,20 @@ async def _decide_a_mix(server) -> list[dict]:  # type: ignore[no-untyped-def]
         dict(run_id="mix/1"),
         dict(run_id="mix/2", labels={"team": "vision"}),  # DENY: labels missing
         dict(run_id="mix/3", resources={"gpus": 64, "nodes": 8, "flavor": "h100", "region": "us-east-1"}, projected_runtime_hours=100.0),  # DENY: too big
-        dict(run_id="mix/4", namespace="vision-research", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1, "flavor": "h100"}, projected_runtime_hours=14.0),
-        dict(run_id="mix/5", namespace="vision-research", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1, "flavor": "h100"}, projected_runtime_hours=2.0),  # DELAY
+        dict(
+            run_id="mix/4",
+            namespace="vision-research",
+            labels={"team": "vision"},
+            resources={"gpus": 8, "nodes": 1, "flavor": "h100"},
+            projected_runtime_hours=14.0,
+        ),
+        dict(
+            run_id="mix/5",
+            namespace="vision-research",
+            labels={"team": "vision"},
+            resources={"gpus": 8, "nodes": 1, "flavor": "h100"},
+            projected_runtime_hours=2.0,
+        ),  # DELAY
         dict(run_id="mix/6", namespace="unknown-ns", labels={}),  # no policy covers it
         dict(run_id="mix/7"),
     ]
@@ -53,7 +65,11 @@ async def test_healthy_ledger_replays_without_mismatch_and_one_corruption_is_one
     assert healthy == {"replayed": 7, "mismatches": [], "not_replayable": []}
 
     # One GPU-hour more held on mix/4's first budget than the script really read.
-    await _sql(pg_dsn, "UPDATE decisions SET readings = jsonb_set(readings, '{ledger,0,reserved}', to_jsonb((readings #>> '{ledger,0,reserved}')::bigint + 3600000)) WHERE run_id = 'mix/4'")
+    await _sql(
+        pg_dsn,
+        "UPDATE decisions SET readings = jsonb_set(readings, '{ledger,0,reserved}', to_jsonb((readings #>> "
+        "'{ledger,0,reserved}')::bigint + 3600000)) WHERE run_id = 'mix/4'",
+    )
     corrupted = await _replay(pg_dsn)
     assert corrupted["replayed"] == 7
     [mismatch] = corrupted["mismatches"]

@@ -89,7 +89,10 @@ async def test_the_catalog_compares_view_definitions(pg_dsn) -> None:
     assert any(kind == "view" and what.startswith("audit_window_exhaustion: ") for kind, what in before)
     conn = await asyncpg.connect(pg_dsn)
     try:
-        await conn.execute("CREATE OR REPLACE VIEW audit_evidence_backlog AS SELECT 0::bigint AS pending, 0::bigint AS dead, 0::bigint AS delivered, 0::numeric AS oldest_pending_seconds")
+        await conn.execute(
+            "CREATE OR REPLACE VIEW audit_evidence_backlog AS SELECT 0::bigint AS pending, 0::bigint AS dead, 0::bigint AS "
+            "delivered, 0::numeric AS oldest_pending_seconds"
+        )
     finally:
         await conn.close()
     changed = sorted(set(before) ^ set(await _catalog(pg_dsn)))

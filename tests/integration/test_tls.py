@@ -50,7 +50,10 @@ async def test_a_service_serves_https_from_its_certificate_and_key(module: str, 
     cert, key = self_signed(tmp_path)
     port = free_port()
     env = {
-        **os.environ, "BUDGETGATE_POSTGRES_DSN": settings.postgres_dsn, "BUDGETGATE_REDIS_URL": settings.redis_url, "BUDGETGATE_REDIS_PREFIX": settings.redis_prefix,
+        **os.environ,
+        "BUDGETGATE_POSTGRES_DSN": settings.postgres_dsn,
+        "BUDGETGATE_REDIS_URL": settings.redis_url,
+        "BUDGETGATE_REDIS_PREFIX": settings.redis_prefix,
         "BUDGETGATE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap, "BUDGETGATE_TOPIC_PREFIX": settings.topic_prefix,
         "BUDGETGATE_TLS_CERTFILE": str(cert), "BUDGETGATE_TLS_KEYFILE": str(key),
     }  # fmt: skip

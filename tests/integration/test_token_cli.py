@@ -35,7 +35,9 @@ def test_create_list_revoke_and_the_admin_log(pg_dsn: str) -> None:
     assert any(repr(hashlib.sha256(secret.encode()).digest()) in row for row in rows)
 
     listed = json.loads(run(pg_dsn, "token", "list", "--json").stdout)
-    assert [(t["name"], t["roles"], t["namespaces"], t["tenants"], t["revoked_at"]) for t in listed] == [("flyte-prod", ["submitter"], ["vision-*"], ["vision"], None)]
+    assert [(t["name"], t["roles"], t["namespaces"], t["tenants"], t["revoked_at"]) for t in listed] == [
+        ("flyte-prod", ["submitter"], ["vision-*"], ["vision"], None)
+    ]
     assert listed[0]["expires_at"] and secret not in json.dumps(listed)
 
     assert run(pg_dsn, "token", "create", "--name", "flyte-prod", "--role", "reader").exit_code != 0  # names are unique

@@ -131,9 +131,7 @@ async def test_ensure_topics_fills_in_only_what_is_missing(kafka_bootstrap: str,
     assert not any(t.startswith(other_prefix) for t in created)
 
 
-async def test_published_message_is_consumed_with_its_trace_context(
-    kafka_bootstrap: str, topic_prefix: str
-) -> None:
+async def test_published_message_is_consumed_with_its_trace_context(kafka_bootstrap: str, topic_prefix: str) -> None:
     topics = Topics(topic_prefix)
     await ensure_topics(kafka_bootstrap, prefix=topic_prefix)
     provider = TracerProvider()
@@ -184,9 +182,7 @@ async def test_json_from_an_exporter_and_its_dead_letter(kafka_bootstrap: str, t
     assert headers["dlq-partition"] == str(bad_meta.partition).encode()
 
 
-async def test_send_returns_only_after_the_broker_stored_the_record(
-    kafka_bootstrap: str, topic_prefix: str
-) -> None:
+async def test_send_returns_only_after_the_broker_stored_the_record(kafka_bootstrap: str, topic_prefix: str) -> None:
     topics = Topics(topic_prefix)
     await ensure_topics(kafka_bootstrap, prefix=topic_prefix, partitions=1)
 

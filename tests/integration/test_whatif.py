@@ -33,7 +33,12 @@ async def _history(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
 async def _live(dsn: str) -> tuple:
     conn = await asyncpg.connect(dsn)
     try:
-        queries = ("SELECT count(*) FROM decisions", "SELECT sum(amount) FROM reservations WHERE state = 'held'", "SELECT sum(consumed) FROM ledger_entries", "SELECT count(*) FROM policy_bundles")
+        queries = (
+            "SELECT count(*) FROM decisions",
+            "SELECT sum(amount) FROM reservations WHERE state = 'held'",
+            "SELECT sum(consumed) FROM ledger_entries",
+            "SELECT count(*) FROM policy_bundles",
+        )
         return tuple([await conn.fetchval(q) for q in queries])
     finally:
         await conn.close()
@@ -80,7 +85,12 @@ async def test_the_example_ci_script_validates_diffs_and_replays(admission_facto
     git("init", "-q", cwd=repo)
     git("-c", "user.email=ci@example.com", "-c", "user.name=ci", "add", ".", cwd=repo)
     git("-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "lower the team budget", cwd=repo)
-    env = {**os.environ, "BUDGETGATE_POSTGRES_DSN": pg_dsn, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "GITHUB_STEP_SUMMARY": str(tmp_path / "step.md")}
+    env = {
+        **os.environ,
+        "BUDGETGATE_POSTGRES_DSN": pg_dsn,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "GITHUB_STEP_SUMMARY": str(tmp_path / "step.md"),
+    }
     env.pop("BUDGETGATE_HOME", None)
     done = subprocess.run(["sh", str(SCRIPT), "policies", "1d"], cwd=repo, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -90,7 +100,9 @@ async def test_the_example_ci_script_validates_diffs_and_replays(admission_facto
     assert "3 recorded decisions, 1 would flip" in summary and "| `w/2` | 1 |" in summary
     assert (tmp_path / "step.md").read_text() == summary
 
-    flips = subprocess.run(["sh", str(SCRIPT), "policies", "1d"], cwd=repo, env={**env, "BUDGETGATE_FAIL_ON_FLIPS": "1"}, capture_output=True, text=True, timeout=180)
+    flips = subprocess.run(
+        ["sh", str(SCRIPT), "policies", "1d"], cwd=repo, env={**env, "BUDGETGATE_FAIL_ON_FLIPS": "1"}, capture_output=True, text=True, timeout=180
+    )
     assert flips.returncode == 1
     (repo / "policies" / "team.yaml").write_text("apiVersion: budgetgate/v1\nkind: BudgetPolicy\nmetadata: {id: x}\nspec: {limt: 1}\n")
     broken = subprocess.run(["sh", str(SCRIPT), "policies", "1d"], cwd=repo, env=env, capture_output=True, text=True, timeout=180)

@@ -35,8 +35,15 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     python = root / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", "--disable-pip-version-check", str(image_wheel())], check=True)
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", "--disable-pip-version-check", str(image_wheel())],
+        check=True,
+    )
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (site / "_budgetgate_test_deps.pth").write_text("\n".join(sorted(ours)) + "\n")
     return root / "bin"
@@ -57,9 +64,7 @@ def _run(bin_dir: Path, cwd: Path, env: dict[str, str], *args: str) -> str:
     return result.stdout
 
 
-def test_the_installed_wheel_migrates_loads_lua_and_serves_admission(
-    venv: Path, scratch_dsn: str, redis_url: str, redis_prefix: str, tmp_path: Path
-) -> None:
+def test_the_installed_wheel_migrates_loads_lua_and_serves_admission(venv: Path, scratch_dsn: str, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
     # A working directory of its own: no checkout on sys.path, no .budgetgate/dev.json to read.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BUDGETGATE_", "PYTHON"))}
     env.update(BUDGETGATE_POSTGRES_DSN=scratch_dsn, BUDGETGATE_REDIS_URL=redis_url, BUDGETGATE_REDIS_PREFIX=redis_prefix,

@@ -117,6 +117,7 @@ def test_money_is_monotone_and_within_half_a_cent(micros: int, other: int) -> No
 
 # --- windows -----------------------------------------------------------------------------------
 
+
 def _loadable(name: str) -> bool:
     try:
         zone(name)

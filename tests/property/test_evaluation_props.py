@@ -53,9 +53,7 @@ def charge_and_reading(draw: st.DrawFn, index: int) -> tuple[Charge, Reading]:
 def plans(draw: st.DrawFn) -> tuple[Plan, dict[str, Reading], dict[str, Outlook]]:
     count = draw(st.integers(min_value=1, max_value=6))
     pairs = [draw(charge_and_reading(i)) for i in range(count)]
-    submission = Submission(
-        run_id="run", namespace="ns", labels={}, resources=Resources(gpus=1), runtime_hours=Decimal(1), at=AT
-    )
+    submission = Submission(run_id="run", namespace="ns", labels={}, resources=Resources(gpus=1), runtime_hours=Decimal(1), at=AT)
     p = Plan(
         submission=submission,
         bundle_sha="sha",
@@ -133,25 +131,18 @@ def test_blocked_outcome_follows_on_exhausted(case: tuple[Plan, dict[str, Readin
 
 
 @given(case=plans(), data=st.data())
-def test_more_room_never_turns_an_admission_into_a_refusal(
-    case: tuple[Plan, dict[str, Reading], dict[str, Outlook]], data: st.DataObject
-) -> None:
+def test_more_room_never_turns_an_admission_into_a_refusal(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]], data: st.DataObject) -> None:
     p, readings, _ = case
-    roomier = {
-        key: replace(r, reserved=data.draw(st.integers(min_value=0, max_value=r.reserved))) for key, r in readings.items()
-    }
+    roomier = {key: replace(r, reserved=data.draw(st.integers(min_value=0, max_value=r.reserved))) for key, r in readings.items()}
     if decide(p, readings).outcome == "ALLOW":
         assert decide(p, roomier).outcome == "ALLOW"
 
 
 @given(case=plans())
-def test_soft_and_dry_run_readings_never_change_the_outcome(
-    case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]
-) -> None:
+def test_soft_and_dry_run_readings_never_change_the_outcome(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
     p, readings, _ = case
     exhausted = {
-        c.ledger_key: (Reading(limit=c.policy.limit.amount, reserved=BIG * 3, consumed=0) if not c.hard else readings[c.ledger_key])
-        for c in p.charges
+        c.ledger_key: (Reading(limit=c.policy.limit.amount, reserved=BIG * 3, consumed=0) if not c.hard else readings[c.ledger_key]) for c in p.charges
     }
     assert decide(p, exhausted).outcome == decide(p, readings).outcome
 

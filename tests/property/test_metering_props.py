@@ -125,7 +125,16 @@ def test_a_batch_judged_together_gives_what_one_by_one_gives(data: st.DataObject
     one by one (whatever was recorded before, with duplicates, resends, reorderings and
     regressions inside the batch)."""
     stream = data.draw(messy(data.draw(clean_stream())))
-    stream += data.draw(st.lists(st.builds(lambda s, g: Sample(s.run_id, f"{s.sample_id}/odd", s.observed_at + timedelta(seconds=30), Counters(g, 0)), st.sampled_from(stream), st.integers(0, 10**10)), max_size=3))
+    stream += data.draw(
+        st.lists(
+            st.builds(
+                lambda s, g: Sample(s.run_id, f"{s.sample_id}/odd", s.observed_at + timedelta(seconds=30), Counters(g, 0)),
+                st.sampled_from(stream),
+                st.integers(0, 10**10),
+            ),
+            max_size=3,
+        )
+    )
     split = data.draw(st.integers(0, len(stream)))
     before, batch = stream[:split], stream[split:]
     one_by_one, _ = normalize(before)
@@ -151,7 +160,13 @@ def _shape(outcome: Accepted | Duplicate | Rejected) -> tuple[object, ...]:
 
 
 @settings(max_examples=2000)
-@given(st.one_of(st.floats(min_value=0, max_value=1e13), st.integers(0, 10**9).flatmap(lambda n: st.integers(0, 6).map(lambda d: n / 10**d)), st.decimals(min_value=0, max_value=10**9, places=4).map(float)))
+@given(
+    st.one_of(
+        st.floats(min_value=0, max_value=1e13),
+        st.integers(0, 10**9).flatmap(lambda n: st.integers(0, 6).map(lambda d: n / 10**d)),
+        st.decimals(min_value=0, max_value=10**9, places=4).map(float),
+    )
+)
 def test_milli_reads_the_shortest_decimal_as_decimal_does(seconds: float) -> None:
     exact = int((to_decimal(seconds) * 1000).to_integral_value(rounding=ROUND_HALF_UP))
     assert milli(seconds) == exact

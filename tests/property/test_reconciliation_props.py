@@ -41,9 +41,14 @@ RULES = Rules(start_deadline=timedelta(hours=2), provisional_grace=timedelta(min
 
 def policy(pid: str, unit: Unit, *, limit: int = 1000 * H, window: WindowSpec | None = None) -> BudgetPolicy:
     return BudgetPolicy(
-        id=pid, scope=Scope(labels={"team": "vision"}), window=window or WindowSpec(calendar="month"), limit=Limit(unit, limit, "USD" if unit is Unit.COST else None),
-        enforcement=Enforcement.HARD, on_exhausted=OnExhausted.DENY, source=Source("t.yaml", 1),
-    )  # fmt: skip
+        id=pid,
+        scope=Scope(labels={"team": "vision"}),
+        window=window or WindowSpec(calendar="month"),
+        limit=Limit(unit, limit, "USD" if unit is Unit.COST else None),
+        enforcement=Enforcement.HARD,
+        on_exhausted=OnExhausted.DENY,
+        source=Source("t.yaml", 1),
+    )
 
 
 GPU = policy("gpu", Unit.GPU_HOURS)
@@ -54,9 +59,25 @@ BUNDLE = PolicyBundle(git_sha="s", policies=(GPU, NODE, WALL, COST), rate_cards=
 
 
 def facts(events=(), samples=(), *, gpus: int = 8, hours: int = 6, released: bool = False, policies=(GPU, NODE, WALL, COST)) -> RunFacts:  # type: ignore[no-untyped-def]
-    amounts = {Unit.GPU_HOURS: hours_amount(gpus, hours), Unit.NODE_HOURS: hours_amount(1, hours), Unit.WALL_HOURS: hours_amount(1, hours), Unit.COST: cost_micros(hours_amount(gpus, hours), Decimal("3.933"))}
+    amounts = {
+        Unit.GPU_HOURS: hours_amount(gpus, hours),
+        Unit.NODE_HOURS: hours_amount(1, hours),
+        Unit.WALL_HOURS: hours_amount(1, hours),
+        Unit.COST: cost_micros(hours_amount(gpus, hours), Decimal("3.933")),
+    }
     reservations = tuple(Reservation(p, ledger_key(p, window_at(p.window, T0)), amounts[p.limit.unit]) for p in policies)
-    return RunFacts(run_id="r", admitted_at=T0, reservations=reservations, gpus=gpus, nodes=1, projected_gpu=hours_amount(gpus, hours), flavor="h100", events=frozenset(events), samples=frozenset(samples), released=released)
+    return RunFacts(
+        run_id="r",
+        admitted_at=T0,
+        reservations=reservations,
+        gpus=gpus,
+        nodes=1,
+        projected_gpu=hours_amount(gpus, hours),
+        flavor="h100",
+        events=frozenset(events),
+        samples=frozenset(samples),
+        released=released,
+    )
 
 
 def ev(kind: str, minutes: float, eid: str | None = None, gpus: int = 0) -> LifecycleFact:
@@ -143,7 +164,12 @@ def test_cancelled_before_start_holds_nothing_and_consumes_nothing() -> None:
 
 
 def test_cost_is_priced_per_increment_and_rolling_usage_is_bucketed_by_hour() -> None:
-    result = settle(facts([ev(STARTED, 0), ev(COMPLETED, 120)], [sample(60, 8), sample(120, 16)], policies=(COST, WALL)), bundle=BUNDLE, rules=RULES, now=T0 + timedelta(hours=3))
+    result = settle(
+        facts([ev(STARTED, 0), ev(COMPLETED, 120)], [sample(60, 8), sample(120, 16)], policies=(COST, WALL)),
+        bundle=BUNDLE,
+        rules=RULES,
+        now=T0 + timedelta(hours=3),
+    )
     assert result.consumed_by_key()[key(COST)] == 2 * cost_micros(8 * H, Decimal("3.933"))
     wall_buckets = {bucket: amount for (k, bucket), amount in result.consumed.items() if k == key(WALL)}
     assert wall_buckets == {T0: H, T0 + timedelta(hours=1): H}
@@ -281,7 +307,12 @@ def wild_samples(draw):  # type: ignore[no-untyped-def]
     """Counters that fall as well as rise (resets, resends), repeated ids with other readings."""
     ids = [f"s{i}" for i in range(draw(st.integers(1, 8)))]
     return [
-        UsageFact(draw(st.sampled_from(ids)), T0 + timedelta(minutes=draw(st.integers(0, 400))), draw(st.integers(0, 50)) * H // 10, draw(st.integers(0, 50)) * H // 10)
+        UsageFact(
+            draw(st.sampled_from(ids)),
+            T0 + timedelta(minutes=draw(st.integers(0, 400))),
+            draw(st.integers(0, 50)) * H // 10,
+            draw(st.integers(0, 50)) * H // 10,
+        )
         for _ in range(draw(st.integers(0, 16)))
     ]
 

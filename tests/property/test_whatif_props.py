@@ -23,7 +23,14 @@ def bundle(limit_hours: int, *, sha: str = "c" * 40):  # type: ignore[no-untyped
 
 
 def run(i: int, gpus: int, hours: str = "1", outcome: str = "ALLOW") -> Recorded:
-    sub = Submission(run_id=f"r{i}", namespace="vision-prod", labels={"team": "vision"}, resources=Resources(gpus=gpus), runtime_hours=Decimal(hours), at=AT + timedelta(minutes=i))
+    sub = Submission(
+        run_id=f"r{i}",
+        namespace="vision-prod",
+        labels={"team": "vision"},
+        resources=Resources(gpus=gpus),
+        runtime_hours=Decimal(hours),
+        at=AT + timedelta(minutes=i),
+    )
     return Recorded(sub, outcome)
 
 

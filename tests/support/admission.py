@@ -75,7 +75,16 @@ def example_policies() -> dict[str, str]:
     return {p.relative_to(EXAMPLES).as_posix(): p.read_text() for p in sorted(EXAMPLES.rglob("*.yaml"))}
 
 
-def budget_yaml(policy_id: str, *, namespace: str = "vision-prod", labels: str = "{team: vision}", limit: str = "gpu_hours: 100", enforcement: str = "hard", on_exhausted: str = "deny", window: str = "{calendar: month}") -> str:
+def budget_yaml(
+    policy_id: str,
+    *,
+    namespace: str = "vision-prod",
+    labels: str = "{team: vision}",
+    limit: str = "gpu_hours: 100",
+    enforcement: str = "hard",
+    on_exhausted: str = "deny",
+    window: str = "{calendar: month}",
+) -> str:
     return f"""apiVersion: budgetgate/v1
 kind: BudgetPolicy
 metadata: {{id: {policy_id}}}

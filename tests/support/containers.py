@@ -54,8 +54,7 @@ def _enter(stack: ExitStack, container: Any) -> Any:
 def postgres(stack: ExitStack) -> str:
     from testcontainers.community.postgres import PostgresContainer
 
-    container = _enter(stack, PostgresContainer("postgres:16-alpine", username="postgres",
-                                                password="postgres", dbname="postgres", driver=None))
+    container = _enter(stack, PostgresContainer("postgres:16-alpine", username="postgres", password="postgres", dbname="postgres", driver=None))
     return str(container.get_connection_url())
 
 

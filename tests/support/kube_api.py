@@ -33,7 +33,9 @@ def merge(target: Any, patch: Any) -> Any:
 
 
 def status(code: int, reason: str, message: str) -> JSONResponse:
-    return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code}, status_code=code)
+    return JSONResponse(
+        {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code}, status_code=code
+    )
 
 
 class KubeApi:
@@ -104,7 +106,12 @@ class KubeApi:
             return status(404, "NotFound", f'{key[0]} "{key[2]}" not found')
         wanted = (body.get("metadata") or {}).get("resourceVersion")
         if wanted is not None and wanted != stored["metadata"]["resourceVersion"]:
-            return status(409, "Conflict", f"the object has been modified; please apply your changes to the latest version (resourceVersion {stored['metadata']['resourceVersion']}, not {wanted})")
+            return status(
+                409,
+                "Conflict",
+                "the object has been modified; please apply your changes to the latest version (resourceVersion "
+                f"{stored['metadata']['resourceVersion']}, not {wanted})",
+            )
         # The status subresource changes only status; the object itself everything but status.
         if request.url.path.endswith("/status"):
             patched = {**stored, "status": merge(stored.get("status"), body.get("status"))}

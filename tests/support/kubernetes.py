@@ -20,7 +20,12 @@ from kubernetes.client import (
     V1ResourceRequirements,
 )
 
-GROUPS = {"Pod": ("", "v1", "pods"), "Job": ("batch", "v1", "jobs"), "JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets"), "RayJob": ("ray.io", "v1", "rayjobs")}
+GROUPS = {
+    "Pod": ("", "v1", "pods"),
+    "Job": ("batch", "v1", "jobs"),
+    "JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+    "RayJob": ("ray.io", "v1", "rayjobs"),
+}
 VISION = {"team": "vision", "cost-center": "1042", "environment": "prod"}
 
 
@@ -35,7 +40,14 @@ def container(name: str = "trainer", *, gpus: int | None = None, limits_only: bo
     return V1Container(name=name, image="registry.example/trainer:1", resources=resources)
 
 
-def meta(name: str, *, namespace: str = "vision-prod", labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None, owner: V1OwnerReference | None = None) -> V1ObjectMeta:
+def meta(
+    name: str,
+    *,
+    namespace: str = "vision-prod",
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    owner: V1OwnerReference | None = None,
+) -> V1ObjectMeta:
     return V1ObjectMeta(
         name=name, namespace=namespace, uid=str(uuid.uuid4()), labels=VISION if labels is None else labels, annotations=annotations,
         owner_references=[owner] if owner else None,
@@ -43,7 +55,12 @@ def meta(name: str, *, namespace: str = "vision-prod", labels: dict[str, str] | 
 
 
 def pod(name: str = "train-0", *, containers: list[V1Container], init: list[V1Container] | None = None, deadline: int | None = None, **kwargs: Any) -> V1Pod:
-    return V1Pod(api_version="v1", kind="Pod", metadata=meta(name, **kwargs), spec=V1PodSpec(containers=containers, init_containers=init, active_deadline_seconds=deadline, restart_policy="Never"))
+    return V1Pod(
+        api_version="v1",
+        kind="Pod",
+        metadata=meta(name, **kwargs),
+        spec=V1PodSpec(containers=containers, init_containers=init, active_deadline_seconds=deadline, restart_policy="Never"),
+    )
 
 
 def job_spec(*, gpus: int, parallelism: int | None = None, completions: int | None = None, deadline: int | None = None) -> V1JobSpec:
@@ -65,14 +82,20 @@ def jobset(name: str, replicated: list[tuple[int, V1JobSpec]], *, annotations: d
 
 def rayjob(name: str, *, head_gpus: int, workers: list[tuple[int, int, int]], deadline: int | None = None) -> dict[str, Any]:
     """`workers`: (replicas, numOfHosts, GPUs per pod) per worker group."""
+
     def template(gpus: int) -> dict[str, Any]:
         return as_json(V1PodTemplateSpec(spec=V1PodSpec(containers=[container("ray", gpus=gpus)])))
 
-    spec: dict[str, Any] = {"entrypoint": "python train.py", "rayClusterSpec": {
-        "headGroupSpec": {"rayStartParams": {}, "template": template(head_gpus)},
-        "workerGroupSpecs": [{"groupName": f"g{i}", "replicas": r, "minReplicas": 0, "maxReplicas": 10, "numOfHosts": h, "rayStartParams": {}, "template": template(g)}
-                             for i, (r, h, g) in enumerate(workers)],
-    }}  # fmt: skip
+    spec: dict[str, Any] = {
+        "entrypoint": "python train.py",
+        "rayClusterSpec": {
+            "headGroupSpec": {"rayStartParams": {}, "template": template(head_gpus)},
+            "workerGroupSpecs": [
+                {"groupName": f"g{i}", "replicas": r, "minReplicas": 0, "maxReplicas": 10, "numOfHosts": h, "rayStartParams": {}, "template": template(g)}
+                for i, (r, h, g) in enumerate(workers)
+            ],
+        },
+    }
     if deadline:
         spec["activeDeadlineSeconds"] = deadline
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": as_json(meta(name)), "spec": spec}

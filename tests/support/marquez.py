@@ -324,8 +324,9 @@ def _apply(runs: dict[str, dict[str, Any]], event: dict[str, Any]) -> None:
     run_id = event["run"]["runId"]
     job = (event["job"]["namespace"], event["job"]["name"])
     at = event["eventTime"]
-    run = runs.setdefault(run_id, {"id": run_id, "createdAt": at, "updatedAt": at, "state": "NEW", "startedAt": None,
-                                   "endedAt": None, "facets": {}, "_job": job})
+    run = runs.setdefault(
+        run_id, {"id": run_id, "createdAt": at, "updatedAt": at, "state": "NEW", "startedAt": None, "endedAt": None, "facets": {}, "_job": job}
+    )
     run["updatedAt"] = at
     run["facets"].update((event["run"].get("facets") or {}))
     state = _STATES.get(event.get("eventType", ""))
@@ -343,11 +344,22 @@ def _public(run: dict[str, Any]) -> dict[str, Any]:
     if run["startedAt"] and run["endedAt"]:
         duration = int((_instant(run["endedAt"]) - _instant(run["startedAt"])).total_seconds() * 1000)
     return {
-        "id": run["id"], "createdAt": run["createdAt"], "updatedAt": run["updatedAt"], "nominalStartTime": None,
-        "nominalEndTime": None, "state": run["state"], "startedAt": run["startedAt"], "endedAt": run["endedAt"],
-        "durationMs": duration, "args": {}, "jobVersion": {"namespace": namespace, "name": name, "version": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}/{name}"))},
-        "inputDatasetVersions": [], "outputDatasetVersions": [], "context": {}, "facets": run["facets"],
-    }  # fmt: skip
+        "id": run["id"],
+        "createdAt": run["createdAt"],
+        "updatedAt": run["updatedAt"],
+        "nominalStartTime": None,
+        "nominalEndTime": None,
+        "state": run["state"],
+        "startedAt": run["startedAt"],
+        "endedAt": run["endedAt"],
+        "durationMs": duration,
+        "args": {},
+        "jobVersion": {"namespace": namespace, "name": name, "version": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}/{name}"))},
+        "inputDatasetVersions": [],
+        "outputDatasetVersions": [],
+        "context": {},
+        "facets": run["facets"],
+    }
 
 
 def _namespace(name: str) -> dict[str, Any]:
@@ -395,8 +407,14 @@ def emitter_settings(settings: Any, **overrides: Any) -> Any:
     """EvidenceSettings on the test's backends, retrying fast."""
     from budgetgate.services.evidence_emitter.settings import EvidenceSettings
 
-    values = {**settings.model_dump(), "port": free_port(), "evidence_initial_backoff_seconds": 0.1,
-              "evidence_max_backoff_seconds": 1.0, "evidence_idle_seconds": 0.1, **overrides}
+    values = {
+        **settings.model_dump(),
+        "port": free_port(),
+        "evidence_initial_backoff_seconds": 0.1,
+        "evidence_max_backoff_seconds": 1.0,
+        "evidence_idle_seconds": 0.1,
+        **overrides,
+    }
     return EvidenceSettings(**values)
 
 
@@ -424,9 +442,20 @@ async def wait_until(predicate: Callable[[], Any], *, timeout: float = 60, what:
         await asyncio.sleep(0.05)
 
 
-def decision(run_id: str, outcome: str = "ALLOW", *, scope: str = "ns=vision-prod;team=vision", policy: str = "team",
-             sha: str = "b" * 40, gpus: int = 8, hours: float = 6.0, at: datetime | None = None, attempt: int = 1,
-             job: tuple[str, str] = ("vision-prod", "train-resnet"), remaining_hours: float = 100.0) -> Any:
+def decision(
+    run_id: str,
+    outcome: str = "ALLOW",
+    *,
+    scope: str = "ns=vision-prod;team=vision",
+    policy: str = "team",
+    sha: str = "b" * 40,
+    gpus: int = 8,
+    hours: float = 6.0,
+    at: datetime | None = None,
+    attempt: int = 1,
+    job: tuple[str, str] = ("vision-prod", "train-resnet"),
+    remaining_hours: float = 100.0,
+) -> Any:
     """A Decision message as admission publishes it, with one GPU-hour budget evaluated."""
     from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -461,8 +490,7 @@ def decision(run_id: str, outcome: str = "ALLOW", *, scope: str = "ns=vision-pro
         projected_gpu_milli_hours=projected, evaluations=[evaluation])  # fmt: skip
 
 
-def reconciliation(source: Any, final_state: str, *, actual_hours: float, provisional: bool = False,
-                   at: datetime | None = None) -> Any:
+def reconciliation(source: Any, final_state: str, *, actual_hours: float, provisional: bool = False, at: datetime | None = None) -> Any:
     """The Reconciliation the reconciler would publish for the Decision `source`."""
     from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -487,8 +515,9 @@ def reconciliation(source: Any, final_state: str, *, actual_hours: float, provis
 
 def admission_decision(answer: dict, run_id: str, *, job: tuple[str, str] = ("vision-prod", "train-resnet")):  # type: ignore[no-untyped-def,type-arg]
     """The Decision message behind an admission answer, enough for a Reconciliation of it."""
-    message = decision(run_id, "ALLOW", scope=answer["evaluations"][0]["scope_id"], policy=answer["evaluations"][0]["policy_id"],
-                       sha=answer["policy_bundle_sha"], job=job)
+    message = decision(
+        run_id, "ALLOW", scope=answer["evaluations"][0]["scope_id"], policy=answer["evaluations"][0]["policy_id"], sha=answer["policy_bundle_sha"], job=job
+    )
     message.decision_id = answer["decision_id"]
     message.projected_gpu_milli_hours = round(answer["projected_gpu_hours"] * 3_600_000)
     return message

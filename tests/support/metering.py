@@ -48,7 +48,14 @@ async def metering_factory(settings) -> AsyncIterator[Callable[..., Awaitable[Me
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
 
     async def start(**overrides: object) -> MeteringServer:
-        values = {**settings.model_dump(), "port": free_port(), "rate_limit": None, "pending_recheck_seconds": 0.2, "consumer_group": f"{settings.topic_prefix}metering", **overrides}
+        values = {
+            **settings.model_dump(),
+            "port": free_port(),
+            "rate_limit": None,
+            "pending_recheck_seconds": 0.2,
+            "consumer_group": f"{settings.topic_prefix}metering",
+            **overrides,
+        }
         server = MeteringServer(MeteringSettings(**values))
         await server.start()
         servers.append(server)
@@ -79,7 +86,9 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], *, timeout: float =
 def sample(run_id: str, sample_id: str, gpu_seconds: float, *, minute: float = 0, node_seconds: float = 0.0, at: datetime | None = None) -> MeteringSample:
     """A sample as an exporter publishes it, observed `minute` minutes after T0."""
     stamp_at = at or T0 + timedelta(minutes=minute)
-    message = MeteringSample(event_id=str(uuid.uuid4()), sample_id=sample_id, run_id=run_id, gpu_seconds=gpu_seconds, node_seconds=node_seconds, exporter="test")
+    message = MeteringSample(
+        event_id=str(uuid.uuid4()), sample_id=sample_id, run_id=run_id, gpu_seconds=gpu_seconds, node_seconds=node_seconds, exporter="test"
+    )
     message.event_time.FromDatetime(datetime.now(UTC))
     message.observed_at.FromDatetime(stamp_at)
     return message

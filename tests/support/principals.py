@@ -19,7 +19,9 @@ from budgetgate.tokens import create_token
 ALL_ROLES = tuple(Role)
 
 
-async def issue(dsn: str, *roles: Role, namespaces: Iterable[str] = (), tenants: Iterable[str] = (), name: str | None = None, expires_in: timedelta | None = None) -> str:
+async def issue(
+    dsn: str, *roles: Role, namespaces: Iterable[str] = (), tenants: Iterable[str] = (), name: str | None = None, expires_in: timedelta | None = None
+) -> str:
     """A new token's secret (every role when none is named)."""
     conn = await asyncpg.connect(dsn)
     try:

@@ -17,4 +17,11 @@ spec: {gpus: 100, nodes: 50}
 
 
 def physics(run_id: str, *, gpus: int = 1, nodes: int = 1, **extra: object) -> dict[str, object]:
-    return submission(run_id=run_id, namespace="physics", labels={"team": "physics", **extra.pop("labels", {})}, resources={"gpus": gpus, "nodes": nodes}, projected_runtime_hours=1.0, **extra)
+    return submission(
+        run_id=run_id,
+        namespace="physics",
+        labels={"team": "physics", **extra.pop("labels", {})},
+        resources={"gpus": gpus, "nodes": nodes},
+        projected_runtime_hours=1.0,
+        **extra,
+    )

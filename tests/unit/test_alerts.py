@@ -89,5 +89,11 @@ def test_budget_alerts_cover_80_percent_100_percent_and_holds_per_budget(rules: 
 
 def test_the_pipeline_is_watched(rules: list[dict[str, Any]]) -> None:
     read = {_instrument(s.name) for rule in rules for s in _selectors(rule["expr"])}
-    for metric in ("up", "budgetgate_evidence_oldest_undelivered_age", "budgetgate_ledger_drift_keys", "budgetgate_reconciliation_lag", "budgetgate_metering_rejections"):
+    for metric in (
+        "up",
+        "budgetgate_evidence_oldest_undelivered_age",
+        "budgetgate_ledger_drift_keys",
+        "budgetgate_reconciliation_lag",
+        "budgetgate_metering_rejections",
+    ):
         assert metric in read, f"no alert reads {metric}"

@@ -139,7 +139,7 @@ def test_one_shot_jobs_migrate_create_topics_and_apply_policies(services: dict[s
     policies = services["policies"]
     assert policies["command"][:3] == ["budgetgate", "policy", "apply"]
     assert policies["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-    (repo, target), = _binds(policies)
+    ((repo, target),) = _binds(policies)
     directory = _defaults(policies["command"][3])
     assert directory.startswith(target + "/")
     policy_dir = ROOT / repo / directory.removeprefix(target + "/")

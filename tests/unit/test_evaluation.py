@@ -618,7 +618,10 @@ def test_cpu_only_work_charges_nothing_on_gpu_budgets_and_is_never_blocked_by_th
     p = plan(bundle(TEAM, nodes), submission(gpus=0, nodes=2, hours="3"))
     amounts = {c.policy.id: c.amount for c in p.charges}
     assert amounts == {"team-vision": 0, "nodes": 6 * 3_600_000}
-    over_run = {c.ledger_key: Reading(limit=c.policy.limit.amount, reserved=0, consumed=c.policy.limit.amount + (5 if c.policy.id == "team-vision" else 0)) for c in p.charges}
+    over_run = {
+        c.ledger_key: Reading(limit=c.policy.limit.amount, reserved=0, consumed=c.policy.limit.amount + (5 if c.policy.id == "team-vision" else 0))
+        for c in p.charges
+    }
     over_run[p.charges[1].ledger_key] = Reading(limit=nodes.limit.amount, reserved=0, consumed=0)
     decision = decide(p, over_run)
     assert decision.outcome == "ALLOW"

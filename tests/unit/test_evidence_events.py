@@ -31,11 +31,25 @@ def bundle(*yaml_docs: str):  # type: ignore[no-untyped-def]
     return build_bundle(documents, git_sha=SHA)
 
 
-def decided(policies, *, gpus: int = 8, hours: str = "6", labels: dict[str, str] | None = None,
-            used: dict[str, int] | None = None, releases=None, run_id: str = "flyte/vision/exec-1/n0") -> decisions_pb2.Decision:  # type: ignore[no-untyped-def]
+def decided(
+    policies,
+    *,
+    gpus: int = 8,
+    hours: str = "6",
+    labels: dict[str, str] | None = None,
+    used: dict[str, int] | None = None,
+    releases=None,
+    run_id: str = "flyte/vision/exec-1/n0",
+) -> decisions_pb2.Decision:  # type: ignore[no-untyped-def]
     """A Decision message as admission publishes it, from the real core and renderer."""
-    sub = Submission(run_id=run_id, namespace="vision-prod", labels=labels if labels is not None else {"team": "vision"},
-                     resources=Resources(gpus=gpus), runtime_hours=Decimal(hours), at=AT)
+    sub = Submission(
+        run_id=run_id,
+        namespace="vision-prod",
+        labels=labels if labels is not None else {"team": "vision"},
+        resources=Resources(gpus=gpus),
+        runtime_hours=Decimal(hours),
+        at=AT,
+    )
     p = plan(policies, sub)
     readings = {c.ledger_key: Reading(limit=c.policy.limit.amount, reserved=(used or {}).get(c.policy.id, 0), consumed=0) for c in p.charges}
     d = decide(p, readings if p.charges else None, outlooks=releases)
@@ -50,8 +64,14 @@ def stamp(at: datetime) -> Timestamp:
 
 def event_for(message: decisions_pb2.Decision) -> dict[str, Any]:
     fields = facet.decision_fields(message)
-    event = events.run_event(event_type=events.decision_event_type(fields["decision"]), at=AT, run_id=message.run_id,
-                             job=("vision-prod", "train-resnet"), fields=fields, producer=events.producer_uri())
+    event = events.run_event(
+        event_type=events.decision_event_type(fields["decision"]),
+        at=AT,
+        run_id=message.run_id,
+        job=("vision-prod", "train-resnet"),
+        fields=fields,
+        producer=events.producer_uri(),
+    )
     return events.to_json(event)
 
 
@@ -128,8 +148,9 @@ def test_unmatched_allow_carries_no_policy() -> None:
     assert "policy_id" not in budget
 
 
-def reconciliation(run_id: str, state: str, *, projected: int = 48 * H, actual: int = 40 * H, provisional: bool = False,
-                   charges: bool = True) -> reconciliations_pb2.Reconciliation:
+def reconciliation(
+    run_id: str, state: str, *, projected: int = 48 * H, actual: int = 40 * H, provisional: bool = False, charges: bool = True
+) -> reconciliations_pb2.Reconciliation:
     message = reconciliations_pb2.Reconciliation(
         event_id=str(uuid.uuid4()), event_time=stamp(AT + timedelta(hours=7)), run_id=run_id, final_state=state,
         provisional=provisional, projected_gpu_milli_hours=projected, actual_gpu_milli_hours=actual,
@@ -210,8 +231,13 @@ def test_every_kind_of_event_is_valid_against_the_spec_and_the_facet_schema() ->
     for state, provisional in (("COMPLETED", False), ("FAILED", True), ("CANCELLED", False), ("", True)):
         fields = facet.reconciliation_fields(reconciliation(allow.run_id, state, provisional=provisional), decision_facet)
         kind = events.reconciliation_event_type(fields["final_state"], terminal_sent=False)
-        samples.append(events.to_json(events.run_event(event_type=kind, at=AT, run_id=allow.run_id, job=("vision-prod", "train-resnet"),
-                                                       fields=fields, producer=events.producer_uri())))
+        samples.append(
+            events.to_json(
+                events.run_event(
+                    event_type=kind, at=AT, run_id=allow.run_id, job=("vision-prod", "train-resnet"), fields=fields, producer=events.producer_uri()
+                )
+            )
+        )
     assert {s["eventType"] for s in samples} == {"START", "ABORT", "OTHER", "COMPLETE", "FAIL", "RUNNING"}
     for sample in samples:
         assert validator.errors(sample) == [], sample
@@ -225,16 +251,27 @@ def test_the_facet_carries_each_ledger_keys_reading_so_marquez_alone_explains_it
     validator = OpenLineageValidator(require_spec())
     data = event_for(decided(bundle(TEAM, ORG), used={"team": 30 * H, "org": 200 * H}))
     by_policy = {e["policy_id"]: e for e in data["run"]["facets"]["budget"]["evaluations"]}
-    assert by_policy["team"]["reading"] == {"limit": 100.0, "reserved": 30.0, "consumed": 0.0, "remaining": 70.0,
-                                            "limit_amount": 100 * H, "reserved_amount": 30 * H, "consumed_amount": 0}
+    assert by_policy["team"]["reading"] == {
+        "limit": 100.0,
+        "reserved": 30.0,
+        "consumed": 0.0,
+        "remaining": 70.0,
+        "limit_amount": 100 * H,
+        "reserved_amount": 30 * H,
+        "consumed_amount": 0,
+    }
     assert by_policy["org"]["reading"]["remaining"] == 800.0 and by_policy["team"]["remaining"] == 70.0
     assert validator.errors(data) == []
     broken = {**data, "run": {"runId": data["run"]["runId"], "facets": {"budget": {**data["run"]["facets"]["budget"]}}}}
     broken["run"]["facets"]["budget"]["evaluations"] = [{**by_policy["team"], "reading": {**by_policy["team"]["reading"], "reserved_amount": "30"}}]
     assert any("reserved_amount" in e or "'30'" in e for e in validator.errors(broken))
     # With what was asked, the facet alone recomputes the decision (given the bundle at its SHA).
-    assert data["run"]["facets"]["budget"]["submission"] == {"namespace": "vision-prod", "labels": {"team": "vision"},
-                                                             "resources": {"gpus": 8, "nodes": 1}, "projected_runtime_hours": 6.0}
+    assert data["run"]["facets"]["budget"]["submission"] == {
+        "namespace": "vision-prod",
+        "labels": {"team": "vision"},
+        "resources": {"gpus": 8, "nodes": 1},
+        "projected_runtime_hours": 6.0,
+    }
     # A label violation consulted no ledger: no reading.
     labels = event_for(decided(bundle(budget_yaml("strict", labels="{team: vision, cost-center: '*'}"))))
     assert "reading" not in labels["run"]["facets"]["budget"]["evaluations"][0]

@@ -33,8 +33,14 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterat
 
 
 def sample_event():  # type: ignore[no-untyped-def]
-    return events.run_event(event_type=RunState.START, at=datetime(2026, 3, 1, tzinfo=UTC), run_id="r-1", job=("ns", "job"),
-                            fields={"stage": "decision", "run_id": "r-1"}, producer=events.producer_uri())
+    return events.run_event(
+        event_type=RunState.START,
+        at=datetime(2026, 3, 1, tzinfo=UTC),
+        run_id="r-1",
+        job=("ns", "job"),
+        fields={"stage": "decision", "run_id": "r-1"},
+        producer=events.producer_uri(),
+    )
 
 
 def test_backoff_doubles_and_is_capped() -> None:
@@ -55,8 +61,18 @@ def test_a_4xx_is_refused_with_its_body() -> None:
     assert verdict.status == 400 and "bad facet" in verdict.body
 
 
-@pytest.mark.parametrize("error", [http_error(503, "down"), http_error(500, "oops"), http_error(429, "slow down"), http_error(408, ""),
-                                   requests.ConnectionError("refused"), requests.Timeout("read timed out"), RuntimeError("disk full")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        http_error(503, "down"),
+        http_error(500, "oops"),
+        http_error(429, "slow down"),
+        http_error(408, ""),
+        requests.ConnectionError("refused"),
+        requests.Timeout("read timed out"),
+        RuntimeError("disk full"),
+    ],
+)
 def test_everything_else_is_retried(error: Exception) -> None:
     assert isinstance(transport.classify(error), transport.NotDelivered)
 

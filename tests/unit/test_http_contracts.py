@@ -132,7 +132,9 @@ def test_validation_errors_become_a_problem_listing_the_fields() -> None:
     problem = problem_body(422, {"detail": [{"loc": ["body", "resources", "gpus"], "msg": "Input should be a valid integer", "type": "int_type"}]})
     assert list(problem)[:5] == ["type", "title", "status", "detail", "errors"]
     assert problem["status"] == 422 and problem["title"] == "Unprocessable Content"
-    assert problem["errors"] == [{"field": "resources.gpus", "loc": ["body", "resources", "gpus"], "msg": "Input should be a valid integer", "type": "int_type"}]
+    assert problem["errors"] == [
+        {"field": "resources.gpus", "loc": ["body", "resources", "gpus"], "msg": "Input should be a valid integer", "type": "int_type"}
+    ]
     assert "resources.gpus" in problem["detail"]
     # Other members stay, as extensions (metering-ingest's per-sample results).
     assert problem_body(422, {"detail": [], "results": [1]})["results"] == [1]
@@ -142,7 +144,12 @@ def test_validation_errors_become_a_problem_listing_the_fields() -> None:
 def test_evaluation_keys_follow_the_model() -> None:
     from budgetgate.services.admission.rendering import canonical
 
-    stored = {"replayed": False, "run_id": "r", "evaluations": [{"window_end": "2026-04-01T00:00:00+00:00", "policy_id": "p"}], "decided_at": "2026-03-10T12:00:00.5+00:00"}
+    stored = {
+        "replayed": False,
+        "run_id": "r",
+        "evaluations": [{"window_end": "2026-04-01T00:00:00+00:00", "policy_id": "p"}],
+        "decided_at": "2026-03-10T12:00:00.5+00:00",
+    }
     answer = canonical(stored)
     assert list(answer) == ["run_id", "replayed", "decided_at", "evaluations"]
     assert answer["decided_at"] == "2026-03-10T12:00:00.500000Z"

@@ -13,7 +13,14 @@ from tests.support.wheel import ROOT, build_context, dockerignore_patterns, expe
 
 HEAVY = [".venv/bin/python", ".budgetgate/dev.json", ".git/HEAD", "libs/budgetgate/__pycache__/x.cpython-311.pyc", ".pytest_cache/v/x",
          ".hypothesis/examples/x", ".ruff_cache/x", "build/lib/x.py", "dist/x.whl", "budgetgate.egg-info/PKG-INFO", "services/admission/.venv/x"]  # fmt: skip
-NEEDED = ["pyproject.toml", "README.md", "libs/budgetgate/__init__.py", "libs/budgetgate/ledger/lua/reserve.lua", "libs/budgetgate/ledger/sql/migrations/0001_ledger.sql", "services/admission/app.py"]
+NEEDED = [
+    "pyproject.toml",
+    "README.md",
+    "libs/budgetgate/__init__.py",
+    "libs/budgetgate/ledger/lua/reserve.lua",
+    "libs/budgetgate/ledger/sql/migrations/0001_ledger.sql",
+    "services/admission/app.py",
+]
 
 
 def test_dockerignore_keeps_heavy_and_local_folders_out(tmp_path: Path) -> None:

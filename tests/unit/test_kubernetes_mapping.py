@@ -95,6 +95,8 @@ def test_decisions_become_admission_reviews() -> None:
     denied = decided("u2", answer("DENY"))["response"]
     assert (denied["allowed"], denied["status"]["code"], denied["status"]["message"]) == (False, 403, "budgetgate: deny because")
     assert "warnings" not in denied
-    delayed = decided("u3", answer("DELAY", evaluations=[{"policy_id": "p", "enforcement": "hard", "decision": "DELAY", "next_eligible_time": "2026-08-01T00:00:00Z"}]))
+    delayed = decided(
+        "u3", answer("DELAY", evaluations=[{"policy_id": "p", "enforcement": "hard", "decision": "DELAY", "next_eligible_time": "2026-08-01T00:00:00Z"}])
+    )
     message = delayed["response"]["status"]["message"]
     assert delayed["response"]["allowed"] is False and "retry at or after 2026-08-01T00:00:00Z" in message and "budgetgate.io/attempt=2" in message

@@ -35,7 +35,9 @@ def docs() -> dict[str, dict[str, Any]]:
 
 def test_every_manifest_is_named_and_valid(docs: dict[str, dict[str, Any]]) -> None:
     kustomization = yaml.safe_load((WEBHOOK / "kustomization.yaml").read_text())
-    assert sorted(r for r in kustomization["resources"] if not r.startswith("..")) == sorted(p.name for p in WEBHOOK.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(r for r in kustomization["resources"] if not r.startswith("..")) == sorted(
+        p.name for p in WEBHOOK.glob("*.yaml") if p.name != "kustomization.yaml"
+    )
     checked = 0
     for doc in docs.values():
         if doc["apiVersion"].startswith("cert-manager.io/"):

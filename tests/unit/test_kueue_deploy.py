@@ -43,6 +43,13 @@ def test_manifests_are_valid_and_wired() -> None:
 def test_the_role_allows_what_the_controller_does() -> None:
     rules = docs()["ClusterRole/budgetgate-kueue"]["rules"]
     allowed = {(resource, verb) for rule in rules for resource in rule["resources"] for verb in rule["verbs"]}
-    needed = {("workloads", "list"), ("workloads", "watch"), ("workloads", "patch"), ("workloads/status", "patch"), ("admissionchecks", "list"), ("admissionchecks/status", "patch")}
+    needed = {
+        ("workloads", "list"),
+        ("workloads", "watch"),
+        ("workloads", "patch"),
+        ("workloads/status", "patch"),
+        ("admissionchecks", "list"),
+        ("admissionchecks/status", "patch"),
+    }
     assert needed <= allowed
     assert not any(verb in {"create", "delete", "update", "*"} for _, verb in allowed)

@@ -12,8 +12,12 @@ from budgetgate.core.ledger_key import MAX_AMOUNT, AmountOutOfRange, LedgerKey, 
 from budgetgate.core.windows import WindowSpec, window_at
 
 
-
-@given(scope=st.text(min_size=1).filter(lambda s: s.strip() == s and s), unit=st.sampled_from(["gpu_hours", "node_hours", "wall_hours", "cost"]), rolling=st.booleans(), day=st.integers(0, 3000))
+@given(
+    scope=st.text(min_size=1).filter(lambda s: s.strip() == s and s),
+    unit=st.sampled_from(["gpu_hours", "node_hours", "wall_hours", "cost"]),
+    rolling=st.booleans(),
+    day=st.integers(0, 3000),
+)
 def test_a_key_reads_back_as_written_whatever_its_scope(scope: str, unit: str, rolling: bool, day: int) -> None:
     at = datetime.fromordinal(datetime(2020, 1, 1).toordinal() + day).replace(tzinfo=UTC)
     window = window_at(WindowSpec(rolling_days=30) if rolling else WindowSpec(calendar="month"), at)

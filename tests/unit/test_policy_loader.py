@@ -543,7 +543,11 @@ def test_two_spellings_of_one_scope_have_one_scope_id(tmp_path: Path) -> None:
 
 def test_two_spellings_of_one_scope_window_and_unit_collide(tmp_path: Path) -> None:
     write(tmp_path, "a.yaml", POLICY.format(id="a", namespace="x").replace("namespace: x", "namespaces: [y, x]"))
-    write(tmp_path, "b.yaml", POLICY.format(id="b", namespace="x").replace("namespace: x", "namespaces: [x, y]").replace("calendar: month", "calendar: month\n    timezone: UTC"))
+    write(
+        tmp_path,
+        "b.yaml",
+        POLICY.format(id="b", namespace="x").replace("namespace: x", "namespaces: [x, y]").replace("calendar: month", "calendar: month\n    timezone: UTC"),
+    )
     assert "same scope, window and unit" in only_error(tmp_path).message
 
 
@@ -679,7 +683,13 @@ def test_same_scope_and_calendar_in_equivalent_time_zones_is_one_ledger(tmp_path
 
 def test_most_specific_rate_wins_across_rate_cards(tmp_path: Path) -> None:
     write(tmp_path, "rates-a.yaml", RATES)
-    write(tmp_path, "rates-b.yaml", RATES.replace("rates/test", "rates/eu").replace("{flavor: h100, rate_per_gpu_hour: 3.933}", "{flavor: h100, region: eu-west-1, rate_per_gpu_hour: 4.25}"))
+    write(
+        tmp_path,
+        "rates-b.yaml",
+        RATES.replace("rates/test", "rates/eu").replace(
+            "{flavor: h100, rate_per_gpu_hour: 3.933}", "{flavor: h100, region: eu-west-1, rate_per_gpu_hour: 4.25}"
+        ),
+    )
     bundle = load(tmp_path)
     at = datetime(2026, 11, 1, tzinfo=UTC)
     assert bundle.rate_for("h100", "eu-west-1", at) == (Rate("h100", Decimal("4.25"), "eu-west-1"), "USD")
@@ -803,6 +813,7 @@ def test_a_quota_beyond_the_counters_fails_validation(tmp_path: Path) -> None:
 
 
 # --- the policy folder ------------------------------------------------------------------------
+
 
 def test_other_yaml_is_skipped_and_listed(tmp_path: Path) -> None:
     from budgetgate.core.loader import load_path

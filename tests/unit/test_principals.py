@@ -59,7 +59,9 @@ def test_claims_map_to_a_principal_and_unknown_roles_are_refused() -> None:
 def test_a_kubernetes_service_account_gets_its_roles_from_configuration() -> None:
     mapping = ClaimMapping(namespaces="kubernetes.io.namespace", subject_roles={"system:serviceaccount:flyte:flyte-admin": ("submitter",)})
     claims = {"sub": "system:serviceaccount:flyte:flyte-admin", "kubernetes.io": {"namespace": "flyte", "serviceaccount": {"name": "flyte-admin"}}}
-    assert principal_from_claims(claims, mapping) == Principal(name="jwt:system:serviceaccount:flyte:flyte-admin", roles=frozenset({Role.SUBMITTER}), namespaces=("flyte",))
+    assert principal_from_claims(claims, mapping) == Principal(
+        name="jwt:system:serviceaccount:flyte:flyte-admin", roles=frozenset({Role.SUBMITTER}), namespaces=("flyte",)
+    )
     assert principal_from_claims({**claims, "sub": "system:serviceaccount:flyte:other"}, mapping).roles == frozenset()
 
 

@@ -26,9 +26,7 @@ def test_committed_generated_code_is_fresh(tmp_path: Path) -> None:
 
     stale = contracts_build.stale_files(fresh, contracts_build.generated_package_dir())
 
-    assert not stale, (
-        f"generated code is stale: {', '.join(stale)}; run `python -m budgetgate.contracts_build` and commit"
-    )
+    assert not stale, f"generated code is stale: {', '.join(stale)}; run `python -m budgetgate.contracts_build` and commit"
 
 
 def test_stale_check_names_changed_missing_and_leftover_files(tmp_path: Path) -> None:

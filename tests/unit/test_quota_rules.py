@@ -32,22 +32,32 @@ def test_the_exact_rejection_message() -> None:
 
 
 def test_each_limit_in_turn() -> None:
-    assert quota_violation("physics", PHYSICS, Holdings(1599, 0, 0), Request(2, 1)) == 'allocation rejected: tenant "physics" would exceed max_gpus quota (current: 1599, requested: 2, limit: 1600)'
-    assert quota_violation("physics", PHYSICS, Holdings(0, 0, 50), Request(1, 1)).startswith('allocation rejected: tenant "physics" would exceed max_concurrent_allocations quota (current: 50, requested: 1, limit: 50)')
+    assert (
+        quota_violation("physics", PHYSICS, Holdings(1599, 0, 0), Request(2, 1))
+        == 'allocation rejected: tenant "physics" would exceed max_gpus quota (current: 1599, requested: 2, limit: 1600)'
+    )
+    assert quota_violation("physics", PHYSICS, Holdings(0, 0, 50), Request(1, 1)).startswith(
+        'allocation rejected: tenant "physics" would exceed max_concurrent_allocations quota (current: 50, requested: 1, limit: 50)'
+    )
     assert quota_violation("physics", PHYSICS, Holdings(1592, 190, 49), Request(8, 10)) is None
 
 
 def test_a_lowered_quota_rejects_until_usage_drops_and_says_why() -> None:
     lowered = TenantQuota("q", "physics", None, 100, None, None, None, SRC)
     reason = quota_violation("physics", lowered, Holdings(nodes=150), Request(gpus=1, nodes=1))
-    assert reason is not None and reason.startswith('allocation rejected: tenant "physics" would exceed max_nodes quota (current: 150, requested: 1, limit: 100)')
+    assert reason is not None and reason.startswith(
+        'allocation rejected: tenant "physics" would exceed max_nodes quota (current: 150, requested: 1, limit: 100)'
+    )
     assert "wait for running work" in reason and "tenant admin" in reason
 
 
 def test_sensitive_pool() -> None:
     pool = SensitivePool("s", 64, "gpus", "sensitive", "true", SRC)
     assert pool.covers({"sensitive": "true"}) and not pool.covers({"sensitive": "false"})
-    assert sensitive_violation(pool, Holdings(gpus=60), Request(8, 1)) == "allocation rejected: sensitive workloads would exceed sensitive_pool_size (current: 60, requested: 8, limit: 64 gpus)"
+    assert (
+        sensitive_violation(pool, Holdings(gpus=60), Request(8, 1))
+        == "allocation rejected: sensitive workloads would exceed sensitive_pool_size (current: 60, requested: 8, limit: 64 gpus)"
+    )
     assert sensitive_violation(pool, Holdings(gpus=56), Request(8, 1)) is None
 
 

@@ -16,7 +16,10 @@ def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".budgetgate").mkdir()
-    state = {"settings": {"postgres_dsn": "postgresql://pg/derived", "redis_prefix": "stack"}, "from_env": {"postgres_dsn": fingerprint("postgresql://pg/base")}}
+    state = {
+        "settings": {"postgres_dsn": "postgresql://pg/derived", "redis_prefix": "stack"},
+        "from_env": {"postgres_dsn": fingerprint("postgresql://pg/base")},
+    }
     (tmp_path / ".budgetgate" / "dev.json").write_text(json.dumps(state))
     return tmp_path
 

@@ -54,7 +54,7 @@ def test_metrics_are_served_in_prometheus_text(telemetry: Telemetry) -> None:
 
     text = telemetry.metrics_text().decode()
 
-    assert 'budgetgate_test_decisions_total{' in text
+    assert "budgetgate_test_decisions_total{" in text
     line = next(l for l in text.splitlines() if l.startswith("budgetgate_test_decisions_total{"))
     assert 'outcome="ALLOW"' in line
     assert line.endswith(" 3.0")
@@ -109,9 +109,7 @@ def test_otlp_endpoint_receives_spans_and_metrics(collector: tuple[str, list[str
     assert "/v1/metrics" in paths
 
 
-def test_without_endpoint_nothing_is_pushed_even_if_environment_names_one(
-    collector: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_endpoint_nothing_is_pushed_even_if_environment_names_one(collector: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
     endpoint, paths = collector
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
     t = setup_telemetry(service_name="quiet", otlp_endpoint=None)

@@ -139,9 +139,7 @@ def test_record_without_content_type_is_read_as_binary() -> None:
         (None, [], "no value"),
     ],
 )
-def test_unparseable_records_raise_wire_error_with_a_reason(
-    value: bytes | None, headers: list[tuple[str, bytes]], reason_part: str
-) -> None:
+def test_unparseable_records_raise_wire_error_with_a_reason(value: bytes | None, headers: list[tuple[str, bytes]], reason_part: str) -> None:
     with pytest.raises(WireError) as caught:
         decode(MeteringSample, value, headers)
     assert reason_part in caught.value.reason

@@ -18,7 +18,9 @@ async def bench_token(dsn: str) -> str:
     """A submitter and reader token in the benchmark's database; its secret."""
     conn = await asyncpg.connect(dsn)
     try:
-        issued = await create_token(conn, name=f"bench-{uuid.uuid4().hex[:12]}", roles=[Role.SUBMITTER, Role.READER], namespaces=[], tenants=[], created_by="budgetgate bench")
+        issued = await create_token(
+            conn, name=f"bench-{uuid.uuid4().hex[:12]}", roles=[Role.SUBMITTER, Role.READER], namespaces=[], tenants=[], created_by="budgetgate bench"
+        )
     finally:
         await conn.close()
     return issued.secret

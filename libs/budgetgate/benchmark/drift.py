@@ -55,15 +55,33 @@ class DriftReport:
         return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
 
     def as_json(self) -> dict[str, object]:
-        phases = {p: {"requests": len(v), "p50_ms": round(self.percentile(p, 0.5), 1), "p99_ms": round(self.percentile(p, 0.99), 1), "max_ms": round(max(v, default=float("nan")), 1)} for p, v in self.latencies_ms.items()}
-        return {"options": asdict(self.options), "admission_latency": phases, "p99_ratio_on_to_off": round(self.percentile("on", 0.99) / self.percentile("off", 0.99), 2), "drift_checks": self.checks, "ledger_ok": self.ledger_ok, "ledger": self.ledger_note}
+        phases = {
+            p: {
+                "requests": len(v),
+                "p50_ms": round(self.percentile(p, 0.5), 1),
+                "p99_ms": round(self.percentile(p, 0.99), 1),
+                "max_ms": round(max(v, default=float("nan")), 1),
+            }
+            for p, v in self.latencies_ms.items()
+        }
+        return {
+            "options": asdict(self.options),
+            "admission_latency": phases,
+            "p99_ratio_on_to_off": round(self.percentile("on", 0.99) / self.percentile("off", 0.99), 2),
+            "drift_checks": self.checks,
+            "ledger_ok": self.ledger_ok,
+            "ledger": self.ledger_note,
+        }
 
     def as_text(self) -> str:
         o = self.options
         lines = [f"load: {o.rate:g} submissions/s for {o.duration:g} s per phase, {o.held} reservations held beforehand, {o.budgets} budgets"]
         for phase in ("on", "off"):
             v = self.latencies_ms[phase]
-            lines.append(f"drift check {phase:>3}: {len(v)} submissions, latency p50 {self.percentile(phase, 0.5):.1f} ms, p99 {self.percentile(phase, 0.99):.1f} ms, max {max(v, default=float('nan')):.1f} ms")
+            lines.append(
+                f"drift check {phase:>3}: {len(v)} submissions, latency p50 {self.percentile(phase, 0.5):.1f} ms, p99 "
+                f"{self.percentile(phase, 0.99):.1f} ms, max {max(v, default=float('nan')):.1f} ms"
+            )
         lines.append(f"p99 ratio on/off: {self.percentile('on', 0.99) / self.percentile('off', 0.99):.2f}; drift checks completed during 'on': {self.checks}")
         lines.append(f"ledger: {'OK' if self.ledger_ok else 'WRONG'} - {self.ledger_note}")
         return "\n".join(lines)
@@ -90,7 +108,14 @@ class DriftBench(Bench):
             await self._apply(dsn)
             self.token = await bench_token(dsn)
             await ensure_topics(bootstrap, prefix=topic_prefix)
-            env = {"BUDGETGATE_POSTGRES_DSN": dsn, "BUDGETGATE_REDIS_URL": self.settings.redis_url, "BUDGETGATE_REDIS_PREFIX": prefix, "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap, "BUDGETGATE_TOPIC_PREFIX": topic_prefix, **SERVICE_ENV}
+            env = {
+                "BUDGETGATE_POSTGRES_DSN": dsn,
+                "BUDGETGATE_REDIS_URL": self.settings.redis_url,
+                "BUDGETGATE_REDIS_PREFIX": prefix,
+                "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap,
+                "BUDGETGATE_TOPIC_PREFIX": topic_prefix,
+                **SERVICE_ENV,
+            }
             port = free_port()
             admission = self._start("admission", python_module("budgetgate.services.admission", "--port", str(port)), log_dir, env)
             await admission.wait_port(port, timeout=60)
@@ -140,7 +165,13 @@ class DriftBench(Bench):
     async def _submit(self, client: httpx.AsyncClient) -> float:
         self.count += 1
         team = self.count % self.drift.budgets
-        body = {"run_id": f"bench/{self.tag}/{self.count}", "namespace": f"team-{team}", "labels": {"team": f"t{team}"}, "resources": {"gpus": 1}, "projected_runtime_hours": 1.0}
+        body = {
+            "run_id": f"bench/{self.tag}/{self.count}",
+            "namespace": f"team-{team}",
+            "labels": {"team": f"t{team}"},
+            "resources": {"gpus": 1},
+            "projected_runtime_hours": 1.0,
+        }
         began = time.monotonic()
         answer = await client.post("/v1/admissions", json=body)
         if answer.status_code != 200 or answer.json()["decision"] != "ALLOW":

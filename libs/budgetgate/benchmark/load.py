@@ -112,7 +112,9 @@ async def _send(connection: _Connection, path: str, body: bytes, outcome: Outcom
     return True
 
 
-async def offer(*, host: str, port: int, bodies: Sequence[bytes], rate: float, path: str = "/v1/admissions", max_connections: int = 512, token: str | None = None) -> Outcome:
+async def offer(
+    *, host: str, port: int, bodies: Sequence[bytes], rate: float, path: str = "/v1/admissions", max_connections: int = 512, token: str | None = None
+) -> Outcome:
     """Send body i at i / `rate` seconds after the start, whether or not earlier ones were
     answered (an open loop: a slow answer does not slow the offered load). Latency counts from
     the moment a submission was due, so time spent queued behind a slow server (or waiting for

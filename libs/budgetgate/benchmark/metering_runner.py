@@ -133,7 +133,9 @@ class Run:
             "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
             "BUDGETGATE_CONSUMER_GROUP": f"{self.topics.prefix}metering-ingest",
         }
-        child = self._child("metering-ingest", python_module("budgetgate.services.metering_ingest", "--host", "127.0.0.1", "--port", str(port)), log_dir=log_dir, env=env)
+        child = self._child(
+            "metering-ingest", python_module("budgetgate.services.metering_ingest", "--host", "127.0.0.1", "--port", str(port)), log_dir=log_dir, env=env
+        )
         stack.push_async_callback(child.stop)
         return child, port
 
@@ -163,7 +165,9 @@ class Run:
             while (found := await conn.fetchrow(queries.sql("metering.sql", "consumed"), INBOX))["done"] < expected:
                 child.check_alive()
                 if time.monotonic() > deadline:
-                    raise StartError(f"metering-ingest consumed {found['done']} of {expected} samples in {self.options.consume_timeout:.0f}s\n{child.log_tail()}")
+                    raise StartError(
+                        f"metering-ingest consumed {found['done']} of {expected} samples in {self.options.consume_timeout:.0f}s\n{child.log_tail()}"
+                    )
                 await asyncio.sleep(0.02)
             return float(found["seconds"])
         finally:

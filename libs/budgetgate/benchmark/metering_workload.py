@@ -69,4 +69,6 @@ def _snapshot(run_id: str, step: int, at: datetime) -> MeteringSample:
 
 
 def _core(message: MeteringSample) -> Sample:
-    return Sample(message.run_id, message.sample_id, message.observed_at.ToDatetime(tzinfo=UTC), Counters(milli(message.gpu_seconds), milli(message.node_seconds)))
+    return Sample(
+        message.run_id, message.sample_id, message.observed_at.ToDatetime(tzinfo=UTC), Counters(milli(message.gpu_seconds), milli(message.node_seconds))
+    )

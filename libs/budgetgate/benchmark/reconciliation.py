@@ -70,7 +70,12 @@ class Report:
             "runs_settled": self.runs_settled,
             "messages": self.messages,
             "offered_messages_per_s": round(self.messages / self.send_seconds, 1) if self.send_seconds else None,
-            "lag_ms": {"p50": round(self.percentile(0.5), 1), "p99": round(self.percentile(0.99), 1), "max": round(max(self.lags_ms, default=float("nan")), 1), "mean": round(statistics.fmean(self.lags_ms), 1) if self.lags_ms else None},
+            "lag_ms": {
+                "p50": round(self.percentile(0.5), 1),
+                "p99": round(self.percentile(0.99), 1),
+                "max": round(max(self.lags_ms, default=float("nan")), 1),
+                "mean": round(statistics.fmean(self.lags_ms), 1) if self.lags_ms else None,
+            },
             "ledger_ok": self.ledger_ok,
             "ledger": self.ledger_note,
         }
@@ -207,7 +212,13 @@ class Bench:
 
             async def admit(i: int) -> str:
                 team = i % self.options.budgets
-                body = {"run_id": f"bench/{self.tag}/{i}", "namespace": f"team-{team}", "labels": {"team": f"t{team}"}, "resources": {"gpus": 8}, "projected_runtime_hours": 2.0}
+                body = {
+                    "run_id": f"bench/{self.tag}/{i}",
+                    "namespace": f"team-{team}",
+                    "labels": {"team": f"t{team}"},
+                    "resources": {"gpus": 8},
+                    "projected_runtime_hours": 2.0,
+                }
                 async with gate:
                     answer = (await client.post("/v1/admissions", json=body)).json()
                 if answer["decision"] != "ALLOW":

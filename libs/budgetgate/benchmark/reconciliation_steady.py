@@ -69,7 +69,15 @@ class SteadyReport:
         return self.percentile("long", 0.99) / short if short else float("nan")
 
     def as_json(self) -> dict[str, object]:
-        groups = {g: {"records": len(v), "p50_ms": round(self.percentile(g, 0.5), 1), "p99_ms": round(self.percentile(g, 0.99), 1), "max_ms": round(max(v, default=float("nan")), 1)} for g, v in self.lags_ms.items()}
+        groups = {
+            g: {
+                "records": len(v),
+                "p50_ms": round(self.percentile(g, 0.5), 1),
+                "p99_ms": round(self.percentile(g, 0.99), 1),
+                "max_ms": round(max(v, default=float("nan")), 1),
+            }
+            for g, v in self.lags_ms.items()
+        }
         return {
             "options": asdict(self.options), "records": self.records, "offered_records_per_s": round(self.records / self.send_seconds, 1),
             "lag": groups, "p99_ratio_long_to_short": round(self.ratio, 2), "unseen": self.unseen, "ledger_ok": self.ledger_ok, "ledger": self.ledger_note,
@@ -103,7 +111,9 @@ class SteadyBench(Bench):
         self.steady = options
         o = options
         shorts = math.ceil(o.records_per_s / 2 * o.duration / o.short_length) + o.short_slots
-        self.runs = [_Run(f"bench/{self.tag}/long/{i}", "long") for i in range(o.long_runs)] + [_Run(f"bench/{self.tag}/short/{i}", "short") for i in range(shorts)]
+        self.runs = [_Run(f"bench/{self.tag}/long/{i}", "long") for i in range(o.long_runs)] + [
+            _Run(f"bench/{self.tag}/short/{i}", "short") for i in range(shorts)
+        ]
         self.warm = f"bench/{self.tag}/warm-up"
         self.lags: dict[str, list[float]] = defaultdict(list)
         self.start = datetime.now(UTC) - timedelta(seconds=o.long_length + 60)
@@ -155,7 +165,13 @@ class SteadyBench(Bench):
 
             async def admit(i: int, run: _Run) -> None:
                 team = i % self.steady.budgets
-                body = {"run_id": run.run_id, "namespace": f"team-{team}", "labels": {"team": f"t{team}"}, "resources": {"gpus": 8}, "projected_runtime_hours": 2.0}
+                body = {
+                    "run_id": run.run_id,
+                    "namespace": f"team-{team}",
+                    "labels": {"team": f"t{team}"},
+                    "resources": {"gpus": 8},
+                    "projected_runtime_hours": 2.0,
+                }
                 async with gate:
                     answer = (await client.post("/v1/admissions", json=body)).json()
                 if answer["decision"] != "ALLOW":
@@ -295,7 +311,11 @@ class SteadyBench(Bench):
         expected = sum(STEP_MS * r.sent for r in self.runs) + warm
         ok = reserved == 0 and consumed == expected and final == len(self.runs) + 1
         h = 3_600_000
-        return ok, f"reserved {reserved / h:g} GPU-h held (expected 0), consumed {consumed / h:g} GPU-h (expected {expected / h:g}), {final}/{len(self.runs) + 1} runs final"
+        return (
+            ok,
+            f"reserved {reserved / h:g} GPU-h held (expected 0), consumed {consumed / h:g} GPU-h (expected {expected / h:g}), "
+            f"{final}/{len(self.runs) + 1} runs final",
+        )
 
 
 async def run(options: SteadyOptions, *, echo: Callable[[str], None]) -> SteadyReport:

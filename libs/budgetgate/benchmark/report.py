@@ -150,9 +150,7 @@ def as_text(options: Options, measured: Measurements) -> str:
         if r.get("notes"):
             lines.append(f"{r['system']}/{r['scenario']}: " + ", ".join(f"{k} {v}" for k, v in r["notes"].items()) + " (right after the measured phase)")
     for ratio in ratios(results):
-        lines.append(
-            f"budgetgate/baseline, {ratio['scenario']}: throughput {_x(ratio['throughput'])}, p99 latency {_x(ratio['p99'])}"
-        )
+        lines.append(f"budgetgate/baseline, {ratio['scenario']}: throughput {_x(ratio['throughput'])}, p99 latency {_x(ratio['p99'])}")
     top = ceiling(measured)
     if top is not None:
         against = ", ".join(f"{scenario} {_x(x)}" for scenario, x in top["budgetgate"].items())

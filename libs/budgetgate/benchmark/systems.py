@@ -154,7 +154,9 @@ class Baseline:
         finally:
             await conn.close()
         totals = [BudgetTotal(r["budget_id"], r["limit_amount"], r["consumed"], r["admitted"], r["allows"]) for r in rows]
-        problems = [f"budget {r['budget_id']}: reserved {r['reserved']} but ALLOW decisions add up to {r['admitted']}" for r in rows if r["reserved"] != r["admitted"]]
+        problems = [
+            f"budget {r['budget_id']}: reserved {r['reserved']} but ALLOW decisions add up to {r['admitted']}" for r in rows if r["reserved"] != r["admitted"]
+        ]
         return totals, problems
 
     async def notes(self, dsn: str) -> dict[str, int]:

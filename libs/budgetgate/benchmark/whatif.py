@@ -35,7 +35,13 @@ class Measured:
     recorded_allows: int
 
     def as_json(self) -> dict[str, Any]:
-        return {"decisions": self.decisions, "seconds": round(self.seconds, 3), "decisions_per_s": round(self.decisions / self.seconds), "flips": self.flips, "recorded_allows": self.recorded_allows}
+        return {
+            "decisions": self.decisions,
+            "seconds": round(self.seconds, 3),
+            "decisions_per_s": round(self.decisions / self.seconds),
+            "flips": self.flips,
+            "recorded_allows": self.recorded_allows,
+        }
 
 
 def _policies(folder: Path, teams: int, limit_hours: int) -> Path:
@@ -58,15 +64,40 @@ def _history(decisions: int, teams: int, limit_hours: int, now: datetime) -> tup
     for n in range(decisions):
         team, gpus, hours = n % teams, 1 + (n * 7) % 8, 1 + (n * 13) % 12
         at = start + span * n
-        sub = Submission(run_id=f"bench/{n}", namespace=f"ns-{team}", labels={"team": f"t{team}"}, resources=Resources(gpus=gpus), runtime_hours=Decimal(hours), at=at)
+        sub = Submission(
+            run_id=f"bench/{n}", namespace=f"ns-{team}", labels={"team": f"t{team}"}, resources=Resources(gpus=gpus), runtime_hours=Decimal(hours), at=at
+        )
         [charge] = plan(bundle, sub).charges
         amount = projected_hours_amount(gpus, Decimal(hours))
         held = used.get(charge.ledger_key, 0)
         outcome = "ALLOW" if held + amount <= charge.policy.limit.amount else "DENY"
         reading = {"ledger_key": charge.ledger_key, "limit": charge.policy.limit.amount, "reserved": held, "consumed": 0}
-        request = {"run_id": sub.run_id, "attempt": 1, "namespace": sub.namespace, "labels": dict(sub.labels), "resources": {"gpus": gpus, "nodes": 1}, "projected_runtime_hours": float(hours)}
+        request = {
+            "run_id": sub.run_id,
+            "attempt": 1,
+            "namespace": sub.namespace,
+            "labels": dict(sub.labels),
+            "resources": {"gpus": gpus, "nodes": 1},
+            "projected_runtime_hours": float(hours),
+        }
         decision_id = uuid.uuid4()
-        rows.append((decision_id, sub.run_id, 1, outcome, "bench", sub.namespace, json.dumps(sub.labels), "r" * 40, amount, json.dumps(request), "{}", at, json.dumps({"version": 1, "status": "RESERVED", "ledger": [reading]})))
+        rows.append(
+            (
+                decision_id,
+                sub.run_id,
+                1,
+                outcome,
+                "bench",
+                sub.namespace,
+                json.dumps(sub.labels),
+                "r" * 40,
+                amount,
+                json.dumps(request),
+                "{}",
+                at,
+                json.dumps({"version": 1, "status": "RESERVED", "ledger": [reading]}),
+            )
+        )
         if outcome == "ALLOW":
             allows += 1
             used[charge.ledger_key] = held + amount
@@ -87,8 +118,28 @@ async def run(server_dsn: str, *, decisions: int, teams: int, limit_hours: int =
             now = datetime.now(UTC)
             echo(f"recording {decisions} decisions over {teams} budgets (not timed)")
             rows, ends, allows = _history(decisions, teams, limit_hours, now)
-            await conn.copy_records_to_table("decisions", records=rows, columns=["decision_id", "run_id", "attempt", "outcome", "reason", "namespace", "labels", "policy_bundle_sha", "projected_gpu", "request", "response", "decided_at", "readings"])
-            await conn.copy_records_to_table("run_settlements", records=ends, columns=["run_id", "decision_id", "phase", "final", "ended_at", "projected_gpu", "actual_gpu"])
+            await conn.copy_records_to_table(
+                "decisions",
+                records=rows,
+                columns=[
+                    "decision_id",
+                    "run_id",
+                    "attempt",
+                    "outcome",
+                    "reason",
+                    "namespace",
+                    "labels",
+                    "policy_bundle_sha",
+                    "projected_gpu",
+                    "request",
+                    "response",
+                    "decided_at",
+                    "readings",
+                ],
+            )
+            await conn.copy_records_to_table(
+                "run_settlements", records=ends, columns=["run_id", "decision_id", "phase", "final", "ended_at", "projected_gpu", "actual_gpu"]
+            )
             await conn.execute("ANALYZE")
         finally:
             await conn.close()

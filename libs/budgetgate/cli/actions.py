@@ -23,12 +23,16 @@ async def read_topics(bootstrap: str, topics: list[str], *, follow: bool, skip_m
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.errors import KafkaError
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest", request_timeout_ms=10000, **access.aiokafka())
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest", request_timeout_ms=10000, **access.aiokafka()
+    )
     try:
         await consumer.start()
     except (KafkaError, OSError) as exc:
         await consumer.stop()
-        raise click.ClickException(f"cannot reach Kafka at {bootstrap}: {exc}; start the local stack with `budgetgate dev up`, or set BUDGETGATE_KAFKA_BOOTSTRAP") from None
+        raise click.ClickException(
+            f"cannot reach Kafka at {bootstrap}: {exc}; start the local stack with `budgetgate dev up`, or set BUDGETGATE_KAFKA_BOOTSTRAP"
+        ) from None
     try:
         known = await consumer.topics()
         missing = [t for t in topics if t not in known]

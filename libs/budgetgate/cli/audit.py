@@ -83,19 +83,56 @@ async def _from_postgres(dsn: str, scope_id: str, window: Any, report: Any) -> d
 
 def _print(report: dict[str, Any]) -> None:
     click.echo(f"scope {report['scope']}" + (f", windows matching {report['window']}" if report["window"] else "") + f" (from {report['source']})")
-    _table("Denial rate (runs by their latest decision)", report["denial_rate"],
-           [("window", "window_key"), ("runs", "runs"), ("allowed", "allowed"), ("denied", "denied"), ("delayed", "delayed"), ("denial rate", "denial_rate")])
-    _table("Reservation-to-actual error (ended runs, GPU-hours)", report["reservation_error"],
-           [("window", "window_key"), ("policy SHA", "policy_git_sha"), ("runs", "runs"), ("reserved", "reserved_gpu_hours"),
-            ("actual", "actual_gpu_hours"), ("error", "error_gpu_hours"), ("error ratio", "error_ratio")])
+    _table(
+        "Denial rate (runs by their latest decision)",
+        report["denial_rate"],
+        [("window", "window_key"), ("runs", "runs"), ("allowed", "allowed"), ("denied", "denied"), ("delayed", "delayed"), ("denial rate", "denial_rate")],
+    )
+    _table(
+        "Reservation-to-actual error (ended runs, GPU-hours)",
+        report["reservation_error"],
+        [
+            ("window", "window_key"),
+            ("policy SHA", "policy_git_sha"),
+            ("runs", "runs"),
+            ("reserved", "reserved_gpu_hours"),
+            ("actual", "actual_gpu_hours"),
+            ("error", "error_gpu_hours"),
+            ("error ratio", "error_ratio"),
+        ],
+    )
     if "window_exhaustion" in report:
         rows = [{**r, "unit": r["unit"].replace("_", "-")} for r in report["window_exhaustion"]]
-        _table("Window exhaustion (hours of the budget's unit, or its currency)", rows,
-               [("policy", "policy_id"), ("window", "window_key"), ("unit", "unit"), ("limit", "limit"), ("used", "used"),
-                ("remaining", "remaining"), ("burn/hour", "burn_per_hour"), ("ran out at", "exhausted_at"), ("projected to run out", "projected_exhaustion_at")])
-        _table("Decisions by policy SHA", report["decisions_by_policy_sha"],
-               [("policy", "policy_id"), ("SHA", "policy_git_sha"), ("enforcement", "enforcement"), ("decisions", "decisions"),
-                ("allowed", "allowed"), ("denied", "denied"), ("delayed", "delayed"), ("first", "first_decided_at"), ("last", "last_decided_at")])
+        _table(
+            "Window exhaustion (hours of the budget's unit, or its currency)",
+            rows,
+            [
+                ("policy", "policy_id"),
+                ("window", "window_key"),
+                ("unit", "unit"),
+                ("limit", "limit"),
+                ("used", "used"),
+                ("remaining", "remaining"),
+                ("burn/hour", "burn_per_hour"),
+                ("ran out at", "exhausted_at"),
+                ("projected to run out", "projected_exhaustion_at"),
+            ],
+        )
+        _table(
+            "Decisions by policy SHA",
+            report["decisions_by_policy_sha"],
+            [
+                ("policy", "policy_id"),
+                ("SHA", "policy_git_sha"),
+                ("enforcement", "enforcement"),
+                ("decisions", "decisions"),
+                ("allowed", "allowed"),
+                ("denied", "denied"),
+                ("delayed", "delayed"),
+                ("first", "first_decided_at"),
+                ("last", "last_decided_at"),
+            ],
+        )
     else:
         click.echo("\n(window exhaustion and decisions by policy SHA come from Postgres: run without --marquez)")
 

@@ -27,7 +27,11 @@ def stack_settings(cls: type[S] = CommonSettings, *, needs: str = "postgres") ->
     variable = {"postgres": "BUDGETGATE_POSTGRES_DSN", "kafka": "BUDGETGATE_KAFKA_BOOTSTRAP"}[needs]
     state = find_dev_state()
     if state is None and not os.environ.get(variable):
-        where = f"BUDGETGATE_HOME={os.environ['BUDGETGATE_HOME']} holds no running stack" if os.environ.get("BUDGETGATE_HOME") else f"no local stack found from {Path.cwd()} (no .budgetgate/dev.json here or in a parent folder)"
+        where = (
+            f"BUDGETGATE_HOME={os.environ['BUDGETGATE_HOME']} holds no running stack"
+            if os.environ.get("BUDGETGATE_HOME")
+            else f"no local stack found from {Path.cwd()} (no .budgetgate/dev.json here or in a parent folder)"
+        )
         raise click.ClickException(f"{where}; {_FIX.replace('BUDGETGATE_POSTGRES_DSN', variable)}")
     return cls()
 
@@ -66,7 +70,10 @@ async def postgres(dsn: str, *, schema: bool = True) -> AsyncIterator[object]:
         raise click.ClickException(f"cannot reach Postgres at {redact(dsn)}: {_one_line(exc)}; {_FIX}") from None
     try:
         if schema and await conn.fetchval("SELECT to_regclass('policy_bundles') IS NULL"):
-            raise click.ClickException(f"the database at {redact(dsn)} has no budgetgate tables: is this the right stack (`budgetgate dev status`)? If it is, run `budgetgate db migrate`")
+            raise click.ClickException(
+                f"the database at {redact(dsn)} has no budgetgate tables: is this the right stack (`budgetgate dev status`)? If "
+                "it is, run `budgetgate db migrate`"
+            )
         yield conn
     finally:
         await conn.close()

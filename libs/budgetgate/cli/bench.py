@@ -25,11 +25,31 @@ def bench() -> None:
 @click.option("--allow-fraction", default=0.8, show_default=True, type=click.FloatRange(0.0, 1.0), help="Share of measured submissions the budgets fit.")
 @click.option("--scenario", "scenarios", multiple=True, type=click.Choice(SCENARIOS), help="hot: one budget; spread: --budgets budgets. Default: both.")
 @click.option("--system", "systems", multiple=True, type=click.Choice(SYSTEMS), help="Default: both.")
-@click.option("--ceiling/--no-ceiling", default=True, show_default=True, help="Also measure a FastAPI endpoint that validates the same body and answers a constant.")
-@click.option("--open-loop-rate", default=0.0, show_default=True, type=click.FloatRange(0.0), help="Also offer this many submissions/s to each system, whatever its answers (0: no open loop).")
+@click.option(
+    "--ceiling/--no-ceiling", default=True, show_default=True, help="Also measure a FastAPI endpoint that validates the same body and answers a constant."
+)
+@click.option(
+    "--open-loop-rate",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0),
+    help="Also offer this many submissions/s to each system, whatever its answers (0: no open loop).",
+)
 @click.option("--open-loop-seconds", default=30.0, show_default=True, type=click.FloatRange(0.1), help="How long the open loop offers its rate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def admission(requests: int, concurrency: int, warmup: int, budgets: int, allow_fraction: float, scenarios: tuple[str, ...], systems: tuple[str, ...], ceiling: bool, open_loop_rate: float, open_loop_seconds: float, as_json: bool) -> None:
+def admission(
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    budgets: int,
+    allow_fraction: float,
+    scenarios: tuple[str, ...],
+    systems: tuple[str, ...],
+    ceiling: bool,
+    open_loop_rate: float,
+    open_loop_seconds: float,
+    as_json: bool,
+) -> None:
     """Admission decisions/s and latency: budgetgate vs. a FastAPI + Postgres row-lock service.
 
     Each system and scenario gets a fresh database on the Postgres server of
@@ -94,12 +114,23 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, as_jso
 @click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(0.1), help="Completed runs per second (open loop).")
 @click.option("--samples", default=4, show_default=True, type=click.IntRange(1), help="Usage records per run.")
 @click.option("--budgets", default=20, show_default=True, type=click.IntRange(1), help="Team budgets the runs spread over.")
-@click.option("--records-per-s", type=click.FloatRange(1), default=None, help="Steady load instead: usage records per second, half on short runs, half on long ones.")
-@click.option("--run-lengths", default="100,10000", show_default=True, help="With --records-per-s: samples per short run, and the history of the long runs (preloaded by COPY).")
-@click.option("--long-runs", default=10, show_default=True, type=click.IntRange(1), help="With --records-per-s: long runs fed at once (short runs: as many at a time).")
+@click.option(
+    "--records-per-s", type=click.FloatRange(1), default=None, help="Steady load instead: usage records per second, half on short runs, half on long ones."
+)
+@click.option(
+    "--run-lengths",
+    default="100,10000",
+    show_default=True,
+    help="With --records-per-s: samples per short run, and the history of the long runs (preloaded by COPY).",
+)
+@click.option(
+    "--long-runs", default=10, show_default=True, type=click.IntRange(1), help="With --records-per-s: long runs fed at once (short runs: as many at a time)."
+)
 @click.option("--duration", default=30.0, show_default=True, type=click.FloatRange(1), help="With --records-per-s: seconds of load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def reconciliation(runs: int, rate: float, samples: int, budgets: int, records_per_s: float | None, run_lengths: str, long_runs: int, duration: float, as_json: bool) -> None:
+def reconciliation(
+    runs: int, rate: float, samples: int, budgets: int, records_per_s: float | None, run_lengths: str, long_runs: int, duration: float, as_json: bool
+) -> None:
     """Reconciliation lag p50/p99: a run's COMPLETED event sent -> its actuals committed; with
     --records-per-s, a usage record sent -> the ledger showing it, for short and long runs.
 
@@ -130,7 +161,9 @@ def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: fl
         short, long = (int(part) for part in run_lengths.split(","))
     except ValueError as exc:
         raise click.BadParameter("two numbers: SHORT,LONG", param_hint="--run-lengths") from exc
-    options = reconciliation_steady.SteadyOptions(records_per_s=records_per_s, short_length=short, long_length=long, long_runs=long_runs, short_slots=long_runs, duration=duration, budgets=budgets)
+    options = reconciliation_steady.SteadyOptions(
+        records_per_s=records_per_s, short_length=short, long_length=long, long_runs=long_runs, short_slots=long_runs, duration=duration, budgets=budgets
+    )
     try:
         report = asyncio.run(reconciliation_steady.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -181,5 +214,7 @@ def what_if(decisions: int, teams: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(measured.as_json(), indent=2))
     else:
-        click.echo(f"what-if: {measured.decisions} recorded decisions replayed in {measured.seconds:.1f} s "
-                   f"({measured.decisions / measured.seconds:,.0f} decisions/s); {measured.flips} flips of {measured.recorded_allows} recorded ALLOWs")  # fmt: skip
+        click.echo(
+            f"what-if: {measured.decisions} recorded decisions replayed in {measured.seconds:.1f} s "
+            f"({measured.decisions / measured.seconds:,.0f} decisions/s); {measured.flips} flips of {measured.recorded_allows} recorded ALLOWs"
+        )

@@ -26,5 +26,7 @@ def migrate() -> None:
     try:
         applied = asyncio.run(migrate_dsn(dsn))
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise click.ClickException(f"cannot reach Postgres at {backend.redact(dsn)}: {exc}; start the local stack with `budgetgate dev up`, or set BUDGETGATE_POSTGRES_DSN") from None
+        raise click.ClickException(
+            f"cannot reach Postgres at {backend.redact(dsn)}: {exc}; start the local stack with `budgetgate dev up`, or set BUDGETGATE_POSTGRES_DSN"
+        ) from None
     click.echo(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))

@@ -114,7 +114,10 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies, *, tokens: dict
     with contextlib.redirect_stdout(sys.stderr):  # the plan: the demo's output is its story
         await apply_loaded(settings["postgres_dsn"], loaded, source="budgetgate demo", applied_by="budgetgate demo")
     # The platform's submission API submits; the budget owners' dashboards read.
-    async with AsyncClient(settings["admission_url"], token=tokens["submitter"]) as client, AsyncClient(settings["admission_url"], token=tokens["reader"]) as reader:
+    async with (
+        AsyncClient(settings["admission_url"], token=tokens["submitter"]) as client,
+        AsyncClient(settings["admission_url"], token=tokens["reader"]) as reader,
+    ):
         await client.wait_ready(timeout=10)
         rows = []
         for w in MIX:
@@ -215,7 +218,9 @@ def _print_decisions(rows: list[tuple[Workload, dict[str, Any]]]) -> None:
         cost = f"{answer['showback_cost']:.2f} {answer['currency']}" if answer["showback_cost"] is not None else "-"
         dry = [e["policy_id"] for e in answer["evaluations"] if e["enforcement"] == "dry-run" and e["decision"] != "ALLOW"]
         decision = answer["decision"] + (" (replay)" if answer["replayed"] else "")
-        table.append([w.what, f"{w.gpus}x{w.flavor} {w.hours:g}h", f"{answer['projected_gpu_hours']:g}", cost, decision, "would deny: " + ", ".join(dry) if dry else ""])
+        table.append(
+            [w.what, f"{w.gpus}x{w.flavor} {w.hours:g}h", f"{answer['projected_gpu_hours']:g}", cost, decision, "would deny: " + ", ".join(dry) if dry else ""]
+        )
     _table(["workload", "request", "GPU-h", "showback", "decision", "dry-run"], table)
     click.echo("\nReasons\n")
     for w, answer in rows:
@@ -246,5 +251,16 @@ def _print_budgets(usage: list[dict[str, Any]], *, title: str = "Budgets, curren
     for scope in usage:
         for b in scope.get("budgets", []):
             unit = b["currency"] if b["unit"] == "cost" else b["unit"].replace("_", "-")
-            table.append([b["policy_id"], b["enforcement"], unit, f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}", f"{b['remaining']:g}", f"{100 * (b['utilization'] or 0):.1f}%"])
+            table.append(
+                [
+                    b["policy_id"],
+                    b["enforcement"],
+                    unit,
+                    f"{b['limit']:g}",
+                    f"{b['reserved']:g}",
+                    f"{b['consumed']:g}",
+                    f"{b['remaining']:g}",
+                    f"{100 * (b['utilization'] or 0):.1f}%",
+                ]
+            )
     _table(["budget", "mode", "unit", "limit", "reserved", "consumed", "remaining", "used"], table)

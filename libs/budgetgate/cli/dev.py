@@ -64,8 +64,10 @@ def up(detach: bool, timeout: float, no_services: bool) -> None:
         click.echo(f"a stack is already up in {result.state.root}; see `budgetgate dev status`")
     _print_services(info)
     if dead:
-        click.echo(f"not running: {', '.join(dead)}; see the logs in {result.state.root / '.budgetgate' / 'logs'}, "
-                   "then `budgetgate dev down` and `up` to restart it", err=True)
+        click.echo(
+            f"not running: {', '.join(dead)}; see the logs in {result.state.root / '.budgetgate' / 'logs'}, then `budgetgate dev down` and `up` to restart it",
+            err=True,
+        )
         if not result.already_up and not detach:
             stack.down(root, echo=_echo)
         sys.exit(2)

@@ -15,9 +15,19 @@ def kueue() -> None:
 
 
 @kueue.command("admission-check")
-@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None, help="A kubeconfig file (default: in-cluster, else KUBECONFIG / ~/.kube/config).")
+@click.option(
+    "--kubeconfig",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A kubeconfig file (default: in-cluster, else KUBECONFIG / ~/.kube/config).",
+)
 @click.option("--admission-url", default=None, help="budgetgate admission's URL (default: BUDGETGATE_ADMISSION_URL, else the local stack's).")
-@click.option("--default-runtime-hours", type=click.FloatRange(min=0, min_open=True), default=None, help="Hours assumed for Workloads without maximumExecutionTimeSeconds or the runtime annotation.")
+@click.option(
+    "--default-runtime-hours",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Hours assumed for Workloads without maximumExecutionTimeSeconds or the runtime annotation.",
+)
 def admission_check(kubeconfig: str | None, admission_url: str | None, default_runtime_hours: float | None) -> None:
     """Decide every Workload that waits on budgetgate's AdmissionCheck, until stopped."""
     from lightkube import AsyncClient as KubeClient

@@ -32,12 +32,18 @@ def meter() -> None:
 @click.option("--interval", default=15.0, show_default=True, type=click.FloatRange(min=0.01), help="Seconds between scrapes.")
 @click.option("--count", type=click.IntRange(1), default=None, help="Stop after this many scrapes (default: run until stopped).")
 @click.option("--run-id-label", default=DEFAULT_RUN_ID_LABEL, show_default=True, help="Metric label whose value is the run id, when present.")
-@click.option("--run-id-template", default=DEFAULT_RUN_ID_TEMPLATE, show_default=True, help="Run id of a GPU without that label, from {namespace}, {pod} and {container}.")
+@click.option(
+    "--run-id-template", default=DEFAULT_RUN_ID_TEMPLATE, show_default=True, help="Run id of a GPU without that label, from {namespace}, {pod} and {container}."
+)
 @click.option("--labelled-only", is_flag=True, help="Meter only GPUs whose metrics carry the run-id label (skip other pods).")
 @click.option("--exporter", default="dcgm", show_default=True, help="Name of this meter in the samples it sends.")
 @click.option("--state", "state_file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="File keeping the totals across restarts.")
-@click.option("--max-gap", default=300.0, show_default=True, type=click.FloatRange(min=0), help="Seconds between scrapes beyond which the interval is not counted.")
-@click.option("--via", type=click.Choice(["kafka", "http"]), default="kafka", show_default=True, help="Publish to metering.samples.v1, or POST to metering-ingest.")
+@click.option(
+    "--max-gap", default=300.0, show_default=True, type=click.FloatRange(min=0), help="Seconds between scrapes beyond which the interval is not counted."
+)
+@click.option(
+    "--via", type=click.Choice(["kafka", "http"]), default="kafka", show_default=True, help="Publish to metering.samples.v1, or POST to metering-ingest."
+)
 @click.option("--metering-url", default=None, help="metering-ingest's URL for --via http (default: BUDGETGATE_METERING_URL, else the local stack's).")
 def dcgm(
     urls: tuple[str, ...], interval: float, count: int | None, run_id_label: str, run_id_template: str, labelled_only: bool,
@@ -103,7 +109,9 @@ async def _publish(publish, usages: list[Usage], *, exporter: str, at: datetime)
     from budgetgate.client import metering_sample
 
     samples = [
-        metering_sample(u.run_id, sample_id=sample_id(exporter, at), gpu_seconds=u.gpu_seconds, node_seconds=u.node_seconds, observed_at=u.observed_at, exporter=exporter)
+        metering_sample(
+            u.run_id, sample_id=sample_id(exporter, at), gpu_seconds=u.gpu_seconds, node_seconds=u.node_seconds, observed_at=u.observed_at, exporter=exporter
+        )
         for u in usages
     ]
     if not samples:

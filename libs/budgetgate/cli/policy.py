@@ -42,8 +42,10 @@ def validate(path: Path) -> None:
         raise _fail(exc, path) from None
     _report(loaded)
     bundle = loaded.bundle
-    click.echo(f"ok: {len(loaded.documents)} document(s), {len(bundle.policies)} budget(s), {len(bundle.rate_cards)} rate card(s)"
-               + (f", {len(loaded.skipped)} skipped" if loaded.skipped else ""))
+    click.echo(
+        f"ok: {len(loaded.documents)} document(s), {len(bundle.policies)} budget(s), {len(bundle.rate_cards)} rate card(s)"
+        + (f", {len(loaded.skipped)} skipped" if loaded.skipped else "")
+    )
 
 
 def load_revision(directory: Path, *, allow_dirty: bool) -> tuple[Revision, LoadedPolicies]:
@@ -106,7 +108,9 @@ def diff(directory: Path, allow_dirty: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--allow-dirty", is_flag=True, help="apply uncommitted changes (the SHA gets a -dirty suffix)")
 @click.option("--allow-empty", is_flag=True, help="apply even a bundle without documents, or one that removes every budget")
-@click.option("--server", metavar="URL", help="apply through admission's API at URL with an operator token (BUDGETGATE_TOKEN, else the local stack's), not the database")
+@click.option(
+    "--server", metavar="URL", help="apply through admission's API at URL with an operator token (BUDGETGATE_TOKEN, else the local stack's), not the database"
+)
 def apply(directory: Path, allow_dirty: bool, allow_empty: bool, server: str | None) -> None:
     """Validate, print the plan, then store the bundle at its Git SHA and make it active everywhere."""
     _, loaded = load_revision(directory, allow_dirty=allow_dirty)

@@ -29,7 +29,12 @@ def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...
 
 
 @click.command()
-@click.option("--file", "body_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A submission body as JSON (what POST /v1/admissions takes); the options below override its fields.")
+@click.option(
+    "--file",
+    "body_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A submission body as JSON (what POST /v1/admissions takes); the options below override its fields.",
+)
 @click.option("--run-id", default=None, help="The run id (default: quote/preview).")
 @click.option("--namespace", "-n", default=None, help="The submission's namespace.")
 @click.option("--label", "-l", "labels", multiple=True, callback=_labels, help="A label, KEY=VALUE; repeatable.")
@@ -39,7 +44,18 @@ def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...
 @click.option("--region", default=None)
 @click.option("--hours", "runtime_hours", type=float, default=None, help="Projected runtime in hours.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def quote(body_file: Path | None, run_id: str | None, namespace: str | None, labels: dict[str, str], gpus: int | None, nodes: int | None, flavor: str | None, region: str | None, runtime_hours: float | None, as_json: bool) -> None:
+def quote(
+    body_file: Path | None,
+    run_id: str | None,
+    namespace: str | None,
+    labels: dict[str, str],
+    gpus: int | None,
+    nodes: int | None,
+    flavor: str | None,
+    region: str | None,
+    runtime_hours: float | None,
+    as_json: bool,
+) -> None:
     """What admission would decide on a submission now (decision, cost, next eligible time)."""
     body: dict[str, Any] = json.loads(body_file.read_text()) if body_file else {}
     body.setdefault("run_id", "quote/preview")
@@ -53,7 +69,11 @@ def quote(body_file: Path | None, run_id: str | None, namespace: str | None, lab
             body[key] = value
     if labels:
         body["labels"] = {**body.get("labels", {}), **labels}
-    missing = [name for name, present in (("--namespace", "namespace" in body), ("--gpus", "gpus" in resources), ("--hours", "projected_runtime_hours" in body)) if not present]
+    missing = [
+        name
+        for name, present in (("--namespace", "namespace" in body), ("--gpus", "gpus" in resources), ("--hours", "projected_runtime_hours" in body))
+        if not present
+    ]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or a --file that has them)")
     answer = post_quote(body)
@@ -91,7 +111,12 @@ def print_quote(answer: dict[str, Any]) -> None:
         click.echo(f"priority penalty: {answer['priority_penalty']:.4f}")
     if answer.get("fair_share"):
         fs = answer["fair_share"]
-        click.echo(f"fair share: {fs['share']:.3f} -> {fs['share_after']:.3f} of target {fs['target']:.3f} (deficit {fs['deficit']:.3f})" + (", preemptible" if answer.get("preemptible") else ""))
+        click.echo(
+            f"fair share: {fs['share']:.3f} -> {fs['share_after']:.3f} of target {fs['target']:.3f} (deficit {fs['deficit']:.3f})"
+            + (", preemptible" if answer.get("preemptible") else "")
+        )
     for e in answer["evaluations"]:
         remaining = "n/a" if e["remaining"] is None else f"{e['remaining']:g}"
-        click.echo(f"  {e['decision']:<5} {e['policy_id']} ({e['enforcement']}): needs {e['projected']:g} of {remaining} remaining, limit {e['limit']:g} {e['unit']}")
+        click.echo(
+            f"  {e['decision']:<5} {e['policy_id']} ({e['enforcement']}): needs {e['projected']:g} of {remaining} remaining, limit {e['limit']:g} {e['unit']}"
+        )

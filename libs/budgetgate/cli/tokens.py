@@ -23,6 +23,8 @@ def _valid_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str
     if not _NAME.match(value):
         raise click.BadParameter("1 to 100 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return value
+
+
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
@@ -61,7 +63,15 @@ def create(name: str, roles: tuple[str, ...], namespaces: tuple[str, ...], tenan
 
         async with backend.postgres(settings.postgres_dsn) as conn:
             try:
-                return await create_token(conn, name=name, roles=[Role(r) for r in roles], namespaces=list(namespaces), tenants=list(tenants), created_by=_actor(), expires_in=lifetime)
+                return await create_token(
+                    conn,
+                    name=name,
+                    roles=[Role(r) for r in roles],
+                    namespaces=list(namespaces),
+                    tenants=list(tenants),
+                    created_by=_actor(),
+                    expires_in=lifetime,
+                )
             except asyncpg.UniqueViolationError:
                 raise click.ClickException(f"a token named {name!r} exists already (names are never reused, even revoked)") from None
 
@@ -83,7 +93,10 @@ def list_(as_json: bool) -> None:
         async with backend.postgres(settings.postgres_dsn) as conn:
             return await list_tokens(conn)
 
-    rows = [{k: (v.isoformat(timespec="seconds") if hasattr(v, "isoformat") else str(v) if k == "token_id" else v) for k, v in r.items()} for r in asyncio.run(run())]
+    rows = [
+        {k: (v.isoformat(timespec="seconds") if hasattr(v, "isoformat") else str(v) if k == "token_id" else v) for k, v in r.items()}
+        for r in asyncio.run(run())
+    ]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -128,4 +141,6 @@ def admin_log(limit: int, as_json: bool) -> None:
         click.echo(json.dumps([{**r, "logged_at": r["logged_at"].isoformat()} for r in rows], indent=2))
         return
     for r in rows:
-        click.echo(f"{r['logged_at'].isoformat(timespec='seconds')}  {r['actor']:<28} {r['action']:<14} {r['subject']}  {json.dumps(r['details'], sort_keys=True)}")
+        click.echo(
+            f"{r['logged_at'].isoformat(timespec='seconds')}  {r['actor']:<28} {r['action']:<14} {r['subject']}  {json.dumps(r['details'], sort_keys=True)}"
+        )

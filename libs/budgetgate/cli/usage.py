@@ -11,7 +11,6 @@ from typing import Any
 import click
 
 
-
 @click.command()
 @click.option("--scope", "scope_id", default=None, help="A scope id, e.g. 'ns=vision-prod;cost-center=1042;team=vision', or a budget's policy id.")
 @click.option("--tenant", default=None, help="A tenant: the value of the tenant label (see --label).")

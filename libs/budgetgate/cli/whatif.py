@@ -80,7 +80,10 @@ def as_report(outcome: Outcome, start: datetime) -> dict[str, Any]:
     return {
         "since": rfc3339(start),
         "decisions": outcome.decisions,
-        "flips": [{"run_id": f.run_id, "attempt": f.attempt, "decided_at": rfc3339(f.at), "before": f.before, "after": f.after, "reason": f.reason} for f in outcome.flips],
+        "flips": [
+            {"run_id": f.run_id, "attempt": f.attempt, "decided_at": rfc3339(f.at), "before": f.before, "after": f.after, "reason": f.reason}
+            for f in outcome.flips
+        ],
         "by_budget": budgets,
         "unplannable": outcome.unplannable,
     }
@@ -91,7 +94,10 @@ def print_report(report: dict[str, Any], directory: Path) -> None:
     for f in report["flips"]:
         click.echo(f"  {f['before']} -> {f['after']}  {f['run_id']} (attempt {f['attempt']}, {f['decided_at']}): {f['reason']}")
     for b in report["by_budget"]:
-        line = f"  {b['policy_id']}: admitted {b['admitted_gpu_hours_before']:g} -> {b['admitted_gpu_hours_after']:g} GPU-hours ({b['admitted_gpu_hours_change']:+g})"
+        line = (
+            f"  {b['policy_id']}: admitted {b['admitted_gpu_hours_before']:g} -> {b['admitted_gpu_hours_after']:g} GPU-hours "
+            f"({b['admitted_gpu_hours_change']:+g})"
+        )
         if b["showback_cost_before"] is not None:
             line += f", {b['showback_cost_before']:.2f} -> {b['showback_cost_after']:.2f} {b['currency'] or ''} ({b['showback_cost_change']:+.2f})".rstrip()
         if b["exhausted_at"]:

@@ -22,7 +22,6 @@ from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 
-
 def timestamp(at: datetime) -> Timestamp:
     """A protobuf Timestamp of an aware datetime (a naive one is taken as UTC)."""
     stamp = Timestamp()
@@ -47,7 +46,9 @@ def lifecycle_event(
     kind = kind.upper()
     if kind not in LIFECYCLE_KINDS:
         raise ValueError(f"lifecycle kind {kind!r} is not one of {', '.join(LIFECYCLE_KINDS)}")
-    event = LifecycleEvent(event_time=timestamp(when), run_id=run_id, type=LifecycleType.Value(kind), gpus=gpus, nodes=nodes, flavor=flavor, region=region, reason=reason)
+    event = LifecycleEvent(
+        event_time=timestamp(when), run_id=run_id, type=LifecycleType.Value(kind), gpus=gpus, nodes=nodes, flavor=flavor, region=region, reason=reason
+    )
     event.event_id = event_id or derived_event_id(event)
     return event
 

@@ -185,6 +185,7 @@ PATTERN_MEANINGS = {
     r"^[a-z0-9][a-z0-9_.-]{0,62}(:[a-z0-9][a-z0-9_.-]{0,62}){0,7}$": "a pool namespace such as snowflake:wh-1 (lowercase parts joined by ':')",
 }
 
+
 class LabelMatch(_Strict):
     key: LabelKey
     value: LabelValue
@@ -205,7 +206,9 @@ class QuotaSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_kind_of_quota(self) -> QuotaSpec:
-        tenant_fields = [f for f in ("max_gpus", "max_nodes", "max_concurrent_allocations", "fair_share_target", "burst_allowance") if getattr(self, f) is not None]
+        tenant_fields = [
+            f for f in ("max_gpus", "max_nodes", "max_concurrent_allocations", "fair_share_target", "burst_allowance") if getattr(self, f) is not None
+        ]
         if self.tenant is None:
             if self.sensitive_pool_size is None:
                 raise ValueError("a Quota needs a tenant (with max_gpus, max_nodes, max_concurrent_allocations or fair_share_target) or a sensitive_pool_size")
@@ -286,7 +289,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 
 def did_you_mean(word: str, choices: list[str]) -> str:
-    """"; did you mean 'x'?" for the closest choice, else the list of choices."""
+    """ "; did you mean 'x'?" for the closest choice, else the list of choices."""
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if close:
         return f"; did you mean {close[0]!r}?"

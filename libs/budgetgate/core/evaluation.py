@@ -282,7 +282,9 @@ def eligible_at(charge: Charge, reading: Reading, outlook: Outlook, now: datetim
     )
 
 
-def _evaluation(charge: Charge, sha: str, reading: Reading | None, *, admitted: int, outcome: str, deficit: int | None = None, eligible: datetime | None = None) -> Evaluation:
+def _evaluation(
+    charge: Charge, sha: str, reading: Reading | None, *, admitted: int, outcome: str, deficit: int | None = None, eligible: datetime | None = None
+) -> Evaluation:
     policy = charge.policy
     return Evaluation(
         policy_id=policy.id,

@@ -50,9 +50,23 @@ from budgetgate.core.policy_files import (
 )
 
 __all__ = [
-    "MAX_FILE_BYTES", "LoadedPolicies", "PolicyError", "PolicyValidationError", "SkippedDocument", "SourceDocument",
-    "build_bundle", "bundle_from_json", "directory_files", "documents_to_json", "load_directory", "load_files",
-    "load_path", "parse_files", "parse_text", "read_directory", "skipped_documents",
+    "MAX_FILE_BYTES",
+    "LoadedPolicies",
+    "PolicyError",
+    "PolicyValidationError",
+    "SkippedDocument",
+    "SourceDocument",
+    "build_bundle",
+    "bundle_from_json",
+    "directory_files",
+    "documents_to_json",
+    "load_directory",
+    "load_files",
+    "load_path",
+    "parse_files",
+    "parse_text",
+    "read_directory",
+    "skipped_documents",
 ]
 
 
@@ -148,7 +162,13 @@ def _duplicate_rates(doc: SourceDocument, spec: RateCardSpec, seen: dict[tuple[s
         first = seen.setdefault(key, f"{doc.file}:{line}")
         if first != f"{doc.file}:{line}":
             when = f" from {rate.effective_from.isoformat()}" if rate.effective_from else ""
-            errors.append(PolicyError(doc.file, line, f"a second rate for flavor {rate.flavor!r}" + (f" in region {rate.region!r}" if rate.region else "") + f"{when}; the first is at {first}"))
+            errors.append(
+                PolicyError(
+                    doc.file,
+                    line,
+                    f"a second rate for flavor {rate.flavor!r}" + (f" in region {rate.region!r}" if rate.region else "") + f"{when}; the first is at {first}",
+                )
+            )
     return errors
 
 
@@ -218,9 +238,21 @@ def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCar
         identity = (policy.scope.scope_id, policy.window.calendar, policy.window.rolling_days, policy.limit.unit)
         other = ledgers.setdefault(identity, policy)
         if other is not policy:
-            errors.append(PolicyError(policy.source.file, policy.source.line, f"policy {policy.id!r} budgets the same scope, window and unit as {other.id!r} ({other.source.file}:{other.source.line}); merge them"))
+            errors.append(
+                PolicyError(
+                    policy.source.file,
+                    policy.source.line,
+                    f"policy {policy.id!r} budgets the same scope, window and unit as {other.id!r} ({other.source.file}:{other.source.line}); merge them",
+                )
+            )
         if not partial and policy.limit.unit is Unit.COST and not any(card.currency == policy.limit.currency for card in rate_cards):
-            errors.append(PolicyError(policy.source.file, policy.source.line, f"policy {policy.id!r} limits cost in {policy.limit.currency} but no RateCard is in {policy.limit.currency}"))
+            errors.append(
+                PolicyError(
+                    policy.source.file,
+                    policy.source.line,
+                    f"policy {policy.id!r} limits cost in {policy.limit.currency} but no RateCard is in {policy.limit.currency}",
+                )
+            )
     currencies = {card.currency for card in rate_cards}
     if len(currencies) > 1:
         for card in rate_cards:

@@ -175,7 +175,13 @@ def validate(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sample:
     elif raw.observed_at.tzinfo is None:
         problems.append(Problem(Rejection.INVALID_FIELD, "observed_at", "observed_at has no time zone"))
     elif raw.observed_at > now + max_skew:
-        problems.append(Problem(Rejection.FUTURE_TIMESTAMP, "observed_at", f"observed_at {raw.observed_at.isoformat()} is more than {max_skew.total_seconds():g}s after now ({now.isoformat()})"))
+        problems.append(
+            Problem(
+                Rejection.FUTURE_TIMESTAMP,
+                "observed_at",
+                f"observed_at {raw.observed_at.isoformat()} is more than {max_skew.total_seconds():g}s after now ({now.isoformat()})",
+            )
+        )
     if problems:
         raise Rejected(*problems)
     assert raw.observed_at is not None
@@ -258,15 +264,40 @@ def assess(sample: Sample, run: RunView) -> Accepted | Duplicate:
     if run.same_id is not None:
         if run.same_id.observed_at == sample.observed_at and run.same_id.counters == sample.counters:
             return Duplicate(sample, of=run.same_id.sample_id)
-        raise Rejected(Problem(Rejection.CONFLICT, "sample_id", f"sample {sample.sample_id!r} of run {sample.run_id!r} was recorded before with other values ({_describe(run.same_id)})"))
+        raise Rejected(
+            Problem(
+                Rejection.CONFLICT,
+                "sample_id",
+                f"sample {sample.sample_id!r} of run {sample.run_id!r} was recorded before with other values ({_describe(run.same_id)})",
+            )
+        )
     if run.same_time is not None:
         if run.same_time.counters == sample.counters:
             return Duplicate(sample, of=run.same_time.sample_id)
-        raise Rejected(Problem(Rejection.CONFLICT, "observed_at", f"run {sample.run_id!r} already has sample {run.same_time.sample_id!r} at {sample.observed_at.isoformat()} with other counters ({_describe(run.same_time)})"))
+        raise Rejected(
+            Problem(
+                Rejection.CONFLICT,
+                "observed_at",
+                f"run {sample.run_id!r} already has sample {run.same_time.sample_id!r} at {sample.observed_at.isoformat()} with "
+                f"other counters ({_describe(run.same_time)})",
+            )
+        )
     if run.before is not None and not sample.counters.covers(run.before.counters):
-        raise Rejected(Problem(Rejection.COUNTER_REGRESSION, _lower_field(sample.counters, run.before.counters), f"counters of run {sample.run_id!r} went down: {_describe(run.before)}, then {_describe_sample(sample)}"))
+        raise Rejected(
+            Problem(
+                Rejection.COUNTER_REGRESSION,
+                _lower_field(sample.counters, run.before.counters),
+                f"counters of run {sample.run_id!r} went down: {_describe(run.before)}, then {_describe_sample(sample)}",
+            )
+        )
     if run.after is not None and not run.after.counters.covers(sample.counters):
-        raise Rejected(Problem(Rejection.COUNTER_REGRESSION, _lower_field(run.after.counters, sample.counters), f"counters of run {sample.run_id!r} would go down: {_describe_sample(sample)}, then {_describe(run.after)} (recorded earlier)"))
+        raise Rejected(
+            Problem(
+                Rejection.COUNTER_REGRESSION,
+                _lower_field(run.after.counters, sample.counters),
+                f"counters of run {sample.run_id!r} would go down: {_describe_sample(sample)}, then {_describe(run.after)} (recorded earlier)",
+            )
+        )
     cumulative = run.cumulative.high_water(sample.counters)
     late = run.latest is not None and sample.observed_at < run.latest
     return Accepted(sample, cumulative=cumulative, delta=cumulative.minus(run.cumulative), late=late)

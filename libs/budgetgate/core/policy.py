@@ -59,9 +59,7 @@ class Scope:
         """Whether a submission with these labels falls under this scope."""
         if not self.covers_namespace(namespace):
             return False
-        return all(
-            key in labels and (want == ANY_VALUE or labels[key] == want) for key, want in self.labels.items()
-        )
+        return all(key in labels and (want == ANY_VALUE or labels[key] == want) for key, want in self.labels.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +101,7 @@ class RateCard:
         candidates = [
             rate
             for rate in self.rates
-            if rate.flavor == flavor
-            and (rate.region is None or rate.region == region)
-            and (rate.effective_from is None or rate.effective_from <= at)
+            if rate.flavor == flavor and (rate.region is None or rate.region == region) and (rate.effective_from is None or rate.effective_from <= at)
         ]
         if not candidates:
             return None

@@ -21,6 +21,7 @@ MAX_FILE_BYTES = 1 << 20
 # Keys whose values are names, not numbers: `cost-center: 1042` means the string "1042".
 _RAW_SCALAR_PARENTS = frozenset({"labels", "id", "namespace", "namespaces", "flavor", "region"})
 
+
 class PolicyValidationError(ValueError):
     """One or more policy documents are invalid; `errors` lists each with file and line."""
 
@@ -209,5 +210,3 @@ class _Converter:
             return self.constructor.construct_object(node, deep=True)
         except yaml.YAMLError as exc:
             raise _YamlProblem(line, f"invalid YAML value: {getattr(exc, 'problem', exc)}") from exc
-
-

@@ -20,7 +20,9 @@ def concurrency_limit(doc_id: str, spec: BaseModel, source: Source) -> Concurren
             assert spec.sensitive_pool_size is not None
             label = spec.sensitive_label
             return SensitivePool(doc_id, spec.sensitive_pool_size, spec.sensitive_unit, label.key, label.value, source)
-        return TenantQuota(doc_id, spec.tenant, spec.max_gpus, spec.max_nodes, spec.max_concurrent_allocations, spec.fair_share_target, spec.burst_allowance, source)
+        return TenantQuota(
+            doc_id, spec.tenant, spec.max_gpus, spec.max_nodes, spec.max_concurrent_allocations, spec.fair_share_target, spec.burst_allowance, source
+        )
     if isinstance(spec, ClusterSpec):
         return Cluster(doc_id, spec.gpus, spec.nodes, source)
     if isinstance(spec, ResourcePoolSpec):
@@ -48,7 +50,13 @@ def concurrency_checks(limits: Sequence[ConcurrencyLimit], *, partial: bool = Fa
     has_cluster = partial or any(isinstance(limit, Cluster) for limit in limits)
     for limit in limits:
         if isinstance(limit, TenantQuota) and limit.fair_share_target is not None and not has_cluster:
-            errors.append(PolicyError(limit.source.file, limit.source.line, f"quota {limit.id!r} sets a fair_share_target but no kind: Cluster document gives the capacity it is a share of"))
+            errors.append(
+                PolicyError(
+                    limit.source.file,
+                    limit.source.line,
+                    f"quota {limit.id!r} sets a fair_share_target but no kind: Cluster document gives the capacity it is a share of",
+                )
+            )
     return errors
 
 

@@ -101,7 +101,9 @@ def quota_violation(tenant: str, quota: TenantQuota, held: Holdings, request: Re
         if limit is not None and current + requested > limit:
             reason = f'allocation rejected: tenant "{tenant}" would exceed {name} quota (current: {current}, requested: {requested}, limit: {limit})'
             if current >= limit:
-                reason += "; usage is already at or above the limit (it may have been lowered): wait for running work to finish or ask the tenant admin to raise it"
+                reason += (
+                    "; usage is already at or above the limit (it may have been lowered): wait for running work to finish or ask the tenant admin to raise it"
+                )
             return reason
     return None
 
@@ -111,7 +113,10 @@ def sensitive_violation(pool: SensitivePool, held: Holdings, request: Request) -
     current = held.gpus if pool.unit == "gpus" else held.nodes
     requested = request.gpus if pool.unit == "gpus" else request.nodes
     if current + requested > pool.size:
-        return f"allocation rejected: sensitive workloads would exceed sensitive_pool_size (current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
+        return (
+            "allocation rejected: sensitive workloads would exceed sensitive_pool_size "
+            f"(current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
+        )
     return None
 
 

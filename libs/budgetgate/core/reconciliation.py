@@ -310,7 +310,14 @@ def review_at(line: Timeline, facts: RunFacts, rules: Rules, now: datetime, st: 
     return _review_at(line, facts, rules, now, final=st.final, released=st.released, idle_since=st.idle_since)
 
 
-def _usage(unit: Unit, metered: list[tuple[datetime, int, int]], wall: list[tuple[datetime, int]], tail: list[tuple[datetime, int, int, int]], facts: RunFacts, bundle: PolicyBundle | None) -> list[tuple[datetime, int]]:
+def _usage(
+    unit: Unit,
+    metered: list[tuple[datetime, int, int]],
+    wall: list[tuple[datetime, int]],
+    tail: list[tuple[datetime, int, int, int]],
+    facts: RunFacts,
+    bundle: PolicyBundle | None,
+) -> list[tuple[datetime, int]]:
     """Usage in `unit` at points in time: metered increments, then the provisional tail."""
     if unit is Unit.WALL_HOURS:
         return list(wall)  # wall time is known from the lifecycle alone: nothing provisional

@@ -143,7 +143,9 @@ class Simulation:
     def _policies(self, namespace: str) -> PolicyBundle:
         found = self._covering.get(namespace)
         if found is None:
-            found = self._covering[namespace] = replace(self.candidate, policies=tuple(p for p in self.candidate.policies if p.scope.covers_namespace(namespace)))
+            found = self._covering[namespace] = replace(
+                self.candidate, policies=tuple(p for p in self.candidate.policies if p.scope.covers_namespace(namespace))
+            )
         return found
 
     def _reading(self, key: str, policy: BudgetPolicy) -> Reading:
@@ -171,8 +173,15 @@ class Simulation:
             self.outcome.flips.append(Flip(sub.run_id, sub.attempt, sub.at, recorded.outcome, after, reason))
 
 
-def simulate(candidate: PolicyBundle, *, start: Mapping[str, Start], decisions: Iterable[Recorded], ends: Iterable[Ended],
-             holds: Mapping[str, tuple[Mapping[str, int], int]] | None = None, progress: Callable[[int], None] | None = None) -> Outcome:
+def simulate(
+    candidate: PolicyBundle,
+    *,
+    start: Mapping[str, Start],
+    decisions: Iterable[Recorded],
+    ends: Iterable[Ended],
+    holds: Mapping[str, tuple[Mapping[str, int], int]] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Outcome:
     """Decide `decisions` again under `candidate`, interleaved with `ends` by time (an end at
     the same instant as a decision comes first); `start` is each ledger key as the period's
     first decision on it read it, `holds` the reservations runs decided before the period held

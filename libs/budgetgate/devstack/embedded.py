@@ -105,10 +105,7 @@ class EmbeddedServer:
                 tail = log_tail(self.log, since=offset)
                 if any(hint in tail.lower() for hint in _PORT_TAKEN_HINTS):
                     raise _PortTaken
-                raise ServerStartError(
-                    f"{self.name} exited with code {code} while starting on port {self.port}; "
-                    f"last lines of {self.log}:\n{tail}"
-                )
+                raise ServerStartError(f"{self.name} exited with code {code} while starting on port {self.port}; last lines of {self.log}:\n{tail}")
             if self.probe() and self._proc.poll() is None:
                 return
             if time.monotonic() >= deadline:

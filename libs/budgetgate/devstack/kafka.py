@@ -46,5 +46,4 @@ class TansuBroker(EmbeddedServer):
 
     def command(self) -> list[str]:
         listener = f"tcp://{self.url}"
-        return [broker_bin(), "broker", "--listener-url", listener, "--advertised-listener-url", listener,
-                "--storage-engine", "memory://tansu/"]
+        return [broker_bin(), "broker", "--listener-url", listener, "--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"]

@@ -127,12 +127,8 @@ class EmbeddedPostgres(EmbeddedServer):
 
     def _initdb(self, user: str | None) -> None:
         if any(self.data_dir.iterdir()):
-            raise ServerStartError(
-                f"{self.data_dir} is not empty but holds no Postgres cluster (no PG_VERSION); "
-                "move it away or delete it, then start again"
-            )
-        cmd = [str(bin_dir() / "initdb"), "-D", str(self.data_dir), "--auth=trust", "-U", "postgres",
-               "--encoding=UTF8", "--locale=C", "--no-instructions"]
+            raise ServerStartError(f"{self.data_dir} is not empty but holds no Postgres cluster (no PG_VERSION); move it away or delete it, then start again")
+        cmd = [str(bin_dir() / "initdb"), "-D", str(self.data_dir), "--auth=trust", "-U", "postgres", "--encoding=UTF8", "--locale=C", "--no-instructions"]
         if not self.durable:
             cmd.append("--no-sync")
         result = subprocess.run(cmd, capture_output=True, text=True, cwd="/", **_run_as(user))
@@ -140,9 +136,19 @@ class EmbeddedPostgres(EmbeddedServer):
             raise ServerStartError(f"initdb failed for {self.data_dir}:\n{result.stdout}{result.stderr}")
 
     def command(self) -> list[str]:
-        cmd = [str(bin_dir() / "postgres"), "-D", str(self.data_dir), "-p", str(self._require_port()),
-               "-c", f"listen_addresses={self.host}", "-c", "unix_socket_directories=",
-               "-c", "max_connections=200"]
+        cmd = [
+            str(bin_dir() / "postgres"),
+            "-D",
+            str(self.data_dir),
+            "-p",
+            str(self._require_port()),
+            "-c",
+            f"listen_addresses={self.host}",
+            "-c",
+            "unix_socket_directories=",
+            "-c",
+            "max_connections=200",
+        ]
         if not self.durable:
             # Commits still write their WAL to the kernel before answering (synchronous_commit
             # stays on), so a killed server loses no committed transaction; fsync is skipped.

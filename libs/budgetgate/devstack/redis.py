@@ -45,8 +45,19 @@ class EmbeddedRedis(EmbeddedServer):
         self.workdir.mkdir(parents=True, exist_ok=True)
 
     def command(self) -> list[str]:
-        return [str(redis_server_bin()), "--port", str(self._require_port()), "--bind", self.host,
-                "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        return [
+            str(redis_server_bin()),
+            "--port",
+            str(self._require_port()),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+        ]
 
     def probe(self) -> bool:
         # A PING answered with PONG, not just an open port: Redis answers -LOADING before then.

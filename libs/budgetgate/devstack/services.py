@@ -75,15 +75,11 @@ def service_env(service: Service, settings: Mapping[str, str | None]) -> dict[st
     return env
 
 
-def start_service(
-    service: Service, *, settings: Mapping[str, str | None], port: int | None, log: Path, cwd: Path
-) -> subprocess.Popen[bytes]:
+def start_service(service: Service, *, settings: Mapping[str, str | None], port: int | None, log: Path, cwd: Path) -> subprocess.Popen[bytes]:
     return spawn(service.command(port), log=log, env=service_env(service, settings), cwd=cwd)
 
 
-def wait_ready(
-    service: Service, proc: subprocess.Popen[bytes], *, url: str | None, log: Path, log_offset: int, timeout: float
-) -> str:
+def wait_ready(service: Service, proc: subprocess.Popen[bytes], *, url: str | None, log: Path, log_offset: int, timeout: float) -> str:
     """Block until the service is ready; return a note on what it still awaits (or "").
 
     Raises ServiceNotReady, naming what failed and quoting the log, when the service exits or
@@ -95,10 +91,7 @@ def wait_ready(
     while True:
         code = proc.poll()
         if code is not None:
-            raise ServiceNotReady(
-                f"{service.name} exited with code {code} while starting; "
-                f"last lines of {log}:\n{log_tail(log, since=log_offset)}"
-            )
+            raise ServiceNotReady(f"{service.name} exited with code {code} while starting; last lines of {log}:\n{log_tail(log, since=log_offset)}")
         if url is None:
             if time.monotonic() >= settled_at:
                 return ""
@@ -108,8 +101,7 @@ def wait_ready(
                 return ", ".join(f"{name}: {awaiting[name]}" for name in awaiting)
         if time.monotonic() >= deadline:
             raise ServiceNotReady(
-                f"{service.name} was not ready within {timeout:.0f}s (GET {url}/readyz: {last}); "
-                f"last lines of {log}:\n{log_tail(log, since=log_offset)}"
+                f"{service.name} was not ready within {timeout:.0f}s (GET {url}/readyz: {last}); last lines of {log}:\n{log_tail(log, since=log_offset)}"
             )
         time.sleep(0.2)
 

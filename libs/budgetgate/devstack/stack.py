@@ -76,9 +76,7 @@ def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo =
 
 def _start(state: StackState, *, timeout: float, services: bool, echo: Echo) -> None:
     tag = isolation.checkout_tag(state.root)
-    state.settings = dict.fromkeys(
-        ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url", "metering_url")
-    )
+    state.settings = dict.fromkeys(("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url", "metering_url"))
     state.save()
     _provide_postgres(state, tag=tag, timeout=timeout, echo=echo)
     _provide_redis(state, tag=tag, timeout=timeout, echo=echo)
@@ -206,8 +204,15 @@ def _start_services(state: StackState, *, timeout: float, echo: Echo) -> None:
             state.settings["admission_url"] = url
         elif service.name == "metering_ingest":
             state.settings["metering_url"] = url  # where budgetgate.client posts lifecycle events and samples
-        state.add(ProcessRecord(name=service.name, pid=proc.pid, cmdline=[str(a) for a in proc.args],  # type: ignore[union-attr]
-                                log=str(log), extra={"url": url} if url else {}))
+        state.add(
+            ProcessRecord(
+                name=service.name,
+                pid=proc.pid,
+                cmdline=[str(a) for a in proc.args],  # type: ignore[union-attr]
+                log=str(log),
+                extra={"url": url} if url else {},
+            )
+        )
         pending.append((service, proc, url, log, offset))
     for service, proc, url, log, offset in pending:
         awaiting = wait_ready(service, proc, url=url, log=log, log_offset=offset, timeout=timeout)
@@ -301,9 +306,7 @@ def status(root: Path) -> dict[str, Any] | None:
         **{k: redact(v) if isinstance(v, str) else v for k, v in state.settings.items()},
         "services": [{**s, "url": redact(s["url"]) if isinstance(s["url"], str) else s["url"]} for s in services],
         "tokens": state.tokens,
-        "processes": [
-            {"name": p.name, "pid": p.pid, "alive": alive[p.name], "log": p.log} for p in state.processes
-        ],
+        "processes": [{"name": p.name, "pid": p.pid, "alive": alive[p.name], "log": p.log} for p in state.processes],
     }
 
 

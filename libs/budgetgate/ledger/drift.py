@@ -41,7 +41,9 @@ class Drift:
         return not self.keys and not self.runs
 
 
-async def check(pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]], page: int = PAGE) -> Drift | None:
+async def check(
+    pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]], page: int = PAGE
+) -> Drift | None:
     """Compare Redis with Postgres page by page; None when Redis is not loaded."""
     if not await redis.is_loaded():
         return None
@@ -94,7 +96,9 @@ async def _confirm_keys(conn: asyncpg.Connection, redis: RedisLedger, page: list
         return confirmed
 
 
-async def _run_page(conn: asyncpg.Connection, redis: RedisLedger, run_ids: list[str], *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]]) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+async def _run_page(
+    conn: asyncpg.Connection, redis: RedisLedger, run_ids: list[str], *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]]
+) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     drifted = await _run_drift(conn, redis, run_ids)
     if not drifted:
         return {}

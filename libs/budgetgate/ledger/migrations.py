@@ -29,9 +29,7 @@ async def migrate(conn: asyncpg.Connection) -> list[str]:
     applied_now = []
     async with conn.transaction():
         await conn.execute(_LOCK)
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
+        await conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())")
         done = {row["name"] for row in await conn.fetch("SELECT name FROM schema_migrations")}
         for name, sql in migration_files():
             if name in done:

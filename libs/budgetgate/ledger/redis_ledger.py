@@ -138,7 +138,9 @@ class RedisLedger:
     ) -> ReserveResult:
         """Reserve every charge, counter and pool token, or none; raises LedgerNotLoaded when
         Redis lost the ledger (or is behind `committed_seq`, see reserve_batch)."""
-        [result] = await self.reserve_batch([Reservation(run_id, decision_id, tuple(charges), tuple(counters), pool)], now_ms=now_ms, committed_seq=committed_seq)
+        [result] = await self.reserve_batch(
+            [Reservation(run_id, decision_id, tuple(charges), tuple(counters), pool)], now_ms=now_ms, committed_seq=committed_seq
+        )
         return result
 
     async def reserve_batch(self, batch: Sequence[Reservation], *, now_ms: int, committed_seq: int) -> list[ReserveResult]:
@@ -252,7 +254,9 @@ class RedisLedger:
             if keys is None:
                 return False
             ledger_keys = json.loads(_text(keys))
-            reply = await self._scripts["settle_end"](keys=[self.marker, self.run(run_id), self.pending(run_id), self.parked, *ledger_keys], args=[str(seq), "commit" if committed else "undo"])
+            reply = await self._scripts["settle_end"](
+                keys=[self.marker, self.run(run_id), self.pending(run_id), self.parked, *ledger_keys], args=[str(seq), "commit" if committed else "undo"]
+            )
             if isinstance(reply, list):
                 if _text(reply[0]) == "NOT_LOADED":
                     return False  # the rebuild that follows reads Postgres, which has it right
@@ -275,7 +279,7 @@ class RedisLedger:
         result = {}
         for key, (seq, at) in zip(keys, await pipe.execute(), strict=True):
             if seq is not None:
-                result[key[len(prefix):]] = (int(seq), int(at or 0))
+                result[key[len(prefix) :]] = (int(seq), int(at or 0))
         return result
 
     async def consume(self, changes: Mapping[str, int]) -> None:
@@ -303,9 +307,9 @@ class RedisLedger:
         result = {}
         async for key in self.client.scan_iter(match=f"{self.tag}:r:*", count=1000):
             fields = await self.client.hgetall(key)
-            holds = {_text(k)[len(ledger_prefix):]: int(v) for k, v in fields.items() if _text(k).startswith(ledger_prefix)}
+            holds = {_text(k)[len(ledger_prefix) :]: int(v) for k, v in fields.items() if _text(k).startswith(ledger_prefix)}
             if holds:
-                result[_text(key)[len(prefix):]] = holds
+                result[_text(key)[len(prefix) :]] = holds
         return result
 
     async def holds_of(self, run_ids: Sequence[str]) -> dict[str, dict[str, int]]:
@@ -315,7 +319,7 @@ class RedisLedger:
         for run_id in run_ids:
             pipe.hgetall(self.run(run_id))
         return {
-            run_id: {_text(k)[len(ledger_prefix):]: int(v) for k, v in fields.items() if _text(k).startswith(ledger_prefix)}
+            run_id: {_text(k)[len(ledger_prefix) :]: int(v) for k, v in fields.items() if _text(k).startswith(ledger_prefix)}
             for run_id, fields in zip(run_ids, await pipe.execute(), strict=True)
         }
 
@@ -326,7 +330,7 @@ class RedisLedger:
         for run_id in runs:
             pipe.hget(self.pending(run_id), "keys")
         prefix = f"{self.tag}:l:"
-        keys = {k[len(prefix):] for found in await pipe.execute() if found for k in json.loads(_text(found))}
+        keys = {k[len(prefix) :] for found in await pipe.execute() if found for k in json.loads(_text(found))}
         return runs, keys
 
     async def set_figures(self, figures: Mapping[str, tuple[int, int]]) -> None:
@@ -340,7 +344,7 @@ class RedisLedger:
     async def all_readings(self) -> dict[str, tuple[int, int]]:
         """(reserved, consumed) of every ledger key Redis holds."""
         prefix = f"{self.tag}:l:"
-        keys = [_text(k)[len(prefix):] async for k in self.client.scan_iter(match=f"{self.tag}:l:*", count=1000)]
+        keys = [_text(k)[len(prefix) :] async for k in self.client.scan_iter(match=f"{self.tag}:l:*", count=1000)]
         return await self.readings(keys)
 
     async def invalidate(self, why: str) -> None:
@@ -377,7 +381,7 @@ class RedisLedger:
         result = {}
         async for key in self.client.scan_iter(match=f"{self.tag}:r:*", count=1000):
             decision, at = await self.client.hmget(key, "_decision", "_at")
-            result[_text(key)[len(prefix):]] = (_text(decision or b""), int(at or 0))
+            result[_text(key)[len(prefix) :]] = (_text(decision or b""), int(at or 0))
         return result
 
     async def replace_all(

@@ -59,7 +59,9 @@ class LedgerSync:
         ledgers, runs = await _postgres_state(conn)
         held = await concurrency_state(conn, self.redis.keys, now=datetime.now(UTC))
         seq = await conn.fetchval(sql("committed_ledger_seq"))
-        await self.redis.replace_all(ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held))
+        await self.redis.replace_all(
+            ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held)
+        )
 
     async def check_drift(self, *, repair: bool) -> Drift | None:
         """Compare Redis with Postgres a page at a time (budgetgate.ledger.drift); None when Redis

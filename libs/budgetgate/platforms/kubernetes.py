@@ -230,7 +230,11 @@ def decided(uid: str, answer: MappingType[str, Any], *, attempt_annotation: str 
         warnings.append(f"budgetgate: a soft budget is nearly used up; priority penalty {penalty:.2f} (0 none, 1 run last)")
     if answer.get("preemptible"):
         warnings.append("budgetgate: admitted above the tenant's fair-share target; preemptible")
-    warnings += [f"budgetgate: dry-run policy {e['policy_id']} would {e['decision']}" for e in answer.get("evaluations", []) if e.get("enforcement") == "dry-run" and e.get("decision") != "ALLOW"]
+    warnings += [
+        f"budgetgate: dry-run policy {e['policy_id']} would {e['decision']}"
+        for e in answer.get("evaluations", [])
+        if e.get("enforcement") == "dry-run" and e.get("decision") != "ALLOW"
+    ]
     if answer["decision"] == "ALLOW":
         return review(uid, allowed=True, message=reason, warnings=warnings)
     if answer["decision"] == "DENY":

@@ -84,7 +84,10 @@ def submission(workload: MappingType[str, Any], mapping: Mapping = Mapping()) ->
     else:
         found = mapping.namespace_runtime_hours.get(namespace, mapping.default_runtime_hours)
         if found is None:
-            raise Unmappable(f"no projected runtime: set spec.maximumExecutionTimeSeconds (kueue.x-k8s.io/max-exec-time-seconds on the job) or the annotation {mapping.runtime_annotation}")
+            raise Unmappable(
+                "no projected runtime: set spec.maximumExecutionTimeSeconds (kueue.x-k8s.io/max-exec-time-seconds on the job) "
+                f"or the annotation {mapping.runtime_annotation}"
+            )
         hours = found
     owners = meta.get("ownerReferences") or []
     owner = next((o for o in owners if o.get("controller")), owners[0] if owners else {})
@@ -121,12 +124,19 @@ def _state(workload: MappingType[str, Any], name: str, state: str, message: str,
     for found in status.get("admissionChecks") or []:
         if found.get("name") == name:
             changed = found.get("state") != state
-            found = {**found, "state": state, "message": message[:32768], "lastTransitionTime": _time(now) if changed else found.get("lastTransitionTime", _time(now))}
+            found = {
+                **found,
+                "state": state,
+                "message": message[:32768],
+                "lastTransitionTime": _time(now) if changed else found.get("lastTransitionTime", _time(now)),
+            }
         checks.append(found)
     return {"metadata": {"resourceVersion": (workload.get("metadata") or {}).get("resourceVersion")}, "status": {"admissionChecks": checks}}
 
 
-def decided(workload: MappingType[str, Any], check: str, answer: MappingType[str, Any], *, now: datetime, attempt_annotation: str = Mapping.attempt_annotation) -> Patch:
+def decided(
+    workload: MappingType[str, Any], check: str, answer: MappingType[str, Any], *, now: datetime, attempt_annotation: str = Mapping.attempt_annotation
+) -> Patch:
     """The check's new state for a decision (the admission API's answer). On DELAY the Workload's
     attempt annotation is raised, so that when Kueue makes the check Pending again the run is
     decided afresh rather than replayed."""
