@@ -257,6 +257,9 @@ class SteadyBench(Bench):
             seconds = time.monotonic() - began
             deadline = time.monotonic() + o.timeout
             while any(r.pending for r in self.runs) and time.monotonic() < deadline:
+                if poller.done():
+                    poller.result()  # the poller failed: its error, not a silent wait until the timeout
+                    raise RuntimeError("the ledger poller stopped")
                 await asyncio.sleep(o.poll)
         finally:
             poller.cancel()
