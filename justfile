@@ -4,14 +4,13 @@ venv := ".venv"
 python := venv / "bin/python"
 budgetgate := venv / "bin/budgetgate"
 
-# Create the virtualenv and install the project with its dev tools and the flyte extra, at the
-# versions CI installs (constraints/dev-flyte.txt).
+# Create the virtualenv; install the project, its dev tools and the flyte extra at CI's pins.
 setup:
     test -x {{python}} || python3 -m venv {{venv}}
     {{python}} -m pip install --quiet -e '.[dev,flyte]' -c constraints/dev-flyte.txt
 
-# Resolve the dev and flyte extras again into constraints/dev-flyte.txt (after a change to
-# pyproject.toml's dependencies; uv from PyPI: `pip install uv`).
+# After a change to pyproject.toml's dependencies (needs uv: `pip install uv`):
+# Resolve the dev and flyte extras again into constraints/dev-flyte.txt.
 lock:
     uv pip compile pyproject.toml --extra dev --extra flyte --universal --python-version 3.11 -o constraints/dev-flyte.txt
 
