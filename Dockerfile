@@ -19,13 +19,16 @@ RUN python -m venv /opt/budgetgate \
 FROM python:3.11-slim
 
 # git: `budgetgate policy apply` reads the policy repository's HEAD SHA. The repository is
-# mounted and owned by another user, so git must trust it (read-only use).
+# mounted and owned by another user, so git must trust it (read-only use). /run/budgetgate: the
+# compose stack's operator-token volume is mounted there, and a new volume takes the owner and
+# mode of the folder it is first mounted on, so the unprivileged user can write the token.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends git \
     && rm -rf /var/lib/apt/lists/* \
     && git config --system safe.directory '*' \
     && groupadd --system --gid 10001 budgetgate \
-    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin budgetgate
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin budgetgate \
+    && install -d -o 10001 -g 10001 -m 0700 /run/budgetgate
 COPY --from=build /opt/budgetgate /opt/budgetgate
 ENV PATH=/opt/budgetgate/bin:$PATH \
     PYTHONUNBUFFERED=1 \

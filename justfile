@@ -4,10 +4,15 @@ venv := ".venv"
 python := venv / "bin/python"
 budgetgate := venv / "bin/budgetgate"
 
-# Create the virtualenv and install the project with its dev tools.
+# Create the virtualenv; install the project, its dev tools and the flyte extra at CI's pins.
 setup:
     test -x {{python}} || python3 -m venv {{venv}}
-    {{python}} -m pip install --quiet -e '.[dev]'
+    {{python}} -m pip install --quiet -e '.[dev,flyte]' -c constraints/dev-flyte.txt
+
+# After a change to pyproject.toml's dependencies (needs uv: `pip install uv`):
+# Resolve the dev and flyte extras again into constraints/dev-flyte.txt.
+lock:
+    uv pip compile pyproject.toml --extra dev --extra flyte --universal --python-version 3.11 -o constraints/dev-flyte.txt
 
 # Run the whole test suite (it starts the servers it needs); extra arguments go to pytest.
 test *args:

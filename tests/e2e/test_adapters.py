@@ -12,12 +12,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
-import pytest
 
 from budgetgate.client import AsyncClient, Client, lifecycle_event
 from tests.support.admission import EXAMPLES
 from tests.support.cli import budgetgate
 from tests.support.dcgm import Exporters
+from tests.support.extras import import_extra
 from tests.support.kubernetes import admission_review, job
 
 RUN = "flyte/vision/exec-7f3a/n0"  # the run-id label of the recorded exporter pages
@@ -80,7 +80,7 @@ async def test_webhook_lifecycle_over_http_and_dcgm_metering_settle_a_run(tmp_pa
 
 
 async def test_flyte_preflight_on_the_local_stack(tmp_path: Path, monkeypatch) -> None:
-    pytest.importorskip("flytekit")  # the `flyte` extra
+    import_extra("flytekit", extra="flyte")
     from budgetgate.flyte import preflight
     from tests.support import flyte_workflows as flows
 
@@ -90,6 +90,10 @@ async def test_flyte_preflight_on_the_local_stack(tmp_path: Path, monkeypatch) -
     try:
         assert budgetgate("policy", "apply", "policies", "--allow-dirty", cwd=workdir).returncode == 0
         monkeypatch.setenv("BUDGETGATE_HOME", str(workdir))
+        # What the Flyte platform is given: a submitter token for its namespaces.
+        made = budgetgate("token", "create", "--name", "flyte", "--role", "submitter", "--namespace", "vision-*", cwd=workdir)
+        assert made.returncode == 0, made.stderr
+        monkeypatch.setenv("BUDGETGATE_TOKEN", made.stdout.strip())
 
         def admit() -> tuple[str, float]:
             with Client() as bg:

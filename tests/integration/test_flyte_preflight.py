@@ -9,16 +9,25 @@ from typing import Any
 
 import pytest
 
-# flytekit is the `flyte` extra, outside `dev`: its dependency tree takes pip's resolver many
-# minutes. `pip install -e '.[dev,flyte]'` runs these.
-pytest.importorskip("flytekit")
+from tests.support.extras import import_extra
+
+# flytekit is the `flyte` extra, outside `dev`; CI installs it (constraints/dev-flyte.txt).
+import_extra("flytekit", extra="flyte")
 
 from budgetgate.client import Client
 from budgetgate.flyte import BudgetDelayed, BudgetDenied, execute, preflight
+from budgetgate.principals import Role
 from tests.support import flyte_workflows as flows
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.principals import issue
 
 VISION = {"team": "vision", "cost-center": "1042", "environment": "prod"}
+
+
+@pytest.fixture(autouse=True)
+async def flyte_token(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a Flyte platform holds: a submitter token for its namespaces, as BUDGETGATE_TOKEN."""
+    monkeypatch.setenv("BUDGETGATE_TOKEN", await issue(pg_dsn, Role.SUBMITTER, namespaces=["vision-*"]))
 
 
 class Remote:

@@ -15,6 +15,7 @@ from budgetgate.principals import Role
 from tests.integration.test_policy_apply import commit, repo  # noqa: F401 - pytest fixture
 from tests.support.admission import admission_factory, budget_yaml  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
+from tests.support.servers import free_port
 
 
 async def apply(repo: Path, url: str, token: str | None) -> Result:  # noqa: F811 - the fixture's name
@@ -45,3 +46,15 @@ async def test_an_operator_applies_policies_over_http_and_who_is_recorded(repo: 
     finally:
         await conn.close()
     await server.wait_ready()  # the instance that applied it switched to it
+
+
+@pytest.mark.usefixtures("repo")
+async def test_wait_gives_up_on_an_admission_that_never_answers(repo: Path, pg_dsn: str) -> None:  # noqa: F811
+    commit(repo, {"team.yaml": budget_yaml("team-vision")})
+    operator = await issue(pg_dsn, Role.OPERATOR)
+    env = {"BUDGETGATE_TOKEN": operator, "BUDGETGATE_HOME": str(repo / "no-stack")}
+    url = f"http://127.0.0.1:{free_port()}"
+    waited = await asyncio.to_thread(CliRunner().invoke, cli, ["policy", "apply", str(repo), "--server", url, "--wait", "1"], env=env)
+    assert waited.exit_code != 0 and f"admission at {url} is not ready after 1s" in waited.output, waited.output
+    alone = await asyncio.to_thread(CliRunner().invoke, cli, ["policy", "apply", str(repo), "--wait", "1"], env=env)
+    assert alone.exit_code == 2 and "--wait goes with --server" in alone.output

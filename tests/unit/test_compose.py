@@ -137,15 +137,77 @@ def test_one_shot_jobs_migrate_create_topics_and_apply_policies(services: dict[s
     assert services["migrate"]["command"] == ["budgetgate", "db", "migrate"]
     assert "ensure_topics" in "".join(services["topics"]["command"])
     policies = services["policies"]
-    assert policies["command"][:3] == ["budgetgate", "policy", "apply"]
-    assert policies["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert "budgetgate policy apply " in _script(policies)
     ((repo, target),) = _binds(policies)
-    directory = _defaults(policies["command"][3])
-    assert directory.startswith(target + "/")
+    directory = _defaults(policies["command"][-1])  # the script's $1
+    assert directory.startswith(target + "/") and '"$1"' in _script(policies)
     policy_dir = ROOT / repo / directory.removeprefix(target + "/")
     assert any(policy_dir.rglob("*.yaml")), f"no policies in {policy_dir}"
-    for job in ("migrate", "topics", "policies"):
+    for job in ("migrate", "topics", "operator-token", "policies"):
         assert _is_job(services[job])
+
+
+def _script(service: dict[str, Any]) -> str:
+    """The shell script of a `sh -c SCRIPT [NAME ARG…]` command, as compose hands it to sh."""
+    command = service["command"]
+    assert command[:2] == ["sh", "-c"], f"not a shell script: {command}"
+    return _defaults(command[2]).replace("$$", "$")
+
+
+def _named_volumes(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """Named volume -> (container path, read-only) of a service's mounts."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = _defaults(volume).split(":")
+        if not source.startswith((".", "/")):
+            found[source] = (target, mode == ["ro"])
+    return found
+
+
+def test_the_policies_job_applies_through_the_api_without_database_credentials(services: dict[str, Any]) -> None:
+    policies = services["policies"]
+    script = _script(policies)
+    apply = re.search(r"exec budgetgate policy apply \S+ --server (\S+) --wait (\d+)", script)
+    assert apply, f"the policies job does not apply through admission's API, waiting for it: {script}"
+    server = apply.group(1)
+    assert server == f"http://admission:{_listen_port(services['admission'])}", f"{server} is not admission's address inside the network"
+    # Admission is unready until a bundle exists: the job starts once it is live, and --wait
+    # covers readiness (a healthcheck on /readyz would never pass before the first bundle).
+    assert policies["depends_on"]["admission"]["condition"] == "service_healthy"
+    assert "/healthz" in " ".join(services["admission"]["healthcheck"]["test"])
+    # No credentials of the ledger's backends, in any form compose passes them.
+    assert "env_file" not in policies
+    assert policies["environment"] == {}, "the policies job inherits the services' environment"
+    text = json.dumps(policies)
+    for secret in ("BUDGETGATE_POSTGRES_DSN", "postgresql://", "BUDGETGATE_REDIS_URL", "redis://", "POSTGRES_PASSWORD"):
+        assert secret not in text, f"the policies job carries {secret}"
+
+
+def test_the_operator_token_comes_from_a_job_that_mints_it(services: dict[str, Any]) -> None:
+    policies = services["policies"]
+    (token_path,) = re.findall(r"BUDGETGATE_TOKEN=\$\(cat (\S+)\)", _script(policies))
+    mounted = [(volume, target) for volume, (target, read_only) in _named_volumes(policies).items() if token_path.startswith(target + "/") and read_only]
+    assert mounted, f"{token_path} is on no named volume mounted read-only in the policies job"
+    ((volume, target),) = mounted
+    writers = [name for name, service in services.items() if name != "policies" and volume in _named_volumes(service)]
+    assert len(writers) == 1, f"{volume} should be written by one job, not {writers}"
+    (writer,) = writers
+    minter = services[writer]
+    assert _is_job(minter), f"{writer} restarts: it is not the job that mints the token"
+    waits = policies["depends_on"].get(writer, {}).get("condition")
+    assert waits == "service_completed_successfully", f"the policies job does not wait for {writer} to write the token"
+    writer_target, read_only = _named_volumes(minter)[volume]
+    assert writer_target == target and not read_only
+    script = _script(minter)
+    assert re.search(r'budgetgate token create --name (?:"[^"]+"|\S+) --role operator --expires \w+ > ', script), script
+    assert script.startswith("umask 077 ") and re.search(rf"mv \S+ {re.escape(token_path)}$", script), f"{writer} does not write {token_path} privately"
+    # Tokens are rows in the ledger database: the minter needs its tables.
+    assert minter["environment"]["BUDGETGATE_POSTGRES_DSN"].startswith("postgresql://")
+    assert minter["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    # A new volume takes the owner of the image's folder it is mounted on: the image's user's.
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    user = re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE)[-1]
+    assert f"install -d -o {user[0]} -g {user[1]} -m 0700 {target}" in dockerfile, f"the image does not give {target} to its user"
 
 
 def test_kafka_runs_in_kraft_mode(services: dict[str, Any]) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-# flytekit is the `flyte` extra, outside `dev`: its dependency tree takes pip's resolver many
-# minutes. `pip install -e '.[dev,flyte]'` runs these.
-pytest.importorskip("flytekit")
+from tests.support.extras import import_extra
+
+# flytekit is the `flyte` extra, outside `dev`; CI installs it (constraints/dev-flyte.txt).
+import_extra("flytekit", extra="flyte")
 
 from budgetgate.flyte import Unprojectable, flavor_of, project, submission
 from tests.support import flyte_workflows as flows
@@ -38,3 +39,8 @@ def test_a_task_without_timeout_needs_a_default() -> None:
 
 def test_accelerator_devices_name_flavors() -> None:
     assert [flavor_of(d) for d in ("nvidia-tesla-a100", "nvidia-h100", "nvidia-l4", "nvidia-a100-80gb")] == ["a100", "h100", "l4", "a100-80gb"]
+
+
+def test_the_example_workflow_runs_locally() -> None:
+    # What `pyflyte run examples/flyte/workflows.py training` does before any cluster is involved.
+    assert flows.example().training(epochs=3) == "accuracy 0.903"

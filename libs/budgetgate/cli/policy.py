@@ -111,12 +111,25 @@ def diff(directory: Path, allow_dirty: bool) -> None:
 @click.option(
     "--server", metavar="URL", help="apply through admission's API at URL with an operator token (BUDGETGATE_TOKEN, else the local stack's), not the database"
 )
-def apply(directory: Path, allow_dirty: bool, allow_empty: bool, server: str | None) -> None:
+@click.option(
+    "--wait",
+    metavar="SECONDS",
+    type=click.FloatRange(min=0),
+    default=0,
+    help="with --server: first wait up to SECONDS for admission to be ready but for a policy bundle, then for it to be ready with this one",
+)
+def apply(directory: Path, allow_dirty: bool, allow_empty: bool, server: str | None, wait: float) -> None:
     """Validate, print the plan, then store the bundle at its Git SHA and make it active everywhere."""
+    if wait and not server:
+        raise click.UsageError("--wait goes with --server")
     _, loaded = load_revision(directory, allow_dirty=allow_dirty)
     _report(loaded)
     if server:
+        if wait:
+            wait_for_admission(server, seconds=wait, with_bundle=False)
         apply_over_http(server, loaded, source=str(directory.resolve()), allow_empty=allow_empty)
+        if wait:
+            wait_for_admission(server, seconds=wait, with_bundle=True)
         return
     settings = backend.stack_settings()
     seq = asyncio.run(apply_loaded(settings.postgres_dsn, loaded, source=str(directory.resolve()), allow_empty=allow_empty))
@@ -166,3 +179,32 @@ def apply_over_http(server: str, loaded: LoadedPolicies, *, source: str, allow_e
     for change in answer["changes"] or ["no changes"]:
         click.echo(f"  {change}")
     click.echo(f"applied {answer['git_sha']} ({answer['budgets']} budget(s)) as activation {answer['activation']} by {answer['applied_by']}")
+
+
+# Admission's readiness check that only an applied bundle can pass.
+BUNDLE_CHECK = "policy_bundle"
+
+
+def wait_for_admission(server: str, *, seconds: float, with_bundle: bool) -> None:
+    """Return once admission at `server` answers /readyz with every check ok — but for the policy
+    bundle's unless `with_bundle` (before a first apply it has none, and stays unready until it
+    does); a ClickException naming the failing checks after `seconds`."""
+    import time
+
+    import httpx
+
+    click.echo(f"budgetgate: waiting up to {seconds:g}s for admission at {server} to be ready{'' if with_bundle else ' for a bundle'}", err=True)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            response = httpx.get(server.rstrip("/") + "/readyz", timeout=5)
+            checks = response.json().get("checks") or {}
+            failing = {name: found for name, found in checks.items() if found != "ok" and (with_bundle or name != BUNDLE_CHECK)}
+            if response.status_code == 200 or (checks and not failing):
+                return
+            why = ", ".join(f"{name}: {found}" for name, found in failing.items()) or f"HTTP {response.status_code}"
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            why = str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise click.ClickException(f"admission at {server} is not ready after {seconds:g}s ({why})")
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
