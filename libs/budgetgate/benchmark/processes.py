@@ -34,7 +34,7 @@ class Subprocess:
             # stops its children in order instead of them dying mid-request.
             self.proc = subprocess.Popen(
                 list(command), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
 
     @property
@@ -80,6 +80,16 @@ class Subprocess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, SIGTERM when the benchmark dies however it dies (killed,
+    crashed), so no service is left running on a database the benchmark would have dropped."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def python_module(module: str, *args: str) -> list[str]:
