@@ -9,6 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from budgetgate.core.ledger_key import MAX_AMOUNT, AmountOutOfRange, LedgerKey, checked
+from budgetgate.core.policy import BudgetPolicy, Enforcement, Limit, OnExhausted, Scope
+from budgetgate.core.sources import Source
+from budgetgate.core.units import Unit
 from budgetgate.core.windows import WindowSpec, window_at
 
 
@@ -39,3 +42,28 @@ def test_amounts_are_bounded_both_ways() -> None:
     for amount in (MAX_AMOUNT + 1, -MAX_AMOUNT - 1):
         with pytest.raises(AmountOutOfRange):
             checked(amount, "x")
+
+
+@given(
+    namespaces=st.frozensets(st.text(alphabet="abc-", min_size=1, max_size=5), max_size=3),
+    labels=st.dictionaries(st.sampled_from(["team", "cost-center", "env"]), st.text(alphabet="xyz1", min_size=1, max_size=4), max_size=3),
+    unit=st.sampled_from(list(Unit)),
+    rolling=st.booleans(),
+)
+def test_the_key_text_of_a_policy_is_the_key_written_out(namespaces: frozenset[str], labels: dict[str, str], unit: Unit, rolling: bool) -> None:
+    """The per-decision shortcut writes what `str(LedgerKey.of(...))` writes, and the scope id is
+    the one the scope's predicates give, whichever order they were given in."""
+    spec = WindowSpec(rolling_days=30) if rolling else WindowSpec(calendar="month")
+    policy = BudgetPolicy(
+        id="p",
+        scope=Scope(namespaces=namespaces, labels=dict(reversed(list(labels.items())))),
+        window=spec,
+        limit=Limit(unit, 10, "USD" if unit is Unit.COST else None),
+        enforcement=Enforcement.HARD,
+        on_exhausted=OnExhausted.DENY,
+        source=Source("t.yaml", 1),
+    )
+    window = window_at(spec, datetime(2026, 7, 14, tzinfo=UTC))
+    assert LedgerKey.text_of(policy, window) == str(LedgerKey.of(policy, window))
+    assert policy.scope.scope_id == Scope(namespaces=namespaces, labels=labels).scope_id
+    assert LedgerKey.parse(LedgerKey.text_of(policy, window)).scope_id == policy.scope.scope_id

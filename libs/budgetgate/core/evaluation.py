@@ -92,7 +92,7 @@ class UnknownFlavor(ValueError):
 
 def ledger_key(policy: BudgetPolicy, window: Window) -> str:
     """The ledger key (scope, window, unit) a policy's charges in a window are filed under."""
-    return str(LedgerKey.of(policy, window))
+    return LedgerKey.text_of(policy, window)
 
 
 def fits(amount: int, reading: Reading) -> bool:

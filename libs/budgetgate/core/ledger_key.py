@@ -44,6 +44,11 @@ class LedgerKey:
         """The key of `policy`'s charges in `window`."""
         return cls(policy.scope.scope_id, window.key, str(policy.limit.unit))
 
+    @staticmethod
+    def text_of(policy: BudgetPolicy, window: Window) -> str:
+        """`str(LedgerKey.of(policy, window))`, without the object (once per charge per decision)."""
+        return _SEPARATOR.join((policy.scope.scope_id, window.key, policy.limit.unit.value))
+
     @classmethod
     def parse(cls, text: str) -> LedgerKey:
         """The key written as `str(key)`; the scope may itself contain the separator."""

@@ -40,13 +40,14 @@ class Scope:
 
     namespaces: frozenset[str] = frozenset()
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Canonical, stable id from the fixed predicates, e.g. `ns=vision-prod;cost-center=1042`;
+    # made once (every charge of every decision files under it).
+    scope_id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def scope_id(self) -> str:
-        """Canonical, stable id from the fixed predicates, e.g. `ns=vision-prod;cost-center=1042`."""
+    def __post_init__(self) -> None:
         parts = [f"ns={','.join(sorted(self.namespaces))}"] if self.namespaces else []
         parts += [f"{key}={self.labels[key]}" for key in sorted(self.labels)]
-        return ";".join(parts) if parts else "all"
+        object.__setattr__(self, "scope_id", ";".join(parts) if parts else "all")
 
     def covers_namespace(self, namespace: str) -> bool:
         return not self.namespaces or namespace in self.namespaces
