@@ -60,15 +60,17 @@ async def update(
     """Set (or, for None, clear) overrides of `tenant` as one new revision; returns the active
     Git bundle and the override set after it. Raises InvalidOverride, NoActiveBundle.
 
-    The ledger lock is taken exclusively: a batch of decisions in flight finishes under the
-    previous revision before the change commits, and every batch begun after reads the new one."""
+    The ledger lock is taken exclusively for the write: a batch of decisions in flight finishes
+    under the previous revision before the change commits, and every batch begun after reads
+    the new one. (The override lock comes first, as in a Git apply, so the two never wait on
+    each other in a cycle.)"""
     async with conn.transaction():
-        await conn.execute(sql("lock_ledger_exclusive"))
         await conn.execute(sql("lock_overrides"))
         bundle = await active_bundle(conn)
         current = await load(conn)
         before = current.of(tenant)
         after = updated(before, changes, bundle, tenant, label=label)
+        await conn.execute(sql("lock_ledger_exclusive"))
         row = await conn.fetchrow(sql("insert_override"), tenant, json.dumps(to_json(after)), actor, "api", reason, bundle.git_sha)
         await _move_limits(conn, bundle, before, after)
         details = {

@@ -165,7 +165,7 @@ async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, docume
     )
     record = wire.encode(message, key=bundle.git_sha)
     async with conn.transaction():
-        # Before any ledger row: an override update holds the ledger lock, then wants this one.
+        # First, as an override update takes it before the ledger lock: never a cycle between them.
         await conn.execute(sql("lock_overrides"))
         await conn.execute(sql("insert_bundle"), bundle.git_sha, documents_json, source, applied_by)
         if await conn.fetchval(sql("bundle_differs"), bundle.git_sha, documents_json):

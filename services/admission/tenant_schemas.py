@@ -22,6 +22,17 @@ _MOST_HOURS = float(Decimal(MAX_AMOUNT) / MILLI_PER_HOUR)
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 Hours = Annotated[StrictFloat, Field(gt=0, le=_MOST_HOURS, allow_inf_nan=False)]
 
+# What each setting is, for the update's fields and the answer's alike.
+MEANING = {
+    "max_nodes": "hard quota: most nodes the tenant's running work may hold",
+    "max_gpus": "hard quota: most GPUs the tenant's running work may hold",
+    "max_concurrent_allocations": "hard quota: most runs the tenant may have admitted at once",
+    "gpu_hours_budget": "soft: the limit of the tenant's soft GPU-hour budget, in GPU-hours",
+    "node_hours_budget": "soft: the limit of the tenant's soft node-hour budget, in node-hours",
+    "fair_share_target": "soft: the tenant's share of the cluster's GPUs",
+    "burst_allowance": "soft: burst limit = target × this",
+}
+
 _UPDATE_EXAMPLE = {"max_nodes": 250, "gpu_hours_budget": 12000.0, "reason": "grant 2026-17 approved"}
 
 
@@ -31,14 +42,16 @@ class TenantSettingsIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [_UPDATE_EXAMPLE]})
 
-    max_nodes: Count | None = Field(default=None, description="hard: most nodes the tenant's running work may hold")
-    max_gpus: Count | None = Field(default=None, description="hard: most GPUs the tenant's running work may hold")
-    max_concurrent_allocations: Count | None = Field(default=None, description="hard: most runs the tenant may have admitted at once")
-    gpu_hours_budget: Hours | None = Field(default=None, description="soft: the limit of the tenant's soft GPU-hour budget, in GPU-hours")
-    node_hours_budget: Hours | None = Field(default=None, description="soft: the limit of the tenant's soft node-hour budget, in node-hours")
-    fair_share_target: StrictFloat | None = Field(default=None, gt=0, le=1, allow_inf_nan=False, description="soft: the tenant's share of the cluster's GPUs")
-    burst_allowance: StrictFloat | None = Field(default=None, ge=1, le=100, allow_inf_nan=False, description="soft: burst limit = target × this")
-    reason: Annotated[str, StringConstraints(max_length=500)] | None = Field(default=None, description="why, for the admin log")
+    max_nodes: Count | None = Field(default=None, description=MEANING["max_nodes"])
+    max_gpus: Count | None = Field(default=None, description=MEANING["max_gpus"])
+    max_concurrent_allocations: Count | None = Field(default=None, description=MEANING["max_concurrent_allocations"])
+    gpu_hours_budget: Hours | None = Field(default=None, description=MEANING["gpu_hours_budget"])
+    node_hours_budget: Hours | None = Field(default=None, description=MEANING["node_hours_budget"])
+    fair_share_target: StrictFloat | None = Field(default=None, gt=0, le=1, allow_inf_nan=False, description=MEANING["fair_share_target"])
+    burst_allowance: StrictFloat | None = Field(default=None, ge=1, le=100, allow_inf_nan=False, description=MEANING["burst_allowance"])
+    reason: Annotated[str, StringConstraints(max_length=500, pattern=r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$")] | None = Field(
+        default=None, description="why, for the admin log (text, no control characters but tab and newline)"
+    )
 
     @model_validator(mode="after")
     def _names_a_setting(self) -> TenantSettingsIn:
@@ -63,13 +76,13 @@ class TenantSetting(BaseModel):
 class TenantSettingValues(BaseModel):
     """Every setting an override can change."""
 
-    max_nodes: TenantSetting = Field(description="hard quota: nodes held at once")
-    max_gpus: TenantSetting = Field(description="hard quota: GPUs held at once")
-    max_concurrent_allocations: TenantSetting = Field(description="hard quota: runs admitted at once")
-    gpu_hours_budget: TenantSetting = Field(description="soft: the limit of the tenant's soft GPU-hour budget, in GPU-hours")
-    node_hours_budget: TenantSetting = Field(description="soft: the limit of the tenant's soft node-hour budget, in node-hours")
-    fair_share_target: TenantSetting = Field(description="soft: the tenant's share of the cluster's GPUs")
-    burst_allowance: TenantSetting = Field(description="soft: burst limit = target × this")
+    max_nodes: TenantSetting = Field(description=MEANING["max_nodes"])
+    max_gpus: TenantSetting = Field(description=MEANING["max_gpus"])
+    max_concurrent_allocations: TenantSetting = Field(description=MEANING["max_concurrent_allocations"])
+    gpu_hours_budget: TenantSetting = Field(description=MEANING["gpu_hours_budget"])
+    node_hours_budget: TenantSetting = Field(description=MEANING["node_hours_budget"])
+    fair_share_target: TenantSetting = Field(description=MEANING["fair_share_target"])
+    burst_allowance: TenantSetting = Field(description=MEANING["burst_allowance"])
 
 
 _SETTING = {"value": 250, "source": "override", "git": 200, "policy_id": None}

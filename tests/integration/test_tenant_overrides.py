@@ -162,6 +162,7 @@ async def test_only_operators_and_accounting_tokens_change_tenants(admission_fac
         ({"gpu_hours_budget": 0}, "gpu_hours_budget"),
         ({"node_hours_budget": 10}, "node_hours_budget"),  # physics has no soft node-hour budget
         ({"bogus": 1}, "bogus"),
+        ({"max_gpus": 1, "reason": "a\u0000b"}, "reason"),  # Postgres text holds no NUL
         ({"reason": "nothing named"}, ""),
     ],
 )
