@@ -225,3 +225,18 @@ async def test_the_cli_updates_a_tenant_through_the_api(admission_factory, pg_ds
     assert __import__("json").loads(shown.stdout)["settings"]["max_nodes"]["value"] == 250
     refused = await asyncio.to_thread(budgetgate, "admin", "tenant", "update", "physics", "--node-hours-budget", "5", cwd=tmp_path)
     assert refused.returncode == 1 and "node_hours_budget" in refused.stderr
+
+
+async def test_a_window_the_reconciler_opens_takes_the_overridden_limit(admission_factory, pg_dsn) -> None:
+    from budgetgate.ledger.queries import sql
+
+    server = await started(admission_factory, pg_dsn)
+    assert (await server.client.put("/v1/tenants/physics", json={"gpu_hours_budget": 3})).status_code == 200
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        for key, policy, unit in (("k-soft", "gpu-soft/physics", "gpu_hours"), ("k-other", "physics-gpus", "gpu_hours")):
+            await conn.execute(sql("create_entry"), key, "s", unit, "2099-W01", None, None, policy, "a" * 40, 7)
+        limits = dict(await conn.fetch("SELECT ledger_key, limit_amount FROM ledger_entries WHERE ledger_key LIKE 'k-%'"))
+    finally:
+        await conn.close()
+    assert limits == {"k-soft": 3 * 3_600_000, "k-other": 7}
