@@ -1,11 +1,12 @@
 """What applying a bundle changes against the active one: budgets, quotas, pools and rates
-added, removed or changed, with before -> after."""
+added, removed or changed, with before -> after; and the tenant overrides it keeps or clears."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
+from budgetgate.core.overrides import Fate
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.units import Unit, from_amount
 
@@ -13,7 +14,8 @@ from budgetgate.core.units import Unit, from_amount
 @dataclass(frozen=True, slots=True)
 class Change:
     """One line of a plan: `kind` (budget, quota, pool, rate, cluster, sensitive pool) `name` was
-    added, removed or changed; `before` and `after` describe it (None where it does not exist)."""
+    added, removed or changed; `before` and `after` describe it (None where it does not exist).
+    A tenant override is `kept` or `cleared`, `after` saying why."""
 
     kind: str
     name: str
@@ -22,7 +24,9 @@ class Change:
     after: str | None
 
     def __str__(self) -> str:
-        sign = {"added": "+", "removed": "-", "changed": "~"}[self.action]
+        sign = {"added": "+", "removed": "-", "changed": "~", "kept": "=", "cleared": "-"}[self.action]
+        if self.action in ("kept", "cleared"):
+            return f"{sign} {self.kind} {self.name}: {self.before} ({self.action}: {self.after})"
         if self.action == "changed":
             return f"{sign} {self.kind} {self.name}: {self.before} -> {self.after}"
         return f"{sign} {self.kind} {self.name}: {self.after if self.action == 'added' else self.before}"
@@ -105,3 +109,8 @@ def emptiness(active: PolicyBundle | None, new: PolicyBundle, document_count: in
     if not new.policies and active is not None and active.policies:
         return f"the bundle removes every budget ({len(active.policies)} active)"
     return None
+
+
+def override_changes(fates: Iterable[Fate]) -> list[Change]:
+    """The plan's lines for tenant overrides: each kept or cleared, and why."""
+    return [Change("override", f"{f.tenant} {f.field}", "kept" if f.kept else "cleared", f"{f.override.value:g}", f.why) for f in fates]

@@ -17,6 +17,7 @@ from budgetgate import topics, wire
 from budgetgate.core.loader import SourceDocument, directory_files, documents_to_json
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.queries import sql
+from budgetgate.override_store import after_git_apply
 from budgetgate.v1 import policies_pb2
 
 
@@ -151,9 +152,10 @@ def _worktree_files(directory: Path, top: Path, prefix: str) -> list[tuple[str, 
 
 
 async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, documents: list[SourceDocument], source: str, applied_by: str) -> int:
-    """Store and activate a bundle, move open windows to its limits, announce it on
-    budget.policies.v1 through the outbox and record who applied it in the admin log — all in
-    one transaction. Returns the activation seq."""
+    """Store and activate a bundle, move open windows to its limits, keep or clear the tenant
+    overrides (override_store.after_git_apply), announce it on budget.policies.v1 through the
+    outbox and record who applied it in the admin log — all in one transaction. Returns the
+    activation seq."""
     documents_json = documents_to_json(documents)
     now = datetime.now(UTC)
     stamp = Timestamp()
@@ -163,6 +165,8 @@ async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, docume
     )
     record = wire.encode(message, key=bundle.git_sha)
     async with conn.transaction():
+        # First, as an override update takes it before the ledger lock: never a cycle between them.
+        await conn.execute(sql("lock_overrides"))
         await conn.execute(sql("insert_bundle"), bundle.git_sha, documents_json, source, applied_by)
         if await conn.fetchval(sql("bundle_differs"), bundle.git_sha, documents_json):
             raise RepositoryError(
@@ -171,6 +175,7 @@ async def apply_bundle(conn: asyncpg.Connection, *, bundle: PolicyBundle, docume
         seq = await conn.fetchval(sql("activate_bundle"), bundle.git_sha)
         for policy in bundle.policies:
             await conn.execute(sql("update_policy_limits"), policy.id, policy.limit.amount, bundle.git_sha, str(policy.limit.unit))
+        await after_git_apply(conn, new=bundle, applied_by=applied_by)
         headers = json.dumps([[k, v.decode("latin-1")] for k, v in record.headers])
         await conn.execute(sql("insert_outbox"), topics.POLICIES, bundle.git_sha, record.value, headers)
         details = json.dumps({"source": source, "activation": seq, "budgets": len(bundle.policies)})

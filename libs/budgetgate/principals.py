@@ -15,6 +15,9 @@ class Role(enum.StrEnum):
     READER = "reader"
     OPERATOR = "operator"
     AUDITOR = "auditor"
+    # An accounting system's service token: it reads budgets and usage, and changes tenants'
+    # quotas and budgets.
+    ACCOUNTING = "accounting"
 
 
 class Action(enum.StrEnum):
@@ -27,17 +30,19 @@ class Action(enum.StrEnum):
     RELEASE = "release pool tokens"
     INGEST = "post metering samples"
     ADMINISTER = "administer"
+    OVERRIDE = "update tenant quotas and budgets"
     METRICS = "read metrics"
 
 
 ALLOWED: Mapping[Action, frozenset[Role]] = {
     Action.SUBMIT: frozenset({Role.SUBMITTER}),
     Action.LOOKUP: frozenset({Role.SUBMITTER, Role.READER, Role.OPERATOR, Role.AUDITOR}),
-    Action.READ: frozenset({Role.READER, Role.OPERATOR, Role.AUDITOR}),
+    Action.READ: frozenset({Role.READER, Role.OPERATOR, Role.AUDITOR, Role.ACCOUNTING}),
     Action.ALLOCATE: frozenset({Role.SUBMITTER}),
     Action.RELEASE: frozenset({Role.SUBMITTER, Role.OPERATOR}),
     Action.INGEST: frozenset({Role.EXPORTER}),
     Action.ADMINISTER: frozenset({Role.OPERATOR}),
+    Action.OVERRIDE: frozenset({Role.OPERATOR, Role.ACCOUNTING}),
     Action.METRICS: frozenset({Role.READER, Role.OPERATOR, Role.AUDITOR}),
 }
 

@@ -4,7 +4,9 @@ hears them.
 
 The order of one batch:
 1. In one Postgres transaction, take the ledger lock (shared) and the lock of every run of the
-   batch, and read each run's latest decision and the ledger sequence Postgres committed.
+   batch, and read each run's latest decision, the ledger sequence Postgres committed and the
+   tenant override revision; a submission prepared under an older revision is prepared again,
+   so an override takes effect on the very next decision.
 2. A retry of a decided run is answered again (`replayed: true`), a conflicting reuse of a run
    id and attempt gets 409; a second submission of one run within the batch follows the first.
 3. The others are checked and reserved in Redis in one script, in submission order, all or none
@@ -30,6 +32,7 @@ import asyncpg
 import orjson
 
 from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.eligibility import Outlook
 from budgetgate.core.evaluation import Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
@@ -39,6 +42,7 @@ from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reserva
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 from budgetgate.services.admission import records
+from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.batching import GroupCommit
 from budgetgate.services.admission.concurrency import Asks
 from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
@@ -82,6 +86,7 @@ class Pending:
     answer: asyncio.Future[dict[str, Any]]
     decision_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     result: ReserveResult | None = None
+    accounting: BudgetSource | None = None
 
     @property
     def run_id(self) -> str:
@@ -89,7 +94,7 @@ class Pending:
 
     @cached_property
     def prepared(self) -> Prepared:
-        return Prepared(self.request, self.bundle, self.plan, self.asks, self.decided_at)
+        return Prepared(self.request, self.bundle, self.plan, self.asks, self.decided_at, self.accounting)
 
     @property
     def needs_ledger(self) -> bool:
@@ -106,6 +111,7 @@ class Admitter:
         policies: PolicyCache,
         unmatched: str = "allow",
         tenant_label: str = "team",
+        accounting: ExternalAccounting | None = None,
         start_deadline: timedelta = timedelta(hours=1),
         max_batch: int = 64,
         max_wait: float = 0.001,
@@ -118,12 +124,15 @@ class Admitter:
         self.policies = policies
         self.unmatched = unmatched
         self.tenant_label = tenant_label
+        self.accounting = accounting
         self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
 
     async def admit(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
         """Decide a submission; raises Unavailable (503), InvalidSubmission (422) or Conflict (409)."""
         pending = self._prepare(request, now or datetime.now(UTC))
+        if self.accounting is not None:
+            pending.accounting = await self.accounting.source(pending.bundle, pending.plan, pending.asks.tenant, label=self.tenant_label)
         self.batches.submit(pending)
         return await pending.answer
 
@@ -145,7 +154,7 @@ class Admitter:
         """`bundle` with only the policies whose scope covers `namespace` (any others cannot
         apply): planning then looks at a handful of policies, not every team's."""
         found = self._scoped.get(namespace)
-        if found is None or found.git_sha != bundle.git_sha:
+        if found is None or (found.git_sha, found.override_revision) != (bundle.git_sha, bundle.override_revision):
             if len(self._scoped) > 10_000:
                 self._scoped.clear()
             found = self._scoped[namespace] = replace(bundle, policies=tuple(p for p in bundle.policies if p.scope.covers_namespace(namespace)))
@@ -182,6 +191,7 @@ class Admitter:
             committed_seq = rows[0]["committed_seq"]
             latest = {row["run_id"]: row for row in rows[1:]}
             answers, fresh, followers = _sort_out(batch, latest)
+            fresh = await self._current(work.conn, fresh, rows[0]["override_revision"], answers)
             await self._reserve(work, [p for p in fresh if p.needs_ledger], committed_seq)
             decided = await self._decisions(work.conn, fresh)
             if decided:
@@ -192,6 +202,26 @@ class Admitter:
             led = answers[leader]
             answers[follower] = led if isinstance(led, BaseException) else {**led, "replayed": True}
         return answers
+
+    async def _current(self, conn: asyncpg.Connection, fresh: list[Pending], revision: int, answers: dict[Pending, Any]) -> list[Pending]:
+        """`fresh`, each prepared under override `revision` or a newer one: those prepared under
+        an older revision are prepared again (one that now fails is answered with the error)."""
+        if all(p.bundle.override_revision >= revision for p in fresh):
+            return fresh
+        if self.policies.overrides.revision < revision:
+            await self.policies.refresh(conn)
+        current = []
+        for p in fresh:
+            if p.bundle.override_revision < revision:
+                try:
+                    again = self.prepare(p.request, p.decided_at)
+                except Exception as exc:  # noqa: BLE001 - this submission's answer
+                    answers[p] = exc
+                    continue
+                p.bundle, p.plan, p.asks = again.bundle, again.plan, again.asks
+                p.__dict__.pop("prepared", None)  # the cached Prepared of the old plan
+            current.append(p)
+        return current
 
     async def _reserve(self, work: LedgerTransaction, pending: list[Pending], committed_seq: int) -> None:
         """Check-and-reserve every submission of `pending` in Redis, in order; each gets its

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
 from budgetgate.auth import install_auth
-from budgetgate.services.admission import bundles, kubernetes, quote_routes, routes
+from budgetgate.services.admission import bundles, kubernetes, quote_routes, routes, tenant_admin, tenant_schemas
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
 from budgetgate.services.admission.kubernetes import KubernetesWebhookSettings
@@ -95,12 +95,13 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     app.include_router(quote_routes.router)
     app.include_router(routes.router)
     app.include_router(bundles.router)
+    app.include_router(tenant_admin.router)
     app.include_router(kubernetes.router(kubernetes_webhook or KubernetesWebhookSettings()))
     add_operational_routes(
         app,
         telemetry=telemetry,
         readiness=lambda request: readiness(request.app.state.rt),
-        operations={**OPERATIONS, **quote_routes.OPERATIONS},
+        operations={**OPERATIONS, **quote_routes.OPERATIONS, **tenant_schemas.OPERATIONS},
         protect_metrics=settings.metrics_require_auth,
     )
     add_tenant_routes(app, settings)

@@ -14,7 +14,8 @@ from budgetgate.auth import Action, Principal, allow
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.loader import PolicyValidationError, bundle_from_json
 from budgetgate.ledger.queries import sql
-from budgetgate.policy_plan import emptiness, plan
+from budgetgate.override_store import plan_with_overrides
+from budgetgate.policy_plan import emptiness
 from budgetgate.policy_repo import RepositoryError, apply_bundle
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.schemas import BundleIn
@@ -39,7 +40,7 @@ async def apply_policies(body: BundleIn, request: Request, principal: Principal 
         async with rt.pool.acquire() as conn:
             row = await conn.fetchrow(sql("active_bundle"))
             active = bundle_from_json(row["documents"], git_sha=row["git_sha"]) if row else None
-            changes = plan(active, bundle)
+            changes = await plan_with_overrides(conn, active, bundle)
             empty = emptiness(active, bundle, len(documents))
             if empty and not body.allow_empty:
                 return JSONResponse({"detail": f"refused: {empty}; send allow_empty if that is what you mean"}, status_code=409)

@@ -10,6 +10,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from budgetgate.core.accounting import BudgetSource, with_external
 from budgetgate.core.eligibility import Held, Outlook
 from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
 from budgetgate.core.policy import PolicyBundle
@@ -40,6 +41,7 @@ class Prepared:
     plan: Plan
     asks: Asks
     at: datetime
+    accounting: BudgetSource | None = None  # the external accounting figure, when one was asked
 
     @property
     def needs_ledger(self) -> bool:
@@ -98,7 +100,7 @@ def holds(result: ReserveResult | None) -> bool:
 def conclude(p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outlook] | None) -> tuple[Decision, dict[str, Any]]:
     """The decision and the standing (penalty, fair share) from what the ledger read; raises
     Disagreement when the script's verdict and the evaluation's differ."""
-    found = readings(p.plan, result)
+    found = with_external(p.plan, readings(p.plan, result), p.accounting)
     decision = decide(p.plan, found, outlooks=outlooks)
     if result is not None and result.status == "REJECTED":
         reason = rejection(p.bundle, p.request, p.asks, result)
@@ -108,7 +110,8 @@ def conclude(p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outl
             raise Disagreement(f"the ledger refused run {p.request.run_id!r} but the evaluation finds room everywhere")
     elif holds(result) and not decision.admitted:
         raise Disagreement(f"the ledger reserved for run {p.request.run_id!r} but the evaluation refuses it")
-    return decision, standing(p.bundle, p.request, p.asks, p.plan, found, result).body()
+    view = standing(p.bundle, p.request, p.asks, p.plan, found, result).body()  # type: ignore[arg-type]
+    return decision, {**view, "accounting": p.accounting.body() if p.accounting else None}
 
 
 def rebuilt_result(recorded: dict[str, Any]) -> ReserveResult | None:
@@ -145,6 +148,7 @@ def readings_record(p: Prepared, result: ReserveResult | None, outlooks: dict[st
         "version": 1,
         "status": result.status if result is not None else None,
         "tenant_label": tenant_label,
+        "accounting": p.accounting.record() if p.accounting else None,
         "ledger": [
             {"ledger_key": c.ledger_key, "limit": r.limit, "reserved": r.reserved, "consumed": r.consumed}
             for c in p.plan.charges

@@ -4,17 +4,20 @@ its SHA and the readings stored with it — by the same code admission decides w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 import orjson
 
+from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, deciding_index, describe
 from budgetgate.core.loader import bundle_from_json
+from budgetgate.core.overrides import effective
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import sql
+from budgetgate.override_store import load
 from budgetgate.services.admission.deciding import Disagreement, InvalidSubmission, conclude, prepare, rebuilt_outlooks, rebuilt_result
 from budgetgate.services.admission.rendering import canonical, response_body
 from budgetgate.services.admission.schemas import AdmissionRequest
@@ -46,10 +49,23 @@ class Recomputed:
 
 
 class BundleCache:
-    """Policy bundles by Git SHA, each read from Postgres once."""
+    """Policy bundles by Git SHA (with the tenant overrides of a revision), each read from
+    Postgres once."""
 
     def __init__(self) -> None:
         self._bundles: dict[str, PolicyBundle | None] = {}
+        self._effective: dict[tuple[str, int], PolicyBundle | None] = {}
+
+    async def for_decision(self, conn: Any, row: Any) -> PolicyBundle | None:
+        """The bundle a decision row was made under: its SHA's, with the overrides of its revision."""
+        bundle = await self.get(conn, row["policy_bundle_sha"])
+        revision = row["override_revision"] or 0
+        if bundle is None or not revision:
+            return bundle
+        key = (bundle.git_sha, revision)
+        if key not in self._effective:
+            self._effective[key] = effective(bundle, await load(conn, revision))
+        return self._effective[key]
 
     async def get(self, conn: Any, sha: str | None) -> PolicyBundle | None:
         if sha is None:
@@ -78,11 +94,15 @@ def recompute(row: dict[str, Any], bundle: PolicyBundle | None) -> Recomputed:
     request = AdmissionRequest.model_validate(_json(row["request"]))
     try:
         p = prepare(bundle, request, decided_at, tenant_label=recorded.get("tenant_label", "team"))
+        p = replace(p, accounting=BudgetSource.recorded(recorded.get("accounting")))
         decision, view = conclude(p, rebuilt_result(recorded), rebuilt_outlooks(recorded))
     except (Disagreement, InvalidSubmission, KeyError, ValueError) as exc:
         return Recomputed(row, stored, replayable=True, differences=[f"cannot be recomputed from its readings: {exc}"])
     body = response_body(plan=p.plan, decision=decision, decision_id=stored["decision_id"], decided_at=decided_at, standing=view)
     body = canonical(orjson.loads(orjson.dumps(body)))
+    for added in ("override_revision", "accounting"):  # answers recorded before they were
+        if added not in stored:
+            body.pop(added, None)
     found = differences(stored, body) + amount_differences(_json(row.get("amounts")) or {}, decision)
     return Recomputed(row, stored, replayable=True, recomputed=body, decision=decision, differences=found)
 
@@ -196,7 +216,7 @@ async def replay(conn: Any, *, since: datetime, scope: str | None = None) -> dic
     replayed, not_replayable, mismatches = 0, [], []
     async with conn.transaction():
         async for row in conn.cursor(sql("decisions_since"), since, scope, prefetch=500):
-            found = recompute(dict(row), await bundles.get(conn, row["policy_bundle_sha"]))
+            found = recompute(dict(row), await bundles.for_decision(conn, row))
             if not found.replayable:
                 not_replayable.append({"run_id": row["run_id"], "attempt": row["attempt"], "decision_id": str(row["decision_id"]), "reason": found.why_not})
                 continue

@@ -123,7 +123,7 @@ async def explain(run_id: str, request: Request, principal: Principal = Depends(
             row = await conn.fetchrow(sql("decision_inputs"), run_id)
             if row is None:
                 return JSONResponse({"detail": f"no decision for run {run_id!r}"}, status_code=404)
-            bundle = await BundleCache().get(conn, row["policy_bundle_sha"])
+            bundle = await BundleCache().for_decision(conn, row)
     except BACKEND_ERRORS as exc:
         raise Unavailable(f"Postgres unavailable: {exc}") from exc
     asked = row["request"] if isinstance(row["request"], dict) else json.loads(row["request"])

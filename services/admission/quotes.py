@@ -5,6 +5,7 @@ repeats an earlier decision of the run id: it is a fresh evaluation every time."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +29,9 @@ class Quoter:
         """The answer admission would give `request` now; raises Unavailable or InvalidSubmission."""
         at = now or datetime.now(UTC)
         p = self.admitter.prepare(request, at)
+        if self.admitter.accounting is not None:
+            found = await self.admitter.accounting.source(p.bundle, p.plan, p.asks.tenant, label=self.admitter.tenant_label)
+            p = replace(p, accounting=found)
         result = await with_ledger(self.admitter.sync, lambda: self._check(p)) if p.needs_ledger else None
         found = readings(p.plan, result)
         refused = [(p.plan, found)] if found is not None and not holds(result) else []

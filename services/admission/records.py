@@ -59,6 +59,7 @@ class DecisionRecord:
             "decided_at": self.decided_at.isoformat(),
             "ledger_seq": self.ledger_seq,
             "readings": self.readings,
+            "override_revision": the_plan.override_revision,
             "gpus": res.gpus,
             "nodes": res.nodes,
             "flavor": res.flavor,

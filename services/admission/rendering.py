@@ -35,12 +35,13 @@ def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_a
         "reason": decision.reason,
         "replayed": False,
         "policy_bundle_sha": plan.bundle_sha,
+        "override_revision": plan.override_revision,
         "projected_gpu_hours": hours(plan.projected_gpu),
         "showback_cost": float(money(plan.showback_micros)) if plan.showback_micros is not None else None,
         "currency": plan.currency,
         "decided_at": rfc3339(decided_at),
         "evaluations": [_evaluation(e, plan.projected_gpu) for e in decision.evaluations],
-        **(standing or {"tenant": None, "priority_penalty": 0.0, "preemptible": False, "fair_share": None}),
+        **(standing or {"tenant": None, "priority_penalty": 0.0, "preemptible": False, "fair_share": None, "accounting": None}),
     }
 
 
@@ -131,6 +132,7 @@ def decision_message(
         priority_penalty=(standing or {}).get("priority_penalty", 0.0),
         preemptible=(standing or {}).get("preemptible", False),
         deciding_evaluation=deciding_index(decision),
+        override_revision=plan.override_revision,
     )
     for e in decision.evaluations:
         reading = (readings or {}).get(e.ledger_key or "")

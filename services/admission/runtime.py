@@ -17,6 +17,7 @@ from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.outbox import OutboxRelay
 from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.admitter import Admitter
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.pools import TokenPools
@@ -42,11 +43,14 @@ class Runtime:
     publisher: wire.Publisher
     pools: TokenPools
     topics: Topics
+    accounting: ExternalAccounting | None = None
     held: int = 0  # reservations held, for the gauge
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def close(self) -> None:
         await self.publisher.stop()
+        if self.accounting is not None:
+            await self.accounting.aclose()
         await self.redis.aclose()
         await self.pool.close()
 
@@ -62,16 +66,30 @@ async def build(settings: AdmissionSettings) -> Runtime:
     policies = PolicyCache(pool)
     topics = Topics(settings.topic_prefix)
     publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
+    accounting = external_accounting(settings)
     admitter = Admitter(
-        pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label,
+        pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label, accounting=accounting,
         start_deadline=timedelta(seconds=settings.start_deadline_seconds),
         max_batch=settings.batch_max, max_wait=settings.batch_wait_seconds, in_flight=settings.batches_in_flight,
     )  # fmt: skip
     return Runtime(
         settings=settings, pool=pool, redis=client, ledger=ledger, sync=sync, policies=policies, admitter=admitter,
         relay=OutboxRelay(pool=pool, publisher=publisher, topics=topics), publisher=publisher,
-        pools=TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies), topics=topics,
+        pools=TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies), topics=topics, accounting=accounting,
     )  # fmt: skip
+
+
+def external_accounting(settings: AdmissionSettings) -> ExternalAccounting | None:
+    if not settings.accounting_url:
+        return None
+    return ExternalAccounting(
+        settings.accounting_url,
+        token=settings.accounting_token.get_secret_value() if settings.accounting_token else None,
+        timeout=settings.accounting_timeout_seconds,
+        cache_seconds=settings.accounting_cache_seconds,
+        failure_threshold=settings.accounting_failure_threshold,
+        reset_seconds=settings.accounting_reset_seconds,
+    )
 
 
 def start_background(rt: Runtime) -> None:

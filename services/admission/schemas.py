@@ -195,6 +195,7 @@ _ANSWER_EXAMPLE = {
     "reason": "admitted: reserved on 1 budget; tightest is 'gpu-budget/team-vision-prod' with 452 GPU-hours of 500 GPU-hours left after this run",
     "replayed": False,
     "policy_bundle_sha": "e" * 40,
+    "override_revision": 0,
     "projected_gpu_hours": 48.0,
     "showback_cost": 188.78,
     "currency": "USD",
@@ -204,7 +205,22 @@ _ANSWER_EXAMPLE = {
     "priority_penalty": 0.0,
     "preemptible": False,
     "fair_share": None,
+    "accounting": None,
 }
+
+
+class AccountingOut(BaseModel):
+    """Which figure the tenant's soft GPU-hour budget was judged on: the external accounting
+    system's remaining budget, or (when it did not answer in time, or answered nonsense) the ledger's."""
+
+    model_config = _example(
+        {"policy_id": "gpu-soft/physics", "source": "external", "remaining_gpu_hours": 1200.0, "detail": "remaining_budget from the accounting system"}
+    )
+
+    policy_id: str = Field(description="the tenant's soft GPU-hour budget")
+    source: Literal["external", "ledger"] = Field(description="external: the accounting system's figure was used; ledger: the internal ledger's")
+    remaining_gpu_hours: float | None = Field(description="the accounting system's remaining budget, when used")
+    detail: str = Field(description="where the figure came from, or why the accounting system's was not used")
 
 
 class AdmissionResponse(BaseModel):
@@ -219,6 +235,9 @@ class AdmissionResponse(BaseModel):
     reason: str = Field(description="why, in words a person can act on")
     replayed: bool = Field(description="true when this is the stored answer to an earlier identical submission")
     policy_bundle_sha: str | None = Field(description="Git SHA of the policy bundle that decided")
+    override_revision: int | None = Field(
+        default=None, description="revision of the tenant overrides (PUT /v1/tenants/{tenant}) applied on top of that bundle; 0 when none was ever made"
+    )
     projected_gpu_hours: float = Field(description="gpus × projected runtime hours")
     showback_cost: float | None = Field(description="projected GPU-hours × the flavor's rate, rounded to cents; null when unpriced")
     currency: str | None = Field(description="currency of showback_cost")
@@ -228,6 +247,9 @@ class AdmissionResponse(BaseModel):
     priority_penalty: float = Field(default=0.0, description="0..1, from the most used soft budget; see README")
     preemptible: bool = Field(default=False, description="admitted above the tenant's fair-share target, on burst")
     fair_share: dict[str, float] | None = Field(default=None, description="share, share_after, target, burst_limit and deficit of the tenant's fair share")
+    accounting: AccountingOut | None = Field(
+        default=None, description="with an external accounting source configured: which figure the tenant's soft GPU-hour budget was judged on"
+    )
 
 
 class BudgetUsage(BaseModel):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field, SecretStr
+
 from budgetgate.auth import AuthSettings
 
 
@@ -30,3 +32,13 @@ class AdmissionSettings(AuthSettings):
     batch_max: int = 64
     batch_wait_seconds: float = 0.001
     batches_in_flight: int = 2
+    # An external accounting system's remaining budget per tenant (Waldur-style
+    # `remaining_budget`, in GPU-hours), at a URL holding {tenant}: used for the tenant's soft
+    # GPU-hour budget when it answers within the timeout; unset, or failing, the ledger's figure.
+    accounting_url: str | None = None
+    accounting_token: SecretStr | None = None
+    accounting_timeout_seconds: float = Field(default=0.25, gt=0, le=10)
+    accounting_cache_seconds: float = Field(default=30.0, ge=0)
+    # The circuit breaker opens after this many failures in a row and tries again after reset.
+    accounting_failure_threshold: int = Field(default=5, ge=1)
+    accounting_reset_seconds: float = Field(default=30.0, gt=0)

@@ -31,7 +31,7 @@ from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 
 FACET_KEY = "budget"
-SCHEMA_VERSION = "1-1-0"
+SCHEMA_VERSION = "1-2-0"
 SCHEMA_BASE = "https://budgetgate.dev/schemas/"
 SCHEMA_ID = f"{SCHEMA_BASE}facets/budget/{SCHEMA_VERSION}/BudgetRunFacet.json"
 SCHEMA_URL = f"{SCHEMA_ID}#/$defs/BudgetRunFacet"
@@ -66,6 +66,7 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
         "decision": outcome,
         "reason": message.reason,
         "policy_bundle_sha": message.policy_bundle_sha,
+        "override_revision": message.override_revision,
         "projected_gpu_hours": hours(projected_gpu),
         "admitted_gpu_hours": hours(projected_gpu) if outcome == "ALLOW" else 0.0,
         "evaluations": evaluations,

@@ -96,6 +96,15 @@ def test_allow_is_start_with_the_deciding_budget() -> None:
     assert [e["deciding"] for e in budget["evaluations"]] == [True]
 
 
+def test_the_facet_names_the_override_revision_beside_the_bundle() -> None:
+    from dataclasses import replace
+
+    message = decided(replace(bundle(TEAM), override_revision=42))
+    budget = event_for(message)["run"]["facets"]["budget"]
+    assert (budget["policy_bundle_sha"], budget["override_revision"]) == (SHA, 42)
+    assert event_for(decided(bundle(TEAM)))["run"]["facets"]["budget"]["override_revision"] == 0
+
+
 def test_deny_is_abort_with_deficit_and_next_eligible_time() -> None:
     message = decided(bundle(TEAM), used={"team": 80 * H})
     budget = event_for(message)["run"]["facets"]["budget"]

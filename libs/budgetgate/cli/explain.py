@@ -58,7 +58,7 @@ async def _explain(dsn: str, run_id: str) -> dict[str, Any] | None:
         row = await conn.fetchrow(sql("decision_inputs"), run_id)  # type: ignore[attr-defined]
         if row is None:
             return None
-        bundle = await BundleCache().get(conn, row["policy_bundle_sha"])
+        bundle = await BundleCache().for_decision(conn, row)
     return explanation(recompute(dict(row), bundle), bundle)
 
 

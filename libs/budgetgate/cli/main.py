@@ -17,6 +17,7 @@ from budgetgate.cli.whatif import what_if
 from budgetgate.cli.meter import meter
 from budgetgate.cli.kueue import kueue
 from budgetgate.cli.tokens import admin_log, token
+from budgetgate.cli.admin import admin
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,6 +46,7 @@ cli.add_command(meter)
 cli.add_command(kueue)
 cli.add_command(token)
 cli.add_command(admin_log)
+cli.add_command(admin)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import click
 from budgetgate.cli import backend
 from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle_from_json, load_files, load_path
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.policy_plan import Change, emptiness, plan
+from budgetgate.override_store import plan_with_overrides
+from budgetgate.policy_plan import Change, emptiness
 from budgetgate.policy_repo import RepositoryError, Revision, apply_bundle, dirty_sha, policy_files, revision
 
 
@@ -99,7 +100,7 @@ def diff(directory: Path, allow_dirty: bool) -> None:
     async def run() -> None:
         async with backend.postgres(settings.postgres_dsn) as conn:
             active = await _active(conn)
-        print_plan(active, plan(active, loaded.bundle), loaded.bundle)
+            print_plan(active, await plan_with_overrides(conn, active, loaded.bundle), loaded.bundle)
 
     asyncio.run(run())
 
@@ -141,7 +142,7 @@ async def apply_loaded(dsn: str, loaded: LoadedPolicies, *, source: str, allow_e
     unless `allow_empty`."""
     async with backend.postgres(dsn) as conn:
         active = await _active(conn)
-        print_plan(active, plan(active, loaded.bundle), loaded.bundle)
+        print_plan(active, await plan_with_overrides(conn, active, loaded.bundle), loaded.bundle)
         empty = emptiness(active, loaded.bundle, len(loaded.documents))
         if empty and not allow_empty:
             raise click.ClickException(f"refused: {empty}; pass --allow-empty if that is what you mean")

@@ -23,6 +23,7 @@ from budgetgate.services.admission.schemas import (
     ScopeUsage,
     TenantUsage,
 )
+from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 
@@ -108,6 +109,14 @@ class AsyncClient:
     async def tenant_usage(self, tenant: str, *, days: int = 90) -> TenantUsage:
         """A tenant's budgets and its runs' usage over the last `days`."""
         return await self.send(calls.tenant_usage(tenant, days=days))
+
+    async def tenant(self, name: str) -> TenantSettingsOut:
+        """A tenant's quotas and budgets in force, each with its source (Git or override)."""
+        return await self.send(calls.tenant(name))
+
+    async def update_tenant(self, name: str, changes: TenantSettingsIn | Mapping[str, Any]) -> TenantSettingsOut:
+        """Override some of a tenant's quotas and budgets (an operator or accounting token)."""
+        return await self.send(calls.update_tenant(name, changes))
 
     async def allocate(self, namespace: str, request: AllocationIn | Mapping[str, Any]) -> AllocationOut:
         """Ask a pool for a token (asking again with the same token renews its lease)."""

@@ -24,6 +24,7 @@ from budgetgate.services.admission.schemas import (
     ScopeUsage,
     TenantUsage,
 )
+from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -81,6 +82,17 @@ def scope_usage(scope_id: str) -> Call[ScopeUsage]:
 def tenant_usage(tenant: str, *, days: int = 90) -> Call[TenantUsage]:
     """GET /v1/tenants/{tenant}/usage?days=N."""
     return Call("GET", f"/v1/tenants/{quote(tenant, safe='')}/usage", _model(TenantUsage), params={"days": days})
+
+
+def tenant(name: str) -> Call[TenantSettingsOut]:
+    """GET /v1/tenants/{tenant}: its quotas and budgets in force, each with its source."""
+    return Call("GET", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut))
+
+
+def update_tenant(name: str, changes: TenantSettingsIn | Mapping[str, Any]) -> Call[TenantSettingsOut]:
+    """PUT /v1/tenants/{tenant}: override the settings named (None: back to Git's value)."""
+    body = changes if isinstance(changes, TenantSettingsIn) else TenantSettingsIn.model_validate(dict(changes))
+    return Call("PUT", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut), json=_body(body))
 
 
 def allocate(namespace: str, request: AllocationIn | Mapping[str, Any]) -> Call[AllocationOut]:

@@ -24,6 +24,7 @@ from budgetgate.services.admission.schemas import (
     ScopeUsage,
     TenantUsage,
 )
+from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 
@@ -88,6 +89,14 @@ class Client:
     def tenant_usage(self, tenant: str, *, days: int = 90) -> TenantUsage:
         """A tenant's budgets and its runs' usage over the last `days`."""
         return self.send(calls.tenant_usage(tenant, days=days))
+
+    def tenant(self, name: str) -> TenantSettingsOut:
+        """A tenant's quotas and budgets in force, each with its source (Git or override)."""
+        return self.send(calls.tenant(name))
+
+    def update_tenant(self, name: str, changes: TenantSettingsIn | Mapping[str, Any]) -> TenantSettingsOut:
+        """Override some of a tenant's quotas and budgets (an operator or accounting token)."""
+        return self.send(calls.update_tenant(name, changes))
 
     def allocate(self, namespace: str, request: AllocationIn | Mapping[str, Any]) -> AllocationOut:
         """Ask a pool for a token (asking again with the same token renews its lease)."""

@@ -71,6 +71,7 @@ class Plan:
     projected_gpu: int
     showback_micros: int | None
     currency: str | None
+    override_revision: int = 0  # the bundle's tenant override revision
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
         projected_gpu=projected_gpu,
         showback_micros=showback,
         currency=priced[1] if priced else None,
+        override_revision=bundle.override_revision,
     )
 
 

@@ -120,6 +120,7 @@ class PolicyBundle:
     sensitive: SensitivePool | None = None
     cluster: Cluster | None = None
     pools: tuple[ResourcePool, ...] = ()
+    override_revision: int = 0  # the tenant overrides applied on top of Git (core/overrides.py)
 
     def restricted_to(self, keep: Callable[[BudgetPolicy], bool]) -> PolicyBundle:
         """The same bundle with only the budget policies `keep` accepts."""

@@ -18,8 +18,9 @@ FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
 
 -- name: begin_batch
 -- Ledger lock (shared) + the lock of every run of a batch; then a row with only the highest
--- ledger sequence Postgres committed, then each run's latest decision: one round trip.
-SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq FROM budgetgate_begin_batch($1::text[]);
+-- ledger sequence Postgres committed and the highest tenant override revision, then each run's
+-- latest decision: one round trip.
+SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision FROM budgetgate_begin_batch($1::text[]);
 
 -- name: committed_ledger_seq
 SELECT COALESCE(max(ledger_seq), 0)::bigint FROM decisions WHERE ledger_seq IS NOT NULL;
@@ -34,15 +35,15 @@ WITH batch AS (
         decision_id uuid, run_id text, attempt integer, outcome text, reason text, namespace text, labels jsonb,
         job_namespace text, job_name text, policy_bundle_sha text, projected_gpu bigint, showback_micros bigint,
         currency text, request jsonb, response jsonb, decided_at timestamptz, ledger_seq bigint, readings jsonb,
-        gpus integer, nodes integer, flavor text, region text, expected_end timestamptz, evaluations jsonb,
+        override_revision bigint, gpus integer, nodes integer, flavor text, region text, expected_end timestamptz, evaluations jsonb,
         entries jsonb, reservations jsonb, holds jsonb, token jsonb)
 ), decision AS (
     INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace,
                            job_name, policy_bundle_sha, projected_gpu, showback_micros, currency, request,
-                           response, decided_at, ledger_seq, readings, gpus, nodes, flavor, region)
+                           response, decided_at, ledger_seq, readings, override_revision, gpus, nodes, flavor, region)
     SELECT decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace, job_name,
            policy_bundle_sha, projected_gpu, showback_micros, currency, request, response, decided_at, ledger_seq,
-           readings, gpus, nodes, flavor, region
+           readings, override_revision, gpus, nodes, flavor, region
     FROM batch
 ), evaluations AS (
     INSERT INTO decision_evaluations (decision_id, policy_id, policy_git_sha, scope_id, ledger_key, window_start,
@@ -486,10 +487,13 @@ RETURNING revision;
 SELECT ledger_key FROM ledger_entries WHERE ledger_key = ANY($1::text[]);
 
 -- name: create_entry
--- A window's ledger entry the first time usage lands in it (admission creates the others).
+-- A window's ledger entry the first time usage lands in it (admission creates the others), at
+-- the limit a tenant override sets for the policy, else $9 (the bundle's).
 INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
                             policy_git_sha, limit_amount)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, COALESCE(
+    (SELECT (s.value ->> 'amount')::bigint FROM tenant_overrides_current o, jsonb_each(o.settings) s
+     WHERE s.value ->> 'policy_id' = $7 AND s.value ->> 'unit' = $3 LIMIT 1), $9))
 ON CONFLICT (ledger_key) DO NOTHING;
 
 -- name: add_consumed
@@ -750,7 +754,7 @@ SELECT documents FROM policy_bundles WHERE git_sha = $1;
 -- name: decision_inputs
 -- A run's latest decision with what it was decided on (explain), and its evaluations' amounts
 -- in the ledger's units (policy id -> outcome, limit, projected, remaining, admitted, deficit).
-SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.request, d.response, d.decided_at, d.readings,
+SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.override_revision, d.request, d.response, d.decided_at, d.readings,
        (SELECT jsonb_object_agg(e.policy_id, jsonb_build_array(e.outcome, e.limit_amount, e.projected, e.remaining, e.admitted, e.deficit))
         FROM decision_evaluations e WHERE e.decision_id = d.decision_id) AS amounts
 FROM decisions d WHERE d.run_id = $1 ORDER BY d.attempt DESC LIMIT 1;
@@ -758,7 +762,7 @@ FROM decisions d WHERE d.run_id = $1 ORDER BY d.attempt DESC LIMIT 1;
 -- name: decisions_since
 -- Recorded decisions from $1 on, in the order they were made, optionally only those with an
 -- evaluation on scope (or policy id) $2 (replay, what-if); amounts as in decision_inputs.
-SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.request, d.response, d.decided_at, d.readings,
+SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.override_revision, d.request, d.response, d.decided_at, d.readings,
        (SELECT jsonb_object_agg(e.policy_id, jsonb_build_array(e.outcome, e.limit_amount, e.projected, e.remaining, e.admitted, e.deficit))
         FROM decision_evaluations e WHERE e.decision_id = d.decision_id) AS amounts
 FROM decisions d
@@ -814,3 +818,22 @@ SELECT actor, action, subject, details, logged_at FROM admin_log ORDER BY id DES
 -- name: pool_allocation_principal
 -- The row of a held token: who holds it (NULL: granted with a submission, or before tokens had holders).
 SELECT principal FROM pool_allocations WHERE namespace = $1 AND token = $2 AND state = 'held' AND lease_expires_at > now();
+
+-- tenant overrides (budgetgate/override_store.py) ---------------------------------------------
+
+-- name: lock_overrides
+-- Serialises changes of the override set (API updates, a Git apply) across processes.
+SELECT pg_advisory_xact_lock(7320, 0);
+
+-- name: override_revision
+SELECT COALESCE(max(revision), 0)::bigint FROM tenant_overrides;
+
+-- name: overrides_at
+-- Every tenant's override set as it stood at revision $1.
+SELECT DISTINCT ON (tenant) revision, tenant, settings, actor, cause, reason, changed_at
+FROM tenant_overrides WHERE revision <= $1 ORDER BY tenant, revision DESC;
+
+-- name: insert_override
+-- A tenant's new override set ($2 jsonb), one revision; returns it.
+INSERT INTO tenant_overrides (tenant, settings, actor, cause, reason, git_sha) VALUES ($1, $2::jsonb, $3, $4, $5, $6)
+RETURNING revision, changed_at;

@@ -57,6 +57,7 @@ CREATE TABLE decisions (
     flavor            text,
     region            text,
     readings          jsonb,            -- 0014: what the decision was made on; NULL before 0014
+    override_revision bigint,           -- 0015: the tenant override revision it was made under
     UNIQUE (run_id, attempt)
 );
 CREATE INDEX decisions_decided_at ON decisions (decided_at);
@@ -135,14 +136,14 @@ CREATE TABLE inbox (
 -- reservations to ledger_entries (every reservation insert took a KEY SHARE lock on its ledger
 -- row, which on a hot budget makes every concurrent decision share one row lock).
 
--- 0009_group_commit: decisions begun a batch at a time.
+-- 0009_group_commit: decisions begun a batch at a time (0015: and the override revision).
 -- Takes the ledger lock (shared) and the lock of every run of a batch (in one order, so two
 -- batches never wait on each other in a cycle), then reads: first a row with only the highest
 -- ledger sequence Postgres committed, then the latest decision of each run that has one.
 -- VOLATILE on purpose: each query takes a fresh snapshot after the locks were granted.
 CREATE FUNCTION budgetgate_begin_batch(p_run_ids text[])
 RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
-               committed_seq bigint)
+               committed_seq bigint, override_revision bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     lock_key integer;
@@ -153,10 +154,11 @@ BEGIN
     END LOOP;
     RETURN QUERY
         SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
-               COALESCE((SELECT max(d.ledger_seq) FROM decisions d WHERE d.ledger_seq IS NOT NULL), 0)::bigint;
+               COALESCE((SELECT max(d.ledger_seq) FROM decisions d WHERE d.ledger_seq IS NOT NULL), 0)::bigint,
+               COALESCE((SELECT max(o.revision) FROM tenant_overrides o), 0)::bigint;
     RETURN QUERY
         SELECT DISTINCT ON (d.run_id) d.run_id, d.decision_id, d.attempt, d.outcome, d.request, d.response,
-               NULL::bigint
+               NULL::bigint, NULL::bigint
         FROM decisions d WHERE d.run_id = ANY(p_run_ids) ORDER BY d.run_id, d.attempt DESC;
 END
 $$;
@@ -662,3 +664,25 @@ CREATE TABLE admin_log (
 );
 
 ALTER TABLE pool_allocations ADD COLUMN principal text;
+
+-- tenant overrides (0015_tenant_overrides)
+
+CREATE TABLE tenant_overrides (
+    revision   bigserial PRIMARY KEY,
+    tenant     text NOT NULL,
+    -- field -> {"value", "git" (the Git value it was set against), and for budgets "policy_id",
+    -- "unit" and "amount" (the limit in ledger units)}; see budgetgate/core/overrides.py
+    settings   jsonb NOT NULL,
+    actor      text NOT NULL,
+    cause      text NOT NULL CHECK (cause IN ('api', 'policy.apply')),
+    reason     text,
+    git_sha    text,           -- the active bundle when the change was made
+    changed_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX tenant_overrides_tenant ON tenant_overrides (tenant, revision DESC);
+
+-- Every tenant's override set at its latest revision (tenants whose overrides were all cleared
+-- have `{}`).
+CREATE VIEW tenant_overrides_current AS
+SELECT DISTINCT ON (tenant) revision, tenant, settings, actor, cause, reason, git_sha, changed_at
+FROM tenant_overrides ORDER BY tenant, revision DESC;
