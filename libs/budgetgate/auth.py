@@ -14,14 +14,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from limits import parse
-from limits.aio.storage import RedisStorage
+from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import FixedWindowRateLimiter
 from pydantic import Field
 
@@ -47,6 +47,10 @@ class AuthSettings(ServingSettings):
     token_cache_seconds: float = Field(default=2.0, ge=0)
     # Requests per principal, in the `limits` notation ("1000/second", "50000/minute"); none = no limit.
     rate_limit: str | None = "1000/second"
+    # Where requests are counted: "cluster" in Redis, shared by every instance (a Redis round trip
+    # per request); "instance" in each process's memory (no round trip; with N instances a
+    # principal gets up to N times the limit, so set the limit per instance).
+    rate_limit_scope: Literal["cluster", "instance"] = "cluster"
     # /metrics answers only a reader, auditor or operator when true.
     metrics_require_auth: bool = False
     oidc_issuer: str | None = None
@@ -187,8 +191,11 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
         )
     storage = limiter = None
     if settings.rate_limit:
-        url = settings.redis_url.replace("redis://", "async+redis://", 1).replace("rediss://", "async+rediss://", 1)
-        storage = RedisStorage(url, implementation="redispy", key_prefix=f"{{{settings.redis_prefix}}}:ratelimit")
+        if settings.rate_limit_scope == "instance":
+            storage = MemoryStorage()
+        else:
+            url = settings.redis_url.replace("redis://", "async+redis://", 1).replace("rediss://", "async+rediss://", 1)
+            storage = RedisStorage(url, implementation="redispy", key_prefix=f"{{{settings.redis_prefix}}}:ratelimit")
         limiter = FixedWindowRateLimiter(storage)
     return Gate(tokens=TokenStore(pool, cache_seconds=settings.token_cache_seconds), jwt=jwt, limiter=limiter, limit=settings.rate_limit), storage
 

@@ -195,9 +195,10 @@ async def test_a_chunked_body_past_the_limit_is_refused_without_being_read_whole
     assert await usage_rows(pg_dsn) == []
 
 
-async def test_rate_limit_per_principal_answers_429_with_retry_after(admission_factory, pg_dsn) -> None:
+@pytest.mark.parametrize("scope", ["cluster", "instance"])
+async def test_rate_limit_per_principal_answers_429_with_retry_after(admission_factory, pg_dsn, scope: str) -> None:
     await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
-    server = await admission_factory(rate_limit="3/minute")
+    server = await admission_factory(rate_limit="3/minute", rate_limit_scope=scope)
     await server.wait_ready()
     busy, other = await issue(pg_dsn, Role.READER), await issue(pg_dsn, Role.READER)
     answers = [(await server.client.get("/v1/budgets", headers=bearer(busy))).status_code for _ in range(4)]
