@@ -135,3 +135,24 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], *, timeout: float = 15.
     _done, stuck = await asyncio.wait(tasks, timeout=timeout)
     for task in stuck:
         log.warning("background task %s did not stop within %.0fs", task.get_name(), timeout)
+
+
+async def close_within(closing: Awaitable[Any], *, what: str, timeout: float = 10.0) -> None:
+    """Await a client's close (a producer, a consumer group, Redis) for at most `timeout` seconds;
+    one that fails or hangs (its server went away) is logged and abandoned."""
+    try:
+        async with asyncio.timeout(timeout):
+            await closing
+    except Exception as exc:  # noqa: BLE001 - shutting down: nothing left to do about it
+        log.warning("%s did not close cleanly: %s", what, type(exc).__name__ if isinstance(exc, TimeoutError) else exc)
+
+
+async def close_pool(pool: asyncpg.Pool, *, timeout: float = 10.0) -> None:
+    """Close a Postgres pool; one whose connections are not given back within `timeout` seconds
+    (a request or task still holding one) is terminated instead of waited on for ever."""
+    try:
+        async with asyncio.timeout(timeout):
+            await pool.close()
+    except TimeoutError:
+        log.warning("Postgres pool did not close within %.0fs; terminated", timeout)
+        pool.terminate()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import asyncpg
 import redis.asyncio as aioredis
 
+from budgetgate.serving import close_pool, close_within
 from budgetgate import wire
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
@@ -48,11 +49,12 @@ class Runtime:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def close(self) -> None:
-        await self.publisher.stop()
+        """Close every client within bounded time (see budgetgate.serving.close_within)."""
+        await close_within(self.publisher.stop(), what="admission: Kafka producer")
         if self.accounting is not None:
-            await self.accounting.aclose()
-        await self.redis.aclose()
-        await self.pool.close()
+            await close_within(self.accounting.aclose(), what="admission: accounting client")
+        await close_within(self.redis.aclose(), what="admission: Redis")
+        await close_pool(self.pool)
 
 
 async def build(settings: AdmissionSettings) -> Runtime:

@@ -25,6 +25,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.outbox import OutboxRelay
+from budgetgate.serving import close_pool, close_within, stop_tasks
 from budgetgate.services.reconciler import budgets, consumers, facts
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
@@ -119,17 +120,15 @@ class Reconciler:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Stop within bounded time: a client stuck on a server that went away (a consumer
+        leaving its group, a pool waiting for a connection) is abandoned, not waited on."""
+        await stop_tasks(self._tasks)
         self._tasks = []
-        with contextlib.suppress(Exception):
-            await self.broker.stop()
-        with contextlib.suppress(Exception):
-            await self.publisher.stop()
-        await self.redis.aclose()
+        await close_within(self.broker.stop(), what="reconciler: Kafka consumer")
+        await close_within(self.publisher.stop(), what="reconciler: Kafka producer")
+        await close_within(self.redis.aclose(), what="reconciler: Redis")
         if self.pool is not None:
-            await self.pool.close()
+            await close_pool(self.pool)
 
     async def _guarded(self, name: str, loop) -> None:  # type: ignore[no-untyped-def]
         """Run a loop for ever, outliving any outage of Postgres, Redis or Kafka."""

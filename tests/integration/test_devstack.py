@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from budgetgate.principals import Role
 from budgetgate.devstack.isolation import checkout_tag, database_name
 from budgetgate.devstack.ports import port_open, split_host_port
 from budgetgate.ledger.migrations import migration_files
@@ -177,7 +178,7 @@ async def test_up_status_down_with_embedded_servers(checkout: Path) -> None:
     # Settings reach any command run in the checkout through the state file.
     assert json.loads((checkout / ".budgetgate" / "dev.json").read_text())["settings"]["redis_url"] == info["redis_url"]
     # One token per role, readable by the owner only, and live in the stack's database.
-    assert set(info["tokens"]) == {"submitter", "exporter", "reader", "operator", "auditor"}
+    assert set(info["tokens"]) == {role.value for role in Role}  # one token per role, accounting included
     assert (checkout / ".budgetgate" / "dev.json").stat().st_mode & 0o777 == 0o600
     conn = await asyncpg.connect(info["postgres_dsn"])
     try:
