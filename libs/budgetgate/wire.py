@@ -208,6 +208,8 @@ class Publisher:
             client_id=self._client_id,
             acks="all",
             enable_idempotence=False,
+            # Outbox batches go out together: room for many records per partition request.
+            max_batch_size=256 * 1024,
             **self.access.aiokafka(),
         )
         try:

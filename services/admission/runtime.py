@@ -76,7 +76,7 @@ async def build(settings: AdmissionSettings) -> Runtime:
     )  # fmt: skip
     return Runtime(
         settings=settings, pool=pool, redis=client, ledger=ledger, sync=sync, policies=policies, admitter=admitter,
-        relay=OutboxRelay(pool=pool, publisher=publisher, topics=topics), publisher=publisher,
+        relay=OutboxRelay(pool=pool, publisher=publisher, topics=topics, batch=settings.outbox_batch), publisher=publisher,
         pools=TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies), topics=topics, accounting=accounting,
     )  # fmt: skip
 

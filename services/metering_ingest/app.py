@@ -72,6 +72,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
             pool=pool,
             publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay", access=settings.kafka_access),
             topics=topics,
+            batch=settings.outbox_batch,
         )
         dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq", access=settings.kafka_access)
         inbox = Inbox(

@@ -109,7 +109,7 @@ class Reconciler:
         self.bundles = Bundles()
         self.settler = Settler(pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules())
         self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
-        self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics)
+        self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)
         self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add))
         self.broker = KafkaBroker(s.kafka_bootstrap, client_id=s.service_name, log_level=logging.DEBUG)
         self.broker.include_router(consumers.router(settings=s, topics=self.topics, reconciler=lambda: self))

@@ -114,3 +114,32 @@ async def test_an_acknowledgement_at_or_below_an_earlier_one_replays_the_partiti
         await relay.publisher.stop()
         await relay.close()
         await pool.close()
+
+
+async def test_a_backlog_larger_than_a_batch_goes_out_whole_in_order_per_key(settings, pg_dsn) -> None:
+    """BUDGETGATE_OUTBOX_BATCH rows per transaction: a backlog of several batches is published
+    batch by batch, every row once, each key's rows in the order they were written."""
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    topic = Topics(settings.topic_prefix).name(topics.POLICIES)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap), topics=Topics(settings.topic_prefix), batch=7)
+    await relay.publisher.start()
+    try:
+        async with pool.acquire() as conn, conn.transaction():
+            for n in range(30):  # three keys, ten rows each, interleaved
+                message = PolicyBundlePublished(event_id=str(uuid.uuid4()), git_sha=f"{n:040x}")
+                message.event_time.FromDatetime(datetime.now(UTC))
+                await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(message, key=f"k{n % 3}"))
+        published = [await relay.relay_once() for _ in range(6)]
+        assert published == [7, 7, 7, 7, 2, 0] and await pending(pool) == 0
+        found = await drain(settings.kafka_bootstrap, topic, expected=30)
+        by_key: dict[bytes, list[int]] = {}
+        for record in found:
+            sent = PolicyBundlePublished.FromString(record.value)
+            by_key.setdefault(record.key, []).append(int(sent.git_sha, 16))
+        assert sorted(n for ns in by_key.values() for n in ns) == list(range(30))
+        assert by_key == {f"k{k}".encode(): list(range(k, 30, 3)) for k in range(3)}
+    finally:
+        await relay.close()
+        await relay.publisher.stop()
+        await pool.close()
