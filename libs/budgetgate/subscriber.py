@@ -1,7 +1,9 @@
 """A FastStream batch subscriber feeding the inbox (budgetgate.consumer.Inbox): each poll is applied
 in one Postgres transaction and acknowledged (its offsets committed) only after that commit.
 metering-ingest and the reconciler both consume this way; each declares its own subscriber on its
-own router with `**INBOX_SUBSCRIBER` and calls `apply_acked` from its handler.
+own router with `subscribe_inbox` (`**INBOX_SUBSCRIBER`, and `apply_acked` per poll). `inbox_broker`
+makes the broker a service includes its router into (its Kafka access: TLS, SASL), and
+`start_consuming` starts it once Kafka answers.
 
 How FastStream is used, and where it is not enough for the inbox pattern:
 - `batch=True, max_records`: one poll, one list of records, one transaction.
@@ -22,19 +24,27 @@ How FastStream is used, and where it is not enough for the inbox pattern:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiokafka import ConsumerRecord
+from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.kafka.annotations import KafkaMessage
 from faststream.middlewares import AckPolicy
 
 from budgetgate.consumer import Applied, Inbox
 
 if TYPE_CHECKING:
+    from budgetgate import wire
     from budgetgate.lag import ConsumerProgress
+    from budgetgate.settings import CommonSettings
+
+log = logging.getLogger(__name__)
 
 
 async def keep_header_bytes(records: tuple[ConsumerRecord, ...], parse: Callable[[tuple[ConsumerRecord, ...]], Awaitable[Any]]) -> Any:
@@ -86,3 +96,62 @@ async def apply_acked(inbox: Inbox, message: KafkaMessage, *, progress: Consumer
         progress.batch(applied, seconds=time.perf_counter() - started, topics=(r.topic for r in records))
         await progress.refresh(message.consumer)
     return applied
+
+
+class Consuming(Protocol):
+    """What a subscriber's handler needs of the running service."""
+
+    @property
+    def inbox(self) -> Inbox: ...
+
+    @property
+    def progress(self) -> ConsumerProgress | None: ...
+
+
+R = TypeVar("R", bound=Consuming)
+
+
+def subscribe_inbox(router: KafkaRouter, *topics: str, runtime: Callable[[], R], then: Callable[[R], None] | None = None, **options: Any) -> None:
+    """Subscribe `router` to `topics` as an inbox consumer (`INBOX_SUBSCRIBER` and `options`:
+    group_id, max_records, title, description...): each poll is applied by `runtime().inbox` and
+    acknowledged (`apply_acked`), then `then(runtime())` runs, the poll's effects committed."""
+
+    async def apply(message: KafkaMessage) -> None:
+        rt = runtime()
+        await apply_acked(rt.inbox, message, progress=rt.progress)
+        if then is not None:
+            then(rt)
+
+    router.subscriber(*topics, **INBOX_SUBSCRIBER, **options)(apply)
+
+
+def inbox_broker(settings: CommonSettings, router: KafkaRouter) -> KafkaBroker:
+    """The FastStream broker of a service (`settings.service_name`) consuming through `router`,
+    with the deployment's Kafka access (TLS, SASL); connected on `start_consuming`."""
+    broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG, security=settings.kafka_access.faststream())
+    broker.include_router(router)
+    return broker
+
+
+async def start_consuming(
+    broker: KafkaBroker, publisher: wire.Publisher, *, what: str, prepare: Callable[[], Awaitable[Any]] | None = None, retry_seconds: float = 2.0
+) -> None:
+    """Start the dead-letter producer and then the broker's subscribers (after `prepare()`, if
+    given), waiting for Kafka as long as it takes; once started, FastStream reconnects by itself.
+    The records wait in their topics meanwhile."""
+    while True:
+        try:
+            if prepare is not None:
+                await prepare()
+            await publisher.start()
+            await broker.start()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Kafka may come later
+            log.warning("%s not started (%s); retrying in %.0fs", what, exc, retry_seconds)
+            with contextlib.suppress(Exception):
+                await broker.stop()
+            with contextlib.suppress(Exception):
+                await publisher.stop()
+            await asyncio.sleep(retry_seconds)

@@ -31,6 +31,7 @@ from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.auth import install_auth
 from budgetgate.bodies import BodyLimit
 from budgetgate.spans import ServerSpans
+from budgetgate.subscriber import inbox_broker, start_consuming
 from budgetgate.serving import add_operational_routes, postgres_check
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
@@ -82,8 +83,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
             routes={topics.metering: consumers.metering_route(ingestor, metrics)},
             on_dead_letter=metrics.dead_lettered,
         )
-        broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG, security=settings.kafka_access.faststream())
-        broker.include_router(consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))
+        broker = inbox_broker(settings, consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))
         rt = Runtime(pool, ingestor, metrics, relay, dlq_publisher, inbox, progress, broker)
         app.state.rt = rt
         rt.tasks = [
@@ -134,21 +134,11 @@ async def _readiness(rt: Runtime) -> dict[str, str]:
 async def _consume(rt: Runtime, settings: MeteringSettings) -> None:
     """Start the Kafka subscriber (and the dead-letter producer it needs), waiting for Kafka as
     long as it takes; once started, FastStream reconnects by itself. Samples wait in their topic."""
-    while True:
-        try:
-            await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, access=settings.kafka_access)
-            await rt.dlq_publisher.start()
-            await rt.broker.start()
-            break
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - Kafka may come later
-            log.warning("metering consumer not started (%s); retrying in 2s", exc)
-            with contextlib.suppress(Exception):
-                await rt.broker.stop()
-            with contextlib.suppress(Exception):
-                await rt.dlq_publisher.stop()
-            await asyncio.sleep(2)
+
+    async def topics_exist() -> None:
+        await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, access=settings.kafka_access)
+
+    await start_consuming(rt.broker, rt.dlq_publisher, what="metering consumer", prepare=topics_exist)
     rt.consuming = True
 
 

@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from faststream.kafka import KafkaRouter
-from faststream.kafka.annotations import KafkaMessage
 
 from budgetgate.consumer import BatchRoute, Delivery
 from budgetgate.core.metering import Rejected
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.subscriber import INBOX_SUBSCRIBER, apply_acked
+from budgetgate.subscriber import subscribe_inbox
 from budgetgate.topics import Topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 
@@ -29,27 +28,23 @@ if TYPE_CHECKING:
 def router(*, settings: MeteringSettings, topics: Topics, runtime: Callable[[], Runtime]) -> KafkaRouter:
     """The service's Kafka subscribers; `runtime()` gives what the service holds while it runs."""
     kafka = KafkaRouter()
-
-    async def metering_samples(message: KafkaMessage) -> None:
-        rt = runtime()
-        await apply_acked(rt.inbox, message, progress=rt.progress)
-
     # Several consumers of one group in one process, each owning some of the partitions (as
     # processes side by side would): while one waits for Postgres, another works. Each
     # partition still has one owner, so its records are applied in order.
     for worker in range(settings.consumer_concurrency):
-        kafka.subscriber(
+        subscribe_inbox(
+            kafka,
             topics.metering,
+            runtime=runtime,
             max_records=settings.consumer_max_records,
             group_id=settings.consumer_group,
-            **INBOX_SUBSCRIBER,
             title=f"metering.samples.v1:metering-ingest#{worker}" if worker else "metering.samples.v1:metering-ingest",
             description=(
                 "Metering samples (budgetgate.v1.MeteringSample, binary protobuf or its canonical JSON mapping) become usage rows "
                 "and usage.records.v1 messages; poison goes to metering.samples.v1.dlq with the reason."
             ),
             include_in_schema=worker == 0,
-        )(metering_samples)
+        )
 
     return kafka
 

@@ -9,10 +9,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from faststream.kafka import KafkaRouter
-from faststream.kafka.annotations import KafkaMessage
 
 from budgetgate.services.reconciler.settings import ReconcilerSettings
-from budgetgate.subscriber import INBOX_SUBSCRIBER, apply_acked
+from budgetgate.subscriber import subscribe_inbox
 from budgetgate.topics import Topics
 
 if TYPE_CHECKING:
@@ -24,23 +23,23 @@ def router(*, settings: ReconcilerSettings, topics: Topics, reconciler: Callable
     `reconciler()` gives the running reconciler."""
     s = settings
     kafka = KafkaRouter()
-
-    @kafka.subscriber(
+    subscribe_inbox(
+        kafka,
         topics.lifecycle,
         topics.usage,
+        runtime=reconciler,
+        then=_wake_settler,
         group_id=f"{s.topic_prefix}{s.consumer_group}",
         max_records=s.consumer_max_records,
         title="reconciler",
         description="Lifecycle events (budgetgate.v1.LifecycleEvent) and usage records (budgetgate.v1.UsageRecord) are recorded "
         "and their runs marked to be settled; poison goes to <topic>.dlq with the reason.",
-        **INBOX_SUBSCRIBER,
     )
-    async def facts(message: KafkaMessage) -> None:
-        rc = reconciler()
-        await apply_acked(rc.inbox, message, progress=rc.progress)
-        if rc.stats.fresh:
-            # Set only now: the facts are committed, so the settle loop will see them.
-            rc.stats.fresh.clear()
-            rc.wakeup.set()
-
     return kafka
+
+
+def _wake_settler(rc: Reconciler) -> None:
+    if rc.stats.fresh:
+        # Set only now: the facts are committed, so the settle loop will see them.
+        rc.stats.fresh.clear()
+        rc.wakeup.set()

@@ -15,8 +15,6 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from opentelemetry.metrics import Observation
 
-from faststream.kafka import KafkaBroker
-
 from budgetgate import wire
 from budgetgate.consumer import Inbox
 from budgetgate.lag import ConsumerProgress
@@ -30,6 +28,7 @@ from budgetgate.services.reconciler import budgets, consumers, facts
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.settler import Settler
+from budgetgate.subscriber import inbox_broker
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 
@@ -111,8 +110,7 @@ class Reconciler:
         self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)
         self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add))
-        self.broker = KafkaBroker(s.kafka_bootstrap, client_id=s.service_name, log_level=logging.DEBUG)
-        self.broker.include_router(consumers.router(settings=s, topics=self.topics, reconciler=lambda: self))
+        self.broker = inbox_broker(s, consumers.router(settings=s, topics=self.topics, reconciler=lambda: self))
         self._tasks = [
             asyncio.create_task(self._guarded("consume", self._consume), name="reconciler-consume"),
             asyncio.create_task(self._guarded("settle", self._settle_marked), name="reconciler-settle"),
