@@ -1,5 +1,5 @@
-"""The evidence-emitter: create_app(settings) wires the Kafka consumer (decisions and
-reconciliations into the delivery table) and the sender (delivery table to OpenLineage), and
+"""The evidence-emitter: create_app(settings) wires the Kafka subscriber (decisions and
+reconciliations into the delivery table, consumers.py) and the sender (delivery table to OpenLineage), and
 serves /healthz, /readyz and /metrics.
 
 Admission never waits for any of this: it only writes its outbox; a Marquez outage delays the
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,19 +20,20 @@ from fastapi.responses import JSONResponse
 from openlineage.client import OpenLineageClient
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from faststream.kafka import KafkaBroker
+
 from budgetgate import wire
-from budgetgate.consumer import InboxConsumer, Route
+from budgetgate.consumer import Inbox
+from budgetgate.lag import ConsumerProgress
 from budgetgate.problems import install_problems
-from budgetgate.serving import postgres_check, stop_tasks
-from budgetgate.services.evidence_emitter import events, transport
+from budgetgate.serving import close_pool, close_within, postgres_check, stop_tasks
+from budgetgate.services.evidence_emitter import consumers, events, transport
 from budgetgate.services.evidence_emitter.handlers import EvidenceHandlers
 from budgetgate.services.evidence_emitter.sender import Sender
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
+from budgetgate.subscriber import inbox_broker, start_consuming
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics
-from budgetgate.v1 import decisions_pb2, reconciliations_pb2
-
-log = logging.getLogger(__name__)
 
 CONSUMER_NAME = "evidence_emitter"
 
@@ -44,7 +44,9 @@ class Runtime:
 
     pool: asyncpg.Pool
     publisher: wire.Publisher
-    consumer: InboxConsumer
+    inbox: Inbox
+    progress: ConsumerProgress
+    broker: KafkaBroker
     sender: Sender
     client: OpenLineageClient
     consuming: bool = False
@@ -56,6 +58,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
     meter = telemetry.meter("budgetgate.evidence")
     stored = meter.create_counter("budgetgate_evidence_events", description="OpenLineage events stored for delivery, by stage and event type")
     topics = Topics(settings.topic_prefix)
+    progress = ConsumerProgress(telemetry.meter("budgetgate.consumer"), name=CONSUMER_NAME)
     holder: dict[str, Runtime] = {}
 
     def gauge(read: Callable[[Runtime], float]) -> Callable[[CallbackOptions], list[Observation]]:
@@ -88,17 +91,8 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
         pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10)
         publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
         handlers = EvidenceHandlers(producer=events.producer_uri(), on_stored=lambda stage, kind: stored.add(1, {"stage": stage, "event_type": kind}))
-        consumer = InboxConsumer(
-            name=CONSUMER_NAME,
-            group=settings.consumer_group,
-            bootstrap=settings.kafka_bootstrap,
-            pool=pool,
-            publisher=publisher,
-            routes={
-                topics.decisions: Route(decisions_pb2.Decision, handlers.decision),
-                topics.reconciliations: Route(reconciliations_pb2.Reconciliation, handlers.reconciliation),
-            },
-        )
+        inbox = Inbox(name=CONSUMER_NAME, pool=pool, publisher=publisher, routes=consumers.routes(topics, handlers))
+        broker = inbox_broker(settings, consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))
         sender = Sender(
             pool=pool,
             send=lambda event: transport.send(ol_client, event),
@@ -108,18 +102,19 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
             idle_seconds=settings.evidence_idle_seconds,
             decision_wait=settings.evidence_decision_wait_seconds,
         )
-        rt = Runtime(pool, publisher, consumer, sender, ol_client)
+        rt = Runtime(pool, publisher, inbox, progress, broker, sender, ol_client)
         holder["rt"] = app.state.rt = rt
         tasks = [asyncio.create_task(_consume(rt), name="evidence-consumer"), asyncio.create_task(sender.run(), name="evidence-sender")]
         try:
             yield
         finally:
+            # Bounded: a consumer stuck leaving its group, or a connection still held, is abandoned.
             await stop_tasks(tasks)
-            await consumer.stop()
-            await publisher.stop()
+            await close_within(broker.stop(), what="evidence-emitter: Kafka consumer")
+            await close_within(publisher.stop(), what="evidence-emitter: Kafka producer")
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(ol_client.close, 5.0)
-            await pool.close()
+            await close_pool(pool)
             holder.pop("rt", None)
 
     app = FastAPI(title="budgetgate evidence-emitter", version="1", lifespan=lifespan)
@@ -153,20 +148,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
 
 
 async def _consume(rt: Runtime) -> None:
-    """Consume until cancelled; Kafka being away at start or later only delays it."""
-    while True:
-        try:
-            await rt.publisher.start()
-            await rt.consumer.start()
-            rt.consuming = True
-            while True:
-                if await rt.consumer.poll_once() > 0:
-                    rt.sender.wakeup.set()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - Kafka may come later; nothing is lost meanwhile
-            rt.consuming = False
-            log.warning("evidence consumer: %s; retrying", exc)
-            await rt.consumer.stop()
-            await rt.publisher.stop()
-            await asyncio.sleep(2)
+    """Start the subscriber (and the producer its dead letters need), waiting for Kafka as long as
+    it takes; once started, FastStream reconnects by itself. Decisions wait in their topics."""
+    await start_consuming(rt.broker, rt.publisher, what="evidence consumer")
+    rt.consuming = True

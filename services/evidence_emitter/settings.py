@@ -26,6 +26,8 @@ class EvidenceSettings(ServingSettings):
     # the decision inferred from its charges.
     evidence_decision_wait_seconds: float = 600.0
     evidence_idle_seconds: float = 0.5
+    # Records per poll: one poll is stored in one transaction.
+    consumer_max_records: int = 500
 
     @property
     def consumer_group(self) -> str:

@@ -30,9 +30,9 @@ def test_every_topic_and_its_dead_letter_topic_is_a_channel_with_its_message_fie
         payload = _resolve(doc, _resolve(doc, message_ref)["payload"]["$ref"])
         expected = {f.name for f in topics.MESSAGE_TYPES[topic].DESCRIPTOR.fields}
         assert set(payload["properties"]) == expected
-    # The subscribers of metering-ingest and the reconciler are there as the services run them.
+    # The subscribers of metering-ingest, the reconciler and the evidence-emitter are there as the services run them.
     received = {_resolve(doc, op["channel"]["$ref"])["address"] for op in doc["operations"].values() if op["action"] == "receive"}
-    assert received == {f"p-{topics.METERING}", f"p-{topics.LIFECYCLE}", f"p-{topics.USAGE}"}
+    assert received == {f"p-{topics.METERING}", f"p-{topics.LIFECYCLE}", f"p-{topics.USAGE}", f"p-{topics.DECISIONS}", f"p-{topics.RECONCILIATIONS}"}
 
 
 def test_the_cli_prints_json_and_yaml() -> None:

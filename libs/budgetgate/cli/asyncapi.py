@@ -23,6 +23,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from pydantic import BaseModel, Field, create_model
 
 from budgetgate import topics
+from budgetgate.services.evidence_emitter import consumers as evidence_consumers
+from budgetgate.services.evidence_emitter.settings import EvidenceSettings
 from budgetgate.services.metering_ingest import consumers as metering_consumers
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.services.reconciler import consumers as reconciler_consumers
@@ -57,6 +59,7 @@ def document(*, prefix: str = "") -> dict[str, Any]:
     settings = MeteringSettings(topic_prefix=prefix)
     broker.include_router(metering_consumers.router(settings=settings, topics=names, runtime=_described_only))
     broker.include_router(reconciler_consumers.router(settings=ReconcilerSettings(topic_prefix=prefix), topics=names, reconciler=_described_only))
+    broker.include_router(evidence_consumers.router(settings=EvidenceSettings(topic_prefix=prefix), topics=names, runtime=_described_only))
     for topic in topics.EVENT_TOPICS:
         message = topics.MESSAGE_TYPES[topic]
         producer, consumer = _ROLES[topic]
