@@ -26,32 +26,28 @@ Duplicates (an event id this consumer's inbox already has, or one repeated withi
 never reach a handler. Any other exception is a passing outage: the whole batch is retried with
 capped backoff, in place, so nothing is skipped; its offsets are committed only once it is done.
 
-`Inbox.apply(records)` is that transactional step, whatever polled the records;
-`InboxConsumer` polls with aiokafka and calls it (see `poll_once`).
+`Inbox.apply(records)` is that transactional step, whatever polled the records: the services
+consume through a FastStream batch subscriber that applies each poll and acknowledges it (commits
+its offsets) only after that (budgetgate.subscriber: `INBOX_SUBSCRIBER`, `apply_acked`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer, ConsumerRecord
+from aiokafka import ConsumerRecord
 from google.protobuf.message import Message
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
 from budgetgate import wire
 from budgetgate.ledger.queries import sql
-
-if TYPE_CHECKING:
-    from budgetgate.lag import ConsumerProgress
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("budgetgate.consumer")
@@ -291,72 +287,3 @@ def _refused(exc: asyncpg.DataError) -> str:
     # Postgres refuses the message's own data (class 22: a value out of range, an invalid
     # byte): retrying cannot help, so it is poison, not an outage.
     return f"data Postgres cannot store: {type(exc).__name__}: {exc}"
-
-
-class InboxConsumer(Inbox):
-    """Consumes `routes` (topic → Route or BatchRoute) in consumer group `group` with aiokafka,
-    one poll per transaction (see the module docstring); `progress` (budgetgate.lag) shows its
-    lag, batch sizes and records/s on /metrics."""
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        group: str,
-        bootstrap: str,
-        pool: asyncpg.Pool,
-        publisher: wire.Publisher,
-        routes: Mapping[str, Route | BatchRoute],
-        max_backoff: float = 10.0,
-        max_records: int = 500,
-        on_dead_letter: Callable[[str, str], None] | None = None,
-        progress: ConsumerProgress | None = None,
-    ) -> None:
-        super().__init__(name=name, pool=pool, publisher=publisher, routes=routes, max_backoff=max_backoff, on_dead_letter=on_dead_letter)
-        self.group = group
-        self.bootstrap = bootstrap
-        self.max_records = max_records
-        self.progress = progress
-        self._consumer: AIOKafkaConsumer | None = None
-
-    async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(
-            *self.routes,
-            bootstrap_servers=self.bootstrap,
-            group_id=self.group,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            client_id=self.name,
-            **self.publisher.access.aiokafka(),
-        )
-        await self._consumer.start()
-
-    async def stop(self) -> None:
-        consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            with contextlib.suppress(Exception):
-                await consumer.stop()
-
-    async def run(self) -> None:
-        """Consume until cancelled."""
-        if self._consumer is None:
-            await self.start()
-        while True:
-            await self.poll_once()
-
-    async def poll_once(self, timeout_ms: int = 500) -> int:
-        """Apply what one poll returns in one transaction, then commit its offsets; returns the
-        number of records taken care of."""
-        assert self._consumer is not None, "start() first"
-        polled = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
-        records = [record for batch in polled.values() for record in batch]
-        if not records:
-            return 0
-        started = time.perf_counter()
-        applied = await self.apply(records)
-        # Only now: every record polled has its effect (or its DLQ copy) durable.
-        await self._consumer.commit({partition: batch[-1].offset + 1 for partition, batch in polled.items() if batch})
-        if self.progress is not None:
-            self.progress.batch(applied, seconds=time.perf_counter() - started, topics=(r.topic for r in records))
-            await self.progress.refresh(self._consumer)
-        return len(records)

@@ -46,7 +46,7 @@ class MeteringMetrics:
         self._rejections.add(1, {"reason": str(reason), "source": source})
 
     def dead_lettered(self, _topic: str, reason: str) -> None:
-        """InboxConsumer's on_dead_letter: every Kafka sample it parks on the DLQ."""
+        """The inbox's on_dead_letter: every Kafka sample it parks on the DLQ."""
         self.rejected(reason_code(reason), source="kafka")
 
     def _observe_pending(self, _options: CallbackOptions) -> Iterable[Observation]:

@@ -1,21 +1,26 @@
-"""The inbox consumer on real Kafka and Postgres: effects once, offsets after effects, poison
-to the dead-letter topic, outages retried without skipping."""
+"""The inbox on real Kafka and Postgres, fed as the services feed it (a FastStream batch subscriber,
+budgetgate.subscriber.apply_acked per poll): effects once, offsets after effects, poison to the
+dead-letter topic, outages retried without skipping."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Sequence
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from faststream.kafka import KafkaBroker
+from faststream.kafka.annotations import KafkaMessage
 from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from budgetgate import wire
-from budgetgate.consumer import BatchRoute, Delivery, InboxConsumer, Poison, Route
+from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route
 from budgetgate.lag import ConsumerProgress
+from budgetgate.subscriber import INBOX_SUBSCRIBER, apply_acked
 from budgetgate.topics import Topics, dlq, ensure_topics
 from budgetgate.v1 import lifecycle_pb2
 
@@ -73,46 +78,20 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
         await raw.stop()
 
         group = f"g-{uuid.uuid4().hex[:8]}"
-        consumer = InboxConsumer(
-            name="test",
-            group=group,
-            bootstrap=settings.kafka_bootstrap,
-            pool=pool,
-            publisher=publisher,
-            routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)},
-        )
-        await consumer.start()
-        try:
-            taken = 0
-            deadline = asyncio.get_running_loop().time() + 30
-            while taken < 8 and asyncio.get_running_loop().time() < deadline:
-                taken += await consumer.poll_once()
-        finally:
-            await consumer.stop()
-        assert taken == 8
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)})
+        assert await _consume(settings, inbox, group, 8) == 8
 
         rows = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
         assert rows == ["a", "b", "flaky", "twice"]
-        assert consumer.duplicates == 1 and consumer.dead_lettered == 3 and failures["left"] == 0
+        assert inbox.duplicates == 1 and inbox.dead_lettered == 3 and failures["left"] == 0
         dead = await drain(settings.kafka_bootstrap, dlq(topics.lifecycle), 3)
         reasons = sorted(wire.header(r.headers, "dlq-reason").decode() for r in dead)
         assert len(reasons) == 3 and any("cannot store" in r for r in reasons)
         assert any("poison" in r for r in reasons) and any("protobuf" in r.lower() or "parse" in r.lower() for r in reasons)
 
         # The group's offsets were committed after the effects: a restart reads nothing again.
-        again = InboxConsumer(
-            name="test",
-            group=group,
-            bootstrap=settings.kafka_bootstrap,
-            pool=pool,
-            publisher=publisher,
-            routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)},
-        )
-        await again.start()
-        try:
-            assert await again.poll_once(timeout_ms=3000) == 0
-        finally:
-            await again.stop()
+        again = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)})
+        assert await _consume(settings, again, group, 1, timeout=3) == 0
     await pool.close()
 
 
@@ -121,11 +100,27 @@ async def _publish(settings, topic: str, messages: list) -> None:  # type: ignor
         await asyncio.gather(*(publisher.send(topic, m, key="one-partition") for m in messages))
 
 
-async def _consume(consumer: InboxConsumer, expected: int, timeout: float = 30) -> int:
+async def _consume(settings, inbox: Inbox, group: str, expected: int, *, progress: ConsumerProgress | None = None, timeout: float = 30) -> int:  # type: ignore[no-untyped-def]
+    """Feed `inbox` from its topics in consumer group `group` as the services do (one FastStream
+    batch subscriber, `apply_acked` per poll) until `expected` records are taken care of or
+    `timeout` seconds passed; the number taken care of."""
     taken = 0
-    deadline = asyncio.get_running_loop().time() + timeout
-    while taken < expected and asyncio.get_running_loop().time() < deadline:
-        taken += await consumer.poll_once()
+    enough = asyncio.Event()
+    broker = KafkaBroker(settings.kafka_bootstrap)
+
+    @broker.subscriber(*inbox.routes, group_id=group, **INBOX_SUBSCRIBER)
+    async def apply(message: KafkaMessage) -> None:
+        nonlocal taken
+        taken += (await apply_acked(inbox, message, progress=progress)).records
+        if taken >= expected:
+            enough.set()
+
+    await broker.start()
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(enough.wait(), timeout)
+    finally:
+        await broker.stop()
     return taken
 
 
@@ -171,23 +166,11 @@ async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings,
     reader = InMemoryMetricReader()
     progress = ConsumerProgress(MeterProvider(metric_readers=[reader]).get_meter("test"), name="test")
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-        consumer = InboxConsumer(
-            name="test",
-            group=group,
-            bootstrap=settings.kafka_bootstrap,
-            pool=pool,
-            publisher=publisher,
-            routes={topics.lifecycle: _batch_route(seen)},
-            progress=progress,
-        )
-        await consumer.start()
-        try:
-            assert await _consume(consumer, 9) == 9
-        finally:
-            await consumer.stop()
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
+        assert await _consume(settings, inbox, group, 9, progress=progress) == 9
     rows = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
     assert rows == ["a", "b", "c", "d", "twice"]
-    assert consumer.dead_lettered == 3 and consumer.duplicates == 1 and consumer.processed == 5
+    assert inbox.dead_lettered == 3 and inbox.duplicates == 1 and inbox.processed == 5
     assert max(len(batch) for batch in seen) > 1, "the handler was never given a batch"
     reasons = sorted(wire.header(r.headers, wire.DLQ_REASON).decode() for r in await drain(settings.kafka_bootstrap, dlq(topics.lifecycle), 3))
     assert len(reasons) == 3 and any("cannot store" in r for r in reasons) and any("poison" in r for r in reasons) and "refused by the handler" in reasons
@@ -214,21 +197,10 @@ async def test_redelivered_batch_changes_nothing(settings, pg_dsn) -> None:
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
         # A second group reads the same records again: the inbox (same name) takes every one as a duplicate.
         for attempt in range(2):
-            consumer = InboxConsumer(
-                name="test",
-                group=f"g-{attempt}-{uuid.uuid4().hex[:8]}",
-                bootstrap=settings.kafka_bootstrap,
-                pool=pool,
-                publisher=publisher,
-                routes={topics.lifecycle: _batch_route(seen)},
-            )
-            await consumer.start()
-            try:
-                assert await _consume(consumer, 20) == 20
-            finally:
-                await consumer.stop()
-            assert consumer.processed == (20 if attempt == 0 else 0)
-            assert consumer.duplicates == (0 if attempt == 0 else 20)
+            inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
+            assert await _consume(settings, inbox, f"g-{attempt}-{uuid.uuid4().hex[:8]}", 20) == 20
+            assert inbox.processed == (20 if attempt == 0 else 0)
+            assert inbox.duplicates == (0 if attempt == 0 else 20)
     assert await pool.fetchval("SELECT count(*) FROM effects") == 20
     assert sum(len(batch) for batch in seen) == 20, "a duplicate reached the handler"
     await pool.close()
@@ -253,25 +225,18 @@ async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn
             raise ConnectionError("Postgres went away before the commit")
 
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-        consumer = InboxConsumer(
-            name="test",
-            group=group,
-            bootstrap=settings.kafka_bootstrap,
-            pool=pool,
-            publisher=publisher,
-            routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)},
-        )
-        await consumer.start()
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
+        polling = asyncio.create_task(_consume(settings, inbox, group, 5, timeout=60))
         try:
-            polling = asyncio.create_task(_consume(consumer, 5))
             await asyncio.wait_for(inside.wait(), 30)
             # The handler has written its effects but the transaction is open: nothing committed anywhere.
             assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) is None
             assert await pool.fetchval("SELECT count(*) FROM inbox") == 0
             release.set()
-            assert await asyncio.wait_for(polling, 60) == 5
+            assert await polling == 5
         finally:
-            await consumer.stop()
+            release.set()
+            await asyncio.gather(polling, return_exceptions=True)
     # The outage rolled the first try back; the retry committed every effect once, then the offset.
     assert outages["left"] == 0
     assert await pool.fetchval("SELECT count(*) FROM effects") == 5
