@@ -32,7 +32,7 @@ from budgetgate.auth import install_auth
 from budgetgate.bodies import BodyLimit
 from budgetgate.spans import ServerSpans
 from budgetgate.subscriber import inbox_broker, start_consuming
-from budgetgate.serving import add_operational_routes, postgres_check
+from budgetgate.serving import add_operational_routes, close_pool, close_within, postgres_check, stop_tasks
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
 
@@ -94,14 +94,11 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         try:
             yield
         finally:
-            for task in rt.tasks:
-                task.cancel()
-            await asyncio.gather(*rt.tasks, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await broker.stop()
-            await relay.publisher.stop()
-            await rt.dlq_publisher.stop()
-            await pool.close()
+            await stop_tasks(rt.tasks)
+            await close_within(broker.stop(), what="metering-ingest: Kafka consumer")
+            await close_within(relay.publisher.stop(), what="metering-ingest: relay producer")
+            await close_within(rt.dlq_publisher.stop(), what="metering-ingest: dead-letter producer")
+            await close_pool(pool)
 
     app = FastAPI(title="budgetgate metering-ingest", version="1", lifespan=lifespan)
     tracer = telemetry.tracer("budgetgate.metering_ingest")
