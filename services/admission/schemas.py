@@ -325,7 +325,7 @@ class PoolStatus(BaseModel):
 
 
 class TenantRuns(BaseModel):
-    """A tenant's runs over the period."""
+    """The runs of a tenant (or a user) over the period."""
 
     runs: int = Field(description="runs decided")
     admitted: int = Field(description="runs admitted")
@@ -335,7 +335,7 @@ class TenantRuns(BaseModel):
 
 
 class TenantBudget(BudgetUsage):
-    """One budget of the tenant in its current window, with its scope."""
+    """One budget of the tenant (or the user) in its current window, with its scope."""
 
     scope_id: str = Field(description="the budget's scope")
 
@@ -355,6 +355,24 @@ class TenantUsage(BaseModel):
     policy_bundle_sha: str | None = Field(description="the active policy bundle")
     budgets: list[TenantBudget] = Field(description="budgets whose scope requires this tenant")
     runs: TenantRuns = Field(description="its runs over the period")
+
+
+class UserUsage(BaseModel):
+    """A user's budgets in their current windows and its runs' usage over the last days, read
+    by the rules of a tenant's."""
+
+    model_config = _example({
+        "user": "alice", "label": "user", "days": 90, "since": "2026-04-15T09:30:00Z", "policy_bundle_sha": "e" * 40, "budgets": [],
+        "runs": {"runs": 3, "admitted": 3, "reserved_gpu_hours": 8.0, "consumed_gpu_hours": 42.5, "consumed_node_hours": 6.0},
+    })  # fmt: skip
+
+    user: str = Field(description="the user (a value of the user label)")
+    label: str = Field(description="the user label")
+    days: int = Field(description="the period, in days")
+    since: datetime = Field(description="start of the period")
+    policy_bundle_sha: str | None = Field(description="the active policy bundle")
+    budgets: list[TenantBudget] = Field(description="budgets whose scope requires this user")
+    runs: TenantRuns = Field(description="the user's runs over the period")
 
 
 class BudgetLine(BaseModel):
@@ -461,6 +479,7 @@ OPERATIONS: dict[str, Operation] = {
     "GET /v1/tenants/{tenant}/usage": Operation(
         "getTenantUsage", answer=TenantUsage, parameters={"tenant": "a value of the tenant label", "days": "the period, in days"}
     ),
+    "GET /v1/users/{user}/usage": Operation("getUserUsage", answer=UserUsage, parameters={"user": "a value of the user label", "days": "the period, in days"}),
     "POST /v1/pools/{namespace}/allocations": Operation(
         "allocatePoolToken", answer=AllocationOut, parameters={"namespace": "a declared pool, e.g. snowflake:wh-1"}
     ),

@@ -18,6 +18,8 @@ class AdmissionSettings(AuthSettings):
     policy_refresh_seconds: float = 5.0
     # The label whose value names the tenant that quotas and fair shares apply to.
     tenant_label: str = "team"
+    # The label whose value names the user a run was submitted for (usage by user).
+    user_label: str = "user"
     max_body_bytes: int = 64 * 1024
     # A Redis hold older than this whose decision is not in Postgres is an orphan of a process
     # that died between reserving and committing, and is released.

@@ -22,6 +22,7 @@ from budgetgate.services.admission.schemas import (
     ReleaseOut,
     ScopeUsage,
     TenantUsage,
+    UserUsage,
 )
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
@@ -108,6 +109,10 @@ class AsyncClient:
     async def tenant_usage(self, tenant: str, *, days: int = 90) -> TenantUsage:
         """A tenant's budgets and its runs' usage over the last `days`."""
         return await self.send(calls.tenant_usage(tenant, days=days))
+
+    async def user_usage(self, user: str, *, days: int = 90) -> UserUsage:
+        """A user's budgets and its runs' usage over the last `days` (the tenant rules)."""
+        return await self.send(calls.user_usage(user, days=days))
 
     async def allocate(self, namespace: str, request: AllocationIn | Mapping[str, Any]) -> AllocationOut:
         """Ask a pool for a token (asking again with the same token renews its lease)."""

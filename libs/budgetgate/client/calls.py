@@ -23,6 +23,7 @@ from budgetgate.services.admission.schemas import (
     ReleaseOut,
     ScopeUsage,
     TenantUsage,
+    UserUsage,
 )
 
 T = TypeVar("T")
@@ -81,6 +82,11 @@ def scope_usage(scope_id: str) -> Call[ScopeUsage]:
 def tenant_usage(tenant: str, *, days: int = 90) -> Call[TenantUsage]:
     """GET /v1/tenants/{tenant}/usage?days=N."""
     return Call("GET", f"/v1/tenants/{quote(tenant, safe='')}/usage", _model(TenantUsage), params={"days": days})
+
+
+def user_usage(user: str, *, days: int = 90) -> Call[UserUsage]:
+    """GET /v1/users/{user}/usage?days=N."""
+    return Call("GET", f"/v1/users/{quote(user, safe='')}/usage", _model(UserUsage), params={"days": days})
 
 
 def allocate(namespace: str, request: AllocationIn | Mapping[str, Any]) -> Call[AllocationOut]:

@@ -548,9 +548,9 @@ DELETE FROM budget_holds WHERE ledger_key = $1 RETURNING policy_id, scope_id;
 SELECT s.run_id FROM run_settlements s JOIN decision_evaluations e ON e.decision_id = s.decision_id
 WHERE e.policy_id = $1 AND s.phase = 'running' ORDER BY s.run_id;
 
--- name: tenant_runs
--- The runs of a tenant (label $1 = $2): how many, GPU-hours held by reservations not yet
--- replaced by actuals, and GPU/node-hours metered since $3.
+-- name: labelled_runs
+-- The runs labelled $1 = $2 (a tenant's, a user's): how many, GPU-hours held by reservations
+-- not yet replaced by actuals, and GPU/node-hours metered since $3.
 WITH runs AS (
     SELECT DISTINCT ON (d.run_id) d.run_id, d.outcome, d.projected_gpu
     FROM decisions d WHERE d.labels ->> $1 = $2 ORDER BY d.run_id, d.attempt DESC
