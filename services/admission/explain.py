@@ -15,7 +15,15 @@ from budgetgate.core.loader import bundle_from_json
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import sql
-from budgetgate.services.admission.deciding import Disagreement, InvalidSubmission, conclude, prepare, rebuilt_outlooks, rebuilt_result
+from budgetgate.services.admission.deciding import (
+    Disagreement,
+    InvalidSubmission,
+    conclude,
+    prepare,
+    rebuilt_outlooks,
+    rebuilt_result,
+    rebuilt_usage,
+)
 from budgetgate.services.admission.rendering import canonical, response_body
 from budgetgate.services.admission.schemas import AdmissionRequest
 
@@ -78,7 +86,7 @@ def recompute(row: dict[str, Any], bundle: PolicyBundle | None) -> Recomputed:
     request = AdmissionRequest.model_validate(_json(row["request"]))
     try:
         p = prepare(bundle, request, decided_at, tenant_label=recorded.get("tenant_label", "team"))
-        decision, view = conclude(p, rebuilt_result(recorded), rebuilt_outlooks(recorded))
+        decision, view = conclude(p, rebuilt_result(recorded), rebuilt_outlooks(recorded), rebuilt_usage(recorded, decided_at))
     except (Disagreement, InvalidSubmission, KeyError, ValueError) as exc:
         return Recomputed(row, stored, replayable=True, differences=[f"cannot be recomputed from its readings: {exc}"])
     body = response_body(plan=p.plan, decision=decision, decision_id=stored["decision_id"], decided_at=decided_at, standing=view)

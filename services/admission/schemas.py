@@ -227,7 +227,11 @@ class AdmissionResponse(BaseModel):
     tenant: str | None = Field(default=None, description="value of the tenant label")
     priority_penalty: float = Field(default=0.0, description="0..1, from the most used soft budget; see README")
     preemptible: bool = Field(default=False, description="admitted above the tenant's fair-share target, on burst")
-    fair_share: dict[str, float] | None = Field(default=None, description="share, share_after, target, burst_limit and deficit of the tenant's fair share")
+    fair_share: dict[str, float] | None = Field(
+        default=None,
+        description="share and share_after (raw: what the tenant holds), decayed_share and half_life_hours (its past GPU usage, decayed), "
+        "target, burst_limit and deficit (target − decayed share) of the tenant's fair share",
+    )
 
 
 class BudgetUsage(BaseModel):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -21,7 +21,7 @@ from budgetgate.ledger.concurrency import end_run_holds
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sync import LedgerSync
-from budgetgate.services.reconciler import budgets, messages, meter
+from budgetgate.services.reconciler import budgets, fairshare, messages, meter
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 
@@ -49,12 +49,15 @@ class Loaded:
 
 
 class Settler:
-    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles, rules: Rules) -> None:
+    def __init__(
+        self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles, rules: Rules, fair_share_half_life: timedelta = timedelta(days=7)
+    ) -> None:
         self.pool = pool
         self.ledger = ledger
         self.sync = sync
         self.bundles = bundles
         self.rules = rules
+        self.fair_share_half_life = fair_share_half_life
 
     async def settle(self, run_id: str, *, now: datetime | None = None) -> Outcome:
         """Bring the run's charges in line with its facts; rebuilds Redis first if it was lost."""
@@ -164,8 +167,10 @@ class Settler:
         closing = loaded.open and (result.final or result.released)
         settlement_moved = _settlement_changed(loaded.settlement, result)
         await meter.save(conn, run_id, loaded.folded, dict(result.consumed))
+        await self._count_fair_share(conn, loaded, result, now)
         if not bucket_deltas and not any(held_deltas.values()) and not closing and not settlement_moved:
-            if (loaded.settlement["phase"], loaded.settlement["wall"], loaded.settlement["review_at"]) != (result.phase, result.wall, result.review_at):
+            before = (loaded.settlement["phase"], loaded.settlement["wall"], loaded.settlement["review_at"], loaded.settlement["actual_gpu"])
+            if before != (result.phase, result.wall, result.review_at, result.actual_gpu):
                 await _put_settlement(conn, run_id, decision_id, result)
             return Outcome(run_id, False, result)
 
@@ -217,6 +222,15 @@ class Settler:
             rows = await conn.fetch(sql("add_consumed"), list(consumed_deltas), list(consumed_deltas.values()))
             await budgets.after_consumption(conn, rows, bundles=self.bundles, now=now)
         return Outcome(run_id, True, result)
+
+    async def _count_fair_share(self, conn: asyncpg.Connection, loaded: Loaded, result: Settlement, now: datetime) -> None:
+        """Add what the run's actual GPU usage moved since its last settlement to its tenant's
+        decayed usage, reckoned when it was metered (the run's latest sample; else now)."""
+        tenant = loaded.decision["tenant"]
+        moved = result.actual_gpu - (loaded.settlement["actual_gpu"] if loaded.settlement else 0)
+        if tenant and moved:
+            at = min(now, loaded.folded.last[0]) if loaded.folded.last else now
+            await fairshare.add_usage(conn, tenant=tenant, amount=moved, at=at, half_life=self.fair_share_half_life)
 
     def _windows(self, loaded: Loaded, result: Settlement, touched: Any) -> dict[str, tuple[BudgetPolicy, Window]]:
         """The policy and window of every key the run touches or touched, from the fold where it

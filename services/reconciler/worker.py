@@ -106,7 +106,10 @@ class Reconciler:
         self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = Bundles()
-        self.settler = Settler(pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules())
+        self.settler = Settler(
+            pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules(),
+            fair_share_half_life=timedelta(seconds=s.fair_share_half_life_seconds),
+        )  # fmt: skip
         self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics)
         self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add))

@@ -367,10 +367,11 @@ WHERE r.state = 'held' AND r.created_at <= $1
 LIMIT $2;
 
 -- name: run_decision
--- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt).
-SELECT decision_id, decided_at, policy_bundle_sha, projected_gpu, gpus, nodes, flavor, region, labels, job_namespace,
-       job_name
-FROM decisions WHERE run_id = $1 AND outcome = 'ALLOW' ORDER BY attempt DESC LIMIT 1;
+-- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt),
+-- and the tenant its concurrency holds were taken for.
+SELECT d.decision_id, d.decided_at, d.policy_bundle_sha, d.projected_gpu, d.gpus, d.nodes, d.flavor, d.region, d.labels,
+       d.job_namespace, d.job_name, (SELECT h.tenant FROM run_holds h WHERE h.run_id = d.run_id) AS tenant
+FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1;
 
 -- name: run_reservations
 SELECT r.ledger_key, r.amount, r.state, e.policy_id, e.admitted
@@ -440,7 +441,7 @@ SELECT pg_try_advisory_xact_lock(7302, hashtext($1));
 SELECT revision FROM run_settlements WHERE run_id = $1;
 
 -- name: run_settlement
-SELECT run_id, phase, released, final, provisional, wall, review_at, revision FROM run_settlements WHERE run_id = $1;
+SELECT run_id, phase, released, final, provisional, wall, review_at, revision, actual_gpu FROM run_settlements WHERE run_id = $1;
 
 -- name: entry_figures
 SELECT e.consumed,
@@ -547,6 +548,18 @@ DELETE FROM budget_holds WHERE ledger_key = $1 RETURNING policy_id, scope_id;
 -- Running workloads a budget covers: those a hold-and-drain asks the platform to drain.
 SELECT s.run_id FROM run_settlements s JOIN decision_evaluations e ON e.decision_id = s.decision_id
 WHERE e.policy_id = $1 AND s.phase = 'running' ORDER BY s.run_id;
+
+-- name: lock_fair_share_usage
+-- A tenant's decayed usage, its row created (empty) when new and locked until the commit.
+INSERT INTO fair_share_usage (tenant, decayed_gpu, reckoned_at, half_life_seconds) VALUES ($1, 0, $2, $3)
+ON CONFLICT (tenant) DO UPDATE SET tenant = EXCLUDED.tenant
+RETURNING decayed_gpu, reckoned_at, half_life_seconds;
+
+-- name: put_fair_share_usage
+UPDATE fair_share_usage SET decayed_gpu = $2, reckoned_at = $3, half_life_seconds = $4, updated_at = now() WHERE tenant = $1;
+
+-- name: fair_share_usages
+SELECT tenant, decayed_gpu, reckoned_at, half_life_seconds FROM fair_share_usage;
 
 -- name: labelled_runs
 -- The runs labelled $1 = $2 (a tenant's, a user's): how many, GPU-hours held by reservations
