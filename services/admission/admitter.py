@@ -254,14 +254,6 @@ class Admitter:
         """The decayed usage of the submission's tenant, for its fair share (none kept: None)."""
         return self.usage.of(p.bundle, p.asks.tenant, p.at) if self.usage is not None else None
 
-    async def lookup(self, run_id: str) -> tuple[dict[str, Any], str, dict[str, str]] | None:
-        """The latest stored answer for a run, with the namespace and labels it was asked for."""
-        row = await self.pool.fetchrow(sql("latest_decision"), run_id)
-        if row is None:
-            return None
-        labels = orjson.loads(row["labels"]) if isinstance(row["labels"], str) else dict(row["labels"])
-        return replay(row), row["namespace"], labels
-
 
 def _sort_out(batch: list[Pending], latest: Mapping[str, Any]) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:
     """Split a batch, in submission order, into answers known already (replays, conflicts), the

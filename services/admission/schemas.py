@@ -234,6 +234,42 @@ class AdmissionResponse(BaseModel):
     )
 
 
+class LimitingFigure(BaseModel):
+    """One limit that refused a waiting run, as it stands now."""
+
+    kind: Literal["budget", "quota", "sensitive_pool"] = Field(description="a hard budget, a tenant quota or the sensitive pool")
+    name: str = Field(description="the budget's policy id, or the quota's limit (max_gpus, max_nodes, max_concurrent_allocations, sensitive_pool_size)")
+    scope_id: str | None = Field(default=None, description="the budget's scope")
+    tenant: str | None = Field(default=None, description="the tenant of a quota")
+    unit: str = Field(description="a budget's unit (gpu_hours, …); gpus, nodes or allocations for a quota")
+    limit: int | float = Field(description="the limit now (a budget in hours or its currency)")
+    used: int | float = Field(description="what is used now: a budget's reserved + consumed in its current window, what the tenant (or sensitive work) holds")
+    reserved: float | None = Field(default=None, description="a budget's reservations held now")
+    consumed: float | None = Field(default=None, description="a budget's metered consumption in its current window")
+    requested: int | float = Field(description="what the run asks of it")
+    remaining: int | float = Field(description="limit − used")
+    fits: bool = Field(description="whether the run fits under this limit now")
+
+
+class Waiting(BaseModel):
+    """A run refused for now, and how what refused it stands now."""
+
+    state: Literal["waiting for budget", "waiting for quota headroom"] = Field(description="a DELAY waits for budget; a quota rejection for quota headroom")
+    since: datetime = Field(description="when the waiting decision was made")
+    as_of: datetime = Field(description="when the figures below were read")
+    headroom: bool = Field(description="true when the run fits under every limit that refused it: resubmit it with a higher attempt")
+    limiting: list[LimitingFigure] = Field(description="each limit that refused it, with its figures now")
+    summary: str = Field(description="the same, in words")
+
+
+class AdmissionStatus(AdmissionResponse):
+    """A run's latest decision, as answered, and whether the run is waiting for room."""
+
+    model_config = _example({**_ANSWER_EXAMPLE, "replayed": True, "waiting": None})
+
+    waiting: Waiting | None = Field(default=None, description="for a DELAY or a quota rejection: what it waits for and how it stands now; else null")
+
+
 class BudgetUsage(BaseModel):
     """One budget of a scope in its current window."""
 

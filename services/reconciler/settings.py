@@ -41,6 +41,8 @@ class ReconcilerSettings(ServingSettings):
     # Fair share weighs past GPU usage 2^(-age / half-life) (Slurm's PriorityDecayHalfLife); the
     # same variable as admission's, which reads the decayed usage this keeps.
     fair_share_half_life_seconds: float = Field(default=7 * 86400.0, gt=0)
+    # A run refused (DELAY, quota rejection) longer ago than this gets no more HEADROOM actions.
+    waiting_seconds: float = Field(default=7 * 86400.0, gt=0)
     # Serve Prometheus metrics on this port and address; no port = no HTTP listener.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"

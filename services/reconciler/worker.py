@@ -25,7 +25,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.outbox import OutboxRelay
-from budgetgate.services.reconciler import budgets, consumers, facts
+from budgetgate.services.reconciler import budgets, consumers, facts, headroom
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.settler import Settler
@@ -112,7 +112,8 @@ class Reconciler:
         )  # fmt: skip
         self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics)
-        self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add))
+        routes = {**facts.routes(self.topics, on_fact=self.stats.fresh.add), **headroom.routes(self.topics, bundles=self.bundles)}
+        self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=routes)
         self.broker = KafkaBroker(s.kafka_bootstrap, client_id=s.service_name, log_level=logging.DEBUG)
         self.broker.include_router(consumers.router(settings=s, topics=self.topics, reconciler=lambda: self))
         self._tasks = [
@@ -231,9 +232,13 @@ class Reconciler:
             # Settlements parked by a reconciler that died (or lost Redis) after its commit:
             # Redis converges on Postgres within a tick or two, without a restart or a rebuild.
             self.stats.ended_parked += await self.settler.end_pending(older_than_ms=int(time.time() * 1000) - PARKED_GRACE_MS)
-            await budgets.age_rolling(self.pool, self.ledger, now=now)
+            await budgets.age_rolling(self.pool, self.ledger, now=now, bundles=self.bundles)
             if await budgets.lift_holds(self.pool, bundles=self.bundles, now=now):
                 self.relay.wakeup.set()
+            # A new bundle may have raised a limit a waiting run is refused by.
+            if await headroom.recheck(self.pool, self.bundles, now=now):
+                self.relay.wakeup.set()
+            await headroom.forget_stale(self.pool, older_than=timedelta(seconds=s.waiting_seconds), now=now)
             if time.monotonic() >= next_sweep:
                 # Leak protection for Redis holds whose decision never committed (a process died
                 # between reserving and committing).

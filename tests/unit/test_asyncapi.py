@@ -32,7 +32,7 @@ def test_every_topic_and_its_dead_letter_topic_is_a_channel_with_its_message_fie
         assert set(payload["properties"]) == expected
     # The subscribers of metering-ingest and the reconciler are there as the services run them.
     received = {_resolve(doc, op["channel"]["$ref"])["address"] for op in doc["operations"].values() if op["action"] == "receive"}
-    assert received == {f"p-{topics.METERING}", f"p-{topics.LIFECYCLE}", f"p-{topics.USAGE}"}
+    assert received == {f"p-{topics.METERING}", f"p-{topics.LIFECYCLE}", f"p-{topics.USAGE}", f"p-{topics.DECISIONS}"}
 
 
 def test_the_cli_prints_json_and_yaml() -> None:

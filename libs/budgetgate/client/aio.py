@@ -15,6 +15,7 @@ from budgetgate.client.retries import RetryPolicy
 from budgetgate.services.admission.schemas import (
     AdmissionRequest,
     AdmissionResponse,
+    AdmissionStatus,
     AllocationIn,
     AllocationOut,
     BudgetList,
@@ -94,8 +95,8 @@ class AsyncClient:
         """Ask whether a workload may start; the same run id and attempt on every retry."""
         return await self.send(calls.submit(request))
 
-    async def lookup(self, run_id: str) -> AdmissionResponse | None:
-        """The stored decision of a run, or None."""
+    async def lookup(self, run_id: str) -> AdmissionStatus | None:
+        """The stored decision of a run (with `waiting` for a run refused for now), or None."""
         return await self.send(calls.lookup(run_id))
 
     async def budgets(self) -> BudgetList:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from budgetgate.services.admission.schemas import (
     AdmissionRequest,
     AdmissionResponse,
+    AdmissionStatus,
     AllocationIn,
     AllocationOut,
     BudgetList,
@@ -64,9 +65,9 @@ def submit(request: AdmissionRequest | Mapping[str, Any]) -> Call[AdmissionRespo
     return Call("POST", "/v1/admissions", _model(AdmissionResponse), json=_body(body))
 
 
-def lookup(run_id: str) -> Call[AdmissionResponse | None]:
-    """GET /v1/admissions/{run_id}; None when the run has no decision."""
-    return Call("GET", f"/v1/admissions/{quote(run_id, safe='/')}", _model(AdmissionResponse), not_found_is_none=True)
+def lookup(run_id: str) -> Call[AdmissionStatus | None]:
+    """GET /v1/admissions/{run_id} (with `waiting` for a run refused for now); None when the run has no decision."""
+    return Call("GET", f"/v1/admissions/{quote(run_id, safe='/')}", _model(AdmissionStatus), not_found_is_none=True)
 
 
 def budgets() -> Call[BudgetList]:

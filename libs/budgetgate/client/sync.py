@@ -16,6 +16,7 @@ from budgetgate.client.retries import RetryPolicy
 from budgetgate.services.admission.schemas import (
     AdmissionRequest,
     AdmissionResponse,
+    AdmissionStatus,
     AllocationIn,
     AllocationOut,
     BudgetList,
@@ -74,8 +75,8 @@ class Client:
         """Ask whether a workload may start; the same run id and attempt on every retry."""
         return self.send(calls.submit(request))
 
-    def lookup(self, run_id: str) -> AdmissionResponse | None:
-        """The stored decision of a run, or None."""
+    def lookup(self, run_id: str) -> AdmissionStatus | None:
+        """The stored decision of a run (with `waiting` for a run refused for now), or None."""
         return self.send(calls.lookup(run_id))
 
     def budgets(self) -> BudgetList:

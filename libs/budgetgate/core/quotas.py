@@ -86,6 +86,8 @@ class Request:
 
 
 QUOTA_FIELDS = ("max_gpus", "max_nodes", "max_concurrent_allocations")
+# How every rejection by a concurrency limit begins: what platforms (and waiting runs) match on.
+REJECTED = "allocation rejected: "
 
 
 def quota_violation(tenant: str, quota: TenantQuota, held: Holdings, request: Request) -> str | None:
@@ -101,7 +103,7 @@ def quota_violation(tenant: str, quota: TenantQuota, held: Holdings, request: Re
     ):
         limit = getattr(quota, name)
         if limit is not None and current + requested > limit:
-            reason = f'allocation rejected: tenant "{tenant}" would exceed {name} quota (current: {current}, requested: {requested}, limit: {limit})'
+            reason = f'{REJECTED}tenant "{tenant}" would exceed {name} quota (current: {current}, requested: {requested}, limit: {limit})'
             if current >= limit:
                 reason += (
                     "; usage is already at or above the limit (it may have been lowered): wait for running work to finish or ask the tenant admin to raise it"
@@ -115,10 +117,7 @@ def sensitive_violation(pool: SensitivePool, held: Holdings, request: Request) -
     current = held.gpus if pool.unit == "gpus" else held.nodes
     requested = request.gpus if pool.unit == "gpus" else request.nodes
     if current + requested > pool.size:
-        return (
-            "allocation rejected: sensitive workloads would exceed sensitive_pool_size "
-            f"(current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
-        )
+        return f"{REJECTED}sensitive workloads would exceed sensitive_pool_size (current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
     return None
 
 

@@ -725,10 +725,12 @@ SELECT namespace, token, levels, project, sub_namespace, run_id, lease_expires_a
 WHERE state = 'held' AND lease_expires_at > $1;
 
 -- name: end_run_holds
-WITH holds AS (
-    UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING run_id
+-- A run's concurrency holds and pool tokens given back; returns the holds ended now (none when
+-- they were given back before), with the tenant and sensitive pool they counted against.
+WITH tokens AS (
+    UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held'
 )
-UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held';
+UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING tenant, sensitive;
 
 -- name: upsert_pool_allocation
 -- Granted or renewed: a renewal extends the lease of the same (namespace, token). $8 is the
@@ -827,3 +829,85 @@ SELECT actor, action, subject, details, logged_at FROM admin_log ORDER BY id DES
 -- name: pool_allocation_principal
 -- The row of a held token: who holds it (NULL: granted with a submission, or before tokens had holders).
 SELECT principal FROM pool_allocations WHERE namespace = $1 AND token = $2 AND state = 'held' AND lease_expires_at > now();
+
+-- waiting runs and HEADROOM (libs/budgetgate/ledger/waiting.py, services/reconciler/headroom.py) ---
+
+-- name: lock_headroom
+-- The judgment locks ($1: names of tenants, the sensitive pool, budgets), all at once, in one
+-- order, held to the end of the transaction (services/reconciler/headroom.py).
+SELECT count(pg_advisory_xact_lock(7320, k.h)) FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest($1::text[]) AS n ORDER BY 1) AS k;
+
+-- name: waiting_decision
+-- A decision as a waiting run needs it: who it was for, what it asked, and its evaluations as
+-- [policy id, unit, enforcement, outcome, projected] (core/waiting.py budget_needs).
+SELECT d.decision_id, d.run_id, d.attempt, d.outcome, d.reason, d.labels, d.decided_at, d.response ->> 'tenant' AS tenant,
+       COALESCE(d.gpus, (d.request -> 'resources' ->> 'gpus')::integer) AS gpus,
+       COALESCE(d.nodes, (d.request -> 'resources' ->> 'nodes')::integer, 1) AS nodes,
+       COALESCE((SELECT jsonb_agg(jsonb_build_array(e.policy_id, e.unit, e.enforcement, e.outcome, e.projected) ORDER BY e.policy_id)
+                 FROM decision_evaluations e WHERE e.decision_id = d.decision_id), '[]'::jsonb) AS evaluations
+FROM decisions d WHERE d.decision_id = $1;
+
+-- name: held_by_tenants
+-- What each of tenants $1 holds now (Postgres's truth of the quota counters).
+SELECT tenant, COALESCE(SUM(gpus), 0)::bigint AS gpus, COALESCE(SUM(nodes), 0)::bigint AS nodes, count(*)::bigint AS allocations
+FROM run_holds WHERE state = 'held' AND tenant = ANY($1::text[]) GROUP BY tenant;
+
+-- name: held_sensitive
+SELECT COALESCE(SUM(gpus), 0)::bigint AS gpus, COALESCE(SUM(nodes), 0)::bigint AS nodes, count(*)::bigint AS allocations
+FROM run_holds WHERE state = 'held' AND sensitive;
+
+-- name: forget_waiting
+-- Runs decided again ($1 run ids, $2 the attempts decided): waiting no more at those attempts
+-- or before, and the notices of those waits.
+WITH gone AS (
+    DELETE FROM waiting_runs w USING unnest($1::text[], $2::integer[]) AS x(run_id, attempt)
+    WHERE w.run_id = x.run_id AND w.attempt <= x.attempt RETURNING w.decision_id
+)
+DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id;
+
+-- name: register_waiting
+-- Runs refused for now, a jsonb array of waiting runs (services/reconciler/headroom.py); a run
+-- decided again since (Postgres has a later attempt) is not registered. Returns those that were.
+INSERT INTO waiting_runs (run_id, attempt, decision_id, waiting_for, tenant, labels, sensitive, gpus, nodes, needs, policy_ids,
+                          checked_sha, decided_at)
+SELECT w.run_id, w.attempt, w.decision_id, w.waiting_for, w.tenant, w.labels, w.sensitive, w.gpus, w.nodes, w.needs,
+       ARRAY(SELECT jsonb_array_elements(w.needs) ->> 0), w.checked_sha, w.decided_at
+FROM jsonb_to_recordset($1::jsonb) AS w(run_id text, attempt integer, decision_id uuid, waiting_for text, tenant text, labels jsonb,
+                                        sensitive boolean, gpus integer, nodes integer, needs jsonb, checked_sha text, decided_at timestamptz)
+WHERE NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+ON CONFLICT (run_id) DO NOTHING
+RETURNING run_id;
+
+-- name: waiting_on_release
+-- Runs still waiting that a release may concern: for quota headroom of tenant $1 (or, with $2,
+-- of the sensitive pool), or for budget on one of policies $3.
+SELECT w.* FROM waiting_runs w
+WHERE ((w.waiting_for = 'quota' AND (w.tenant = $1 OR ($2 AND w.sensitive))) OR (w.waiting_for = 'budget' AND w.policy_ids && $3::text[]))
+  AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+ORDER BY w.run_id;
+
+-- name: waiting_unchecked
+-- Runs still waiting not yet judged under bundle $1 (a limit may have risen), $2 at a time,
+-- claimed so that one reconciler judges each.
+SELECT w.* FROM waiting_runs w
+WHERE w.checked_sha IS DISTINCT FROM $1
+  AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+ORDER BY w.run_id LIMIT $2 FOR UPDATE OF w SKIP LOCKED;
+
+-- name: mark_waiting_checked
+UPDATE waiting_runs SET checked_sha = $2 WHERE decision_id = ANY($1::uuid[]);
+
+-- name: insert_headroom_notices
+-- The notices of one cause ($2) for decisions $1; returns those not sent before.
+INSERT INTO headroom_notices (decision_id, cause) SELECT d, $2 FROM unnest($1::uuid[]) AS d
+ON CONFLICT DO NOTHING RETURNING decision_id;
+
+-- name: forget_ended_waiting
+-- Runs the platform reported ended ($1): they wait for nothing any more.
+WITH gone AS (DELETE FROM waiting_runs WHERE run_id = ANY($1::text[]) RETURNING decision_id)
+DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id;
+
+-- name: forget_stale_waiting
+-- Runs refused before $1: their platform gave up on them; they get no more HEADROOM.
+WITH gone AS (DELETE FROM waiting_runs WHERE decided_at < $1 RETURNING decision_id)
+DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id;
