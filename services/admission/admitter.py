@@ -33,6 +33,7 @@ import orjson
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.accounting import BudgetSource
+from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Outlook
 from budgetgate.core.evaluation import Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
@@ -45,6 +46,7 @@ from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.batching import GroupCommit
 from budgetgate.services.admission.concurrency import Asks
+from budgetgate.services.admission.fairshare import DecayedUsage
 from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import canonical, response_body
@@ -116,6 +118,7 @@ class Admitter:
         max_batch: int = 64,
         max_wait: float = 0.001,
         in_flight: int = 2,
+        usage: DecayedUsage | None = None,
     ) -> None:
         self.start_deadline = start_deadline
         self.pool = pool
@@ -125,6 +128,7 @@ class Admitter:
         self.unmatched = unmatched
         self.tenant_label = tenant_label
         self.accounting = accounting
+        self.usage = usage
         self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
 
@@ -268,20 +272,17 @@ class Admitter:
         decided = []
         for p in fresh:
             reserved = holds(p.result)
-            decision, view = conclude(p.prepared, p.result, ahead)
+            usage = self.decayed(p.prepared)
+            decision, view = conclude(p.prepared, p.result, ahead, usage)
             body = response_body(plan=p.plan, decision=decision, decision_id=p.decision_id, decided_at=p.decided_at, standing=view)
             seq = p.result.seq if p.result is not None and reserved else None
-            recorded = readings_record(p.prepared, p.result, ahead, tenant_label=self.tenant_label)
+            recorded = readings_record(p.prepared, p.result, ahead, tenant_label=self.tenant_label, usage=usage)
             decided.append(records.DecisionRecord(p.request, p.plan, decision, body, p.asks, p.decided_at, reserved, seq, recorded))
         return decided
 
-    async def lookup(self, run_id: str) -> tuple[dict[str, Any], str, dict[str, str]] | None:
-        """The latest stored answer for a run, with the namespace and labels it was asked for."""
-        row = await self.pool.fetchrow(sql("latest_decision"), run_id)
-        if row is None:
-            return None
-        labels = orjson.loads(row["labels"]) if isinstance(row["labels"], str) else dict(row["labels"])
-        return replay(row), row["namespace"], labels
+    def decayed(self, p: Prepared) -> Decayed | None:
+        """The decayed usage of the submission's tenant, for its fair share (none kept: None)."""
+        return self.usage.of(p.bundle, p.asks.tenant, p.at) if self.usage is not None else None
 
 
 def _sort_out(batch: list[Pending], latest: Mapping[str, Any]) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:

@@ -28,6 +28,7 @@ from budgetgate.services.admission.schemas import OPERATIONS
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.admission.budgets import add_budget_routes
 from budgetgate.services.admission.tenants import add_tenant_routes
+from budgetgate.services.admission.users import add_user_routes
 from budgetgate.serving import add_operational_routes, stop_tasks
 from budgetgate.telemetry import Telemetry, setup_telemetry
 
@@ -105,6 +106,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
         protect_metrics=settings.metrics_require_auth,
     )
     add_tenant_routes(app, settings)
+    add_user_routes(app, settings)
     add_budget_routes(app, telemetry.meter("budgetgate.admission"))
     return app
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from budgetgate.core.decay import Decayed
 from budgetgate.core.evaluation import Decision, Plan, Reading
 from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.quotas import (
+    FairShare,
     Holdings,
     PoolOutcome,
     Request,
@@ -140,9 +142,16 @@ class Standing:
 
 
 def standing(
-    bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, the_plan: Plan, readings: dict[str, Reading] | None, result: ReserveResult | None
+    bundle: PolicyBundle,
+    request: AdmissionRequest,
+    the_asks: Asks,
+    the_plan: Plan,
+    readings: dict[str, Reading] | None,
+    result: ReserveResult | None,
+    usage: Decayed | None = None,
 ) -> Standing:
-    """Soft-budget penalty (worse of the soft budgets, this run included) and fair share."""
+    """Soft-budget penalty (worse of the soft budgets, this run included) and fair share, raw and
+    on the tenant's decayed usage."""
     utilizations = []
     for charge in the_plan.charges:
         if charge.policy.enforcement is Enforcement.SOFT and readings is not None and charge.policy.limit.amount > 0:
@@ -152,15 +161,20 @@ def standing(
     quota = bundle.quota_for(the_asks.tenant)
     if quota is not None and bundle.cluster is not None and result is not None and result.counters:
         held = Holdings(*result.counters[0])
-        share = fair_share(quota, bundle.cluster, held, Request(request.resources.gpus, request.resources.nodes))
+        share = fair_share(quota, bundle.cluster, held, Request(request.resources.gpus, request.resources.nodes), usage)
     return Standing(
         tenant=the_asks.tenant,
         priority_penalty=soft_penalty(utilizations),
         preemptible=bool(share and share.preemptible),
-        fair_share=None
-        if share is None
-        else {"share": share.share, "share_after": share.share_after, "target": share.target, "burst_limit": share.burst_limit, "deficit": share.deficit},
+        fair_share=None if share is None else _fair_share_body(share),
     )
+
+
+def _fair_share_body(share: FairShare) -> dict[str, float]:
+    body = {"share": share.share, "share_after": share.share_after}
+    if share.decayed_share is not None and share.half_life_hours is not None:
+        body |= {"decayed_share": share.decayed_share, "half_life_hours": share.half_life_hours}
+    return body | {"target": share.target, "burst_limit": share.burst_limit, "deficit": share.deficit}
 
 
 def refused(decision: Decision, reason: str) -> Decision:

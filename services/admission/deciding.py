@@ -6,11 +6,12 @@ reserving script, the checking script, or the readings recorded with a past deci
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from budgetgate.core.accounting import BudgetSource, with_external
+from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Held, Outlook
 from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
 from budgetgate.core.policy import PolicyBundle
@@ -97,9 +98,10 @@ def holds(result: ReserveResult | None) -> bool:
     return result is not None and result.status in ("RESERVED", "FITS")
 
 
-def conclude(p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outlook] | None) -> tuple[Decision, dict[str, Any]]:
-    """The decision and the standing (penalty, fair share) from what the ledger read; raises
-    Disagreement when the script's verdict and the evaluation's differ."""
+def conclude(p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outlook] | None, usage: Decayed | None = None) -> tuple[Decision, dict[str, Any]]:
+    """The decision and the standing (penalty, fair share) from what the ledger read and the
+    tenant's decayed usage (`usage`, reckoned at the decision); raises Disagreement when the
+    script's verdict and the evaluation's differ."""
     found = with_external(p.plan, readings(p.plan, result), p.accounting)
     decision = decide(p.plan, found, outlooks=outlooks)
     if result is not None and result.status == "REJECTED":
@@ -110,7 +112,7 @@ def conclude(p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outl
             raise Disagreement(f"the ledger refused run {p.request.run_id!r} but the evaluation finds room everywhere")
     elif holds(result) and not decision.admitted:
         raise Disagreement(f"the ledger reserved for run {p.request.run_id!r} but the evaluation refuses it")
-    view = standing(p.bundle, p.request, p.asks, p.plan, found, result).body()  # type: ignore[arg-type]
+    view = standing(p.bundle, p.request, p.asks, p.plan, found, result, usage).body()  # type: ignore[arg-type]
     return decision, {**view, "accounting": p.accounting.body() if p.accounting else None}
 
 
@@ -137,11 +139,13 @@ def rebuilt_outlooks(recorded: dict[str, Any]) -> dict[str, Outlook]:
     }
 
 
-def readings_record(p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outlook] | None, *, tenant_label: str) -> dict[str, Any]:
+def readings_record(
+    p: Prepared, result: ReserveResult | None, outlooks: dict[str, Outlook] | None, *, tenant_label: str, usage: Decayed | None = None
+) -> dict[str, Any]:
     """Everything the decision was made on besides the submission and the bundle, as stored
     with it (decisions.readings) and carried by the evidence: each ledger key's limit, reserved
-    and consumed as the script read them, the concurrency readings, and the outlooks a DELAY's
-    time was computed from."""
+    and consumed as the script read them, the concurrency readings, the outlooks a DELAY's
+    time was computed from, and the tenant's decayed usage its fair share was measured on."""
     found = readings(p.plan, result) or {}
     used = {c.ledger_key for c in p.plan.charges}
     return {
@@ -164,4 +168,10 @@ def readings_record(p: Prepared, result: ReserveResult | None, outlooks: dict[st
             for key, o in (outlooks or {}).items()
             if key in used
         },
-    }
+    } | ({"fair_share_usage": {"gpu": usage.amount, "half_life_seconds": usage.half_life.total_seconds()}} if usage is not None else {})
+
+
+def rebuilt_usage(recorded: dict[str, Any], at: datetime) -> Decayed | None:
+    """The decayed usage a decision's fair share was measured on, as recorded with it."""
+    found = recorded.get("fair_share_usage")
+    return None if found is None else Decayed(found["gpu"], at, timedelta(seconds=found["half_life_seconds"]))

@@ -18,7 +18,15 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import sql
 from budgetgate.override_store import load
-from budgetgate.services.admission.deciding import Disagreement, InvalidSubmission, conclude, prepare, rebuilt_outlooks, rebuilt_result
+from budgetgate.services.admission.deciding import (
+    Disagreement,
+    InvalidSubmission,
+    conclude,
+    prepare,
+    rebuilt_outlooks,
+    rebuilt_result,
+    rebuilt_usage,
+)
 from budgetgate.services.admission.rendering import canonical, response_body
 from budgetgate.services.admission.schemas import AdmissionRequest
 
@@ -95,7 +103,7 @@ def recompute(row: dict[str, Any], bundle: PolicyBundle | None) -> Recomputed:
     try:
         p = prepare(bundle, request, decided_at, tenant_label=recorded.get("tenant_label", "team"))
         p = replace(p, accounting=BudgetSource.recorded(recorded.get("accounting")))
-        decision, view = conclude(p, rebuilt_result(recorded), rebuilt_outlooks(recorded))
+        decision, view = conclude(p, rebuilt_result(recorded), rebuilt_outlooks(recorded), rebuilt_usage(recorded, decided_at))
     except (Disagreement, InvalidSubmission, KeyError, ValueError) as exc:
         return Recomputed(row, stored, replayable=True, differences=[f"cannot be recomputed from its readings: {exc}"])
     body = response_body(plan=p.plan, decision=decision, decision_id=stored["decision_id"], decided_at=decided_at, standing=view)

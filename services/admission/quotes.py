@@ -37,7 +37,7 @@ class Quoter:
         refused = [(p.plan, found)] if found is not None and not holds(result) else []
         async with self.admitter.pool.acquire() as conn:
             ahead = await releases(conn, refused, self.admitter.start_deadline)
-        decision, view = conclude(p, result, ahead)
+        decision, view = conclude(p, result, ahead, self.admitter.decayed(p))
         body = response_body(plan=p.plan, decision=decision, decision_id="", decided_at=at, standing=view)
         deciding = deciding_index(decision)
         eligible = decision.evaluations[deciding].next_eligible_time if deciding is not None and decision.outcome != "ALLOW" else None

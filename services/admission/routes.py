@@ -14,7 +14,8 @@ from budgetgate.services.admission.access import require_budget_scope, require_s
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.concurrency import NoSuchPool
 from budgetgate.services.admission.runtime import Runtime
-from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, AllocationIn, Problem, ScopeUsage
+from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, AdmissionStatus, AllocationIn, Problem, ScopeUsage
+from budgetgate.services.admission.status import run_status
 from budgetgate.services.admission.usage import scope_usage
 
 router = APIRouter()
@@ -38,11 +39,14 @@ async def submit(body: AdmissionRequest, request: Request, principal: Principal 
     return JSONResponse(answer)
 
 
-@router.get("/v1/admissions/{run_id:path}", response_model=AdmissionResponse, responses={404: {"model": Problem}})
+@router.get("/v1/admissions/{run_id:path}", response_model=AdmissionStatus, responses={404: {"model": Problem}})
 async def lookup(run_id: str, request: Request, principal: Principal = Depends(allow(Action.LOOKUP))) -> dict | JSONResponse:
+    """The run's latest decision; for a DELAY or a quota rejection, `waiting` says what it waits
+    for and how the limits that refused it stand now."""
     rt = _rt(request)
     try:
-        found = await rt.admitter.lookup(run_id)
+        async with rt.pool.acquire() as conn:
+            found = await run_status(conn, rt.policies.current, run_id, now=datetime.now(UTC))
     except BACKEND_ERRORS as exc:
         raise Unavailable(f"Postgres unavailable: {exc}") from exc
     if found is None:

@@ -20,6 +20,7 @@ from budgetgate.outbox import OutboxRelay
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.admitter import Admitter
+from budgetgate.services.admission.fairshare import DecayedUsage
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.pools import TokenPools
 from budgetgate.services.admission.settings import AdmissionSettings
@@ -73,6 +74,7 @@ async def build(settings: AdmissionSettings) -> Runtime:
         pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label, accounting=accounting,
         start_deadline=timedelta(seconds=settings.start_deadline_seconds),
         max_batch=settings.batch_max, max_wait=settings.batch_wait_seconds, in_flight=settings.batches_in_flight,
+        usage=DecayedUsage(half_life=timedelta(seconds=settings.fair_share_half_life_seconds)),
     )  # fmt: skip
     return Runtime(
         settings=settings, pool=pool, redis=client, ledger=ledger, sync=sync, policies=policies, admitter=admitter,
@@ -123,6 +125,8 @@ async def _keep_ready(rt: Runtime) -> None:
     while True:
         try:
             await rt.policies.refresh()
+            # Before the ledger: a service ready to decide answers decayed shares from the start.
+            await rt.admitter.usage.refresh(rt.pool)  # type: ignore[union-attr]
             await rt.sync.ensure_loaded()
             rt.held = await rt.pool.fetchval("SELECT count(*) FROM reservations WHERE state = 'held'")
         except asyncio.CancelledError:

@@ -246,10 +246,50 @@ class AdmissionResponse(BaseModel):
     tenant: str | None = Field(default=None, description="value of the tenant label")
     priority_penalty: float = Field(default=0.0, description="0..1, from the most used soft budget; see README")
     preemptible: bool = Field(default=False, description="admitted above the tenant's fair-share target, on burst")
-    fair_share: dict[str, float] | None = Field(default=None, description="share, share_after, target, burst_limit and deficit of the tenant's fair share")
+    fair_share: dict[str, float] | None = Field(
+        default=None,
+        description="share and share_after (raw: what the tenant holds), decayed_share and half_life_hours (its past GPU usage, decayed), "
+        "target, burst_limit and deficit (target − decayed share) of the tenant's fair share",
+    )
     accounting: AccountingOut | None = Field(
         default=None, description="with an external accounting source configured: which figure the tenant's soft GPU-hour budget was judged on"
     )
+
+
+class LimitingFigure(BaseModel):
+    """One limit that refused a waiting run, as it stands now."""
+
+    kind: Literal["budget", "quota", "sensitive_pool"] = Field(description="a hard budget, a tenant quota or the sensitive pool")
+    name: str = Field(description="the budget's policy id, or the quota's limit (max_gpus, max_nodes, max_concurrent_allocations, sensitive_pool_size)")
+    scope_id: str | None = Field(default=None, description="the budget's scope")
+    tenant: str | None = Field(default=None, description="the tenant of a quota")
+    unit: str = Field(description="a budget's unit (gpu_hours, …); gpus, nodes or allocations for a quota")
+    limit: int | float = Field(description="the limit now (a budget in hours or its currency)")
+    used: int | float = Field(description="what is used now: a budget's reserved + consumed in its current window, what the tenant (or sensitive work) holds")
+    reserved: float | None = Field(default=None, description="a budget's reservations held now")
+    consumed: float | None = Field(default=None, description="a budget's metered consumption in its current window")
+    requested: int | float = Field(description="what the run asks of it")
+    remaining: int | float = Field(description="limit − used")
+    fits: bool = Field(description="whether the run fits under this limit now")
+
+
+class Waiting(BaseModel):
+    """A run refused for now, and how what refused it stands now."""
+
+    state: Literal["waiting for budget", "waiting for quota headroom"] = Field(description="a DELAY waits for budget; a quota rejection for quota headroom")
+    since: datetime = Field(description="when the waiting decision was made")
+    as_of: datetime = Field(description="when the figures below were read")
+    headroom: bool = Field(description="true when the run fits under every limit that refused it: resubmit it with a higher attempt")
+    limiting: list[LimitingFigure] = Field(description="each limit that refused it, with its figures now")
+    summary: str = Field(description="the same, in words")
+
+
+class AdmissionStatus(AdmissionResponse):
+    """A run's latest decision, as answered, and whether the run is waiting for room."""
+
+    model_config = _example({**_ANSWER_EXAMPLE, "replayed": True, "waiting": None})
+
+    waiting: Waiting | None = Field(default=None, description="for a DELAY or a quota rejection: what it waits for and how it stands now; else null")
 
 
 class BudgetUsage(BaseModel):
@@ -347,7 +387,7 @@ class PoolStatus(BaseModel):
 
 
 class TenantRuns(BaseModel):
-    """A tenant's runs over the period."""
+    """The runs of a tenant (or a user) over the period."""
 
     runs: int = Field(description="runs decided")
     admitted: int = Field(description="runs admitted")
@@ -357,7 +397,7 @@ class TenantRuns(BaseModel):
 
 
 class TenantBudget(BudgetUsage):
-    """One budget of the tenant in its current window, with its scope."""
+    """One budget of the tenant (or the user) in its current window, with its scope."""
 
     scope_id: str = Field(description="the budget's scope")
 
@@ -377,6 +417,24 @@ class TenantUsage(BaseModel):
     policy_bundle_sha: str | None = Field(description="the active policy bundle")
     budgets: list[TenantBudget] = Field(description="budgets whose scope requires this tenant")
     runs: TenantRuns = Field(description="its runs over the period")
+
+
+class UserUsage(BaseModel):
+    """A user's budgets in their current windows and its runs' usage over the last days, read
+    by the rules of a tenant's."""
+
+    model_config = _example({
+        "user": "alice", "label": "user", "days": 90, "since": "2026-04-15T09:30:00Z", "policy_bundle_sha": "e" * 40, "budgets": [],
+        "runs": {"runs": 3, "admitted": 3, "reserved_gpu_hours": 8.0, "consumed_gpu_hours": 42.5, "consumed_node_hours": 6.0},
+    })  # fmt: skip
+
+    user: str = Field(description="the user (a value of the user label)")
+    label: str = Field(description="the user label")
+    days: int = Field(description="the period, in days")
+    since: datetime = Field(description="start of the period")
+    policy_bundle_sha: str | None = Field(description="the active policy bundle")
+    budgets: list[TenantBudget] = Field(description="budgets whose scope requires this user")
+    runs: TenantRuns = Field(description="the user's runs over the period")
 
 
 class BudgetLine(BaseModel):
@@ -483,6 +541,7 @@ OPERATIONS: dict[str, Operation] = {
     "GET /v1/tenants/{tenant}/usage": Operation(
         "getTenantUsage", answer=TenantUsage, parameters={"tenant": "a value of the tenant label", "days": "the period, in days"}
     ),
+    "GET /v1/users/{user}/usage": Operation("getUserUsage", answer=UserUsage, parameters={"user": "a value of the user label", "days": "the period, in days"}),
     "POST /v1/pools/{namespace}/allocations": Operation(
         "allocatePoolToken", answer=AllocationOut, parameters={"namespace": "a declared pool, e.g. snowflake:wh-1"}
     ),

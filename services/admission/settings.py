@@ -20,10 +20,15 @@ class AdmissionSettings(AuthSettings):
     policy_refresh_seconds: float = 5.0
     # The label whose value names the tenant that quotas and fair shares apply to.
     tenant_label: str = "team"
+    # The label whose value names the user a run was submitted for (usage by user).
+    user_label: str = "user"
     max_body_bytes: int = 64 * 1024
     # A Redis hold older than this whose decision is not in Postgres is an orphan of a process
     # that died between reserving and committing, and is released.
     orphan_grace_seconds: float = 120.0
+    # Fair share weighs past GPU usage 2^(-age / half-life), like Slurm's PriorityDecayHalfLife
+    # (the reconciler's BUDGETGATE_FAIR_SHARE_HALF_LIFE_SECONDS; the same variable).
+    fair_share_half_life_seconds: float = Field(default=7 * 86400.0, gt=0)
     # A run admitted but not started for this long gives its reservation back (the reconciler's
     # BUDGETGATE_START_DEADLINE_SECONDS; the same variable): a DELAY counts on that release.
     start_deadline_seconds: float = 3600.0

@@ -5,7 +5,7 @@ the last `days` days."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -14,10 +14,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from budgetgate.auth import Action, Forbidden, Principal, allow
 
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.core.units import hours
-from budgetgate.core.windows import rfc3339
-from budgetgate.ledger.queries import sql
-from budgetgate.services.admission.usage import scope_usage
+from budgetgate.services.admission.usage import labelled_usage
 from budgetgate.settings import CommonSettings
 
 
@@ -27,28 +24,7 @@ class TenantSettings(CommonSettings):
 
 async def tenant_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, label: str, tenant: str, days: int, now: datetime) -> dict[str, Any]:
     """Budgets of the tenant in their current windows, and its runs' usage since `days` ago."""
-    since = now - timedelta(days=days)
-    scopes = sorted({p.scope.scope_id for p in (bundle.policies if bundle else ()) if p.scope.labels.get(label) == tenant})
-    budgets = []
-    for scope_id in scopes:
-        usage = await scope_usage(pool, bundle, scope_id, now) if bundle else None  # type: ignore[arg-type]
-        budgets += [{"scope_id": scope_id, **b} for b in (usage or {}).get("budgets", [])]
-    runs = await pool.fetchrow(sql("tenant_runs"), label, tenant, since)
-    return {
-        "tenant": tenant,
-        "label": label,
-        "days": days,
-        "since": rfc3339(since),
-        "policy_bundle_sha": bundle.git_sha if bundle else None,
-        "budgets": budgets,
-        "runs": {
-            "runs": runs["runs"],
-            "admitted": runs["admitted"],
-            "reserved_gpu_hours": hours(runs["reserved_gpu"]),
-            "consumed_gpu_hours": hours(runs["consumed_gpu"]),
-            "consumed_node_hours": hours(runs["consumed_node"]),
-        },
-    }
+    return await labelled_usage(pool, bundle, who="tenant", label=label, value=tenant, days=days, now=now)
 
 
 def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:

@@ -1,15 +1,16 @@
-"""Budget status of a scope in its current window, from Postgres (the ledger's truth)."""
+"""Budget status of a scope in its current window, and usage by the value of a label (a tenant,
+a user), from Postgres (the ledger's truth)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
 
 from budgetgate.core.evaluation import ledger_key
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.core.units import display
+from budgetgate.core.units import display, hours
 from budgetgate.core.windows import rfc3339, window_at
 from budgetgate.ledger.queries import sql
 
@@ -46,3 +47,31 @@ async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, n
             }
         )
     return {"scope_id": scope_id, "budgets": budgets}
+
+
+async def labelled_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, who: str, label: str, value: str, days: int, now: datetime) -> dict[str, Any]:
+    """What the runs labelled `label`=`value` use: the budgets whose scope requires that label
+    value, in their current windows, and the runs' reservations and metered usage since `days`
+    ago. Usage by tenant and usage by user are this one reading; `who` names the value's key."""
+    since = now - timedelta(days=days)
+    scopes = sorted({p.scope.scope_id for p in (bundle.policies if bundle else ()) if p.scope.labels.get(label) == value})
+    budgets = []
+    for scope_id in scopes:
+        usage = await scope_usage(pool, bundle, scope_id, now) if bundle else None
+        budgets += [{"scope_id": scope_id, **b} for b in (usage or {}).get("budgets", [])]
+    runs = await pool.fetchrow(sql("labelled_runs"), label, value, since)
+    return {
+        who: value,
+        "label": label,
+        "days": days,
+        "since": rfc3339(since),
+        "policy_bundle_sha": bundle.git_sha if bundle else None,
+        "budgets": budgets,
+        "runs": {
+            "runs": runs["runs"],
+            "admitted": runs["admitted"],
+            "reserved_gpu_hours": hours(runs["reserved_gpu"]),
+            "consumed_gpu_hours": hours(runs["consumed_gpu"]),
+            "consumed_node_hours": hours(runs["consumed_node"]),
+        },
+    }

@@ -20,7 +20,7 @@ import asyncpg
 from budgetgate.core.policy import OnExhausted
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
-from budgetgate.services.reconciler import messages
+from budgetgate.services.reconciler import headroom, messages
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.v1 import actions_pb2
@@ -87,16 +87,17 @@ async def lift_holds(pool: asyncpg.Pool, *, bundles: Bundles, now: datetime) -> 
     return lifted
 
 
-async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime) -> dict[str, int]:
-    """Take usage that has left each rolling window out of its consumed (Postgres and Redis);
-    returns how much aged out per ledger key."""
+async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime, bundles: Bundles | None = None) -> dict[str, int]:
+    """Take usage that has left each rolling window out of its consumed (Postgres and Redis),
+    and judge the runs waiting for room on it (with `bundles`); returns how much aged out per
+    ledger key."""
     aged = {}
     for row in await pool.fetch(sql("rolling_keys")):
         cutoff = age_cutoff(row["rolling_days"], now)
         if cutoff <= row["aged_through"]:
             continue
         try:
-            amount = await _age_key(pool, ledger, row["ledger_key"], cutoff)
+            amount = await _age_key(pool, ledger, row["ledger_key"], cutoff, bundles=bundles, now=now)
         except LedgerKeyMissing:
             # Never loaded since the last rebuild: load Postgres's figure, age on the next tick.
             figures = await pool.fetchrow(sql("entry_figures"), row["ledger_key"])
@@ -111,7 +112,7 @@ async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime)
     return aged
 
 
-async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: datetime) -> int:
+async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: datetime, *, bundles: Bundles | None, now: datetime) -> int:
     async with ledger_transaction(pool, ledger) as work:
         conn = work.conn
         locked = await conn.fetchrow(sql("lock_rolling_age"), key)
@@ -124,4 +125,7 @@ async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: da
             [row] = await conn.fetch(sql("add_consumed"), [key], [-amount])
             await conn.execute(sql("rearm_alerts"), key, row["consumed"], row["limit_amount"])
         await conn.execute(sql("set_aged_through"), key, cutoff)
+        if amount > 0 and bundles is not None:
+            cause = f"aged:{key}:{cutoff.isoformat()}"
+            await headroom.after_release(conn, bundles=bundles, tenant=None, sensitive=False, policy_ids=[row["policy_id"]], cause=cause, now=now)
         return amount

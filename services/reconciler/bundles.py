@@ -1,5 +1,7 @@
 """Policy bundles by Git SHA: a run is settled under the policies it was admitted with, and a
-window's new ledger entry takes the limit of the active bundle."""
+window's new ledger entry takes the limit of the active bundle. Waiting runs are judged under
+the active bundle with the tenant overrides of the latest revision (`judging`), as admission
+decides."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import logging
 import asyncpg
 
 from budgetgate.core.loader import PolicyValidationError, bundle_from_json
+from budgetgate.core.overrides import effective
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.ledger.queries import sql
+from budgetgate.override_store import load
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +22,9 @@ class Bundles:
     def __init__(self) -> None:
         self._by_sha: dict[str, PolicyBundle | None] = {}
         self.active: PolicyBundle | None = None
+        # The active bundle with the latest tenant overrides applied (what admission decides
+        # under), and the override revision it carries.
+        self.judging: PolicyBundle | None = None
 
     async def get(self, conn: asyncpg.Connection, sha: str | None) -> PolicyBundle | None:
         """The bundle applied at `sha`, or None when it is unknown or unreadable."""
@@ -33,6 +40,12 @@ class Bundles:
         row = await conn.fetchrow(sql("active_bundle"))
         if row is not None and (self.active is None or self.active.git_sha != row["git_sha"]):
             self.active = await self.get(conn, row["git_sha"]) or self.active
+        if self.active is None:
+            return
+        revision = await conn.fetchval(sql("override_revision"))
+        judging = self.judging
+        if judging is None or judging.git_sha != self.active.git_sha or judging.override_revision != revision:
+            self.judging = effective(self.active, await load(conn, revision))
 
     def current(self, policy: BudgetPolicy) -> BudgetPolicy:
         """The active revision of a policy (its limit may have been raised), else as given."""
@@ -54,3 +67,9 @@ def _parse(documents: str, sha: str) -> PolicyBundle | None:
     except PolicyValidationError as exc:
         log.error("policy bundle %s does not validate; runs admitted under it settle without it: %s", sha, exc)
         return None
+
+
+def judged_under(bundle: PolicyBundle) -> str:
+    """What a waiting run records it was last judged under: the bundle's Git SHA, and the override
+    revision when there is one, so that a new revision (a limit may have risen) judges it again."""
+    return f"{bundle.git_sha}+overrides.{bundle.override_revision}" if bundle.override_revision else bundle.git_sha

@@ -1,7 +1,7 @@
-"""The reconciler's Kafka side: one FastStream router with a batch subscriber on the lifecycle and
-usage-record topics. Each poll is recorded by the inbox in one Postgres transaction (facts.py),
-acknowledged only after that commit (budgetgate.subscriber), and then wakes the settle loop for
-the runs it marked."""
+"""The reconciler's Kafka side: one FastStream router with a batch subscriber on the lifecycle,
+usage-record and decision topics. Each poll is recorded by the inbox in one Postgres transaction
+(facts.py; decisions in headroom.py), acknowledged only after that commit
+(budgetgate.subscriber), and then wakes the settle loop for the runs it marked."""
 
 from __future__ import annotations
 
@@ -27,13 +27,15 @@ def router(*, settings: ReconcilerSettings, topics: Topics, reconciler: Callable
         kafka,
         topics.lifecycle,
         topics.usage,
+        topics.decisions,
         runtime=reconciler,
         then=_wake_settler,
         group_id=f"{s.topic_prefix}{s.consumer_group}",
         max_records=s.consumer_max_records,
         title="reconciler",
         description="Lifecycle events (budgetgate.v1.LifecycleEvent) and usage records (budgetgate.v1.UsageRecord) are recorded "
-        "and their runs marked to be settled; poison goes to <topic>.dlq with the reason.",
+        "and their runs marked to be settled; decisions (budgetgate.v1.Decision) register the runs waiting for budget or quota "
+        "headroom; poison goes to <topic>.dlq with the reason.",
     )
     return kafka
 

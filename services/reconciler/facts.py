@@ -14,6 +14,7 @@ import asyncpg
 from budgetgate import lifecycle
 from budgetgate.consumer import BatchRoute, Delivery
 from budgetgate.core.ledger_key import MAX_AMOUNT
+from budgetgate.core.reconciliation import TERMINAL
 from budgetgate.ledger.queries import sql
 from budgetgate.topics import Topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
@@ -48,6 +49,10 @@ def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, Batch
         if rows:
             new = await conn.fetch(sql("record_lifecycle_batch"), *map(list, zip(*rows, strict=True)))
             await _mark(conn, {r["run_id"] for r in new}, on_fact)
+            ended = sorted({row[1] for row in rows if row[2] in TERMINAL})
+            if ended:
+                # A run the platform ended (cancelled while it waited, say) waits for nothing.
+                await conn.execute(sql("forget_ended_waiting"), ended)
         return refused
 
     async def usage(conn: asyncpg.Connection, batch: Sequence[Delivery]) -> Mapping[Delivery, str]:

@@ -14,6 +14,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from budgetgate import topics, wire
 from budgetgate.core.policy import BudgetPolicy
 from budgetgate.core.reconciliation import Settlement
+from budgetgate.core.waiting import Headroom
 from budgetgate.core.windows import Window
 from budgetgate.outbox import enqueue
 from budgetgate.v1 import actions_pb2, common_pb2, reconciliations_pb2
@@ -77,6 +78,23 @@ async def reconciliation(
             )
         )
     await _outbox(conn, topics.RECONCILIATIONS, run_id, message)
+
+
+async def headroom(conn: asyncpg.Connection, found: Headroom, *, cause: str, now: datetime) -> None:
+    """HEADROOM for a waiting run that fits now, keyed by run; one event per decision and cause."""
+    run = found.run
+    budget = next((limit for limit in found.limiting if limit.kind == "budget"), None)
+    message = actions_pb2.BudgetAction(
+        event_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"budgetgate:headroom:{run.decision_id}:{cause}")),
+        event_time=_ts(now),
+        type=actions_pb2.HEADROOM,
+        scope_id=budget.scope_id or "" if budget else "",
+        policy_id=budget.name if budget else "",
+        run_id=run.run_id,
+        attempt=run.attempt,
+        message=f"run {run.run_id!r} attempt {run.attempt} was {run.state}; it fits now, resubmit it with attempt {run.attempt + 1}: {found.describe()}",
+    )
+    await _outbox(conn, topics.ACTIONS, run.run_id, message)
 
 
 async def action(

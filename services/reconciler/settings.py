@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from pydantic import Field
+
 from budgetgate.core.reconciliation import Rules
 from budgetgate.settings import ServingSettings
 
@@ -36,6 +38,11 @@ class ReconcilerSettings(ServingSettings):
     # A run whose settlement fails this many times for a reason other than an outage is
     # dead-lettered (settlement_failures) instead of being tried for ever.
     settle_tries: int = 3
+    # Fair share weighs past GPU usage 2^(-age / half-life) (Slurm's PriorityDecayHalfLife); the
+    # same variable as admission's, which reads the decayed usage this keeps.
+    fair_share_half_life_seconds: float = Field(default=7 * 86400.0, gt=0)
+    # A run refused (DELAY, quota rejection) longer ago than this gets no more HEADROOM actions.
+    waiting_seconds: float = Field(default=7 * 86400.0, gt=0)
     # Serve Prometheus metrics on this port and address; no port = no HTTP listener.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -17,11 +18,11 @@ from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.reconciliation import LifecycleFact, Reservation, Rules, RunFacts, Settlement
 from budgetgate.core.run_state import settle_state
 from budgetgate.core.windows import Window
-from budgetgate.ledger.concurrency import end_run_holds
+from budgetgate.ledger.concurrency import EndedHolds, end_run_holds
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sync import LedgerSync
-from budgetgate.services.reconciler import budgets, messages, meter
+from budgetgate.services.reconciler import budgets, fairshare, headroom, messages, meter
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 
@@ -49,12 +50,15 @@ class Loaded:
 
 
 class Settler:
-    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles, rules: Rules) -> None:
+    def __init__(
+        self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles, rules: Rules, fair_share_half_life: timedelta = timedelta(days=7)
+    ) -> None:
         self.pool = pool
         self.ledger = ledger
         self.sync = sync
         self.bundles = bundles
         self.rules = rules
+        self.fair_share_half_life = fair_share_half_life
 
     async def settle(self, run_id: str, *, now: datetime | None = None) -> Outcome:
         """Bring the run's charges in line with its facts; rebuilds Redis first if it was lost."""
@@ -152,11 +156,13 @@ class Settler:
         decision_id = str(loaded.decision["decision_id"])
         bucket_deltas, charges = await _bucket_deltas(conn, run_id, loaded.folded, result)
         held_deltas = {key: result.held.get(key, 0) - amount for key, amount in loaded.held.items()}
+        ended = EndedHolds(False, None, False, 0)
         if result.ended_at is not None or result.released:
             # The run stopped holding GPUs (or never started): its quota counters and pool token
             # go back now, even while its budget reservation waits for metered actuals.
             try:
-                if await end_run_holds(conn, self.ledger, run_id):
+                ended = await end_run_holds(conn, self.ledger, run_id)
+                if ended.redis_released:
                     work.redis_changed = True
             except BaseException:
                 work.redis_changed = True
@@ -165,8 +171,12 @@ class Settler:
         settlement_moved = _settlement_changed(loaded.settlement, result)
         await meter.save(conn, run_id, loaded.folded, dict(result.consumed))
         if not bucket_deltas and not any(held_deltas.values()) and not closing and not settlement_moved:
-            if (loaded.settlement["phase"], loaded.settlement["wall"], loaded.settlement["review_at"]) != (result.phase, result.wall, result.review_at):
+            before = (loaded.settlement["phase"], loaded.settlement["wall"], loaded.settlement["review_at"], loaded.settlement["actual_gpu"])
+            if before != (result.phase, result.wall, result.review_at, result.actual_gpu):
                 await _put_settlement(conn, run_id, decision_id, result)
+            await self._count_fair_share(conn, loaded, result, now)
+            if ended.ended:
+                await self._released(conn, ended, (), cause=f"holds:{run_id}", now=now)
             return Outcome(run_id, False, result)
 
         windows = self._windows(loaded, result, bucket_deltas)
@@ -212,11 +222,32 @@ class Settler:
                 revision=revision,
                 now=now,
             )
+        freed = {key for key in keys if held_deltas.get(key, 0) + consumed_deltas.get(key, 0) < 0}
         if consumed_deltas:
             # Last: the ledger rows stay locked only from here to the commit.
             rows = await conn.fetch(sql("add_consumed"), list(consumed_deltas), list(consumed_deltas.values()))
             await budgets.after_consumption(conn, rows, bundles=self.bundles, now=now)
+        # Late too: the tenant's row stays locked only from here to the commit.
+        await self._count_fair_share(conn, loaded, result, now)
+        if ended.ended or freed:
+            # After every change of the settlement: the waiting runs are judged on its figures.
+            policy_ids = {windows[key][0].id for key in freed if key in windows}
+            await self._released(conn, ended, policy_ids, cause=f"settled:{run_id}:{revision}", now=now)
         return Outcome(run_id, True, result)
+
+    async def _released(self, conn: asyncpg.Connection, ended: EndedHolds, policy_ids: Iterable[str], *, cause: str, now: datetime) -> None:
+        """Room came back (the run's holds, or budget room): the runs waiting for it are judged."""
+        tenant = ended.tenant if ended.ended else None
+        await headroom.after_release(conn, bundles=self.bundles, tenant=tenant, sensitive=ended.sensitive, policy_ids=policy_ids, cause=cause, now=now)
+
+    async def _count_fair_share(self, conn: asyncpg.Connection, loaded: Loaded, result: Settlement, now: datetime) -> None:
+        """Add what the run's actual GPU usage moved since its last settlement to its tenant's
+        decayed usage, reckoned when it was metered (the run's latest sample; else now)."""
+        tenant = loaded.decision["tenant"]
+        moved = result.actual_gpu - (loaded.settlement["actual_gpu"] if loaded.settlement else 0)
+        if tenant and moved:
+            at = min(now, loaded.folded.last[0]) if loaded.folded.last else now
+            await fairshare.add_usage(conn, tenant=tenant, amount=moved, at=at, half_life=self.fair_share_half_life)
 
     def _windows(self, loaded: Loaded, result: Settlement, touched: Any) -> dict[str, tuple[BudgetPolicy, Window]]:
         """The policy and window of every key the run touches or touched, from the fold where it

@@ -24,7 +24,7 @@ from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.outbox import OutboxRelay
 from budgetgate.serving import close_pool, close_within, stop_tasks
-from budgetgate.services.reconciler import budgets, consumers, facts
+from budgetgate.services.reconciler import budgets, consumers, facts, headroom
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.settler import Settler
@@ -106,10 +106,14 @@ class Reconciler:
         self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = Bundles()
-        self.settler = Settler(pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules())
+        self.settler = Settler(
+            pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules(),
+            fair_share_half_life=timedelta(seconds=s.fair_share_half_life_seconds),
+        )  # fmt: skip
         self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)
-        self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=facts.routes(self.topics, on_fact=self.stats.fresh.add))
+        routes = {**facts.routes(self.topics, on_fact=self.stats.fresh.add), **headroom.routes(self.topics, bundles=self.bundles)}
+        self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=routes)
         self.broker = inbox_broker(s, consumers.router(settings=s, topics=self.topics, reconciler=lambda: self))
         self._tasks = [
             asyncio.create_task(self._guarded("consume", self._consume), name="reconciler-consume"),
@@ -225,9 +229,13 @@ class Reconciler:
             # Settlements parked by a reconciler that died (or lost Redis) after its commit:
             # Redis converges on Postgres within a tick or two, without a restart or a rebuild.
             self.stats.ended_parked += await self.settler.end_pending(older_than_ms=int(time.time() * 1000) - PARKED_GRACE_MS)
-            await budgets.age_rolling(self.pool, self.ledger, now=now)
+            await budgets.age_rolling(self.pool, self.ledger, now=now, bundles=self.bundles)
             if await budgets.lift_holds(self.pool, bundles=self.bundles, now=now):
                 self.relay.wakeup.set()
+            # A new bundle may have raised a limit a waiting run is refused by.
+            if await headroom.recheck(self.pool, self.bundles, now=now):
+                self.relay.wakeup.set()
+            await headroom.forget_stale(self.pool, older_than=timedelta(seconds=s.waiting_seconds), now=now)
             if time.monotonic() >= next_sweep:
                 # Leak protection for Redis holds whose decision never committed (a process died
                 # between reserving and committing).

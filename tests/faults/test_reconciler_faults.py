@@ -30,7 +30,8 @@ async def counts(dsn: str) -> tuple[int, int, int]:
     conn = await asyncpg.connect(dsn)
     try:
         final = await conn.fetchval("SELECT count(*) FROM run_settlements WHERE final")
-        inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = 'reconciler'")
+        # The facts' inbox rows (the reconciler also consumes decisions, for waiting runs).
+        inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = 'reconciler' AND topic NOT LIKE '%budget.decisions.v1'")
         facts = await conn.fetchval("SELECT (SELECT count(*) FROM lifecycle_events) + (SELECT count(*) FROM run_samples)")
         return final, inbox, facts
     finally:

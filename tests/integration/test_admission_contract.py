@@ -11,7 +11,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from budgetgate.services.admission.schemas import AdmissionResponse, EvaluationOut
+from budgetgate.services.admission.schemas import AdmissionResponse, AdmissionStatus, EvaluationOut
 from tests.support.admission import apply_policies, budget_yaml
 
 ZULU = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -65,6 +65,8 @@ async def test_first_answers_and_replays_have_one_shape(admission) -> None:
     again = await admission.submit(run_id="shape")
     looked_up = await admission.client.get("/v1/admissions/shape")
     bodies = [first.json(), again.json(), looked_up.json()]
+    # A lookup answers the status: the same decision, then whether the run waits.
+    assert list(bodies[2]) == list(AdmissionStatus.model_fields) and bodies[2].pop("waiting") is None
     for body in bodies:
         assert list(body) == list(AdmissionResponse.model_fields)
         assert all(list(e) == list(EvaluationOut.model_fields) for e in body["evaluations"])

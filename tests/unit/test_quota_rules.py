@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from budgetgate.core.decay import Decayed, steady_amount
 from budgetgate.core.policy import Source, pool_chain
 from budgetgate.core.quotas import (
     Cluster,
@@ -93,6 +96,20 @@ def test_fair_share_below_and_above_target() -> None:
     assert below is not None and below.share == 0.125 and below.deficit == 0.125 and not below.preemptible
     above = fair_share(PHYSICS, cluster, Holdings(gpus=600), Request(64, 8))
     assert above is not None and above.deficit < 0 and above.preemptible and above.burst_limit == 0.375
+
+
+def test_fair_share_measures_the_deficit_on_decayed_usage() -> None:
+    cluster, week = Cluster("c", 2048, None, SRC), timedelta(days=7)
+    # Holding nothing now, but 512 GPUs steadily until lately: the raw share says 0, the decayed
+    # share remembers the quarter of the cluster, so the tenant is at its target, not below it.
+    usage = Decayed(steady_amount(512, week), datetime(2026, 7, 1, tzinfo=UTC), week)
+    share = fair_share(PHYSICS, cluster, Holdings(gpus=0), Request(64, 8), usage)
+    assert share is not None and share.share == 0.0 and share.decayed_share == 0.25 and share.half_life_hours == 168.0
+    assert share.deficit == 0.0 and not share.preemptible  # preemptible follows what is held, raw
+    idle = fair_share(PHYSICS, cluster, Holdings(gpus=0), Request(64, 8), Decayed.empty(week, usage.reckoned))
+    assert idle is not None and idle.decayed_share == 0.0 and idle.deficit == 0.25
+    raw = fair_share(PHYSICS, cluster, Holdings(gpus=0), Request(64, 8))
+    assert raw is not None and raw.decayed_share is None and raw.half_life_hours is None and raw.deficit == 0.25
 
 
 def test_pool_chain_and_rejections() -> None:

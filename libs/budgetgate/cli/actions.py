@@ -1,5 +1,5 @@
 """`budgetgate actions` and `budgetgate dlq`: read what the stack published on budget.actions.v1
-(holds, drains, threshold alerts) and what its consumers dead-lettered, with the reasons."""
+(holds, drains, threshold alerts, headroom) and what its consumers dead-lettered, with the reasons."""
 
 from __future__ import annotations
 
@@ -75,10 +75,10 @@ def _run(bootstrap: str, topics: list[str], follow: bool, show: Callable[[Any], 
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new actions as they are published.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def actions(follow: bool, as_json: bool) -> None:
-    """Holds, drains and threshold alerts the reconciler published on budget.actions.v1."""
+    """Holds, drains, threshold alerts and HEADROOM the reconciler published on budget.actions.v1."""
     from budgetgate import wire
     from budgetgate.topics import Topics
-    from budgetgate.v1.actions_pb2 import BudgetAction
+    from budgetgate.v1.actions_pb2 import ActionType, BudgetAction
 
     settings = backend.stack_settings(needs="kafka")
     topic = Topics(settings.topic_prefix).actions
@@ -95,6 +95,8 @@ def actions(follow: bool, as_json: bool) -> None:
             return
         what = data.get("type", "?") + (f" {action.threshold_percent}%" if action.threshold_percent else "")
         subject = f"policy {action.policy_id} on {action.scope_id}" + (f", run {action.run_id}" if action.run_id else "")
+        if action.type == ActionType.HEADROOM:
+            subject = f"run {action.run_id} attempt {action.attempt}"
         click.echo(f"{data.get('event_time', _when(record))}  {what:<18} {subject}" + (f": {action.message}" if action.message else ""))
 
     _run(backend.kafka(settings.kafka_bootstrap), [topic], follow, show, access=settings.kafka_access)

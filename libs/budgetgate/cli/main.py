@@ -12,6 +12,7 @@ from budgetgate.cli.ledger import ledger
 from budgetgate.cli.budgets import budgets
 from budgetgate.cli.asyncapi import asyncapi
 from budgetgate.cli.explain import explain, replay
+from budgetgate.cli.status import status
 from budgetgate.cli.quote import quote
 from budgetgate.cli.whatif import what_if
 from budgetgate.cli.meter import meter
@@ -41,6 +42,7 @@ cli.add_command(dlq)
 cli.add_command(asyncapi)
 cli.add_command(quote)
 cli.add_command(explain)
+cli.add_command(status)
 cli.add_command(replay)
 cli.add_command(meter)
 cli.add_command(kueue)

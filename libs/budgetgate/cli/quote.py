@@ -111,8 +111,9 @@ def print_quote(answer: dict[str, Any]) -> None:
         click.echo(f"priority penalty: {answer['priority_penalty']:.4f}")
     if answer.get("fair_share"):
         fs = answer["fair_share"]
+        decayed = f", decayed {fs['decayed_share']:.3f} (half-life {fs['half_life_hours']:g} h)" if "decayed_share" in fs else ""
         click.echo(
-            f"fair share: {fs['share']:.3f} -> {fs['share_after']:.3f} of target {fs['target']:.3f} (deficit {fs['deficit']:.3f})"
+            f"fair share: {fs['share']:.3f} -> {fs['share_after']:.3f}{decayed} of target {fs['target']:.3f} (deficit {fs['deficit']:.3f})"
             + (", preemptible" if answer.get("preemptible") else "")
         )
     for e in answer["evaluations"]:

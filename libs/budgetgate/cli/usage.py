@@ -1,5 +1,5 @@
-"""`budgetgate usage`: limit, reserved, consumed and remaining of budgets, by scope or by tenant,
-read from the ledger's truth in Postgres."""
+"""`budgetgate usage`: limit, reserved, consumed and remaining of budgets, by scope, by tenant or
+by user, read from the ledger's truth in Postgres."""
 
 from __future__ import annotations
 
@@ -14,18 +14,24 @@ import click
 @click.command()
 @click.option("--scope", "scope_id", default=None, help="A scope id, e.g. 'ns=vision-prod;cost-center=1042;team=vision', or a budget's policy id.")
 @click.option("--tenant", default=None, help="A tenant: the value of the tenant label (see --label).")
-@click.option("--label", default=None, help="The label naming tenants (default: BUDGETGATE_TENANT_LABEL, else team).")
-@click.option("--days", default=90, show_default=True, type=click.IntRange(1, 3660), help="For --tenant: how far back runs' usage is summed.")
+@click.option("--user", default=None, help="A user: the value of the user label (see --label).")
+@click.option(
+    "--label", default=None, help="The label naming tenants or users (default: BUDGETGATE_TENANT_LABEL, else team; BUDGETGATE_USER_LABEL, else user)."
+)
+@click.option("--days", default=90, show_default=True, type=click.IntRange(1, 3660), help="For --tenant and --user: how far back runs' usage is summed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def usage(scope_id: str | None, tenant: str | None, label: str | None, days: int, as_json: bool) -> None:
+def usage(scope_id: str | None, tenant: str | None, user: str | None, label: str | None, days: int, as_json: bool) -> None:
     """Budgets' limit, reserved, consumed and remaining in their current windows."""
-    if (scope_id is None) == (tenant is None):
-        raise click.UsageError("give exactly one of --scope or --tenant")
+    if [scope_id, tenant, user].count(None) != 2:
+        raise click.UsageError("give exactly one of --scope, --tenant or --user")
     from budgetgate.cli import backend
     from budgetgate.services.admission.tenants import TenantSettings
+    from budgetgate.services.admission.users import UserSettings
 
-    settings = backend.stack_settings(TenantSettings)
-    result = asyncio.run(_read(settings.postgres_dsn, scope_id=scope_id, tenant=tenant, label=label or settings.tenant_label, days=days))
+    who, value = ("user", user) if user is not None else ("tenant", tenant)
+    settings = backend.stack_settings(UserSettings if who == "user" else TenantSettings)
+    label = label or getattr(settings, f"{who}_label")
+    result = asyncio.run(_read(settings.postgres_dsn, scope_id=scope_id, who=who, value=value, label=label, days=days))
     if result is None:
         raise click.ClickException(f"no budget policy of the active bundle has scope or id {scope_id!r}; `budgetgate budgets` lists them")
     if as_json:
@@ -34,19 +40,18 @@ def usage(scope_id: str | None, tenant: str | None, label: str | None, days: int
     _print(result)
 
 
-async def _read(dsn: str, *, scope_id: str | None, tenant: str | None, label: str, days: int) -> dict[str, Any] | None:
+async def _read(dsn: str, *, scope_id: str | None, who: str, value: str | None, label: str, days: int) -> dict[str, Any] | None:
     from budgetgate.cli import backend
     from budgetgate.core.loader import bundle_from_json
     from budgetgate.ledger.queries import sql
-    from budgetgate.services.admission.tenants import tenant_usage
-    from budgetgate.services.admission.usage import scope_usage
+    from budgetgate.services.admission.usage import labelled_usage, scope_usage
 
     async with backend.postgres(dsn) as pool:
         row = await pool.fetchrow(sql("active_bundle"))
         bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"]) if row else None
         now = datetime.now(UTC)
-        if tenant is not None:
-            return await tenant_usage(pool, bundle, label=label, tenant=tenant, days=days, now=now)
+        if value is not None:
+            return await labelled_usage(pool, bundle, who=who, label=label, value=value, days=days, now=now)
         if bundle is None:
             return None
         # A policy id names its scope: `--scope gpu-budget/team-vision-prod` is what people type.
@@ -70,7 +75,8 @@ def _print(result: dict[str, Any]) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
     if "runs" in result:
         r = result["runs"]
+        who = "tenant" if "tenant" in result else "user"
         click.echo(
-            f"\ntenant {result['label']}={result['tenant']}, last {result['days']} days: {r['runs']} run(s), {r['admitted']} admitted; "
+            f"\n{who} {result['label']}={result[who]}, last {result['days']} days: {r['runs']} run(s), {r['admitted']} admitted; "
             f"{r['reserved_gpu_hours']:g} GPU-hours reserved, {r['consumed_gpu_hours']:g} GPU-hours and {r['consumed_node_hours']:g} node-hours metered"
         )

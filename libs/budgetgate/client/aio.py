@@ -15,6 +15,7 @@ from budgetgate.client.retries import RetryPolicy
 from budgetgate.services.admission.schemas import (
     AdmissionRequest,
     AdmissionResponse,
+    AdmissionStatus,
     AllocationIn,
     AllocationOut,
     BudgetList,
@@ -22,6 +23,7 @@ from budgetgate.services.admission.schemas import (
     ReleaseOut,
     ScopeUsage,
     TenantUsage,
+    UserUsage,
 )
 from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
@@ -94,8 +96,8 @@ class AsyncClient:
         """Ask whether a workload may start; the same run id and attempt on every retry."""
         return await self.send(calls.submit(request))
 
-    async def lookup(self, run_id: str) -> AdmissionResponse | None:
-        """The stored decision of a run, or None."""
+    async def lookup(self, run_id: str) -> AdmissionStatus | None:
+        """The stored decision of a run (with `waiting` for a run refused for now), or None."""
         return await self.send(calls.lookup(run_id))
 
     async def budgets(self) -> BudgetList:
@@ -117,6 +119,10 @@ class AsyncClient:
     async def update_tenant(self, name: str, changes: TenantSettingsIn | Mapping[str, Any]) -> TenantSettingsOut:
         """Override some of a tenant's quotas and budgets (an operator or accounting token)."""
         return await self.send(calls.update_tenant(name, changes))
+
+    async def user_usage(self, user: str, *, days: int = 90) -> UserUsage:
+        """A user's budgets and its runs' usage over the last `days` (the tenant rules)."""
+        return await self.send(calls.user_usage(user, days=days))
 
     async def allocate(self, namespace: str, request: AllocationIn | Mapping[str, Any]) -> AllocationOut:
         """Ask a pool for a token (asking again with the same token renews its lease)."""

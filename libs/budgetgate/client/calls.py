@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from budgetgate.services.admission.schemas import (
     AdmissionRequest,
     AdmissionResponse,
+    AdmissionStatus,
     AllocationIn,
     AllocationOut,
     BudgetList,
@@ -23,6 +24,7 @@ from budgetgate.services.admission.schemas import (
     ReleaseOut,
     ScopeUsage,
     TenantUsage,
+    UserUsage,
 )
 from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
 
@@ -64,9 +66,9 @@ def submit(request: AdmissionRequest | Mapping[str, Any]) -> Call[AdmissionRespo
     return Call("POST", "/v1/admissions", _model(AdmissionResponse), json=_body(body))
 
 
-def lookup(run_id: str) -> Call[AdmissionResponse | None]:
-    """GET /v1/admissions/{run_id}; None when the run has no decision."""
-    return Call("GET", f"/v1/admissions/{quote(run_id, safe='/')}", _model(AdmissionResponse), not_found_is_none=True)
+def lookup(run_id: str) -> Call[AdmissionStatus | None]:
+    """GET /v1/admissions/{run_id} (with `waiting` for a run refused for now); None when the run has no decision."""
+    return Call("GET", f"/v1/admissions/{quote(run_id, safe='/')}", _model(AdmissionStatus), not_found_is_none=True)
 
 
 def budgets() -> Call[BudgetList]:
@@ -93,6 +95,11 @@ def update_tenant(name: str, changes: TenantSettingsIn | Mapping[str, Any]) -> C
     """PUT /v1/tenants/{tenant}: override the settings named (None: back to Git's value)."""
     body = changes if isinstance(changes, TenantSettingsIn) else TenantSettingsIn.model_validate(dict(changes))
     return Call("PUT", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut), json=_body(body))
+
+
+def user_usage(user: str, *, days: int = 90) -> Call[UserUsage]:
+    """GET /v1/users/{user}/usage?days=N."""
+    return Call("GET", f"/v1/users/{quote(user, safe='')}/usage", _model(UserUsage), params={"days": days})
 
 
 def allocate(namespace: str, request: AllocationIn | Mapping[str, Any]) -> Call[AllocationOut]:

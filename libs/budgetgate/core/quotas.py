@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
+from budgetgate.core.decay import Decayed, decayed_share
 from budgetgate.core.sources import Source
 
 SOFT_START = 0.8  # utilization where the soft-quota priority penalty starts
@@ -84,6 +86,8 @@ class Request:
 
 
 QUOTA_FIELDS = ("max_gpus", "max_nodes", "max_concurrent_allocations")
+# How every rejection by a concurrency limit begins: what platforms (and waiting runs) match on.
+REJECTED = "allocation rejected: "
 
 
 def quota_violation(tenant: str, quota: TenantQuota, held: Holdings, request: Request) -> str | None:
@@ -99,7 +103,7 @@ def quota_violation(tenant: str, quota: TenantQuota, held: Holdings, request: Re
     ):
         limit = getattr(quota, name)
         if limit is not None and current + requested > limit:
-            reason = f'allocation rejected: tenant "{tenant}" would exceed {name} quota (current: {current}, requested: {requested}, limit: {limit})'
+            reason = f'{REJECTED}tenant "{tenant}" would exceed {name} quota (current: {current}, requested: {requested}, limit: {limit})'
             if current >= limit:
                 reason += (
                     "; usage is already at or above the limit (it may have been lowered): wait for running work to finish or ask the tenant admin to raise it"
@@ -113,10 +117,7 @@ def sensitive_violation(pool: SensitivePool, held: Holdings, request: Request) -
     current = held.gpus if pool.unit == "gpus" else held.nodes
     requested = request.gpus if pool.unit == "gpus" else request.nodes
     if current + requested > pool.size:
-        return (
-            "allocation rejected: sensitive workloads would exceed sensitive_pool_size "
-            f"(current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
-        )
+        return f"{REJECTED}sensitive workloads would exceed sensitive_pool_size (current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
     return None
 
 
@@ -133,28 +134,35 @@ def priority_penalty(utilization: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class FairShare:
-    share: float  # the tenant's share of cluster GPUs before this run
+    share: float  # the tenant's share of cluster GPUs before this run (what it holds now)
     share_after: float
     target: float
     burst_limit: float
-    deficit: float  # target − share: positive means below target, so first in line
+    deficit: float  # target − decayed share (raw share without one): positive means below target, so first in line
     preemptible: bool  # admitted above the target, on burst: preempt these first
+    decayed_share: float | None = None  # its past GPU usage, decayed, as a share of the cluster
+    half_life_hours: float | None = None
 
 
-def fair_share(quota: TenantQuota, cluster: Cluster, held: Holdings, request: Request) -> FairShare | None:
-    """Where a tenant stands against its fair-share target, if it has one."""
+def fair_share(quota: TenantQuota, cluster: Cluster, held: Holdings, request: Request, usage: Decayed | None = None) -> FairShare | None:
+    """Where a tenant stands against its fair-share target, if it has one. `usage` is its decayed
+    GPU usage reckoned at the decision's instant; with it, the deficit is measured on the decayed
+    share (a tenant that used much lately waits behind one that did not), else on the raw share."""
     if quota.fair_share_target is None:
         return None
     share = held.gpus / cluster.gpus
     after = (held.gpus + request.gpus) / cluster.gpus
     target = quota.fair_share_target
+    decayed = decayed_share(usage.amount, cluster.gpus, usage.half_life) if usage is not None else None
     return FairShare(
         share=round(share, 6),
         share_after=round(after, 6),
         target=target,
         burst_limit=round(target * (quota.burst_allowance or 1.0), 6),
-        deficit=round(target - share, 6),
+        deficit=round(target - (share if decayed is None else decayed), 6),
         preemptible=after > target,
+        decayed_share=None if decayed is None else round(decayed, 6),
+        half_life_hours=None if usage is None else round(usage.half_life / timedelta(hours=1), 6),
     )
 
 

@@ -60,13 +60,25 @@ def write_concurrency(pipe: Any, keys: HoldKeys, state: ConcurrencyState) -> Non
                 pipe.hincrby(subns, allocation["sub_namespace"], 1)
 
 
-async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str) -> int:
+@dataclass(frozen=True)
+class EndedHolds:
+    """What a run gave back: the holds Postgres ended now (with the tenant and whether they
+    counted against the sensitive pool), and how many holds Redis released."""
+
+    ended: bool
+    tenant: str | None
+    sensitive: bool
+    redis_released: int
+
+
+async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str) -> EndedHolds:
     """A run ended: give back its concurrency holds, in Postgres (within the caller's
-    transaction, which holds the ledger lock shared) and in Redis. Returns what Redis released."""
-    await conn.execute(sql("end_run_holds"), run_id)
+    transaction, which holds the ledger lock shared) and in Redis."""
+    row = await conn.fetchrow(sql("end_run_holds"), run_id)
     try:
-        return await ledger.release_holds(run_id)
+        released = await ledger.release_holds(run_id)
     except LedgerNotLoaded:
         # Redis lost the ledger; the caller holds the ledger lock shared, so the rebuild that
         # must come first runs after this commit and takes its counts from these rows.
-        return 0
+        released = 0
+    return EndedHolds(row is not None, row["tenant"] if row else None, bool(row and row["sensitive"]), released)

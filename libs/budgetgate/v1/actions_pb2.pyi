@@ -16,14 +16,16 @@ class ActionType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAIN: _ClassVar[ActionType]
     RELEASE_HOLD: _ClassVar[ActionType]
     THRESHOLD_ALERT: _ClassVar[ActionType]
+    HEADROOM: _ClassVar[ActionType]
 ACTION_TYPE_UNSPECIFIED: ActionType
 HOLD: ActionType
 DRAIN: ActionType
 RELEASE_HOLD: ActionType
 THRESHOLD_ALERT: ActionType
+HEADROOM: ActionType
 
 class BudgetAction(_message.Message):
-    __slots__ = ("event_id", "event_time", "type", "scope_id", "ledger_key", "policy_id", "run_id", "threshold_percent", "message")
+    __slots__ = ("event_id", "event_time", "type", "scope_id", "ledger_key", "policy_id", "run_id", "threshold_percent", "message", "attempt")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +35,7 @@ class BudgetAction(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     event_time: _timestamp_pb2.Timestamp
     type: ActionType
@@ -42,4 +45,5 @@ class BudgetAction(_message.Message):
     run_id: str
     threshold_percent: int
     message: str
-    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[ActionType, str]] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., policy_id: _Optional[str] = ..., run_id: _Optional[str] = ..., threshold_percent: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[ActionType, str]] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., policy_id: _Optional[str] = ..., run_id: _Optional[str] = ..., threshold_percent: _Optional[int] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...

@@ -368,10 +368,11 @@ WHERE r.state = 'held' AND r.created_at <= $1
 LIMIT $2;
 
 -- name: run_decision
--- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt).
-SELECT decision_id, decided_at, policy_bundle_sha, projected_gpu, gpus, nodes, flavor, region, labels, job_namespace,
-       job_name
-FROM decisions WHERE run_id = $1 AND outcome = 'ALLOW' ORDER BY attempt DESC LIMIT 1;
+-- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt),
+-- and the tenant its concurrency holds were taken for.
+SELECT d.decision_id, d.decided_at, d.policy_bundle_sha, d.projected_gpu, d.gpus, d.nodes, d.flavor, d.region, d.labels,
+       d.job_namespace, d.job_name, (SELECT h.tenant FROM run_holds h WHERE h.run_id = d.run_id) AS tenant
+FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1;
 
 -- name: run_reservations
 SELECT r.ledger_key, r.amount, r.state, e.policy_id, e.admitted
@@ -441,7 +442,7 @@ SELECT pg_try_advisory_xact_lock(7302, hashtext($1));
 SELECT revision FROM run_settlements WHERE run_id = $1;
 
 -- name: run_settlement
-SELECT run_id, phase, released, final, provisional, wall, review_at, revision FROM run_settlements WHERE run_id = $1;
+SELECT run_id, phase, released, final, provisional, wall, review_at, revision, actual_gpu FROM run_settlements WHERE run_id = $1;
 
 -- name: entry_figures
 SELECT e.consumed,
@@ -552,9 +553,21 @@ DELETE FROM budget_holds WHERE ledger_key = $1 RETURNING policy_id, scope_id;
 SELECT s.run_id FROM run_settlements s JOIN decision_evaluations e ON e.decision_id = s.decision_id
 WHERE e.policy_id = $1 AND s.phase = 'running' ORDER BY s.run_id;
 
--- name: tenant_runs
--- The runs of a tenant (label $1 = $2): how many, GPU-hours held by reservations not yet
--- replaced by actuals, and GPU/node-hours metered since $3.
+-- name: lock_fair_share_usage
+-- A tenant's decayed usage, its row created (empty) when new and locked until the commit.
+INSERT INTO fair_share_usage (tenant, decayed_gpu, reckoned_at, half_life_seconds) VALUES ($1, 0, $2, $3)
+ON CONFLICT (tenant) DO UPDATE SET tenant = EXCLUDED.tenant
+RETURNING decayed_gpu, reckoned_at, half_life_seconds;
+
+-- name: put_fair_share_usage
+UPDATE fair_share_usage SET decayed_gpu = $2, reckoned_at = $3, half_life_seconds = $4, updated_at = now() WHERE tenant = $1;
+
+-- name: fair_share_usages
+SELECT tenant, decayed_gpu, reckoned_at, half_life_seconds FROM fair_share_usage;
+
+-- name: labelled_runs
+-- The runs labelled $1 = $2 (a tenant's, a user's): how many, GPU-hours held by reservations
+-- not yet replaced by actuals, and GPU/node-hours metered since $3.
 WITH runs AS (
     SELECT DISTINCT ON (d.run_id) d.run_id, d.outcome, d.projected_gpu
     FROM decisions d WHERE d.labels ->> $1 = $2 ORDER BY d.run_id, d.attempt DESC
@@ -716,10 +729,12 @@ SELECT namespace, token, levels, project, sub_namespace, run_id, lease_expires_a
 WHERE state = 'held' AND lease_expires_at > $1;
 
 -- name: end_run_holds
-WITH holds AS (
-    UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING run_id
+-- A run's concurrency holds and pool tokens given back; returns the holds ended now (none when
+-- they were given back before), with the tenant and sensitive pool they counted against.
+WITH tokens AS (
+    UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held'
 )
-UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held';
+UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING tenant, sensitive;
 
 -- name: upsert_pool_allocation
 -- Granted or renewed: a renewal extends the lease of the same (namespace, token). $8 is the
@@ -837,3 +852,85 @@ FROM tenant_overrides WHERE revision <= $1 ORDER BY tenant, revision DESC;
 -- A tenant's new override set ($2 jsonb), one revision; returns it.
 INSERT INTO tenant_overrides (tenant, settings, actor, cause, reason, git_sha) VALUES ($1, $2::jsonb, $3, $4, $5, $6)
 RETURNING revision, changed_at;
+
+-- waiting runs and HEADROOM (libs/budgetgate/ledger/waiting.py, services/reconciler/headroom.py) ---
+
+-- name: lock_headroom
+-- The judgment locks ($1: names of tenants, the sensitive pool, budgets), all at once, in one
+-- order, held to the end of the transaction (services/reconciler/headroom.py).
+SELECT count(pg_advisory_xact_lock(7330, k.h)) FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest($1::text[]) AS n ORDER BY 1) AS k;
+
+-- name: waiting_decision
+-- A decision as a waiting run needs it: who it was for, what it asked, and its evaluations as
+-- [policy id, unit, enforcement, outcome, projected] (core/waiting.py budget_needs).
+SELECT d.decision_id, d.run_id, d.attempt, d.outcome, d.reason, d.labels, d.decided_at, d.response ->> 'tenant' AS tenant,
+       COALESCE(d.gpus, (d.request -> 'resources' ->> 'gpus')::integer) AS gpus,
+       COALESCE(d.nodes, (d.request -> 'resources' ->> 'nodes')::integer, 1) AS nodes,
+       COALESCE((SELECT jsonb_agg(jsonb_build_array(e.policy_id, e.unit, e.enforcement, e.outcome, e.projected) ORDER BY e.policy_id)
+                 FROM decision_evaluations e WHERE e.decision_id = d.decision_id), '[]'::jsonb) AS evaluations
+FROM decisions d WHERE d.decision_id = $1;
+
+-- name: held_by_tenants
+-- What each of tenants $1 holds now (Postgres's truth of the quota counters).
+SELECT tenant, COALESCE(SUM(gpus), 0)::bigint AS gpus, COALESCE(SUM(nodes), 0)::bigint AS nodes, count(*)::bigint AS allocations
+FROM run_holds WHERE state = 'held' AND tenant = ANY($1::text[]) GROUP BY tenant;
+
+-- name: held_sensitive
+SELECT COALESCE(SUM(gpus), 0)::bigint AS gpus, COALESCE(SUM(nodes), 0)::bigint AS nodes, count(*)::bigint AS allocations
+FROM run_holds WHERE state = 'held' AND sensitive;
+
+-- name: forget_waiting
+-- Runs decided again ($1 run ids, $2 the attempts decided): waiting no more at those attempts
+-- or before, and the notices of those waits.
+WITH gone AS (
+    DELETE FROM waiting_runs w USING unnest($1::text[], $2::integer[]) AS x(run_id, attempt)
+    WHERE w.run_id = x.run_id AND w.attempt <= x.attempt RETURNING w.decision_id
+)
+DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id;
+
+-- name: register_waiting
+-- Runs refused for now, a jsonb array of waiting runs (services/reconciler/headroom.py); a run
+-- decided again since (Postgres has a later attempt) is not registered. Returns those that were.
+INSERT INTO waiting_runs (run_id, attempt, decision_id, waiting_for, tenant, labels, sensitive, gpus, nodes, needs, policy_ids,
+                          checked_sha, decided_at)
+SELECT w.run_id, w.attempt, w.decision_id, w.waiting_for, w.tenant, w.labels, w.sensitive, w.gpus, w.nodes, w.needs,
+       ARRAY(SELECT jsonb_array_elements(w.needs) ->> 0), w.checked_sha, w.decided_at
+FROM jsonb_to_recordset($1::jsonb) AS w(run_id text, attempt integer, decision_id uuid, waiting_for text, tenant text, labels jsonb,
+                                        sensitive boolean, gpus integer, nodes integer, needs jsonb, checked_sha text, decided_at timestamptz)
+WHERE NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+ON CONFLICT (run_id) DO NOTHING
+RETURNING run_id;
+
+-- name: waiting_on_release
+-- Runs still waiting that a release may concern: for quota headroom of tenant $1 (or, with $2,
+-- of the sensitive pool), or for budget on one of policies $3.
+SELECT w.* FROM waiting_runs w
+WHERE ((w.waiting_for = 'quota' AND (w.tenant = $1 OR ($2 AND w.sensitive))) OR (w.waiting_for = 'budget' AND w.policy_ids && $3::text[]))
+  AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+ORDER BY w.run_id;
+
+-- name: waiting_unchecked
+-- Runs still waiting not yet judged under bundle $1 (a limit may have risen), $2 at a time,
+-- claimed so that one reconciler judges each.
+SELECT w.* FROM waiting_runs w
+WHERE w.checked_sha IS DISTINCT FROM $1
+  AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+ORDER BY w.run_id LIMIT $2 FOR UPDATE OF w SKIP LOCKED;
+
+-- name: mark_waiting_checked
+UPDATE waiting_runs SET checked_sha = $2 WHERE decision_id = ANY($1::uuid[]);
+
+-- name: insert_headroom_notices
+-- The notices of one cause ($2) for decisions $1; returns those not sent before.
+INSERT INTO headroom_notices (decision_id, cause) SELECT d, $2 FROM unnest($1::uuid[]) AS d
+ON CONFLICT DO NOTHING RETURNING decision_id;
+
+-- name: forget_ended_waiting
+-- Runs the platform reported ended ($1): they wait for nothing any more.
+WITH gone AS (DELETE FROM waiting_runs WHERE run_id = ANY($1::text[]) RETURNING decision_id)
+DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id;
+
+-- name: forget_stale_waiting
+-- Runs refused before $1: their platform gave up on them; they get no more HEADROOM.
+WITH gone AS (DELETE FROM waiting_runs WHERE decided_at < $1 RETURNING decision_id)
+DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id;

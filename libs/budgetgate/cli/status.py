@@ -1,0 +1,48 @@
+"""`budgetgate status RUN_ID`: a run's latest decision and, for a run refused for now (a DELAY,
+a quota rejection), what it waits for with the limiting figures as they are now, read from the
+ledger's truth in Postgres (the same answer as GET /v1/admissions/{run_id})."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from budgetgate.cli import backend
+
+
+@click.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON (as GET /v1/admissions/{run_id}).")
+def status(run_id: str, as_json: bool) -> None:
+    """RUN_ID's latest decision, and whether (and for what) it waits."""
+    found = asyncio.run(_status(backend.stack_settings().postgres_dsn, run_id))
+    if found is None:
+        raise click.ClickException(f"no decision for run {run_id!r}")
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    click.echo(f"{found['run_id']} attempt {found['attempt']}: {found['decision']} at {found['decided_at']} — {found['reason']}")
+    waiting = found["waiting"]
+    if waiting is None:
+        click.echo("not waiting")
+        return
+    click.echo(f"{waiting['state']} since {waiting['since']}; as of {waiting['as_of']}:")
+    for line in waiting["summary"].split("; "):
+        click.echo(f"  {line}")
+    click.echo(f"headroom now: resubmit with attempt {found['attempt'] + 1}" if waiting["headroom"] else "no headroom yet (a HEADROOM action announces it)")
+
+
+async def _status(dsn: str, run_id: str) -> dict[str, Any] | None:
+    from budgetgate.core.loader import bundle_from_json
+    from budgetgate.ledger.queries import sql
+    from budgetgate.services.admission.status import run_status
+
+    async with backend.postgres(dsn) as conn:
+        row = await conn.fetchrow(sql("active_bundle"))  # type: ignore[attr-defined]
+        bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"]) if row else None
+        found = await run_status(conn, bundle, run_id, now=datetime.now(UTC))  # type: ignore[arg-type]
+    return None if found is None else found[0]

@@ -1,0 +1,198 @@
+"""Pending visibility on real servers: a DELAY or a quota rejection is shown afterwards with the
+limiting figures as they are now (GET /v1/admissions/{run_id}, `budgetgate status`), and when
+room returns (a run ends, a limit rises) each waiting run gets one HEADROOM on
+budget.actions.v1, read here from the broker; a run decided again waits no more."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+from click.testing import CliRunner
+
+from budgetgate import wire
+from budgetgate.cli.actions import read_topics
+from budgetgate.cli.main import cli
+from budgetgate.topics import Topics
+from budgetgate.v1.actions_pb2 import HEADROOM, BudgetAction
+from tests.integration.test_quotas import BIG_BUDGET, started
+from tests.integration.test_reconciler import feed, lifecycle, outbox, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures
+from tests.support.admission import apply_policies, budget_yaml
+from tests.support.quotas import QUOTA, physics
+
+
+def delaying(limit: int) -> dict[str, str]:
+    return {"d.yaml": budget_yaml("physics-delay", namespace="physics", labels="{team: physics}", limit=f"gpu_hours: {limit}", on_exhausted="delay")}
+
+
+async def headrooms(settings) -> list[BudgetAction]:  # type: ignore[no-untyped-def]
+    """Every HEADROOM on the test's budget.actions.v1, as the broker has them."""
+    found = []
+    async for record in read_topics(settings.kafka_bootstrap, [Topics(settings.topic_prefix).actions], follow=False):
+        action = wire.decode(BudgetAction, record.value, record.headers)
+        if action.type == HEADROOM:
+            found.append(action)
+    return found
+
+
+async def registered(dsn: str) -> set[tuple[str, int]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {(r["run_id"], r["attempt"]) for r in await conn.fetch("SELECT run_id, attempt FROM waiting_runs")}
+    finally:
+        await conn.close()
+
+
+async def status_cli(dsn: str, run_id: str) -> str:
+    result = await asyncio.to_thread(CliRunner().invoke, cli, ["status", run_id], env={"BUDGETGATE_POSTGRES_DSN": dsn})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+async def test_quota_rejection_is_visible_now_and_hears_headroom_once_when_a_run_ends(
+    admission_factory,
+    reconciler_factory,  # noqa: F811
+    feed,  # noqa: F811
+    settings,
+    pg_dsn,
+) -> None:
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 4"), "b.yaml": BIG_BUDGET})
+    assert (await server.client.post("/v1/admissions", json=physics("r1", nodes=3))).json()["decision"] == "ALLOW"
+    refused = (await server.client.post("/v1/admissions", json=physics("w", nodes=2))).json()
+    assert refused["decision"] == "DENY" and refused["reason"].startswith("allocation rejected")
+
+    before = (await server.client.get("/v1/admissions/w")).json()
+    assert before["decision"] == "DENY" and before["decision_id"] == refused["decision_id"]
+    waiting = before["waiting"]
+    assert waiting["state"] == "waiting for quota headroom" and waiting["headroom"] is False
+    assert waiting["limiting"] == [
+        {"kind": "quota", "name": "max_nodes", "scope_id": None, "tenant": "physics", "unit": "nodes", "limit": 4, "used": 3,
+         "reserved": None, "consumed": None, "requested": 2, "remaining": 1, "fits": False}
+    ]  # fmt: skip
+    shown = await status_cli(pg_dsn, "w")
+    assert "waiting for quota headroom" in shown and 'tenant "physics" max_nodes: 3 of 4 held, needs 2: does not fit' in shown
+
+    await reconciler_factory()
+    await wait_for(lambda: _has(pg_dsn, ("w", 1)), what="w registered as waiting")
+    assert (await server.client.post("/v1/admissions", json=physics("x", nodes=1))).json()["decision"] == "ALLOW"
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    await feed.send(lifecycle("r1", "STARTED", start, gpus=1), lifecycle("r1", "COMPLETED", start + timedelta(minutes=1)))
+
+    async def heard() -> bool:
+        return len(await headrooms(settings)) >= 1
+
+    await wait_for(heard, what="HEADROOM for w")
+    [action] = await headrooms(settings)
+    assert (action.run_id, action.attempt) == ("w", 1)
+    assert "max_nodes: 1 of 4 held, needs 2: fits" in action.message and "attempt 2" in action.message
+
+    after = (await server.client.get("/v1/admissions/w")).json()["waiting"]
+    assert after["headroom"] is True and after["limiting"][0]["used"] == 1 and after["limiting"][0]["fits"] is True
+    assert "max_nodes: 1 of 4 held, needs 2: fits" in await status_cli(pg_dsn, "w")
+
+    # Resubmitted and admitted: w waits no more, so the next run to end sends it nothing.
+    admitted = (await server.client.post("/v1/admissions", json=physics("w", nodes=2, attempt=2))).json()
+    assert admitted["decision"] == "ALLOW"
+    assert (await server.client.get("/v1/admissions/w")).json()["waiting"] is None
+    await feed.send(lifecycle("x", "STARTED", start, gpus=1), lifecycle("x", "COMPLETED", start + timedelta(minutes=2)))
+    await wait_for(lambda: _released(pg_dsn, "x"), what="x's holds given back")
+    assert [a.run_id for a in await outbox(pg_dsn, "budget.actions.v1", BudgetAction) if a.type == HEADROOM] == ["w"]
+    assert [(a.run_id, a.event_id) for a in await headrooms(settings)] == [("w", action.event_id)]
+
+    async def forgotten() -> bool:
+        return await registered(pg_dsn) == set()
+
+    await wait_for(forgotten, what="w forgotten once decided again")
+
+
+async def test_budget_delay_hears_headroom_when_a_limit_rises_and_when_a_run_ends(
+    admission_factory,
+    reconciler_factory,  # noqa: F811
+    feed,  # noqa: F811
+    settings,
+    pg_dsn,
+) -> None:
+    await apply_policies(pg_dsn, delaying(10), sha="1" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=physics("big", gpus=8))).json()["decision"] == "ALLOW"
+    assert (await server.client.post("/v1/admissions", json=physics("late", gpus=4))).json()["decision"] == "DELAY"
+    assert (await server.client.post("/v1/admissions", json=physics("mid", gpus=9))).json()["decision"] == "DELAY"
+    waiting = (await server.client.get("/v1/admissions/late")).json()["waiting"]
+    assert waiting["state"] == "waiting for budget" and waiting["headroom"] is False
+    assert waiting["limiting"] == [
+        {"kind": "budget", "name": "physics-delay", "scope_id": "ns=physics;team=physics", "tenant": None, "unit": "gpu_hours", "limit": 10.0,
+         "used": 8.0, "reserved": 8.0, "consumed": 0.0, "requested": 4.0, "remaining": 2.0, "fits": False}
+    ]  # fmt: skip
+
+    await reconciler_factory()
+    await wait_for(lambda: _has(pg_dsn, ("late", 1), ("mid", 1)), what="both registered as waiting")
+    # The limit rises to 14: late (8 + 4) fits, mid (8 + 9) does not.
+    await apply_policies(pg_dsn, delaying(14), sha="2" * 40)
+
+    async def count(n: int) -> bool:
+        return len(await headrooms(settings)) >= n
+
+    await wait_for(lambda: count(1), what="HEADROOM after the limit rose")
+    [raised] = await headrooms(settings)
+    assert (raised.run_id, raised.attempt, raised.policy_id, raised.scope_id) == ("late", 1, "physics-delay", "ns=physics;team=physics")
+    now = (await server.client.get("/v1/admissions/late")).json()["waiting"]
+    assert now["headroom"] is True and now["limiting"][0]["limit"] == 14.0 and now["limiting"][0]["remaining"] == 6.0
+    assert (await server.client.get("/v1/admissions/mid")).json()["waiting"]["headroom"] is False
+
+    # big ends having used 1 of its 8 GPU-hours: 7 come back; late hears of it again, mid at last.
+    start = datetime.now(UTC) - timedelta(hours=2)
+    await feed.send(
+        lifecycle("big", "STARTED", start, gpus=8),
+        usage("big", "s", start + timedelta(minutes=30), 1),
+        lifecycle("big", "COMPLETED", start + timedelta(minutes=30)),
+    )
+    await wait_for(lambda: count(3), what="HEADROOM after big ended")
+    found = await headrooms(settings)
+    assert sorted(a.run_id for a in found) == ["late", "late", "mid"] and len({a.event_id for a in found}) == 3
+    assert "1 of 14 used, needs 9: fits" in next(a.message for a in found if a.run_id == "mid")
+    assert (await server.client.get("/v1/admissions/mid")).json()["waiting"]["limiting"][0]["used"] == 1.0
+    # One per waiting run and event: what the outbox holds is what the broker has.
+    assert sorted(a.event_id for a in await outbox(pg_dsn, "budget.actions.v1", BudgetAction) if a.type == HEADROOM) == sorted(a.event_id for a in found)
+
+
+async def _has(dsn: str, *runs: tuple[str, int]) -> bool:
+    return set(runs) <= await registered(dsn)
+
+
+async def _released(dsn: str, run_id: str) -> bool:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval("SELECT state = 'released' FROM run_holds WHERE run_id = $1", run_id) is True
+    finally:
+        await conn.close()
+
+
+async def test_a_quota_override_that_raises_the_limit_sends_headroom(
+    admission_factory,
+    reconciler_factory,  # noqa: F811
+    settings,
+    pg_dsn,
+) -> None:
+    """PUT /v1/tenants raising a hard quota is a limit rising too: the run it refused hears of it,
+    once, and a run that still does not fit does not."""
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 4"), "b.yaml": BIG_BUDGET})
+    assert (await server.client.post("/v1/admissions", json=physics("r1", nodes=3))).json()["decision"] == "ALLOW"
+    assert (await server.client.post("/v1/admissions", json=physics("w", nodes=2))).json()["decision"] == "DENY"
+    assert (await server.client.post("/v1/admissions", json=physics("huge", nodes=9))).json()["decision"] == "DENY"
+    await reconciler_factory()
+    await wait_for(lambda: _has(pg_dsn, ("w", 1), ("huge", 1)), what="both registered as waiting")
+    assert await headrooms(settings) == []
+
+    raised = await server.client.put("/v1/tenants/physics", json={"max_nodes": 6, "reason": "more nodes"})
+    assert raised.status_code == 200, raised.text
+
+    async def heard() -> bool:
+        return len(await headrooms(settings)) >= 1
+
+    await wait_for(heard, what="HEADROOM after the override raised max_nodes")
+    await asyncio.sleep(1.0)  # a few upkeep ticks: nothing more is sent for the same revision
+    [found] = await headrooms(settings)
+    assert (found.run_id, found.attempt) == ("w", 1)
+    assert (await server.client.get("/v1/admissions/w")).json()["waiting"]["limiting"][0]["limit"] == 6
