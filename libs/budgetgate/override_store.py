@@ -17,6 +17,7 @@ from budgetgate.core.overrides import (
     TenantOverrides,
     Value,
     after_apply,
+    effective,
     from_json,
     to_json,
     updated,
@@ -52,6 +53,15 @@ async def active_bundle(conn: Any) -> PolicyBundle:
     if row is None:
         raise NoActiveBundle("no policy bundle has been applied yet; overrides apply on top of one (`budgetgate policy apply`)")
     return bundle_from_json(row["documents"], git_sha=row["git_sha"])
+
+
+async def decided_under(conn: Any) -> PolicyBundle | None:
+    """The bundle decisions are made under now: the active Git bundle with the latest tenant
+    overrides applied (None before any bundle was applied)."""
+    try:
+        return effective(await active_bundle(conn), await load(conn))
+    except NoActiveBundle:
+        return None
 
 
 async def update(

@@ -196,3 +196,5 @@ async def test_a_quota_override_that_raises_the_limit_sends_headroom(
     [found] = await headrooms(settings)
     assert (found.run_id, found.attempt) == ("w", 1)
     assert (await server.client.get("/v1/admissions/w")).json()["waiting"]["limiting"][0]["limit"] == 6
+    # The command line reads the same figures as the API: the limit with the override.
+    assert 'tenant "physics" max_nodes: 3 of 6 held, needs 2: fits' in await status_cli(pg_dsn, "w")

@@ -37,12 +37,11 @@ def status(run_id: str, as_json: bool) -> None:
 
 
 async def _status(dsn: str, run_id: str) -> dict[str, Any] | None:
-    from budgetgate.core.loader import bundle_from_json
-    from budgetgate.ledger.queries import sql
+    from budgetgate.override_store import decided_under
     from budgetgate.services.admission.status import run_status
 
     async with backend.postgres(dsn) as conn:
-        row = await conn.fetchrow(sql("active_bundle"))  # type: ignore[attr-defined]
-        bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"]) if row else None
-        found = await run_status(conn, bundle, run_id, now=datetime.now(UTC))  # type: ignore[arg-type]
+        # What admission decides under (Git and the tenant overrides), so the figures are the
+        # same as GET /v1/admissions/{run_id} answers.
+        found = await run_status(conn, await decided_under(conn), run_id, now=datetime.now(UTC))  # type: ignore[arg-type]
     return None if found is None else found[0]
