@@ -15,6 +15,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import asyncpg
 import httpx
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
@@ -186,7 +187,12 @@ async def test_two_reconcilers_share_partitions_and_one_takes_over_from_the_othe
             final, inbox, _ = await counts(pg_dsn)
             return final == RECONCILER_RUNS and inbox == len(messages) and await ledger_in_postgres(pg_dsn) == expected
 
-        await wait_for(all_settled, timeout=120, what="every run settled by the survivor")
+        try:
+            await wait_for(all_settled, timeout=120, what="every run settled by the survivor")
+        except AssertionError as exc:
+            wrong = await _runs_charged_wrongly(pg_dsn, {f"s{i}": (6 + i % 4) * H for i in range(RECONCILER_RUNS)})
+            found = (await counts(pg_dsn), await ledger_in_postgres(pg_dsn))
+            raise AssertionError(f"{exc}; (final, inbox, facts), ledger: {found}, expected {expected}; runs charged other than their usage: {wrong}") from exc
         final, inbox, facts = await counts(pg_dsn)
         assert final == RECONCILER_RUNS and inbox == facts == len(messages), "every fact applied once"
         assert await ledger_in_postgres(pg_dsn) == expected
@@ -195,6 +201,27 @@ async def test_two_reconcilers_share_partitions_and_one_takes_over_from_the_othe
     finally:
         for proc in processes:
             _stop(proc)
+
+
+async def _runs_charged_wrongly(dsn: str, usage: dict[str, int]) -> dict[str, object]:
+    """The runs whose charges do not add up to their usage, with what the reconciler holds of them."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        charged = dict(await conn.fetch("SELECT run_id, sum(amount)::bigint FROM run_charges GROUP BY run_id"))
+        wrong: dict[str, object] = {}
+        for run_id, amount in usage.items():
+            if charged.get(run_id, 0) != amount:
+                wrong[run_id] = {
+                    "charged": charged.get(run_id, 0),
+                    "usage": amount,
+                    "charges": [tuple(r) for r in await conn.fetch("SELECT ledger_key, bucket, amount FROM run_charges WHERE run_id = $1", run_id)],
+                    "meter": [dict(r) for r in await conn.fetch("SELECT * FROM run_meters WHERE run_id = $1", run_id)],
+                    "samples": [dict(r) for r in await conn.fetch("SELECT * FROM run_samples WHERE run_id = $1", run_id)],
+                    "settlement": [dict(r) for r in await conn.fetch("SELECT * FROM run_settlements WHERE run_id = $1", run_id)],
+                }
+        return wrong
+    finally:
+        await conn.close()
 
 
 async def _redis_reads(settings, key: str, wanted: tuple[int, int]) -> bool:  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@ whole-run recomputation (the repair tool), and amounts beyond the ledger's range
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -138,3 +139,41 @@ async def test_the_settle_script_refuses_a_figure_beyond_the_range_and_changes_n
         assert not await ledger.settle_end("r", seq=1, committed=True)  # ended once
     finally:
         await client.aclose()
+
+
+async def test_a_fact_committed_while_its_run_is_being_settled_is_never_left_unsettled(admission_factory, reconciler_factory, pg_dsn) -> None:
+    """A fact recorded while a settlement of its run is under way, with the run already marked:
+    the settlement either sees the fact or leaves the run marked. Marking with ON CONFLICT DO
+    NOTHING took no lock on the existing mark, so the settlement deleted it without seeing the
+    uncommitted fact, and the run was never settled again (found by the scale-out fault test)."""
+    from budgetgate.ledger.queries import sql
+
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("mark", limit="gpu_hours: 100000")}, sha="e" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.submit(run_id="m", **BODY)).json()["decision"] == "ALLOW"
+    # No consumer feeds it and its loops wait an hour: only the settlement below runs.
+    reconciler = await reconciler_factory(tick_seconds=3600)
+    at = datetime.now(UTC) - timedelta(hours=2)
+    first = await asyncpg.connect(pg_dsn)
+    second = await asyncpg.connect(pg_dsn)
+    try:
+        await first.execute(sql("record_samples"), ["m"], ["s1"], [at], [1 * H], [0])
+        await first.execute(sql("mark_runs_to_settle"), ["m"])  # committed: the run is marked
+        recording = second.transaction()
+        await recording.start()
+        await second.execute(sql("record_samples"), ["m"], ["s2"], [at + timedelta(hours=1)], [3 * H], [0])
+        await second.execute(sql("mark_runs_to_settle"), ["m"])
+        settling = asyncio.create_task(reconciler.settler.settle("m"))
+        await asyncio.sleep(0.5)  # the settlement runs (or waits) while the second fact is uncommitted
+        await recording.commit()
+        await settling
+        unfolded = await first.fetchval("SELECT count(*) FROM run_samples WHERE run_id = 'm' AND gpu_high IS NULL")
+        marked = await first.fetchval("SELECT count(*) FROM runs_to_settle WHERE run_id = 'm'")
+        assert unfolded == 0 or marked == 1, "a recorded sample is neither folded nor waiting to be"
+        if marked:
+            await reconciler.settler.settle("m")
+        assert sum((await run_charges(pg_dsn, "m")).values()) == 3 * H
+    finally:
+        await first.close()
+        await second.close()

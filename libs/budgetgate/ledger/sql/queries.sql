@@ -342,7 +342,11 @@ ON CONFLICT (run_id, sample_id) DO NOTHING RETURNING run_id;
 
 -- name: mark_runs_to_settle
 -- Sorted run ids, so two consumers marking overlapping runs lock them in the same order.
-INSERT INTO runs_to_settle (run_id) SELECT unnest($1::text[]) ON CONFLICT (run_id) DO NOTHING;
+-- An existing mark is updated, not skipped: the row lock makes a settlement that unmarks the
+-- run (unmark_settled) wait for this transaction, and its reads then see these facts. With DO
+-- NOTHING it could delete the mark without seeing them, and the run was never settled again.
+INSERT INTO runs_to_settle (run_id) SELECT unnest($1::text[])
+ON CONFLICT (run_id) DO UPDATE SET since = runs_to_settle.since;
 
 -- name: runs_waiting
 -- Dead-lettered runs wait for an operator, not for the next loop.
