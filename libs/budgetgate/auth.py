@@ -10,6 +10,7 @@ issuer is configured, OIDC JWTs verified against its JWKS."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -20,7 +21,7 @@ import asyncpg
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from limits import parse
+from limits import RateLimitItem, parse
 from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import FixedWindowRateLimiter
 from pydantic import Field
@@ -88,6 +89,7 @@ class Gate:
         self.jwt = jwt
         self.limiter = limiter
         self.limit = parse(limit) if limit else None
+        self.hits = CoalescedHits(limiter, self.limit) if limiter is not None and self.limit is not None else None
 
     async def principal(self, headers: Iterable[tuple[bytes, bytes]]) -> Principal:
         """The caller named by the Authorization header; raises Unauthenticated."""
@@ -118,10 +120,10 @@ class Gate:
         return principal
 
     async def count(self, principal: Principal) -> None:
-        if self.limiter is None or self.limit is None:
+        if self.limiter is None or self.limit is None or self.hits is None:
             return
         try:
-            allowed = await self.limiter.hit(self.limit, principal.name)
+            allowed = await self.hits.hit(principal.name) <= self.limit.amount
         except BACKEND_ERRORS as exc:
             # A limit protects against abuse; it is not a ledger. Redis being down must not
             # take down a service that does not otherwise need it (metering-ingest), so the
@@ -131,6 +133,53 @@ class Gate:
         if not allowed:
             stats = await self.limiter.get_window_stats(self.limit, principal.name)
             raise RateLimited(principal, max(1, int(stats.reset_time - time.time() + 0.999)))
+
+
+class CoalescedHits:
+    """A fixed-window limit's hits counted together: the hits on one principal's window that
+    arrive while its counter is being incremented join the next increment (INCRBY n in the
+    limiter's storage, under the library's own key), and each learns the count it reached, as
+    if it had been counted alone. Exactly what separate hits count, with one storage round trip
+    per batch instead of per request (one per request was a tenth of admission's CPU)."""
+
+    def __init__(self, limiter: FixedWindowRateLimiter, item: RateLimitItem) -> None:
+        self.storage = limiter.storage
+        self.item = item
+        self._waiting: dict[str, list[asyncio.Future[int]]] = {}
+        self._counting: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def hit(self, identifier: str) -> int:
+        """Count one hit; the window's count with it."""
+        key = self.item.key_for(identifier)
+        found: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(key, []).append(found)
+        if key not in self._counting:
+            self._counting.add(key)
+            task = asyncio.get_running_loop().create_task(self._count(key), name="rate-limit-count")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await found
+
+    async def _count(self, key: str) -> None:
+        batch: list[asyncio.Future[int]] | None = None
+        try:
+            while batch := self._waiting.pop(key, None):
+                try:
+                    total = await self.storage.incr(key, self.item.get_expiry(), amount=len(batch))
+                except Exception as exc:  # noqa: BLE001 - every hit of the batch hears of it
+                    for waiter in batch:
+                        if not waiter.done():
+                            waiter.set_exception(exc)
+                    continue
+                for place, waiter in enumerate(batch, start=total - len(batch) + 1):
+                    if not waiter.done():
+                        waiter.set_result(place)
+        finally:
+            self._counting.discard(key)
+            for waiter in [*(batch or ()), *self._waiting.pop(key, ())]:  # only when this task was cancelled
+                if not waiter.done():
+                    waiter.cancel()
 
 
 def unauthenticated_response(exc: Unauthenticated) -> JSONResponse:
@@ -200,6 +249,14 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
     return Gate(tokens=TokenStore(pool, cache_seconds=settings.token_cache_seconds), jwt=jwt, limiter=limiter, limit=settings.rate_limit), storage
 
 
+async def close_storage(storage: Any) -> None:
+    """Close the Redis client of a rate limit's storage (the library leaves it open)."""
+    client = getattr(getattr(storage, "bridge", None), "storage", None)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            await client.aclose()
+
+
 def install_auth(app: FastAPI, settings: AuthSettings) -> None:
     """Give `app` a Gate while it runs (its own small Postgres pool for token lookups) and the
     401 / 403 / 429 answers."""
@@ -210,9 +267,12 @@ def install_auth(app: FastAPI, settings: AuthSettings) -> None:
         # min_size=0: a service starts (and answers 503) while Postgres is down.
         pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=0, max_size=4, command_timeout=5)
         try:
-            app_.state.gate, _storage = await build_gate(settings, pool)
-            async with inner(app_) as state:
-                yield state
+            app_.state.gate, storage = await build_gate(settings, pool)
+            try:
+                async with inner(app_) as state:
+                    yield state
+            finally:
+                await close_storage(storage)
         finally:
             await pool.close()
 
