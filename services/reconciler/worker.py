@@ -171,10 +171,11 @@ class Reconciler:
             await self.settler.end_pending(older_than_ms=int(time.time() * 1000))
             self._repaired = True
         while True:
+            # Cleared before the marks are read: a fact marked during this pass wakes the next.
+            self.wakeup.clear()
             rows = await self.pool.fetch(sql("runs_waiting"), 200)
             await self._settle_all([r["run_id"] for r in rows])
             if len(rows) < 200:
-                self.wakeup.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wakeup.wait(), timeout=self.settings.tick_seconds)
 

@@ -342,11 +342,12 @@ ON CONFLICT (run_id, sample_id) DO NOTHING RETURNING run_id;
 
 -- name: mark_runs_to_settle
 -- Sorted run ids, so two consumers marking overlapping runs lock them in the same order.
--- An existing mark is updated, not skipped: the row lock makes a settlement that unmarks the
--- run (unmark_settled) wait for this transaction, and its reads then see these facts. With DO
--- NOTHING it could delete the mark without seeing them, and the run was never settled again.
+-- A mark already there is locked, not skipped (DO UPDATE ... WHERE false writes nothing but
+-- locks the row): a settlement taking it away (unmark_settled) then waits for this transaction
+-- to commit, and so reads the facts it records. Skipped, it was taken away while these facts
+-- were not yet visible, and they stayed unsettled with no mark left to say so.
 INSERT INTO runs_to_settle (run_id) SELECT unnest($1::text[])
-ON CONFLICT (run_id) DO UPDATE SET since = runs_to_settle.since;
+ON CONFLICT (run_id) DO UPDATE SET since = runs_to_settle.since WHERE false;
 
 -- name: runs_waiting
 -- Dead-lettered runs wait for an operator, not for the next loop.
@@ -355,6 +356,9 @@ WHERE NOT EXISTS (SELECT 1 FROM settlement_failures f WHERE f.run_id = w.run_id 
 ORDER BY w.since LIMIT $1;
 
 -- name: unmark_settled
+-- Before the run's facts are read: a transaction marking the run holds its mark (see
+-- mark_runs_to_settle) and this waits for its commit; one marking it after this finds no mark
+-- and leaves a new one.
 DELETE FROM runs_to_settle WHERE run_id = $1;
 
 -- name: runs_due
