@@ -42,7 +42,8 @@ def collector() -> Iterator[tuple[str, list[str]]]:
 
 
 @pytest.fixture
-def telemetry() -> Iterator[Telemetry]:
+def telemetry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Telemetry]:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")  # spans recorded, as with an exporter
     t = setup_telemetry(service_name="test-service", otlp_endpoint=None)
     yield t
     t.shutdown()
@@ -61,7 +62,8 @@ def test_metrics_are_served_in_prometheus_text(telemetry: Telemetry) -> None:
     assert telemetry.metrics_content_type.startswith("text/plain")
 
 
-def test_two_setups_in_one_process_keep_their_own_metrics_and_spans() -> None:
+def test_two_setups_in_one_process_keep_their_own_metrics_and_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
     first = setup_telemetry(service_name="first", otlp_endpoint=None)
     second = setup_telemetry(service_name="second", otlp_endpoint=None)
     try:
@@ -79,6 +81,25 @@ def test_two_setups_in_one_process_keep_their_own_metrics_and_spans() -> None:
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def test_with_nowhere_to_send_spans_none_is_recorded_but_the_trace_still_travels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    t = setup_telemetry(service_name="quiet", otlp_endpoint=None)
+    try:
+        tracer = t.tracer("t")
+        with tracer.start_as_current_span("producer") as producer:
+            headers = inject_headers()
+        assert not producer.is_recording() and producer.get_span_context().is_valid
+        with tracer.start_as_current_span("consumer", context=extract_context(headers)) as consumer:
+            pass
+        assert consumer.get_span_context().trace_id == producer.get_span_context().trace_id
+        # A caller's sampled trace is still followed (recorded) here.
+        sampled = [("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")]
+        with tracer.start_as_current_span("server", context=extract_context(sampled)) as server:
+            assert server.is_recording() and server.get_span_context().trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    finally:
+        t.shutdown()
 
 
 def test_globals_are_installed_by_the_first_setup_only() -> None:
