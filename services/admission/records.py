@@ -13,6 +13,7 @@ import asyncpg
 import orjson
 
 from budgetgate import outbox, topics, wire
+from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.concurrency import Asks
@@ -95,6 +96,7 @@ class DecisionRecord:
             job=job,
             standing=standing,
             readings=readings,
+            accounting=BudgetSource.recorded(self.readings.get("accounting")),
         )
         return wire.encode(message, key=self.request.run_id)
 

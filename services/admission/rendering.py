@@ -13,6 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from collections.abc import Mapping
 
+from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, Evaluation, Plan, Reading, deciding_index
 from budgetgate.core.units import Unit, display, hours, money
 from budgetgate.core.windows import rfc3339
@@ -106,9 +107,12 @@ def decision_message(
     job: tuple[str, str] | None,
     standing: dict[str, Any] | None = None,
     readings: Mapping[str, Reading] | None = None,
+    accounting: BudgetSource | None = None,
 ) -> decisions_pb2.Decision:
     """The budget.decisions.v1 message; its event id is the decision id, so redelivery dedupes.
-    `readings` are what each ledger key held before the decision, carried for the evidence."""
+    `readings` are what each ledger key held before the decision, and `accounting` which figure
+    the tenant's soft budget was judged on when an accounting source was asked, carried for the
+    evidence."""
     sub = plan.submission
     res = sub.resources
     message = decisions_pb2.Decision(
@@ -133,6 +137,7 @@ def decision_message(
         preemptible=(standing or {}).get("preemptible", False),
         deciding_evaluation=deciding_index(decision),
         override_revision=plan.override_revision,
+        accounting=_accounting(accounting),
     )
     for e in decision.evaluations:
         reading = (readings or {}).get(e.ledger_key or "")
@@ -160,3 +165,9 @@ def decision_message(
             )
         )
     return message
+
+
+def _accounting(source: BudgetSource | None) -> decisions_pb2.Decision.Accounting | None:
+    if source is None:
+        return None
+    return decisions_pb2.Decision.Accounting(policy_id=source.policy_id, source=source.source, remaining_amount=source.remaining, detail=source.detail)

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Decision(_message.Message):
-    __slots__ = ("event_id", "event_time", "decision_id", "run_id", "attempt", "outcome", "reason", "policy_bundle_sha", "namespace", "labels", "job", "resources", "projected_runtime_hours", "projected_gpu_milli_hours", "showback_cost_micros", "currency", "evaluations", "tenant", "priority_penalty", "preemptible", "deciding_evaluation", "override_revision")
+    __slots__ = ("event_id", "event_time", "decision_id", "run_id", "attempt", "outcome", "reason", "policy_bundle_sha", "namespace", "labels", "job", "resources", "projected_runtime_hours", "projected_gpu_milli_hours", "showback_cost_micros", "currency", "evaluations", "tenant", "priority_penalty", "preemptible", "deciding_evaluation", "override_revision", "accounting")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,17 @@ class Decision(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class Accounting(_message.Message):
+        __slots__ = ("policy_id", "source", "remaining_amount", "detail")
+        POLICY_ID_FIELD_NUMBER: _ClassVar[int]
+        SOURCE_FIELD_NUMBER: _ClassVar[int]
+        REMAINING_AMOUNT_FIELD_NUMBER: _ClassVar[int]
+        DETAIL_FIELD_NUMBER: _ClassVar[int]
+        policy_id: str
+        source: str
+        remaining_amount: int
+        detail: str
+        def __init__(self, policy_id: _Optional[str] = ..., source: _Optional[str] = ..., remaining_amount: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
     class Evaluation(_message.Message):
         __slots__ = ("policy_id", "policy_git_sha", "scope_id", "ledger_key", "window_start", "window_end", "unit", "enforcement", "on_exhausted", "limit_amount", "projected_amount", "remaining_amount", "admitted_amount", "deficit_amount", "outcome", "next_eligible_time", "missing_labels", "reserved_amount", "consumed_amount")
         POLICY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +93,7 @@ class Decision(_message.Message):
     PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
     DECIDING_EVALUATION_FIELD_NUMBER: _ClassVar[int]
     OVERRIDE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTING_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     event_time: _timestamp_pb2.Timestamp
     decision_id: str
@@ -104,4 +116,5 @@ class Decision(_message.Message):
     preemptible: bool
     deciding_evaluation: int
     override_revision: int
-    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., decision_id: _Optional[str] = ..., run_id: _Optional[str] = ..., attempt: _Optional[int] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., reason: _Optional[str] = ..., policy_bundle_sha: _Optional[str] = ..., namespace: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job: _Optional[_Union[_common_pb2.Job, _Mapping]] = ..., resources: _Optional[_Union[_common_pb2.Resources, _Mapping]] = ..., projected_runtime_hours: _Optional[float] = ..., projected_gpu_milli_hours: _Optional[int] = ..., showback_cost_micros: _Optional[int] = ..., currency: _Optional[str] = ..., evaluations: _Optional[_Iterable[_Union[Decision.Evaluation, _Mapping]]] = ..., tenant: _Optional[str] = ..., priority_penalty: _Optional[float] = ..., preemptible: _Optional[bool] = ..., deciding_evaluation: _Optional[int] = ..., override_revision: _Optional[int] = ...) -> None: ...
+    accounting: Decision.Accounting
+    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., decision_id: _Optional[str] = ..., run_id: _Optional[str] = ..., attempt: _Optional[int] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., reason: _Optional[str] = ..., policy_bundle_sha: _Optional[str] = ..., namespace: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job: _Optional[_Union[_common_pb2.Job, _Mapping]] = ..., resources: _Optional[_Union[_common_pb2.Resources, _Mapping]] = ..., projected_runtime_hours: _Optional[float] = ..., projected_gpu_milli_hours: _Optional[int] = ..., showback_cost_micros: _Optional[int] = ..., currency: _Optional[str] = ..., evaluations: _Optional[_Iterable[_Union[Decision.Evaluation, _Mapping]]] = ..., tenant: _Optional[str] = ..., priority_penalty: _Optional[float] = ..., preemptible: _Optional[bool] = ..., deciding_evaluation: _Optional[int] = ..., override_revision: _Optional[int] = ..., accounting: _Optional[_Union[Decision.Accounting, _Mapping]] = ...) -> None: ...
