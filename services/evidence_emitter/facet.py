@@ -31,7 +31,7 @@ from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 
 FACET_KEY = "budget"
-SCHEMA_VERSION = "1-2-0"
+SCHEMA_VERSION = "1-3-0"
 SCHEMA_BASE = "https://budgetgate.dev/schemas/"
 SCHEMA_ID = f"{SCHEMA_BASE}facets/budget/{SCHEMA_VERSION}/BudgetRunFacet.json"
 SCHEMA_URL = f"{SCHEMA_ID}#/$defs/BudgetRunFacet"
@@ -72,6 +72,8 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
         "evaluations": evaluations,
         "submission": submission(message),
     }
+    if message.HasField("accounting"):
+        fields["accounting"] = accounting(message.accounting)
     if deciding is not None:
         chosen = evaluations[deciding]
         for key in ("policy_id", "policy_git_sha", "scope_id", "window_key", "window_start", "window_end"):
@@ -93,6 +95,19 @@ def submission(message: decisions_pb2.Decision) -> Fields:
     resources: Fields = {"gpus": res.gpus, "nodes": res.nodes}
     resources.update({k: v for k, v in (("flavor", res.flavor), ("region", res.region)) if v})
     return {"namespace": message.namespace, "labels": dict(message.labels), "resources": resources, "projected_runtime_hours": message.projected_runtime_hours}
+
+
+def accounting(source: decisions_pb2.Decision.Accounting) -> Fields:
+    """Which figure the tenant's soft GPU-hour budget `policy_id` was judged on: `external`
+    (the accounting system's remaining budget stood for its room, in GPU-hours and, so the
+    decision can be recomputed exactly, in the ledger's integers) or `ledger`, `detail` saying
+    where the figure came from or why the ledger's was used."""
+    fields: Fields = {"policy_id": source.policy_id, "source": source.source}
+    if source.HasField("remaining_amount"):
+        fields["remaining_gpu_hours"] = hours(source.remaining_amount)
+        fields["remaining_amount"] = source.remaining_amount
+    fields["detail"] = source.detail
+    return fields
 
 
 # The fields a reconciliation contributes; the rest of its facet is the settled decision's.

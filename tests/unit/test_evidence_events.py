@@ -12,6 +12,7 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 from openlineage.client.event_v2 import RunState
 
+from budgetgate.core.accounting import EXTERNAL, LEDGER, BudgetSource, with_external
 from budgetgate.core.evaluation import Reading, Resources, Submission, decide, plan
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.units import MILLI_PER_HOUR
@@ -40,8 +41,10 @@ def decided(
     used: dict[str, int] | None = None,
     releases=None,
     run_id: str = "flyte/vision/exec-1/n0",
+    accounting: BudgetSource | None = None,
 ) -> decisions_pb2.Decision:  # type: ignore[no-untyped-def]
-    """A Decision message as admission publishes it, from the real core and renderer."""
+    """A Decision message as admission publishes it, from the real core and renderer; with
+    `accounting`, decided on its figure as admission does (deciding.conclude)."""
     sub = Submission(
         run_id=run_id,
         namespace="vision-prod",
@@ -52,8 +55,10 @@ def decided(
     )
     p = plan(policies, sub)
     readings = {c.ledger_key: Reading(limit=c.policy.limit.amount, reserved=(used or {}).get(c.policy.id, 0), consumed=0) for c in p.charges}
-    d = decide(p, readings if p.charges else None, outlooks=releases)
-    return decision_message(plan=p, decision=d, decision_id=str(uuid.uuid4()), decided_at=AT, job=("vision-prod", "train-resnet"), readings=readings)
+    d = decide(p, with_external(p, readings, accounting) if p.charges else None, outlooks=releases)
+    return decision_message(
+        plan=p, decision=d, decision_id=str(uuid.uuid4()), decided_at=AT, job=("vision-prod", "train-resnet"), readings=readings, accounting=accounting
+    )
 
 
 def stamp(at: datetime) -> Timestamp:
@@ -103,6 +108,45 @@ def test_the_facet_names_the_override_revision_beside_the_bundle() -> None:
     budget = event_for(message)["run"]["facets"]["budget"]
     assert (budget["policy_bundle_sha"], budget["override_revision"]) == (SHA, 42)
     assert event_for(decided(bundle(TEAM)))["run"]["facets"]["budget"]["override_revision"] == 0
+
+
+SOFT = budget_yaml("gpu-soft", limit="gpu_hours: 1000", enforcement="soft", window="{calendar: week}")
+ANSWERED = "remaining_budget from the accounting system"
+
+
+def test_a_decision_on_an_external_accounting_figure_says_so_and_names_it() -> None:
+    validator = OpenLineageValidator(require_spec())
+    message = decided(bundle(TEAM, SOFT), used={"gpu-soft": 300 * H}, accounting=BudgetSource("gpu-soft", EXTERNAL, 100 * H, ANSWERED))
+    assert message.accounting == decisions_pb2.Decision.Accounting(policy_id="gpu-soft", source="external", remaining_amount=100 * H, detail=ANSWERED)
+    data = event_for(message)
+    budget = data["run"]["facets"]["budget"]
+    external = {"policy_id": "gpu-soft", "source": "external", "remaining_gpu_hours": 100.0, "remaining_amount": 100 * H, "detail": ANSWERED}
+    assert budget["accounting"] == external
+    # The budget's room was the accounting system's figure, not what the ledger read for it.
+    soft = next(e for e in budget["evaluations"] if e["policy_id"] == "gpu-soft")
+    assert soft["remaining"] == 100.0 and soft["reading"]["remaining"] == 700.0
+    assert validator.errors(data) == []
+    broken = {**data, "run": {"runId": data["run"]["runId"], "facets": {"budget": {**budget, "accounting": {**budget["accounting"]}}}}}
+    del broken["run"]["facets"]["budget"]["accounting"]["remaining_amount"]
+    assert any("remaining_amount" in e for e in validator.errors(broken))
+    # A reconciliation of the run carries the decision's accounting on.
+    settled = facet.reconciliation_fields(reconciliation(message.run_id, "COMPLETED"), budget)
+    assert settled["accounting"] == budget["accounting"]
+
+
+def test_a_decision_on_the_ledger_says_why_and_one_without_a_source_has_no_accounting() -> None:
+    validator = OpenLineageValidator(require_spec())
+    why = "the accounting system did not answer within 0.25 s"
+    message = decided(bundle(TEAM, SOFT), used={"gpu-soft": 300 * H}, accounting=BudgetSource("gpu-soft", LEDGER, None, why))
+    assert message.HasField("accounting") and not message.accounting.HasField("remaining_amount")
+    data = event_for(message)
+    budget = data["run"]["facets"]["budget"]
+    assert budget["accounting"] == {"policy_id": "gpu-soft", "source": "ledger", "detail": why}
+    assert next(e for e in budget["evaluations"] if e["policy_id"] == "gpu-soft")["remaining"] == 700.0
+    assert validator.errors(data) == []
+    plain = decided(bundle(TEAM, SOFT), used={"gpu-soft": 300 * H})
+    assert not plain.HasField("accounting")
+    assert "accounting" not in event_for(plain)["run"]["facets"]["budget"]
 
 
 def test_deny_is_abort_with_deficit_and_next_eligible_time() -> None:
