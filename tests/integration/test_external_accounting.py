@@ -1,6 +1,7 @@
 """An external accounting system's remaining budget for a tenant's soft GPU-hour budget, against a
 real stand-in server: used when it answers in time, the ledger's figure when it is slow, down
-or wrong (and the decision says which), a circuit breaker that stops asking, and a cache."""
+or wrong (and the decision says which), a circuit breaker that stops asking, and a cache; the
+decision message and its evidence in Marquez name the figure the decision was made on."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import time
 
 import pytest
 
+from budgetgate.core.units import MILLI_PER_HOUR
+from budgetgate.services.evidence_emitter import events
+from budgetgate.topics import ensure_topics
+from budgetgate.v1 import decisions_pb2
 from tests.support.accounting import AccountingStandIn
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, published_decisions
+from tests.support.marquez import EmitterServer, emitter_settings, http_client, require_spec, wait_evidence_settled
+from tests.support.marquez import marquez  # noqa: F401 - pytest fixture
 from tests.support.quotas import physics
 
 POLICIES = {
@@ -127,3 +134,47 @@ async def test_answers_are_cached_per_tenant_and_an_unknown_tenant_is_no_failure
     for i in range(5):
         assert "no remaining budget" in (await submit(uncached, f"u{i}"))["accounting"]["detail"]
     assert len(stand_in.asked) == 6  # never counted as failures: the breaker stayed closed
+
+
+async def test_the_decision_message_and_its_evidence_name_the_accounting_figure(admission_factory, pg_dsn, stand_in, settings, marquez) -> None:
+    require_spec()
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    server = await started(admission_factory, pg_dsn, stand_in)
+    without = await admission_factory()  # the same ledger and topics, no accounting source
+    await without.wait_ready()
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
+    try:
+        external = await submit(server, "external")
+        stand_in.mode = "error"
+        fallback = await submit(server, "fallback")
+        plain = await submit(without, "plain")
+        assert (external["accounting"]["source"], fallback["accounting"]["source"], plain["accounting"]) == ("external", "ledger", None)
+
+        published = await published_decisions(settings, {"external", "fallback", "plain"})
+        assert published["external"].accounting == decisions_pb2.Decision.Accounting(
+            policy_id="gpu-soft/physics", source="external", remaining_amount=100 * MILLI_PER_HOUR, detail="remaining_budget from the accounting system"
+        )
+        assert published["fallback"].accounting.source == "ledger" and not published["fallback"].accounting.HasField("remaining_amount")
+        assert "unusable data: status 500" in published["fallback"].accounting.detail
+        assert not published["plain"].HasField("accounting")
+
+        await marquez.wait_for(3)
+        await wait_evidence_settled(settings)
+        assert marquez.invalid == []
+        facets = {e["run"]["runId"]: e["run"]["facets"]["budget"] for e in marquez.received()}
+        made = facets[str(events.run_uuid("external"))]
+        assert made["accounting"] == {
+            "policy_id": "gpu-soft/physics",
+            "source": "external",
+            "remaining_gpu_hours": 100.0,
+            "remaining_amount": 100 * MILLI_PER_HOUR,
+            "detail": "remaining_budget from the accounting system",
+        }
+        # The soft budget's room was the accounting system's 100 GPU-hours, not the ledger's 1000.
+        evaluation = soft(made)
+        assert evaluation["remaining"] == 100.0 == soft(external)["remaining"] and evaluation["reading"]["remaining"] == 1000.0
+        ledger = facets[str(events.run_uuid("fallback"))]["accounting"]
+        assert ledger == {"policy_id": "gpu-soft/physics", "source": "ledger", "detail": fallback["accounting"]["detail"]}
+        assert "accounting" not in facets[str(events.run_uuid("plain"))]
+    finally:
+        await emitter.stop()

@@ -125,3 +125,39 @@ async def admission(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
 
 def git(*args: str, cwd: Path) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+async def published_decisions(settings: Any, run_ids: set[str], *, timeout: float = 30) -> dict[str, Any]:
+    """The Decision messages admission published for `run_ids` on the test's budget.decisions.v1
+    (the last of each run), read from the beginning; fails the test unless all arrive in time."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from budgetgate import wire
+    from budgetgate.topics import Topics
+    from budgetgate.v1 import decisions_pb2
+
+    topic = Topics(settings.topic_prefix).decisions
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    found: dict[str, Any] = {}
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        partitions: set[int] = set()
+        while not partitions and loop.time() < deadline:
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic may be brand new
+            partitions = consumer.partitions_for_topic(topic) or set()
+            if not partitions:
+                await asyncio.sleep(0.1)
+        consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
+        await consumer.seek_to_beginning()
+        while set(found) != run_ids and loop.time() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
+                    if message.run_id in run_ids:
+                        found[message.run_id] = message
+    finally:
+        await consumer.stop()
+    assert set(found) == run_ids, f"decisions of {sorted(run_ids - set(found))} never reached {topic} within {timeout}s"
+    return found
