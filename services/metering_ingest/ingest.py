@@ -112,8 +112,41 @@ class Ingestor:
 
     async def place_batch(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origin]]) -> list[Outcome | Rejected]:
         """`place` for many valid samples at once, in order (two samples of one run judge each
-        other as if placed one after the other); a sample's Rejected is its outcome."""
+        other as if placed one after the other); a sample's Rejected is its outcome.
+
+        Postgres judges and records the samples of the runs its set-based rules cover
+        (metering_place_batch); the core judges the rest, run by run (`_judge`)."""
         now = self.clock()
+        samples = [sample for sample, _ in batch]
+        event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
+        placed = await store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids)
+        outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
+        left: list[int] = []
+        announce = []
+        recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
+        for p in placed:
+            sample = samples[p.index]
+            if p.outcome == "accepted":
+                assert p.cumulative is not None and p.delta is not None and p.late is not None
+                accepted = Accepted(sample, cumulative=p.cumulative, delta=p.delta, late=p.late)
+                outcomes[p.index] = accepted
+                message = usage_record(accepted, recorded_at=recorded_at, event_id=event_ids[p.index])
+                announce.append(outbox.row(topic=topics.USAGE, record=wire.encode(message, key=sample.run_id, trace_headers=trace_headers)))
+            elif p.outcome == "duplicate":
+                assert p.of is not None
+                outcomes[p.index] = Duplicate(sample, of=p.of)
+            else:
+                left.append(p.index)
+        await store.announce_records(conn, announce)
+        if left:
+            for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], now), strict=True):
+                outcomes[index] = outcome
+        assert all(o is not None for o in outcomes), "metering_place_batch left a sample out"
+        return [o for o in outcomes if o is not None]
+
+    async def _judge(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origin]], now: datetime) -> list[Outcome | Rejected]:
+        """The core's judgement of samples the set-based rules leave to it (runs without a
+        decision, with pending samples, or with a conflict or regression in the batch)."""
         samples = [sample for sample, _ in batch]
         begun = await store.begin_batch(conn, samples)  # every run's lock is held from here on
         introduced = sorted({s.run_id for s in samples if s.run_id not in begun.runs and s.run_id in begun.decided})
