@@ -37,6 +37,8 @@ DLQ_SOURCE_TOPIC = "dlq-source-topic"
 DLQ_PARTITION = "dlq-partition"
 DLQ_OFFSET = "dlq-offset"
 _DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_SOURCE_TOPIC, DLQ_PARTITION, DLQ_OFFSET})
+_DESCRIBING = frozenset({CONTENT_TYPE, MESSAGE_TYPE, EVENT_ID})
+_PROTOBUF_BYTES = PROTOBUF.encode()
 MAX_EVENT_ID = 256
 # Kafka has no limit this small, but a reason quoting a whole payload helps nobody.
 _MAX_REASON_CHARS = 1000
@@ -126,12 +128,12 @@ def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -
     the value cannot be parsed, says it is another message type, or has no event_id.
     """
     expected = message_cls.DESCRIPTOR.full_name
-    declared_type = header(headers, MESSAGE_TYPE)
+    declared_type, raw_content_type, declared_id = _described(headers)
     if declared_type is not None and declared_type.decode(errors="replace") != expected:
         raise WireError(f"message-type is {declared_type.decode(errors='replace')!r}, expected {expected!r}")
     if value is None:
         raise WireError(f"record has no value (expected {expected})")
-    content_type = _media_type(header(headers, CONTENT_TYPE))
+    content_type = PROTOBUF if raw_content_type == _PROTOBUF_BYTES else _media_type(raw_content_type)
     message = message_cls()
     if content_type in (None, PROTOBUF):
         try:
@@ -153,10 +155,20 @@ def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -
     if len(event_id) > MAX_EVENT_ID or not event_id.isprintable():
         # Inboxes key on it: a NUL or a huge id would fail there on every redelivery.
         raise WireError(f"{expected} event_id is not up to {MAX_EVENT_ID} printable characters: {event_id[:80]!r}")
-    declared_id = header(headers, EVENT_ID)
     if declared_id is not None and declared_id.decode(errors="replace") != event_id:
         raise WireError(f"event-id header {declared_id.decode(errors='replace')!r} != body event_id {event_id!r}")
     return message
+
+
+def _described(headers: Headers | None) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The first message-type, content-type and event-id headers, as `header` finds them, in one
+    pass (decode runs once per consumed record)."""
+    found: dict[str, bytes] = {}
+    for key, value in headers or ():
+        name = key if key in _DESCRIBING else key.lower()
+        if name in _DESCRIBING and name not in found:
+            found[name] = value
+    return found.get(MESSAGE_TYPE), found.get(CONTENT_TYPE), found.get(EVENT_ID)
 
 
 def _media_type(raw: bytes | None) -> str | None:

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import asyncpg
 
@@ -157,11 +157,10 @@ async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> Ba
     return BatchBegun(runs, frozenset(decided), dict(neighbours))
 
 
-@dataclass(frozen=True)
-class Placed:
+class Placed(NamedTuple):
     """What metering_place_batch did with one sample of a batch (`index` in the batch):
     `outcome` is 'accepted' (recorded, with the run's counters after it), 'duplicate' (`of`)
-    or 'python' (left for the core to judge)."""
+    or 'python' (left for the core to judge). A tuple: one is made per sample of every batch."""
 
     index: int
     outcome: str
