@@ -381,28 +381,27 @@ BEGIN
                            WHERE u.run_id = s.rid AND u.observed_at > s.at AND s.at < run.latest
                            ORDER BY u.observed_at LIMIT 1) AS after ON true
     ), by_time AS (
-        -- In time order per run: the first sample of each observed_at, the previous sample's
-        -- counters, and whether every sample of that observed_at has the same counters.
-        SELECT k.*, min(k.i) OVER t AS first_i, first_value(k.sid) OVER t AS first_sid,
-               lag(k.gpu) OVER (PARTITION BY k.rid ORDER BY k.at, k.i) AS prev_gpu, lag(k.node) OVER (PARTITION BY k.rid ORDER BY k.at, k.i) AS prev_node,
-               min(k.gpu) OVER whole_t = max(k.gpu) OVER whole_t AND min(k.node) OVER whole_t = max(k.node) OVER whole_t AS time_agrees
-        FROM known k
-        WINDOW t AS (PARTITION BY k.rid, k.at ORDER BY k.i),
-               whole_t AS (PARTITION BY k.rid, k.at ORDER BY k.i ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
-    ), flagged AS (
-        -- A sample the set-based judgement does not cover: a conflict, or counters that go down.
-        SELECT b.*,
-               (b.has_id AND (b.id_at, b.id_gpu, b.id_node) IS DISTINCT FROM (b.at, b.gpu, b.node))
-               OR (b.time_sid IS NOT NULL AND (b.time_gpu, b.time_node) IS DISTINCT FROM (b.gpu, b.node))
-               OR NOT b.time_agrees
-               OR min(b.at) OVER id <> max(b.at) OVER id OR min(b.gpu) OVER id <> max(b.gpu) OVER id OR min(b.node) OVER id <> max(b.node) OVER id
-               OR b.gpu < b.prev_gpu OR b.node < b.prev_node
-               OR ((b.latest IS NULL OR b.at > b.latest) AND (b.gpu < b.run_gpu OR b.node < b.run_node))
-               OR b.gpu < b.before_gpu OR b.node < b.before_node OR b.after_gpu < b.gpu OR b.after_node < b.node AS odd
-        FROM by_time b WINDOW id AS (PARTITION BY b.rid, b.sid)
+        -- In time order per run: the sample before each (the first of an observed_at has
+        -- another time before it), and the first sample of each observed_at.
+        SELECT k.*, lag(k.at) OVER t AS prev_at, lag(k.gpu) OVER t AS prev_gpu, lag(k.node) OVER t AS prev_node,
+               first_value(k.sid) OVER (PARTITION BY k.rid, k.at ORDER BY k.i) AS first_sid
+        FROM known k WINDOW t AS (PARTITION BY k.rid ORDER BY k.at, k.i)
+    ), odd AS (
+        -- Runs with a sample the set-based judgement does not cover: a conflict (same id or same
+        -- time with other values, in the batch or recorded), or counters that go down.
+        SELECT b.rid FROM by_time b
+        WHERE (b.has_id AND (b.id_at, b.id_gpu, b.id_node) IS DISTINCT FROM (b.at, b.gpu, b.node))
+           OR (b.time_sid IS NOT NULL AND (b.time_gpu, b.time_node) IS DISTINCT FROM (b.gpu, b.node))
+           OR b.gpu < b.prev_gpu OR b.node < b.prev_node
+           OR (b.prev_at = b.at AND (b.prev_gpu <> b.gpu OR b.prev_node <> b.node))
+           OR ((b.latest IS NULL OR b.at > b.latest) AND (b.gpu < b.run_gpu OR b.node < b.run_node))
+           OR b.gpu < b.before_gpu OR b.node < b.before_node OR b.after_gpu < b.gpu OR b.after_node < b.node
+        UNION
+        SELECT k.rid FROM known k GROUP BY k.rid, k.sid
+        HAVING min(k.at) <> max(k.at) OR min(k.gpu) <> max(k.gpu) OR min(k.node) <> max(k.node)
     ), clean AS (
-        SELECT f.*, f.time_sid IS NULL AND f.i = f.first_i AS accepted
-        FROM flagged f WHERE f.rid NOT IN (SELECT g.rid FROM flagged g WHERE g.odd)
+        SELECT b.*, b.time_sid IS NULL AND b.prev_at IS DISTINCT FROM b.at AS accepted
+        FROM by_time b WHERE b.rid NOT IN (SELECT o.rid FROM odd o)
     ), accepted AS (
         -- In batch order per run: the run's high-water mark before and after each accepted sample.
         SELECT c.i, c.rid, c.sid, c.at, c.gpu, c.node,
