@@ -29,19 +29,12 @@ def raw_sample(message: MeteringSample) -> RawSample:
         try:
             if _FIRST_SECOND <= stamp.seconds <= _LAST_SECOND and 0 <= stamp.nanos < 1_000_000_000:
                 # What ToDatetime gives, without its checks and time zone conversion (per sample).
-                observed_at = _EPOCH + timedelta(seconds=stamp.seconds, microseconds=stamp.nanos // 1000)
+                observed_at = _EPOCH + timedelta(0, stamp.seconds, stamp.nanos // 1000)
             else:
                 observed_at = stamp.ToDatetime(tzinfo=UTC)
         except (ValueError, OverflowError) as exc:
             raise Rejected(Problem(Rejection.INVALID_FIELD, "observed_at", f"observed_at is not a valid time: {exc}")) from exc
-    return RawSample(
-        run_id=message.run_id,
-        sample_id=message.sample_id,
-        observed_at=observed_at,
-        gpu_seconds=message.gpu_seconds,
-        node_seconds=message.node_seconds,
-        exporter=message.exporter,
-    )
+    return RawSample(message.run_id, message.sample_id, observed_at, message.gpu_seconds, message.node_seconds, message.exporter)
 
 
 def from_json(data: Any) -> MeteringSample:

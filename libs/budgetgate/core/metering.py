@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP
 from enum import StrEnum
+from typing import NamedTuple
 
 from budgetgate.core.units import to_decimal
 
@@ -110,9 +111,8 @@ def reason_code(text: str) -> Rejection:
         return Rejection.UNPARSEABLE
 
 
-@dataclass(frozen=True)
-class RawSample:
-    """A sample as the exporter sent it, before any check."""
+class RawSample(NamedTuple):
+    """A sample as the exporter sent it, before any check (a tuple: one is made per sample)."""
 
     run_id: str
     sample_id: str
