@@ -15,6 +15,7 @@ run is known: by the next sample of that run, or by `recheck`, which runs period
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from budgetgate.core.metering import (
     validate,
 )
 from budgetgate.services.metering_ingest import store
-from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_record
+from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_draft, usage_record, with_run_figures
 from budgetgate.telemetry import inject_headers
 from budgetgate.services.metering_ingest.store import PendingSample, RunState, Source
 from budgetgate.v1.metering_pb2 import MeteringSample
@@ -119,18 +120,23 @@ class Ingestor:
         now = self.clock()
         samples = [sample for sample, _ in batch]
         event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
-        placed = await store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids)
+        placing = asyncio.ensure_future(store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids))
+        try:
+            await asyncio.sleep(0)  # the batch goes out; its usage records are drafted meanwhile
+            recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
+            drafts = [usage_draft(s, recorded_at=recorded_at, event_id=e) for s, e in zip(samples, event_ids, strict=True)]
+        finally:
+            placed = await placing  # awaited whatever happened: the connection is not left in use
         outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
         left: list[int] = []
         announce = []
-        recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
         for p in placed:
             sample = samples[p.index]
             if p.outcome == "accepted":
                 assert p.cumulative is not None and p.delta is not None and p.late is not None
                 accepted = Accepted(sample, cumulative=p.cumulative, delta=p.delta, late=p.late)
                 outcomes[p.index] = accepted
-                message = usage_record(accepted, recorded_at=recorded_at, event_id=event_ids[p.index])
+                message = with_run_figures(drafts[p.index], accepted)
                 announce.append(outbox.row(topic=topics.USAGE, record=wire.encode(message, key=sample.run_id, trace_headers=trace_headers)))
             elif p.outcome == "duplicate":
                 assert p.of is not None
