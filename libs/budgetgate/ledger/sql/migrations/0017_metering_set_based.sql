@@ -53,12 +53,15 @@ BEGIN
         -- of the same time, and for one observed before the run's latest (late) the recorded
         -- samples either side of it; index probes only, whatever the run's history.
         SELECT s.i, s.rid, s.sid, s.at, s.gpu, s.node, run.gpu AS run_gpu, run.node AS run_node, run.latest,
-               same_id.sid IS NOT NULL AS has_id, same_id.at AS id_at, same_id.gpu AS id_gpu, same_id.node AS id_node,
+               COALESCE(same_id.rid = s.rid AND same_id.sid = s.sid, false) AS has_id, same_id.at AS id_at, same_id.gpu AS id_gpu, same_id.node AS id_node,
                same_time.sid AS time_sid, same_time.gpu AS time_gpu, same_time.node AS time_node,
                before.gpu AS before_gpu, before.node AS before_node, after.gpu AS after_gpu, after.node AS after_node
         FROM s JOIN run USING (rid)
-        LEFT JOIN LATERAL (SELECT u.sample_id AS sid, u.observed_at AS at, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
-                           FROM usage_records u WHERE u.run_id = s.rid AND u.sample_id = s.sid LIMIT 1) AS same_id ON true
+        -- The same sample id, found by the event id of its usage record (derived from run and
+        -- sample id): with run_id in the condition the planner may take the (run_id, observed_at)
+        -- index and read the run's whole history.
+        LEFT JOIN LATERAL (SELECT u.run_id AS rid, u.sample_id AS sid, u.observed_at AS at, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
+                           FROM usage_records u WHERE u.event_id = s.event_id LIMIT 1) AS same_id ON true
         LEFT JOIN LATERAL (SELECT u.sample_id AS sid, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
                            FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at = s.at AND s.at <= run.latest LIMIT 1) AS same_time ON true
         LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
