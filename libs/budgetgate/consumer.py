@@ -88,10 +88,15 @@ class Route:
 
 @dataclass(frozen=True)
 class BatchRoute:
-    """How one topic is read, batch by batch: its message class and the handler of a batch."""
+    """How one topic is read, batch by batch: its message class and the handler of a batch.
+
+    `prepare(deliveries)`, if given, is work on a batch without I/O that the inbox does while
+    Postgres claims the batch's inbox rows, for the handler to find done (it is given every
+    delivery of the topic, duplicates too, and may be given a batch again)."""
 
     message: type[Message]
     handler: BatchHandler
+    prepare: Callable[[Sequence[Delivery]], None] | None = None
 
 
 @dataclass
@@ -194,7 +199,12 @@ class Inbox:
         with tracer.start_as_current_span("consume batch", kind=SpanKind.CONSUMER, links=links) as span:
             span.set_attribute("messaging.batch.message_count", len(deliveries))
             async with self.pool.acquire() as conn, conn.transaction():
-                fresh = await self._claim(conn, deliveries)
+                claim = asyncio.ensure_future(self._claim(conn, deliveries))
+                try:
+                    await asyncio.sleep(0)  # the claim goes out; the routes prepare meanwhile
+                    self._prepare(deliveries, split)
+                finally:
+                    fresh = await claim  # awaited whatever happened: the connection is not left in use
                 refused: dict[Delivery, str] = {}
                 by_topic: dict[str, list[Delivery]] = defaultdict(list)
                 for delivery in fresh:
@@ -211,6 +221,15 @@ class Inbox:
                 if refused:
                     await conn.execute(sql("inbox_forget"), self.name, [d.message.event_id for d in refused])
         return fresh, len(deliveries) - len(fresh), refused
+
+    def _prepare(self, deliveries: list[Delivery], split: set[str]) -> None:
+        by_topic: dict[str, list[Delivery]] = defaultdict(list)
+        for delivery in deliveries:
+            by_topic[delivery.record.topic].append(delivery)
+        for topic, batch in by_topic.items():
+            route = self.routes[topic]
+            if isinstance(route, BatchRoute) and route.prepare is not None and topic not in split:
+                route.prepare(batch)
 
     async def _claim(self, conn: asyncpg.Connection, deliveries: list[Delivery]) -> list[Delivery]:
         """Insert the inbox rows; the deliveries whose event id was new (the first of each)."""

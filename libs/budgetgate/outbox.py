@@ -21,14 +21,13 @@ idempotent nor transactional producers, which Tansu lacks; consumers deduplicate
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from datetime import timedelta
 
 import asyncpg
+import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.structs import RecordMetadata
 
 from budgetgate import wire
 from budgetgate.ledger.queries import sql
@@ -46,7 +45,7 @@ def row(*, topic: str, record: wire.Record) -> tuple[str, str | None, bytes, str
     """The outbox columns (topic, key, payload, headers) of `record`, for a statement that
     writes the outbox row together with other changes."""
     # Header values are bytes; latin-1 maps each byte to one character and back unchanged.
-    headers = json.dumps([[name, value.decode("latin-1")] for name, value in record.headers])
+    headers = orjson.dumps([[name, value.decode("latin-1")] for name, value in record.headers]).decode()
     key = record.key.decode("utf-8", errors="replace") if record.key is not None else None
     return topic, key, record.value, headers
 
@@ -94,10 +93,9 @@ class OutboxRelay:
             rows = await conn.fetch(sql("claim_outbox"), self.batch)
             if not rows:
                 return 0
-            sends = [self.publisher.send_record(self.topics.name(row["topic"]), _record(row)) for row in rows]
             # Sent together, acknowledged together: per-key order holds because one producer
             # sends them in id order to the partition of each key.
-            acks: list[RecordMetadata] = await asyncio.gather(*sends)
+            acks = await self.publisher.send_records([(self.topics.name(row["topic"]), _record(row)) for row in rows])
             lowest = _lowest(acks)
             backwards = {tp: self._acked[tp] for tp, offset in lowest.items() if offset <= self._acked.get(tp, -1)}
             if backwards:
@@ -235,11 +233,11 @@ class OutboxRelay:
 
 
 def _record(row: asyncpg.Record) -> wire.Record:
-    headers = [(k, v.encode("latin-1")) for k, v in json.loads(row["headers"])]
+    headers = [(k, v.encode("latin-1")) for k, v in orjson.loads(row["headers"])]
     return wire.Record(value=row["payload"], key=row["key"].encode() if row["key"] else None, headers=headers)
 
 
-def _lowest(acks: list[RecordMetadata]) -> dict[TopicPartition, int]:
+def _lowest(acks: list[wire.Acked]) -> dict[TopicPartition, int]:
     # The lowest, not the highest: Tansu reports a partition's end as the base offset of its
     # last record batch plus one, so only the first record of our batch is sure to be below it.
     lowest: dict[TopicPartition, int] = {}

@@ -9,11 +9,14 @@ whose reason goes with the message to the dead-letter topic.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import RecordMetadata
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
@@ -34,6 +37,8 @@ DLQ_SOURCE_TOPIC = "dlq-source-topic"
 DLQ_PARTITION = "dlq-partition"
 DLQ_OFFSET = "dlq-offset"
 _DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_SOURCE_TOPIC, DLQ_PARTITION, DLQ_OFFSET})
+_DESCRIBING = frozenset({CONTENT_TYPE, MESSAGE_TYPE, EVENT_ID})
+_PROTOBUF_BYTES = PROTOBUF.encode()
 MAX_EVENT_ID = 256
 # Kafka has no limit this small, but a reason quoting a whole payload helps nobody.
 _MAX_REASON_CHARS = 1000
@@ -61,6 +66,14 @@ class Record:
     def header(self, name: str) -> bytes | None:
         """The first header called `name`, if any."""
         return header(self.headers, name)
+
+
+class Acked(NamedTuple):
+    """Where the broker put a record it acknowledged."""
+
+    topic: str
+    partition: int
+    offset: int
 
 
 class ConsumedRecord(Protocol):
@@ -115,12 +128,12 @@ def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -
     the value cannot be parsed, says it is another message type, or has no event_id.
     """
     expected = message_cls.DESCRIPTOR.full_name
-    declared_type = header(headers, MESSAGE_TYPE)
+    declared_type, raw_content_type, declared_id = _described(headers)
     if declared_type is not None and declared_type.decode(errors="replace") != expected:
         raise WireError(f"message-type is {declared_type.decode(errors='replace')!r}, expected {expected!r}")
     if value is None:
         raise WireError(f"record has no value (expected {expected})")
-    content_type = _media_type(header(headers, CONTENT_TYPE))
+    content_type = PROTOBUF if raw_content_type == _PROTOBUF_BYTES else _media_type(raw_content_type)
     message = message_cls()
     if content_type in (None, PROTOBUF):
         try:
@@ -142,10 +155,20 @@ def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -
     if len(event_id) > MAX_EVENT_ID or not event_id.isprintable():
         # Inboxes key on it: a NUL or a huge id would fail there on every redelivery.
         raise WireError(f"{expected} event_id is not up to {MAX_EVENT_ID} printable characters: {event_id[:80]!r}")
-    declared_id = header(headers, EVENT_ID)
     if declared_id is not None and declared_id.decode(errors="replace") != event_id:
         raise WireError(f"event-id header {declared_id.decode(errors='replace')!r} != body event_id {event_id!r}")
     return message
+
+
+def _described(headers: Headers | None) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The first message-type, content-type and event-id headers, as `header` finds them, in one
+    pass (decode runs once per consumed record)."""
+    found: dict[str, bytes] = {}
+    for key, value in headers or ():
+        name = key if key in _DESCRIBING else key.lower()
+        if name in _DESCRIBING and name not in found:
+            found[name] = value
+    return found.get(MESSAGE_TYPE), found.get(CONTENT_TYPE), found.get(EVENT_ID)
 
 
 def _media_type(raw: bytes | None) -> str | None:
@@ -242,6 +265,60 @@ class Publisher:
         if self._producer is None:
             raise RuntimeError("Publisher.send before start()")
         return await self._producer.send_and_wait(topic, value=record.value, key=record.key, headers=record.headers)
+
+    async def send_records(self, sends: Sequence[tuple[str, Record]]) -> list[Acked]:
+        """Send records ((topic, record) each, in order) and return once the broker has
+        acknowledged all of them: where each went, in the same order.
+
+        The records are packed into one batch per partition (the producer's batch API) rather
+        than sent one by one: the producer's per-record path costs more than the rest of a relay
+        together. Partitions are chosen as `send` chooses them (the default partitioner: a key's
+        records go to one partition, in order), each key hashed once per call.
+        """
+        producer = self._producer
+        if producer is None:
+            raise RuntimeError("Publisher.send_records before start()")
+        partitioner = DefaultPartitioner()
+        partitions: dict[str, list[int]] = {}
+        chosen: dict[tuple[str, bytes], int] = {}
+        filling: dict[tuple[str, int], tuple[BatchBuilder, list[int]]] = {}
+        submitted: list[tuple[asyncio.Future[RecordMetadata], list[int]]] = []
+        singles: list[tuple[asyncio.Future[RecordMetadata], int]] = []
+        placed: list[tuple[str, int]] = []
+        for index, (topic, record) in enumerate(sends):
+            if topic not in partitions:
+                partitions[topic] = sorted(await producer.partitions_for(topic))
+            key = record.key
+            if key is None:
+                partition = partitioner(None, partitions[topic], partitions[topic])
+            elif (partition := chosen.get((topic, key), -1)) < 0:
+                partition = chosen[topic, key] = partitioner(key, partitions[topic], partitions[topic])
+            placed.append((topic, partition))
+            batch, members = filling.get((topic, partition)) or filling.setdefault((topic, partition), (producer.create_batch(), []))
+            if batch.append(key=key, value=record.value, timestamp=None, headers=record.headers) is not None:
+                members.append(index)
+                continue
+            # The batch is full: it goes, and the record starts the next one (or, too big for
+            # any batch, goes on its own, after it).
+            del filling[topic, partition]
+            if members:
+                submitted.append((await producer.send_batch(batch, topic, partition=partition), members))
+            batch = producer.create_batch()
+            if batch.append(key=key, value=record.value, timestamp=None, headers=record.headers) is not None:
+                filling[topic, partition] = (batch, [index])
+            else:
+                singles.append((await producer.send(topic, value=record.value, key=key, partition=partition, headers=record.headers), index))
+        for (topic, partition), (batch, members) in filling.items():
+            if members:
+                submitted.append((await producer.send_batch(batch, topic, partition=partition), members))
+        offsets = [-1] * len(sends)
+        for future, members in submitted:
+            base = (await future).offset
+            for relative, index in enumerate(members):
+                offsets[index] = base + relative
+        for future, index in singles:
+            offsets[index] = (await future).offset
+        return [Acked(topic, partition, offset) for (topic, partition), offset in zip(placed, offsets, strict=True)]
 
     async def send_dead_letter(self, record: ConsumedRecord, *, reason: str) -> RecordMetadata:
         """Park a consumed record on its topic's DLQ with `reason`."""

@@ -7,13 +7,15 @@ says how FastStream is used for that, and where it is not enough.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
 
 import asyncpg
 from faststream.kafka import KafkaRouter
 
 from budgetgate.consumer import BatchRoute, Delivery
-from budgetgate.core.metering import Rejected
+from budgetgate.core.metering import Rejected, Sample
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
@@ -51,19 +53,25 @@ def router(*, settings: MeteringSettings, topics: Topics, runtime: Callable[[], 
 
 def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
     """metering.samples.v1 for the inbox: a batch of samples placed together; a sample that is
-    rejected (invalid, a conflict, a regression, a run that never got a decision) is refused."""
+    rejected (invalid, a conflict, a regression, a run that never got a decision) is refused.
+    The samples are validated while Postgres claims their inbox rows (`prepare`)."""
+    validated: WeakKeyDictionary[Delivery, Sample | Rejected] = WeakKeyDictionary()
+
+    def prepare(deliveries: Sequence[Delivery]) -> None:
+        now = ingestor.clock()
+        for delivery in deliveries:
+            validated[delivery] = _validated(ingestor, delivery.message, now)
 
     async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> Mapping[Delivery, str]:
         refused: dict[Delivery, str] = {}
-        valid: list[tuple[Delivery, Any, Origin]] = []
+        valid: list[tuple[Delivery, Sample, Origin]] = []
         now = ingestor.clock()
         for delivery in deliveries:
-            record = delivery.record
-            try:
-                sample = ingestor.validate(delivery.message, now=now)
-            except Rejected as exc:
-                refused[delivery] = str(exc)
+            sample = validated.pop(delivery, None) or _validated(ingestor, delivery.message, now)
+            if isinstance(sample, Rejected):
+                refused[delivery] = str(sample)
                 continue
+            record = delivery.record
             origin = Origin(
                 source="kafka", topic=record.topic, payload=record.value, headers=tuple(record.headers or ()), partition=record.partition, offset=record.offset
             )
@@ -79,4 +87,11 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
         metrics.outcomes(placed, source="kafka")
         return refused
 
-    return BatchRoute(MeteringSample, handle)
+    return BatchRoute(MeteringSample, handle, prepare)
+
+
+def _validated(ingestor: Ingestor, message: MeteringSample, now: datetime) -> Sample | Rejected:
+    try:
+        return ingestor.validate(message, now=now)
+    except Rejected as exc:
+        return exc

@@ -15,6 +15,7 @@ run is known: by the next sample of that run, or by `recheck`, which runs period
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from budgetgate.core.metering import (
     validate,
 )
 from budgetgate.services.metering_ingest import store
-from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_record
+from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_draft, usage_record, with_run_figures
 from budgetgate.telemetry import inject_headers
 from budgetgate.services.metering_ingest.store import PendingSample, RunState, Source
 from budgetgate.v1.metering_pb2 import MeteringSample
@@ -112,8 +113,46 @@ class Ingestor:
 
     async def place_batch(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origin]]) -> list[Outcome | Rejected]:
         """`place` for many valid samples at once, in order (two samples of one run judge each
-        other as if placed one after the other); a sample's Rejected is its outcome."""
+        other as if placed one after the other); a sample's Rejected is its outcome.
+
+        Postgres judges and records the samples of the runs its set-based rules cover
+        (metering_place_batch); the core judges the rest, run by run (`_judge`)."""
         now = self.clock()
+        samples = [sample for sample, _ in batch]
+        event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
+        placing = asyncio.ensure_future(store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids))
+        try:
+            await asyncio.sleep(0)  # the batch goes out; its usage records are drafted meanwhile
+            recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
+            drafts = [usage_draft(s, recorded_at=recorded_at, event_id=e) for s, e in zip(samples, event_ids, strict=True)]
+        finally:
+            placed = await placing  # awaited whatever happened: the connection is not left in use
+        outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
+        left: list[int] = []
+        announce = []
+        for p in placed:
+            sample = samples[p.index]
+            if p.outcome == "accepted":
+                assert p.cumulative is not None and p.delta is not None and p.late is not None
+                accepted = Accepted(sample, cumulative=p.cumulative, delta=p.delta, late=p.late)
+                outcomes[p.index] = accepted
+                message = with_run_figures(drafts[p.index], accepted)
+                announce.append(outbox.row(topic=topics.USAGE, record=wire.encode(message, key=sample.run_id, trace_headers=trace_headers)))
+            elif p.outcome == "duplicate":
+                assert p.of is not None
+                outcomes[p.index] = Duplicate(sample, of=p.of)
+            else:
+                left.append(p.index)
+        await store.announce_records(conn, announce)
+        if left:
+            for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], now), strict=True):
+                outcomes[index] = outcome
+        assert all(o is not None for o in outcomes), "metering_place_batch left a sample out"
+        return [o for o in outcomes if o is not None]
+
+    async def _judge(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origin]], now: datetime) -> list[Outcome | Rejected]:
+        """The core's judgement of samples the set-based rules leave to it (runs without a
+        decision, with pending samples, or with a conflict or regression in the batch)."""
         samples = [sample for sample, _ in batch]
         begun = await store.begin_batch(conn, samples)  # every run's lock is held from here on
         introduced = sorted({s.run_id for s in samples if s.run_id not in begun.runs and s.run_id in begun.decided})

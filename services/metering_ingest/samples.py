@@ -9,7 +9,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, sample_event_id, usage_event_id
+from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, Sample, sample_event_id, usage_event_id
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 
@@ -29,19 +29,12 @@ def raw_sample(message: MeteringSample) -> RawSample:
         try:
             if _FIRST_SECOND <= stamp.seconds <= _LAST_SECOND and 0 <= stamp.nanos < 1_000_000_000:
                 # What ToDatetime gives, without its checks and time zone conversion (per sample).
-                observed_at = _EPOCH + timedelta(seconds=stamp.seconds, microseconds=stamp.nanos // 1000)
+                observed_at = _EPOCH + timedelta(0, stamp.seconds, stamp.nanos // 1000)
             else:
                 observed_at = stamp.ToDatetime(tzinfo=UTC)
         except (ValueError, OverflowError) as exc:
             raise Rejected(Problem(Rejection.INVALID_FIELD, "observed_at", f"observed_at is not a valid time: {exc}")) from exc
-    return RawSample(
-        run_id=message.run_id,
-        sample_id=message.sample_id,
-        observed_at=observed_at,
-        gpu_seconds=message.gpu_seconds,
-        node_seconds=message.node_seconds,
-        exporter=message.exporter,
-    )
+    return RawSample(message.run_id, message.sample_id, observed_at, message.gpu_seconds, message.node_seconds, message.exporter)
 
 
 def from_json(data: Any) -> MeteringSample:
@@ -77,19 +70,28 @@ def timestamp(at: datetime) -> Timestamp:
 def usage_record(accepted: Accepted, *, recorded_at: datetime | Timestamp, event_id: str | None = None) -> UsageRecord:
     """The usage.records.v1 message of an accepted sample (its event id is derived, stable;
     `event_id` when the caller derived it already)."""
-    sample = accepted.sample
+    return with_run_figures(usage_draft(accepted.sample, recorded_at=recorded_at, event_id=event_id), accepted)
+
+
+def usage_draft(sample: Sample, *, recorded_at: datetime | Timestamp, event_id: str | None = None) -> UsageRecord:
+    """The usage record of `sample` without the run's figures, which only judging it gives."""
     return UsageRecord(
         event_id=event_id or usage_event_id(sample.run_id, sample.sample_id),
         event_time=recorded_at if isinstance(recorded_at, Timestamp) else timestamp(recorded_at),
         run_id=sample.run_id,
         sample_id=sample.sample_id,
         observed_at=timestamp(sample.observed_at),
-        gpu_milli_hours_cumulative=accepted.cumulative.gpu,
-        node_milli_hours_cumulative=accepted.cumulative.node,
-        gpu_milli_hours_delta=accepted.delta.gpu,
-        node_milli_hours_delta=accepted.delta.node,
         # The sample's own counters: below the cumulative for a late sample, which the reader
         # needs to attribute usage to windows by observed_at.
         gpu_milli_hours_observed=sample.counters.gpu,
         node_milli_hours_observed=sample.counters.node,
     )
+
+
+def with_run_figures(draft: UsageRecord, accepted: Accepted) -> UsageRecord:
+    """`draft` (of `accepted`'s sample) with the run's cumulative after it and its delta."""
+    draft.gpu_milli_hours_cumulative = accepted.cumulative.gpu
+    draft.node_milli_hours_cumulative = accepted.cumulative.node
+    draft.gpu_milli_hours_delta = accepted.delta.gpu
+    draft.node_milli_hours_delta = accepted.delta.node
+    return draft

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import asyncpg
 
@@ -157,6 +157,37 @@ async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> Ba
     return BatchBegun(runs, frozenset(decided), dict(neighbours))
 
 
+class Placed(NamedTuple):
+    """What metering_place_batch did with one sample of a batch (`index` in the batch):
+    `outcome` is 'accepted' (recorded, with the run's counters after it), 'duplicate' (`of`)
+    or 'python' (left for the core to judge). A tuple: one is made per sample of every batch."""
+
+    index: int
+    outcome: str
+    of: str | None
+    cumulative: Counters | None
+    delta: Counters | None
+    late: bool | None
+
+
+async def place_batch(conn: asyncpg.Connection, samples: Sequence[Sample], *, sources: Sequence[Source], event_ids: Sequence[str]) -> list[Placed]:
+    """Judge and record, in one round trip, the samples of a batch the set-based rules cover
+    (see metering_place_batch); the others come back as 'python'."""
+    rows = await conn.fetch(
+        sql("metering_place_batch"),
+        [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples],
+        [s.counters.gpu for s in samples], [s.counters.node for s in samples], [s.exporter for s in samples],
+        sources, event_ids,
+    )  # fmt: skip
+    placed = []
+    for idx, outcome, of, gpu, node, gpu_delta, node_delta, late in rows:
+        if outcome == "accepted":
+            placed.append(Placed(idx - 1, outcome, None, Counters(gpu, node), Counters(gpu_delta, node_delta), late))
+        else:
+            placed.append(Placed(idx - 1, outcome, of, None, None, None))
+    return placed
+
+
 _USAGE_COLUMNS = (
     "run_id", "sample_id", "observed_at", "gpu_milli_hours", "node_milli_hours", "gpu_milli_hours_cumulative",
     "node_milli_hours_cumulative", "gpu_milli_hours_delta", "node_milli_hours_delta", "late", "exporter", "source", "event_id",
@@ -182,11 +213,17 @@ async def record_batch(
         cumulative, added, latest = runs.get(sample.run_id, (Counters(), 0, sample.observed_at))
         runs[sample.run_id] = (cumulative.high_water(accepted.cumulative), added + 1, max(latest, sample.observed_at))
     await conn.copy_records_to_table("usage_records", records=rows, columns=_USAGE_COLUMNS)
-    await conn.copy_records_to_table("outbox", records=announce, columns=("topic", "key", "payload", "headers"))
+    await announce_records(conn, announce)
     ids = sorted(runs)
     await conn.execute(
         sql("raise_usage_runs"), ids, [runs[r][0].gpu for r in ids], [runs[r][0].node for r in ids], [runs[r][1] for r in ids], [runs[r][2] for r in ids]
     )
+
+
+async def announce_records(conn: asyncpg.Connection, announce: Sequence[tuple[str, str | None, bytes, str]]) -> None:
+    """Write the outbox rows of usage records (the outbox columns of each), with COPY."""
+    if announce:
+        await conn.copy_records_to_table("outbox", records=announce, columns=("topic", "key", "payload", "headers"))
 
 
 async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> None:

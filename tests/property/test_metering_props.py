@@ -13,7 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from budgetgate.core.metering import Accepted, Counters, Duplicate, Rejected, Sample, assess_batch, milli, normalize, usage_event_id
+from budgetgate.core.metering import (
+    MAX_SECONDS,
+    Accepted,
+    Counters,
+    Duplicate,
+    RawSample,
+    Rejected,
+    Sample,
+    _validate_each,
+    assess_batch,
+    milli,
+    normalize,
+    usage_event_id,
+    validate,
+)
 from budgetgate.core.units import to_decimal
 from budgetgate.services.metering_ingest.samples import raw_sample
 from budgetgate.v1.metering_pb2 import MeteringSample
@@ -182,3 +196,43 @@ def test_observed_at_is_read_as_timestamp_to_datetime_reads_it(seconds: int, nan
     message = MeteringSample(run_id="r", sample_id="s")
     message.observed_at.seconds, message.observed_at.nanos = seconds, nanos
     assert raw_sample(message).observed_at == message.observed_at.ToDatetime(tzinfo=UTC)
+
+
+_TEXT = st.one_of(st.sampled_from(["", "r", "run-1", "a b", "x" * 256, "x" * 257, "é", "s\x00", "\x7f"]), st.text(max_size=12))
+_SECONDS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, -1.0, 480.0, 0.0005, MAX_SECONDS, MAX_SECONDS - 0.001, float(2**53 - 64) / 1000, 1e15, 1e16]),
+    st.integers(0, 10**13).map(float),
+)
+_NOW = datetime(2025, 3, 1, 12, tzinfo=UTC)
+
+
+@settings(max_examples=2000)
+@given(
+    st.builds(
+        RawSample,
+        run_id=_TEXT,
+        sample_id=_TEXT,
+        observed_at=st.one_of(
+            st.none(),
+            st.datetimes(),  # no time zone
+            st.integers(-600, 600).map(lambda s: _NOW + timedelta(seconds=s)),
+            st.datetimes(timezones=st.just(UTC)),
+        ),
+        gpu_seconds=_SECONDS,
+        node_seconds=_SECONDS,
+        exporter=_TEXT,
+    )
+)
+def test_validate_decides_as_every_check_on_its_own_does(raw: RawSample) -> None:
+    """validate's one-expression way for the usual sample gives what checking each field on
+    its own gives (the same sample, or the same problems), for any sample."""
+    got = _validated(lambda: validate(raw, now=_NOW, max_skew=timedelta(minutes=5)))
+    assert got == _validated(lambda: _validate_each(raw, now=_NOW, max_skew=timedelta(minutes=5)))
+
+
+def _validated(check):  # type: ignore[no-untyped-def]
+    try:
+        return check()
+    except Rejected as exc:
+        return [(p.reason, p.field, p.message) for p in exc.problems]

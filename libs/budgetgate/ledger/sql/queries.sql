@@ -292,6 +292,12 @@ INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
 SELECT idx, role, run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours
 FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[]);
 
+-- name: metering_place_batch
+-- A batch's samples judged and recorded set-based where the core's rules allow it, the others
+-- left to the core (see metering_place_batch): one row per sample, by its 1-based idx.
+SELECT idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late
+FROM metering_place_batch($1::text[], $2::text[], $3::timestamptz[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[]);
+
 -- name: raise_usage_runs
 -- The new high-water marks of the runs a batch recorded samples of: per run its cumulative
 -- counters after the batch, how many samples it added and the latest observed_at among them.

@@ -1,0 +1,154 @@
+"""The set-based ingest (metering_place_batch in Postgres, the core for what it leaves) against
+the core's own rules: random batches of samples with duplicates, resends under new ids, late
+samples, regressions, conflicts and runs without a decision give exactly the outcomes, usage rows
+and high-water marks that `assess`, applied sample after sample, gives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from budgetgate.core.metering import Accepted, Counters, Duplicate, MemoryUsage, Rejected, Sample
+from budgetgate.services.metering_ingest import store
+from budgetgate.services.metering_ingest.ingest import Ingestor, Origin, Pending
+from tests.support.metering import T0, decide
+
+GRACE = timedelta(days=30)  # nothing expires while a test runs: a sample of an unknown run waits
+ORIGIN = Origin(source="kafka", topic="t", payload=b"", headers=())
+
+
+class _NoCounts:
+    def outcome(self, *_args: object, **_kwargs: object) -> None: ...
+
+    def rejected(self, *_args: object, **_kwargs: object) -> None: ...
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[list[tuple[str, str, int, int, int]]]:
+    """Batches of (run, sample id, minute, gpu, node): mostly a healthy exporter's counters (a
+    function of the minute), repeated, resent under new ids and out of order; some with counters
+    of their own (regressions, conflicts); run "u" never gets a decision."""
+    healthy = st.builds(
+        lambda run, minute, suffix: (run, f"s{minute}{suffix}", minute, 1000 * minute, 10 * minute),
+        st.sampled_from(["a", "b", "u"]),
+        st.integers(0, 30),
+        st.sampled_from(["", "", "", "/again"]),
+    )
+    odd = st.tuples(st.sampled_from(["a", "b"]), st.sampled_from([f"s{m}" for m in range(8)]), st.integers(0, 30), st.integers(0, 30_000), st.integers(0, 300))
+    samples = draw(st.lists(st.one_of(healthy, healthy, healthy, odd) if draw(st.booleans()) else healthy, max_size=60))
+    cuts = sorted(draw(st.lists(st.integers(0, len(samples)), max_size=5)))
+    return [samples[a:b] for a, b in zip([0, *cuts], [*cuts, len(samples)], strict=True)]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(batches=batches())
+def test_set_based_ingest_gives_what_the_core_gives_sample_after_sample(pg_dsn: str, batches: list[list[tuple[str, str, int, int, int]]]) -> None:
+    asyncio.run(_compare(pg_dsn, batches))
+
+
+async def _compare(dsn: str, batches: list[list[tuple[str, str, int, int, int]]]) -> None:
+    tag = uuid.uuid4().hex[:8]  # each example its own runs in the one database
+    run = {name: f"{tag}-{name}" for name in ("a", "b", "u")}
+    await decide(dsn, run["a"], run["b"])
+    ingestor = Ingestor(max_skew=timedelta(minutes=5), grace=GRACE, counts=_NoCounts())
+    reference = MemoryUsage()
+    conn = await asyncpg.connect(dsn)
+    try:
+        for raw in batches:
+            batch = [Sample(run[r], sid, T0 + timedelta(minutes=m), Counters(gpu, node)) for r, sid, m, gpu, node in raw]
+            with _judged_in_sql() as judged:
+                async with conn.transaction():
+                    got = await ingestor.place_batch(conn, [(s, ORIGIN) for s in batch])
+            event(f"judged in Postgres: {'all' if judged and all(judged) else 'some' if any(judged) else 'none'}")
+            assert [_shape(o) for o in got] == [_shape(_expected(reference, s)) for s in batch]
+        for name in ("a", "b"):
+            rows = await conn.fetch(
+                """SELECT sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative, node_milli_hours_cumulative,
+                          gpu_milli_hours_delta, node_milli_hours_delta, late FROM usage_records WHERE run_id = $1 ORDER BY observed_at""",
+                run[name],
+            )
+            assert [(r["sample_id"], r["observed_at"], Counters(r["gpu_milli_hours"], r["node_milli_hours"])) for r in rows] == [
+                (k.sample_id, k.observed_at, k.counters) for k in reference.recorded(run[name])
+            ]
+            state = await store.run_state(conn, run[name])
+            cumulative = reference.cumulative(run[name])
+            assert (state.cumulative if state else Counters()) == cumulative
+            # The deltas of a run sum to its cumulative, and no late row raised it.
+            assert Counters(sum(r["gpu_milli_hours_delta"] for r in rows), sum(r["node_milli_hours_delta"] for r in rows)) == cumulative
+            assert all(r["gpu_milli_hours_delta"] == r["node_milli_hours_delta"] == 0 for r in rows if r["late"])
+        pending = await conn.fetchval("SELECT count(*) FROM metering_pending WHERE run_id = $1", run["u"])
+        assert pending == len({sid for b in batches for r, sid, *_ in b if r == "u"})
+    finally:
+        await conn.close()
+
+
+@contextlib.contextmanager
+def _judged_in_sql() -> Iterator[list[bool]]:
+    """Per sample of the batch placed meanwhile, whether Postgres judged it (not the core)."""
+    judged: list[bool] = []
+    place = store.place_batch
+
+    async def spy(*args: Any, **kwargs: Any) -> list[store.Placed]:
+        placed = await place(*args, **kwargs)
+        judged.extend(p.outcome != "python" for p in placed)
+        return placed
+
+    store.place_batch = spy  # type: ignore[assignment]
+    try:
+        yield judged
+    finally:
+        store.place_batch = place  # type: ignore[assignment]
+
+
+def _expected(reference: MemoryUsage, sample: Sample) -> Accepted | Duplicate | Pending | Rejected:
+    if sample.run_id.endswith("-u"):
+        return Pending(sample, sample.observed_at + GRACE)
+    try:
+        return reference.apply(sample)
+    except Rejected as exc:
+        return exc
+
+
+def _shape(outcome: object) -> tuple[object, ...]:
+    if isinstance(outcome, Rejected):
+        return ("rejected", outcome.reason, str(outcome))
+    if isinstance(outcome, Duplicate):
+        return ("duplicate", outcome.sample, outcome.of)
+    if isinstance(outcome, Pending):
+        return ("pending", outcome.sample, outcome.until)
+    assert isinstance(outcome, Accepted)
+    return ("accepted", outcome.sample, outcome.cumulative, outcome.delta, outcome.late)
+
+
+async def test_a_clean_stream_is_judged_in_postgres_alone(pg_dsn: str) -> None:
+    """Repeats, resends under new ids and late samples of runs with a decision: every sample is
+    judged by metering_place_batch, none left to the core (so the comparison above tests it)."""
+    await decide(pg_dsn, "run-c")
+    minutes = [3, 1, 2, 5, 4]
+    clean = [Sample("run-c", f"c{m}", T0 + timedelta(minutes=m), Counters(1000 * m, 10 * m)) for m in minutes]
+    stream = [*clean[:3], clean[0], Sample("run-c", "c2/again", clean[2].observed_at, clean[2].counters), *clean[3:]]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        for batch in (stream[:4], stream[4:]):
+            async with conn.transaction():
+                placed = await store.place_batch(conn, batch, sources=["kafka"] * len(batch), event_ids=[str(uuid.uuid4()) for _ in batch])
+            assert "python" not in {p.outcome for p in placed}
+        outcomes = {p.index: p.outcome for p in placed}
+        assert outcomes == {0: "duplicate", 1: "accepted", 2: "accepted"}
+        assert [r["late"] for r in await conn.fetch("SELECT late FROM usage_records WHERE run_id = 'run-c' ORDER BY observed_at")] == [
+            True,  # minutes 1 and 2 came after minute 3
+            True,
+            False,
+            True,  # minute 4 came after minute 5
+            False,
+        ]
+    finally:
+        await conn.close()
