@@ -9,40 +9,10 @@ import shutil
 from pathlib import Path
 
 import httpx
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from budgetgate import wire
 from budgetgate.topics import Topics
-from budgetgate.v1 import decisions_pb2
-from tests.support.admission import EXAMPLES, git, submission
+from tests.support.admission import EXAMPLES, decisions_on, git, submission
 from tests.support.cli import budgetgate
-
-
-async def decisions_for(bootstrap: str, topic: str, run_ids: set[str], timeout: float = 30) -> dict[str, decisions_pb2.Decision]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
-    found: dict[str, decisions_pb2.Decision] = {}
-    try:
-        deadline = asyncio.get_running_loop().time() + timeout
-        assigned = False
-        while len(found) < len(run_ids) and asyncio.get_running_loop().time() < deadline:
-            if not assigned:
-                await consumer._client.force_metadata_update()  # noqa: SLF001 - topic may be new
-                partitions = consumer.partitions_for_topic(topic)
-                if not partitions:
-                    await asyncio.sleep(0.2)
-                    continue
-                consumer.assign([TopicPartition(topic, p) for p in partitions])
-                await consumer.seek_to_beginning()
-                assigned = True
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                for record in records:
-                    message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
-                    if message.run_id in run_ids:
-                        found[message.run_id] = message
-    finally:
-        await consumer.stop()
-    return found
 
 
 async def test_dev_up_apply_submit_publish_down(tmp_path: Path) -> None:
@@ -93,7 +63,7 @@ async def test_dev_up_apply_submit_publish_down(tmp_path: Path) -> None:
         assert all(a["policy_bundle_sha"] == sha for a in answers.values())
 
         topic = Topics(state.get("topic_prefix", "")).decisions
-        published = await decisions_for(state["kafka_bootstrap"], topic, set(answers))
+        published = await decisions_on(state["kafka_bootstrap"], topic, set(answers))
         assert set(published) == set(answers)
         for run_id, answer in answers.items():
             assert published[run_id].decision_id == answer["decision_id"]

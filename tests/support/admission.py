@@ -130,14 +130,20 @@ def git(*args: str, cwd: Path) -> str:
 async def published_decisions(settings: Any, run_ids: set[str], *, timeout: float = 30) -> dict[str, Any]:
     """The Decision messages admission published for `run_ids` on the test's budget.decisions.v1
     (the last of each run), read from the beginning; fails the test unless all arrive in time."""
+    from budgetgate.topics import Topics
+
+    return await decisions_on(settings.kafka_bootstrap, Topics(settings.topic_prefix).decisions, run_ids, timeout=timeout)
+
+
+async def decisions_on(bootstrap: str, topic: str, run_ids: set[str], *, timeout: float = 30) -> dict[str, Any]:
+    """The Decision messages for `run_ids` on `topic` (the last of each run), read from the
+    beginning; fails the test unless all arrive in time."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from budgetgate import wire
-    from budgetgate.topics import Topics
     from budgetgate.v1 import decisions_pb2
 
-    topic = Topics(settings.topic_prefix).decisions
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     found: dict[str, Any] = {}
     try:
