@@ -9,6 +9,8 @@ on budget.actions.v1, so its platform resubmits it without polling.
   settlement's own transaction, after its changes.
 - **A new policy bundle or override revision** (a limit may have risen): upkeep judges every
   waiting run not yet judged under the active bundle with the latest tenant overrides.
+- **A new calendar window** (a month, a week begins): upkeep judges the runs refused by a budget
+  in an earlier window of it, in the new one.
 
 A run judged to fit gets one HEADROOM per cause (the release, the bundle), written to the
 outbox in the judging transaction (headroom_notices keeps each cause once). Judgments take
@@ -29,6 +31,7 @@ import orjson
 from budgetgate.consumer import BatchRoute, Delivery
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.waiting import QUOTA, WaitingRun, budget_needs, waiting_for
+from budgetgate.core.windows import window_at
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.waiting import headroom, registered
 from budgetgate.services.reconciler import messages
@@ -124,6 +127,30 @@ async def recheck(pool: asyncpg.Pool, bundles: Bundles, *, now: datetime) -> int
         if len(rows) < _PAGE:
             break
     return sent
+
+
+async def rollover(pool: asyncpg.Pool, bundles: Bundles, *, since: datetime | None, now: datetime) -> int:
+    """Judge the runs waiting on a calendar-window budget whose window began after they were
+    refused (a DELAY until the month resets, say): in the new window the budget may have room.
+    Only windows that began after `since` are looked at (None, as at start: every current one);
+    returns the HEADROOM actions sent, once per run and new window."""
+    bundle = bundles.judging
+    if bundle is None:
+        return 0
+    began = {p.id: window_at(p.window, now) for p in bundle.policies if not p.window.rolling}
+    if since is not None:
+        began = {policy_id: window for policy_id, window in began.items() if window.start > since}
+    if not began:
+        return 0
+    async with pool.acquire() as conn, conn.transaction():
+        names = lock_names(policy_ids=began)
+        await conn.execute(sql("lock_headroom"), sorted(names))
+        by_cause: dict[str, list[WaitingRun]] = {}
+        for run in map(registered, await conn.fetch(sql("waiting_on_release"), None, False, sorted(began))):
+            new = sorted(f"{n.policy_id}@{began[n.policy_id].key}" for n in run.needs if n.policy_id in began and run.decided_at < began[n.policy_id].start)
+            if new:
+                by_cause.setdefault("window:" + ",".join(new), []).append(run)
+        return sum([await _judge(conn, runs, bundle, cause=cause, now=now, locked=names) for cause, runs in sorted(by_cause.items())])
 
 
 async def forget_stale(pool: asyncpg.Pool, *, older_than: timedelta, now: datetime) -> None:

@@ -98,6 +98,7 @@ class Reconciler:
         self.pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._repaired = False
+        self._windows_seen: datetime | None = None  # when upkeep last looked for new calendar windows
 
     async def start(self) -> None:
         s = self.settings
@@ -233,9 +234,13 @@ class Reconciler:
             await budgets.age_rolling(self.pool, self.ledger, now=now, bundles=self.bundles)
             if await budgets.lift_holds(self.pool, bundles=self.bundles, now=now):
                 self.relay.wakeup.set()
-            # A new bundle may have raised a limit a waiting run is refused by.
+            # A new bundle may have raised a limit a waiting run is refused by; a new calendar
+            # window (since the last tick; at start, any) may have room for runs refused in the last.
             if await headroom.recheck(self.pool, self.bundles, now=now):
                 self.relay.wakeup.set()
+            if await headroom.rollover(self.pool, self.bundles, since=self._windows_seen, now=now):
+                self.relay.wakeup.set()
+            self._windows_seen = now
             await headroom.forget_stale(self.pool, older_than=timedelta(seconds=s.waiting_seconds), now=now)
             if time.monotonic() >= next_sweep:
                 # Leak protection for Redis holds whose decision never committed (a process died

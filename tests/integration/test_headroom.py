@@ -198,3 +198,33 @@ async def test_a_quota_override_that_raises_the_limit_sends_headroom(
     assert (await server.client.get("/v1/admissions/w")).json()["waiting"]["limiting"][0]["limit"] == 6
     # The command line reads the same figures as the API: the limit with the override.
     assert 'tenant "physics" max_nodes: 3 of 6 held, needs 2: fits' in await status_cli(pg_dsn, "w")
+
+
+async def test_a_budget_delay_hears_headroom_once_when_the_next_calendar_window_begins(
+    admission_factory,
+    reconciler_factory,  # noqa: F811
+    settings,
+    pg_dsn,
+) -> None:
+    from budgetgate.core.windows import window_at
+    from budgetgate.services.reconciler import headroom
+
+    await apply_policies(pg_dsn, delaying(10), sha="3" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=physics("big", gpus=8))).json()["decision"] == "ALLOW"
+    assert (await server.client.post("/v1/admissions", json=physics("late", gpus=4))).json()["decision"] == "DELAY"
+    reconciler = await reconciler_factory()
+    await wait_for(lambda: _has(pg_dsn, ("late", 1)), what="late registered as waiting")
+    [policy] = [p for p in reconciler.bundles.judging.policies if p.id == "physics-delay"]
+    this = window_at(policy.window, datetime.now(UTC))
+    later = this.end + timedelta(minutes=5)  # the next month, where nothing is held yet
+
+    # No window began between two instants of this one: nobody is judged.
+    assert await headroom.rollover(reconciler.pool, reconciler.bundles, since=this.start + timedelta(seconds=1), now=datetime.now(UTC)) == 0
+    # The next month begins: late (refused in this one) fits there, and hears it once.
+    assert await headroom.rollover(reconciler.pool, reconciler.bundles, since=this.end - timedelta(minutes=1), now=later) == 1
+    assert await headroom.rollover(reconciler.pool, reconciler.bundles, since=None, now=later) == 0
+    [sent] = [a for a in await outbox(pg_dsn, "budget.actions.v1", BudgetAction) if a.type == HEADROOM]
+    assert (sent.run_id, sent.attempt, sent.policy_id) == ("late", 1, "physics-delay")
+    assert "0 of 10 used, needs 4: fits" in sent.message, sent.message
