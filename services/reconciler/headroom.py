@@ -24,6 +24,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Mapping, Sequence, Set
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 import orjson
@@ -142,15 +143,25 @@ async def rollover(pool: asyncpg.Pool, bundles: Bundles, *, since: datetime | No
         began = {policy_id: window for policy_id, window in began.items() if window.start > since}
     if not began:
         return 0
-    async with pool.acquire() as conn, conn.transaction():
-        names = lock_names(policy_ids=began)
-        await conn.execute(sql("lock_headroom"), sorted(names))
-        by_cause: dict[str, list[WaitingRun]] = {}
-        for run in map(registered, await conn.fetch(sql("waiting_on_release"), None, False, sorted(began))):
+
+    def by_cause(rows: Iterable[Any]) -> dict[str, list[WaitingRun]]:
+        found: dict[str, list[WaitingRun]] = {}
+        for run in map(registered, rows):
             new = sorted(f"{n.policy_id}@{began[n.policy_id].key}" for n in run.needs if n.policy_id in began and run.decided_at < began[n.policy_id].start)
             if new:
-                by_cause.setdefault("window:" + ",".join(new), []).append(run)
-        return sum([await _judge(conn, runs, bundle, cause=cause, now=now, locked=names) for cause, runs in sorted(by_cause.items())])
+                found.setdefault("window:" + ",".join(new), []).append(run)
+        return found
+
+    async with pool.acquire() as conn, conn.transaction():
+        # Locked are only the budgets somebody waits on (a bundle may have thousands), then read again.
+        waiting = by_cause(await conn.fetch(sql("waiting_on_release"), None, False, sorted(began)))
+        policy_ids = sorted({n.policy_id for runs in waiting.values() for run in runs for n in run.needs if n.policy_id in began})
+        if not policy_ids:
+            return 0
+        names = lock_names(policy_ids=policy_ids)
+        await conn.execute(sql("lock_headroom"), sorted(names))
+        waiting = by_cause(await conn.fetch(sql("waiting_on_release"), None, False, policy_ids))
+        return sum([await _judge(conn, runs, bundle, cause=cause, now=now, locked=names) for cause, runs in sorted(waiting.items())])
 
 
 async def forget_stale(pool: asyncpg.Pool, *, older_than: timedelta, now: datetime) -> None:
