@@ -26,6 +26,18 @@ def delaying(limit: int) -> dict[str, str]:
     return {"d.yaml": budget_yaml("physics-delay", namespace="physics", labels="{team: physics}", limit=f"gpu_hours: {limit}", on_exhausted="delay")}
 
 
+async def delayed_behind_big(admission_factory, pg_dsn: str, *, sha: str, **delayed: int):  # type: ignore[no-untyped-def]
+    """Admission under a 10 GPU-hour delaying budget: run big (8 GPU-h) allowed, then each of
+    `delayed` (run id = GPUs for an hour) delayed behind it; returns the admission server."""
+    await apply_policies(pg_dsn, delaying(10), sha=sha)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=physics("big", gpus=8))).json()["decision"] == "ALLOW"
+    for run_id, gpus in delayed.items():
+        assert (await server.client.post("/v1/admissions", json=physics(run_id, gpus=gpus))).json()["decision"] == "DELAY"
+    return server
+
+
 async def headrooms(settings) -> list[BudgetAction]:  # type: ignore[no-untyped-def]
     """Every HEADROOM on the test's budget.actions.v1, as the broker has them."""
     found = []
@@ -113,12 +125,7 @@ async def test_budget_delay_hears_headroom_when_a_limit_rises_and_when_a_run_end
     settings,
     pg_dsn,
 ) -> None:
-    await apply_policies(pg_dsn, delaying(10), sha="1" * 40)
-    server = await admission_factory()
-    await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=physics("big", gpus=8))).json()["decision"] == "ALLOW"
-    assert (await server.client.post("/v1/admissions", json=physics("late", gpus=4))).json()["decision"] == "DELAY"
-    assert (await server.client.post("/v1/admissions", json=physics("mid", gpus=9))).json()["decision"] == "DELAY"
+    server = await delayed_behind_big(admission_factory, pg_dsn, sha="1" * 40, late=4, mid=9)
     waiting = (await server.client.get("/v1/admissions/late")).json()["waiting"]
     assert waiting["state"] == "waiting for budget" and waiting["headroom"] is False
     assert waiting["limiting"] == [
@@ -209,11 +216,7 @@ async def test_a_budget_delay_hears_headroom_once_when_the_next_calendar_window_
     from budgetgate.core.windows import window_at
     from budgetgate.services.reconciler import headroom
 
-    await apply_policies(pg_dsn, delaying(10), sha="3" * 40)
-    server = await admission_factory()
-    await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=physics("big", gpus=8))).json()["decision"] == "ALLOW"
-    assert (await server.client.post("/v1/admissions", json=physics("late", gpus=4))).json()["decision"] == "DELAY"
+    await delayed_behind_big(admission_factory, pg_dsn, sha="3" * 40, late=4)
     reconciler = await reconciler_factory()
     await wait_for(lambda: _has(pg_dsn, ("late", 1)), what="late registered as waiting")
     [policy] = [p for p in reconciler.bundles.judging.policies if p.id == "physics-delay"]
