@@ -223,7 +223,17 @@ async def test_redis_lost_between_the_reserve_and_the_commit(admission_factory, 
     killable_redis.start()  # empty: rebuilt from Postgres, the batch's reservations included
     after = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(f"after-{i}")) for i in range(12)))
     assert {a.status_code for a in after} <= {200, 503}
-    assert sum(a.status_code == 200 and a.json()["decision"] == "ALLOW" for a in after) == 12 - 4
+    # A 503 (a pooled connection to the old Redis, the rebuild under way) fails closed and is
+    # retried by its client, as any would; answered, exactly the room Postgres leaves is allowed.
+    for _ in range(50):
+        again = [i for i, a in enumerate(after) if a.status_code == 503]
+        if not again:
+            break
+        await asyncio.sleep(0.1)
+        for i, answer in zip(again, await asyncio.gather(*(server.client.post("/v1/admissions", json=body(f"after-{i}")) for i in again)), strict=True):
+            after[i] = answer
+    got = [(a.status_code, a.json().get("decision") or a.json().get("detail")) for a in after]
+    assert sum(a.status_code == 200 and a.json()["decision"] == "ALLOW" for a in after) == 12 - 4, got
     held = await held_in_postgres(pg_dsn)
     assert list(held.values()) == [96 * GPU_HOUR]
     assert await reserved_in_redis(server) == held
