@@ -120,7 +120,7 @@ class Gate:
         return principal
 
     async def count(self, principal: Principal) -> None:
-        if self.limiter is None or self.limit is None or self.hits is None:
+        if self.hits is None or self.limiter is None or self.limit is None:  # hits is None exactly when no limit is set
             return
         try:
             allowed = await self.hits.hit(principal.name) <= self.limit.amount
