@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import asyncpg
 import pytest
 import redis.asyncio as aioredis
 
 from budgetgate.ledger.migrations import migrate_dsn
+from tests.support.databases import empty_database
 from tests.support.admission import apply_policies, budget_yaml, one_batch, submission
 from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
 
@@ -30,13 +30,7 @@ async def wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no
 
 async def private_database(dsn: str) -> str:
     """A migrated database of its own on a private Postgres server."""
-    name = f"bg_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    db_dsn = dsn.rsplit("/", 1)[0] + f"/{name}"
+    _, db_dsn = await empty_database(dsn)
     await migrate_dsn(db_dsn)
     return db_dsn
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import uuid
 from importlib import resources
 
 import asyncpg
 
 from budgetgate.ledger.migrations import migrate, migration_files
+from tests.support.databases import drop_database, empty_database
 
 CATALOG = """
 SELECT 'column' AS kind, table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable || ' ' || coalesce(column_default, '') AS what
@@ -28,24 +28,6 @@ ORDER BY 1, 2
 """
 
 
-async def _fresh(admin_dsn: str) -> tuple[str, str]:
-    name = f"drift_{uuid.uuid4().hex[:10]}"
-    conn = await asyncpg.connect(admin_dsn)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    return name, admin_dsn.rsplit("/", 1)[0] + f"/{name}"
-
-
-async def _drop(admin_dsn: str, name: str) -> None:
-    conn = await asyncpg.connect(admin_dsn)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
-
-
 async def _catalog(dsn: str) -> list[tuple[str, str]]:
     conn = await asyncpg.connect(dsn)
     try:
@@ -58,8 +40,8 @@ async def test_migrations_and_schema_file_build_the_same_database(pg_dsn) -> Non
     schema = resources.files("budgetgate.ledger").joinpath("sql", "schema.sql").read_text()
     names = []
     try:
-        a_name, a_dsn = await _fresh(pg_dsn)
-        b_name, b_dsn = await _fresh(pg_dsn)
+        a_name, a_dsn = await empty_database(pg_dsn, prefix="drift")
+        b_name, b_dsn = await empty_database(pg_dsn, prefix="drift")
         names = [a_name, b_name]
         conn = await asyncpg.connect(a_dsn)
         try:
@@ -80,7 +62,7 @@ async def test_migrations_and_schema_file_build_the_same_database(pg_dsn) -> Non
         assert not missing and not extra, f"schema.sql drifted from the migrations: missing {missing}, extra {extra}"
     finally:
         for name in names:
-            await _drop(pg_dsn, name)
+            await drop_database(pg_dsn, name)
 
 
 async def test_the_catalog_compares_view_definitions(pg_dsn) -> None:

@@ -43,6 +43,18 @@ async def _execute(dsn: str, *statements: str) -> None:
         await conn.close()
 
 
+async def empty_database(admin_dsn: str, *, prefix: str = "bg") -> tuple[str, str]:
+    """A new database with nothing in it (no migration) on the server of `admin_dsn`: its name
+    and DSN. Drop it with `drop_database`."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    await _execute(admin_dsn, f'CREATE DATABASE "{name}"')
+    return name, with_database(admin_dsn, name)
+
+
+async def drop_database(admin_dsn: str, name: str) -> None:
+    await _execute(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 async def _migrate(dsn: str) -> None:
     try:
         from budgetgate.ledger.migrations import migrate_dsn
