@@ -2,17 +2,20 @@
 Postgres transaction (`enqueue`), and a relay that publishes committed rows to Kafka, in order,
 at least once (`OutboxRelay`).
 
-Rows are claimed with FOR UPDATE SKIP LOCKED, so several instances (of any service) can relay
-side by side; a row is marked published only after the broker acknowledged it. Consumers
-deduplicate on the event id, so a crash between the ack and the mark only causes a redelivery.
-Rows name the topic without the deployment's prefix; the relay adds its own.
+A row holds one record, or a bundle of records of one topic that one transaction announces
+(`enqueue_bundle`: metering-ingest's usage records of a poll, one row to write, claim and mark
+instead of one per sample). Rows are claimed with FOR UPDATE SKIP LOCKED, so several instances
+(of any service) can relay side by side; a row is marked published only after the broker
+acknowledged every record it carries. Consumers deduplicate on the event id, so a crash between
+the ack and the mark only causes a redelivery. Rows name the topic without the deployment's
+prefix; the relay adds its own.
 
 A broker may forget records it acknowledged: Tansu with in-memory storage loses everything when
 it restarts, and a Kafka cluster can be restored from an older state. Published rows therefore
-stay for a replay window (pruned after it), each with the partition it went to, and the relays
-keep, per partition, an offset it acknowledged: the first of the latest batch (`outbox_watermarks`;
-not the last, since Tansu reports a partition's end as its last record batch's base offset plus
-one). A partition whose log ends at or below that offset, or that acknowledges a new record at
+stay for a replay window (pruned after it), each with the partitions its records went to, and
+the relays keep, per partition, an offset it acknowledged: the first of the latest batch
+(`outbox_watermarks`; not the last, since Tansu reports a partition's end as its last record
+batch's base offset plus one). A partition whose log ends at or below that offset, or that acknowledges a new record at
 or below it, has lost records: its rows published within the window become pending again and
 are sent anew, in id order. Nothing older than the window can be recovered. This needs neither
 idempotent nor transactional producers, which Tansu lacks; consumers deduplicate the resends.
@@ -23,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import asyncpg
@@ -44,10 +49,55 @@ async def enqueue(conn: asyncpg.Connection, *, topic: str, record: wire.Record) 
 def row(*, topic: str, record: wire.Record) -> tuple[str, str | None, bytes, str]:
     """The outbox columns (topic, key, payload, headers) of `record`, for a statement that
     writes the outbox row together with other changes."""
+    return topic, _key(record.key), record.value, _pack_headers(record.headers)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Records of one topic that one transaction announces, for one outbox row (`enqueue_bundle`):
+    their keys, values and event ids, and the headers they share but for the event id."""
+
+    topic: str
+    keys: list[str | None]
+    payloads: list[bytes]
+    event_ids: list[str]
+    headers: str  # jsonb text, as `row` packs them
+
+
+def bundle(*, topic: str, records: Sequence[wire.Record]) -> Bundle:
+    """`records` as one bundle. Each must carry an event-id header, and the same other headers
+    as the first (what `wire.encode` gives messages of one type encoded with the same trace
+    headers); ValueError otherwise."""
+    keys, payloads, event_ids = [], [], []
+    shared: list[tuple[str, bytes]] | None = None
+    for record in records:
+        others = [header for header in record.headers if header[0] != wire.EVENT_ID]
+        event_id = record.header(wire.EVENT_ID)
+        if event_id is None or len(others) != len(record.headers) - 1:
+            raise ValueError(f"a bundled record needs exactly one {wire.EVENT_ID} header, found {record.headers!r}")
+        if shared is None:
+            shared = others
+        elif others != shared:
+            raise ValueError(f"bundled records must share their headers: {others!r} after {shared!r}")
+        keys.append(_key(record.key))
+        payloads.append(record.value)
+        event_ids.append(event_id.decode())
+    return Bundle(topic, keys, payloads, event_ids, _pack_headers(shared or []))
+
+
+async def enqueue_bundle(conn: asyncpg.Connection, bundle: Bundle) -> None:
+    """Write `bundle` to the outbox as one row in `conn`'s transaction (nothing when empty)."""
+    if bundle.payloads:
+        await conn.execute(sql("insert_outbox_bundle"), bundle.topic, bundle.keys, bundle.payloads, bundle.event_ids, bundle.headers)
+
+
+def _key(key: bytes | None) -> str | None:
+    return key.decode("utf-8", errors="replace") if key is not None else None
+
+
+def _pack_headers(headers: wire.Headers) -> str:
     # Header values are bytes; latin-1 maps each byte to one character and back unchanged.
-    headers = orjson.dumps([[name, value.decode("latin-1")] for name, value in record.headers]).decode()
-    key = record.key.decode("utf-8", errors="replace") if record.key is not None else None
-    return topic, key, record.value, headers
+    return orjson.dumps([[name, value.decode("latin-1")] for name, value in headers]).decode()
 
 
 class OutboxRelay:
@@ -86,32 +136,52 @@ class OutboxRelay:
         self._offsets: AIOKafkaConsumer | None = None
 
     async def relay_once(self) -> int:
-        """Publish one batch (after the broker check and pruning, when they are due);
-        returns how many rows were published."""
+        """Publish one batch of up to `batch` records (after the broker check and pruning, when
+        they are due); returns how many records were published."""
         await self._upkeep()
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(sql("claim_outbox"), self.batch)
             if not rows:
                 return 0
+            owners, sends = self._sends(rows)
             # Sent together, acknowledged together: per-key order holds because one producer
             # sends them in id order to the partition of each key.
-            acks = await self.publisher.send_records([(self.topics.name(row["topic"]), _record(row)) for row in rows])
+            acks = await self.publisher.send_records(sends)
             lowest = _lowest(acks)
             backwards = {tp: self._acked[tp] for tp, offset in lowest.items() if offset <= self._acked.get(tp, -1)}
             if backwards:
                 # Before the mark: these rows are still pending, so the replay leaves them be.
                 await self._replay(conn, backwards, why="acknowledged new records at or below")
+            # Each row with each partition its records went to: a bundle's thousands of records
+            # come down to a few pairs.
+            went = sorted(set(zip(owners, [ack.partition for ack in acks], strict=True)))
             await conn.execute(
                 sql("mark_published"),
-                [row["id"] for row in rows], [ack.partition for ack in acks],
+                [row_id for row_id, _ in went], [partition for _, partition in went],
                 [tp.topic for tp in lowest], [tp.partition for tp in lowest], list(lowest.values()),
             )  # fmt: skip
         for tp, offset in lowest.items():
             self._acked[tp] = max(offset, self._acked.get(tp, -1))
         if backwards:
             self._next_check = 0.0  # the other partitions of a broker that forgot are checked now
-        self.published += len(rows)
-        return len(rows)
+        self.published += len(sends)
+        return len(sends)
+
+    def _sends(self, rows: list[asyncpg.Record]) -> tuple[list[int], list[tuple[str, wire.Record]]]:
+        """The records of claimed rows, in order, each with its row's id."""
+        owners: list[int] = []
+        sends: list[tuple[str, wire.Record]] = []
+        for row in rows:
+            topic = self.topics.name(row["topic"])
+            if row["payloads"] is None:
+                owners.append(row["id"])
+                sends.append((topic, _record(row)))
+                continue
+            shared = _unpack_headers(row["headers"])
+            for key, value, event_id in zip(row["keys"], row["payloads"], row["event_ids"], strict=True):
+                owners.append(row["id"])
+                sends.append((topic, wire.Record(value=value, key=key.encode() if key else None, headers=[(wire.EVENT_ID, event_id.encode()), *shared])))
+        return owners, sends
 
     async def check_broker(self) -> int:
         """Compare each partition's end with an offset it acknowledged, and make the rows of
@@ -233,15 +303,18 @@ class OutboxRelay:
 
 
 def _record(row: asyncpg.Record) -> wire.Record:
-    headers = [(k, v.encode("latin-1")) for k, v in orjson.loads(row["headers"])]
-    return wire.Record(value=row["payload"], key=row["key"].encode() if row["key"] else None, headers=headers)
+    return wire.Record(value=row["payload"], key=row["key"].encode() if row["key"] else None, headers=_unpack_headers(row["headers"]))
+
+
+def _unpack_headers(packed: str) -> list[tuple[str, bytes]]:
+    return [(k, v.encode("latin-1")) for k, v in orjson.loads(packed)]
 
 
 def _lowest(acks: list[wire.Acked]) -> dict[TopicPartition, int]:
     # The lowest, not the highest: Tansu reports a partition's end as the base offset of its
     # last record batch plus one, so only the first record of our batch is sure to be below it.
-    lowest: dict[TopicPartition, int] = {}
-    for ack in acks:
-        tp = TopicPartition(ack.topic, ack.partition)
-        lowest[tp] = min(ack.offset, lowest.get(tp, ack.offset))
-    return lowest
+    lowest: dict[tuple[str, int], int] = {}
+    for topic, partition, offset in acks:
+        if offset < lowest.get((topic, partition), offset + 1):
+            lowest[topic, partition] = offset
+    return {TopicPartition(topic, partition): offset for (topic, partition), offset in lowest.items()}

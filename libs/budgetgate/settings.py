@@ -98,8 +98,9 @@ class CommonSettings(BaseSettings):
     topic_prefix: str = ""
     service_name: str = "budgetgate"
     otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint; none = no export")
-    # Outbox rows the relay claims, publishes together and marks in one transaction: the relay
-    # waits for the broker once per batch, so this bounds the rate it keeps up with.
+    # Outbox records the relay claims, publishes together and marks in one transaction (a
+    # bundle row that carries more goes alone): the relay waits for the broker once per batch,
+    # so this bounds the rate it keeps up with.
     outbox_batch: int = Field(default=1000, ge=1, le=100_000)
     # How Kafka clients reach the brokers: PLAINTEXT (the local stack), SSL, SASL_PLAINTEXT or
     # SASL_SSL, with a SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) and credentials.

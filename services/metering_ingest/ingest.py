@@ -2,9 +2,10 @@
 sample pending while its run has no decision yet.
 
 Everything about one sample happens in the caller's Postgres transaction, under the run's lock:
-the usage row, the run's new high-water mark and the outbox row of its usage record commit
-together or not at all, and so does a sample kept pending. The Kafka consumer calls this with
-its inbox row in the same transaction; HTTP ingest with a transaction per sample.
+the usage row, the run's new high-water mark and the outbox row of its usage record (for a
+batch, one outbox bundle of all its usage records) commit together or not at all, and so does a
+sample kept pending. The Kafka consumer calls this with its inbox row in the same transaction;
+HTTP ingest with a transaction per sample.
 
 A run is known once a decision for it exists. A sample of an unknown run is kept in
 metering_pending until observed_at + the grace period: admission decides before a run starts,
@@ -137,13 +138,13 @@ class Ingestor:
                 accepted = Accepted(sample, cumulative=p.cumulative, delta=p.delta, late=p.late)
                 outcomes[p.index] = accepted
                 message = with_run_figures(drafts[p.index], accepted)
-                announce.append(outbox.row(topic=topics.USAGE, record=wire.encode(message, key=sample.run_id, trace_headers=trace_headers)))
+                announce.append(wire.encode(message, key=sample.run_id, trace_headers=trace_headers))
             elif p.outcome == "duplicate":
                 assert p.of is not None
                 outcomes[p.index] = Duplicate(sample, of=p.of)
             else:
                 left.append(p.index)
-        await store.announce_records(conn, announce)
+        await outbox.enqueue_bundle(conn, outbox.bundle(topic=topics.USAGE, records=announce))
         if left:
             for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], now), strict=True):
                 outcomes[index] = outcome
@@ -177,8 +178,8 @@ class Ingestor:
                 event_id = usage_event_id(sample.run_id, sample.sample_id)
                 recorded.append((outcome, batch[index][1].source, event_id))
                 message = usage_record(outcome, recorded_at=recorded_at, event_id=event_id)
-                announce.append(outbox.row(topic=topics.USAGE, record=wire.encode(message, key=sample.run_id, trace_headers=trace_headers)))
-        await store.record_batch(conn, recorded, announce)
+                announce.append(wire.encode(message, key=sample.run_id, trace_headers=trace_headers))
+        await store.record_batch(conn, recorded, outbox.bundle(topic=topics.USAGE, records=announce))
         return [o for o in outcomes if o is not None]
 
     async def _keep_pending(self, conn: asyncpg.Connection, sample: Sample, origin: Origin, now: datetime) -> Pending | Rejected:

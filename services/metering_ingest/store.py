@@ -17,6 +17,7 @@ from typing import Literal, NamedTuple
 
 import asyncpg
 
+from budgetgate import outbox
 from budgetgate.core.metering import Accepted, Counters, Known, RunView, Sample, usage_event_id
 from budgetgate.ledger.queries import sql
 
@@ -194,13 +195,10 @@ _USAGE_COLUMNS = (
 )  # fmt: skip
 
 
-async def record_batch(
-    conn: asyncpg.Connection, recorded: Sequence[tuple[Accepted, Source, str]], announce: Sequence[tuple[str, str | None, bytes, str]]
-) -> None:
+async def record_batch(conn: asyncpg.Connection, recorded: Sequence[tuple[Accepted, Source, str]], announce: outbox.Bundle) -> None:
     """Store accepted samples (each with its source and usage event id; their runs' locks held,
-    judged with `assess_batch`), raise their runs' high-water marks and write the outbox rows of
-    their usage records (`announce`, the outbox columns of each): COPY for the rows, one
-    statement for the runs."""
+    judged with `assess_batch`), raise their runs' high-water marks and write the outbox bundle
+    of their usage records: COPY for the rows, one statement for the runs, one for the bundle."""
     if not recorded:
         return
     rows, runs = [], {}
@@ -213,17 +211,11 @@ async def record_batch(
         cumulative, added, latest = runs.get(sample.run_id, (Counters(), 0, sample.observed_at))
         runs[sample.run_id] = (cumulative.high_water(accepted.cumulative), added + 1, max(latest, sample.observed_at))
     await conn.copy_records_to_table("usage_records", records=rows, columns=_USAGE_COLUMNS)
-    await announce_records(conn, announce)
+    await outbox.enqueue_bundle(conn, announce)
     ids = sorted(runs)
     await conn.execute(
         sql("raise_usage_runs"), ids, [runs[r][0].gpu for r in ids], [runs[r][0].node for r in ids], [runs[r][1] for r in ids], [runs[r][2] for r in ids]
     )
-
-
-async def announce_records(conn: asyncpg.Connection, announce: Sequence[tuple[str, str | None, bytes, str]]) -> None:
-    """Write the outbox rows of usage records (the outbox columns of each), with COPY."""
-    if announce:
-        await conn.copy_records_to_table("outbox", records=announce, columns=("topic", "key", "payload", "headers"))
 
 
 async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> None:

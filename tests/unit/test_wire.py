@@ -12,11 +12,12 @@ from google.protobuf import json_format
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from budgetgate import wire
+from budgetgate import outbox, wire
 from budgetgate.topics import DECISIONS, METERING, dlq
 from budgetgate.v1.common_pb2 import ALLOW, Job, Resources
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.v1.metering_pb2 import MeteringSample
+from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from budgetgate.wire import WireError, context_from_headers, dead_letter, decode, encode
 
 
@@ -276,3 +277,34 @@ def test_event_ids_an_inbox_cannot_store_are_refused() -> None:
         message = lifecycle_pb2.LifecycleEvent(event_id=bad, event_time=Timestamp(seconds=1), run_id="r")
         with pytest.raises(wire.WireError, match="printable"):
             wire.decode(lifecycle_pb2.LifecycleEvent, message.SerializeToString(), [])
+
+
+def test_a_bundle_keeps_each_records_key_value_and_event_id_and_their_shared_headers() -> None:
+    trace = [("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")]
+    messages = [_bundle_message(n) for n in range(3)]
+    records = [wire.encode(m, key=f"run-{n}" if n else None, trace_headers=trace) for n, m in enumerate(messages)]
+    bundle = outbox.bundle(topic="policies", records=records)
+    assert len(bundle.payloads) == 3
+    assert bundle.keys == [None, "run-1", "run-2"]
+    assert bundle.payloads == [r.value for r in records]
+    assert bundle.event_ids == [m.event_id for m in messages]
+    assert "event-id" not in bundle.headers and "traceparent" in bundle.headers
+
+
+def test_a_bundle_refuses_records_that_do_not_share_their_headers_or_lack_an_event_id() -> None:
+    first = wire.encode(_bundle_message(0), key="a", trace_headers=[("traceparent", b"one")])
+    other_trace = wire.encode(_bundle_message(1), key="a", trace_headers=[("traceparent", b"two")])
+    with pytest.raises(ValueError, match="share their headers"):
+        outbox.bundle(topic="policies", records=[first, other_trace])
+    without_id = wire.Record(value=b"x", key=None, headers=[("content-type", b"application/x-protobuf")])
+    with pytest.raises(ValueError, match="event-id"):
+        outbox.bundle(topic="policies", records=[without_id])
+    twice = wire.Record(value=b"x", key=None, headers=[(wire.EVENT_ID, b"1"), (wire.EVENT_ID, b"2")])
+    with pytest.raises(ValueError, match="exactly one"):
+        outbox.bundle(topic="policies", records=[twice])
+
+
+def _bundle_message(n: int) -> PolicyBundlePublished:
+    message = PolicyBundlePublished(event_id=f"event-{n}", git_sha=f"{n:040x}")
+    message.event_time.FromDatetime(datetime.now(UTC))
+    return message

@@ -159,16 +159,33 @@ WHERE c.ledger_key = ANY($1::text[]) AND c.bucket >= COALESCE(a.aged_through, '-
 GROUP BY c.ledger_key, c.bucket;
 
 -- name: claim_outbox
-SELECT id, topic, key, payload, headers FROM outbox
-WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED;
+-- Pending rows in id order, locked, as long as they carry at most $1 records in all (the first
+-- row whatever it carries).
+WITH pending AS (
+    SELECT p.id, sum(p.records) OVER (ORDER BY p.id) AS upto
+    FROM (SELECT id, records FROM outbox WHERE published_at IS NULL ORDER BY id LIMIT $1) AS p
+)
+SELECT o.id, o.topic, o.key, o.payload, o.headers, o.keys, o.payloads, o.event_ids
+FROM outbox o JOIN pending p ON p.id = o.id
+WHERE p.upto <= $1 OR p.id = (SELECT min(id) FROM pending)
+ORDER BY o.id FOR UPDATE OF o SKIP LOCKED;
+
+-- name: insert_outbox_bundle
+-- A bundle of records of one topic ($1): their keys, payloads and event ids, and the headers
+-- they share (jsonb text).
+INSERT INTO outbox (topic, headers, records, keys, payloads, event_ids)
+VALUES ($1, $5::jsonb, cardinality($3::bytea[]), $2::text[], $3::bytea[], $4::text[]);
 
 -- name: mark_published
--- Rows the broker acknowledged ($1 ids, $2 their partitions), and the highest offset each
--- partition acknowledged in the batch ($3 topics, $4 partitions, $5 offsets: one per partition).
-WITH marked AS (
-    UPDATE outbox o SET published_at = now(), kafka_partition = a.kafka_partition
-    FROM unnest($1::bigint[], $2::integer[]) AS a(id, kafka_partition)
-    WHERE o.id = a.id
+-- Rows the broker acknowledged every record of: ($1 row id, $2 partition) pairs, one for each
+-- partition a row's records went to; and the lowest offset each partition acknowledged in the
+-- batch ($3 topics, $4 partitions, $5 offsets: one per partition).
+WITH acked AS (
+    SELECT a.id, array_agg(DISTINCT a.kafka_partition ORDER BY a.kafka_partition) AS partitions
+    FROM unnest($1::bigint[], $2::integer[]) AS a(id, kafka_partition) GROUP BY a.id
+), marked AS (
+    UPDATE outbox o SET published_at = now(), kafka_partitions = a.partitions
+    FROM acked a WHERE o.id = a.id
 )
 INSERT INTO outbox_watermarks AS w (topic, kafka_partition, acked_offset)
 SELECT * FROM unnest($3::text[], $4::integer[], $5::bigint[])
@@ -187,8 +204,8 @@ WITH forgotten AS (
     DELETE FROM outbox_watermarks WHERE topic = $1 AND kafka_partition = $2 AND acked_offset = $3
     RETURNING 1
 )
-UPDATE outbox SET published_at = NULL, kafka_partition = NULL
-WHERE topic = $4 AND kafka_partition = $2 AND published_at >= now() - $5::interval
+UPDATE outbox SET published_at = NULL, kafka_partitions = NULL
+WHERE topic = $4 AND $2 = ANY(kafka_partitions) AND published_at >= now() - $5::interval
   AND EXISTS (SELECT FROM forgotten);
 
 -- name: prune_outbox

@@ -98,16 +98,27 @@ CREATE TABLE reservations (
 );
 CREATE INDEX reservations_held ON reservations (ledger_key, expected_end) WHERE state = 'held';
 
--- Transactional outbox: written with the decision, published to Kafka by a relay.
+-- Transactional outbox: written with the decision, published to Kafka by a relay. A row holds
+-- one record (key, payload, headers) or, since 0018, a bundle of records of one topic (keys,
+-- payloads, event_ids, sharing `headers` but for the event id).
 CREATE TABLE outbox (
     id           bigserial PRIMARY KEY,
     topic        text NOT NULL,           -- logical topic name, without any deployment prefix
     key          text,
-    payload      bytea NOT NULL,
+    payload      bytea,
     headers      jsonb NOT NULL DEFAULT '[]',
     created_at   timestamptz NOT NULL DEFAULT now(),
     published_at timestamptz,
-    kafka_partition integer                -- 0011: where the broker put it, for a replay
+    records      integer NOT NULL DEFAULT 1,  -- 0018: how many records the row carries
+    keys         text[],
+    payloads     bytea[],
+    event_ids    text[],
+    kafka_partitions integer[],           -- where the broker put its records, for a replay
+    CONSTRAINT outbox_record_or_bundle CHECK (
+        CASE WHEN payloads IS NULL THEN payload IS NOT NULL AND records = 1 AND keys IS NULL AND event_ids IS NULL
+             ELSE payload IS NULL AND key IS NULL AND records >= 1 AND cardinality(payloads) = records
+                  AND cardinality(keys) = records AND cardinality(event_ids) = records END
+    )
 );
 CREATE INDEX outbox_pending ON outbox (id) WHERE published_at IS NULL;
 CREATE INDEX outbox_published ON outbox (published_at) WHERE published_at IS NOT NULL;
@@ -140,7 +151,8 @@ CREATE TABLE inbox (
 -- Takes the ledger lock (shared) and the lock of every run of a batch (in one order, so two
 -- batches never wait on each other in a cycle), then reads: first a row with only the highest
 -- ledger sequence Postgres committed, then the latest decision of each run that has one.
--- VOLATILE on purpose: each query takes a fresh snapshot after the locks were granted.
+-- VOLATILE on purpose: each query takes a fresh snapshot after the locks were granted. 0020: one
+-- index probe per run, a plan that stays right when PL/pgSQL made it on an empty table.
 CREATE FUNCTION budgetgate_begin_batch(p_run_ids text[])
 RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
                committed_seq bigint, override_revision bigint)
@@ -157,9 +169,11 @@ BEGIN
                COALESCE((SELECT max(d.ledger_seq) FROM decisions d WHERE d.ledger_seq IS NOT NULL), 0)::bigint,
                COALESCE((SELECT max(o.revision) FROM tenant_overrides o), 0)::bigint;
     RETURN QUERY
-        SELECT DISTINCT ON (d.run_id) d.run_id, d.decision_id, d.attempt, d.outcome, d.request, d.response,
-               NULL::bigint, NULL::bigint
-        FROM decisions d WHERE d.run_id = ANY(p_run_ids) ORDER BY d.run_id, d.attempt DESC;
+        SELECT d.run_id, d.decision_id, d.attempt, d.outcome, d.request, d.response, NULL::bigint, NULL::bigint
+        FROM (SELECT DISTINCT r FROM unnest(p_run_ids) AS r) AS ids(id)
+        CROSS JOIN LATERAL (SELECT x.run_id, x.decision_id, x.attempt, x.outcome, x.request, x.response FROM decisions x
+                            WHERE x.run_id = ids.id ORDER BY x.attempt DESC LIMIT 1) AS d
+        ORDER BY d.run_id;
 END
 $$;
 
@@ -256,6 +270,9 @@ BEGIN
          ORDER BY u.observed_at LIMIT 1);
 END
 $$;
+-- 0019: planned for each call (a plan kept from a new, empty database would scan whole tables;
+-- a metering batch is thousands of samples, so its planning is small beside its work).
+ALTER FUNCTION metering_begin_sample(text, text, timestamptz) SET plan_cache_mode = force_custom_plan;
 
 -- 0010_metering_batches: begins judging a batch of samples ($1 run ids, $2 sample ids, $3 observed_at; one entry per
 -- sample) in one round trip: takes the lock of every run (in lock-key order, so batches with
@@ -311,6 +328,7 @@ BEGIN
         ) AS n;
 END
 $$;
+ALTER FUNCTION metering_begin_batch(text[], text[], timestamptz[]) SET plan_cache_mode = force_custom_plan;  -- 0019
 
 -- 0017_metering_set_based: a Kafka poll's samples judged and recorded in SQL where the core's
 -- set-based rules allow it.
@@ -440,6 +458,7 @@ BEGIN
     FROM s WHERE s.i NOT IN (SELECT c.i FROM clean c);
 END
 $$;
+ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], bigint[], text[], text[], text[]) SET plan_cache_mode = force_custom_plan;  -- 0019
 
 -- 0004_reconciler: the facts the reconciler settles runs from (lifecycle events, usage samples),
 -- what each run is charged on each ledger key, and the hold and alert state of budgets.

@@ -1,0 +1,70 @@
+"""A connection that calls a batch function while its tables are empty, as every connection of
+a new deployment does, must still use the tables' indexes once they have grown, before any
+ANALYZE: PL/pgSQL keeps the generic plan it made on the empty tables, and with begin_batch's
+first query (DISTINCT ON over run_id = ANY) that was a full scan per batch (admission's open
+loop got slower with every decision it stored; this test found 4 full scans of decisions).
+begin_batch now probes the index per run (0020), a plan that stays right whenever it is made;
+the metering functions are planned for each call (0019). Each test counts the sequential scans
+of the grown table in its own transaction (pg_stat_xact_user_tables)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import asyncpg
+
+from tests.support.metering import T0, decide
+
+ROWS = 20_000
+
+
+async def _scans(conn: asyncpg.Connection, table: str) -> int:
+    return int(await conn.fetchval("SELECT COALESCE(sum(seq_scan), 0) FROM pg_stat_xact_user_tables WHERE relname = $1", table))
+
+
+async def test_begin_batch_finds_runs_by_index_after_decisions_grew_without_analyze(pg_dsn: str) -> None:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        for _ in range(8):  # more than the five calls after which a generic plan is kept
+            async with conn.transaction():
+                await conn.fetch("SELECT * FROM budgetgate_begin_batch($1::text[])", ["run-a", "run-b"])
+        await conn.execute(
+            """INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu, request, response, decided_at)
+               SELECT gen_random_uuid(), 'run-' || i, 1, 'ALLOW', 'test', 'test', '{}', 0, '{}', '{}', now() FROM generate_series(1, $1) AS i""",
+            ROWS,
+        )
+        async with conn.transaction():
+            found = await conn.fetch("SELECT run_id FROM budgetgate_begin_batch($1::text[]) WHERE run_id IS NOT NULL", ["run-7", "run-9"])
+            assert sorted(r["run_id"] for r in found) == ["run-7", "run-9"]
+            assert await _scans(conn, "decisions") == 0
+    finally:
+        await conn.close()
+
+
+async def test_place_batch_finds_samples_by_index_after_usage_grew_without_analyze(pg_dsn: str) -> None:
+    await decide(pg_dsn, "long-run")
+    conn = await asyncpg.connect(pg_dsn)
+
+    async def place(minute: int, sample_id: str) -> list[asyncpg.Record]:
+        return await conn.fetch(
+            "SELECT * FROM metering_place_batch($1, $2, $3, $4, $5, $6, $7, $8)",
+            ["long-run"], [sample_id], [T0 + timedelta(minutes=minute)], [1000 * minute], [10 * minute], [""], ["kafka"], [f"e-{sample_id}"],
+        )  # fmt: skip
+
+    try:
+        for minute in range(8):
+            async with conn.transaction():
+                await place(minute, f"s{minute}")
+        await conn.execute(
+            """INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative,
+                                          node_milli_hours_cumulative, gpu_milli_hours_delta, node_milli_hours_delta, late, exporter, source, event_id)
+               SELECT 'other-' || (i % 50), 's' || i, $2::timestamptz + i * interval '1 second', i, i, i, i, 1, 1, false, '', 'kafka', 'e-other-' || i
+               FROM generate_series(1, $1) AS i""",
+            ROWS, T0,
+        )  # fmt: skip
+        async with conn.transaction():
+            [placed] = await place(9, "s9")
+            assert placed["outcome"] == "accepted"
+            assert await _scans(conn, "usage_records") == 0
+    finally:
+        await conn.close()
