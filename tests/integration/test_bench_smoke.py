@@ -43,6 +43,8 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
     for result in opened.values():
         assert result["requests"] == 40 and result["errors"] == 0 and result["correct"] is True
         assert result["p50_ms"] <= result["p99_ms"] <= result["p999_ms"]
+        windows = list(zip(result["p50_ms_by_window"], result["p99_ms_by_window"], strict=True))
+        assert windows and all(p50 <= p99 <= result["p999_ms"] for p50, p99 in windows)
 
     tag = report["run_tag"]
     conn = await asyncpg.connect(postgres_admin_dsn)

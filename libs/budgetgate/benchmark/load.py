@@ -25,6 +25,7 @@ class Outcome:
 
     elapsed: float = 0.0
     latencies: list[float] = field(default_factory=list)  # seconds, answered requests only
+    sent: list[float] = field(default_factory=list)  # when each of them was due (perf_counter)
     decisions: list[str | None] = field(default_factory=list)  # per submission; None = error
     errors: Counter[str] = field(default_factory=Counter)
 
@@ -43,9 +44,28 @@ class Outcome:
         """Nearest-rank percentile of the answered requests' latencies, in milliseconds."""
         if not self.latencies:
             return None
-        ordered = sorted(self.latencies)
-        rank = max(1, -(-len(ordered) * p // 100))
-        return ordered[int(rank) - 1] * 1000
+        return _percentile_ms(self.latencies, p)
+
+    def percentile_ms_by_window(self, p: float, seconds: float) -> list[float | None]:
+        """The percentile of the requests due in each `seconds` from the first one (None for a
+        window without an answer): a latency that grows with the run shows here, where the
+        percentile of the whole run hides it."""
+        if not self.sent:
+            return []
+        first = min(self.sent)
+        windows: list[list[float]] = [[] for _ in range(int((max(self.sent) - first) // seconds) + 1)]
+        for due, latency in zip(self.sent, self.latencies, strict=True):
+            windows[int((due - first) // seconds)].append(latency)
+        return [_percentile_ms(w, p) for w in windows]
+
+
+def _percentile_ms(latencies: list[float], p: float) -> float | None:
+    """Nearest-rank percentile of `latencies` (seconds), in milliseconds."""
+    if not latencies:
+        return None
+    ordered = sorted(latencies)
+    rank = max(1, -(-len(ordered) * p // 100))
+    return ordered[int(rank) - 1] * 1000
 
 
 class _Connection:
@@ -108,6 +128,7 @@ async def _send(connection: _Connection, path: str, body: bytes, outcome: Outcom
         outcome.errors[f"HTTP {status}"] += 1
         return True
     outcome.latencies.append(time.perf_counter() - started)
+    outcome.sent.append(started)
     outcome.decisions[i] = json.loads(payload)["decision"]
     return True
 

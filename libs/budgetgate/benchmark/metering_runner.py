@@ -19,6 +19,8 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from budgetgate import wire
 from budgetgate.benchmark.session import session
@@ -85,11 +87,11 @@ class Run:
         await _execute(ingest_dsn, queries.sql("metering.sql", "decide_runs"), work.runs)
         await ensure_topics(bootstrap, prefix=self.topics.prefix, partitions=self.options.partitions)
         self.echo(f"publishing {len(work.messages)} samples ({work.resends} resends) of {len(work.runs)} runs to {self.topics.metering}")
-        await _publish(bootstrap, self.topics.metering, work.messages)
+        ends = await _publish(bootstrap, self.topics.metering, work.messages)
 
         service = self._start_service(stack, log_dir, ingest_dsn, bootstrap)
         # Watched from the start: the service may consume everything before it answers ready.
-        consumed = asyncio.create_task(self._wait_consumed(service, ingest_dsn, len(work.messages)))
+        consumed = asyncio.create_task(self._wait_consumed(service, ingest_dsn, bootstrap, ends, len(work.messages)))
         try:
             await self._wait_ready(service)
             self.echo("metering-ingest ready; timed from its first transaction until it has consumed every sample")
@@ -131,13 +133,17 @@ class Run:
             "BUDGETGATE_POSTGRES_DSN": dsn,
             "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap,
             "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
-            "BUDGETGATE_CONSUMER_GROUP": f"{self.topics.prefix}metering-ingest",
+            "BUDGETGATE_CONSUMER_GROUP": self._group,
         }
         child = self._child(
             "metering-ingest", python_module("budgetgate.services.metering_ingest", "--host", "127.0.0.1", "--port", str(port)), log_dir=log_dir, env=env
         )
         stack.push_async_callback(child.stop)
         return child, port
+
+    @property
+    def _group(self) -> str:
+        return f"{self.topics.prefix}metering-ingest"
 
     def _child(self, name: str, command: list[str], *, log_dir: Path, env: dict[str, str] | None = None) -> Subprocess:
         child = Subprocess(name, command, log_dir=log_dir, env=env, cwd=log_dir)
@@ -155,23 +161,34 @@ class Run:
                     raise StartError(f"metering-ingest not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{child.log_tail()}")
                 await asyncio.sleep(0.05)
 
-    async def _wait_consumed(self, service: tuple[Subprocess, int], dsn: str, expected: int) -> float:
+    async def _wait_consumed(self, service: tuple[Subprocess, int], dsn: str, bootstrap: str, ends: dict[TopicPartition, int], expected: int) -> float:
         """Seconds from the service's first transaction until every sample is consumed (the
-        service may start consuming before it answers ready: its start is not timed)."""
+        service may start consuming before it answers ready: its start is not timed).
+
+        Watched on the broker, where the service commits its offsets after its transactions
+        commit: polling the database (a count over the growing inbox every few milliseconds)
+        would take CPU from the service being measured. The inbox is read once at the end, for
+        the count and the time on the database's clock."""
         child, _ = service
         deadline = time.monotonic() + self.options.consume_timeout
-        conn = await asyncpg.connect(dsn)
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-bench")
+        await admin.start()
         try:
-            while (found := await conn.fetchrow(queries.sql("metering.sql", "consumed"), INBOX))["done"] < expected:
+            while True:
+                committed = await admin.list_consumer_group_offsets(self._group, partitions=list(ends))
+                if all(tp in committed and committed[tp].offset >= end for tp, end in ends.items()):
+                    break
                 child.check_alive()
                 if time.monotonic() > deadline:
-                    raise StartError(
-                        f"metering-ingest consumed {found['done']} of {expected} samples in {self.options.consume_timeout:.0f}s\n{child.log_tail()}"
-                    )
+                    done = {f"{tp.partition}": (committed[tp].offset if tp in committed else None) for tp in ends}
+                    raise StartError(f"metering-ingest committed offsets {done} of {ends} in {self.options.consume_timeout:.0f}s\n{child.log_tail()}")
                 await asyncio.sleep(0.02)
-            return float(found["seconds"])
         finally:
-            await conn.close()
+            await admin.close()
+        [found] = await _fetch(dsn, queries.sql("metering.sql", "consumed"), INBOX)
+        if found["done"] != expected:
+            raise StartError(f"metering-ingest committed every offset but its inbox holds {found['done']} of {expected} samples\n{child.log_tail()}")
+        return float(found["seconds"])
 
 
 async def _execute(dsn: str, query: str, *args: object) -> None:
@@ -182,20 +199,26 @@ async def _execute(dsn: str, query: str, *args: object) -> None:
         await conn.close()
 
 
-async def _fetch(dsn: str, query: str) -> list[asyncpg.Record]:
+async def _fetch(dsn: str, query: str, *args: object) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(dsn)
     try:
-        return await conn.fetch(query)
+        return await conn.fetch(query, *args)
     finally:
         await conn.close()
 
 
-async def _publish(bootstrap: str, topic: str, messages: list) -> None:  # type: ignore[type-arg]
+async def _publish(bootstrap: str, topic: str, messages: list) -> dict[TopicPartition, int]:  # type: ignore[type-arg]
+    """Publish the load; returns, per partition, the offset past its last record (what a
+    consumer that took all of it has committed)."""
+    ends: dict[TopicPartition, int] = {}
     async with wire.Publisher(bootstrap, client_id="budgetgate-bench") as publisher:
         for start in range(0, len(messages), _PUBLISH_CHUNK):
             chunk = messages[start : start + _PUBLISH_CHUNK]
             # One producer sends a chunk in order per partition; acknowledged together.
-            await asyncio.gather(*(publisher.send(topic, m, key=m.run_id) for m in chunk))
+            for acked in await asyncio.gather(*(publisher.send(topic, m, key=m.run_id) for m in chunk)):
+                tp = TopicPartition(acked.topic, acked.partition)
+                ends[tp] = max(ends.get(tp, 0), acked.offset + 1)
+    return ends
 
 
 async def _outbox(dsn: str) -> tuple[int, int]:
@@ -239,8 +262,6 @@ async def _copy(dsn: str, rows: list[asyncpg.Record]) -> float:
 
 
 async def _delete_topics(bootstrap: str, topics: Topics) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
-
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     with contextlib.suppress(Exception):
         await admin.start()

@@ -15,7 +15,8 @@ SELECT count(*) AS done, extract(epoch FROM clock_timestamp() - min(processed_at
 FROM inbox WHERE consumer = $1;
 
 -- name: outbox_state
-SELECT count(*) FILTER (WHERE published_at IS NULL) AS pending, count(*) AS total FROM outbox;
+-- Records in the outbox (a row may carry a bundle of them): not published yet, and in all.
+SELECT COALESCE(sum(records) FILTER (WHERE published_at IS NULL), 0)::bigint AS pending, COALESCE(sum(records), 0)::bigint AS total FROM outbox;
 
 -- name: usage_rows
 SELECT run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative,
