@@ -3,6 +3,7 @@ applied exactly once (no usage row lost, none applied twice) and every usage rec
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -128,22 +129,31 @@ async def test_ingest_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
     topics = Topics(settings.topic_prefix)
     ingest = IngestProcess(settings, tmp_path / "ingest.log")
     await ingest.start()
-    try:
-        first, second = stream(600), stream(100, start=600)
-        async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-            for message in first:
-                await publisher.send(topics.metering, message, key=message.run_id)
-            await wait_for(lambda: _at_least(pg_dsn, 30), what="ingest under way")
-            ingest.kill()
-            at_kill = await rows(pg_dsn)
-            for message in second:  # more arrives while it is down
-                await publisher.send(topics.metering, message, key=message.run_id)
-        assert 0 < at_kill < len({m.sample_id for m in first}), "the kill should land mid-stream"
+    messages = stream(1500)
+    sent = 0
 
+    async def publish() -> None:
+        # One by one, acknowledged each: the stream is still flowing when ingest is killed, however
+        # fast ingest keeps up with it, and goes on arriving while ingest is down.
+        nonlocal sent
+        async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+            for message in messages:
+                await publisher.send(topics.metering, message, key=message.run_id)
+                sent += 1
+
+    publishing = asyncio.create_task(publish())
+    try:
+        await wait_for(lambda: _at_least(pg_dsn, 30), what="ingest under way")
+        ingest.kill()
+        sent_at_kill, at_kill = sent, await rows(pg_dsn)
+        assert 0 < at_kill and sent_at_kill < len(messages), f"the kill should land mid-stream ({at_kill} applied, {sent_at_kill} sent)"
+        await publishing
         await ingest.start()
-        await wait_for(lambda: _at_least(pg_dsn, 700), timeout=120, what="every sample applied after the restart")
-        await assert_applied_exactly_once(settings, pg_dsn, first + second)
+        distinct = len({(m.run_id, m.sample_id) for m in messages})
+        await wait_for(lambda: _at_least(pg_dsn, distinct), timeout=120, what="every sample applied after the restart")
+        await assert_applied_exactly_once(settings, pg_dsn, messages)
     finally:
+        publishing.cancel()
         ingest.stop()
 
 
