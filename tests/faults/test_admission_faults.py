@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis.asyncio as aioredis
@@ -158,6 +159,24 @@ async def test_sweeper_releases_orphans_and_keeps_real_holds(admission_factory, 
     assert await server.rt.sync.sweep_orphans(grace=timedelta(0), now=datetime.now(UTC)) == ["young-orphan"]
     assert await reserved_in_redis(server) == {key: 8 * GPU_HOUR}
     assert set(await server.rt.ledger.held_runs()) == {"run-real"}
+
+
+async def test_sweeper_never_releases_a_hold_it_cannot_name(admission_factory, pg_dsn) -> None:
+    """A run key read while a rebuild rewrites it (or gone between SCAN and HMGET) names no
+    decision; the sweeper once released such a hold as "any decision's", and the reconciler's
+    settlement of the same committed run then released it again (the ledger went negative)."""
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="e" * 40)
+    server = await admission_factory(orphan_grace_seconds=3600)
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("real"))).json()["decision"] == "ALLOW"
+    [key] = (await held_in_postgres(pg_dsn)).keys()
+    ledger = server.rt.ledger
+    before = await reserved_in_redis(server)
+    # The real run's key as a half-written one: its amounts without its decision and time.
+    await ledger.client.hdel(ledger.run("run-real"), "_decision", "_at")
+    assert "run-real" not in await ledger.held_runs()
+    assert await server.rt.sync.sweep_orphans(grace=timedelta(0), now=datetime.now(UTC)) == []
+    assert await reserved_in_redis(server) == before == {key: 8 * GPU_HOUR}
 
 
 async def test_redis_restored_from_an_old_snapshot_is_rebuilt_and_never_over_admits(admission_factory, killable_redis, pg_dsn) -> None:

@@ -376,12 +376,17 @@ class RedisLedger:
         return result
 
     async def held_runs(self) -> dict[str, tuple[str, int]]:
-        """Every run holding a reservation: run id → (decision id, reserved-at ms)."""
+        """Every run holding a reservation: run id → (decision id, reserved-at ms).
+
+        A key that is gone by the time it is read (released, settled, or a rebuild under way
+        between SCAN and HMGET) is left out: it names no decision, and a hold nobody can name
+        must never be taken for an orphan."""
         prefix = f"{self.tag}:r:"
         result = {}
         async for key in self.client.scan_iter(match=f"{self.tag}:r:*", count=1000):
             decision, at = await self.client.hmget(key, "_decision", "_at")
-            result[_text(key)[len(prefix) :]] = (_text(decision or b""), int(at or 0))
+            if decision:
+                result[_text(key)[len(prefix) :]] = (_text(decision), int(at or 0))
         return result
 
     async def replace_all(

@@ -74,7 +74,9 @@ class LedgerSync:
         cutoff_ms = int((now - grace).timestamp() * 1000)
         released = []
         for run_id, (decision_id, at_ms) in (await self.redis.held_runs()).items():
-            if at_ms > cutoff_ms:
+            if at_ms > cutoff_ms or not decision_id:
+                # Never released as "any decision's": a hold read while a rebuild rewrote it
+                # could be a committed run's, settled later by the reconciler (twice released).
                 continue
             async with self.pool.acquire() as conn, conn.transaction():
                 # The run's lock: a retry of this run deciding right now finishes first.
