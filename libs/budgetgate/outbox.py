@@ -33,6 +33,7 @@ from datetime import timedelta
 import asyncpg
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from google.protobuf.message import Message
 
 from budgetgate import wire
 from budgetgate.ledger.queries import sql
@@ -64,25 +65,13 @@ class Bundle:
     headers: str  # jsonb text, as `row` packs them
 
 
-def bundle(*, topic: str, records: Sequence[wire.Record]) -> Bundle:
-    """`records` as one bundle. Each must carry an event-id header, and the same other headers
-    as the first (what `wire.encode` gives messages of one type encoded with the same trace
-    headers); ValueError otherwise."""
-    keys, payloads, event_ids = [], [], []
-    shared: list[tuple[str, bytes]] | None = None
-    for record in records:
-        others = [header for header in record.headers if header[0] != wire.EVENT_ID]
-        event_id = record.header(wire.EVENT_ID)
-        if event_id is None or len(others) != len(record.headers) - 1:
-            raise ValueError(f"a bundled record needs exactly one {wire.EVENT_ID} header, found {record.headers!r}")
-        if shared is None:
-            shared = others
-        elif others != shared:
-            raise ValueError(f"bundled records must share their headers: {others!r} after {shared!r}")
-        keys.append(_key(record.key))
-        payloads.append(record.value)
-        event_ids.append(event_id.decode())
-    return Bundle(topic, keys, payloads, event_ids, _pack_headers(shared or []))
+def bundle_messages(*, topic: str, messages: Sequence[Message], keys: Sequence[str | None], trace_headers: wire.Headers) -> Bundle:
+    """`messages` (of one type, with their `keys`) as one bundle: the records `wire.encode` would
+    give them with `trace_headers`, without making them (see `wire.encode_many`)."""
+    if len(keys) != len(messages):
+        raise ValueError(f"{len(messages)} messages with {len(keys)} keys")
+    values, event_ids, shared = wire.encode_many(messages, trace_headers=trace_headers)
+    return Bundle(topic, list(keys), values, event_ids, _pack_headers(shared))
 
 
 async def enqueue_bundle(conn: asyncpg.Connection, bundle: Bundle) -> None:

@@ -103,22 +103,39 @@ def encode(message: Message, *, key: str | None, trace_headers: Headers | None =
     Refuses a message without event_id or event_time: consumers deduplicate on the one and
     window on the other, so a producer that forgot them must fail here, not downstream.
     """
-    event_id = getattr(message, "event_id", "")
+    event_id = _event_id(message)
+    shared = _shared_headers(message.DESCRIPTOR.full_name, trace_headers)
+    return Record(value=message.SerializeToString(), key=key.encode() if key is not None else None, headers=[(EVENT_ID, event_id.encode()), *shared])
+
+
+def encode_many(messages: Sequence[Message], *, trace_headers: Headers) -> tuple[list[bytes], list[str], list[tuple[str, bytes]]]:
+    """What `encode` gives each of `messages` (all of one type, encoded with `trace_headers`),
+    split as a bundle keeps it: their values, their event ids, and the headers every one
+    carries after its event-id header. No Record per message: this runs for every sample."""
+    if not messages:
+        return [], [], []
+    full_name = messages[0].DESCRIPTOR.full_name
+    values, event_ids = [], []
+    for message in messages:
+        if message.DESCRIPTOR.full_name != full_name:
+            raise WireError(f"{message.DESCRIPTOR.full_name} among {full_name} messages: one bundle carries one type")
+        event_ids.append(_event_id(message))
+        values.append(message.SerializeToString())
+    return values, event_ids, _shared_headers(full_name, trace_headers)
+
+
+def _event_id(message: Message) -> str:
+    event_id: str = getattr(message, "event_id", "")
     if not event_id:
         raise WireError(f"{message.DESCRIPTOR.full_name} has no event_id")
     if not message.HasField("event_time"):
         raise WireError(f"{message.DESCRIPTOR.full_name} {event_id} has no event_time")
-    headers = [
-        (CONTENT_TYPE, PROTOBUF.encode()),
-        (EVENT_ID, event_id.encode()),
-        (MESSAGE_TYPE, message.DESCRIPTOR.full_name.encode()),
-        *(inject_headers() if trace_headers is None else trace_headers),
-    ]
-    return Record(
-        value=message.SerializeToString(),
-        key=key.encode() if key is not None else None,
-        headers=headers,
-    )
+    return event_id
+
+
+def _shared_headers(full_name: str, trace_headers: Headers | None) -> list[tuple[str, bytes]]:
+    """A record's headers after its event id: content and message type, then the trace context."""
+    return [(CONTENT_TYPE, _PROTOBUF_BYTES), (MESSAGE_TYPE, full_name.encode()), *(inject_headers() if trace_headers is None else trace_headers)]
 
 
 def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -> M:

@@ -130,21 +130,21 @@ class Ingestor:
             placed = await placing  # awaited whatever happened: the connection is not left in use
         outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
         left: list[int] = []
-        announce = []
+        announce, keys = [], []
         for p in placed:
             sample = samples[p.index]
             if p.outcome == "accepted":
                 assert p.cumulative is not None and p.delta is not None and p.late is not None
                 accepted = Accepted(sample, cumulative=p.cumulative, delta=p.delta, late=p.late)
                 outcomes[p.index] = accepted
-                message = with_run_figures(drafts[p.index], accepted)
-                announce.append(wire.encode(message, key=sample.run_id, trace_headers=trace_headers))
+                announce.append(with_run_figures(drafts[p.index], accepted))
+                keys.append(sample.run_id)
             elif p.outcome == "duplicate":
                 assert p.of is not None
                 outcomes[p.index] = Duplicate(sample, of=p.of)
             else:
                 left.append(p.index)
-        await outbox.enqueue_bundle(conn, outbox.bundle(topic=topics.USAGE, records=announce))
+        await outbox.enqueue_bundle(conn, outbox.bundle_messages(topic=topics.USAGE, messages=announce, keys=keys, trace_headers=trace_headers))
         if left:
             for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], now), strict=True):
                 outcomes[index] = outcome
@@ -169,7 +169,7 @@ class Ingestor:
             else:
                 outcomes[index] = await self._keep_pending(conn, sample, origin, now)
         judged = assess_batch((samples[i], begun.view(i, begun.runs[samples[i].run_id])) for i in known)
-        recorded, announce = [], []
+        recorded, announce, keys = [], [], []
         recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
         for index, outcome in zip(known, judged, strict=True):
             outcomes[index] = outcome
@@ -177,9 +177,10 @@ class Ingestor:
                 sample = outcome.sample
                 event_id = usage_event_id(sample.run_id, sample.sample_id)
                 recorded.append((outcome, batch[index][1].source, event_id))
-                message = usage_record(outcome, recorded_at=recorded_at, event_id=event_id)
-                announce.append(wire.encode(message, key=sample.run_id, trace_headers=trace_headers))
-        await store.record_batch(conn, recorded, outbox.bundle(topic=topics.USAGE, records=announce))
+                announce.append(usage_record(outcome, recorded_at=recorded_at, event_id=event_id))
+                keys.append(sample.run_id)
+        bundle = outbox.bundle_messages(topic=topics.USAGE, messages=announce, keys=keys, trace_headers=trace_headers)
+        await store.record_batch(conn, recorded, bundle)
         return [o for o in outcomes if o is not None]
 
     async def _keep_pending(self, conn: asyncpg.Connection, sample: Sample, origin: Origin, now: datetime) -> Pending | Rejected:

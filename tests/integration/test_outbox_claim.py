@@ -34,12 +34,13 @@ async def _claim_all(dsn: str, sizes: list[int], batch: int) -> None:
         written: list[list[str]] = []  # per row, the event ids of its records
         async with conn.transaction():
             for size in sizes:
-                records = [wire.encode(_message(), key=f"k{n % 3}") for n in range(size)]
+                messages = [_message() for _ in range(size)]
                 if size == 1:
-                    await outbox.enqueue(conn, topic=topics.POLICIES, record=records[0])
+                    await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(messages[0], key="k0"))
                 else:
-                    await outbox.enqueue_bundle(conn, outbox.bundle(topic=topics.POLICIES, records=records))
-                written.append([r.header(wire.EVENT_ID).decode() for r in records])  # type: ignore[union-attr]
+                    bundle = outbox.bundle_messages(topic=topics.POLICIES, messages=messages, keys=[f"k{n % 3}" for n in range(size)], trace_headers=[])
+                    await outbox.enqueue_bundle(conn, bundle)
+                written.append([m.event_id for m in messages])
         claimed: list[list[str]] = []
         while True:
             async with conn.transaction():

@@ -135,8 +135,8 @@ async def test_a_backlog_larger_than_a_batch_goes_out_whole_in_order_per_key(set
 def bundled(first: int, count: int, *, keys: int) -> outbox.Bundle:
     """`count` announcements (git_sha first..) in one bundle, keyed round robin over `keys` keys."""
     trace = [("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")]
-    records = [wire.encode(_announced(n), key=f"k{n % keys}", trace_headers=trace) for n in range(first, first + count)]
-    return outbox.bundle(topic=topics.POLICIES, records=records)
+    numbers = range(first, first + count)
+    return outbox.bundle_messages(topic=topics.POLICIES, messages=[_announced(n) for n in numbers], keys=[f"k{n % keys}" for n in numbers], trace_headers=trace)
 
 
 async def test_a_bundle_goes_out_record_by_record_in_order_among_single_rows(settings, pg_dsn) -> None:
@@ -150,7 +150,7 @@ async def test_a_bundle_goes_out_record_by_record_in_order_among_single_rows(set
             for n in range(3):
                 await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(_announced(n), key=f"k{n % 3}"))
             await outbox.enqueue_bundle(conn, bundle)
-            await outbox.enqueue_bundle(conn, outbox.bundle(topic=topics.POLICIES, records=[]))  # nothing to write
+            await outbox.enqueue_bundle(conn, outbox.bundle_messages(topic=topics.POLICIES, messages=[], keys=[], trace_headers=[]))  # nothing to write
             for n in range(13, 18):
                 await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(_announced(n), key=f"k{n % 3}"))
         assert await pool.fetchval("SELECT count(*) FROM outbox") == 9

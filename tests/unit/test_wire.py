@@ -16,6 +16,7 @@ from budgetgate import outbox, wire
 from budgetgate.topics import DECISIONS, METERING, dlq
 from budgetgate.v1.common_pb2 import ALLOW, Job, Resources
 from budgetgate.v1.decisions_pb2 import Decision
+from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from budgetgate.wire import WireError, context_from_headers, dead_letter, decode, encode
@@ -279,29 +280,34 @@ def test_event_ids_an_inbox_cannot_store_are_refused() -> None:
             wire.decode(lifecycle_pb2.LifecycleEvent, message.SerializeToString(), [])
 
 
-def test_a_bundle_keeps_each_records_key_value_and_event_id_and_their_shared_headers() -> None:
+def test_a_bundle_carries_exactly_the_records_encode_gives_its_messages() -> None:
     trace = [("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")]
     messages = [_bundle_message(n) for n in range(3)]
-    records = [wire.encode(m, key=f"run-{n}" if n else None, trace_headers=trace) for n, m in enumerate(messages)]
-    bundle = outbox.bundle(topic="policies", records=records)
-    assert len(bundle.payloads) == 3
-    assert bundle.keys == [None, "run-1", "run-2"]
-    assert bundle.payloads == [r.value for r in records]
+    keys = [None, "run-1", "run-2"]
+    bundle = outbox.bundle_messages(topic="policies", messages=messages, keys=keys, trace_headers=trace)
+    records = [wire.encode(m, key=k, trace_headers=trace) for m, k in zip(messages, keys, strict=True)]
+    assert bundle.keys == keys and bundle.payloads == [r.value for r in records]
     assert bundle.event_ids == [m.event_id for m in messages]
-    assert "event-id" not in bundle.headers and "traceparent" in bundle.headers
+    # The relay puts each record's event id before the headers the bundle keeps once.
+    shared = outbox._unpack_headers(bundle.headers)
+    assert [[(wire.EVENT_ID, e.encode()), *shared] for e in bundle.event_ids] == [list(r.headers) for r in records]
+    assert outbox.bundle_messages(topic="policies", messages=[], keys=[], trace_headers=trace).payloads == []
 
 
-def test_a_bundle_refuses_records_that_do_not_share_their_headers_or_lack_an_event_id() -> None:
-    first = wire.encode(_bundle_message(0), key="a", trace_headers=[("traceparent", b"one")])
-    other_trace = wire.encode(_bundle_message(1), key="a", trace_headers=[("traceparent", b"two")])
-    with pytest.raises(ValueError, match="share their headers"):
-        outbox.bundle(topic="policies", records=[first, other_trace])
-    without_id = wire.Record(value=b"x", key=None, headers=[("content-type", b"application/x-protobuf")])
-    with pytest.raises(ValueError, match="event-id"):
-        outbox.bundle(topic="policies", records=[without_id])
-    twice = wire.Record(value=b"x", key=None, headers=[(wire.EVENT_ID, b"1"), (wire.EVENT_ID, b"2")])
-    with pytest.raises(ValueError, match="exactly one"):
-        outbox.bundle(topic="policies", records=[twice])
+def test_a_bundle_refuses_what_encode_refuses_and_mixed_or_unkeyed_messages() -> None:
+    trace: list[tuple[str, bytes]] = []
+    without_id = PolicyBundlePublished(git_sha="0" * 40)
+    without_id.event_time.FromDatetime(datetime.now(UTC))
+    with pytest.raises(wire.WireError, match="no event_id"):
+        outbox.bundle_messages(topic="policies", messages=[_bundle_message(0), without_id], keys=["a", "a"], trace_headers=trace)
+    with pytest.raises(wire.WireError, match="no event_time"):
+        outbox.bundle_messages(topic="policies", messages=[PolicyBundlePublished(event_id="e")], keys=["a"], trace_headers=trace)
+    other = LifecycleEvent(event_id="e", run_id="r")
+    other.event_time.FromDatetime(datetime.now(UTC))
+    with pytest.raises(wire.WireError, match="one type"):
+        outbox.bundle_messages(topic="policies", messages=[_bundle_message(0), other], keys=["a", "a"], trace_headers=trace)
+    with pytest.raises(ValueError, match="2 messages with 1 keys"):
+        outbox.bundle_messages(topic="policies", messages=[_bundle_message(0), _bundle_message(1)], keys=["a"], trace_headers=trace)
 
 
 def _bundle_message(n: int) -> PolicyBundlePublished:
