@@ -12,13 +12,15 @@ from typing import Any
 import asyncpg
 import orjson
 
-from budgetgate import outbox, topics, wire
+from budgetgate import outbox, topics
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
 from budgetgate.ledger.queries import sql
+from budgetgate.telemetry import inject_headers
 from budgetgate.services.admission.concurrency import Asks
 from budgetgate.services.admission.rendering import decision_message
 from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.v1.decisions_pb2 import Decision as DecisionMessage
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class DecisionRecord:
             } if pool else None,
         }  # fmt: skip
 
-    def outbox_record(self) -> wire.Record:
+    def message(self) -> DecisionMessage:
         """The budget.decisions.v1 message announcing the decision."""
         job = (self.request.job.namespace, self.request.job.name) if self.request.job else None
         standing = {k: self.body[k] for k in ("tenant", "priority_penalty", "preemptible")}
@@ -98,7 +100,7 @@ class DecisionRecord:
             readings=readings,
             accounting=BudgetSource.recorded(self.readings.get("accounting")),
         )
-        return wire.encode(message, key=self.request.run_id)
+        return message
 
 
 def entry(c: Charge) -> dict[str, Any]:
@@ -136,13 +138,16 @@ def _evaluation(e: Evaluation) -> dict[str, Any]:
 
 
 async def record(conn: asyncpg.Connection, records: Sequence[DecisionRecord]) -> None:
-    """Store `records` and their outbox rows in `conn`'s transaction, in one statement."""
-    rows = [outbox.row(topic=topics.DECISIONS, record=r.outbox_record()) for r in records]
+    """Store `records` and the outbox bundle of their decision messages (one row: one to write,
+    claim and mark per batch) in `conn`'s transaction, in one statement."""
+    messages = [r.message() for r in records]
+    bundle = outbox.bundle_messages(topic=topics.DECISIONS, messages=messages, keys=[r.request.run_id for r in records], trace_headers=inject_headers())
     await conn.execute(
         sql("record_decisions"),
         orjson.dumps([r.row() for r in records]).decode(),
-        [topic for topic, _, _, _ in rows],
-        [key for _, key, _, _ in rows],
-        [payload for _, _, payload, _ in rows],
-        [headers for _, _, _, headers in rows],
+        bundle.topic,
+        bundle.keys,
+        bundle.payloads,
+        bundle.event_ids,
+        bundle.headers,
     )

@@ -23,7 +23,7 @@ KILL_AFTER = 30  # published (acknowledged) decisions before the kill
 async def published(dsn: str, *, at_least: int) -> bool:
     conn = await asyncpg.connect(dsn)
     try:
-        count = await conn.fetchval("SELECT count(*) FROM outbox WHERE topic = 'budget.decisions.v1' AND published_at IS NOT NULL")
+        count = await conn.fetchval("SELECT COALESCE(sum(records), 0) FROM outbox WHERE topic = 'budget.decisions.v1' AND published_at IS NOT NULL")
         return count >= at_least
     finally:
         await conn.close()

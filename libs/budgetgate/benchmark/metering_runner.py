@@ -222,7 +222,7 @@ async def _publish(bootstrap: str, topic: str, messages: list) -> dict[TopicPart
 
 
 async def _outbox(dsn: str) -> tuple[int, int]:
-    [row] = await _fetch(dsn, queries.sql("metering.sql", "outbox_state"))
+    [row] = await _fetch(dsn, queries.sql("audit.sql", "outbox_state"))
     return row["pending"], row["total"]
 
 

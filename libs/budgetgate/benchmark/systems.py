@@ -108,7 +108,7 @@ class Budgetgate:
             row = await conn.fetchrow(queries.sql("audit.sql", "outbox_state"))
         finally:
             await conn.close()
-        return {"outbox_rows": row["total"], "outbox_unpublished": row["pending"]}
+        return {"outbox_records": row["total"], "outbox_unpublished": row["pending"]}
 
     async def cleanup(self) -> None:
         client = aioredis.from_url(self.backends.redis_url)

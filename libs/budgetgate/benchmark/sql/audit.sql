@@ -12,4 +12,5 @@ GROUP BY e.ledger_key ORDER BY e.ledger_key;
 SELECT count(*) FROM decisions WHERE outcome = 'ALLOW';
 
 -- name: outbox_state
-SELECT count(*) FILTER (WHERE published_at IS NULL) AS pending, count(*) AS total FROM outbox;
+-- Records in the outbox (a row may carry a bundle of them): not published yet, and in all.
+SELECT COALESCE(sum(records) FILTER (WHERE published_at IS NULL), 0)::bigint AS pending, COALESCE(sum(records), 0)::bigint AS total FROM outbox;

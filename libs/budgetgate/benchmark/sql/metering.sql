@@ -14,10 +14,6 @@ FROM unnest($1::text[]) AS r;
 SELECT count(*) AS done, extract(epoch FROM clock_timestamp() - min(processed_at))::float8 AS seconds
 FROM inbox WHERE consumer = $1;
 
--- name: outbox_state
--- Records in the outbox (a row may carry a bundle of them): not published yet, and in all.
-SELECT COALESCE(sum(records) FILTER (WHERE published_at IS NULL), 0)::bigint AS pending, COALESCE(sum(records), 0)::bigint AS total FROM outbox;
-
 -- name: usage_rows
 SELECT run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative,
        node_milli_hours_cumulative, gpu_milli_hours_delta, node_milli_hours_delta, late, exporter, source,

@@ -28,8 +28,8 @@ SELECT COALESCE(max(ledger_seq), 0)::bigint FROM decisions WHERE ledger_seq IS N
 -- name: record_decisions
 -- A batch of decisions, each with its evaluations, its ledger entries and reservations (when it
 -- reserved), its concurrency holds and pool token (when it holds any), in one statement. $1 is
--- a jsonb array of DecisionRecord (services/admission/records.py); $2..$5 are the outbox rows
--- (topic, key, payload, headers), one per decision.
+-- a jsonb array of DecisionRecord (services/admission/records.py); $2..$6 are the outbox bundle
+-- of their decision messages (topic, keys, payloads, event ids, shared headers), one row.
 WITH batch AS (
     SELECT * FROM jsonb_to_recordset($1::jsonb) AS d(
         decision_id uuid, run_id text, attempt integer, outcome text, reason text, namespace text, labels jsonb,
@@ -79,9 +79,8 @@ WITH batch AS (
            b.token ->> 'project', b.token ->> 'sub_namespace', b.run_id, (b.token ->> 'lease_expires_at')::timestamptz
     FROM batch b WHERE b.token IS NOT NULL AND b.token <> 'null'::jsonb
 )
-INSERT INTO outbox (topic, key, payload, headers)
-SELECT o.topic, o.key, o.payload, o.headers::jsonb
-FROM unnest($2::text[], $3::text[], $4::bytea[], $5::text[]) AS o(topic, key, payload, headers);
+INSERT INTO outbox (topic, headers, records, keys, payloads, event_ids)
+VALUES ($2, $6::jsonb, cardinality($4::bytea[]), $3::text[], $4::bytea[], $5::text[]);
 
 -- name: insert_outbox
 INSERT INTO outbox (topic, key, payload, headers) VALUES ($1, $2, $3, $4);
