@@ -179,6 +179,29 @@ async def test_sweeper_never_releases_a_hold_it_cannot_name(admission_factory, p
     assert await reserved_in_redis(server) == before == {key: 8 * GPU_HOUR}
 
 
+async def test_a_drift_repair_and_the_orphan_sweep_give_an_orphan_back_once(admission_factory, pg_dsn) -> None:
+    """An admission process died between its Redis reservation and its commit: the drift check
+    finds the key above Postgres and repairs it, and the sweeper later releases the orphan. A
+    key repaired in place to Postgres's figure gave the orphan back twice (the room went below
+    what Postgres holds)."""
+    from budgetgate.ledger.redis_ledger import ChargeRequest
+
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="f" * 40)
+    server = await admission_factory(orphan_grace_seconds=3600)
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("real"))).json()["decision"] == "ALLOW"
+    [key] = (await held_in_postgres(pg_dsn)).keys()
+    orphan = await server.rt.ledger.reserve(
+        run_id="orphan", decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 8 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=0
+    )
+    assert orphan.status == "RESERVED" and await reserved_in_redis(server) == {key: 16 * GPU_HOUR}
+    drift = await server.rt.sync.check_drift(repair=True)
+    assert drift is not None and set(drift.keys) == {key} and drift.repaired
+    await server.rt.sync.sweep_orphans(grace=timedelta(0), now=datetime.now(UTC))
+    assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn) == {key: 8 * GPU_HOUR}
+    assert (await server.rt.sync.check_drift(repair=False)).clean  # type: ignore[union-attr]
+
+
 async def test_redis_restored_from_an_old_snapshot_is_rebuilt_and_never_over_admits(admission_factory, killable_redis, pg_dsn) -> None:
     # The repro of the over-admission: 25 ALLOW, SAVE, 25 more ALLOW, Redis restarted with the
     # same arguments loads the old dump.rdb (its "loaded" marker included), 100 more submissions.

@@ -6,8 +6,11 @@ alone, so admission is never held for longer than one page.
 A difference seen without the lock may be a change in flight: a reservation or settlement in
 Redis whose transaction has not committed yet (the lock waits for those), or a settlement parked
 between its two halves after its commit (settle_begin.lua; ended by the reconciler, so left out).
-A confirmed difference on a ledger key is repaired in place with Postgres's figures; one on what
-a run holds falls back to rebuilding Redis.
+A confirmed difference, on a ledger key or on what a run holds, is repaired by rebuilding Redis
+from Postgres (rare: it takes a crash or a lost reply). Not in place with Postgres's figures: a
+key's figure in Redis also counts holds only Redis knows (a decision that never committed), and
+the orphan sweeper gives those back later; a key set to Postgres's figure would give them back
+twice. A rebuild drops those holds along with the key's figure.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ async def check(
         while rows := await conn.fetch(sql("ledger_figures_page"), after, page):
             after = rows[-1]["ledger_key"]
             if _key_drift(_figures(rows), await redis.readings(r["ledger_key"] for r in rows)):
-                found = await _confirm_keys(conn, redis, [r["ledger_key"] for r in rows], repair=repair)
+                found = await _confirm_keys(conn, redis, [r["ledger_key"] for r in rows], repair=repair, rebuild=rebuild)
                 if found is None:
                     return None
                 keys.update(found)
@@ -79,10 +82,12 @@ def _key_drift(postgres: dict[str, Figures], in_redis: dict[str, Figures]) -> di
     return {k: (in_redis[k], pg) for k, pg in postgres.items() if k in in_redis and in_redis[k] != pg}
 
 
-async def _confirm_keys(conn: asyncpg.Connection, redis: RedisLedger, page: list[str], *, repair: bool) -> dict[str, tuple[Figures, Figures]] | None:
+async def _confirm_keys(
+    conn: asyncpg.Connection, redis: RedisLedger, page: list[str], *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]]
+) -> dict[str, tuple[Figures, Figures]] | None:
     """Under the exclusive ledger lock (nothing in flight), the page's keys that still differ,
-    parked settlements left out; repaired with Postgres's figures when asked. None when Redis
-    was invalidated meanwhile."""
+    parked settlements left out; repaired (Redis rebuilt, see the module docstring) when asked.
+    None when Redis was invalidated meanwhile."""
     async with conn.transaction():
         await conn.execute(sql("lock_ledger_exclusive"))
         if not await redis.is_loaded():
@@ -91,8 +96,8 @@ async def _confirm_keys(conn: asyncpg.Connection, redis: RedisLedger, page: list
         candidates = [k for k in page if k not in parked]
         confirmed = _key_drift(_figures(await conn.fetch(sql("ledger_figures_of"), candidates)), await redis.readings(candidates))
         if confirmed and repair:
-            log.warning("Redis drifted from Postgres on %d ledger key(s); setting them to Postgres's figures", len(confirmed))
-            await redis.set_figures({k: pg for k, (_r, pg) in confirmed.items()})
+            log.warning("Redis drifted from Postgres on %d ledger key(s); rebuilding it", len(confirmed))
+            await rebuild(conn)
         return confirmed
 
 

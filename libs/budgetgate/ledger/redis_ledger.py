@@ -333,14 +333,6 @@ class RedisLedger:
         keys = {k[len(prefix) :] for found in await pipe.execute() if found for k in json.loads(_text(found))}
         return runs, keys
 
-    async def set_figures(self, figures: Mapping[str, tuple[int, int]]) -> None:
-        """Overwrite ledger keys' (reserved, consumed) with Postgres's: the drift check's repair,
-        made under the exclusive ledger lock."""
-        pipe = self.client.pipeline(transaction=True)
-        for key, (reserved, consumed) in figures.items():
-            pipe.hset(self.ledger(key), mapping={"reserved": reserved, "consumed": consumed})
-        await pipe.execute()
-
     async def all_readings(self) -> dict[str, tuple[int, int]]:
         """(reserved, consumed) of every ledger key Redis holds."""
         prefix = f"{self.tag}:l:"
