@@ -120,12 +120,16 @@ async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: da
             return 0
         amount = await conn.fetchval(sql("charges_between"), key, locked["aged_through"], cutoff)
         if amount:
-            await ledger.consume({key: -amount})
-            work.redis_changed = True
             [row] = await conn.fetch(sql("add_consumed"), [key], [-amount])
             await conn.execute(sql("rearm_alerts"), key, row["consumed"], row["limit_amount"])
         await conn.execute(sql("set_aged_through"), key, cutoff)
         if amount > 0 and bundles is not None:
             cause = f"aged:{key}:{cutoff.isoformat()}"
             await headroom.after_release(conn, bundles=bundles, tenant=None, sensitive=False, policy_ids=[row["policy_id"]], cause=cause, now=now)
+        if amount:
+            # Last, right before the commit: Redis gives the room back only once Postgres has
+            # everything else of it. Marked changed before the call: a script that ran but whose
+            # reply was lost must invalidate Redis too, or the next tick ages the key again.
+            work.redis_changed = True
+            await ledger.consume({key: -amount})
         return amount

@@ -405,9 +405,9 @@ async def _final(dsn: str, run_id: str) -> bool:
     return row is not None and row["final"]
 
 
-async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
-    from budgetgate.services.reconciler import budgets
-
+async def _rolled(admission_factory, reconciler_factory, feed, pg_dsn):  # type: ignore[no-untyped-def]
+    """A rolling-window budget with 10 GPU-hours of usage 20 to 17 hours ago (6 of them 19 h ago),
+    settled: the reconciler, the ledger key and the time the usage was fed at."""
     await apply_policies(pg_dsn, {"r.yaml": budget_yaml("roll", limit="gpu_hours: 100", window="{rolling_days: 1}")}, sha="7" * 40)
     server = await admission_factory()
     await server.wait_ready()
@@ -422,13 +422,50 @@ async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_fac
     [key] = (await ledger_in_postgres(pg_dsn)).keys()
     assert "|rolling-1d|" in key
 
+    async def settled() -> bool:
+        return (await ledger_in_postgres(pg_dsn))[key] == (0, 10 * H)
+
+    await wait_for(settled, what="usage in the rolling window")
+    return reconciler, key, now
+
+
+async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    from budgetgate.services.reconciler import budgets
+
+    reconciler, key, now = await _rolled(admission_factory, reconciler_factory, feed, pg_dsn)
+
     async def figures_are(expected: tuple[int, int]) -> bool:
         return (await ledger_in_postgres(pg_dsn))[key] == expected
 
-    await wait_for(lambda: figures_are((0, 10 * H)), what="usage in the rolling window")
     # Six hours on, the first sample's hour has left the window; two more hours on, all of it.
     assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
     assert await figures_are((0, 4 * H)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
     assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
     assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=8)) == {key: 4 * H}
     assert await figures_are((0, 0)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+
+
+async def test_ageing_whose_redis_reply_is_lost_invalidates_redis_and_ages_once(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    """The consume script runs but its reply never arrives: the transaction rolls back, so Redis
+    must be invalidated (it had aged the key the first time, and the next tick ages it again)."""
+    from budgetgate.services.reconciler import budgets
+
+    reconciler, key, now = await _rolled(admission_factory, reconciler_factory, feed, pg_dsn)
+    ledger = reconciler.ledger
+    real_consume = ledger.consume
+
+    async def reply_lost(amounts):  # type: ignore[no-untyped-def]
+        await real_consume(amounts)
+        raise ConnectionError("connection lost before the reply")
+
+    ledger.consume = reply_lost  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConnectionError):
+            await budgets.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6))
+    finally:
+        ledger.consume = real_consume  # type: ignore[method-assign]
+    assert (await ledger_in_postgres(pg_dsn))[key] == (0, 10 * H), "Postgres rolled back"
+    assert not await ledger.is_loaded(), "Redis aged without Postgres: it must be rebuilt"
+    await reconciler.sync.ensure_loaded()
+    assert await budgets.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert (await ledger_in_postgres(pg_dsn))[key] == (0, 4 * H) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
