@@ -213,3 +213,23 @@ async def test_counters_and_tokens_survive_a_redis_rebuild(admission_factory, pg
     assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 1
     assert (await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "next"})).json()["status"] == "Granted"
     assert (await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "third"})).json()["status"] == "Exhausted"
+
+
+async def test_holds_without_a_run_key_are_not_released_for_a_named_decision(admission_factory, pg_dsn) -> None:
+    """After a rebuild a quota-only run has its holds but no run key (that names the decision):
+    a release for some other decision (an orphan sweep that read the run before a retry
+    committed) must not give back the committed run's quota."""
+    import uuid
+
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 5, max_gpus: 1000")})
+    assert (await server.client.post("/v1/admissions", json=physics("q1", gpus=2))).json()["decision"] == "ALLOW"
+    ledger = server.rt.ledger
+    await server.rt.sync.rebuild(force=True)
+    assert not await ledger.client.exists(ledger.run("q1"))
+    counter = ledger.keys.counter("t:physics")
+    before = await ledger.client.hgetall(counter)
+    assert {k.decode(): int(v) for k, v in before.items()} == {"gpus": 2, "nodes": 1, "allocations": 1}
+    assert await ledger.release("q1", decision_id=str(uuid.uuid4())) == 0
+    assert await ledger.client.hgetall(counter) == before
+    assert await ledger.release("q1") > 0  # unnamed: whatever the run holds
+    assert {k.decode(): int(v) for k, v in (await ledger.client.hgetall(counter)).items()} == {"gpus": 0, "nodes": 0, "allocations": 0}

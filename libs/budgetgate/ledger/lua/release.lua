@@ -13,7 +13,9 @@ if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('EXISTS', KEYS[3]) == 0 the
   return 0
 end
 local decision = redis.call('HGET', KEYS[2], '_decision')
-if ARGV[1] ~= '' and decision and decision ~= ARGV[1] then
+-- A named decision must be the run key's: holds without a run key (a quota-only run after a
+-- rebuild) cannot be told apart from another decision's, and are not given back for one.
+if ARGV[1] ~= '' and decision ~= ARGV[1] then
   return {'OTHER_DECISION'}
 end
 local n = tonumber(ARGV[2])
