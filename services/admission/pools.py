@@ -15,6 +15,7 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
+from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.services.admission.concurrency import pool_request
@@ -112,8 +113,8 @@ class TokenPools:
         operator = Role.OPERATOR in principal.roles
 
         async def work() -> dict[str, Any]:
-            async with self.pool.acquire() as conn, conn.transaction():
-                await conn.execute(sql("lock_ledger_shared"))
+            async with ledger_transaction(self.pool, self.ledger) as tx:
+                conn = tx.conn
                 if not operator:
                     held = await conn.fetchrow(sql("pool_allocation_principal"), namespace, token)
                     if held is None:
@@ -122,7 +123,13 @@ class TokenPools:
                 levels = await conn.fetchval(sql("release_pool_allocation"), namespace, token)
                 if levels is None:  # not in Postgres: drop any copy Redis has on the current chain
                     levels = [p.namespace for p in self._bundle().pool_chain(namespace)]
-                released = await self.ledger.deallocate(levels, token) if levels else 0
+                released = 0
+                if levels:
+                    # Redis last, and marked changed before the call: should the commit fail, or
+                    # the reply be lost, Redis (which freed a token Postgres still holds) is
+                    # invalidated and rebuilt rather than left looser than Postgres.
+                    tx.redis_changed = True
+                    released = await self.ledger.deallocate(levels, token)
             return {"namespace": namespace, "token": token, "released": released > 0}
 
         return await with_ledger(self.sync, work)

@@ -233,3 +233,29 @@ async def test_holds_without_a_run_key_are_not_released_for_a_named_decision(adm
     assert await ledger.client.hgetall(counter) == before
     assert await ledger.release("q1") > 0  # unnamed: whatever the run holds
     assert {k.decode(): int(v) for k, v in (await ledger.client.hgetall(counter)).items()} == {"gpus": 0, "nodes": 0, "allocations": 0}
+
+
+async def test_a_token_release_whose_redis_reply_is_lost_never_frees_the_token_twice(admission_factory, pg_dsn) -> None:
+    """Redis freed the token but the answer never came back, so Postgres rolled back and still
+    holds it: Redis must be rebuilt, not left with room the pool does not have."""
+    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=1, parent=5, cap=5)})
+    url = "/v1/pools/snowflake:wh-1/allocations"
+    assert (await server.client.post(url, json={"token": "t1"})).json()["status"] == "Granted"
+    ledger = server.rt.ledger
+    real_deallocate = ledger.deallocate
+
+    async def reply_lost(namespaces, token):  # type: ignore[no-untyped-def]
+        await real_deallocate(namespaces, token)
+        raise ConnectionError("connection lost before the reply")
+
+    ledger.deallocate = reply_lost  # type: ignore[method-assign]
+    try:
+        assert (await server.client.delete(f"{url}/t1")).status_code == 503
+    finally:
+        ledger.deallocate = real_deallocate  # type: ignore[method-assign]
+    assert not await ledger.is_loaded()
+    # Postgres still holds t1: the pool (quota 1) is full, in Redis rebuilt from it too.
+    assert (await server.client.post(url, json={"token": "t2"})).json()["status"] == "Exhausted"
+    assert [h["token"] for h in (await server.client.get("/v1/pools/snowflake:wh-1")).json()["holders"]] == ["t1"]
+    assert (await server.client.delete(f"{url}/t1")).json()["released"] is True
+    assert (await server.client.post(url, json={"token": "t2"})).json()["status"] == "Granted"
