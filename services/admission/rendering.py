@@ -9,7 +9,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from collections.abc import Mapping
 
@@ -18,6 +17,7 @@ from budgetgate.core.evaluation import Decision, Evaluation, Plan, Reading, deci
 from budgetgate.core.units import Unit, display, hours, money
 from budgetgate.core.windows import rfc3339
 from budgetgate.services.admission.schemas import AdmissionResponse, EvaluationOut
+from budgetgate.timestamps import maybe_timestamp
 from budgetgate.v1 import common_pb2, decisions_pb2
 
 _ANSWER_KEYS = tuple(AdmissionResponse.model_fields)
@@ -90,14 +90,6 @@ def _instant(key: str, value: Any) -> Any:
     return value
 
 
-def _ts(at: datetime | None) -> Timestamp | None:
-    if at is None:
-        return None
-    stamp = Timestamp()
-    stamp.FromDatetime(at)
-    return stamp
-
-
 def decision_message(
     *,
     plan: Plan,
@@ -117,7 +109,7 @@ def decision_message(
     res = sub.resources
     message = decisions_pb2.Decision(
         event_id=decision_id,
-        event_time=_ts(decided_at),
+        event_time=maybe_timestamp(decided_at),
         decision_id=decision_id,
         run_id=sub.run_id,
         attempt=sub.attempt,
@@ -147,8 +139,8 @@ def decision_message(
                 policy_git_sha=e.policy_git_sha,
                 scope_id=e.scope_id,
                 ledger_key=e.ledger_key or "",
-                window_start=_ts(e.window_start),
-                window_end=_ts(e.window_end),
+                window_start=maybe_timestamp(e.window_start),
+                window_end=maybe_timestamp(e.window_end),
                 unit=str(e.unit),
                 enforcement=str(e.enforcement),
                 on_exhausted=e.on_exhausted,
@@ -158,7 +150,7 @@ def decision_message(
                 admitted_amount=e.admitted,
                 deficit_amount=e.deficit or 0,
                 outcome=common_pb2.Outcome.Value(e.outcome),
-                next_eligible_time=_ts(e.next_eligible_time),
+                next_eligible_time=maybe_timestamp(e.next_eligible_time),
                 missing_labels=list(e.missing_labels),
                 reserved_amount=reading.reserved if reading else None,
                 consumed_amount=reading.consumed if reading else None,

@@ -9,6 +9,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from budgetgate.timestamps import timestamp
 from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, Sample, sample_event_id, usage_event_id
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
@@ -55,16 +56,6 @@ def from_json(data: Any) -> MeteringSample:
     if not message.event_id and message.run_id and message.sample_id:
         message.event_id = sample_event_id(message.run_id, message.sample_id)
     return message
-
-
-def timestamp(at: datetime) -> Timestamp:
-    """`at` as a protobuf Timestamp (integer arithmetic: FromDatetime is slow per sample)."""
-    if at.tzinfo is None:
-        stamp = Timestamp()
-        stamp.FromDatetime(at)
-        return stamp
-    delta = at - _EPOCH
-    return Timestamp(seconds=delta.days * 86_400 + delta.seconds, nanos=delta.microseconds * 1000)
 
 
 def usage_record(accepted: Accepted, *, recorded_at: datetime | Timestamp, event_id: str | None = None) -> UsageRecord:

@@ -9,7 +9,6 @@ from datetime import datetime
 
 import asyncpg
 from google.protobuf.message import Message
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate import topics, wire
 from budgetgate.core.policy import BudgetPolicy
@@ -17,15 +16,8 @@ from budgetgate.core.reconciliation import Settlement
 from budgetgate.core.waiting import Headroom
 from budgetgate.core.windows import Window
 from budgetgate.outbox import enqueue
+from budgetgate.timestamps import maybe_timestamp
 from budgetgate.v1 import actions_pb2, common_pb2, reconciliations_pb2
-
-
-def _ts(at: datetime | None) -> Timestamp | None:
-    if at is None:
-        return None
-    stamp = Timestamp()
-    stamp.FromDatetime(at)
-    return stamp
 
 
 async def _outbox(conn: asyncpg.Connection, topic: str, key: str, message: Message) -> None:
@@ -50,7 +42,7 @@ async def reconciliation(
     event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"budgetgate:reconciliation:{run_id}:{revision}"))
     message = reconciliations_pb2.Reconciliation(
         event_id=event_id,
-        event_time=_ts(now),
+        event_time=maybe_timestamp(now),
         run_id=run_id,
         decision_id=decision_id,
         final_state=result.final_state or ("RELEASED" if result.released else result.phase.upper()),
@@ -71,8 +63,8 @@ async def reconciliation(
                 ledger_key=key,
                 scope_id=policy.scope.scope_id,
                 policy_id=policy.id,
-                window_start=None if policy.window.rolling else _ts(window.start),
-                window_end=None if policy.window.rolling else _ts(window.end),
+                window_start=None if policy.window.rolling else maybe_timestamp(window.start),
+                window_end=None if policy.window.rolling else maybe_timestamp(window.end),
                 amount=amount,
                 unit=str(policy.limit.unit),
             )
@@ -86,7 +78,7 @@ async def headroom(conn: asyncpg.Connection, found: Headroom, *, cause: str, now
     budget = next((limit for limit in found.limiting if limit.kind == "budget"), None)
     message = actions_pb2.BudgetAction(
         event_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"budgetgate:headroom:{run.decision_id}:{cause}")),
-        event_time=_ts(now),
+        event_time=maybe_timestamp(now),
         type=actions_pb2.HEADROOM,
         scope_id=budget.scope_id or "" if budget else "",
         policy_id=budget.name if budget else "",
@@ -113,7 +105,7 @@ async def action(
     name = actions_pb2.ActionType.Name(kind)
     message = actions_pb2.BudgetAction(
         event_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"budgetgate:action:{name}:{ledger_key}:{run_id}:{threshold}:{now.isoformat()}")),
-        event_time=_ts(now),
+        event_time=maybe_timestamp(now),
         type=kind,  # type: ignore[arg-type]
         scope_id=scope_id,
         ledger_key=ledger_key,

@@ -12,21 +12,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf import json_format
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.client.calls import Call
 from budgetgate.core.metering import sample_event_id
 from budgetgate.core.reconciliation import LIFECYCLE_KINDS
 from budgetgate.lifecycle import derived_event_id
+from budgetgate.timestamps import timestamp
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.v1.metering_pb2 import MeteringSample
-
-
-def timestamp(at: datetime) -> Timestamp:
-    """A protobuf Timestamp of an aware datetime (a naive one is taken as UTC)."""
-    stamp = Timestamp()
-    stamp.FromDatetime((at if at.tzinfo else at.replace(tzinfo=UTC)).astimezone(UTC))
-    return stamp
 
 
 def lifecycle_event(
