@@ -5,6 +5,7 @@ script, then to Postgres, committed together (see transaction.py)."""
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -192,9 +193,10 @@ class Settler:
         if changes or drop_run:
             # Parked before the Redis call: if the call ran but its answer was lost, the parked
             # half is still ended (or Settler.end_pending ends it).
-            work.parked.append((run_id, seq))
+            token = uuid.uuid4().hex
+            work.parked.append((run_id, seq, token))
             await self.ledger.settle_begin(
-                run_id=run_id, decision_id=decision_id, seq=seq, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000)
+                run_id=run_id, decision_id=decision_id, seq=seq, token=token, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000)
             )
 
         await _write_charges(conn, run_id, charges)

@@ -38,11 +38,11 @@ class DyingLedger(RedisLedger):
         if self.dies_after == "begin":
             await self._die()
 
-    async def settle_end(self, run_id: str, *, seq: int, committed: bool) -> bool:
+    async def settle_end(self, run_id: str, *, seq: int, committed: bool, token: str = "") -> bool:
         self._alive()
         if self.dies_after == "commit":
             await self._die()  # called after the commit: the second half never runs
-        return await super().settle_end(run_id, seq=seq, committed=committed)
+        return await super().settle_end(run_id, seq=seq, committed=committed, token=token)
 
     async def invalidate(self, why: str) -> None:
         self._alive()

@@ -130,13 +130,38 @@ async def test_the_settle_script_refuses_a_figure_beyond_the_range_and_changes_n
             await ledger.load_key(key, reserved=5, consumed=10**14)  # 1e14 and more: the old script's limit
         big = [KeyChange("a", reserved=-5, consumed=10**15), KeyChange("b", consumed=MAX_AMOUNT)]
         with pytest.raises(AmountOutOfRange):
-            await ledger.settle_begin(run_id="r", decision_id="d", seq=1, changes=big, drop_run=True, now_ms=0)
+            await ledger.settle_begin(run_id="r", decision_id="d", seq=1, token="t", changes=big, drop_run=True, now_ms=0)
         assert await ledger.readings(["a", "b"]) == {"a": (5, 10**14), "b": (5, 10**14)}
-        await ledger.settle_begin(run_id="r", decision_id="d", seq=1, changes=big[:1], drop_run=True, now_ms=0)
+        await ledger.settle_begin(run_id="r", decision_id="d", seq=1, token="t", changes=big[:1], drop_run=True, now_ms=0)
         assert await ledger.readings(["a"]) == {"a": (5, 10**14 + 10**15)}  # the increase only, before the commit
         assert await ledger.settle_end("r", seq=1, committed=True)
         assert await ledger.readings(["a"]) == {"a": (0, 10**14 + 10**15)}
         assert not await ledger.settle_end("r", seq=1, committed=True)  # ended once
+    finally:
+        await client.aclose()
+
+
+async def test_a_late_undo_of_a_rolled_back_settlement_never_ends_the_next_one(settings) -> None:
+    """Settlement S1 parks sequence 3 and rolls back; S2 (the run's lock free again) ends it and
+    parks its own settlement, again as sequence 3 (the revision S1 never committed). S1's undo,
+    arriving late, must leave S2 alone: matched on the number only, it undid S2's increase, and
+    S2's commit then found nothing parked."""
+    import redis.asyncio as aioredis
+
+    from budgetgate.ledger.redis_ledger import KeyChange, RedisLedger
+
+    client = aioredis.from_url(settings.redis_url)
+    try:
+        ledger = RedisLedger(client, prefix=settings.redis_prefix)
+        await client.set(ledger.marker, "g")
+        await ledger.load_key("k", reserved=0, consumed=100)
+        await ledger.settle_begin(run_id="r", decision_id="d", seq=3, token="s1", changes=[KeyChange("k", consumed=10)], drop_run=False, now_ms=0)
+        assert await ledger.settle_end("r", seq=3, committed=False)  # S2, holding the lock, ends S1's
+        await ledger.settle_begin(run_id="r", decision_id="d", seq=3, token="s2", changes=[KeyChange("k", consumed=20)], drop_run=False, now_ms=0)
+        assert not await ledger.settle_end("r", seq=3, committed=False, token="s1")  # S1's late undo
+        assert await ledger.readings(["k"]) == {"k": (0, 120)}
+        assert await ledger.settle_end("r", seq=3, committed=True, token="s2")
+        assert await ledger.readings(["k"]) == {"k": (0, 120)} and await ledger.pending_settlements() == {}
     finally:
         await client.aclose()
 

@@ -233,29 +233,33 @@ class RedisLedger:
     def pending(self, run_id: str) -> str:
         return f"{self.tag}:p:{run_id}"
 
-    async def settle_begin(self, *, run_id: str, decision_id: str, seq: int, changes: Sequence[KeyChange], drop_run: bool, now_ms: int) -> None:
+    async def settle_begin(self, *, run_id: str, decision_id: str, seq: int, token: str, changes: Sequence[KeyChange], drop_run: bool, now_ms: int) -> None:
         """First half of a run's settlement, before its Postgres commit: the increases only, the
-        rest parked under `seq` for `settle_end` (see settle_begin.lua). Raises LedgerNotLoaded,
-        LedgerKeyMissing, AmountOutOfRange or SettlementPending; then nothing changed."""
+        rest parked under `seq` and `token` (this settlement's alone) for `settle_end` (see
+        settle_begin.lua). Raises LedgerNotLoaded, LedgerKeyMissing, AmountOutOfRange or
+        SettlementPending; then nothing changed."""
         keys = [self.marker, self.run(run_id), self.pending(run_id), self.parked, *(self.ledger(c.ledger_key) for c in changes)]
         args: list[object] = [decision_id, now_ms, 1 if drop_run else 0, seq]
         for c in changes:
             args += [c.reserved, c.consumed, "" if c.held is None else c.held]
+        args.append(token)
         reply = await self._scripts["settle_begin"](keys=keys, args=[str(a) for a in args])
         if isinstance(reply, list) and _text(reply[0]) == "PENDING":
             raise SettlementPending(run_id, int(_text(reply[1])))
         self._check(reply, [c.ledger_key for c in changes])
 
-    async def settle_end(self, run_id: str, *, seq: int, committed: bool) -> bool:
+    async def settle_end(self, run_id: str, *, seq: int, committed: bool, token: str = "") -> bool:
         """Second half: apply the rest of settlement `seq` once Postgres committed it, or take its
-        increases back if Postgres did not. False when it had ended already (or Redis was rebuilt)."""
+        increases back if Postgres did not. False when it had ended already (or Redis was rebuilt).
+        With `token`, only the settlement parked with it is ended; without, whichever is parked
+        under `seq` (for a caller holding the run's lock)."""
         for _ in range(5):
             keys = await self.client.hget(self.pending(run_id), "keys")
             if keys is None:
                 return False
             ledger_keys = json.loads(_text(keys))
             reply = await self._scripts["settle_end"](
-                keys=[self.marker, self.run(run_id), self.pending(run_id), self.parked, *ledger_keys], args=[str(seq), "commit" if committed else "undo"]
+                keys=[self.marker, self.run(run_id), self.pending(run_id), self.parked, *ledger_keys], args=[str(seq), "commit" if committed else "undo", token]
             )
             if isinstance(reply, list):
                 if _text(reply[0]) == "NOT_LOADED":

@@ -28,7 +28,7 @@ class LedgerTransaction:
     conn: asyncpg.Connection
     ledger: RedisLedger
     redis_changed: bool = False
-    parked: list[tuple[str, int]] = field(default_factory=list)  # (run id, settlement seq) begun in Redis
+    parked: list[tuple[str, int, str]] = field(default_factory=list)  # (run id, settlement seq, token) begun in Redis
 
 
 @contextlib.asynccontextmanager
@@ -57,9 +57,9 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIt
     await _end(ledger, work.parked, committed=True)
 
 
-async def _end(ledger: RedisLedger, parked: list[tuple[str, int]], *, committed: bool) -> None:
-    for run_id, seq in parked:
+async def _end(ledger: RedisLedger, parked: list[tuple[str, int, str]], *, committed: bool) -> None:
+    for run_id, seq, token in parked:
         try:
-            await ledger.settle_end(run_id, seq=seq, committed=committed)
+            await ledger.settle_end(run_id, seq=seq, committed=committed, token=token)
         except Exception as exc:  # noqa: BLE001 - left parked: conservative, and ended later
             log.warning("settlement %d of run %r stays parked in Redis (%s); it is ended on the next pass", seq, run_id, exc)

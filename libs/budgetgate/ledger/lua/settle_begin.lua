@@ -8,7 +8,8 @@
 -- ARGV[1] decision id, ARGV[2] now (ms), ARGV[3] '1' when the run holds nothing afterwards,
 -- ARGV[4] the settlement's sequence number (the run's settlement revision it commits as), then
 -- per ledger key: reserved delta, consumed delta, and what the run holds on it afterwards ('' for
--- a key the run has no reservation on).
+-- a key the run has no reservation on), and last a token naming this settlement alone (the
+-- sequence number repeats when a settlement rolled back and the next one commits as it).
 -- Returns 'OK', NOT_LOADED, MISSING (+ index of a ledger key never loaded), OUT_OF_RANGE
 -- (+ index of a key a figure of which would leave the ledger's range), or PENDING (+ its
 -- sequence number) when an earlier settlement of the run is still parked: resolve it first.
@@ -47,6 +48,6 @@ local keys = {}
 for i = 1, n do
   keys[i] = KEYS[4 + i]
 end
-redis.call('HSET', KEYS[3], 'seq', ARGV[4], 'at', ARGV[2], 'keys', cjson.encode(keys), 'args', cjson.encode(ARGV))
+redis.call('HSET', KEYS[3], 'seq', ARGV[4], 'at', ARGV[2], 'keys', cjson.encode(keys), 'args', cjson.encode(ARGV), 'token', ARGV[5 + 3 * n])
 redis.call('SADD', KEYS[4], KEYS[3])
 return 'OK'

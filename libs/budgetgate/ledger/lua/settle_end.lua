@@ -4,16 +4,19 @@
 -- pending key goes. Idempotent: a settlement already ended (or wiped by a rebuild) is 'GONE'.
 -- KEYS[1] loaded marker, KEYS[2] run key, KEYS[3] pending key, KEYS[4] the parked set,
 -- KEYS[5..] the ledger keys the pending key names (read beforehand; 'STALE' if they are not exactly those).
--- ARGV[1] the settlement's sequence number, ARGV[2] 'commit' | 'undo'.
+-- ARGV[1] the settlement's sequence number, ARGV[2] 'commit' | 'undo', ARGV[3] the token it was
+-- parked with, or '' for whichever settlement is parked under that number (the caller holds the
+-- run's lock then). A late undo of a rolled-back settlement must not end the next one, which may
+-- be parked under the same number.
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {'NOT_LOADED'}
 end
-local parked = redis.call('HMGET', KEYS[3], 'seq', 'keys', 'args')
+local parked = redis.call('HMGET', KEYS[3], 'seq', 'keys', 'args', 'token')
 if not parked[1] then
   redis.call('SREM', KEYS[4], KEYS[3])
   return 'GONE'
 end
-if parked[1] ~= ARGV[1] then
+if parked[1] ~= ARGV[1] or (ARGV[3] ~= '' and parked[4] ~= ARGV[3]) then
   return 'GONE'
 end
 local keys, args = cjson.decode(parked[2]), cjson.decode(parked[3])
