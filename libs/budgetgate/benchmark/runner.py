@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,7 +115,8 @@ class Run:
             run = self.options
             await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
             self.echo(f"[fastapi-ceiling] measuring: {len(work.measured)} submissions, {run.concurrency} clients")
-            outcome = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
+            with _collector_quiet():
+                outcome = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
             self.echo(f"[fastapi-ceiling] {outcome.answered / outcome.elapsed:.0f} requests/s, {outcome.error_count} errors")
             return outcome
         finally:
@@ -155,12 +157,8 @@ class Run:
             run = self.options
             self.echo(f"[{label}] warm-up: {len(work.warmup)} submissions")
             warm = await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency, token=system.token)
-            if rate:
-                self.echo(f"[{label}] offering {len(work.measured)} submissions at {rate:g}/s, {len(work.budgets)} budget(s)")
-                measured = await load.offer(host="127.0.0.1", port=port, bodies=work.measured, rate=rate, token=system.token)
-            else:
-                self.echo(f"[{label}] measuring: {len(work.measured)} submissions, {run.concurrency} clients, {len(work.budgets)} budget(s)")
-                measured = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency, token=system.token)
+            with _collector_quiet():
+                measured = await self._load(system, work, port, rate=rate, label=label)
             self.echo(f"[{label}] {measured.answered / measured.elapsed:.0f} decisions/s, {measured.error_count} errors")
             notes = await system.notes(dsn)
             probe_bodies = work.measured[: run.probe]
@@ -178,6 +176,13 @@ class Run:
             )
             return RunResult(system.name, work.scenario, work, measured, audit, notes)
 
+    async def _load(self, system: System, work: workload.Workload, port: int, *, rate: float, label: str) -> load.Outcome:
+        if rate:
+            self.echo(f"[{label}] offering {len(work.measured)} submissions at {rate:g}/s, {len(work.budgets)} budget(s)")
+            return await load.offer(host="127.0.0.1", port=port, bodies=work.measured, rate=rate, token=system.token)
+        self.echo(f"[{label}] measuring: {len(work.measured)} submissions, {self.options.concurrency} clients, {len(work.budgets)} budget(s)")
+        return await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=self.options.concurrency, token=system.token)
+
     async def _wait_ready(self, service: Subprocess, port: int, path: str) -> None:
         await service.wait_port(port, timeout=self.options.ready_timeout)
         deadline = time.monotonic() + self.options.ready_timeout
@@ -190,6 +195,21 @@ class Run:
                 if time.monotonic() > deadline:
                     raise StartError(f"{service.name} not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{service.log_tail()}")
                 await asyncio.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _collector_quiet() -> Iterator[None]:
+    """No garbage collection in the load generator while a load is measured (collected before
+    and after): its workloads and results are hundreds of thousands of objects, a full pass
+    paused it for 100 ms mid-run, and every submission due meanwhile counted the pause as
+    latency of the system measured. What a run leaves for the collector is freed afterwards."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
 
 
 async def run(options: Options, *, echo: Callable[[str], None]) -> Measurements:
