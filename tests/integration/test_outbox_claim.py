@@ -64,6 +64,35 @@ async def _claim_all(dsn: str, sizes: list[int], batch: int) -> None:
         await conn.close()
 
 
+async def test_a_claim_never_takes_rows_another_relay_published_meanwhile(pg_dsn: str) -> None:
+    """Relay B's claim reads the pending rows from its snapshot while relay A holds them; A
+    publishes them and commits before B gets to lock them. B must then skip them: it used to lock
+    them all the same (only the join was checked again) and send every record a second time. The
+    window is made wide for the test by a pause in B's claim before it locks anything."""
+    name, dsn = await empty_database(pg_dsn, prefix="claim")
+    try:
+        conn_a, conn_b = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        await migrate(conn_a)
+        claim = sql("claim_outbox")
+        paused = claim.replace("FROM (SELECT id, records FROM outbox", "FROM (SELECT pg_sleep(0.5)) AS pause, (SELECT id, records FROM outbox")
+        assert paused != claim, "the pause must be in B's claim"
+        async with conn_a.transaction():
+            for _ in range(3):
+                await outbox.enqueue(conn_a, topic=topics.POLICIES, record=wire.encode(_message(), key="k"))
+        try:
+            async with conn_a.transaction():
+                assert len(await conn_a.fetch(claim, 10)) == 3
+                claiming = asyncio.ensure_future(conn_b.fetch(paused, 10))  # B's snapshot: three pending rows
+                await asyncio.sleep(0.2)
+                await conn_a.execute("UPDATE outbox SET published_at = now() WHERE published_at IS NULL")
+            assert await claiming == []
+        finally:
+            await conn_a.close()
+            await conn_b.close()
+    finally:
+        await drop_database(pg_dsn, name)
+
+
 def _event_ids(row: asyncpg.Record) -> list[str]:
     if row["payloads"] is None:
         return [wire.decode(PolicyBundlePublished, row["payload"], outbox._unpack_headers(row["headers"])).event_id]  # noqa: SLF001

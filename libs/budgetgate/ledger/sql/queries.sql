@@ -159,14 +159,18 @@ GROUP BY c.ledger_key, c.bucket;
 
 -- name: claim_outbox
 -- Pending rows in id order, locked, as long as they carry at most $1 records in all (the first
--- row whatever it carries).
+-- row whatever it carries). `o.published_at IS NULL` again outside `pending`: a row another
+-- relay published and committed after this statement's snapshot is locked all the same, and
+-- only the conditions on `o` are checked again on the row as it is then. `more`: pending rows
+-- were left for the next claim because of the limit.
 WITH pending AS (
     SELECT p.id, sum(p.records) OVER (ORDER BY p.id) AS upto
     FROM (SELECT id, records FROM outbox WHERE published_at IS NULL ORDER BY id LIMIT $1) AS p
 )
-SELECT o.id, o.topic, o.key, o.payload, o.headers, o.keys, o.payloads, o.event_ids
+SELECT o.id, o.topic, o.key, o.payload, o.headers, o.keys, o.payloads, o.event_ids,
+       (SELECT max(upto) FROM pending) > $1 AS more
 FROM outbox o JOIN pending p ON p.id = o.id
-WHERE p.upto <= $1 OR p.id = (SELECT min(id) FROM pending)
+WHERE o.published_at IS NULL AND (p.upto <= $1 OR p.id = (SELECT min(id) FROM pending))
 ORDER BY o.id FOR UPDATE OF o SKIP LOCKED;
 
 -- name: insert_outbox_bundle
