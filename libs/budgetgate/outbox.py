@@ -123,6 +123,9 @@ class OutboxRelay:
         self._next_prune = 0.0
         self._ensure_topics = False
         self._offsets: AIOKafkaConsumer | None = None
+        # The last claim left pending rows behind (its batch was full before they fit): the next
+        # claim comes without waiting, however few records this one sent.
+        self.backlog = False
 
     async def relay_once(self) -> int:
         """Publish one batch of up to `batch` records (after the broker check and pruning, when
@@ -130,6 +133,7 @@ class OutboxRelay:
         await self._upkeep()
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(sql("claim_outbox"), self.batch)
+            self.backlog = bool(rows) and bool(rows[0]["more"])
             if not rows:
                 return 0
             owners, sends = self._sends(rows)
@@ -281,7 +285,7 @@ class OutboxRelay:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 10.0)
                     continue
-                if sent < self.batch:
+                if sent < self.batch and not self.backlog:
                     self.wakeup.clear()
                     try:
                         await asyncio.wait_for(self.wakeup.wait(), timeout=self.idle_seconds)

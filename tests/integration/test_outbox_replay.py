@@ -142,8 +142,9 @@ def bundled(first: int, count: int, *, keys: int) -> outbox.Bundle:
 async def test_a_bundle_goes_out_record_by_record_in_order_among_single_rows(settings, pg_dsn) -> None:
     """Three single rows, a bundle of ten, five single rows; batches of seven records: the first
     claim stops before the bundle (it would pass seven), the second takes the bundle alone
-    (a first row goes whatever it carries). Every record arrives once with the headers it was
-    encoded with, each key's records in the order they were written."""
+    (a first row goes whatever it carries); both say rows are left, so the relay does not wait
+    between them. Every record arrives once with the headers it was encoded with, each key's
+    records in the order they were written."""
     async with relaying(settings, pg_dsn, batch=7) as (pool, relay):
         bundle = bundled(3, 10, keys=3)
         async with pool.acquire() as conn, conn.transaction():
@@ -154,8 +155,12 @@ async def test_a_bundle_goes_out_record_by_record_in_order_among_single_rows(set
             for n in range(13, 18):
                 await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(_announced(n), key=f"k{n % 3}"))
         assert await pool.fetchval("SELECT count(*) FROM outbox") == 9
-        published = [await relay.relay_once() for _ in range(4)]
+        published, backlog = [], []
+        for _ in range(4):
+            published.append(await relay.relay_once())
+            backlog.append(relay.backlog)  # rows left behind: the relay claims again at once
         assert published == [3, 10, 5, 0] and await pending(pool) == 0
+        assert backlog == [True, True, False, False]
         found = await drain(settings.kafka_bootstrap, Topics(settings.topic_prefix).policies, expected=18)
         by_key: dict[bytes, list[int]] = {}
         for record in found:
