@@ -141,10 +141,10 @@ class OutboxRelay:
             # sends them in id order to the partition of each key.
             acks = await self.publisher.send_records(sends)
             lowest = _lowest(acks)
-            backwards = {tp: self._acked[tp] for tp, offset in lowest.items() if offset <= self._acked.get(tp, -1)}
+            backwards = {tp: offset for tp, offset in lowest.items() if offset <= self._acked.get(tp, -1)}
             if backwards:
                 # Before the mark: these rows are still pending, so the replay leaves them be.
-                await self._replay(conn, backwards, why="acknowledged new records at or below")
+                await self._replay(conn, backwards, why="acknowledged a new record at offset")
             # Each row with each partition its records went to: a bundle's thousands of records
             # come down to a few pairs.
             went = sorted(set(zip(owners, [ack.partition for ack in acks], strict=True)))
@@ -197,21 +197,25 @@ class OutboxRelay:
             await self.close()
             raise
         # The end offset is past every record the partition holds, so past what it acknowledged.
-        lost = {tp: offset for tp, offset in acked.items() if ends.get(tp, 0) <= offset}
+        lost = {tp: ends.get(tp, 0) for tp, offset in acked.items() if ends.get(tp, 0) <= offset}
         if not lost:
             return 0
         await ensure_topics(self.publisher.bootstrap, prefix=self.topics.prefix, access=self.publisher.access)
         async with self.pool.acquire() as conn, conn.transaction():
-            replayed = await self._replay(conn, lost, why="ends at or below")
+            replayed = await self._replay(conn, lost, why="ends at offset")
         self.wakeup.set()
         return replayed
 
     async def _replay(self, conn: asyncpg.Connection, lost: dict[TopicPartition, int], *, why: str) -> int:
+        """Make pending again the rows of each partition that now shows an offset (`lost`) at or
+        below the watermark stored for it (replay_partition); returns how many."""
         replayed = 0
-        for tp, acked in sorted(lost.items()):
-            status = await conn.execute(sql("replay_partition"), tp.topic, tp.partition, acked, tp.topic.removeprefix(self.topics.prefix), self.replay_window)
+        for tp, seen in sorted(lost.items()):
+            status = await conn.execute(sql("replay_partition"), tp.topic, tp.partition, seen, tp.topic.removeprefix(self.topics.prefix), self.replay_window)
             count = int(status.rsplit(" ", 1)[-1])
-            log.warning("Kafka partition %s[%d] %s offset %d it had acknowledged: sending %d outbox rows again", tp.topic, tp.partition, why, acked, count)
+            log.warning(
+                "Kafka partition %s[%d] %s %d, at or below what it had acknowledged: sending %d outbox rows again", tp.topic, tp.partition, why, seen, count
+            )
             self._acked.pop(tp, None)
             replayed += count
             self.forgotten_partitions += 1

@@ -114,6 +114,39 @@ async def test_an_acknowledgement_at_or_below_an_earlier_one_replays_the_partiti
         assert len({wire.decode(PolicyBundlePublished, r.value, r.headers).event_id for r in on_topic}) == 60
 
 
+async def test_a_relay_replays_a_forgetful_partition_whose_watermark_another_relay_moved(settings, pg_dsn) -> None:
+    """Two relays on one outbox. A publishes, then B (the stored watermark is now B's, above
+    what A remembers); the broker forgets; A's next batch is acknowledged at or below what it
+    remembers. The replay compared the stored watermark with A's memory for equality, did
+    nothing, and the next check saw a partition already past the watermark: the first two
+    records were never sent again."""
+    names = Topics(settings.topic_prefix)
+
+    async def one_key(pool: asyncpg.Pool, numbers: range) -> None:
+        async with pool.acquire() as conn, conn.transaction():
+            for n in numbers:
+                await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(_announced(n), key="one-partition"))
+
+    async with relaying(settings, pg_dsn, check_seconds=3600) as (pool, a):
+        b = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap), topics=names, check_seconds=3600)
+        await b.publisher.start()
+        try:
+            await one_key(pool, range(0, 1))
+            assert await a.relay_once() == 1
+            await one_key(pool, range(1, 2))
+            assert await b.relay_once() == 1
+            await recreate(settings.kafka_bootstrap, names.policies, settings.topic_prefix)
+            await one_key(pool, range(2, 7))
+            assert await a.relay_once() == 5
+            assert a.replayed == 2
+            await drain_all(a)
+        finally:
+            await b.publisher.stop()
+            await b.close()
+        on_topic = await drain(settings.kafka_bootstrap, names.policies, 7)
+        assert sorted(int(wire.decode(PolicyBundlePublished, r.value, r.headers).git_sha, 16) for r in on_topic) == list(range(7))
+
+
 async def test_a_backlog_larger_than_a_batch_goes_out_whole_in_order_per_key(settings, pg_dsn) -> None:
     """BUDGETGATE_OUTBOX_BATCH rows per transaction: a backlog of several batches is published
     batch by batch, every row once, each key's rows in the order they were written."""

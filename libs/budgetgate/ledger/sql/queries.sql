@@ -200,11 +200,14 @@ DO UPDATE SET acked_offset = GREATEST(w.acked_offset, EXCLUDED.acked_offset), up
 SELECT topic, kafka_partition, acked_offset FROM outbox_watermarks WHERE starts_with(topic, $1);
 
 -- name: replay_partition
--- A partition ($1 topic in Kafka, $2 partition) lost what it acknowledged up to $3: its rows
--- published within the window ($4 topic in the outbox, $5 window) are pending again. Nothing
--- happens when another relay already did it (the watermark moved on).
+-- A partition ($1 topic in Kafka, $2 partition) now shows offset $3 (its end, or the lowest of a
+-- new acknowledgement): at or below the watermark any relay stored for it, it lost what it had
+-- acknowledged, and its rows published within the window ($4 topic in the outbox, $5 window) are
+-- pending again. Compared with the stored watermark, not with what the caller remembers (another
+-- relay may have moved it since). Nothing happens when another relay replayed it already (the
+-- watermark is gone, or is one the partition has passed since).
 WITH forgotten AS (
-    DELETE FROM outbox_watermarks WHERE topic = $1 AND kafka_partition = $2 AND acked_offset = $3
+    DELETE FROM outbox_watermarks WHERE topic = $1 AND kafka_partition = $2 AND acked_offset >= $3
     RETURNING 1
 )
 UPDATE outbox SET published_at = NULL, kafka_partitions = NULL
