@@ -74,6 +74,19 @@ def bundle_messages(*, topic: str, messages: Sequence[Message], keys: Sequence[s
     return Bundle(topic, list(keys), values, event_ids, _pack_headers(shared))
 
 
+async def claim(conn: asyncpg.Connection, batch: int) -> list[asyncpg.Record]:
+    """Lock the next pending rows, up to `batch` records (claim_outbox), in `conn`'s transaction,
+    whose other outbox statements (the mark, a replay) are planned for their parameters too.
+
+    Planned each time, never from a cached generic plan: the statements are prepared once per
+    connection, usually while the outbox is all but empty, and the mark's plan made then joined
+    by scanning the whole table. The table keeps every row published within the replay window,
+    so each relay pass read all of them (admission's open loop got slower for as long as the
+    window filled)."""
+    await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan")
+    return await conn.fetch(sql("claim_outbox"), batch)
+
+
 async def enqueue_bundle(conn: asyncpg.Connection, bundle: Bundle) -> None:
     """Write `bundle` to the outbox as one row in `conn`'s transaction (nothing when empty)."""
     if bundle.payloads:
@@ -132,7 +145,7 @@ class OutboxRelay:
         they are due); returns how many records were published."""
         await self._upkeep()
         async with self.pool.acquire() as conn, conn.transaction():
-            rows = await conn.fetch(sql("claim_outbox"), self.batch)
+            rows = await claim(conn, self.batch)
             self.backlog = bool(rows) and bool(rows[0]["more"])
             if not rows:
                 return 0
