@@ -75,16 +75,19 @@ def bundle_messages(*, topic: str, messages: Sequence[Message], keys: Sequence[s
 
 
 async def claim(conn: asyncpg.Connection, batch: int) -> list[asyncpg.Record]:
-    """Lock the next pending rows, up to `batch` records (claim_outbox), in `conn`'s transaction,
-    whose other outbox statements (the mark, a replay) are planned for their parameters too.
+    """Lock the next pending rows, up to `batch` records (claim_outbox), in `conn`'s transaction;
+    when there are any, the transaction's other outbox statements (the mark, a replay) are then
+    planned for their parameters each time, never from a cached generic plan.
 
-    Planned each time, never from a cached generic plan: the statements are prepared once per
-    connection, usually while the outbox is all but empty, and the mark's plan made then joined
-    by scanning the whole table. The table keeps every row published within the replay window,
-    so each relay pass read all of them (admission's open loop got slower for as long as the
-    window filled)."""
-    await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan")
-    return await conn.fetch(sql("claim_outbox"), batch)
+    The statements are prepared once per connection, usually while the outbox is all but empty,
+    and the mark's plan made then joined by scanning the whole table. The table keeps every row
+    published within the replay window, so each relay pass read all of them (admission's open
+    loop got slower for as long as the window filled). The claim's own plan probes the pending
+    index whenever it is made; an idle pass, which finds nothing, costs one round trip."""
+    rows = await conn.fetch(sql("claim_outbox"), batch)
+    if rows:
+        await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan")
+    return rows
 
 
 async def enqueue_bundle(conn: asyncpg.Connection, bundle: Bundle) -> None:
