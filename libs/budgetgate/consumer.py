@@ -99,6 +99,29 @@ class BatchRoute:
     prepare: Callable[[Sequence[Delivery]], None] | None = None
 
 
+@dataclass(eq=False)
+class Turn:
+    """A batch's place among batches applied one after another with their transactions
+    overlapping (budgetgate.subscriber's pipeline): it claims its inbox rows only after the
+    batch before it (`after`) has claimed its own, and runs its handlers only after that batch's
+    handlers have returned, so every lock the earlier batch takes is taken first and the later
+    batch waits on it in Postgres until the earlier one commits (or rolls back).
+
+    `claimed` and `handled` are this batch's own steps, set for the batch after it (also when
+    this one fails or is cancelled). A batch rolled back by an outage and applied again after its
+    successor committed is applied after it: every handler that runs pipelined must give the
+    same result in either order (metering-ingest's does: a sample applied after a later one of
+    its run is late, and the run's high-water mark and totals are the same)."""
+
+    after: Turn | None = None
+    claimed: asyncio.Event = field(default_factory=asyncio.Event)
+    handled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def finish(self) -> None:
+        self.claimed.set()
+        self.handled.set()
+
+
 @dataclass
 class Applied:
     """What one `Inbox.apply` did."""
@@ -134,10 +157,18 @@ class Inbox:
         self.duplicates = 0
         self.dead_lettered = 0
 
-    async def apply(self, records: Sequence[ConsumerRecord]) -> Applied:
+    async def apply(self, records: Sequence[ConsumerRecord], *, turn: Turn | None = None) -> Applied:
         """Apply `records` (any topics and partitions, offset order within each partition) in one
         transaction; returns once their effects and their dead letters are durable. Retries
-        outages until it succeeds (or is cancelled)."""
+        outages until it succeeds (or is cancelled). With `turn`, its transaction overlaps the
+        one of the batch before it, in that batch's wake (see Turn)."""
+        try:
+            return await self._apply(records, turn)
+        finally:
+            if turn is not None:
+                turn.finish()
+
+    async def _apply(self, records: Sequence[ConsumerRecord], turn: Turn | None) -> Applied:
         poisoned: dict[int, str] = {}  # index in `records` → reason
         deliveries: list[tuple[int, Delivery]] = []
         for index, record in enumerate(records):
@@ -151,7 +182,7 @@ class Inbox:
         delay = 0.2
         while True:
             try:
-                outcome = await self._transaction([d for i, d in deliveries if i not in poisoned], split)
+                outcome = await self._transaction([d for i, d in deliveries if i not in poisoned], split, turn)
             except asyncio.CancelledError:
                 raise
             except _Blame as blame:
@@ -192,19 +223,26 @@ class Inbox:
         self.duplicates += duplicates
         return Applied(records=len(records), processed=len(committed), duplicates=duplicates, dead_lettered=len(poisoned), committed=committed)
 
-    async def _transaction(self, deliveries: list[Delivery], split: set[str]) -> tuple[list[Delivery], int, dict[Delivery, str]]:
+    async def _transaction(self, deliveries: list[Delivery], split: set[str], turn: Turn | None) -> tuple[list[Delivery], int, dict[Delivery, str]]:
         """One try: inbox rows, then every route's handler; the fresh deliveries, the number of
         duplicates and the deliveries a handler refused (their inbox rows removed again)."""
+        before = turn.after if turn is not None else None
         links = [Link(ctx) for d in deliveries[:64] if (ctx := trace.get_current_span(wire.context_from_headers(d.record.headers)).get_span_context()).is_valid]
         with tracer.start_as_current_span("consume batch", kind=SpanKind.CONSUMER, links=links) as span:
             span.set_attribute("messaging.batch.message_count", len(deliveries))
             async with self.pool.acquire() as conn, conn.transaction():
+                if before is not None:
+                    await before.claimed.wait()
                 claim = asyncio.ensure_future(self._claim(conn, deliveries))
                 try:
                     await asyncio.sleep(0)  # the claim goes out; the routes prepare meanwhile
                     self._prepare(deliveries, split)
                 finally:
                     fresh = await claim  # awaited whatever happened: the connection is not left in use
+                if turn is not None:
+                    turn.claimed.set()
+                if before is not None:
+                    await before.handled.wait()
                 refused: dict[Delivery, str] = {}
                 by_topic: dict[str, list[Delivery]] = defaultdict(list)
                 for delivery in fresh:
@@ -218,6 +256,8 @@ class Inbox:
                             reason = await self._alone(conn, route, delivery)
                             if reason is not None:
                                 refused[delivery] = reason
+                if turn is not None:
+                    turn.handled.set()
                 if refused:
                     await conn.execute(sql("inbox_forget"), self.name, [d.message.event_id for d in refused])
         return fresh, len(deliveries) - len(fresh), refused

@@ -30,14 +30,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from aiokafka import ConsumerRecord
+from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
 from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.kafka.annotations import KafkaMessage
 from faststream.middlewares import AckPolicy
 
-from budgetgate.consumer import Applied, Inbox
+from budgetgate.consumer import Applied, Inbox, Turn
 
 if TYPE_CHECKING:
     from budgetgate import wire
@@ -98,6 +100,116 @@ async def apply_acked(inbox: Inbox, message: KafkaMessage, *, progress: Consumer
     return applied
 
 
+@dataclass(eq=False)
+class _Flight:
+    """One poll applied by a pipeline: its records, its transaction and its offsets' commit."""
+
+    records: Sequence[ConsumerRecord]
+    turn: Turn
+    applying: asyncio.Future[Applied]
+    committing: asyncio.Future[None] | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Pipeline:
+    """Applies the polls of one subscriber with each poll's transaction overlapping the next
+    poll's work: the next poll is fetched, decoded and validated, and its inbox rows claimed,
+    while Postgres still works on this one (`Inbox.apply` with a `Turn` keeps every lock in poll
+    order). At most two polls are in flight: a poll's handler returns once the poll before it
+    is committed and its offsets with it.
+
+    Offsets are committed by the pipeline, poll by poll in order, each once its own
+    transaction has committed, and with the offsets of that poll only: FastStream's ack commits
+    the consumer's position, which is past a poll still in flight here, so this is the part
+    that uses aiokafka's commit directly. A poll that fails (not an outage: `Inbox.apply`
+    retries those in place) rewinds every partition of it and of the polls after it to its
+    first record, as a nack does, and nothing after it is committed."""
+
+    def __init__(self, inbox: Inbox, *, progress: ConsumerProgress | None = None) -> None:
+        self.inbox = inbox
+        self.progress = progress
+        self._last: _Flight | None = None
+
+    async def apply(self, message: KafkaMessage) -> None:
+        """Start applying one poll; returns once the poll before it is committed. When that one
+        failed, this one is cancelled, both are rewound and its failure is raised."""
+        records: Sequence[ConsumerRecord] = message.raw_message
+        consumer = message.consumer
+        before = self._last
+        if before is not None and before.committing is not None and before.committing.done() and _failed(before.committing):
+            before = None  # failed and rewound before this poll was fetched: this one starts afresh
+        turn = Turn(after=before.turn if before is not None else None)
+        flight = _Flight(records, turn, asyncio.ensure_future(self.inbox.apply(records, turn=turn)))
+        flight.committing = asyncio.ensure_future(self._commit(before, flight, consumer))
+        self._last = flight
+        if before is None or before.committing is None:
+            return
+        # Waited for without taking its outcome: cancelling this handler (the service stopping)
+        # leaves both polls to finish and commit in the background.
+        await asyncio.wait([before.committing])
+        if _failed(before.committing):
+            self._last = None
+            await asyncio.wait([flight.committing])  # cancels this poll's transaction (its predecessor failed)
+            _failed(flight.committing)  # its failure is the one raised below
+            _rewind(consumer, [*before.records, *records])
+            await before.committing  # raises what made it fail
+
+    async def drain(self) -> None:
+        """Wait for the polls in flight to be committed or to have failed."""
+        last = self._last
+        if last is not None and last.committing is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(last.committing)
+
+    async def _commit(self, before: _Flight | None, flight: _Flight, consumer: Any) -> None:
+        """Commit the offsets of `flight` once it and every poll before it are committed."""
+        if before is not None and before.committing is not None:
+            await asyncio.wait([before.committing])
+            if _failed(before.committing):
+                flight.applying.cancel()  # the handler waiting on `before` rewinds both
+                await asyncio.wait([flight.applying])
+                _failed(flight.applying)
+                raise RuntimeError(f"{self.inbox.name}: the poll before this one failed")
+        try:
+            applied = await flight.applying
+        except BaseException as exc:
+            log.error("%s: a poll of %d records failed, read again from its first: %r", self.inbox.name, len(flight.records), exc)
+            _rewind(consumer, flight.records)
+            raise
+        offsets = {tp: OffsetAndMetadata(offset + 1, "") for tp, offset in _last_offsets(flight.records).items()}
+        try:
+            await consumer.commit(offsets)
+        except Exception as exc:  # noqa: BLE001 - a rebalance took the partitions: their new owner reads them again and its inbox skips what is done
+            log.warning("%s: offsets %s not committed: %s", self.inbox.name, offsets, exc)
+        if self.progress is not None:
+            self.progress.batch(applied, seconds=time.perf_counter() - flight.started, topics=(r.topic for r in flight.records))
+            await self.progress.refresh(consumer)
+
+
+def _failed(done: asyncio.Future[None]) -> bool:
+    return done.cancelled() or done.exception() is not None
+
+
+def _last_offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, int]:
+    last: dict[TopicPartition, int] = {}
+    for record in records:
+        tp = TopicPartition(record.topic, record.partition)
+        if record.offset > last.get(tp, -1):
+            last[tp] = record.offset
+    return last
+
+
+def _rewind(consumer: Any, records: Sequence[ConsumerRecord]) -> None:
+    """Seek each partition of `records` back to its first record there: they are read again."""
+    first: dict[TopicPartition, int] = {}
+    for record in records:
+        tp = TopicPartition(record.topic, record.partition)
+        first[tp] = min(record.offset, first.get(tp, record.offset))
+    for tp, offset in first.items():
+        with contextlib.suppress(Exception):  # no longer assigned: its new owner starts from the committed offset
+            consumer.seek(tp, offset)
+
+
 class Consuming(Protocol):
     """What a subscriber's handler needs of the running service."""
 
@@ -111,10 +223,17 @@ class Consuming(Protocol):
 R = TypeVar("R", bound=Consuming)
 
 
-def subscribe_inbox(router: KafkaRouter, *topics: str, runtime: Callable[[], R], then: Callable[[R], None] | None = None, **options: Any) -> None:
+def subscribe_inbox(
+    router: KafkaRouter, *topics: str, runtime: Callable[[], R], then: Callable[[R], None] | None = None, pipelined: bool = False, **options: Any
+) -> None:
     """Subscribe `router` to `topics` as an inbox consumer (`INBOX_SUBSCRIBER` and `options`:
     group_id, max_records, title, description...): each poll is applied by `runtime().inbox` and
-    acknowledged (`apply_acked`), then `then(runtime())` runs, the poll's effects committed."""
+    acknowledged (`apply_acked`), then `then(runtime())` runs, the poll's effects committed.
+    `pipelined` (without `then`): each poll's transaction overlaps the next poll (`Pipeline`),
+    for handlers whose result does not depend on the order of two polls applied after an
+    outage (see consumer.Turn)."""
+    if pipelined and then is not None:
+        raise ValueError("a pipelined subscriber has no `then`: its polls commit in the background")
 
     async def apply(message: KafkaMessage) -> None:
         rt = runtime()
@@ -122,7 +241,17 @@ def subscribe_inbox(router: KafkaRouter, *topics: str, runtime: Callable[[], R],
         if then is not None:
             then(rt)
 
-    router.subscriber(*topics, **INBOX_SUBSCRIBER, **options)(apply)
+    pipelines: dict[int, Pipeline] = {}
+
+    async def apply_pipelined(message: KafkaMessage) -> None:
+        rt = runtime()
+        pipeline = pipelines.get(id(rt.inbox))
+        if pipeline is None or pipeline.inbox is not rt.inbox:
+            pipelines.clear()
+            pipeline = pipelines[id(rt.inbox)] = Pipeline(rt.inbox, progress=rt.progress)
+        await pipeline.apply(message)
+
+    router.subscriber(*topics, **INBOX_SUBSCRIBER, **options)(apply_pipelined if pipelined else apply)
 
 
 def inbox_broker(settings: CommonSettings, router: KafkaRouter) -> KafkaBroker:

@@ -46,6 +46,7 @@ def router(*, settings: MeteringSettings, topics: Topics, runtime: Callable[[], 
                 "and usage.records.v1 messages; poison goes to metering.samples.v1.dlq with the reason."
             ),
             include_in_schema=worker == 0,
+            pipelined=settings.consumer_pipelined,
         )
 
     return kafka

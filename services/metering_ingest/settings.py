@@ -24,6 +24,9 @@ class MeteringSettings(AuthSettings):
     # partitions only wait). One by default: every member that joins stops the whole group for
     # a rebalance, which costs seconds on Tansu, more than the overlap gains on a short load.
     consumer_concurrency: int = Field(default=1, ge=1)
+    # Each poll's transaction overlaps the next poll's decoding, validation and inbox claim
+    # (budgetgate.subscriber.Pipeline); offsets are still committed only after the commit.
+    consumer_pipelined: bool = True
     # How far past this service's clock a sample's observed_at may be: further is a clock or
     # unit bug at the exporter, and the sample is dead-lettered as future_timestamp.
     max_future_skew_seconds: float = Field(default=300.0, ge=0)

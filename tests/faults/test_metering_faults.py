@@ -131,13 +131,17 @@ async def test_ingest_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
     await ingest.start()
     messages = stream(1500)
     sent = 0
+    head = 200  # sent before the kill; the rest while ingest is down
+    killed = asyncio.Event()
 
     async def publish() -> None:
-        # One by one, acknowledged each: the stream is still flowing when ingest is killed, however
-        # fast ingest keeps up with it, and goes on arriving while ingest is down.
+        # One by one, acknowledged each: ingest is killed while it works through the head of the
+        # stream, however fast it keeps up, and the rest arrives while it is down.
         nonlocal sent
         async with wire.Publisher(settings.kafka_bootstrap) as publisher:
-            for message in messages:
+            for index, message in enumerate(messages):
+                if index == head:
+                    await killed.wait()
                 await publisher.send(topics.metering, message, key=message.run_id)
                 sent += 1
 
@@ -145,8 +149,9 @@ async def test_ingest_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
     try:
         await wait_for(lambda: _at_least(pg_dsn, 30), what="ingest under way")
         ingest.kill()
+        killed.set()
         sent_at_kill, at_kill = sent, await rows(pg_dsn)
-        assert 0 < at_kill and sent_at_kill < len(messages), f"the kill should land mid-stream ({at_kill} applied, {sent_at_kill} sent)"
+        assert 0 < at_kill and sent_at_kill <= head < len(messages), f"the kill should land mid-stream ({at_kill} applied, {sent_at_kill} sent)"
         await publishing
         await ingest.start()
         distinct = len({(m.run_id, m.sample_id) for m in messages})

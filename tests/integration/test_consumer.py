@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Sequence
 
 import asyncpg
+import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -20,7 +21,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from budgetgate import wire
 from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route
 from budgetgate.lag import ConsumerProgress
-from budgetgate.subscriber import INBOX_SUBSCRIBER, apply_acked
+from budgetgate.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_acked
 from budgetgate.topics import Topics, dlq, ensure_topics
 from budgetgate.v1 import lifecycle_pb2
 
@@ -51,7 +52,8 @@ async def drain(bootstrap: str, topic: str, expected: int, timeout: float = 20) 
         await consumer.stop()
 
 
-async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])
+async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn, pipelined: bool) -> None:
     topics = Topics(settings.topic_prefix)
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
@@ -79,7 +81,7 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
 
         group = f"g-{uuid.uuid4().hex[:8]}"
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)})
-        assert await _consume(settings, inbox, group, 8) == 8
+        assert await _consume(settings, inbox, group, 8, pipelined=pipelined) == 8
 
         rows = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
         assert rows == ["a", "b", "flaky", "twice"]
@@ -91,7 +93,7 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn) -> No
 
         # The group's offsets were committed after the effects: a restart reads nothing again.
         again = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: Route(lifecycle_pb2.LifecycleEvent, handle)})
-        assert await _consume(settings, again, group, 1, timeout=3) == 0
+        assert await _consume(settings, again, group, 1, timeout=3, pipelined=pipelined) == 0
     await pool.close()
 
 
@@ -100,18 +102,27 @@ async def _publish(settings, topic: str, messages: list) -> None:  # type: ignor
         await asyncio.gather(*(publisher.send(topic, m, key="one-partition") for m in messages))
 
 
-async def _consume(settings, inbox: Inbox, group: str, expected: int, *, progress: ConsumerProgress | None = None, timeout: float = 30) -> int:  # type: ignore[no-untyped-def]
+async def _consume(  # type: ignore[no-untyped-def]
+    settings, inbox: Inbox, group: str, expected: int, *, progress: ConsumerProgress | None = None, timeout: float = 30, pipelined: bool = False, **options
+) -> int:
     """Feed `inbox` from its topics in consumer group `group` as the services do (one FastStream
-    batch subscriber, `apply_acked` per poll) until `expected` records are taken care of or
-    `timeout` seconds passed; the number taken care of."""
+    batch subscriber, `apply_acked` per poll, or a Pipeline when `pipelined`) until `expected`
+    records are taken care of or `timeout` seconds passed; the number taken care of."""
     taken = 0
     enough = asyncio.Event()
     broker = KafkaBroker(settings.kafka_bootstrap)
+    pipeline = Pipeline(inbox, progress=progress)
 
-    @broker.subscriber(*inbox.routes, group_id=group, **INBOX_SUBSCRIBER)
+    @broker.subscriber(*inbox.routes, group_id=group, **INBOX_SUBSCRIBER, **options)
     async def apply(message: KafkaMessage) -> None:
         nonlocal taken
-        taken += (await apply_acked(inbox, message, progress=progress)).records
+        if pipelined:
+            await pipeline.apply(message)
+            taken += len(message.raw_message)
+            if taken >= expected:
+                await pipeline.drain()  # the last poll commits in the background
+        else:
+            taken += (await apply_acked(inbox, message, progress=progress)).records
         if taken >= expected:
             enough.set()
 
@@ -153,7 +164,8 @@ def _batch_route(seen: list[list[str]]) -> BatchRoute:
     return BatchRoute(lifecycle_pb2.LifecycleEvent, handle)
 
 
-async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings, pg_dsn) -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])
+async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings, pg_dsn, pipelined: bool) -> None:
     topics = Topics(settings.topic_prefix)
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
@@ -167,7 +179,7 @@ async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings,
     progress = ConsumerProgress(MeterProvider(metric_readers=[reader]).get_meter("test"), name="test")
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
-        assert await _consume(settings, inbox, group, 9, progress=progress) == 9
+        assert await _consume(settings, inbox, group, 9, progress=progress, pipelined=pipelined) == 9
     rows = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
     assert rows == ["a", "b", "c", "d", "twice"]
     assert inbox.dead_lettered == 3 and inbox.duplicates == 1 and inbox.processed == 5
@@ -187,7 +199,8 @@ async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings,
     await pool.close()
 
 
-async def test_redelivered_batch_changes_nothing(settings, pg_dsn) -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])
+async def test_redelivered_batch_changes_nothing(settings, pg_dsn, pipelined: bool) -> None:
     topics = Topics(settings.topic_prefix)
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
@@ -198,7 +211,7 @@ async def test_redelivered_batch_changes_nothing(settings, pg_dsn) -> None:
         # A second group reads the same records again: the inbox (same name) takes every one as a duplicate.
         for attempt in range(2):
             inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
-            assert await _consume(settings, inbox, f"g-{attempt}-{uuid.uuid4().hex[:8]}", 20) == 20
+            assert await _consume(settings, inbox, f"g-{attempt}-{uuid.uuid4().hex[:8]}", 20, pipelined=pipelined) == 20
             assert inbox.processed == (20 if attempt == 0 else 0)
             assert inbox.duplicates == (0 if attempt == 0 else 20)
     assert await pool.fetchval("SELECT count(*) FROM effects") == 20
@@ -206,7 +219,8 @@ async def test_redelivered_batch_changes_nothing(settings, pg_dsn) -> None:
     await pool.close()
 
 
-async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn) -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])
+async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn, pipelined: bool) -> None:
     topics = Topics(settings.topic_prefix)
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
@@ -226,7 +240,7 @@ async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn
 
     async with wire.Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
-        polling = asyncio.create_task(_consume(settings, inbox, group, 5, timeout=60))
+        polling = asyncio.create_task(_consume(settings, inbox, group, 5, timeout=60, pipelined=pipelined))
         try:
             await asyncio.wait_for(inside.wait(), 30)
             # The handler has written its effects but the transaction is open: nothing committed anywhere.
@@ -242,3 +256,107 @@ async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn
     assert await pool.fetchval("SELECT count(*) FROM effects") == 5
     assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 5
     await pool.close()
+
+
+async def test_pipelined_polls_overlap_and_apply_in_order(settings, pg_dsn) -> None:
+    """The next poll is claimed (and prepared) while the one before it is still in its
+    transaction, yet every handler sees the effects of every message before it: a counter row
+    each message takes under its lock and writes its own position into."""
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    await pool.execute("CREATE TABLE line (id int PRIMARY KEY, last int NOT NULL); INSERT INTO line VALUES (1, -1)")
+    await pool.execute("CREATE TABLE effects (position int NOT NULL, seen int NOT NULL)")
+    await _publish(settings, topics.lifecycle, [event(str(i)) for i in range(12)])
+    log: list[tuple[str, int]] = []
+
+    def prepare(deliveries: Sequence[Delivery]) -> None:
+        log.append(("prepared", int(deliveries[0].message.run_id)))
+
+    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> None:
+        first = int(deliveries[0].message.run_id)
+        log.append(("handling", first))
+        for delivery in deliveries:
+            position = int(delivery.message.run_id)
+            seen = await conn.fetchval("SELECT last FROM line WHERE id = 1 FOR UPDATE")
+            await conn.execute("UPDATE line SET last = $1 WHERE id = 1", position)
+            await conn.execute("INSERT INTO effects VALUES ($1, $2)", position, seen)
+        await asyncio.sleep(0.2)  # the next poll is fetched, claimed and prepared meanwhile
+        log.append(("handled", first))
+
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle, prepare)})
+        group = f"g-{uuid.uuid4().hex[:8]}"
+        assert await _consume(settings, inbox, group, 12, pipelined=True, max_records=3) == 12
+    effects = [(r["position"], r["seen"]) for r in await pool.fetch("SELECT position, seen FROM effects ORDER BY position")]
+    assert effects == [(i, i - 1) for i in range(12)], "a message was applied before one ahead of it"
+    assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 12
+    # Overlap: a poll was prepared before the handler of the poll ahead of it had returned.
+    overlapped = [i for i, (step, _) in enumerate(log) if step == "prepared" and any(s == "handling" for s, _ in log[:i]) and log[i - 1][0] != "handled"]
+    assert overlapped, f"no poll overlapped the one before it: {log}"
+    # And no handler started before the one ahead of it returned.
+    handlers = [(step, first) for step, first in log if step != "prepared"]
+    assert handlers == [(step, first) for first in sorted({f for s, f in handlers}) for step in ("handling", "handled")]
+    await pool.close()
+
+
+class _Crash(BaseException):
+    """What no inbox retries (not an Exception): the poll fails."""
+
+
+async def test_a_failed_pipelined_poll_is_read_again_and_nothing_after_it_is_committed_first(settings, pg_dsn) -> None:
+    """A poll whose transaction fails (not an outage, which the inbox retries in place) rewinds
+    its partition, and the poll after it, already running, is rolled back with it: every
+    message is applied once, and the committed offset never passes a message not applied."""
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL UNIQUE)")
+    await _publish(settings, topics.lifecycle, [event(str(i)) for i in range(12)])
+    crashes = {"left": 1}
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    committed_while_crashed: list[int | None] = []
+
+    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> None:
+        await conn.executemany("INSERT INTO effects VALUES ($1)", [(d.message.run_id,) for d in deliveries])
+        if any(d.message.run_id == "4" for d in deliveries) and crashes["left"]:
+            crashes["left"] -= 1
+            committed_while_crashed.append(await _committed(settings.kafka_bootstrap, group, topics.lifecycle))
+            raise _Crash("the poll fails")
+
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
+        pipeline = Pipeline(inbox)
+        consumer = AIOKafkaConsumer(
+            topics.lifecycle, bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False, auto_offset_reset="earliest"
+        )
+        await consumer.start()
+        failures = 0
+        try:
+            deadline = asyncio.get_running_loop().time() + 30
+            while asyncio.get_running_loop().time() < deadline:
+                polled = await consumer.getmany(timeout_ms=200, max_records=3)
+                records = tuple(r for batch in polled.values() for r in batch)
+                if records:
+                    try:
+                        await pipeline.apply(_Polled(records, consumer))
+                    except _Crash:
+                        failures += 1
+                elif await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 12:
+                    break
+            await pipeline.drain()
+        finally:
+            await consumer.stop()
+    assert crashes["left"] == 0 and failures == 1
+    assert committed_while_crashed[0] is None or committed_while_crashed[0] <= 4
+    assert sorted(int(r["run_id"]) for r in await pool.fetch("SELECT run_id FROM effects")) == list(range(12))
+    assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 12
+    await pool.close()
+
+
+class _Polled:
+    """One poll as a FastStream batch message gives it to a handler (records and consumer)."""
+
+    def __init__(self, records: tuple, consumer: AIOKafkaConsumer) -> None:  # type: ignore[type-arg]
+        self.raw_message = records
+        self.consumer = consumer
