@@ -55,12 +55,14 @@ tracer = trace.get_tracer("budgetgate.consumer")
 Handler = Callable[[asyncpg.Connection, Any, ConsumerRecord], Awaitable[None]]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Delivery:
-    """One decoded message of a batch and the record it came in (compared by identity)."""
+    """One decoded message of a batch and the record it came in (compared by identity), and
+    what its route's `prepare` made of it, if anything (the handler finds it there)."""
 
     message: Any
     record: ConsumerRecord
+    prepared: Any = None
 
 
 BatchHandler = Callable[[asyncpg.Connection, Sequence[Delivery]], Awaitable[Mapping[Delivery, str] | None]]

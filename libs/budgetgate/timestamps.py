@@ -14,8 +14,19 @@ def timestamp(at: datetime) -> Timestamp:
 
     The same value FromDatetime gives, by integer arithmetic: FromDatetime goes through a time
     tuple and is slow, and this runs for every sample ingested and every decision announced."""
+    seconds, nanos = _parts(at)
+    return Timestamp(seconds=seconds, nanos=nanos)
+
+
+def fill(stamp: Timestamp, at: datetime) -> None:
+    """Set `stamp` (a message's field) to `at`, as `timestamp(at)` would be: a Timestamp given to
+    a message's constructor is made and then copied into it."""
+    stamp.seconds, stamp.nanos = _parts(at)
+
+
+def _parts(at: datetime) -> tuple[int, int]:
     delta = (at if at.tzinfo is not None else at.replace(tzinfo=UTC)) - _EPOCH
-    return Timestamp(seconds=delta.days * 86_400 + delta.seconds, nanos=delta.microseconds * 1000)
+    return delta.days * 86_400 + delta.seconds, delta.microseconds * 1000
 
 
 def maybe_timestamp(at: datetime | None) -> Timestamp | None:

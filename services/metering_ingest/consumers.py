@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
 
 import asyncpg
 from faststream.kafka import KafkaRouter
 
 from budgetgate.consumer import BatchRoute, Delivery
 from budgetgate.core.metering import Rejected, Sample
-from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
+from budgetgate.services.metering_ingest.ingest import Ingestor, RecordOrigin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.subscriber import subscribe_inbox
@@ -56,27 +55,22 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
     """metering.samples.v1 for the inbox: a batch of samples placed together; a sample that is
     rejected (invalid, a conflict, a regression, a run that never got a decision) is refused.
     The samples are validated while Postgres claims their inbox rows (`prepare`)."""
-    validated: WeakKeyDictionary[Delivery, Sample | Rejected] = WeakKeyDictionary()
 
     def prepare(deliveries: Sequence[Delivery]) -> None:
         now = ingestor.clock()
         for delivery in deliveries:
-            validated[delivery] = _validated(ingestor, delivery.message, now)
+            delivery.prepared = _validated(ingestor, delivery.message, now)
 
     async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> Mapping[Delivery, str]:
         refused: dict[Delivery, str] = {}
-        valid: list[tuple[Delivery, Sample, Origin]] = []
+        valid: list[tuple[Delivery, Sample, RecordOrigin]] = []
         now = ingestor.clock()
         for delivery in deliveries:
-            sample = validated.pop(delivery, None) or _validated(ingestor, delivery.message, now)
+            sample = delivery.prepared or _validated(ingestor, delivery.message, now)
             if isinstance(sample, Rejected):
                 refused[delivery] = str(sample)
                 continue
-            record = delivery.record
-            origin = Origin(
-                source="kafka", topic=record.topic, payload=record.value, headers=tuple(record.headers or ()), partition=record.partition, offset=record.offset
-            )
-            valid.append((delivery, sample, origin))
+            valid.append((delivery, sample, RecordOrigin(delivery.record)))
         outcomes = await ingestor.place_batch(conn, [(sample, origin) for _, sample, origin in valid])
         placed = []
         for (delivery, _, _), outcome in zip(valid, outcomes, strict=True):

@@ -24,10 +24,12 @@ from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, Protocol
 
 import asyncpg
+from aiokafka import ConsumerRecord
 
 from budgetgate import outbox, topics, wire
 from budgetgate.core.metering import (
     Accepted,
+    Counters,
     Duplicate,
     Problem,
     Rejected,
@@ -72,6 +74,40 @@ class Origin(NamedTuple):
     offset: int | None = None
 
 
+class RecordOrigin:
+    """The Origin of a sample consumed from Kafka, read off its record only when it is needed
+    (a sample kept pending): one is made per sample of every batch."""
+
+    __slots__ = ("record",)
+    source: Source = "kafka"
+
+    def __init__(self, record: ConsumerRecord) -> None:
+        self.record = record
+
+    @property
+    def topic(self) -> str:
+        return str(self.record.topic)
+
+    @property
+    def payload(self) -> bytes:
+        return bytes(self.record.value)
+
+    @property
+    def headers(self) -> tuple[tuple[str, bytes], ...]:
+        return tuple(self.record.headers or ())
+
+    @property
+    def partition(self) -> int | None:
+        return int(self.record.partition)
+
+    @property
+    def offset(self) -> int | None:
+        return int(self.record.offset)
+
+
+Origins = Origin | RecordOrigin
+
+
 class Counts(Protocol):
     """Where outcomes found outside a request or a consumed message are counted."""
 
@@ -94,11 +130,11 @@ class Ingestor:
         once for a whole batch)."""
         return validate(raw_sample(message), now=now or self.clock(), max_skew=self.max_skew)
 
-    async def ingest(self, conn: asyncpg.Connection, message: MeteringSample, origin: Origin) -> Outcome:
+    async def ingest(self, conn: asyncpg.Connection, message: MeteringSample, origin: Origins) -> Outcome:
         """Validate and place one sample in `conn`'s transaction; raises Rejected."""
         return await self.place(conn, self.validate(message), origin)
 
-    async def place(self, conn: asyncpg.Connection, sample: Sample, origin: Origin) -> Outcome:
+    async def place(self, conn: asyncpg.Connection, sample: Sample, origin: Origins) -> Outcome:
         """Record a valid sample, find it a duplicate, or keep it pending; raises Rejected."""
         now = self.clock()
         begun = await store.begin(conn, sample)  # the run's lock is held from here on
@@ -112,7 +148,7 @@ class Ingestor:
             raise kept
         return kept
 
-    async def place_batch(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origin]]) -> list[Outcome | Rejected]:
+    async def place_batch(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]]) -> list[Outcome | Rejected]:
         """`place` for many valid samples at once, in order (two samples of one run judge each
         other as if placed one after the other); a sample's Rejected is its outcome.
 
@@ -131,19 +167,18 @@ class Ingestor:
         outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
         left: list[int] = []
         announce, keys = [], []
-        for p in placed:
-            sample = samples[p.index]
-            if p.outcome == "accepted":
-                assert p.cumulative is not None and p.delta is not None and p.late is not None
-                accepted = Accepted(sample, cumulative=p.cumulative, delta=p.delta, late=p.late)
-                outcomes[p.index] = accepted
-                announce.append(with_run_figures(drafts[p.index], accepted))
+        for idx, outcome, of, gpu, node, gpu_delta, node_delta, late in placed:
+            index = idx - 1
+            sample = samples[index]
+            if outcome == "accepted":
+                accepted = Accepted(sample, cumulative=Counters(gpu, node), delta=Counters(gpu_delta, node_delta), late=late)
+                outcomes[index] = accepted
+                announce.append(with_run_figures(drafts[index], accepted))
                 keys.append(sample.run_id)
-            elif p.outcome == "duplicate":
-                assert p.of is not None
-                outcomes[p.index] = Duplicate(sample, of=p.of)
+            elif outcome == "duplicate":
+                outcomes[index] = Duplicate(sample, of=of)
             else:
-                left.append(p.index)
+                left.append(index)
         await outbox.enqueue_bundle(conn, outbox.bundle_messages(topic=topics.USAGE, messages=announce, keys=keys, trace_headers=trace_headers))
         if left:
             for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], now), strict=True):
@@ -151,7 +186,7 @@ class Ingestor:
         assert all(o is not None for o in outcomes), "metering_place_batch left a sample out"
         return [o for o in outcomes if o is not None]
 
-    async def _judge(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origin]], now: datetime) -> list[Outcome | Rejected]:
+    async def _judge(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]], now: datetime) -> list[Outcome | Rejected]:
         """The core's judgement of samples the set-based rules leave to it (runs without a
         decision, with pending samples, or with a conflict or regression in the batch)."""
         samples = [sample for sample, _ in batch]
@@ -183,7 +218,7 @@ class Ingestor:
         await store.record_batch(conn, recorded, bundle)
         return [o for o in outcomes if o is not None]
 
-    async def _keep_pending(self, conn: asyncpg.Connection, sample: Sample, origin: Origin, now: datetime) -> Pending | Rejected:
+    async def _keep_pending(self, conn: asyncpg.Connection, sample: Sample, origin: Origins, now: datetime) -> Pending | Rejected:
         """Keep a sample of a run without a decision until its grace ends (the run's lock held)."""
         until = sample.observed_at + self.grace
         if until <= now:

@@ -9,7 +9,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.timestamps import timestamp
+from budgetgate.timestamps import fill, timestamp
 from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, Sample, sample_event_id, usage_event_id
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
@@ -66,17 +66,19 @@ def usage_record(accepted: Accepted, *, recorded_at: datetime | Timestamp, event
 
 def usage_draft(sample: Sample, *, recorded_at: datetime | Timestamp, event_id: str | None = None) -> UsageRecord:
     """The usage record of `sample` without the run's figures, which only judging it gives."""
-    return UsageRecord(
+    record = UsageRecord(
         event_id=event_id or usage_event_id(sample.run_id, sample.sample_id),
-        event_time=recorded_at if isinstance(recorded_at, Timestamp) else timestamp(recorded_at),
         run_id=sample.run_id,
         sample_id=sample.sample_id,
-        observed_at=timestamp(sample.observed_at),
         # The sample's own counters: below the cumulative for a late sample, which the reader
         # needs to attribute usage to windows by observed_at.
         gpu_milli_hours_observed=sample.counters.gpu,
         node_milli_hours_observed=sample.counters.node,
     )
+    # Filled in place: a Timestamp given to the constructor is made and then copied (per sample).
+    record.event_time.CopyFrom(recorded_at if isinstance(recorded_at, Timestamp) else timestamp(recorded_at))
+    fill(record.observed_at, sample.observed_at)
+    return record
 
 
 def with_run_figures(draft: UsageRecord, accepted: Accepted) -> UsageRecord:

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import asyncpg
 
@@ -158,35 +158,18 @@ async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> Ba
     return BatchBegun(runs, frozenset(decided), dict(neighbours))
 
 
-class Placed(NamedTuple):
-    """What metering_place_batch did with one sample of a batch (`index` in the batch):
-    `outcome` is 'accepted' (recorded, with the run's counters after it), 'duplicate' (`of`)
-    or 'python' (left for the core to judge). A tuple: one is made per sample of every batch."""
-
-    index: int
-    outcome: str
-    of: str | None
-    cumulative: Counters | None
-    delta: Counters | None
-    late: bool | None
-
-
-async def place_batch(conn: asyncpg.Connection, samples: Sequence[Sample], *, sources: Sequence[Source], event_ids: Sequence[str]) -> list[Placed]:
+async def place_batch(conn: asyncpg.Connection, samples: Sequence[Sample], *, sources: Sequence[Source], event_ids: Sequence[str]) -> list[asyncpg.Record]:
     """Judge and record, in one round trip, the samples of a batch the set-based rules cover
-    (see metering_place_batch); the others come back as 'python'."""
-    rows = await conn.fetch(
+    (see metering_place_batch); the others come back as 'python'. One row per sample, read as
+    (idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late):
+    `idx` is 1-based in the batch; `outcome` is 'accepted' (recorded: the run's counters after
+    it and the delta), 'duplicate' (of the recorded `of_sample`) or 'python' (left to the core)."""
+    return await conn.fetch(
         sql("metering_place_batch"),
         [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples],
         [s.counters.gpu for s in samples], [s.counters.node for s in samples], [s.exporter for s in samples],
         sources, event_ids,
     )  # fmt: skip
-    placed = []
-    for idx, outcome, of, gpu, node, gpu_delta, node_delta, late in rows:
-        if outcome == "accepted":
-            placed.append(Placed(idx - 1, outcome, None, Counters(gpu, node), Counters(gpu_delta, node_delta), late))
-        else:
-            placed.append(Placed(idx - 1, outcome, of, None, None, None))
-    return placed
 
 
 _USAGE_COLUMNS = (

@@ -96,9 +96,9 @@ def _judged_in_sql() -> Iterator[list[bool]]:
     judged: list[bool] = []
     place = store.place_batch
 
-    async def spy(*args: Any, **kwargs: Any) -> list[store.Placed]:
+    async def spy(*args: Any, **kwargs: Any) -> list[Any]:
         placed = await place(*args, **kwargs)
-        judged.extend(p.outcome != "python" for p in placed)
+        judged.extend(p["outcome"] != "python" for p in placed)
         return placed
 
     store.place_batch = spy  # type: ignore[assignment]
@@ -140,8 +140,8 @@ async def test_a_clean_stream_is_judged_in_postgres_alone(pg_dsn: str) -> None:
         for batch in (stream[:4], stream[4:]):
             async with conn.transaction():
                 placed = await store.place_batch(conn, batch, sources=["kafka"] * len(batch), event_ids=[str(uuid.uuid4()) for _ in batch])
-            assert "python" not in {p.outcome for p in placed}
-        outcomes = {p.index: p.outcome for p in placed}
+            assert "python" not in {p["outcome"] for p in placed}
+        outcomes = {p["idx"] - 1: p["outcome"] for p in placed}
         assert outcomes == {0: "duplicate", 1: "accepted", 2: "accepted"}
         assert [r["late"] for r in await conn.fetch("SELECT late FROM usage_records WHERE run_id = 'run-c' ORDER BY observed_at")] == [
             True,  # minutes 1 and 2 came after minute 3

@@ -8,7 +8,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from budgetgate.timestamps import maybe_timestamp, timestamp
+from budgetgate.timestamps import fill, maybe_timestamp, timestamp
+from budgetgate.v1.usage_pb2 import UsageRecord
 
 # The range a Timestamp holds, minus a day on each side for time zone offsets.
 instants = st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30))
@@ -22,6 +23,9 @@ def test_timestamp_is_from_datetime(at: datetime, zone: timezone | None) -> None
     expected.FromDatetime(at)
     assert timestamp(at) == expected
     assert maybe_timestamp(at) == expected
+    record = UsageRecord()
+    fill(record.observed_at, at)
+    assert record.observed_at == expected
 
 
 def test_no_time_leaves_the_field_unset() -> None:
