@@ -118,6 +118,12 @@ class Turn:
     after: Turn | None = None
     claimed: asyncio.Event = field(default_factory=asyncio.Event)
     handled: asyncio.Event = field(default_factory=asyncio.Event)
+    # The event ids of this batch's messages. The batch after it leaves them out of its claim
+    # and counts them as duplicates: this batch applies them, or fails and takes that one down
+    # with it. Claiming them too would wait in Postgres on this batch's uncommitted inbox rows,
+    # and, should this batch roll back and claim again, hold them against it while waiting here
+    # for its handlers: a deadlock Postgres cannot see.
+    event_ids: frozenset[str] = frozenset()
 
     def finish(self) -> None:
         self.claimed.set()
@@ -180,6 +186,8 @@ class Inbox:
                 poisoned[index] = exc.reason
                 continue
             deliveries.append((index, Delivery(message, record)))
+        if turn is not None:
+            turn.event_ids = frozenset(d.message.event_id for _, d in deliveries)
         split: set[str] = set()  # topics whose batch handler runs message by message
         delay = 0.2
         while True:
@@ -233,9 +241,11 @@ class Inbox:
         with tracer.start_as_current_span("consume batch", kind=SpanKind.CONSUMER, links=links) as span:
             span.set_attribute("messaging.batch.message_count", len(deliveries))
             async with self.pool.acquire() as conn, conn.transaction():
+                claimable = deliveries
                 if before is not None:
                     await before.claimed.wait()
-                claim = asyncio.ensure_future(self._claim(conn, deliveries))
+                    claimable = [d for d in deliveries if d.message.event_id not in before.event_ids]
+                claim = asyncio.ensure_future(self._claim(conn, claimable))
                 try:
                     await asyncio.sleep(0)  # the claim goes out; the routes prepare meanwhile
                     self._prepare(deliveries, split)

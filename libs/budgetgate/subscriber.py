@@ -20,6 +20,11 @@ How FastStream is used, and where it is not enough for the inbox pattern:
   and keeps the records as they came in `raw_message`, which is what the inbox reads.
 - The poison handling itself (decode, dead-letter topic, the others committed once) is the
   inbox's: FastStream's own exception handling would ack or nack the batch as a whole.
+- `subscribe_inbox(..., pipelined=True)` (metering-ingest) overlaps each poll's transaction with
+  the next poll (`Pipeline`). Its handler returns before its poll is committed, so FastStream's
+  ack, which commits the consumer's position, cannot be used: the pipeline commits each poll's
+  own offsets with aiokafka's `commit` once it and every poll before it have committed, and
+  seeks a failed poll back itself.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -129,6 +135,7 @@ class Pipeline:
         self.inbox = inbox
         self.progress = progress
         self._last: _Flight | None = None
+        _PIPELINES.add(self)
 
     async def apply(self, message: KafkaMessage) -> None:
         """Start applying one poll; returns once the poll before it is committed. When that one
@@ -152,7 +159,10 @@ class Pipeline:
             await asyncio.wait([flight.committing])  # cancels this poll's transaction (its predecessor failed)
             _failed(flight.committing)  # its failure is the one raised below
             _rewind(consumer, [*before.records, *records])
-            await before.committing  # raises what made it fail
+            # Raised as an error of this handler (not the poll's own exception, which may be a
+            # cancellation): FastStream's consume loop goes on with the rewound partitions.
+            cause = None if before.committing.cancelled() else before.committing.exception()
+            raise RuntimeError(f"{self.inbox.name}: a poll of {len(before.records)} records failed; it and the next are read again") from cause
 
     async def drain(self) -> None:
         """Wait for the polls in flight to be committed or to have failed."""
@@ -176,14 +186,34 @@ class Pipeline:
             log.error("%s: a poll of %d records failed, read again from its first: %r", self.inbox.name, len(flight.records), exc)
             _rewind(consumer, flight.records)
             raise
-        offsets = {tp: OffsetAndMetadata(offset + 1, "") for tp, offset in _last_offsets(flight.records).items()}
+        # Only partitions still assigned: aiokafka refuses the whole commit for one that a
+        # rebalance took (its new owner reads it again, and its inbox skips what is done).
+        assigned = consumer.assignment()
+        offsets = {tp: OffsetAndMetadata(offset + 1, "") for tp, offset in _last_offsets(flight.records).items() if tp in assigned}
         try:
-            await consumer.commit(offsets)
-        except Exception as exc:  # noqa: BLE001 - a rebalance took the partitions: their new owner reads them again and its inbox skips what is done
+            if offsets:
+                await consumer.commit(offsets)
+        except Exception as exc:  # noqa: BLE001 - not committed: read again, and skipped by the inbox
             log.warning("%s: offsets %s not committed: %s", self.inbox.name, offsets, exc)
         if self.progress is not None:
             self.progress.batch(applied, seconds=time.perf_counter() - flight.started, topics=(r.topic for r in flight.records))
-            await self.progress.refresh(consumer)
+            try:
+                await self.progress.refresh(consumer)
+            except Exception as exc:  # noqa: BLE001 - a partition revoked meanwhile: the poll is committed all the same
+                log.debug("%s: lag not refreshed: %s", self.inbox.name, exc)
+
+
+_PIPELINES: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+async def drain_pipelines(inbox: Inbox) -> None:
+    """Wait for the polls `inbox`'s pipelines still have in flight (a service stopping, its
+    consumers stopped): they commit in Postgres, and their dead letters go out, before the
+    pool and the producers close. Their offsets are not committed then: they are read again
+    on the next start, and skipped by the inbox."""
+    for pipeline in list(_PIPELINES):
+        if pipeline.inbox is inbox:
+            await pipeline.drain()
 
 
 def _failed(done: asyncio.Future[None]) -> bool:

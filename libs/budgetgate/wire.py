@@ -146,7 +146,7 @@ def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -
     """
     expected = message_cls.DESCRIPTOR.full_name
     declared_type, raw_content_type, declared_id = _described(headers)
-    if declared_type is not None and declared_type.decode(errors="replace") != expected:
+    if declared_type is not None and declared_type != _type_name(message_cls) and declared_type.decode(errors="replace") != expected:
         raise WireError(f"message-type is {declared_type.decode(errors='replace')!r}, expected {expected!r}")
     if value is None:
         raise WireError(f"record has no value (expected {expected})")
@@ -177,9 +177,25 @@ def decode(message_cls: type[M], value: bytes | None, headers: Headers | None) -
     return message
 
 
+def _type_name(message_cls: type[Message]) -> bytes:
+    """The message-type header value of `message_cls`'s records."""
+    name = _TYPE_NAMES.get(message_cls)
+    if name is None:
+        name = _TYPE_NAMES[message_cls] = message_cls.DESCRIPTOR.full_name.encode()
+    return name
+
+
+_TYPE_NAMES: dict[type[Message], bytes] = {}
+
+
 def _described(headers: Headers | None) -> tuple[bytes | None, bytes | None, bytes | None]:
     """The first message-type, content-type and event-id headers, as `header` finds them, in one
     pass (decode runs once per consumed record)."""
+    if headers and len(headers) >= 3:
+        # What `encode` writes leads with exactly these three, each the first of its name.
+        (first, declared_id), (second, content_type), (third, declared_type) = headers[0], headers[1], headers[2]
+        if first == EVENT_ID and second == CONTENT_TYPE and third == MESSAGE_TYPE:
+            return declared_type, content_type, declared_id
     found: dict[str, bytes] = {}
     for key, value in headers or ():
         name = key if key in _DESCRIBING else key.lower()

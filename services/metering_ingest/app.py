@@ -31,7 +31,7 @@ from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.auth import install_auth
 from budgetgate.bodies import BodyLimit
 from budgetgate.spans import ServerSpans
-from budgetgate.subscriber import inbox_broker, start_consuming
+from budgetgate.subscriber import drain_pipelines, inbox_broker, start_consuming
 from budgetgate.serving import add_operational_routes, close_pool, close_within, postgres_check, stop_tasks
 from budgetgate.telemetry import Telemetry, setup_telemetry
 from budgetgate.topics import Topics, ensure_topics
@@ -96,6 +96,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         finally:
             await stop_tasks(rt.tasks)
             await close_within(broker.stop(), what="metering-ingest: Kafka consumer")
+            await close_within(drain_pipelines(inbox), what="metering-ingest: polls in flight")
             await close_within(relay.publisher.stop(), what="metering-ingest: relay producer")
             await close_within(rt.dlq_publisher.stop(), what="metering-ingest: dead-letter producer")
             await close_pool(pool)

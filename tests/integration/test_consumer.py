@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import asyncpg
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -19,7 +19,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from budgetgate import wire
-from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route
+from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route, Turn
 from budgetgate.lag import ConsumerProgress
 from budgetgate.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_acked
 from budgetgate.topics import Topics, dlq, ensure_topics
@@ -340,7 +340,8 @@ async def test_a_failed_pipelined_poll_is_read_again_and_nothing_after_it_is_com
                 if records:
                     try:
                         await pipeline.apply(_Polled(records, consumer))
-                    except _Crash:
+                    except RuntimeError as exc:  # what the handler of the poll after the failed one raises
+                        assert isinstance(exc.__cause__, _Crash)
                         failures += 1
                 elif await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 12:
                     break
@@ -360,3 +361,49 @@ class _Polled:
     def __init__(self, records: tuple, consumer: AIOKafkaConsumer) -> None:  # type: ignore[type-arg]
         self.raw_message = records
         self.consumer = consumer
+
+
+def _record(offset: int, message: lifecycle_pb2.LifecycleEvent, topic: str) -> ConsumerRecord:
+    encoded = wire.encode(message, key=message.run_id)
+    return ConsumerRecord(topic, 0, offset, 0, 0, encoded.key, encoded.value, None, len(encoded.key or b""), len(encoded.value), encoded.headers)
+
+
+@pytest.mark.parametrize("failure", ["outage", "poison"])
+async def test_overlapping_batches_sharing_an_event_id_finish_when_the_first_is_applied_again(settings, pg_dsn, failure: str) -> None:
+    """Batch N and batch N+1, in flight together, both carry event X (a producer's retry). N's
+    handler fails once after N claimed X (an outage, or poison that rolls N back to apply it
+    without the culprit); N+1 must not hold X against N's second claim while it waits for N's
+    handlers: both finish, and X is applied once, by N."""
+    topic = Topics(settings.topic_prefix).lifecycle
+    pool = await asyncpg.create_pool(pg_dsn, min_size=2, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL, event_id text NOT NULL UNIQUE)")
+    calls = {"first": 0}
+    shared = event("x")
+
+    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> None:
+        names = [d.message.run_id for d in deliveries]
+        if "first" in names and calls["first"] == 0:
+            calls["first"] += 1
+            await asyncio.sleep(0.3)  # N+1 claims meanwhile
+            if failure == "outage":
+                raise ConnectionResetError("Postgres went away")
+            raise Poison("the first message is poison", delivery=deliveries[names.index("first")])
+        await conn.executemany("INSERT INTO effects VALUES ($1, $2)", [(d.message.run_id, d.message.event_id) for d in deliveries])
+
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topic: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)}, max_backoff=0.2)
+        first = Turn()
+        second = Turn(after=first)
+        applying = [
+            asyncio.ensure_future(inbox.apply([_record(0, event("first"), topic), _record(1, shared, topic)], turn=first)),
+            asyncio.ensure_future(inbox.apply([_record(2, shared, topic), _record(3, event("second"), topic)], turn=second)),
+        ]
+        done, pending = await asyncio.wait(applying, timeout=20)
+        for stuck in pending:
+            stuck.cancel()
+        await asyncio.gather(*applying, return_exceptions=True)
+        assert not pending, "the two batches deadlocked"
+    effects = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
+    assert effects == (["first", "second", "x"] if failure == "outage" else ["second", "x"])
+    assert [a.result().duplicates for a in applying] == [0, 1]
+    await pool.close()
