@@ -112,8 +112,9 @@ class Turn:
     `claimed` and `handled` are this batch's own steps, set for the batch after it (also when
     this one fails or is cancelled). A batch rolled back by an outage and applied again after its
     successor committed is applied after it: every handler that runs pipelined must give the
-    same result in either order (metering-ingest's does: a sample applied after a later one of
-    its run is late, and the run's high-water mark and totals are the same)."""
+    same result in either order. metering-ingest's does for counters that only go up: a sample
+    applied after a later one of its run is late, and the run's high-water mark and totals are
+    the same; of two samples that contradict each other, the one applied second is refused."""
 
     after: Turn | None = None
     claimed: asyncio.Event = field(default_factory=asyncio.Event)
