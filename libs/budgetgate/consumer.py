@@ -291,11 +291,12 @@ class Inbox:
         # Sorted, so two consumers that claim overlapping ids (during a rebalance) lock them in
         # the same order and cannot deadlock.
         ids = sorted({d.message.event_id: d.record.topic for d in deliveries}.items())
-        new = {row["event_id"] for row in await conn.fetch(sql("inbox_claim"), self.name, [i for i, _ in ids], [t for _, t in ids])}
+        seen = {row[0] for row in await conn.fetch(sql("inbox_claim"), self.name, [i for i, _ in ids], [t for _, t in ids])}
         fresh = []
         for delivery in deliveries:
-            if delivery.message.event_id in new:
-                new.discard(delivery.message.event_id)
+            event_id = delivery.message.event_id
+            if event_id not in seen:
+                seen.add(event_id)  # the first of the batch's copies is the one applied
                 fresh.append(delivery)
         return fresh
 

@@ -246,12 +246,17 @@ FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
 -- inbox (libs/budgetgate/consumer.py) ---------------------------------------------------------
 
 -- name: inbox_claim
--- The inbox rows of one batch ($2 event ids, sorted; $3 their topics); returns the ids that were
--- new. A duplicate, in the inbox already or twice in the batch, is left out.
-INSERT INTO inbox (consumer, event_id, topic)
-SELECT $1, e.event_id, e.topic FROM unnest($2::text[], $3::text[]) AS e(event_id, topic)
-ON CONFLICT DO NOTHING
-RETURNING event_id;
+-- The inbox rows of one batch ($2 event ids, distinct and sorted; $3 their topics); returns the
+-- ids that were NOT new (in the inbox already): usually none, so a batch of thousands costs no
+-- rows back.
+WITH claimed AS (
+    INSERT INTO inbox (consumer, event_id, topic)
+    SELECT $1, e.event_id, e.topic FROM unnest($2::text[], $3::text[]) AS e(event_id, topic)
+    ON CONFLICT DO NOTHING
+    RETURNING event_id
+)
+SELECT e.event_id FROM unnest($2::text[]) AS e(event_id)
+WHERE e.event_id NOT IN (SELECT c.event_id FROM claimed c);
 
 -- name: inbox_forget
 -- Removes the inbox rows of messages a handler refused, so a redelivery finds them poison again.
