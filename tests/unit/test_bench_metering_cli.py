@@ -24,7 +24,7 @@ def test_the_run_exits_by_its_check(monkeypatch: pytest.MonkeyPatch, problems: l
     monkeypatch.setattr(metering_runner, "run", measured)
     outcome = CliRunner().invoke(bench, ["metering", "--samples", "10"])
     assert outcome.exit_code == exit_code
-    assert "ratio (metering-ingest / COPY, rows/s): 0.25x" in outcome.output
+    assert "ratio (metering-ingest / COPY, rows/s): 0.25x (COPY: the best of 3)" in outcome.output
     if problems:
         assert f"correctness: FAILED - {problems[0]}" in outcome.output and "correctness check failed" in outcome.output
     else:

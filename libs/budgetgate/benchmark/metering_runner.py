@@ -247,16 +247,25 @@ async def _check(dsn: str, work: metering_workload.MeteringWorkload, rows: list[
     return problems
 
 
+COPY_TRIES = 3
+
+
 async def _copy(dsn: str, rows: list[asyncpg.Record]) -> float:
-    """Seconds to COPY `rows` into the usage table of `dsn` (one transaction, as a bulk load does)."""
+    """Seconds to COPY `rows` into the usage table of `dsn` (one transaction, as a bulk load
+    does): the best of COPY_TRIES, the table emptied before each. The fastest COPY is the
+    baseline, so a slow moment of the machine never flatters the ratio."""
     columns = list(rows[0].keys()) if rows else []
     records = [tuple(r.values()) for r in rows]
     conn = await asyncpg.connect(dsn)
     try:
-        started = time.perf_counter()
-        async with conn.transaction():
-            await conn.copy_records_to_table("usage_records", records=records, columns=columns)
-        return time.perf_counter() - started
+        best = float("inf")
+        for _ in range(COPY_TRIES):
+            await conn.execute("TRUNCATE usage_records")
+            started = time.perf_counter()
+            async with conn.transaction():
+                await conn.copy_records_to_table("usage_records", records=records, columns=columns)
+            best = min(best, time.perf_counter() - started)
+        return best
     finally:
         await conn.close()
 
