@@ -135,6 +135,8 @@ class Pipeline:
         self.inbox = inbox
         self.progress = progress
         self._last: _Flight | None = None
+        # Where failed polls sent their partitions back to, until a poll starts there again.
+        self._rewound: dict[TopicPartition, int] = {}
         _PIPELINES.add(self)
 
     async def apply(self, message: KafkaMessage) -> None:
@@ -142,6 +144,8 @@ class Pipeline:
         failed, this one is cancelled, both are rewound and its failure is raised."""
         records: Sequence[ConsumerRecord] = message.raw_message
         consumer = message.consumer
+        if self._rewound and self._stale(consumer, records):
+            return
         before = self._last
         if before is not None and before.committing is not None and before.committing.done() and _failed(before.committing):
             before = None  # failed and rewound before this poll was fetched: this one starts afresh
@@ -158,11 +162,35 @@ class Pipeline:
             self._last = None
             await asyncio.wait([flight.committing])  # cancels this poll's transaction (its predecessor failed)
             _failed(flight.committing)  # its failure is the one raised below
-            _rewind(consumer, [*before.records, *records])
+            self._rewind(consumer, [*before.records, *records])
             # Raised as an error of this handler (not the poll's own exception, which may be a
             # cancellation): FastStream's consume loop goes on with the rewound partitions.
             cause = None if before.committing.cancelled() else before.committing.exception()
             raise RuntimeError(f"{self.inbox.name}: a poll of {len(before.records)} records failed; it and the next are read again") from cause
+
+    def _rewind(self, consumer: Any, records: Sequence[ConsumerRecord]) -> None:
+        """Seek each partition of `records` back to its first record there (or to where an
+        earlier failure sent it, if that is earlier): they are read again."""
+        for tp, offset in _first_offsets(records).items():
+            self._rewound[tp] = min(offset, self._rewound.get(tp, offset))
+        for tp, offset in self._rewound.items():
+            with contextlib.suppress(Exception):  # no longer assigned: its new owner starts from the committed offset
+                consumer.seek(tp, offset)
+
+    def _stale(self, consumer: Any, records: Sequence[ConsumerRecord]) -> bool:
+        """Whether `records` were fetched before a rewind (a rewound partition's records not
+        starting where it was sent back to): then they are dropped, and every partition of
+        them is sought back, to be read again in order."""
+        assigned = consumer.assignment()
+        self._rewound = {tp: offset for tp, offset in self._rewound.items() if tp in assigned}  # a rebalance took the others
+        first = _first_offsets(records)
+        if any(tp in self._rewound and offset != self._rewound[tp] for tp, offset in first.items()):
+            log.warning("%s: a poll fetched before a rewind is dropped and read again", self.inbox.name)
+            self._rewind(consumer, records)
+            return True
+        for tp in first:
+            self._rewound.pop(tp, None)  # read again from where it was sent back to
+        return False
 
     async def drain(self) -> None:
         """Wait for the polls in flight to be committed or to have failed."""
@@ -184,7 +212,7 @@ class Pipeline:
             applied = await flight.applying
         except BaseException as exc:
             log.error("%s: a poll of %d records failed, read again from its first: %r", self.inbox.name, len(flight.records), exc)
-            _rewind(consumer, flight.records)
+            self._rewind(consumer, flight.records)
             raise
         # Only partitions still assigned: aiokafka refuses the whole commit for one that a
         # rebalance took (its new owner reads it again, and its inbox skips what is done).
@@ -229,15 +257,13 @@ def _last_offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, int
     return last
 
 
-def _rewind(consumer: Any, records: Sequence[ConsumerRecord]) -> None:
-    """Seek each partition of `records` back to its first record there: they are read again."""
+def _first_offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, int]:
     first: dict[TopicPartition, int] = {}
     for record in records:
         tp = TopicPartition(record.topic, record.partition)
-        first[tp] = min(record.offset, first.get(tp, record.offset))
-    for tp, offset in first.items():
-        with contextlib.suppress(Exception):  # no longer assigned: its new owner starts from the committed offset
-            consumer.seek(tp, offset)
+        if record.offset < first.get(tp, record.offset + 1):
+            first[tp] = record.offset
+    return first
 
 
 class Consuming(Protocol):

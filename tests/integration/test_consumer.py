@@ -343,6 +343,14 @@ async def test_a_failed_pipelined_poll_is_read_again_and_nothing_after_it_is_com
                     except RuntimeError as exc:  # what the handler of the poll after the failed one raises
                         assert isinstance(exc.__cause__, _Crash)
                         failures += 1
+                        # A poll fetched before the rewind (as a prefetch could be) is dropped,
+                        # and the partition sought back again: nothing of it is applied now.
+                        tp = TopicPartition(topics.lifecycle, 0)
+                        rewound_to = await consumer.position(tp)
+                        before = await pool.fetchval("SELECT count(*) FROM effects")
+                        await pipeline.apply(_Polled(records, consumer))
+                        assert await consumer.position(tp) == rewound_to and records[0].offset > rewound_to
+                        assert await pool.fetchval("SELECT count(*) FROM effects") == before
                 elif await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 12:
                     break
             await pipeline.drain()
