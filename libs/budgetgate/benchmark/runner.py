@@ -31,6 +31,10 @@ SYSTEMS = ("baseline", "budgetgate")
 BENCH_ERRORS: tuple[type[BaseException], ...] = (StartError, OSError, asyncpg.PostgresError, redis.exceptions.RedisError, KafkaError, httpx.HTTPError)
 
 
+# The ceiling is measured this many times; the fastest pass is the one reported.
+CEILING_TRIES = 3
+
+
 @dataclass(frozen=True)
 class Options:
     requests: int = 2000
@@ -107,18 +111,25 @@ class Run:
         return Budgetgate(backends, tag=f"{self.tag}-{label}") if name == "budgetgate" else Baseline()
 
     async def _ceiling(self, work: workload.Workload, log_dir: Path) -> load.Outcome:
-        """The same load against a FastAPI endpoint that only validates the body."""
+        """The same load against a FastAPI endpoint that only validates the body: the best of
+        CEILING_TRIES passes (one pass varied by 60 % between runs on a shared machine; the
+        fastest is the ceiling, so a slow moment never flatters budgetgate's ratio)."""
         port = free_port()
         service = self._start("ceiling", python_module("budgetgate.benchmark.ceiling", "--port", str(port)), log_dir=log_dir)
         try:
             await self._wait_ready(service, port, "/readyz")
             run = self.options
             await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
-            self.echo(f"[fastapi-ceiling] measuring: {len(work.measured)} submissions, {run.concurrency} clients")
-            with _collector_quiet():
-                outcome = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
-            self.echo(f"[fastapi-ceiling] {outcome.answered / outcome.elapsed:.0f} requests/s, {outcome.error_count} errors")
-            return outcome
+            best: load.Outcome | None = None
+            for attempt in range(1, CEILING_TRIES + 1):
+                self.echo(f"[fastapi-ceiling] measuring ({attempt}/{CEILING_TRIES}): {len(work.measured)} submissions, {run.concurrency} clients")
+                with _collector_quiet():
+                    outcome = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
+                self.echo(f"[fastapi-ceiling] {outcome.answered / outcome.elapsed:.0f} requests/s, {outcome.error_count} errors")
+                if best is None or outcome.answered / outcome.elapsed > best.answered / best.elapsed:
+                    best = outcome
+            assert best is not None
+            return best
         finally:
             await service.stop()
 
