@@ -121,7 +121,7 @@ class _Flight:
     records: Sequence[ConsumerRecord]
     turn: Turn
     applying: asyncio.Future[Applied]
-    committing: asyncio.Future[None] | None = None
+    committing: asyncio.Future[None] = field(init=False)  # set as soon as the flight exists
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -155,13 +155,13 @@ class Pipeline:
         if self._rewound and self._stale(consumer, records):
             return
         before = self._last
-        if before is not None and before.committing is not None and before.committing.done() and _failed(before.committing):
+        if before is not None and before.committing.done() and _failed(before.committing):
             before = None  # failed and rewound before this poll was fetched: this one starts afresh
         turn = Turn(after=before.turn if before is not None else None)
         flight = _Flight(records, turn, asyncio.ensure_future(self.inbox.apply(records, turn=turn)))
         flight.committing = asyncio.ensure_future(self._commit(before, flight, consumer))
         self._last = flight
-        if before is None or before.committing is None:
+        if before is None:
             return
         # Waited for without taking its outcome: cancelling this handler (the service stopping)
         # leaves both polls to finish and commit in the background.
@@ -179,7 +179,7 @@ class Pipeline:
     def _rewind(self, consumer: Any, records: Sequence[ConsumerRecord]) -> None:
         """Seek each partition of `records` back to its first record there (or to where an
         earlier failure sent it, if that is earlier): they are read again."""
-        for tp, offset in _first_offsets(records).items():
+        for tp, (offset, _) in _offsets(records).items():
             self._rewound[tp] = min(offset, self._rewound.get(tp, offset))
         for tp, offset in self._rewound.items():
             with contextlib.suppress(Exception):  # no longer assigned: its new owner starts from the committed offset
@@ -191,8 +191,8 @@ class Pipeline:
         them is sought back, to be read again in order."""
         assigned = consumer.assignment()
         self._rewound = {tp: offset for tp, offset in self._rewound.items() if tp in assigned}  # a rebalance took the others
-        first = _first_offsets(records)
-        if any(tp in self._rewound and offset != self._rewound[tp] for tp, offset in first.items()):
+        first = _offsets(records)
+        if any(tp in self._rewound and offset != self._rewound[tp] for tp, (offset, _) in first.items()):
             log.warning("%s: a poll fetched before a rewind is dropped and read again", self.inbox.name)
             self._rewind(consumer, records)
             return True
@@ -203,13 +203,13 @@ class Pipeline:
     async def drain(self) -> None:
         """Wait for the polls in flight to be committed or to have failed."""
         last = self._last
-        if last is not None and last.committing is not None:
+        if last is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(last.committing)
 
     async def _commit(self, before: _Flight | None, flight: _Flight, consumer: Any) -> None:
         """Commit the offsets of `flight` once it and every poll before it are committed."""
-        if before is not None and before.committing is not None:
+        if before is not None:
             await asyncio.wait([before.committing])
             if _failed(before.committing):
                 flight.applying.cancel()  # the handler waiting on `before` rewinds both
@@ -225,7 +225,7 @@ class Pipeline:
         # Only partitions still assigned: aiokafka refuses the whole commit for one that a
         # rebalance took (its new owner reads it again, and its inbox skips what is done).
         assigned = consumer.assignment()
-        offsets = {tp: OffsetAndMetadata(offset + 1, "") for tp, offset in _last_offsets(flight.records).items() if tp in assigned}
+        offsets = {tp: OffsetAndMetadata(last + 1, "") for tp, (_, last) in _offsets(flight.records).items() if tp in assigned}
         try:
             if offsets:
                 await consumer.commit(offsets)
@@ -256,22 +256,14 @@ def _failed(done: asyncio.Future[None]) -> bool:
     return done.cancelled() or done.exception() is not None
 
 
-def _last_offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, int]:
-    last: dict[TopicPartition, int] = {}
+def _offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, tuple[int, int]]:
+    """The first and the last offset of `records` in each of their partitions."""
+    found: dict[TopicPartition, tuple[int, int]] = {}
     for record in records:
         tp = TopicPartition(record.topic, record.partition)
-        if record.offset > last.get(tp, -1):
-            last[tp] = record.offset
-    return last
-
-
-def _first_offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, int]:
-    first: dict[TopicPartition, int] = {}
-    for record in records:
-        tp = TopicPartition(record.topic, record.partition)
-        if record.offset < first.get(tp, record.offset + 1):
-            first[tp] = record.offset
-    return first
+        first, last = found.get(tp, (record.offset, record.offset))
+        found[tp] = (min(first, record.offset), max(last, record.offset))
+    return found
 
 
 class Consuming(Protocol):
@@ -305,14 +297,13 @@ def subscribe_inbox(
         if then is not None:
             then(rt)
 
-    pipelines: dict[int, Pipeline] = {}
+    pipeline: Pipeline | None = None  # of the running service's inbox (a restart makes a new one)
 
     async def apply_pipelined(message: KafkaMessage) -> None:
+        nonlocal pipeline
         rt = runtime()
-        pipeline = pipelines.get(id(rt.inbox))
         if pipeline is None or pipeline.inbox is not rt.inbox:
-            pipelines.clear()
-            pipeline = pipelines[id(rt.inbox)] = Pipeline(rt.inbox, progress=rt.progress)
+            pipeline = Pipeline(rt.inbox, progress=rt.progress)
         await pipeline.apply(message)
 
     router.subscriber(*topics, **INBOX_SUBSCRIBER, **options)(apply_pipelined if pipelined else apply)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def timestamp(at: datetime) -> Timestamp:
@@ -25,7 +25,7 @@ def fill(stamp: Timestamp, at: datetime) -> None:
 
 
 def _parts(at: datetime) -> tuple[int, int]:
-    delta = (at if at.tzinfo is not None else at.replace(tzinfo=UTC)) - _EPOCH
+    delta = (at if at.tzinfo is not None else at.replace(tzinfo=UTC)) - EPOCH
     return delta.days * 86_400 + delta.seconds, delta.microseconds * 1000
 
 

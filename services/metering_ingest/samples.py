@@ -9,14 +9,13 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.timestamps import fill, timestamp
+from budgetgate.timestamps import EPOCH, fill, timestamp
 from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, Sample, sample_event_id, usage_event_id
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 
 # json_format names the field it failed on by its JSON name (or by the name it was given).
 _FAILED_FIELD = re.compile(r"Failed to parse (\w+) field")
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # 0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z, the range of a valid Timestamp.
 _FIRST_SECOND, _LAST_SECOND = -62_135_596_800, 253_402_300_799
 _FIELD_NAMES = {name: f.name for f in MeteringSample.DESCRIPTOR.fields for name in (f.name, f.json_name)}
@@ -30,7 +29,7 @@ def raw_sample(message: MeteringSample) -> RawSample:
         try:
             if _FIRST_SECOND <= stamp.seconds <= _LAST_SECOND and 0 <= stamp.nanos < 1_000_000_000:
                 # What ToDatetime gives, without its checks and time zone conversion (per sample).
-                observed_at = _EPOCH + timedelta(0, stamp.seconds, stamp.nanos // 1000)
+                observed_at = EPOCH + timedelta(0, stamp.seconds, stamp.nanos // 1000)
             else:
                 observed_at = stamp.ToDatetime(tzinfo=UTC)
         except (ValueError, OverflowError) as exc:
