@@ -258,12 +258,15 @@ def _failed(done: asyncio.Future[None]) -> bool:
 
 def _offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, tuple[int, int]]:
     """The first and the last offset of `records` in each of their partitions."""
-    found: dict[TopicPartition, tuple[int, int]] = {}
-    for record in records:
-        tp = TopicPartition(record.topic, record.partition)
-        first, last = found.get(tp, (record.offset, record.offset))
-        found[tp] = (min(first, record.offset), max(last, record.offset))
-    return found
+    first: dict[TopicPartition, int] = {}
+    last: dict[TopicPartition, int] = {}
+    for record in records:  # once per poll: no tuple made per record
+        tp, offset = TopicPartition(record.topic, record.partition), record.offset
+        if offset < first.get(tp, offset + 1):
+            first[tp] = offset
+        if offset > last.get(tp, -1):
+            last[tp] = offset
+    return {tp: (offset, last[tp]) for tp, offset in first.items()}
 
 
 class Consuming(Protocol):
