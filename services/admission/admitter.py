@@ -190,8 +190,8 @@ class Admitter:
     async def _decide(self, batch: list[Pending]) -> dict[Pending, dict[str, Any] | BaseException]:
         """The answers of `batch`, committed; submissions left out wait for the next batch."""
         run_ids = sorted({p.run_id for p in batch})
-        async with ledger_transaction(self.pool, self.ledger) as work:
-            rows = await work.conn.fetch(sql("begin_batch"), run_ids)
+        async with ledger_transaction(self.pool, self.ledger, locks_itself=True) as work:
+            rows = await work.conn.fetch(sql("begin_batch"), run_ids)  # takes the ledger lock first
             committed_seq = rows[0]["committed_seq"]
             latest = {row["run_id"]: row for row in rows[1:]}
             answers, fresh, followers = _sort_out(batch, latest)
