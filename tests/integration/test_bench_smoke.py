@@ -35,9 +35,17 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
         # 10 warm-up + 48 of the 60 measured submissions fit, at 8 GPU-hours each.
         assert result["allowed"] == result["expected_allowed"] == 48
         assert result["correctness"]["admitted_gpu_hours"] <= result["correctness"]["limit_gpu_hours"] == 58 * 8
+        # What each part spent per decision: the service and the load generator are processes of
+        # this machine, so known; the broker was given, not started here, so unknown.
+        spent = result["cpu"]["us_per_unit"]
+        parts = ["service", "postgres", "redis", "broker", "load generator"] if result["system"] == "budgetgate" else ["service", "postgres", "load generator"]
+        assert list(spent) == parts
+        assert spent["service"] is not None and spent["service"] >= 0 and spent["load generator"] is not None
+        assert spent.get("broker", None) is None
     assert [r["scenario"] for r in report["ratios"]] == ["hot"]
     ceiling = report["fastapi_ceiling"]
     assert ceiling["errors"] == 0 and ceiling["requests_per_second"] > 0 and set(ceiling["budgetgate"]) == {"hot"}
+    assert list(ceiling["cpu"]["us_per_unit"]) == ["service", "load generator"] and ceiling["cpu"]["us_per_unit"]["service"] is not None
     opened = {r["system"]: r for r in report["open_loop"]}
     assert set(opened) == {"budgetgate", "baseline"}
     for result in opened.values():

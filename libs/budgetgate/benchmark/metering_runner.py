@@ -24,6 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from budgetgate import wire
 from budgetgate.benchmark.session import session
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
 from budgetgate.benchmark import databases, metering_workload, queries
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.metering import Counters
@@ -60,6 +61,7 @@ class Result:
     published: int
     unpublished_at_end: int
     problems: list[str] = field(default_factory=list)
+    cpu: CpuUse | None = None  # from the service's first commit until it had consumed every sample
 
     @property
     def correct(self) -> bool:
@@ -74,6 +76,7 @@ class Run:
         self.settings = CommonSettings()
         self.topics = Topics(f"bench-{self.tag}-")
         self.children: list[Subprocess] = []
+        self.broker_pid: int | None = None
 
     async def execute(self) -> Result:
         async with session(self.children) as (stack, log_dir):
@@ -90,14 +93,20 @@ class Run:
         ends = await _publish(bootstrap, self.topics.metering, work.messages)
 
         service = self._start_service(stack, log_dir, ingest_dsn, bootstrap)
+        broker = (self.broker_pid,) if self.broker_pid is not None else None
+        meter = CpuMeter([Part("service", (service[0].pid,)), Part("postgres", postgres_dsn=ingest_dsn), Part("broker", broker)])
         # Watched from the start: the service may consume everything before it answers ready.
+        # Its CPU is read from its first commit on, so its start (imports, connections) is left out.
+        metering = asyncio.create_task(_from_first_commit(meter, ingest_dsn))
         consumed = asyncio.create_task(self._wait_consumed(service, ingest_dsn, bootstrap, ends, len(work.messages)))
         try:
             await self._wait_ready(service)
             self.echo("metering-ingest ready; timed from its first transaction until it has consumed every sample")
             ingest_seconds = await consumed
+            cpu = await meter.stop(await metering)
         finally:
             consumed.cancel()
+            metering.cancel()
         pending, published = await _outbox(ingest_dsn)
         await _wait_relayed(service, ingest_dsn)
         await service[0].stop()  # nothing in flight while the rows are read
@@ -106,7 +115,7 @@ class Run:
         problems = await _check(ingest_dsn, work, rows)
         self.echo(f"copying the same {len(rows)} rows with COPY")
         copy_seconds = await _copy(copy_dsn, rows)
-        return Result(self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems)
+        return Result(self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems, cpu)
 
     async def _kafka(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> str:
         given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
@@ -118,6 +127,7 @@ class Run:
         broker = self._child("kafka", tansu_command(port), log_dir=log_dir)
         stack.push_async_callback(broker.stop)
         await broker.wait_port(port, timeout=self.options.ready_timeout)
+        self.broker_pid = broker.pid
         return f"127.0.0.1:{port}"
 
     async def _database(self, stack: contextlib.AsyncExitStack, role: str) -> str:
@@ -189,6 +199,18 @@ class Run:
         if found["done"] != expected:
             raise StartError(f"metering-ingest committed every offset but its inbox holds {found['done']} of {expected} samples\n{child.log_tail()}")
         return float(found["seconds"])
+
+
+async def _from_first_commit(meter: CpuMeter, dsn: str) -> Started:
+    """Start `meter` as soon as the service's first transaction is visible (an index probe every
+    10 ms until then, and nothing after)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        while not await conn.fetchval(queries.sql("metering.sql", "first_commit"), INBOX):
+            await asyncio.sleep(0.01)
+    finally:
+        await conn.close()
+    return await meter.start()
 
 
 async def _execute(dsn: str, query: str, *args: object) -> None:

@@ -39,6 +39,7 @@ def row(result: RunResult) -> dict[str, Any]:
             "problems": result.audit.problems,
         },
         **({"notes": result.notes} if result.notes else {}),
+        "cpu": result.cpu.as_json(out.answered) if result.cpu else None,
     }
 
 
@@ -93,6 +94,7 @@ def ceiling(measured: Measurements) -> dict[str, Any] | None:
         "requests_per_second": round(per_second, 1),
         "p99_ms": _round(out.percentile_ms(99)),
         "errors": out.error_count,
+        "cpu": measured.ceiling_cpu.as_json(out.answered) if measured.ceiling_cpu else None,
         "budgetgate": {
             r.scenario: _ratio(round(r.outcome.answered / r.outcome.elapsed, 1), per_second)
             for r in measured.results
@@ -166,6 +168,7 @@ def as_text(options: Options, measured: Measurements) -> str:
             f"fastapi ceiling (validates the same body, answers a constant; the best of {CEILING_TRIES} passes): {top['requests_per_second']:.1f} requests/s, "
             f"p99 {_ms(top['p99_ms'])} ms, {top['errors']} errors; budgetgate/ceiling: {against or '-'}"
         )
+    lines += _cpu_lines(measured)
     for r in measured.open_loop:
         o = open_row(r, options)
         lines.append(
@@ -179,6 +182,14 @@ def as_text(options: Options, measured: Measurements) -> str:
         )
         lines.append(_correctness_line({**row(r), "scenario": "open loop"}))
     return "\n".join(lines)
+
+
+def _cpu_lines(measured: Measurements) -> list[str]:
+    """What each part spent per answer while the measured load ran: where the throughput went."""
+    lines = [f"{r.system}/{r.scenario}: {r.cpu.line(r.outcome.answered, 'decision')}" for r in measured.results if r.cpu is not None]
+    if measured.ceiling is not None and measured.ceiling_cpu is not None:
+        lines.append(f"fastapi ceiling: {measured.ceiling_cpu.line(measured.ceiling.answered, 'request')}")
+    return lines
 
 
 def _correctness_line(r: dict[str, Any]) -> str:

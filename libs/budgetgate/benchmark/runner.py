@@ -22,6 +22,7 @@ from aiokafka.errors import KafkaError
 from budgetgate.benchmark.session import session
 from budgetgate.benchmark import databases, load, workload
 from budgetgate.benchmark.audit import Audit, check
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.benchmark.systems import Backends, Baseline, Budgetgate, System
 from budgetgate.settings import CommonSettings
@@ -31,6 +32,8 @@ SYSTEMS = ("baseline", "budgetgate")
 BENCH_ERRORS: tuple[type[BaseException], ...] = (StartError, OSError, asyncpg.PostgresError, redis.exceptions.RedisError, KafkaError, httpx.HTTPError)
 
 
+# The load generator runs in the benchmark's own process: its CPU is read with the rest.
+LOAD_GENERATOR = Part("load generator", (os.getpid(),))
 # The ceiling is measured this many times; the fastest pass is the one reported.
 CEILING_TRIES = 3
 
@@ -59,6 +62,7 @@ class RunResult:
     outcome: load.Outcome
     audit: Audit
     notes: dict[str, int]
+    cpu: CpuUse | None = None  # what each part spent while the measured load ran
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Measurements:
     tag: str
     results: list[RunResult]
     ceiling: load.Outcome | None = None
+    ceiling_cpu: CpuUse | None = None  # of the ceiling's best pass
     open_loop: list[RunResult] = field(default_factory=list)
 
     @property
@@ -93,7 +98,7 @@ class Run:
             for scenario in options.scenarios:
                 work = self._workload(scenario, options.requests, "run")
                 if options.ceiling and measured.ceiling is None:
-                    measured.ceiling = await self._ceiling(work, log_dir)
+                    measured.ceiling, measured.ceiling_cpu = await self._ceiling(work, log_dir)
                 for name in options.systems:
                     measured.results.append(await self._measure(self._system(name, backends, scenario), work, log_dir))
             if options.open_loop_rate > 0:
@@ -110,7 +115,7 @@ class Run:
     def _system(self, name: str, backends: Backends, label: str) -> System:
         return Budgetgate(backends, tag=f"{self.tag}-{label}") if name == "budgetgate" else Baseline()
 
-    async def _ceiling(self, work: workload.Workload, log_dir: Path) -> load.Outcome:
+    async def _ceiling(self, work: workload.Workload, log_dir: Path) -> tuple[load.Outcome, CpuUse]:
         """The same load against a FastAPI endpoint that only validates the body: the best of
         CEILING_TRIES passes (one pass varied by 60 % between runs on a shared machine; the
         fastest is the ceiling, so a slow moment never flatters budgetgate's ratio)."""
@@ -120,14 +125,15 @@ class Run:
             await self._wait_ready(service, port, "/readyz")
             run = self.options
             await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
-            best: load.Outcome | None = None
+            meter = CpuMeter([Part("service", (service.pid,)), LOAD_GENERATOR])
+            best: tuple[load.Outcome, CpuUse] | None = None
             for attempt in range(1, CEILING_TRIES + 1):
                 self.echo(f"[fastapi-ceiling] measuring ({attempt}/{CEILING_TRIES}): {len(work.measured)} submissions, {run.concurrency} clients")
                 with _collector_quiet():
-                    outcome = await load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency)
+                    outcome, cpu = await meter.measure(lambda: load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency))
                 self.echo(f"[fastapi-ceiling] {outcome.answered / outcome.elapsed:.0f} requests/s, {outcome.error_count} errors")
-                if best is None or outcome.answered / outcome.elapsed > best.answered / best.elapsed:
-                    best = outcome
+                if best is None or outcome.answered / outcome.elapsed > best[0].answered / best[0].elapsed:
+                    best = outcome, cpu
             assert best is not None
             return best
         finally:
@@ -142,7 +148,7 @@ class Run:
         broker = self._start("kafka", tansu_command(port), log_dir=log_dir)
         stack.push_async_callback(broker.stop)
         await broker.wait_port(port, timeout=self.options.ready_timeout)
-        return Backends(redis_url=self.settings.redis_url, kafka_bootstrap=f"127.0.0.1:{port}", kafka_is_ours=True)
+        return Backends(redis_url=self.settings.redis_url, kafka_bootstrap=f"127.0.0.1:{port}", kafka_is_ours=True, broker_pid=broker.pid)
 
     def _start(self, name: str, command: list[str], *, log_dir: Path, env: dict[str, str] | None = None) -> Subprocess:
         child = Subprocess(name, command, log_dir=log_dir, env=env, cwd=log_dir)
@@ -168,8 +174,9 @@ class Run:
             run = self.options
             self.echo(f"[{label}] warm-up: {len(work.warmup)} submissions")
             warm = await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency, token=system.token)
+            meter = CpuMeter([*system.cpu_parts(service_pid=service.pid, dsn=dsn), LOAD_GENERATOR])
             with _collector_quiet():
-                measured = await self._load(system, work, port, rate=rate, label=label)
+                measured, cpu = await meter.measure(lambda: self._load(system, work, port, rate=rate, label=label))
             self.echo(f"[{label}] {measured.answered / measured.elapsed:.0f} decisions/s, {measured.error_count} errors")
             notes = await system.notes(dsn)
             probe_bodies = work.measured[: run.probe]
@@ -185,7 +192,7 @@ class Run:
                 probe_mismatches=mismatches,
                 problems=problems,
             )
-            return RunResult(system.name, work.scenario, work, measured, audit, notes)
+            return RunResult(system.name, work.scenario, work, measured, audit, notes, cpu)
 
     async def _load(self, system: System, work: workload.Workload, port: int, *, rate: float, label: str) -> load.Outcome:
         if rate:

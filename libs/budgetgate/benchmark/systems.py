@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from budgetgate.benchmark import baseline, queries
 from budgetgate.benchmark.audit import MILLI_PER_HOUR, BudgetTotal
+from budgetgate.benchmark.cpu import Part
 from budgetgate.benchmark.credentials import SERVICE_ENV, bench_token
 from budgetgate.benchmark.processes import python_module
 from budgetgate.benchmark.workload import Workload, policy_yaml
@@ -28,6 +29,7 @@ class Backends:
     redis_url: str
     kafka_bootstrap: str
     kafka_is_ours: bool  # started for this run, so its topics vanish with it
+    broker_pid: int | None = None  # the broker started for this run (its CPU is read)
 
 
 class System(Protocol):
@@ -37,6 +39,7 @@ class System(Protocol):
 
     async def prepare(self, dsn: str, workload: Workload) -> None: ...
     def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]: ...
+    def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]: ...
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]: ...
     async def notes(self, dsn: str) -> dict[str, int]: ...
     async def cleanup(self) -> None: ...
@@ -76,6 +79,12 @@ class Budgetgate:
             **SERVICE_ENV,
         }
         return python_module("budgetgate.services.admission", "--host", "127.0.0.1", "--port", str(port)), env
+
+    def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]:
+        """The service, its database's server processes, Redis and the broker (unknown when the
+        broker was given rather than started here)."""
+        broker = (self.backends.broker_pid,) if self.backends.broker_pid is not None else None
+        return [Part("service", (service_pid,)), Part("postgres", postgres_dsn=dsn), Part("redis", redis_url=self.backends.redis_url), Part("broker", broker)]
 
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
         conn = await asyncpg.connect(dsn)
@@ -146,6 +155,9 @@ class Baseline:
 
     def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]:
         return python_module("budgetgate.benchmark.baseline", "--dsn", dsn, "--host", "127.0.0.1", "--port", str(port)), {}
+
+    def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]:
+        return [Part("service", (service_pid,)), Part("postgres", postgres_dsn=dsn)]
 
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
         conn = await asyncpg.connect(dsn)

@@ -1,0 +1,92 @@
+"""The benchmarks' CPU meter against real processes, a real Postgres and a real Redis: what a part
+spent is read over the window only, a part that cannot be read is unknown (None) rather than
+zero, and a server process that starts during the window counts from zero. Only lower bounds
+on CPU time are asserted (other work on the machine only adds to them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import asyncpg
+
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
+
+
+def _burn(seconds: float) -> None:
+    """Spend about `seconds` of this process's CPU."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        sum(range(1000))
+
+
+async def test_a_process_is_read_over_the_window_only() -> None:
+    _burn(0.3)  # before the window: not counted
+    meter = CpuMeter([Part("me", (os.getpid(),))])
+
+    async def work() -> str:
+        _burn(0.2)
+        return "done"
+
+    result, used = await meter.measure(work)
+
+    assert result == "done"
+    spent = used.parts["me"]
+    assert spent is not None and 0.15 <= spent < 0.45
+    assert used.seconds >= 0.15 and used.cpus >= 1 and 0.0 <= used.machine_busy <= 1.0
+
+
+async def test_parts_that_cannot_be_read_are_unknown_not_zero() -> None:
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    meter = CpuMeter([Part("elsewhere", None), Part("ended", (ended.pid,)), Part("no redis", redis_url="redis://127.0.0.1:9/0")])
+
+    _, used = await meter.measure(_nothing)
+
+    assert used.parts == {"elsewhere": None, "ended": None, "no redis": None}
+    assert used.per_unit_us(10) == {"elsewhere": None, "ended": None, "no redis": None}
+    assert "elsewhere -, ended -, no redis -" in used.line(10, "decision")
+
+
+async def test_postgres_counts_the_server_processes_of_its_database_including_new_ones(pg_dsn: str) -> None:
+    meter = CpuMeter([Part("postgres", postgres_dsn=pg_dsn)])
+    started = await meter.start()
+    conn = await asyncpg.connect(pg_dsn)  # its server process starts inside the window
+    try:
+        await conn.fetchval("SELECT count(*) FROM generate_series(1, 3000000)")
+        used = await meter.stop(started)
+    finally:
+        await conn.close()
+
+    spent = used.parts["postgres"]
+    assert spent is not None and spent > 0.05
+
+
+async def test_redis_counts_its_server(redis_server_url: str) -> None:
+    meter = CpuMeter([Part("redis", redis_url=redis_server_url)])
+
+    _, used = await meter.measure(_nothing)
+
+    spent = used.parts["redis"]
+    assert spent is not None and spent >= 0.0
+
+
+def test_figures_per_unit_and_the_report_line() -> None:
+    used = CpuUse(seconds=2.0, parts={"service": 0.6, "postgres": 0.3, "broker": None}, machine_busy=0.5, cpus=2)
+
+    assert used.per_unit_us(2000) == {"service": 300.0, "postgres": 150.0, "broker": None}
+    assert used.per_unit_us(0) == {"service": None, "postgres": None, "broker": None}
+    assert used.line(2000, "decision") == "CPU µs per decision: service 300, postgres 150, broker -; machine 50% busy (2 CPUs)"
+    assert used.as_json(2000) == {
+        "window_seconds": 2.0,
+        "cpu_seconds": {"service": 0.6, "postgres": 0.3, "broker": None},
+        "us_per_unit": {"service": 300.0, "postgres": 150.0, "broker": None},
+        "machine_busy": 0.5,
+        "cpus": 2,
+    }
+
+
+async def _nothing() -> None:
+    return None
