@@ -83,10 +83,17 @@ async def claim(conn: asyncpg.Connection, batch: int) -> list[asyncpg.Record]:
     and the mark's plan made then joined by scanning the whole table. The table keeps every row
     published within the replay window, so each relay pass read all of them (admission's open
     loop got slower for as long as the window filled). The claim's own plan probes the pending
-    index whenever it is made; an idle pass, which finds nothing, costs one round trip."""
+    index whenever it is made; an idle pass, which finds nothing, costs one round trip.
+
+    The transaction's commit does not wait for its WAL flush (synchronous_commit off): what it
+    records is that rows were published, and a crash that loses it only makes them pending
+    again, to be sent once more to consumers that drop what they have seen. Every relay pass
+    committed with its own flush, one more flush per admission batch for the batches' own
+    commits to queue behind. A pass that makes rows pending again because the broker lost them
+    (`_replay`) commits with the flush, as that is not safe to lose."""
     rows = await conn.fetch(sql("claim_outbox"), batch)
     if rows:
-        await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan")
+        await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL synchronous_commit = off")
     return rows
 
 
@@ -226,6 +233,7 @@ class OutboxRelay:
         """Make pending again the rows of each partition that now shows an offset (`lost`) at or
         below the watermark stored for it (replay_partition); returns how many."""
         replayed = 0
+        await conn.execute("SET LOCAL synchronous_commit = on")  # see `claim`: this must not be lost
         for tp, seen in sorted(lost.items()):
             status = await conn.execute(sql("replay_partition"), tp.topic, tp.partition, seen, tp.topic.removeprefix(self.topics.prefix), self.replay_window)
             count = int(status.rsplit(" ", 1)[-1])

@@ -33,7 +33,8 @@ class AdmissionSettings(AuthSettings):
     # BUDGETGATE_START_DEADLINE_SECONDS; the same variable): a DELAY counts on that release.
     start_deadline_seconds: float = 3600.0
     # Group commit: a batch takes up to `batch_max` submissions, waits at most
-    # `batch_wait_seconds` to fill, and up to `batches_in_flight` batches run at once.
+    # `batch_wait_seconds` to fill while another batch is in flight (none: it starts at once),
+    # and up to `batches_in_flight` batches run at once.
     batch_max: int = 64
     batch_wait_seconds: float = 0.001
     batches_in_flight: int = 2

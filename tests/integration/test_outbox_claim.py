@@ -10,12 +10,14 @@ import uuid
 from datetime import UTC, datetime
 
 import asyncpg
+from aiokafka import TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budgetgate import outbox, topics, wire
 from budgetgate.ledger.migrations import migrate, migration_files
 from budgetgate.ledger.queries import sql
+from budgetgate.topics import Topics
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from tests.support.databases import drop_database, empty_database
 
@@ -131,3 +133,25 @@ async def test_upgrading_to_bundles_keeps_the_rows_and_the_partitions_they_went_
             await conn.close()
     finally:
         await drop_database(pg_dsn, name)
+
+
+async def test_a_relay_pass_commits_without_its_flush_unless_it_replays_what_a_broker_lost(pg_dsn: str) -> None:
+    """What a pass records is only that rows went out: losing it in a crash sends them again. Making
+    rows pending again for a broker that lost them must not be lost, so that commit flushes."""
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)
+    relay = outbox.OutboxRelay(pool=pool, publisher=wire.Publisher("127.0.0.1:9"), topics=Topics(""))
+    try:
+        async with pool.acquire() as conn:
+            await conn.execute("DELETE FROM outbox")
+            async with conn.transaction():
+                assert await outbox.claim(conn, 10) == []
+                assert await conn.fetchval("SHOW synchronous_commit") == "on"  # nothing claimed, nothing changed
+            await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(_message(), key="k0"))
+            async with conn.transaction():
+                assert len(await outbox.claim(conn, 10)) == 1
+                assert await conn.fetchval("SHOW synchronous_commit") == "off"
+                await relay._replay(conn, {TopicPartition(topics.POLICIES, 0): 0}, why="ends at offset")  # noqa: SLF001
+                assert await conn.fetchval("SHOW synchronous_commit") == "on"
+            assert await conn.fetchval("SHOW synchronous_commit") == "on"  # SET LOCAL: that transaction's only
+    finally:
+        await pool.close()

@@ -1,0 +1,67 @@
+"""Group commit (services/admission/batching.py) without servers: a submission that finds no batch
+in flight is committed at once; while one is in flight, later submissions wait up to `max_wait`
+to be committed together; a batch never exceeds `max_batch`; held-back items go first."""
+
+from __future__ import annotations
+
+import asyncio
+
+from budgetgate.services.admission.batching import GroupCommit
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.release = asyncio.Event()
+        self.hold = False
+
+    async def commit(self, batch: list[str]) -> None:
+        self.batches.append(batch)
+        if self.hold:
+            await self.release.wait()
+
+
+async def test_a_submission_with_no_batch_in_flight_is_committed_at_once() -> None:
+    recorder = Recorder()
+    commits = GroupCommit(recorder.commit, max_batch=64, max_wait=60.0, in_flight=2)
+
+    commits.submit("a")
+    # Were it to wait `max_wait` for company, this would time out.
+    async with asyncio.timeout(5):
+        while not recorder.batches:
+            await asyncio.sleep(0.001)
+
+    assert recorder.batches == [["a"]]
+
+
+async def test_while_a_batch_is_in_flight_later_submissions_wait_to_be_committed_together() -> None:
+    recorder = Recorder()
+    recorder.hold = True
+    commits = GroupCommit(recorder.commit, max_batch=64, max_wait=0.3, in_flight=2)
+
+    commits.submit("a")
+    await asyncio.sleep(0.01)  # "a" is in flight, held
+    commits.submit("b")
+    await asyncio.sleep(0.05)  # the second batch is still gathering
+    commits.submit("c")
+    async with asyncio.timeout(5):
+        while len(recorder.batches) < 2:
+            await asyncio.sleep(0.005)
+    recorder.release.set()
+
+    assert recorder.batches == [["a"], ["b", "c"]]
+
+
+async def test_batches_are_at_most_max_batch_and_held_back_items_go_first() -> None:
+    recorder = Recorder()
+    commits = GroupCommit(recorder.commit, max_batch=2, max_wait=0.0, in_flight=1)
+
+    for item in "abcde":
+        commits.submit(item)
+    commits.resubmit(["x", "y"])
+    async with asyncio.timeout(5):
+        while sum(map(len, recorder.batches)) < 7:
+            await asyncio.sleep(0.001)
+
+    assert recorder.batches == [["x", "y"], ["a", "b"], ["c", "d"], ["e"]]
+    assert (commits.batches, commits.items) == (4, 7)
