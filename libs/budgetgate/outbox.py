@@ -233,7 +233,7 @@ class OutboxRelay:
         """Make pending again the rows of each partition that now shows an offset (`lost`) at or
         below the watermark stored for it (replay_partition); returns how many."""
         replayed = 0
-        await conn.execute("SET LOCAL synchronous_commit = on")  # see `claim`: this must not be lost
+        await conn.execute("SET LOCAL synchronous_commit TO DEFAULT")  # see `claim`: this must not be lost
         for tp, seen in sorted(lost.items()):
             status = await conn.execute(sql("replay_partition"), tp.topic, tp.partition, seen, tp.topic.removeprefix(self.topics.prefix), self.replay_window)
             count = int(status.rsplit(" ", 1)[-1])

@@ -6,7 +6,9 @@ waits up to `max_wait` seconds for its batch to fill: the submissions would queu
 batch's commit anyway. With none in flight it starts at once, as waiting would only add
 `max_wait` to every answer on a quiet service (at 1,000 submissions/s, batches of two). Up to
 `in_flight` batches run at once, so one batch's Postgres commit overlaps the next batch's Redis
-step; while all are busy the queue grows and batches get larger. Committers are started on demand and stop when the queue is empty, so nothing runs
+step; while all are busy the queue grows and batches get larger. With `in_flight` 1 no other
+batch is ever in flight, so `max_wait` is not used: a batch is what queued while the last one
+committed. Committers are started on demand and stop when the queue is empty, so nothing runs
 (and nothing needs stopping) while no submission waits.
 """
 
@@ -47,18 +49,24 @@ class GroupCommit(Generic[T]):
         if len(self._committers) < self.in_flight:
             task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
             self._committers.add(task)
-            task.add_done_callback(self._committers.discard)
+            task.add_done_callback(self._committers.discard)  # also when cancelled before it ran
 
     async def _run(self) -> None:
-        while self._queue:
-            if self.max_wait > 0 and len(self._queue) < self.max_batch and len(self._committers) > 1:
-                await asyncio.sleep(self.max_wait)  # let concurrent submissions join
-            batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
-            if not batch:
-                continue
-            self.batches += 1
-            self.items += len(batch)
-            try:
-                await self._commit(batch)
-            except Exception:  # noqa: BLE001 - commit answers its items; this is a bug, not an outage
-                log.exception("a batch of %d submissions failed outside its own error handling", len(batch))
+        try:
+            while self._queue:
+                if self.max_wait > 0 and len(self._queue) < self.max_batch and len(self._committers) > 1:
+                    await asyncio.sleep(self.max_wait)  # let concurrent submissions join
+                batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+                if not batch:
+                    continue
+                self.batches += 1
+                self.items += len(batch)
+                try:
+                    await self._commit(batch)
+                except Exception:  # noqa: BLE001 - commit answers its items; this is a bug, not an outage
+                    log.exception("a batch of %d submissions failed outside its own error handling", len(batch))
+        finally:
+            # Out of the set in the same step as the queue was found empty. The done callback
+            # runs a step later, after the submitters this batch answered have woken: one that
+            # submits again at once would find every slot taken and wait for another submission.
+            self._committers.discard(asyncio.current_task())  # type: ignore[arg-type]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import asyncpg
 import pytest
@@ -32,7 +33,10 @@ def event(run_id: str, event_id: str | None = None) -> lifecycle_pb2.LifecycleEv
     return lifecycle_pb2.LifecycleEvent(event_id=event_id or str(uuid.uuid4()), event_time=stamp, run_id=run_id, type=lifecycle_pb2.STARTED)
 
 
-async def drain(bootstrap: str, topic: str, expected: int, timeout: float = 20) -> list:  # type: ignore[type-arg]
+async def drain(bootstrap: str, topic: str, expected: int, timeout: float = 20, *, distinct: Callable[[Any], object] | None = None) -> list:  # type: ignore[type-arg]
+    """The records of `topic` from its start, once `expected` are there (or whatever came by
+    `timeout`); with `distinct`, once that many distinct keys of it are (at-least-once topics:
+    a record sent again must not stand in for one not read yet)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     try:
@@ -44,9 +48,12 @@ async def drain(bootstrap: str, topic: str, expected: int, timeout: float = 20) 
         await consumer.seek_to_beginning()
         found: list = []  # type: ignore[type-arg]
         deadline = asyncio.get_running_loop().time() + timeout
-        while len(found) < expected and asyncio.get_running_loop().time() < deadline:
+        keys: set[object] = set()
+        while (len(keys) if distinct else len(found)) < expected and asyncio.get_running_loop().time() < deadline:
             for records in (await consumer.getmany(timeout_ms=300)).values():
                 found.extend(records)
+                if distinct:
+                    keys.update(distinct(r) for r in records)
         return found
     finally:
         await consumer.stop()

@@ -137,7 +137,8 @@ async def test_upgrading_to_bundles_keeps_the_rows_and_the_partitions_they_went_
 
 async def test_a_relay_pass_commits_without_its_flush_unless_it_replays_what_a_broker_lost(pg_dsn: str) -> None:
     """What a pass records is only that rows went out: losing it in a crash sends them again. Making
-    rows pending again for a broker that lost them must not be lost, so that commit flushes."""
+    rows pending again for a broker that lost them must not be lost, so that commit flushes (as
+    the server is configured to: on, here)."""
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)
     relay = outbox.OutboxRelay(pool=pool, publisher=wire.Publisher("127.0.0.1:9"), topics=Topics(""))
     try:

@@ -138,8 +138,10 @@ async def fetchval(dsn: str, query: str, *args: object) -> object:
 
 
 async def usage_records(bootstrap: str, topic: str, expected: int, timeout: float = 20) -> list[UsageRecord]:
-    """The usage records on `topic`, once `expected` are there (or whatever came by `timeout`)."""
-    return [wire.decode(UsageRecord, r.value, r.headers) for r in await drain(bootstrap, topic, expected, timeout=timeout)]
+    """The usage records on `topic`, once `expected` distinct ones are there (or whatever came by
+    `timeout`): the relay may send a record again after a crash, and a copy is no new record."""
+    found = await drain(bootstrap, topic, expected, timeout=timeout, distinct=lambda r: wire.header(r.headers, wire.EVENT_ID))
+    return [wire.decode(UsageRecord, r.value, r.headers) for r in found]
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -65,3 +65,25 @@ async def test_batches_are_at_most_max_batch_and_held_back_items_go_first() -> N
 
     assert recorder.batches == [["x", "y"], ["a", "b"], ["c", "d"], ["e"]]
     assert (commits.batches, commits.items) == (4, 7)
+
+
+async def test_a_submission_made_as_the_last_batch_is_answered_is_never_stranded() -> None:
+    """The answer of a batch wakes its submitter before the committer's task is done; a
+    submission made then must still get a committer, whatever `in_flight` is."""
+    for in_flight in (1, 2):
+        loop = asyncio.get_running_loop()
+        answers: dict[str, asyncio.Future[None]] = {}
+
+        async def commit(batch: list[str]) -> None:
+            for item in batch:
+                answers[item].set_result(None)
+
+        commits = GroupCommit(commit, max_batch=64, max_wait=0.001, in_flight=in_flight)
+        answers["a"] = loop.create_future()
+        commits.submit("a")
+        await answers["a"]
+        answers["b"] = loop.create_future()
+        commits.submit("b")  # the committer that answered "a" has found its queue empty by now
+
+        async with asyncio.timeout(5):
+            await answers["b"]

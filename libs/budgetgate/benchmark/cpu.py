@@ -132,16 +132,26 @@ def _cpu_of(pids: Iterable[int] | None) -> dict[int, float] | None:
 
 async def _backends(dsn: str) -> list[int] | None:
     """The pids of the server processes connected to the database of `dsn`, if the server runs
-    here: reached over a socket or a loopback address, as the server itself sees it (a server in
-    a container sees its own address, and its pids are not this machine's)."""
+    here: the process serving this very connection must be a local postgres process started when
+    the server says it started (a server in a container, behind a tunnel or on another host has
+    pids that are not this machine's, or not those)."""
     conn = await asyncpg.connect(dsn)
     try:
-        if not await conn.fetchval("SELECT inet_server_addr() IS NULL OR host(inet_server_addr()) IN ('127.0.0.1', '::1')"):
+        me = await conn.fetchrow("SELECT pid, extract(epoch FROM backend_start)::float8 AS started FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+        if me is None or not _is_local_backend(me["pid"], me["started"]):
             return None
         rows = await conn.fetch("SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
     finally:
         await conn.close()
     return [r["pid"] for r in rows]
+
+
+def _is_local_backend(pid: int, started: float) -> bool:
+    try:
+        process = psutil.Process(pid)
+        return "postgres" in process.name() and abs(process.create_time() - started) < 2.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 async def _redis_cpu(url: str) -> float | None:
@@ -159,9 +169,16 @@ async def _redis_cpu(url: str) -> float | None:
 
 
 def _busy_share(before: Any, after: Any) -> float:
-    """The share of all CPUs' time that was not idle between two psutil.cpu_times()."""
-    total = sum(after) - sum(before)
-    if total <= 0:
+    """The share of all CPUs' time that was not idle between two psutil.cpu_times(), as psutil's
+    own cpu_percent counts it (guest time is already in user and nice on Linux)."""
+
+    def total(t: Any) -> float:
+        return sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+    def idle(t: Any) -> float:
+        return getattr(t, "idle", 0.0) + getattr(t, "iowait", 0.0)
+
+    spent = total(after) - total(before)
+    if spent <= 0:
         return 0.0
-    idle_delta = sum(getattr(after, f, 0.0) - getattr(before, f, 0.0) for f in ("idle", "iowait"))
-    return min(max(1.0 - idle_delta / total, 0.0), 1.0)
+    return min(max(1.0 - (idle(after) - idle(before)) / spent, 0.0), 1.0)

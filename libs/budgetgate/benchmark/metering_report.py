@@ -25,7 +25,7 @@ def as_json(options: Options, result: Result) -> dict[str, Any]:
         },
         "copy": {"seconds": round(result.copy_seconds, 3), "rows": result.rows, "rows_per_second": copy_rows_per_s, "best_of": COPY_TRIES},
         "ratio_rows_per_second": round(ingest_rows_per_s / copy_rows_per_s, 5) if copy_rows_per_s else None,
-        "cpu": result.cpu.as_json(result.messages) if result.cpu else None,
+        "cpu": {**result.cpu.as_json(result.cpu_samples), "samples": result.cpu_samples} if result.cpu else None,
         "correct": result.correct,
         "problems": result.problems,
         "cpus": os.cpu_count(),
@@ -49,7 +49,7 @@ def as_text(options: Options, result: Result) -> str:
         f"usage records published: {result.published} ({result.unpublished_at_end} still in the outbox when the last sample was consumed)",
     ]
     if result.cpu is not None:
-        lines.append(f"from its first commit on, {result.cpu.line(result.messages, 'sample consumed')}")
+        lines.append(f"from its first commit on ({result.cpu_samples} samples), {result.cpu.line(result.cpu_samples, 'sample consumed')}")
     if result.correct:
         lines.append(f"correctness: OK - {result.rows} usage rows, one per distinct sample; every run's cumulative equals the clean stream's")
     else:

@@ -9,6 +9,7 @@ Everything started is stopped, and the databases dropped, also on Ctrl-C, SIGTER
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import os
 import time
@@ -31,6 +32,8 @@ from budgetgate.core.metering import Counters
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.settings import CommonSettings
 from budgetgate.topics import Topics, ensure_topics
+
+log = logging.getLogger(__name__)
 
 INBOX = "metering-ingest"  # the service's default inbox name
 _PUBLISH_CHUNK = 500
@@ -62,6 +65,7 @@ class Result:
     unpublished_at_end: int
     problems: list[str] = field(default_factory=list)
     cpu: CpuUse | None = None  # from the service's first commit until it had consumed every sample
+    cpu_samples: int = 0  # the samples consumed in that window, which its figures are per
 
     @property
     def correct(self) -> bool:
@@ -103,10 +107,12 @@ class Run:
             await self._wait_ready(service)
             self.echo("metering-ingest ready; timed from its first transaction until it has consumed every sample")
             ingest_seconds = await consumed
-            cpu = await meter.stop(await metering)
+            cpu = await _cpu_window(meter, metering, len(work.messages))
         finally:
             consumed.cancel()
             metering.cancel()
+            if metering.done() and not metering.cancelled():
+                metering.exception()  # retrieved: a failure of the figure is not the run's
         pending, published = await _outbox(ingest_dsn)
         await _wait_relayed(service, ingest_dsn)
         await service[0].stop()  # nothing in flight while the rows are read
@@ -115,7 +121,10 @@ class Run:
         problems = await _check(ingest_dsn, work, rows)
         self.echo(f"copying the same {len(rows)} rows with COPY")
         copy_seconds = await _copy(copy_dsn, rows)
-        return Result(self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems, cpu)
+        used, in_window = cpu or (None, 0)
+        return Result(
+            self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems, used, in_window
+        )
 
     async def _kafka(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> str:
         given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
@@ -201,16 +210,30 @@ class Run:
         return float(found["seconds"])
 
 
-async def _from_first_commit(meter: CpuMeter, dsn: str) -> Started:
+async def _from_first_commit(meter: CpuMeter, dsn: str) -> tuple[Started, int]:
     """Start `meter` as soon as the service's first transaction is visible (an index probe every
-    10 ms until then, and nothing after)."""
+    10 ms until then, and nothing after); with the samples consumed by then."""
     conn = await asyncpg.connect(dsn)
     try:
         while not await conn.fetchval(queries.sql("metering.sql", "first_commit"), INBOX):
             await asyncio.sleep(0.01)
+        [found] = await conn.fetch(queries.sql("metering.sql", "consumed"), INBOX)
     finally:
         await conn.close()
-    return await meter.start()
+    return await meter.start(), int(found["done"])
+
+
+async def _cpu_window(meter: CpuMeter, metering: asyncio.Task[tuple[Started, int]], messages: int) -> tuple[CpuUse, int] | None:
+    """What the parts spent from the first commit on, with the samples consumed meanwhile; None
+    when that cannot be read (the figures are an addition to the run, never its failure) or
+    when the service had consumed everything before the window opened."""
+    try:
+        started, before = await metering
+        used = await meter.stop(started)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("CPU figures left out: %s", exc)
+        return None
+    return (used, messages - before) if messages > before else None
 
 
 async def _execute(dsn: str, query: str, *args: object) -> None:

@@ -151,7 +151,9 @@ class EmbeddedPostgres(EmbeddedServer):
         ]
         if not self.durable:
             # Commits still write their WAL to the kernel before answering (synchronous_commit
-            # stays on), so a killed server loses no committed transaction; fsync is skipped.
+            # stays on), so a killed server loses no committed transaction but the outbox relay's
+            # "published" marks, which commit without waiting (a crash sends those rows again,
+            # as on any server); fsync is skipped.
             cmd += ["-c", "fsync=off", "-c", "full_page_writes=off"]
         return cmd
 
