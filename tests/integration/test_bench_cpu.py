@@ -14,6 +14,7 @@ import time
 import asyncpg
 import psutil
 import pytest
+import redis.asyncio as aioredis
 
 from budgetgate.benchmark import cpu
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
@@ -71,12 +72,19 @@ async def test_postgres_counts_the_server_processes_of_its_database_including_ne
 
 
 async def test_redis_counts_its_server(redis_server_url: str) -> None:
+    client = aioredis.from_url(redis_server_url)
     meter = CpuMeter([Part("redis", redis_url=redis_server_url)])
 
-    _, used = await meter.measure(_nothing)
+    async def work() -> None:  # about 0.2 s of the server's CPU in one script
+        await client.eval("local n = 0 for i = 1, 20000000 do n = n + i end return 0", 0)
+
+    try:
+        _, used = await meter.measure(work)
+    finally:
+        await client.aclose()
 
     spent = used.parts["redis"]
-    assert spent is not None and spent >= 0.0
+    assert spent is not None and spent > 0.05
 
 
 def test_figures_per_unit_and_the_report_line() -> None:

@@ -62,6 +62,11 @@ class Part:
     postgres_dsn: str | None = None
     redis_url: str | None = None
 
+    @classmethod
+    def process(cls, name: str, pid: int | None) -> Part:
+        """A process of this machine, or unknown (`pid` None: not started here)."""
+        return cls(name, None if pid is None else (pid,))
+
 
 _Reading = tuple[dict[int, float] | None, float | None]  # (CPU seconds by pid, or a server-wide total)
 

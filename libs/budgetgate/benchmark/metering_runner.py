@@ -97,8 +97,7 @@ class Run:
         ends = await _publish(bootstrap, self.topics.metering, work.messages)
 
         service = self._start_service(stack, log_dir, ingest_dsn, bootstrap)
-        broker = (self.broker_pid,) if self.broker_pid is not None else None
-        meter = CpuMeter([Part("service", (service[0].pid,)), Part("postgres", postgres_dsn=ingest_dsn), Part("broker", broker)])
+        meter = CpuMeter([Part.process("service", service[0].pid), Part("postgres", postgres_dsn=ingest_dsn), Part.process("broker", self.broker_pid)])
         # Watched from the start: the service may consume everything before it answers ready.
         # Its CPU is read from its first commit on, so its start (imports, connections) is left out.
         metering = asyncio.create_task(_from_first_commit(meter, ingest_dsn))
@@ -211,16 +210,15 @@ class Run:
 
 
 async def _from_first_commit(meter: CpuMeter, dsn: str) -> tuple[Started, int]:
-    """Start `meter` as soon as the service's first transaction is visible (an index probe every
-    10 ms until then, and nothing after); with the samples consumed by then."""
+    """Start `meter` as soon as the service's first transaction is visible (a count of its inbox,
+    empty until then, every 10 ms, and nothing after); with the samples consumed by then."""
     conn = await asyncpg.connect(dsn)
     try:
-        while not await conn.fetchval(queries.sql("metering.sql", "first_commit"), INBOX):
+        while not (done := (await conn.fetchrow(queries.sql("metering.sql", "consumed"), INBOX))["done"]):
             await asyncio.sleep(0.01)
-        [found] = await conn.fetch(queries.sql("metering.sql", "consumed"), INBOX)
     finally:
         await conn.close()
-    return await meter.start(), int(found["done"])
+    return await meter.start(), int(done)
 
 
 async def _cpu_window(meter: CpuMeter, metering: asyncio.Task[tuple[Started, int]], messages: int) -> tuple[CpuUse, int] | None:

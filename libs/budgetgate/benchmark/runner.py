@@ -33,7 +33,7 @@ BENCH_ERRORS: tuple[type[BaseException], ...] = (StartError, OSError, asyncpg.Po
 
 
 # The load generator runs in the benchmark's own process: its CPU is read with the rest.
-LOAD_GENERATOR = Part("load generator", (os.getpid(),))
+LOAD_GENERATOR = Part.process("load generator", os.getpid())
 # The ceiling is measured this many times; the fastest pass is the one reported.
 CEILING_TRIES = 3
 
@@ -125,7 +125,7 @@ class Run:
             await self._wait_ready(service, port, "/readyz")
             run = self.options
             await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
-            meter = CpuMeter([Part("service", (service.pid,)), LOAD_GENERATOR])
+            meter = CpuMeter([Part.process("service", service.pid), LOAD_GENERATOR])
             best: tuple[load.Outcome, CpuUse] | None = None
             for attempt in range(1, CEILING_TRIES + 1):
                 self.echo(f"[fastapi-ceiling] measuring ({attempt}/{CEILING_TRIES}): {len(work.measured)} submissions, {run.concurrency} clients")

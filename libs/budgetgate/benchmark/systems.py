@@ -83,8 +83,12 @@ class Budgetgate:
     def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]:
         """The service, its database's server processes, Redis and the broker (unknown when the
         broker was given rather than started here)."""
-        broker = (self.backends.broker_pid,) if self.backends.broker_pid is not None else None
-        return [Part("service", (service_pid,)), Part("postgres", postgres_dsn=dsn), Part("redis", redis_url=self.backends.redis_url), Part("broker", broker)]
+        return [
+            Part.process("service", service_pid),
+            Part("postgres", postgres_dsn=dsn),
+            Part("redis", redis_url=self.backends.redis_url),
+            Part.process("broker", self.backends.broker_pid),
+        ]
 
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
         conn = await asyncpg.connect(dsn)
@@ -157,7 +161,7 @@ class Baseline:
         return python_module("budgetgate.benchmark.baseline", "--dsn", dsn, "--host", "127.0.0.1", "--port", str(port)), {}
 
     def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]:
-        return [Part("service", (service_pid,)), Part("postgres", postgres_dsn=dsn)]
+        return [Part.process("service", service_pid), Part("postgres", postgres_dsn=dsn)]
 
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
         conn = await asyncpg.connect(dsn)

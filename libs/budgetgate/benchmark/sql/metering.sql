@@ -7,10 +7,6 @@ INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace,
 SELECT gen_random_uuid(), r, 1, 'ALLOW', 'budgetgate bench metering', 'bench', '{}', 0, '{}', '{}', now()
 FROM unnest($1::text[]) AS r;
 
--- name: first_commit
--- Whether metering-ingest has committed its first transaction (its inbox has a row).
-SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1);
-
 -- name: consumed
 -- Messages metering-ingest has taken care of (one inbox row per event id), and the seconds from
 -- the start of its first transaction (the inbox rows' processed_at is their transaction's start)
