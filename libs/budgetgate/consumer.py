@@ -129,6 +129,9 @@ class Turn:
     def finish(self) -> None:
         self.claimed.set()
         self.handled.set()
+        # Done: it waits on the batch before it no more. Kept, each turn would hold every turn
+        # since the start (and their event ids) through this link.
+        self.after = None
 
 
 @dataclass

@@ -20,7 +20,8 @@ from collections import Counter
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import IllegalStateError
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from budgetgate.consumer import Applied
@@ -74,16 +75,26 @@ class ConsumerProgress:
                 sent = message.event_time.seconds + message.event_time.nanos / 1e9
                 record(max(at - sent, 0.0), labels.get(topic) or labels.setdefault(topic, {"consumer": self.name, "topic": topic}))
 
+    async def polled(self, applied: Applied, *, seconds: float, records: Iterable[ConsumerRecord], consumer: AIOKafkaConsumer | None) -> None:
+        """Count one committed poll (`batch`) and read the lag of `consumer` afresh (`refresh`)."""
+        self.batch(applied, seconds=seconds, topics=(r.topic for r in records))
+        await self.refresh(consumer)
+
     async def refresh(self, consumer: AIOKafkaConsumer | None) -> None:
         """Read the lag of each partition assigned to `consumer` (no broker round trip: the end
-        offsets come with every fetch); partitions it no longer has are forgotten."""
+        offsets come with every fetch); partitions it no longer has are forgotten, also one a
+        rebalance takes while this reads (the poll it follows is committed all the same)."""
         if consumer is None:
             return
         behind = {}
         for partition in consumer.assignment():
             end = consumer.highwater(partition)
-            if end is not None:
+            if end is None:
+                continue
+            try:
                 behind[partition] = max(0, end - await consumer.position(partition))
+            except IllegalStateError:  # revoked meanwhile
+                continue
         self._behind[id(consumer)] = behind
 
     def _observe_lag(self, _options: CallbackOptions) -> Iterable[Observation]:

@@ -109,8 +109,7 @@ async def apply_acked(inbox: Inbox, message: KafkaMessage, *, progress: Consumer
         raise
     await message.ack()
     if progress is not None:
-        progress.batch(applied, seconds=time.perf_counter() - started, topics=(r.topic for r in records))
-        await progress.refresh(message.consumer)
+        await progress.polled(applied, seconds=time.perf_counter() - started, records=records, consumer=message.consumer)
     return applied
 
 
@@ -232,11 +231,7 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001 - not committed: read again, and skipped by the inbox
             log.warning("%s: offsets %s not committed: %s", self.inbox.name, offsets, exc)
         if self.progress is not None:
-            self.progress.batch(applied, seconds=time.perf_counter() - flight.started, topics=(r.topic for r in flight.records))
-            try:
-                await self.progress.refresh(consumer)
-            except Exception as exc:  # noqa: BLE001 - a partition revoked meanwhile: the poll is committed all the same
-                log.debug("%s: lag not refreshed: %s", self.inbox.name, exc)
+            await self.progress.polled(applied, seconds=time.perf_counter() - flight.started, records=flight.records, consumer=consumer)
 
 
 _PIPELINES: weakref.WeakSet[Pipeline] = weakref.WeakSet()
@@ -260,12 +255,10 @@ def _offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, tuple[in
     """The first and the last offset of `records` in each of their partitions."""
     first: dict[TopicPartition, int] = {}
     last: dict[TopicPartition, int] = {}
-    for record in records:  # once per poll: no tuple made per record
-        tp, offset = TopicPartition(record.topic, record.partition), record.offset
-        if offset < first.get(tp, offset + 1):
-            first[tp] = offset
-        if offset > last.get(tp, -1):
-            last[tp] = offset
+    for record in records:  # in offset order within each partition, as a poll gives them
+        tp = TopicPartition(record.topic, record.partition)
+        first.setdefault(tp, record.offset)
+        last[tp] = record.offset
     return {tp: (offset, last[tp]) for tp, offset in first.items()}
 
 
