@@ -99,7 +99,25 @@ def test_figures_per_unit_and_the_report_line() -> None:
         "us_per_unit": {"service": 300.0, "postgres": 150.0, "broker": None},
         "machine_busy": 0.5,
         "cpus": 2,
+        "bound_per_second": None,  # the broker's part is unknown, so what a unit costs is too
     }
+    assert used.bound_per_second(2000) is None and used.bound_line(2000, "decision") is None
+
+
+def test_the_bound_is_what_all_cpus_hold_at_the_measured_cost_of_a_unit() -> None:
+    # 2000 decisions cost 0.6 + 0.3 + 0.1 = 1.0 CPU second: 500 µs each, so 2 CPUs hold 4000/s.
+    used = CpuUse(seconds=2.0, parts={"service": 0.6, "postgres": 0.3, "load generator": 0.1}, machine_busy=0.5, cpus=2)
+
+    assert used.bound_per_second(2000) == pytest.approx(4000.0)
+    assert used.as_json(2000)["bound_per_second"] == 4000.0
+    assert used.bound_per_second(0) is None
+    assert used.bound_line(2000, "decision", against=[("baseline/hot", 1000.0), ("nothing", 0.0), ("the ceiling", 8000.0)]) == (
+        "all 2 CPUs, busy with this alone, would hold at most 4000 decisions/s at these costs: "
+        "4.00x baseline/hot's measured 1000/s, 0.50x the ceiling's measured 8000/s"
+    )
+    assert used.bound_line(2000, "decision") == "all 2 CPUs, busy with this alone, would hold at most 4000 decisions/s at these costs"
+    idle = CpuUse(seconds=1.0, parts={"service": 0.0}, machine_busy=0.0, cpus=2)
+    assert idle.bound_per_second(10) is None  # nothing spent: no bound, not an infinite one
 
 
 async def _nothing() -> None:

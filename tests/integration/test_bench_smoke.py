@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import asyncpg
+import pytest
 import redis
 
 
@@ -42,6 +43,13 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
         assert list(spent) == parts
         assert spent["service"] is not None and spent["service"] >= 0 and spent["load generator"] is not None
         assert spent.get("broker", None) is None
+        # The CPU bound adds every part: none with the broker unknown; else all CPUs at that cost.
+        cpu = result["cpu"]
+        if None in cpu["cpu_seconds"].values():
+            assert cpu["bound_per_second"] is None
+        else:
+            # (cpu_seconds are rounded to the millisecond in the report)
+            assert cpu["bound_per_second"] == pytest.approx(cpu["cpus"] * result["answered"] / sum(cpu["cpu_seconds"].values()), rel=0.1)
     assert [r["scenario"] for r in report["ratios"]] == ["hot"]
     ceiling = report["fastapi_ceiling"]
     assert ceiling["errors"] == 0 and ceiling["requests_per_second"] > 0 and set(ceiling["budgetgate"]) == {"hot"}

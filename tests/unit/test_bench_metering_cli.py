@@ -29,3 +29,24 @@ def test_the_run_exits_by_its_check(monkeypatch: pytest.MonkeyPatch, problems: l
         assert f"correctness: FAILED - {problems[0]}" in outcome.output and "correctness check failed" in outcome.output
     else:
         assert "correctness: OK" in outcome.output
+
+
+def test_the_cpu_bound_is_given_in_rows_and_held_against_copy() -> None:
+    # 1100 samples (1000 rows: a tenth are resends) cost 0.05 + 0.03 + 0.0025 = 0.0825 CPU
+    # seconds, 75 µs a sample: 2 CPUs hold 26,667 samples/s, 24,242 rows/s; COPY wrote 100,000.
+    from budgetgate.benchmark import metering_report
+    from budgetgate.benchmark.cpu import CpuUse
+
+    result = metering_runner.Result(
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.1, rows=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
+        cpu=CpuUse(seconds=0.06, parts={"service": 0.05, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2), cpu_samples=1100,
+    )  # fmt: skip
+
+    report = metering_report.as_json(metering_runner.Options(), result)
+    assert report["cpu"]["bound_per_second"] == pytest.approx(26666.7)
+    assert report["cpu"]["bound"] == {"rows_per_second": pytest.approx(24242.4), "ratio_rows_per_second": pytest.approx(0.24242)}
+    text = metering_report.as_text(metering_runner.Options(), result)
+    assert (
+        "  all 2 CPUs, busy with this alone, would hold at most 26667 samples/s at these costs: 2.42x metering-ingest's measured 11000/s; "
+        "in rows 24242/s: 0.24242x COPY"
+    ) in text

@@ -13,7 +13,7 @@ Redis counts its whole server (INFO cpu), which is shared with anything else usi
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,19 +37,42 @@ class CpuUse:
         """Microseconds of CPU per unit of work (a decision, a sample), by part."""
         return {name: (None if used is None or units <= 0 else round(used / units * 1e6, 1)) for name, used in self.parts.items()}
 
+    def bound_per_second(self, units: int) -> float | None:
+        """The units of work per second this machine's CPUs, every one of them busy with nothing
+        else, would hold at the measured cost of a unit (every part's CPU added up): what no way
+        of spreading the work over processes or batches can exceed here without making a unit
+        cheaper. None when a part could not be read (its cost would be missing)."""
+        known = [used for used in self.parts.values() if used is not None]
+        if units <= 0 or len(known) < len(self.parts) or sum(known) <= 0:
+            return None
+        return self.cpus * units / sum(known)
+
     def as_json(self, units: int) -> dict[str, object]:
+        bound = self.bound_per_second(units)
         return {
             "window_seconds": round(self.seconds, 3),
             "cpu_seconds": {k: None if v is None else round(v, 3) for k, v in self.parts.items()},
             "us_per_unit": self.per_unit_us(units),
             "machine_busy": round(self.machine_busy, 3),
             "cpus": self.cpus,
+            "bound_per_second": None if bound is None else round(bound, 1),
         }
 
     def line(self, units: int, unit: str) -> str:
         """`µs of CPU per <unit>: service 330, postgres 150, ...; machine 61% busy (2 CPUs)`."""
         figures = ", ".join(f"{k} {'-' if v is None else f'{v:.0f}'}" for k, v in self.per_unit_us(units).items())
         return f"CPU µs per {unit}: {figures}; machine {self.machine_busy:.0%} busy ({self.cpus} CPUs)"
+
+    def bound_line(self, units: int, unit: str, *, against: Sequence[tuple[str, float]] = ()) -> str | None:
+        """`all 2 CPUs, busy with this alone, would hold at most 3100 decisions/s at these costs:
+        3.25x baseline/hot's measured 955/s`, or None without a bound; `against`: measured rates
+        (name, per second) to hold the bound against."""
+        bound = self.bound_per_second(units)
+        if bound is None:
+            return None
+        line = f"all {self.cpus} CPUs, busy with this alone, would hold at most {bound:.0f} {unit}s/s at these costs"
+        compared = [f"{bound / rate:.2f}x {name}'s measured {rate:.0f}/s" for name, rate in against if rate > 0]
+        return line + (": " + ", ".join(compared) if compared else "")
 
 
 @dataclass(frozen=True)

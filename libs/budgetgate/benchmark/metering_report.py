@@ -25,7 +25,7 @@ def as_json(options: Options, result: Result) -> dict[str, Any]:
         },
         "copy": {"seconds": round(result.copy_seconds, 3), "rows": result.rows, "rows_per_second": copy_rows_per_s, "best_of": COPY_TRIES},
         "ratio_rows_per_second": round(ingest_rows_per_s / copy_rows_per_s, 5) if copy_rows_per_s else None,
-        "cpu": {**result.cpu.as_json(result.cpu_samples), "samples": result.cpu_samples} if result.cpu else None,
+        "cpu": {**result.cpu.as_json(result.cpu_samples), "samples": result.cpu_samples, "bound": _bound(result, copy_rows_per_s)} if result.cpu else None,
         "correct": result.correct,
         "problems": result.problems,
         "cpus": os.cpu_count(),
@@ -50,11 +50,25 @@ def as_text(options: Options, result: Result) -> str:
     ]
     if result.cpu is not None:
         lines.append(f"from its first commit on ({result.cpu_samples} samples), {result.cpu.line(result.cpu_samples, 'sample consumed')}")
+        bound, held = result.cpu.bound_line(result.cpu_samples, "sample", against=[("metering-ingest", ingest["messages_per_second"])]), data["cpu"]["bound"]
+        if bound is not None and held is not None:
+            against_copy = "" if held["ratio_rows_per_second"] is None else f": {held['ratio_rows_per_second']}x COPY"
+            lines.append(f"  {bound}; in rows {held['rows_per_second']:.0f}/s{against_copy}")
     if result.correct:
         lines.append(f"correctness: OK - {result.rows} usage rows, one per distinct sample; every run's cumulative equals the clean stream's")
     else:
         lines.extend(f"correctness: FAILED - {problem}" for problem in result.problems)
     return "\n".join(lines)
+
+
+def _bound(result: Result, copy_rows_per_s: float) -> dict[str, float | None] | None:
+    """The CPU bound (CpuUse.bound_per_second) in rows, a resend being a sample that writes
+    none, and held against COPY: the highest ratio the measured costs allow on this machine."""
+    samples = result.cpu.bound_per_second(result.cpu_samples) if result.cpu else None
+    if samples is None or not result.messages:
+        return None
+    rows = samples * result.rows / result.messages
+    return {"rows_per_second": round(rows, 1), "ratio_rows_per_second": round(rows / copy_rows_per_s, 5) if copy_rows_per_s else None}
 
 
 def _per_second(count: int, seconds: float) -> float:

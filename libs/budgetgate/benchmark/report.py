@@ -185,10 +185,26 @@ def as_text(options: Options, measured: Measurements) -> str:
 
 
 def _cpu_lines(measured: Measurements) -> list[str]:
-    """What each part spent per answer while the measured load ran: where the throughput went."""
-    lines = [f"{r.system}/{r.scenario}: {r.cpu.line(r.outcome.answered, 'decision')}" for r in measured.results if r.cpu is not None]
-    if measured.ceiling is not None and measured.ceiling_cpu is not None:
-        lines.append(f"fastapi ceiling: {measured.ceiling_cpu.line(measured.ceiling.answered, 'request')}")
+    """What each part spent per answer while the measured load ran: where the throughput went;
+    and for budgetgate, how far this machine's CPUs could carry it at that cost, against the
+    baseline's and the ceiling's measured rates (the highest ratios these costs allow here)."""
+    rate = {(r.system, r.scenario): r.outcome.answered / r.outcome.elapsed for r in measured.results if r.outcome.elapsed}
+    top = measured.ceiling
+    lines = []
+    for r in measured.results:
+        if r.cpu is None:
+            continue
+        lines.append(f"{r.system}/{r.scenario}: {r.cpu.line(r.outcome.answered, 'decision')}")
+        if r.system != "budgetgate":
+            continue
+        against = [(f"baseline/{r.scenario}", rate[("baseline", r.scenario)])] if ("baseline", r.scenario) in rate else []
+        if top is not None and top.elapsed:
+            against.append(("the fastapi ceiling", top.answered / top.elapsed))
+        bound = r.cpu.bound_line(r.outcome.answered, "decision", against=against)
+        if bound is not None:
+            lines.append(f"  {bound}")
+    if top is not None and measured.ceiling_cpu is not None:
+        lines.append(f"fastapi ceiling: {measured.ceiling_cpu.line(top.answered, 'request')}")
     return lines
 
 
