@@ -14,10 +14,11 @@ How FastStream is used, and where it is not enough for the inbox pattern:
   FastStream seeks every partition of the batch back to its first record: nothing is skipped.
   (A handler that raised without a nack would be skipped: the next batch's ack commits past it.)
 - `parser=keep_header_bytes`: FastStream's batch parser decodes every header value as UTF-8 and,
-  when one is not, fails the whole batch before the handler runs, so with manual acks the poison
-  record and every good one polled with it would be skipped silently (seen on Tansu and Kafka
-  alike: a header is bytes to Kafka). The parser hands FastStream header values it can decode
-  and keeps the records as they came in `raw_message`, which is what the inbox reads.
+  when one is not (or has no value, a null, which Kafka allows too), fails the whole batch before
+  the handler runs, so with manual acks the poison record and every good one polled with it
+  would be skipped silently (seen on Tansu and Kafka alike: a header is bytes to Kafka). The
+  parser hands FastStream header values it can decode and keeps the records as they came in
+  `raw_message`, which is what the inbox reads.
 - The poison handling itself (decode, dead-letter topic, the others committed once) is the
   inbox's: FastStream's own exception handling would ack or nack the batch as a whole.
 - `subscribe_inbox(..., pipelined=True)` (metering-ingest) overlaps each poll's transaction with
@@ -65,7 +66,7 @@ async def keep_header_bytes(records: tuple[ConsumerRecord, ...], parse: Callable
     `batch_headers` therefore holds the first record's headers only."""
     first = records[0]
     if not _utf8(first.headers):
-        first = dataclasses.replace(first, headers=[(k, v.decode("utf-8", errors="replace").encode()) for k, v in first.headers])
+        first = dataclasses.replace(first, headers=[(k, _readable(v)) for k, v in first.headers])
     message = await parse((first,))
     message.raw_message = records
     message.body = [r.value or b"" for r in records]
@@ -73,13 +74,22 @@ async def keep_header_bytes(records: tuple[ConsumerRecord, ...], parse: Callable
     return message
 
 
-def _utf8(headers: Sequence[tuple[str, bytes]] | None) -> bool:
+def _utf8(headers: Sequence[tuple[str, bytes | None]] | None) -> bool:
+    """Whether every header value is UTF-8 text: Kafka allows any bytes, and no value at all
+    (null), on which FastStream's parser fails (and then skips the whole poll)."""
     try:
         for _, value in headers or ():
+            if value is None:
+                return False
             value.decode()
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _readable(value: bytes | None) -> bytes:
+    """A header value FastStream's parser can decode: none (null) is empty."""
+    return b"" if value is None else value.decode("utf-8", errors="replace").encode()
 
 
 async def raw_bodies(message: Any, _decode: Callable[[Any], Awaitable[Any]]) -> Any:
