@@ -16,6 +16,7 @@ import redis.exceptions
 from opentelemetry.metrics import Observation
 
 from budgetgate import wire
+from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.consumer import Inbox
 from budgetgate.lag import ConsumerProgress
 from budgetgate.core.ledger_key import AmountOutOfRange
@@ -39,8 +40,8 @@ log = logging.getLogger(__name__)
 PARKED_GRACE_MS = 2000
 
 # Failures that say something about the run's data or the rules, not about an outage: retrying
-# them cannot help, so they are dead-lettered after `settle_tries` (anything else is an outage
-# and the loop retries it with backoff).
+# them cannot help, so they are dead-lettered after `settle_tries` (anything else, and anything
+# in BACKEND_ERRORS first, is an outage and the loop retries it with backoff).
 REFUSALS = (
     AmountOutOfRange,
     asyncpg.DataError,
@@ -187,6 +188,11 @@ class Reconciler:
             async with gate:
                 try:
                     outcome = await self.settler.settle(run_id)
+                except BACKEND_ERRORS:
+                    # An outage (some are ResponseErrors too: a read-only replica after a
+                    # failover, a Redis out of memory): the pass fails and is tried again with
+                    # backoff; it is never a try against the run.
+                    raise
                 except REFUSALS as exc:
                     await self._failed(run_id, exc)
                     return

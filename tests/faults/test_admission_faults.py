@@ -134,6 +134,28 @@ async def test_nothing_is_reserved_when_a_backend_is_down_from_the_start(admissi
     assert await reserved_in_redis(server) == {}
 
 
+async def test_a_read_only_redis_answers_503_and_reserves_nothing(admission_factory, pg_dsn, killable_redis) -> None:
+    # A Redis turned into a replica (a demoted primary after a failover) refuses the reserve
+    # script's writes with READONLY, inside the script: a plain ResponseError to redis-py, which
+    # was answered 500 to a whole batch. It is an outage: 503, nothing held, and the service
+    # decides again as soon as Redis takes writes.
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="e" * 40)
+    server = await admission_factory(redis_url=killable_redis.url)
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+    held = await held_in_postgres(pg_dsn)
+    await server.rt.redis.execute_command("REPLICAOF", "127.0.0.1", "1")  # no such primary: it stays read-only
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(f"ro-{i}")) for i in range(5)))
+    assert [a.status_code for a in answers] == [503] * 5, [a.text for a in answers]
+    assert all("ReadOnlyError" in a.json()["detail"] for a in answers)
+    assert await held_in_postgres(pg_dsn) == held
+    await server.rt.redis.execute_command("REPLICAOF", "NO", "ONE")
+    await wait_for(lambda: ready(server))
+    again = await server.client.post("/v1/admissions", json=body("ro-0"))
+    assert again.status_code == 200 and again.json()["decision"] == "ALLOW"
+    assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn) == {next(iter(held)): 16 * GPU_HOUR}
+
+
 async def test_sweeper_releases_orphans_and_keeps_real_holds(admission_factory, pg_dsn) -> None:
     from datetime import UTC, datetime, timedelta
 

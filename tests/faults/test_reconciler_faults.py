@@ -126,3 +126,41 @@ async def test_redis_invalidated_mid_stream_is_rebuilt_with_every_settlement(adm
     assert await reconciler.ledger.is_loaded()
     assert await reconciler.ledger.all_readings() == await ledger_in_postgres(pg_dsn)
     assert (await reconciler.sync.check_drift(repair=False)).clean
+
+
+async def test_a_read_only_redis_is_an_outage_never_a_refusal_of_the_runs(admission_factory, reconciler_factory, feed, pg_dsn, killable_redis) -> None:  # noqa: F811
+    # A Redis turned into a replica (as a demoted primary after a failover is) answers every
+    # write with READONLY, a ResponseError: once counted as a refusal of each run, so a failover
+    # longer than `settle_tries` passes dead-lettered every run it caught.
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("ro", limit="gpu_hours: 100000")}, sha="a" * 40)
+    server = await admission_factory(redis_url=killable_redis.url)
+    await server.wait_ready()
+    for i in range(3):
+        assert (await server.submit(run_id=f"ro{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)).json()[
+            "decision"
+        ] == "ALLOW"
+    reconciler = await reconciler_factory(redis_url=killable_redis.url, settle_tries=2)
+    [key] = await ledger_in_postgres(pg_dsn)
+    await reconciler.redis.execute_command("REPLICAOF", "127.0.0.1", "1")  # no such primary: it stays read-only
+    start = datetime.now(UTC) - timedelta(hours=5)
+    for i in range(3):
+        end = start + timedelta(hours=1)
+        await feed.send(lifecycle(f"ro{i}", "STARTED", start), usage(f"ro{i}", "1", end, 5), lifecycle(f"ro{i}", "COMPLETED", end))
+
+    async def failed_passes() -> bool:
+        return reconciler.stats.errors >= 3  # more passes than settle_tries failed meanwhile
+
+    await wait_for(failed_passes, what="settlement passes failing on the read-only Redis")
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM settlement_failures") == 0
+    finally:
+        await conn.close()
+    assert reconciler.stats.dead_letters == 0
+    await reconciler.redis.execute_command("REPLICAOF", "NO", "ONE")
+
+    async def settled_everything() -> bool:
+        return (await ledger_in_postgres(pg_dsn))[key] == (0, 15 * H)
+
+    await wait_for(settled_everything, what="all three settled once Redis takes writes again")
+    assert await reconciler.ledger.all_readings() == await ledger_in_postgres(pg_dsn)

@@ -7,8 +7,11 @@ import asyncio
 
 import asyncpg
 import pytest
+import redis.asyncio as aioredis
+import redis.exceptions
 
 from budgetgate import backends
+from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.services.admission import admitter
 from budgetgate.services.metering_ingest import api as metering_api
 
@@ -46,3 +49,44 @@ def test_operator_intervention_is_a_backend_error_in_every_service(sqlstate: str
 def test_every_service_uses_the_one_tuple() -> None:
     assert admitter.BACKEND_ERRORS is backends.BACKEND_ERRORS
     assert metering_api.BACKEND_ERRORS is backends.BACKEND_ERRORS
+
+
+@pytest.mark.parametrize(
+    "sqlstate",
+    [
+        "40001",  # serialization failure
+        "40P01",  # deadlock detected
+        "53100",  # disk full
+        "53200",  # out of memory
+        "53300",  # too many connections
+        "25006",  # read-only transaction: a write reached a standby
+    ],
+)
+def test_transient_server_states_are_backend_errors(sqlstate: str) -> None:
+    error = asyncpg.PostgresError.new({"C": sqlstate, "M": "transient", "S": "ERROR"})
+    assert isinstance(error, backends.BACKEND_ERRORS)
+
+
+def test_a_request_fault_is_not_a_backend_error() -> None:
+    for sqlstate in ("22003", "23505", "42601"):  # out of range, unique violation, syntax error
+        assert not isinstance(asyncpg.PostgresError.new({"C": sqlstate, "M": "no", "S": "ERROR"}), backends.BACKEND_ERRORS)
+    assert not isinstance(redis.exceptions.ResponseError("ERR wrong number of arguments"), backends.BACKEND_ERRORS)
+
+
+async def test_a_script_refused_by_a_read_only_redis_is_an_outage(killable_redis) -> None:
+    # Inside a script the refusal is a plain ResponseError naming it in its text; the ledger
+    # raises it as redis-py's ReadOnlyError, which every service takes for an outage.
+    client = aioredis.from_url(killable_redis.url)
+    ledger = RedisLedger(client, prefix="ro-test")
+    try:
+        await client.set(ledger.marker, "1")
+        await client.execute_command("REPLICAOF", "127.0.0.1", "1")
+        with pytest.raises(redis.exceptions.ReadOnlyError) as raised:
+            await ledger.load_key("k", reserved=1, consumed=0)
+        assert isinstance(raised.value, backends.BACKEND_ERRORS)
+        assert isinstance(raised.value.__cause__, redis.exceptions.ResponseError) and "READONLY" in str(raised.value.__cause__)
+        await client.execute_command("REPLICAOF", "NO", "ONE")
+        await ledger.load_key("k", reserved=1, consumed=0)  # taken again once it is a primary
+        assert await ledger.readings(["k"]) == {"k": (1, 0)}
+    finally:
+        await client.aclose()

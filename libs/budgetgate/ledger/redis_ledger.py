@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from importlib import resources
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolRequest, counter_args, pool_args, pool_readings
@@ -101,6 +103,41 @@ def _script(name: str) -> str:
     return "\n".join(folder.joinpath(f"{part}.lua").read_text() for part in (*_LIBRARIES.get(name, ()), name))
 
 
+# What Redis answers a write it cannot take in its present state (a replica after a failover,
+# memory full, a cluster resharding or failing over, a dataset loading), and the error redis-py
+# raises for that answer to a plain command.
+_STATE_REFUSALS: dict[str, type[redis.exceptions.RedisError]] = {
+    "READONLY": redis.exceptions.ReadOnlyError,
+    "OOM": redis.exceptions.OutOfMemoryError,
+    "TRYAGAIN": redis.exceptions.TryAgainError,
+    "CLUSTERDOWN": redis.exceptions.ClusterDownError,
+    "MASTERDOWN": redis.exceptions.MasterDownError,
+    "LOADING": redis.exceptions.BusyLoadingError,
+}
+_STATE_REFUSAL = re.compile(r"-(" + "|".join(_STATE_REFUSALS) + r") ")
+
+
+class _Script:
+    """A registered script (EVALSHA, reloaded on NOSCRIPT) whose failures say what they are: a
+    command inside a script that Redis refuses for its state comes back as a plain
+    ResponseError ("Error running script ...: -READONLY You can't write against a read only
+    replica."), which reads as a fault of the request; it is raised as the error the same
+    refusal of a plain command gives (ReadOnlyError...), which every service takes for an outage
+    (budgetgate.backends)."""
+
+    def __init__(self, script: Any) -> None:
+        self._script = script
+
+    async def __call__(self, *, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        try:
+            return await self._script(keys=keys, args=args)
+        except redis.exceptions.ResponseError as exc:
+            found = _STATE_REFUSAL.search(str(exc))
+            if found is None or isinstance(exc, _STATE_REFUSALS[found.group(1)]):
+                raise
+            raise _STATE_REFUSALS[found.group(1)](str(exc)) from exc
+
+
 class RedisLedger:
     """Typed wrappers around the ledger's Lua scripts (EVALSHA, reloaded on NOSCRIPT)."""
 
@@ -108,7 +145,7 @@ class RedisLedger:
         self.client = client
         self.tag = "{" + prefix + "}"
         self.keys = HoldKeys(self.tag)
-        self._scripts = {name: client.register_script(_script(name)) for name in _SCRIPTS}
+        self._scripts = {name: _Script(client.register_script(_script(name))) for name in _SCRIPTS}
 
     @property
     def marker(self) -> str:
