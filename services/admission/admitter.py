@@ -199,7 +199,15 @@ class Admitter:
             await self._reserve(work, [p for p in fresh if p.needs_ledger], committed_seq)
             decided = await self._decisions(work.conn, fresh)
             if decided:
-                await records.record(work.conn, decided)
+                try:
+                    await records.record(work.conn, decided)
+                except asyncpg.UniqueViolationError as exc:
+                    if exc.constraint_name != "decisions_ledger_seq":
+                        raise
+                    # Another batch committed the sequence number Redis gave this one: Redis lost
+                    # a write it had acknowledged (see migration 0021). Rolled back, Redis rebuilt
+                    # from Postgres (with_ledger), and the batch decided again.
+                    raise LedgerNotLoaded(f"Redis handed out ledger sequence numbers again: {exc}") from exc
         for r, p in zip(decided, fresh, strict=True):
             answers[p] = r.body
         for follower, leader in followers:

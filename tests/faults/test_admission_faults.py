@@ -156,6 +156,56 @@ async def test_a_read_only_redis_answers_503_and_reserves_nothing(admission_fact
     assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn) == {next(iter(held)): 16 * GPU_HOUR}
 
 
+async def test_a_redis_that_lost_an_acknowledged_write_is_caught_by_the_number_it_hands_out_again(admission_factory, pg_dsn, monkeypatch) -> None:
+    # Batch X reserves (sequence s+1) and Redis loses that write, as a failover to a replica that
+    # never got it does: Redis is back at s without X's reservation. Batch Z read the highest
+    # committed number (s) before X committed, so that Redis passes for current; it gets s+1
+    # again. Both used to commit s+1: Redis then matched Postgres by number while it lacked X's
+    # reservation, and the next submissions were admitted into room X holds.
+    from budgetgate.services.admission import records
+
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("seq", limit="gpu_hours: 24")}, sha="f" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("seq-a"))).json()["decision"] == "ALLOW"
+    record = records.record
+    x_lost, z_reserved = asyncio.Event(), asyncio.Event()
+    calls: list[list[str]] = []
+    numbers: list[int | None] = []
+
+    async def choreographed(conn, batch):  # type: ignore[no-untyped-def]
+        calls.append([r.request.run_id for r in batch])
+        numbers.extend(r.ledger_seq for r in batch)
+        ledger = server.rt.ledger
+        if len(calls) == 1:  # X, reserved: its write is lost in a failover
+            [x] = batch
+            assert x.ledger_seq is not None
+            assert await ledger.release(x.request.run_id, decision_id=x.body["decision_id"]) > 0
+            await ledger.client.set(ledger.sequence, x.ledger_seq - 1)
+            x_lost.set()
+            await z_reserved.wait()
+        elif len(calls) == 2:  # Z, reserved on that Redis
+            z_reserved.set()
+        await record(conn, batch)
+
+    monkeypatch.setattr(records, "record", choreographed)
+    x = asyncio.create_task(server.client.post("/v1/admissions", json=body("seq-x")))
+    await asyncio.wait_for(x_lost.wait(), 30)
+    z = await server.client.post("/v1/admissions", json=body("seq-z"))
+    x_answer = await x
+    monkeypatch.setattr(records, "record", record)
+    # One of the two commits failed on the reused number; its batch was decided again on a Redis
+    # rebuilt from Postgres. Both fit (24 GPU-hours: 8 each), and the budget is now full.
+    assert (x_answer.status_code, z.status_code) == (200, 200), (x_answer.text, z.text)
+    assert (x_answer.json()["decision"], z.json()["decision"]) == ("ALLOW", "ALLOW")
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [24 * GPU_HOUR]
+    assert await reserved_in_redis(server) == held
+    assert (await server.client.post("/v1/admissions", json=body("seq-w"))).json()["decision"] == "DENY"
+    assert await held_in_postgres(pg_dsn) == held
+    assert len(calls) == 3 and numbers[0] == numbers[1], (calls, numbers)  # Z got X's number; one was decided again
+
+
 async def test_sweeper_releases_orphans_and_keeps_real_holds(admission_factory, pg_dsn) -> None:
     from datetime import UTC, datetime, timedelta
 

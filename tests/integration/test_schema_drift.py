@@ -79,3 +79,46 @@ async def test_the_catalog_compares_view_definitions(pg_dsn) -> None:
         await conn.close()
     changed = sorted(set(before) ^ set(await _catalog(pg_dsn)))
     assert [kind for kind, _ in changed] == ["view", "view"]
+
+
+async def test_migration_0021_keeps_decisions_that_already_share_a_ledger_number(pg_dsn) -> None:
+    # A database written before 0021 may hold decisions with one ledger sequence number (a Redis
+    # that lost writes was decided on): they stay, numbers above the highest of them are unique,
+    # and the migration says so.
+    name, dsn = await empty_database(pg_dsn, prefix="m0021")
+    conn = await asyncpg.connect(dsn)
+    try:
+        earlier = [(n, text) for n, text in migration_files() if n < "0021"]
+        async with conn.transaction():
+            for _, text in earlier:
+                await conn.execute(text)
+        for run_id, seq in (("a", 3), ("b", 5), ("c", 5)):
+            await conn.execute(
+                "INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu, request, response, decided_at, "
+                "ledger_seq) VALUES (gen_random_uuid(), $1, 1, 'ALLOW', 'fits', 'ns', '{}', 8, '{}', '{}', now(), $2)",
+                run_id,
+                seq,
+            )
+        warnings: list[str] = []
+        conn.add_log_listener(lambda _conn, message: warnings.append(str(message)))
+        [(_, text)] = [(n, t) for n, t in migration_files() if n.startswith("0021")]
+        await conn.execute(text)
+        assert any("1 ledger sequence number(s) are recorded by more than one decision, the highest 5" in w for w in warnings), warnings
+        indexes = dict(await conn.fetch("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'decisions' AND indexname LIKE 'decisions_ledger_seq%'"))
+        assert indexes["decisions_ledger_seq"].startswith("CREATE UNIQUE INDEX") and indexes["decisions_ledger_seq"].endswith("WHERE (ledger_seq > 5)")
+        assert "decisions_ledger_seq_reused" in indexes
+        assert await conn.fetchval("SELECT count(*) FROM decisions WHERE ledger_seq = 5") == 2  # history kept
+        insert = (
+            "INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu, request, response, decided_at, "
+            "ledger_seq) VALUES (gen_random_uuid(), $1, 1, 'ALLOW', 'fits', 'ns', '{}', 8, '{}', '{}', now(), 6)"
+        )
+        await conn.execute(insert, "d")
+        try:
+            await conn.execute(insert, "e")
+        except asyncpg.UniqueViolationError as exc:
+            assert exc.constraint_name == "decisions_ledger_seq"
+        else:
+            raise AssertionError("a number above the reused ones was recorded twice")
+    finally:
+        await conn.close()
+        await drop_database(pg_dsn, name)

@@ -61,7 +61,8 @@ CREATE TABLE decisions (
     UNIQUE (run_id, attempt)
 );
 CREATE INDEX decisions_decided_at ON decisions (decided_at);
-CREATE INDEX decisions_ledger_seq ON decisions (ledger_seq) WHERE ledger_seq IS NOT NULL;
+-- 0021: unique, so a number a Redis that lost writes hands out again fails the second commit.
+CREATE UNIQUE INDEX decisions_ledger_seq ON decisions (ledger_seq) WHERE ledger_seq IS NOT NULL;
 
 CREATE TABLE decision_evaluations (
     decision_id        uuid NOT NULL REFERENCES decisions (decision_id),
