@@ -87,6 +87,10 @@ INSERT INTO outbox (topic, key, payload, headers) VALUES ($1, $2, $3, $4);
 
 -- name: ensure_ledger_entries
 -- Ledger entries of plans: a jsonb array of entries (see services/admission/records.py entry()).
+-- Inserted in key order, as record_decisions does: two batches creating the same new keys (the
+-- first submissions of a new window) in the orders their plans listed them each held a key the
+-- other waited for, and deadlocked. Keys already there are skipped before inserting, so a key
+-- whose row another transaction is changing is not waited for.
 INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
                             policy_git_sha, limit_amount)
 SELECT l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start, l.window_end, l.policy_id, l.policy_git_sha,
@@ -94,6 +98,8 @@ SELECT l.ledger_key, l.scope_id, l.unit, l.window_key, l.window_start, l.window_
 FROM jsonb_to_recordset($1::jsonb) AS l(ledger_key text, scope_id text, unit text, window_key text,
                                         window_start timestamptz, window_end timestamptz, policy_id text,
                                         policy_git_sha text, limit_amount bigint)
+WHERE NOT EXISTS (SELECT 1 FROM ledger_entries e WHERE e.ledger_key = l.ledger_key)
+ORDER BY l.ledger_key
 ON CONFLICT (ledger_key) DO NOTHING;
 
 -- name: ledger_figures
