@@ -13,6 +13,7 @@ from typing import Any
 from budgetgate.core.accounting import BudgetSource, with_external
 from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Held, Outlook
+from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.holds import PoolReading
@@ -58,6 +59,9 @@ def prepare(
         the_plan = plan(covering or bundle, submission(request, at))
     except UnknownFlavor as exc:
         raise InvalidSubmission("resources.flavor", str(exc)) from exc
+    except AmountOutOfRange as exc:
+        # Refused on its own, before it joins a batch: it once failed its whole batch with a 500.
+        raise InvalidSubmission("projected_runtime_hours", f"{exc}: ask for fewer resources or a shorter runtime") from exc
     if not the_plan.charges and not the_plan.violations and unmatched == "deny":
         raise InvalidSubmission("namespace", f"no budget policy covers namespace {request.namespace!r} with these labels, and unmatched submissions are denied")
     try:

@@ -161,3 +161,22 @@ async def test_group_commit_under_load_admits_exactly_what_fits(admission_factor
     assert list(held.values()) == [96 * GPU_HOUR]
     assert await reserved_in_redis(server) == held
     assert server.rt.admitter.batches.items == 300
+
+
+async def test_a_submission_past_the_ledger_range_is_refused_alone(admission_factory, pg_dsn) -> None:
+    # A million GPUs for a year is past what the ledger's integers hold: it once joined a batch
+    # and failed it whole (a 500 to every submission in it, Redis invalidated). Now it is a 422
+    # naming the problem, decided before it joins, and its neighbours are answered as usual.
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="7" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    huge = body("huge", gpus=1_000_000, hours=8784.0)
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=b) for b in (body("n-1"), huge, body("n-2"))))
+    assert [a.status_code for a in answers] == [200, 422, 200]
+    [error] = answers[1].json()["errors"]
+    assert error["loc"] == ["body", "projected_runtime_hours"] and "beyond the ledger's range" in error["msg"], answers[1].text
+    assert [a.json()["decision"] for a in (answers[0], answers[2])] == ["ALLOW", "ALLOW"]
+    assert list((await held_in_postgres(pg_dsn)).values()) == [16 * GPU_HOUR]
+    assert await server.rt.ledger.is_loaded()  # nothing failed after a Redis change
+    quote = await server.client.post("/v1/quotes", json=huge)  # a quote plans the same way
+    assert quote.status_code == 422

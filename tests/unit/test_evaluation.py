@@ -625,3 +625,24 @@ def test_cpu_only_work_charges_nothing_on_gpu_budgets_and_is_never_blocked_by_th
     over_run[p.charges[1].ledger_key] = Reading(limit=nodes.limit.amount, reserved=0, consumed=0)
     decision = decide(p, over_run)
     assert decision.outcome == "ALLOW"
+
+
+def test_amounts_beyond_the_ledger_range_are_refused_at_planning() -> None:
+    # A year of a million GPUs is 3.2e16 milli-GPU-seconds, past the ledger's 2**53 - 1; a cost
+    # passes it far sooner (micro-units at a high rate). Every amount is bounded where the plan
+    # makes it, so none reaches Lua or Postgres.
+    from budgetgate.core.ledger_key import MAX_AMOUNT, AmountOutOfRange
+
+    with pytest.raises(AmountOutOfRange, match=r"projected GPU-hours .* beyond the ledger's range"):
+        plan(bundle(TEAM), submission(gpus=1_000_000, hours="8784"))
+    pricey = RateCard(id="rates", currency="USD", rates=(Rate("h100", Decimal("1000000")),), source=Source("rates.yaml", 1))
+    costly = PolicyBundle(git_sha="f" * 40, policies=(COST_CENTER,), rate_cards=(pricey,))
+    with pytest.raises(AmountOutOfRange, match="projected cost in micro-units"):
+        plan(costly, submission(gpus=1_000, hours="1000"))
+    nodes = budget("nodes", labels={"team": "vision"}, unit=Unit.NODE_HOURS, limit="100")
+    with pytest.raises(AmountOutOfRange, match="budget 'nodes' would reserve"):
+        plan(bundle(nodes), submission(gpus=0, nodes=1_000_000, hours="8784"))  # past what the API takes: the core bounds it too
+    # Just inside: planned as usual.
+    hours = Decimal(MAX_AMOUNT) / (1_000_000 * 3_600_000)
+    inside = submission(gpus=1_000_000, hours=str(hours.quantize(Decimal("0.001"), rounding="ROUND_DOWN")), flavor=None)
+    assert plan(bundle(TEAM), inside).projected_gpu <= MAX_AMOUNT

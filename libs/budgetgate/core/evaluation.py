@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
-from budgetgate.core.ledger_key import LedgerKey
+from budgetgate.core.ledger_key import LedgerKey, checked
 from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
 from budgetgate.core.eligibility import Outlook, next_eligible
 from budgetgate.core.units import Unit, display, projected_cost_micros, projected_hours_amount
@@ -104,11 +104,14 @@ def fits(amount: int, reading: Reading) -> bool:
 
 def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
     """Which budgets a submission falls under, and how much it would reserve on each (projected
-    amounts are rounded up to the ledger's unit, never down to nothing)."""
+    amounts are rounded up to the ledger's unit, never down to nothing). Raises UnknownFlavor,
+    or AmountOutOfRange for an amount beyond what the ledger holds."""
     res = submission.resources
-    projected_gpu = projected_hours_amount(res.gpus, submission.runtime_hours)
+    # Every amount within what the ledger's integers hold (AmountOutOfRange, a ValueError):
+    # a year of a million GPUs, or a cost at a high rate, is past it.
+    projected_gpu = checked(projected_hours_amount(res.gpus, submission.runtime_hours), "the projected GPU-hours (gpus × runtime)")
     priced = bundle.rate_for(res.flavor, res.region, submission.at) if res.flavor else None
-    showback = projected_cost_micros(projected_gpu, priced[0].rate_per_gpu_hour) if priced else None
+    showback = checked(projected_cost_micros(projected_gpu, priced[0].rate_per_gpu_hour), "the projected cost in micro-units") if priced else None
     charges, violations = [], []
     for policy in bundle.policies:
         scope = policy.scope
@@ -119,7 +122,7 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
                 continue
         if not scope.matches(submission.namespace, submission.labels):
             continue
-        amount = _amount(policy, submission, projected_gpu, showback)
+        amount = checked(_amount(policy, submission, projected_gpu, showback), f"the amount budget {policy.id!r} would reserve")
         charges.append(Charge(policy, window_at(policy.window, submission.at), amount))
     return Plan(
         submission=submission,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from budgetgate.core.evaluation import Plan, Reading, Submission, UnknownFlavor, decide, plan
+from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 
 
@@ -112,7 +113,7 @@ class Simulation:
         self.outcome.decisions += 1
         try:
             the_plan = plan(self._policies(sub.namespace), sub)
-        except UnknownFlavor as exc:
+        except (UnknownFlavor, AmountOutOfRange) as exc:  # under the proposed rate cards or policies
             self.outcome.unplannable.append(sub.run_id)
             self._flip(recorded, "DENY", str(exc))
             return
