@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, TypeVar
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import RecordMetadata
@@ -36,7 +37,8 @@ DLQ_REASON = "dlq-reason"
 DLQ_SOURCE_TOPIC = "dlq-source-topic"
 DLQ_PARTITION = "dlq-partition"
 DLQ_OFFSET = "dlq-offset"
-_DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_SOURCE_TOPIC, DLQ_PARTITION, DLQ_OFFSET})
+DLQ_VALUE_DROPPED = "dlq-value-dropped"  # a copy too large to park whole: the bytes its value had
+_DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_SOURCE_TOPIC, DLQ_PARTITION, DLQ_OFFSET, DLQ_VALUE_DROPPED})
 _DESCRIBING = frozenset({CONTENT_TYPE, MESSAGE_TYPE, EVENT_ID})
 _PROTOBUF_BYTES = PROTOBUF.encode()
 MAX_EVENT_ID = 256
@@ -216,25 +218,25 @@ def context_from_headers(headers: Headers | None) -> Context:
     return extract_context(headers)
 
 
-def dead_letter(record: ConsumedRecord, *, reason: str) -> Record:
+def dead_letter(record: ConsumedRecord, *, reason: str, whole: bool = True) -> Record:
     """A record for `dlq(record.topic)`: the original key, value and headers, plus why and whence.
 
     dlq-* headers from an earlier trip through a DLQ (a replayed message) are replaced, so the
-    record always tells its latest failure.
+    record always tells its latest failure. Not `whole`: why and whence only, and the size of
+    the value left out (`dlq-value-dropped`), for a record whose whole copy the broker cannot
+    take; the record itself stays at its source topic, partition and offset.
     """
+    whence = [
+        (DLQ_REASON, reason[:_MAX_REASON_CHARS].encode("utf-8", errors="replace")),
+        (DLQ_SOURCE_TOPIC, record.topic.encode()),
+        (DLQ_PARTITION, str(record.partition).encode()),
+        (DLQ_OFFSET, str(record.offset).encode()),
+    ]
+    if not whole:
+        return Record(value=b"", key=None, headers=[*whence, (DLQ_VALUE_DROPPED, str(len(record.value or b"")).encode())])
     kept = [(k, v) for k, v in (record.headers or ()) if k.lower() not in _DLQ_HEADERS]
-    return Record(
-        # The topics carry no tombstones; an empty value reads the same to whoever inspects it.
-        value=record.value or b"",
-        key=record.key,
-        headers=[
-            *kept,
-            (DLQ_REASON, reason[:_MAX_REASON_CHARS].encode("utf-8", errors="replace")),
-            (DLQ_SOURCE_TOPIC, record.topic.encode()),
-            (DLQ_PARTITION, str(record.partition).encode()),
-            (DLQ_OFFSET, str(record.offset).encode()),
-        ],
-    )
+    # The topics carry no tombstones; an empty value reads the same to whoever inspects it.
+    return Record(value=record.value or b"", key=record.key, headers=[*kept, *whence])
 
 
 class Publisher:
@@ -354,5 +356,10 @@ class Publisher:
         return [Acked(topic, partition, offset) for (topic, partition), offset in zip(placed, offsets, strict=True)]
 
     async def send_dead_letter(self, record: ConsumedRecord, *, reason: str) -> RecordMetadata:
-        """Park a consumed record on its topic's DLQ with `reason`."""
-        return await self.send_record(dlq(record.topic), dead_letter(record, reason=reason))
+        """Park a consumed record on its topic's DLQ with `reason`: whole, or when the copy is too
+        large for the broker (a record near its size limit, with the reason and whence added,
+        which no retry can send), without its key, value and headers (`dead_letter`)."""
+        try:
+            return await self.send_record(dlq(record.topic), dead_letter(record, reason=reason))
+        except MessageSizeTooLargeError:
+            return await self.send_record(dlq(record.topic), dead_letter(record, reason=reason, whole=False))

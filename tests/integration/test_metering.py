@@ -288,6 +288,29 @@ async def test_a_header_without_a_value_loses_nothing(metering, settings, pg_dsn
     assert dead.value == b"\x00not protobuf" and ("x-exporter-note", None) in [tuple(h) for h in dead.headers]
 
 
+async def test_poison_too_large_to_park_whole_is_parked_without_its_value(metering, settings, pg_dsn) -> None:
+    """A poison record near the producer's size limit cannot be copied whole to the DLQ (the
+    reason and whence headers push it over): no retry could send it, and the consumer once
+    retried for ever, every later record waiting. It is parked without its key, value and
+    headers, which stay at the source offset the DLQ copy names, and the records after it go on."""
+    topics = Topics(settings.topic_prefix)
+    await decide(pg_dsn, "run-big")
+    big = b"\x00" * 1_048_450  # not protobuf; within 1 MiB, which the copy with its reason and whence is not
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        await publisher.send_record(topics.metering, wire.Record(value=big, key=b"run-big", headers=[("x-big", b"1")]))
+        await publisher.send(topics.metering, sample("run-big", "s1", 60.0, minute=1), key="run-big")
+    await wait_for(lambda: _rows(pg_dsn, 1), what="the sample after the poison recorded")
+    [dead] = await drain(settings.kafka_bootstrap, dlq(topics.metering), 1)
+    assert dead.value in (b"", None) and dead.key is None
+    assert wire.header(dead.headers, wire.DLQ_VALUE_DROPPED) == b"1048450"
+    assert wire.header(dead.headers, wire.DLQ_SOURCE_TOPIC) == topics.metering.encode() and wire.header(dead.headers, wire.DLQ_OFFSET) == b"0"
+    assert wire.header(dead.headers, wire.DLQ_REASON).startswith(b"not a valid")
+    assert wire.header(dead.headers, "x-big") is None
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:  # a later poll is consumed too
+        await publisher.send(topics.metering, sample("run-big", "s2", 120.0, minute=2), key="run-big")
+    await wait_for(lambda: _rows(pg_dsn, 2), what="a later sample recorded")
+
+
 async def test_batches_judged_against_recorded_history_give_what_one_by_one_gives(pg_dsn) -> None:
     """Ingestor.place_batch on Postgres, batch after batch, against the pure core applying the
     same samples one by one: late samples, resends under new ids, repeats, conflicts and

@@ -314,3 +314,21 @@ def _bundle_message(n: int) -> PolicyBundlePublished:
     message = PolicyBundlePublished(event_id=f"event-{n}", git_sha=f"{n:040x}")
     message.event_time.FromDatetime(datetime.now(UTC))
     return message
+
+
+def test_a_dead_letter_not_whole_says_why_whence_and_what_it_left_out() -> None:
+    consumed = _Consumed(METERING, 3, 77, b"run-1", b"\x00" * 5000, [("x-big", b"1"), ("dlq-reason", b"older")])
+
+    parked = dead_letter(consumed, reason="garbage", whole=False)
+
+    assert (parked.value, parked.key) == (b"", None)
+    assert parked.headers == [
+        ("dlq-reason", b"garbage"),
+        ("dlq-source-topic", METERING.encode()),
+        ("dlq-partition", b"3"),
+        ("dlq-offset", b"77"),
+        ("dlq-value-dropped", b"5000"),
+    ]
+    # A replay of it (still poison) is parked telling only its latest trip, with no stale size.
+    again = dead_letter(_Consumed(METERING, 0, 1, None, parked.value, parked.headers), reason="still garbage")
+    assert [k for k, _ in again.headers].count("dlq-value-dropped") == 0
