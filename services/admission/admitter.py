@@ -263,7 +263,8 @@ class Admitter:
             if missing:
                 await self._load_keys(work.conn, missing)
             pending = again
-        raise Unavailable(f"could not reserve for runs {[p.run_id for p in pending]!r}: the ledger kept changing")
+        if pending:  # the fourth round may have reserved them all
+            raise Unavailable(f"could not reserve for runs {[p.run_id for p in pending]!r}: the ledger kept changing")
 
     async def _load_keys(self, conn: asyncpg.Connection, plans: list[Plan]) -> None:
         """Create the ledger entries of `plans` in Postgres (if new) and load them into Redis."""

@@ -180,3 +180,29 @@ async def test_a_submission_past_the_ledger_range_is_refused_alone(admission_fac
     assert await server.rt.ledger.is_loaded()  # nothing failed after a Redis change
     quote = await server.client.post("/v1/quotes", json=huge)  # a quote plans the same way
     assert quote.status_code == 422
+
+
+async def test_a_reservation_made_in_the_last_round_stands(admission_factory, pg_dsn, monkeypatch) -> None:
+    # A key Redis loses between rounds is loaded and the batch reserved again, up to four rounds:
+    # what the fourth reserved was once answered 503 (and Redis invalidated) as if it had not.
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="8" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("first"))).json()["decision"] == "ALLOW"
+    [key] = await held_in_postgres(pg_dsn)
+    ledger = server.rt.ledger
+    reserve_batch, rounds = ledger.reserve_batch, []
+
+    async def losing_the_key(*args, **kwargs):  # type: ignore[no-untyped-def]
+        rounds.append(1)
+        if len(rounds) < 4:
+            await ledger.client.delete(ledger.ledger(key))  # lost again before this round
+        return await reserve_batch(*args, **kwargs)
+
+    monkeypatch.setattr(ledger, "reserve_batch", losing_the_key)
+    answer = await server.client.post("/v1/admissions", json=body("fourth-round"))
+    monkeypatch.setattr(ledger, "reserve_batch", reserve_batch)
+    assert len(rounds) == 4
+    assert answer.status_code == 200 and answer.json()["decision"] == "ALLOW", answer.text
+    assert await ledger.is_loaded()
+    assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn) == {key: 16 * GPU_HOUR}
