@@ -23,12 +23,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from budgetgate.auth import Action, Principal, allow
+from budgetgate.principals import Forbidden
 from budgetgate.services.admission.quotes import Quoter
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.platforms.kubernetes import Mapping, Skip, Unmappable, decided, review, submission
+from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
 from budgetgate.services.admission.resubmission import Conflict
@@ -115,10 +117,10 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
     mapping = settings.mapping()
 
     @api.post("/v1/kubernetes/admission-review", operation_id="reviewKubernetesAdmission", openapi_extra=_OPENAPI, responses={422: {}})
-    async def admission_review(request: Request, _principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
+    async def admission_review(request: Request, principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
         try:
             body = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             body = None
         asked = body.get("request") if isinstance(body, dict) else None
         if not isinstance(body, dict) or body.get("kind") != "AdmissionReview" or not isinstance(asked, dict) or not asked.get("uid"):
@@ -126,21 +128,29 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
                 {"detail": [{"loc": ["body", "request"], "msg": "not an admission.k8s.io/v1 AdmissionReview with a request uid", "type": "value_error"}]},
                 status_code=422,
             )
-        return JSONResponse(await _answer(request, body, asked["uid"], mapping, fail_open=settings.fail_open))
+        return JSONResponse(await _answer(request, principal, body, asked["uid"], mapping, fail_open=settings.fail_open))
 
     return api
 
 
-async def _answer(request: Request, body: dict[str, Any], uid: str, mapping: Mapping, *, fail_open: bool) -> dict[str, Any]:
+async def _answer(request: Request, principal: Principal, body: dict[str, Any], uid: str, mapping: Mapping, *, fail_open: bool) -> dict[str, Any]:
     try:
         mapped = submission(body, mapping)
     except Unmappable as exc:
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc}")
+    except (AttributeError, TypeError) as exc:  # a field of another JSON type than the API's (a string where an object goes)
+        return review(uid, allowed=False, code=422, message=f"budgetgate: not an admission.k8s.io/v1 AdmissionReview as the API defines it: {exc}")
     if isinstance(mapped, Skip):
         return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
+    rt = request.app.state.rt
+    try:
+        # The same limits as POST /v1/admissions: a submitter limited to some namespaces or
+        # tenants submits within them, whichever way its submission comes.
+        require_submission(principal, namespace=mapped.request.namespace, labels=mapped.request.labels, tenant_label=rt.settings.tenant_label)
+    except Forbidden as exc:
+        return review(uid, allowed=False, code=403, message=f"budgetgate: {exc}")
     dry_run = bool(body["request"].get("dryRun"))
     started = time.perf_counter()
-    rt = request.app.state.rt
     try:
         # A dry run (kubectl --dry-run=server) is quoted: the same decision, nothing reserved or recorded.
         answer = await (Quoter(rt.admitter).quote(mapped.request) if dry_run else rt.admitter.admit(mapped.request))

@@ -165,7 +165,7 @@ def _batch(body: bytes, max_batch: int) -> tuple[list[Any], list[dict[str, Any]]
     """The samples of a request body, or the problems with it."""
     try:
         data = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested deeper than the parser goes
         return [], [_problem(["body"], f"the body is not valid JSON: {exc}", "json_invalid")]
     samples = data.get("samples") if isinstance(data, dict) else None
     if not isinstance(samples, list) or not samples:

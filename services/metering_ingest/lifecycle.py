@@ -114,7 +114,7 @@ def parsed(body: bytes, max_batch: int) -> tuple[list[LifecycleEvent], list[dict
     """The events of a request body, each with its event id, or every problem with them."""
     try:
         data = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested deeper than the parser goes
         return [], [_problem(["body"], f"the body is not valid JSON: {exc}", "json_invalid")]
     items = data.get("events") if isinstance(data, dict) else None
     if not isinstance(items, list) or not items:

@@ -139,3 +139,31 @@ async def test_served_over_tls_as_the_deployment_runs_it(settings, pg_dsn, tmp_p
         process.wait(timeout=20)
         if process.stderr:
             process.stderr.close()
+
+
+async def test_a_submitter_limited_to_namespaces_submits_only_within_them(admission, pg_dsn) -> None:
+    # The webhook checked the role and then decided whatever namespace and labels the review
+    # named: a submitter limited to vision-* reserved against another team's budgets through it.
+    limited = bearer(await issue(pg_dsn, Role.SUBMITTER, namespaces=["vision-*"]))
+    elsewhere = admission_review(job(gpus=8, deadline=3600, annotations=H100))
+    elsewhere["request"]["namespace"] = elsewhere["request"]["object"]["metadata"]["namespace"] = "nlp-prod"
+    answer = (await admission.client.post(URL, json=elsewhere, headers=limited)).json()["response"]
+    assert answer["allowed"] is False and answer["status"]["code"] == 403 and "vision-*" in answer["status"]["message"]
+    assert await held_in_postgres(pg_dsn) == {}
+    assert (await admission.client.get(f"/v1/admissions/{elsewhere['request']['object']['metadata']['uid']}")).status_code == 404
+    within = admission_review(job(gpus=8, deadline=3600, annotations=H100))
+    assert (await admission.client.post(URL, json=within, headers=limited)).json()["response"]["allowed"] is True
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 60_000,  # deeper than the JSON parser goes
+        b'{"kind": "AdmissionReview", "request": {"uid": "u", "operation": "CREATE", "kind": "Job"}}',  # a string where an object goes
+    ],
+)
+async def test_malformed_reviews_are_refused_not_failed(admission, body: bytes) -> None:
+    answer = await admission.client.post(URL, content=body, headers={"content-type": "application/json"})
+    assert answer.status_code in (200, 422), answer.text
+    if answer.status_code == 200:
+        assert answer.json()["response"]["allowed"] is False and answer.json()["response"]["status"]["code"] == 422

@@ -113,6 +113,8 @@ async def test_malformed_empty_oversized_and_overlong_bodies(metering_factory) -
     server = await metering_factory(max_batch_samples=2, max_body_bytes=2000)
     malformed = await server.client.post("/v1/metering/samples", content=b"{not json", headers={"content-type": "application/json"})
     assert malformed.status_code == 422 and malformed.json()["errors"][0]["loc"] == ["body"]
+    deep = await server.client.post("/v1/metering/samples", content=b"[" * 1500, headers={"content-type": "application/json"})
+    assert deep.status_code == 422 and deep.json()["errors"][0]["loc"] == ["body"]  # nested past the parser: once a 500
     empty = await server.client.post("/v1/metering/samples", json={"samples": []})
     assert empty.status_code == 422 and empty.json()["errors"][0]["loc"] == ["body", "samples"]
     too_many = await server.post(*[as_json(sample("r", f"s{i}", 1.0, minute=i)) for i in range(3)])
