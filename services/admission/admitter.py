@@ -50,7 +50,7 @@ from budgetgate.services.admission.fairshare import DecayedUsage
 from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import canonical, response_body
-from budgetgate.services.admission.resubmission import Conflict, decided_afresh, differences
+from budgetgate.services.admission.resubmission import Conflict, decided_afresh, differences, ownership
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class Admitter:
             rows = await work.conn.fetch(sql("begin_batch"), run_ids)  # takes the ledger lock first
             committed_seq = rows[0]["committed_seq"]
             latest = {row["run_id"]: row for row in rows[1:]}
-            answers, fresh, followers = _sort_out(batch, latest)
+            answers, fresh, followers = _sort_out(batch, latest, tenant_label=self.tenant_label)
             fresh = await self._current(work.conn, fresh, rows[0]["override_revision"], answers)
             await self._reserve(work, [p for p in fresh if p.needs_ledger], committed_seq)
             decided = await self._decisions(work.conn, fresh)
@@ -294,7 +294,7 @@ class Admitter:
         return self.usage.of(p.bundle, p.asks.tenant, p.at) if self.usage is not None else None
 
 
-def _sort_out(batch: list[Pending], latest: Mapping[str, Any]) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:
+def _sort_out(batch: list[Pending], latest: Mapping[str, Any], *, tenant_label: str) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:
     """Split a batch, in submission order, into answers known already (replays, conflicts), the
     submissions to decide, and followers answered as their leader (a retry within the batch).
     A second submission of a run with another attempt is left for the next batch."""
@@ -316,7 +316,9 @@ def _sort_out(batch: list[Pending], latest: Mapping[str, Any]) -> tuple[dict[Pen
             continue
         leaders[p.run_id] = p
         prior = latest.get(p.run_id)
-        if prior is None or decided_afresh(prior["outcome"], prior["attempt"], req.attempt):
+        if prior is not None and (moved := ownership(prior["request"], req, tenant_label=tenant_label)):
+            answers[p] = Conflict(p.run_id, req.attempt, moved, owned=True)
+        elif prior is None or decided_afresh(prior["outcome"], prior["attempt"], req.attempt):
             fresh.append(p)
         elif prior["attempt"] == req.attempt and (fields := differences(prior["request"], req)):
             answers[p] = Conflict(p.run_id, req.attempt, fields)

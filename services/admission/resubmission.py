@@ -15,13 +15,30 @@ REFUSED = ("DENY", "DELAY")
 
 
 class Conflict(ValueError):
-    """The run id and attempt were already submitted with a different request; nothing changed."""
+    """The run id and attempt were already submitted with a different request, or the run id is
+    another namespace's or tenant's (`owned`); nothing changed."""
 
-    def __init__(self, run_id: str, attempt: int, fields: list[str]) -> None:
+    def __init__(self, run_id: str, attempt: int, fields: list[str], *, owned: bool = False) -> None:
         super().__init__(
-            f"run {run_id!r} attempt {attempt} was already submitted with a different {', '.join(fields)}; submit a higher attempt or a new run id"
+            f"run {run_id!r} is decided in another {' and '.join(fields)}: a run keeps its namespace and tenant in every attempt; use a new run id"
+            if owned
+            else f"run {run_id!r} attempt {attempt} was already submitted with a different {', '.join(fields)}; submit a higher attempt or a new run id"
         )
         self.fields = fields
+
+
+def ownership(stored: Mapping[str, Any] | str, request: AdmissionRequest, *, tenant_label: str) -> list[str]:
+    """Where `request` names another owner than the run's stored decision: its namespace, or
+    its tenant (`labels.<tenant_label>`, when the stored one had a tenant). Whatever its attempt,
+    such a submission neither replays the run's decision (another tenant's figures) nor decides
+    the run afresh (taking it over): a principal limited to its own namespaces and tenants is
+    checked against the submission's, so the run must be theirs too."""
+    before = json.loads(stored) if isinstance(stored, str) else stored
+    moved = [] if before.get("namespace") == request.namespace else ["namespace"]
+    owner = (before.get("labels") or {}).get(tenant_label)
+    if owner is not None and owner != request.labels.get(tenant_label):
+        moved.append(f"labels.{tenant_label}")
+    return moved
 
 
 def differences(stored: Mapping[str, Any] | str, request: AdmissionRequest) -> list[str]:

@@ -144,6 +144,37 @@ async def test_other_namespace_or_tenant_is_refused_and_reads_are_limited(admiss
     assert await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix) == before
 
 
+async def test_a_run_id_of_another_namespace_or_tenant_is_neither_replayed_nor_taken_over(admission, anonymous, settings, pg_dsn) -> None:
+    # The scope check reads the submission's namespace and tenant, and a run's earlier decision
+    # was found by its run id alone: a submitter limited to vision-* that named nlp's run id with
+    # its own namespace got nlp's stored answer (a new attempt after an ALLOW replays it), or
+    # decided nlp's refused run afresh as its own (its owner's retry then a 409).
+    nlp = {"namespace": "nlp-prod", "labels": {"team": "nlp", "cost-center": "2001", "environment": "prod"}}
+    admitted = await admission.submit(run_id="nlp/admitted", **nlp)
+    huge = {"resources": {"gpus": 512, "nodes": 64, "flavor": "h100", "region": "us-east-1"}, "projected_runtime_hours": 10.0}
+    refused = await admission.submit(run_id="nlp/refused", **nlp, **huge)
+    assert (admitted.json()["decision"], refused.json()["decision"]) == ("ALLOW", "DENY"), (admitted.text, refused.text)
+    vision_only = await issue(pg_dsn, Role.SUBMITTER, namespaces=["vision-*"])
+    vision_tenant = await issue(pg_dsn, Role.SUBMITTER, tenants=["vision"])
+    before = await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix)
+    attempts = [
+        (vision_only, submission(run_id="nlp/admitted", attempt=2), "namespace"),  # its own namespace
+        (vision_only, submission(run_id="nlp/refused", attempt=2), "namespace"),
+        (vision_tenant, submission(run_id="nlp/admitted", attempt=2, namespace="nlp-prod"), "labels.team"),  # its own tenant
+        (vision_tenant, submission(run_id="nlp/refused", attempt=2, namespace="nlp-prod"), "labels.team"),
+    ]
+    for token, body, field in attempts:
+        taken = await anonymous.post("/v1/admissions", json=body, headers=bearer(token))
+        assert taken.status_code == 409 and field in taken.json()["fields"], taken.text
+        assert "decided in another" in taken.json()["detail"] and "evaluations" not in taken.json()
+    assert await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix) == before
+    # The owner's own retry replays its run, and its new attempt of the refused one is decided.
+    again = await admission.submit(run_id="nlp/admitted", attempt=2, **nlp)
+    assert again.json()["decision"] == "ALLOW" and again.json()["replayed"] is True
+    retried = await admission.submit(run_id="nlp/refused", attempt=2, **nlp)
+    assert retried.json()["decision"] == "ALLOW" and retried.json()["replayed"] is False
+
+
 async def test_one_tenant_cannot_release_or_renew_another_tenants_pool_token(admission_factory, pg_dsn, settings) -> None:
     await apply_policies(pg_dsn, {**example_policies(), "pools.yaml": POOLS}, sha="p" * 40)
     server = await admission_factory()
