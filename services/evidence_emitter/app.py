@@ -79,7 +79,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
     meter.create_observable_counter(
         "budgetgate_evidence_dead_lettered",
         callbacks=[gauge(lambda rt: rt.sender.stats.dead_lettered)],
-        description="events the receiver refused (4xx), kept in evidence_dead_letters",
+        description="events the receiver refused (400, 413, 422), kept in evidence_dead_letters",
     )
     meter.create_observable_counter(
         "budgetgate_evidence_delivery_failures", callbacks=[gauge(lambda rt: rt.sender.stats.failures)], description="sends that failed and will be retried"

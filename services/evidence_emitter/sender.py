@@ -2,7 +2,8 @@
 and waits with capped exponential backoff while the receiver is down, slow or failing.
 
 Only the event in flight can be sent twice (acknowledged, then the process dies before the mark).
-A refused event (4xx) is dead-lettered with the receiver's answer and never retried. One sender
+A refused event (400, 413, 422: transport.REFUSING_STATUS) is dead-lettered with the receiver's
+answer and never retried. One sender
 runs at a time across instances (a Postgres advisory lock), so a run's events stay in order.
 """
 

@@ -29,12 +29,16 @@ from openlineage.client.transport.transport import Transport
 # emitter's checkout to every job, which says nothing about the job itself.
 BASE_CONFIG: dict[str, Any] = {"facets": {"source_code_location": {"disabled": True}}}
 NO_RETRY = {"total": 0, "connect": 0, "read": 0, "status": 0, "status_forcelist": []}
-# 4xx answers that mean "later", not "never".
-RETRYABLE_STATUS = frozenset({408, 425, 429})
+# The answers that judge the event itself (Marquez: 400 for a body it cannot read, 422 for an
+# event it will not take; 413 for one too large): it is refused for good and dead-lettered. Any
+# other answer, 4xx included, says the receiver is not there yet as it should be (401 or 403 from
+# a proxy whose credentials expired, 404 from an ingress while Marquez is redeployed, 408, 429):
+# the event is sent again later, never lost, and the backlog shows the outage meanwhile.
+REFUSING_STATUS = frozenset({400, 413, 422})
 
 
 class Refused(Exception):
-    """The receiver refused the event for good (a 4xx answer): dead-letter it, do not retry."""
+    """The receiver refused the event for good (REFUSING_STATUS): dead-letter it, do not retry."""
 
     def __init__(self, status: int | None, body: str) -> None:
         super().__init__(f"refused with HTTP {status}: {body[:200]}")
@@ -88,12 +92,12 @@ def send(client: OpenLineageClient, event: Any) -> None:
 
 
 def classify(exc: BaseException) -> Refused | NotDelivered:
-    """Refused for a 4xx answer (except 408/425/429), NotDelivered for anything else."""
+    """Refused for an answer that judges the event (REFUSING_STATUS), NotDelivered for anything else."""
     if isinstance(exc, (Refused, NotDelivered)):
         return exc
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
-    if isinstance(status, int) and 400 <= status < 500 and status not in RETRYABLE_STATUS:
+    if isinstance(status, int) and status in REFUSING_STATUS:
         try:
             body = response.text  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - a body that cannot be read is still a refusal

@@ -7,6 +7,7 @@ import re
 from collections import Counter
 
 import asyncpg
+import pytest
 
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.topics import ensure_topics
@@ -114,3 +115,29 @@ async def test_marquez_failing_then_stalled(settings, pg_dsn, marquez) -> None: 
         await emitter.stop()
     received = marquez.received()
     assert len(received) == 10 and set(exactly_once(received).values()) == {1}
+
+
+@pytest.mark.parametrize("status", [401, 404])
+async def test_an_answer_about_the_path_not_the_event_delays_and_loses_nothing(settings, pg_dsn, marquez, status: int) -> None:  # type: ignore[no-untyped-def]
+    # A proxy whose credentials expired (401) or an ingress while Marquez is redeployed (404):
+    # these once dead-lettered every event of the window for good, and a run's later events
+    # then went out without its START.
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url, timeout=1)).start()
+    try:
+        marquez.fail(status)
+        await publish(settings, *[decision(f"path-{status}/{i}") for i in range(4)])
+        await wait_until(lambda: emitter.rt.sender.stats.failures >= 3, what=f"{status}s to be retried")
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            states = dict(await conn.fetch("SELECT state, count(*) FROM evidence_events GROUP BY state"))
+            dead = await conn.fetchval("SELECT count(*) FROM evidence_dead_letters")
+        finally:
+            await conn.close()
+        assert states == {"pending": 4} and dead == 0
+        marquez.recover()
+        await marquez.wait_for(4)
+        await wait_evidence_settled(settings)
+    finally:
+        await emitter.stop()
+    assert set(exactly_once(marquez.received()).values()) == {1}

@@ -55,10 +55,11 @@ def http_error(status: int, body: str) -> requests.HTTPError:
     return requests.HTTPError(f"{status}", response=response)
 
 
-def test_a_4xx_is_refused_with_its_body() -> None:
-    verdict = transport.classify(http_error(400, '{"message": "bad facet"}'))
+@pytest.mark.parametrize("status", [400, 413, 422])
+def test_a_judgement_of_the_event_is_refused_with_its_body(status: int) -> None:
+    verdict = transport.classify(http_error(status, '{"message": "bad facet"}'))
     assert isinstance(verdict, transport.Refused)
-    assert verdict.status == 400 and "bad facet" in verdict.body
+    assert verdict.status == status and "bad facet" in verdict.body
 
 
 @pytest.mark.parametrize(
@@ -68,6 +69,9 @@ def test_a_4xx_is_refused_with_its_body() -> None:
         http_error(500, "oops"),
         http_error(429, "slow down"),
         http_error(408, ""),
+        http_error(401, "token expired"),  # a proxy's credentials: an outage of the path, not of the event
+        http_error(403, "forbidden"),
+        http_error(404, "no route"),  # an ingress while Marquez is redeployed
         requests.ConnectionError("refused"),
         requests.Timeout("read timed out"),
         RuntimeError("disk full"),
