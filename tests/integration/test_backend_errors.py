@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from budgetgate import backends
-from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.redis_ledger import RedisLedger, RefusingWrites
 from budgetgate.services.admission import admitter
 from budgetgate.services.metering_ingest import api as metering_api
 
@@ -87,6 +87,25 @@ async def test_a_script_refused_by_a_read_only_redis_is_an_outage(killable_redis
         assert isinstance(raised.value.__cause__, redis.exceptions.ResponseError) and "READONLY" in str(raised.value.__cause__)
         await client.execute_command("REPLICAOF", "NO", "ONE")
         await ledger.load_key("k", reserved=1, consumed=0)  # taken again once it is a primary
+        assert await ledger.readings(["k"]) == {"k": (1, 0)}
+    finally:
+        await client.aclose()
+
+
+async def test_a_redis_refusing_writes_for_too_few_replicas_is_an_outage(killable_redis) -> None:
+    # NOREPLICAS (like MISCONF and BUSY) has no error class in redis-py: the ledger raises it
+    # as RefusingWrites, a ConnectionError, where it was a ResponseError the reconciler counted
+    # against the run it settled.
+    client = aioredis.from_url(killable_redis.url)
+    ledger = RedisLedger(client, prefix="norep-test")
+    try:
+        await client.set(ledger.marker, "1")
+        await client.config_set("min-replicas-to-write", 1)  # and there are none
+        with pytest.raises(RefusingWrites) as raised:
+            await ledger.load_key("k", reserved=1, consumed=0)
+        assert isinstance(raised.value, backends.BACKEND_ERRORS) and "NOREPLICAS" in str(raised.value)
+        await client.config_set("min-replicas-to-write", 0)
+        await ledger.load_key("k", reserved=1, consumed=0)
         assert await ledger.readings(["k"]) == {"k": (1, 0)}
     finally:
         await client.aclose()

@@ -103,9 +103,17 @@ def _script(name: str) -> str:
     return "\n".join(folder.joinpath(f"{part}.lua").read_text() for part in (*_LIBRARIES.get(name, ()), name))
 
 
+class RefusingWrites(redis.exceptions.ConnectionError):
+    """Redis refuses writes in its present state, with an answer redis-py has no error of its
+    own for: MISCONF (its snapshots or append-only file cannot be written, e.g. a full disk),
+    NOREPLICAS (fewer replicas than min-replicas-to-write), BUSY (a script running past its
+    time limit). An outage (a ConnectionError, so in budgetgate.backends.BACKEND_ERRORS)."""
+
+
 # What Redis answers a write it cannot take in its present state (a replica after a failover,
-# memory full, a cluster resharding or failing over, a dataset loading), and the error redis-py
-# raises for that answer to a plain command.
+# memory full, a cluster resharding or failing over, a dataset loading, persistence failing),
+# and the error redis-py raises for that answer to a plain command (RefusingWrites where it has
+# none).
 _STATE_REFUSALS: dict[str, type[redis.exceptions.RedisError]] = {
     "READONLY": redis.exceptions.ReadOnlyError,
     "OOM": redis.exceptions.OutOfMemoryError,
@@ -113,17 +121,22 @@ _STATE_REFUSALS: dict[str, type[redis.exceptions.RedisError]] = {
     "CLUSTERDOWN": redis.exceptions.ClusterDownError,
     "MASTERDOWN": redis.exceptions.MasterDownError,
     "LOADING": redis.exceptions.BusyLoadingError,
+    "MISCONF": RefusingWrites,
+    "NOREPLICAS": RefusingWrites,
+    "BUSY": RefusingWrites,
 }
-_STATE_REFUSAL = re.compile(r"-(" + "|".join(_STATE_REFUSALS) + r") ")
+# At the start of the answer (the script refused before it ran) or after the '-' that begins a
+# command's error inside a script's.
+_STATE_REFUSAL = re.compile(r"(?:^|-)(" + "|".join(_STATE_REFUSALS) + r") ")
 
 
 class _Script:
     """A registered script (EVALSHA, reloaded on NOSCRIPT) whose failures say what they are: a
-    command inside a script that Redis refuses for its state comes back as a plain
-    ResponseError ("Error running script ...: -READONLY You can't write against a read only
-    replica."), which reads as a fault of the request; it is raised as the error the same
-    refusal of a plain command gives (ReadOnlyError...), which every service takes for an outage
-    (budgetgate.backends)."""
+    script that Redis refuses for its state comes back as a plain ResponseError ("Error running
+    script ...: -READONLY You can't write against a read only replica.", "MISCONF ..."), which
+    reads as a fault of the request; it is raised as the error the same refusal of a plain
+    command gives (ReadOnlyError..., RefusingWrites where redis-py has none), which every
+    service takes for an outage (budgetgate.backends)."""
 
     def __init__(self, script: Any) -> None:
         self._script = script
