@@ -3,7 +3,8 @@ in the transaction that also records the message in the inbox (budgetgate.consum
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,11 +25,10 @@ class EvidenceHandlers:
         self.on_stored = on_stored or (lambda _stage, _type: None)
 
     async def decision(self, conn: asyncpg.Connection, message: decisions_pb2.Decision, _record: Any) -> None:
-        try:
+        with _poison_if_unusable():
             fields = facet.decision_fields(message)
-        except facet.UnusableMessage as exc:
-            raise Poison(str(exc)) from exc
-        event_type = events.decision_event_type(fields["decision"])
+            event_type = events.decision_event_type(fields["decision"])
+            at = facet.event_time(message.event_time)
         job = _job(message.job) or (message.namespace or "budgetgate", message.run_id)
         await self._store(
             conn,
@@ -37,7 +37,7 @@ class EvidenceHandlers:
             run_id=message.run_id,
             decision_id=fields["decision_id"],
             event_type=event_type,
-            at=facet.event_time(message.event_time),
+            at=at,
             job=job,
             fields=fields,
         )
@@ -59,15 +59,15 @@ class EvidenceHandlers:
     async def reconciliation(self, conn: asyncpg.Connection, message: reconciliations_pb2.Reconciliation, _record: Any) -> None:
         decided = await store.decision_event(conn, message.run_id, message.decision_id or None)
         decided_facet = decided["run"]["facets"][facet.FACET_KEY] if decided else None
-        try:
+        terminal_sent = await store.terminal_sent(conn, message.run_id)
+        with _poison_if_unusable():
             fields = facet.reconciliation_fields(message, decided_facet)
-            event_type = events.reconciliation_event_type(fields["final_state"], terminal_sent=await store.terminal_sent(conn, message.run_id))
-        except facet.UnusableMessage as exc:
-            raise Poison(str(exc)) from exc
+            event_type = events.reconciliation_event_type(fields["final_state"], terminal_sent=terminal_sent)
+            at = facet.event_time(message.event_time)
+            row = _reconciliation_row(message, fields, at)
         # The decision's job first: every event of a run must name the same job in Marquez.
         job = (decided["job"]["namespace"], decided["job"]["name"]) if decided else _job(message.job) or ("budgetgate", message.run_id)
-        at = facet.event_time(message.event_time)
-        await store.add_reconciliation(conn, _reconciliation_row(message, fields, at))
+        await store.add_reconciliation(conn, row)
         await self._store(
             conn,
             stage=facet.RECONCILIATION,
@@ -108,6 +108,21 @@ class EvidenceHandlers:
             state=state,
         ))  # fmt: skip
         self.on_stored(stage, event_type.value)
+
+
+@contextlib.contextmanager
+def _poison_if_unusable() -> Iterator[None]:
+    """What a message cannot be turned into an event from is poison: it goes to the dead-letter
+    topic with the reason and the consumer goes on. Besides UnusableMessage, that is any
+    ValueError or OverflowError of reading it (an enum value this build does not know, as from a
+    newer producer during a rolling upgrade; a time out of range), which the inbox would
+    otherwise take for an outage and retry for ever, every later message waiting."""
+    try:
+        yield
+    except facet.UnusableMessage as exc:
+        raise Poison(str(exc)) from exc
+    except (ValueError, OverflowError) as exc:
+        raise Poison(f"unusable message: {type(exc).__name__}: {exc}") from exc
 
 
 def _job(job: Any) -> tuple[str, str] | None:

@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer
 from budgetgate import wire
 from budgetgate.services.evidence_emitter import events, transport
 from budgetgate.topics import Topics, ensure_topics
+from tests.integration.test_consumer import drain
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import (
     EmitterServer,
@@ -233,3 +234,25 @@ async def test_a_reconciliation_before_its_decision_waits_for_it(settings, marqu
     inferred = next(e for e in received if e["run"]["facets"]["budget"]["run_id"] == "order/orphan")["run"]["facets"]["budget"]
     assert inferred["decision"] == "ALLOW" and [e["scope_id"] for e in inferred["evaluations"]] == ["ns=vision-prod;team=vision"]
     assert marquez.invalid == []
+
+
+async def test_a_message_the_emitter_cannot_read_is_dead_lettered_and_the_rest_go_on(settings, marquez) -> None:  # type: ignore[no-untyped-def]
+    # An outcome this build does not know (a newer admission during a rolling upgrade) or a time
+    # out of range raised a plain ValueError, which the inbox took for an outage: the batch was
+    # retried for ever, and no decision or reconciliation after it was consumed.
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    unknown = decision("runs/unknown-outcome")
+    unknown.outcome = 9
+    far = decision("runs/far-future")
+    far.event_time.seconds = 10**12
+    await publish(settings, unknown, far, decision("runs/after"))
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
+    try:
+        await marquez.wait_for(1)
+        await wait_evidence_settled(settings)
+    finally:
+        await emitter.stop()
+    assert [e["run"]["facets"]["budget"]["run_id"] for e in marquez.received()] == ["runs/after"]
+    parked = await drain(settings.kafka_bootstrap, wire.dlq(Topics(settings.topic_prefix).decisions), 2)
+    reasons = sorted(wire.header(r.headers, wire.DLQ_REASON).decode() for r in parked)
+    assert len(reasons) == 2 and all(r.startswith("unusable message: ValueError") for r in reasons), reasons
