@@ -54,6 +54,11 @@ class EvidenceHandlers:
                 **facet.with_decision(reconciled, decided),
             }
             payload["job"] = {**payload["job"], "namespace": job[0], "name": job[1]}
+            # Typed again after the decision's own event: typed when it came, before a START that
+            # began the run's life again (a refused attempt's ABORT then counted as its end).
+            final_state = payload["run"]["facets"][facet.FACET_KEY].get("final_state", "")
+            with _poison_if_unusable():
+                payload["eventType"] = events.reconciliation_event_type(final_state, terminal_sent=await store.terminal_sent(conn, run_id)).value
             await store.settle_waiting(conn, seq, payload)
 
     async def reconciliation(self, conn: asyncpg.Connection, message: reconciliations_pb2.Reconciliation, _record: Any) -> None:

@@ -79,7 +79,7 @@ async def waiting_for_run(conn: asyncpg.Connection, run_id: str) -> list[tuple[i
 
 
 async def settle_waiting(conn: asyncpg.Connection, seq: int, payload: dict[str, Any]) -> None:
-    await conn.execute(sql("evidence_settle_waiting"), seq, json.dumps(payload))
+    await conn.execute(sql("evidence_settle_waiting"), seq, json.dumps(payload), payload["eventType"])
 
 
 async def release_stale(pool: asyncpg.Pool, older_than_seconds: float) -> None:

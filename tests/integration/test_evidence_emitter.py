@@ -4,7 +4,7 @@ table, and the file and Kafka transports."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncio
 import json
@@ -256,3 +256,33 @@ async def test_a_message_the_emitter_cannot_read_is_dead_lettered_and_the_rest_g
     parked = await drain(settings.kafka_bootstrap, wire.dlq(Topics(settings.topic_prefix).decisions), 2)
     reasons = sorted(wire.header(r.headers, wire.DLQ_REASON).decode() for r in parked)
     assert len(reasons) == 2 and all(r.startswith("unusable message: ValueError") for r in reasons), reasons
+
+
+@pytest.mark.parametrize("decision_first", [True, False])
+async def test_a_run_admitted_after_a_refused_attempt_gets_its_own_end(settings, marquez, decision_first: bool) -> None:  # type: ignore[no-untyped-def]
+    # Attempt 1 refused (ABORT), attempt 2 admitted (START): the run lives again in Marquez. Its
+    # COMPLETE was sent as OTHER because the refusal's ABORT counted as the run's one terminal
+    # event, and Marquez kept the run RUNNING for ever. Also when the reconciliation comes before
+    # its decision (it waits for it, typed when it came).
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    t0 = datetime.now(UTC) - timedelta(hours=3)
+    refused = decision("again/run", "DENY", attempt=1, at=t0)
+    admitted = decision("again/run", "ALLOW", attempt=2, at=t0 + timedelta(minutes=10))
+    running = reconciliation(admitted, "RUNNING", actual_hours=5, at=t0 + timedelta(hours=1))
+    completed = reconciliation(admitted, "COMPLETED", actual_hours=10, at=t0 + timedelta(hours=2))
+    await publish(settings, refused)
+    if decision_first:
+        await publish(settings, admitted, running, completed)
+    else:
+        await publish(settings, running, completed)
+    emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
+    try:
+        if not decision_first:
+            await wait_until(lambda: emitter.rt.sender.stats.backlog.pending >= 2, what="the reconciliations stored, waiting")
+            await publish(settings, admitted)
+        received = await marquez.wait_for(4, timeout=60)
+        await wait_evidence_settled(settings)
+    finally:
+        await emitter.stop()
+    assert [e["eventType"] for e in received] == ["ABORT", "START", "RUNNING", "COMPLETE"], [e["eventType"] for e in received]
+    assert marquez.runs()[str(events.run_uuid("again/run"))]["state"] == "COMPLETED"

@@ -645,8 +645,9 @@ ON CONFLICT (source_event_id) DO NOTHING;
 SELECT seq, payload FROM evidence_events WHERE run_id = $1 AND state = 'waiting' ORDER BY seq FOR UPDATE;
 
 -- name: evidence_settle_waiting
--- A waiting reconciliation event, rebuilt on its decision's facet, released to the sender.
-UPDATE evidence_events SET payload = $2, state = 'pending', next_attempt_at = now() WHERE seq = $1 AND state = 'waiting';
+-- A waiting reconciliation event, rebuilt on its decision's facet (and typed again, $3, after its
+-- decision's own event), released to the sender.
+UPDATE evidence_events SET payload = $2, event_type = $3, state = 'pending', next_attempt_at = now() WHERE seq = $1 AND state = 'waiting';
 
 -- name: evidence_release_stale
 -- Reconciliations whose decision never came within $1 seconds go out with the inferred one.
@@ -660,8 +661,12 @@ WHERE run_id = $1 AND stage = 'decision' AND ($2::text IS NULL OR decision_id = 
 ORDER BY seq DESC LIMIT 1;
 
 -- name: evidence_terminal_sent
-SELECT EXISTS (SELECT 1 FROM evidence_events
-               WHERE run_id = $1 AND event_type IN ('COMPLETE', 'FAIL', 'ABORT'));
+-- Whether the run's current life has its terminal event already: a COMPLETE, FAIL or ABORT stored
+-- after its latest START. An attempt refused (ABORT) and a later one admitted (START) start the
+-- run again in Marquez, and that life's own end must go out as terminal, not as OTHER.
+SELECT EXISTS (SELECT 1 FROM evidence_events t
+               WHERE t.run_id = $1 AND t.event_type IN ('COMPLETE', 'FAIL', 'ABORT')
+                 AND t.seq > COALESCE((SELECT max(s.seq) FROM evidence_events s WHERE s.run_id = $1 AND s.event_type = 'START'), 0));
 
 -- name: evidence_insert_reconciliation
 INSERT INTO evidence_reconciliations (event_id, run_id, decision_id, final_state, terminal, provisional,
