@@ -69,7 +69,13 @@ class Settler:
             except LedgerNotLoaded:
                 await self.sync.ensure_loaded()
             except LedgerKeyMissing as missing:
-                await self._load_key(missing.ledger_key)
+                try:
+                    await self._load_key(missing.ledger_key)
+                except LedgerNotLoaded:
+                    # The failed try had changed Redis (a run's holds given back), so its rollback
+                    # invalidated the ledger: rebuilt first, then the key loaded.
+                    await self.sync.ensure_loaded()
+                    await self._load_key(missing.ledger_key)
             except SettlementPending:
                 continue  # its predecessor's parked half is ended under the run lock first
         raise RuntimeError(f"run {run_id!r}: the Redis ledger kept changing while settling")

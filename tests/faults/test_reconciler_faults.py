@@ -164,3 +164,38 @@ async def test_a_read_only_redis_is_an_outage_never_a_refusal_of_the_runs(admiss
 
     await wait_for(settled_everything, what="all three settled once Redis takes writes again")
     assert await reconciler.ledger.all_readings() == await ledger_in_postgres(pg_dsn)
+
+
+async def test_a_run_that_ends_holding_quota_with_usage_in_a_new_window_settles(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
+    # The settlement that sees a run end gives its quota holds back in Redis first; when its
+    # usage lands in a window no admission opened (its key in neither store yet), the try rolls
+    # back and invalidates Redis, and loading the new key then failed on the invalidated ledger:
+    # the pass failed, the next rebuilt (still without that key), gave the holds back again and
+    # failed the same way, for ever: the run's reservation never ended, Redis was invalidated
+    # every pass.
+    quota = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: tenant-vision}\nspec: {tenant: vision, max_gpus: 64}\n"
+    daily = budget_yaml("q", limit="gpu_hours: 100000", window="{calendar: day}")
+    await apply_policies(pg_dsn, {"b.yaml": daily, "q.yaml": quota}, sha="b" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    answer = await server.submit(run_id="held", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)
+    assert answer.json()["decision"] == "ALLOW"
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM run_holds WHERE run_id = 'held'") == 1  # it holds quota
+    finally:
+        await conn.close()
+    [today] = await ledger_in_postgres(pg_dsn)
+    start = datetime.now(UTC) - timedelta(hours=30)  # yesterday's window, which no admission opened
+    end = start + timedelta(hours=1)
+    # All facts there before the reconciler starts: its first settlement sees the run end.
+    await feed.send(lifecycle("held", "STARTED", start, gpus=8), usage("held", "1", end, 8), lifecycle("held", "COMPLETED", end))
+    reconciler = await reconciler_factory()
+
+    async def settled() -> bool:
+        ledger = await ledger_in_postgres(pg_dsn)
+        return len(ledger) == 2 and ledger[today][0] == 0 and sum(consumed for _, consumed in ledger.values()) == 8 * H
+
+    await wait_for(settled, what="the run settled", timeout=30)
+    assert await reconciler.ledger.is_loaded()
+    assert await reconciler.ledger.all_readings() == await ledger_in_postgres(pg_dsn)
