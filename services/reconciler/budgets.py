@@ -131,5 +131,12 @@ async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: da
             # everything else of it. Marked changed before the call: a script that ran but whose
             # reply was lost must invalidate Redis too, or the next tick ages the key again.
             work.redis_changed = True
-            await ledger.consume({key: -amount})
+            try:
+                await ledger.consume({key: -amount})
+            except (LedgerKeyMissing, LedgerNotLoaded):
+                # Answered, and nothing changed (consume.lua checks every key first): no cause to
+                # invalidate Redis, which made loading the missing key fail on a ledger being
+                # rebuilt, and aborted the upkeep tick with it.
+                work.redis_changed = False
+                raise
         return amount

@@ -445,6 +445,21 @@ async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_fac
     assert await figures_are((0, 0)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
 
 
+async def test_ageing_a_key_redis_lost_loads_it_and_ages_it_next_tick(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    """A rolling key missing in Redis when its usage ages out: the script changes nothing, so
+    Redis stays loaded; the key is loaded from Postgres and aged on the next tick. It used to
+    invalidate the whole ledger and then fail loading the key, aborting the upkeep tick."""
+    from budgetgate.services.reconciler import budgets
+
+    reconciler, key, now = await _rolled(admission_factory, reconciler_factory, feed, pg_dsn)
+    await reconciler.redis.delete(reconciler.ledger.ledger(key))
+    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
+    assert await reconciler.ledger.is_loaded()
+    assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)  # loaded, not aged yet
+    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert (await ledger_in_postgres(pg_dsn))[key] == (0, 4 * H) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+
+
 async def test_ageing_whose_redis_reply_is_lost_invalidates_redis_and_ages_once(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
     """The consume script runs but its reply never arrives: the transaction rolls back, so Redis
     must be invalidated (it had aged the key the first time, and the next tick ages it again)."""
