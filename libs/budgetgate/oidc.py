@@ -47,8 +47,12 @@ class JwtVerifier:
             )  # fmt: skip
         except jwt.PyJWKClientError as exc:
             raise Unauthenticated(f"bearer token: signing key not found ({exc})") from None
-        except jwt.InvalidTokenError as exc:
+        except jwt.PyJWTError as exc:
             raise Unauthenticated(f"bearer token rejected: {exc}") from None
+        except (TypeError, ValueError):
+            # An algorithm that does not fit the type of the key the token names (RS256 on an EC
+            # key): PyJWT fails preparing the key, before any signature is checked.
+            raise Unauthenticated("bearer token rejected: its algorithm does not fit the type of its signing key") from None
         return principal_from_claims(claims, self.claims)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import jwt
 import pytest
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from tests.support.admission import admission_factory, apply_policies, example_policies, submission  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, ledger_state
@@ -28,7 +28,10 @@ class Issuer:
     def __init__(self) -> None:
         self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key()))
-        body = json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]}).encode()
+        # An EC key beside it, as issuers rotating between key types publish.
+        self.ec_key = ec.generate_private_key(ec.SECP256R1())
+        ec_jwk = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(self.ec_key.public_key()))
+        body = json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}, {**ec_jwk, "kid": "k2", "use": "sig", "alg": "ES256"}]}).encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -75,6 +78,13 @@ async def test_jwts_are_verified_against_the_issuers_jwks(admission_factory, iss
         "wrong signature": issuer.token(key=other_key, budgetgate_roles=["submitter"]),
         "expired": issuer.token(exp=int(time.time()) - 3600, budgetgate_roles=["submitter"]),
         "unsigned": jwt.encode({"iss": ISSUER, "aud": AUDIENCE, "sub": "x", "exp": int(time.time()) + 60}, key=None, algorithm="none"),
+        # RS256 naming the EC key: PyJWT cannot even prepare that key for it (once a 500).
+        "algorithm of another key type": jwt.encode(
+            {"iss": ISSUER, "aud": AUDIENCE, "sub": "x", "exp": int(time.time()) + 60, "budgetgate_roles": ["submitter"]},
+            issuer.key,
+            algorithm="RS256",
+            headers={"kid": "k2"},
+        ),  # fmt: skip
     }
     for why, token in refused.items():
         response = await server.client.post("/v1/admissions", json=submission(run_id=f"jwt/{why}"), headers=bearer(token))
