@@ -49,17 +49,7 @@ class EvidenceHandlers:
             reconciled = payload["run"]["facets"][facet.FACET_KEY]
             if reconciled.get("decision_id") not in (None, decided["decision_id"]):
                 continue
-            payload["run"]["facets"][facet.FACET_KEY] = {
-                **{k: v for k, v in reconciled.items() if k.startswith("_")},
-                **facet.with_decision(reconciled, decided),
-            }
-            payload["job"] = {**payload["job"], "namespace": job[0], "name": job[1]}
-            # Typed again after the decision's own event: typed when it came, before a START that
-            # began the run's life again (a refused attempt's ABORT then counted as its end).
-            final_state = payload["run"]["facets"][facet.FACET_KEY].get("final_state", "")
-            with _poison_if_unusable():
-                payload["eventType"] = events.reconciliation_event_type(final_state, terminal_sent=await store.terminal_sent(conn, run_id)).value
-            await store.settle_waiting(conn, seq, payload)
+            await _release(conn, run_id, seq, payload, decided, job)
 
     async def reconciliation(self, conn: asyncpg.Connection, message: reconciliations_pb2.Reconciliation, _record: Any) -> None:
         decided = await store.decision_event(conn, message.run_id, message.decision_id or None)
@@ -113,6 +103,39 @@ class EvidenceHandlers:
             state=state,
         ))  # fmt: skip
         self.on_stored(stage, event_type.value)
+
+
+async def release_decided(conn: asyncpg.Connection, run_id: str) -> int:
+    """Release the run's waiting reconciliations whose decision is stored by now; returns how
+    many. A decision and its reconciliation consumed at the same time (by two instances, or two
+    consumers of one) each miss the other's uncommitted row: the decision finds nothing waiting,
+    the reconciliation no decision, and it would wait out the decision wait and go out with an
+    inferred decision. The sender calls this for every run with such a row, each pass."""
+    released = 0
+    for seq, payload in await store.waiting_for_run(conn, run_id):
+        decision = await store.decision_event(conn, run_id, payload["run"]["facets"][facet.FACET_KEY].get("decision_id"))
+        if decision is None:
+            continue
+        decided = {k: v for k, v in decision["run"]["facets"][facet.FACET_KEY].items() if not k.startswith("_")}
+        await _release(conn, run_id, seq, payload, decided, (decision["job"]["namespace"], decision["job"]["name"]))
+        released += 1
+    return released
+
+
+async def _release(conn: asyncpg.Connection, run_id: str, seq: int, payload: dict[str, Any], decided: dict[str, Any], job: tuple[str, str]) -> None:
+    """A waiting reconciliation, given its decision's facet and job, released to the sender."""
+    reconciled = payload["run"]["facets"][facet.FACET_KEY]
+    payload["run"]["facets"][facet.FACET_KEY] = {
+        **{k: v for k, v in reconciled.items() if k.startswith("_")},
+        **facet.with_decision(reconciled, decided),
+    }
+    payload["job"] = {**payload["job"], "namespace": job[0], "name": job[1]}
+    # Typed again after the decision's own event: typed when it came, before a START that
+    # began the run's life again (a refused attempt's ABORT then counted as its end).
+    final_state = payload["run"]["facets"][facet.FACET_KEY].get("final_state", "")
+    with _poison_if_unusable():
+        payload["eventType"] = events.reconciliation_event_type(final_state, terminal_sent=await store.terminal_sent(conn, run_id)).value
+    await store.settle_waiting(conn, seq, payload)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from budgetgate.ledger.queries import sql
-from budgetgate.services.evidence_emitter import events, store
+from budgetgate.services.evidence_emitter import events, handlers, store
 from budgetgate.services.evidence_emitter.transport import NotDelivered, Refused
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class Sender:
             try:
                 async with self._leadership() as lead:
                     while not lead.is_closed():
+                        await self.release_decided()
                         await store.release_stale(self.pool, self.decision_wait)
                         await self.refresh_backlog()
                         if await self.deliver_once() == 0:
@@ -80,6 +81,15 @@ class Sender:
             except Exception as exc:  # noqa: BLE001 - Postgres went away: try again shortly
                 log.warning("evidence sender: %s; retrying", exc)
                 await asyncio.sleep(self.idle_seconds * 4)
+
+    async def release_decided(self) -> int:
+        """Release waiting reconciliations whose decision is stored by now (see
+        handlers.release_decided); returns how many."""
+        released = 0
+        for run_id in await store.waiting_decided(self.pool):
+            async with self.pool.acquire() as conn, conn.transaction():
+                released += await handlers.release_decided(conn, run_id)
+        return released
 
     async def deliver_once(self) -> int:
         """Send one batch of due events; returns how many were taken care of (delivered or dead).

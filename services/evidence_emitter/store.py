@@ -82,6 +82,11 @@ async def settle_waiting(conn: asyncpg.Connection, seq: int, payload: dict[str, 
     await conn.execute(sql("evidence_settle_waiting"), seq, json.dumps(payload), payload["eventType"])
 
 
+async def waiting_decided(pool: asyncpg.Pool, limit: int = 100) -> list[str]:
+    """Runs with a reconciliation waiting for a decision that is stored by now."""
+    return [r["run_id"] for r in await pool.fetch(sql("evidence_waiting_decided"), limit)]
+
+
 async def release_stale(pool: asyncpg.Pool, older_than_seconds: float) -> None:
     await pool.execute(sql("evidence_release_stale"), older_than_seconds)
 

@@ -286,3 +286,36 @@ async def test_a_run_admitted_after_a_refused_attempt_gets_its_own_end(settings,
         await emitter.stop()
     assert [e["eventType"] for e in received] == ["ABORT", "START", "RUNNING", "COMPLETE"], [e["eventType"] for e in received]
     assert marquez.runs()[str(events.run_uuid("again/run"))]["state"] == "COMPLETED"
+
+
+async def test_a_decision_and_its_reconciliation_consumed_at_once_find_each_other(pg_dsn) -> None:
+    # Two consumers (two instances) store a decision and its reconciliation at the same time:
+    # each transaction misses the other's row, so the reconciliation waited out the decision wait
+    # and went out with an inferred decision (no reason, limit 0). The sender now releases a
+    # waiting reconciliation as soon as its decision is stored.
+    from budgetgate.services.evidence_emitter import handlers as evidence_handlers
+    from budgetgate.services.evidence_emitter.sender import Sender
+
+    handlers = evidence_handlers.EvidenceHandlers(producer=events.producer_uri())
+    admitted = decision("race/run")
+    done = reconciliation(admitted, "COMPLETED", actual_hours=3)
+    first, second = await asyncpg.connect(pg_dsn), await asyncpg.connect(pg_dsn)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    try:
+        async with first.transaction():
+            await handlers.reconciliation(first, done, None)  # stored waiting: no decision yet
+            async with second.transaction():
+                await handlers.decision(second, admitted, None)  # finds nothing waiting: not committed
+        state = await first.fetchval("SELECT state FROM evidence_events WHERE stage = 'reconciliation'")
+        assert state == "waiting"
+        sender = Sender(pool=pool, send=lambda _event: None)
+        assert await sender.release_decided() == 1
+        row = await first.fetchrow("SELECT state, event_type, payload FROM evidence_events WHERE stage = 'reconciliation'")
+        budget = json.loads(row["payload"])["run"]["facets"]["budget"]
+        assert (row["state"], row["event_type"]) == ("pending", "COMPLETE")
+        assert budget["decision_id"] == admitted.decision_id and budget["reason"] == admitted.reason
+        assert await sender.release_decided() == 0
+    finally:
+        await pool.close()
+        await first.close()
+        await second.close()

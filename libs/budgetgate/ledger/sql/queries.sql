@@ -649,6 +649,13 @@ SELECT seq, payload FROM evidence_events WHERE run_id = $1 AND state = 'waiting'
 -- decision's own event), released to the sender.
 UPDATE evidence_events SET payload = $2, event_type = $3, state = 'pending', next_attempt_at = now() WHERE seq = $1 AND state = 'waiting';
 
+-- name: evidence_waiting_decided
+-- Runs with a reconciliation waiting for a decision that is stored (the two consumed at the same
+-- time, each transaction missing the other's row): handlers.release_decided releases them.
+SELECT DISTINCT w.run_id FROM evidence_events w
+WHERE w.state = 'waiting' AND EXISTS (SELECT 1 FROM evidence_events d WHERE d.run_id = w.run_id AND d.stage = 'decision')
+LIMIT $1;
+
 -- name: evidence_release_stale
 -- Reconciliations whose decision never came within $1 seconds go out with the inferred one.
 UPDATE evidence_events SET state = 'pending', next_attempt_at = now()
