@@ -270,21 +270,23 @@ async def test_a_run_admitted_after_a_refused_attempt_gets_its_own_end(settings,
     admitted = decision("again/run", "ALLOW", attempt=2, at=t0 + timedelta(minutes=10))
     running = reconciliation(admitted, "RUNNING", actual_hours=5, at=t0 + timedelta(hours=1))
     completed = reconciliation(admitted, "COMPLETED", actual_hours=10, at=t0 + timedelta(hours=2))
+    corrected = reconciliation(admitted, "COMPLETED", actual_hours=11, at=t0 + timedelta(hours=2, minutes=10))  # late samples
     await publish(settings, refused)
     if decision_first:
-        await publish(settings, admitted, running, completed)
+        await publish(settings, admitted, running, completed, corrected)
     else:
-        await publish(settings, running, completed)
+        await publish(settings, running, completed, corrected)
     emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
     try:
         if not decision_first:
-            await wait_until(lambda: emitter.rt.sender.stats.backlog.pending >= 2, what="the reconciliations stored, waiting")
+            await wait_until(lambda: emitter.rt.sender.stats.backlog.pending >= 3, what="the reconciliations stored, waiting")
             await publish(settings, admitted)
-        received = await marquez.wait_for(4, timeout=60)
+        received = await marquez.wait_for(5, timeout=60)
         await wait_evidence_settled(settings)
     finally:
         await emitter.stop()
-    assert [e["eventType"] for e in received] == ["ABORT", "START", "RUNNING", "COMPLETE"], [e["eventType"] for e in received]
+    # One terminal event for the admitted life: the correction after it is OTHER.
+    assert [e["eventType"] for e in received] == ["ABORT", "START", "RUNNING", "COMPLETE", "OTHER"], [e["eventType"] for e in received]
     assert marquez.runs()[str(events.run_uuid("again/run"))]["state"] == "COMPLETED"
 
 

@@ -653,7 +653,9 @@ UPDATE evidence_events SET payload = $2, event_type = $3, state = 'pending', nex
 -- Runs with a reconciliation waiting for a decision that is stored (the two consumed at the same
 -- time, each transaction missing the other's row): handlers.release_decided releases them.
 SELECT DISTINCT w.run_id FROM evidence_events w
-WHERE w.state = 'waiting' AND EXISTS (SELECT 1 FROM evidence_events d WHERE d.run_id = w.run_id AND d.stage = 'decision')
+WHERE w.state = 'waiting'
+  AND EXISTS (SELECT 1 FROM evidence_events d
+              WHERE d.run_id = w.run_id AND d.stage = 'decision' AND (w.decision_id IS NULL OR d.decision_id = w.decision_id))
 LIMIT $1;
 
 -- name: evidence_release_stale
@@ -668,12 +670,18 @@ WHERE run_id = $1 AND stage = 'decision' AND ($2::text IS NULL OR decision_id = 
 ORDER BY seq DESC LIMIT 1;
 
 -- name: evidence_terminal_sent
--- Whether the run's current life has its terminal event already: a COMPLETE, FAIL or ABORT stored
--- after its latest START. An attempt refused (ABORT) and a later one admitted (START) start the
--- run again in Marquez, and that life's own end must go out as terminal, not as OTHER.
+-- Whether the run's current life has its terminal event already: a COMPLETE, FAIL or ABORT of the
+-- decision of its latest START (or of no named decision), or of any decision when it never
+-- started. An attempt refused (ABORT) and a later one admitted (START) start the run again in
+-- Marquez, and that life's own end must go out as terminal, not as OTHER; counted by decision,
+-- not by order of storing, because a reconciliation that waited for its decision is stored first.
+-- Events still waiting for their decision do not count: they are typed again when released.
 SELECT EXISTS (SELECT 1 FROM evidence_events t
-               WHERE t.run_id = $1 AND t.event_type IN ('COMPLETE', 'FAIL', 'ABORT')
-                 AND t.seq > COALESCE((SELECT max(s.seq) FROM evidence_events s WHERE s.run_id = $1 AND s.event_type = 'START'), 0));
+               WHERE t.run_id = $1 AND t.event_type IN ('COMPLETE', 'FAIL', 'ABORT') AND t.state <> 'waiting'
+                 AND (t.decision_id IS NULL
+                      OR t.decision_id = COALESCE((SELECT s.decision_id FROM evidence_events s
+                                                   WHERE s.run_id = $1 AND s.event_type = 'START'
+                                                   ORDER BY s.seq DESC LIMIT 1), t.decision_id)));
 
 -- name: evidence_insert_reconciliation
 INSERT INTO evidence_reconciliations (event_id, run_id, decision_id, final_state, terminal, provisional,
