@@ -218,14 +218,22 @@ def context_from_headers(headers: Headers | None) -> Context:
     return extract_context(headers)
 
 
+# What a producer here sends at most in one request (aiokafka's default max_request_size), less
+# room for the record batch's own framing.
+_MAX_WHOLE_DEAD_LETTER = 1_048_576 - 1_024
+
+
 def dead_letter(record: ConsumedRecord, *, reason: str, whole: bool = True) -> Record:
     """A record for `dlq(record.topic)`: the original key, value and headers, plus why and whence.
 
     dlq-* headers from an earlier trip through a DLQ (a replayed message) are replaced, so the
-    record always tells its latest failure. Not `whole`: why and whence only, and the size of
-    the value left out (`dlq-value-dropped`), for a record whose whole copy the broker cannot
-    take; the record itself stays at its source topic, partition and offset.
+    record always tells its latest failure. Not `whole` (or too large to send whole: a record
+    near the size limit, with why and whence added): why and whence only, and the size of the
+    value left out (`dlq-value-dropped`); the record itself stays at its source topic,
+    partition and offset. Dead letters sent directly and through the outbox are both built here.
     """
+    if whole and _size(record) > _MAX_WHOLE_DEAD_LETTER:
+        whole = False
     whence = [
         (DLQ_REASON, reason[:_MAX_REASON_CHARS].encode("utf-8", errors="replace")),
         (DLQ_SOURCE_TOPIC, record.topic.encode()),
@@ -237,6 +245,12 @@ def dead_letter(record: ConsumedRecord, *, reason: str, whole: bool = True) -> R
     kept = [(k, v) for k, v in (record.headers or ()) if k.lower() not in _DLQ_HEADERS]
     # The topics carry no tombstones; an empty value reads the same to whoever inspects it.
     return Record(value=record.value or b"", key=record.key, headers=[*kept, *whence])
+
+
+def _size(record: ConsumedRecord) -> int:
+    """About what `record`'s copy takes on the wire: key, value, headers and the dlq-* headers."""
+    headers = sum(len(k) + len(v or b"") for k, v in record.headers or ())
+    return len(record.key or b"") + len(record.value or b"") + headers + _MAX_REASON_CHARS * 4 + 256
 
 
 class Publisher:

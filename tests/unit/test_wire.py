@@ -332,3 +332,14 @@ def test_a_dead_letter_not_whole_says_why_whence_and_what_it_left_out() -> None:
     # A replay of it (still poison) is parked telling only its latest trip, with no stale size.
     again = dead_letter(_Consumed(METERING, 0, 1, None, parked.value, parked.headers), reason="still garbage")
     assert [k for k, _ in again.headers].count("dlq-value-dropped") == 0
+
+
+def test_a_dead_letter_too_large_to_send_whole_is_built_without_its_value() -> None:
+    # Sent directly or relayed through the outbox (metering-ingest parks expired pending samples
+    # that way, where a copy too large for the producer stopped the relay), the copy fits.
+    near_limit = _Consumed(METERING, 0, 12, b"run-9", b"\x00" * 1_047_000, [("x-big", b"1")])
+    parked = dead_letter(near_limit, reason="unknown_run: run 'run-9' has no decision")
+    assert (parked.value, parked.key) == (b"", None)
+    assert parked.header("dlq-value-dropped") == b"1047000" and parked.header("dlq-offset") == b"12"
+    small = dead_letter(_Consumed(METERING, 0, 13, b"run-9", b"\x00" * 1000, []), reason="garbage")
+    assert small.value == b"\x00" * 1000 and small.header("dlq-value-dropped") is None
