@@ -104,6 +104,9 @@ async def test_a_redis_refusing_writes_for_too_few_replicas_is_an_outage(killabl
         with pytest.raises(RefusingWrites) as raised:
             await ledger.load_key("k", reserved=1, consumed=0)
         assert isinstance(raised.value, backends.BACKEND_ERRORS) and "NOREPLICAS" in str(raised.value)
+        # A plain command too: a rebuild meeting it is an outage (503, retried), not a fault.
+        with pytest.raises(RefusingWrites):
+            await ledger.replace_all(ledgers={"k": (1, 0)}, runs={}, generation="g")
         await client.config_set("min-replicas-to-write", 0)
         await ledger.load_key("k", reserved=1, consumed=0)
         assert await ledger.readings(["k"]) == {"k": (1, 0)}

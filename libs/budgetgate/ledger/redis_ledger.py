@@ -8,10 +8,11 @@ every decision's keys together.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from importlib import resources
@@ -142,13 +143,21 @@ class _Script:
         self._script = script
 
     async def __call__(self, *, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        try:
+        with refusals_as_outages():
             return await self._script(keys=keys, args=args)
-        except redis.exceptions.ResponseError as exc:
-            found = _STATE_REFUSAL.search(str(exc))
-            if found is None or isinstance(exc, _STATE_REFUSALS[found.group(1)]):
-                raise
-            raise _STATE_REFUSALS[found.group(1)](str(exc)) from exc
+
+
+@contextlib.contextmanager
+def refusals_as_outages() -> Iterator[None]:
+    """Raise a refusal of Redis's state (see _STATE_REFUSALS) as the error that says so, whether
+    a script or a plain command met it (redis-py has no class for MISCONF or NOREPLICAS)."""
+    try:
+        yield
+    except redis.exceptions.ResponseError as exc:
+        found = _STATE_REFUSAL.search(str(exc))
+        if found is None or isinstance(exc, _STATE_REFUSALS[found.group(1)]):
+            raise
+        raise _STATE_REFUSALS[found.group(1)](str(exc)) from exc
 
 
 class RedisLedger:
@@ -450,6 +459,18 @@ class RedisLedger:
         half-written ledger: until it is set again every script answers NOT_LOADED. The ledger
         sequence restarts at `seq`, the highest Postgres committed (see reserve.lua).
         """
+        with refusals_as_outages():
+            await self._replace_all(ledgers=ledgers, runs=runs, generation=generation, seq=seq, extra=extra)
+
+    async def _replace_all(
+        self,
+        *,
+        ledgers: dict[str, tuple[int, int]],
+        runs: dict[str, tuple[str, int, dict[str, int]]],
+        generation: str,
+        seq: int,
+        extra: Callable[[Any], None] | None,
+    ) -> None:
         await self.client.delete(self.marker)
         stale = [key async for key in self.client.scan_iter(match=f"{self.tag}:*", count=1000)]
         for start in range(0, len(stale), 500):
