@@ -41,12 +41,17 @@ class JwtVerifier:
         try:
             # PyJWKClient fetches with urllib (blocking) on a cache miss.
             key = await asyncio.to_thread(self.jwks.get_signing_key_from_jwt, token)
+        except jwt.PyJWKClientError as exc:
+            raise Unauthenticated(f"bearer token: signing key not found ({exc})") from None
+        except jwt.PyJWTError as exc:  # a token whose header cannot be read
+            raise Unauthenticated(f"bearer token rejected: {exc}") from None
+        except ValueError as exc:  # the key set came back as something other than JSON
+            raise Unauthenticated(f"bearer token: signing key not found (the issuer's key set could not be read: {exc})") from None
+        try:
             claims = jwt.decode(
                 token, key.key, algorithms=self.algorithms, audience=self.audience, issuer=self.issuer, leeway=self.leeway,
                 options={"require": ["exp", "iss", "aud"]},
             )  # fmt: skip
-        except jwt.PyJWKClientError as exc:
-            raise Unauthenticated(f"bearer token: signing key not found ({exc})") from None
         except jwt.PyJWTError as exc:
             raise Unauthenticated(f"bearer token rejected: {exc}") from None
         except (TypeError, ValueError):

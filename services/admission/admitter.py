@@ -50,7 +50,7 @@ from budgetgate.services.admission.fairshare import DecayedUsage
 from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import canonical, response_body
-from budgetgate.services.admission.resubmission import Conflict, decided_afresh, differences, ownership
+from budgetgate.services.admission.resubmission import Conflict, decided_afresh, differences, ownership, stored_request
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 log = logging.getLogger(__name__)
@@ -316,11 +316,12 @@ def _sort_out(batch: list[Pending], latest: Mapping[str, Any], *, tenant_label: 
             continue
         leaders[p.run_id] = p
         prior = latest.get(p.run_id)
-        if prior is not None and (moved := ownership(prior["request"], req, tenant_label=tenant_label)):
+        stored = None if prior is None else stored_request(prior["request"])  # read once for both checks
+        if stored is not None and (moved := ownership(stored, req, tenant_label=tenant_label)):
             answers[p] = Conflict(p.run_id, req.attempt, moved, owned=True)
         elif prior is None or decided_afresh(prior["outcome"], prior["attempt"], req.attempt):
             fresh.append(p)
-        elif prior["attempt"] == req.attempt and (fields := differences(prior["request"], req)):
+        elif prior["attempt"] == req.attempt and (fields := differences(stored, req)):
             answers[p] = Conflict(p.run_id, req.attempt, fields)
         else:
             answers[p] = replay(prior)

@@ -33,7 +33,7 @@ def ownership(stored: Mapping[str, Any] | str, request: AdmissionRequest, *, ten
     such a submission neither replays the run's decision (another tenant's figures) nor decides
     the run afresh (taking it over): a principal limited to its own namespaces and tenants is
     checked against the submission's, so the run must be theirs too."""
-    before = json.loads(stored) if isinstance(stored, str) else stored
+    before = stored_request(stored)
     moved = [] if before.get("namespace") == request.namespace else ["namespace"]
     owner = (before.get("labels") or {}).get(tenant_label)
     if owner is not None and owner != request.labels.get(tenant_label):
@@ -41,9 +41,14 @@ def ownership(stored: Mapping[str, Any] | str, request: AdmissionRequest, *, ten
     return moved
 
 
+def stored_request(stored: Mapping[str, Any] | str) -> Mapping[str, Any]:
+    """A decision's stored request (jsonb, as text or decoded) as a mapping."""
+    return json.loads(stored) if isinstance(stored, str) else stored
+
+
 def differences(stored: Mapping[str, Any] | str, request: AdmissionRequest) -> list[str]:
     """The fields (dotted paths of COMPARED) in which `request` differs from `stored`."""
-    before = json.loads(stored) if isinstance(stored, str) else stored
+    before = stored_request(stored)
     after = request.model_dump(mode="json")
     return [path for path in COMPARED if _at(before, path) != _at(after, path)]
 

@@ -109,3 +109,32 @@ async def test_claims_are_mapped_by_settings_nested_ones_included(admission_fact
     assert (await server.client.get("/v1/tenants/nlp/usage", headers=bearer(reader))).status_code == 200
     refused = await server.client.get("/v1/tenants/vision/usage", headers=bearer(reader))
     assert refused.status_code == 403 and "jwt:system:serviceaccount:flyte:flyte-admin" in refused.json()["detail"]
+
+
+async def test_a_key_set_that_is_not_json_is_a_401_naming_it(admission_factory, issuer, pg_dsn) -> None:
+    # A proxy answering the issuer's JWKS URL with an HTML page: PyJWT raises a JSON error of
+    # its own reading, which must not read as the token's fault (nor be a 500).
+    class Html(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = b"<html>maintenance</html>"
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    html = ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=html.serve_forever, daemon=True).start()
+    try:
+        await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
+        server = await admission_factory(oidc_issuer=ISSUER, oidc_audience=AUDIENCE, oidc_jwks_url=f"http://127.0.0.1:{html.server_address[1]}/jwks.json")
+        await server.wait_ready()
+        token = issuer.token(budgetgate_roles=["submitter"])
+        response = await server.client.post("/v1/admissions", json=submission(run_id="jwt/html"), headers=bearer(token))
+        assert response.status_code == 401 and "key set could not be read" in response.json()["detail"], response.text
+    finally:
+        html.shutdown()
+        html.server_close()
