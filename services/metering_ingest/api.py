@@ -147,7 +147,7 @@ def router(*, max_batch: int, metering_topic: str) -> APIRouter:
     )
     async def ingest_samples(request: Request) -> JSONResponse:
         rt = request.app.state.rt
-        items, problems = _batch(await request.body(), max_batch)
+        items, problems = json_batch(await request.body(), "samples", max_batch)
         if problems:
             return JSONResponse({"detail": problems}, status_code=422)
         parsed, problems = _validated(rt.ingestor, rt.metrics, items)
@@ -161,18 +161,19 @@ def router(*, max_batch: int, metering_topic: str) -> APIRouter:
     return api
 
 
-def _batch(body: bytes, max_batch: int) -> tuple[list[Any], list[dict[str, Any]]]:
-    """The samples of a request body, or the problems with it."""
+def json_batch(body: bytes, field: str, max_batch: int) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The list `field` of a request body (its samples, its lifecycle events), or the problems
+    with it: not JSON (or nested deeper than the parser goes), no such non-empty list, too long."""
     try:
         data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # not JSON, or nested deeper than the parser goes
-        return [], [_problem(["body"], f"the body is not valid JSON: {exc}", "json_invalid")]
-    samples = data.get("samples") if isinstance(data, dict) else None
-    if not isinstance(samples, list) or not samples:
-        return [], [_problem(["body", "samples"], "a non-empty list of samples is required", "missing")]
-    if len(samples) > max_batch:
-        return [], [_problem(["body", "samples"], f"{len(samples)} samples; at most {max_batch} per request", "too_long")]
-    return samples, []
+    except (ValueError, RecursionError) as exc:
+        return [], [problem(["body"], f"the body is not valid JSON: {exc}", "json_invalid")]
+    items = data.get(field) if isinstance(data, dict) else None
+    if not isinstance(items, list) or not items:
+        return [], [problem(["body", field], f"a non-empty list of {field} is required", "missing")]
+    if len(items) > max_batch:
+        return [], [problem(["body", field], f"{len(items)} {field}; at most {max_batch} per request", "too_long")]
+    return items, []
 
 
 def _validated(ingestor: Ingestor, metrics: MeteringMetrics, items: list[Any]) -> tuple[list[tuple[MeteringSample, Sample]], list[dict[str, Any]]]:
@@ -184,7 +185,7 @@ def _validated(ingestor: Ingestor, metrics: MeteringMetrics, items: list[Any]) -
             parsed.append((message, ingestor.validate(message)))
         except Rejected as exc:
             metrics.rejected(exc.reason, source="http")
-            problems.extend(_problem(["body", "samples", index, *([p.field] if p.field else [])], str(p), str(p.reason)) for p in exc.problems)
+            problems.extend(problem(["body", "samples", index, *([p.field] if p.field else [])], str(p), str(p.reason)) for p in exc.problems)
     return parsed, problems
 
 
@@ -201,7 +202,7 @@ async def _apply(
         except Rejected as exc:
             metrics.rejected(exc.reason, source="http")
             results.append({**_identity(index, sample), "status": "rejected", "reason": str(exc.reason), "detail": str(exc)})
-            problems.extend(_problem(["body", "samples", index, *([p.field] if p.field else [])], str(p), str(p.reason)) for p in exc.problems)
+            problems.extend(problem(["body", "samples", index, *([p.field] if p.field else [])], str(p), str(p.reason)) for p in exc.problems)
             continue
         except BACKEND_ERRORS as exc:
             raise Unavailable(f"Postgres unavailable after {index} of {len(parsed)} samples (resending the batch is safe): {exc}") from exc
@@ -231,8 +232,9 @@ def _result(outcome: Outcome) -> dict[str, Any]:
     return {"status": "pending", "pendingUntil": rfc3339(outcome.until)}
 
 
-def _problem(loc: list[Any], msg: str, kind: str) -> dict[str, Any]:
-    # Fields named as the samples name them in the canonical JSON mapping (gpuSeconds).
+def problem(loc: list[Any], msg: str, kind: str) -> dict[str, Any]:
+    """A problem of a request body, its fields named as the canonical JSON mapping names them
+    (gpuSeconds, eventTime) past body.<list>.<index>."""
     return {"loc": [_camel(p) if isinstance(p, str) and i > 2 else p for i, p in enumerate(loc)], "msg": msg, "type": kind}
 
 

@@ -15,7 +15,6 @@ the reconciler's Kafka consumer applies (budgetgate/lifecycle.py). Answers:
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -28,7 +27,7 @@ from google.protobuf import json_format
 from budgetgate import lifecycle, outbox, topics, wire
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
-from budgetgate.services.metering_ingest.api import Unavailable
+from budgetgate.services.metering_ingest.api import Unavailable, json_batch, problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 
 # json_format names the field it failed on by its JSON name (or by the name it was given).
@@ -112,20 +111,14 @@ def router(*, max_batch: int) -> APIRouter:
 
 def parsed(body: bytes, max_batch: int) -> tuple[list[LifecycleEvent], list[dict[str, Any]]]:
     """The events of a request body, each with its event id, or every problem with them."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # not JSON, or nested deeper than the parser goes
-        return [], [_problem(["body"], f"the body is not valid JSON: {exc}", "json_invalid")]
-    items = data.get("events") if isinstance(data, dict) else None
-    if not isinstance(items, list) or not items:
-        return [], [_problem(["body", "events"], "a non-empty list of events is required", "missing")]
-    if len(items) > max_batch:
-        return [], [_problem(["body", "events"], f"{len(items)} events; at most {max_batch} per request", "too_long")]
+    items, problems = json_batch(body, "events", max_batch)
+    if problems:
+        return [], problems
     events, problems = [], []
     for index, item in enumerate(items):
         where = ["body", "events", index]
         if not isinstance(item, dict):
-            problems.append(_problem(where, f"an event must be a JSON object, not {type(item).__name__}", "type_error"))
+            problems.append(problem(where, f"an event must be a JSON object, not {type(item).__name__}", "type_error"))
             continue
         event = LifecycleEvent()
         try:
@@ -133,22 +126,12 @@ def parsed(body: bytes, max_batch: int) -> tuple[list[LifecycleEvent], list[dict
         except json_format.ParseError as exc:
             found = _FAILED_FIELD.search(str(exc))
             field = _FIELD_NAMES.get(found.group(1)) if found else None
-            problems.append(_problem([*where, *([field] if field else [])], f"not a LifecycleEvent: {exc}", "value_error"))
+            problems.append(problem([*where, *([field] if field else [])], f"not a LifecycleEvent: {exc}", "value_error"))
             continue
         if not event.event_id:
             event.event_id = lifecycle.derived_event_id(event)
         elif reason := lifecycle.event_id_problem(event.event_id):
-            problems.append(_problem([*where, "event_id"], reason, "value_error"))
-        problems.extend(_problem([*where, field], msg, "value_error") for field, msg in lifecycle.problems(event))
+            problems.append(problem([*where, "event_id"], reason, "value_error"))
+        problems.extend(problem([*where, field], msg, "value_error") for field, msg in lifecycle.problems(event))
         events.append(event)
     return events, problems
-
-
-def _problem(loc: list[Any], msg: str, kind: str) -> dict[str, Any]:
-    # Fields named as the events name them in the canonical JSON mapping (eventTime).
-    return {"loc": [_camel(p) if isinstance(p, str) and i > 2 else p for i, p in enumerate(loc)], "msg": msg, "type": kind}
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(word.title() for word in rest)
