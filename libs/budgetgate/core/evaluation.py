@@ -122,7 +122,7 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
                 continue
         if not scope.matches(submission.namespace, submission.labels):
             continue
-        amount = checked(_amount(policy, submission, projected_gpu, showback), f"the amount budget {policy.id!r} would reserve")
+        amount = _amount(policy, submission, projected_gpu, showback)
         charges.append(Charge(policy, window_at(policy.window, submission.at), amount))
     return Plan(
         submission=submission,
@@ -140,10 +140,12 @@ def _amount(policy: BudgetPolicy, submission: Submission, projected_gpu: int, sh
     unit = policy.limit.unit
     if unit is Unit.GPU_HOURS:
         return projected_gpu
+    # GPU-hours and cost were bounded once for the plan; these are bounded here (the messages
+    # are constants: this runs for every charge of every submission).
     if unit is Unit.NODE_HOURS:
-        return projected_hours_amount(submission.resources.nodes, submission.runtime_hours)
+        return checked(projected_hours_amount(submission.resources.nodes, submission.runtime_hours), "the projected node-hours (nodes × runtime)")
     if unit is Unit.WALL_HOURS:
-        return projected_hours_amount(1, submission.runtime_hours)
+        return checked(projected_hours_amount(1, submission.runtime_hours), "the projected wall-hours (runtime)")
     if showback is None:
         flavor = submission.resources.flavor
         raise UnknownFlavor(

@@ -143,21 +143,34 @@ class _Script:
         self._script = script
 
     async def __call__(self, *, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        with refusals_as_outages():
+        try:  # not the context below: a script call is on admission's path, once per batch
             return await self._script(keys=keys, args=args)
+        except redis.exceptions.ResponseError as exc:
+            outage = _as_outage(exc)
+            if outage is exc:
+                raise
+            raise outage from exc
 
 
 @contextlib.contextmanager
 def refusals_as_outages() -> Iterator[None]:
-    """Raise a refusal of Redis's state (see _STATE_REFUSALS) as the error that says so, whether
-    a script or a plain command met it (redis-py has no class for MISCONF or NOREPLICAS)."""
+    """Raise a refusal of Redis's state (see _STATE_REFUSALS) met by plain commands as the error
+    that says so, as the scripts do (redis-py has no class for MISCONF or NOREPLICAS)."""
     try:
         yield
     except redis.exceptions.ResponseError as exc:
-        found = _STATE_REFUSAL.search(str(exc))
-        if found is None or isinstance(exc, _STATE_REFUSALS[found.group(1)]):
+        outage = _as_outage(exc)
+        if outage is exc:
             raise
-        raise _STATE_REFUSALS[found.group(1)](str(exc)) from exc
+        raise outage from exc
+
+
+def _as_outage(exc: redis.exceptions.ResponseError) -> redis.exceptions.RedisError:
+    """`exc` itself, or the error of the refusal of Redis's state it reports."""
+    found = _STATE_REFUSAL.search(str(exc))
+    if found is None or isinstance(exc, _STATE_REFUSALS[found.group(1)]):
+        return exc
+    return _STATE_REFUSALS[found.group(1)](str(exc))
 
 
 class RedisLedger:
@@ -460,31 +473,20 @@ class RedisLedger:
         sequence restarts at `seq`, the highest Postgres committed (see reserve.lua).
         """
         with refusals_as_outages():
-            await self._replace_all(ledgers=ledgers, runs=runs, generation=generation, seq=seq, extra=extra)
-
-    async def _replace_all(
-        self,
-        *,
-        ledgers: dict[str, tuple[int, int]],
-        runs: dict[str, tuple[str, int, dict[str, int]]],
-        generation: str,
-        seq: int,
-        extra: Callable[[Any], None] | None,
-    ) -> None:
-        await self.client.delete(self.marker)
-        stale = [key async for key in self.client.scan_iter(match=f"{self.tag}:*", count=1000)]
-        for start in range(0, len(stale), 500):
-            await self.client.delete(*stale[start : start + 500])
-        pipe = self.client.pipeline(transaction=False)
-        for key, (reserved, consumed) in ledgers.items():
-            pipe.hset(self.ledger(key), mapping={"reserved": reserved, "consumed": consumed})
-        for run_id, (decision_id, at_ms, amounts) in runs.items():
-            fields: dict[str, object] = {self.ledger(k): v for k, v in amounts.items()}
-            pipe.hset(self.run(run_id), mapping={**fields, "_decision": decision_id, "_at": at_ms})
-        pipe.set(self.sequence, seq)
-        if extra is not None:
-            extra(pipe)  # more state to write before the marker goes back (concurrency holds)
-        await pipe.execute()
+            await self.client.delete(self.marker)
+            stale = [key async for key in self.client.scan_iter(match=f"{self.tag}:*", count=1000)]
+            for start in range(0, len(stale), 500):
+                await self.client.delete(*stale[start : start + 500])
+            pipe = self.client.pipeline(transaction=False)
+            for key, (reserved, consumed) in ledgers.items():
+                pipe.hset(self.ledger(key), mapping={"reserved": reserved, "consumed": consumed})
+            for run_id, (decision_id, at_ms, amounts) in runs.items():
+                fields: dict[str, object] = {self.ledger(k): v for k, v in amounts.items()}
+                pipe.hset(self.run(run_id), mapping={**fields, "_decision": decision_id, "_at": at_ms})
+            pipe.set(self.sequence, seq)
+            if extra is not None:
+                extra(pipe)  # more state to write before the marker goes back (concurrency holds)
+            await pipe.execute()
         await self.client.set(self.marker, generation)
 
 
