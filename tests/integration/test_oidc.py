@@ -5,10 +5,8 @@ wrong audience, issuer, signature or an expired token is refused and changes not
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import jwt
@@ -17,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from tests.support.admission import admission_factory, apply_policies, example_policies, submission  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, ledger_state
+from tests.support.servers import PageServer
 
 ISSUER = "https://issuer.test"
 AUDIENCE = "budgetgate"
@@ -32,21 +31,8 @@ class Issuer:
         self.ec_key = ec.generate_private_key(ec.SECP256R1())
         ec_jwk = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(self.ec_key.public_key()))
         body = json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}, {**ec_jwk, "kid": "k2", "use": "sig", "alg": "ES256"}]}).encode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.jwks_url = f"http://127.0.0.1:{self.server.server_address[1]}/jwks.json"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.pages = PageServer(lambda _path: (body, "application/json"))
+        self.jwks_url = f"{self.pages.url}/jwks.json"
 
     def token(self, *, key: Any = None, **claims: Any) -> str:
         now = int(time.time())
@@ -58,8 +44,7 @@ class Issuer:
 def issuer() -> Iterator[Issuer]:
     found = Issuer()
     yield found
-    found.server.shutdown()
-    found.server.server_close()
+    found.pages.close()
 
 
 async def test_jwts_are_verified_against_the_issuers_jwks(admission_factory, issuer, pg_dsn, settings) -> None:
@@ -114,27 +99,13 @@ async def test_claims_are_mapped_by_settings_nested_ones_included(admission_fact
 async def test_a_key_set_that_is_not_json_is_a_401_naming_it(admission_factory, issuer, pg_dsn) -> None:
     # A proxy answering the issuer's JWKS URL with an HTML page: PyJWT raises a JSON error of
     # its own reading, which must not read as the token's fault (nor be a 500).
-    class Html(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            body = b"<html>maintenance</html>"
-            self.send_response(200)
-            self.send_header("content-type", "text/html")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    html = ThreadingHTTPServer(("127.0.0.1", 0), Html)
-    threading.Thread(target=html.serve_forever, daemon=True).start()
+    html = PageServer(lambda _path: (b"<html>maintenance</html>", "text/html"))
     try:
         await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
-        server = await admission_factory(oidc_issuer=ISSUER, oidc_audience=AUDIENCE, oidc_jwks_url=f"http://127.0.0.1:{html.server_address[1]}/jwks.json")
+        server = await admission_factory(oidc_issuer=ISSUER, oidc_audience=AUDIENCE, oidc_jwks_url=f"{html.url}/jwks.json")
         await server.wait_ready()
         token = issuer.token(budgetgate_roles=["submitter"])
         response = await server.client.post("/v1/admissions", json=submission(run_id="jwt/html"), headers=bearer(token))
         assert response.status_code == 401 and "key set could not be read" in response.json()["detail"], response.text
     finally:
-        html.shutdown()
-        html.server_close()
+        html.close()

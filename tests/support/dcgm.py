@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.support.servers import free_port
+from tests.support.servers import PageServer
 
 PAGES = Path(__file__).resolve().parents[1] / "fixtures" / "dcgm"
 
@@ -17,27 +15,15 @@ class Exporters:
 
     def __init__(self, *, train_scrapes: int) -> None:
         self.scrapes = {"a": 0, "b": 0}
-        exporters = self
+        self._train_scrapes = train_scrapes
+        self.pages = PageServer(self._page)
+        self.url = self.pages.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                node = self.path.strip("/").split("/")[0]
-                exporters.scrapes[node] += 1
-                name = {"a": "node-a.prom" if exporters.scrapes["a"] <= train_scrapes else "node-a-train-ended.prom", "b": "node-b.prom"}[node]
-                body = (PAGES / name).read_bytes()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _page(self, path: str) -> tuple[bytes, str]:
+        node = path.strip("/").split("/")[0]
+        self.scrapes[node] += 1
+        name = {"a": "node-a.prom" if self.scrapes["a"] <= self._train_scrapes else "node-a-train-ended.prom", "b": "node-b.prom"}[node]
+        return (PAGES / name).read_bytes(), "text/plain; version=0.0.4; charset=utf-8"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.pages.close()
