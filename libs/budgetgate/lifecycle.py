@@ -5,13 +5,19 @@ consumer dead-letters an event that breaks these rules, and metering-ingest's
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from budgetgate.core.reconciliation import LIFECYCLE_KINDS
+from budgetgate.timestamps import time_problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.wire import MAX_EVENT_ID
 
 MAX_RUN_ID = 256
+# Run ids are those admission accepts (printable ASCII, no spaces), else no decision could match.
+_RUN_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+# What one run may report holding: admission's bounds on a submission's GPUs and nodes.
+MAX_GPUS, MAX_NODES = 1_000_000, 100_000
 _IDS = uuid.uuid5(uuid.NAMESPACE_URL, "https://budgetgate.dev/lifecycle/event-id")
 
 
@@ -19,17 +25,26 @@ def problems(event: LifecycleEvent) -> list[tuple[str, str]]:
     """Every broken rule of `event`, as (field, what is wrong); the first one is the reason a
     consumer gives when it dead-letters the event."""
     found = []
-    if not event.run_id or len(event.run_id) > MAX_RUN_ID:
-        found.append(("run_id", f"run_id must be 1 to {MAX_RUN_ID} characters"))
+    if reason := run_id_problem(event.run_id):
+        found.append(("run_id", reason))
     kind = LifecycleType.Name(event.type) if event.type in LifecycleType.values() else ""
     if kind not in LIFECYCLE_KINDS:
         found.append(("type", f"lifecycle event {event.event_id} has no known type ({event.type})"))
     if not event.HasField("event_time"):
         found.append(("event_time", f"lifecycle event {event.event_id} has no event_time"))
-    for field in ("gpus", "nodes"):
-        if getattr(event, field) < 0:
-            found.append((field, f"lifecycle event {event.event_id} reports negative resources"))
+    elif reason := time_problem(event.event_time, "event_time"):
+        found.append(("event_time", f"lifecycle event {event.event_id}: {reason}"))
+    for field, most in (("gpus", MAX_GPUS), ("nodes", MAX_NODES)):
+        if not 0 <= getattr(event, field) <= most:
+            found.append((field, f"lifecycle event {event.event_id} reports {field} outside 0 to {most}"))
     return found
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why `run_id` can be no run's id, if it cannot (admission's rule)."""
+    if _RUN_ID.match(run_id):
+        return None
+    return f"run_id must be 1 to {MAX_RUN_ID} printable ASCII characters without spaces"
 
 
 def event_id_problem(event_id: str) -> str | None:

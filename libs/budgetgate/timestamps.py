@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from budgetgate.core.metering import EARLIEST
+
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_EARLIEST_SECOND = int((EARLIEST - EPOCH).total_seconds())
+_LAST_SECOND = 253_402_300_799  # 9999-12-31T23:59:59Z, the last second a Timestamp may hold
 
 
 def timestamp(at: datetime) -> Timestamp:
@@ -32,3 +36,19 @@ def _parts(at: datetime) -> tuple[int, int]:
 def maybe_timestamp(at: datetime | None) -> Timestamp | None:
     """`timestamp(at)`, or None (the field left unset) without a time."""
     return None if at is None else timestamp(at)
+
+
+def accepted_time(stamp: Timestamp) -> datetime | None:
+    """`stamp` as an aware datetime, or None when it is no time budgetgate takes: before
+    EARLIEST, after the last second a Timestamp may hold, or with nanos out of range (what
+    ToDatetime raises on, without its checks and time zone conversion)."""
+    if _EARLIEST_SECOND <= stamp.seconds <= _LAST_SECOND and 0 <= stamp.nanos < 1_000_000_000:
+        return EPOCH + timedelta(0, stamp.seconds, stamp.nanos // 1000)
+    return None
+
+
+def time_problem(stamp: Timestamp, field: str) -> str | None:
+    """Why `stamp` (the message's `field`) is no time budgetgate takes, if it is not one."""
+    if accepted_time(stamp) is not None:
+        return None
+    return f"{field} is not a time from {EARLIEST.date().isoformat()} to 9999-12-31 (seconds {stamp.seconds}, nanos {stamp.nanos})"

@@ -3,37 +3,31 @@
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime, timedelta
+import sys
+from datetime import datetime
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.timestamps import EPOCH, fill, timestamp
+from budgetgate.lifecycle import event_id_problem
+from budgetgate.timestamps import accepted_time, fill, time_problem, timestamp
 from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, Sample, sample_event_id, usage_event_id
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 
 # json_format names the field it failed on by its JSON name (or by the name it was given).
 _FAILED_FIELD = re.compile(r"Failed to parse (\w+) field")
-# 0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z, the range of a valid Timestamp.
-_FIRST_SECOND, _LAST_SECOND = -62_135_596_800, 253_402_300_799
 _FIELD_NAMES = {name: f.name for f in MeteringSample.DESCRIPTOR.fields for name in (f.name, f.json_name)}
 
 
 def raw_sample(message: MeteringSample) -> RawSample:
-    """The core's view of a sample message; Rejected if its observed_at is no real time."""
+    """The core's view of a sample message; Rejected if its observed_at is no time budgetgate takes."""
     observed_at = None
     if message.HasField("observed_at"):
-        stamp = message.observed_at
-        try:
-            if _FIRST_SECOND <= stamp.seconds <= _LAST_SECOND and 0 <= stamp.nanos < 1_000_000_000:
-                # What ToDatetime gives, without its checks and time zone conversion (per sample).
-                observed_at = EPOCH + timedelta(0, stamp.seconds, stamp.nanos // 1000)
-            else:
-                observed_at = stamp.ToDatetime(tzinfo=UTC)
-        except (ValueError, OverflowError) as exc:
-            raise Rejected(Problem(Rejection.INVALID_FIELD, "observed_at", f"observed_at is not a valid time: {exc}")) from exc
+        observed_at = accepted_time(message.observed_at)
+        if observed_at is None:
+            raise Rejected(Problem(Rejection.INVALID_FIELD, "observed_at", time_problem(message.observed_at, "observed_at")))
     return RawSample(message.run_id, message.sample_id, observed_at, message.gpu_seconds, message.node_seconds, message.exporter)
 
 
@@ -52,8 +46,14 @@ def from_json(data: Any) -> MeteringSample:
         found = _FAILED_FIELD.search(str(exc))
         field = _FIELD_NAMES.get(found.group(1)) if found else None
         raise Rejected(Problem(Rejection.UNPARSEABLE, field, str(exc))) from exc
+    except (OverflowError, TypeError, ValueError) as exc:  # raised past the parser: a JSON number no float holds
+        field = next((_FIELD_NAMES.get(k) for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool) and abs(v) > sys.float_info.max), None)
+        raise Rejected(Problem(Rejection.UNPARSEABLE, field, f"{field or 'a field'} is not a number a sample can hold ({exc})")) from exc
     if not message.event_id and message.run_id and message.sample_id:
         message.event_id = sample_event_id(message.run_id, message.sample_id)
+    elif message.event_id and (reason := event_id_problem(message.event_id)):
+        # What a consumer's inbox refuses: kept pending, such a sample would be dead-lettered later.
+        raise Rejected(Problem(Rejection.INVALID_FIELD, "event_id", reason))
     return message
 
 

@@ -16,10 +16,9 @@ from budgetgate.consumer import BatchRoute, Delivery
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.core.reconciliation import TERMINAL
 from budgetgate.ledger.queries import sql
+from budgetgate.timestamps import time_problem
 from budgetgate.topics import Topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
-
-MAX_RUN_ID = 256
 
 
 def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, BatchRoute]:
@@ -93,21 +92,17 @@ def _lifecycle_problem(event: lifecycle_pb2.LifecycleEvent) -> str | None:
 
 
 def _usage_problem(record: usage_pb2.UsageRecord) -> str | None:
-    if reason := _run_id_problem(record.run_id):
+    if reason := lifecycle.run_id_problem(record.run_id):
         return reason
     if not record.sample_id:
         return f"usage record {record.event_id} has no sample_id"
     if not record.HasField("observed_at"):
         return f"usage record {record.event_id} has no observed_at"
+    if reason := time_problem(record.observed_at, "observed_at"):
+        return f"usage record {record.event_id}: {reason}"
     counters = (record.gpu_milli_hours_observed, record.node_milli_hours_observed, record.gpu_milli_hours_cumulative, record.node_milli_hours_cumulative)
     if any(c < 0 for c in counters):
         return f"usage record {record.event_id} has negative counters"
     if any(c > MAX_AMOUNT for c in counters):
         return f"usage record {record.event_id} has a counter beyond the ledger's range ({MAX_AMOUNT})"
-    return None
-
-
-def _run_id_problem(run_id: str) -> str | None:
-    if not run_id or len(run_id) > MAX_RUN_ID:
-        return f"run_id must be 1 to {MAX_RUN_ID} characters"
     return None

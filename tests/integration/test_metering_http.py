@@ -67,6 +67,10 @@ async def test_bad_fields_are_named_and_nothing_of_the_batch_is_recorded(meterin
         {**good, "sampleId": "typo", "gpuSeconds": "many"},
         {"sampleId": "bare"},
         "not an object",
+        {**good, "sampleId": "huge", "gpuSeconds": int("9" * 400)},  # no float holds it: once a 500
+        {**good, "sampleId": "zero", "observedAt": "1970-01-01T00:00:00Z"},  # a zero value, charged to 1970
+        {**good, "sampleId": "year1", "observedAt": "0001-01-01T00:00:00Z"},  # Go's zero time: overflowed the windows
+        {**good, "sampleId": "eid", "eventId": "a\u00a0b"},  # what the inbox refuses: kept pending, lost later
     )
     assert response.status_code == 422, response.text
     assert response.headers["content-type"] == "application/problem+json"
@@ -79,11 +83,15 @@ async def test_bad_fields_are_named_and_nothing_of_the_batch_is_recorded(meterin
         (("body", "samples", 5, "runId"), "missing_field"),
         (("body", "samples", 5, "observedAt"), "missing_field"),
         (("body", "samples", 6), "unparseable"),
+        (("body", "samples", 7, "gpuSeconds"), "unparseable"),
+        (("body", "samples", 8, "observedAt"), "invalid_field"),
+        (("body", "samples", 9, "observedAt"), "invalid_field"),
+        (("body", "samples", 10, "eventId"), "invalid_field"),
     }
     assert await usage_rows(pg_dsn) == []
     text = (await metering.client.get("/metrics")).text
     assert metric(text, "budgetgate_metering_rejections_total", reason="negative", source="http") == 1
-    assert metric(text, "budgetgate_metering_rejections_total", reason="unparseable", source="http") == 2
+    assert metric(text, "budgetgate_metering_rejections_total", reason="unparseable", source="http") == 3
 
 
 async def test_a_regression_is_rejected_while_the_rest_is_recorded(metering, pg_dsn) -> None:

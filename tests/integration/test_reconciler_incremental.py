@@ -104,6 +104,30 @@ async def test_amounts_beyond_the_ledger_range_are_dead_lettered_and_never_jam(a
     assert await _fetchval(pg_dsn, "SELECT attempts FROM settlement_failures WHERE run_id = $1", dead) == 2
 
 
+async def test_facts_dated_outside_the_accepted_times_are_dead_lettered_and_never_jam(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    # A lifecycle event with its time beyond what a datetime holds passed the rules and made
+    # ToDatetime raise a plain ValueError, which the inbox took for an outage: the batch was
+    # retried for ever and nothing after it was consumed. One dated at the Unix epoch (a zero
+    # value) was charged to 1970's windows.
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("times", limit="gpu_hours: 100")}, sha="e" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    for run_id in ("far", "epoch", "after"):
+        assert (await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    reconciler = await reconciler_factory()
+    start = datetime.now(UTC) - timedelta(hours=2)
+    far = lifecycle("far", "STARTED", start)
+    far.event_time.seconds = 2**40
+    epoch = usage("epoch", "zero", start, 1)
+    epoch.observed_at.seconds = 0
+    await feed.send(far, epoch)
+    await feed.send(lifecycle("after", "STARTED", start), usage("after", "a", start + timedelta(hours=1), 1), lifecycle("after", "COMPLETED", start + timedelta(hours=1)))
+    await wait_for(lambda: _final(pg_dsn, "after"), what="the run after the unusable facts settled")
+    assert await _fetchval(pg_dsn, "SELECT count(*) FROM lifecycle_events WHERE run_id = 'far'") == 0
+    assert await _fetchval(pg_dsn, "SELECT count(*) FROM run_samples WHERE run_id = 'epoch'") == 0
+    assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+
+
 def _raw(run_id: str, start: datetime, gpu: int) -> usage_pb2.UsageRecord:
     at = ts(start + timedelta(minutes=30))
     return usage_pb2.UsageRecord(

@@ -27,10 +27,27 @@ def test_a_good_event_breaks_no_rule() -> None:
 def test_every_broken_rule_is_named_and_the_consumer_gives_the_first() -> None:
     bad = event(run_id="", type=0, event_time=None, gpus=-1, nodes=-2)
     assert [field for field, _ in lifecycle.problems(bad)] == ["run_id", "type", "event_time", "gpus", "nodes"]
-    assert _lifecycle_problem(bad) == "run_id must be 1 to 256 characters"
+    assert _lifecycle_problem(bad) == "run_id must be 1 to 256 printable ASCII characters without spaces"
     assert _lifecycle_problem(event(type=0)) == "lifecycle event e1 has no known type (0)"
     assert _lifecycle_problem(event(event_time=None)) == "lifecycle event e1 has no event_time"
-    assert _lifecycle_problem(event(nodes=-1)) == "lifecycle event e1 reports negative resources"
+    assert _lifecycle_problem(event(nodes=-1)) == "lifecycle event e1 reports nodes outside 0 to 100000"
+
+
+def test_times_ids_and_resources_no_run_can_have_are_refused() -> None:
+    # Each of these passed the rules and then broke the consumer (a time ToDatetime cannot
+    # convert), Postgres (NUL in text) or the ledger's figures (2**31 GPUs).
+    assert lifecycle.problems(event(event_time=None)) == [("event_time", "lifecycle event e1 has no event_time")]
+    for seconds, nanos in ((2**40, 0), (0, 0), (-62_135_596_800, 0), (1_800_000_000, -5), (946_684_799, 999_999_999)):
+        found = event()
+        found.event_time.seconds, found.event_time.nanos = seconds, nanos
+        assert [field for field, _ in lifecycle.problems(found)] == ["event_time"], (seconds, nanos)
+    earliest = event()
+    earliest.event_time.seconds = 946_684_800  # 2000-01-01T00:00:00Z
+    assert lifecycle.problems(earliest) == []
+    assert [field for field, _ in lifecycle.problems(event(run_id="a\x00b"))] == ["run_id"]
+    assert [field for field, _ in lifecycle.problems(event(run_id="a b"))] == ["run_id"]
+    assert [field for field, _ in lifecycle.problems(event(gpus=2**31 - 1))] == ["gpus"]
+    assert lifecycle.problems(event(gpus=1_000_000, nodes=100_000)) == []
 
 
 def test_derived_event_ids_are_stable_and_distinct() -> None:

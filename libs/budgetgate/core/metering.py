@@ -33,7 +33,7 @@ import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP
 from enum import StrEnum
 from typing import NamedTuple
@@ -53,6 +53,10 @@ _SAFE_SECONDS = (MAX_MILLI - 64) / MILLI_PER_SECOND
 _WHOLE_EXACT = 1e15
 MAX_ID_CHARS = 256
 MAX_EXPORTER_CHARS = 253
+# The earliest time budgetgate takes for an observation or a lifecycle event: no fleet it
+# meters reported before it, and a zero value (the Unix epoch, Go's zero time 0001-01-01) would
+# otherwise be charged to a window decades old, or overflow the window arithmetic.
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 # Run ids are those admission accepts, else the run could never be known.
 _RUN_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 # Postgres text cannot hold NUL, and control characters in an id are a bug upstream.
@@ -183,7 +187,7 @@ def validate(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sample:
     if (
         at is not None
         and at.tzinfo is not None
-        and at <= now + max_skew
+        and EARLIEST <= at <= now + max_skew
         and 0.0 <= gpu <= _SAFE_SECONDS
         and 0.0 <= node <= _SAFE_SECONDS
         and _RUN_ID.match(raw.run_id)
@@ -204,6 +208,14 @@ def _validate_each(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sam
         problems.append(Problem(Rejection.MISSING_FIELD, "observed_at", "observed_at is missing"))
     elif raw.observed_at.tzinfo is None:
         problems.append(Problem(Rejection.INVALID_FIELD, "observed_at", "observed_at has no time zone"))
+    elif raw.observed_at < EARLIEST:
+        problems.append(
+            Problem(
+                Rejection.INVALID_FIELD,
+                "observed_at",
+                f"observed_at {raw.observed_at.isoformat()} is before {EARLIEST.date().isoformat()}: no real sample's time",
+            )
+        )
     elif raw.observed_at > now + max_skew:
         problems.append(
             Problem(
