@@ -38,6 +38,7 @@ from budgetgate.core.metering import (
     Sample,
     assess,
     assess_batch,
+    pending_conflict,
     reason_code,
     usage_event_id,
     validate,
@@ -226,8 +227,18 @@ class Ingestor:
         pending = PendingSample(
             sample.run_id, sample.sample_id, sample.observed_at, origin.source, origin.topic, origin.payload, origin.headers, origin.partition, origin.offset
         )
-        await store.add_pending(conn, pending, expires_at=until)
+        kept = await store.add_pending(conn, pending, expires_at=until)
+        if kept is not None and (conflict := self._pending_conflict(sample, *kept)) is not None:
+            return Rejected(conflict)  # the sample kept first stays; this one was never kept
         return Pending(sample, until)
+
+    def _pending_conflict(self, sample: Sample, payload: bytes, headers: tuple[tuple[str, bytes], ...]) -> Problem | None:
+        """Why `sample` contradicts the one of its id kept pending before (as it arrived), if it does."""
+        try:
+            kept = self.validate(wire.decode(MeteringSample, payload, headers))
+        except (Rejected, wire.WireError):
+            return None  # the kept one is judged (and dead-lettered) when its run is known
+        return pending_conflict(kept, sample)
 
     async def _introduce(self, conn: asyncpg.Connection, run_id: str) -> RunState:
         """Start the usage of a run that has a decision (its lock held): its pending samples first."""

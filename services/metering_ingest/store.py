@@ -201,9 +201,10 @@ async def record_batch(conn: asyncpg.Connection, recorded: Sequence[tuple[Accept
     )
 
 
-async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> None:
-    """Keep a sample until its run is known; the same sample id kept twice is kept once."""
-    await conn.execute(
+async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> tuple[bytes, tuple[tuple[str, bytes], ...]] | None:
+    """Keep a sample until its run is known. A sample id kept already is not kept again: the
+    kept one's payload and headers come back, for the caller to judge the new one against."""
+    row = await conn.fetchrow(
         sql("insert_pending"),
         pending.run_id,
         pending.sample_id,
@@ -216,6 +217,7 @@ async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expir
         pending.payload,
         _pack_headers(pending.headers),
     )
+    return None if row is None else (bytes(row["payload"]), _unpack_headers(bytes(row["headers"])))
 
 
 async def take_pending(conn: asyncpg.Connection, run_id: str) -> list[PendingSample]:

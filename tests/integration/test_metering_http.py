@@ -117,6 +117,22 @@ async def test_samples_of_an_unknown_run_are_accepted_as_pending(metering, pg_ds
     assert await usage_rows(pg_dsn) == []
 
 
+async def test_a_pending_sample_sent_again_with_other_values_is_a_conflict(metering, pg_dsn) -> None:
+    # The second was answered pending and silently dropped (ON CONFLICT DO NOTHING): never
+    # recorded, never refused, never dead-lettered.
+    now = datetime.now(UTC)
+    first = await metering.post(as_json(sample("run-twice", "p", 5.0, at=now)))
+    assert first.status_code == 202
+    resent = await metering.post(as_json(sample("run-twice", "p", 5.0, at=now)))  # the same point, a new event id
+    assert resent.status_code == 202 and resent.json()["results"][0]["status"] == "pending"
+    other = await metering.post(as_json(sample("run-twice", "p", 7.0, at=now)))
+    assert other.status_code == 422, other.text
+    [result] = other.json()["results"]
+    assert result["status"] == "rejected" and result["reason"] == "conflict", result
+    assert [(tuple(d["loc"]), d["type"]) for d in other.json()["errors"]] == [(("body", "samples", 0, "sampleId"), "conflict")]
+    assert await fetchval(pg_dsn, "SELECT count(*) FROM metering_pending WHERE run_id = 'run-twice'") == 1
+
+
 async def test_malformed_empty_oversized_and_overlong_bodies(metering_factory) -> None:
     server = await metering_factory(max_batch_samples=2, max_body_bytes=2000)
     malformed = await server.client.post("/v1/metering/samples", content=b"{not json", headers={"content-type": "application/json"})

@@ -412,6 +412,16 @@ def _lower_field(later: Counters, earlier: Counters) -> str:
     return "gpu_seconds" if later.gpu < earlier.gpu else "node_seconds"
 
 
+def pending_conflict(kept: Sample, sample: Sample) -> Problem | None:
+    """Why `sample` contradicts `kept`, the sample of its id kept pending before (its run has no
+    decision yet), if it does; the same point again is a resend, kept once."""
+    if (kept.observed_at, kept.counters) == (sample.observed_at, sample.counters):
+        return None
+    return Problem(
+        Rejection.CONFLICT, "sample_id", f"sample {sample.sample_id!r} of run {sample.run_id!r} is kept pending with other values ({_describe_sample(kept)})"
+    )
+
+
 def _describe(known: Known) -> str:
     return f"{known.sample_id!r} at {known.observed_at.isoformat()}: gpu {known.counters.gpu}, node {known.counters.node} milli-seconds"
 

@@ -342,10 +342,17 @@ FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamp
 WHERE r.run_id = x.run_id;
 
 -- name: insert_pending
-INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,
-                              kafka_offset, payload, headers)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-ON CONFLICT (run_id, sample_id) DO NOTHING;
+-- Keep a sample until its run is known. When one of the same id is kept already, the new one is
+-- not, and the kept one's payload comes back (for the caller to tell a resend from a conflict).
+WITH kept AS (
+    INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,
+                                  kafka_offset, payload, headers)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+    ON CONFLICT (run_id, sample_id) DO NOTHING
+    RETURNING 1
+)
+SELECT p.payload, p.headers FROM metering_pending p
+WHERE p.run_id = $1 AND p.sample_id = $2 AND NOT EXISTS (SELECT 1 FROM kept);
 
 -- name: take_pending_of_run
 DELETE FROM metering_pending WHERE run_id = $1
