@@ -1,12 +1,13 @@
 """The Kubernetes ValidatingAdmissionWebhook: `POST /v1/kubernetes/admission-review`.
 
-The API server sends an admission.k8s.io/v1 AdmissionReview for each Pod, Job, JobSet or RayJob
-created in the namespaces the ValidatingWebhookConfiguration selects
-(deploy/kubernetes/webhook/). The object is mapped to a submission
-(budgetgate/platforms/kubernetes.py), decided by this instance's admitter exactly as
-`POST /v1/admissions` would decide it, and answered with `allowed` and the decision's reason.
-A `dryRun` request (kubectl --dry-run=server) is quoted as `POST /v1/quotes` would: the same
-answer, nothing reserved or recorded.
+The API server sends an admission.k8s.io/v1 AdmissionReview for each Pod, Job, JobSet, RayJob
+or RayCluster created, and each Job, JobSet, RayJob or RayCluster updated, in the namespaces the
+ValidatingWebhookConfiguration selects (deploy/kubernetes/webhook/). A created object is mapped
+to a submission (budgetgate/platforms/kubernetes.py), decided by this instance's admitter
+exactly as `POST /v1/admissions` would decide it, and answered with `allowed` and the decision's
+reason. A `dryRun` request (kubectl --dry-run=server) is quoted as `POST /v1/quotes` would: the
+same answer, nothing reserved or recorded. An update is answered without a decision: denied
+(403) when it raises the object's GPUs, allowed otherwise.
 
 When budgetgate cannot decide (its ledger unavailable, no policy bundle yet), the answer is a
 denial (`BUDGETGATE_KUBERNETES_FAIL_OPEN=false`, the default) or an admission with a warning
@@ -29,7 +30,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from budgetgate.backends import BACKEND_ERRORS
-from budgetgate.platforms.kubernetes import Mapping, Skip, Unmappable, decided, review, submission
+from budgetgate.platforms.kubernetes import Mapping, Refuse, Skip, Unmappable, decided, review, submission
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
@@ -58,7 +59,7 @@ _EXAMPLE = {
 
 _REVIEW = {"type": "object", "description": "an admission.k8s.io/v1 AdmissionReview (see the Kubernetes API reference)", "required": ["apiVersion", "kind"],
            "properties": {"apiVersion": {"type": "string", "description": "admission.k8s.io/v1"}, "kind": {"type": "string", "description": "AdmissionReview"},
-                          "request": {"type": "object", "description": "what the API server asks about: uid, kind, namespace, operation, dryRun, object"},
+                          "request": {"type": "object", "description": "what the API server asks: uid, kind, namespace, operation, dryRun, object, oldObject"},
                           "response": {"type": "object", "description": "the answer: uid, allowed, status (code, reason, message), warnings"}}}  # fmt: skip
 _ANSWER_EXAMPLE = {
     "apiVersion": "admission.k8s.io/v1",
@@ -142,6 +143,8 @@ async def _answer(request: Request, principal: Principal, body: dict[str, Any], 
         return review(uid, allowed=False, code=422, message=f"budgetgate: not an admission.k8s.io/v1 AdmissionReview as the API defines it: {exc}")
     if isinstance(mapped, Skip):
         return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
+    if isinstance(mapped, Refuse):
+        return review(uid, allowed=False, code=403, message=f"budgetgate: {mapped.reason}")
     rt = request.app.state.rt
     try:
         # The same limits as POST /v1/admissions: a submitter limited to some namespaces or

@@ -17,7 +17,9 @@ from tests.integration.test_admission import held_in_postgres
 from budgetgate.principals import Role
 from tests.support.principals import bearer, issue
 from tests.support.admission import apply_policies, budget_yaml, example_policies
-from tests.support.kubernetes import admission_review, job, jobset, job_spec
+from kubernetes.client import V1OwnerReference
+
+from tests.support.kubernetes import admission_review, as_json, container, job, jobset, job_spec, pod
 from tests.support.metering import wait_for
 from tests.support.servers import free_port
 
@@ -43,6 +45,33 @@ async def test_a_job_within_budget_is_admitted_and_its_retry_replays(admission) 
     assert again["allowed"] is True
     replay = (await admission.client.get(f"/v1/admissions/{obj.metadata.uid}")).json()
     assert replay["decision_id"] == decision["decision_id"]
+
+
+async def test_each_replica_of_another_controller_is_its_own_run(admission, pg_dsn) -> None:
+    # The replicas of a ReplicaSet share their owner's UID: as run id it made the second a 409
+    # (another job name under the same run id), or else a replay of the first one's reservation.
+    owner = V1OwnerReference(api_version="apps/v1", kind="ReplicaSet", name="infer-5d8f", uid="0f9e8d7c-1111-2222-3333-444455556666", controller=True)
+    replicas = [pod(f"infer-5d8f-{i}", containers=[container(gpus=2)], deadline=3600, owner=owner, annotations=H100) for i in range(2)]
+    assert (await reviewed(admission, admission_review(replicas[0])))["allowed"] is True
+    one = await held_in_postgres(pg_dsn)
+    second = await reviewed(admission, admission_review(replicas[1]))
+    assert second["allowed"] is True, second
+    assert one and await held_in_postgres(pg_dsn) == {key: 2 * held for key, held in one.items()}  # a reservation each
+    decisions = [(await admission.client.get(f"/v1/admissions/{p.metadata.uid}")).json() for p in replicas]
+    assert [d["projected_gpu_hours"] for d in decisions] == [2.0, 2.0] and decisions[0]["decision_id"] != decisions[1]["decision_id"]
+
+
+async def test_an_update_raising_the_gpus_is_denied_and_others_pass(admission, pg_dsn) -> None:
+    obj = as_json(job(gpus=8, parallelism=1, deadline=3600, annotations=H100))
+    assert (await reviewed(admission, admission_review(obj)))["allowed"] is True
+    held = await held_in_postgres(pg_dsn)
+    scaled = {**obj, "spec": {**obj["spec"], "parallelism": 16}}
+    answer = await reviewed(admission, admission_review(scaled, operation="UPDATE", old=obj))
+    assert answer["allowed"] is False and answer["status"]["code"] == 403
+    assert "8 nvidia.com/gpu" in answer["status"]["message"] and "to 128" in answer["status"]["message"] and "create a new Job" in answer["status"]["message"]
+    suspended = {**obj, "spec": {**obj["spec"], "suspend": True, "parallelism": 0}}
+    assert (await reviewed(admission, admission_review(suspended, operation="UPDATE", old=obj)))["allowed"] is True
+    assert await held_in_postgres(pg_dsn) == held  # neither reserved nor released anything
 
 
 async def test_over_budget_is_denied_with_the_reason_and_reserves_nothing(admission, pg_dsn) -> None:
@@ -78,7 +107,8 @@ async def test_a_dry_run_is_quoted_and_reserves_nothing(admission, pg_dsn) -> No
 async def test_what_cannot_be_mapped_is_denied_naming_the_fix_and_other_objects_pass(admission) -> None:
     answer = await reviewed(admission, admission_review(job(gpus=1)))  # no deadline, annotation or default
     assert answer["allowed"] is False and "budgetgate.io/projected-runtime-hours" in answer["status"]["message"]
-    update = await reviewed(admission, admission_review(job(gpus=1, deadline=60), operation="UPDATE"))
+    unchanged = job(gpus=1, deadline=60)
+    update = await reviewed(admission, admission_review(unchanged, operation="UPDATE", old=unchanged))
     assert update["allowed"] is True
     bad = await admission.client.post(URL, json={"kind": "Pod"})
     assert bad.status_code == 422 and bad.headers["content-type"] == "application/problem+json"

@@ -1,6 +1,6 @@
 """AdmissionReviews around objects built with the official `kubernetes` client's models, as the
-API server sends them (the object in its JSON form); JobSets and RayJobs, which the client has
-no models for, built from its pod templates."""
+API server sends them (the object in its JSON form); JobSets, RayJobs and RayClusters, which the
+client has no models for, built from its pod templates."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ GROUPS = {
     "Job": ("batch", "v1", "jobs"),
     "JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
     "RayJob": ("ray.io", "v1", "rayjobs"),
+    "RayCluster": ("ray.io", "v1", "rayclusters"),
 }
 VISION = {"team": "vision", "cost-center": "1042", "environment": "prod"}
 
@@ -34,10 +35,11 @@ def as_json(obj: Any) -> Any:
     return ApiClient().sanitize_for_serialization(obj)
 
 
-def container(name: str = "trainer", *, gpus: int | None = None, limits_only: bool = True) -> V1Container:
+def container(name: str = "trainer", *, gpus: int | None = None, limits_only: bool = True, sidecar: bool = False) -> V1Container:
+    """`sidecar`: a native sidecar (an init container with restartPolicy Always)."""
     asks = {"nvidia.com/gpu": str(gpus), "cpu": "8"} if gpus is not None else {"cpu": "1"}
     resources = V1ResourceRequirements(limits=asks) if limits_only else V1ResourceRequirements(requests=asks, limits=asks)
-    return V1Container(name=name, image="registry.example/trainer:1", resources=resources)
+    return V1Container(name=name, image="registry.example/trainer:1", resources=resources, restart_policy="Always" if sidecar else None)
 
 
 def meta(
@@ -63,8 +65,11 @@ def pod(name: str = "train-0", *, containers: list[V1Container], init: list[V1Co
     )
 
 
-def job_spec(*, gpus: int, parallelism: int | None = None, completions: int | None = None, deadline: int | None = None) -> V1JobSpec:
-    template = V1PodTemplateSpec(spec=V1PodSpec(containers=[container(gpus=gpus)], restart_policy="Never"))
+def job_spec(
+    *, gpus: int, parallelism: int | None = None, completions: int | None = None, deadline: int | None = None, pod_deadline: int | None = None
+) -> V1JobSpec:
+    """`deadline`: the Job's activeDeadlineSeconds; `pod_deadline`: its pod template's."""
+    template = V1PodTemplateSpec(spec=V1PodSpec(containers=[container(gpus=gpus)], restart_policy="Never", active_deadline_seconds=pod_deadline))
     return V1JobSpec(template=template, parallelism=parallelism, completions=completions, active_deadline_seconds=deadline)
 
 
@@ -80,29 +85,41 @@ def jobset(name: str, replicated: list[tuple[int, V1JobSpec]], *, annotations: d
     }  # fmt: skip
 
 
-def rayjob(name: str, *, head_gpus: int, workers: list[tuple[int, int, int]], deadline: int | None = None) -> dict[str, Any]:
-    """`workers`: (replicas, numOfHosts, GPUs per pod) per worker group."""
+def ray_cluster_spec(*, head_gpus: int, workers: list[tuple[int, int, int]], max_replicas: int = 10, autoscaling: bool = False) -> dict[str, Any]:
+    """A rayClusterSpec; `workers`: (replicas, numOfHosts, GPUs per pod) per worker group."""
 
     def template(gpus: int) -> dict[str, Any]:
         return as_json(V1PodTemplateSpec(spec=V1PodSpec(containers=[container("ray", gpus=gpus)])))
 
     spec: dict[str, Any] = {
-        "entrypoint": "python train.py",
-        "rayClusterSpec": {
-            "headGroupSpec": {"rayStartParams": {}, "template": template(head_gpus)},
-            "workerGroupSpecs": [
-                {"groupName": f"g{i}", "replicas": r, "minReplicas": 0, "maxReplicas": 10, "numOfHosts": h, "rayStartParams": {}, "template": template(g)}
-                for i, (r, h, g) in enumerate(workers)
-            ],
-        },
+        "headGroupSpec": {"rayStartParams": {}, "template": template(head_gpus)},
+        "workerGroupSpecs": [
+            {"groupName": f"g{i}", "replicas": r, "minReplicas": 0, "maxReplicas": max_replicas, "numOfHosts": h, "rayStartParams": {}, "template": template(g)}
+            for i, (r, h, g) in enumerate(workers)
+        ],
     }
+    if autoscaling:
+        spec["enableInTreeAutoscaling"] = True
+    return spec
+
+
+def rayjob(name: str, *, head_gpus: int, workers: list[tuple[int, int, int]], deadline: int | None = None, **cluster: Any) -> dict[str, Any]:
+    """`workers`: (replicas, numOfHosts, GPUs per pod) per worker group; `cluster`: ray_cluster_spec's other arguments."""
+    spec: dict[str, Any] = {"entrypoint": "python train.py", "rayClusterSpec": ray_cluster_spec(head_gpus=head_gpus, workers=workers, **cluster)}
     if deadline:
         spec["activeDeadlineSeconds"] = deadline
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": as_json(meta(name)), "spec": spec}
 
 
-def admission_review(obj: Any, *, operation: str = "CREATE", dry_run: bool = False, uid: str | None = None) -> dict[str, Any]:
-    """The AdmissionReview the API server sends for creating `obj` (a model or a dict)."""
+def raycluster(name: str, *, owner: V1OwnerReference | None = None, annotations: dict[str, str] | None = None, **cluster: Any) -> dict[str, Any]:
+    """A RayCluster (its spec a rayClusterSpec, made by ray_cluster_spec from `cluster`)."""
+    metadata = as_json(meta(name, owner=owner, annotations=annotations))
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": metadata, "spec": ray_cluster_spec(**cluster)}
+
+
+def admission_review(obj: Any, *, operation: str = "CREATE", dry_run: bool = False, uid: str | None = None, old: Any = None) -> dict[str, Any]:
+    """The AdmissionReview the API server sends for creating `obj` (a model or a dict), or for
+    updating `old` to `obj`."""
     body = obj if isinstance(obj, dict) else as_json(obj)
     group, version, resource = GROUPS[body["kind"]]
     return {
@@ -117,8 +134,9 @@ def admission_review(obj: Any, *, operation: str = "CREATE", dry_run: bool = Fal
             "operation": operation,
             "userInfo": {"username": "alice@example.com", "groups": ["system:authenticated"]},
             "object": body,
-            "oldObject": None,
+            "name": body["metadata"].get("name"),
+            "oldObject": None if old is None else old if isinstance(old, dict) else as_json(old),
             "dryRun": dry_run,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "UpdateOptions" if operation == "UPDATE" else "CreateOptions"},
         },
     }

@@ -8,6 +8,7 @@ import copy
 import importlib.util
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -162,6 +163,25 @@ def test_network_policies_let_in_only_the_api_callers_and_the_scraper(docs: list
     assert metrics_ports <= open_ports["budgetgate-metrics-scrape"]
     egress = {p["port"] for rule in policies["budgetgate-egress"]["spec"]["egress"] for p in rule["ports"]}
     assert {53, 5432, 6379, 9092} <= egress
+
+
+def test_the_egress_policy_opens_every_port_the_configuration_points_at(docs: list[dict[str, Any]]) -> None:
+    # budgetgate-egress selects every pod of the namespace: a server the services are configured
+    # to reach on a port it does not open is unreachable (deploy/kubernetes/kueue adds the
+    # controller's own ports beside it).
+    egress = _of(docs, "NetworkPolicy")["budgetgate-egress"]["spec"]
+    assert egress["podSelector"] == {} and egress["policyTypes"] == ["Egress"]
+    opened = {(p.get("protocol", "TCP"), p["port"]) for rule in egress["egress"] for p in rule["ports"]}
+    settings = {**next(iter(_of(docs, "ConfigMap").values()))["data"], **next(iter(_of(docs, "Secret").values()))["stringData"]}
+    addresses = {
+        k: v if "://" in v else f"tcp://{v}"
+        for k, v in settings.items()
+        if k in {"BUDGETGATE_KAFKA_BOOTSTRAP", "OPENLINEAGE_URL", "BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_REDIS_URL"}
+    }
+    assert len(addresses) == 4
+    for name, address in addresses.items():
+        assert ("TCP", urlsplit(address).port) in opened, name
+    assert {("UDP", 53), ("TCP", 53)} <= opened
 
 
 def test_pods_run_as_the_images_own_user(docs: list[dict[str, Any]]) -> None:

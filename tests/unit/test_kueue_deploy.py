@@ -1,18 +1,22 @@
 """deploy/kubernetes/kueue: valid against the Kubernetes schemas (Kueue's AdmissionCheck aside),
-the check names budgetgate's controller, and the controller's role allows what it does."""
+the check names budgetgate's controller, the controller's role allows what it does, it carries
+a token, and the namespace's network policies let it reach the API server and admission."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import yaml
 
+from budgetgate.client.endpoints import TOKEN_VARIABLE
 from budgetgate.platforms.kueue import CONTROLLER_NAME
 
 KUEUE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "kueue"
+BASE = KUEUE.parent / "base"
 
 
 def docs() -> dict[str, dict[str, Any]]:
@@ -53,3 +57,36 @@ def test_the_role_allows_what_the_controller_does() -> None:
     }
     assert needed <= allowed
     assert not any(verb in {"create", "delete", "update", "*"} for _, verb in allowed)
+
+
+def test_the_controller_sends_a_token_from_a_secret() -> None:
+    # Without one every submission is a 401 and no Workload is ever decided.
+    (container,) = docs()["Deployment/budgetgate-kueue-admission-check"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[TOKEN_VARIABLE]["valueFrom"]["secretKeyRef"] == {"name": "budgetgate-kueue-token", "key": "token"}
+    readme = (KUEUE.parent / "README.md").read_text()
+    assert "budgetgate-kueue-token" in readme and "--name kueue --role submitter" in readme
+
+
+def _egress_ports(policies: list[dict[str, Any]], labels: dict[str, str]) -> set[tuple[str, int]]:
+    """The ports the policies selecting `labels` open for egress (they add up)."""
+    selecting = [p for p in policies if "Egress" in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], labels)]
+    assert selecting, "no egress policy selects the pods: they may reach anything"
+    return {(port.get("protocol", "TCP"), port["port"]) for p in selecting for rule in p["spec"].get("egress", []) for port in rule["ports"]}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def test_the_controller_may_reach_dns_the_api_server_and_admission() -> None:
+    found = docs()
+    deployment = found["Deployment/budgetgate-kueue-admission-check"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    base = [d for d in yaml.safe_load_all((BASE / "networkpolicies.yaml").read_text()) if d["kind"] == "NetworkPolicy"]
+    ours = [d for d in found.values() if d["kind"] == "NetworkPolicy"]
+    assert ours and all(p["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"] for p in ours)  # the controller alone
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    admission_port = urlsplit(next(e["value"] for e in container["env"] if e["name"] == "BUDGETGATE_ADMISSION_URL")).port
+    assert {("UDP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", admission_port)} <= _egress_ports(base + ours, labels)
+    assert ("TCP", 443) not in _egress_ports(base, labels)  # what the base alone allows does not cover it

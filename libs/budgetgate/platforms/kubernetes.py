@@ -1,21 +1,32 @@
 """Kubernetes objects to submissions, and decisions to AdmissionReview answers, without I/O.
 
-What a Pod, a batch/v1 Job, a JobSet or a RayJob asks for (see `Mapping` for every knob):
+What a Pod, a batch/v1 Job, a JobSet, a RayJob or a RayCluster asks for (see `Mapping` for
+every knob):
 - **namespace and labels**: the object's own (the AdmissionRequest's namespace first).
-- **GPUs**: per pod, the `nvidia.com/gpu` request of each container (its limit when no request
-  is given: Kubernetes then takes the limit as the request) summed over containers, or the
-  largest init container's when that is more (init containers run one at a time); times the
-  pods that run at once: a Job's parallelism (at most its completions), a JobSet's replicas ×
-  each job's parallelism, a RayJob's head plus each worker group's replicas × numOfHosts.
-  Nodes are the pods that run at once.
+- **GPUs**: per pod, Kubernetes' effective request of `nvidia.com/gpu` (a container's request,
+  else its limit: Kubernetes then takes the limit as the request): the containers and the
+  native sidecars (init containers with `restartPolicy: Always`, which keep running) summed, or
+  an init container's own plus the sidecars started before it when that is more (init
+  containers run one at a time); times the pods that run at once: a Job's parallelism (at most
+  its completions), a JobSet's replicas × each job's parallelism, a RayJob's or RayCluster's
+  head plus each worker group's replicas × numOfHosts (maxReplicas × numOfHosts with
+  `enableInTreeAutoscaling: true`, since the autoscaler may grow the group that far). Nodes are
+  the pods that run at once.
 - **projected runtime**: `activeDeadlineSeconds` (the object's, else the largest of its jobs'
-  or pod templates'), else the annotation `budgetgate.io/projected-runtime-hours`, else the
-  namespace's default, else the default for all namespaces; none of them is an error that
-  names what to add.
-- **run id**: the annotation `budgetgate.io/run-id`, else the UID of the object's controller
-  (its owner), else the object's own UID. `budgetgate.io/attempt` gives the attempt (else 1).
+  or pod templates'; a pod template's deadline limits one pod, so a Job's is multiplied by its
+  waves, ceil(completions / parallelism)), else the annotation
+  `budgetgate.io/projected-runtime-hours`, else the namespace's default, else the default for
+  all namespaces; none of them is an error that names what to add.
+- **run id**: the annotation `budgetgate.io/run-id`, else the object's own UID (never its
+  owner's: the replicas of a ReplicaSet or StatefulSet, and the Jobs of a CronJob, share their
+  owner and are each a run of their own). `budgetgate.io/attempt` gives the attempt (else 1).
 - Objects created by an object the webhook admits too (a Job's pods, a JobSet's Jobs, a
-  RayJob's RayCluster and pods) are skipped: their owner was decided for all of them.
+  RayJob's RayCluster and pods, a RayCluster's pods) are skipped: their owner was decided for
+  all of them.
+- An UPDATE of a Job, JobSet, RayJob or RayCluster that raises its GPU count (a patched
+  parallelism, replicas or maxReplicas) is refused: the decision covered the GPUs it was
+  created with. Every other UPDATE (Kueue suspending or resuming it, labels, scaling down) is
+  let through.
 """
 
 from __future__ import annotations
@@ -29,7 +40,10 @@ from pydantic import ValidationError
 
 from budgetgate.services.admission.schemas import AdmissionRequest
 
-ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob")}
+ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
+# Kinds whose UPDATEs are checked for more GPUs than their CREATE was decided for (a Pod's
+# GPU requests cannot change).
+SCALABLE_KINDS = ADMITTED_KINDS - {("", "Pod")}
 # Owners whose children are admitted with them: a child of one of these is skipped.
 _ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
 
@@ -66,6 +80,13 @@ class Skip:
     reason: str
 
 
+@dataclass(frozen=True)
+class Refuse:
+    """The request is denied (403) without a decision, for `reason`."""
+
+    reason: str
+
+
 class Unmappable(ValueError):
     """The object cannot be turned into a submission; the message says what to add or fix."""
 
@@ -90,7 +111,10 @@ def quantity(value: Any) -> int:
 
 
 def pod_gpus(pod_spec: MappingType[str, Any], resource: str) -> int:
-    """GPUs one pod holds: its containers' requests summed, or the largest init container's."""
+    """GPUs one pod holds, as Kubernetes computes a pod's effective request.
+
+    The containers and the native sidecars (init containers with `restartPolicy: Always`)
+    summed, or, when more, an init container's own request plus the sidecars started before it."""
 
     def of(container: MappingType[str, Any]) -> int:
         resources = container.get("resources") or {}
@@ -100,7 +124,13 @@ def pod_gpus(pod_spec: MappingType[str, Any], resource: str) -> int:
         return quantity(asked) if asked is not None else 0
 
     running = sum(of(c) for c in pod_spec.get("containers") or [])
-    init = max((of(c) for c in pod_spec.get("initContainers") or []), default=0)
+    sidecars = init = 0
+    for container in pod_spec.get("initContainers") or []:
+        asked = of(container)
+        if container.get("restartPolicy") == "Always":  # a native sidecar: runs on beside what starts after it
+            sidecars, running = sidecars + asked, running + asked
+        else:
+            init = max(init, asked + sidecars)
     return max(running, init)
 
 
@@ -116,8 +146,29 @@ def _job(spec: MappingType[str, Any], resource: str) -> _Shape:
     completions = spec.get("completions")
     pods = min(parallelism, completions) if completions is not None else parallelism
     template = (spec.get("template") or {}).get("spec") or {}
-    deadline = spec.get("activeDeadlineSeconds") or template.get("activeDeadlineSeconds")
+    deadline = spec.get("activeDeadlineSeconds")
+    if not deadline and template.get("activeDeadlineSeconds"):
+        # A pod's deadline limits one pod: the Job runs its completions in waves of `pods`.
+        waves = math.ceil(completions / pods) if completions and pods else 1
+        deadline = template["activeDeadlineSeconds"] * waves
     return _Shape(pod_gpus(template, resource) * pods, pods, deadline)
+
+
+def _ray_cluster(cluster: MappingType[str, Any], resource: str) -> tuple[int, int]:
+    """GPUs and pods of a rayClusterSpec: its head and worker groups, at their autoscaling bound."""
+    head = ((cluster.get("headGroupSpec") or {}).get("template") or {}).get("spec") or {}
+    gpus, pods = pod_gpus(head, resource), 1
+    autoscaled = bool(cluster.get("enableInTreeAutoscaling"))
+    for group_spec in cluster.get("workerGroupSpecs") or []:
+        replicas = group_spec.get("replicas", group_spec.get("minReplicas", 1))
+        if autoscaled:
+            if group_spec.get("maxReplicas") is None:
+                raise Unmappable(f"worker group {group_spec.get('groupName')!r} is autoscaled without maxReplicas: set it, the most it may grow to")
+            replicas = max(replicas, group_spec["maxReplicas"])
+        count = replicas * group_spec.get("numOfHosts", 1)
+        gpus += count * pod_gpus((group_spec.get("template") or {}).get("spec") or {}, resource)
+        pods += count
+    return gpus, pods
 
 
 def _shape(group: str, kind: str, obj: MappingType[str, Any], resource: str) -> _Shape:
@@ -130,15 +181,10 @@ def _shape(group: str, kind: str, obj: MappingType[str, Any], resource: str) -> 
         jobs = [(rj.get("replicas", 1), _job(((rj.get("template") or {}).get("spec") or {}), resource)) for rj in spec.get("replicatedJobs") or []]
         deadlines = [j.deadline_seconds for _, j in jobs if j.deadline_seconds]
         return _Shape(sum(n * j.gpus for n, j in jobs), sum(n * j.pods for n, j in jobs), max(deadlines) if deadlines else None)
-    # RayJob: the cluster it creates, a head and its worker groups.
-    cluster = spec.get("rayClusterSpec") or {}
-    head = ((cluster.get("headGroupSpec") or {}).get("template") or {}).get("spec") or {}
-    gpus, pods = pod_gpus(head, resource), 1
-    for group_spec in cluster.get("workerGroupSpecs") or []:
-        count = group_spec.get("replicas", group_spec.get("minReplicas", 1)) * group_spec.get("numOfHosts", 1)
-        gpus += count * pod_gpus((group_spec.get("template") or {}).get("spec") or {}, resource)
-        pods += count
-    return _Shape(gpus, pods, spec.get("activeDeadlineSeconds"))
+    if kind == "RayCluster":  # its spec is a rayClusterSpec, and it has no deadline
+        return _Shape(*_ray_cluster(spec, resource), None)
+    # RayJob: the cluster it creates.
+    return _Shape(*_ray_cluster(spec.get("rayClusterSpec") or {}, resource), spec.get("activeDeadlineSeconds"))
 
 
 def _runtime_hours(shape: _Shape, annotations: MappingType[str, str], namespace: str, mapping: Mapping) -> float:
@@ -164,16 +210,21 @@ def _controller(meta: MappingType[str, Any]) -> MappingType[str, Any] | None:
     return next((o for o in owners if o.get("controller")), owners[0] if owners else None)
 
 
-def submission(review: MappingType[str, Any], mapping: Mapping = Mapping()) -> Submit | Skip:
+def submission(review: MappingType[str, Any], mapping: Mapping = Mapping()) -> Submit | Skip | Refuse:
     """What the `request` of an admission.k8s.io/v1 AdmissionReview asks of budgetgate.
 
-    Raises Unmappable when the object should be a submission and cannot be one."""
+    A CREATE is a submission (or skipped); an UPDATE that raises the GPUs of a Job, JobSet,
+    RayJob or RayCluster is refused, any other UPDATE skipped. Raises Unmappable when the object
+    should be a submission, or an UPDATE checked, and cannot be."""
     request = review.get("request") or {}
-    if request.get("operation") != "CREATE":
-        return Skip(f"{request.get('operation')} is not a submission; only CREATE is")
     group, kind = (request.get("kind") or {}).get("group", ""), (request.get("kind") or {}).get("kind", "")
     if (group, kind) not in ADMITTED_KINDS:
         return Skip(f"{kind or 'this kind'} ({group or 'core'}) is not a workload budgetgate admits")
+    operation = request.get("operation")
+    if operation == "UPDATE" and (group, kind) in SCALABLE_KINDS:
+        return _update(request, group, kind, mapping)
+    if operation != "CREATE":
+        return Skip(f"{operation} is not a submission; only CREATE is")
     obj = request.get("object") or {}
     meta = _meta(obj)
     owner = _controller(meta)
@@ -184,9 +235,11 @@ def submission(review: MappingType[str, Any], mapping: Mapping = Mapping()) -> S
     shape = _shape(group, kind, obj, mapping.gpu_resource)
     if shape.gpus == 0 and not mapping.submit_cpu_only:
         return Skip(f"asks for no {mapping.gpu_resource}")
-    run_id = annotations.get(mapping.run_id_annotation) or (owner or {}).get("uid") or meta.get("uid")
+    # Never the owner's UID: the replicas of a ReplicaSet or StatefulSet and the Jobs of a
+    # CronJob share their owner, and each is a run that needs its own reservation.
+    run_id = annotations.get(mapping.run_id_annotation) or meta.get("uid")
     if not run_id:
-        raise Unmappable(f"no run id: the object has no UID, owner or annotation {mapping.run_id_annotation}")
+        raise Unmappable(f"no run id: the object has no UID or annotation {mapping.run_id_annotation}")
     attempt = annotations.get(mapping.attempt_annotation, "1")
     if not attempt.isdigit() or int(attempt) < 1:
         raise Unmappable(f"annotation {mapping.attempt_annotation}={attempt!r} must be a whole number from 1")
@@ -206,6 +259,25 @@ def submission(review: MappingType[str, Any], mapping: Mapping = Mapping()) -> S
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise Unmappable(f"not a valid submission: {problems}") from None
+
+
+def _update(request: MappingType[str, Any], group: str, kind: str, mapping: Mapping) -> Skip | Refuse:
+    # Whatever created the object (a CREATE decided, or skipped as asking for no GPU) covered the
+    # GPUs it had then; a patch that raises them (parallelism, replicas, maxReplicas) would run
+    # more on that one reservation. Children are checked too: their owner was decided for the
+    # GPUs they had when it was.
+    old, new = request.get("oldObject"), request.get("object")
+    if not old or not new:
+        raise Unmappable("an UPDATE without its oldObject and object cannot be checked")
+    before = _shape(group, kind, old, mapping.gpu_resource).gpus
+    after = _shape(group, kind, new, mapping.gpu_resource).gpus
+    if after <= before:
+        return Skip(f"an UPDATE asking for no more {mapping.gpu_resource} ({before} before, {after} after)")
+    name = _meta(new).get("name") or request.get("name") or ""
+    return Refuse(
+        f"{kind} {name} asks for {before} {mapping.gpu_resource}; an update may not raise that to {after}, which no decision covered: "
+        f"create a new {kind} for {after} instead (with a fixed run id, a new attempt: raise the annotation {mapping.attempt_annotation})"
+    )
 
 
 def review(uid: str, *, allowed: bool, message: str | None = None, code: int | None = None, warnings: list[str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,51 @@
+"""deploy/kubernetes/webhook against the mapping it serves: the ValidatingWebhookConfiguration
+sends every kind budgetgate admits on CREATE, and the scalable ones on UPDATE; the webhook stays
+ready while it can answer; the token the API server must present is documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from budgetgate.platforms.kubernetes import ADMITTED_KINDS, SCALABLE_KINDS
+from tests.support.kubernetes import GROUPS
+
+KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+WEBHOOK = KUBERNETES / "webhook"
+
+
+def _doc(name: str, kind: str) -> dict[str, Any]:
+    return next(d for d in yaml.safe_load_all((WEBHOOK / name).read_text()) if d["kind"] == kind)
+
+
+def test_the_rules_send_what_the_mapping_checks() -> None:
+    (hook,) = _doc("validatingwebhookconfiguration.yaml", "ValidatingWebhookConfiguration")["webhooks"]
+    operations: dict[tuple[str, str], set[str]] = {}
+    for rule in hook["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                operations.setdefault((group, resource), set()).update(rule["operations"])
+    resource_of = {(group, kind): resource for kind, (group, _version, resource) in GROUPS.items()}
+    assert set(resource_of) == ADMITTED_KINDS
+    expected = {resource_of[k]: {"CREATE", "UPDATE"} if k in SCALABLE_KINDS else {"CREATE"} for k in ADMITTED_KINDS}
+    assert {resource: ops for (_group, resource), ops in operations.items()} == expected
+    assert {group for group, _ in operations} == {group for group, _ in ADMITTED_KINDS}
+
+
+def test_the_webhook_is_ready_while_it_answers_not_while_the_ledger_does() -> None:
+    # /readyz fails with the ledger: no endpoints, and failurePolicy Fail blocks every pod.
+    hook = _doc("validatingwebhookconfiguration.yaml", "ValidatingWebhookConfiguration")["webhooks"][0]
+    (container,) = _doc("webhook-deployment.yaml", "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert hook["failurePolicy"] == "Fail" and container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_the_token_the_api_server_presents_is_documented() -> None:
+    (hook,) = _doc("validatingwebhookconfiguration.yaml", "ValidatingWebhookConfiguration")["webhooks"]
+    service = hook["clientConfig"]["service"]
+    assert service["port"] == 443  # else the kubeconfig user's name carries the port
+    user = f"name: {service['name']}.{service['namespace']}.svc"
+    for text in ((WEBHOOK / "validatingwebhookconfiguration.yaml").read_text(), (KUBERNETES / "README.md").read_text()):
+        assert "kind: WebhookAdmissionConfiguration" in text and "kubeConfigFile:" in text and user in text and "token:" in text
+        assert "--role submitter" in text
