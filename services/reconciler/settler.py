@@ -151,6 +151,7 @@ class Settler:
             events=frozenset(
                 LifecycleFact(r["event_id"], r["kind"], r["event_time"], r["gpus"], r["nodes"]) for r in await conn.fetch(sql("run_lifecycle"), run_id)
             ),
+            ends_after=decision["decided_at"] if decision["after_refusal"] else None,
             # Given back once is given back for good: a late start is charged, never held again.
             released=bool(settlement and settlement["released"]) or (bool(reservations) and not is_open and not (settlement and settlement["final"])),
         )

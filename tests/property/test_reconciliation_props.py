@@ -163,6 +163,23 @@ def test_cancelled_before_start_holds_nothing_and_consumes_nothing() -> None:
     assert result.final and set(result.held.values()) == {0} and result.consumed == {}
 
 
+def test_a_refused_attempts_end_does_not_end_the_attempt_admitted_after_it() -> None:
+    # Attempt 1 DELAYed and cancelled while it waited; attempt 2 admitted at T0 and started: the
+    # cancellation ended the run, which then held nothing while it ran and was never charged
+    # wall time.
+    cancelled, started = ev("CANCELLED", -30), ev(STARTED, 10)
+    afresh = replace(facts([cancelled, started], [sample(70, 6)], policies=(GPU, WALL)), ends_after=T0)
+    result = settle(afresh, bundle=BUNDLE, rules=RULES, now=T0 + timedelta(minutes=70))
+    assert not result.final and result.held[key(GPU)] == 42 * H and result.consumed_by_key()[key(GPU)] == 6 * H
+    assert result.consumed_by_key()[key(WALL)] == hours_amount(1, 1)
+    # A run with no refused attempt before it (ends_after None) still ends at its first end.
+    once = settle(facts([cancelled, started], policies=(GPU,)), bundle=BUNDLE, rules=RULES, now=T0 + timedelta(minutes=70))
+    assert once.final and once.held[key(GPU)] == 0
+    # After the admitting decision an end is the run's own, whichever attempt came before.
+    ended = replace(facts([cancelled, started, ev("CANCELLED", 40)], policies=(GPU,)), ends_after=T0)
+    assert settle(ended, bundle=BUNDLE, rules=RULES, now=T0 + timedelta(minutes=70)).final
+
+
 def test_cost_is_priced_per_increment_and_rolling_usage_is_bucketed_by_hour() -> None:
     result = settle(
         facts([ev(STARTED, 0), ev(COMPLETED, 120)], [sample(60, 8), sample(120, 16)], policies=(COST, WALL)),
@@ -286,12 +303,17 @@ def fold_all(run: RunFacts, facts_in_order: list, now: datetime):  # type: ignor
 
 
 @settings(max_examples=400, deadline=None)
-@given(stream=clean_streams(), data=st.data(), minutes_later=st.floats(0, 900), released=st.booleans())
-def test_folding_facts_in_any_order_with_duplicates_gives_the_whole_run_ledger(stream, data, minutes_later, released) -> None:  # type: ignore[no-untyped-def]
+@given(stream=clean_streams(), data=st.data(), minutes_later=st.floats(0, 900), released=st.booleans(), afresh=st.booleans())
+def test_folding_facts_in_any_order_with_duplicates_gives_the_whole_run_ledger(stream, data, minutes_later, released, afresh) -> None:  # type: ignore[no-untyped-def]
     events, samples = stream
+    if afresh:  # admitted after a refused attempt, whose cancellation came before the admission
+        events = [ev("CANCELLED", -data.draw(st.floats(0.5, 60)), "refused-end"), *events]
     now = T0 + timedelta(minutes=600 + minutes_later)
-    oracle = settle(facts(events, samples, released=released), bundle=BUNDLE, rules=RULES, now=now)
-    folded, line = fold_all(facts(released=released), messy(data.draw, [*events, *samples]), now)
+    ends_after = T0 if afresh else None
+    oracle = settle(replace(facts(events, samples, released=released), ends_after=ends_after), bundle=BUNDLE, rules=RULES, now=now)
+    folded, line = fold_all(replace(facts(released=released), ends_after=ends_after), messy(data.draw, [*events, *samples]), now)
+    if afresh:  # and it changed nothing: the same ledger as without it
+        assert oracle == settle(facts([e for e in events if e.event_id != "refused-end"], samples, released=released), bundle=BUNDLE, rules=RULES, now=now)
     assert folded.consumed == oracle.consumed
     assert {k: w for k, w in folded.windows.items() if k in oracle.windows} == oracle.windows
     assert replace(folded, consumed={}, windows={}) == replace(oracle, consumed={}, windows={})

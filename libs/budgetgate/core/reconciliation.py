@@ -87,6 +87,9 @@ class RunFacts:
     events: frozenset[LifecycleFact] = frozenset()
     samples: frozenset[UsageFact] = frozenset()
     released: bool = False  # the reservation was already given back (never started in time)
+    # Admitted afresh after a refused attempt (DELAY, DENY): terminal events dated before this
+    # (the admitting decision's time) ended that attempt, cancelled while it waited, not this one.
+    ends_after: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +153,12 @@ class Settlement:
         return dict(totals)
 
 
-def timeline(events: Iterable[LifecycleFact], *, gpus: int, nodes: int) -> Timeline:
+def timeline(events: Iterable[LifecycleFact], *, gpus: int, nodes: int, ends_after: datetime | None = None) -> Timeline:
     """The run's stretches of running, from its lifecycle events in time order.
 
     A start while running and an eviction while not running are repeats and change nothing;
-    the first terminal event ends the run and anything later is ignored.
+    the first terminal event ends the run and anything later is ignored. A terminal event dated
+    before `ends_after` (see RunFacts) ended a refused attempt of the run and is ignored too.
     """
     running: tuple[datetime, int, int] | None = None
     intervals: list[Interval] = []
@@ -170,6 +174,8 @@ def timeline(events: Iterable[LifecycleFact], *, gpus: int, nodes: int) -> Timel
                 intervals.append(Interval(running[0], event.at, running[1], running[2]))
                 running, last_change = None, event.at
         elif event.kind in TERMINAL:
+            if ends_after is not None and event.at < ends_after:
+                continue
             if running is not None:
                 intervals.append(Interval(running[0], event.at, running[1], running[2]))
             return Timeline(tuple(intervals), "ended", event.at, event.kind, event.at)
@@ -214,7 +220,7 @@ def hour_pieces(start: datetime, end: datetime) -> list[tuple[datetime, int]]:
 
 def settle(facts: RunFacts, *, bundle: PolicyBundle | None, rules: Rules, now: datetime) -> Settlement:
     """The run's charges now, by the rules in this module's docstring."""
-    line = timeline(facts.events, gpus=facts.gpus, nodes=facts.nodes)
+    line = timeline(facts.events, gpus=facts.gpus, nodes=facts.nodes, ends_after=facts.ends_after)
     metered = increments(facts.samples)
     covered = max((s.observed_at for s in facts.samples), default=None)
     st = standing(line, covered, admitted_at=facts.admitted_at, released=facts.released, rules=rules, now=now)

@@ -171,7 +171,7 @@ def settle_state(run: RunFacts, state: RunState, *, bundle: PolicyBundle | None,
     `consumed` holds only the charges known from time alone (wall time, the provisional tail);
     the metered charges are the sum of the fold's deltas, kept by the caller.
     """
-    line = timeline(run.events, gpus=run.gpus, nodes=run.nodes)
+    line = timeline(run.events, gpus=run.gpus, nodes=run.nodes, ends_after=run.ends_after)
     st = standing(line, state.covered, admitted_at=run.admitted_at, released=run.released, rules=rules, now=now)
     consumed: dict[tuple[str, datetime], int] = defaultdict(int)
     windows: dict[str, tuple[BudgetPolicy, Window]] = {}

@@ -415,18 +415,26 @@ SELECT s.run_id FROM run_settlements s WHERE s.review_at <= $1
 ORDER BY s.review_at LIMIT $2;
 
 -- name: unseen_holds
--- Reservations of runs the reconciler never heard of, held since before $1 (the start
--- deadline): settled so that the never-started rule can release them.
-SELECT DISTINCT r.run_id FROM reservations r
-WHERE r.state = 'held' AND r.created_at <= $1
-  AND NOT EXISTS (SELECT 1 FROM run_settlements s WHERE s.run_id = r.run_id)
+-- Runs the reconciler never settled, holding since before $1 (the start deadline) a reservation,
+-- a concurrency hold or a pool token: settled so that the never-started rule (or a fact settled
+-- before the decision committed) gives them back. A run no budget covers holds no reservation,
+-- only its quota slot or its token, so those are looked for too.
+SELECT DISTINCT h.run_id FROM (
+    SELECT r.run_id FROM reservations r WHERE r.state = 'held' AND r.created_at <= $1
+    UNION ALL
+    SELECT c.run_id FROM run_holds c WHERE c.state = 'held' AND c.created_at <= $1
+    UNION ALL
+    SELECT a.run_id FROM pool_allocations a WHERE a.run_id IS NOT NULL AND a.state = 'held' AND a.granted_at <= $1
+) AS h
+WHERE NOT EXISTS (SELECT 1 FROM run_settlements s WHERE s.run_id = h.run_id)
 LIMIT $2;
 
 -- name: run_decision
 -- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt),
--- and the tenant its concurrency holds were taken for.
+-- the tenant its concurrency holds were taken for, and whether an earlier attempt was refused.
 SELECT d.decision_id, d.decided_at, d.policy_bundle_sha, d.projected_gpu, d.gpus, d.nodes, d.flavor, d.region, d.labels,
-       d.job_namespace, d.job_name, (SELECT h.tenant FROM run_holds h WHERE h.run_id = d.run_id) AS tenant
+       d.job_namespace, d.job_name, (SELECT h.tenant FROM run_holds h WHERE h.run_id = d.run_id) AS tenant,
+       EXISTS (SELECT 1 FROM decisions r WHERE r.run_id = d.run_id AND r.attempt < d.attempt AND r.outcome <> 'ALLOW') AS after_refusal
 FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1;
 
 -- name: run_reservations
