@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budgetgate.core.metering import (
+    EARLIEST,
     MAX_SECONDS,
     Accepted,
     Counters,
@@ -193,9 +194,14 @@ def test_usage_event_id_is_the_uuid5_of_run_and_sample(run_id: str, sample_id: s
 
 @given(st.integers(-62_135_596_800, 253_402_300_799), st.integers(0, 999_999_999))
 def test_observed_at_is_read_as_timestamp_to_datetime_reads_it(seconds: int, nanos: int) -> None:
+    # Any valid Timestamp from 2000-01-01 on reads as ToDatetime reads it; before, it is refused.
     message = MeteringSample(run_id="r", sample_id="s")
     message.observed_at.seconds, message.observed_at.nanos = seconds, nanos
-    assert raw_sample(message).observed_at == message.observed_at.ToDatetime(tzinfo=UTC)
+    if message.observed_at.ToDatetime(tzinfo=UTC) < EARLIEST:
+        with pytest.raises(Rejected, match="observed_at is not a time from 2000-01-01"):
+            raw_sample(message)
+    else:
+        assert raw_sample(message).observed_at == message.observed_at.ToDatetime(tzinfo=UTC)
 
 
 _TEXT = st.one_of(st.sampled_from(["", "r", "run-1", "a b", "x" * 256, "x" * 257, "é", "s\x00", "\x7f"]), st.text(max_size=12))
