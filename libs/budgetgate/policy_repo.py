@@ -15,6 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate import topics, wire
 from budgetgate.core.loader import SourceDocument, directory_files, documents_to_json
+from budgetgate.core.policy_files import path_order
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.queries import sql
 from budgetgate.override_store import after_git_apply
@@ -94,11 +95,15 @@ def policy_files(directory: Path, rev: Revision) -> list[tuple[str, bytes | OSEr
 
 def _commit_files(directory: Path, sha: str, prefix: str) -> list[tuple[str, bytes | OSError]]:
     listing = _git_bytes(directory, "ls-tree", "-r", "-z", "--full-tree", sha, "--", prefix or ".")
-    files: list[tuple[str, bytes | OSError]] = []
-    for entry in sorted(filter(None, listing.split(b"\0"))):
+    entries = []
+    for entry in filter(None, listing.split(b"\0")):
         meta, _, raw_path = entry.partition(b"\t")
         mode, kind, obj = meta.decode().split()
-        path = raw_path.decode("utf-8", "replace")
+        entries.append((raw_path.decode("utf-8", "replace"), mode, kind, obj))
+    files: list[tuple[str, bytes | OSError]] = []
+    # By path, as a folder is read: an entry's line starts with its mode and blob id, and
+    # sorting those would order the policies by the hash of their content.
+    for path, mode, kind, obj in sorted(entries, key=lambda e: path_order(e[0])):
         if PurePosixPath(path).suffix not in (".yaml", ".yml") or kind != "blob":
             continue
         name = path.removeprefix(prefix)
@@ -134,7 +139,7 @@ def _inside_repository(link: str, target: str) -> str | None:
 def _worktree_files(directory: Path, top: Path, prefix: str) -> list[tuple[str, bytes | OSError]]:
     listing = _git_bytes(directory, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--full-name", "--", ".")
     files: list[tuple[str, bytes | OSError]] = []
-    for path in sorted({p.decode("utf-8", "replace") for p in listing.split(b"\0") if p}):
+    for path in sorted({p.decode("utf-8", "replace") for p in listing.split(b"\0") if p}, key=path_order):
         if PurePosixPath(path).suffix not in (".yaml", ".yml"):
             continue
         on_disk = top / path

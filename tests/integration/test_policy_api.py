@@ -58,3 +58,26 @@ async def test_wait_gives_up_on_an_admission_that_never_answers(repo: Path, pg_d
     assert waited.exit_code != 0 and f"admission at {url} is not ready after 1s" in waited.output, waited.output
     alone = await asyncio.to_thread(CliRunner().invoke, cli, ["policy", "apply", str(repo), "--wait", "1"], env=env)
     assert alone.exit_code == 2 and "--wait goes with --server" in alone.output
+
+
+@pytest.mark.parametrize(
+    ("window", "limit", "words"),
+    [
+        ({"calendar": "month", "timezone": "Europe"}, {"gpu_hours": 100}, "spec.window.timezone: unknown time zone 'Europe'"),
+        ({"calendar": "month", "timezone": "x" * 300}, {"gpu_hours": 100}, "spec.window.timezone: unknown time zone"),
+        ({"calendar": "month"}, {"gpu_hours": 0.0000001}, "spec.limit.gpu_hours: 0.0000001 is less than the ledger's unit"),
+        ({"rolling_days": True}, {"gpu_hours": 100}, "spec.window.rolling_days: expected a number, not the boolean true"),
+    ],
+)
+async def test_documents_that_do_not_validate_are_a_422_naming_the_field(admission_factory, pg_dsn: str, window, limit, words) -> None:  # noqa: F811
+    server = await admission_factory()
+    data = {
+        "apiVersion": "budgetgate/v1",
+        "kind": "BudgetPolicy",
+        "metadata": {"id": "p"},
+        "spec": {"scope": {"namespace": "a"}, "window": window, "limit": limit},
+    }
+    body = {"git_sha": "d" * 40, "source": "test", "documents": [{"file": "p.yaml", "line": 1, "data": data}]}
+    answer = await server.client.post("/v1/policies", json=body)
+    assert answer.status_code == 422, answer.text
+    assert any(words in e["msg"] for e in answer.json()["errors"]), answer.text

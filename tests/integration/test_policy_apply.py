@@ -17,7 +17,8 @@ from budgetgate.cli.main import cli
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.devstack.isolation import with_database
 from budgetgate.ledger.queries import sql
-from budgetgate.policy_repo import RepositoryError, apply_bundle
+from budgetgate.core.policy_files import directory_files
+from budgetgate.policy_repo import RepositoryError, apply_bundle, policy_files, revision
 from tests.support.admission import budget_yaml
 from tests.support.databases import _execute, run_async
 
@@ -108,6 +109,18 @@ def test_a_symlink_inside_the_repository_is_read_from_the_commit(repo: Path, pg_
     assert result.exit_code == 0, result.output
     documents = asyncio.run(active(pg_dsn))[1]
     assert '"gpu_hours": 100' in documents and "999" not in documents
+
+
+def test_a_commit_is_read_in_path_order_as_a_folder_is(repo: Path) -> None:
+    # ls-tree lines start with the mode and the blob id: sorted as they come, the files (so the
+    # policies, so a tie between budgets) would be in the order of their contents' hashes.
+    names = ["a.yaml", "a-b/x.yaml", "a/x.yaml", "b.yaml", "c.yml", "d/e/f.yaml", "e.yaml", "z.yaml"]
+    commit(repo, {name: budget_yaml(f"p{i}", namespace=f"ns{i}") for i, name in enumerate(names)})
+    expected = [name for name, _ in directory_files(repo)]
+    assert expected == ["a/x.yaml", "a-b/x.yaml", "a.yaml", "b.yaml", "c.yml", "d/e/f.yaml", "e.yaml", "z.yaml"]  # folder by folder
+    assert [name for name, _ in policy_files(repo, revision(repo, allow_dirty=False))] == expected
+    (repo / "a.yaml").write_text(budget_yaml("p0", namespace="ns0", limit="gpu_hours: 7"))  # dirty: the work tree
+    assert [name for name, _ in policy_files(repo, revision(repo, allow_dirty=True))] == expected
 
 
 async def test_reapplying_a_sha_with_other_content_is_an_error(pg_dsn: str) -> None:

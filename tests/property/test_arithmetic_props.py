@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from budgetgate.core.units import MILLI_PER_HOUR, Unit, cost_micros, from_amount, hours_amount, money, to_amount, to_decimal
+from budgetgate.core.units import MILLI_PER_HOUR, Unit, cost_micros, from_amount, hours_amount, limit_amount, money, to_amount, to_decimal
 from budgetgate.core.windows import CALENDARS, WindowSpec, window_at, zone
 
 pytestmark = pytest.mark.property
@@ -113,6 +113,32 @@ def test_money_is_monotone_and_within_half_a_cent(micros: int, other: int) -> No
     assert abs(shown - Decimal(micros) / 1_000_000) <= Decimal("0.005")
     if micros <= other:
         assert shown <= money(other)
+
+
+limits = st.decimals(min_value=Decimal("1e-12"), max_value=10**9, places=12, allow_nan=False, allow_infinity=False)
+
+
+@given(unit=st.sampled_from(list(Unit)), value=limits)
+def test_a_limit_is_rounded_down_to_the_ledgers_unit_never_up(unit: Unit, value: Decimal) -> None:
+    amount = limit_amount(unit, value)
+    # Never more generous than written, and short of it by less than one unit.
+    assert from_amount(unit, amount) <= value < from_amount(unit, amount + 1)
+    assert amount <= to_amount(unit, value)
+
+
+@given(unit=st.sampled_from(list(Unit)), value=limits)
+def test_a_limit_documents_refuse_is_exactly_one_that_rounds_to_nothing(unit: Unit, value: Decimal) -> None:
+    from pydantic import ValidationError
+
+    from budgetgate.core.documents import LimitDoc
+
+    fields = {str(unit): value} | ({"currency": "USD"} if unit is Unit.COST else {})
+    try:
+        LimitDoc.model_validate(fields)
+    except ValidationError as exc:
+        assert limit_amount(unit, value) == 0 and "limit of 0" in str(exc)
+    else:
+        assert limit_amount(unit, value) > 0
 
 
 # --- windows -----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from budgetgate.core.evaluation import (
     Submission,
     UnknownFlavor,
     decide,
+    deciding_index,
     describe,
     fits,
     ledger_key,
@@ -646,3 +647,98 @@ def test_amounts_beyond_the_ledger_range_are_refused_at_planning() -> None:
     hours = Decimal(MAX_AMOUNT) / (1_000_000 * 3_600_000)
     inside = submission(gpus=1_000_000, hours=str(hours.quantize(Decimal("0.001"), rounding="ROUND_DOWN")), flavor=None)
     assert plan(bundle(TEAM), inside).projected_gpu <= MAX_AMOUNT
+
+
+# --- soft and dry-run policies never block, whatever the submission lacks -----------------------
+
+NOT_HARD = [Enforcement.SOFT, Enforcement.DRY_RUN]
+
+
+@pytest.mark.parametrize("enforcement", NOT_HARD)
+def test_missing_labels_of_a_soft_or_dry_run_policy_are_recorded_not_blocking(enforcement: Enforcement) -> None:
+    # The trial: an org-wide cap requiring cost-center, not yet enforced.
+    trial = budget("a-trial", namespaces=("vision-prod",), labels={"cost-center": "*"}, enforcement=enforcement)
+    p = plan(bundle(trial, TEAM), submission(labels={"team": "vision"}))
+    assert p.violations == ()
+    assert [(w.policy.id, w.missing) for w in p.waived] == [("a-trial", ("cost-center",))]
+    assert [c.policy.id for c in p.charges] == ["team-vision"]
+    decision = decide(p, room(p))
+    assert decision.outcome == "ALLOW" and decision.reserves
+    recorded = by_policy(decision)["a-trial"]
+    assert (recorded.outcome, recorded.missing_labels, recorded.enforcement) == ("DENY", ("cost-center",), enforcement)
+    assert recorded.ledger_key is None and recorded.admitted == 0 and recorded.projected == 0
+    assert by_policy(decision)["team-vision"].admitted == GPU_48
+    assert f"not enforced: {enforcement} policy 'a-trial' requires label cost-center" in decision.reason
+    assert decision.evaluations[deciding_index(decision)].policy_id == "team-vision"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("enforcement", NOT_HARD)
+def test_a_soft_or_dry_run_policy_alone_with_missing_labels_allows(enforcement: Enforcement) -> None:
+    trial = budget("trial", namespaces=("vision-prod",), labels={"cost-center": "*"}, enforcement=enforcement)
+    p = plan(bundle(trial), submission(labels={}))
+    decision = decide(p, None)
+    assert decision.outcome == "ALLOW" and not decision.reserves
+    assert [(e.policy_id, e.outcome) for e in decision.evaluations] == [("trial", "DENY")]
+
+
+@pytest.mark.parametrize("enforcement", NOT_HARD)
+@pytest.mark.parametrize(("flavor", "why"), [("b200", "no rate card prices flavor 'b200'"), (None, "must name a resources.flavor")])
+def test_an_unpriced_run_under_a_soft_or_dry_run_cost_policy_is_not_charged_there(enforcement: Enforcement, flavor: str | None, why: str) -> None:
+    cost = budget("cc-1042", labels={"cost-center": "1042"}, unit=Unit.COST, limit="5000", currency="USD", enforcement=enforcement)
+    p = plan(bundle(TEAM, cost), submission(flavor=flavor))
+    assert [c.policy.id for c in p.charges] == ["team-vision"]
+    [waived] = p.waived
+    assert waived.policy.id == "cc-1042" and why in waived.reason and waived.missing == ()
+    decision = decide(p, room(p))
+    assert decision.outcome == "ALLOW" and decision.reserves
+    assert [(e.policy_id, e.outcome, e.ledger_key) for e in decision.evaluations][-1] == ("cc-1042", "DENY", None)
+    assert why in decision.reason
+
+
+def test_a_hard_label_violation_decides_over_a_dry_run_one() -> None:
+    # The dry-run policy comes first and has the smaller id; the hard one still decides.
+    dry = budget("a-dry", namespaces=("vision-prod",), labels={"owner": "*"}, enforcement=Enforcement.DRY_RUN)
+    hard = budget("z-hard", namespaces=("vision-prod",), labels={"cost-center": "*"})
+    p = plan(bundle(dry, hard), submission(labels={"team": "vision"}))
+    assert [v.policy.id for v in p.violations] == ["z-hard"]
+    decision = decide(p, None)
+    assert decision.outcome == "DENY"
+    assert decision.reason.startswith("denied: policy 'z-hard' requires label cost-center")
+    assert decision.evaluations[deciding_index(decision)].policy_id == "z-hard"  # type: ignore[index]
+
+
+def test_a_hard_cost_policy_still_refuses_an_unpriced_run() -> None:
+    dry = budget("dry-cost", labels={"team": "vision"}, unit=Unit.COST, limit="5000", currency="USD", enforcement=Enforcement.DRY_RUN)
+    with pytest.raises(UnknownFlavor, match="'cc-1042'"):
+        plan(bundle(dry, COST_CENTER), submission(flavor="b200"))
+
+
+# --- ties: the policy id decides, not the order of the files -------------------------------------
+
+
+def test_the_deciding_budget_on_a_tie_does_not_depend_on_policy_order() -> None:
+    one = budget("budget-b", namespaces=("vision-prod",))
+    two = budget("budget-a", labels={"team": "vision"})
+    for policies in ((one, two), (two, one)):
+        p = plan(bundle(*policies), submission())
+        allowed = decide(p, room(p))
+        assert allowed.evaluations[deciding_index(allowed)].policy_id == "budget-a"  # type: ignore[index]
+        assert "tightest is 'budget-a'" in allowed.reason
+        denied = decide(p, room(p, budget_a=0, budget_b=0))
+        assert denied.outcome == "DENY"
+        assert denied.evaluations[deciding_index(denied)].policy_id == "budget-a"  # type: ignore[index]
+    labels_one = budget("labels-b", namespaces=("vision-prod",), labels={"owner": "*"})
+    labels_two = budget("labels-a", namespaces=("vision-prod",), labels={"project": "*"})
+    for policies in ((labels_one, labels_two), (labels_two, labels_one)):
+        denied = decide(plan(bundle(*policies), submission()), None)
+        assert denied.evaluations[deciding_index(denied)].policy_id == "labels-a"  # type: ignore[index]
+
+
+def test_delay_ties_go_to_the_smallest_policy_id() -> None:
+    one = budget("wait-b", namespaces=("vision-prod",), on_exhausted=OnExhausted.DELAY)
+    two = budget("wait-a", labels={"team": "vision"}, on_exhausted=OnExhausted.DELAY)
+    for policies in ((one, two), (two, one)):
+        p = plan(bundle(*policies), submission())
+        delayed = decide(p, room(p, wait_a=0, wait_b=0))
+        assert delayed.outcome == "DELAY"
+        assert delayed.evaluations[deciding_index(delayed)].policy_id == "wait-a"  # type: ignore[index]

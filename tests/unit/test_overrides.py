@@ -3,12 +3,14 @@ rule a Git apply follows; and reading an accounting system's answers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import pytest
 
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.overrides import InvalidOverride, OverrideSet, TenantOverrides, after_apply, effective, from_json, to_json, updated
-from budgetgate.core.units import MILLI_PER_HOUR
+from budgetgate.core.units import MILLI_PER_HOUR, Unit
 from budgetgate.policy_plan import override_changes
 from budgetgate.services.admission.accounting import BadAnswer, NoFigure, read
 
@@ -55,6 +57,7 @@ def test_overrides_replace_quotas_and_soft_limits_and_name_their_revision() -> N
         ((SOFT.format(id="a", extra="", hours=1), SOFT.format(id="b", extra=", x: y", hours=2)), {"gpu_hours_budget": 5}, "gpu_hours_budget", "2 soft"),
         ((QUOTA.format(limits="max_nodes: 10"),), {"burst_allowance": 2}, "burst_allowance", "fair_share_target"),
         ((QUOTA.format(limits="max_nodes: 10"),), {"fair_share_target": 0.5}, "fair_share_target", "Cluster"),
+        ((SOFT.format(id="soft", extra="", hours=1000),), {"gpu_hours_budget": 1e-7}, "gpu_hours_budget", "would be a limit of 0"),
     ],
 )
 def test_an_override_that_cannot_apply_names_its_field(texts, changes, field, words) -> None:
@@ -77,6 +80,35 @@ def test_git_apply_keeps_what_git_left_alone_and_clears_what_it_changed() -> Non
     # Without the Cluster, a kept fair-share override no longer validates: the tenant's go.
     bare = bundle(QUOTA.format(limits="max_nodes: 10, max_gpus: 80"), sha="c" * 40)
     assert not any(f.kept for f in after_apply(overrides(4, **fields), bare))
+
+
+@pytest.mark.parametrize("recorded_label", [True, False])
+def test_a_budget_override_does_not_follow_its_policy_onto_another_tenant(recorded_label: bool) -> None:
+    old = bundle(SOFT.format(id="soft", extra="", hours=1000))
+    fields = updated({}, {"gpu_hours_budget": 50}, old, "physics", label="team")
+    assert fields["gpu_hours_budget"].label == "team"
+    if not recorded_label:  # an override stored before the label was
+        fields = {"gpu_hours_budget": replace(fields["gpu_hours_budget"], label=None)}
+    # Same id, unit, enforcement and limit: only the tenant its scope requires changed.
+    moved = bundle(SOFT.format(id="soft", extra="", hours=1000).replace("team: physics", "team: chemistry"), sha="b" * 40)
+    [fate] = after_apply(overrides(4, **fields), moved)
+    assert not fate.kept and fate.why == "Git re-scoped budget 'soft' to team=chemistry"
+    # Another label beside the tenant's leaves it the tenant's budget: kept.
+    narrowed = bundle(SOFT.format(id="soft", extra=", tier: gold", hours=1000), sha="c" * 40)
+    [fate] = after_apply(overrides(4, **fields), narrowed)
+    assert fate.kept and fate.why == "Git unchanged at 1000"
+
+
+def test_a_budget_override_is_rounded_down_like_a_git_limit() -> None:
+    fields = updated({}, {"gpu_hours_budget": 1.9999999999}, bundle(SOFT.format(id="soft", extra="", hours=1000)), "physics", label="team")
+    assert fields["gpu_hours_budget"].amount(Unit.GPU_HOURS) == 7_199_999
+
+
+def test_an_override_keeps_its_tenant_label_through_storage() -> None:
+    fields = updated({}, {"gpu_hours_budget": 50}, bundle(SOFT.format(id="soft", extra="", hours=1000)), "physics", label="team")
+    stored = to_json(fields)
+    assert stored["gpu_hours_budget"]["label"] == "team"
+    assert from_json(stored) == fields
 
 
 def _answer(status: int, content: bytes) -> httpx.Response:

@@ -891,3 +891,117 @@ def test_an_unknown_kind_gets_a_did_you_mean(tmp_path: Path) -> None:
 def test_a_misspelt_metadata_name_suggests_name(tmp_path: Path) -> None:
     write(tmp_path, "b.yaml", POLICY.format(id="a", namespace="a").replace("  id: a", "  id: a\n  nmae: team-a"))
     assert only_error(tmp_path).message == "metadata.nmae: unknown key; did you mean 'name'?"
+
+
+# --- numbers mean what they say --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "yaml_11"), [("010", "8"), ("1:30", "90"), ("0x10", "16"), ("0b101", "5"), ("-010", "-8"), ("1:30.5", "90.5")])
+def test_a_number_yaml_reads_in_another_base_is_an_error(tmp_path: Path, value: str, yaml_11: str) -> None:
+    write(tmp_path, "n.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", f"gpu_hours: {value}"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("n.yaml", 11)
+    assert error.message.startswith(f"spec.limit.gpu_hours: '{value}' is not a plain decimal number (YAML 1.1 reads it as {yaml_11}")
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "line"),
+    [
+        (POLICY.format(id="p", namespace="a").replace("calendar: month", "rolling_days: yes"), "spec.window.rolling_days", 9),
+        (POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "gpu_hours: true"), "spec.limit.gpu_hours", 11),
+        ("apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec:\n  tenant: t\n  max_gpus: on\n", "spec.max_gpus", 6),
+        ("apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec:\n  sensitive_pool_size: no\n", "spec.sensitive_pool_size", 5),
+        ("apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec:\n  tenant: t\n  max_gpus: 0o10\n  fair_share_target: off\n", "spec.", 6),
+        ("apiVersion: budgetgate/v1\nkind: Cluster\nmetadata: {id: c}\nspec:\n  gpus: 0x800\n", "spec.gpus", 5),
+    ],
+)
+def test_a_boolean_or_an_odd_base_where_a_number_belongs_is_an_error(tmp_path: Path, text: str, field: str, line: int) -> None:
+    write(tmp_path, "b.yaml", text)
+    found = errors(tmp_path)
+    assert found and all(e.message.startswith(field) for e in found), found
+    assert found[0].line == line
+
+
+def test_a_boolean_number_is_named_as_one(tmp_path: Path) -> None:
+    write(tmp_path, "b.yaml", POLICY.format(id="p", namespace="a").replace("calendar: month", "rolling_days: yes"))
+    expected = "spec.window.rolling_days: expected a number, not the boolean true (YAML reads true/false, yes/no and on/off as booleans)"
+    assert only_error(tmp_path).message == expected
+
+
+def test_decimal_numbers_and_names_that_look_like_octal_still_load(tmp_path: Path) -> None:
+    text = POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "gpu_hours: 1_000").replace("id: p", "id: p\n  owner: 010")
+    write(tmp_path, "p.yaml", text.replace("calendar: month", "rolling_days: 30"))
+    write(tmp_path, "q.yaml", "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: q}\nspec: {tenant: t, max_gpus: 0, max_nodes: +8}\n")
+    bundle = load(tmp_path)
+    assert bundle.policies[0].limit.amount == to_amount(Unit.GPU_HOURS, 1000) and bundle.policies[0].window.rolling_days == 30
+    quota = bundle.quota_for("t")
+    assert quota is not None and (quota.max_gpus, quota.max_nodes) == (0, 8)
+
+
+def test_other_yaml_in_the_folder_may_write_numbers_its_own_way(tmp_path: Path) -> None:
+    # A Grafana file's `mode: 0644` is not a budgetgate document: skipped, not an error.
+    write(tmp_path, "p.yaml", POLICY.format(id="p", namespace="a"))
+    write(tmp_path, "grafana.yaml", "apiVersion: 1\nproviders: [{name: x, mode: 0644, at: 1:30}]\n")
+    assert [p.id for p in load(tmp_path).policies] == ["p"]
+
+
+# --- time zones that are folders, limits that round to nothing ---------------------------------
+
+
+@pytest.mark.parametrize("name", ["Europe", "America", "Etc", "z" * 300])
+def test_a_time_zone_folder_is_an_unknown_time_zone_at_its_line(tmp_path: Path, name: str) -> None:
+    write(tmp_path, "tz.yaml", POLICY.format(id="p", namespace="a").replace("calendar: month", f"calendar: month\n    timezone: {name}"))
+    error = only_error(tmp_path)
+    assert (error.file, error.line) == ("tz.yaml", 10)
+    assert error.message == f"spec.window.timezone: unknown time zone {name!r}"
+
+
+def test_validate_prints_a_time_zone_folder_as_an_error_not_a_traceback(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from budgetgate.cli.main import cli
+
+    write(tmp_path, "tz.yaml", POLICY.format(id="p", namespace="a").replace("calendar: month", "calendar: month\n    timezone: Europe"))
+    result = CliRunner().invoke(cli, ["policy", "validate", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    assert "tz.yaml:10: spec.window.timezone: unknown time zone 'Europe'" in result.output
+
+
+@pytest.mark.parametrize(("limit", "words"), [("gpu_hours: 0.0000001", "a thousandth of a GPU-second"), ("node_hours: 0.0000002", "node-second")])
+def test_a_positive_limit_that_rounds_to_nothing_is_an_error(tmp_path: Path, limit: str, words: str) -> None:
+    write(tmp_path, "t.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", limit))
+    error = only_error(tmp_path)
+    assert error.line == 11 and "less than the ledger's unit" in error.message and words in error.message and "limit of 0" in error.message
+
+
+def test_a_tiny_cost_limit_is_an_error_too(tmp_path: Path) -> None:
+    write(tmp_path, "rates.yaml", RATES)
+    write(tmp_path, "c.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "cost: 0.0000004\n    currency: USD"))
+    assert "less than the ledger's unit (a millionth of the currency)" in only_error(tmp_path).message
+
+
+@pytest.mark.parametrize(("limit", "amount"), [("0.0000003", 1), ("0.00000055", 1), ("1.9999999999", 7_199_999), ("2.5", 9_000_000)])
+def test_limits_are_rounded_down_never_generous(tmp_path: Path, limit: str, amount: int) -> None:
+    write(tmp_path, "p.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", f"gpu_hours: {limit}"))
+    assert load(tmp_path).policies[0].limit.amount == amount
+
+
+# --- aliases nest too ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_anchors_nesting_each_other_deeper_than_the_limit_are_an_error_not_a_crash(tmp_path: Path) -> None:
+    # Each anchor is nested 60 deep (under the literal limit) around an alias of the one before.
+    lines = ["a0: &a0 x"] + [f"a{k}: &a{k} " + "[" * 60 + f"*a{k - 1}" + "]" * 60 for k in range(1, 41)]
+    write(tmp_path, "chain.yaml", "\n".join(lines) + "\n")
+    write(tmp_path, "p.yaml", POLICY.format(id="p", namespace="a").replace("gpu_hours: 100", "gpu_hours: true"))
+    found = errors(tmp_path)  # the other file's problems are still reported
+    assert [(e.file, e.line) for e in found] == [("chain.yaml", 3), ("p.yaml", 11)]
+    assert found[0].message == "nested more than 64 levels deep (aliases expanded)"
+
+
+def test_aliases_within_the_depth_limit_still_load(tmp_path: Path) -> None:
+    text = POLICY.format(id="p", namespace="a").replace("id: p", "id: p\n  labels: &l {a: b}\n  annotations: *l")
+    write(tmp_path, "p.yaml", text)
+    assert [p.id for p in load(tmp_path).policies] == ["p"]

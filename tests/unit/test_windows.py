@@ -299,3 +299,12 @@ def test_contains_is_half_open() -> None:
 def test_iso_is_utc_with_z_and_seconds() -> None:
     assert iso(in_zone("Europe/Berlin", 2026, 7, 1, 2, 3, 4, 999999)) == "2026-07-01T00:03:04Z"
     assert iso(utc(2026, 1, 1)) == "2026-01-01T00:00:00Z"
+
+
+@pytest.mark.parametrize("name", ["Europe", "America", "Etc", "x" * 300, "Europe/" + "y" * 300])
+def test_a_zone_folder_or_an_overlong_name_is_an_unknown_time_zone(name: str) -> None:
+    # The zone database is a folder of files: these are OSErrors there, a ValueError here.
+    with pytest.raises(ValueError, match="unknown time zone"):
+        zone(name)
+    with pytest.raises(ValueError, match="unknown time zone"):
+        WindowSpec(calendar="month", timezone=name)

@@ -13,7 +13,8 @@ import typing
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
-from budgetgate.core.units import Unit
+from budgetgate.core.policy_files import NotDecimal
+from budgetgate.core.units import Unit, limit_amount, smallest
 from budgetgate.core.windows import CALENDARS, zone
 
 API_VERSION = "budgetgate/v1"
@@ -36,6 +37,30 @@ MAX_COUNT = 1_000_000_000
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_decimal(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads True as 1, and YAML 1.1 reads yes/on as True and 010 as 8: a number
+        # is refused unless it was written as one, in decimal.
+        if (
+            (isinstance(value, bool) or isinstance(value, NotDecimal))
+            and info.field_name is not None
+            and _holds_number(cls.model_fields[info.field_name].annotation)
+        ):
+            if isinstance(value, NotDecimal):
+                raise ValueError(value.problem())
+            raise ValueError(f"expected a number, not the boolean {str(value).lower()} (YAML reads true/false, yes/no and on/off as booleans)")
+        return value
+
+
+def _holds_number(annotation: Any) -> bool:
+    """Whether a field's type is a number (int, float, Decimal), alone or beside None."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _holds_number(typing.get_args(annotation)[0])
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(_holds_number(arg) for arg in typing.get_args(annotation))
+    return annotation in (int, float, Decimal)
 
 
 class Metadata(_Strict):
@@ -116,9 +141,13 @@ class LimitDoc(_Strict):
     @classmethod
     def _fits_the_ledger(cls, value: Decimal | None, info: ValidationInfo) -> Decimal | None:
         # The ledger holds amounts as integers that must stay exact in Redis Lua (doubles).
-        most = Decimal(MAX_AMOUNT) / Unit(info.field_name).scale
+        unit = Unit(info.field_name)
+        most = Decimal(MAX_AMOUNT) / unit.scale
         if value is not None and value > most:
             raise ValueError(f"{value} is more than the ledger can hold; {most:.0f} at most")
+        # Limits are rounded down to the ledger's unit: a positive one must not become zero.
+        if value is not None and value > 0 and limit_amount(unit, value) == 0:
+            raise ValueError(f"{value:f} is less than the ledger's unit ({smallest(unit)}), so it would be a limit of 0")
         return value
 
     @model_validator(mode="after")

@@ -4,7 +4,7 @@ applies exactly `fits()` below to every hard charge."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -56,10 +56,20 @@ class Charge:
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    """A policy covers the submission's namespace but required labels are missing."""
+    """A hard policy covers the submission's namespace but required labels are missing."""
 
     policy: BudgetPolicy
     missing: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Waived:
+    """A soft or dry-run policy the submission breaks (required labels missing, or a cost limit
+    with no rate for the run): recorded on its own evaluation, never charged, never blocking."""
+
+    policy: BudgetPolicy
+    reason: str
+    missing: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +82,7 @@ class Plan:
     showback_micros: int | None
     currency: str | None
     override_revision: int = 0  # the bundle's tenant override revision
+    waived: tuple[Waived, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,25 +115,39 @@ def fits(amount: int, reading: Reading) -> bool:
 
 def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
     """Which budgets a submission falls under, and how much it would reserve on each (projected
-    amounts are rounded up to the ledger's unit, never down to nothing). Raises UnknownFlavor,
-    or AmountOutOfRange for an amount beyond what the ledger holds."""
+    amounts are rounded up to the ledger's unit, never down to nothing). Only a hard policy can
+    block: its missing labels are violations and a cost it cannot price raises UnknownFlavor;
+    a soft or dry-run policy's are only recorded (`Plan.waived`). Raises AmountOutOfRange for
+    an amount beyond what the ledger holds."""
     res = submission.resources
     # Every amount within what the ledger's integers hold (AmountOutOfRange, a ValueError):
     # a year of a million GPUs, or a cost at a high rate, is past it.
     projected_gpu = checked(projected_hours_amount(res.gpus, submission.runtime_hours), "the projected GPU-hours (gpus × runtime)")
     priced = bundle.rate_for(res.flavor, res.region, submission.at) if res.flavor else None
     showback = checked(projected_cost_micros(projected_gpu, priced[0].rate_per_gpu_hour), "the projected cost in micro-units") if priced else None
-    charges, violations = [], []
+    charges: list[Charge] = []
+    violations: list[Violation] = []
+    waived: list[Waived] = []
     for policy in bundle.policies:
         scope = policy.scope
+        hard = policy.enforcement is Enforcement.HARD
         if scope.namespaces and scope.covers_namespace(submission.namespace):
             missing = scope.missing_labels(submission.labels)
             if missing:
-                violations.append(Violation(policy, missing))
+                if hard:
+                    violations.append(Violation(policy, missing))
+                else:
+                    waived.append(Waived(policy, _requires(policy, missing, submission.namespace), missing))
                 continue
         if not scope.matches(submission.namespace, submission.labels):
             continue
-        amount = _amount(policy, submission, projected_gpu, showback)
+        try:
+            amount = _amount(policy, submission, projected_gpu, showback)
+        except UnknownFlavor as exc:
+            if hard:
+                raise
+            waived.append(Waived(policy, str(exc)))
+            continue
         charges.append(Charge(policy, window_at(policy.window, submission.at), amount))
     return Plan(
         submission=submission,
@@ -133,6 +158,7 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
         showback_micros=showback,
         currency=priced[1] if priced else None,
         override_revision=bundle.override_revision,
+        waived=tuple(waived),
     )
 
 
@@ -196,26 +222,32 @@ class Decision:
 
 
 def deciding_index(decision: Decision) -> int | None:
-    """Which evaluation decided: for a DENY the first missing-labels one, else the denying
+    """Which evaluation decided: for a DENY a hard policy's missing-labels one, else the denying
     budget (hard first) most short of the run; for a DELAY the delaying budget (hard first) that
-    waits longest; otherwise the hard budget (else any) with the least room left after the run,
-    relative to its limit. None when no policy applied."""
+    waits longest; otherwise the charged hard budget (else any) with the least room left after
+    the run, relative to its limit. Ties go to the smallest policy id, so the answer does not
+    depend on the order of the policy files. None when no policy applied."""
     indexed = list(enumerate(decision.evaluations))
     if not indexed:
         return None
     if decision.outcome == "DENY":
-        labels = [i for i, e in indexed if e.missing_labels]
+        labels = [(i, e) for i, e in indexed if e.missing_labels and e.enforcement is Enforcement.HARD]
         if labels:
-            return labels[0]
+            return _first(labels, lambda e: 0)
         denied = _hard_first([(i, e) for i, e in indexed if e.outcome == "DENY"])
         if denied:
-            return max(denied, key=lambda ie: ((ie[1].deficit or 0) / ie[1].projected if ie[1].projected > 0 else 0.0, -ie[0]))[0]
+            return _first(denied, lambda e: -((e.deficit or 0) / e.projected if e.projected > 0 else 0.0))
     if decision.outcome == "DELAY":
         delayed = _hard_first([(i, e) for i, e in indexed if e.outcome == "DELAY"])
         if delayed:
-            return max(delayed, key=lambda ie: (ie[1].next_eligible_time.timestamp() if ie[1].next_eligible_time else 0, -ie[0]))[0]
-    hard = [(i, e) for i, e in indexed if e.enforcement is Enforcement.HARD] or indexed
-    return min(hard, key=lambda ie: (((ie[1].remaining or 0) - ie[1].projected) / max(ie[1].limit, 1), ie[0]))[0]
+            return _first(delayed, lambda e: -(e.next_eligible_time.timestamp() if e.next_eligible_time else 0))
+    charged = _hard_first([(i, e) for i, e in indexed if e.ledger_key is not None] or indexed)
+    return _first(charged, lambda e: ((e.remaining or 0) - e.projected) / max(e.limit, 1))
+
+
+def _first(indexed: list[tuple[int, Evaluation]], rank: Callable[[Evaluation], float]) -> int:
+    # The lowest rank; the policy id breaks ties (ids are unique in a bundle).
+    return min(indexed, key=lambda ie: (rank(ie[1]), ie[1].policy_id, ie[0]))[0]
 
 
 def _hard_first(indexed: list[tuple[int, Evaluation]]) -> list[tuple[int, Evaluation]]:
@@ -235,18 +267,23 @@ def decide(
     (see budgetgate.core.eligibility), so a DELAY can name the earliest instant room appears.
     """
     sha = plan.bundle_sha
+    # Waived policies come last, after the charges, and only add to the reason.
+    waived = tuple(_violation_evaluation(w, sha) for w in plan.waived)
     if plan.violations:
         evaluations = tuple(_violation_evaluation(v, sha) for v in plan.violations) + tuple(
             _evaluation(c, sha, None, admitted=0, outcome="ALLOW") for c in plan.charges
         )
-        return Decision("DENY", _violation_reason(plan), evaluations)
+        return Decision("DENY", _noted(plan, _violation_reason(plan)), evaluations + waived)
     if not plan.charges:
-        return Decision("ALLOW", f"admitted: no budget policy covers namespace {plan.submission.namespace!r} with these labels", ())
-    assert readings is not None, "a plan with charges needs ledger readings"
+        return Decision("ALLOW", _noted(plan, f"admitted: no budget policy covers namespace {plan.submission.namespace!r} with these labels"), waived)
+    if readings is None:
+        # A ValueError, not an assert: a decision recorded without readings (an old label denial
+        # by a policy that no longer blocks) is reported as not recomputable, not a crash.
+        raise ValueError("a plan with charges needs ledger readings")
     blocked = [c for c in plan.charges if c.hard and not fits(c.amount, readings[c.ledger_key])]
     if not blocked:
         evaluations = tuple(_evaluation(c, sha, readings[c.ledger_key], admitted=c.amount, outcome=_soft_outcome(c, readings)) for c in plan.charges)
-        return Decision("ALLOW", _allow_reason(plan, readings), evaluations)
+        return Decision("ALLOW", _noted(plan, _allow_reason(plan, readings)), evaluations + waived)
     # Waiting helps only when every blocking budget says so and the run fits each one at all.
     outcome = "DELAY" if all(_can_wait(c) for c in blocked) else "DENY"
     outlooks = outlooks or {}
@@ -259,7 +296,7 @@ def decide(
             evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome=own, deficit=charge.amount - reading.remaining, eligible=eligible))
         else:
             evaluations.append(_evaluation(charge, sha, reading, admitted=0, outcome="ALLOW"))
-    return Decision(outcome, _blocked_reason(outcome, blocked, readings, evaluations), tuple(evaluations))
+    return Decision(outcome, _noted(plan, _blocked_reason(outcome, blocked, readings, evaluations)), tuple(evaluations) + waived)
 
 
 def _can_wait(charge: Charge) -> bool:
@@ -313,7 +350,9 @@ def _evaluation(
     )
 
 
-def _violation_evaluation(violation: Violation, sha: str) -> Evaluation:
+def _violation_evaluation(violation: Violation | Waived, sha: str) -> Evaluation:
+    # Judged before any ledger: no key, no window, nothing projected. A waived policy's own
+    # verdict is DENY too (what it would decide were it hard); only the decision ignores it.
     policy = violation.policy
     return Evaluation(
         policy_id=policy.id,
@@ -342,17 +381,25 @@ def describe(unit: Unit, amount: int, currency: str | None = None) -> str:
     return f"{text} {names[unit]}" if unit is not Unit.COST else f"{text} {currency or ''}".rstrip()
 
 
+def _requires(policy: BudgetPolicy, missing: Sequence[str], namespace: str) -> str:
+    return f"policy {policy.id!r} requires label{'s' if len(missing) > 1 else ''} {', '.join(missing)} in namespace {namespace!r}"
+
+
 def _violation_reason(plan: Plan) -> str:
-    parts = [
-        f"policy {v.policy.id!r} requires label{'s' if len(v.missing) > 1 else ''} {', '.join(v.missing)} in namespace {plan.submission.namespace!r}"
-        for v in plan.violations
-    ]
+    parts = [_requires(v.policy, v.missing, plan.submission.namespace) for v in plan.violations]
     return "denied: " + "; ".join(parts) + ". Add the missing labels to the submission and resubmit."
+
+
+def _noted(plan: Plan, reason: str) -> str:
+    """`reason` and what the soft and dry-run policies the run breaks would have said."""
+    if not plan.waived:
+        return reason
+    return f"{reason.rstrip('.')}. Recorded, not enforced: " + "; ".join(f"{w.policy.enforcement} {w.reason}" for w in plan.waived) + "."
 
 
 def _allow_reason(plan: Plan, readings: Mapping[str, Reading]) -> str:
     candidates = [c for c in plan.charges if c.hard] or list(plan.charges)
-    tightest = min(candidates, key=lambda c: (readings[c.ledger_key].remaining - c.amount) / max(c.policy.limit.amount, 1))
+    tightest = min(candidates, key=lambda c: ((readings[c.ledger_key].remaining - c.amount) / max(c.policy.limit.amount, 1), c.policy.id))
     left = readings[tightest.ledger_key].remaining - tightest.amount
     unit, cur = tightest.policy.limit.unit, tightest.policy.limit.currency
     n = len(plan.charges)

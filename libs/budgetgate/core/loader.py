@@ -34,7 +34,7 @@ from budgetgate.core.policy import (
     Source,
 )
 from budgetgate.core.quota_documents import ConcurrencyLimit, concurrency_checks, concurrency_fields, concurrency_limit
-from budgetgate.core.units import Unit, to_amount
+from budgetgate.core.units import Unit, limit_amount
 from budgetgate.core.windows import WindowSpec
 
 # Re-exported: callers find the reading side of policies here too.
@@ -215,7 +215,7 @@ def _policy(policy_id: str, spec: BudgetPolicySpec, source: Source) -> BudgetPol
         id=policy_id,
         scope=Scope(namespaces=spec.scope.namespace_set(), labels=dict(spec.scope.labels)),
         window=WindowSpec(calendar=spec.window.calendar, timezone=spec.window.timezone, rolling_days=spec.window.rolling_days),
-        limit=Limit(unit=unit, amount=to_amount(unit, value), currency=limit.currency),
+        limit=Limit(unit=unit, amount=limit_amount(unit, value), currency=limit.currency),
         enforcement=Enforcement(spec.enforcement),
         on_exhausted=OnExhausted(spec.on_exhausted),
         source=source,

@@ -22,7 +22,7 @@ from budgetgate.core.documents import QuotaSpec
 from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
 from budgetgate.core.quotas import QUOTA_FIELDS, TenantQuota
 from budgetgate.core.sources import Source
-from budgetgate.core.units import Unit, from_amount, to_amount
+from budgetgate.core.units import Unit, from_amount, limit_amount, smallest
 
 SHARE_FIELDS = ("fair_share_target", "burst_allowance")
 BUDGET_FIELDS: Mapping[str, Unit] = {"gpu_hours_budget": Unit.GPU_HOURS, "node_hours_budget": Unit.NODE_HOURS}
@@ -42,15 +42,17 @@ class InvalidOverride(ValueError):
 @dataclass(frozen=True, slots=True)
 class Override:
     """One setting of one tenant: `value` replaces Git's `git` (None: Git has none). Budget
-    overrides name the policy whose limit they replace."""
+    overrides name the policy whose limit they replace, and the tenant label its scope required
+    (`label`: None for overrides recorded before it was kept)."""
 
     value: Value
     git: Value | None
     policy_id: str | None = None
+    label: str | None = None
 
     def amount(self, unit: Unit) -> int:
-        """A budget override's limit in ledger units."""
-        return to_amount(unit, self.value)
+        """A budget override's limit in ledger units, rounded down like a Git limit."""
+        return limit_amount(unit, self.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +132,9 @@ def updated(current: Mapping[str, Override], changes: Mapping[str, Value | None]
                     f"tenant {tenant!r} has no soft {unit} budget in bundle {bundle.git_sha} (a BudgetPolicy with enforcement: soft, a {unit} "
                     f"limit and scope label {label}: {tenant}); an override changes a budget's limit, it does not create one",
                 )
-            result[name] = Override(value, budget_hours(policy), policy.id)
+            if value > 0 and limit_amount(unit, value) == 0:
+                raise InvalidOverride(name, f"{value} is less than the ledger's unit ({smallest(unit)}), so it would be a limit of 0")
+            result[name] = Override(value, budget_hours(policy), policy.id, label)
         else:
             quota = bundle.quota_for(tenant)
             result[name] = Override(value, getattr(quota, name) if quota is not None else None)
@@ -214,6 +218,10 @@ def _fate(tenant: str, name: str, override: Override, new: PolicyBundle) -> Fate
         policy = next((p for p in new.policies if p.id == override.policy_id and p.limit.unit is unit and p.enforcement is Enforcement.SOFT), None)
         if policy is None:
             return Fate(tenant, name, override, False, None, f"Git no longer has soft {unit} budget {override.policy_id!r}")
+        if not _still_the_tenants(policy, tenant, override.label):
+            # Re-scoped to another tenant (team: vision -> team: nlp): the override was granted
+            # to this tenant, so it must not follow the policy id onto someone else's budget.
+            return Fate(tenant, name, override, False, budget_hours(policy), f"Git re-scoped budget {policy.id!r} to {policy.scope.scope_id}")
         after: Value | None = budget_hours(policy)
     else:
         quota = new.quota_for(tenant)
@@ -221,6 +229,14 @@ def _fate(tenant: str, name: str, override: Override, new: PolicyBundle) -> Fate
     if after == override.git:
         return Fate(tenant, name, override, True, after, f"Git unchanged at {_shown(after)}")
     return Fate(tenant, name, override, False, after, f"Git changes it: {_shown(override.git)} -> {_shown(after)}")
+
+
+def _still_the_tenants(policy: BudgetPolicy, tenant: str, label: str | None) -> bool:
+    """Whether `policy`'s scope still requires the tenant label = `tenant`. An override recorded
+    without its label is judged by the label values alone."""
+    if label is not None:
+        return policy.scope.labels.get(label) == tenant
+    return tenant in policy.scope.labels.values()
 
 
 def _shown(value: Value | None) -> str:
@@ -234,9 +250,9 @@ def to_json(fields: Mapping[str, Override]) -> dict[str, Any]:
         stored[name] = {"value": o.value, "git": o.git}
         if name in BUDGET_FIELDS:
             unit = BUDGET_FIELDS[name]
-            stored[name] |= {"policy_id": o.policy_id, "unit": str(unit), "amount": o.amount(unit)}
+            stored[name] |= {"policy_id": o.policy_id, "unit": str(unit), "amount": o.amount(unit)} | ({"label": o.label} if o.label is not None else {})
     return stored
 
 
 def from_json(stored: Mapping[str, Any]) -> dict[str, Override]:
-    return {name: Override(v["value"], v.get("git"), v.get("policy_id")) for name, v in stored.items() if name in FIELDS}
+    return {name: Override(v["value"], v.get("git"), v.get("policy_id"), v.get("label")) for name, v in stored.items() if name in FIELDS}

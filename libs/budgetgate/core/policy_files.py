@@ -1,16 +1,20 @@
 """Policy files as read: bounded, safe YAML with the line of every field, for error messages.
 
 YAML is read with the safe loader and bounded before anything is built from it: nesting deeper
-than MAX_DEPTH, a document expanding (aliases included) to more than MAX_NODES nodes, a node
-that contains itself and duplicate keys are errors with file and line, never a hang."""
+than MAX_DEPTH (aliases expanded), a document expanding (aliases included) to more than
+MAX_NODES nodes, a node that contains itself and duplicate keys are errors with file and line,
+never a hang. A number YAML 1.1 reads in another base (`010` is 8, `0x10` 16, `1:30` 90) is
+kept as its text (`NotDecimal`), which validation refuses where a number belongs."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+
+import re
 
 import yaml
 from yaml.constructor import SafeConstructor
@@ -60,7 +64,8 @@ def directory_files(path: Path) -> list[tuple[str, bytes | OSError]]:
     if path.is_file():
         files, root = [path], path.parent
     elif path.is_dir():
-        files, root = sorted(p for p in path.rglob("*") if p.suffix in (".yaml", ".yml") and ".git" not in p.relative_to(path).parts), path
+        found = (p for p in path.rglob("*") if p.suffix in (".yaml", ".yml") and ".git" not in p.relative_to(path).parts)
+        files, root = sorted(found, key=lambda p: path_order(p.relative_to(path).as_posix())), path
     else:
         raise PolicyValidationError([PolicyError(str(path), 0, "no such file or directory")])
     result: list[tuple[str, bytes | OSError]] = []
@@ -74,6 +79,13 @@ def directory_files(path: Path) -> list[tuple[str, bytes | OSError]]:
         except OSError as exc:
             result.append((name, exc))
     return result
+
+
+def path_order(name: str) -> tuple[str, ...]:
+    """The order policy files are read in, wherever they come from (a folder, a commit, a work
+    tree): by path, folder by folder (`a/x.yaml` before `a-b/x.yaml`). Policy order decides the
+    order of a decision's evaluations, so it must not depend on anything else."""
+    return PurePosixPath(name).parts
 
 
 def parse_files(files: Iterable[tuple[str, bytes | OSError]]) -> tuple[list[SourceDocument], list[PolicyError]]:
@@ -106,6 +118,30 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _STR = "tag:yaml.org,2002:str"
 
 
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# What YAML 1.2 and every reader agree on: decimal digits (with _ between groups, as before).
+_DECIMAL_INT = re.compile(r"[-+]?(0|[1-9][0-9_]*)")
+
+
+class NotDecimal(str):
+    """A scalar YAML 1.1 reads as a number in another base (`010` octal, `0x10`, `0b10`,
+    `1:30` base 60), kept as its text: a name where a name belongs (`owner: 010`), refused
+    where a number does (see documents.py), never silently another number."""
+
+    yaml_value: Any
+
+    def __new__(cls, text: str, yaml_value: Any) -> NotDecimal:
+        made = super().__new__(cls, text)
+        made.yaml_value = yaml_value
+        return made
+
+    def problem(self) -> str:
+        return (
+            f"{str(self)!r} is not a plain decimal number (YAML 1.1 reads it as {self.yaml_value}: a leading 0 is octal, "
+            "0x hexadecimal, 0b binary, a colon base 60); write it in decimal digits"
+        )
+
+
 class _YamlProblem(Exception):
     def __init__(self, line: int, message: str) -> None:
         super().__init__(message)
@@ -131,7 +167,7 @@ def parse_text(text: str, file: str) -> list[SourceDocument]:
             continue
         lines: dict[tuple[Any, ...], int] = {}
         try:
-            if _expanded_size(node, {}, set()) > MAX_NODES:
+            if _expanded(node, {}, set(), depth=0, at=node.start_mark.line + 1)[0] > MAX_NODES:
                 raise _YamlProblem(node.start_mark.line + 1, f"the document expands to more than {MAX_NODES} YAML nodes (an alias bomb?)")
             data = _Converter(lines).convert(node, (), raw=False)
         except _YamlProblem as problem:
@@ -158,25 +194,39 @@ def _check_depth(text: str) -> None:
             depth -= 1
 
 
-def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
-    """How many nodes `node` becomes once every alias is expanded, without expanding them."""
+def _expanded(node: yaml.Node, known: dict[int, tuple[int, int]], open_: set[int], *, depth: int, at: int) -> tuple[int, int]:
+    """How many nodes `node` becomes once every alias is expanded, and how many levels of
+    collections deep, without expanding them. `depth` counts the collections around it (from
+    the document's root), `at` is the line of the one it is in. Nesting through aliases counts:
+    anchors each nesting the one before deeper are past MAX_DEPTH before they are past Python's
+    stack (the conversion after this one recurses as deep)."""
     key = id(node)
-    if key in sizes:
-        return sizes[key]
-    if key in open_:
+    if key in known:
+        size, height = known[key]
+    elif key in open_:
         raise _YamlProblem(node.start_mark.line + 1, "a YAML alias refers to a node that contains it (recursive alias)")
-    size = 1
-    if isinstance(node, yaml.CollectionNode):
-        open_.add(key)
-        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
-        size += sum(_expanded_size(child, sizes, open_) for child in children)
-        open_.discard(key)
-    sizes[key] = size
-    return size
+    else:
+        size, height = 1, 0
+        if isinstance(node, yaml.CollectionNode):
+            at = node.start_mark.line + 1
+            if depth + 1 > MAX_DEPTH:
+                raise _YamlProblem(at, f"nested more than {MAX_DEPTH} levels deep (aliases expanded)")
+            open_.add(key)
+            children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+            for child in children:
+                child_size, child_height = _expanded(child, known, open_, depth=depth + 1, at=at)
+                size, height = size + child_size, max(height, child_height)
+            height += 1
+            open_.discard(key)
+        known[key] = (size, height)
+    if depth + height > MAX_DEPTH:
+        # An alias to a node already measured: it nests that deep where it is used.
+        raise _YamlProblem(at, f"nested more than {MAX_DEPTH} levels deep (aliases expanded)")
+    return size, height
 
 
 class _Converter:
-    """YAML nodes (checked by _expanded_size) to Python values, with the line of every path."""
+    """YAML nodes (checked by _expanded) to Python values, with the line of every path."""
 
     def __init__(self, lines: dict[tuple[Any, ...], int]) -> None:
         self.lines = lines
@@ -200,12 +250,17 @@ class _Converter:
             return [self.convert(item, (*path, i), raw=raw) for i, item in enumerate(node.value)]
         if node.tag == _STR or (raw and node.tag != "tag:yaml.org,2002:null"):
             return node.value
-        if node.tag == "tag:yaml.org,2002:float":
+        if (node.tag == _INT and not _DECIMAL_INT.fullmatch(node.value)) or (node.tag == _FLOAT and ":" in node.value):
+            return NotDecimal(node.value, self._construct(node, line))
+        if node.tag == _FLOAT:
             # Limits and rates are exact decimals; going through float would round 3.933.
             try:
                 return Decimal(node.value.replace("_", ""))
             except ArithmeticError:
                 pass  # .inf / .nan: let validation reject them by name
+        return self._construct(node, line)
+
+    def _construct(self, node: yaml.Node, line: int) -> Any:
         try:
             return self.constructor.construct_object(node, deep=True)
         except yaml.YAMLError as exc:

@@ -8,7 +8,7 @@ edges (JSON in, JSON out), converted through Decimal with one rounding, half up.
 from __future__ import annotations
 
 import math
-from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal, InvalidOperation
+from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_UP, Decimal, InvalidOperation
 from enum import StrEnum
 
 MILLI_PER_HOUR = 3_600_000
@@ -49,6 +49,22 @@ def _round(value: Decimal, rounding: str = ROUND_HALF_UP) -> int:
 def to_amount(unit: Unit, value: Decimal | float | int | str) -> int:
     """A human figure in `unit` (hours, or currency) as the ledger's integer amount."""
     return _round(to_decimal(value) * unit.scale)
+
+
+def limit_amount(unit: Unit, value: Decimal | float | int | str) -> int:
+    """A budget's limit as the ledger's integer amount, rounded down: a limit is never more
+    generous than written (validation refuses a positive one that rounds to nothing)."""
+    return _round(to_decimal(value) * unit.scale, ROUND_FLOOR)
+
+
+def smallest(unit: Unit) -> str:
+    """The ledger's unit of `unit`, in words."""
+    return {
+        Unit.GPU_HOURS: "a thousandth of a GPU-second",
+        Unit.NODE_HOURS: "a thousandth of a node-second",
+        Unit.WALL_HOURS: "a thousandth of a second",
+        Unit.COST: "a millionth of the currency",
+    }[unit]
 
 
 def from_amount(unit: Unit, amount: int) -> Decimal:

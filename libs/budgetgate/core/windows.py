@@ -47,7 +47,8 @@ def zone(name: str) -> ZoneInfo:
     """The IANA time zone `name`; raises ValueError naming it when unknown."""
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
+        # OSError: a name that is a folder of the zone database (`Europe`), or too long a path.
         raise ValueError(f"unknown time zone {name!r}") from exc
 
 
