@@ -14,10 +14,20 @@ node, sub-workflows included, as if each ran for its whole timeout: the executio
 are their sum, submitted as the largest task's GPUs for the hours that sum takes them (a
 submission has one GPU count and one runtime; GPU-hours, what budgets count, are exact).
 Flyte's own node-level overrides and map tasks' fan-out are not seen.
+
+A launch that fails after the ALLOW (bad inputs, FlyteAdmin unavailable) would leave the run's
+reservation held with no execution to end it: `execute` then publishes the run's end (a
+CANCELLED lifecycle event, through `lifecycle`, by default `client`: metering-ingest, with a
+token holding the exporter role) and raises LaunchFailed, naming the run and its execution name.
+When the reservation was released, the run is over: a retry is a new run (call `execute` again
+without `execution_name`). When it could not be (no metering-ingest URL, the token lacks the
+role, metering-ingest down), retry with `execution_name=error.execution_name`: the same run,
+replayed on its one reservation (never retried, the reconciler reclaims it after its start deadline).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import Mapping
@@ -25,8 +35,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from budgetgate.client import Client
+from budgetgate.client import Client, lifecycle_event
 from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse
+
+log = logging.getLogger(__name__)
 
 
 class Unprojectable(ValueError):
@@ -52,6 +64,18 @@ class BudgetDelayed(BudgetRefused):
     def next_eligible_time(self) -> datetime | None:
         times = [e.next_eligible_time for e in self.answer.evaluations if e.decision == "DELAY" and e.next_eligible_time]
         return max(times) if times else None
+
+
+class LaunchFailed(RuntimeError):
+    """budgetgate admitted the execution and `FlyteRemote.execute` raised (the cause); `released`
+    says whether the run's end was published, freeing its reservation (see the module docstring)."""
+
+    def __init__(self, message: str, *, run_id: str, execution_name: str, attempt: int, released: bool) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.execution_name = execution_name
+        self.attempt = attempt
+        self.released = released
 
 
 @dataclass(frozen=True)
@@ -202,19 +226,43 @@ def execute(
     flavor: str | None = None,
     region: str | None = None,
     default_runtime_hours: float | None = None,
+    lifecycle: Client | None = None,
     **execute_kwargs: Any,
 ) -> Any:
     """`remote.execute(entity, inputs, ...)` once budgetgate has admitted it, as run
     `flyte/<project>/<domain>/<execution name>` in namespace `<project>-<domain>` (Flyte's default
     mapping) unless `namespace` is given. The execution name is made here when not given, so a
-    retry of this call with the same name is the same run."""
+    retry of this call with the same name is the same run. A launch that raises ends the run
+    (through `lifecycle`, default `client`) and raises LaunchFailed (see the module docstring)."""
     project = project or remote.default_project
     domain = domain or remote.default_domain
     if not project or not domain:
         raise ValueError("no Flyte project or domain: pass project= and domain=, or configure the remote's defaults")
     name = execution_name or f"b{uuid.uuid4().hex[:19]}"  # Flyte execution names: a letter, then up to 19 more
+    run_id = f"flyte/{project}/{domain}/{name}"
     preflight(
-        entity, client=client, run_id=f"flyte/{project}/{domain}/{name}", namespace=namespace or f"{project}-{domain}", labels=labels,
+        entity, client=client, run_id=run_id, namespace=namespace or f"{project}-{domain}", labels=labels,
         attempt=attempt, flavor=flavor, region=region, default_runtime_hours=default_runtime_hours,
     )  # fmt: skip
-    return remote.execute(entity, dict(inputs or {}), project=project, domain=domain, execution_name=name, **execute_kwargs)
+    try:
+        return remote.execute(entity, dict(inputs or {}), project=project, domain=domain, execution_name=name, **execute_kwargs)
+    except Exception as exc:
+        raise _launch_failed(exc, run_id=run_id, execution_name=name, attempt=attempt, lifecycle=lifecycle or client) from exc
+
+
+def _launch_failed(exc: Exception, *, run_id: str, execution_name: str, attempt: int, lifecycle: Client) -> LaunchFailed:
+    """Publish the end of a run whose launch raised `exc`; the error saying what a retry should do."""
+    why = f"{type(exc).__name__}: {exc}"
+    try:
+        lifecycle.publish_lifecycle(lifecycle_event(run_id, "CANCELLED", reason=f"launch failed: {why}"[:1024]))
+    except Exception as unpublished:  # noqa: BLE001 - the launch's error is the one to raise
+        log.warning(
+            "run %s: publishing its end failed (%s: %s); its reservation stays until the start deadline", run_id, type(unpublished).__name__, unpublished
+        )
+        message = (
+            f"launching run {run_id} failed ({why}); its end could not be published ({type(unpublished).__name__}: {unpublished}), "
+            f"so its reservation is held: retry with execution_name={execution_name!r} to reuse it"
+        )
+        return LaunchFailed(message, run_id=run_id, execution_name=execution_name, attempt=attempt, released=False)
+    message = f"launching run {run_id} failed ({why}); the run is ended (CANCELLED published, its reservation released): retry as a new run (no execution_name)"
+    return LaunchFailed(message, run_id=run_id, execution_name=execution_name, attempt=attempt, released=True)

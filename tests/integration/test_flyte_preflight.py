@@ -1,6 +1,8 @@
 """The Flyte preflight against a real admission service: a real workflow is submitted before it
-is launched; DENY and DELAY raise and launch nothing. (No Flyte cluster runs here: the remote is
-a recorder of what FlyteRemote.execute would have been asked.)"""
+is launched; DENY and DELAY raise and launch nothing; a launch that fails after the ALLOW ends
+the run (its reservation released through metering-ingest and the reconciler) or, when its end
+cannot be published, names the execution a retry reuses. (No Flyte cluster runs here: the remote
+is a recorder of what FlyteRemote.execute would have been asked.)"""
 
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ from tests.support.extras import import_extra
 # flytekit is the `flyte` extra, outside `dev`; CI installs it (constraints/dev-flyte.txt).
 import_extra("flytekit", extra="flyte")
 
+from flytekit.exceptions.system import FlyteSystemUnavailableException
+
 from budgetgate.client import Client
-from budgetgate.flyte import BudgetDelayed, BudgetDenied, execute, preflight
+from budgetgate.flyte import BudgetDelayed, BudgetDenied, LaunchFailed, execute, preflight
 from budgetgate.principals import Role
+from tests.integration.test_reconciler import reconciler_factory  # noqa: F401 - a fixture, used by name
 from tests.support import flyte_workflows as flows
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.metering import metering, metering_factory, wait_for  # noqa: F401 - fixtures, used by name
 from tests.support.principals import issue
 
 VISION = {"team": "vision", "cost-center": "1042", "environment": "prod"}
@@ -35,10 +41,16 @@ class Remote:
 
     default_project, default_domain = "vision", "production"
 
-    def __init__(self) -> None:
+    def __init__(self, *, failures: int = 0) -> None:
         self.launched: list[dict[str, Any]] = []
+        self.refused: list[str] = []  # execution names of launches that raised
+        self.failures = failures
 
     def execute(self, entity: Any, inputs: dict[str, Any], **kwargs: Any) -> str:
+        if self.failures:
+            self.failures -= 1
+            self.refused.append(kwargs["execution_name"])
+            raise FlyteSystemUnavailableException("FlyteAdmin is unavailable")
         self.launched.append({"entity": entity, "inputs": inputs, **kwargs})
         return kwargs["execution_name"]
 
@@ -77,3 +89,50 @@ async def test_deny_and_delay_raise_and_launch_nothing(admission_factory, pg_dsn
     assert remote.launched == []
     assert delayed.next_eligible_time is not None and "resubmit with attempt=2 at or after" in str(delayed)
     assert str(denied).startswith("budgetgate denied run flyte/vision/production/") and denied.answer.decision == "DENY"
+
+
+async def test_a_failed_launch_ends_the_run_and_its_reservation_is_released(admission, metering, reconciler_factory, pg_dsn) -> None:
+    await reconciler_factory()  # its start deadline (an hour) would free nothing during this test
+    exporter = await issue(pg_dsn, Role.EXPORTER)
+    remote = Remote(failures=1)
+
+    def launch() -> LaunchFailed:
+        with Client(admission.url) as bg, Client(metering_url=metering.url, token=exporter) as feed:
+            with pytest.raises(LaunchFailed) as failed:
+                execute(remote, flows.example().training, {"epochs": 3}, client=bg, lifecycle=feed, namespace="vision-prod", labels=VISION)
+            return failed.value
+
+    failed = await asyncio.to_thread(launch)
+    assert failed.released and isinstance(failed.__cause__, FlyteSystemUnavailableException) and remote.refused == [failed.execution_name]
+    assert failed.run_id == f"flyte/vision/production/{failed.execution_name}" and "retry as a new run" in str(failed)
+    decision = (await admission.client.get(f"/v1/admissions/{failed.run_id}")).json()
+    assert (decision["decision"], decision["projected_gpu_hours"]) == ("ALLOW", 48.5)
+    scopes = {e["scope_id"] for e in decision["evaluations"]}
+
+    async def reserved() -> list[float]:
+        return [b["reserved"] for scope in scopes for b in (await admission.client.get(f"/v1/scopes/{scope}/usage")).json()["budgets"]]
+
+    async def released() -> bool:
+        return all(amount == 0 for amount in await reserved())
+
+    await wait_for(released, what="the reservation of the run that never launched released")
+    assert remote.launched == []
+
+
+async def test_when_the_end_cannot_be_published_a_retry_reuses_the_execution_name(admission) -> None:
+    remote = Remote(failures=1)
+
+    def attempts() -> tuple[LaunchFailed, str]:
+        with Client(admission.url) as bg:  # no metering-ingest URL: the run's end cannot be published
+            with pytest.raises(LaunchFailed) as failed:
+                execute(remote, flows.example().training, client=bg, namespace="vision-prod", labels=VISION)
+            again = execute(remote, flows.example().training, client=bg, namespace="vision-prod", labels=VISION, execution_name=failed.value.execution_name)
+            return failed.value, again
+
+    failed, again = await asyncio.to_thread(attempts)
+    assert not failed.released and f"execution_name={failed.execution_name!r}" in str(failed)
+    assert again == failed.execution_name and [launched["execution_name"] for launched in remote.launched] == [failed.execution_name]
+    # One run, one reservation: the retry was answered from the first decision.
+    budgets = (await admission.client.get("/v1/budgets")).json()["budgets"]
+    vision = next(b for b in budgets if b["policy_id"] == "gpu-budget/team-vision-prod")
+    assert vision["reserved"] == 48.5

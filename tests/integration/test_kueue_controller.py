@@ -1,6 +1,7 @@
 """The Kueue AdmissionCheck controller against a stand-in Kubernetes API server (no API server can
 run here) and a real admission service: Workloads shaped as Kueue v1beta1 are watched, decided,
-and their check states written back with merge patches guarded by resourceVersion."""
+and their check states written back with merge patches guarded by resourceVersion; budgetgate's
+permanent error answers end the wait, and an outage is tried again by the periodic requeue."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ import pytest
 from lightkube import AsyncClient as KubeClient
 from lightkube import KubeConfig
 
-from budgetgate.client import AsyncClient
+from budgetgate.client import NO_RETRY, AsyncClient
 from budgetgate.kueue import AdmissionCheckController
 from budgetgate.platforms import kueue
+from budgetgate.principals import Role
+from tests.support.admission import apply_policies, example_policies, submission
 from tests.support.kube_api import KubeApi
 from tests.support.metering import wait_for
 from tests.support.servers import InProcessServer, free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"
-from tests.support.principals import token_in_env  # noqa: F401 - a fixture, used by name
+from tests.support.principals import issue, token_in_env  # noqa: F401 - a fixture, used by name
 
 pytestmark = pytest.mark.usefixtures("token_in_env")
 
@@ -126,3 +129,106 @@ async def test_a_workload_changed_meanwhile_is_not_overwritten(kube, admission) 
     assert check_state(api, "job-raced")["state"] == "Pending"  # 409: left for the watch's newer version
     assert api.get("workloads", "job-raced", "vision-prod")["status"]["admissionChecks"][1]["message"] == "re-provisioned"
     assert kueue.pending_checks(api.get("workloads", "job-raced", "vision-prod"), {"budget"}) == ["budget"]
+
+
+def readmitted(found: dict[str, Any], *, flavor: str) -> dict[str, Any]:
+    """The Workload as Kueue leaves it after a preemption and a new quota reservation on `flavor`:
+    our check Pending again, everything else as it was."""
+    found = copy.deepcopy(found)
+    found["status"]["admission"]["podSetAssignments"][0]["flavors"]["nvidia.com/gpu"] = flavor
+    for check in found["status"]["admissionChecks"]:
+        if check["name"] == "budget":
+            check.update(state="Pending", message="")
+    return found
+
+
+async def test_a_run_readmitted_on_another_flavor_is_retried_as_a_new_attempt(kube, admission) -> None:
+    api, url = kube
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    api.put("workloads", workload("job-moved", job_uid="44444444-4444-4444-8444-444444444444"))
+    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
+    async with AsyncClient(admission.url) as budgetgate:
+        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
+        await controller.refresh_checks()
+        await controller.reconcile(api.get("workloads", "job-moved", "vision-prod"))
+        assert check_state(api, "job-moved")["state"] == "Ready"
+        # Preempted, then admitted again on a100: the same run id and attempt, another request.
+        await controller.reconcile(api.put("workloads", readmitted(api.get("workloads", "job-moved", "vision-prod"), flavor="a100")))
+        moved = api.get("workloads", "job-moved", "vision-prod")
+        ours = check_state(api, "job-moved")
+        assert ours["state"] == "Retry" and "resources.flavor" in ours["message"] and ours["message"].endswith("the next try is attempt 2")
+        assert moved["metadata"]["annotations"]["budgetgate.io/attempt"] == "2"
+        # Kueue makes the check Pending again after its retry delay: the next try is attempt 2, not the conflict again.
+        await controller.reconcile(api.put("workloads", readmitted(moved, flavor="a100")))
+        await kube_client.close()
+    assert check_state(api, "job-moved")["state"] == "Ready"
+
+
+async def test_an_invalid_submission_or_a_run_of_another_namespace_is_rejected(kube, admission) -> None:
+    api, url = kube
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    unpriced = workload("job-unpriced", job_uid="55555555-5555-4555-8555-555555555555")
+    unpriced["status"]["admission"]["podSetAssignments"][0]["flavors"]["nvidia.com/gpu"] = "no-such-flavor"
+    api.put("workloads", unpriced)
+    api.put("workloads", workload("job-taken", job_uid="66666666-6666-4666-8666-666666666666"))
+    # The run id was decided for another namespace first.
+    taken = submission(run_id="66666666-6666-4666-8666-666666666666", namespace="vision-dev", job={"namespace": "vision-dev", "name": "x"})
+    assert (await admission.client.post("/v1/admissions", json=taken)).status_code == 200
+    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
+    async with AsyncClient(admission.url) as budgetgate:
+        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
+        await controller.refresh_checks()
+        await controller.reconcile(api.get("workloads", "job-unpriced", "vision-prod"))
+        await controller.reconcile(api.get("workloads", "job-taken", "vision-prod"))
+        await kube_client.close()
+    bad, other = check_state(api, "job-unpriced"), check_state(api, "job-taken")
+    assert bad["state"] == "Rejected" and bad["message"].startswith("budgetgate: not a valid submission") and "resources.flavor" in bad["message"]
+    assert other["state"] == "Rejected" and "namespace" in other["message"]
+    assert "budgetgate.io/attempt" not in api.get("workloads", "job-taken", "vision-prod")["metadata"]["annotations"]
+
+
+async def test_a_refused_controller_token_leaves_the_workload_pending_saying_so(kube, admission, pg_dsn) -> None:
+    api, url = kube
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    api.put("workloads", workload("job-unknown-token", job_uid="77777777-7777-4777-8777-777777777777"))
+    api.put("workloads", workload("job-reader-token", job_uid="88888888-8888-4888-8888-888888888888"))
+    reader = await issue(pg_dsn, Role.READER)
+    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
+    for name, token in (("job-unknown-token", "not-a-token"), ("job-reader-token", reader)):
+        async with AsyncClient(admission.url, token=token) as budgetgate:
+            controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
+            await controller.refresh_checks()
+            await controller.reconcile(api.get("workloads", name, "vision-prod"))
+    await kube_client.close()
+    unknown, reading = check_state(api, "job-unknown-token"), check_state(api, "job-reader-token")
+    assert unknown["state"] == "Pending" and unknown["message"].startswith("budgetgate refused the controller (401")
+    assert "token is missing, unknown, revoked or expired" in unknown["message"]
+    assert reading["state"] == "Pending" and reading["message"].startswith("budgetgate refused the controller (403")
+    assert "lacks the submitter role" in reading["message"]
+
+
+async def test_a_workload_that_met_an_outage_is_decided_by_the_periodic_requeue(kube, admission_factory, pg_dsn) -> None:
+    api, url = kube
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    server = await admission_factory()  # no policy bundle yet: submissions answer 503
+    api.put("workloads", workload("job-outage", job_uid="99999999-9999-4999-8999-999999999999"))
+    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
+    async with AsyncClient(server.url, retry=NO_RETRY) as budgetgate:
+        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate, requeue_seconds=0.5)
+        running = asyncio.create_task(controller.run())
+        try:
+
+            async def told() -> bool:
+                return "cannot decide now" in check_state(api, "job-outage")["message"]
+
+            await wait_for(told, what="the outage written on the check")
+            await asyncio.sleep(1.5)  # requeues meeting the same outage write nothing, so no event
+            status_patches = [path for path, _, _ in api.patches if path.endswith("/workloads/job-outage/status")]
+            assert len(status_patches) == 1
+            await apply_policies(pg_dsn, example_policies(), sha="e" * 40)  # admission recovers; Kubernetes says nothing
+            await wait_for(lambda: _decided(api, "job-outage"), timeout=20, what="the Workload decided without a new event")
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await kube_client.close()
+    assert check_state(api, "job-outage")["state"] == "Ready"

@@ -1,5 +1,6 @@
 """`budgetgate meter dcgm` against recorded DCGM exporter pages served on loopback: the GPUs each
-run holds become cumulative samples, through Kafka or HTTP, into metering-ingest's usage."""
+run holds become cumulative samples, through Kafka or HTTP, into metering-ingest's usage; a page
+that cannot say who holds its GPUs publishes nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from click.testing import CliRunner, Result
 from budgetgate.cli.main import cli
 from tests.support.dcgm import Exporters
 from tests.support.metering import decide, metering, metering_factory, usage_rows, wait_for  # noqa: F401 - pytest fixtures
-from tests.support.servers import free_port
+from tests.support.servers import PageServer, free_port
 
 FLYTE = "flyte/vision/exec-7f3a/n0"
 TRAIN = "vision-prod/train-resnet-0"
@@ -78,3 +79,19 @@ async def test_over_http_and_a_failed_scrape_publishes_nothing(exporters, meteri
     rows = await usage_rows(pg_dsn)
     assert [r["run_id"] for r in rows] == [FLYTE, FLYTE] and {r["source"] for r in rows} == {"http"}
     assert_held(rows, gpus=2, hosts=1)  # node B alone: 2 GPUs of the run
+
+
+async def test_an_exporter_answering_an_empty_page_charges_nothing_rather_than_ending_runs(exporters, metering, pg_dsn) -> None:
+    await decide(pg_dsn, FLYTE)
+    empty = PageServer(lambda path: (b"", "text/plain; version=0.0.4; charset=utf-8"))  # a 200 with no metrics, as an exporter restarting may give
+    try:
+        urls = ["--url", f"{exporters.url}/b/metrics", "--url", f"{empty.url}/metrics"]
+        args = ["meter", "dcgm", *urls, "--interval", "0.2", "--count", "3", "--via", "http"]
+        result = await asyncio.to_thread(CliRunner().invoke, cli, args, env={"BUDGETGATE_HOME": "", "BUDGETGATE_METERING_URL": metering.url})
+    finally:
+        empty.close()
+    # Each scrape is skipped, as one an exporter did not answer, and the meter goes on.
+    assert result.exit_code == 0, result.output
+    assert result.output.count("exporter page 2 of 2 has no DCGM_FI_DEV_GPU_UTIL sample") == 3 and "skipping this scrape" in result.output
+    # Read as "no GPU held" on that node, node B's share of the run would have been published as all of it.
+    assert await usage_rows(pg_dsn) == []

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from budgetgate.client import Conflict, InvalidRequest, Unauthorized, Unavailable
 from budgetgate.platforms.kubernetes import Mapping, Unmappable
-from budgetgate.platforms.kueue import PRIORITY_BOOST, active, decided, pending_checks, submission, undecided
+from budgetgate.platforms.kueue import PRIORITY_BOOST, active, decided, error_answer, pending_checks, submission, unchanged, undecided
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"
 NOW = datetime(2026, 7, 14, 9, 30, 7, tzinfo=UTC)
@@ -89,3 +90,30 @@ def test_the_admission_check_is_marked_active_once() -> None:
     marked = copy.deepcopy(check)
     marked["status"] = patch["status"]
     assert active(marked, now=NOW) is None
+
+
+def test_permanent_error_answers_end_the_wait_and_outages_keep_it() -> None:
+    conflict = Conflict(409, {"detail": "run 'r' attempt 1 was already submitted with a different resources.flavor", "fields": ["resources.flavor"]})
+    retry = error_answer(workload(), "budget", conflict, attempt=1, now=NOW)
+    assert states(retry.status)["budget"] == ("Retry", f"budgetgate: {conflict.detail}; the next try is attempt 2")
+    assert retry.annotations == {"budgetgate.io/attempt": "2"}
+    taken = Conflict(409, {"detail": "run 'r' is decided in another namespace", "fields": ["namespace"]})
+    assert states(error_answer(workload(), "budget", taken, attempt=1, now=NOW).status)["budget"][0] == "Rejected"
+    invalid = InvalidRequest(422, {"detail": "invalid resources.flavor: no rate card prices it"})
+    assert states(error_answer(workload(), "budget", invalid, attempt=1, now=NOW).status)["budget"] == (
+        "Rejected", "budgetgate: not a valid submission (invalid resources.flavor: no rate card prices it)"
+    )  # fmt: skip
+    for status, says in ((401, "token is missing"), (403, "lacks the submitter role")):
+        state, message = states(error_answer(workload(), "budget", Unauthorized(status, {"detail": "no"}), attempt=1, now=NOW).status)["budget"]
+        assert state == "Pending" and says in message and "operator" in message
+    outage = error_answer(workload(), "budget", Unavailable(503, {"title": "Service Unavailable", "detail": "ledger down"}), attempt=1, now=NOW)
+    assert states(outage.status)["budget"][0] == "Pending" and not outage.annotations
+
+
+def test_a_write_that_changes_nothing_is_known() -> None:
+    pending = undecided(workload(), "budget", "ledger unavailable", now=NOW)
+    assert not unchanged(workload(), pending)
+    written = workload()
+    written["status"]["admissionChecks"] = pending.status["status"]["admissionChecks"]
+    assert unchanged(written, undecided(written, "budget", "ledger unavailable", now=NOW))
+    assert not unchanged(written, undecided(written, "budget", "Postgres unavailable", now=NOW))

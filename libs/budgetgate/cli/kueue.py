@@ -28,7 +28,14 @@ def kueue() -> None:
     default=None,
     help="Hours assumed for Workloads without maximumExecutionTimeSeconds or the runtime annotation.",
 )
-def admission_check(kubeconfig: str | None, admission_url: str | None, default_runtime_hours: float | None) -> None:
+@click.option(
+    "--requeue-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds between listings of the Workloads still waiting on the check, decided again (a watch brings no event for one left undecided).",
+)
+def admission_check(kubeconfig: str | None, admission_url: str | None, default_runtime_hours: float | None, requeue_seconds: float) -> None:
     """Decide every Workload that waits on budgetgate's AdmissionCheck, until stopped."""
     from lightkube import AsyncClient as KubeClient
     from lightkube import KubeConfig
@@ -42,6 +49,7 @@ def admission_check(kubeconfig: str | None, admission_url: str | None, default_r
     async def run() -> None:
         kube = KubeClient(KubeConfig.from_file(kubeconfig) if kubeconfig else None, field_manager="budgetgate")
         async with AsyncClient(admission_url) as budgetgate:
-            await AdmissionCheckController(kube=kube, budgetgate=budgetgate, mapping=Mapping(default_runtime_hours=default_runtime_hours)).run()
+            mapping = Mapping(default_runtime_hours=default_runtime_hours)
+            await AdmissionCheckController(kube=kube, budgetgate=budgetgate, mapping=mapping, requeue_seconds=requeue_seconds).run()
 
     asyncio.run(run())

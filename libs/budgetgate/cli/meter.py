@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import httpx
 
-from budgetgate.platforms.dcgm import DEFAULT_RUN_ID_LABEL, DEFAULT_RUN_ID_TEMPLATE, Holding, Meter, Usage, holdings, sample_id
+from budgetgate.platforms.dcgm import DEFAULT_RUN_ID_LABEL, DEFAULT_RUN_ID_TEMPLATE, Holdings, Meter, ScrapeError, Usage, holdings, sample_id
 
 
 @click.group()
@@ -53,7 +53,7 @@ def dcgm(
     gap = timedelta(seconds=max_gap)
     meter_ = Meter.restored(json.loads(state_file.read_text()), max_gap=gap) if state_file and state_file.exists() else Meter(max_gap=gap)
 
-    def read(texts: list[str]) -> dict[str, Holding]:
+    def read(texts: list[str]) -> Holdings:
         return holdings(texts, run_id_label=run_id_label, run_id_template=None if labelled_only else run_id_template)
 
     async def loop(publish) -> None:  # type: ignore[no-untyped-def]
@@ -62,13 +62,18 @@ def dcgm(
             while count is None or scrapes < count:
                 started = asyncio.get_running_loop().time()
                 texts = await _scrape(http, urls)
-                if texts is not None:
+                held = _read(read, texts) if texts is not None else None
+                if held is not None:
                     at = datetime.now(UTC)
-                    usages = [u for u in meter_.observe(at, read(texts)) if u.gpu_seconds or u.node_seconds]
+                    usages = [u for u in meter_.observe(at, held) if u.gpu_seconds or u.node_seconds]
                     sent = await _publish(publish, usages, exporter=exporter, at=at)
                     if state_file is not None:
                         _save(state_file, meter_.state())
-                    click.echo(f"{at.isoformat()} {len(meter_.last)} run(s) holding GPUs; {sent} sample(s) published", err=True)
+                    unmapped = f"; {len(held.unmapped)} pod(s) holding GPUs without a run id: {', '.join(sorted(held.unmapped))}" if held.unmapped else ""
+                    click.echo(
+                        f"{at.isoformat()} {len(meter_.last)} run(s) holding GPUs, {held.idle} GPU(s) with no pod{unmapped}; {sent} sample(s) published",
+                        err=True,
+                    )
                 scrapes += 1
                 if count is None or scrapes < count:
                     await asyncio.sleep(max(0.0, interval - (asyncio.get_running_loop().time() - started)))
@@ -91,6 +96,16 @@ async def _with_publisher(via: str, metering_url: str | None, loop) -> None:  # 
     backend.kafka(settings.kafka_bootstrap)
     async with KafkaFeed(settings.kafka_bootstrap, topic_prefix=settings.topic_prefix, client_id="budgetgate-meter-dcgm") as feed:
         await loop(feed.send_metering)
+
+
+def _read(read, texts: list[str]) -> Holdings | None:  # type: ignore[no-untyped-def]
+    """Which runs hold GPUs on the scraped pages, or None when a page cannot say (skipped like a
+    failed scrape: read as "no GPU held", it would end every run on that node)."""
+    try:
+        return read(texts)
+    except ScrapeError as exc:
+        click.echo(f"{exc}; skipping this scrape", err=True)
+        return None
 
 
 async def _scrape(http: httpx.AsyncClient, urls: tuple[str, ...]) -> list[str] | None:

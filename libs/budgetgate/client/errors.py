@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -13,7 +15,7 @@ class BudgetgateError(Exception):
     def __init__(self, status: int, problem: dict[str, Any], *, retry_after: float | None = None) -> None:
         self.status = status
         self.problem = problem
-        self.retry_after = retry_after  # seconds, from a Retry-After header
+        self.retry_after = retry_after  # seconds the service asked to wait (its Retry-After header)
         super().__init__(f"{status} {problem.get('title', '')}: {problem.get('detail', '')}".strip())
 
     @property
@@ -45,6 +47,10 @@ class Unauthorized(BudgetgateError):
     """401 or 403: no token, a bad token, or a principal without the role."""
 
 
+class RateLimited(BudgetgateError):
+    """429: the caller is over its rate limit and nothing was done; retried after `retry_after`, then raised."""
+
+
 class Unavailable(BudgetgateError):
     """503: the service cannot decide now (its ledger is down); retried, then raised."""
 
@@ -57,7 +63,25 @@ class NotGranted(Exception):
         super().__init__(f"pool {answer.namespace!r} did not grant token {answer.token!r}: {answer.status}")
 
 
-_BY_STATUS: dict[int, type[BudgetgateError]] = {401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 422: InvalidRequest, 503: Unavailable}
+_BY_STATUS: dict[int, type[BudgetgateError]] = {
+    401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 422: InvalidRequest, 429: RateLimited, 503: Unavailable,
+}  # fmt: skip
+
+
+def retry_after(raw: str, *, now: datetime | None = None) -> float | None:
+    """Seconds a Retry-After header asks to wait: delay-seconds, or an HTTP-date (RFC 9110 §10.2.3)."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    if raw.replace(".", "", 1).isdigit():  # delay-seconds (a fraction tolerated)
+        return float(raw)
+    try:
+        when = parsedate_to_datetime(raw)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
 
 
 def error_of(response: httpx.Response) -> BudgetgateError:
@@ -68,6 +92,5 @@ def error_of(response: httpx.Response) -> BudgetgateError:
         body = None
     problem = dict(body) if isinstance(body, dict) else {"detail": response.text.strip() or response.reason_phrase}
     problem.setdefault("title", response.reason_phrase)
-    raw = response.headers.get("retry-after", "")
-    retry_after = float(raw) if raw.replace(".", "", 1).isdigit() else None
-    return _BY_STATUS.get(response.status_code, BudgetgateError)(response.status_code, problem, retry_after=retry_after)
+    asked = retry_after(response.headers.get("retry-after", ""))
+    return _BY_STATUS.get(response.status_code, BudgetgateError)(response.status_code, problem, retry_after=asked)

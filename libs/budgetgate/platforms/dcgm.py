@@ -2,10 +2,28 @@
 
 The exporter (`dcgm-exporter`, port 9400) exposes one `DCGM_FI_DEV_GPU_UTIL` sample per GPU in
 the Prometheus text format, labelled with the GPU (`UUID`, `gpu`, `Hostname`) and, when the GPU
-is allocated to a container, the `namespace`, `pod` and `container` holding it (empty
-otherwise). A GPU belongs to a run when it is allocated: the run id is the value of the run-id
-label when the sample has one (put there by the exporter's pod-label passthrough or a relabel),
-else `run_id_template` filled with namespace and pod.
+is allocated to a container, the `namespace`, `pod` and `container` holding it (empty or absent
+otherwise; `pod_namespace`, `pod_name`, `container_name` with `--use-old-namespace`). A GPU belongs to a run when it is
+allocated. Its run id is the first of these labels the sample has:
+
+- `run_id_label` (`run_id`: put there by a relabel);
+- the pod labels that name the run as budgetgate's Kubernetes webhook and Kueue controller do,
+  as dcgm-exporter writes pod labels with `--kubernetes-enable-pod-labels` (`.`, `/`, `-` → `_`):
+  `budgetgate_io_run_id` (the label `budgetgate.io/run-id`), `jobset_sigs_k8s_io_jobset_uid` (a
+  JobSet's UID), `batch_kubernetes_io_controller_uid` or `controller_uid` (the Job's UID);
+
+else `run_id_template` filled with namespace, pod and container. The default template,
+`{namespace}/{pod}`, matches no run id the webhook or the controller assign (UIDs, or the
+annotation): it only fits platforms that submit runs under that name. The pod's own UID
+(`pod_uid`, `--kubernetes-enable-pod-uid`) is not used: runs are Jobs, JobSets or their owners,
+never one pod of them.
+
+A page with no sample of the metric (an empty answer, the field not collected) is a ScrapeError,
+as is a page that is not Prometheus text: reading it as "no GPU held" would end every run on
+that node. GPUs whose sample names no pod are not charged, and counted (`Holdings.idle`): they
+are idle, or the exporter does not map GPUs to pods (then every GPU of the node looks idle).
+Pods for which no run id can be formed (no run-id label, no template) are named in
+`Holdings.unmapped`.
 
 What is metered is allocation, not utilization: a run holding a GPU for a second uses one
 GPU-second of its budget whether it keeps the GPU busy or not (`gpu_count × runtime_hours`).
@@ -17,7 +35,7 @@ is known about it. Node-seconds follow the same rule over the hosts holding the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -25,7 +43,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 UTIL_METRIC = "DCGM_FI_DEV_GPU_UTIL"
 DEFAULT_RUN_ID_LABEL = "run_id"
+RUN_ID_POD_LABELS = ("budgetgate_io_run_id", "jobset_sigs_k8s_io_jobset_uid", "batch_kubernetes_io_controller_uid", "controller_uid")
 DEFAULT_RUN_ID_TEMPLATE = "{namespace}/{pod}"
+
+
+class ScrapeError(ValueError):
+    """An exporter page that cannot say which runs hold its node's GPUs; skip the scrape, as
+    for an exporter that did not answer."""
 
 
 @dataclass(frozen=True)
@@ -36,9 +60,37 @@ class Holding:
     hosts: frozenset[str]
 
 
+class Holdings(dict[str, Holding]):
+    """Which run holds which GPUs at one scrape (run id → Holding); `idle`: GPUs whose sample
+    names no pod; `unmapped`: pods (`namespace/pod`) holding GPUs that no run id was formed for."""
+
+    def __init__(self, held: Mapping[str, Holding] | None = None, *, idle: int = 0, unmapped: Iterable[str] = ()) -> None:
+        super().__init__(held or {})
+        self.idle = idle
+        self.unmapped = frozenset(unmapped)
+
+
 def _label(labels: Mapping[str, str], *names: str) -> str:
-    # dcgm-exporter has written some labels in two cases across versions (UUID/uuid, Hostname/hostname).
+    # dcgm-exporter has written some labels in two cases or names across versions (UUID/uuid,
+    # Hostname/hostname, pod/pod_name with --use-old-namespace).
     return next((labels[n] for n in names if labels.get(n)), "")
+
+
+def _samples(text: str, metric: str, *, page: int, pages: int) -> Iterator[Mapping[str, str]]:
+    """The labels of every sample of `metric` on one page; a ScrapeError when there is none."""
+    found = 0
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name != metric:
+                continue
+            for sample in family.samples:
+                found += 1
+                yield sample.labels
+    except ValueError as exc:
+        raise ScrapeError(f"exporter page {page} of {pages} is not Prometheus text ({exc})") from exc
+    if not found:
+        why = "it is empty" if not text.strip() else "the exporter does not collect that field"
+        raise ScrapeError(f"exporter page {page} of {pages} has no {metric} sample ({why}): it cannot say which runs hold its GPUs")
 
 
 def holdings(
@@ -46,31 +98,36 @@ def holdings(
     *,
     run_id_label: str = DEFAULT_RUN_ID_LABEL,
     run_id_template: str | None = DEFAULT_RUN_ID_TEMPLATE,
+    pod_run_id_labels: Iterable[str] = RUN_ID_POD_LABELS,
     metric: str = UTIL_METRIC,
-) -> dict[str, Holding]:
+) -> Holdings:
     """Which run holds which GPUs, from the exposition texts of one scrape of every exporter
-    (`run_id_template` None: only GPUs whose sample has the run-id label count).
+    (`run_id_template` None: only GPUs whose sample has a run-id label count).
 
-    Raises ValueError when a text is not Prometheus text format."""
+    Raises ScrapeError (a ValueError) when a page is not Prometheus text or has no sample of `metric`."""
+    pages = list(texts)
+    run_id_labels = (run_id_label, *pod_run_id_labels)
     gpus: dict[str, set[str]] = {}
     hosts: dict[str, set[str]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            if family.name != metric:
-                continue
-            for sample in family.samples:
-                labels = sample.labels
-                run_id = labels.get(run_id_label) or ""
-                if not run_id:
-                    namespace, pod = labels.get("namespace", ""), labels.get("pod", "")
-                    if not pod or run_id_template is None:
-                        continue  # an idle GPU (nobody is charged for it), or a pod not metered
-                    run_id = run_id_template.format(namespace=namespace, pod=pod, container=labels.get("container", ""))
-                host = _label(labels, "Hostname", "hostname")
-                gpu = _label(labels, "UUID", "uuid") or f"{host}/{labels.get('gpu', '')}"
-                gpus.setdefault(run_id, set()).add(gpu)
-                hosts.setdefault(run_id, set()).add(host)
-    return {run_id: Holding(frozenset(found), frozenset(hosts[run_id])) for run_id, found in gpus.items()}
+    idle, unmapped = 0, set()
+    for page, text in enumerate(pages, start=1):
+        for labels in _samples(text, metric, page=page, pages=len(pages)):
+            run_id = _label(labels, *run_id_labels)
+            if not run_id:
+                pod, namespace = _label(labels, "pod", "pod_name"), _label(labels, "namespace", "pod_namespace")
+                if not pod:
+                    idle += 1  # nobody is charged for it
+                    continue
+                if run_id_template is None:
+                    unmapped.add(f"{namespace}/{pod}")
+                    continue
+                run_id = run_id_template.format(namespace=namespace, pod=pod, container=_label(labels, "container", "container_name"))
+            host = _label(labels, "Hostname", "hostname")
+            gpu = _label(labels, "UUID", "uuid") or f"{host}/{labels.get('gpu', '')}"
+            gpus.setdefault(run_id, set()).add(gpu)
+            hosts.setdefault(run_id, set()).add(host)
+    held = {run_id: Holding(frozenset(found), frozenset(hosts[run_id])) for run_id, found in gpus.items()}
+    return Holdings(held, idle=idle, unmapped=unmapped)
 
 
 @dataclass(frozen=True)

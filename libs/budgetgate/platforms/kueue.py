@@ -7,8 +7,13 @@ sets), and the decision becomes the check's state.
   Workload's priority plus the boost, so penalised work yields to others).
 - DELAY → `Retry`, the message saying when to retry; Kueue releases the quota and requeues.
 - DENY → `Rejected`; Kueue deactivates the Workload.
-- budgetgate unable to decide → the check stays `Pending`, saying why, and is tried again; a
-  Workload that cannot be a submission (no runtime, say) → `Rejected`, saying what to add.
+- budgetgate unable to decide (503, 429, unreachable) → the check stays `Pending`, saying why,
+  and the controller tries again (on the next event, and on its periodic requeue); a Workload
+  that cannot be a submission (no runtime, say) → `Rejected`, saying what to add.
+- budgetgate's permanent answers (`error_answer`): 409 for a run id and attempt decided before
+  for another request → `Retry` with the attempt raised; 409 for a run id that is another
+  namespace's or tenant's, and 422 → `Rejected`, saying what is wrong; 401/403 (the controller's
+  own token) → `Pending`, saying what the operator must fix.
 
 The submission: GPUs are each pod set's `nvidia.com/gpu` per pod (as for Pods) × its count (the
 admitted count when Kueue gives one); nodes the pods; the runtime `spec.maximumExecutionTimeSeconds`,
@@ -28,6 +33,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from budgetgate.client.errors import BudgetgateError, Conflict, InvalidRequest, Unauthorized
 from budgetgate.platforms.kubernetes import Mapping, Unmappable, pod_gpus
 from budgetgate.services.admission.schemas import AdmissionRequest
 
@@ -154,8 +160,59 @@ def decided(
 
 
 def undecided(workload: MappingType[str, Any], check: str, why: str, *, now: datetime) -> Patch:
-    """budgetgate could not decide: still Pending, saying why (tried again on the next event)."""
+    """budgetgate could not decide: still Pending, saying why (tried again on the next event or
+    the controller's periodic requeue, whichever comes first)."""
     return Patch(_state(workload, check, "Pending", f"budgetgate: {why}", now))
+
+
+def error_answer(
+    workload: MappingType[str, Any],
+    check: str,
+    error: BudgetgateError,
+    *,
+    attempt: int,
+    now: datetime,
+    attempt_annotation: str = Mapping.attempt_annotation,
+) -> Patch:
+    """The check's state for an error answer to the Workload's submission (of `attempt`).
+
+    - 409, the attempt decided before for another request (the Workload was preempted and
+      re-admitted on another flavor, say): `Retry`, the attempt annotation raised, so the try
+      after Kueue's requeue is a new attempt rather than the same conflict again.
+    - 409, the run id is another namespace's or tenant's: `Rejected`; no attempt can change that.
+    - 422: `Rejected`, the message naming the fields budgetgate refused.
+    - 401/403: `Pending`, saying the controller's token is missing, invalid, or lacks the submitter
+      role for the namespace. That is an operator's fix, not the Workload's fault: `Rejected` would
+      deactivate every Workload for a configuration error, and `Retry` would have Kueue release and
+      reserve their quota again and again; `Pending` leaves them as they are, and the controller's
+      periodic requeue decides them once the token is fixed.
+    - any other (a 5xx, a 429 after the client's resends): `Pending`, tried again.
+    """
+    detail = error.detail or str(error)
+    if isinstance(error, Conflict):
+        if any(f == "namespace" or f.startswith("labels.") for f in error.fields):
+            return Patch(_state(workload, check, "Rejected", f"budgetgate: {detail}", now))
+        message = f"budgetgate: {detail}; the next try is attempt {attempt + 1}"
+        return Patch(_state(workload, check, "Retry", message, now), {attempt_annotation: str(attempt + 1)})
+    if isinstance(error, InvalidRequest):
+        return Patch(_state(workload, check, "Rejected", f"budgetgate: not a valid submission ({detail})", now))
+    if isinstance(error, Unauthorized):
+        whose = (
+            "the controller's token is missing, unknown, revoked or expired"
+            if error.status == 401
+            else "the controller's token lacks the submitter role for this namespace"
+        )
+        message = (
+            f"budgetgate refused the controller ({error.status}: {detail}): {whose}; an operator must fix the controller's BUDGETGATE_TOKEN; will try again"
+        )
+        return Patch(_state(workload, check, "Pending", message, now))
+    return undecided(workload, check, f"cannot decide now ({type(error).__name__}: {error}); will try again", now=now)
+
+
+def unchanged(workload: MappingType[str, Any], patch: Patch) -> bool:
+    """Whether writing `patch` would change nothing (the API server would announce no event)."""
+    current = (workload.get("status") or {}).get("admissionChecks") or []
+    return not patch.annotations and patch.status["status"]["admissionChecks"] == current
 
 
 def unmappable(workload: MappingType[str, Any], check: str, why: str, *, now: datetime) -> Patch:
