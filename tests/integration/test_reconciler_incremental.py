@@ -121,7 +121,9 @@ async def test_facts_dated_outside_the_accepted_times_are_dead_lettered_and_neve
     epoch = usage("epoch", "zero", start, 1)
     epoch.observed_at.seconds = 0
     await feed.send(far, epoch)
-    await feed.send(lifecycle("after", "STARTED", start), usage("after", "a", start + timedelta(hours=1), 1), lifecycle("after", "COMPLETED", start + timedelta(hours=1)))
+    await feed.send(
+        lifecycle("after", "STARTED", start), usage("after", "a", start + timedelta(hours=1), 1), lifecycle("after", "COMPLETED", start + timedelta(hours=1))
+    )
     await wait_for(lambda: _final(pg_dsn, "after"), what="the run after the unusable facts settled")
     assert await _fetchval(pg_dsn, "SELECT count(*) FROM lifecycle_events WHERE run_id = 'far'") == 0
     assert await _fetchval(pg_dsn, "SELECT count(*) FROM run_samples WHERE run_id = 'epoch'") == 0
