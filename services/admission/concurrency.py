@@ -23,7 +23,7 @@ from budgetgate.core.quotas import (
 )
 from budgetgate.ledger.holds import SENSITIVE, CounterRequest, PoolLevel, PoolRequest, tenant_counter
 from budgetgate.ledger.redis_ledger import ReserveResult
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.services.admission.schemas import RUN_TOKEN_PREFIX, AdmissionRequest
 
 
 class NoSuchPool(LookupError):
@@ -98,7 +98,7 @@ def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, 
         pool = pool_request(
             bundle,
             ask.namespace,
-            token=f"run:{request.run_id}",
+            token=RUN_TOKEN_PREFIX + request.run_id,
             project=ask.project or "",
             sub_namespace=ask.sub_namespace or "",
             constraints=ask.constraints.model_dump() if ask.constraints else {},
@@ -121,6 +121,9 @@ def rejection(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, r
         if reason:
             return reason
     if the_asks.pool is not None:
+        taken = next((level.namespace for level, reading in zip(the_asks.pool.levels, result.pools, strict=True) if reading.check == "TAKEN"), None)
+        if taken is not None:
+            return f'token "{the_asks.pool.token}" of pool "{taken}" is held by another holder, not by this run'
         outcomes = [
             PoolOutcome(level.namespace, reading.check, reading.used, level.quota) for level, reading in zip(the_asks.pool.levels, result.pools, strict=True)
         ]

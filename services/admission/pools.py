@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,6 +13,7 @@ import asyncpg
 
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.windows import rfc3339
+from budgetgate.ledger.holds import PoolRequest
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
@@ -20,6 +22,7 @@ from budgetgate.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.services.admission.concurrency import pool_request
 from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.services.admission.schemas import AllocationIn
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,8 @@ class TokenPools:
 
     async def allocate(self, namespace: str, body: AllocationIn, *, principal: Principal) -> dict[str, Any]:
         """One token, idempotent per token: asking again renews its lease. Raises NoSuchPool,
-        or Forbidden when the token is held by another principal."""
+        Forbidden when the token is held by another principal, or TokenMoved when a renewal asks
+        for another project or sub-namespace than the token is held for."""
         now = datetime.now(UTC)
         request = pool_request(
             self._bundle(),
@@ -63,12 +67,15 @@ class TokenPools:
                 await tx.start()
                 try:
                     await conn.execute(sql("lock_ledger_shared"))
-                    _require_holder(principal, await conn.fetchrow(sql("pool_allocation_principal"), namespace, body.token), namespace, body.token)
-                    status, readings = await self.ledger.allocate(request, now_ms=int(now.timestamp() * 1000))
+                    await conn.execute(sql("lock_pool_token"), namespace, body.token)
+                    held = await conn.fetchrow(sql("pool_allocation_principal"), namespace, body.token)
+                    _require_holder(principal, held, namespace, body.token)
+                    asked = _renewal(held, request, body, namespace)
+                    status, readings = await self.ledger.allocate(asked, now_ms=int(now.timestamp() * 1000))
                     if status in ("GRANTED", "RENEWED"):
-                        levels = [level.namespace for level in request.levels]
+                        levels = [level.namespace for level in asked.levels]
                         await conn.execute(
-                            sql("upsert_pool_allocation"), namespace, body.token, levels, request.project, request.sub_namespace, None, expires, principal.name
+                            sql("upsert_pool_allocation"), namespace, body.token, levels, asked.project, asked.sub_namespace, None, expires, principal.name
                         )
                     await tx.commit()
                 except BaseException:
@@ -169,6 +176,35 @@ class TokenPools:
             }
 
         return await with_ledger(self.sync, work)
+
+
+class TokenMoved(Conflict):
+    """A renewal asks for another project or sub-namespace than its token is held for (409)."""
+
+    def __init__(self, namespace: str, token: str, fields: list[str]) -> None:
+        ValueError.__init__(
+            self,
+            f"token {token!r} of pool {namespace!r} is held for another {' and '.join(fields)}; a renewal keeps them: "
+            "release it and allocate it again (the new one's caps apply)",
+        )
+        self.fields = fields
+
+
+def _renewal(held: Any, request: PoolRequest, body: AllocationIn, namespace: str) -> PoolRequest:
+    """`request` as a renewal of `held` (the token's row while held, or None): a project or
+    sub-namespace left out keeps the one it is held for; another one is TokenMoved, since moving
+    the token would escape the new one's cap."""
+    if held is None:
+        return request
+    kept = replace(
+        request,
+        project=held["project"] if body.project is None else request.project,
+        sub_namespace=held["sub_namespace"] if body.sub_namespace is None else request.sub_namespace,
+    )
+    fields = [name for name in ("project", "sub_namespace") if held[name] != getattr(kept, name)]
+    if fields:
+        raise TokenMoved(namespace, request.token, fields)
+    return kept
 
 
 def _require_holder(principal: Principal, held: Any, namespace: str, token: str) -> None:

@@ -70,6 +70,8 @@ class PoolConstraintsIn(_Body):
 
 PoolNamespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}(:[a-z0-9][a-z0-9_.-]{0,62}){0,7}$")]
 Token = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+# A submission's pool token is this prefix and its run id; the allocation API refuses the prefix.
+RUN_TOKEN_PREFIX = "run:"
 Project = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$")]
 
 
@@ -90,11 +92,22 @@ class AllocationIn(_Body):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"token": "job-42", "project": "vision", "lease_seconds": 600}]})
 
-    token: Token = Field(description="the caller's id of the allocation; the idempotency key")
-    project: Project | None = Field(default=None, description="project the token is held for")
-    sub_namespace: Project | None = Field(default=None, description="sub-namespace the token is held for")
+    token: Token = Field(
+        description=f"the caller's id of the allocation; the idempotency key ({RUN_TOKEN_PREFIX!r} starts the tokens submissions take: refused here)"
+    )
+    project: Project | None = Field(default=None, description="project the token is held for; a renewal keeps it (another one is a 409)")
+    sub_namespace: Project | None = Field(default=None, description="sub-namespace the token is held for; a renewal keeps it (another one is a 409)")
     constraints: PoolConstraintsIn | None = Field(default=None, description="caps tighter than the pool's")
     lease_seconds: StrictInt | None = Field(default=None, ge=1, le=30 * 86400, description="lease length; the pool's default when absent")
+
+    @field_validator("token")
+    @classmethod
+    def _not_a_run_token(cls, token: str) -> str:
+        # A submission's token is RUN_TOKEN_PREFIX + its run id: one taken here would be found
+        # held (or leave a row) when that run is submitted with a pool_token.
+        if token.startswith(RUN_TOKEN_PREFIX):
+            raise ValueError(f"tokens starting with {RUN_TOKEN_PREFIX!r} are reserved for the tokens submissions take (a pool_token); choose another id")
+        return token
 
 
 _SUBMISSION_EXAMPLE = {

@@ -68,16 +68,19 @@ async def after_consumption(conn: asyncpg.Connection, rows: Sequence[Any], *, bu
 
 async def lift_holds(pool: asyncpg.Pool, *, bundles: Bundles, now: datetime) -> list[str]:
     """Release holds whose window rolled on, whose limit was raised above what was consumed, or
-    whose policy no longer holds; returns the ledger keys released."""
+    whose policy no longer holds; returns the ledger keys released. Each is judged locked with
+    its ledger entry, so two reconcilers never both announce one release, and a settlement in
+    flight (which may exhaust the budget again) is waited for by the next tick, not raced."""
     lifted = []
     async with pool.acquire() as conn, conn.transaction():
-        for hold in await conn.fetch(sql("active_holds")):
+        for hold in await conn.fetch(sql("lock_active_holds")):
             policy = bundles.active_policy(hold["policy_id"])
             rolled = hold["window_end"] is not None and hold["window_end"] <= now
             raised = hold["consumed"] < hold["limit_amount"]
             if not (rolled or raised or policy is None or policy.on_exhausted not in HOLDING):
                 continue
-            await conn.execute(sql("lift_hold"), hold["ledger_key"])
+            if await conn.fetchrow(sql("lift_hold"), hold["ledger_key"]) is None:
+                continue  # gone since it was read: whoever removed it announces it
             why = "its window has ended" if rolled else "it has room again" if raised else "its policy no longer holds"
             await messages.action(
                 conn, kind=actions_pb2.RELEASE_HOLD, ledger_key=hold["ledger_key"], policy_id=hold["policy_id"], scope_id=hold["scope_id"], now=now,

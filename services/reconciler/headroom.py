@@ -49,9 +49,11 @@ def lock_names(*, tenant: str | None = None, sensitive: bool = False, policy_ids
 
 
 def _names(run: WaitingRun, bundle: PolicyBundle) -> set[str]:
+    """The judgment locks of what refused `run`: a run refused by a quota may need budgets too."""
+    budgets = lock_names(policy_ids=(n.policy_id for n in run.needs))
     if run.waiting_for == QUOTA:
-        return lock_names(tenant=run.tenant, sensitive=run.sensitive(bundle))
-    return lock_names(policy_ids=(n.policy_id for n in run.needs))
+        return budgets | lock_names(tenant=run.tenant, sensitive=run.sensitive(bundle))
+    return budgets
 
 
 def routes(topics: Topics, *, bundles: Bundles) -> dict[str, BatchRoute]:

@@ -18,7 +18,7 @@ from budgetgate.topics import Topics
 from budgetgate.v1.actions_pb2 import HEADROOM, BudgetAction
 from tests.integration.test_quotas import BIG_BUDGET, started
 from tests.integration.test_reconciler import feed, lifecycle, outbox, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, submission
 from tests.support.quotas import QUOTA, physics
 
 
@@ -231,3 +231,47 @@ async def test_a_budget_delay_hears_headroom_once_when_the_next_calendar_window_
     [sent] = [a for a in await outbox(pg_dsn, "budget.actions.v1", BudgetAction) if a.type == HEADROOM]
     assert (sent.run_id, sent.attempt, sent.policy_id) == ("late", 1, "physics-delay")
     assert "0 of 10 used, needs 4: fits" in sent.message, sent.message
+
+
+async def test_a_run_refused_by_a_quota_and_a_budget_hears_headroom_when_the_budget_frees_last(
+    admission_factory,
+    reconciler_factory,  # noqa: F811
+    feed,  # noqa: F811
+    settings,
+    pg_dsn,
+) -> None:
+    """w is refused by physics' quota and by a budget both tenants share, so it waits for quota
+    headroom with the budget among its needs. Its tenant's slot comes back first (the budget
+    still full: nothing); another tenant's run ending frees the budget: w hears of it then."""
+    shared = budget_yaml("shared", namespace="physics", labels="{}", limit="gpu_hours: 10", on_exhausted="delay")
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 1"), "b.yaml": shared})
+    assert (await server.client.post("/v1/admissions", json=physics("p1", gpus=1))).json()["decision"] == "ALLOW"
+    chem = submission(run_id="c1", namespace="physics", labels={"team": "chem"}, resources={"gpus": 9}, projected_runtime_hours=1.0, job=None)
+    assert (await server.client.post("/v1/admissions", json=chem)).json()["decision"] == "ALLOW"
+    refused = (await server.client.post("/v1/admissions", json=physics("w", gpus=4))).json()
+    assert refused["decision"] == "DENY" and refused["reason"].startswith('allocation rejected: tenant "physics"')
+    assert [e["decision"] for e in refused["evaluations"]] == ["DELAY"]
+
+    await reconciler_factory()
+    await wait_for(lambda: _has(pg_dsn, ("w", 1)), what="w registered as waiting")
+    start = datetime.now(UTC) - timedelta(hours=2)
+    # p1 used its whole GPU-hour: physics' slot comes back, the budget's room does not.
+    await feed.send(
+        lifecycle("p1", "STARTED", start, gpus=1), usage("p1", "s", start + timedelta(hours=1), 1), lifecycle("p1", "COMPLETED", start + timedelta(hours=1))
+    )
+    await wait_for(lambda: _released(pg_dsn, "p1"), what="p1's holds given back")
+    assert await headrooms(settings) == []
+    # c1 used 1 of its 9: 8 come back, and w (4) fits under both now.
+    await feed.send(
+        lifecycle("c1", "STARTED", start, gpus=9),
+        usage("c1", "s", start + timedelta(minutes=10), 1),
+        lifecycle("c1", "COMPLETED", start + timedelta(minutes=10)),
+    )
+
+    async def heard() -> bool:
+        return len(await headrooms(settings)) >= 1
+
+    await wait_for(heard, what="HEADROOM for w once the budget freed")
+    [action] = await headrooms(settings)
+    assert (action.run_id, action.attempt) == ("w", 1)
+    assert "max_concurrent_allocations: 0 of 1 held, needs 1: fits" in action.message and "2 of 10 used, needs 4: fits" in action.message, action.message

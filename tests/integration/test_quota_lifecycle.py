@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
+
 from tests.integration.test_quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 from tests.integration.test_reconciler import feed, lifecycle, reconciler_factory, wait_for  # noqa: F401 - fixtures
+from tests.support.admission import submission
 
 
 async def test_counts_go_down_when_runs_end_or_never_start(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
@@ -29,3 +32,54 @@ async def test_counts_go_down_when_runs_end_or_never_start(admission_factory, re
     assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 0  # its token went back too
     await wait_for(lambda: allocations_held(0), what="the never-started run's allocation released")
     assert (await server.client.post("/v1/admissions", json=physics("waiting-again"))).json()["decision"] == "ALLOW"
+
+
+async def test_holds_of_runs_no_budget_covers_end_at_the_start_deadline(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
+    """No budget covers these runs (unmatched submissions are allowed): each holds a quota slot or
+    a pool token and no reservation. One never starts; the FAILED of another is settled before its
+    decision commits (no ALLOW yet, so its mark is dropped); one holds only a token. All of them
+    give back at the start deadline, and the tenant is admitted again without an operator."""
+    files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 2"), "p.yaml": POOLS.format(child=1, parent=5, cap=5)}
+    server = await started(admission_factory, pg_dsn, files)
+    await reconciler_factory(start_deadline_seconds=2)
+    await feed.send(lifecycle("early", "FAILED", datetime.now(UTC) - timedelta(seconds=30)))
+    await wait_for(lambda: _fact_settled_undecided(pg_dsn, "early"), what="early's FAILED settled before its decision")
+
+    assert (await server.client.post("/v1/admissions", json=physics("early"))).json()["decision"] == "ALLOW"
+    assert (await server.client.post("/v1/admissions", json=physics("idle"))).json()["decision"] == "ALLOW"
+    untenanted = submission(run_id="tok", namespace="physics", labels={}, resources={"gpus": 1}, projected_runtime_hours=1.0, job=None)
+    assert (await server.client.post("/v1/admissions", json=untenanted | {"pool_token": {"namespace": "snowflake:wh-1"}})).json()["decision"] == "ALLOW"
+    full = (await server.client.post("/v1/admissions", json=physics("refused"))).json()
+    assert full["reason"].startswith('allocation rejected: tenant "physics" would exceed max_concurrent_allocations quota (current: 2')
+    assert (await _held(pg_dsn)) == (2, 1)  # nothing reserved on any budget: only the holds
+
+    async def all_given_back() -> bool:
+        return await _held(pg_dsn) == (0, 0)
+
+    await wait_for(all_given_back, what="the holds of runs without reservations released at the start deadline")
+    counter = await server.rt.ledger.client.hgetall(server.rt.ledger.keys.counter("t:physics"))
+    assert int(counter.get(b"allocations", 0)) == 0
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 0
+    assert (await server.client.post("/v1/admissions", json=physics("after"))).json()["decision"] == "ALLOW"
+
+
+async def _fact_settled_undecided(dsn: str, run_id: str) -> bool:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM lifecycle_events WHERE run_id = $1) AND NOT EXISTS (SELECT 1 FROM runs_to_settle WHERE run_id = $1)", run_id
+        )
+    finally:
+        await conn.close()
+
+
+async def _held(dsn: str) -> tuple[int, int]:
+    """Held run holds and held pool tokens, in Postgres."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(
+            "SELECT (SELECT count(*) FROM run_holds WHERE state = 'held') AS holds, (SELECT count(*) FROM pool_allocations WHERE state = 'held') AS tokens"
+        )
+        return row["holds"], row["tokens"]
+    finally:
+        await conn.close()

@@ -9,7 +9,7 @@ import pytest
 
 from budgetgate.ledger.concurrency import end_run_holds
 from budgetgate.ledger.queries import sql
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, one_batch
 from tests.support.quotas import CLUSTER, QUOTA, physics
 
 SENSITIVE = """apiVersion: budgetgate/v1
@@ -259,3 +259,92 @@ async def test_a_token_release_whose_redis_reply_is_lost_never_frees_the_token_t
     assert [h["token"] for h in (await server.client.get("/v1/pools/snowflake:wh-1")).json()["holders"]] == ["t1"]
     assert (await server.client.delete(f"{url}/t1")).json()["released"] is True
     assert (await server.client.post(url, json={"token": "t2"})).json()["status"] == "Granted"
+
+
+async def test_run_tokens_are_reserved_for_submissions_and_a_leftover_row_never_fails_a_batch(admission_factory, pg_dsn) -> None:
+    """`run:` tokens are a submission's: the API refuses them (422). A released row of such a token
+    (left by an allocation made before the rule) is reclaimed by the run's submission rather than
+    failing its batch; a held one of another holder is not taken over, by Redis or Postgres."""
+    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=5, parent=5, cap=5)})
+    refused = await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "run:victim"})
+    assert refused.status_code == 422 and refused.json()["errors"][0]["loc"] == ["body", "token"], refused.text
+    assert "'run:' are reserved" in refused.json()["errors"][0]["msg"]
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 0
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        leftover = (
+            "INSERT INTO pool_allocations (namespace, token, levels, lease_expires_at, principal, state)"
+            " VALUES ($1, $2, $3, now() + interval '1 hour', 'mallory', $4)"
+        )
+        await conn.execute(leftover, "snowflake:wh-1", "run:victim", ["snowflake:wh-1", "snowflake"], "released")
+        await conn.execute(leftover, "snowflake:wh-1", "run:taken", ["snowflake:wh-1", "snowflake"], "held")
+        await server.rt.sync.rebuild(force=True)  # Redis as Postgres has it: run:taken held
+        ask = {"namespace": "snowflake:wh-1", "project": "physics"}
+        victim, other = await one_batch(server, [physics("victim", pool_token=ask), physics("other")])
+        assert victim["decision"] == "ALLOW" and other["decision"] == "ALLOW"
+        row = await conn.fetchrow("SELECT state, run_id, principal, project FROM pool_allocations WHERE token = 'run:victim'")
+        assert dict(row) == {"state": "held", "run_id": "victim", "principal": None, "project": "physics"}
+
+        taken = (await server.client.post("/v1/admissions", json=physics("taken", pool_token=ask))).json()
+        assert taken["decision"] == "DENY" and taken["reason"] == 'token "run:taken" of pool "snowflake:wh-1" is held by another holder, not by this run'
+        row = await conn.fetchrow("SELECT state, run_id, principal FROM pool_allocations WHERE token = 'run:taken'")
+        assert dict(row) == {"state": "held", "run_id": None, "principal": "mallory"}
+        holders = {h["token"] for h in (await server.client.get("/v1/pools/snowflake:wh-1")).json()["holders"]}
+        assert holders == {"run:victim", "run:taken"}
+        assert not await server.rt.ledger.client.exists(server.rt.ledger.keys.holds("taken"))
+    finally:
+        await conn.close()
+
+
+async def test_a_renewal_never_moves_a_token_to_another_project(admission_factory, pg_dsn) -> None:
+    """Renewing a token for another project or sub-namespace is a 409 (release it, allocate again):
+    it would have escaped the new project's cap and left Redis and Postgres disagreeing. Left out,
+    they are kept."""
+    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=5, parent=5, cap=1)})
+    url = "/v1/pools/snowflake:wh-1/allocations"
+    assert (await server.client.post(url, json={"token": "a0", "project": "alpha"})).json()["status"] == "Granted"
+    assert (await server.client.post(url, json={"token": "b0", "project": "beta"})).json()["status"] == "Granted"
+    for moved in ({"project": "alpha"}, {"project": "beta", "sub_namespace": "s1"}):
+        answer = await server.client.post(url, json={"token": "b0", **moved})
+        assert answer.status_code == 409 and "release it and allocate it again" in answer.json()["detail"], answer.text
+    assert (await server.client.post(url, json={"token": "b0", "project": "beta"})).json()["renewed"] is True
+    assert (await server.client.post(url, json={"token": "b0"})).json()["renewed"] is True
+    holders = {h["token"]: (h["project"], h["sub_namespace"]) for h in (await server.client.get("/v1/pools/snowflake:wh-1")).json()["holders"]}
+    assert holders == {"a0": ("alpha", None), "b0": ("beta", None)}
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT project FROM pool_allocations WHERE token = 'b0'") == "beta"
+    finally:
+        await conn.close()
+    # Released and allocated again, the token is alpha's, within alpha's cap (1, held by a0).
+    assert (await server.client.delete(f"{url}/b0")).json()["released"] is True
+    assert (await server.client.post(url, json={"token": "b0", "project": "alpha"})).json()["status"] == "NamespaceQuotaExceeded"
+
+
+async def test_the_pool_script_checks_the_cap_of_a_held_token_asked_for_another_project(admission_factory, pg_dsn) -> None:
+    """Below the API's 409, Redis alone: a held token asked for another project counts against that
+    project's cap, and moves to it when it fits, so Redis records the owner Postgres would."""
+    from datetime import UTC, datetime
+
+    from budgetgate.services.admission.concurrency import pool_request
+
+    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=5, parent=5, cap=1)})
+    url = "/v1/pools/snowflake:wh-1/allocations"
+    assert (await server.client.post(url, json={"token": "a0", "project": "alpha"})).json()["status"] == "Granted"
+    assert (await server.client.post(url, json={"token": "b0", "project": "beta"})).json()["status"] == "Granted"
+    now = datetime.now(UTC)
+
+    def ask(project: str):  # type: ignore[no-untyped-def]
+        return pool_request(
+            server.rt.policies.current, "snowflake:wh-1", token="b0", project=project, sub_namespace="", constraints={}, lease_seconds=60, now=now
+        )
+
+    ledger = server.rt.ledger
+    status, _ = await ledger.allocate(ask("alpha"), now_ms=int(now.timestamp() * 1000))
+    assert status == "CAP"
+    status, _ = await ledger.allocate(ask("gamma"), now_ms=int(now.timestamp() * 1000))
+    assert status == "RENEWED"
+    _leases, owners, projects, _subns = ledger.keys.pool("snowflake:wh-1")
+    assert await ledger.client.hget(owners, "b0") == b"gamma\t"
+    assert {k.decode(): int(v) for k, v in (await ledger.client.hgetall(projects)).items()} == {"alpha": 1, "gamma": 1}

@@ -44,7 +44,7 @@ class PoolRequest:
 
 @dataclass(frozen=True, slots=True)
 class PoolReading:
-    check: str  # OK | HELD | EXHAUSTED | CAP
+    check: str  # OK | HELD | EXHAUSTED | CAP | TAKEN (reserving: the submission's token is another holder's)
     used: int
     by_project: int
     by_sub_namespace: int

@@ -74,10 +74,17 @@ WITH batch AS (
            (b.holds ->> 'nodes')::integer, (b.holds ->> 'sensitive')::boolean
     FROM batch b WHERE b.holds IS NOT NULL AND b.holds <> 'null'::jsonb
 ), token AS (
-    INSERT INTO pool_allocations (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at)
+    -- A row of the token left from before (released, or its lease run out: Redis found the token
+    -- free) is the run's now; a live one of another holder is not taken over: reserve.lua
+    -- refuses a submission whose token is held, so it never gets here.
+    INSERT INTO pool_allocations AS a (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at)
     SELECT b.token ->> 'namespace', 'run:' || b.run_id, ARRAY(SELECT jsonb_array_elements_text(b.token -> 'levels')),
            b.token ->> 'project', b.token ->> 'sub_namespace', b.run_id, (b.token ->> 'lease_expires_at')::timestamptz
     FROM batch b WHERE b.token IS NOT NULL AND b.token <> 'null'::jsonb
+    ON CONFLICT (namespace, token) DO UPDATE
+    SET levels = EXCLUDED.levels, project = EXCLUDED.project, sub_namespace = EXCLUDED.sub_namespace, run_id = EXCLUDED.run_id,
+        lease_expires_at = EXCLUDED.lease_expires_at, state = 'held', principal = NULL, granted_at = now(), released_at = NULL
+    WHERE a.state = 'released' OR a.lease_expires_at <= clock_timestamp()
 )
 INSERT INTO outbox (topic, headers, records, keys, payloads, event_ids)
 VALUES ($2, $6::jsonb, cardinality($4::bytea[]), $3::text[], $4::bytea[], $5::text[]);
@@ -604,9 +611,14 @@ DELETE FROM budget_alerts WHERE ledger_key = $1 AND threshold_percent::numeric *
 INSERT INTO budget_holds (ledger_key, policy_id, scope_id, on_exhausted) VALUES ($1, $2, $3, $4)
 ON CONFLICT (ledger_key) DO NOTHING RETURNING true;
 
--- name: active_holds
+-- name: lock_active_holds
+-- The holds in force, each locked with its ledger entry, as they are now: a hold another
+-- reconciler is lifting, or whose entry a settlement is changing (it may exhaust the budget
+-- again), is skipped, and looked at again on the next tick.
 SELECT h.ledger_key, h.policy_id, h.scope_id, h.on_exhausted, e.consumed, e.limit_amount, e.window_end
-FROM budget_holds h JOIN ledger_entries e USING (ledger_key) ORDER BY h.ledger_key;
+FROM budget_holds h JOIN ledger_entries e USING (ledger_key) ORDER BY h.ledger_key
+FOR UPDATE OF h SKIP LOCKED
+FOR SHARE OF e SKIP LOCKED;
 
 -- name: lift_hold
 DELETE FROM budget_holds WHERE ledger_key = $1 RETURNING policy_id, scope_id;
@@ -914,8 +926,14 @@ INSERT INTO admin_log (actor, action, subject, details) VALUES ($1, $2, $3, $4::
 SELECT actor, action, subject, details, logged_at FROM admin_log ORDER BY id DESC LIMIT $1;
 
 -- name: pool_allocation_principal
--- The row of a held token: who holds it (NULL: granted with a submission, or before tokens had holders).
-SELECT principal FROM pool_allocations WHERE namespace = $1 AND token = $2 AND state = 'held' AND lease_expires_at > now();
+-- The row of a held token: who holds it (NULL: granted with a submission, or before tokens had
+-- holders), and for which project and sub-namespace.
+SELECT principal, project, sub_namespace FROM pool_allocations WHERE namespace = $1 AND token = $2 AND state = 'held' AND lease_expires_at > now();
+
+-- name: lock_pool_token
+-- Serialises the allocations of one token of one pool, across processes: what its row says is
+-- still so when Redis is asked and the row written.
+SELECT pg_advisory_xact_lock(7340, hashtext($1 || chr(9) || $2));
 
 -- tenant overrides (budgetgate/override_store.py) ---------------------------------------------
 
@@ -986,9 +1004,10 @@ RETURNING run_id;
 
 -- name: waiting_on_release
 -- Runs still waiting that a release may concern: for quota headroom of tenant $1 (or, with $2,
--- of the sensitive pool), or for budget on one of policies $3.
+-- of the sensitive pool), or on one of policies $3 (a run refused by a quota and a budget waits
+-- for quota headroom and needs the budget too, and may be waiting on the budget alone by now).
 SELECT w.* FROM waiting_runs w
-WHERE ((w.waiting_for = 'quota' AND (w.tenant = $1 OR ($2 AND w.sensitive))) OR (w.waiting_for = 'budget' AND w.policy_ids && $3::text[]))
+WHERE ((w.waiting_for = 'quota' AND (w.tenant = $1 OR ($2 AND w.sensitive))) OR w.policy_ids && $3::text[])
   AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
 ORDER BY w.run_id;
 
