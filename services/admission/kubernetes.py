@@ -17,9 +17,11 @@ denial (`BUDGETGATE_KUBERNETES_FAIL_OPEN=false`, the default) or an admission wi
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
+import asyncpg
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
@@ -30,11 +32,14 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from budgetgate.backends import BACKEND_ERRORS
-from budgetgate.platforms.kubernetes import Mapping, Refuse, Skip, Unmappable, decided, review, submission
+from budgetgate.ledger.queries import sql
+from budgetgate.platforms.kubernetes import ADMITTED_OWNERS, Mapping, Owned, Refuse, Skip, Submit, Unmappable, decided, review, submission
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
 from budgetgate.services.admission.resubmission import Conflict
+
+log = logging.getLogger(__name__)
 
 _EXAMPLE = {
     "apiVersion": "admission.k8s.io/v1",
@@ -135,8 +140,22 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
 
 
 async def _answer(request: Request, principal: Principal, body: dict[str, Any], uid: str, mapping: Mapping, *, fail_open: bool) -> dict[str, Any]:
+    rt = request.app.state.rt
+    dry_run = bool(body["request"].get("dryRun"))
     try:
         mapped = submission(body, mapping)
+        if isinstance(mapped, Owned):
+            try:
+                owner_run = await _admitted_owner(rt.pool, mapped.owner_uid)
+            except BACKEND_ERRORS as exc:
+                return _undecided(uid, exc, fail_open=fail_open)
+            if owner_run is not None:
+                if mapped.owns and not dry_run:
+                    await _record_admitted(rt.pool, body, owner_run)
+                return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
+            # An owner never admitted (a CPU-only Job, or an ownerReference written to get past
+            # the check): the object is a run of its own.
+            mapped = submission(body, mapping, own_run=True)
     except Unmappable as exc:
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc}")
     except (AttributeError, TypeError) as exc:  # a field of another JSON type than the API's (a string where an object goes)
@@ -145,14 +164,13 @@ async def _answer(request: Request, principal: Principal, body: dict[str, Any], 
         return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
     if isinstance(mapped, Refuse):
         return review(uid, allowed=False, code=403, message=f"budgetgate: {mapped.reason}")
-    rt = request.app.state.rt
+    assert isinstance(mapped, Submit)
     try:
         # The same limits as POST /v1/admissions: a submitter limited to some namespaces or
         # tenants submits within them, whichever way its submission comes.
         require_submission(principal, namespace=mapped.request.namespace, labels=mapped.request.labels, tenant_label=rt.settings.tenant_label)
     except Forbidden as exc:
         return review(uid, allowed=False, code=403, message=f"budgetgate: {exc}")
-    dry_run = bool(body["request"].get("dryRun"))
     started = time.perf_counter()
     try:
         # A dry run (kubectl --dry-run=server) is quoted: the same decision, nothing reserved or recorded.
@@ -162,12 +180,47 @@ async def _answer(request: Request, principal: Principal, body: dict[str, Any], 
     except InvalidSubmission as exc:
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc.field}: {exc}")
     except (Unavailable, *BACKEND_ERRORS) as exc:
-        if fail_open:
-            return review(uid, allowed=True, warnings=[f"budgetgate could not decide ({exc}); admitted without a budget check (fail open)"])
-        return review(uid, allowed=False, code=503, message=f"budgetgate cannot decide now ({exc}); nothing was reserved, retry shortly")
+        return _undecided(uid, exc, fail_open=fail_open)
     if dry_run:
         request.app.state.metrics.observe_quote(answer, time.perf_counter() - started)
     else:
         request.app.state.metrics.observe(answer, time.perf_counter() - started)
         rt.relay.wakeup.set()
+        if answer["decision"] == "ALLOW" and _may_own(body):
+            await _record_admitted(rt.pool, body, mapped.request.run_id)
     return decided(uid, answer, attempt_annotation=mapping.attempt_annotation)
+
+
+def _undecided(uid: str, exc: BaseException, *, fail_open: bool) -> dict[str, Any]:
+    if fail_open:
+        return review(uid, allowed=True, warnings=[f"budgetgate could not decide ({exc}); admitted without a budget check (fail open)"])
+    return review(uid, allowed=False, code=503, message=f"budgetgate cannot decide now ({exc}); nothing was reserved, retry shortly")
+
+
+def _may_own(body: dict[str, Any]) -> bool:
+    kind = body["request"].get("kind") or {}
+    return (kind.get("group", ""), kind.get("kind", "")) in ADMITTED_OWNERS
+
+
+async def _admitted_owner(pool: asyncpg.Pool, owner_uid: str) -> str | None:
+    """The run the owner `owner_uid` was let through for, or None if it never was."""
+    return await pool.fetchval(sql("admitted_owner"), owner_uid) if owner_uid else None
+
+
+async def _record_admitted(pool: asyncpg.Pool, body: dict[str, Any], run_id: str) -> None:
+    """Remember an object let through on a decision, so its children are let through on it.
+
+    Best effort: the decision stands whatever happens here. Unrecorded, its children are let
+    through still when the run id is its UID (admitted_owner finds the decision), and are
+    otherwise decided as runs of their own: reserved twice, never unbudgeted."""
+    asked = body["request"]
+    meta = (asked.get("object") or {}).get("metadata") or {}
+    if not meta.get("uid"):
+        return
+    try:
+        await pool.execute(
+            sql("record_admitted_object"), meta["uid"], asked.get("namespace") or meta.get("namespace") or "default",
+            (asked.get("kind") or {}).get("kind", ""), meta.get("name") or meta.get("generateName") or "", run_id,
+        )  # fmt: skip
+    except BACKEND_ERRORS as exc:
+        log.warning("admitted object %s (run %r) not recorded (%s): its children may be decided on their own", meta["uid"], run_id, exc)

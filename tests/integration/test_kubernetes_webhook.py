@@ -61,6 +61,50 @@ async def test_each_replica_of_another_controller_is_its_own_run(admission, pg_d
     assert [d["projected_gpu_hours"] for d in decisions] == [2.0, 2.0] and decisions[0]["decision_id"] != decisions[1]["decision_id"]
 
 
+async def test_children_pass_on_an_admitted_owner_only_and_a_forged_owner_is_decided(admission) -> None:
+    # A Pod naming a Job as its controller was let through without a decision, whatever the
+    # Job: an ownerReference is the creator's to write, so naming a CPU-only Job (never decided)
+    # ran 8 GPUs unbudgeted.
+    def owned_by(obj: Any) -> V1OwnerReference:
+        meta = obj.metadata if hasattr(obj, "metadata") else None
+        name, uid = (meta.name, meta.uid) if meta else (obj["metadata"]["name"], obj["metadata"]["uid"])
+        kind = obj.kind if meta else obj["kind"]
+        version = obj.api_version if meta else obj["apiVersion"]
+        return V1OwnerReference(api_version=version, kind=kind, name=name, uid=uid, controller=True)
+
+    cpu_job = job("etl", gpus=0, parallelism=1, deadline=3600)
+    assert (await reviewed(admission, admission_review(cpu_job)))["allowed"] is True  # asks for no GPU: no decision
+    forged = pod("etl-x", containers=[container(gpus=8)], deadline=3600, owner=owned_by(cpu_job), annotations=H100)
+    answer = await reviewed(admission, admission_review(forged))
+    assert answer["allowed"] is True and answer["status"]["message"].startswith("budgetgate: admitted"), answer
+    assert (await admission.client.get(f"/v1/admissions/{forged.metadata.uid}")).json()["projected_gpu_hours"] == 8.0  # reserved as a run
+    # An admitted Job's pods pass on it, and so do those of a Job run under an annotated run id.
+    for parent in (
+        job("train", gpus=2, parallelism=2, deadline=3600, annotations=H100),
+        job("tuned", gpus=2, parallelism=1, deadline=3600, annotations={**H100, "budgetgate.io/run-id": "flyte/vision/exec-9/n0"}),
+    ):
+        assert (await reviewed(admission, admission_review(parent)))["allowed"] is True
+        child = pod(f"{parent.metadata.name}-0", containers=[container(gpus=2)], owner=owned_by(parent))  # no deadline of its own: never mapped
+        passed = await reviewed(admission, admission_review(child))
+        assert passed["allowed"] is True and "which was admitted for it" in passed["status"]["message"], passed
+    # A JobSet's Job passes on the JobSet and is remembered, so its pods pass on it in turn.
+    suite = jobset("suite", [(1, job_spec(gpus=1, parallelism=1, deadline=3600))], annotations=H100)
+    assert (await reviewed(admission, admission_review(suite)))["allowed"] is True
+    member = job("suite-rj-0-0", gpus=1, parallelism=1, deadline=3600)
+    member.metadata.owner_references = [owned_by(suite)]
+    assert (await reviewed(admission, admission_review(member)))["allowed"] is True
+    grandchild = pod("suite-rj-0-0-a", containers=[container(gpus=1)], owner=owned_by(member))
+    assert "which was admitted for it" in (await reviewed(admission, admission_review(grandchild)))["status"]["message"]
+    # The children were let through on their owners' decisions: none has one of its own.
+    for let_through in (member, grandchild):
+        assert (await admission.client.get(f"/v1/admissions/{let_through.metadata.uid}")).status_code == 404
+    # A forged owner naming a run that was never admitted, with no deadline of its own, is
+    # denied naming what to add rather than let through.
+    ghost = V1OwnerReference(api_version="batch/v1", kind="Job", name="ghost", uid="00000000-dead-beef-0000-000000000000", controller=True)
+    denied = await reviewed(admission, admission_review(pod("ghost-0", containers=[container(gpus=8)], owner=ghost)))
+    assert denied["allowed"] is False and denied["status"]["code"] == 422 and "projected runtime" in denied["status"]["message"], denied
+
+
 async def test_an_update_raising_the_gpus_is_denied_and_others_pass(admission, pg_dsn) -> None:
     obj = as_json(job(gpus=8, parallelism=1, deadline=3600, annotations=H100))
     assert (await reviewed(admission, admission_review(obj)))["allowed"] is True

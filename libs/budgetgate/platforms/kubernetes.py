@@ -21,8 +21,9 @@ every knob):
   owner's: the replicas of a ReplicaSet or StatefulSet, and the Jobs of a CronJob, share their
   owner and are each a run of their own). `budgetgate.io/attempt` gives the attempt (else 1).
 - Objects created by an object the webhook admits too (a Job's pods, a JobSet's Jobs, a
-  RayJob's RayCluster and pods, a RayCluster's pods) are skipped: their owner was decided for
-  all of them.
+  RayJob's RayCluster and pods, a RayCluster's pods) are `Owned`: let through without a
+  decision when their owner was admitted (the webhook checks, since an ownerReference is the
+  creator's to write), else decided as a run of their own (`submission(..., own_run=True)`).
 - An UPDATE of a Job, JobSet, RayJob or RayCluster that raises its GPU count (a patched
   parallelism, replicas or maxReplicas) is refused: the decision covered the GPUs it was
   created with. Every other UPDATE (Kueue suspending or resuming it, labels, scaling down) is
@@ -45,7 +46,7 @@ ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), 
 # GPU requests cannot change).
 SCALABLE_KINDS = ADMITTED_KINDS - {("", "Pod")}
 # Owners whose children are admitted with them: a child of one of these is skipped.
-_ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
+ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,18 @@ class Skip:
     """The object is let through without a decision, for `reason`."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Owned:
+    """The object names as its controller an object of a kind the webhook admits (`owner_uid`):
+    let through without a decision when that owner was admitted, else decided on its own.
+    `owns`: the object may own admitted kinds itself (a JobSet's Job, a RayJob's RayCluster), so
+    its own children are let through on it in turn."""
+
+    owner_uid: str
+    reason: str
+    owns: bool
 
 
 @dataclass(frozen=True)
@@ -210,12 +223,13 @@ def _controller(meta: MappingType[str, Any]) -> MappingType[str, Any] | None:
     return next((o for o in owners if o.get("controller")), owners[0] if owners else None)
 
 
-def submission(review: MappingType[str, Any], mapping: Mapping = Mapping()) -> Submit | Skip | Refuse:
+def submission(review: MappingType[str, Any], mapping: Mapping = Mapping(), *, own_run: bool = False) -> Submit | Skip | Refuse | Owned:
     """What the `request` of an admission.k8s.io/v1 AdmissionReview asks of budgetgate.
 
-    A CREATE is a submission (or skipped); an UPDATE that raises the GPUs of a Job, JobSet,
-    RayJob or RayCluster is refused, any other UPDATE skipped. Raises Unmappable when the object
-    should be a submission, or an UPDATE checked, and cannot be."""
+    A CREATE is a submission (or skipped, or `Owned` by an object of an admitted kind; with
+    `own_run`, whatever its owner: the owner was not admitted); an UPDATE that raises the GPUs
+    of a Job, JobSet, RayJob or RayCluster is refused, any other UPDATE skipped. Raises
+    Unmappable when the object should be a submission, or an UPDATE checked, and cannot be."""
     request = review.get("request") or {}
     group, kind = (request.get("kind") or {}).get("group", ""), (request.get("kind") or {}).get("kind", "")
     if (group, kind) not in ADMITTED_KINDS:
@@ -228,8 +242,10 @@ def submission(review: MappingType[str, Any], mapping: Mapping = Mapping()) -> S
     obj = request.get("object") or {}
     meta = _meta(obj)
     owner = _controller(meta)
-    if owner is not None and (_group(owner.get("apiVersion", "")), owner.get("kind")) in _ADMITTED_OWNERS:
-        return Skip(f"created by {owner.get('kind')} {owner.get('name')}, which was admitted for it")
+    if not own_run and owner is not None and (_group(owner.get("apiVersion", "")), owner.get("kind")) in ADMITTED_OWNERS:
+        return Owned(
+            str(owner.get("uid") or ""), f"created by {owner.get('kind')} {owner.get('name')}, which was admitted for it", (group, kind) in ADMITTED_OWNERS
+        )
     namespace = request.get("namespace") or meta.get("namespace") or "default"
     annotations: MappingType[str, str] = meta.get("annotations") or {}
     shape = _shape(group, kind, obj, mapping.gpu_resource)

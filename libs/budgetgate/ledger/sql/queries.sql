@@ -1036,3 +1036,17 @@ DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id
 -- Runs refused before $1: their platform gave up on them; they get no more HEADROOM.
 WITH gone AS (DELETE FROM waiting_runs WHERE decided_at < $1 RETURNING decision_id)
 DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id;
+
+-- name: record_admitted_object
+-- A Kubernetes object let through on a decision (its own, or its owner's): its children may be
+-- let through on it.
+INSERT INTO admitted_objects (uid, namespace, kind, name, run_id) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (uid) DO NOTHING;
+
+-- name: admitted_owner
+-- The run an owner (by UID) was let through for: recorded by the webhook, or (objects admitted
+-- before it recorded them) a run admitted under the owner's own UID.
+SELECT o.run_id FROM admitted_objects o WHERE o.uid = $1
+UNION ALL
+SELECT d.run_id FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW'
+LIMIT 1;
