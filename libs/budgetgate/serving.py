@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.openapi import Operation, document
+from budgetgate.principals import Forbidden, Principal
 from budgetgate.problems import install_problems, problem_response
 from budgetgate.telemetry import Telemetry
 
@@ -88,10 +89,19 @@ def add_operational_routes(
     """Liveness, readiness (200 only when every check says "ok", else a 503 problem naming the
     checks) and Prometheus metrics; every error answer of `app` as RFC 9457 problem details; and
     its OpenAPI published with `operations` naming its other endpoints. Health and readiness are
-    open to anyone; metrics too unless `protect_metrics` (then a reader, auditor or operator)."""
+    open to anyone; metrics too unless `protect_metrics` (then a reader, auditor or operator not
+    limited to namespaces or tenants)."""
     from budgetgate.auth import Action, allow
 
-    metrics_guard = [Depends(allow(Action.METRICS))] if protect_metrics else []
+    async def unlimited(principal: Principal = Depends(allow(Action.METRICS))) -> None:
+        # The gauges name every budget, tenant and pool: no label can be filtered out of a scrape.
+        if not principal.unscoped:
+            limits = [f"{what} {', '.join(values)}" for what, values in (("namespaces", principal.namespaces), ("tenants", principal.tenants)) if values]
+            raise Forbidden(
+                f"{principal.name!r} is limited to {' and '.join(limits)}; /metrics shows every budget and tenant, so it needs a token without limits"
+            )
+
+    metrics_guard = [Depends(unlimited)] if protect_metrics else []
 
     @app.get("/healthz", response_model=Health)
     async def healthz() -> dict[str, str]:

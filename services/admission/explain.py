@@ -14,7 +14,7 @@ from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, deciding_index, describe
 from budgetgate.core.loader import bundle_from_json
 from budgetgate.core.overrides import effective
-from budgetgate.core.policy import PolicyBundle
+from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import sql
 from budgetgate.override_store import load
@@ -185,7 +185,10 @@ def account(found: Recomputed, bundle: PolicyBundle | None, readings: list[dict[
             )
             missing = scope.missing_labels(labels)
             if missing and scope.namespaces:
-                lines.append(f"Policy {policy.id!r} applies: {where}, but the submission lacks its required label(s) {', '.join(missing)}, so it denies.")
+                # A soft or dry-run policy never blocks: its violation is a waived evaluation.
+                waived = f"which is recorded, not enforced (a {policy.enforcement} policy never blocks)"
+                verdict = "so it denies" if policy.enforcement is Enforcement.HARD else waived
+                lines.append(f"Policy {policy.id!r} applies: {where}, but the submission lacks its required label(s) {', '.join(missing)}, {verdict}.")
             elif missing:
                 lines.append(f"Policy {policy.id!r} does not apply: the submission lacks label(s) {', '.join(missing)}.")
             else:

@@ -21,6 +21,7 @@ from budgetgate.openapi import Operation
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.explain import BundleCache, explanation, recompute
 from budgetgate.services.admission.quotes import Quoter
+from budgetgate.services.admission.routes import RUN_ID
 from budgetgate.services.admission.schemas import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem
 
 router = APIRouter()
@@ -116,7 +117,7 @@ async def quote(body: AdmissionRequest, request: Request, principal: Principal =
 
 
 @router.get("/v1/admissions/{run_id:path}/explain", response_model=ExplainResponse, responses={404: {"model": Problem}, 503: {"model": Problem}})
-async def explain(run_id: str, request: Request, principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
+async def explain(request: Request, run_id: str = RUN_ID, principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
     """The run's latest decision recomputed from its recorded inputs, side by side, explained."""
     try:
         async with request.app.state.rt.pool.acquire() as conn:

@@ -9,11 +9,12 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.evaluation import deciding_index
 from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import Reservation, ReserveResult
-from budgetgate.services.admission.admitter import Admitter, releases, with_ledger
+from budgetgate.services.admission.admitter import Admitter, Unavailable, releases, with_ledger
 from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, readings
 from budgetgate.services.admission.rendering import response_body
 from budgetgate.services.admission.schemas import AdmissionRequest
@@ -28,7 +29,7 @@ class Quoter:
     async def quote(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
         """The answer admission would give `request` now; raises Unavailable or InvalidSubmission."""
         at = now or datetime.now(UTC)
-        p = self.admitter.prepare(request, at)
+        p = await self._prepare(request, at)
         if self.admitter.accounting is not None:
             found = await self.admitter.accounting.source(p.bundle, p.plan, p.asks.tenant, label=self.admitter.tenant_label)
             p = replace(p, accounting=found)
@@ -52,6 +53,22 @@ class Quoter:
             "next_eligible_time": rfc3339(eligible) if eligible else None,
             **answer,
         }
+
+    async def _prepare(self, request: AdmissionRequest, at: datetime) -> Prepared:
+        """`request` prepared under the latest tenant overrides Postgres committed, as admission
+        re-prepares a batch under them (an override made on another instance is not announced;
+        this one may not have polled it yet)."""
+        admitter = self.admitter
+        p = admitter.prepare(request, at)
+        try:
+            revision = await admitter.pool.fetchval(sql("override_revision"))
+            if p.bundle.override_revision >= revision:
+                return p
+            if admitter.policies.overrides.revision < revision:
+                await admitter.policies.refresh()
+        except BACKEND_ERRORS as exc:
+            raise Unavailable(f"Postgres unavailable: {exc}") from exc
+        return admitter.prepare(request, at)
 
     async def _check(self, p: Prepared) -> ReserveResult:
         admitter = self.admitter

@@ -4,21 +4,46 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+import orjson
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Principal, allow
+from budgetgate.auth import Action, Forbidden, Principal, allow
 from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.access import require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.concurrency import NoSuchPool
 from budgetgate.services.admission.runtime import Runtime
-from budgetgate.services.admission.schemas import AdmissionRequest, AdmissionResponse, AdmissionStatus, AllocationIn, Problem, ScopeUsage
+from budgetgate.services.admission.schemas import (
+    AdmissionRequest,
+    AdmissionResponse,
+    AdmissionStatus,
+    AllocationIn,
+    PoolNamespace,
+    Problem,
+    RunId,
+    ScopeUsage,
+    Token,
+)
 from budgetgate.services.admission.status import run_status
 from budgetgate.services.admission.usage import scope_usage
 
 router = APIRouter()
+
+
+def _path(kind: object, description: str) -> Any:
+    """A path parameter held to the rules its value has in a request body (`RunId`, ...): a value
+    no submission could carry (a NUL, a space, too long) is a 422, not a query that fails."""
+    constraints = kind.__metadata__[0]  # type: ignore[attr-defined]
+    return Path(pattern=constraints.pattern, min_length=constraints.min_length, max_length=constraints.max_length, description=description)
+
+
+RUN_ID = _path(RunId, "the run id (it may contain slashes)")
+POOL = _path(PoolNamespace, "a declared pool, e.g. snowflake:wh-1")
+TOKEN = _path(Token, "a pool token")
 
 
 def _rt(request: Request) -> Runtime:
@@ -40,7 +65,7 @@ async def submit(body: AdmissionRequest, request: Request, principal: Principal 
 
 
 @router.get("/v1/admissions/{run_id:path}", response_model=AdmissionStatus, responses={404: {"model": Problem}})
-async def lookup(run_id: str, request: Request, principal: Principal = Depends(allow(Action.LOOKUP))) -> dict | JSONResponse:
+async def lookup(request: Request, run_id: str = RUN_ID, principal: Principal = Depends(allow(Action.LOOKUP))) -> dict | JSONResponse:
     """The run's latest decision; for a DELAY or a quota rejection, `waiting` says what it waits
     for and how the limits that refused it stand now."""
     rt = _rt(request)
@@ -74,7 +99,7 @@ async def usage(scope_id: str, request: Request, principal: Principal = Depends(
 
 
 @router.post("/v1/pools/{namespace}/allocations", responses={403: {"model": Problem}, 404: {"model": Problem}, 503: {"model": Problem}})
-async def allocate(namespace: str, body: AllocationIn, request: Request, principal: Principal = Depends(allow(Action.ALLOCATE))) -> JSONResponse:
+async def allocate(body: AllocationIn, request: Request, namespace: str = POOL, principal: Principal = Depends(allow(Action.ALLOCATE))) -> JSONResponse:
     """Granted | Exhausted | NamespaceQuotaExceeded, in `status`; idempotent per token (only
     the principal holding a token may renew it)."""
     try:
@@ -84,14 +109,47 @@ async def allocate(namespace: str, body: AllocationIn, request: Request, princip
 
 
 @router.delete("/v1/pools/{namespace}/allocations/{token:path}", responses={403: {"model": Problem}, 503: {"model": Problem}})
-async def deallocate(namespace: str, token: str, request: Request, principal: Principal = Depends(allow(Action.RELEASE))) -> JSONResponse:
+async def deallocate(request: Request, namespace: str = POOL, token: str = TOKEN, principal: Principal = Depends(allow(Action.RELEASE))) -> JSONResponse:
     """A submitter releases the tokens it allocated; an operator any token."""
     return JSONResponse(await _rt(request).pools.release(namespace, token, principal=principal))
 
 
 @router.get("/v1/pools/{namespace}", responses={404: {"model": Problem}})
-async def pool_status(namespace: str, request: Request, _principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
-    found = await _rt(request).pools.status(namespace)
+async def pool_status(request: Request, namespace: str = POOL, principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
+    """Quota, used and holders of a pool; a caller limited to namespaces or tenants sees only the
+    holders within its limits (its own tokens, its runs'), while `used` counts every holder."""
+    rt = _rt(request)
+    found = await rt.pools.status(namespace)
     if found is None:
         return JSONResponse({"detail": f"no ResourcePool declares namespace {namespace!r}"}, status_code=404)
+    if not principal.unscoped and found["holders"]:
+        try:
+            found["holders"] = await _visible_holders(rt, principal, namespace, found["holders"])
+        except BACKEND_ERRORS as exc:
+            raise Unavailable(f"Postgres unavailable: {exc}") from exc
     return JSONResponse(found)
+
+
+async def _visible_holders(rt: Runtime, principal: Principal, namespace: str, holders: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The holders a limited principal may see: a submission's token (`run:<run id>`) when the
+    run's namespace and tenant are within its limits, another token when it holds it itself.
+    One lookup per holder: a pool holds a few dozen tokens, and only limited callers pay it."""
+    visible = []
+    async with rt.pool.acquire() as conn:
+        for holder in holders:
+            token = holder["token"]
+            if token.startswith("run:"):
+                row = await conn.fetchrow(sql("latest_decision"), token.removeprefix("run:"))
+                if row is None:
+                    continue
+                labels = orjson.loads(row["labels"]) if isinstance(row["labels"], str) else dict(row["labels"])
+                try:
+                    require_submission(principal, namespace=row["namespace"], labels=labels, tenant_label=rt.settings.tenant_label)
+                except Forbidden:
+                    continue
+            else:
+                row = await conn.fetchrow(sql("pool_allocation_principal"), namespace, token)
+                if row is None or row["principal"] != principal.name:
+                    continue
+            visible.append(holder)
+    return visible

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 from urllib.parse import quote
@@ -179,16 +179,30 @@ def _exhaustion(row: dict[str, Any]) -> dict[str, Any]:
 # -- from Marquez -------------------------------------------------------------------------------
 
 
-def marquez_runs(base_url: str, *, page: int = 100, timeout: float = 30.0) -> Iterator[dict[str, Any]]:
-    """Every run Marquez knows that carries a budget facet, via its namespace, job and run listings."""
-    with httpx.Client(base_url=base_url.rstrip("/") + "/api/v1", timeout=timeout) as client:
+def marquez_runs(base_url: str, *, page: int = 100, timeout: float = 30.0, transport: httpx.BaseTransport | None = None) -> Iterator[dict[str, Any]]:
+    """Every run Marquez knows that carries a budget facet, via its namespace, job and run listings,
+    each once. The listings page by offset, newest first: a run added or updated while they are
+    read shifts the pages, and a run seen twice is counted as its latest reading."""
+    latest: dict[str, dict[str, Any]] = {}
+    with httpx.Client(base_url=base_url.rstrip("/") + "/api/v1", timeout=timeout, transport=transport) as client:
         for namespace in _pages(client, "/namespaces", "namespaces", page):
             ns = quote(namespace["name"], safe="")
             for job in _pages(client, f"/namespaces/{ns}/jobs", "jobs", page):
                 name = quote(job["name"], safe="")
                 for run in _pages(client, f"/namespaces/{ns}/jobs/{name}/runs", "runs", page):
                     if FACET_KEY in (run.get("facets") or {}):
-                        yield run
+                        seen = latest.get(run["id"])
+                        if seen is None or _updated(run) >= _updated(seen):
+                            latest[run["id"]] = run
+    yield from latest.values()
+
+
+def _updated(run: Mapping[str, Any]) -> datetime:
+    try:
+        at = datetime.fromisoformat(str(run.get("updatedAt")).replace("Z", "+00:00"))
+    except ValueError:
+        return datetime.min.replace(tzinfo=UTC)
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
 def _pages(client: httpx.Client, path: str, key: str, page: int) -> Iterator[dict[str, Any]]:

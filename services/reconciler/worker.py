@@ -86,7 +86,7 @@ class Reconciler:
         meter.create_observable_gauge(
             "budgetgate_ledger_drift_keys",
             callbacks=[lambda _o: [Observation(self.stats.drifted_keys)]],
-            description="ledger keys and runs on which Redis differed from Postgres at the last drift check",
+            description="ledger keys, runs, quota counters and pools on which Redis differed from Postgres at the last drift check",
         )
         meter.create_observable_counter(
             "budgetgate_ledger_drift_repairs", callbacks=[lambda _o: [Observation(self.stats.repairs)]], description="Redis rebuilds after a confirmed drift"
@@ -263,7 +263,7 @@ class Reconciler:
         if drift is None:
             return
         self.stats.drift_checks += 1
-        self.stats.drifted_keys = len(drift.keys) + len(drift.runs)
+        self.stats.drifted_keys = len(drift.keys) + len(drift.runs) + len(drift.counters) + len(drift.pools)
         self.stats.repairs += drift.repaired
 
 

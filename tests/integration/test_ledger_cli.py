@@ -1,5 +1,6 @@
 """`budgetgate ledger rebuild-redis` and `ledger check`: Redis rebuilt from Postgres after a loss
-or a drift, as docs/operations.md tells an operator to do after a restore."""
+or a drift, as docs/operations.md tells an operator to do after a restore; the drift check (the
+reconciler's too) compares quota counters and pool tokens as well as budgets."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
+import asyncpg
 import redis.asyncio as aioredis
 
 from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.sync import LedgerSync
+from tests.integration.test_quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 
 
 async def _budgetgate(tmp_path: Path, settings, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
@@ -57,3 +62,69 @@ async def test_rebuild_redis_restores_a_lost_ledger_and_repairs_drift(admission,
         assert clean.returncode == 0 and "Redis matches Postgres" in clean.stdout, clean
     finally:
         await client.aclose()
+
+
+async def test_check_compares_quota_counters_and_pool_tokens_and_the_reconciler_repairs_them(admission_factory, settings, pg_dsn, tmp_path: Path) -> None:
+    files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 5"), "b.yaml": BIG_BUDGET, "p.yaml": POOLS.format(child=5, parent=5, cap=5)}
+    server = await started(admission_factory, pg_dsn, files)
+    answer = (await server.client.post("/v1/admissions", json=physics("pooled", pool_token={"namespace": "snowflake:wh-1", "project": "physics"}))).json()
+    assert answer["decision"] == "ALLOW", answer
+    granted = await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "job-1", "project": "etl"})
+    assert granted.json()["status"] == "Granted", granted.text
+    await server.stop()  # nothing else may change or rebuild Redis meanwhile
+
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    client = aioredis.from_url(settings.redis_url)
+    ledger = RedisLedger(client, prefix=settings.redis_prefix)
+    sync = LedgerSync(pool, ledger)
+    counter, leases = ledger.keys.counter("t:physics"), ledger.keys.pool("snowflake:wh-1")[0]
+    lease = int(await client.zscore(leases, "job-1") or 0)
+    tampering = {
+        "a counter counting a run Postgres saw end": (lambda: client.hincrby(counter, "allocations", 1), "counters", "t:physics"),
+        "a counter of a tenant Postgres holds nothing for": (
+            lambda: client.hset(ledger.keys.counter("t:ghost"), mapping={"gpus": 8, "nodes": 1, "allocations": 1}),
+            "counters",
+            "t:ghost",
+        ),
+        "a grant Redis lost": (lambda: client.zrem(leases, "job-1"), "pools", "snowflake:wh-1"),
+        "a renewal Redis lost": (lambda: client.zadd(leases, {"job-1": lease - 600_000}), "pools", "snowflake:wh-1"),
+    }
+    try:
+        assert (await sync.check_drift(repair=False)).clean  # type: ignore[union-attr]
+        for what, (tamper, field, name) in tampering.items():
+            await tamper()
+            drift = await sync.check_drift(repair=False)
+            assert drift is not None and set(getattr(drift, field)) == {name} and not drift.keys and not drift.runs, (what, drift)
+            if field == "counters":
+                shown = await _budgetgate(tmp_path, settings, "ledger", "check")
+                assert shown.returncode == 1 and f"quota counter {name}" in shown.stdout, (what, shown)
+            # The reconciler's periodic check repairs it by rebuilding Redis from Postgres.
+            repaired = await sync.check_drift(repair=True)
+            assert repaired is not None and repaired.repaired, what
+            assert (await sync.check_drift(repair=False)).clean, what  # type: ignore[union-attr]
+        clean = await _budgetgate(tmp_path, settings, "ledger", "check")
+        assert clean.returncode == 0 and "Redis matches Postgres" in clean.stdout, clean
+    finally:
+        await client.aclose()
+        await pool.close()
+
+
+class _LostMidway(RedisLedger):
+    """A Redis that loses everything (a restart without persistence) once the check has begun."""
+
+    async def readings(self, ledger_keys: Iterable[str]) -> dict[str, tuple[int, int]]:
+        await self.client.delete(*[key async for key in self.client.scan_iter(match=f"{self.tag}*")])
+        return await super().readings(ledger_keys)
+
+
+async def test_a_ledger_lost_during_the_check_is_not_reported_as_matching(admission, settings, pg_dsn) -> None:
+    assert (await admission.submit(run_id="lost-midway")).json()["decision"] == "ALLOW"
+    await admission.stop()  # it would rebuild Redis as soon as it noticed
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    client = aioredis.from_url(settings.redis_url)
+    try:
+        assert (await LedgerSync(pool, RedisLedger(client, prefix=settings.redis_prefix)).check_drift(repair=False)).clean  # type: ignore[union-attr]
+        assert await LedgerSync(pool, _LostMidway(client, prefix=settings.redis_prefix)).check_drift(repair=False) is None
+    finally:
+        await client.aclose()
+        await pool.close()

@@ -190,3 +190,20 @@ async def test_quote_gives_penalty_fair_share_and_quota_refusals_as_admission_wo
     assert refused["reason"] == 'allocation rejected: tenant "physics" would exceed max_gpus quota (current: 25, requested: 80, limit: 40)'
     assert refused["priority_penalty"] > 0.9
     assert (await server.client.post("/v1/admissions", json=physics("third", gpus=80))).json()["reason"] == refused["reason"]
+
+
+async def test_a_quote_uses_the_latest_override_revision_made_on_another_instance(admission_factory, pg_dsn) -> None:
+    files = {"q.yaml": QUOTA.format(limits="max_gpus: 40"), "b.yaml": budget_yaml("physics-gpus", namespace="physics", labels="{team: physics}")}
+    await apply_policies(pg_dsn, files, sha="8" * 40)
+    first = await admission_factory()
+    # Another instance on the same ledger that would not poll for a long time.
+    second = await admission_factory(policy_refresh_seconds=3600)
+    await first.wait_ready()
+    await second.wait_ready()
+    put = await first.client.put("/v1/tenants/physics", json={"max_gpus": 4, "reason": "maintenance"})
+    assert put.status_code == 200, put.text
+    quoted = (await second.client.post("/v1/quotes", json=physics("q", gpus=8))).json()
+    real = (await second.client.post("/v1/admissions", json=physics("q", gpus=8))).json()
+    assert quoted["decision"] == real["decision"] == "DENY", (quoted, real)
+    assert quoted["reason"] == real["reason"] and "limit: 4" in quoted["reason"]
+    assert quoted["override_revision"] == real["override_revision"] == put.json()["override_revision"]

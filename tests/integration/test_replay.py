@@ -103,3 +103,18 @@ async def test_replay_and_explain_on_the_command_line(admission, pg_dsn, tmp_pat
     assert explained.returncode == 0, explained.stderr
     assert "stored DENY, recomputed DENY — identical" in explained.stdout
     assert "lacks its required label(s) cost-center" in explained.stdout
+
+
+async def test_explain_says_a_soft_or_dry_run_policy_missing_labels_is_recorded_not_enforced(admission_factory, pg_dsn) -> None:
+    trials = {
+        f"{mode}.yaml": budget_yaml(f"{mode}-project", labels=f"{{team: vision, {label}: '*'}}", enforcement=mode, limit="gpu_hours: 1000")
+        for mode, label in (("soft", "project"), ("dry-run", "owner"))
+    }
+    await apply_policies(pg_dsn, example_policies() | trials, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.submit(run_id="trial/1")).json()["decision"] == "ALLOW"  # no `project` nor `owner` label: both waived
+    account = (await server.client.get("/v1/admissions/trial/1/explain")).json()["account"]
+    for mode in ("soft", "dry-run"):
+        [line] = [line for line in account if f"'{mode}-project'" in line and "lacks" in line]
+        assert line.endswith(f"which is recorded, not enforced (a {mode} policy never blocks).") and "denies" not in line, line

@@ -3,6 +3,7 @@ decisions, recorded ends free room, and a hard budget is never over-admitted."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -91,3 +92,31 @@ def test_history_decided_by_the_same_bundle_replays_without_flips(limit: int, si
     recorded = [run(i, g, outcome=flipped.get(f"r{i}", "ALLOW")) for i, g in enumerate(sizes)]
     again = simulate(bundle(limit), start={}, decisions=recorded, ends=[])
     assert again.flips == []
+
+
+def retried(i: int, gpus: int, outcomes: list[str]) -> list[Recorded]:
+    """Run r{i}'s attempts as history decided them, a minute apart."""
+    first = run(i, gpus).submission
+    return [Recorded(replace(first, attempt=n, at=first.at + timedelta(minutes=n - 1)), outcome) for n, outcome in enumerate(outcomes, 1)]
+
+
+def test_a_run_history_admitted_on_a_later_attempt_counts_before_when_the_candidate_admitted_it_earlier() -> None:
+    # History delayed attempt 1 and admitted attempt 2; the candidate admits attempt 1, and its
+    # ALLOW stands for attempt 2. Both worlds admitted the run: no change in GPU-hours.
+    outcome = simulate(bundle(100), start={}, decisions=retried(1, 10, ["DELAY", "ALLOW"]), ends=[])
+    team = outcome.by_budget["team"]
+    assert (team.admitted_gpu_before, team.admitted_gpu_after) == (10 * H, 10 * H)
+    assert [(f.run_id, f.attempt, f.before, f.after) for f in outcome.flips] == [("r1", 1, "DELAY", "ALLOW")]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    limit=st.integers(1, 300),
+    runs=st.lists(st.tuples(st.integers(1, 64), st.lists(st.sampled_from(["ALLOW", "DELAY", "DENY"]), min_size=1, max_size=4)), min_size=1, max_size=20),
+)
+def test_history_counts_each_run_it_admitted_once_whatever_the_candidate_did(limit: int, runs: list[tuple[int, list[str]]]) -> None:
+    # History stops deciding a run at its ALLOW: later attempts replay it.
+    histories = [outcomes[: outcomes.index("ALLOW") + 1] if "ALLOW" in outcomes else outcomes for _, outcomes in runs]
+    decisions = sorted((r for i, ((gpus, _), h) in enumerate(zip(runs, histories, strict=True)) for r in retried(i, gpus, h)), key=lambda r: r.submission.at)
+    outcome = simulate(bundle(limit), start={}, decisions=decisions, ends=[])
+    assert outcome.by_budget["team"].admitted_gpu_before == sum(gpus for (gpus, _), h in zip(runs, histories, strict=True) if "ALLOW" in h) * H

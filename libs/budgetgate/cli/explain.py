@@ -22,7 +22,10 @@ def since(value: str) -> datetime:
     match = _PERIOD.match(value)
     if match:
         n, unit = int(match[1]), match[2]
-        return datetime.now(UTC) - timedelta(hours=n) * {"h": 1, "d": 24, "w": 168}[unit]
+        try:
+            return datetime.now(UTC) - timedelta(hours=n) * {"h": 1, "d": 24, "w": 168}[unit]
+        except OverflowError:
+            raise click.BadParameter(f"{value!r} reaches back before the year 1: give a shorter period or an ISO date") from None
     try:
         at = datetime.fromisoformat(value)
     except ValueError:

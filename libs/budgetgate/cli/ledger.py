@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from budgetgate.cli import backend
 from budgetgate.settings import CommonSettings
 
 if TYPE_CHECKING:
@@ -22,6 +23,12 @@ def ledger() -> None:
     """The ledger's Redis copy: rebuild it from Postgres, or compare the two."""
 
 
+def _settings() -> CommonSettings:
+    # Both servers named (by the local stack or by variables): never the defaults' 127.0.0.1,
+    # where a rebuild would rewrite whatever Redis happens to run there.
+    return backend.stack_settings(needs=("postgres", "redis"))
+
+
 @ledger.command("rebuild-redis")
 def rebuild_redis() -> None:
     """Replace Redis's copy of the ledger with Postgres's.
@@ -29,14 +36,14 @@ def rebuild_redis() -> None:
     After a restore of Postgres, a Redis loss or a drift the reconciler reports. Safe while the
     services run: reservations wait for the rebuild, which takes the ledger lock exclusively.
     """
-    keys, runs = asyncio.run(_rebuild(CommonSettings()))
+    keys, runs = asyncio.run(_rebuild(_settings()))
     click.echo(f"rebuilt Redis from Postgres: {keys} ledger key(s), {runs} run(s) holding reservations")
 
 
 @ledger.command("check")
 def check() -> None:
     """Compare Redis with Postgres; exit 1 when they differ (nothing is changed)."""
-    drift = asyncio.run(_drift(CommonSettings()))
+    drift = asyncio.run(_drift(_settings()))
     if drift is None:
         click.echo("Redis does not hold the ledger (it is rebuilt before the next decision, or by `budgetgate ledger rebuild-redis`)")
         sys.exit(1)
@@ -47,7 +54,17 @@ def check() -> None:
         click.echo(f"ledger key {key}: Redis (reserved, consumed) {in_redis}, Postgres {in_postgres}")
     for run_id, (in_redis, in_postgres) in drift.runs.items():
         click.echo(f"run {run_id}: Redis holds {in_redis}, Postgres {in_postgres}")
+    for name, (in_redis, in_postgres) in drift.counters.items():
+        click.echo(f"quota counter {name}: Redis (gpus, nodes, allocations) {in_redis}, Postgres {in_postgres}")
+    for namespace, (in_redis, in_postgres) in drift.pools.items():
+        click.echo(f"pool {namespace}: Redis holds tokens {sorted(in_redis)}, Postgres {sorted(in_postgres)}" + _leases(in_redis, in_postgres))
     sys.exit(1)
+
+
+def _leases(in_redis: dict[str, tuple[int, str]], in_postgres: dict[str, tuple[int, str]]) -> str:
+    """Tokens both hold, but for another lease or owner."""
+    differing = sorted(t for t in in_redis.keys() & in_postgres.keys() if in_redis[t] != in_postgres[t])
+    return f" (lease or project differs for {', '.join(differing)})" if differing else ""
 
 
 async def _rebuild(settings: CommonSettings) -> tuple[int, int]:
@@ -63,17 +80,9 @@ async def _drift(settings: CommonSettings) -> Drift | None:
 
 @contextlib.asynccontextmanager
 async def _sync(settings: CommonSettings) -> AsyncIterator[LedgerSync]:
-    """A LedgerSync on the configured Postgres and Redis, closed on exit."""
-    import asyncpg
-    import redis.asyncio as aioredis
-
+    """A LedgerSync on the stack's Postgres and Redis (both checked reachable), closed on exit."""
     from budgetgate.ledger.redis_ledger import RedisLedger
     from budgetgate.ledger.sync import LedgerSync
 
-    pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=1, max_size=2, command_timeout=60)
-    client = aioredis.from_url(settings.redis_url, socket_connect_timeout=5)
-    try:
-        yield LedgerSync(pool, RedisLedger(client, prefix=settings.redis_prefix))
-    finally:
-        await client.aclose()
-        await pool.close()
+    async with backend.postgres_pool(settings.postgres_dsn) as pool, backend.redis(settings.redis_url) as client:
+        yield LedgerSync(pool, RedisLedger(client, prefix=settings.redis_prefix))  # type: ignore[arg-type]

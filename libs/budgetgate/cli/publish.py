@@ -34,9 +34,11 @@ class _Time(click.ParamType):
             return value
         try:
             parsed = datetime.fromisoformat(str(value))
+            return parsed.astimezone(UTC) if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
         except ValueError:
             self.fail(f"{value!r} is not an ISO 8601 time such as 2025-01-31T12:00:00Z", param, ctx)
-        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+        except OverflowError:  # an instant whose UTC falls outside years 1 to 9999
+            self.fail(f"{value!r} is out of range in UTC", param, ctx)
 
 
 TIME = _Time()
@@ -94,6 +96,8 @@ def _send(settings: CommonSettings, topic: str, message: Message, *, key: str) -
         raise click.ClickException(f"cannot publish to Kafka at {settings.kafka_bootstrap}: {type(exc).__name__}: {exc}") from exc
 
 
+# The event's gpus and nodes are int32 fields.
+COUNT = click.IntRange(0, 2**31 - 1)
 LIFECYCLE_EVENTS = ("started", "completed", "failed", "cancelled", "evicted", "readmitted")
 
 
@@ -101,8 +105,8 @@ LIFECYCLE_EVENTS = ("started", "completed", "failed", "cancelled", "evicted", "r
 @click.option("--run-id", required=True, help="The run the event is about (as admitted).")
 @click.option("--event", "kind", required=True, type=click.Choice(LIFECYCLE_EVENTS, case_sensitive=False), help="What happened to the run.")
 @click.option("--at", "at", type=TIME, default=None, help="When it happened on the platform (ISO 8601). Default: now.")
-@click.option("--gpus", type=click.IntRange(0), default=0, show_default=True, help="GPUs bound (for started/readmitted; 0 = as requested).")
-@click.option("--nodes", type=click.IntRange(0), default=0, show_default=True, help="Nodes bound (for started/readmitted; 0 = as requested).")
+@click.option("--gpus", type=COUNT, default=0, show_default=True, help="GPUs bound (for started/readmitted; 0 = as requested).")
+@click.option("--nodes", type=COUNT, default=0, show_default=True, help="Nodes bound (for started/readmitted; 0 = as requested).")
 @click.option("--flavor", default="", help="Resource flavor bound, e.g. h100.")
 @click.option("--reason", default="", help="Why (for failed, cancelled, evicted).")
 @click.option("--event-id", default=None, help="The event's id; send the same id twice to see deduplication. Default: a new uuid.")

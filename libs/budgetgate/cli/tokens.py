@@ -25,15 +25,20 @@ def _valid_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str
     return value
 
 
-_UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_MINUTES = {"m": 1, "h": 60, "d": 24 * 60, "w": 7 * 24 * 60}
+# A token that should outlive this is one without --expires (it lives until revoked).
+LONGEST = timedelta(days=100 * 366)
 
 
 def parse_duration(text: str) -> timedelta:
-    """`90d`, `12h`, `30m`, `2w`."""
+    """`90d`, `12h`, `30m`, `2w`; at most a hundred years."""
     found = _DURATION.match(text.strip())
     if found is None or int(found.group(1)) == 0:
         raise click.BadParameter(f"{text!r} is not a duration like 90d, 12h, 30m or 2w")
-    return timedelta(**{_UNITS[found.group(2)]: int(found.group(1))})
+    minutes = int(found.group(1)) * _MINUTES[found.group(2)]
+    if minutes > LONGEST / timedelta(minutes=1):
+        raise click.BadParameter(f"{text!r} is longer than 100 years; leave --expires out for a token that lives until revoked")
+    return timedelta(minutes=minutes)
 
 
 def _actor() -> str:
@@ -124,7 +129,7 @@ def revoke(name: str) -> None:
 
 
 @click.command("admin-log")
-@click.option("--limit", default=100, show_default=True)
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 100_000), help="how many entries, newest first")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def admin_log(limit: int, as_json: bool) -> None:
     """Administrative actions, newest first: who did what, when (token changes, policy applies)."""

@@ -13,6 +13,7 @@ simulated; a DELAY's time is not recomputed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -97,7 +98,8 @@ class Simulation:
         self.ledger: dict[str, list[int]] = {key: [s.reserved, s.consumed] for key, s in start.items()}
         self.read_at = {key: s.read_at for key, s in start.items()}
         self.holds: dict[str, _Hold] = {}
-        self.admitted: set[str] = set()
+        self.admitted: set[str] = set()  # by the candidate
+        self.admitted_before: set[str] = set()  # by history (tallied once, at its ALLOW)
         self.outcome = Outcome(by_budget={p.id: BudgetChange(p.id, p.scope.scope_id, str(p.limit.unit)) for p in candidate.policies})
         self._covering: dict[str, PolicyBundle] = {}
 
@@ -105,11 +107,18 @@ class Simulation:
         """A reservation held at the period's start by a run decided before it."""
         self.holds[run_id] = _Hold(dict(amounts), projected_gpu)
         self.admitted.add(run_id)
+        self.admitted_before.add(run_id)
 
     def decide(self, recorded: Recorded) -> None:
         sub = recorded.submission
         if sub.run_id in self.admitted:
-            return  # an ALLOW stands for every later attempt: history's later attempts replay it
+            # An ALLOW stands for every later attempt, so the candidate decides nothing more; but
+            # history may admit the run only now (it refused an attempt the candidate admitted),
+            # and its figures count that admission.
+            if recorded.outcome == "ALLOW" and sub.run_id not in self.admitted_before:
+                with contextlib.suppress(UnknownFlavor, AmountOutOfRange):  # unplannable: reported at its first attempt
+                    self._tally_before(plan(self._policies(sub.namespace), sub), recorded)
+            return
         self.outcome.decisions += 1
         try:
             the_plan = plan(self._policies(sub.namespace), sub)
@@ -153,14 +162,23 @@ class Simulation:
         reserved, consumed = self.ledger.get(key, (0, 0))
         return Reading(policy.limit.amount, reserved, consumed)
 
-    def _tally(self, the_plan: Plan, recorded: Recorded, outcome: str, readings: Mapping[str, Reading]) -> None:
-        at = recorded.submission.at
+    def _tally_before(self, the_plan: Plan, recorded: Recorded) -> None:
+        """History's figures: a run counts once, at the attempt history admitted."""
+        if recorded.outcome != "ALLOW" or recorded.submission.run_id in self.admitted_before:
+            return
+        self.admitted_before.add(recorded.submission.run_id)
         for c in the_plan.charges:
             change = self.outcome.by_budget[c.policy.id]
             change.currency = change.currency or the_plan.currency
-            if recorded.outcome == "ALLOW":
-                change.admitted_gpu_before += the_plan.projected_gpu
-                change.cost_before += the_plan.showback_micros or 0
+            change.admitted_gpu_before += the_plan.projected_gpu
+            change.cost_before += the_plan.showback_micros or 0
+
+    def _tally(self, the_plan: Plan, recorded: Recorded, outcome: str, readings: Mapping[str, Reading]) -> None:
+        at = recorded.submission.at
+        self._tally_before(the_plan, recorded)
+        for c in the_plan.charges:
+            change = self.outcome.by_budget[c.policy.id]
+            change.currency = change.currency or the_plan.currency
             if outcome == "ALLOW":
                 change.admitted_gpu_after += the_plan.projected_gpu
                 change.cost_after += the_plan.showback_micros or 0

@@ -11,6 +11,12 @@ from Postgres (rare: it takes a crash or a lost reply). Not in place with Postgr
 key's figure in Redis also counts holds only Redis knows (a decision that never committed), and
 the orphan sweeper gives those back later; a key set to Postgres's figure would give them back
 twice. A rebuild drops those holds along with the key's figure.
+
+Quota counters and pool tokens are compared too, whole (there are as many as tenants and pool
+tokens, not as runs): Postgres's figures derived as a rebuild derives them (ledger.concurrency),
+Redis's found by one SCAN of their key prefixes, since a counter or pool Postgres no longer knows
+may still hold something in Redis. A Redis that loses its ledger while being compared (its keys
+then read as never loaded) is found by asking again at the end: the check reports it not loaded.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import asyncpg
 
+from budgetgate.ledger.concurrency import concurrency_state
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 
@@ -28,26 +36,32 @@ log = logging.getLogger(__name__)
 
 PAGE = 500
 Figures = tuple[int, int]
+Counter = tuple[int, int, int]  # gpus, nodes, allocations held
+Tokens = dict[str, tuple[int, str]]  # live token → (lease expiry ms, "project<TAB>sub-namespace")
+Rebuild = Callable[[asyncpg.Connection], Awaitable[None]]
 
 
 @dataclass(frozen=True)
 class Drift:
     """Where Redis differs from Postgres: ledger key → ((reserved, consumed) in Redis, in
-    Postgres), and run id → (what its Redis run key holds, what Postgres holds for it)."""
+    Postgres), run id → (what its Redis run key holds, what Postgres holds for it), quota counter
+    → ((gpus, nodes, allocations) in Redis, in Postgres), and pool → (its live tokens in Redis, in
+    Postgres)."""
 
     keys: dict[str, tuple[Figures, Figures]] = field(default_factory=dict)
     runs: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
+    counters: dict[str, tuple[Counter, Counter]] = field(default_factory=dict)
+    pools: dict[str, tuple[Tokens, Tokens]] = field(default_factory=dict)
     repaired: bool = False
 
     @property
     def clean(self) -> bool:
-        return not self.keys and not self.runs
+        return not self.keys and not self.runs and not self.counters and not self.pools
 
 
-async def check(
-    pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]], page: int = PAGE
-) -> Drift | None:
-    """Compare Redis with Postgres page by page; None when Redis is not loaded."""
+async def check(pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild: Rebuild, page: int = PAGE) -> Drift | None:
+    """Compare Redis with Postgres page by page; None when Redis is not loaded (at the start or
+    by the end: a ledger lost meanwhile reads as keys never loaded, which is no proof of a match)."""
     if not await redis.is_loaded():
         return None
     keys: dict[str, tuple[Figures, Figures]] = {}
@@ -70,7 +84,11 @@ async def check(
         while ids := [r["run_id"] for r in await conn.fetch(sql("held_runs_page"), after, page)]:
             after = ids[-1]
             runs.update(await _run_page(conn, redis, ids, repair=repair, rebuild=rebuild))
-    return Drift(keys, runs, repaired=repaired or (repair and bool(runs)))
+        found = await _concurrency(conn, redis, repair=repair, rebuild=rebuild)
+        if found is None or not await redis.is_loaded():
+            return None
+    counters, pools = found
+    return Drift(keys, runs, counters, pools, repaired=repaired or (repair and bool(runs or counters or pools)))
 
 
 def _figures(rows: list[asyncpg.Record]) -> dict[str, Figures]:
@@ -83,7 +101,7 @@ def _key_drift(postgres: dict[str, Figures], in_redis: dict[str, Figures]) -> di
 
 
 async def _confirm_keys(
-    conn: asyncpg.Connection, redis: RedisLedger, page: list[str], *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]]
+    conn: asyncpg.Connection, redis: RedisLedger, page: list[str], *, repair: bool, rebuild: Rebuild
 ) -> dict[str, tuple[Figures, Figures]] | None:
     """Under the exclusive ledger lock (nothing in flight), the page's keys that still differ,
     parked settlements left out; repaired (Redis rebuilt, see the module docstring) when asked.
@@ -102,7 +120,7 @@ async def _confirm_keys(
 
 
 async def _run_page(
-    conn: asyncpg.Connection, redis: RedisLedger, run_ids: list[str], *, repair: bool, rebuild: Callable[[asyncpg.Connection], Awaitable[None]]
+    conn: asyncpg.Connection, redis: RedisLedger, run_ids: list[str], *, repair: bool, rebuild: Rebuild
 ) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     drifted = await _run_drift(conn, redis, run_ids)
     if not drifted:
@@ -125,3 +143,81 @@ async def _run_drift(conn: asyncpg.Connection, redis: RedisLedger, run_ids: list
         held[row["run_id"]][row["ledger_key"]] = row["amount"]
     in_redis = await redis.holds_of(run_ids)
     return {r: (in_redis[r], held[r]) for r in run_ids if r not in parked and in_redis[r] != held[r]}
+
+
+ConcurrencyDrift = tuple[dict[str, tuple[Counter, Counter]], dict[str, tuple[Tokens, Tokens]]]
+
+
+async def _concurrency(conn: asyncpg.Connection, redis: RedisLedger, *, repair: bool, rebuild: Rebuild) -> ConcurrencyDrift | None:
+    """Quota counters and pool tokens that differ, confirmed under the exclusive ledger lock
+    (every grant, renewal and release holds it shared until its commit) and repaired when
+    asked; None when Redis was invalidated meanwhile."""
+    if not any(await _concurrency_drift(conn, redis)):
+        return {}, {}
+    async with conn.transaction():
+        await conn.execute(sql("lock_ledger_exclusive"))
+        if not await redis.is_loaded():
+            return None
+        counters, pools = await _concurrency_drift(conn, redis)
+        if (counters or pools) and repair:
+            log.warning("Redis drifted from Postgres on %d quota counter(s) and %d pool(s); rebuilding it", len(counters), len(pools))
+            await rebuild(conn)
+        return counters, pools
+
+
+async def _concurrency_drift(conn: asyncpg.Connection, redis: RedisLedger) -> ConcurrencyDrift:
+    now = datetime.now(UTC)
+    now_ms = int(now.timestamp() * 1000)
+    state = await concurrency_state(conn, redis.keys, now=now)
+    pg_counters: dict[str, Counter] = {name: (gpus, nodes, allocations) for name, (gpus, nodes, allocations) in state.counters.items()}
+    pg_pools: dict[str, Tokens] = {}
+    for allocation in state.pools:
+        lease = (round(allocation["lease_expires_at"].timestamp() * 1000), f"{allocation['project']}\t{allocation['sub_namespace']}")
+        for namespace in allocation["levels"]:
+            pg_pools.setdefault(namespace, {})[allocation["token"]] = lease
+    in_redis_counters, in_redis_pools = await _redis_concurrency(redis, counters=set(pg_counters), pools=set(pg_pools), now_ms=now_ms)
+    # A counter at zero, or a pool without live tokens, is what Postgres having none of it means.
+    counters = {name: (in_redis_counters.get(name, (0, 0, 0)), pg_counters.get(name, (0, 0, 0))) for name in sorted(set(pg_counters) | set(in_redis_counters))}
+    pools = {namespace: (in_redis_pools.get(namespace, {}), pg_pools.get(namespace, {})) for namespace in sorted(set(pg_pools) | set(in_redis_pools))}
+    return (
+        {name: pair for name, pair in counters.items() if pair[0] != pair[1]},
+        {namespace: pair for namespace, pair in pools.items() if not _same_tokens(*pair)},
+    )
+
+
+def _same_tokens(in_redis: Tokens, in_postgres: Tokens) -> bool:
+    # A lease expiry goes through a float on its way into Postgres: a millisecond either way is the same lease.
+    return in_redis.keys() == in_postgres.keys() and all(in_redis[t][1] == in_postgres[t][1] and abs(in_redis[t][0] - in_postgres[t][0]) <= 1 for t in in_redis)
+
+
+async def _redis_concurrency(redis: RedisLedger, *, counters: set[str], pools: set[str], now_ms: int) -> tuple[dict[str, Counter], dict[str, Tokens]]:
+    """Every quota counter and every pool's live tokens in Redis: those named, and those a SCAN
+    of the counter and pool key prefixes finds (one walk, both prefixes start q or p)."""
+    keys = redis.keys
+    counter_prefix, pool_prefix = keys.counter(""), f"{redis.tag}:pool:"
+    async for raw in redis.client.scan_iter(match=f"{redis.tag}:[qp]*", count=1000):
+        key = raw.decode() if isinstance(raw, bytes) else raw
+        if key.startswith(counter_prefix):
+            counters.add(key.removeprefix(counter_prefix))
+        elif key.startswith(pool_prefix) and key.endswith(":leases"):
+            pools.add(key.removeprefix(pool_prefix).removesuffix(":leases"))
+    names, namespaces = sorted(counters), sorted(pools)
+    pipe = redis.client.pipeline(transaction=False)
+    for name in names:
+        pipe.hmget(keys.counter(name), "gpus", "nodes", "allocations")
+    for namespace in namespaces:
+        leases, owners, _projects, _subns = keys.pool(namespace)
+        pipe.zrangebyscore(leases, now_ms + 1, "+inf", withscores=True)
+        pipe.hgetall(owners)
+    replies = await pipe.execute()
+    found_counters = {name: (int(g or 0), int(n or 0), int(a or 0)) for name, (g, n, a) in zip(names, replies[: len(names)], strict=True)}
+    rest = replies[len(names) :]
+    found_pools = {
+        namespace: {_text(t): (int(expiry), _text(owners.get(t, b"\t"))) for t, expiry in live}
+        for namespace, live, owners in zip(namespaces, rest[::2], rest[1::2], strict=True)
+    }
+    return found_counters, found_pools
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
