@@ -4,16 +4,19 @@
 # Two stages: the first builds the wheel and installs it with its dependencies into a virtualenv,
 # the second copies only that virtualenv. The embedded servers of the local stack
 # (`budgetgate[local]`) are not installed: containers use real Postgres, Redis and Kafka.
+# Every dependency is installed at the version CI tests (.ci/run installs with the same
+# constraints file), never at whatever is newest on the day the image is built.
 # tests/unit/test_image.py checks what this file copies against .dockerignore and the wheel.
 FROM python:3.11-slim AS build
 
 WORKDIR /src
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml README.md ./
+COPY constraints/dev-flyte.txt constraints/
 COPY libs/ libs/
 COPY services/ services/
 RUN python -m venv /opt/budgetgate \
-    && /opt/budgetgate/bin/pip install --no-compile . \
+    && /opt/budgetgate/bin/pip install --no-compile -c constraints/dev-flyte.txt . \
     && /opt/budgetgate/bin/budgetgate --help >/dev/null
 
 FROM python:3.11-slim

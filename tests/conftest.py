@@ -7,6 +7,8 @@ Each test gets its own database, Redis key prefix and topic prefix, so tests can
 
 from __future__ import annotations
 
+import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -29,6 +31,24 @@ SERVER_FIXTURES = frozenset({
     "redis_prefix", "kafka_bootstrap", "topic_prefix", "settings",
     "killable_postgres", "killable_redis", "killable_kafka",
 })  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (`timeout` in .ci/run, a CI runner cancelling a job) kills a Python process
+    # outright: no fixture teardown, so the servers the fixtures started in sessions of their own
+    # (Postgres, Redis, Tansu) keep running, and an embedded Postgres's postmaster.pid with them.
+    # As an interrupt it ends the run as Ctrl-C does, tearing every fixture down (xdist workers
+    # load this file too, and `timeout` signals the whole process group).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+
+
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    # Once: `timeout` sends SIGTERM to pytest and then to its whole group (pytest again), and a
+    # second interrupt would cut the teardown short. A handler, not SIG_IGN: children started
+    # during teardown must not inherit an ignored SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    raise KeyboardInterrupt(f"interrupted by signal {signum}")
 
 
 def _tier(item: pytest.Item) -> str | None:

@@ -96,6 +96,15 @@ class CommonSettings(BaseSettings):
     kafka_bootstrap: str = "127.0.0.1:9092"
     # Prefix for topic names, so tests and side-by-side stacks can share one broker.
     topic_prefix: str = ""
+    # What budgetgate.topics.ensure_topics creates a missing topic with (existing topics are
+    # left as they are). One replica suits the one-broker local stack only: production brokers
+    # want 3 (see deploy/kubernetes/README.md), and a consumer group uses at most one consumer
+    # per partition.
+    topic_partitions: int = Field(default=3, ge=1)
+    topic_replication_factor: int = Field(default=1, ge=1)
+    # How long a schema migration waits for a table lock before it gives up (and says who held
+    # it): a migration waiting on a long transaction would queue every admission behind itself.
+    migration_lock_timeout_seconds: float = Field(default=5.0, gt=0)
     service_name: str = "budgetgate"
     otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint; none = no export")
     # Outbox records the relay claims, publishes together and marks in one transaction (a

@@ -17,6 +17,7 @@ from aiokafka.errors import TopicAlreadyExistsError, for_code
 from google.protobuf.message import Message
 
 from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
+from budgetgate.settings import CommonSettings
 from budgetgate.v1.actions_pb2 import BudgetAction
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
@@ -115,12 +116,26 @@ def message_class(topic: str) -> type[Message]:
     return Topics().message_class(topic)
 
 
-async def ensure_topics(bootstrap: str, *, prefix: str = "", partitions: int = 3, replication_factor: int = 1, access: KafkaAccess = PLAINTEXT) -> list[str]:
+async def ensure_topics(
+    bootstrap: str,
+    *,
+    prefix: str = "",
+    partitions: int | None = None,
+    replication_factor: int | None = None,
+    access: KafkaAccess = PLAINTEXT,
+) -> list[str]:
     """Create every budgetgate topic (and DLQ) under `prefix` that does not exist yet.
 
     Returns the names it created; existing topics are left as they are, so running it at every
     service start is safe, also when several services race to create the same topic.
+    `partitions` and `replication_factor` not given are BUDGETGATE_TOPIC_PARTITIONS and
+    BUDGETGATE_TOPIC_REPLICATION_FACTOR (3 and 1 unless set): whichever process creates a topic
+    first, a service at start-up or the topics job, creates it as the deployment configures.
     """
+    if partitions is None or replication_factor is None:
+        configured = CommonSettings()
+        partitions = configured.topic_partitions if partitions is None else partitions
+        replication_factor = configured.topic_replication_factor if replication_factor is None else replication_factor
     wanted = Topics(prefix).all()
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-topics", **access.aiokafka())
     await admin.start()

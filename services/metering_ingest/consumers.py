@@ -38,7 +38,7 @@ def router(*, settings: MeteringSettings, topics: Topics, runtime: Callable[[], 
             topics.metering,
             runtime=runtime,
             max_records=settings.consumer_max_records,
-            group_id=settings.consumer_group,
+            group_id=settings.group_id,
             title=f"metering.samples.v1:metering-ingest#{worker}" if worker else "metering.samples.v1:metering-ingest",
             description=(
                 "Metering samples (budgetgate.v1.MeteringSample, binary protobuf or its canonical JSON mapping) become usage rows "

@@ -15,7 +15,8 @@ class MeteringSettings(AuthSettings):
     port: int = 8081
     pg_pool_min: int = 1
     pg_pool_max: int = 10
-    # The Kafka consumer group, and the name the inbox records processed event ids under.
+    # The Kafka consumer group, under the topic prefix as the other consumers' (`group_id`),
+    # and the name the inbox records processed event ids under.
     consumer_group: str = "budgetgate-metering-ingest"
     inbox_name: str = "metering-ingest"
     # The most samples one poll takes, and so one Postgres transaction.
@@ -38,6 +39,12 @@ class MeteringSettings(AuthSettings):
     # The most lifecycle events one POST /v1/lifecycle/events may carry.
     max_batch_events: int = Field(default=1000, ge=1)
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
+
+    @property
+    def group_id(self) -> str:
+        """The consumer group joined: side-by-side stacks on one broker (BUDGETGATE_TOPIC_PREFIX)
+        must not share one, as the reconciler's and evidence-emitter's do not."""
+        return f"{self.topic_prefix}{self.consumer_group}"
 
     @property
     def max_future_skew(self) -> timedelta:

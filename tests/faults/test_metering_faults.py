@@ -54,7 +54,7 @@ class IngestProcess:
             "BUDGETGATE_POSTGRES_DSN": settings.postgres_dsn,
             "BUDGETGATE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
             "BUDGETGATE_TOPIC_PREFIX": settings.topic_prefix,
-            "BUDGETGATE_CONSUMER_GROUP": f"{settings.topic_prefix}metering",
+            "BUDGETGATE_CONSUMER_GROUP": "metering",  # joined under the test's topic prefix
             "BUDGETGATE_PENDING_RECHECK_SECONDS": "0.2",
         }
         self.log = log

@@ -18,7 +18,12 @@ import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from budgetgate.principals import Role
+from budgetgate.devstack import stack
 from budgetgate.devstack.isolation import checkout_tag, database_name
+from budgetgate.devstack.postgres import EmbeddedPostgres
+from budgetgate.devstack.processes import ProcessRecord
+from budgetgate.devstack.redis import EmbeddedRedis
+from budgetgate.devstack.state import StackState
 from budgetgate.devstack.ports import port_open, split_host_port
 from budgetgate.ledger.migrations import migration_files
 from budgetgate.settings import CommonSettings
@@ -372,3 +377,49 @@ def test_up_starts_admission_and_down_stops_it(checkout: Path) -> None:
     assert with_token.status_code == 503 and "no policy bundle" in with_token.json()["detail"]
     assert dev(checkout, "down").returncode == 0
     assert not port_open(*split_host_port(info["admission_url"].removeprefix("http://"), 80))
+
+
+def test_an_interrupted_server_start_leaves_no_server_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C while the server starts: it was spawned, it has not answered yet.
+    spawned: list[ProcessRecord] = []
+
+    def interrupted(self: EmbeddedRedis) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EmbeddedRedis, "probe", interrupted)
+    server = EmbeddedRedis(log=tmp_path / "redis.log", workdir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        server.start(timeout=30, on_spawn=spawned.append)
+    (record,) = spawned
+    assert record.name == "redis" and record.pid == server.pid
+    assert not _not_zombie(record.pid), "the half-started server is still running"
+
+
+def test_up_interrupted_while_postgres_starts_records_it_at_once_and_leaves_nothing_behind(checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The postmaster of an untracked Postgres kept its postmaster.pid, and the next `dev up`
+    # could not start a Postgres on the data directory.
+    for name in NO_BACKEND_ENV:
+        monkeypatch.delenv(name, raising=False)
+    seen: list[list[str]] = []
+
+    def interrupted(self: EmbeddedPostgres) -> bool:
+        state = StackState.load(checkout)
+        seen.append([f"{p.name} {p.pid}" for p in state.processes] if state else [])
+        if (self.data_dir / "postmaster.pid").exists():  # as far into its start-up as it gets
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(EmbeddedPostgres, "probe", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stack.up(checkout, timeout=60, services=False, echo=lambda _line: None)
+    assert seen and seen[-1][:1] == [f"postgres {_postmaster_pid(checkout)}"], f"not in the state file while it started: {seen}"
+    assert not _not_zombie(_postmaster_pid(checkout)), "the interrupted Postgres is still running"
+    monkeypatch.undo()
+    result = dev(checkout, "up", "--detach", "--no-services")
+    assert result.returncode == 0, result.stderr
+    assert status(checkout)["up"] is True
+
+
+def _postmaster_pid(root: Path) -> int:
+    # The lock of the killed postmaster stays behind; the next start removes it as stale.
+    return int((root / ".budgetgate" / "postgres" / "postmaster.pid").read_text().split("\n", 1)[0])

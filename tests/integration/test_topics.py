@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -129,6 +129,34 @@ async def test_ensure_topics_fills_in_only_what_is_missing(kafka_bootstrap: str,
 
     assert created == sorted(Topics(topic_prefix).all())
     assert not any(t.startswith(other_prefix) for t in created)
+
+
+async def test_ensure_topics_creates_topics_as_the_settings_say(kafka_bootstrap: str, topic_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every caller that names neither (the services at start-up, the outbox relay, `dev up`)
+    # creates topics as BUDGETGATE_TOPIC_PARTITIONS and BUDGETGATE_TOPIC_REPLICATION_FACTOR say.
+    # Tansu keeps one copy whatever it is asked for, so the replication factor is checked on the
+    # request the admin client sends.
+    monkeypatch.setenv("BUDGETGATE_TOPIC_PARTITIONS", "2")
+    monkeypatch.setenv("BUDGETGATE_TOPIC_REPLICATION_FACTOR", "3")
+    asked: list[tuple[str, int, int]] = []
+    create_topics = AIOKafkaAdminClient.create_topics
+
+    async def recording(self: AIOKafkaAdminClient, new_topics: list[NewTopic], *args: object, **kwargs: object) -> object:
+        asked.extend((t.name, t.num_partitions, t.replication_factor) for t in new_topics)
+        return await create_topics(self, [NewTopic(t.name, t.num_partitions, 1) for t in new_topics], *args, **kwargs)
+
+    monkeypatch.setattr(AIOKafkaAdminClient, "create_topics", recording)
+    expected = Topics(topic_prefix).all()
+
+    assert await ensure_topics(kafka_bootstrap, prefix=topic_prefix) == sorted(expected)
+
+    assert sorted(asked) == sorted((t, 2, 3) for t in expected)
+    on_broker = await _list_topics(kafka_bootstrap)
+    assert {t: on_broker.get(t) for t in expected} == {t: 2 for t in expected}
+    # Arguments still win over the settings (benchmarks and tests size their own topics).
+    asked.clear()
+    await ensure_topics(kafka_bootstrap, prefix=topic_prefix + "x-", partitions=1, replication_factor=1)
+    assert {(p, r) for _, p, r in asked} == {(1, 1)}
 
 
 async def test_published_message_is_consumed_with_its_trace_context(kafka_bootstrap: str, topic_prefix: str) -> None:

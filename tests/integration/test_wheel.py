@@ -127,3 +127,21 @@ def _wait_ready(service: subprocess.Popen[str], url: str) -> dict[str, object]:
         time.sleep(0.2)
     service.terminate()
     pytest.fail(f"admission never became ready; last answer {last!r}:\n{service.communicate(timeout=20)[0]}")
+
+
+def test_the_installed_wheel_ships_the_example_policies_the_demo_applies(venv: Path, tmp_path: Path) -> None:
+    # `budgetgate demo` from a wheel: its default policies must come with the package, not from a
+    # checkout's examples/ folder the wheel does not have.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BUDGETGATE_", "PYTHON"))}
+    script = textwrap.dedent("""
+        import json
+        from budgetgate.cli.demo import EXAMPLES, load_policies
+        files = sorted(p.relative_to(EXAMPLES).as_posix() for p in EXAMPLES.rglob("*.yaml"))
+        print(json.dumps({"where": str(EXAMPLES), "files": files, "documents": len(load_policies(None).documents)}))
+    """)
+    found = json.loads(_run(venv, tmp_path, env, "python", "-c", script))
+    assert Path(found["where"]).is_relative_to(venv.parent), found["where"]
+    checkout = ROOT / "examples" / "policies"
+    assert found["files"] == sorted(p.relative_to(checkout).as_posix() for p in checkout.rglob("*.yaml"))
+    assert found["documents"] >= len(found["files"]) > 0
+    assert "the example policies shipped with budgetgate" in " ".join(_run(venv, tmp_path, env, "budgetgate", "demo", "--help").split())

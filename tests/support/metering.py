@@ -53,7 +53,7 @@ async def metering_factory(settings) -> AsyncIterator[Callable[..., Awaitable[Me
             "port": free_port(),
             "rate_limit": None,
             "pending_recheck_seconds": 0.2,
-            "consumer_group": f"{settings.topic_prefix}metering",
+            "consumer_group": "metering",  # joined under the test's topic prefix
             **overrides,
         }
         server = MeteringServer(MeteringSettings(**values))

@@ -95,5 +95,7 @@ def test_the_pipeline_is_watched(rules: list[dict[str, Any]]) -> None:
         "budgetgate_ledger_drift_keys",
         "budgetgate_reconciliation_lag",
         "budgetgate_metering_rejections",
+        # A dead-lettered settlement leaves its reservation held: budget nobody will use.
+        "budgetgate_reconciler_dead_letters",
     ):
         assert metric in read, f"no alert reads {metric}"

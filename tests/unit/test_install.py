@@ -88,3 +88,19 @@ def test_a_missing_extra_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytes
     monkeypatch.setenv("CI", "false")
     with pytest.raises(pytest.skip.Exception, match="comes with the `nothing` extra"):
         import_extra("budgetgate_no_such_module", extra="nothing")
+
+
+def test_the_image_installs_with_the_constraints_ci_installs_with() -> None:
+    # Unconstrained, the image gets whatever is newest on the day it is built: versions CI never ran.
+    ci_constraints = re.search(r"pip install [^\n]* -c (\S+)", (ROOT / ".ci" / "run").read_text()).group(1)  # type: ignore[union-attr]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    installs = [line for line in dockerfile.splitlines() if "pip install" in line and not line.lstrip().startswith("#")]
+    assert installs and all(f" -c {ci_constraints} ." in line for line in installs), installs
+    assert re.search(rf"^COPY {re.escape(ci_constraints)} ", dockerfile, re.MULTILINE), "the build stage must copy the constraints file"
+
+
+def test_the_lower_bounds_admit_no_version_without_what_the_code_imports() -> None:
+    # budgetgate.subscriber imports faststream.middlewares.AckPolicy, which FastStream 0.6 introduced.
+    (faststream,) = [r for r in requirements() if canonicalize_name(r.name) == "faststream"]
+    assert not faststream.specifier.contains("0.5.48") and faststream.specifier.contains("0.6.0")
+    assert "from faststream.middlewares import AckPolicy" in (ROOT / "libs" / "budgetgate" / "subscriber.py").read_text()

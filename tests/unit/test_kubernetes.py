@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from budgetgate.devstack.services import SERVICES
+from budgetgate.settings import CommonSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes" / "base"
@@ -192,3 +193,28 @@ def test_pods_run_as_the_images_own_user(docs: list[dict[str, Any]]) -> None:
         if spec:
             context = spec["securityContext"]
             assert (str(context["runAsUser"]), str(context["runAsGroup"])) == (uid, gid), doc["metadata"]["name"]
+
+
+def test_a_topics_job_creates_the_topics_as_compose_does_with_the_configured_sizes(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    (container,) = _containers(_of(docs, "Job")["budgetgate-topics"])
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["topics"]
+    assert container["command"] == compose["command"]
+    assert "partitions=s.topic_partitions" in container["command"][-1] and "replication_factor=s.topic_replication_factor" in container["command"][-1]
+    config = next(iter(_of(docs, "ConfigMap").values()))["data"]
+    for key, value in config.items():
+        monkeypatch.setenv(key, value)
+    settings = CommonSettings()
+    # Production brokers: every topic on three of them (the local stack's default is one).
+    assert (settings.topic_partitions, settings.topic_replication_factor) == (3, 3)
+
+
+def test_services_start_only_once_the_migrations_of_their_image_are_applied(docs: list[dict[str, Any]]) -> None:
+    # A rollout applied before the migration Job finished must not run the new code on the old
+    # schema: until the startup probe passes, a pod is neither ready nor liveness-checked.
+    for name, deployment in _of(docs, "Deployment").items():
+        (container,) = _containers(deployment)
+        command = container["startupProbe"]["exec"]["command"]
+        assert command == ["python", "-m", "budgetgate.ledger.migrations"], name
+        assert importlib.util.find_spec(command[2]) is not None
+        probe = container["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 1800, f"{name}: a long migration must not get its pods restarted"

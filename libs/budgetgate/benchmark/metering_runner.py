@@ -151,7 +151,7 @@ class Run:
             "BUDGETGATE_POSTGRES_DSN": dsn,
             "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap,
             "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
-            "BUDGETGATE_CONSUMER_GROUP": self._group,
+            "BUDGETGATE_CONSUMER_GROUP": "metering-ingest",  # the service joins it under the topic prefix (self._group)
         }
         child = self._child(
             "metering-ingest", python_module("budgetgate.services.metering_ingest", "--host", "127.0.0.1", "--port", str(port)), log_dir=log_dir, env=env

@@ -19,12 +19,15 @@ def migrate() -> None:
     """Apply every numbered migration not yet applied."""
     import asyncpg
 
-    from budgetgate.ledger.migrations import migrate_dsn
+    from budgetgate.ledger.migrations import MigrationLockTimeout, migrate_dsn
 
-    dsn = backend.stack_settings().postgres_dsn
+    settings = backend.stack_settings()
+    dsn = settings.postgres_dsn
     backend.announce("postgres", dsn)
     try:
-        applied = asyncio.run(migrate_dsn(dsn))
+        applied = asyncio.run(migrate_dsn(dsn, lock_timeout_seconds=settings.migration_lock_timeout_seconds))
+    except MigrationLockTimeout as exc:
+        raise click.ClickException(str(exc)) from None
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise click.ClickException(
             f"cannot reach Postgres at {backend.redact(dsn)}: {exc}; start the local stack with `budgetgate dev up`, or set BUDGETGATE_POSTGRES_DSN"

@@ -23,7 +23,9 @@ from budgetgate.client import AsyncClient, NotFound
 from budgetgate.core.loader import LoadedPolicies
 from budgetgate.settings import DEV_STATE_FILE
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "policies"
+# The example policy repository, shipped in the package (a checkout's examples/policies links
+# here), so `budgetgate demo` works from an installed wheel too.
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "policies"
 VISION = {"cost-center": "1042", "team": "vision", "environment": "prod"}
 NLP = {"team": "nlp", "environment": "dev"}
 
@@ -64,15 +66,13 @@ def _dev(root: Path, *args: str) -> None:
 
 @click.command()
 @click.option("--keep", is_flag=True, help="leave the demo's stack running afterwards (its folder is printed)")
-@click.option("--policies", type=click.Path(path_type=Path), default=EXAMPLES, show_default=True)
-def demo(keep: bool, policies: Path) -> None:
+@click.option("--policies", type=click.Path(path_type=Path), default=None, help="a policy directory  [default: the example policies shipped with budgetgate]")
+def demo(keep: bool, policies: Path | None) -> None:
     """Apply the example policies, submit a mix of workloads, print decisions and budgets.
 
     The demo runs on a stack of its own, in a fresh folder, so it never replaces the bundle of a
     stack someone else runs, and a run prints the same as the one before."""
-    from budgetgate.cli.policy import load_revision
-
-    _, loaded = load_revision(policies, allow_dirty=True)
+    loaded = load_policies(policies)
     root = Path(tempfile.mkdtemp(prefix="budgetgate-demo-"))
     click.echo(f"starting a stack of the demo's own in {root} …", err=True)
     os.environ["BUDGETGATE_HOME"] = str(root)  # every connection below names the demo's stack
@@ -86,6 +86,23 @@ def demo(keep: bool, policies: Path) -> None:
         else:
             _dev(root, "down")
             _forget(root)
+
+
+def load_policies(policies: Path | None) -> LoadedPolicies:
+    """The policies of `policies` at its Git revision (its working tree, if dirty), or the
+    shipped examples."""
+    from budgetgate.cli.policy import load_revision
+
+    if policies is not None:
+        return load_revision(policies, allow_dirty=True)[1]
+    # As plain files, not through Git: installed, they may sit in a virtualenv inside some Git
+    # repository that ignores it, where Git holds none of them.
+    from budgetgate.core.loader import load_files
+    from budgetgate.core.policy_files import directory_files
+    from budgetgate.policy_repo import Revision, dirty_sha
+
+    files = directory_files(EXAMPLES)
+    return load_files(files, git_sha=dirty_sha(Revision("examples", None, True), load_files(files, git_sha="examples").documents))
 
 
 def _forget(root: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, Self
 
@@ -77,8 +78,11 @@ class EmbeddedServer:
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, *, timeout: float = 30.0) -> Self:
-        """Start the server and wait until it answers; raises ServerStartError with its log."""
+    def start(self, *, timeout: float = 30.0, on_spawn: Callable[[ProcessRecord], None] | None = None) -> Self:
+        """Start the server and wait until it answers; raises ServerStartError with its log.
+
+        `on_spawn` gets the process's record as soon as it exists, before the wait. Whatever ends
+        the start early (a failure, Ctrl-C) stops the process before this returns."""
         if self.is_alive():
             return self
         self.prepare()
@@ -86,7 +90,7 @@ class EmbeddedServer:
             if self.port is None or not self._port_fixed:
                 self.port = free_port(self.host)
             try:
-                self._launch(timeout)
+                self._launch(timeout, on_spawn)
             except _PortTaken:
                 if self._port_fixed:
                     raise ServerStartError(f"{self.name}: port {self.port} is already taken") from None
@@ -95,9 +99,21 @@ class EmbeddedServer:
             return self
         raise ServerStartError(f"{self.name}: every free port tried was taken before it could bind")
 
-    def _launch(self, timeout: float) -> None:
+    def _launch(self, timeout: float, on_spawn: Callable[[ProcessRecord], None] | None) -> None:
         offset = self.log.stat().st_size if self.log.exists() else 0
         self._proc = self.spawn_process()
+        try:
+            if on_spawn is not None:
+                on_spawn(self.record())
+            self._wait_answering(offset, timeout)
+        except BaseException:
+            # A server left starting would run on untracked: an embedded Postgres keeps its
+            # postmaster.pid, and the next start on the data directory is refused.
+            self.kill()
+            raise
+
+    def _wait_answering(self, offset: int, timeout: float) -> None:
+        assert self._proc is not None
         deadline = time.monotonic() + timeout
         while True:
             code = self._proc.poll()
@@ -109,7 +125,6 @@ class EmbeddedServer:
             if self.probe() and self._proc.poll() is None:
                 return
             if time.monotonic() >= deadline:
-                self.kill()
                 raise ServerStartError(
                     f"{self.name} did not answer on {self.host}:{self.port} within {timeout:.0f}s; "
                     f"last lines of {self.log}:\n{log_tail(self.log, since=offset)}"

@@ -95,8 +95,10 @@ def _logs(state: StackState) -> Path:
 
 def _start_embedded(state: StackState, server: EmbeddedServer, *, timeout: float, echo: Echo) -> None:
     started = time.monotonic()
-    server.start(timeout=timeout)
-    state.add(server.record())
+    # Recorded as soon as it is spawned, and again once it answers (with the command line it shows
+    # then): should `dev up` die while the server starts, `dev down` or the next `dev up` stops it.
+    server.start(timeout=timeout, on_spawn=state.put)
+    state.put(server.record())
     echo(f"{server.name}: embedded, {server.url} (up in {time.monotonic() - started:.1f}s)")
 
 

@@ -50,6 +50,12 @@ class StackState:
         self.processes.append(record)
         self.save()
 
+    def put(self, record: ProcessRecord) -> None:
+        """Remember a process, replacing the record of the same name (a server started again, or
+        recorded at its spawn and again once it answers), on disk at once."""
+        self.processes = [p for p in self.processes if p.name != record.name] + [record]
+        self.save()
+
     def alive(self) -> dict[str, bool]:
         return {p.name: is_running(p) for p in self.processes}
 

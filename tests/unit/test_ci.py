@@ -1,0 +1,118 @@
+""".ci/run's time limit: a test run stopped by `timeout` tears its fixtures down (tests/conftest.py
+turns SIGTERM into an interrupt), and what still runs afterwards is found and stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A run whose session fixture starts a "server" in a session of its own (as the embedded
+# Postgres, Redis and Tansu are started) and stops it in its teardown.
+SESSION = textwrap.dedent("""
+    import os, subprocess, time
+    from pathlib import Path
+
+    import pytest
+
+    OUT = Path(os.environ["CI_TEST_OUT"])
+
+
+    @pytest.fixture(scope="session")
+    def server():
+        proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        (OUT / "server.pid").write_text(str(proc.pid))
+        yield proc
+        proc.kill()
+        proc.wait()
+        (OUT / "torn-down").write_text("yes")
+
+
+    def test_runs_long(server):
+        (OUT / "started").write_text("yes")
+        time.sleep(120)
+""")
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"pytest ended before {path.name}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout}s"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_run_stopped_by_timeout_tears_its_fixtures_down(tmp_path: Path, workers: str) -> None:
+    (tmp_path / "test_long.py").write_text(SESSION)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {**os.environ, "CI_TEST_OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    # As .ci/run does it: `timeout` signals pytest, then its whole process group (xdist's workers).
+    command = ["timeout", "--kill-after=30", "300", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-n", workers]
+    proc = subprocess.Popen([*command, "test_long.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = None
+    try:
+        _wait_for(tmp_path / "started", proc)
+        server = int((tmp_path / "server.pid").read_text())
+        proc.send_signal(signal.SIGTERM)  # what `timeout` sends on its own when the time is up
+        output, _ = proc.communicate(timeout=60)
+        assert (tmp_path / "torn-down").exists(), output
+        assert not _alive(server)
+        assert "KeyboardInterrupt" in output or "interrupted" in output, output
+    finally:
+        proc.kill()
+        proc.wait()
+        if server is not None and _alive(server):
+            os.kill(server, signal.SIGKILL)
+
+
+def test_leftovers_of_a_run_are_stopped_and_nothing_else(tmp_path: Path) -> None:
+    marker = f"ci-test-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "BUDGETGATE_CI_RUN": marker}
+    # A server of the run that shrugs SIGTERM off (SIGKILL must follow), one that stops on it,
+    # and a process of someone else's that must be left alone.
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300"], env=env, start_new_session=True)
+    polite = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    bystander = subprocess.Popen(["sleep", "300"], env={**os.environ, "BUDGETGATE_CI_RUN": marker + "-other"}, start_new_session=True)
+    try:
+        time.sleep(0.2)  # the stubborn one has set its trap
+        result = subprocess.run(
+            [str(ROOT / ".ci" / "stop-leftovers"), marker], capture_output=True, text=True, timeout=60, env={**os.environ, "CI_STOP_GRACE_SECONDS": "1"}
+        )
+        assert result.returncode == 0, result.stderr
+        assert stubborn.wait(timeout=5) == -signal.SIGKILL
+        assert polite.wait(timeout=5) == -signal.SIGTERM
+        assert bystander.poll() is None
+        assert f"pid {stubborn.pid}:" in result.stdout and f"pid {polite.pid}:" in result.stdout and f"pid {bystander.pid}:" not in result.stdout
+        again = subprocess.run([str(ROOT / ".ci" / "stop-leftovers"), marker], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and again.stdout == ""
+    finally:
+        for proc in (stubborn, polite, bystander):
+            proc.kill()
+            proc.wait()
+
+
+def test_ci_run_marks_the_test_run_and_stops_its_leftovers() -> None:
+    script = (ROOT / ".ci" / "run").read_text()
+    run = next(line for line in script.splitlines() if "-m pytest" in line)
+    assert run.lstrip().startswith('BUDGETGATE_CI_RUN="$run_id" timeout '), run
+    assert '.ci/stop-leftovers "$run_id"' in script
+    # pytest's "no tests collected" still fails CI.
+    assert '5) log "FAILED: pytest collected no tests' in script
