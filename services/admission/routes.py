@@ -98,7 +98,9 @@ async def usage(scope_id: str, request: Request, principal: Principal = Depends(
     return result
 
 
-@router.post("/v1/pools/{namespace}/allocations", responses={403: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}, 503: {"model": Problem}})
+@router.post(
+    "/v1/pools/{namespace}/allocations", responses={403: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}, 503: {"model": Problem}}
+)
 async def allocate(body: AllocationIn, request: Request, namespace: str = POOL, principal: Principal = Depends(allow(Action.ALLOCATE))) -> JSONResponse:
     """Granted | Exhausted | NamespaceQuotaExceeded, in `status`; idempotent per token (only
     the principal holding a token may renew it)."""
