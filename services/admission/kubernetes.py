@@ -146,8 +146,8 @@ async def _answer(request: Request, principal: Principal, body: dict[str, Any], 
         mapped = submission(body, mapping)
         if isinstance(mapped, Owned):
             try:
-                owner_run = await _admitted_owner(rt.pool, mapped.owner_uid)
-            except BACKEND_ERRORS as exc:
+                owner_run = await _admitted_owner(rt.pool, mapped, namespace=_namespace(body))
+            except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:  # down, or not migrated yet: undecided
                 return _undecided(uid, exc, fail_open=fail_open)
             if owner_run is not None:
                 if mapped.owns and not dry_run:
@@ -202,25 +202,32 @@ def _may_own(body: dict[str, Any]) -> bool:
     return (kind.get("group", ""), kind.get("kind", "")) in ADMITTED_OWNERS
 
 
-async def _admitted_owner(pool: asyncpg.Pool, owner_uid: str) -> str | None:
-    """The run the owner `owner_uid` was let through for, or None if it never was."""
-    return await pool.fetchval(sql("admitted_owner"), owner_uid) if owner_uid else None
+def _namespace(body: dict[str, Any]) -> str:
+    asked = body["request"]
+    return str(asked.get("namespace") or ((asked.get("object") or {}).get("metadata") or {}).get("namespace") or "default")
+
+
+async def _admitted_owner(pool: asyncpg.Pool, owned: Owned, *, namespace: str) -> str | None:
+    """The run the owner of `owned` was let through for, or None if it never was: an owner of
+    that UID, kind and namespace (owners live in their children's namespace)."""
+    if not owned.owner_uid:
+        return None
+    return await pool.fetchval(sql("admitted_owner"), owned.owner_uid, namespace, owned.owner_kind, owned.owner_name)
 
 
 async def _record_admitted(pool: asyncpg.Pool, body: dict[str, Any], run_id: str) -> None:
     """Remember an object let through on a decision, so its children are let through on it.
 
-    Best effort: the decision stands whatever happens here. Unrecorded, its children are let
-    through still when the run id is its UID (admitted_owner finds the decision), and are
-    otherwise decided as runs of their own: reserved twice, never unbudgeted."""
+    Best effort: the decision stands whatever happens here. Unrecorded, its children are decided
+    as runs of their own: reserved twice, never unbudgeted."""
     asked = body["request"]
     meta = (asked.get("object") or {}).get("metadata") or {}
     if not meta.get("uid"):
         return
     try:
         await pool.execute(
-            sql("record_admitted_object"), meta["uid"], asked.get("namespace") or meta.get("namespace") or "default",
-            (asked.get("kind") or {}).get("kind", ""), meta.get("name") or meta.get("generateName") or "", run_id,
+            sql("record_admitted_object"), meta["uid"], _namespace(body), (asked.get("kind") or {}).get("kind", ""),
+            meta.get("name") or meta.get("generateName") or "", run_id,
         )  # fmt: skip
-    except BACKEND_ERRORS as exc:
+    except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:  # down, or not migrated yet
         log.warning("admitted object %s (run %r) not recorded (%s): its children may be decided on their own", meta["uid"], run_id, exc)

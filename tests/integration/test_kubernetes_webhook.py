@@ -98,6 +98,17 @@ async def test_children_pass_on_an_admitted_owner_only_and_a_forged_owner_is_dec
     # The children were let through on their owners' decisions: none has one of its own.
     for let_through in (member, grandchild):
         assert (await admission.client.get(f"/v1/admissions/{let_through.metadata.uid}")).status_code == 404
+    # A UID alone proves nothing: an owner named by an admitted Pod's UID (a Pod owns no Job's
+    # pods), or by an admitted Job's UID in another namespace, is no admitted owner.
+    lone = pod("lone", containers=[container(gpus=1)], deadline=3600, annotations=H100)
+    assert (await reviewed(admission, admission_review(lone)))["allowed"] is True
+    as_job = V1OwnerReference(api_version="batch/v1", kind="Job", name="lone", uid=lone.metadata.uid, controller=True)
+    elsewhere = pod("borrow", containers=[container(gpus=8)], deadline=3600, owner=owned_by(member), annotations=H100)
+    elsewhere.metadata.namespace = "vision-dev"
+    for forged in (pod("via-pod", containers=[container(gpus=8)], deadline=3600, owner=as_job, annotations=H100), elsewhere):
+        answer = await reviewed(admission, admission_review(forged))
+        assert "which was admitted for it" not in answer["status"]["message"], answer
+        assert (await admission.client.get(f"/v1/admissions/{forged.metadata.uid}")).status_code == 200  # decided as a run of its own
     # A forged owner naming a run that was never admitted, with no deadline of its own, is
     # denied naming what to add rather than let through.
     ghost = V1OwnerReference(api_version="batch/v1", kind="Job", name="ghost", uid="00000000-dead-beef-0000-000000000000", controller=True)

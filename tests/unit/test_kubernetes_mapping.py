@@ -78,7 +78,7 @@ def test_a_ray_cluster_created_directly_is_a_submission_and_one_of_a_rayjob_is_n
     assert (request.resources.gpus, request.resources.nodes, request.projected_runtime_hours) == (3 * 4, 4, 2.0)
     parent = V1OwnerReference(api_version="ray.io/v1", kind="RayJob", name="tune", uid="5e4d3c2b-0000-1111-2222-333344445555", controller=True)
     owned = submission(admission_review(raycluster("tune-raycluster", head_gpus=0, workers=[(2, 1, 4)], owner=parent)))
-    assert owned == Owned(parent.uid, "created by RayJob tune, which was admitted for it", owns=True)  # its pods are let through on it in turn
+    assert owned == Owned(parent.uid, "RayJob", "tune", "created by RayJob tune, which was admitted for it", owns=True)  # its pods are let through on it in turn
 
 
 def test_runtime_falls_back_to_the_annotation_then_the_namespace_default() -> None:
@@ -107,7 +107,7 @@ def test_run_id_from_the_annotation_else_the_object_never_its_owner() -> None:
 def test_children_of_admitted_kinds_are_owned_and_cpu_only_work_is_skipped() -> None:
     parent = V1OwnerReference(api_version="batch/v1", kind="Job", name="train-resnet", uid="9a8b7c6d-0000-1111-2222-333344445555", controller=True)
     child = admission_review(pod(containers=[container(gpus=8)], deadline=60, owner=parent))
-    assert submission(child) == Owned(parent.uid, "created by Job train-resnet, which was admitted for it", owns=False)
+    assert submission(child) == Owned(parent.uid, "Job", "train-resnet", "created by Job train-resnet, which was admitted for it", owns=False)
     # Its owner never admitted (the webhook finds no decision for it): a run of its own.
     own = submission(child, own_run=True)
     assert isinstance(own, Submit) and own.request.run_id == child["request"]["object"]["metadata"]["uid"] and own.request.resources.gpus == 8

@@ -89,6 +89,8 @@ class Owned:
     its own children are let through on it in turn."""
 
     owner_uid: str
+    owner_kind: str
+    owner_name: str
     reason: str
     owns: bool
 
@@ -243,9 +245,8 @@ def submission(review: MappingType[str, Any], mapping: Mapping = Mapping(), *, o
     meta = _meta(obj)
     owner = _controller(meta)
     if not own_run and owner is not None and (_group(owner.get("apiVersion", "")), owner.get("kind")) in ADMITTED_OWNERS:
-        return Owned(
-            str(owner.get("uid") or ""), f"created by {owner.get('kind')} {owner.get('name')}, which was admitted for it", (group, kind) in ADMITTED_OWNERS
-        )
+        reason = f"created by {owner.get('kind')} {owner.get('name')}, which was admitted for it"
+        return Owned(str(owner.get("uid") or ""), str(owner.get("kind") or ""), str(owner.get("name") or ""), reason, owns=(group, kind) in ADMITTED_OWNERS)
     namespace = request.get("namespace") or meta.get("namespace") or "default"
     annotations: MappingType[str, str] = meta.get("annotations") or {}
     shape = _shape(group, kind, obj, mapping.gpu_resource)

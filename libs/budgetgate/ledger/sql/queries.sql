@@ -1044,9 +1044,14 @@ INSERT INTO admitted_objects (uid, namespace, kind, name, run_id) VALUES ($1, $2
 ON CONFLICT (uid) DO NOTHING;
 
 -- name: admitted_owner
--- The run an owner (by UID) was let through for: recorded by the webhook, or (objects admitted
--- before it recorded them) a run admitted under the owner's own UID.
-SELECT o.run_id FROM admitted_objects o WHERE o.uid = $1
+-- The run an owner was let through for: the object of that UID, namespace and kind the webhook
+-- recorded; or, for an owner admitted before the webhook recorded them (migration 0022), a
+-- decision made before then on that namespace and name under the owner's UID as run id. A UID
+-- alone is no proof: an ownerReference is its creator's to write, and could name an admitted
+-- object of another kind or namespace.
+SELECT o.run_id FROM admitted_objects o WHERE o.uid = $1 AND o.namespace = $2 AND o.kind = $3
 UNION ALL
-SELECT d.run_id FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW'
+SELECT d.run_id FROM decisions d
+WHERE d.run_id = $1 AND d.outcome = 'ALLOW' AND d.job_namespace = $2 AND d.job_name = $4
+  AND d.decided_at < (SELECT m.applied_at FROM schema_migrations m WHERE m.name = '0022_admitted_objects')
 LIMIT 1;
