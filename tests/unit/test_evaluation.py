@@ -679,6 +679,7 @@ def test_a_soft_or_dry_run_policy_alone_with_missing_labels_allows(enforcement: 
     decision = decide(p, None)
     assert decision.outcome == "ALLOW" and not decision.reserves
     assert [(e.policy_id, e.outcome) for e in decision.evaluations] == [("trial", "DENY")]
+    assert deciding_index(decision) is None  # nothing charged decided it: the waived policy did not apply
 
 
 @pytest.mark.parametrize("enforcement", NOT_HARD)

@@ -226,7 +226,8 @@ def deciding_index(decision: Decision) -> int | None:
     budget (hard first) most short of the run; for a DELAY the delaying budget (hard first) that
     waits longest; otherwise the charged hard budget (else any) with the least room left after
     the run, relative to its limit. Ties go to the smallest policy id, so the answer does not
-    depend on the order of the policy files. None when no policy applied."""
+    depend on the order of the policy files. None when no policy applied (an admission whose
+    only evaluations are waived soft or dry-run policies included)."""
     indexed = list(enumerate(decision.evaluations))
     if not indexed:
         return None
@@ -241,8 +242,9 @@ def deciding_index(decision: Decision) -> int | None:
         delayed = _hard_first([(i, e) for i, e in indexed if e.outcome == "DELAY"])
         if delayed:
             return _first(delayed, lambda e: -(e.next_eligible_time.timestamp() if e.next_eligible_time else 0))
-    charged = _hard_first([(i, e) for i, e in indexed if e.ledger_key is not None] or indexed)
-    return _first(charged, lambda e: ((e.remaining or 0) - e.projected) / max(e.limit, 1))
+    # Only a charged budget decides an admission: a waived soft or dry-run policy did not apply.
+    charged = _hard_first([(i, e) for i, e in indexed if e.ledger_key is not None])
+    return _first(charged, lambda e: ((e.remaining or 0) - e.projected) / max(e.limit, 1)) if charged else None
 
 
 def _first(indexed: list[tuple[int, Evaluation]], rank: Callable[[Evaluation], float]) -> int:

@@ -624,9 +624,10 @@ FOR SHARE OF e SKIP LOCKED;
 DELETE FROM budget_holds WHERE ledger_key = $1 RETURNING policy_id, scope_id;
 
 -- name: running_under_policy
--- Running workloads a budget covers: those a hold-and-drain asks the platform to drain.
+-- Running workloads a budget covers: those a hold-and-drain asks the platform to drain (charged
+-- on it: a soft policy whose labels a run lacked is recorded on its decision, never charged).
 SELECT s.run_id FROM run_settlements s JOIN decision_evaluations e ON e.decision_id = s.decision_id
-WHERE e.policy_id = $1 AND s.phase = 'running' ORDER BY s.run_id;
+WHERE e.policy_id = $1 AND e.ledger_key IS NOT NULL AND s.phase = 'running' ORDER BY s.run_id;
 
 -- name: lock_fair_share_usage
 -- A tenant's decayed usage, its row created (empty) when new and locked until the commit.
