@@ -122,9 +122,11 @@ class AdmissionCheckController:
         status = patch.status
         try:
             if patch.annotations:
-                updated = await self.kube.patch(
-                    Workload, meta["name"], {"metadata": {"annotations": patch.annotations}}, namespace=meta["namespace"], patch_type=PatchType.MERGE
-                )
+                # Guarded by the version decided on, as the status is: a Workload listed minutes
+                # ago by the requeue (or changed since the event) is not moved to another attempt.
+                version = {"resourceVersion": meta["resourceVersion"]} if meta.get("resourceVersion") else {}
+                guarded = {"metadata": {"annotations": patch.annotations, **version}}
+                updated = await self.kube.patch(Workload, meta["name"], guarded, namespace=meta["namespace"], patch_type=PatchType.MERGE)
                 # Only our annotation changed since the status was computed: carry its version.
                 status = {**status, "metadata": {"resourceVersion": updated.to_dict()["metadata"].get("resourceVersion")}}
             written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)

@@ -164,6 +164,27 @@ async def test_a_run_readmitted_on_another_flavor_is_retried_as_a_new_attempt(ku
     assert check_state(api, "job-moved")["state"] == "Ready"
 
 
+async def test_a_stale_workload_is_not_moved_to_another_attempt(kube, admission) -> None:
+    # The requeue decides Workloads listed a while ago: deciding a stale copy wrote the raised
+    # attempt annotation unguarded (only the status write was guarded), so a Workload Kueue had
+    # moved on meanwhile was set to retry as another attempt.
+    api, url = kube
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    api.put("workloads", workload("job-stale", job_uid="66666666-6666-4666-8666-666666666666"))
+    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
+    async with AsyncClient(admission.url) as budgetgate:
+        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
+        await controller.refresh_checks()
+        await controller.reconcile(api.get("workloads", "job-stale", "vision-prod"))
+        stale = api.put("workloads", readmitted(api.get("workloads", "job-stale", "vision-prod"), flavor="a100"))  # would be a 409: Retry, attempt 2
+        api.put("workloads", copy.deepcopy(stale))  # Kueue wrote in between
+        await controller.reconcile(copy.deepcopy(stale))
+        await kube_client.close()
+    stored = api.get("workloads", "job-stale", "vision-prod")
+    assert "budgetgate.io/attempt" not in (stored["metadata"].get("annotations") or {}), stored["metadata"]
+    assert check_state(api, "job-stale")["state"] == "Pending"  # left for the newer version
+
+
 async def test_an_invalid_submission_or_a_run_of_another_namespace_is_rejected(kube, admission) -> None:
     api, url = kube
     api.put("admissionchecks", fixture("admissioncheck.json"))
