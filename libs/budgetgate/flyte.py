@@ -16,13 +16,16 @@ submission has one GPU count and one runtime; GPU-hours, what budgets count, are
 Flyte's own node-level overrides and map tasks' fan-out are not seen.
 
 A launch that fails after the ALLOW (bad inputs, FlyteAdmin unavailable) would leave the run's
-reservation held with no execution to end it: `execute` then publishes the run's end (a
-CANCELLED lifecycle event, through `lifecycle`, by default `client`: metering-ingest, with a
-token holding the exporter role) and raises LaunchFailed, naming the run and its execution name.
-When the reservation was released, the run is over: a retry is a new run (call `execute` again
-without `execution_name`). When it could not be (no metering-ingest URL, the token lacks the
-role, metering-ingest down), retry with `execution_name=error.execution_name`: the same run,
-replayed on its one reservation (never retried, the reconciler reclaims it after its start deadline).
+reservation held with no execution to end it. `execute` first asks FlyteAdmin for the execution
+(`fetch_execution`): a launch whose answer was lost may have created it, and it is then returned
+as launched. When FlyteAdmin says it has none, `execute` publishes the run's end (a CANCELLED
+lifecycle event, through `lifecycle`, by default `client`: metering-ingest, with a token holding
+the exporter role) and raises LaunchFailed, naming the run and its execution name. When the
+reservation was released, the run is over: a retry is a new run (call `execute` again without
+`execution_name`). When it was not (FlyteAdmin could not say whether the execution exists, or the
+end could not be published: no metering-ingest URL, the token lacks the role, metering-ingest
+down), retry with `execution_name=error.execution_name`: the same run, replayed on its one
+reservation (never retried, the reconciler reclaims it after its start deadline).
 """
 
 from __future__ import annotations
@@ -247,7 +250,36 @@ def execute(
     try:
         return remote.execute(entity, dict(inputs or {}), project=project, domain=domain, execution_name=name, **execute_kwargs)
     except Exception as exc:
+        found = _existing(remote, project=project, domain=domain, name=name)
+        if found is _UNKNOWN:
+            message = (
+                f"launching run {run_id} failed ({type(exc).__name__}: {exc}), and whether FlyteAdmin created the execution cannot be told now: "
+                f"its reservation is held; retry with execution_name={name!r} (an execution that exists is then found and returned)"
+            )
+            raise LaunchFailed(message, run_id=run_id, execution_name=name, attempt=attempt, released=False) from exc
+        if found is not None:
+            return found  # it launched all the same (an answer lost after FlyteAdmin created it, or a retry of one that did)
         raise _launch_failed(exc, run_id=run_id, execution_name=name, attempt=attempt, lifecycle=lifecycle or client) from exc
+
+
+_UNKNOWN = object()
+
+
+def _existing(remote: Any, *, project: str, domain: str, name: str) -> Any:
+    """The execution `name` if FlyteAdmin has it, None if it has not, _UNKNOWN if it cannot say:
+    a launch that raised may still have created it, and ending such a run would free the
+    reservation of a workload that runs."""
+    try:
+        from flytekit.exceptions.user import FlyteEntityNotExistException as missing
+    except ImportError:  # without flytekit, no FlyteRemote: a stand-in raising LookupError
+        missing = LookupError
+    try:
+        return remote.fetch_execution(project=project, domain=domain, name=name)
+    except missing:
+        return None
+    except Exception as exc:  # noqa: BLE001 - FlyteAdmin unavailable: no answer either way
+        log.warning("execution %s/%s/%s: cannot tell whether it exists (%s: %s)", project, domain, name, type(exc).__name__, exc)
+        return _UNKNOWN
 
 
 def _launch_failed(exc: Exception, *, run_id: str, execution_name: str, attempt: int, lifecycle: Client) -> LaunchFailed:

@@ -17,6 +17,7 @@ from tests.support.extras import import_extra
 import_extra("flytekit", extra="flyte")
 
 from flytekit.exceptions.system import FlyteSystemUnavailableException
+from flytekit.exceptions.user import FlyteEntityNotExistException
 
 from budgetgate.client import Client
 from budgetgate.flyte import BudgetDelayed, BudgetDenied, LaunchFailed, execute, preflight
@@ -41,10 +42,12 @@ class Remote:
 
     default_project, default_domain = "vision", "production"
 
-    def __init__(self, *, failures: int = 0) -> None:
+    def __init__(self, *, failures: int = 0, lost_answers: int = 0, admin_down: bool = False) -> None:
         self.launched: list[dict[str, Any]] = []
         self.refused: list[str] = []  # execution names of launches that raised
-        self.failures = failures
+        self.failures = failures  # launches refused, nothing created
+        self.lost_answers = lost_answers  # launches that created the execution and raised all the same (a deadline)
+        self.admin_down = admin_down  # fetch_execution cannot answer
 
     def execute(self, entity: Any, inputs: dict[str, Any], **kwargs: Any) -> str:
         if self.failures:
@@ -52,7 +55,17 @@ class Remote:
             self.refused.append(kwargs["execution_name"])
             raise FlyteSystemUnavailableException("FlyteAdmin is unavailable")
         self.launched.append({"entity": entity, "inputs": inputs, **kwargs})
+        if self.lost_answers:
+            self.lost_answers -= 1
+            raise FlyteSystemUnavailableException("deadline exceeded")
         return kwargs["execution_name"]
+
+    def fetch_execution(self, *, project: str, domain: str, name: str) -> str:
+        if self.admin_down:
+            raise FlyteSystemUnavailableException("FlyteAdmin is unavailable")
+        if any(launched["execution_name"] == name for launched in self.launched):
+            return name
+        raise FlyteEntityNotExistException(f"execution {project}/{domain}/{name} not found")
 
 
 async def test_an_admitted_workflow_is_launched_under_its_run_id(admission) -> None:
@@ -136,3 +149,31 @@ async def test_when_the_end_cannot_be_published_a_retry_reuses_the_execution_nam
     budgets = (await admission.client.get("/v1/budgets")).json()["budgets"]
     vision = next(b for b in budgets if b["policy_id"] == "gpu-budget/team-vision-prod")
     assert vision["reserved"] == 48.5
+
+
+async def test_a_launch_that_created_the_execution_and_raised_is_not_ended(admission) -> None:
+    # A launch whose answer was lost (a deadline after FlyteAdmin created the execution) was
+    # taken for a failed one: CANCELLED published, the reservation of a running workload freed.
+    remote = Remote(lost_answers=1)
+
+    def launch() -> str:
+        with Client(admission.url) as bg:
+            return execute(remote, flows.example().training, client=bg, namespace="vision-prod", labels=VISION)
+
+    name = await asyncio.to_thread(launch)
+    assert [launched["execution_name"] for launched in remote.launched] == [name]
+    vision = next(b for b in (await admission.client.get("/v1/budgets")).json()["budgets"] if b["policy_id"] == "gpu-budget/team-vision-prod")
+    assert vision["reserved"] == 48.5  # still held: the run launched
+
+
+async def test_when_flyteadmin_cannot_say_whether_it_launched_the_reservation_stays(admission) -> None:
+    remote = Remote(failures=1, admin_down=True)
+
+    def launch() -> LaunchFailed:
+        with Client(admission.url) as bg:
+            with pytest.raises(LaunchFailed) as failed:
+                execute(remote, flows.example().training, client=bg, namespace="vision-prod", labels=VISION)
+            return failed.value
+
+    failed = await asyncio.to_thread(launch)
+    assert not failed.released and f"execution_name={failed.execution_name!r}" in str(failed) and "cannot be told" in str(failed)
