@@ -37,7 +37,7 @@ def test_a_page_that_cannot_say_who_holds_the_gpus_fails_the_scrape(text: str, s
 
 def test_jobs_and_jobsets_are_named_by_their_uids_from_the_exporters_pod_labels() -> None:
     held = holdings([page("node-c-pod-labels.prom")])
-    assert sorted(held) == sorted([JOB_UID, JOBSET_UID])  # the JobSet's UID wins over its child Job's; never the pod's own UID
+    assert sorted(held) == sorted([JOB_UID, JOBSET_UID])  # the JobSet's UID wins over its child Job's, and a Job's over its pod's own
     assert len(held[JOB_UID].gpus) == 2 and held[JOB_UID].hosts == {"gpu-node-c"} and len(held[JOBSET_UID].gpus) == 1
     assert held.idle == 1 and held.unmapped == frozenset()
     # A run-id label, where there is one, comes first.
@@ -50,3 +50,16 @@ def test_gpus_no_run_is_named_for_are_counted() -> None:
     labelled = holdings([page("node-a.prom")], run_id_template=None)
     assert sorted(labelled) == [FLYTE] and labelled.unmapped == {"vision-prod/train-resnet-0"}
     assert sorted(holdings([page("node-c-pod-labels.prom")], run_id_template=None)) == sorted([JOB_UID, JOBSET_UID])
+
+
+def test_a_pod_that_is_a_run_of_its_own_is_named_by_its_own_uid() -> None:
+    # The webhook gives a bare Pod, or a ReplicaSet's replica, its own UID as run id: without
+    # pod_uid among the labels read, its GPUs were charged to {namespace}/{pod}, which no
+    # decision names. A Job's pods still go to the Job (its label comes first).
+    bare = (
+        page("node-c-pod-labels.prom")
+        .replace('batch_kubernetes_io_controller_uid="3c1f9a2e-7b4d-4e8a-9f60-1d2c3b4a5e6f",', "")
+        .replace('controller_uid="3c1f9a2e-7b4d-4e8a-9f60-1d2c3b4a5e6f",', "")
+    )
+    held = holdings([bare])
+    assert sorted(held) == sorted(["e4d3c2b1-a098-4f7e-8d6c-5b4a39281700", JOBSET_UID]) and len(held["e4d3c2b1-a098-4f7e-8d6c-5b4a39281700"].gpus) == 2

@@ -11,12 +11,14 @@ allocated. Its run id is the first of these labels the sample has:
   as dcgm-exporter writes pod labels with `--kubernetes-enable-pod-labels` (`.`, `/`, `-` → `_`):
   `budgetgate_io_run_id` (the label `budgetgate.io/run-id`), `jobset_sigs_k8s_io_jobset_uid` (a
   JobSet's UID), `batch_kubernetes_io_controller_uid` or `controller_uid` (the Job's UID);
+- the pod's own UID (`pod_uid`, with `--kubernetes-enable-pod-uid`): the run id the webhook gives
+  a Pod that is a run of its own (a bare Pod, a ReplicaSet's or StatefulSet's replica);
 
 else `run_id_template` filled with namespace, pod and container. The default template,
 `{namespace}/{pod}`, matches no run id the webhook or the controller assign (UIDs, or the
-annotation): it only fits platforms that submit runs under that name. The pod's own UID
-(`pod_uid`, `--kubernetes-enable-pod-uid`) is not used: runs are Jobs, JobSets or their owners,
-never one pod of them.
+annotation): it only fits platforms that submit runs under that name. A RayJob's or
+RayCluster's pods name their run by none of these (KubeRay labels them with the cluster's name):
+relabel them into `run_id`.
 
 A page with no sample of the metric (an empty answer, the field not collected) is a ScrapeError,
 as is a page that is not Prometheus text: reading it as "no GPU held" would end every run on
@@ -43,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 UTIL_METRIC = "DCGM_FI_DEV_GPU_UTIL"
 DEFAULT_RUN_ID_LABEL = "run_id"
-RUN_ID_POD_LABELS = ("budgetgate_io_run_id", "jobset_sigs_k8s_io_jobset_uid", "batch_kubernetes_io_controller_uid", "controller_uid")
+RUN_ID_POD_LABELS = ("budgetgate_io_run_id", "jobset_sigs_k8s_io_jobset_uid", "batch_kubernetes_io_controller_uid", "controller_uid", "pod_uid")
 DEFAULT_RUN_ID_TEMPLATE = "{namespace}/{pod}"
 
 
