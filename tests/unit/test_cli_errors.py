@@ -59,6 +59,8 @@ def test_options_out_of_range_are_usage_errors() -> None:
         (["admin-log", "--limit", "-1"], "--limit"),
         (["publish", "lifecycle", "--run-id", "r", "--event", "started", "--gpus", "99999999999"], "--gpus"),
         (["publish", "lifecycle", "--run-id", "r", "--event", "started", "--at", "9999-12-31T23:00:00-05:00"], "out of range"),
+        # Before the earliest time the consumers take: published, it was dead-lettered unseen.
+        (["publish", "lifecycle", "--run-id", "r", "--event", "started", "--at", "1970-01-01T00:00:00Z"], "before 2000-01-01"),
     ]
     for args, words in cases:
         refused(run(*args, **env), words, code=2)

@@ -12,6 +12,7 @@ import uuid
 from datetime import UTC, datetime
 
 import click
+from budgetgate.core.metering import EARLIEST
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -34,11 +35,14 @@ class _Time(click.ParamType):
             return value
         try:
             parsed = datetime.fromisoformat(str(value))
-            return parsed.astimezone(UTC) if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+            at = parsed.astimezone(UTC) if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
         except ValueError:
             self.fail(f"{value!r} is not an ISO 8601 time such as 2025-01-31T12:00:00Z", param, ctx)
         except OverflowError:  # an instant whose UTC falls outside years 1 to 9999
             self.fail(f"{value!r} is out of range in UTC", param, ctx)
+        if at < EARLIEST:  # what metering-ingest and the reconciler refuse (dead-lettered, not counted)
+            self.fail(f"{value!r} is before {EARLIEST.date().isoformat()}, the earliest time budgetgate takes", param, ctx)
+        return at
 
 
 TIME = _Time()
