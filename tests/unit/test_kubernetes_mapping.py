@@ -78,7 +78,8 @@ def test_a_ray_cluster_created_directly_is_a_submission_and_one_of_a_rayjob_is_n
     assert (request.resources.gpus, request.resources.nodes, request.projected_runtime_hours) == (3 * 4, 4, 2.0)
     parent = V1OwnerReference(api_version="ray.io/v1", kind="RayJob", name="tune", uid="5e4d3c2b-0000-1111-2222-333344445555", controller=True)
     owned = submission(admission_review(raycluster("tune-raycluster", head_gpus=0, workers=[(2, 1, 4)], owner=parent)))
-    assert owned == Owned(parent.uid, "RayJob", "tune", "created by RayJob tune, which was admitted for it", owns=True)  # its pods are let through on it in turn
+    # Its pods are let through on it in turn.
+    assert owned == Owned(parent.uid, "RayJob", "tune", "created by RayJob tune, which was admitted for it", owns=True)
 
 
 def test_runtime_falls_back_to_the_annotation_then_the_namespace_default() -> None:
