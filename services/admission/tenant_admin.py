@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from budgetgate.auth import Action, Forbidden, Principal, allow
@@ -20,10 +20,10 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.override_store import NoActiveBundle, active_bundle, load, update
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.schemas import Problem
-from budgetgate.services.admission.tenant_schemas import TENANT_PATTERN, TenantSettingsIn, TenantSettingsOut
+from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut, label_value_path
 
 router = APIRouter()
-Tenant = Path(pattern=TENANT_PATTERN, max_length=63, description="a value of the tenant label")
+Tenant = label_value_path("tenant")
 
 
 def settings_view(bundle: PolicyBundle, overrides: OverrideSet, tenant: str, *, label: str) -> dict[str, Any]:

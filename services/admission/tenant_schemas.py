@@ -8,6 +8,7 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StrictFloat, StrictInt, StringConstraints, model_validator
+from fastapi import Path
 from pydantic import BaseModel
 
 from budgetgate.core.documents import MAX_AMOUNT, MAX_COUNT
@@ -17,6 +18,14 @@ from budgetgate.openapi import Operation
 
 # A value of the tenant label, as a Kubernetes label value (never the "*" of policy scopes).
 TENANT_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
+
+
+def label_value_path(label: str) -> Any:
+    """A path parameter that is a value of `label` (a tenant, a user), held to that rule: anything
+    else (a NUL, a space) names no one and is a 422, not a query that fails."""
+    return Path(pattern=TENANT_PATTERN, max_length=63, description=f"a value of the {label} label")
+
+
 _MOST_HOURS = float(Decimal(MAX_AMOUNT) / MILLI_PER_HOUR)
 
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]

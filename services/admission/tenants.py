@@ -9,33 +9,23 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 
 from budgetgate.auth import Action, Forbidden, Principal, allow
-from budgetgate.core.policy import PolicyBundle, Scope
-from budgetgate.services.admission.access import sees_budget
-from budgetgate.services.admission.tenant_schemas import TENANT_PATTERN
+from budgetgate.core.policy import PolicyBundle
+from budgetgate.services.admission.tenant_admin import Tenant
 from budgetgate.services.admission.usage import labelled_usage
 from budgetgate.settings import CommonSettings
-
-# A tenant in a path is a label value, as in every submission: anything else names no tenant.
-TenantName = Path(pattern=TENANT_PATTERN, max_length=63, description="a value of the tenant label")
 
 
 class TenantSettings(CommonSettings):
     tenant_label: str = "team"
 
 
-async def tenant_usage(
-    pool: asyncpg.Pool, bundle: PolicyBundle | None, *, label: str, tenant: str, days: int, now: datetime, principal: Principal | None = None
-) -> dict[str, Any]:
-    """Budgets of the tenant in their current windows (those `principal` may see, as
-    `GET /v1/budgets` shows them), and its runs' usage since `days` ago."""
-
-    def visible(scope: Scope) -> bool:
-        return principal is None or sees_budget(principal, scope, tenant_label=label)
-
-    return await labelled_usage(pool, bundle, who="tenant", label=label, value=tenant, days=days, now=now, visible=visible)
+async def tenant_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, label: str, tenant: str, days: int, now: datetime) -> dict[str, Any]:
+    """Budgets of the tenant in their current windows, and its runs' usage since `days` ago (read
+    only by callers not limited to namespaces: every budget requiring the tenant is theirs)."""
+    return await labelled_usage(pool, bundle, who="tenant", label=label, value=tenant, days=days, now=now)
 
 
 def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:
@@ -44,7 +34,7 @@ def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:
 
     @app.get("/v1/tenants/{tenant}/usage", tags=["usage"])
     async def tenant(
-        request: Request, tenant: str = TenantName, days: int = Query(90, ge=1, le=3660), principal: Principal = Depends(allow(Action.READ))
+        request: Request, tenant: str = Tenant, days: int = Query(90, ge=1, le=3660), principal: Principal = Depends(allow(Action.READ))
     ) -> dict[str, Any]:
         from datetime import UTC
 
@@ -62,6 +52,6 @@ def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:
 
         rt = request.app.state.rt
         try:
-            return await tenant_usage(rt.pool, rt.policies.current, label=label, tenant=tenant, days=days, now=datetime.now(UTC), principal=principal)
+            return await tenant_usage(rt.pool, rt.policies.current, label=label, tenant=tenant, days=days, now=datetime.now(UTC))
         except BACKEND_ERRORS as exc:
             raise Unavailable(f"Postgres unavailable: {exc}") from exc

@@ -3,14 +3,13 @@ a user), from Postgres (the ledger's truth)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
 
 from budgetgate.core.evaluation import ledger_key
-from budgetgate.core.policy import PolicyBundle, Scope
+from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import display, hours
 from budgetgate.core.windows import rfc3339, window_at
 from budgetgate.ledger.queries import sql
@@ -50,24 +49,12 @@ async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, n
     return {"scope_id": scope_id, "budgets": budgets}
 
 
-async def labelled_usage(
-    pool: asyncpg.Pool,
-    bundle: PolicyBundle | None,
-    *,
-    who: str,
-    label: str,
-    value: str,
-    days: int,
-    now: datetime,
-    visible: Callable[[Scope], bool] = lambda _scope: True,
-) -> dict[str, Any]:
+async def labelled_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, who: str, label: str, value: str, days: int, now: datetime) -> dict[str, Any]:
     """What the runs labelled `label`=`value` use: the budgets whose scope requires that label
-    value (and that `visible` lets the caller see), in their current windows, and the runs'
-    reservations and metered usage since `days` ago. Usage by tenant and usage by user are this
-    one reading; `who` names the value's key."""
+    value, in their current windows, and the runs' reservations and metered usage since `days`
+    ago. Usage by tenant and usage by user are this one reading; `who` names the value's key."""
     since = now - timedelta(days=days)
-    policies = bundle.policies if bundle else ()
-    scopes = sorted({p.scope.scope_id for p in policies if p.scope.labels.get(label) == value and visible(p.scope)})
+    scopes = sorted({p.scope.scope_id for p in (bundle.policies if bundle else ()) if p.scope.labels.get(label) == value})
     budgets = []
     for scope_id in scopes:
         usage = await scope_usage(pool, bundle, scope_id, now) if bundle else None

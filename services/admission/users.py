@@ -8,12 +8,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 
 from budgetgate.auth import Action, Forbidden, Principal, allow
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.tenant_schemas import TENANT_PATTERN
+from budgetgate.services.admission.tenant_schemas import label_value_path
 from budgetgate.services.admission.usage import labelled_usage
 from budgetgate.settings import CommonSettings
 
@@ -30,7 +30,7 @@ def add_user_routes(app: FastAPI, settings: CommonSettings) -> None:
     @app.get("/v1/users/{user}/usage", tags=["usage"])
     async def user_usage(
         request: Request,
-        user: str = Path(pattern=TENANT_PATTERN, max_length=63, description="a value of the user label"),
+        user: str = label_value_path("user"),
         days: int = Query(90, ge=1, le=3660),
         principal: Principal = Depends(allow(Action.READ)),
     ) -> dict[str, Any]:

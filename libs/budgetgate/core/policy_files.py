@@ -8,13 +8,12 @@ kept as its text (`NotDecimal`), which validation refuses where a number belongs
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path, PurePosixPath
 from typing import Any
-
-import re
 
 import yaml
 from yaml.constructor import SafeConstructor
