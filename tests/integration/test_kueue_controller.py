@@ -9,6 +9,7 @@ import asyncio
 import copy
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,19 @@ def kubeconfig(url: str) -> KubeConfig:
         "users": [{"name": "budgetgate", "user": {"token": "stand-in-token"}}],
         "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "budgetgate"}}],
     })  # fmt: skip
+
+
+@asynccontextmanager
+async def deciding(url: str, admission_url: str, **settings: Any) -> AsyncIterator[AdmissionCheckController]:
+    """A controller on the stand-in API server at `url` and the admission service, its checks read."""
+    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
+    try:
+        async with AsyncClient(admission_url) as budgetgate:
+            controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate, **settings)
+            await controller.refresh_checks()
+            yield controller
+    finally:
+        await kube_client.close()
 
 
 def fixture(name: str) -> dict[str, Any]:
@@ -120,12 +134,8 @@ async def test_a_workload_changed_meanwhile_is_not_overwritten(kube, admission) 
     changed = copy.deepcopy(stale)
     changed["status"]["admissionChecks"][1]["message"] = "re-provisioned"
     api.put("workloads", changed)  # Kueue wrote in between
-    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
-    async with AsyncClient(admission.url) as budgetgate:
-        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
-        await controller.refresh_checks()
+    async with deciding(url, admission.url) as controller:
         await controller.reconcile(stale)
-        await kube_client.close()
     assert check_state(api, "job-raced")["state"] == "Pending"  # 409: left for the watch's newer version
     assert api.get("workloads", "job-raced", "vision-prod")["status"]["admissionChecks"][1]["message"] == "re-provisioned"
     assert kueue.pending_checks(api.get("workloads", "job-raced", "vision-prod"), {"budget"}) == ["budget"]
@@ -146,10 +156,7 @@ async def test_a_run_readmitted_on_another_flavor_is_retried_as_a_new_attempt(ku
     api, url = kube
     api.put("admissionchecks", fixture("admissioncheck.json"))
     api.put("workloads", workload("job-moved", job_uid="44444444-4444-4444-8444-444444444444"))
-    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
-    async with AsyncClient(admission.url) as budgetgate:
-        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
-        await controller.refresh_checks()
+    async with deciding(url, admission.url) as controller:
         await controller.reconcile(api.get("workloads", "job-moved", "vision-prod"))
         assert check_state(api, "job-moved")["state"] == "Ready"
         # Preempted, then admitted again on a100: the same run id and attempt, another request.
@@ -160,7 +167,6 @@ async def test_a_run_readmitted_on_another_flavor_is_retried_as_a_new_attempt(ku
         assert moved["metadata"]["annotations"]["budgetgate.io/attempt"] == "2"
         # Kueue makes the check Pending again after its retry delay: the next try is attempt 2, not the conflict again.
         await controller.reconcile(api.put("workloads", readmitted(moved, flavor="a100")))
-        await kube_client.close()
     assert check_state(api, "job-moved")["state"] == "Ready"
 
 
@@ -171,15 +177,11 @@ async def test_a_stale_workload_is_not_moved_to_another_attempt(kube, admission)
     api, url = kube
     api.put("admissionchecks", fixture("admissioncheck.json"))
     api.put("workloads", workload("job-stale", job_uid="66666666-6666-4666-8666-666666666666"))
-    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
-    async with AsyncClient(admission.url) as budgetgate:
-        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
-        await controller.refresh_checks()
+    async with deciding(url, admission.url) as controller:
         await controller.reconcile(api.get("workloads", "job-stale", "vision-prod"))
         stale = api.put("workloads", readmitted(api.get("workloads", "job-stale", "vision-prod"), flavor="a100"))  # would be a 409: Retry, attempt 2
         api.put("workloads", copy.deepcopy(stale))  # Kueue wrote in between
         await controller.reconcile(copy.deepcopy(stale))
-        await kube_client.close()
     stored = api.get("workloads", "job-stale", "vision-prod")
     assert "budgetgate.io/attempt" not in (stored["metadata"].get("annotations") or {}), stored["metadata"]
     assert check_state(api, "job-stale")["state"] == "Pending"  # left for the newer version
@@ -195,13 +197,9 @@ async def test_an_invalid_submission_or_a_run_of_another_namespace_is_rejected(k
     # The run id was decided for another namespace first.
     taken = submission(run_id="66666666-6666-4666-8666-666666666666", namespace="vision-dev", job={"namespace": "vision-dev", "name": "x"})
     assert (await admission.client.post("/v1/admissions", json=taken)).status_code == 200
-    kube_client = KubeClient(kubeconfig(url), field_manager="budgetgate")
-    async with AsyncClient(admission.url) as budgetgate:
-        controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate)
-        await controller.refresh_checks()
+    async with deciding(url, admission.url) as controller:
         await controller.reconcile(api.get("workloads", "job-unpriced", "vision-prod"))
         await controller.reconcile(api.get("workloads", "job-taken", "vision-prod"))
-        await kube_client.close()
     bad, other = check_state(api, "job-unpriced"), check_state(api, "job-taken")
     assert bad["state"] == "Rejected" and bad["message"].startswith("budgetgate: not a valid submission") and "resources.flavor" in bad["message"]
     assert other["state"] == "Rejected" and "namespace" in other["message"]
