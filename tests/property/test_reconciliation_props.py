@@ -178,6 +178,10 @@ def test_a_refused_attempts_end_does_not_end_the_attempt_admitted_after_it() -> 
     # After the admitting decision an end is the run's own, whichever attempt came before.
     ended = replace(facts([cancelled, started, ev("CANCELLED", 40)], policies=(GPU,)), ends_after=T0)
     assert settle(ended, bundle=BUNDLE, rules=RULES, now=T0 + timedelta(minutes=70)).final
+    # And so is an end after a start, even dated before the admitting decision: a platform's clock
+    # a little behind, or times in whole seconds (ignored, the run never ended and held for ever).
+    early = replace(facts([ev(STARTED, -60), ev(COMPLETED, -0.5)], policies=(GPU,)), ends_after=T0)
+    assert settle(early, bundle=BUNDLE, rules=RULES, now=T0 + timedelta(minutes=70)).final
 
 
 def test_cost_is_priced_per_increment_and_rolling_usage_is_bucketed_by_hour() -> None:

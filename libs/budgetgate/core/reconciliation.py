@@ -87,8 +87,9 @@ class RunFacts:
     events: frozenset[LifecycleFact] = frozenset()
     samples: frozenset[UsageFact] = frozenset()
     released: bool = False  # the reservation was already given back (never started in time)
-    # Admitted afresh after a refused attempt (DELAY, DENY): terminal events dated before this
-    # (the admitting decision's time) ended that attempt, cancelled while it waited, not this one.
+    # Admitted afresh after a refused attempt (DELAY, DENY): a terminal event dated before this
+    # (the admitting decision's time) and before any start ended that attempt, cancelled while it
+    # waited, not this one.
     ends_after: datetime | None = None
 
 
@@ -158,7 +159,9 @@ def timeline(events: Iterable[LifecycleFact], *, gpus: int, nodes: int, ends_aft
 
     A start while running and an eviction while not running are repeats and change nothing;
     the first terminal event ends the run and anything later is ignored. A terminal event dated
-    before `ends_after` (see RunFacts) ended a refused attempt of the run and is ignored too.
+    before `ends_after` (see RunFacts) while the run has not started ended a refused attempt of
+    the run, which never starts, and is ignored too; once the run started, an end is its own,
+    whatever its date (a platform's clock a little behind budgetgate's, or times in seconds).
     """
     running: tuple[datetime, int, int] | None = None
     intervals: list[Interval] = []
@@ -174,7 +177,7 @@ def timeline(events: Iterable[LifecycleFact], *, gpus: int, nodes: int, ends_aft
                 intervals.append(Interval(running[0], event.at, running[1], running[2]))
                 running, last_change = None, event.at
         elif event.kind in TERMINAL:
-            if ends_after is not None and event.at < ends_after:
+            if ends_after is not None and event.at < ends_after and not started:
                 continue
             if running is not None:
                 intervals.append(Interval(running[0], event.at, running[1], running[2]))
