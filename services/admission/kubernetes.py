@@ -16,6 +16,7 @@ denial (`BUDGETGATE_KUBERNETES_FAIL_OPEN=false`, the default) or an admission wi
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import time
@@ -90,6 +91,13 @@ _OPENAPI = {
 }
 
 
+TRUSTED_CREATORS = (
+    "system:kube-controller-manager",
+    "system:serviceaccount:kube-system:*",
+    "system:serviceaccount:jobset-system:jobset-controller-manager",
+)
+
+
 class KubernetesWebhookSettings(BaseSettings):
     """The webhook's mapping and failure policy (BUDGETGATE_KUBERNETES_* variables)."""
 
@@ -107,6 +115,16 @@ class KubernetesWebhookSettings(BaseSettings):
     default_runtime_hours: float | None = None
     default_flavor: str | None = None
     submit_cpu_only: bool = False
+    # Who may create an object that passes on its admitted owner (JSON list of user names, shell
+    # patterns allowed): an ownerReference is its creator's to write, so a Pod that names an
+    # admitted Job but was created by a tenant is decided as a run of its own. The defaults are
+    # kube-controller-manager (Job and ReplicaSet pods, under its own or per-controller service
+    # accounts) and the JobSet controller; add KubeRay's operator where RayJobs run, e.g.
+    # "system:serviceaccount:ray-system:kuberay-operator".
+    trusted_creators: list[str] = Field(default_factory=lambda: list(TRUSTED_CREATORS))
+
+    def trusts(self, username: str) -> bool:
+        return any(fnmatch.fnmatchcase(username, pattern) for pattern in self.trusted_creators)
 
     def mapping(self) -> Mapping:
         return Mapping(
@@ -134,14 +152,18 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
                 {"detail": [{"loc": ["body", "request"], "msg": "not an admission.k8s.io/v1 AdmissionReview with a request uid", "type": "value_error"}]},
                 status_code=422,
             )
-        return JSONResponse(await _answer(request, principal, body, asked["uid"], mapping, fail_open=settings.fail_open))
+        return JSONResponse(await _answer(request, principal, body, asked["uid"], settings, mapping))
 
     return api
 
 
-async def _answer(request: Request, principal: Principal, body: dict[str, Any], uid: str, mapping: Mapping, *, fail_open: bool) -> dict[str, Any]:
+async def _answer(
+    request: Request, principal: Principal, body: dict[str, Any], uid: str, settings: KubernetesWebhookSettings, mapping: Mapping
+) -> dict[str, Any]:
     rt = request.app.state.rt
+    fail_open = settings.fail_open
     dry_run = bool(body["request"].get("dryRun"))
+    warnings: list[str] = []
     try:
         mapped = submission(body, mapping)
         if isinstance(mapped, Owned):
@@ -149,12 +171,22 @@ async def _answer(request: Request, principal: Principal, body: dict[str, Any], 
                 owner_run = await _admitted_owner(rt.pool, mapped, namespace=_namespace(body))
             except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:  # down, or not migrated yet: undecided
                 return _undecided(uid, exc, fail_open=fail_open)
-            if owner_run is not None:
+            creator = _creator(body)
+            if owner_run is not None and settings.trusts(creator):
                 if mapped.owns and not dry_run:
                     await _record_admitted(rt.pool, body, owner_run)
                 return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
+            if owner_run is not None:
+                # An admitted owner named by an object its controller did not create: the Pod a
+                # tenant wrote with an admitted Job's ownerReference would run beside the Job's own.
+                log.info("%s %r names admitted %s %r but was created by %r, not a trusted controller: decided as a run of its own",
+                         _kind(body), _name(body), mapped.owner_kind, mapped.owner_name, creator)  # fmt: skip
+                warnings.append(
+                    f"budgetgate: {mapped.owner_kind} {mapped.owner_name!r} was admitted, but this object was created by {creator!r}, "
+                    "not by a controller BUDGETGATE_KUBERNETES_TRUSTED_CREATORS names: it is decided as a run of its own"
+                )
             # An owner never admitted (a CPU-only Job, or an ownerReference written to get past
-            # the check): the object is a run of its own.
+            # the check), or one named by someone else than its controller: a run of its own.
             mapped = submission(body, mapping, own_run=True)
     except Unmappable as exc:
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc}")
@@ -188,7 +220,10 @@ async def _answer(request: Request, principal: Principal, body: dict[str, Any], 
         rt.relay.wakeup.set()
         if answer["decision"] == "ALLOW" and _may_own(body):
             await _record_admitted(rt.pool, body, mapped.request.run_id)
-    return decided(uid, answer, attempt_annotation=mapping.attempt_annotation)
+    reviewed = decided(uid, answer, attempt_annotation=mapping.attempt_annotation)
+    if warnings:
+        reviewed["response"]["warnings"] = [*warnings, *reviewed["response"].get("warnings", [])]
+    return reviewed
 
 
 def _undecided(uid: str, exc: BaseException, *, fail_open: bool) -> dict[str, Any]:
@@ -200,6 +235,20 @@ def _undecided(uid: str, exc: BaseException, *, fail_open: bool) -> dict[str, An
 def _may_own(body: dict[str, Any]) -> bool:
     kind = body["request"].get("kind") or {}
     return (kind.get("group", ""), kind.get("kind", "")) in ADMITTED_OWNERS
+
+
+def _creator(body: dict[str, Any]) -> str:
+    """The user the API server says makes the request (always set by the API server)."""
+    return str((body["request"].get("userInfo") or {}).get("username") or "")
+
+
+def _kind(body: dict[str, Any]) -> str:
+    return str((body["request"].get("kind") or {}).get("kind", ""))
+
+
+def _name(body: dict[str, Any]) -> str:
+    meta = (body["request"].get("object") or {}).get("metadata") or {}
+    return str(meta.get("name") or meta.get("generateName") or "")
 
 
 def _namespace(body: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from tests.support.principals import bearer, issue
 from tests.support.admission import apply_policies, budget_yaml, example_policies
 from kubernetes.client import V1OwnerReference
 
-from tests.support.kubernetes import admission_review, as_json, container, job, jobset, job_spec, pod
+from tests.support.kubernetes import JOB_CONTROLLER, JOBSET_CONTROLLER, admission_review, as_json, container, job, jobset, job_spec, pod
 from tests.support.metering import wait_for
 from tests.support.servers import free_port
 
@@ -85,16 +85,16 @@ async def test_children_pass_on_an_admitted_owner_only_and_a_forged_owner_is_dec
     ):
         assert (await reviewed(admission, admission_review(parent)))["allowed"] is True
         child = pod(f"{parent.metadata.name}-0", containers=[container(gpus=2)], owner=owned_by(parent))  # no deadline of its own: never mapped
-        passed = await reviewed(admission, admission_review(child))
+        passed = await reviewed(admission, admission_review(child, user=JOB_CONTROLLER))
         assert passed["allowed"] is True and "which was admitted for it" in passed["status"]["message"], passed
     # A JobSet's Job passes on the JobSet and is remembered, so its pods pass on it in turn.
     suite = jobset("suite", [(1, job_spec(gpus=1, parallelism=1, deadline=3600))], annotations=H100)
     assert (await reviewed(admission, admission_review(suite)))["allowed"] is True
     member = job("suite-rj-0-0", gpus=1, parallelism=1, deadline=3600)
     member.metadata.owner_references = [owned_by(suite)]
-    assert (await reviewed(admission, admission_review(member)))["allowed"] is True
+    assert (await reviewed(admission, admission_review(member, user=JOBSET_CONTROLLER)))["allowed"] is True
     grandchild = pod("suite-rj-0-0-a", containers=[container(gpus=1)], owner=owned_by(member))
-    assert "which was admitted for it" in (await reviewed(admission, admission_review(grandchild)))["status"]["message"]
+    assert "which was admitted for it" in (await reviewed(admission, admission_review(grandchild, user=JOB_CONTROLLER)))["status"]["message"]
     # The children were let through on their owners' decisions: none has one of its own.
     for let_through in (member, grandchild):
         assert (await admission.client.get(f"/v1/admissions/{let_through.metadata.uid}")).status_code == 404
@@ -106,7 +106,7 @@ async def test_children_pass_on_an_admitted_owner_only_and_a_forged_owner_is_dec
     elsewhere = pod("borrow", containers=[container(gpus=8)], deadline=3600, owner=owned_by(member), annotations=H100)
     elsewhere.metadata.namespace = "vision-dev"
     for forged in (pod("via-pod", containers=[container(gpus=8)], deadline=3600, owner=as_job, annotations=H100), elsewhere):
-        answer = await reviewed(admission, admission_review(forged))
+        answer = await reviewed(admission, admission_review(forged, user=JOB_CONTROLLER))
         assert "which was admitted for it" not in answer["status"]["message"], answer
         assert (await admission.client.get(f"/v1/admissions/{forged.metadata.uid}")).status_code == 200  # decided as a run of its own
     # A forged owner naming a run that was never admitted, with no deadline of its own, is
@@ -114,6 +114,27 @@ async def test_children_pass_on_an_admitted_owner_only_and_a_forged_owner_is_dec
     ghost = V1OwnerReference(api_version="batch/v1", kind="Job", name="ghost", uid="00000000-dead-beef-0000-000000000000", controller=True)
     denied = await reviewed(admission, admission_review(pod("ghost-0", containers=[container(gpus=8)], owner=ghost)))
     assert denied["allowed"] is False and denied["status"]["code"] == 422 and "projected runtime" in denied["status"]["message"], denied
+
+
+async def test_a_child_of_an_admitted_owner_passes_only_when_a_trusted_controller_creates_it(admission) -> None:
+    # An ownerReference is its creator's to write: a tenant's Pod naming an admitted Job ran 8
+    # GPUs beside the Job's own pods, on the Job's one reservation.
+    parent = job("train", gpus=2, parallelism=1, deadline=3600, annotations=H100)
+    assert (await reviewed(admission, admission_review(parent)))["allowed"] is True
+    owner = V1OwnerReference(api_version="batch/v1", kind="Job", name="train", uid=parent.metadata.uid, controller=True)
+    own = pod("train-0", containers=[container(gpus=2)], owner=owner)
+    passed = await reviewed(admission, admission_review(own, user="system:kube-controller-manager"))
+    assert passed["allowed"] is True and "which was admitted for it" in passed["status"]["message"], passed
+    extra = pod("train-extra", containers=[container(gpus=8)], deadline=3600, owner=owner, annotations=H100)
+    answer = await reviewed(admission, admission_review(extra, user="mallory@example.com"))
+    assert "which was admitted for it" not in answer["status"]["message"], answer
+    assert any("created by 'mallory@example.com'" in w and "TRUSTED_CREATORS" in w for w in answer.get("warnings", [])), answer
+    decision = (await admission.client.get(f"/v1/admissions/{extra.metadata.uid}")).json()
+    assert decision["projected_gpu_hours"] == 8.0  # reserved as a run of its own
+    # Without a deadline of its own it cannot be decided, and is denied rather than let through.
+    bare = pod("train-bare", containers=[container(gpus=8)], owner=owner)
+    denied = await reviewed(admission, admission_review(bare, user="mallory@example.com"))
+    assert denied["allowed"] is False and denied["status"]["code"] == 422, denied
 
 
 async def test_an_update_raising_the_gpus_is_denied_and_others_pass(admission, pg_dsn) -> None:

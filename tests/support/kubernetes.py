@@ -117,9 +117,15 @@ def raycluster(name: str, *, owner: V1OwnerReference | None = None, annotations:
     return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": metadata, "spec": ray_cluster_spec(**cluster)}
 
 
-def admission_review(obj: Any, *, operation: str = "CREATE", dry_run: bool = False, uid: str | None = None, old: Any = None) -> dict[str, Any]:
-    """The AdmissionReview the API server sends for creating `obj` (a model or a dict), or for
-    updating `old` to `obj`."""
+JOB_CONTROLLER = "system:serviceaccount:kube-system:job-controller"  # who creates a Job's pods (kube-controller-manager)
+JOBSET_CONTROLLER = "system:serviceaccount:jobset-system:jobset-controller-manager"
+
+
+def admission_review(
+    obj: Any, *, operation: str = "CREATE", dry_run: bool = False, uid: str | None = None, old: Any = None, user: str = "alice@example.com"
+) -> dict[str, Any]:
+    """The AdmissionReview the API server sends for `user` creating `obj` (a model or a dict),
+    or updating `old` to `obj`."""
     body = obj if isinstance(obj, dict) else as_json(obj)
     group, version, resource = GROUPS[body["kind"]]
     return {
@@ -132,7 +138,7 @@ def admission_review(obj: Any, *, operation: str = "CREATE", dry_run: bool = Fal
             "requestKind": {"group": group, "version": version, "kind": body["kind"]},
             "namespace": body["metadata"].get("namespace", "vision-prod"),
             "operation": operation,
-            "userInfo": {"username": "alice@example.com", "groups": ["system:authenticated"]},
+            "userInfo": {"username": user, "groups": ["system:authenticated"]},
             "object": body,
             "name": body["metadata"].get("name"),
             "oldObject": None if old is None else old if isinstance(old, dict) else as_json(old),

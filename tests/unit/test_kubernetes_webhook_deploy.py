@@ -83,3 +83,17 @@ def test_the_certificate_covers_the_service_and_is_mounted_and_injected(docs: di
     command = pod["containers"][0]["command"]
     mount = next(m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == tls["name"])
     assert command[command.index("--ssl-certfile") + 1] == f"{mount}/tls.crt" and command[command.index("--ssl-keyfile") + 1] == f"{mount}/tls.key"
+
+
+def test_the_deployment_trusts_the_controllers_the_settings_trust_by_default(docs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    from budgetgate.services.admission.kubernetes import TRUSTED_CREATORS, KubernetesWebhookSettings
+
+    container = docs["Deployment/budgetgate-admission-webhook"]["spec"]["template"]["spec"]["containers"][0]
+    value = next(e["value"] for e in container["env"] if e["name"] == "BUDGETGATE_KUBERNETES_TRUSTED_CREATORS")
+    monkeypatch.setenv("BUDGETGATE_KUBERNETES_TRUSTED_CREATORS", value)
+    settings = KubernetesWebhookSettings()
+    assert settings.trusted_creators == list(TRUSTED_CREATORS)
+    assert settings.trusts("system:serviceaccount:kube-system:job-controller") and settings.trusts("system:kube-controller-manager")
+    # A pattern matches whole names: a tenant's account named like a controller is no controller.
+    assert not settings.trusts("system:serviceaccount:vision-prod:job-controller")
+    assert not settings.trusts("system:serviceaccount:kube-system-evil:x") and not settings.trusts("alice@example.com")
