@@ -101,6 +101,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
             max_backoff=settings.evidence_max_backoff_seconds,
             idle_seconds=settings.evidence_idle_seconds,
             decision_wait=settings.evidence_decision_wait_seconds,
+            server_error_limit=settings.evidence_server_error_limit,
         )
         rt = Runtime(pool, publisher, inbox, progress, broker, sender, ol_client)
         holder["rt"] = app.state.rt = rt

@@ -3,8 +3,13 @@ and waits with capped exponential backoff while the receiver is down, slow or fa
 
 Only the event in flight can be sent twice (acknowledged, then the process dies before the mark).
 A refused event (400, 413, 422: transport.REFUSING_STATUS) is dead-lettered with the receiver's
-answer and never retried. One sender
-runs at a time across instances (a Postgres advisory lock), so a run's events stay in order.
+answer and never retried. So is an event the receiver keeps failing on while it takes others: a
+5xx answered to it `server_error_limit` times, each time after the receiver had accepted another
+event since its previous try (a receiver down or failing on everything never proves that, so an
+outage dead-letters nothing). Such an event held back its run's later events for ever (a run's
+events go in order); `budgetgate evidence resend` puts dead-lettered events back once the
+receiver is fixed. One sender runs at a time across instances (a Postgres advisory lock), so a
+run's events stay in order.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Sender:
         max_backoff: float = 60.0,
         idle_seconds: float = 0.5,
         decision_wait: float = 600.0,
+        server_error_limit: int = 10,
     ) -> None:
         self.pool = pool
         self.send = send
@@ -62,8 +68,12 @@ class Sender:
         self.max_backoff = max_backoff
         self.idle_seconds = idle_seconds
         self.decision_wait = decision_wait
+        self.server_error_limit = server_error_limit
         self.wakeup = asyncio.Event()
         self.stats = SenderStats()
+        # Per event failing with a 5xx: (strikes, deliveries counted at its previous failure).
+        # Kept in memory: a restart only makes a poison event take longer to be set aside.
+        self._strikes: dict[int, tuple[int, int]] = {}
 
     async def run(self) -> None:
         """Deliver until cancelled, outliving Postgres and receiver outages."""
@@ -94,9 +104,13 @@ class Sender:
     async def deliver_once(self) -> int:
         """Send one batch of due events; returns how many were taken care of (delivered or dead).
 
-        Stops at the first failure and waits out the backoff before returning.
+        A failure with no answer (the receiver down, slow) stops the batch, and the backoff is
+        waited out before returning. A 5xx is the receiver's answer about that one event, maybe:
+        the next event is tried, and only a second failure in a row stops the batch. (Stopping
+        at every failure let one event the receiver kept failing on, due again each time the
+        sender woke, hold back every other event for ever.)
         """
-        done = 0
+        done, failed_in_a_row = 0, 0
         for pending in await store.next_batch(self.pool, self.batch):
             event = events.from_json(pending.payload)
             try:
@@ -108,15 +122,45 @@ class Sender:
                 done += 1
                 continue
             except NotDelivered as exc:
-                await self._failed(pending, exc)
-                return done
+                if self._poison(pending, exc):
+                    reason = f"the receiver answered HTTP {exc.status} to this event {self.server_error_limit} times while it accepted others: {exc}"
+                    log.error("evidence event %d dead-lettered: %s; body: %s", pending.seq, reason, exc.body[:500])
+                    await store.mark_dead(self.pool, pending.seq, status=exc.status, body=exc.body, error=reason)
+                    self.stats.dead_lettered += 1
+                    done += 1
+                    continue
+                failed_in_a_row += 1
+                wait = await self._failed(pending, exc)
+                if not exc.server_error or failed_in_a_row > 1:
+                    await asyncio.sleep(wait)
+                    return done
+                continue
             await store.mark_delivered(self.pool, pending.seq)
+            self._strikes.pop(pending.seq, None)
             self.stats.delivered += 1
             self.stats.consecutive_failures = 0
+            failed_in_a_row = 0
             done += 1
         return done
 
-    async def _failed(self, pending: store.Pending, exc: NotDelivered) -> None:
+    def _poison(self, pending: store.Pending, exc: NotDelivered) -> bool:
+        """Whether `exc` is the last strike against the event (see the module doc)."""
+        if not exc.server_error:
+            return False
+        strikes, delivered_then = self._strikes.get(pending.seq, (-1, self.stats.delivered))
+        # The first 5xx is no strike (nothing shows the receiver up since); a later one is when
+        # the receiver took another event after the event's previous try.
+        strikes = 0 if strikes < 0 else strikes + (self.stats.delivered > delivered_then)
+        if strikes >= self.server_error_limit:
+            self._strikes.pop(pending.seq, None)
+            return True
+        if len(self._strikes) >= 10_000:
+            self._strikes.clear()
+        self._strikes[pending.seq] = (strikes, self.stats.delivered)
+        return False
+
+    async def _failed(self, pending: store.Pending, exc: NotDelivered) -> float:
+        """Count the failure and put the event off; returns the sender's wait before its next try."""
         self.stats.failures += 1
         self.stats.consecutive_failures += 1
         self.stats.last_error = str(exc)
@@ -126,7 +170,7 @@ class Sender:
         own = backoff(pending.attempts + 1, initial=self.initial_backoff, cap=self.max_backoff)
         log.warning("evidence event %d not delivered (%s); retrying in %.1fs", pending.seq, exc, wait)
         await store.mark_retry(self.pool, pending.seq, error=str(exc), after_seconds=own)
-        await asyncio.sleep(wait)
+        return wait
 
     async def refresh_backlog(self) -> store.Backlog:
         self.stats.backlog = await store.backlog(self.pool)

@@ -7,6 +7,8 @@ to `evidence_file`, which is what the local stack does unless Marquez is configu
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from budgetgate.settings import ServingSettings
 
 
@@ -26,6 +28,10 @@ class EvidenceSettings(ServingSettings):
     # the decision inferred from its charges.
     evidence_decision_wait_seconds: float = 600.0
     evidence_idle_seconds: float = 0.5
+    # An event answered with a 5xx this many times, each after the receiver had accepted another
+    # event since its previous try, is dead-lettered (`budgetgate evidence resend` sends it again).
+    # At the default backoff, 10 take about four minutes of the receiver failing on that event.
+    evidence_server_error_limit: int = Field(default=10, ge=1)
     # Records per poll: one poll is stored in one transaction.
     consumer_max_records: int = 500
 

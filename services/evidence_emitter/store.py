@@ -137,6 +137,16 @@ async def mark_dead(pool: asyncpg.Pool, seq: int, *, status: int | None, body: s
     await pool.execute(sql("evidence_mark_dead"), seq, status, body, error[:2000])
 
 
+async def dead(conn: asyncpg.Connection | asyncpg.Pool, *, seqs: list[int] | None = None, limit: int = 1000) -> list[asyncpg.Record]:
+    """Dead-lettered events (those of `seqs`, else all), oldest first."""
+    return list(await conn.fetch(sql("evidence_dead_list"), seqs, limit))
+
+
+async def resend(conn: asyncpg.Connection | asyncpg.Pool, *, seqs: list[int] | None = None) -> list[int]:
+    """Put dead-lettered events (those of `seqs`, else all) back to be sent; returns their seqs."""
+    return [row["seq"] for row in await conn.fetch(sql("evidence_resend"), seqs)]
+
+
 async def backlog(pool: asyncpg.Pool) -> Backlog:
     row = await pool.fetchrow(sql("evidence_backlog"))
     assert row is not None

@@ -47,7 +47,18 @@ class Refused(Exception):
 
 
 class NotDelivered(Exception):
-    """The event did not get through this time (receiver down, slow, 5xx): retry later."""
+    """The event did not get through this time (receiver down, slow, 5xx): retry later. `status`
+    and `body`: the receiver's answer, when it answered."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+    @property
+    def server_error(self) -> bool:
+        """The receiver answered, with a 5xx: about this event, or about itself."""
+        return self.status is not None and 500 <= self.status < 600
 
 
 def build_client(evidence_file: str, *, config: dict[str, Any] | None = None) -> OpenLineageClient:
@@ -97,13 +108,15 @@ def classify(exc: BaseException) -> Refused | NotDelivered:
         return exc
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
-    if isinstance(status, int) and status in REFUSING_STATUS:
-        try:
-            body = response.text  # type: ignore[union-attr]
-        except Exception:  # noqa: BLE001 - a body that cannot be read is still a refusal
-            body = ""
+    if not isinstance(status, int):
+        return NotDelivered(f"{type(exc).__name__}: {exc}")
+    try:
+        body = str(response.text)  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - a body that cannot be read is still an answer
+        body = ""
+    if status in REFUSING_STATUS:
         return Refused(status, body)
-    return NotDelivered(f"{type(exc).__name__}: {exc}")
+    return NotDelivered(f"{type(exc).__name__}: {exc}", status=status, body=body)
 
 
 class AckedKafkaTransport(KafkaTransport):

@@ -161,6 +161,83 @@ async def test_a_restart_resends_nothing_and_a_refusal_is_dead_lettered(settings
     assert len(marquez.refused) == 1
 
 
+async def test_an_event_the_receiver_keeps_failing_on_is_set_aside_and_resent_on_demand(settings, pg_dsn, marquez) -> None:  # type: ignore[no-untyped-def]
+    # Marquez answering 500 to one event, for ever, while it takes every other: the event was
+    # retried every minute for ever, and its run's later events (a run's go in order) never left.
+    from click.testing import CliRunner
+
+    from budgetgate.cli.main import cli
+
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    poison_run = str(events.run_uuid("runs/poison"))
+    marquez.fail_event = lambda event: 500 if event["run"]["runId"] == poison_run and event["eventType"] == "START" else None
+    poisoned = decision("runs/poison")
+    await publish(settings, poisoned, *[decision(f"runs/{i}") for i in range(3)])
+    emitter = await EmitterServer(emitter_settings(settings, evidence_server_error_limit=3), http_client(marquez.url)).start()
+    try:
+        await marquez.wait_for(3)
+        # The other runs keep the receiver busy: each of the poison's tries after the first finds
+        # events delivered since its previous one, until it is set aside.
+        for i in range(3, 30):
+            if emitter.rt.sender.stats.dead_lettered:
+                break
+            await publish(settings, decision(f"runs/{i}"))
+            await asyncio.sleep(0.3)
+        await wait_until(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the failing event to be dead-lettered")
+        # The run's next event is no longer held back behind it.
+        await publish(settings, reconciliation(poisoned, "COMPLETED", actual_hours=1.0))
+        await wait_until(lambda: any(e["run"]["runId"] == poison_run for e in marquez.received()), what="the poison run's later event")
+    finally:
+        await emitter.stop()
+    # Tried once, then at least once per strike (a try with nothing delivered since the last is none).
+    assert len(marquez.failed) >= 4 and all(e["run"]["runId"] == poison_run for e in marquez.failed)
+
+    env = {"BUDGETGATE_POSTGRES_DSN": settings.postgres_dsn, "BUDGETGATE_HOME": "/nonexistent"}
+    listed = await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "dead", "--json"], env=env)
+    assert listed.exit_code == 0, listed.output
+    [dead] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert (dead["run_id"], dead["event_type"], dead["status_code"]) == ("runs/poison", "START", 500), dead
+    assert "3 times while it accepted others" in dead["error"] and "fails on this event" in dead["body"]
+    unknown = await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "resend", "--seq", "999999999"], env=env)
+    assert unknown.exit_code == 1 and "not dead-lettered" in unknown.output
+    assert (await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "resend"], env=env)).exit_code == 2  # neither --seq nor --all
+
+    # Fixed (the receiver, or what it choked on): resent, it arrives.
+    marquez.fail_event = lambda _event: None
+    resent = await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "resend", "--seq", str(dead["seq"])], env=env)
+    assert resent.exit_code == 0 and "1 event(s) back" in resent.stdout, resent.output
+    again = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
+    try:
+        await wait_until(lambda: (poison_run, "START") in kinds(marquez.received()), what="the resent event")
+        await wait_evidence_settled(settings)
+    finally:
+        await again.stop()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM evidence_events WHERE state <> 'delivered'") == 0
+        assert await conn.fetchval("SELECT count(*) FROM evidence_dead_letters") == 0
+    finally:
+        await conn.close()
+
+
+async def test_a_receiver_failing_on_everything_sets_nothing_aside(settings, marquez) -> None:  # type: ignore[no-untyped-def]
+    # 500 to every event is the receiver's own trouble, however long: nothing proves any one
+    # event the cause, so nothing is dead-lettered, and all of it arrives once it recovers.
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    await publish(settings, *[decision(f"runs/{i}") for i in range(3)])
+    marquez.fail(500)
+    emitter = await EmitterServer(emitter_settings(settings, evidence_server_error_limit=1), http_client(marquez.url)).start()
+    try:
+        await wait_until(lambda: emitter.rt.sender.stats.failures >= 8, what="several failed tries")
+        assert emitter.rt.sender.stats.dead_lettered == 0
+        marquez.recover()
+        await marquez.wait_for(3)
+        await wait_evidence_settled(settings)
+    finally:
+        await emitter.stop()
+    assert emitter.rt.sender.stats.dead_lettered == 0
+
+
 async def test_without_configuration_the_file_transport_is_used(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     for name in ("OPENLINEAGE_URL", "OPENLINEAGE_CONFIG", "OPENLINEAGE__TRANSPORT__TYPE"):
         monkeypatch.delenv(name, raising=False)

@@ -101,9 +101,13 @@ class MarquezStandIn:
         self.events: list[dict[str, Any]] = []
         self.invalid: list[tuple[dict[str, Any], list[str]]] = []
         self.refused: list[dict[str, Any]] = []
+        self.failed: list[dict[str, Any]] = []
         self.requests = 0
         self.status = 201  # what POST /api/v1/lineage answers; 5xx = failing
         self.refuse: Callable[[dict[str, Any]], bool] = lambda _event: False
+        # A status to fail one event with (Marquez answers 500 on an error of its own while
+        # storing an event), or None to take it.
+        self.fail_event: Callable[[dict[str, Any]], int | None] = lambda _event: None
         self.delay = 0.0  # seconds before answering (the event is recorded first)
         self._stall = threading.Event()
         self._stall.set()  # set = not stalling
@@ -220,6 +224,11 @@ class MarquezStandIn:
             event = json.loads(body)
         except ValueError:
             return 400, {"code": 400, "message": "body is not JSON"}
+        failing = self.fail_event(event)
+        if failing is not None:
+            with self._lock:
+                self.failed.append(event)
+            return failing, {"code": failing, "message": "stand-in fails on this event"}
         if self.refuse(event):
             with self._lock:
                 self.refused.append(event)

@@ -8,6 +8,7 @@ from budgetgate.cli import bench, db, demo, dev, policy, publish
 from budgetgate.cli.usage import usage
 from budgetgate.cli.actions import actions, dlq
 from budgetgate.cli.audit import audit
+from budgetgate.cli.evidence import evidence
 from budgetgate.cli.ledger import ledger
 from budgetgate.cli.budgets import budgets
 from budgetgate.cli.asyncapi import asyncapi
@@ -35,6 +36,7 @@ cli.add_command(bench.bench)
 cli.add_command(publish.publish)
 cli.add_command(usage)
 cli.add_command(audit)
+cli.add_command(evidence)
 cli.add_command(ledger)
 cli.add_command(budgets)
 cli.add_command(actions)

@@ -752,6 +752,25 @@ INSERT INTO evidence_dead_letters (seq, status_code, body)
 SELECT seq, $2, $3 FROM dead
 ON CONFLICT (seq) DO NOTHING;
 
+-- name: evidence_dead_list
+-- Dead-lettered evidence events, oldest first: what was refused or kept failing, and why.
+SELECT e.seq, e.run_id, e.stage, e.event_type, e.event_time, e.attempts, e.last_error, d.status_code, d.body, d.dead_at
+FROM evidence_events e LEFT JOIN evidence_dead_letters d ON d.seq = e.seq
+WHERE e.state = 'dead' AND ($1::bigint[] IS NULL OR e.seq = ANY($1::bigint[]))
+ORDER BY e.seq LIMIT $2;
+
+-- name: evidence_resend
+-- Dead-lettered events ($1 their seqs; NULL: every one) back to pending, due now, with their
+-- dead letters removed; returns the seqs. The sender delivers them in their runs' order again.
+WITH back AS (
+    UPDATE evidence_events SET state = 'pending', attempts = 0, next_attempt_at = now(), last_error = NULL
+    WHERE state = 'dead' AND ($1::bigint[] IS NULL OR seq = ANY($1::bigint[]))
+    RETURNING seq
+), forgotten AS (
+    DELETE FROM evidence_dead_letters d USING back WHERE d.seq = back.seq
+)
+SELECT seq FROM back ORDER BY seq;
+
 -- name: evidence_backlog
 SELECT count(*) AS pending,
        COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_seconds
