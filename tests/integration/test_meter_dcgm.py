@@ -1,6 +1,7 @@
 """`budgetgate meter dcgm` against recorded DCGM exporter pages served on loopback: the GPUs each
-run holds become cumulative samples, through Kafka or HTTP, into metering-ingest's usage; a page
-that cannot say who holds its GPUs publishes nothing."""
+run holds become cumulative samples, through Kafka or HTTP, into metering-ingest's usage; an
+exporter that fails (no answer, or a page that cannot say who holds its GPUs) stops only its own
+node's share, neither ending its runs nor charging them for time it did not see."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from click.testing import CliRunner, Result
 from budgetgate.cli.main import cli
 from tests.support.dcgm import Exporters
 from tests.support.metering import decide, metering, metering_factory, usage_rows, wait_for  # noqa: F401 - pytest fixtures
-from tests.support.servers import PageServer, free_port
+from tests.support.servers import free_port
 
 FLYTE = "flyte/vision/exec-7f3a/n0"
 TRAIN = "vision-prod/train-resnet-0"
@@ -69,29 +70,46 @@ async def test_scrapes_become_cumulative_samples_on_kafka(exporters, metering, s
     assert saved["totals"][FLYTE][0] * 1000 == pytest.approx(flyte[1]["gpu_milli_hours"], abs=1)
 
 
-async def test_over_http_and_a_failed_scrape_publishes_nothing(exporters, metering, pg_dsn) -> None:
+async def test_over_http_a_failing_exporter_stops_only_its_own_nodes_share(exporters, metering, pg_dsn) -> None:
     await decide(pg_dsn, FLYTE)
     down = f"http://127.0.0.1:{free_port()}/metrics"
     env = {"BUDGETGATE_METERING_URL": metering.url}
-    failed = await meter("--url", f"{exporters.url}/b/metrics", "--url", down, "--interval", "0.1", "--count", "2", "--via", "http", env=env)
-    assert "skipping this scrape" in failed.output and await usage_rows(pg_dsn) == []
-    await meter("--url", f"{exporters.url}/b/metrics", "--labelled-only", "--interval", "0.3", "--count", "3", "--via", "http", env=env)
+    # Every exporter failing: the scrape is skipped.
+    skipped = await meter("--url", down, "--interval", "0.1", "--count", "2", "--via", "http", env=env)
+    assert skipped.output.count(f"scrape of {down} failed (ConnectError") == 2 and "skipping this scrape" in skipped.output
+    assert await usage_rows(pg_dsn) == []
+    # One of two failing: node B's runs are published at every scrape; the failure is logged at each, once.
+    urls = ["--url", f"{exporters.url}/b/metrics", "--url", down]
+    partial = await meter(*urls, "--labelled-only", "--interval", "0.3", "--count", "3", "--via", "http", env=env)
+    assert partial.output.count(f"scrape of {down} failed (ConnectError") == 3 and partial.output.count("; 1 of 2 exporter(s) failed;") == 3
+    assert "skipping this scrape" not in partial.output
     rows = await usage_rows(pg_dsn)
     assert [r["run_id"] for r in rows] == [FLYTE, FLYTE] and {r["source"] for r in rows} == {"http"}
-    assert_held(rows, gpus=2, hosts=1)  # node B alone: 2 GPUs of the run
+    assert_held(rows, gpus=2, hosts=1)  # node B's share of the run: node A's was never seen
 
 
-async def test_an_exporter_answering_an_empty_page_charges_nothing_rather_than_ending_runs(exporters, metering, pg_dsn) -> None:
-    await decide(pg_dsn, FLYTE)
-    empty = PageServer(lambda path: (b"", "text/plain; version=0.0.4; charset=utf-8"))  # a 200 with no metrics, as an exporter restarting may give
+async def test_an_exporter_failing_for_a_while_neither_ends_nor_overcharges_its_runs(metering, pg_dsn, tmp_path) -> None:
+    await decide(pg_dsn, FLYTE, TRAIN)
+    served = Exporters(train_scrapes=10, a_empty_at=(3, 4))  # a 200 with no metrics, as an exporter restarting may give
+    state = tmp_path / "meter.json"
+    a, b = f"{served.url}/a/metrics", f"{served.url}/b/metrics"
     try:
-        urls = ["--url", f"{exporters.url}/b/metrics", "--url", f"{empty.url}/metrics"]
-        args = ["meter", "dcgm", *urls, "--interval", "0.2", "--count", "3", "--via", "http"]
-        result = await asyncio.to_thread(CliRunner().invoke, cli, args, env={"BUDGETGATE_HOME": "", "BUDGETGATE_METERING_URL": metering.url})
+        args = ["--url", a, "--url", b, "--interval", "0.3", "--count", "5", "--via", "http", "--state", str(state)]
+        result = await meter(*args, env={"BUDGETGATE_METERING_URL": metering.url})
     finally:
-        empty.close()
-    # Each scrape is skipped, as one an exporter did not answer, and the meter goes on.
-    assert result.exit_code == 0, result.output
-    assert result.output.count("exporter page 2 of 2 has no DCGM_FI_DEV_GPU_UTIL sample") == 3 and "skipping this scrape" in result.output
-    # Read as "no GPU held" on that node, node B's share of the run would have been published as all of it.
-    assert await usage_rows(pg_dsn) == []
+        served.close()
+    failed = f"scrape of {a} failed (the exporter page has no DCGM_FI_DEV_GPU_UTIL sample (it is empty)"
+    assert result.output.count(failed) == 2 and result.output.count("; 1 of 2 exporter(s) failed;") == 2 and "skipping" not in result.output
+    flyte, train = await usage_rows(pg_dsn, FLYTE), await usage_rows(pg_dsn, TRAIN)
+    assert len(flyte) == len(train) == 4  # scrapes 2 to 5 (at the first, nothing was used yet)
+    # While node A's page is empty, the run on both nodes goes on by node B's share...
+    assert_held(flyte[:2], gpus=2, hosts=1)
+    assert_held(flyte[1:3], gpus=2, hosts=1)
+    # ...and the run on node A alone is still sampled (not ended), at its total so far: read as
+    # "no GPU held", it would have been charged half an interval as ended.
+    assert train[0]["gpu_milli_hours"] == train[1]["gpu_milli_hours"] == train[2]["gpu_milli_hours"] > 0
+    # Node A answering again brings its share in: as if it had never failed.
+    assert_held([flyte[0], flyte[3]], gpus=4, hosts=2)
+    assert_held([train[0], train[3]], gpus=4, hosts=1)
+    saved = json.loads(state.read_text())
+    assert set(saved["pages"]) == {a, b} and saved["pages"][a]["at"] == saved["pages"][b]["at"] == saved["last_at"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from budgetgate.platforms.dcgm import Meter, holdings, sample_id
+from budgetgate.platforms.dcgm import Holdings, Meter, holdings, sample_id
 
 PAGES = Path(__file__).resolve().parents[1] / "fixtures" / "dcgm"
 T0 = datetime(2026, 7, 14, 9, 0, tzinfo=UTC)
@@ -16,6 +16,11 @@ FLYTE = "flyte/vision/exec-7f3a/n0"
 
 def page(name: str) -> str:
     return (PAGES / name).read_text()
+
+
+def scrape(**pages: str) -> dict[str, Holdings]:
+    """What each exporter's page (exporter → recorded page) holds."""
+    return {exporter: holdings([page(name)]) for exporter, name in pages.items()}
 
 
 def test_allocated_gpus_by_run_across_nodes() -> None:
@@ -38,22 +43,22 @@ def test_not_prometheus_text_is_an_error() -> None:
 
 def test_gpu_seconds_are_allocated_time_by_the_trapezoid_rule() -> None:
     meter = Meter()
-    both = holdings([page("node-a.prom"), page("node-b.prom")])
+    both = scrape(a="node-a.prom", b="node-b.prom")
     first = meter.observe(T0, both)
     assert {u.run_id: u.gpu_seconds for u in first} == {FLYTE: 0.0, "vision-prod/train-resnet-0": 0.0}
     second = {u.run_id: u for u in meter.observe(T0 + timedelta(seconds=15), both)}
     assert second[FLYTE].gpu_seconds == 60.0 and second[FLYTE].node_seconds == 30.0  # 4 GPUs, 2 nodes × 15 s
-    ended = {u.run_id: u for u in meter.observe(T0 + timedelta(seconds=30), holdings([page("node-a-train-ended.prom"), page("node-b.prom")]))}
+    ended = {u.run_id: u for u in meter.observe(T0 + timedelta(seconds=30), scrape(a="node-a-train-ended.prom", b="node-b.prom"))}
     # Held at one end of the interval only: half of it.
     assert ended["vision-prod/train-resnet-0"].gpu_seconds == 60.0 + 30.0
     assert ended[FLYTE].gpu_seconds == 120.0
-    later = {u.run_id for u in meter.observe(T0 + timedelta(seconds=45), holdings([page("node-a-train-ended.prom"), page("node-b.prom")]))}
+    later = {u.run_id for u in meter.observe(T0 + timedelta(seconds=45), scrape(a="node-a-train-ended.prom", b="node-b.prom"))}
     assert later == {FLYTE}  # reported once more after it ended, then no longer
 
 
 def test_a_gap_longer_than_max_gap_is_not_counted_and_state_survives_a_restart() -> None:
     meter = Meter(max_gap=timedelta(minutes=1))
-    held = holdings([page("node-b.prom")])
+    held = scrape(b="node-b.prom")
     meter.observe(T0, held)
     meter.observe(T0 + timedelta(seconds=10), held)
     restarted = Meter.restored(meter.state(), max_gap=timedelta(minutes=1))

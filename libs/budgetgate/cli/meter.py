@@ -4,7 +4,11 @@ samples, to Kafka (default) or over HTTP to metering-ingest.
 
 One meter must scrape every node a run can use (give --url once per exporter), since a sample
 carries the run's whole total. Samples are cumulative, so a scrape or a publish that fails loses
-nothing: the next one carries the total. With --state, the totals survive a restart.
+nothing: the next one carries the total. An exporter that fails does not stop the others: the runs
+on the exporters that answered are published, and a failing exporter's runs keep their last
+holdings, charged for its node once it answers again within --max-gap (the rule is dcgm.py's).
+Every failing exporter is logged with its URL and reason at each scrape; a scrape in which all
+fail is skipped. With --state, the totals survive a restart.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -50,28 +55,31 @@ def dcgm(
     exporter: str, state_file: Path | None, max_gap: float, via: str, metering_url: str | None,
 ) -> None:  # fmt: skip
     """Scrape DCGM exporters' DCGM_FI_DEV_GPU_UTIL and publish each run's cumulative GPU-seconds."""
+    urls = tuple(dict.fromkeys(urls))  # an exporter given twice is one exporter
     gap = timedelta(seconds=max_gap)
     meter_ = Meter.restored(json.loads(state_file.read_text()), max_gap=gap) if state_file and state_file.exists() else Meter(max_gap=gap)
 
-    def read(texts: list[str]) -> Holdings:
-        return holdings(texts, run_id_label=run_id_label, run_id_template=None if labelled_only else run_id_template)
+    def read(text: str) -> Holdings:
+        return holdings([text], run_id_label=run_id_label, run_id_template=None if labelled_only else run_id_template)
 
     async def loop(publish) -> None:  # type: ignore[no-untyped-def]
         scrapes = 0
         async with httpx.AsyncClient(timeout=max(5.0, interval)) as http:
             while count is None or scrapes < count:
                 started = asyncio.get_running_loop().time()
-                texts = await _scrape(http, urls)
-                held = _read(read, texts) if texts is not None else None
-                if held is not None:
+                pages = _read(read, await _scrape(http, urls))
+                answered = [held for held in pages.values() if held is not None]
+                if answered:
                     at = datetime.now(UTC)
-                    usages = [u for u in meter_.observe(at, held) if u.gpu_seconds or u.node_seconds]
+                    usages = [u for u in meter_.observe(at, pages) if u.gpu_seconds or u.node_seconds]
                     sent = await _publish(publish, usages, exporter=exporter, at=at)
                     if state_file is not None:
                         _save(state_file, meter_.state())
-                    unmapped = f"; {len(held.unmapped)} pod(s) holding GPUs without a run id: {', '.join(sorted(held.unmapped))}" if held.unmapped else ""
+                    idle, unmapped = sum(held.idle for held in answered), sorted({pod for held in answered for pod in held.unmapped})
+                    without_run_id = f"; {len(unmapped)} pod(s) holding GPUs without a run id: {', '.join(unmapped)}" if unmapped else ""
                     click.echo(
-                        f"{at.isoformat()} {len(meter_.last)} run(s) holding GPUs, {held.idle} GPU(s) with no pod{unmapped}; {sent} sample(s) published",
+                        f"{at.isoformat()} {len(meter_.last)} run(s) holding GPUs, {idle} GPU(s) with no pod{without_run_id}; "
+                        f"{len(pages) - len(answered)} of {len(pages)} exporter(s) failed; {sent} sample(s) published",
                         err=True,
                     )
                 scrapes += 1
@@ -98,26 +106,46 @@ async def _with_publisher(via: str, metering_url: str | None, loop) -> None:  # 
         await loop(feed.send_metering)
 
 
-def _read(read, texts: list[str]) -> Holdings | None:  # type: ignore[no-untyped-def]
-    """Which runs hold GPUs on the scraped pages, or None when a page cannot say (skipped like a
-    failed scrape: read as "no GPU held", it would end every run on that node)."""
-    try:
-        return read(texts)
-    except ScrapeError as exc:
-        click.echo(f"{exc}; skipping this scrape", err=True)
-        return None
+@dataclass(frozen=True)
+class _Failed:
+    """Why an exporter gave no page."""
+
+    why: str
 
 
-async def _scrape(http: httpx.AsyncClient, urls: tuple[str, ...]) -> list[str] | None:
-    """Every exporter's page, or None when one failed: a partial scrape would read as runs that
-    ended on the missing nodes."""
+def _read(read, answers: dict[str, str | _Failed]) -> dict[str, Holdings | None]:  # type: ignore[no-untyped-def]
+    """What each exporter's page holds, None for an exporter that failed: it gave no page, or one
+    that cannot say which runs hold its GPUs (read as "no GPU held", it would end every run on that
+    node). Each failure is logged once, with the exporter's URL and why."""
+    pages: dict[str, Holdings | None] = {}
+    failures: dict[str, str] = {}
+    for url, answer in answers.items():
+        pages[url] = None
+        if isinstance(answer, _Failed):
+            failures[url] = answer.why
+            continue
+        try:
+            pages[url] = read(answer)
+        except ScrapeError as exc:
+            failures[url] = str(exc)
+    then = "skipping this scrape" if len(failures) == len(answers) else "its runs keep their last holdings, charged for its node when it answers again"
+    for url, why in failures.items():
+        click.echo(f"scrape of {url} failed ({why}); {then}", err=True)
+    return pages
+
+
+async def _scrape(http: httpx.AsyncClient, urls: tuple[str, ...]) -> dict[str, str | _Failed]:
+    """Every exporter's page, or why it gave none."""
     answers = await asyncio.gather(*(http.get(url) for url in urls), return_exceptions=True)
+    pages: dict[str, str | _Failed] = {}
     for url, answer in zip(urls, answers, strict=True):
-        if isinstance(answer, BaseException) or answer.status_code != 200:
-            why = f"{type(answer).__name__}: {answer}" if isinstance(answer, BaseException) else f"HTTP {answer.status_code}"
-            click.echo(f"scrape of {url} failed ({why}); skipping this scrape", err=True)
-            return None
-    return [a.text for a in answers]  # type: ignore[union-attr]
+        if isinstance(answer, BaseException):
+            pages[url] = _Failed(f"{type(answer).__name__}: {answer}")
+        elif answer.status_code != 200:
+            pages[url] = _Failed(f"HTTP {answer.status_code}")
+        else:
+            pages[url] = answer.text
+    return pages
 
 
 async def _publish(publish, usages: list[Usage], *, exporter: str, at: datetime) -> int:  # type: ignore[no-untyped-def]

@@ -33,6 +33,22 @@ Between two scrapes a GPU held at both counts the whole interval, a GPU held at 
 half of it (the trapezoid rule: unbiased when a run starts or ends anywhere in the interval);
 an interval longer than `max_gap` (the exporter was unreachable) is not counted, since nothing
 is known about it. Node-seconds follow the same rule over the hosts holding the run's GPUs.
+
+One exporter failing (no answer, or a page that is a ScrapeError) does not stop the others: the
+runs on the exporters that answered are metered at every scrape. For a failing exporter the rule
+above is applied to that exporter alone, between its own pages: the interval from its last good
+page to the next one is counted when that page comes, by the trapezoid rule, and only if it is no
+longer than `max_gap`. Until then the runs on its last good page keep holding its GPUs (a run does
+not look ended because its node's exporter failed, and is reported at its total so far) but are
+charged nothing for that node; once that page is more than `max_gap` old, the interval can never be
+counted and its holdings are dropped as gone, still charging nothing. A run on several nodes is
+charged per node over each node's own intervals: while one node's exporter fails, the run's total
+grows by the other nodes' share and catches up when the node answers within `max_gap`, reaching
+what every exporter answering would have given, never more. Charging a failed node's last holdings
+as time passes instead would charge a run that ended just after that page for time nobody saw, and
+cumulative totals cannot be taken back. Pages are kept per exporter (`Meter.pages`); a state saved
+before that has one page for all exporters, counted as before when every exporter answers the
+first scrape after the restore, else kept uncharged until `max_gap` while each exporter starts afresh.
 """
 
 from __future__ import annotations
@@ -50,8 +66,8 @@ DEFAULT_RUN_ID_TEMPLATE = "{namespace}/{pod}"
 
 
 class ScrapeError(ValueError):
-    """An exporter page that cannot say which runs hold its node's GPUs; skip the scrape, as
-    for an exporter that did not answer."""
+    """An exporter page that cannot say which runs hold its node's GPUs; the exporter failed, as
+    one that did not answer."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,7 @@ def _label(labels: Mapping[str, str], *names: str) -> str:
 def _samples(text: str, metric: str, *, page: int, pages: int) -> Iterator[Mapping[str, str]]:
     """The labels of every sample of `metric` on one page; a ScrapeError when there is none."""
     found = 0
+    where = "the exporter page" if pages == 1 else f"exporter page {page} of {pages}"
     try:
         for family in text_string_to_metric_families(text):
             if family.name != metric:
@@ -89,10 +106,10 @@ def _samples(text: str, metric: str, *, page: int, pages: int) -> Iterator[Mappi
                 found += 1
                 yield sample.labels
     except ValueError as exc:
-        raise ScrapeError(f"exporter page {page} of {pages} is not Prometheus text ({exc})") from exc
+        raise ScrapeError(f"{where} is not Prometheus text ({exc})") from exc
     if not found:
         why = "it is empty" if not text.strip() else "the exporter does not collect that field"
-        raise ScrapeError(f"exporter page {page} of {pages} has no {metric} sample ({why}): it cannot say which runs hold its GPUs")
+        raise ScrapeError(f"{where} has no {metric} sample ({why}): it cannot say which runs hold its GPUs")
 
 
 def holdings(
@@ -142,56 +159,120 @@ class Usage:
     node_seconds: float
 
 
+EVERY_EXPORTER = "*"  # the page of a state saved before pages were kept per exporter: all of them at once
+_NONE_HELD = Holding(frozenset(), frozenset())
+
+
+@dataclass(frozen=True)
+class Page:
+    """An exporter's last page that could be read: when, and which run held which of its GPUs."""
+
+    at: datetime
+    held: Mapping[str, Holding]
+
+
 @dataclass
 class Meter:
-    """Folds successive scrapes into each run's cumulative seconds; its state (`totals`, the
-    last scrape) can be saved and restored so a restarted meter does not count from zero."""
+    """Folds successive scrapes into each run's cumulative seconds; its state (`totals`, each
+    exporter's last good page) can be saved and restored so a restarted meter does not count from zero.
+
+    `last` is what each run holds as far as the meter knows: the union of those pages."""
 
     max_gap: timedelta = timedelta(minutes=5)
     totals: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_at: datetime | None = None
     last: dict[str, Holding] = field(default_factory=dict)
+    pages: dict[str, Page] = field(default_factory=dict)
 
-    def observe(self, at: datetime, now_holding: Mapping[str, Holding]) -> list[Usage]:
-        """Count the interval since the last scrape; the cumulative usage of every run held at
+    def observe(self, at: datetime, pages: Mapping[str, Mapping[str, Holding] | None]) -> list[Usage]:
+        """Count, for every exporter that answered (exporter → what its page holds; None: its page
+        failed), the interval since its last good page; the cumulative usage of every run held at
         either end of it (a run that ended is reported once more). Totals are kept for runs no
-        longer held, so a run that holds GPUs again (re-admitted) goes on from its total."""
+        longer held, so a run that holds GPUs again (re-admitted) goes on from its total.
+        A scrape in which no exporter answered changes nothing."""
         if self.last_at is not None and at <= self.last_at:
             raise ValueError(f"scrape at {at.isoformat()} is not after the previous one ({self.last_at.isoformat()})")
-        seconds = (at - self.last_at).total_seconds() if self.last_at is not None else 0.0
-        counted = seconds if seconds <= self.max_gap.total_seconds() else 0.0
-        empty = Holding(frozenset(), frozenset())
-        usages = []
-        for run_id in sorted(set(self.last) | set(now_holding)):
-            before, after = self.last.get(run_id, empty), now_holding.get(run_id, empty)
+        answered = {exporter: held for exporter, held in pages.items() if held is not None}
+        if not answered:
+            return []
+        for since, before, after in self._intervals(answered, every=len(answered) == len(pages)):
+            self._count((at - since).total_seconds(), before, after)
+        self.pages.update({exporter: Page(at, dict(held)) for exporter, held in answered.items()})
+        # A page older than max_gap ends an interval that can no longer be counted: its holdings are gone.
+        self.pages = {exporter: page for exporter, page in self.pages.items() if at - page.at <= self.max_gap}
+        held_before, self.last_at, self.last = self.last, at, _union(page.held for page in self.pages.values())
+        return [Usage(run_id, at, *self.totals.setdefault(run_id, (0.0, 0.0))) for run_id in sorted(set(held_before) | set(self.last))]
+
+    def _intervals(self, answered: Mapping[str, Mapping[str, Holding]], *, every: bool) -> list[tuple[datetime, dict[str, Holding], dict[str, Holding]]]:
+        """The intervals this scrape ends, one per time its answering exporters last answered:
+        (that time, what their pages held then, what they hold now). An exporter never read
+        before ends none."""
+        legacy = self.pages.get(EVERY_EXPORTER)
+        if legacy is not None and every and len(self.pages) == 1:
+            del self.pages[EVERY_EXPORTER]
+            return [(legacy.at, dict(legacy.held), _union(answered.values()))]
+        since: dict[datetime, list[str]] = {}
+        for exporter in answered:
+            if exporter in self.pages:
+                since.setdefault(self.pages[exporter].at, []).append(exporter)
+        return [(then, _union(self.pages[e].held for e in exporters), _union(answered[e] for e in exporters)) for then, exporters in since.items()]
+
+    def _count(self, seconds: float, before: Mapping[str, Holding], after: Mapping[str, Holding]) -> None:
+        if seconds > self.max_gap.total_seconds():
+            return  # nothing is known about it
+        for run_id in set(before) | set(after):
+            held_before, held_after = before.get(run_id, _NONE_HELD), after.get(run_id, _NONE_HELD)
             gpu, node = self.totals.get(run_id, (0.0, 0.0))
-            gpu += counted * (len(before.gpus) + len(after.gpus)) / 2
-            node += counted * (len(before.hosts) + len(after.hosts)) / 2
+            gpu += seconds * (len(held_before.gpus) + len(held_after.gpus)) / 2
+            node += seconds * (len(held_before.hosts) + len(held_after.hosts)) / 2
             self.totals[run_id] = (gpu, node)
-            usages.append(Usage(run_id, at, gpu, node))
-        self.last_at, self.last = at, dict(now_holding)
-        return usages
 
     def state(self) -> dict[str, object]:
-        """What to save between runs of the meter (JSON-ready)."""
+        """What to save between runs of the meter (JSON-ready; `last` too, so a meter of an
+        earlier version still reads it)."""
         return {
             "last_at": self.last_at.isoformat() if self.last_at else None,
             "totals": {run: list(t) for run, t in self.totals.items()},
-            "last": {run: {"gpus": sorted(h.gpus), "hosts": sorted(h.hosts)} for run, h in self.last.items()},
+            "last": _held_state(self.last),
+            "pages": {exporter: {"at": page.at.isoformat(), "held": _held_state(page.held)} for exporter, page in self.pages.items()},
         }
 
     @classmethod
     def restored(cls, state: Mapping[str, object], *, max_gap: timedelta) -> Meter:
-        """A meter continuing from `state()`."""
-        last_at = state.get("last_at")
+        """A meter continuing from `state()`, or from the state of a meter that kept no pages
+        per exporter (its `last` becomes the page of every exporter at `last_at`)."""
+        last_at = datetime.fromisoformat(state["last_at"]) if isinstance(state.get("last_at"), str) else None  # type: ignore[arg-type]
         totals = state.get("totals") or {}
-        last = state.get("last") or {}
+        saved = state.get("pages")
+        if isinstance(saved, Mapping):
+            pages = {exporter: Page(datetime.fromisoformat(page["at"]), _held(page["held"])) for exporter, page in saved.items()}
+        else:
+            pages = {EVERY_EXPORTER: Page(last_at, _held(state.get("last") or {}))} if last_at is not None else {}
         return cls(
             max_gap=max_gap,
             totals={run: (float(t[0]), float(t[1])) for run, t in totals.items()},  # type: ignore[union-attr]
-            last_at=datetime.fromisoformat(last_at) if isinstance(last_at, str) else None,
-            last={run: Holding(frozenset(h["gpus"]), frozenset(h["hosts"])) for run, h in last.items()},  # type: ignore[union-attr]
+            last_at=last_at,
+            last=_union(page.held for page in pages.values()),
+            pages=pages,
         )
+
+
+def _union(pages: Iterable[Mapping[str, Holding]]) -> dict[str, Holding]:
+    """What each run holds on any of `pages`."""
+    union: dict[str, Holding] = {}
+    for page in pages:
+        for run_id, held in page.items():
+            known = union.get(run_id, _NONE_HELD)
+            union[run_id] = Holding(known.gpus | held.gpus, known.hosts | held.hosts)
+    return union
+
+
+def _held_state(held: Mapping[str, Holding]) -> dict[str, object]:
+    return {run: {"gpus": sorted(h.gpus), "hosts": sorted(h.hosts)} for run, h in held.items()}
+
+
+def _held(state: object) -> dict[str, Holding]:
+    return {run: Holding(frozenset(h["gpus"]), frozenset(h["hosts"])) for run, h in state.items()}  # type: ignore[attr-defined]
 
 
 def sample_id(exporter: str, at: datetime) -> str:
