@@ -43,6 +43,9 @@ class ReconcilerSettings(ServingSettings):
     fair_share_half_life_seconds: float = Field(default=7 * 86400.0, gt=0)
     # A run refused (DELAY, quota rejection) longer ago than this gets no more HEADROOM actions.
     waiting_seconds: float = Field(default=7 * 86400.0, gt=0)
+    # The Kubernetes objects the webhook admitted (whose children pass on them) are forgotten
+    # this long after their run ended (settled or released, not running); never before it ends.
+    admitted_objects_retention_seconds: float = Field(default=7 * 86400.0, gt=0)
     # Serve Prometheus metrics on this port and address; no port = no HTTP listener.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"

@@ -226,7 +226,11 @@ class Reconciler:
     async def _upkeep(self) -> None:
         assert self.pool is not None
         s = self.settings
-        next_sweep = next_drift = 0.0
+        next_sweep = next_drift = next_prune = 0.0
+        # The walk through admitted_objects: where its next pass goes on (None: from the oldest),
+        # and what it deleted so far.
+        prune_after: tuple[datetime, str] | None = None
+        pruned = 0
         while True:
             now = datetime.now(UTC)
             async with self.pool.acquire() as conn:
@@ -253,6 +257,21 @@ class Reconciler:
                 # between reserving and committing).
                 await self.sync.sweep_orphans(grace=timedelta(seconds=s.orphan_grace_seconds), now=now)
                 next_sweep = time.monotonic() + s.orphan_grace_seconds / 2
+            if time.monotonic() >= next_prune:
+                # The Kubernetes objects of runs that ended longer ago than the retention: a
+                # batch a tick (short locks), walking the rows in admission order, so the rows of
+                # runs still going are passed over once a walk, not read again every tick; a new
+                # walk a tenth of the retention after the last.
+                retention = timedelta(seconds=s.admitted_objects_retention_seconds)
+                page = await self.pool.fetchrow(sql("prune_admitted_objects"), now - retention, *(prune_after or (None, None)), 1000)
+                pruned += page["pruned"]
+                if page["looked"] == 1000:
+                    prune_after = (page["last_at"], page["last_uid"])
+                else:  # the walk reached the objects admitted within the retention: done for a while
+                    if pruned:
+                        log.info("forgot %d admitted Kubernetes objects of runs that ended more than %s ago", pruned, retention)
+                    prune_after, pruned = None, 0
+                    next_prune = time.monotonic() + max(retention.total_seconds() / 10, s.tick_seconds)
             if s.drift_check_seconds > 0 and time.monotonic() >= next_drift:
                 await self.check_drift()
                 next_drift = time.monotonic() + s.drift_check_seconds

@@ -1075,3 +1075,31 @@ SELECT d.run_id FROM decisions d
 WHERE d.run_id = $1 AND d.outcome = 'ALLOW' AND d.job_namespace = $2 AND d.job_name = $4
   AND d.decided_at < (SELECT m.applied_at FROM schema_migrations m WHERE m.name = '0022_admitted_objects')
 LIMIT 1;
+
+-- name: prune_admitted_objects
+-- One pass of the retention of admitted_objects: the next $4 objects admitted before $1, after
+-- ($2, $3) in admission order (admitted_at, uid; NULLs: from the first), are looked at, and those
+-- whose run ended before $1 are deleted; returns how many were looked at and deleted, and the
+-- last looked at (where the next pass goes on). A run ended when its settlement, last written
+-- before $1, is of its latest admission, holds nothing any more (final: actuals replaced its
+-- reservation; or released: given back unused) and is not running (a run started late after
+-- its release runs on). A run with no settlement (never settled, denied, an unknown run id) or
+-- admitted again after the admission settled has no end yet: its objects stay, however old.
+WITH looked AS (
+    -- Whether the run ended is read per object (a subquery of the target list, run for the rows
+    -- the LIMIT keeps), by the keys of run_settlements and decisions: never a scan of either.
+    SELECT o.uid, o.admitted_at, EXISTS (
+        SELECT 1 FROM run_settlements s
+        WHERE s.run_id = o.run_id AND (s.final OR s.released) AND s.phase <> 'running' AND s.settled_at < $1
+          AND s.decision_id = (SELECT d.decision_id FROM decisions d WHERE d.run_id = o.run_id AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1)
+    ) AS ended
+    FROM admitted_objects o
+    WHERE o.admitted_at < $1 AND (o.admitted_at, o.uid) > (COALESCE($2::timestamptz, '-infinity'), COALESCE($3::text, ''))
+    ORDER BY o.admitted_at, o.uid LIMIT $4
+), gone AS (
+    -- By their keys (a join could hash the whole table).
+    DELETE FROM admitted_objects WHERE uid = ANY (ARRAY(SELECT l.uid FROM looked l WHERE l.ended)) RETURNING uid
+)
+SELECT (SELECT count(*) FROM looked) AS looked, (SELECT count(*) FROM gone) AS pruned,
+       (SELECT l.admitted_at FROM looked l ORDER BY l.admitted_at DESC, l.uid DESC LIMIT 1) AS last_at,
+       (SELECT l.uid FROM looked l ORDER BY l.admitted_at DESC, l.uid DESC LIMIT 1) AS last_uid;

@@ -890,4 +890,6 @@ CREATE TABLE admitted_objects (
     run_id      text NOT NULL,
     admitted_at timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX admitted_objects_admitted_at ON admitted_objects (admitted_at);
+-- 0023: walked in admission order by the reconciler's pruning (rows of runs ended longer ago than
+-- the retention), from where its last pass stopped.
+CREATE INDEX admitted_objects_admitted_at_uid ON admitted_objects (admitted_at, uid);
