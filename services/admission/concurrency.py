@@ -71,7 +71,7 @@ def pool_request(
     )
     lease = lease_seconds or chain[0].lease_seconds
     expiry = now + timedelta(seconds=lease)
-    return PoolRequest(levels=levels, token=token, project=project, sub_namespace=sub_namespace, expiry_ms=int(expiry.timestamp() * 1000))
+    return PoolRequest(levels=levels, token=token, project=project, sub_namespace=sub_namespace, expiry_ms=int(expiry.timestamp() * 1000), lease_seconds=lease)
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:

@@ -82,6 +82,7 @@ class DecisionRecord:
                 "project": pool.project,
                 "sub_namespace": pool.sub_namespace,
                 "lease_expires_at": datetime.fromtimestamp(pool.expiry_ms / 1000, UTC).isoformat(),
+                "lease_seconds": pool.lease_seconds,
             } if pool else None,
         }  # fmt: skip
 

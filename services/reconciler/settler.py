@@ -16,10 +16,10 @@ import asyncpg
 
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.ledger_key import LedgerKey
-from budgetgate.core.reconciliation import LifecycleFact, Reservation, Rules, RunFacts, Settlement
+from budgetgate.core.reconciliation import READMITTED, STARTED, LifecycleFact, Reservation, Rules, RunFacts, Settlement
 from budgetgate.core.run_state import settle_state
 from budgetgate.core.windows import Window
-from budgetgate.ledger.concurrency import EndedHolds, end_run_holds
+from budgetgate.ledger.concurrency import EndedHolds, end_run_holds, renew_run_token
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sync import LedgerSync
@@ -91,7 +91,9 @@ class Settler:
                 # Denied, delayed or unknown: nothing is held, and facts wait for an admission.
                 return Outcome(run_id, False, None)
             result = settle_state(loaded.facts, loaded.folded.state, bundle=loaded.bundle, rules=self.rules, now=now)
-            return await self._apply(work, loaded, result, now)
+            outcome = await self._apply(work, loaded, result, now)
+            await self._keep_token(work, loaded, result, now)
+            return outcome
 
     async def end_pending(self, *, older_than_ms: int) -> int:
         """End every settlement parked in Redis before `older_than_ms` whose run is not being
@@ -243,6 +245,28 @@ class Settler:
             policy_ids = {windows[key][0].id for key in freed if key in windows}
             await self._released(conn, ended, policy_ids, cause=f"settled:{run_id}:{revision}", now=now)
         return Outcome(run_id, True, result)
+
+    async def _keep_token(self, work: LedgerTransaction, loaded: Loaded, result: Settlement, now: datetime) -> None:
+        """A run that is alive keeps its pool token: its lease is renewed from the run's latest
+        start or usage sample, so one that falls silent still loses it a lease after its last
+        sign of life. Not after its end (_apply gave the token back), nor under a bundle without
+        pools (no run holds a token there). Last in the transaction, so that only its commit can
+        fail after Redis renewed the lease (then Redis is invalidated, as for any change)."""
+        if result.ended_at is not None or result.released or loaded.bundle is None or not loaded.bundle.pools:
+            return
+        starts = [event.at for event in loaded.facts.events if event.kind in (STARTED, READMITTED)]
+        alive_at = max([*starts, *([loaded.folded.last[0]] if loaded.folded.last else [])], default=None)
+        if alive_at is None:
+            return
+        try:
+            renewed = await renew_run_token(
+                work.conn, self.ledger, run_id=loaded.facts.run_id, alive_at=min(alive_at, now), now=now,
+                pool_leases={pool.namespace: pool.lease_seconds for pool in loaded.bundle.pools},
+            )  # fmt: skip
+        except BaseException:
+            work.redis_changed = True
+            raise
+        work.redis_changed = work.redis_changed or renewed
 
     async def _released(self, conn: asyncpg.Connection, ended: EndedHolds, policy_ids: Iterable[str], *, cause: str, now: datetime) -> None:
         """Room came back (the run's holds, or budget room): the runs waiting for it are judged."""

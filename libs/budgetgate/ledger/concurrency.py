@@ -3,7 +3,9 @@ counters, run holds, and pool allocations."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -12,7 +14,7 @@ import asyncpg
 
 from budgetgate.ledger.holds import SENSITIVE, HoldKeys, tenant_counter
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
+from budgetgate.ledger.redis_ledger import LeaseRenewal, LedgerNotLoaded, RedisLedger
 
 
 @dataclass
@@ -82,3 +84,27 @@ async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: s
         # must come first runs after this commit and takes its counts from these rows.
         released = 0
     return EndedHolds(row is not None, row["tenant"] if row else None, bool(row and row["sensitive"]), released)
+
+
+async def renew_run_token(
+    conn: asyncpg.Connection, ledger: RedisLedger, *, run_id: str, alive_at: datetime, now: datetime, pool_leases: Mapping[str, int]
+) -> bool:
+    """Run `run_id` showed at `alive_at` that it is alive: the lease of its pool token is renewed
+    to `alive_at` + the lease length it was granted with (`pool_leases`: each pool's default, for
+    a token granted before that length was kept), in Postgres (within the caller's transaction,
+    which holds the ledger lock shared) and in Redis. A lease that ran out by `now` is not: its
+    place may be another holder's. True when renewed."""
+    row = await conn.fetchrow(sql("renew_run_token"), run_id, alive_at, now, json.dumps(dict(pool_leases)))
+    if row is None:
+        return False
+    # Redis after Postgres, before the commit: until then Redis holds the token longer than
+    # Postgres says, never shorter. A caller whose transaction may still fail after this counts
+    # Redis as changed (see transaction.py).
+    [held] = await ledger.renew([LeaseRenewal(row["token"], tuple(row["levels"]), _ms(row["expires"]))], now_ms=_ms(now))
+    if not held:
+        await conn.execute(sql("restore_run_token_lease"), row["namespace"], row["token"], row["before"])
+    return held
+
+
+def _ms(at: datetime) -> int:
+    return round(at.timestamp() * 1000)

@@ -40,6 +40,7 @@ class PoolRequest:
     project: str = ""
     sub_namespace: str = ""
     expiry_ms: int = 0
+    lease_seconds: int = 0  # the lease's length, which a renewal extends it by
 
 
 @dataclass(frozen=True, slots=True)

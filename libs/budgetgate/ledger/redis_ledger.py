@@ -25,7 +25,7 @@ from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolR
 
 log = logging.getLogger(__name__)
 
-_SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds")
+_SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds", "renew")
 # Lua shared by several scripts, prepended when they are registered.
 _LIBRARIES = {
     "reserve": ("pools",),
@@ -33,6 +33,7 @@ _LIBRARIES = {
     "allocate": ("pools",),
     "deallocate": ("pools",),
     "release_holds": ("pools", "holds"),
+    "renew": ("pools",),
 }
 
 
@@ -57,6 +58,15 @@ class Reservation:
     charges: tuple[ChargeRequest, ...]
     counters: tuple[CounterRequest, ...] = ()
     pool: PoolRequest | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewal:
+    """A held token's lease extended to `expiry_ms` on its pool levels (most specific first)."""
+
+    token: str
+    levels: tuple[str, ...]
+    expiry_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +304,20 @@ class RedisLedger:
         if isinstance(reply, list):
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return int(reply)
+
+    async def renew(self, renewals: Sequence[LeaseRenewal], *, now_ms: int) -> list[bool]:
+        """Extend the leases of held tokens, each on all its levels or none, in one script; per
+        renewal, whether its token was held (one whose lease ran out by `now_ms` is not: it runs
+        out, see renew.lua)."""
+        keys: list[str] = [self.marker]
+        args: list[object] = [now_ms, len(renewals)]
+        for r in renewals:
+            keys += [key for namespace in r.levels for key in self.keys.pool(namespace)]
+            args += [r.token, r.expiry_ms, len(r.levels)]
+        reply = await self._scripts["renew"](keys=keys, args=args)
+        if reply and _text(reply[0]) == "NOT_LOADED":
+            raise LedgerNotLoaded("the Redis ledger is not loaded")
+        return [int(v) == 1 for v in reply]
 
     async def load_key(self, ledger_key: str, *, reserved: int, consumed: int) -> bool:
         """Load a ledger key from Postgres's figures unless present; True when loaded now."""

@@ -77,13 +77,15 @@ WITH batch AS (
     -- A row of the token left from before (released, or its lease run out: Redis found the token
     -- free) is the run's now; a live one of another holder is not taken over: reserve.lua
     -- refuses a submission whose token is held, so it never gets here.
-    INSERT INTO pool_allocations AS a (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at)
+    INSERT INTO pool_allocations AS a (namespace, token, levels, project, sub_namespace, run_id, lease_expires_at, lease_seconds)
     SELECT b.token ->> 'namespace', 'run:' || b.run_id, ARRAY(SELECT jsonb_array_elements_text(b.token -> 'levels')),
-           b.token ->> 'project', b.token ->> 'sub_namespace', b.run_id, (b.token ->> 'lease_expires_at')::timestamptz
+           b.token ->> 'project', b.token ->> 'sub_namespace', b.run_id, (b.token ->> 'lease_expires_at')::timestamptz,
+           (b.token ->> 'lease_seconds')::integer
     FROM batch b WHERE b.token IS NOT NULL AND b.token <> 'null'::jsonb
     ON CONFLICT (namespace, token) DO UPDATE
     SET levels = EXCLUDED.levels, project = EXCLUDED.project, sub_namespace = EXCLUDED.sub_namespace, run_id = EXCLUDED.run_id,
-        lease_expires_at = EXCLUDED.lease_expires_at, state = 'held', principal = NULL, granted_at = now(), released_at = NULL
+        lease_expires_at = EXCLUDED.lease_expires_at, lease_seconds = EXCLUDED.lease_seconds, state = 'held', principal = NULL,
+        granted_at = now(), released_at = NULL
     WHERE a.state = 'released' OR a.lease_expires_at <= clock_timestamp()
 )
 INSERT INTO outbox (topic, headers, records, keys, payloads, event_ids)
@@ -954,6 +956,29 @@ SELECT principal, project, sub_namespace FROM pool_allocations WHERE namespace =
 -- Serialises the allocations of one token of one pool, across processes: what its row says is
 -- still so when Redis is asked and the row written.
 SELECT pg_advisory_xact_lock(7340, hashtext($1 || chr(9) || $2));
+
+-- name: renew_run_token
+-- Run $1 showed at $2 that it is alive: its token (run:<run id>), held with a lease that has not
+-- run out at $3, is renewed to $2 + its lease length, as its holder's renewal would renew it
+-- (upsert_pool_allocation): the length it was granted with (lease_seconds), else, for a token
+-- granted before that was kept (migration 0024), the default of its pool in the bundle that
+-- admitted it ($4: pool namespace -> seconds). Never shortened; to the millisecond, as Redis
+-- keeps it. Returns the token's levels, its new lease expiry and the one it replaces; no row
+-- when nothing was renewed. The row lock re-checks a token released meanwhile.
+WITH held AS (
+    SELECT a.namespace, a.token, a.lease_expires_at AS before,
+           date_trunc('milliseconds', $2::timestamptz + make_interval(secs => COALESCE(a.lease_seconds, ($4::jsonb ->> a.namespace)::integer))) AS expires
+    FROM pool_allocations a
+    WHERE a.run_id = $1 AND a.token = 'run:' || $1 AND a.state = 'held' AND a.lease_expires_at > $3
+    FOR UPDATE
+)
+UPDATE pool_allocations a SET lease_expires_at = h.expires
+FROM held h WHERE a.namespace = h.namespace AND a.token = h.token AND h.expires > h.before
+RETURNING a.namespace, a.token, a.levels, h.expires, h.before;
+
+-- name: restore_run_token_lease
+-- Takes back renew_run_token for a token Redis no longer held (its lease ran out there first).
+UPDATE pool_allocations SET lease_expires_at = $3 WHERE namespace = $1 AND token = $2;
 
 -- tenant overrides (budgetgate/override_store.py) ---------------------------------------------
 

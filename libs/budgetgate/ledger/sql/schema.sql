@@ -893,3 +893,7 @@ CREATE TABLE admitted_objects (
 -- 0023: walked in admission order by the reconciler's pruning (rows of runs ended longer ago than
 -- the retention), from where its last pass stopped.
 CREATE INDEX admitted_objects_admitted_at_uid ON admitted_objects (admitted_at, uid);
+
+-- 0024: the length of the lease a submission's token was granted with (renewed by it while its
+-- run shows it is alive); NULL for tokens granted before, renewed by their pool's default.
+ALTER TABLE pool_allocations ADD COLUMN lease_seconds integer CHECK (lease_seconds > 0);
