@@ -87,13 +87,20 @@ async def _report_past_the_lease(run: Run, admitted_at: datetime) -> None:
         await run.fact("usage")
 
 
-async def test_a_run_reporting_usage_keeps_its_token_past_its_lease(admission_factory, pg_dsn) -> None:
+async def _alive_past_the_lease(admission_factory, pg_dsn, run_id: str):  # type: ignore[no-untyped-def]
+    """A run admitted with a LEASE-second token that started and reported usage every second
+    until twice its lease had passed: (server, settler, run, when it was admitted)."""
     server, settler = await _setup(admission_factory, pg_dsn)
     admitted_at = datetime.now(UTC)
-    assert (await _submit(server, "long", lease_seconds=LEASE))["decision"] == "ALLOW"
-    run = Run(server, settler, "long")
-    await run.fact("STARTED")
+    assert (await _submit(server, run_id, lease_seconds=LEASE))["decision"] == "ALLOW"
+    run = Run(server, settler, run_id)
+    await run.fact("STARTED", admitted_at)
     await _report_past_the_lease(run, admitted_at)
+    return server, settler, run, admitted_at
+
+
+async def test_a_run_reporting_usage_keeps_its_token_past_its_lease(admission_factory, pg_dsn) -> None:
+    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, "long")
 
     assert list(await _holders(server)) == ["run:long"]
     state, expires = await run.lease()
@@ -127,12 +134,7 @@ async def test_the_lease_runs_from_the_latest_sign_of_life_for_the_length_asked_
 
 
 async def test_a_run_that_falls_silent_loses_its_token_a_lease_later_and_never_takes_it_back(admission_factory, pg_dsn) -> None:
-    server, settler = await _setup(admission_factory, pg_dsn)
-    admitted_at = datetime.now(UTC)
-    assert (await _submit(server, "quiet", lease_seconds=LEASE))["decision"] == "ALLOW"
-    run = Run(server, settler, "quiet")
-    await run.fact("STARTED")
-    await _report_past_the_lease(run, admitted_at)
+    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, "quiet")
     state, expires = await run.lease()
     assert state == "held" and expires > admitted_at + timedelta(seconds=2 * LEASE)
 
@@ -153,12 +155,7 @@ async def test_a_run_that_falls_silent_loses_its_token_a_lease_later_and_never_t
 
 
 async def test_a_renewed_token_goes_back_when_its_run_ends(admission_factory, pg_dsn) -> None:
-    server, settler = await _setup(admission_factory, pg_dsn)
-    admitted_at = datetime.now(UTC)
-    assert (await _submit(server, "ends", lease_seconds=LEASE))["decision"] == "ALLOW"
-    run = Run(server, settler, "ends")
-    await run.fact("STARTED", admitted_at)
-    await _report_past_the_lease(run, admitted_at)
+    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, "ends")
     assert list(await _holders(server)) == ["run:ends"]
     _, expires = await run.lease()
 
