@@ -173,6 +173,11 @@ async def test_an_event_the_receiver_keeps_failing_on_is_set_aside_and_resent_on
     marquez.fail_event = lambda event: 500 if event["run"]["runId"] == poison_run and event["eventType"] == "START" else None
     poisoned = decision("runs/poison")
     await publish(settings, poisoned, *[decision(f"runs/{i}") for i in range(3)])
+    env = {"BUDGETGATE_POSTGRES_DSN": settings.postgres_dsn, "BUDGETGATE_HOME": "/nonexistent"}
+
+    async def budgetgate(*args: str):  # type: ignore[no-untyped-def]
+        return await asyncio.to_thread(CliRunner().invoke, cli, list(args), env=env)
+
     emitter = await EmitterServer(emitter_settings(settings, evidence_server_error_limit=3), http_client(marquez.url)).start()
     try:
         await marquez.wait_for(3)
@@ -184,34 +189,29 @@ async def test_an_event_the_receiver_keeps_failing_on_is_set_aside_and_resent_on
             await publish(settings, decision(f"runs/{i}"))
             await asyncio.sleep(0.3)
         await wait_until(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the failing event to be dead-lettered")
+        # Tried once, then at least once per strike (a try with nothing delivered since the last is none).
+        assert len(marquez.failed) >= 4 and all(e["run"]["runId"] == poison_run for e in marquez.failed)
         # The run's next event is no longer held back behind it.
         await publish(settings, reconciliation(poisoned, "COMPLETED", actual_hours=1.0))
         await wait_until(lambda: any(e["run"]["runId"] == poison_run for e in marquez.received()), what="the poison run's later event")
-    finally:
-        await emitter.stop()
-    # Tried once, then at least once per strike (a try with nothing delivered since the last is none).
-    assert len(marquez.failed) >= 4 and all(e["run"]["runId"] == poison_run for e in marquez.failed)
 
-    env = {"BUDGETGATE_POSTGRES_DSN": settings.postgres_dsn, "BUDGETGATE_HOME": "/nonexistent"}
-    listed = await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "dead", "--json"], env=env)
-    assert listed.exit_code == 0, listed.output
-    [dead] = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert (dead["run_id"], dead["event_type"], dead["status_code"]) == ("runs/poison", "START", 500), dead
-    assert "3 times while it accepted others" in dead["error"] and "fails on this event" in dead["body"]
-    unknown = await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "resend", "--seq", "999999999"], env=env)
-    assert unknown.exit_code == 1 and "not dead-lettered" in unknown.output
-    assert (await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "resend"], env=env)).exit_code == 2  # neither --seq nor --all
+        listed = await budgetgate("evidence", "dead", "--json")
+        assert listed.exit_code == 0, listed.output
+        [dead] = [json.loads(line) for line in listed.stdout.splitlines()]
+        assert (dead["run_id"], dead["event_type"], dead["status_code"]) == ("runs/poison", "START", 500), dead
+        assert "3 times while it accepted others" in dead["error"] and "fails on this event" in dead["body"]
+        unknown = await budgetgate("evidence", "resend", "--seq", "999999999")
+        assert unknown.exit_code == 1 and "not dead-lettered" in unknown.output
+        assert (await budgetgate("evidence", "resend")).exit_code == 2  # neither --seq nor --all
 
-    # Fixed (the receiver, or what it choked on): resent, it arrives.
-    marquez.fail_event = lambda _event: None
-    resent = await asyncio.to_thread(CliRunner().invoke, cli, ["evidence", "resend", "--seq", str(dead["seq"])], env=env)
-    assert resent.exit_code == 0 and "1 event(s) back" in resent.stdout, resent.output
-    again = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
-    try:
+        # Fixed (the receiver, or what it choked on): resent, the running emitter delivers it.
+        marquez.fail_event = lambda _event: None
+        resent = await budgetgate("evidence", "resend", "--seq", str(dead["seq"]))
+        assert resent.exit_code == 0 and "1 event(s) back" in resent.stdout, resent.output
         await wait_until(lambda: (poison_run, "START") in kinds(marquez.received()), what="the resent event")
         await wait_evidence_settled(settings)
     finally:
-        await again.stop()
+        await emitter.stop()
     conn = await asyncpg.connect(pg_dsn)
     try:
         assert await conn.fetchval("SELECT count(*) FROM evidence_events WHERE state <> 'delivered'") == 0
