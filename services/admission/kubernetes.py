@@ -269,14 +269,10 @@ async def _record_admitted(pool: asyncpg.Pool, body: dict[str, Any], run_id: str
 
     Best effort: the decision stands whatever happens here. Unrecorded, its children are decided
     as runs of their own: reserved twice, never unbudgeted."""
-    asked = body["request"]
-    meta = (asked.get("object") or {}).get("metadata") or {}
-    if not meta.get("uid"):
+    uid = ((body["request"].get("object") or {}).get("metadata") or {}).get("uid")
+    if not uid:
         return
     try:
-        await pool.execute(
-            sql("record_admitted_object"), meta["uid"], _namespace(body), (asked.get("kind") or {}).get("kind", ""),
-            meta.get("name") or meta.get("generateName") or "", run_id,
-        )  # fmt: skip
+        await pool.execute(sql("record_admitted_object"), uid, _namespace(body), _kind(body), _name(body), run_id)
     except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:  # down, or not migrated yet
-        log.warning("admitted object %s (run %r) not recorded (%s): its children may be decided on their own", meta["uid"], run_id, exc)
+        log.warning("admitted object %s (run %r) not recorded (%s): its children may be decided on their own", uid, run_id, exc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import click
@@ -33,7 +34,7 @@ def _seqs(seqs: tuple[int, ...], every: bool) -> list[int] | None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def dead(limit: int, as_json: bool) -> None:
     """Dead-lettered evidence events: run, stage, the receiver's answer and the reason."""
-    rows = asyncio.run(_dead(limit))
+    rows = asyncio.run(_with_store(lambda store, conn: store.dead(conn, limit=limit)))
     for row in rows:
         data = _as_json(row)
         if as_json:
@@ -51,25 +52,19 @@ def dead(limit: int, as_json: bool) -> None:
 def resend(seqs: tuple[int, ...], every: bool) -> None:
     """Send dead-lettered events again (after the receiver, or what it refused, is fixed)."""
     wanted = _seqs(seqs, every)
-    back = asyncio.run(_resend(wanted))
+    back = asyncio.run(_with_store(lambda store, conn: store.resend(conn, seqs=wanted)))
     missing = sorted(set(wanted or ()) - set(back))
     click.echo(f"{len(back)} event(s) back in the emitter's queue" + (f": {', '.join(f'#{s}' for s in back)}" if back and len(back) <= 20 else ""))
     if missing:
         raise click.ClickException(f"not dead-lettered (delivered, pending, or no such event): {', '.join(f'#{s}' for s in missing)}")
 
 
-async def _dead(limit: int) -> list[Any]:
+async def _with_store(call: Callable[[Any, Any], Awaitable[Any]]) -> Any:
+    """`call(store, connection)` on the stack's ledger database (the emitter's store module)."""
     from budgetgate.services.evidence_emitter import store
 
     async with backend.postgres(backend.stack_settings().postgres_dsn) as conn:
-        return await store.dead(conn, limit=limit)  # type: ignore[arg-type]
-
-
-async def _resend(seqs: list[int] | None) -> list[int]:
-    from budgetgate.services.evidence_emitter import store
-
-    async with backend.postgres(backend.stack_settings().postgres_dsn) as conn:
-        return await store.resend(conn, seqs=seqs)  # type: ignore[arg-type]
+        return await call(store, conn)
 
 
 def _as_json(row: Any) -> dict[str, Any]:
