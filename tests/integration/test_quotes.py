@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 
+from tests.integration.test_quotas import BIG_BUDGET, POOLS, started
 from tests.support.admission import apply_policies, budget_yaml, submission
 from tests.support.quotas import CLUSTER, QUOTA, physics
 
@@ -207,3 +208,41 @@ async def test_a_quote_uses_the_latest_override_revision_made_on_another_instanc
     assert quoted["decision"] == real["decision"] == "DENY", (quoted, real)
     assert quoted["reason"] == real["reason"] and "limit: 4" in quoted["reason"]
     assert quoted["override_revision"] == real["override_revision"] == put.json()["override_revision"]
+
+
+async def test_quote_refuses_a_pool_token_another_holder_has_as_the_submission_does(admission_factory, pg_dsn) -> None:
+    """A run's token (run:<run id>) held by another holder refuses its submission (the reserve
+    script's TAKEN); the quote must predict that refusal, with the same reason. The quote of a
+    run that holds its token itself is not refused for it."""
+    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=5, parent=5, cap=5), "b.yaml": BIG_BUDGET})
+    ask = {"namespace": "snowflake:wh-1", "project": "physics"}
+    assert (await server.client.post("/v1/admissions", json=physics("holder", pool_token=ask))).json()["decision"] == "ALLOW"
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        # A token of run "taken" someone else holds (left by an allocation made before `run:`
+        # tokens were reserved for submissions), in Redis too once rebuilt from Postgres.
+        await conn.execute(
+            "INSERT INTO pool_allocations (namespace, token, levels, lease_expires_at, principal, state)"
+            " VALUES ('snowflake:wh-1', 'run:taken', $1, now() + interval '1 hour', 'mallory', 'held')",
+            ["snowflake:wh-1", "snowflake"],
+        )
+    finally:
+        await conn.close()
+    await server.rt.sync.rebuild(force=True)
+
+    # The run holding its own token: a fresh evaluation finds the token its own (HELD), not taken.
+    own = (await server.client.post("/v1/quotes", json=physics("holder", pool_token=ask))).json()
+    assert own["decision"] == "ALLOW", own
+
+    quoted = await server.client.post("/v1/quotes", json=physics("taken", pool_token=ask))
+    assert quoted.status_code == 200, quoted.text
+    q = quoted.json()
+    assert q["decision"] == "DENY", q
+    assert q["reason"] == 'token "run:taken" of pool "snowflake:wh-1" is held by another holder, not by this run'
+    assert all(e["admitted_gpu_hours"] == 0 for e in q["evaluations"])
+    assert {h["token"] for h in (await server.client.get("/v1/pools/snowflake:wh-1")).json()["holders"]} == {"run:holder", "run:taken"}
+
+    # The submission for real: the very refusal the quote foretold.
+    real = (await server.client.post("/v1/admissions", json=physics("taken", pool_token=ask))).json()
+    for key in ("decision", "reason", "evaluations", "projected_gpu_hours", "priority_penalty", "fair_share", "policy_bundle_sha"):
+        assert real[key] == q[key], key

@@ -45,7 +45,7 @@ class PoolRequest:
 
 @dataclass(frozen=True, slots=True)
 class PoolReading:
-    check: str  # OK | HELD | EXHAUSTED | CAP | TAKEN (reserving: the submission's token is another holder's)
+    check: str  # OK | HELD | EXHAUSTED | CAP | TAKEN (the token is held by another holder than the run asking, reserving or quoting)
     used: int
     by_project: int
     by_sub_namespace: int

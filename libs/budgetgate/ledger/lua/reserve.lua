@@ -22,7 +22,7 @@
 -- Returns NOT_LOADED (rebuild from Postgres first), or {'OK', reply...} with one reply per
 -- decision: {status, ledger (reserved, consumed)..., counter (gpus, nodes, allocations)...,
 -- pool (check, used, by project, by sub-namespace)..., sequence (RESERVED only)}; a pool's check
--- is pools.lua's, or TAKEN (reserving, the token is held already: by another holder); status is
+-- is pools.lua's, or TAKEN (the token is held already, by another holder than this run); status is
 -- RESERVED, REJECTED (something lacks room; nothing changed), MISSING (a ledger key was never
 -- loaded; its index follows) or DUPLICATE (this run holds already; the holder's decision id).
 -- In check mode the status is FITS or REJECTED, followed by the indexes of unloaded ledger keys.
@@ -87,9 +87,13 @@ local function reserve(kb, ab)
     pool_purge(k, now)
     local a = pools + 4 + 3 * (l - 1)
     local status, used, by_project, by_subns = pool_check(k, token, project, subns, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]))
-    if not check and redis.call('ZSCORE', k[1], token) then
-      -- Not this run's (a run is decided again only after a refusal, which holds nothing; its
-      -- own orphan was a DUPLICATE): another holder's, never taken over, in Postgres neither.
+    if redis.call('ZSCORE', k[1], token) and (not check or redis.call('HGET', holds, k[1]) ~= token) then
+      -- Reserving, a held token is not this run's (a run is decided again only after a refusal,
+      -- which holds nothing; its own orphan was a DUPLICATE): another holder's, never taken
+      -- over, in Postgres neither. A check skips the DUPLICATE test (a quote of an admitted run
+      -- evaluates it afresh), so it asks the run's holds key whether the token is the run's own:
+      -- a quote must predict the refusal the submission would get, yet not refuse a run for the
+      -- token it holds itself.
       status = 'TAKEN'
     end
     if status == 'EXHAUSTED' or status == 'CAP' or status == 'TAKEN' then
