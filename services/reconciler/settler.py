@@ -19,7 +19,7 @@ from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.reconciliation import READMITTED, STARTED, LifecycleFact, Reservation, Rules, RunFacts, Settlement
 from budgetgate.core.run_state import settle_state
 from budgetgate.core.windows import Window
-from budgetgate.ledger.concurrency import EndedHolds, end_run_holds, renew_run_token
+from budgetgate.ledger.concurrency import EndedHolds, end_run_holds, rehold_run, renew_run_token
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sync import LedgerSync
@@ -167,7 +167,8 @@ class Settler:
         bucket_deltas, charges = await _bucket_deltas(conn, run_id, loaded.folded, result)
         held_deltas = {key: result.held.get(key, 0) - amount for key, amount in loaded.held.items()}
         ended = EndedHolds(False, None, False, 0)
-        if result.ended_at is not None or result.released:
+        running = result.ended_at is None and result.phase == "running"
+        if result.ended_at is not None or (result.released and not running):
             # The run stopped holding GPUs (or never started): its quota counters and pool token
             # go back now, even while its budget reservation waits for metered actuals.
             try:
@@ -177,6 +178,8 @@ class Settler:
             except BaseException:
                 work.redis_changed = True
                 raise
+        elif result.released:
+            await self._hold_again(work, run_id, decision_id)
         closing = loaded.open and (result.final or result.released)
         settlement_moved = _settlement_changed(loaded.settlement, result)
         await meter.save(conn, run_id, loaded.folded, dict(result.consumed))
@@ -245,6 +248,19 @@ class Settler:
             policy_ids = {windows[key][0].id for key in freed if key in windows}
             await self._released(conn, ended, policy_ids, cause=f"settled:{run_id}:{revision}", now=now)
         return Outcome(run_id, True, result)
+
+    async def _hold_again(self, work: LedgerTransaction, run_id: str, decision_id: str) -> None:
+        """A run released at its start deadline is running after all: it counts on its tenant's
+        quota again until it stops, so that no decision meanwhile admits past the quota on the
+        room it was given back (its budget reservation stays given back: what it uses is charged
+        as consumed). Its pool token is not taken back: another holder may have it now."""
+        try:
+            if await rehold_run(work.conn, self.ledger, run_id, decision_id):
+                work.redis_changed = True
+                log.warning("run %r started after its start deadline released it: its quota holds count again, over the quota if it is full", run_id)
+        except BaseException:
+            work.redis_changed = True
+            raise
 
     async def _keep_token(self, work: LedgerTransaction, loaded: Loaded, result: Settlement, now: datetime) -> None:
         """A run that is alive keeps its pool token: its lease is renewed from the run's latest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -61,6 +62,53 @@ async def test_holds_of_runs_no_budget_covers_end_at_the_start_deadline(admissio
     assert int(counter.get(b"allocations", 0)) == 0
     assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 0
     assert (await server.client.post("/v1/admissions", json=physics("after"))).json()["decision"] == "ALLOW"
+
+
+async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota_again(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
+    """Released at its start deadline, "late" starts after all while two others fill the quota
+    it gave back. It counts on the quota again (three of two: over, as it runs anyway), so the
+    next submission is refused on three, not admitted on two; its end gives the slot back, and
+    Postgres and Redis agree throughout."""
+    files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 2"), "b.yaml": BIG_BUDGET}
+    server = await started(admission_factory, pg_dsn, files)
+    await reconciler_factory(start_deadline_seconds=2)
+    assert (await server.client.post("/v1/admissions", json=physics("late"))).json()["decision"] == "ALLOW"
+    counter = server.rt.ledger.keys.counter("t:physics")
+
+    async def allocations(n: int) -> bool:
+        return int(await server.rt.ledger.client.hget(counter, "allocations") or 0) == n
+
+    await wait_for(lambda: allocations(0), what="late's slot given back at its start deadline")
+    for run_id in ("a", "b"):
+        assert (await server.client.post("/v1/admissions", json=physics(run_id))).json()["decision"] == "ALLOW"
+        await feed.send(lifecycle(run_id, "STARTED", datetime.now(UTC), gpus=1))
+    assert await allocations(2)
+
+    await feed.send(lifecycle("late", "STARTED", datetime.now(UTC), gpus=1))
+    await wait_for(lambda: allocations(3), what="late counted on the quota again")
+    assert (await _held(pg_dsn))[0] == 3
+    await _assert_no_drift(server)
+    refused = (await server.client.post("/v1/admissions", json=physics("next"))).json()
+    assert refused["decision"] == "DENY"
+    assert refused["reason"].startswith('allocation rejected: tenant "physics" would exceed max_concurrent_allocations quota (current: 3')
+
+    await feed.send(lifecycle("late", "EVICTED", datetime.now(UTC)))
+    await wait_for(lambda: allocations(2), what="late's slot given back when it was evicted")
+    await feed.send(lifecycle("late", "READMITTED", datetime.now(UTC), gpus=1))
+    await wait_for(lambda: allocations(3), what="late counted again when readmitted")
+    await feed.send(lifecycle("late", "COMPLETED", datetime.now(UTC)))
+    await wait_for(lambda: allocations(2), what="late's slot given back at its end")
+    assert (await _held(pg_dsn))[0] == 2
+    await _assert_no_drift(server)
+    # The slot it gave back stays given back: a later settlement of the ended run takes nothing.
+    await feed.send(lifecycle("late", "STARTED", datetime.now(UTC) - timedelta(minutes=1), gpus=1))
+    await asyncio.sleep(1.5)
+    assert await allocations(2)
+
+
+async def _assert_no_drift(server) -> None:  # type: ignore[no-untyped-def]
+    drift = await server.rt.sync.check_drift(repair=False)
+    assert drift is not None and drift.clean, drift
 
 
 async def _fact_settled_undecided(dsn: str, run_id: str) -> bool:

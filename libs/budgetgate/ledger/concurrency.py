@@ -108,3 +108,22 @@ async def renew_run_token(
 
 def _ms(at: datetime) -> int:
     return round(at.timestamp() * 1000)
+
+
+async def rehold_run(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str, decision_id: str) -> bool:
+    """A run released at its start deadline is running after all (a late start, or readmitted
+    after a long eviction): its quota holds count again, in Postgres (within the caller's
+    transaction, which holds the ledger lock shared) and in Redis, whatever the caps, since it
+    runs whether or not they have room. True when Redis counts it now."""
+    row = await conn.fetchrow(sql("reopen_run_holds"), run_id, decision_id)
+    if row is None:
+        return False
+    names = ([tenant_counter(row["tenant"])] if row["tenant"] else []) + ([SENSITIVE] if row["sensitive"] else [])
+    if not names:
+        return False
+    try:
+        return await ledger.rehold(run_id, {name: (row["gpus"], row["nodes"], 1) for name in names})
+    except LedgerNotLoaded:
+        # As in end_run_holds: the rebuild that must come first runs after this commit and
+        # counts the hold from its row.
+        return False

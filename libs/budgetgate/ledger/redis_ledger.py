@@ -25,7 +25,7 @@ from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolR
 
 log = logging.getLogger(__name__)
 
-_SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds", "renew")
+_SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds", "renew", "rehold")
 # Lua shared by several scripts, prepended when they are registered.
 _LIBRARIES = {
     "reserve": ("pools",),
@@ -286,6 +286,16 @@ class RedisLedger:
                 continue
             return int(reply)
         raise RuntimeError(f"holds of run {run_id!r} kept changing while being released")
+
+    async def rehold(self, run_id: str, counters: Mapping[str, tuple[int, int, int]]) -> bool:
+        """Count a running run on its quota counters again (name → gpus, nodes, allocations),
+        whatever their caps (rehold.lua); False when its holds are there already."""
+        names = sorted(counters)
+        args = [v for name in names for v in counters[name]]
+        reply = await self._scripts["rehold"](keys=[self.marker, self.keys.holds(run_id), *(self.keys.counter(n) for n in names)], args=args)
+        if isinstance(reply, list):
+            raise LedgerNotLoaded("the Redis ledger is not loaded")
+        return int(reply) == 1
 
     async def allocate(self, pool: PoolRequest, *, now_ms: int) -> tuple[str, tuple[PoolReading, ...]]:
         """Allocate `pool.token` on every level or none: GRANTED, RENEWED, EXHAUSTED or CAP."""

@@ -853,6 +853,13 @@ WITH tokens AS (
 )
 UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING tenant, sensitive;
 
+-- name: reopen_run_holds
+-- A run released at its start deadline is running after all: its concurrency holds of decision
+-- $2 count again. Returns what they count (none when they are held already, or were never this
+-- decision's).
+UPDATE run_holds SET state = 'held', ended_at = NULL WHERE run_id = $1 AND decision_id = $2 AND state = 'released'
+RETURNING tenant, gpus, nodes, sensitive;
+
 -- name: upsert_pool_allocation
 -- Granted or renewed: a renewal extends the lease of the same (namespace, token). $8 is the
 -- principal that holds it.

@@ -1,0 +1,19 @@
+-- A run released at its start deadline that started after all (or was readmitted) holds its
+-- quota counters again, whatever the caps: it is running, and every decision after this must
+-- count it. KEYS: [1] loaded marker, [2] the run's holds key, then its counter keys.
+-- ARGV: per counter key: gpus, nodes, allocations. Returns 1 when taken now, 0 when the holds
+-- key exists already (taken before: nothing is counted twice), or NOT_LOADED.
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'NOT_LOADED'}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0
+end
+for j = 3, #KEYS do
+  local a = 3 * (j - 3)
+  redis.call('HINCRBY', KEYS[j], 'gpus', ARGV[a + 1])
+  redis.call('HINCRBY', KEYS[j], 'nodes', ARGV[a + 2])
+  redis.call('HINCRBY', KEYS[j], 'allocations', ARGV[a + 3])
+  redis.call('HSET', KEYS[2], KEYS[j], ARGV[a + 1] .. ',' .. ARGV[a + 2] .. ',' .. ARGV[a + 3])
+end
+return 1
