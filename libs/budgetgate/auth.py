@@ -32,7 +32,20 @@ from budgetgate.principals import Action, Forbidden, Principal, Unauthenticated
 from budgetgate.settings import ServingSettings
 from budgetgate.tokens import PREFIX, TokenStore
 
-__all__ = ["Action", "AuthSettings", "CheckUnavailable", "Forbidden", "Gate", "Principal", "RateLimited", "Unauthenticated", "allow", "install_auth"]
+__all__ = [
+    "Action",
+    "AuthSettings",
+    "CheckUnavailable",
+    "Forbidden",
+    "Gate",
+    "Principal",
+    "RateLimited",
+    "TooManyFailures",
+    "Unauthenticated",
+    "allow",
+    "client_address",
+    "install_auth",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +65,10 @@ class AuthSettings(ServingSettings):
     # per request); "instance" in each process's memory (no round trip; with N instances a
     # principal gets up to N times the limit, so set the limit per instance).
     rate_limit_scope: Literal["cluster", "instance"] = "cluster"
+    # Unknown or malformed API tokens per client address, counted in each instance's memory
+    # ("limits" notation); past it, that address's tokens not already known good are answered 429
+    # without asking Postgres, so a flood of made-up tokens cannot starve the token lookups. None = no limit.
+    auth_failure_limit: str | None = "20/second"
     # /metrics answers only a reader, auditor or operator when true.
     metrics_require_auth: bool = False
     oidc_issuer: str | None = None
@@ -72,6 +89,14 @@ class RateLimited(Exception):
         self.retry_after = retry_after
 
 
+class TooManyFailures(RateLimited):
+    """A client address that sent too many unknown API tokens, refused before any lookup."""
+
+    def __init__(self, client: str, retry_after: int) -> None:
+        Exception.__init__(self, f"too many unknown API tokens from {client}; retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
 class NoCredentials(Unauthenticated):
     """The request carries no Authorization header at all."""
 
@@ -82,17 +107,29 @@ class CheckUnavailable(Exception):
 
 class Gate:
     """Authenticates a request's bearer credential, checks its role, and counts it against the
-    principal's rate limit."""
+    principal's rate limit. Unknown API tokens are counted per client address against
+    `failure_limit` (in this process's memory): past it, an address's tokens not cached as valid
+    are refused before Postgres is asked."""
 
-    def __init__(self, *, tokens: TokenStore, jwt: JwtVerifier | None = None, limiter: FixedWindowRateLimiter | None = None, limit: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tokens: TokenStore,
+        jwt: JwtVerifier | None = None,
+        limiter: FixedWindowRateLimiter | None = None,
+        limit: str | None = None,
+        failure_limit: str | None = None,
+    ) -> None:
         self.tokens = tokens
         self.jwt = jwt
         self.limiter = limiter
         self.limit = parse(limit) if limit else None
         self.hits = CoalescedHits(limiter, self.limit) if limiter is not None and self.limit is not None else None
+        self.failure_limit = parse(failure_limit) if failure_limit else None
+        self.failures = FixedWindowRateLimiter(MemoryStorage()) if self.failure_limit is not None else None
 
-    async def principal(self, headers: Iterable[tuple[bytes, bytes]]) -> Principal:
-        """The caller named by the Authorization header; raises Unauthenticated."""
+    async def principal(self, headers: Iterable[tuple[bytes, bytes]], *, client: str | None = None) -> Principal:
+        """The caller named by the Authorization header; raises Unauthenticated or TooManyFailures."""
         value = next((v for k, v in headers if k.lower() == b"authorization"), None)
         if value is None:
             raise NoCredentials("no credentials: send `Authorization: Bearer <token>`")
@@ -101,20 +138,36 @@ class Gate:
         if scheme.lower() != "bearer" or not credential:
             raise Unauthenticated("credentials must be a bearer token (`Authorization: Bearer <token>`)")
         if credential.startswith(PREFIX):
-            try:
-                found = await self.tokens.principal(credential)
-            except BACKEND_ERRORS as exc:
-                raise CheckUnavailable(f"credentials cannot be checked: Postgres unavailable ({exc})") from exc
-            if found is None:
-                raise Unauthenticated("API token unknown, revoked or expired")
-            return found
+            return await self.api_token(credential, client=client or "an unknown address")
         if self.jwt is None:
             raise Unauthenticated("not a budgetgate API token, and no OIDC issuer is configured")
         return await self.jwt.principal(credential)
 
-    async def check(self, headers: Iterable[tuple[bytes, bytes]], action: Action) -> Principal:
+    async def api_token(self, secret: str, *, client: str) -> Principal:
+        """The principal of a budgetgate API token; raises Unauthenticated or TooManyFailures."""
+        found = self.tokens.cached(secret)
+        if found is not None:  # a caller known good keeps working while its address is limited
+            return found
+        # A secret found valid before is looked up again (revoked since?) even while its address
+        # is limited: callers behind one proxy share an address, and one flooding it must not
+        # lock the others out each time their cached answer runs out.
+        failures, limit = self.failures, self.failure_limit
+        if failures is not None and limit is not None and not self.tokens.known_good(secret) and not await failures.test(limit, client):
+            stats = await failures.get_window_stats(limit, client)
+            raise TooManyFailures(client, max(1, int(stats.reset_time - time.time() + 0.999)))
+        try:
+            found = await self.tokens.principal(secret)
+        except BACKEND_ERRORS as exc:
+            raise CheckUnavailable(f"credentials cannot be checked: Postgres unavailable ({exc})") from exc
+        if found is None:
+            if self.failures is not None and self.failure_limit is not None:
+                await self.failures.hit(self.failure_limit, client)
+            raise Unauthenticated("API token unknown, revoked or expired")
+        return found
+
+    async def check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, client: str | None = None) -> Principal:
         """The caller, if it may do `action` now; raises Unauthenticated, Forbidden or RateLimited."""
-        principal = await self.principal(headers)
+        principal = await self.principal(headers, client=client)
         principal.require(action)
         await self.count(principal)
         return principal
@@ -211,9 +264,15 @@ def allow(action: Action) -> Callable[..., Any]:
         if checked is not None:  # a plain ASGI path checked (and counted) this request already
             checked.require(action)
             return checked
-        return await gate_of(request.app).check(request.scope["headers"], action)
+        return await gate_of(request.app).check(request.scope["headers"], action, client=client_address(request.scope))
 
     return dependency
+
+
+def client_address(scope: Any) -> str | None:
+    """The caller's address in an ASGI scope (behind a trusted proxy, uvicorn puts the forwarded one there)."""
+    client = scope.get("client")
+    return client[0] if client else None
 
 
 def gate_of(app: Any) -> Gate:
@@ -246,7 +305,9 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
             url = settings.redis_url.replace("redis://", "async+redis://", 1).replace("rediss://", "async+rediss://", 1)
             storage = RedisStorage(url, implementation="redispy", key_prefix=f"{{{settings.redis_prefix}}}:ratelimit")
         limiter = FixedWindowRateLimiter(storage)
-    return Gate(tokens=TokenStore(pool, cache_seconds=settings.token_cache_seconds), jwt=jwt, limiter=limiter, limit=settings.rate_limit), storage
+    tokens = TokenStore(pool, cache_seconds=settings.token_cache_seconds)
+    gate = Gate(tokens=tokens, jwt=jwt, limiter=limiter, limit=settings.rate_limit, failure_limit=settings.auth_failure_limit)
+    return gate, storage
 
 
 async def close_storage(storage: Any) -> None:

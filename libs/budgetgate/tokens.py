@@ -8,23 +8,34 @@ shares) gives no way to a secret."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
+import re
 import secrets
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from cachetools import LRUCache, TTLCache
+
 from budgetgate.ledger.queries import sql
 from budgetgate.principals import Principal, Role
 
 PREFIX = "bg_"
+# What new_secret makes: the prefix, then 32 bytes as unpadded URL-safe base64 (43 characters).
+_SHAPE = re.compile(re.escape(PREFIX) + r"[A-Za-z0-9_-]{43}")
 
 
 def new_secret() -> str:
     return PREFIX + secrets.token_urlsafe(32)
+
+
+def well_formed(secret: str) -> bool:
+    """Whether `secret` has the shape of one `new_secret` makes (any other cannot be a token)."""
+    return _SHAPE.fullmatch(secret) is not None
 
 
 def secret_hash(secret: str) -> bytes:
@@ -75,23 +86,68 @@ async def admin_log(conn: Any, *, limit: int = 100) -> list[dict[str, Any]]:
 
 class TokenStore:
     """Resolves a secret to its principal. Answers are cached for `cache_seconds` (found or
-    not), so a revocation or expiry takes effect on every instance within that time."""
+    not), so a revocation or expiry takes effect on every instance within that time.
 
-    def __init__(self, pool: Any, *, cache_seconds: float = 2.0, max_entries: int = 10_000) -> None:
+    Found and unknown secrets are cached apart, each dropping its least recently used entry when
+    full: a flood of made-up secrets can push out only other made-up secrets, never a caller's
+    valid one. A secret not shaped like one `new_secret` makes is refused without a lookup, and
+    concurrent lookups of one secret share a single query."""
+
+    def __init__(self, pool: Any, *, cache_seconds: float = 2.0, max_entries: int = 10_000, max_unknown: int = 1_000) -> None:
         self.pool = pool
         self.cache_seconds = cache_seconds
-        self.max_entries = max_entries
-        self._cache: dict[bytes, tuple[float, Principal | None, datetime | None]] = {}
+        self.found: TTLCache[bytes, tuple[Principal, datetime | None]] = TTLCache(maxsize=max_entries, ttl=cache_seconds)
+        self.unknown: TTLCache[bytes, bool] = TTLCache(maxsize=max_unknown, ttl=cache_seconds)
+        # Secrets found valid before, kept past their cached answer: looked up again as usual
+        # (a revocation still takes effect), but never refused as a flood's (see Gate.api_token).
+        self.known: LRUCache[bytes, bool] = LRUCache(maxsize=max_entries)
+        self._lookups: dict[bytes, asyncio.Task[Principal | None]] = {}
+
+    def cached(self, secret: str) -> Principal | None:
+        """The principal of a secret found recently and not expired since; None otherwise (no lookup)."""
+        return self._cached(secret_hash(secret))
+
+    def known_good(self, secret: str) -> bool:
+        """Whether `secret` was found valid before (whatever it is now; no lookup)."""
+        return secret_hash(secret) in self.known
 
     async def principal(self, secret: str) -> Principal | None:
+        if not well_formed(secret):
+            return None
         digest = secret_hash(secret)
-        now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None and hit[0] > now and (hit[2] is None or hit[2] > datetime.now(UTC)):
-            return hit[1]
+        found = self._cached(digest)
+        if found is not None or digest in self.unknown:
+            return found
+        lookup = self._lookups.get(digest)
+        if lookup is None:
+            lookup = asyncio.get_running_loop().create_task(self._lookup(digest), name="api-token-lookup")
+            self._lookups[digest] = lookup
+            lookup.add_done_callback(functools.partial(self._looked_up, digest))
+        # Shielded: a caller that goes away does not cancel the lookup the others wait on.
+        return await asyncio.shield(lookup)
+
+    def _cached(self, digest: bytes) -> Principal | None:
+        hit = self.found.get(digest)
+        if hit is None:
+            return None
+        principal, expires_at = hit
+        if expires_at is not None and expires_at <= datetime.now(UTC):
+            del self.found[digest]
+            return None
+        return principal
+
+    async def _lookup(self, digest: bytes) -> Principal | None:
         row = await self.pool.fetchrow(sql("api_token_by_hash"), digest)
-        found = Principal.of(f"token:{row['name']}", row["roles"], namespaces=row["namespaces"], tenants=row["tenants"]) if row else None
-        if len(self._cache) >= self.max_entries:
-            self._cache.clear()
-        self._cache[digest] = (now + self.cache_seconds, found, row["expires_at"] if row else None)
+        if row is None:
+            self.unknown[digest] = True
+            return None
+        found = Principal.of(f"token:{row['name']}", row["roles"], namespaces=row["namespaces"], tenants=row["tenants"])
+        self.found[digest] = (found, row["expires_at"])
+        self.known[digest] = True
         return found
+
+    def _looked_up(self, digest: bytes, lookup: asyncio.Task[Principal | None]) -> None:
+        self._lookups.pop(digest, None)
+        if not lookup.cancelled():
+            # Marks a failure as seen: the waiters were given it, and if they all went away nobody needs it.
+            lookup.exception()

@@ -12,7 +12,7 @@ from budgetgate.core.policy import Scope
 from budgetgate.oidc import ClaimMapping, principal_from_claims
 from budgetgate.principals import Action, Forbidden, Principal, Role, Unauthenticated
 from budgetgate.services.admission.access import require_budget_scope, sees_budget
-from budgetgate.tokens import new_secret, secret_hash
+from budgetgate.tokens import new_secret, secret_hash, well_formed
 
 
 def test_each_role_may_do_exactly_its_actions() -> None:
@@ -70,6 +70,13 @@ def test_secrets_are_random_and_stored_as_a_hash() -> None:
     one, two = new_secret(), new_secret()
     assert one != two and one.startswith("bg_") and len(one) > 40
     assert secret_hash(one) == secret_hash(one) != secret_hash(two) and one.encode() not in secret_hash(one)
+
+
+def test_only_secrets_shaped_like_new_ones_are_well_formed() -> None:
+    assert all(well_formed(new_secret()) for _ in range(1000))
+    made = new_secret()
+    for bad in ("bg_not-a-token", made[:-1], made + "A", made.replace("bg_", "bg-", 1), "bg_" + "!" * 43, "bg_" + "é" * 43, made + "\n"):
+        assert not well_formed(bad), bad
 
 
 def test_durations() -> None:
