@@ -183,6 +183,7 @@ class Reconciler:
 
     async def _settle_all(self, run_ids: list[str]) -> None:
         gate = asyncio.Semaphore(self.settings.settle_concurrency)
+        settled: list[str] = []
 
         async def one(run_id: str) -> None:
             async with gate:
@@ -196,8 +197,8 @@ class Reconciler:
                 except REFUSALS as exc:
                     await self._failed(run_id, exc)
                     return
-            if self.stats.failing.pop(run_id, None) is not None:
-                await self.pool.execute(sql("clear_settlement_failure"), run_id)  # type: ignore[union-attr]
+            self.stats.failing.pop(run_id, None)
+            settled.append(run_id)
             self.stats.settled += 1
             self.stats.changed += outcome.changed
             self._settlements.add(1, {"changed": str(outcome.changed).lower()})
@@ -207,7 +208,15 @@ class Reconciler:
             if outcome.changed:
                 self.relay.wakeup.set()
 
-        await asyncio.gather(*(one(r) for r in run_ids))
+        try:
+            await asyncio.gather(*(one(r) for r in run_ids))
+        finally:
+            if settled:
+                # The earlier failed tries of runs settled now are forgotten, whichever process
+                # (or an earlier life of this one) made them: one statement for the pass. Postgres
+                # away, they are kept: a stale count only dead-letters a failing run sooner.
+                with contextlib.suppress(*BACKEND_ERRORS):
+                    await self.pool.execute(sql("clear_settlement_failures"), settled)  # type: ignore[union-attr]
 
     async def _failed(self, run_id: str, exc: BaseException) -> None:
         """A settlement refused for a reason other than an outage: tried again a bounded number of

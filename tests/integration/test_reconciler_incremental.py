@@ -104,6 +104,29 @@ async def test_amounts_beyond_the_ledger_range_are_dead_lettered_and_never_jam(a
     assert await _fetchval(pg_dsn, "SELECT attempts FROM settlement_failures WHERE run_id = $1", dead) == 2
 
 
+async def test_a_settlement_forgets_failed_tries_made_before_a_restart(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
+    """Failed tries recorded by another reconciler (or this one before a restart) are forgotten
+    once the run settles, so they never count towards dead-lettering a later failure; a dead
+    run's stay for an operator."""
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("tries", limit="gpu_hours: 100")}, sha="f" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    for run_id in ("retried", "dead"):
+        assert (await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO settlement_failures (run_id, reason, dead, attempts) VALUES ('retried', 'earlier', false, 2), ('dead', 'earlier', true, 3)"
+        )
+    finally:
+        await conn.close()
+    await reconciler_factory(settle_tries=3)
+    start = datetime.now(UTC) - timedelta(minutes=30)
+    await feed.send(lifecycle("retried", "STARTED", start), lifecycle("dead", "STARTED", start))
+    await wait_for(lambda: _fetchval(pg_dsn, "SELECT count(*) = 0 FROM settlement_failures WHERE run_id = 'retried'"), what="the earlier tries forgotten")
+    assert await _fetchval(pg_dsn, "SELECT attempts FROM settlement_failures WHERE run_id = 'dead' AND dead") == 3
+
+
 async def test_facts_dated_outside_the_accepted_times_are_dead_lettered_and_never_jam(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
     # A lifecycle event with its time beyond what a datetime holds passed the rules and made
     # ToDatetime raise a plain ValueError, which the inbox took for an outage: the batch was

@@ -503,8 +503,9 @@ ON CONFLICT (run_id) DO UPDATE SET attempts = settlement_failures.attempts + 1, 
     last_failed_at = now(), dead = settlement_failures.attempts + 1 >= $3
 RETURNING attempts, dead;
 
--- name: clear_settlement_failure
-DELETE FROM settlement_failures WHERE run_id = $1 AND NOT dead;
+-- name: clear_settlement_failures
+-- Runs settled now ($1): their earlier failed tries no longer count towards dead-lettering.
+DELETE FROM settlement_failures WHERE run_id = ANY($1::text[]) AND NOT dead;
 
 -- name: try_lock_run
 -- The run's lock (lock_run) if free: a settlement in flight keeps it.
