@@ -167,8 +167,7 @@ class Settler:
         bucket_deltas, charges = await _bucket_deltas(conn, run_id, loaded.folded, result)
         held_deltas = {key: result.held.get(key, 0) - amount for key, amount in loaded.held.items()}
         ended = EndedHolds(False, None, False, 0)
-        running = result.ended_at is None and result.phase == "running"
-        if result.ended_at is not None or (result.released and not running):
+        if result.ended_at is not None or (result.released and result.phase != "running"):
             # The run stopped holding GPUs (or never started): its quota counters and pool token
             # go back now, even while its budget reservation waits for metered actuals.
             try:

@@ -24,12 +24,16 @@ class ConcurrencyState:
     pools: list[dict[str, Any]] = field(default_factory=list)
 
 
+def counter_names(hold: Mapping[str, Any]) -> list[str]:
+    """The counters a run hold (a run_holds row) counts on: its tenant's, and the sensitive pool's."""
+    return ([tenant_counter(hold["tenant"])] if hold["tenant"] else []) + ([SENSITIVE] if hold["sensitive"] else [])
+
+
 async def concurrency_state(conn: asyncpg.Connection, keys: HoldKeys, *, now: datetime) -> ConcurrencyState:
     """What Postgres says runs and pool users hold right now."""
     state = ConcurrencyState()
     for row in await conn.fetch(sql("held_concurrency")):
-        names = ([tenant_counter(row["tenant"])] if row["tenant"] else []) + ([SENSITIVE] if row["sensitive"] else [])
-        for name in names:
+        for name in counter_names(row):
             counter = state.counters[name]
             counter[0] += row["gpus"]
             counter[1] += row["nodes"]
@@ -118,7 +122,7 @@ async def rehold_run(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str,
     row = await conn.fetchrow(sql("reopen_run_holds"), run_id, decision_id)
     if row is None:
         return False
-    names = ([tenant_counter(row["tenant"])] if row["tenant"] else []) + ([SENSITIVE] if row["sensitive"] else [])
+    names = counter_names(row)
     if not names:
         return False
     try:

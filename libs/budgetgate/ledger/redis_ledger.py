@@ -28,12 +28,13 @@ log = logging.getLogger(__name__)
 _SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds", "renew", "rehold")
 # Lua shared by several scripts, prepended when they are registered.
 _LIBRARIES = {
-    "reserve": ("pools",),
+    "reserve": ("pools", "holds"),
     "release": ("pools", "holds"),
     "allocate": ("pools",),
     "deallocate": ("pools",),
     "release_holds": ("pools", "holds"),
     "renew": ("pools",),
+    "rehold": ("pools", "holds"),
 }
 
 

@@ -1,4 +1,4 @@
--- Shared by the scripts that give back a run's concurrency holds; prepended after pools.lua.
+-- Shared by the scripts that count a run's concurrency holds and give them back; prepended after pools.lua.
 -- A run holds key maps each counter key (:q:) to "gpus,nodes,allocations" and each pool
 -- level's leases key to the run's token. Its keys are passed in KEYS from index `first`: a
 -- counter key stands alone, a pool level is its leases key followed by its three siblings.
@@ -20,6 +20,15 @@ local function holds_read(holds_key, first)
     return nil
   end
   return entries
+end
+
+-- Counts a run on a counter key (its gpus, nodes and allocations) and records it in the run's
+-- holds key, for holds_release to take back.
+local function holds_count(holds_key, key, gpus, nodes, allocations)
+  redis.call('HINCRBY', key, 'gpus', gpus)
+  redis.call('HINCRBY', key, 'nodes', nodes)
+  redis.call('HINCRBY', key, 'allocations', allocations)
+  redis.call('HSET', holds_key, key, gpus .. ',' .. nodes .. ',' .. allocations)
 end
 
 local function holds_release(holds_key, entries)

@@ -11,9 +11,6 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
 end
 for j = 3, #KEYS do
   local a = 3 * (j - 3)
-  redis.call('HINCRBY', KEYS[j], 'gpus', ARGV[a + 1])
-  redis.call('HINCRBY', KEYS[j], 'nodes', ARGV[a + 2])
-  redis.call('HINCRBY', KEYS[j], 'allocations', ARGV[a + 3])
-  redis.call('HSET', KEYS[2], KEYS[j], ARGV[a + 1] .. ',' .. ARGV[a + 2] .. ',' .. ARGV[a + 3])
+  holds_count(KEYS[2], KEYS[j], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3])
 end
 return 1

@@ -127,11 +127,7 @@ local function reserve(kb, ab)
   end
   for j = 1, m do
     local a = counters + 6 * (j - 1)
-    local key = KEYS[kb + 1 + n + j]
-    redis.call('HINCRBY', key, 'gpus', ARGV[a + 1])
-    redis.call('HINCRBY', key, 'nodes', ARGV[a + 2])
-    redis.call('HINCRBY', key, 'allocations', ARGV[a + 3])
-    redis.call('HSET', holds, key, ARGV[a + 1] .. ',' .. ARGV[a + 2] .. ',' .. ARGV[a + 3])
+    holds_count(holds, KEYS[kb + 1 + n + j], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3])
   end
   for l = 1, levels do
     local k = pool_keys(kb + 2 + n + m + 4 * (l - 1))
