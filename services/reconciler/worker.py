@@ -208,15 +208,13 @@ class Reconciler:
             if outcome.changed:
                 self.relay.wakeup.set()
 
-        try:
-            await asyncio.gather(*(one(r) for r in run_ids))
-        finally:
-            if settled:
-                # The earlier failed tries of runs settled now are forgotten, whichever process
-                # (or an earlier life of this one) made them: one statement for the pass. Postgres
-                # away, they are kept: a stale count only dead-letters a failing run sooner.
-                with contextlib.suppress(*BACKEND_ERRORS):
-                    await self.pool.execute(sql("clear_settlement_failures"), settled)  # type: ignore[union-attr]
+        await asyncio.gather(*(one(r) for r in run_ids))
+        if settled:
+            # The earlier failed tries of runs settled now are forgotten, whichever process (or an
+            # earlier life of this one) made them: one statement for the pass. Kept when the pass
+            # failed or Postgres went away: a stale count only dead-letters a failing run sooner.
+            with contextlib.suppress(*BACKEND_ERRORS):
+                await self.pool.execute(sql("clear_settlement_failures"), settled)  # type: ignore[union-attr]
 
     async def _failed(self, run_id: str, exc: BaseException) -> None:
         """A settlement refused for a reason other than an outage: tried again a bounded number of
