@@ -17,7 +17,7 @@ from budgetgate.ledger.holds import PoolRequest
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
-from budgetgate.ledger.transaction import ledger_transaction
+from budgetgate.ledger.transaction import ledger_transaction, record_ledger_mark
 from budgetgate.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.services.admission.concurrency import pool_request
@@ -71,7 +71,8 @@ class TokenPools:
                     held = await conn.fetchrow(sql("pool_allocation_principal"), namespace, body.token)
                     _require_holder(principal, held, namespace, body.token)
                     asked = _renewal(held, request, body, namespace)
-                    status, readings = await self.ledger.allocate(asked, now_ms=int(now.timestamp() * 1000))
+                    status, readings, seq = await self.ledger.allocate(asked, now_ms=int(now.timestamp() * 1000))
+                    await record_ledger_mark(conn, self.ledger, seq)
                     if status in ("GRANTED", "RENEWED"):
                         levels = [level.namespace for level in asked.levels]
                         await conn.execute(

@@ -25,7 +25,7 @@ from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNo
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.reconciler import budgets, fairshare, headroom, messages, meter
 from budgetgate.services.reconciler.bundles import Bundles
-from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
+from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +206,10 @@ class Settler:
             # half is still ended (or Settler.end_pending ends it).
             token = uuid.uuid4().hex
             work.parked.append((run_id, seq, token))
-            await self.ledger.settle_begin(
+            advanced = await self.ledger.settle_begin(
                 run_id=run_id, decision_id=decision_id, seq=seq, token=token, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000)
             )
+            await record_ledger_mark(conn, self.ledger, advanced)
 
         await _write_charges(conn, run_id, charges)
         if held_deltas or closing:

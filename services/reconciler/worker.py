@@ -263,6 +263,8 @@ class Reconciler:
                 # Leak protection for Redis holds whose decision never committed (a process died
                 # between reserving and committing).
                 await self.sync.sweep_orphans(grace=timedelta(seconds=s.orphan_grace_seconds), now=now)
+                # Only the highest ledger mark counts (migration 0025).
+                await self.pool.execute(sql("prune_ledger_marks"))
                 next_sweep = time.monotonic() + s.orphan_grace_seconds / 2
             if time.monotonic() >= next_prune:
                 # The Kubernetes objects of runs that ended longer ago than the retention: a

@@ -274,6 +274,16 @@ async def test_a_drift_repair_and_the_orphan_sweep_give_an_orphan_back_once(admi
     assert (await server.rt.sync.check_drift(repair=False)).clean  # type: ignore[union-attr]
 
 
+async def _restart_from_snapshot(redis_server, server) -> None:  # type: ignore[no-untyped-def]
+    """Kill Redis and start it with the same arguments: it loads the dump.rdb of its last SAVE.
+    The service's connections are then closed quietly, as after a failover behind a proxy: had
+    its next call found a dead connection, the failure alone would invalidate the ledger (a
+    failed ledger transaction does), hiding whether the restored one is caught for what it is."""
+    redis_server.stop()
+    redis_server.start()
+    await server.rt.ledger.client.connection_pool.disconnect()
+
+
 async def test_redis_restored_from_an_old_snapshot_is_rebuilt_and_never_over_admits(admission_factory, killable_redis, pg_dsn) -> None:
     # The repro of the over-admission: 25 ALLOW, SAVE, 25 more ALLOW, Redis restarted with the
     # same arguments loads the old dump.rdb (its "loaded" marker included), 100 more submissions.
@@ -290,8 +300,7 @@ async def test_redis_restored_from_an_old_snapshot_is_rebuilt_and_never_over_adm
     second = await asyncio.gather(*(server.client.post("/v1/admissions", json=one(i)) for i in range(25, 50)))
     assert [a.json()["decision"] for a in second] == ["ALLOW"] * 25
 
-    killable_redis.stop()
-    killable_redis.start()
+    await _restart_from_snapshot(killable_redis, server)
     # The restored Redis carries the marker and the first 25 reservations only.
     restored = aioredis.from_url(killable_redis.url)
     try:
@@ -345,3 +354,103 @@ async def test_redis_lost_between_the_reserve_and_the_commit(admission_factory, 
     held = await held_in_postgres(pg_dsn)
     assert list(held.values()) == [96 * GPU_HOUR]
     assert await reserved_in_redis(server) == held
+
+
+async def test_redis_restored_from_before_a_settlement_is_rebuilt_and_never_over_admits(admission_factory, killable_redis, pg_dsn) -> None:
+    # A run reserved 8 GPU-hours and used 40: its settlement took 32 more from the budget than the
+    # decision had. Redis restored from a snapshot taken between the two carries the decision's
+    # ledger sequence (the highest any decision recorded) and none of the settlement; deciding on
+    # it offered 40 GPU-hours that were gone.
+    import asyncpg
+
+    from budgetgate.core.reconciliation import Rules
+    from budgetgate.services.reconciler.bundles import Bundles
+    from budgetgate.services.reconciler.settler import Settler
+
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("settled", limit="gpu_hours: 50")}, sha="7" * 40)
+    server = await admission_factory(redis_url=killable_redis.url)
+    await server.wait_ready()
+    over = submission(run_id="over", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)
+    assert (await server.client.post("/v1/admissions", json=over)).json()["decision"] == "ALLOW"
+    assert await server.rt.redis.save()
+
+    start = datetime.now(UTC) - timedelta(hours=6)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    try:
+        await pool.execute(
+            "INSERT INTO lifecycle_events (event_id, run_id, kind, event_time) VALUES ('over-s', 'over', 'STARTED', $1), ('over-c', 'over', 'COMPLETED', $2)",
+            start,
+            start + timedelta(hours=5),
+        )
+        await pool.execute(
+            "INSERT INTO run_samples (run_id, sample_id, observed_at, gpu, node) VALUES ('over', 'x', $1, $2, 0)", start + timedelta(hours=5), 40 * GPU_HOUR
+        )
+        bundles = Bundles()
+        async with pool.acquire() as conn:
+            await bundles.refresh(conn)
+        settler = Settler(pool=pool, ledger=server.rt.ledger, sync=server.rt.sync, bundles=bundles, rules=Rules())
+        assert (await settler.settle("over")).changed
+        committed = await pool.fetchval("SELECT budgetgate_committed_ledger_seq()")
+        decided = await pool.fetchval("SELECT max(ledger_seq) FROM decisions")
+        consumed = await pool.fetchval("SELECT consumed FROM ledger_entries")
+    finally:
+        await pool.close()
+    assert (await held_in_postgres(pg_dsn), consumed) == ({}, 40 * GPU_HOUR)
+    assert committed > decided  # the settlement recorded the number its increase took
+
+    await _restart_from_snapshot(killable_redis, server)
+    restored = aioredis.from_url(killable_redis.url)
+    try:
+        assert await restored.exists(server.rt.ledger.marker)
+        assert int(await restored.get(server.rt.ledger.sequence)) == decided
+    finally:
+        await restored.aclose()
+
+    answers = []
+    for i in range(10):
+        asked = submission(run_id=f"after-{i}", labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=4.0)
+        answers.append(await server.client.post("/v1/admissions", json=asked))
+    assert {a.status_code for a in answers} <= {200, 503}
+    allowed = sum(a.status_code == 200 and a.json()["decision"] == "ALLOW" for a in answers)
+    assert allowed == 2  # 10 GPU-hours were left: two of 4, never the 40 the snapshot showed
+    held = await held_in_postgres(pg_dsn)
+    assert sum(held.values()) == 8 * GPU_HOUR
+    assert await reserved_in_redis(server) == held
+
+
+async def test_redis_restored_from_before_a_pool_grant_is_rebuilt_and_never_grants_past_the_quota(admission_factory, killable_redis, pg_dsn) -> None:
+    pools = """apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {id: warehouse}
+spec: {namespace: "snowflake:wh-1", quota: 1}
+"""
+    await apply_policies(pg_dsn, {"p.yaml": pools}, sha="8" * 40)
+    server = await admission_factory(redis_url=killable_redis.url)
+    await server.wait_ready()
+    url = "/v1/pools/snowflake:wh-1/allocations"
+    assert await server.rt.redis.save()
+    assert (await server.client.post(url, json={"token": "a0", "project": "alpha"})).json()["status"] == "Granted"
+
+    await _restart_from_snapshot(killable_redis, server)  # the snapshot holds no token
+
+    answers = [await server.client.post(url, json={"token": f"b{i}", "project": "beta"}) for i in range(3)]
+    assert {a.status_code for a in answers} <= {200, 503}
+    assert all(a.json()["status"] != "Granted" for a in answers if a.status_code == 200)
+    assert any(a.status_code == 200 for a in answers)
+
+
+async def test_pruning_the_ledger_marks_keeps_the_highest_the_check_reads(pg_dsn) -> None:
+    import asyncpg
+
+    from budgetgate.ledger.queries import sql
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        for seq in (5, 9, 7):
+            assert await conn.fetchval(sql("record_ledger_mark"), seq) == 1
+        assert await conn.fetchval(sql("record_ledger_mark"), 7) is None  # handed out twice
+        await conn.execute(sql("prune_ledger_marks"))
+        assert [r["ledger_seq"] for r in await conn.fetch("SELECT ledger_seq FROM ledger_marks")] == [9]
+        assert await conn.fetchval(sql("committed_ledger_seq")) == 9
+    finally:
+        await conn.close()

@@ -87,6 +87,14 @@ async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota
     await feed.send(lifecycle("late", "STARTED", datetime.now(UTC), gpus=1))
     await wait_for(lambda: allocations(3), what="late counted on the quota again")
     assert (await _held(pg_dsn))[0] == 3
+
+    async def recorded() -> bool:
+        # The holds taken again took a ledger sequence number, which Postgres records with them
+        # (migration 0025): a Redis restored from before them is behind, and rebuilt.
+        ledger = server.rt.ledger
+        return await server.rt.pool.fetchval("SELECT budgetgate_committed_ledger_seq()") == int(await ledger.client.get(ledger.sequence))
+
+    await wait_for(recorded, what="the late holds' ledger sequence recorded")
     await _assert_no_drift(server)
     refused = (await server.client.post("/v1/admissions", json=physics("next"))).json()
     assert refused["decision"] == "DENY"

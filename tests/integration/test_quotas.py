@@ -341,9 +341,9 @@ async def test_the_pool_script_checks_the_cap_of_a_held_token_asked_for_another_
         )
 
     ledger = server.rt.ledger
-    status, _ = await ledger.allocate(ask("alpha"), now_ms=int(now.timestamp() * 1000))
+    status, _, _ = await ledger.allocate(ask("alpha"), now_ms=int(now.timestamp() * 1000))
     assert status == "CAP"
-    status, _ = await ledger.allocate(ask("gamma"), now_ms=int(now.timestamp() * 1000))
+    status, _, _ = await ledger.allocate(ask("gamma"), now_ms=int(now.timestamp() * 1000))
     assert status == "RENEWED"
     _leases, owners, projects, _subns = ledger.keys.pool("snowflake:wh-1")
     assert await ledger.client.hget(owners, "b0") == b"gamma\t"

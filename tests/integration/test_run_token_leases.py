@@ -108,6 +108,10 @@ async def test_a_run_reporting_usage_keeps_its_token_past_its_lease(admission_fa
     refused = await _submit(server, "over-the-cap")
     assert refused["decision"] == "DENY" and f'token pool "{POOL}" is exhausted (used: 1, quota: 1)' in refused["reason"]
     await _assert_no_drift(server)
+    # Every renewal and settlement increase took a ledger sequence number and Postgres recorded
+    # it (migration 0025): a Redis restored from before the latest is behind, and rebuilt.
+    ledger = server.rt.ledger
+    assert await server.rt.pool.fetchval("SELECT budgetgate_committed_ledger_seq()") == int(await ledger.client.get(ledger.sequence)) > 1
 
 
 async def test_the_lease_runs_from_the_latest_sign_of_life_for_the_length_asked_else_the_pools(admission_factory, pg_dsn) -> None:

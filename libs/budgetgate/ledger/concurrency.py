@@ -15,6 +15,7 @@ import asyncpg
 from budgetgate.ledger.holds import SENSITIVE, HoldKeys, tenant_counter
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LeaseRenewal, LedgerNotLoaded, RedisLedger
+from budgetgate.ledger.transaction import record_ledger_mark
 
 
 @dataclass
@@ -104,7 +105,8 @@ async def renew_run_token(
     # Redis after Postgres, before the commit: until then Redis holds the token longer than
     # Postgres says, never shorter. A caller whose transaction may still fail after this counts
     # Redis as changed (see transaction.py).
-    [held] = await ledger.renew([LeaseRenewal(row["token"], tuple(row["levels"]), _ms(row["expires"]))], now_ms=_ms(now))
+    [held], seq = await ledger.renew([LeaseRenewal(row["token"], tuple(row["levels"]), _ms(row["expires"]))], now_ms=_ms(now))
+    await record_ledger_mark(conn, ledger, seq)
     if not held:
         await conn.execute(sql("restore_run_token_lease"), row["namespace"], row["token"], row["before"])
     return held
@@ -126,8 +128,10 @@ async def rehold_run(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str,
     if not names:
         return False
     try:
-        return await ledger.rehold(run_id, {name: (row["gpus"], row["nodes"], 1) for name in names})
+        seq = await ledger.rehold(run_id, {name: (row["gpus"], row["nodes"], 1) for name in names})
     except LedgerNotLoaded:
         # As in end_run_holds: the rebuild that must come first runs after this commit and
         # counts the hold from its row.
         return False
+    await record_ledger_mark(conn, ledger, seq)
+    return bool(seq)

@@ -288,25 +288,31 @@ class RedisLedger:
             return int(reply)
         raise RuntimeError(f"holds of run {run_id!r} kept changing while being released")
 
-    async def rehold(self, run_id: str, counters: Mapping[str, tuple[int, int, int]]) -> bool:
+    async def rehold(self, run_id: str, counters: Mapping[str, tuple[int, int, int]]) -> int:
         """Count a running run on its quota counters again (name → gpus, nodes, allocations),
-        whatever their caps (rehold.lua); False when its holds are there already."""
+        whatever their caps (rehold.lua): the ledger sequence that advanced Redis to, for the
+        caller's transaction to record, or 0 when its holds are there already."""
         names = sorted(counters)
         args = [v for name in names for v in counters[name]]
-        reply = await self._scripts["rehold"](keys=[self.marker, self.keys.holds(run_id), *(self.keys.counter(n) for n in names)], args=args)
+        keys = [self.marker, self.keys.holds(run_id), self.sequence, *(self.keys.counter(n) for n in names)]
+        reply = await self._scripts["rehold"](keys=keys, args=args)
         if isinstance(reply, list):
             raise LedgerNotLoaded("the Redis ledger is not loaded")
-        return int(reply) == 1
+        return int(reply)
 
-    async def allocate(self, pool: PoolRequest, *, now_ms: int) -> tuple[str, tuple[PoolReading, ...]]:
-        """Allocate `pool.token` on every level or none: GRANTED, RENEWED, EXHAUSTED or CAP."""
-        keys = [self.marker, *(key for level in pool.levels for key in self.keys.pool(level.namespace))]
+    async def allocate(self, pool: PoolRequest, *, now_ms: int) -> tuple[str, tuple[PoolReading, ...], int]:
+        """Allocate `pool.token` on every level or none: GRANTED, RENEWED, EXHAUSTED or CAP, the
+        readings, and the ledger sequence a grant advanced Redis to (0 when refused), for the
+        caller's transaction to record."""
+        keys = [self.marker, *(key for level in pool.levels for key in self.keys.pool(level.namespace)), self.sequence]
         args = pool_args(pool)
         reply = await self._scripts["allocate"](keys=keys, args=[args[0], args[1], args[2], now_ms, args[3], *args[4:]])
         status = _text(reply[0])
         if status == "NOT_LOADED":
             raise LedgerNotLoaded("the Redis ledger is not loaded")
-        return status, pool_readings(reply[1:])
+        if status in ("GRANTED", "RENEWED"):
+            return status, pool_readings(reply[1:-1]), int(reply[-1])
+        return status, pool_readings(reply[1:]), 0
 
     async def deallocate(self, namespaces: Sequence[str], token: str) -> int:
         """Release `token` from every given pool level; returns the levels it was held on."""
@@ -316,19 +322,21 @@ class RedisLedger:
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return int(reply)
 
-    async def renew(self, renewals: Sequence[LeaseRenewal], *, now_ms: int) -> list[bool]:
+    async def renew(self, renewals: Sequence[LeaseRenewal], *, now_ms: int) -> tuple[list[bool], int]:
         """Extend the leases of held tokens, each on all its levels or none, in one script; per
         renewal, whether its token was held (one whose lease ran out by `now_ms` is not: it runs
-        out, see renew.lua)."""
+        out, see renew.lua), and the ledger sequence the renewals advanced Redis to (0 when none
+        was held), for the caller's transaction to record."""
         keys: list[str] = [self.marker]
         args: list[object] = [now_ms, len(renewals)]
         for r in renewals:
             keys += [key for namespace in r.levels for key in self.keys.pool(namespace)]
             args += [r.token, r.expiry_ms, len(r.levels)]
+        keys.append(self.sequence)
         reply = await self._scripts["renew"](keys=keys, args=args)
         if reply and _text(reply[0]) == "NOT_LOADED":
             raise LedgerNotLoaded("the Redis ledger is not loaded")
-        return [int(v) == 1 for v in reply]
+        return [int(v) == 1 for v in reply[:-1]], int(reply[-1])
 
     async def load_key(self, ledger_key: str, *, reserved: int, consumed: int) -> bool:
         """Load a ledger key from Postgres's figures unless present; True when loaded now."""
@@ -340,12 +348,14 @@ class RedisLedger:
     def pending(self, run_id: str) -> str:
         return f"{self.tag}:p:{run_id}"
 
-    async def settle_begin(self, *, run_id: str, decision_id: str, seq: int, token: str, changes: Sequence[KeyChange], drop_run: bool, now_ms: int) -> None:
+    async def settle_begin(self, *, run_id: str, decision_id: str, seq: int, token: str, changes: Sequence[KeyChange], drop_run: bool, now_ms: int) -> int:
         """First half of a run's settlement, before its Postgres commit: the increases only, the
         rest parked under `seq` and `token` (this settlement's alone) for `settle_end` (see
-        settle_begin.lua). Raises LedgerNotLoaded, LedgerKeyMissing, AmountOutOfRange or
-        SettlementPending; then nothing changed."""
-        keys = [self.marker, self.run(run_id), self.pending(run_id), self.parked, *(self.ledger(c.ledger_key) for c in changes)]
+        settle_begin.lua). Returns the ledger sequence the increases advanced Redis to, for the
+        settlement's transaction to record (`record_ledger_mark`), or 0 when there were none.
+        Raises LedgerNotLoaded, LedgerKeyMissing, AmountOutOfRange or SettlementPending; then
+        nothing changed."""
+        keys = [self.marker, self.run(run_id), self.pending(run_id), self.parked, self.sequence, *(self.ledger(c.ledger_key) for c in changes)]
         args: list[object] = [decision_id, now_ms, 1 if drop_run else 0, seq]
         for c in changes:
             args += [c.reserved, c.consumed, "" if c.held is None else c.held]
@@ -354,6 +364,7 @@ class RedisLedger:
         if isinstance(reply, list) and _text(reply[0]) == "PENDING":
             raise SettlementPending(run_id, int(_text(reply[1])))
         self._check(reply, [c.ledger_key for c in changes])
+        return int(reply)
 
     async def settle_end(self, run_id: str, *, seq: int, committed: bool, token: str = "") -> bool:
         """Second half: apply the rest of settlement `seq` once Postgres committed it, or take its

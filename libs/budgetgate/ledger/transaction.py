@@ -18,9 +18,23 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 
 log = logging.getLogger(__name__)
+
+
+async def record_ledger_mark(conn: asyncpg.Connection, ledger: RedisLedger, seq: int) -> None:
+    """Record, in the caller's transaction, the ledger sequence a write other than a decision
+    advanced Redis to when it tightened the ledger (a settlement's increases, a late start's
+    holds, a pool token's grant or renewal), so that admission never decides on a Redis from
+    before it (see migration 0025). 0: nothing was tightened. A number recorded already means
+    Redis handed it out twice (it lost a write it had acknowledged): Redis is invalidated, to be
+    rebuilt from Postgres, and the caller's transaction fails with LedgerNotLoaded."""
+    if not seq:
+        return
+    if await conn.fetchval(sql("record_ledger_mark"), seq) is None:
+        await ledger.invalidate(f"Redis handed out ledger sequence number {seq} again")
+        raise LedgerNotLoaded(f"Redis handed out ledger sequence number {seq} again")
 
 
 @dataclass

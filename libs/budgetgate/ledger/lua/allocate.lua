@@ -1,13 +1,15 @@
 -- Allocate one token in a pool and its declared ancestors, all levels or none.
--- KEYS: [1] loaded marker, then 4 keys per pool level (see pools.lua), most specific first.
+-- KEYS: [1] loaded marker, then 4 keys per pool level (see pools.lua), most specific first, and
+-- last the ledger sequence (see reserve.lua).
 -- ARGV: [1] token, [2] project, [3] sub-namespace, [4] now ms, [5] lease expiry ms,
 --       then per level: quota, project cap, sub-namespace cap (-1 = none).
--- Returns {status, (check, used, by project, by sub-namespace) per level}: status GRANTED,
+-- Returns {status, (check, used, by project, by sub-namespace) per level, and when granted the
+-- ledger sequence it advanced to (Postgres records it with the token)}: status GRANTED,
 -- RENEWED (the token held already; its lease is extended), EXHAUSTED, CAP, or NOT_LOADED.
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {'NOT_LOADED'}
 end
-local levels = (#KEYS - 1) / 4
+local levels = (#KEYS - 2) / 4
 local now, expiry = tonumber(ARGV[4]), tonumber(ARGV[5])
 local reply = {'GRANTED'}
 local outcome = 'GRANTED'
@@ -33,5 +35,6 @@ if outcome == 'GRANTED' or outcome == 'RENEWED' then
   for l = 1, levels do
     pool_take(pool_keys(2 + 4 * (l - 1)), ARGV[1], ARGV[2], ARGV[3], expiry)
   end
+  reply[#reply + 1] = redis.call('INCR', KEYS[#KEYS])
 end
 return reply

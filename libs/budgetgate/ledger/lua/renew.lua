@@ -2,14 +2,17 @@
 -- one (pool_take, for the project and sub-namespace it is held for). A token whose lease ran
 -- out by `now` on a level, or that a level does not hold, may have had its place taken there: it
 -- is left to run out, never taken again (that is an allocation, with its checks).
--- KEYS: [1] loaded marker, then per token 4 keys per pool level (pools.lua), most specific first.
+-- KEYS: [1] loaded marker, then per token 4 keys per pool level (pools.lua), most specific first,
+-- and last the ledger sequence (see reserve.lua).
 -- ARGV: [1] now ms, [2] tokens; then per token: token, lease expiry ms, levels.
--- Returns per token 1 (renewed) or 0 (not held), or NOT_LOADED.
+-- Returns per token 1 (renewed) or 0 (not held), then the ledger sequence it advanced to when it
+-- renewed any (Postgres records it with the leases) or 0; or NOT_LOADED.
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {'NOT_LOADED'}
 end
 local now = tonumber(ARGV[1])
 local renewed = {}
+local any = false
 local kb, ab = 2, 3
 for t = 1, tonumber(ARGV[2]) do
   local token, expiry, levels = ARGV[ab], tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2])
@@ -27,6 +30,8 @@ for t = 1, tonumber(ARGV[2]) do
     end
   end
   renewed[t] = held and 1 or 0
+  any = any or held
   kb, ab = kb + 4 * levels, ab + 3
 end
+renewed[#renewed + 1] = any and redis.call('INCR', KEYS[#KEYS]) or 0
 return renewed

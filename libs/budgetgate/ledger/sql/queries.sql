@@ -23,7 +23,17 @@ FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
 SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision FROM budgetgate_begin_batch($1::text[]);
 
 -- name: committed_ledger_seq
-SELECT COALESCE(max(ledger_seq), 0)::bigint FROM decisions WHERE ledger_seq IS NOT NULL;
+-- The highest ledger sequence Postgres committed, by a decision or another tightening write.
+SELECT budgetgate_committed_ledger_seq();
+
+-- name: record_ledger_mark
+-- A write other than a decision that tightened Redis's ledger, by the sequence number Redis gave
+-- it; no row back when the number is recorded already (Redis handed it out twice).
+INSERT INTO ledger_marks (ledger_seq) VALUES ($1) ON CONFLICT (ledger_seq) DO NOTHING RETURNING 1;
+
+-- name: prune_ledger_marks
+-- Only the highest mark counts (budgetgate_committed_ledger_seq); the others go.
+DELETE FROM ledger_marks WHERE ledger_seq < (SELECT max(ledger_seq) FROM ledger_marks);
 
 -- name: record_decisions
 -- A batch of decisions, each with its evaluations, its ledger entries and reservations (when it

@@ -167,7 +167,7 @@ BEGIN
     END LOOP;
     RETURN QUERY
         SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
-               COALESCE((SELECT max(d.ledger_seq) FROM decisions d WHERE d.ledger_seq IS NOT NULL), 0)::bigint,
+               budgetgate_committed_ledger_seq(),
                COALESCE((SELECT max(o.revision) FROM tenant_overrides o), 0)::bigint;
     RETURN QUERY
         SELECT d.run_id, d.decision_id, d.attempt, d.outcome, d.request, d.response, NULL::bigint, NULL::bigint
@@ -176,6 +176,21 @@ BEGIN
                             WHERE x.run_id = ids.id ORDER BY x.attempt DESC LIMIT 1) AS d
         ORDER BY d.run_id;
 END
+$$;
+
+-- 0025: Redis's ledger sequence as recorded by writes other than decisions that tighten the
+-- ledger (a settlement's increases, a late start's quota holds, a pool token's grant or renewal),
+-- each in the transaction that commits it; the highest is kept, the others pruned.
+CREATE TABLE ledger_marks (
+    ledger_seq  bigint PRIMARY KEY,
+    recorded_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- The highest ledger sequence Postgres committed: admission decides only on a Redis not behind it.
+CREATE FUNCTION budgetgate_committed_ledger_seq() RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT GREATEST(COALESCE((SELECT max(d.ledger_seq) FROM decisions d WHERE d.ledger_seq IS NOT NULL), 0),
+                    COALESCE((SELECT max(m.ledger_seq) FROM ledger_marks m), 0))::bigint
 $$;
 
 -- 0003_metering: usage normalized from metering samples (metering-ingest), deduplicated.
