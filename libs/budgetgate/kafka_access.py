@@ -4,6 +4,9 @@ BUDGETGATE_KAFKA_* settings, turned into the options of aiokafka and of FastStre
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,3 +59,20 @@ class KafkaAccess:
 
 
 PLAINTEXT = KafkaAccess()
+
+
+async def start_whole(start: Awaitable[Any], *, grace: float = 10.0) -> None:
+    """Await a Kafka client's start (aiokafka's or a FastStream broker's) without cutting it off
+    mid-way. aiokafka's bootstrap closes its connection to the broker only on a Kafka error or a
+    timeout: cancelled while it waits for the broker's metadata, it leaves that socket open for
+    good (a service stopped while Kafka is slow to answer). So a caller cancelled here lets the
+    start finish, for up to `grace` seconds, before its cancellation goes on; it then stops the
+    client as after any failed start."""
+    task = asyncio.ensure_future(start)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, grace)
+        raise

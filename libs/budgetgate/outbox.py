@@ -36,6 +36,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from google.protobuf.message import Message
 
 from budgetgate import wire
+from budgetgate.kafka_access import start_whole
 from budgetgate.ledger.queries import sql
 from budgetgate.topics import Topics, ensure_topics
 
@@ -212,7 +213,11 @@ class OutboxRelay:
             consumer = AIOKafkaConsumer(
                 bootstrap_servers=self.publisher.bootstrap, group_id=None, client_id="budgetgate-outbox-check", **self.publisher.access.aiokafka()
             )
-            await consumer.start()
+            try:
+                await start_whole(consumer.start())
+            except BaseException:
+                await consumer.stop()  # a consumer that failed to connect still holds a client
+                raise
             self._offsets = consumer
         try:
             ends = await asyncio.wait_for(self._offsets.end_offsets(list(acked)), timeout=10)

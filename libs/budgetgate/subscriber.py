@@ -47,6 +47,7 @@ from faststream.kafka.annotations import KafkaMessage
 from faststream.middlewares import AckPolicy
 
 from budgetgate.consumer import Applied, Inbox, Turn
+from budgetgate.kafka_access import start_whole
 
 if TYPE_CHECKING:
     from budgetgate import wire
@@ -334,7 +335,7 @@ async def start_consuming(
             if prepare is not None:
                 await prepare()
             await publisher.start()
-            await broker.start()
+            await start_whole(broker.start())
             return
         except asyncio.CancelledError:
             raise

@@ -16,7 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 from google.protobuf.message import Message
 
-from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
+from budgetgate.kafka_access import PLAINTEXT, KafkaAccess, start_whole
 from budgetgate.settings import CommonSettings
 from budgetgate.v1.actions_pb2 import BudgetAction
 from budgetgate.v1.decisions_pb2 import Decision
@@ -138,8 +138,8 @@ async def ensure_topics(
         replication_factor = configured.topic_replication_factor if replication_factor is None else replication_factor
     wanted = Topics(prefix).all()
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-topics", **access.aiokafka())
-    await admin.start()
     try:
+        await start_whole(admin.start())
         existing = set(await admin.list_topics())
         missing = [t for t in wanted if t not in existing]
         if not missing:

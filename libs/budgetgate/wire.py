@@ -23,7 +23,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 from opentelemetry.context import Context
 
-from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
+from budgetgate.kafka_access import PLAINTEXT, KafkaAccess, start_whole
 from budgetgate.telemetry import extract_context, inject_headers
 from budgetgate.topics import dlq
 
@@ -285,7 +285,7 @@ class Publisher:
             **self.access.aiokafka(),
         )
         try:
-            await producer.start()
+            await start_whole(producer.start())
         except BaseException:
             # A producer that failed to connect still holds a client; close it, or it leaks.
             await producer.stop()

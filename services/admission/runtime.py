@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from budgetgate.serving import close_pool, close_within
 from budgetgate import wire
+from budgetgate.kafka_access import start_whole
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.outbox import OutboxRelay
@@ -150,7 +151,7 @@ async def _policy_announcements(rt: Runtime) -> None:
             **rt.settings.kafka_access.aiokafka(),
         )
         try:
-            await consumer.start()
+            await start_whole(consumer.start())
             async for _record in consumer:
                 await rt.policies.refresh()
         except asyncio.CancelledError:

@@ -18,6 +18,7 @@ from opentelemetry.metrics import Observation
 from budgetgate import wire
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.consumer import Inbox
+from budgetgate.kafka_access import start_whole
 from budgetgate.lag import ConsumerProgress
 from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.ledger.queries import sql
@@ -156,7 +157,7 @@ class Reconciler:
         await self.publisher.start()
         relay = asyncio.create_task(self.relay.run(), name="reconciler-relay")
         try:
-            await self.broker.start()
+            await start_whole(self.broker.start())
             await asyncio.Event().wait()
         finally:
             relay.cancel()
