@@ -300,13 +300,14 @@ class RedisLedger:
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return int(reply)
 
-    async def allocate(self, pool: PoolRequest, *, now_ms: int) -> tuple[str, tuple[PoolReading, ...], int]:
+    async def allocate(self, pool: PoolRequest, *, now_ms: int, committed_seq: int = 0) -> tuple[str, tuple[PoolReading, ...], int]:
         """Allocate `pool.token` on every level or none: GRANTED, RENEWED, EXHAUSTED or CAP, the
         readings, and the ledger sequence a grant advanced Redis to (0 when refused), for the
-        caller's transaction to record."""
+        caller's transaction to record. Raises LedgerNotLoaded when Redis lost the ledger or is
+        behind `committed_seq` (see reserve_batch)."""
         keys = [self.marker, *(key for level in pool.levels for key in self.keys.pool(level.namespace)), self.sequence]
         args = pool_args(pool)
-        reply = await self._scripts["allocate"](keys=keys, args=[args[0], args[1], args[2], now_ms, args[3], *args[4:]])
+        reply = await self._scripts["allocate"](keys=keys, args=[args[0], args[1], args[2], now_ms, args[3], *args[4:], committed_seq])
         status = _text(reply[0])
         if status == "NOT_LOADED":
             raise LedgerNotLoaded("the Redis ledger is not loaded")

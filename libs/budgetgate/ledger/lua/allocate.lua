@@ -2,11 +2,17 @@
 -- KEYS: [1] loaded marker, then 4 keys per pool level (see pools.lua), most specific first, and
 -- last the ledger sequence (see reserve.lua).
 -- ARGV: [1] token, [2] project, [3] sub-namespace, [4] now ms, [5] lease expiry ms,
---       then per level: quota, project cap, sub-namespace cap (-1 = none).
+--       then per level: quota, project cap, sub-namespace cap (-1 = none), and last the highest
+--       ledger sequence Postgres committed: a Redis behind it is not current, and invalidates
+--       itself as reserve.lua does (a grant is a decision too).
 -- Returns {status, (check, used, by project, by sub-namespace) per level, and when granted the
 -- ledger sequence it advanced to (Postgres records it with the token)}: status GRANTED,
 -- RENEWED (the token held already; its lease is extended), EXHAUSTED, CAP, or NOT_LOADED.
 if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'NOT_LOADED'}
+end
+if tonumber(redis.call('GET', KEYS[#KEYS]) or '0') < tonumber(ARGV[#ARGV]) then
+  redis.call('DEL', KEYS[1])
   return {'NOT_LOADED'}
 end
 local levels = (#KEYS - 2) / 4

@@ -3,7 +3,8 @@
 -- tokens in pools. Decisions are independent: one refused does not refuse the next.
 --
 -- Ledger generation: KEYS[2] holds a sequence every reserving decision advances, and Postgres
--- records the value with the decision (decisions.ledger_seq). ARGV[1] is the highest value
+-- records the value with the decision (decisions.ledger_seq); the other writes that take room
+-- advance it too, recorded in ledger_marks (migration 0025). ARGV[1] is the highest value
 -- Postgres has committed. A Redis whose sequence is behind it lost reservations Postgres holds
 -- (restored from a snapshot, a lagging replica): it invalidates itself (drops the loaded
 -- marker) and answers NOT_LOADED, so it is rebuilt from Postgres before anything is decided.
