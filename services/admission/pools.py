@@ -71,6 +71,8 @@ class TokenPools:
                     held = await conn.fetchrow(sql("pool_allocation_principal"), namespace, body.token)
                     _require_holder(principal, held, namespace, body.token)
                     asked = _renewal(held, request, body, namespace)
+                    # A statement of its own, after the lock: in one with it, the snapshot would
+                    # be taken before the lock was granted (see budgetgate_begin_batch).
                     committed = await conn.fetchval(sql("committed_ledger_seq"))
                     status, readings, seq = await self.ledger.allocate(asked, now_ms=int(now.timestamp() * 1000), committed_seq=committed)
                     await record_ledger_mark(conn, self.ledger, seq)

@@ -6,10 +6,15 @@ import asyncio
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
 import pytest
 import redis.asyncio as aioredis
 
+from budgetgate.core.reconciliation import Rules
 from budgetgate.ledger.migrations import migrate_dsn
+from budgetgate.ledger.queries import sql
+from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import empty_database
 from tests.support.admission import apply_policies, budget_yaml, one_batch, submission
 from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
@@ -361,12 +366,6 @@ async def test_redis_restored_from_before_a_settlement_is_rebuilt_and_never_over
     # decision had. Redis restored from a snapshot taken between the two carries the decision's
     # ledger sequence (the highest any decision recorded) and none of the settlement; deciding on
     # it offered 40 GPU-hours that were gone.
-    import asyncpg
-
-    from budgetgate.core.reconciliation import Rules
-    from budgetgate.services.reconciler.bundles import Bundles
-    from budgetgate.services.reconciler.settler import Settler
-
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("settled", limit="gpu_hours: 50")}, sha="7" * 40)
     server = await admission_factory(redis_url=killable_redis.url)
     await server.wait_ready()
@@ -443,10 +442,6 @@ spec: {namespace: "snowflake:wh-1", quota: 1}
 
 
 async def test_pruning_the_ledger_marks_keeps_the_highest_the_check_reads(pg_dsn) -> None:
-    import asyncpg
-
-    from budgetgate.ledger.queries import sql
-
     conn = await asyncpg.connect(pg_dsn)
     try:
         for seq in (5, 9, 7):
