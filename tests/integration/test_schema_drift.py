@@ -22,6 +22,9 @@ SELECT 'function', pg_get_functiondef(p.oid) FROM pg_proc p WHERE p.pronamespace
 UNION ALL
 SELECT 'view', viewname || ': ' || definition FROM pg_views WHERE schemaname = 'public'
 UNION ALL
+SELECT 'compression', a.attrelid::regclass || '.' || a.attname || ' ' || a.attcompression::text FROM pg_attribute a
+JOIN pg_class c ON c.oid = a.attrelid WHERE c.relnamespace = 'public'::regnamespace AND a.attcompression <> ''
+UNION ALL
 SELECT 'trigger', pg_get_triggerdef(t.oid) FROM pg_trigger t
 JOIN pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace = 'public'::regnamespace AND NOT t.tgisinternal
 ORDER BY 1, 2

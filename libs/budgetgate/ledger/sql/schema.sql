@@ -123,6 +123,18 @@ CREATE TABLE outbox (
 );
 CREATE INDEX outbox_pending ON outbox (id) WHERE published_at IS NULL;
 CREATE INDEX outbox_published ON outbox (published_at) WHERE published_at IS NOT NULL;
+-- 0026: the records' columns compressed with lz4, not pglz (a metering poll's bundle is written
+-- on the path later polls wait behind); a server built without lz4 keeps pglz.
+DO $$
+BEGIN
+    ALTER TABLE outbox ALTER COLUMN payloads SET COMPRESSION lz4,
+                       ALTER COLUMN keys SET COMPRESSION lz4,
+                       ALTER COLUMN event_ids SET COMPRESSION lz4,
+                       ALTER COLUMN payload SET COMPRESSION lz4;
+EXCEPTION WHEN feature_not_supported THEN
+    RAISE NOTICE 'this server has no lz4: the outbox keeps pglz';
+END
+$$;
 
 -- 0011_outbox_replay: the highest offset each partition acknowledged to a relay; a partition
 -- that later ends at or below it lost acknowledged records, which the relay sends again.
