@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from contextvars import ContextVar
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,8 +107,9 @@ class Turn:
     """A batch's place among batches applied one after another with their transactions
     overlapping (budgetgate.subscriber's pipeline): it claims its inbox rows only after the
     batch before it (`after`) has claimed its own, and runs its handlers only after that batch's
-    handlers have returned, so every lock the earlier batch takes is taken first and the later
-    batch waits on it in Postgres until the earlier one commits (or rolls back).
+    handlers have returned (or said `locks_taken`), so every lock the earlier batch takes is
+    taken first and the later batch waits on it in Postgres until the earlier one commits (or
+    rolls back).
 
     `claimed` and `handled` are this batch's own steps, set for the batch after it (also when
     this one fails or is cancelled). A batch rolled back by an outage and applied again after its
@@ -132,6 +134,19 @@ class Turn:
         # Done: it waits on the batch before it no more. Kept, each turn would hold every turn
         # since the start (and their event ids) through this link.
         self.after = None
+
+
+_HANDLING: ContextVar[Turn | None] = ContextVar("budgetgate_consumer_turn", default=None)
+
+
+def locks_taken() -> None:
+    """Said by a batch handler once its transaction holds every lock it will take: the handlers
+    of the batch after it may start now, while this one finishes work that takes none (building
+    and writing its outbox rows), so Postgres works on the next batch meanwhile. Nothing outside
+    a pipelined batch's handler, or in a batch applied message by message."""
+    turn = _HANDLING.get()
+    if turn is not None:
+        turn.handled.set()
 
 
 @dataclass
@@ -266,7 +281,7 @@ class Inbox:
                 for topic, batch in by_topic.items():
                     route = self.routes[topic]
                     if isinstance(route, BatchRoute) and topic not in split:
-                        refused.update(await self._whole(conn, topic, route, batch))
+                        refused.update(await self._whole(conn, topic, route, batch, turn))
                     else:
                         for delivery in batch:
                             reason = await self._alone(conn, route, delivery)
@@ -303,7 +318,8 @@ class Inbox:
                 fresh.append(delivery)
         return fresh
 
-    async def _whole(self, conn: asyncpg.Connection, topic: str, route: BatchRoute, batch: list[Delivery]) -> Mapping[Delivery, str]:
+    async def _whole(self, conn: asyncpg.Connection, topic: str, route: BatchRoute, batch: list[Delivery], turn: Turn | None) -> Mapping[Delivery, str]:
+        handling = _HANDLING.set(turn)
         try:
             return await route.handler(conn, batch) or {}
         except Poison as exc:
@@ -312,6 +328,8 @@ class Inbox:
             raise _Blame(topic, exc.reason, exc.delivery) from exc
         except asyncpg.DataError as exc:
             raise _Blame(topic, _refused(exc), batch[0] if len(batch) == 1 else None) from exc
+        finally:
+            _HANDLING.reset(handling)
 
     async def _alone(self, conn: asyncpg.Connection, route: Route | BatchRoute, delivery: Delivery) -> str | None:
         """Run one message's handler under a savepoint; the reason if it is poison."""

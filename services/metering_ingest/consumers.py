@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import asyncpg
 from faststream.kafka import KafkaRouter
 
-from budgetgate.consumer import BatchRoute, Delivery
+from budgetgate.consumer import BatchRoute, Delivery, locks_taken
 from budgetgate.core.metering import Rejected, Sample
 from budgetgate.services.metering_ingest.ingest import Ingestor, RecordOrigin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
@@ -71,7 +71,7 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
                 refused[delivery] = str(sample)
                 continue
             valid.append((delivery, sample, RecordOrigin(delivery.record)))
-        outcomes = await ingestor.place_batch(conn, [(sample, origin) for _, sample, origin in valid])
+        outcomes = await ingestor.place_batch(conn, [(sample, origin) for _, sample, origin in valid], locked=locks_taken)
         placed = []
         for (delivery, _, _), outcome in zip(valid, outcomes, strict=True):
             if isinstance(outcome, Rejected):

@@ -149,12 +149,17 @@ class Ingestor:
             raise kept
         return kept
 
-    async def place_batch(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]]) -> list[Outcome | Rejected]:
+    async def place_batch(
+        self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]], *, locked: Callable[[], None] = lambda: None
+    ) -> list[Outcome | Rejected]:
         """`place` for many valid samples at once, in order (two samples of one run judge each
         other as if placed one after the other); a sample's Rejected is its outcome.
 
         Postgres judges and records the samples of the runs its set-based rules cover
-        (metering_place_batch); the core judges the rest, run by run (`_judge`)."""
+        (metering_place_batch); the core judges the rest, run by run (`_judge`). `locked()` is
+        called once the transaction holds the locks of every run of the batch, which is all it
+        takes here: the rest writes the outbox and, for samples left to the core, works under
+        those locks (budgetgate.consumer.locks_taken)."""
         now = self.clock()
         samples = [sample for sample, _ in batch]
         event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
@@ -165,6 +170,7 @@ class Ingestor:
             drafts = [usage_draft(s, recorded_at=recorded_at, event_id=e) for s, e in zip(samples, event_ids, strict=True)]
         finally:
             placed = await placing  # awaited whatever happened: the connection is not left in use
+        locked()
         outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
         left: list[int] = []
         announce, keys = [], []

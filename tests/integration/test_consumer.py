@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from budgetgate import wire
-from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route, Turn
+from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route, Turn, locks_taken
 from budgetgate.lag import ConsumerProgress
 from budgetgate.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_acked
 from budgetgate.topics import Topics, dlq, ensure_topics
@@ -421,4 +421,45 @@ async def test_overlapping_batches_sharing_an_event_id_finish_when_the_first_is_
     effects = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
     assert effects == (["first", "second", "x"] if failure == "outage" else ["second", "x"])
     assert [a.result().duplicates for a in applying] == [0, 1]
+    await pool.close()
+
+
+async def test_a_handler_that_says_it_holds_its_locks_lets_the_next_batch_start_in_its_wake(settings, pg_dsn) -> None:
+    """Batch N's handler takes its lock, says `locks_taken`, then goes on with work that takes
+    none. Batch N+1's handler starts meanwhile (Postgres works on it while N finishes), and still
+    waits on N's lock in Postgres until N commits: it sees N's effect once it has the lock."""
+    topic = Topics(settings.topic_prefix).lifecycle
+    pool = await asyncpg.create_pool(pg_dsn, min_size=2, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL, saw_first boolean NOT NULL)")
+    steps: list[str] = []
+    first_may_finish = asyncio.Event()
+
+    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> None:
+        name = deliveries[0].message.run_id
+        steps.append(f"{name} starts")
+        await conn.execute("SELECT pg_advisory_xact_lock(4242)")  # both batches touch one run
+        saw_first = bool(await conn.fetchval("SELECT count(*) FROM effects WHERE run_id = 'first'"))
+        await conn.execute("INSERT INTO effects VALUES ($1, $2)", name, saw_first)
+        if name == "first":
+            locks_taken()
+            await asyncio.wait_for(first_may_finish.wait(), timeout=10)  # the outbox work, say
+            steps.append("first returns")
+
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topic: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)}, max_backoff=0.2)
+        first = Turn()
+        second = Turn(after=first)
+        applying = [
+            asyncio.ensure_future(inbox.apply([_record(0, event("first"), topic)], turn=first)),
+            asyncio.ensure_future(inbox.apply([_record(1, event("second"), topic)], turn=second)),
+        ]
+        for _ in range(200):
+            if "second starts" in steps:
+                break
+            await asyncio.sleep(0.02)
+        assert steps == ["first starts", "second starts"], "the next batch's handler waited for the whole of the first's"
+        first_may_finish.set()
+        await asyncio.wait_for(asyncio.gather(*applying), timeout=20)
+    rows = {r["run_id"]: r["saw_first"] for r in await pool.fetch("SELECT run_id, saw_first FROM effects")}
+    assert rows == {"first": False, "second": True}, "the next batch ran under the lock before the first batch committed"
     await pool.close()
