@@ -13,7 +13,7 @@ import asyncpg
 import redis.asyncio as aioredis
 
 from budgetgate.serving import close_pool, close_within
-from budgetgate import wire
+from budgetgate import redis_client, wire
 from budgetgate.kafka_access import start_whole
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
@@ -64,7 +64,7 @@ async def build(settings: AdmissionSettings) -> Runtime:
     # No reset query on release: every use ends its transaction, advisory locks are
     # transaction-scoped and no session state is set, so the reset round trip buys nothing.
     pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10, reset=_no_reset)
-    client = aioredis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    client = redis_client.connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
     ledger = RedisLedger(client, prefix=settings.redis_prefix)
     sync = LedgerSync(pool, ledger)
     policies = PolicyCache(pool)

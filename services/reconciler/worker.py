@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
-import redis.asyncio as aioredis
 import redis.exceptions
 from opentelemetry.metrics import Observation
 
-from budgetgate import wire
+from budgetgate import redis_client, wire
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.consumer import Inbox
 from budgetgate.kafka_access import start_whole
@@ -105,7 +104,7 @@ class Reconciler:
     async def start(self) -> None:
         s = self.settings
         self.pool = await asyncpg.create_pool(s.postgres_dsn, min_size=s.pg_pool_min, max_size=s.pg_pool_max, command_timeout=30)
-        self.redis = aioredis.from_url(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = redis_client.connect(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = Bundles()

@@ -100,11 +100,11 @@ async def postgres_pool(dsn: str, *, max_size: int = 2) -> AsyncIterator[object]
 async def redis(url: str) -> AsyncIterator[object]:
     """A Redis client, named on stderr; an address that is malformed or does not answer is a
     one-line ClickException."""
-    import redis.asyncio as aioredis
+    from budgetgate import redis_client
 
     announce("redis", url)
     with _reaching("Redis", url):
-        client = aioredis.from_url(url, socket_connect_timeout=5)
+        client = redis_client.connect(url, socket_connect_timeout=5)
     try:
         with _reaching("Redis", url):
             await client.ping()
