@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
@@ -24,10 +24,11 @@ QUICK = RetryPolicy(attempts=4, initial=0.01, max_wait=0.05, deadline=10)
 
 
 class Scripted:
-    """A service whose first answers are the scripted refusals (status, Retry-After), then
-    readiness; `arrivals` is when each request came in (monotonic seconds)."""
+    """A service whose first answers are the scripted refusals (status, Retry-After, or a function
+    making it when the refusal is answered), then readiness; `arrivals` is when each request came
+    in (monotonic seconds)."""
 
-    def __init__(self, *refusals: tuple[int, str]) -> None:
+    def __init__(self, *refusals: tuple[int, str | Callable[[], str]]) -> None:
         self.refusals = list(refusals)
         self.arrivals: list[float] = []
         self.app = FastAPI()
@@ -37,6 +38,7 @@ class Scripted:
             self.arrivals.append(time.monotonic())
             if self.refusals:
                 status, asked = self.refusals.pop(0)
+                asked = asked() if callable(asked) else asked
                 return JSONResponse({"detail": f"refused with {status}"}, status_code=status, headers={"Retry-After": asked})
             return JSONResponse({"status": "ready", "checks": {"ledger": "ok"}})
 
@@ -48,7 +50,7 @@ class Scripted:
 async def serve() -> AsyncIterator:  # type: ignore[type-arg]
     servers: list[InProcessServer] = []
 
-    async def start(*refusals: tuple[int, str]) -> tuple[Scripted, str]:
+    async def start(*refusals: tuple[int, str | Callable[[], str]]) -> tuple[Scripted, str]:
         scripted = Scripted(*refusals)
         server = InProcessServer(scripted.app, port=free_port())
         await server.start()
@@ -101,7 +103,9 @@ async def test_a_retry_after_past_the_deadline_is_raised_not_resent_early(serve)
 
 
 async def test_a_retry_after_given_as_an_http_date_is_waited(serve) -> None:
-    scripted, url = await serve((429, format_datetime(datetime.now(UTC) + timedelta(seconds=2), usegmt=True)))
+    # The date is made when the refusal is answered (under load the first request came more than a
+    # second after the test began, and a date made then was less than a second ahead).
+    scripted, url = await serve((429, lambda: format_datetime(datetime.now(UTC) + timedelta(seconds=2), usegmt=True)))
     async with AsyncClient(url, token="t", retry=QUICK) as client:
         assert await client.send(calls.readiness()) == {"ledger": "ok"}
     assert len(scripted.arrivals) == 2 and scripted.gaps()[0] >= 0.95  # the date has whole seconds: at least 1 s of the 2

@@ -113,7 +113,9 @@ async def test_a_source_that_is_down_never_blocks_admission(admission_factory, p
 
 
 async def test_the_breaker_opens_after_repeated_failures_and_closes_when_the_source_recovers(admission_factory, pg_dsn, stand_in) -> None:
-    server = await started(admission_factory, pg_dsn, stand_in, accounting_reset_seconds=1.0)
+    # 5 s, not 0.3 s: this tests what the breaker counts, not time. Under a full run's load an ask
+    # once timed out before it reached the stand-in, counted as a failure the stand-in never saw.
+    server = await started(admission_factory, pg_dsn, stand_in, accounting_reset_seconds=1.0, accounting_timeout_seconds=5.0)
     stand_in.mode = "error"
     answers = [await submit(server, f"fail-{i}") for i in range(5)]
     assert len(stand_in.asked) == 3  # the threshold; then the breaker stops asking
