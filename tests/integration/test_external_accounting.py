@@ -113,8 +113,9 @@ async def test_a_source_that_is_down_never_blocks_admission(admission_factory, p
 
 
 async def test_the_breaker_opens_after_repeated_failures_and_closes_when_the_source_recovers(admission_factory, pg_dsn, stand_in) -> None:
-    # 5 s, not 0.3 s: this tests what the breaker counts, not time. Under a full run's load an ask
-    # once timed out before it reached the stand-in, counted as a failure the stand-in never saw.
+    # 5 s, not 0.3 s: this tests what the breaker counts, not time. Under a full run's load the
+    # stand-in once saw 2 asks where the breaker had counted 3 failures: at 0.3 s an ask can time
+    # out (a failure) before it reaches the stand-in.
     server = await started(admission_factory, pg_dsn, stand_in, accounting_reset_seconds=1.0, accounting_timeout_seconds=5.0)
     stand_in.mode = "error"
     answers = [await submit(server, f"fail-{i}") for i in range(5)]
