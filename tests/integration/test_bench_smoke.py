@@ -22,12 +22,13 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
         "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap,
     }
     command = [sys.executable, "-m", "budgetgate.cli.main", "bench", "admission", "--requests", "60", "--concurrency", "4",
-               "--warmup", "10", "--scenario", "hot", "--open-loop-rate", "40", "--open-loop-seconds", "1", "--json"]  # fmt: skip
+               "--warmup", "10", "--scenario", "hot", "--open-loop-rate", "40", "--open-loop-seconds", "1", "--rounds", "2", "--json"]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr
 
     report = json.loads(done.stdout)
-    assert {r["system"] for r in report["results"]} == {"budgetgate", "baseline"}
+    # Two rounds, the systems taking turns to go first.
+    assert [(r["round"], r["system"]) for r in report["results"]] == [(1, "baseline"), (1, "budgetgate"), (2, "budgetgate"), (2, "baseline")]
     assert report["correct"] is True
     for result in report["results"]:
         assert result["scenario"] == "hot" and result["requests"] == 60
@@ -50,7 +51,12 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
         else:
             # (cpu_seconds are rounded to the millisecond in the report)
             assert cpu["bound_per_second"] == pytest.approx(cpu["cpus"] * result["answered"] / sum(cpu["cpu_seconds"].values()), rel=0.1)
-    assert [r["scenario"] for r in report["ratios"]] == ["hot"]
+    assert [(r["round"], r["scenario"]) for r in report["ratios"]] == [(1, "hot"), (2, "hot")]
+    [median] = report["medians"]
+    assert median["scenario"] == "hot" and median["throughput"]["rounds"] == median["ceiling"]["rounds"] == 2
+    assert median["throughput"]["low"] <= median["throughput"]["median"] <= median["throughput"]["high"]
+    assert [c["round"] for c in report["fastapi_ceilings"]] == [1, 2]
+    assert report["fastapi_ceiling"]["requests_per_second"] == max(c["requests_per_second"] for c in report["fastapi_ceilings"])
     ceiling = report["fastapi_ceiling"]
     assert ceiling["errors"] == 0 and ceiling["requests_per_second"] > 0 and set(ceiling["budgetgate"]) == {"hot"}
     assert list(ceiling["cpu"]["us_per_unit"]) == ["service", "load generator"] and ceiling["cpu"]["us_per_unit"]["service"] is not None

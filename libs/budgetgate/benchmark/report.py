@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any
 
+from budgetgate.benchmark import load
+from budgetgate.benchmark.cpu import CpuUse
 from budgetgate.benchmark.runner import CEILING_TRIES, Measurements, Options, RunResult
 from budgetgate.benchmark.workload import GPU_HOURS_EACH, GPUS, RUNTIME_HOURS
 
@@ -17,6 +20,7 @@ def row(result: RunResult) -> dict[str, Any]:
     return {
         "system": result.system,
         "scenario": result.scenario,
+        "round": result.round,
         "budgets": len(result.workload.budgets),
         "requests": len(result.workload.measured),
         "answered": out.answered,
@@ -44,20 +48,43 @@ def row(result: RunResult) -> dict[str, Any]:
 
 
 def ratios(results: list[RunResult]) -> list[dict[str, Any]]:
-    """budgetgate ÷ baseline per scenario, for throughput and p99 latency."""
-    by_key = {(r.system, r.scenario): row(r) for r in results}
+    """budgetgate ÷ baseline per round and scenario, for throughput and p99 latency: each
+    round's budgetgate against the same round's baseline."""
+    by_key = {(r.round, r.system, r.scenario): row(r) for r in results}
     out = []
-    for scenario in dict.fromkeys(r.scenario for r in results):
-        bg, base = by_key.get(("budgetgate", scenario)), by_key.get(("baseline", scenario))
+    for number, scenario in dict.fromkeys((r.round, r.scenario) for r in results):
+        bg, base = by_key.get((number, "budgetgate", scenario)), by_key.get((number, "baseline", scenario))
         if not bg or not base:
             continue
         out.append(
             {
+                "round": number,
                 "scenario": scenario,
                 "throughput": _ratio(bg["decisions_per_second"], base["decisions_per_second"]),
                 "p99": _ratio(bg["p99_ms"], base["p99_ms"]),
             }
         )
+    return out
+
+
+def medians(measured: Measurements) -> list[dict[str, Any]]:
+    """Per scenario, the median over the rounds of each ratio (budgetgate against the baseline
+    and against the ceiling of its own round), with the lowest and highest: the figures to
+    quote when the machine's speed drifts between rounds."""
+    per_round = ratios(measured.results)
+    against_ceiling = ceiling_ratios(measured)
+    out = []
+    for scenario in dict.fromkeys(r.scenario for r in measured.results):
+        figures = {
+            "throughput": [r["throughput"] for r in per_round if r["scenario"] == scenario],
+            "p99": [r["p99"] for r in per_round if r["scenario"] == scenario],
+            "ceiling": [c["budgetgate"][scenario] for c in against_ceiling if scenario in c["budgetgate"]],
+        }
+        summary: dict[str, Any] = {"scenario": scenario}
+        for name, values in figures.items():
+            known = [v for v in values if v is not None]
+            summary[name] = {"median": round(statistics.median(known), 3), "low": min(known), "high": max(known), "rounds": len(known)} if known else None
+        out.append(summary)
     return out
 
 
@@ -73,33 +100,50 @@ def as_json(options: Options, measured: Measurements) -> dict[str, Any]:
             "allow_fraction": options.allow_fraction,
             "scenarios": list(options.scenarios),
             "systems": list(options.systems),
+            "rounds": options.rounds,
             "submission": {"gpus": GPUS, "runtime_hours": RUNTIME_HOURS, "gpu_hours": GPU_HOURS_EACH},
         },
         "cpus": os.cpu_count(),
         "results": [row(r) for r in results],
         "ratios": ratios(results),
+        "medians": medians(measured),
         "fastapi_ceiling": ceiling(measured),
+        "fastapi_ceilings": ceiling_ratios(measured),
         "open_loop": [open_row(r, options) for r in measured.open_loop],
         "correct": measured.correct,
     }
 
 
 def ceiling(measured: Measurements) -> dict[str, Any] | None:
-    """The FastAPI ceiling's requests/s, and budgetgate's decisions/s per scenario against it."""
+    """The FastAPI ceiling's requests/s (the highest of every round), and budgetgate's
+    decisions/s per scenario against it (the median of its rounds')."""
     out = measured.ceiling
     if out is None or not out.elapsed:
         return None
+    return _against_ceiling(out, measured.ceiling_cpu, [r for r in measured.results if r.system == "budgetgate"])
+
+
+def ceiling_ratios(measured: Measurements) -> list[dict[str, Any]]:
+    """Per round, the ceiling of that round and budgetgate's decisions/s against it."""
+    return [
+        {"round": number, **_against_ceiling(out, cpu, [r for r in measured.results if r.system == "budgetgate" and r.round == number])}
+        for number, (out, cpu) in sorted(measured.ceilings.items())
+        if out.elapsed
+    ]
+
+
+def _against_ceiling(out: load.Outcome, cpu: CpuUse | None, budgetgate: list[RunResult]) -> dict[str, Any]:
     per_second = out.answered / out.elapsed
+    rates: dict[str, list[float]] = {}
+    for r in budgetgate:
+        if r.outcome.elapsed:
+            rates.setdefault(r.scenario, []).append(r.outcome.answered / r.outcome.elapsed)
     return {
         "requests_per_second": round(per_second, 1),
         "p99_ms": _round(out.percentile_ms(99)),
         "errors": out.error_count,
-        "cpu": measured.ceiling_cpu.as_json(out.answered) if measured.ceiling_cpu else None,
-        "budgetgate": {
-            r.scenario: _ratio(round(r.outcome.answered / r.outcome.elapsed, 1), per_second)
-            for r in measured.results
-            if r.system == "budgetgate" and r.outcome.elapsed
-        },
+        "cpu": cpu.as_json(out.answered) if cpu else None,
+        "budgetgate": {scenario: _ratio(round(statistics.median(values), 1), per_second) for scenario, values in rates.items()},
     }
 
 
@@ -131,10 +175,11 @@ def open_row(result: RunResult, options: Options) -> dict[str, Any]:
 def as_text(options: Options, measured: Measurements) -> str:
     results = measured.results
     rows = [row(r) for r in results]
+    rounds = options.rounds > 1
     cells = [
         [
             r["system"],
-            f"{r['scenario']} ({r['budgets']})",
+            f"{r['scenario']} ({r['budgets']})" + (f" #{r['round']}" if rounds else ""),
             str(r["requests"]),
             f"{r['decisions_per_second']:.1f}",
             _ms(r["p50_ms"]),
@@ -155,20 +200,30 @@ def as_text(options: Options, measured: Measurements) -> str:
     lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))) for line in cells]
     lines.append("")
     for r in rows:
-        lines.append(_correctness_line(r))
+        lines.append(_correctness_line(r, rounds=rounds))
     for r in rows:
         if r.get("notes"):
-            lines.append(f"{r['system']}/{r['scenario']}: " + ", ".join(f"{k} {v}" for k, v in r["notes"].items()) + " (right after the measured phase)")
+            lines.append(f"{_name(r, rounds)}: " + ", ".join(f"{k} {v}" for k, v in r["notes"].items()) + " (right after the measured phase)")
     for ratio in ratios(results):
-        lines.append(f"budgetgate/baseline, {ratio['scenario']}: throughput {_x(ratio['throughput'])}, p99 latency {_x(ratio['p99'])}")
+        lines.append(f"budgetgate/baseline, {_name(ratio, rounds, system=False)}: throughput {_x(ratio['throughput'])}, p99 latency {_x(ratio['p99'])}")
+    for found in ceiling_ratios(measured) if rounds else []:
+        against = ", ".join(f"{scenario} {_x(x)}" for scenario, x in found["budgetgate"].items())
+        lines.append(f"fastapi ceiling, round {found['round']}: {found['requests_per_second']:.1f} requests/s; budgetgate/ceiling: {against or '-'}")
     top = ceiling(measured)
     if top is not None:
         against = ", ".join(f"{scenario} {_x(x)}" for scenario, x in top["budgetgate"].items())
+        best = f"the best of {CEILING_TRIES} passes" + (f" in each of {options.rounds} rounds, the highest round" if rounds else "")
+        of = "budgetgate/ceiling" + (" (budgetgate's median round)" if rounds else "")
         lines.append(
-            f"fastapi ceiling (validates the same body, answers a constant; the best of {CEILING_TRIES} passes): {top['requests_per_second']:.1f} requests/s, "
-            f"p99 {_ms(top['p99_ms'])} ms, {top['errors']} errors; budgetgate/ceiling: {against or '-'}"
+            f"fastapi ceiling (validates the same body, answers a constant; {best}): {top['requests_per_second']:.1f} requests/s, "
+            f"p99 {_ms(top['p99_ms'])} ms, {top['errors']} errors; {of}: {against or '-'}"
         )
-    lines += _cpu_lines(measured)
+    if rounds:
+        for summary in medians(measured):
+            labelled = (("throughput vs baseline", summary["throughput"]), ("p99 vs baseline", summary["p99"]), ("vs its round's ceiling", summary["ceiling"]))
+            parts = [f"{label} {_x(f['median'])} ({_x(f['low'])}-{_x(f['high'])})" for label, f in labelled if f is not None]
+            lines.append(f"median of {options.rounds} rounds, {summary['scenario']}: " + ", ".join(parts))
+    lines += _cpu_lines(measured, rounds=rounds)
     for r in measured.open_loop:
         o = open_row(r, options)
         lines.append(
@@ -184,22 +239,26 @@ def as_text(options: Options, measured: Measurements) -> str:
     return "\n".join(lines)
 
 
-def _cpu_lines(measured: Measurements) -> list[str]:
+def _cpu_lines(measured: Measurements, *, rounds: bool = False) -> list[str]:
     """What each part spent per answer while the measured load ran: where the throughput went;
     and for budgetgate, how far this machine's CPUs could carry it at that cost, against the
-    baseline's and the ceiling's measured rates (the highest ratios these costs allow here)."""
-    rate = {(r.system, r.scenario): r.outcome.answered / r.outcome.elapsed for r in measured.results if r.outcome.elapsed}
+    baseline's and the ceiling's measured rates of its round (the highest ratios these costs
+    allow here)."""
+    rate = {(r.round, r.system, r.scenario): r.outcome.answered / r.outcome.elapsed for r in measured.results if r.outcome.elapsed}
     top = measured.ceiling
     lines = []
     for r in measured.results:
         if r.cpu is None:
             continue
-        lines.append(f"{r.system}/{r.scenario}: {r.cpu.line(r.outcome.answered, 'decision')}")
+        name = f"{r.system}/{r.scenario}" + (f" #{r.round}" if rounds else "")
+        lines.append(f"{name}: {r.cpu.line(r.outcome.answered, 'decision')}")
         if r.system != "budgetgate":
             continue
-        against = [(f"baseline/{r.scenario}", rate[("baseline", r.scenario)])] if ("baseline", r.scenario) in rate else []
-        if top is not None and top.elapsed:
-            against.append(("the fastapi ceiling", top.answered / top.elapsed))
+        base = (r.round, "baseline", r.scenario)
+        against = [(f"baseline/{r.scenario}", rate[base])] if base in rate else []
+        own = measured.ceilings.get(r.round)
+        if own is not None and own[0].elapsed:
+            against.append(("the fastapi ceiling", own[0].answered / own[0].elapsed))
         bound = r.cpu.bound_line(r.outcome.answered, "decision", against=against)
         if bound is not None:
             lines.append(f"  {bound}")
@@ -208,9 +267,14 @@ def _cpu_lines(measured: Measurements) -> list[str]:
     return lines
 
 
-def _correctness_line(r: dict[str, Any]) -> str:
+def _name(r: dict[str, Any], rounds: bool, *, system: bool = True) -> str:
+    """A row's (or a ratio's) system/scenario, and its round when there are several."""
+    return (f"{r['system']}/" if system else "") + r["scenario"] + (f" #{r['round']}" if rounds else "")
+
+
+def _correctness_line(r: dict[str, Any], *, rounds: bool = False) -> str:
     c = r["correctness"]
-    head = f"correctness {r['system']}/{r['scenario']}: "
+    head = f"correctness {_name(r, rounds)}: "
     if r["correct"]:
         return head + (
             f"OK - no budget over its limit ({c['budgets']} budget(s) reached, {c['admitted_gpu_hours']:g} of "

@@ -1,6 +1,11 @@
 """One benchmark run: for each scenario and system, a fresh database and service, a warm-up,
 the measured load, a retry probe and the correctness check; everything started is stopped and
-dropped again, also on Ctrl-C, SIGTERM or an error."""
+dropped again, also on Ctrl-C, SIGTERM or an error.
+
+With `rounds` > 1 all of that is done again, round after round, the systems taking turns to go
+first, so that budgetgate and the baseline of one round are measured minutes apart at most and
+a machine whose speed drifts (a shared one's did by 1.7x within a quarter of an hour) does not
+decide the ratio: the report pairs each round's figures and gives the median of the rounds."""
 
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ class Options:
     ceiling: bool = True  # also measure a FastAPI endpoint that validates the body, answers a constant
     open_loop_rate: float = 0.0  # > 0: also offer this many submissions/s (open loop) to each system
     open_loop_seconds: float = 30.0
+    rounds: int = 1  # every scenario × system (and the ceiling) measured this many times, interleaved
 
 
 @dataclass
@@ -63,6 +69,7 @@ class RunResult:
     audit: Audit
     notes: dict[str, int]
     cpu: CpuUse | None = None  # what each part spent while the measured load ran
+    round: int = 1
 
 
 @dataclass
@@ -72,9 +79,28 @@ class Measurements:
 
     tag: str
     results: list[RunResult]
-    ceiling: load.Outcome | None = None
-    ceiling_cpu: CpuUse | None = None  # of the ceiling's best pass
+    # Per round, the ceiling's best pass and what it spent.
+    ceilings: dict[int, tuple[load.Outcome, CpuUse]] = field(default_factory=dict)
     open_loop: list[RunResult] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> list[int]:
+        return sorted({r.round for r in self.results} | set(self.ceilings))
+
+    @property
+    def ceiling(self) -> load.Outcome | None:
+        """The highest ceiling of every round (the one that flatters budgetgate least)."""
+        best = self._best_ceiling()
+        return best[0] if best else None
+
+    @property
+    def ceiling_cpu(self) -> CpuUse | None:
+        best = self._best_ceiling()
+        return best[1] if best else None
+
+    def _best_ceiling(self) -> tuple[load.Outcome, CpuUse] | None:
+        passes = [c for c in self.ceilings.values() if c[0].elapsed]
+        return max(passes, key=lambda c: c[0].answered / c[0].elapsed, default=None)
 
     @property
     def correct(self) -> bool:
@@ -90,17 +116,21 @@ class Run:
         self.children: list[Subprocess] = []
 
     async def execute(self) -> Measurements:
-        """Every scenario × system, in that order."""
+        """Every scenario × system, in that order, once per round (the systems in the opposite
+        order every other round); then the open loop, once."""
         options = self.options
         async with session(self.children) as (stack, log_dir):
             backends = await self._backends(stack, log_dir)
             measured = Measurements(self.tag, [])
-            for scenario in options.scenarios:
-                work = self._workload(scenario, options.requests, "run")
-                if options.ceiling and measured.ceiling is None:
-                    measured.ceiling, measured.ceiling_cpu = await self._ceiling(work, log_dir)
-                for name in options.systems:
-                    measured.results.append(await self._measure(self._system(name, backends, scenario), work, log_dir))
+            works = {scenario: self._workload(scenario, options.requests, "run") for scenario in options.scenarios}
+            for number in range(1, options.rounds + 1):
+                systems = options.systems if number % 2 else tuple(reversed(options.systems))
+                for scenario, work in works.items():
+                    if options.ceiling and number not in measured.ceilings:
+                        measured.ceilings[number] = await self._ceiling(work, log_dir, number)
+                    for name in systems:
+                        label = scenario if options.rounds == 1 else f"{scenario}-r{number}"
+                        measured.results.append(await self._measure(self._system(name, backends, label), work, log_dir, number=number))
             if options.open_loop_rate > 0:
                 work = self._workload("spread", round(options.open_loop_rate * options.open_loop_seconds), "open")
                 for name in options.systems:
@@ -115,7 +145,7 @@ class Run:
     def _system(self, name: str, backends: Backends, label: str) -> System:
         return Budgetgate(backends, tag=f"{self.tag}-{label}") if name == "budgetgate" else Baseline()
 
-    async def _ceiling(self, work: workload.Workload, log_dir: Path) -> tuple[load.Outcome, CpuUse]:
+    async def _ceiling(self, work: workload.Workload, log_dir: Path, number: int = 1) -> tuple[load.Outcome, CpuUse]:
         """The same load against a FastAPI endpoint that only validates the body: the best of
         CEILING_TRIES passes (one pass varied by 60 % between runs on a shared machine; the
         fastest is the ceiling, so a slow moment never flatters budgetgate's ratio)."""
@@ -127,11 +157,12 @@ class Run:
             await load.drive(host="127.0.0.1", port=port, bodies=work.warmup, concurrency=run.concurrency)
             meter = CpuMeter([Part.process("service", service.pid), LOAD_GENERATOR])
             best: tuple[load.Outcome, CpuUse] | None = None
+            named = "fastapi-ceiling" if run.rounds == 1 else f"fastapi-ceiling round {number}"
             for attempt in range(1, CEILING_TRIES + 1):
-                self.echo(f"[fastapi-ceiling] measuring ({attempt}/{CEILING_TRIES}): {len(work.measured)} submissions, {run.concurrency} clients")
+                self.echo(f"[{named}] measuring ({attempt}/{CEILING_TRIES}): {len(work.measured)} submissions, {run.concurrency} clients")
                 with _collector_quiet():
                     outcome, cpu = await meter.measure(lambda: load.drive(host="127.0.0.1", port=port, bodies=work.measured, concurrency=run.concurrency))
-                self.echo(f"[fastapi-ceiling] {outcome.answered / outcome.elapsed:.0f} requests/s, {outcome.error_count} errors")
+                self.echo(f"[{named}] {outcome.answered / outcome.elapsed:.0f} requests/s, {outcome.error_count} errors")
                 if best is None or outcome.answered / outcome.elapsed > best[0].answered / best[0].elapsed:
                     best = outcome, cpu
             assert best is not None
@@ -155,11 +186,12 @@ class Run:
         self.children.append(child)
         return child
 
-    async def _measure(self, system: System, work: workload.Workload, log_dir: Path, *, rate: float = 0.0) -> RunResult:
-        """Closed loop, or with `rate` an open loop offering that many submissions/s."""
-        label = f"{system.name}/{work.scenario}" + (f" open loop {rate:g}/s" if rate else "")
+    async def _measure(self, system: System, work: workload.Workload, log_dir: Path, *, rate: float = 0.0, number: int = 1) -> RunResult:
+        """Closed loop, or with `rate` an open loop offering that many submissions/s; `number`:
+        the round it belongs to."""
+        label = f"{system.name}/{work.scenario}" + (f" open loop {rate:g}/s" if rate else "") + (f" round {number}" if self.options.rounds > 1 else "")
         server_dsn = self.settings.postgres_dsn
-        database = f"bench_{self.tag}_{system.name}_{work.scenario}"
+        database = f"bench_{self.tag}_{system.name}_{work.scenario}" + (f"_r{number}" if number > 1 else "")
         async with contextlib.AsyncExitStack() as stack:
             dsn = await databases.create(server_dsn, database)
             stack.push_async_callback(databases.drop, server_dsn, database)
@@ -167,7 +199,7 @@ class Run:
             await system.prepare(dsn, work)
             port = free_port()
             command, env = system.command(dsn=dsn, port=port)
-            service = self._start(f"{system.name}-{work.scenario}", command, log_dir=log_dir, env=env)
+            service = self._start(f"{system.name}-{work.scenario}-r{number}", command, log_dir=log_dir, env=env)
             stack.push_async_callback(service.stop)
             await self._wait_ready(service, port, system.ready_path)
 
@@ -192,7 +224,7 @@ class Run:
                 probe_mismatches=mismatches,
                 problems=problems,
             )
-            return RunResult(system.name, work.scenario, work, measured, audit, notes, cpu)
+            return RunResult(system.name, work.scenario, work, measured, audit, notes, cpu, number)
 
     async def _load(self, system: System, work: workload.Workload, port: int, *, rate: float, label: str) -> load.Outcome:
         if rate:

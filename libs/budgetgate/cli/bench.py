@@ -36,6 +36,14 @@ def bench() -> None:
     help="Also offer this many submissions/s to each system, whatever its answers (0: no open loop).",
 )
 @click.option("--open-loop-seconds", default=30.0, show_default=True, type=click.FloatRange(0.1), help="How long the open loop offers its rate.")
+@click.option(
+    "--rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Measure every scenario, system and the ceiling this many times, the systems taking turns to go first; "
+    "the ratios are paired per round and their median is reported.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def admission(
     requests: int,
@@ -48,6 +56,7 @@ def admission(
     ceiling: bool,
     open_loop_rate: float,
     open_loop_seconds: float,
+    rounds: int,
     as_json: bool,
 ) -> None:
     """Admission decisions/s and latency: budgetgate vs. a FastAPI + Postgres row-lock service.
@@ -63,7 +72,7 @@ def admission(
     options = runner.Options(
         requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
         scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
-        open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds,
+        open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds, rounds=rounds,
     )  # fmt: skip
     try:
         measured = asyncio.run(runner.run(options, echo=lambda message: click.echo(message, err=True)))
