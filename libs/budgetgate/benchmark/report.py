@@ -250,8 +250,7 @@ def _cpu_lines(measured: Measurements, *, rounds: bool = False) -> list[str]:
     for r in measured.results:
         if r.cpu is None:
             continue
-        name = f"{r.system}/{r.scenario}" + (f" #{r.round}" if rounds else "")
-        lines.append(f"{name}: {r.cpu.line(r.outcome.answered, 'decision')}")
+        lines.append(f"{_name(row(r), rounds)}: {r.cpu.line(r.outcome.answered, 'decision')}")
         if r.system != "budgetgate":
             continue
         base = (r.round, "baseline", r.scenario)
