@@ -189,7 +189,7 @@ class Run:
     async def _measure(self, system: System, work: workload.Workload, log_dir: Path, *, rate: float = 0.0, number: int = 1) -> RunResult:
         """Closed loop, or with `rate` an open loop offering that many submissions/s; `number`:
         the round it belongs to."""
-        label = f"{system.name}/{work.scenario}" + (f" open loop {rate:g}/s" if rate else "") + (f" round {number}" if self.options.rounds > 1 else "")
+        label = f"{system.name}/{work.scenario}" + (f" open loop {rate:g}/s" if rate else f" round {number}" if self.options.rounds > 1 else "")
         server_dsn = self.settings.postgres_dsn
         database = f"bench_{self.tag}_{system.name}_{work.scenario}" + (f"_r{number}" if number > 1 else "")
         async with contextlib.AsyncExitStack() as stack:
