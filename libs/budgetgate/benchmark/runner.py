@@ -84,10 +84,6 @@ class Measurements:
     open_loop: list[RunResult] = field(default_factory=list)
 
     @property
-    def rounds(self) -> list[int]:
-        return sorted({r.round for r in self.results} | set(self.ceilings))
-
-    @property
     def ceiling(self) -> load.Outcome | None:
         """The highest ceiling of every round (the one that flatters budgetgate least)."""
         best = self._best_ceiling()
@@ -129,8 +125,7 @@ class Run:
                     if options.ceiling and number not in measured.ceilings:
                         measured.ceilings[number] = await self._ceiling(work, log_dir, number)
                     for name in systems:
-                        label = scenario if options.rounds == 1 else f"{scenario}-r{number}"
-                        measured.results.append(await self._measure(self._system(name, backends, label), work, log_dir, number=number))
+                        measured.results.append(await self._measure(self._system(name, backends, f"{scenario}-r{number}"), work, log_dir, number=number))
             if options.open_loop_rate > 0:
                 work = self._workload("spread", round(options.open_loop_rate * options.open_loop_seconds), "open")
                 for name in options.systems:
@@ -191,7 +186,7 @@ class Run:
         the round it belongs to."""
         label = f"{system.name}/{work.scenario}" + (f" open loop {rate:g}/s" if rate else f" round {number}" if self.options.rounds > 1 else "")
         server_dsn = self.settings.postgres_dsn
-        database = f"bench_{self.tag}_{system.name}_{work.scenario}" + (f"_r{number}" if number > 1 else "")
+        database = f"bench_{self.tag}_{system.name}_{work.scenario}_r{number}"  # a round's own, as its Redis prefix and service
         async with contextlib.AsyncExitStack() as stack:
             dsn = await databases.create(server_dsn, database)
             stack.push_async_callback(databases.drop, server_dsn, database)
