@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -16,6 +15,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from budgetgate import garbage
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.openapi import Operation, document
 from budgetgate.principals import Forbidden, Principal
@@ -71,10 +71,7 @@ def serve(*, prog: str, settings_cls: type[Any], create_app: Callable[[Any], Fas
         parser.error("TLS needs both a certificate and a key (--ssl-certfile/--ssl-keyfile or BUDGETGATE_TLS_CERTFILE/BUDGETGATE_TLS_KEYFILE)")
     tls = {"ssl_certfile": certfile, "ssl_keyfile": keyfile} if certfile else {}
     app = create_app(settings)
-    # What importing and wiring the service made lives as long as the process: out of the
-    # collector's sight, a full collection no longer walks it (it did several times a second
-    # under load: a sixth of metering-ingest's CPU in bench metering).
-    gc.freeze()
+    garbage.settle(settings.gc_thresholds)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", **tls)
 
 

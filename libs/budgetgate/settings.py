@@ -16,9 +16,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr
+from budgetgate.garbage import THRESHOLDS
 from budgetgate.kafka_access import KafkaAccess
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -149,3 +150,7 @@ class ServingSettings(CommonSettings):
 
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
+    # The cyclic garbage collector's thresholds (gc.set_threshold; budgetgate.garbage says why
+    # not CPython's 700, 10, 10), as a JSON list: BUDGETGATE_GC_THRESHOLDS='[700, 10, 10]'.
+    # A first threshold of 0 turns automatic collection off.
+    gc_thresholds: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]] = THRESHOLDS

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import Observation
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -26,6 +27,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from budgetgate import garbage
 
 # The wire contract promises W3C trace context (traceparent, tracestate) and nothing else, so
 # the propagator is fixed here rather than read from OTEL_PROPAGATORS.
@@ -94,6 +97,7 @@ def setup_telemetry(*, service_name: str, otlp_endpoint: str | None) -> Telemetr
         tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces")))
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{base}/v1/metrics")))
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    _count_collections(meter_provider.get_meter("budgetgate.process"))
 
     # Checked explicitly instead of calling the setters every time: a second set is refused
     # with only a log line, which would hide which providers are really global.
@@ -107,6 +111,24 @@ def setup_telemetry(*, service_name: str, otlp_endpoint: str | None) -> Telemetr
         meter_provider=meter_provider,
         registry=registry,
         installed_globally=install,
+    )
+
+
+def _count_collections(meter: metrics.Meter) -> None:
+    """The garbage collector's passes and their seconds, per generation (budgetgate.garbage)."""
+    counted = garbage.collections()
+
+    def observe(figures: list[int] | list[float]) -> list[Observation]:
+        return [Observation(figure, {"generation": generation}) for generation, figure in enumerate(figures)]
+
+    meter.create_observable_counter(
+        "budgetgate_gc_collections", callbacks=[lambda _o: observe(counted.passes)], description="the garbage collector's passes, by generation"
+    )
+    meter.create_observable_counter(
+        "budgetgate_gc_pause",
+        unit="s",
+        callbacks=[lambda _o: observe(counted.seconds)],
+        description="seconds the process stood still in the garbage collector's passes, by generation",
     )
 
 

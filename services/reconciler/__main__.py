@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 
+from budgetgate import garbage
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import build
 
@@ -14,6 +15,7 @@ from budgetgate.services.reconciler.worker import build
 async def _main() -> None:
     settings = ReconcilerSettings()
     reconciler = build(settings)
+    garbage.settle(settings.gc_thresholds)
     if settings.metrics_port:
         from prometheus_client import start_http_server
 

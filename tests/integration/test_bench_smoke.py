@@ -51,6 +51,13 @@ async def test_bench_reports_both_systems_and_passes_its_check(postgres_admin_ds
         else:
             # (cpu_seconds are rounded to the millisecond in the report)
             assert cpu["bound_per_second"] == pytest.approx(cpu["cpus"] * result["answered"] / sum(cpu["cpu_seconds"].values()), rel=0.1)
+        # The garbage collector's figures come from budgetgate's /metrics; the baseline has none.
+        collected = result["garbage_collection"]
+        if result["system"] == "budgetgate":
+            assert set(collected["passes"]) == {"young", "middle", "full"} and collected["cpu_seconds"] > 0
+            assert 0 <= collected["share"] < 1
+        else:
+            assert collected is None
     assert [(r["round"], r["scenario"]) for r in report["ratios"]] == [(1, "hot"), (2, "hot")]
     [median] = report["medians"]
     assert median["scenario"] == "hot" and median["throughput"]["rounds"] == median["ceiling"]["rounds"] == 2

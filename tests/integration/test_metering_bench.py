@@ -34,6 +34,12 @@ async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres
         assert cpu["us_per_unit"]["service"] is not None and cpu["us_per_unit"]["broker"] is None
         assert cpu["bound_per_second"] is None and cpu["bound"] is None  # the broker's cost is unknown
 
+    # The service's garbage collection, from its /metrics: the thresholds it runs with leave a
+    # load this small nearly uncollected, and what was collected took part of its CPU.
+    collected = report["garbage_collection"]
+    assert set(collected["passes"]) == {"young", "middle", "full"} and collected["cpu_seconds"] > 0
+    assert 0 <= collected["share"] < 1
+
     conn = await asyncpg.connect(postgres_admin_dsn)
     try:
         left = await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE $1", f"bench\\_{report['run_tag']}\\_%")

@@ -26,6 +26,7 @@ def as_json(options: Options, result: Result) -> dict[str, Any]:
         "copy": {"seconds": round(result.copy_seconds, 3), "rows": result.rows, "rows_per_second": copy_rows_per_s, "best_of": COPY_TRIES},
         "ratio_rows_per_second": round(ingest_rows_per_s / copy_rows_per_s, 5) if copy_rows_per_s else None,
         "cpu": {**result.cpu.as_json(result.cpu_samples), "samples": result.cpu_samples, "bound": _bound(result, copy_rows_per_s)} if result.cpu else None,
+        "garbage_collection": result.collections.as_json() if result.collections else None,
         "correct": result.correct,
         "problems": result.problems,
         "cpus": os.cpu_count(),
@@ -54,6 +55,8 @@ def as_text(options: Options, result: Result) -> str:
         if bound is not None and held is not None:
             against_copy = "" if held["ratio_rows_per_second"] is None else f": {held['ratio_rows_per_second']}x COPY"
             lines.append(f"  {bound}; in rows {held['rows_per_second']:.0f}/s{against_copy}")
+    if result.collections is not None:
+        lines.append(result.collections.line())
     if result.correct:
         lines.append(f"correctness: OK - {result.rows} usage rows, one per distinct sample; every run's cumulative equals the clean stream's")
     else:

@@ -26,7 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from budgetgate import wire
 from budgetgate.benchmark.session import session
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
-from budgetgate.benchmark import databases, metering_workload, queries
+from budgetgate.benchmark import databases, metering_workload, pauses, queries
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.metering import Counters
 from budgetgate.ledger.migrations import migrate_dsn
@@ -66,6 +66,7 @@ class Result:
     problems: list[str] = field(default_factory=list)
     cpu: CpuUse | None = None  # from the service's first commit until it had consumed every sample
     cpu_samples: int = 0  # the samples consumed in that window, which its figures are per
+    collections: pauses.Collections | None = None  # the service's garbage collection, once it had consumed every sample
 
     @property
     def correct(self) -> bool:
@@ -107,6 +108,7 @@ class Run:
             self.echo("metering-ingest ready; timed from its first transaction until it has consumed every sample")
             ingest_seconds = await consumed
             cpu = await _cpu_window(meter, metering, len(work.messages))
+            collections = await _collections(service)
         finally:
             consumed.cancel()
             metering.cancel()
@@ -122,8 +124,9 @@ class Run:
         copy_seconds = await _copy(copy_dsn, rows)
         used, in_window = cpu or (None, 0)
         return Result(
-            self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems, used, in_window
-        )
+            self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems, used, in_window,
+            collections,
+        )  # fmt: skip
 
     async def _kafka(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> str:
         given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
@@ -232,6 +235,17 @@ async def _cpu_window(meter: CpuMeter, metering: asyncio.Task[tuple[Started, int
         log.warning("CPU figures left out: %s", exc)
         return None
     return (used, messages - before) if messages > before else None
+
+
+async def _collections(service: tuple[Subprocess, int]) -> pauses.Collections | None:
+    """The service's garbage collection so far; None when it cannot be read (like the CPU
+    figures, an addition to the run, never its failure)."""
+    child, port = service
+    try:
+        return await pauses.read(f"http://127.0.0.1:{port}", child.pid)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("garbage collection figures left out: %s", exc)
+        return None
 
 
 async def _execute(dsn: str, query: str, *args: object) -> None:

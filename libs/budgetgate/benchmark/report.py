@@ -44,6 +44,7 @@ def row(result: RunResult) -> dict[str, Any]:
         },
         **({"notes": result.notes} if result.notes else {}),
         "cpu": result.cpu.as_json(out.answered) if result.cpu else None,
+        "garbage_collection": result.collections.as_json() if result.collections else None,
     }
 
 
@@ -261,6 +262,8 @@ def _cpu_lines(measured: Measurements, *, rounds: bool = False) -> list[str]:
         bound = r.cpu.bound_line(r.outcome.answered, "decision", against=against)
         if bound is not None:
             lines.append(f"  {bound}")
+        if r.collections is not None:
+            lines.append(f"  {r.collections.line()}")
     if top is not None and measured.ceiling_cpu is not None:
         lines.append(f"fastapi ceiling: {measured.ceiling_cpu.line(top.answered, 'request')}")
     return lines

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import time
 import uuid
@@ -25,7 +26,7 @@ import redis.exceptions
 from aiokafka.errors import KafkaError
 
 from budgetgate.benchmark.session import session
-from budgetgate.benchmark import databases, load, workload
+from budgetgate.benchmark import databases, load, pauses, workload
 from budgetgate.benchmark.audit import Audit, check
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
@@ -33,6 +34,8 @@ from budgetgate.benchmark.systems import Backends, Baseline, Budgetgate, System
 from budgetgate.settings import CommonSettings
 
 SYSTEMS = ("baseline", "budgetgate")
+log = logging.getLogger(__name__)
+
 # Failures of the machinery around the measurement: reported as a message, not a traceback.
 BENCH_ERRORS: tuple[type[BaseException], ...] = (StartError, OSError, asyncpg.PostgresError, redis.exceptions.RedisError, KafkaError, httpx.HTTPError)
 
@@ -70,6 +73,7 @@ class RunResult:
     notes: dict[str, int]
     cpu: CpuUse | None = None  # what each part spent while the measured load ran
     round: int = 1
+    collections: pauses.Collections | None = None  # the service's garbage collection, after the measured load
 
 
 @dataclass
@@ -205,6 +209,7 @@ class Run:
             with _collector_quiet():
                 measured, cpu = await meter.measure(lambda: self._load(system, work, port, rate=rate, label=label))
             self.echo(f"[{label}] {measured.answered / measured.elapsed:.0f} decisions/s, {measured.error_count} errors")
+            collections = await _collections(system, service, port)
             notes = await system.notes(dsn)
             probe_bodies = work.measured[: run.probe]
             probe = await load.drive(host="127.0.0.1", port=port, bodies=probe_bodies, concurrency=min(run.concurrency, 8), token=system.token)
@@ -219,7 +224,7 @@ class Run:
                 probe_mismatches=mismatches,
                 problems=problems,
             )
-            return RunResult(system.name, work.scenario, work, measured, audit, notes, cpu, number)
+            return RunResult(system.name, work.scenario, work, measured, audit, notes, cpu, number, collections)
 
     async def _load(self, system: System, work: workload.Workload, port: int, *, rate: float, label: str) -> load.Outcome:
         if rate:
@@ -240,6 +245,18 @@ class Run:
                 if time.monotonic() > deadline:
                     raise StartError(f"{service.name} not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{service.log_tail()}")
                 await asyncio.sleep(0.1)
+
+
+async def _collections(system: System, service: Subprocess, port: int) -> pauses.Collections | None:
+    """The service's garbage collection so far, where it reports it; None when it cannot be read
+    (an addition to the run, like the CPU figures, never its failure)."""
+    if not system.reports_collections:
+        return None
+    try:
+        return await pauses.read(f"http://127.0.0.1:{port}", service.pid)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("garbage collection figures left out: %s", exc)
+        return None
 
 
 @contextlib.contextmanager

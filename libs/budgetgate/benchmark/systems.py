@@ -35,6 +35,7 @@ class Backends:
 class System(Protocol):
     name: str
     ready_path: str
+    reports_collections: bool  # whether its /metrics has budgetgate_gc_* (benchmark.pauses)
     token: str | None  # what the load generator sends as a bearer token
 
     async def prepare(self, dsn: str, workload: Workload) -> None: ...
@@ -50,6 +51,7 @@ class Budgetgate:
 
     name = "budgetgate"
     ready_path = "/readyz"
+    reports_collections = True  # its /metrics has the garbage collector's figures (budgetgate.garbage)
 
     def __init__(self, backends: Backends, *, tag: str) -> None:
         self.token: str | None = None
@@ -147,6 +149,7 @@ class Baseline:
 
     name = "baseline"
     ready_path = "/readyz"
+    reports_collections = False
     token: str | None = None  # the baseline has no authentication
 
     async def prepare(self, dsn: str, workload: Workload) -> None:

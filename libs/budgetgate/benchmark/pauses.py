@@ -1,0 +1,70 @@
+"""What the garbage collector cost a benchmarked service: its passes and the seconds they took
+(the service's `/metrics`, budgetgate.garbage) against the CPU the process spent, both since it
+started. A sampling profiler does not show these pauses (they land in whatever frame allocated),
+and thresholds that suit one load do not suit every load, so the benchmarks report them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+GENERATIONS = ("young", "middle", "full")
+
+
+@dataclass(frozen=True)
+class Collections:
+    """The collector's passes and seconds per generation, and the process's CPU seconds."""
+
+    passes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    cpu_seconds: float
+
+    @property
+    def share(self) -> float | None:
+        """The share of the process's CPU spent in collections."""
+        return sum(self.seconds) / self.cpu_seconds if self.cpu_seconds > 0 else None
+
+    def line(self) -> str:
+        counts = ", ".join(f"{name} {count}" for name, count in zip(GENERATIONS, self.passes, strict=True))
+        share = "" if self.share is None else f" = {self.share:.1%} of its {self.cpu_seconds:.2f} s CPU"
+        return f"garbage collection in the service since it started: {sum(self.passes)} passes ({counts}), {sum(self.seconds):.3f} s{share}"
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "passes": dict(zip(GENERATIONS, self.passes, strict=True)),
+            "seconds": {name: round(s, 4) for name, s in zip(GENERATIONS, self.seconds, strict=True)},
+            "cpu_seconds": round(self.cpu_seconds, 3),
+            "share": None if self.share is None else round(self.share, 4),
+        }
+
+
+async def read(base_url: str, pid: int) -> Collections:
+    """The service's collections (its `/metrics` at `base_url`) and its process's CPU so far."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
+        response = await client.get("/metrics")
+        response.raise_for_status()
+    times = psutil.Process(pid).cpu_times()
+    return parse(response.text, cpu_seconds=times.user + times.system)
+
+
+def parse(text: str, *, cpu_seconds: float) -> Collections:
+    """`Collections` from a Prometheus text exposition; ValueError when it has no such figures."""
+    passes, seconds = [0] * len(GENERATIONS), [0.0] * len(GENERATIONS)
+    found = set()
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("budgetgate_gc_collections", "budgetgate_gc_pause_seconds"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                generation = int(sample.labels["generation"])
+                if family.name == "budgetgate_gc_collections":
+                    passes[generation] = int(sample.value)
+                else:
+                    seconds[generation] = float(sample.value)
+                found.add(family.name)
+    if len(found) < 2:
+        raise ValueError("the service's /metrics has no garbage collector figures (budgetgate_gc_collections, budgetgate_gc_pause_seconds)")
+    return Collections(tuple(passes), tuple(seconds), cpu_seconds)
