@@ -40,9 +40,34 @@ async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres
     assert set(collected["passes"]) == {"young", "middle", "full"} and collected["cpu_seconds"] > 0
     assert 0 <= collected["share"] < 1
 
-    conn = await asyncpg.connect(postgres_admin_dsn)
+    await _nothing_left(postgres_admin_dsn, report["run_tag"])
+
+
+async def test_rounds_pair_each_service_run_with_its_own_copy(postgres_admin_dsn: str, kafka_server_bootstrap: str) -> None:
+    env = {**os.environ, "BUDGETGATE_POSTGRES_DSN": postgres_admin_dsn, "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap}
+    command = [sys.executable, "-m", "budgetgate.cli.main", "bench", "metering", "--samples", "60", "--runs", "3", "--rounds", "2", "--json"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "[round 1/2] publishing 66 samples" in done.stderr and "[round 2/2] publishing 66 samples" in done.stderr
+
+    report = json.loads(done.stdout)
+    rounds = report["rounds"]
+    assert len(rounds) == 2 and report["correct"] is True
+    assert len({r["run_tag"] for r in rounds}) == 2  # each round its own databases and topics
+    for measured in rounds:
+        assert measured["correct"] is True and measured["ingest"]["rows"] == measured["copy"]["rows"] == 60
+        assert measured["ratio_rows_per_second"] == round(measured["ingest"]["rows_per_second"] / measured["copy"]["rows_per_second"], 5)
+    ratios = sorted(r["ratio_rows_per_second"] for r in rounds)
+    assert report["medians"]["ratio_rows_per_second"]["low"] == ratios[0] and report["medians"]["ratio_rows_per_second"]["high"] == ratios[1]
+    assert rounds[report["median_round"] - 1]["ratio_rows_per_second"] == ratios[0] == report["ratio_rows_per_second"]
+    for measured in rounds:
+        await _nothing_left(postgres_admin_dsn, measured["run_tag"])
+
+
+async def _nothing_left(admin_dsn: str, tag: str) -> None:
+    conn = await asyncpg.connect(admin_dsn)
     try:
-        left = await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE $1", f"bench\\_{report['run_tag']}\\_%")
+        left = await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE $1", f"bench\\_{tag}\\_%")
     finally:
         await conn.close()
     assert left == 0

@@ -18,8 +18,8 @@ def _result(problems: list[str]) -> metering_runner.Result:
 
 @pytest.mark.parametrize(("problems", "exit_code"), [([], 0), (["run r: cumulative Counters(gpu=1, node=0), expected Counters(gpu=2, node=0)"], 1)])
 def test_the_run_exits_by_its_check(monkeypatch: pytest.MonkeyPatch, problems: list[str], exit_code: int) -> None:
-    async def measured(_options: metering_runner.Options, *, echo: object) -> metering_runner.Result:
-        return _result(problems)
+    async def measured(_options: metering_runner.Options, *, echo: object) -> list[metering_runner.Result]:
+        return [_result(problems)]
 
     monkeypatch.setattr(metering_runner, "run", measured)
     outcome = CliRunner().invoke(bench, ["metering", "--samples", "10"])
@@ -42,11 +42,64 @@ def test_the_cpu_bound_is_given_in_rows_and_held_against_copy() -> None:
         cpu=CpuUse(seconds=0.06, parts={"service": 0.05, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2), cpu_samples=1100,
     )  # fmt: skip
 
-    report = metering_report.as_json(metering_runner.Options(), result)
+    report = metering_report.as_json(metering_runner.Options(), [result])
     assert report["cpu"]["bound_per_second"] == pytest.approx(26666.7)
     assert report["cpu"]["bound"] == {"rows_per_second": pytest.approx(24242.4), "ratio_rows_per_second": pytest.approx(0.24242)}
-    text = metering_report.as_text(metering_runner.Options(), result)
+    text = metering_report.as_text(metering_runner.Options(), [result])
     assert (
         "  all 2 CPUs, busy with this alone, would hold at most 26667 samples/s at these costs: 2.42x metering-ingest's measured 11000/s; "
         "in rows 24242/s: 0.24242x COPY"
     ) in text
+
+
+def _round(*, ingest_seconds: float, copy_seconds: float, service: float, problems: list[str] | None = None) -> metering_runner.Result:
+    from budgetgate.benchmark.cpu import CpuUse
+    from budgetgate.benchmark.pauses import Collections
+
+    return metering_runner.Result(
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=ingest_seconds, rows=1000, copy_seconds=copy_seconds, published=1000,
+        unpublished_at_end=0, problems=problems or [],
+        cpu=CpuUse(seconds=0.06, parts={"service": service, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2), cpu_samples=1100,
+        collections=Collections(passes=(2, 1, 0), seconds=(0.01, 0.01, 0.0), cpu_seconds=1.0),
+    )  # fmt: skip
+
+
+def test_rounds_report_the_median_round_and_the_spread_of_each_figure() -> None:
+    from budgetgate.benchmark import metering_report
+
+    # Ratios 0.1 (round 1), 0.3 (round 2, its COPY slow), 0.2 (round 3): round 3 is the median.
+    results = [
+        _round(ingest_seconds=0.1, copy_seconds=0.01, service=0.11),
+        _round(ingest_seconds=0.1, copy_seconds=0.03, service=0.055),
+        _round(ingest_seconds=0.05, copy_seconds=0.01, service=0.066),
+    ]
+    report = metering_report.as_json(metering_runner.Options(rounds=3), results)
+
+    assert [r["ratio_rows_per_second"] for r in report["rounds"]] == [0.1, 0.3, 0.2]
+    assert report["median_round"] == 3 and report["ratio_rows_per_second"] == 0.2 and report["ingest"]["rows_per_second"] == 20000.0
+    assert report["medians"]["ratio_rows_per_second"] == {"median": 0.2, "low": 0.1, "high": 0.3, "rounds": 3}
+    assert report["medians"]["rows_per_second"] == {"median": 10000.0, "low": 10000.0, "high": 20000.0, "rounds": 3}
+    assert report["medians"]["copy_rows_per_second"]["median"] == 100000.0
+    assert report["medians"]["service_us_per_sample"] == {"median": 60.0, "low": 50.0, "high": 100.0, "rounds": 3}
+    assert report["correct"] is True and report["problems"] == []
+
+    text = metering_report.as_text(metering_runner.Options(rounds=3), results)
+    assert "round 2: metering-ingest 10000 rows/s, COPY 33333 rows/s: 0.3x; CPU µs per sample: service 50, postgres 27, broker 2" in text
+    assert "garbage collection 2.0% of the service's CPU" in text
+    assert "the median round (3):" in text and "ratio (metering-ingest / COPY, rows/s): 0.2x (COPY: the best of 3)" in text
+    assert "median of 3 rounds: ratio (metering-ingest / COPY, rows/s) 0.2x (0.1x-0.3x); metering-ingest rows/s 10000 (10000-20000)" in text
+
+
+def test_a_round_that_fails_its_check_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    failing = _round(ingest_seconds=0.1, copy_seconds=0.01, service=0.1, problems=["1 usage row too many"])
+    results = [_round(ingest_seconds=0.1, copy_seconds=0.01, service=0.1), failing]  # equal ratios: round 1 is the median round
+
+    async def measured(_options: metering_runner.Options, *, echo: object) -> list[metering_runner.Result]:
+        return results
+
+    monkeypatch.setattr(metering_runner, "run", measured)
+    outcome = CliRunner().invoke(bench, ["metering", "--rounds", "2"])
+    assert outcome.exit_code == 1
+    assert "round 2: metering-ingest 10000 rows/s, COPY 100000 rows/s: 0.1x" in outcome.output and "FAILED its check" in outcome.output
+    assert "the median round (1):" in outcome.output and "correctness: OK" in outcome.output
+    assert "correctness: FAILED - round 2: 1 usage row too many" in outcome.output and "correctness check failed" in outcome.output

@@ -3,13 +3,44 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from budgetgate.benchmark.metering_runner import COPY_TRIES, Options, Result
+from budgetgate.benchmark.rounds import spread
 
 
-def as_json(options: Options, result: Result) -> dict[str, Any]:
-    """The whole report as one JSON document."""
+def as_json(options: Options, results: Sequence[Result]) -> dict[str, Any]:
+    """The whole report as one JSON document. With several rounds: the median round's figures
+    (the round whose ratio is the median, the lower one of an even count), each round's under
+    `rounds`, the median and range of each figure under `medians`, and whether every round was
+    correct."""
+    if len(results) == 1:
+        return _one(options, results[0])
+    rounds = [_one(options, result) for result in results]
+    middle = _median_round(rounds)
+    problems = [f"round {number}: {problem}" for number, result in enumerate(results, 1) for problem in result.problems]
+    return {
+        **rounds[middle],
+        "median_round": middle + 1,
+        "rounds": rounds,
+        "medians": {
+            "ratio_rows_per_second": spread((r["ratio_rows_per_second"] for r in rounds), digits=5),
+            "rows_per_second": spread((r["ingest"]["rows_per_second"] for r in rounds), digits=1),
+            "copy_rows_per_second": spread((r["copy"]["rows_per_second"] for r in rounds), digits=1),
+            "service_us_per_sample": spread((r["cpu"]["us_per_unit"]["service"] if r["cpu"] else None for r in rounds), digits=1),
+        },
+        "correct": not problems,
+        "problems": problems,
+    }
+
+
+def _median_round(rounds: Sequence[dict[str, Any]]) -> int:
+    by_ratio = sorted(range(len(rounds)), key=lambda i: rounds[i]["ratio_rows_per_second"] or 0.0)
+    return by_ratio[(len(by_ratio) - 1) // 2]
+
+
+def _one(options: Options, result: Result) -> dict[str, Any]:
     ingest_rows_per_s = _per_second(result.rows, result.ingest_seconds)
     copy_rows_per_s = _per_second(result.rows, result.copy_seconds)
     return {
@@ -34,9 +65,46 @@ def as_json(options: Options, result: Result) -> dict[str, Any]:
     }
 
 
-def as_text(options: Options, result: Result) -> str:
-    """A table of both figures, the ratio and the correctness check."""
-    data = as_json(options, result)
+def as_text(options: Options, results: Sequence[Result]) -> str:
+    """A table of both figures, the ratio and the correctness check; with several rounds, a line
+    per round, the median round's whole report, and the median and range of the figures."""
+    if len(results) == 1:
+        return _one_text(options, results[0])
+    data = as_json(options, results)
+    lines = [_round_line(number, r) for number, r in enumerate(data["rounds"], 1)]
+    middle = data["median_round"]
+    lines += ["", f"the median round ({middle}):", _one_text(options, results[middle - 1]), ""]
+    medians = data["medians"]
+    parts = [f"ratio (metering-ingest / COPY, rows/s) {_x(medians['ratio_rows_per_second'])}"]
+    parts += [f"{name} {_figure(medians[key])}" for name, key in (("metering-ingest rows/s", "rows_per_second"), ("COPY rows/s", "copy_rows_per_second"))]
+    if medians["service_us_per_sample"] is not None:
+        parts.append(f"service CPU µs per sample {_figure(medians['service_us_per_sample'])}")
+    lines.append(f"median of {len(results)} rounds: " + "; ".join(parts))
+    lines += [f"correctness: FAILED - {problem}" for problem in data["problems"] if not problem.startswith(f"round {middle}: ")]
+    return "\n".join(lines)
+
+
+def _round_line(number: int, data: dict[str, Any]) -> str:
+    ingest, copy = data["ingest"]["rows_per_second"], data["copy"]["rows_per_second"]
+    line = f"round {number}: metering-ingest {ingest:.0f} rows/s, COPY {copy:.0f} rows/s: {data['ratio_rows_per_second']}x"
+    if data["cpu"] is not None:
+        spent = ", ".join(f"{part} {'-' if us is None else f'{us:.0f}'}" for part, us in data["cpu"]["us_per_unit"].items())
+        line += f"; CPU µs per sample: {spent}"
+    if data["garbage_collection"] is not None and data["garbage_collection"]["share"] is not None:
+        line += f"; garbage collection {data['garbage_collection']['share']:.1%} of the service's CPU"
+    return line + ("" if data["correct"] else "; FAILED its check")
+
+
+def _x(summary: dict[str, Any] | None) -> str:
+    return "-" if summary is None else f"{summary['median']}x ({summary['low']}x-{summary['high']}x)"
+
+
+def _figure(summary: dict[str, Any] | None) -> str:
+    return "-" if summary is None else f"{summary['median']:.0f} ({summary['low']:.0f}-{summary['high']:.0f})"
+
+
+def _one_text(options: Options, result: Result) -> str:
+    data = _one(options, result)
     ingest, copy = data["ingest"], data["copy"]
     lines = [
         f"load: {result.messages} samples ({result.distinct} distinct + {result.messages - result.distinct} resends under new event ids) "

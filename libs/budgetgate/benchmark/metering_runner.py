@@ -45,6 +45,7 @@ class Options:
     runs: int = 100
     resend_every: int = 10
     partitions: int = 3
+    rounds: int = 1  # the whole run (its own broker, databases, topics and service) this many times
     ready_timeout: float = 60.0
     # Long enough for the slowest machine this runs on; the run fails rather than hang.
     consume_timeout: float = 1800.0
@@ -336,6 +337,11 @@ async def _delete_topics(bootstrap: str, topics: Topics) -> None:
         await admin.close()
 
 
-async def run(options: Options, *, echo: Callable[[str], None]) -> Result:
-    """Run the metering benchmark described by `options`; progress goes to `echo`."""
-    return await Run(options, echo=echo).execute()
+async def run(options: Options, *, echo: Callable[[str], None]) -> list[Result]:
+    """Run the metering benchmark described by `options`, round after round (each paired with its
+    own COPY); progress goes to `echo`."""
+    results = []
+    for number in range(1, options.rounds + 1):
+        prefix = f"[round {number}/{options.rounds}] " if options.rounds > 1 else ""
+        results.append(await Run(options, echo=lambda message, prefix=prefix: echo(prefix + message)).execute())
+    return results

@@ -8,6 +8,7 @@ from typing import Any
 
 from budgetgate.benchmark import load
 from budgetgate.benchmark.cpu import CpuUse
+from budgetgate.benchmark.rounds import spread
 from budgetgate.benchmark.runner import CEILING_TRIES, Measurements, Options, RunResult
 from budgetgate.benchmark.workload import GPU_HOURS_EACH, GPUS, RUNTIME_HOURS
 
@@ -81,11 +82,7 @@ def medians(measured: Measurements) -> list[dict[str, Any]]:
             "p99": [r["p99"] for r in per_round if r["scenario"] == scenario],
             "ceiling": [c["budgetgate"][scenario] for c in against_ceiling if scenario in c["budgetgate"]],
         }
-        summary: dict[str, Any] = {"scenario": scenario}
-        for name, values in figures.items():
-            known = [v for v in values if v is not None]
-            summary[name] = {"median": round(statistics.median(known), 3), "low": min(known), "high": max(known), "rounds": len(known)} if known else None
-        out.append(summary)
+        out.append({"scenario": scenario} | {name: spread(values) for name, values in figures.items()})
     return out
 
 

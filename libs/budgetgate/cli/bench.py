@@ -94,8 +94,15 @@ def admission(
 @click.option("--runs", default=100, show_default=True, type=click.IntRange(1), help="Runs the samples are spread over (round robin).")
 @click.option("--resend-every", default=10, show_default=True, type=click.IntRange(0), help="Resend every n-th sample under a new event id (0: never).")
 @click.option("--partitions", default=3, show_default=True, type=click.IntRange(1), help="Partitions of the metering topic.")
+@click.option(
+    "--rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Run the whole benchmark this many times, each service run paired with its own COPY; the median ratio is reported.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def metering(samples: int, runs: int, resend_every: int, partitions: int, as_json: bool) -> None:
+def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds: int, as_json: bool) -> None:
     """Metering ingest samples/s into Postgres through the real consumer, vs. a plain COPY.
 
     The load is published to Kafka first; then metering-ingest is started and timed from ready
@@ -105,16 +112,16 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, as_jso
     """
     from budgetgate.benchmark import metering_report, metering_runner, runner
 
-    options = metering_runner.Options(samples=samples, runs=runs, resend_every=resend_every, partitions=partitions)
+    options = metering_runner.Options(samples=samples, runs=runs, resend_every=resend_every, partitions=partitions, rounds=rounds)
     try:
-        result = asyncio.run(metering_runner.run(options, echo=lambda message: click.echo(message, err=True)))
+        results = asyncio.run(metering_runner.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         click.echo("interrupted; everything the benchmark started was stopped", err=True)
         sys.exit(130)
     except runner.BENCH_ERRORS as exc:
         raise click.ClickException(f"benchmark aborted: {type(exc).__name__}: {exc}") from exc
-    click.echo(json.dumps(metering_report.as_json(options, result), indent=2) if as_json else metering_report.as_text(options, result))
-    if not result.correct:
+    click.echo(json.dumps(metering_report.as_json(options, results), indent=2) if as_json else metering_report.as_text(options, results))
+    if not all(result.correct for result in results):
         raise click.ClickException("correctness check failed: see the lines above")
 
 
