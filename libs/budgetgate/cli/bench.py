@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 
 import click
 
 from budgetgate.benchmark.runner import SYSTEMS
 from budgetgate.benchmark.workload import SCENARIOS
+
+
+def _rounds(description: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """--rounds N: a benchmark measured N times on a machine whose speed drifts (benchmark.rounds)."""
+    return click.option("--rounds", default=1, show_default=True, type=click.IntRange(1), help=description)
 
 
 @click.group()
@@ -36,13 +42,9 @@ def bench() -> None:
     help="Also offer this many submissions/s to each system, whatever its answers (0: no open loop).",
 )
 @click.option("--open-loop-seconds", default=30.0, show_default=True, type=click.FloatRange(0.1), help="How long the open loop offers its rate.")
-@click.option(
-    "--rounds",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Measure every scenario, system and the ceiling this many times, the systems taking turns to go first; "
-    "the ratios are paired per round and their median is reported.",
+@_rounds(
+    "Measure every scenario, system and the ceiling this many times, the systems taking turns to go first; "
+    "the ratios are paired per round and their median is reported."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def admission(
@@ -94,13 +96,7 @@ def admission(
 @click.option("--runs", default=100, show_default=True, type=click.IntRange(1), help="Runs the samples are spread over (round robin).")
 @click.option("--resend-every", default=10, show_default=True, type=click.IntRange(0), help="Resend every n-th sample under a new event id (0: never).")
 @click.option("--partitions", default=3, show_default=True, type=click.IntRange(1), help="Partitions of the metering topic.")
-@click.option(
-    "--rounds",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Run the whole benchmark this many times, each service run paired with its own COPY; the median ratio is reported.",
-)
+@_rounds("Run the whole benchmark this many times, each service run paired with its own COPY; the median ratio is reported.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds: int, as_json: bool) -> None:
     """Metering ingest samples/s into Postgres through the real consumer, vs. a plain COPY.
