@@ -109,7 +109,7 @@ class Run:
             self.echo("metering-ingest ready; timed from its first transaction until it has consumed every sample")
             ingest_seconds = await consumed
             cpu = await _cpu_window(meter, metering, len(work.messages))
-            collections = await _collections(service)
+            collections = await pauses.observed(f"http://127.0.0.1:{service[1]}", service[0].pid)
         finally:
             consumed.cancel()
             metering.cancel()
@@ -236,17 +236,6 @@ async def _cpu_window(meter: CpuMeter, metering: asyncio.Task[tuple[Started, int
         log.warning("CPU figures left out: %s", exc)
         return None
     return (used, messages - before) if messages > before else None
-
-
-async def _collections(service: tuple[Subprocess, int]) -> pauses.Collections | None:
-    """The service's garbage collection so far; None when it cannot be read (like the CPU
-    figures, an addition to the run, never its failure)."""
-    child, port = service
-    try:
-        return await pauses.read(f"http://127.0.0.1:{port}", child.pid)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        log.warning("garbage collection figures left out: %s", exc)
-        return None
 
 
 async def _execute(dsn: str, query: str, *args: object) -> None:

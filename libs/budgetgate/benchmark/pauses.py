@@ -5,11 +5,14 @@ and thresholds that suit one load do not suit every load, so the benchmarks repo
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
 
 GENERATIONS = ("young", "middle", "full")
 
@@ -39,6 +42,16 @@ class Collections:
             "cpu_seconds": round(self.cpu_seconds, 3),
             "share": None if self.share is None else round(self.share, 4),
         }
+
+
+async def observed(base_url: str, pid: int) -> Collections | None:
+    """`read`, or None when the figures cannot be read: like the CPU figures, an addition to a
+    benchmark run, never its failure."""
+    try:
+        return await read(base_url, pid)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("garbage collection figures left out: %s", exc)
+        return None
 
 
 async def read(base_url: str, pid: int) -> Collections:

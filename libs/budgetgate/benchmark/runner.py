@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import logging
 import os
 import time
 import uuid
@@ -34,8 +33,6 @@ from budgetgate.benchmark.systems import Backends, Baseline, Budgetgate, System
 from budgetgate.settings import CommonSettings
 
 SYSTEMS = ("baseline", "budgetgate")
-log = logging.getLogger(__name__)
-
 # Failures of the machinery around the measurement: reported as a message, not a traceback.
 BENCH_ERRORS: tuple[type[BaseException], ...] = (StartError, OSError, asyncpg.PostgresError, redis.exceptions.RedisError, KafkaError, httpx.HTTPError)
 
@@ -209,7 +206,7 @@ class Run:
             with _collector_quiet():
                 measured, cpu = await meter.measure(lambda: self._load(system, work, port, rate=rate, label=label))
             self.echo(f"[{label}] {measured.answered / measured.elapsed:.0f} decisions/s, {measured.error_count} errors")
-            collections = await _collections(system, service, port)
+            collections = await pauses.observed(f"http://127.0.0.1:{port}", service.pid) if system.reports_collections else None
             notes = await system.notes(dsn)
             probe_bodies = work.measured[: run.probe]
             probe = await load.drive(host="127.0.0.1", port=port, bodies=probe_bodies, concurrency=min(run.concurrency, 8), token=system.token)
@@ -245,18 +242,6 @@ class Run:
                 if time.monotonic() > deadline:
                     raise StartError(f"{service.name} not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{service.log_tail()}")
                 await asyncio.sleep(0.1)
-
-
-async def _collections(system: System, service: Subprocess, port: int) -> pauses.Collections | None:
-    """The service's garbage collection so far, where it reports it; None when it cannot be read
-    (an addition to the run, like the CPU figures, never its failure)."""
-    if not system.reports_collections:
-        return None
-    try:
-        return await pauses.read(f"http://127.0.0.1:{port}", service.pid)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        log.warning("garbage collection figures left out: %s", exc)
-        return None
 
 
 @contextlib.contextmanager
