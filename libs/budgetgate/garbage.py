@@ -13,9 +13,9 @@ Measured in metering-ingest with `budgetgate bench metering --samples 200000 --r
 garbage collection line): at (700, 10, 10), 6,312 young, 574 middle and 52 full passes, 4.25 s =
 22.5 % of the service's CPU; at (50_000, 20, 100), 74 passes, 1.97 s = 10.6 %; at (200_000, 10,
 10), 9 passes, 0.05 s = 0.3 %. Admission, whose objects die with their request, made one pass in
-6,000 decisions at a first threshold of 200,000, against 2.3-2.5 % of its CPU at CPython's. Nearly all of a
-service's objects die by reference counting; the collector only has cycles to find, and it still
-finds them, later and in fewer passes.
+6,000 decisions at a first threshold of 200,000, against 2.3-2.5 % of its CPU at CPython's.
+Nearly all of a service's objects die by reference counting; the collector only has cycles to
+find, and it still finds them, later and in fewer passes.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def collections() -> Collections:
     return _counting
 
 
-def settle(thresholds: Sequence[int] = THRESHOLDS) -> None:
+def settle(thresholds: Sequence[int]) -> None:
     """Called once a service is built: what exists by then lives as long as the process and is
     moved out of the collector's sight (gc.freeze), and collections run at `thresholds`."""
     gc.freeze()

@@ -4,13 +4,16 @@ pause seconds counted per generation, served on /metrics and read back by the be
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 from pydantic import ValidationError
 
 from budgetgate import garbage
-from budgetgate.benchmark import pauses
+from budgetgate.benchmark import cpu, pauses
 from budgetgate.settings import ServingSettings
 from budgetgate.telemetry import setup_telemetry
 
@@ -45,18 +48,17 @@ def test_counting_is_installed_once_per_process() -> None:
 
 
 def test_settle_freezes_what_exists_and_sets_the_thresholds(collector_restored: None) -> None:
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
     garbage.settle((12_345, 6, 7))
 
     assert gc.get_threshold() == (12_345, 6, 7)
     assert gc.get_freeze_count() > 0
 
 
-def test_the_default_collects_only_the_young_generation_less_often_than_cpython() -> None:
-    assert ServingSettings().gc_thresholds == garbage.THRESHOLDS
-    assert garbage.THRESHOLDS[0] > 700 and garbage.THRESHOLDS[1:] == (10, 10)  # the older generations as CPython collects them
-
-
 def test_the_thresholds_are_set_as_a_json_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BUDGETGATE_GC_THRESHOLDS", raising=False)
+    assert ServingSettings().gc_thresholds == garbage.THRESHOLDS
     monkeypatch.setenv("BUDGETGATE_GC_THRESHOLDS", "[700, 10, 10]")
     assert ServingSettings().gc_thresholds == (700, 10, 10)
 
@@ -83,6 +85,14 @@ def test_metrics_serve_the_collections_and_the_benchmarks_read_them_back() -> No
     assert read.share == pytest.approx(sum(read.seconds) / 10.0)
     assert read.as_json()["passes"]["middle"] == read.passes[1]
     assert "passes (young" in read.line() and "of its 10.00 s CPU" in read.line()
+
+
+def test_the_collector_figures_are_held_against_the_process_cpu_read_as_the_cpu_meter_reads_it() -> None:
+    spent = cpu.process_seconds(os.getpid())
+    assert spent is not None and spent > 0
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert cpu.process_seconds(gone.pid) is None  # ended: nothing to read, not zero
 
 
 def test_a_service_without_the_figures_is_told_apart() -> None:

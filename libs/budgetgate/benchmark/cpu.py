@@ -143,6 +143,12 @@ def _spent(before: _Reading, after: _Reading) -> float | None:
     return sum(max(t - (pids_before or {}).get(pid, 0.0), 0.0) for pid, t in pids_after.items())
 
 
+def process_seconds(pid: int) -> float | None:
+    """user + system CPU seconds of process `pid` so far; None when it is not readable here."""
+    found = _cpu_of((pid,))
+    return None if found is None else found[pid]
+
+
 def _cpu_of(pids: Iterable[int] | None) -> dict[int, float] | None:
     """user + system CPU seconds of each pid still alive; None when there is nothing to read
     (no pid known, or none of them on this machine)."""

@@ -9,8 +9,9 @@ import logging
 from dataclasses import dataclass
 
 import httpx
-import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
+from budgetgate.benchmark.cpu import process_seconds
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,10 @@ async def read(base_url: str, pid: int) -> Collections:
     async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
         response = await client.get("/metrics")
         response.raise_for_status()
-    times = psutil.Process(pid).cpu_times()
-    return parse(response.text, cpu_seconds=times.user + times.system)
+    cpu_seconds = process_seconds(pid)
+    if cpu_seconds is None:
+        raise ValueError(f"the CPU of process {pid} cannot be read on this machine")
+    return parse(response.text, cpu_seconds=cpu_seconds)
 
 
 def parse(text: str, *, cpu_seconds: float) -> Collections:
