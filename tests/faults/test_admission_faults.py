@@ -16,8 +16,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import empty_database
-from tests.support.admission import apply_policies, budget_yaml, one_batch, submission
-from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, restart_from_snapshot, submission
 
 LIMIT = budget_yaml("faulty", limit="gpu_hours: 100")
 
@@ -279,16 +278,6 @@ async def test_a_drift_repair_and_the_orphan_sweep_give_an_orphan_back_once(admi
     assert (await server.rt.sync.check_drift(repair=False)).clean  # type: ignore[union-attr]
 
 
-async def _restart_from_snapshot(redis_server, server) -> None:  # type: ignore[no-untyped-def]
-    """Kill Redis and start it with the same arguments: it loads the dump.rdb of its last SAVE.
-    The service's connections are then closed quietly, as after a failover behind a proxy: had
-    its next call found a dead connection, the failure alone would invalidate the ledger (a
-    failed ledger transaction does), hiding whether the restored one is caught for what it is."""
-    redis_server.stop()
-    redis_server.start()
-    await server.rt.ledger.client.connection_pool.disconnect()
-
-
 async def test_redis_restored_from_an_old_snapshot_is_rebuilt_and_never_over_admits(admission_factory, killable_redis, pg_dsn) -> None:
     # The repro of the over-admission: 25 ALLOW, SAVE, 25 more ALLOW, Redis restarted with the
     # same arguments loads the old dump.rdb (its "loaded" marker included), 100 more submissions.
@@ -305,7 +294,7 @@ async def test_redis_restored_from_an_old_snapshot_is_rebuilt_and_never_over_adm
     second = await asyncio.gather(*(server.client.post("/v1/admissions", json=one(i)) for i in range(25, 50)))
     assert [a.json()["decision"] for a in second] == ["ALLOW"] * 25
 
-    await _restart_from_snapshot(killable_redis, server)
+    await restart_from_snapshot(killable_redis, server)
     # The restored Redis carries the marker and the first 25 reservations only.
     restored = aioredis.from_url(killable_redis.url)
     try:
@@ -397,7 +386,7 @@ async def test_redis_restored_from_before_a_settlement_is_rebuilt_and_never_over
     assert (await held_in_postgres(pg_dsn), consumed) == ({}, 40 * GPU_HOUR)
     assert committed > decided  # the settlement recorded the number its increase took
 
-    await _restart_from_snapshot(killable_redis, server)
+    await restart_from_snapshot(killable_redis, server)
     restored = aioredis.from_url(killable_redis.url)
     try:
         assert await restored.exists(server.rt.ledger.marker)
@@ -433,7 +422,7 @@ spec: {namespace: "snowflake:wh-1", quota: 1}
         assert (await server.client.post(url, json={"token": "a0", "project": "alpha"})).json()["renewed"]
     await server.rt.pool.execute("DELETE FROM ledger_marks WHERE ledger_seq < (SELECT max(ledger_seq) FROM ledger_marks)")
 
-    await _restart_from_snapshot(killable_redis, server)  # the snapshot holds no token
+    await restart_from_snapshot(killable_redis, server)  # the snapshot holds no token
 
     answers = [await server.client.post(url, json={"token": f"b{i}", "project": "beta"}) for i in range(3)]
     assert {a.status_code for a in answers} <= {200, 503}

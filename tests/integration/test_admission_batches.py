@@ -11,8 +11,7 @@ import pytest
 
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.resubmission import Conflict
-from tests.integration.test_admission import GPU_HOUR, held_in_postgres, reserved_in_redis
-from tests.support.admission import apply_policies, budget_yaml, one_batch, submission
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission
 
 LIMIT = budget_yaml("batched", limit="gpu_hours: 100")
 

@@ -13,10 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.test_admission import held_in_postgres
 from budgetgate.principals import Role
 from tests.support.principals import bearer, issue
-from tests.support.admission import apply_policies, budget_yaml, example_policies
+from tests.support.admission import apply_policies, budget_yaml, example_policies, held_in_postgres
 from kubernetes.client import V1OwnerReference
 
 from tests.support.kubernetes import JOB_CONTROLLER, JOBSET_CONTROLLER, admission_review, as_json, container, job, jobset, job_spec, pod

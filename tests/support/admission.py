@@ -22,6 +22,7 @@ from budgetgate.services.admission.settings import AdmissionSettings
 from tests.support.servers import InProcessServer, free_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "policies"
+GPU_HOUR = 3_600_000  # a GPU-hour in the ledger's unit (GPU-milliseconds)
 
 
 class AdmissionServer(InProcessServer):
@@ -44,6 +45,34 @@ async def one_batch(server, bodies: list[dict[str, Any]]) -> list[Any]:  # type:
     pending = [admitter._prepare(AdmissionRequest.model_validate(b), datetime.now(UTC)) for b in bodies]
     await admitter._commit(pending)
     return list(await asyncio.gather(*(p.answer for p in pending), return_exceptions=True))
+
+
+async def held_in_postgres(dsn: str) -> dict[str, int]:
+    """What Postgres holds reserved, by ledger key."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT ledger_key, sum(amount)::bigint AS held FROM reservations WHERE state = 'held' GROUP BY ledger_key")
+        return {r["ledger_key"]: r["held"] for r in rows}
+    finally:
+        await conn.close()
+
+
+async def reserved_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """What the server's Redis ledger holds reserved, by ledger key."""
+    ledger = server.rt.ledger
+    keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
+    return {k: reserved for k, (reserved, _consumed) in (await ledger.readings(keys)).items()}
+
+
+async def restart_from_snapshot(redis_server, *servers) -> None:  # type: ignore[no-untyped-def]
+    """Kill Redis and start it with the same arguments: it loads the dump.rdb of its last SAVE.
+    The services' connections are then closed quietly, as after a failover behind a proxy: had
+    their next call found a dead connection, the failure alone would invalidate the ledger (a
+    failed ledger transaction does), hiding whether the restored one is caught for what it is."""
+    redis_server.stop()
+    redis_server.start()
+    for server in servers:
+        await server.rt.ledger.client.connection_pool.disconnect()
 
 
 def submission(**overrides: object) -> dict[str, object]:
