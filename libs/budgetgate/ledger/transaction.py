@@ -61,10 +61,13 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger, *, locks_i
                 await conn.execute(sql("lock_ledger_shared"))
             yield work
         except BaseException:
+            if work.redis_changed:
+                # Before the rollback, while the ledger lock is still held: no rebuild ran since
+                # the Redis change, so the marker dropped is the one it was made under, never that
+                # of a rebuild another process makes once the lock is free (rebuilt again for nothing).
+                await ledger.invalidate("a ledger transaction failed after its Redis script")
             with contextlib.suppress(Exception):
                 await tx.rollback()
-            if work.redis_changed:
-                await ledger.invalidate("a ledger transaction failed after its Redis script")
             await _end(ledger, work.parked, committed=False)
             raise
         try:
