@@ -40,7 +40,7 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.sync import LedgerSync, RebuildWaitExceeded
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting import ExternalAccounting
@@ -59,13 +59,19 @@ T = TypeVar("T")
 
 async def with_ledger(sync: LedgerSync, work: Callable[[], Awaitable[T]]) -> T:
     """Run `work` against the ledger, failing closed: a Redis that lost the ledger is rebuilt
-    from Postgres and the work tried once more; an unreachable backend becomes Unavailable."""
+    from Postgres (or, while another process rebuilds it, waited for up to `sync.wait`) and the
+    work tried once more; an unreachable backend, or a rebuild not done in time, becomes
+    Unavailable."""
     try:
         try:
             return await work()
+        except RebuildWaitExceeded:
+            raise
         except LedgerNotLoaded:
             await sync.ensure_loaded()
             return await work()
+    except RebuildWaitExceeded as exc:
+        raise Unavailable(str(exc)) from exc
     except LedgerNotLoaded as exc:
         raise Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly") from exc
     except BACKEND_ERRORS as exc:
@@ -191,7 +197,12 @@ class Admitter:
         """The answers of `batch`, committed; submissions left out wait for the next batch."""
         run_ids = sorted({p.run_id for p in batch})
         async with ledger_transaction(self.pool, self.ledger, locks_itself=True) as work:
-            rows = await work.conn.fetch(sql("begin_batch"), run_ids)  # takes the ledger lock first
+            try:  # takes the ledger lock first: behind a rebuild, waits as long as for one
+                rows = await work.conn.fetch(sql("begin_batch"), run_ids, timeout=self.sync.wait)
+            except TimeoutError as exc:
+                raise RebuildWaitExceeded(
+                    f"the ledger stayed locked for more than {self.sync.wait:g} s (Redis being rebuilt from Postgres, or Postgres slow); retry shortly"
+                ) from exc
             committed_seq = rows[0]["committed_seq"]
             latest = {row["run_id"]: row for row in rows[1:]}
             answers, fresh, followers = _sort_out(batch, latest, tenant_label=self.tenant_label)

@@ -46,6 +46,11 @@ class Metrics:
             callbacks=[lambda _options: [Observation(app.state.rt.held if hasattr(app.state, "rt") else 0)]],
             description="reservations held by admitted runs not yet reconciled",
         )
+        meter.create_observable_counter(
+            "budgetgate_redis_rebuilds",
+            callbacks=[lambda _options: [Observation(app.state.rt.sync.rebuilds if hasattr(app.state, "rt") else 0)]],
+            description="rebuilds of the Redis ledger from Postgres this instance made (Redis emptied, restored from an older snapshot, or invalidated)",
+        )
         return cls(
             decisions=meter.create_counter("budgetgate_admission_decisions", description="admission answers by decision"),
             latency=meter.create_histogram("budgetgate_admission_latency", unit="s", description="time to answer a submission"),

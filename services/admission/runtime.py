@@ -66,7 +66,7 @@ async def build(settings: AdmissionSettings) -> Runtime:
     pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10, reset=_no_reset)
     client = redis_client.connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
     ledger = RedisLedger(client, prefix=settings.redis_prefix)
-    sync = LedgerSync(pool, ledger)
+    sync = LedgerSync(pool, ledger, wait=settings.rebuild_wait_seconds)
     policies = PolicyCache(pool)
     topics = Topics(settings.topic_prefix)
     publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)

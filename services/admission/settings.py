@@ -38,6 +38,9 @@ class AdmissionSettings(AuthSettings):
     batch_max: int = 64
     batch_wait_seconds: float = 0.001
     batches_in_flight: int = 2
+    # While another instance rebuilds the Redis ledger from Postgres (Redis restored from an
+    # older snapshot, or emptied), a submission waits this long for it, then gets a 503.
+    rebuild_wait_seconds: float = Field(default=5.0, gt=0)
     # An external accounting system's remaining budget per tenant (Waldur-style
     # `remaining_budget`, in GPU-hours), at a URL holding {tenant}: used for the tenant's soft
     # GPU-hour budget when it answers within the timeout; unset, or failing, the ledger's figure.

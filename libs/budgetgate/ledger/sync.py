@@ -15,34 +15,78 @@ from budgetgate.ledger import drift
 from budgetgate.ledger.concurrency import concurrency_state, write_concurrency
 from budgetgate.ledger.drift import Drift
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 
 log = logging.getLogger(__name__)
 
 
-class LedgerSync:
-    """Rebuilds the Redis ledger from Postgres when it was lost (restart, flush, first start)."""
+# How often a process waiting for another one's rebuild looks again.
+POLL_SECONDS = 0.05
 
-    def __init__(self, pool: asyncpg.Pool, redis_ledger: RedisLedger) -> None:
+
+class RebuildWaitExceeded(LedgerNotLoaded):
+    """Redis was not rebuilt within the time allowed to wait for it: answer 503 and retry later."""
+
+
+class LedgerSync:
+    """Rebuilds the Redis ledger from Postgres when it was lost (restart, flush, first start).
+
+    Several processes (admission instances, the reconciler) may find it lost at once: one of them
+    is elected (a Postgres advisory lock, tried without waiting, held until its transaction ends,
+    so a rebuilder that dies gives it up with its connection) and rebuilds; the others look again
+    every POLL_SECONDS for up to `wait` seconds, taking over if the election is free again, and
+    decide once Redis is loaded. Past `wait` they raise RebuildWaitExceeded.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, redis_ledger: RedisLedger, *, wait: float = 5.0) -> None:
         self.pool = pool
         self.redis = redis_ledger
+        self.wait = wait
+        self.rebuilds = 0  # rebuilds this process made (drift repairs included), for /metrics
         self._lock = asyncio.Lock()
 
     async def ensure_loaded(self) -> bool:
-        """Rebuild unless Redis holds the ledger; True when this call rebuilt it."""
+        """Rebuild unless Redis holds the ledger, or wait for the process rebuilding it; True when
+        this call rebuilt it. Raises RebuildWaitExceeded when it is not loaded within `wait`."""
         if await self.redis.is_loaded():
             return False
-        async with self._lock:  # one rebuild per process at a time; others wait for it
-            return await self.rebuild(force=False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait
+        try:
+            async with asyncio.timeout(self.wait):
+                await self._lock.acquire()  # one task per process asks; the others wait for it
+        except TimeoutError:
+            raise self._waited() from None
+        try:
+            while True:
+                if await self.redis.is_loaded():
+                    return False
+                rebuilt = await self._rebuild(force=False, elect=True)
+                if rebuilt is not None:
+                    return rebuilt
+                if loop.time() >= deadline:
+                    raise self._waited()
+                await asyncio.sleep(min(POLL_SECONDS, deadline - loop.time()))
+        finally:
+            self._lock.release()
+
+    def _waited(self) -> RebuildWaitExceeded:
+        return RebuildWaitExceeded(f"the Redis ledger is being rebuilt from Postgres and was not ready within {self.wait:g} s; retry shortly")
 
     async def rebuild(self, *, force: bool) -> bool:
-        """Replace Redis's ledger with Postgres's. Without `force`, skips when already loaded.
+        """Replace Redis's ledger with Postgres's. Without `force`, skips when already loaded."""
+        return bool(await self._rebuild(force=force, elect=False))
+
+    async def _rebuild(self, *, force: bool, elect: bool) -> bool | None:
+        """Rebuild under the ledger lock; None when `elect` and another process is rebuilding.
 
         Holds the ledger lock exclusively: every transaction that reserves holds it shared from
         before its Redis call until its commit, so the snapshot read here includes every
         reservation Redis could have counted.
         """
         async with self.pool.acquire() as conn, conn.transaction():
+            if elect and not await conn.fetchval(sql("elect_rebuilder")):
+                return None
             await conn.execute(sql("lock_ledger_exclusive"))
             if not force and await self.redis.is_loaded():
                 return False
@@ -62,6 +106,8 @@ class LedgerSync:
         await self.redis.replace_all(
             ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held)
         )
+        self.rebuilds += 1
+        log.warning("rebuilt the Redis ledger from Postgres (%d ledger keys, %d runs holding reservations)", len(ledgers), len(runs))
 
     async def check_drift(self, *, repair: bool) -> Drift | None:
         """Compare Redis with Postgres a page at a time (budgetgate.ledger.drift); None when Redis

@@ -8,6 +8,12 @@ SELECT pg_advisory_xact_lock_shared(7301, 0);
 -- name: lock_ledger_exclusive
 SELECT pg_advisory_xact_lock(7301, 0);
 
+-- name: elect_rebuilder
+-- One process rebuilds a lost Redis ledger at a time; the others wait for it rather than queue
+-- for the ledger lock. Tried without waiting; held until the transaction ends (or its session
+-- does: a rebuilder that dies gives it up with its connection).
+SELECT pg_try_advisory_xact_lock(7303, 0);
+
 -- name: lock_run
 -- Serialises every decision about one run id, across processes.
 SELECT pg_advisory_xact_lock(7302, hashtext($1));
