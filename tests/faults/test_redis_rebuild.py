@@ -1,16 +1,18 @@
 """Several admission instances on one Redis that was restored from an older snapshot or emptied:
-one instance rebuilds it from Postgres, the others wait for that rebuild instead of answering 503."""
+one instance rebuilds it from Postgres, the others wait for that rebuild instead of answering 503,
+and a rebuilder that dies mid-rebuild holds the others only until its Postgres session ends."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
+import asyncpg
 import httpx
 import redis.asyncio as aioredis
 
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, restart_from_snapshot, submission
-from tests.support.metering import metric
+from tests.support.metering import metric, wait_for
 
 REBUILDS = "budgetgate_redis_rebuilds_total"
 
@@ -82,3 +84,74 @@ async def test_two_instances_on_a_restored_redis_wait_for_one_rebuild_and_never_
     assert await reserved_in_redis(servers[0]) == held
     made = [await rebuilds(s) - b for s, b in zip(servers, before, strict=True)]
     assert sorted(made) == [0, 1], made  # one rebuild, by one instance
+
+
+async def _rebuilder_pid(conn: asyncpg.Connection) -> int | None:
+    """The Postgres backend holding the ledger lock exclusively (a rebuild)."""
+    return await conn.fetchval(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = 7301 AND objid = 0 AND mode = 'ExclusiveLock' AND granted AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+
+
+async def _waiting_for_ledger_lock(conn: asyncpg.Connection) -> bool:
+    return bool(
+        await conn.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 7301 AND NOT granted AND database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+    )
+
+
+async def test_a_rebuilder_that_dies_mid_rebuild_holds_the_others_only_until_its_session_ends(admission_factory, settings, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("dies", limit="gpu_hours: 30")}, sha="9" * 40)
+    # No readiness upkeep during the test (it would rebuild a lost ledger on its own tick): the
+    # rebuild is the one the stalled instance's submission starts.
+    quiet = {"policy_refresh_seconds": 60}
+    stalled = await admission_factory(**quiet)
+    impatient = await admission_factory(rebuild_wait_seconds=0.5, **quiet)
+    patient = await admission_factory(rebuild_wait_seconds=60, **quiet)
+    for server in (stalled, impatient, patient):
+        await server.wait_ready()
+    assert decisions([await patient.client.post("/v1/admissions", json=one_gpu_hour(f"early-{i}")) for i in range(10)]) == ["ALLOW"] * 10
+    before = [await rebuilds(s) for s in (stalled, impatient, patient)]
+
+    # Redis emptied; the stalled instance is elected to rebuild it and stops mid-rebuild.
+    entered, resume = asyncio.Event(), asyncio.Event()
+    slowed(stalled, resume, entered=entered)
+    redis = aioredis.from_url(settings.redis_url)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await redis.delete(*[key async for key in redis.scan_iter(match=f"{stalled.rt.ledger.tag}:*")])
+        first = asyncio.create_task(stalled.client.post("/v1/admissions", json=one_gpu_hour("stalled")))
+        await asyncio.wait_for(entered.wait(), timeout=30)
+        assert await _rebuilder_pid(conn) is not None
+
+        # Past its wait, an instance answers 503 with Retry-After, saying why; nothing is held.
+        refused = [await impatient.client.post("/v1/admissions", json=one_gpu_hour(f"refused-{i}")) for i in range(3)]
+        assert [r.status_code for r in refused] == [503] * 3
+        assert all(r.headers.get("Retry-After") and "rebuilt from Postgres" in r.json()["detail"] for r in refused), [r.json() for r in refused]
+
+        # Within its wait, an instance waits; the rebuilder dies (its session ends, as when its
+        # process is killed) and the waiting instance takes over, rebuilds and decides.
+        waiting = [asyncio.create_task(patient.client.post("/v1/admissions", json=one_gpu_hour(f"waited-{i}"))) for i in range(10)]
+        await wait_for(lambda: _waiting_for_ledger_lock(conn), what="the patient instance waiting for the rebuild")
+        assert await conn.fetchval("SELECT pg_terminate_backend($1)", await _rebuilder_pid(conn))
+        assert decisions(list(await asyncio.gather(*waiting))) == ["ALLOW"] * 10
+
+        # The dead rebuilder's process goes on: none of its writes lands on the newer copy.
+        resume.set()
+        assert (await first).status_code == 503
+    finally:
+        resume.set()
+        await redis.aclose()
+        await conn.close()
+    held = await held_in_postgres(pg_dsn)
+    assert list(held.values()) == [20 * GPU_HOUR]
+    assert await reserved_in_redis(patient) == held
+    # 10 GPU-hours are left of 30: exactly 10 more are admitted.
+    after = [await patient.client.post("/v1/admissions", json=one_gpu_hour(f"after-{i}")) for i in range(15)]
+    assert decisions(after) == ["ALLOW"] * 10 + ["DENY"] * 5
+    assert list((await held_in_postgres(pg_dsn)).values()) == [30 * GPU_HOUR]
+    made = [await rebuilds(s) - b for s, b in zip((stalled, impatient, patient), before, strict=True)]
+    assert made == [0, 0, 1]

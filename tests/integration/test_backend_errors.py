@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from budgetgate import backends
+from budgetgate.ledger import rewrite
 from budgetgate.ledger.redis_ledger import RedisLedger, RefusingWrites
 from budgetgate.services.admission import admitter
 from budgetgate.services.metering_ingest import api as metering_api
@@ -106,7 +107,7 @@ async def test_a_redis_refusing_writes_for_too_few_replicas_is_an_outage(killabl
         assert isinstance(raised.value, backends.BACKEND_ERRORS) and "NOREPLICAS" in str(raised.value)
         # A plain command too: a rebuild meeting it is an outage (503, retried), not a fault.
         with pytest.raises(RefusingWrites):
-            await ledger.replace_all(ledgers={"k": (1, 0)}, runs={}, generation="g")
+            await rewrite.replace_all(ledger, ledgers={"k": (1, 0)}, runs={}, generation="g", holding=lambda: asyncio.sleep(0))
         await client.config_set("min-replicas-to-write", 0)
         await ledger.load_key("k", reserved=1, consumed=0)
         assert await ledger.readings(["k"]) == {"k": (1, 0)}

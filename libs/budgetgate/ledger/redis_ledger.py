@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from importlib import resources
@@ -137,9 +137,10 @@ _STATE_REFUSALS: dict[str, type[redis.exceptions.RedisError]] = {
     "NOREPLICAS": RefusingWrites,
     "BUSY": RefusingWrites,
 }
-# At the start of the answer (the script refused before it ran) or after the '-' that begins a
-# command's error inside a script's.
-_STATE_REFUSAL = re.compile(r"(?:^|-)(" + "|".join(_STATE_REFUSALS) + r") ")
+# At the start of the answer (the script refused before it ran), after the '-' that begins a
+# command's error inside a script's, or where redis-py quotes a pipeline command's answer
+# ("Command # 1 (SET ...) of pipeline caused error: ('NOREPLICAS ...',)").
+_STATE_REFUSAL = re.compile(r"(?:^|-|\(')(" + "|".join(_STATE_REFUSALS) + r") ")
 
 
 class _Script:
@@ -503,38 +504,6 @@ class RedisLedger:
             if decision:
                 result[_text(key)[len(prefix) :]] = (_text(decision), int(at or 0))
         return result
-
-    async def replace_all(
-        self,
-        *,
-        ledgers: dict[str, tuple[int, int]],
-        runs: dict[str, tuple[str, int, dict[str, int]]],
-        generation: str,
-        seq: int = 0,
-        extra: Callable[[Any], None] | None = None,
-    ) -> None:
-        """Replace everything under the prefix with Postgres's state, then mark the ledger loaded.
-
-        The marker goes first (deleted) and last (set), so no reservation is made from a
-        half-written ledger: until it is set again every script answers NOT_LOADED. The ledger
-        sequence restarts at `seq`, the highest Postgres committed (see reserve.lua).
-        """
-        with refusals_as_outages():
-            await self.client.delete(self.marker)
-            stale = [key async for key in self.client.scan_iter(match=f"{self.tag}:*", count=1000)]
-            for start in range(0, len(stale), 500):
-                await self.client.delete(*stale[start : start + 500])
-            pipe = self.client.pipeline(transaction=False)
-            for key, (reserved, consumed) in ledgers.items():
-                pipe.hset(self.ledger(key), mapping={"reserved": reserved, "consumed": consumed})
-            for run_id, (decision_id, at_ms, amounts) in runs.items():
-                fields: dict[str, object] = {self.ledger(k): v for k, v in amounts.items()}
-                pipe.hset(self.run(run_id), mapping={**fields, "_decision": decision_id, "_at": at_ms})
-            pipe.set(self.sequence, seq)
-            if extra is not None:
-                extra(pipe)  # more state to write before the marker goes back (concurrency holds)
-            await pipe.execute()
-        await self.client.set(self.marker, generation)
 
 
 def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
-from budgetgate.ledger import drift
+from budgetgate.ledger import drift, rewrite
 from budgetgate.ledger.concurrency import concurrency_state, write_concurrency
 from budgetgate.ledger.drift import Drift
 from budgetgate.ledger.queries import sql
@@ -103,9 +103,10 @@ class LedgerSync:
         ledgers, runs = await _postgres_state(conn)
         held = await concurrency_state(conn, self.redis.keys, now=datetime.now(UTC))
         seq = await conn.fetchval(sql("committed_ledger_seq"))
-        await self.redis.replace_all(
-            ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held)
-        )
+        await rewrite.replace_all(
+            self.redis, ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq,
+            extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held), holding=lambda: conn.execute(sql("lock_ledger_exclusive")),
+        )  # fmt: skip
         self.rebuilds += 1
         log.warning("rebuilt the Redis ledger from Postgres (%d ledger keys, %d runs holding reservations)", len(ledgers), len(runs))
 
