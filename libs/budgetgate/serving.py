@@ -72,7 +72,9 @@ def serve(*, prog: str, settings_cls: type[Any], create_app: Callable[[Any], Fas
     tls = {"ssl_certfile": certfile, "ssl_keyfile": keyfile} if certfile else {}
     app = create_app(settings)
     garbage.settle(settings.gc_thresholds)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", **tls)
+    # proxy_headers off: uvicorn would believe X-Forwarded-For from loopback by default; the
+    # services read it themselves, from BUDGETGATE_TRUSTED_PROXIES only (budgetgate.proxies).
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", proxy_headers=False, **tls)
 
 
 def add_operational_routes(
