@@ -4,7 +4,6 @@ administrative actions, in the ledger database."""
 from __future__ import annotations
 
 import asyncio
-import getpass
 import json
 import re
 from datetime import timedelta
@@ -41,10 +40,6 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(minutes=minutes)
 
 
-def _actor() -> str:
-    return f"cli:{getpass.getuser()}"
-
-
 @click.group()
 def token() -> None:
     """API tokens: create (the secret is printed once), list, revoke."""
@@ -74,7 +69,7 @@ def create(name: str, roles: tuple[str, ...], namespaces: tuple[str, ...], tenan
                     roles=[Role(r) for r in roles],
                     namespaces=list(namespaces),
                     tenants=list(tenants),
-                    created_by=_actor(),
+                    created_by=backend.actor(),
                     expires_in=lifetime,
                 )
             except asyncpg.UniqueViolationError:
@@ -121,7 +116,7 @@ def revoke(name: str) -> None:
 
     async def run() -> bool:
         async with backend.postgres(settings.postgres_dsn) as conn:
-            return await revoke_token(conn, name=name, revoked_by=_actor())
+            return await revoke_token(conn, name=name, revoked_by=backend.actor())
 
     if not asyncio.run(run()):
         raise click.ClickException(f"no live token named {name!r}")

@@ -517,6 +517,35 @@ RETURNING attempts, dead;
 -- Runs settled now ($1): their earlier failed tries no longer count towards dead-lettering.
 DELETE FROM settlement_failures WHERE run_id = ANY($1::text[]) AND NOT dead;
 
+-- name: dead_settlements
+-- Dead-lettered settlements (services/reconciler/dead_letters.py), longest dead first, $1 at most.
+SELECT run_id, reason, attempts, first_failed_at, last_failed_at FROM settlement_failures WHERE dead
+ORDER BY last_failed_at, run_id LIMIT $1;
+
+-- name: dead_settlements_count
+SELECT count(*) FROM settlement_failures WHERE dead;
+
+-- name: dead_settlement
+-- Run $1's dead-lettered settlement, locked until the transaction resolving it ends.
+SELECT run_id, reason, attempts, first_failed_at, last_failed_at FROM settlement_failures WHERE run_id = $1 AND dead FOR UPDATE;
+
+-- name: forget_dead_settlement
+-- Resolved by an operator: the run's next fact is settled as any run's.
+DELETE FROM settlement_failures WHERE run_id = $1 AND dead;
+
+-- name: runs_holding
+-- What runs $1 hold now: their held reservations, each with its budget (policy, scope, window and
+-- unit; amounts in the ledger's units), their quota hold, and their pool tokens (namespace/token).
+SELECT x.run_id,
+       COALESCE((SELECT jsonb_agg(jsonb_build_object('ledger_key', r.ledger_key, 'ledger_amount', r.amount, 'policy_id', e.policy_id,
+                                                     'scope_id', e.scope_id, 'window_key', e.window_key, 'unit', e.unit) ORDER BY r.ledger_key)
+                 FROM reservations r JOIN ledger_entries e ON e.ledger_key = r.ledger_key
+                 WHERE r.run_id = x.run_id AND r.state = 'held'), '[]'::jsonb) AS reservations,
+       h.tenant, h.gpus, h.nodes,
+       ARRAY(SELECT a.namespace || '/' || a.token FROM pool_allocations a
+             WHERE a.run_id = x.run_id AND a.state = 'held' AND a.lease_expires_at > now() ORDER BY 1) AS tokens
+FROM unnest($1::text[]) AS x (run_id) LEFT JOIN run_holds h ON h.run_id = x.run_id AND h.state = 'held';
+
 -- name: try_lock_run
 -- The run's lock (lock_run) if free: a settlement in flight keeps it.
 SELECT pg_try_advisory_xact_lock(7302, hashtext($1));
