@@ -86,6 +86,10 @@ class Principal:
     def covers_tenant(self, tenant: str | None) -> bool:
         return not self.tenants or (tenant is not None and tenant in self.tenants)
 
+    def covers(self, namespace: str, tenant: str | None) -> bool:
+        """Whether what is in `namespace` and of `tenant` (None: of no tenant) is within this principal's limits."""
+        return self.covers_namespace(namespace) and self.covers_tenant(tenant)
+
     def require_namespace(self, namespace: str) -> None:
         if not self.covers_namespace(namespace):
             raise Forbidden(f"{self.name!r} is not allowed namespace {namespace!r} (allowed: {', '.join(self.namespaces)})")
@@ -104,3 +108,8 @@ class Principal:
     @property
     def unscoped(self) -> bool:
         return not self.namespaces and not self.tenants
+
+    @property
+    def limits(self) -> str:
+        """The limits in words, e.g. "namespaces vision-*, nlp-* and tenants vision" ("" when not limited)."""
+        return " and ".join(f"{what} {', '.join(values)}" for what, values in (("namespaces", self.namespaces), ("tenants", self.tenants)) if values)
