@@ -28,7 +28,7 @@ class Action(enum.StrEnum):
     READ = "read budgets and usage"
     ALLOCATE = "allocate pool tokens"
     RELEASE = "release pool tokens"
-    INGEST = "post metering samples"
+    INGEST = "post metering samples and lifecycle events"
     ADMINISTER = "administer"
     OVERRIDE = "update tenant quotas and budgets"
     METRICS = "read metrics"

@@ -13,7 +13,8 @@ import asyncpg
 import httpx
 
 from budgetgate import topics, wire
-from budgetgate.principals import Role
+from budgetgate.principals import Principal, Role
+from budgetgate.services.metering_ingest.ingest import Origin, Pending
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.metering import as_json, decide, fetchval, metering, metering_factory, metric, sample, usage_rows, wait_for  # noqa: F401 - fixtures
@@ -22,6 +23,8 @@ from tests.support.principals import bearer, issue, ledger_state
 # The review's repro: a 50 GPU-hour hard budget of team-ns, and a run of 48 projected GPU-hours.
 BUDGET = {"team.yaml": budget_yaml("gpu-budget/team", namespace="team-ns", labels="{team: team}", limit="gpu_hours: 50")}
 TEAM_RUN = {"run_id": "v1", "namespace": "team-ns", "labels": {"team": "team"}, "job": {"namespace": "team-ns", "name": "train"}}
+# What an HTTP sample is kept pending with (services/metering_ingest/api.py).
+HEADERS = ((wire.CONTENT_TYPE, wire.PROTOBUF.encode()), (wire.MESSAGE_TYPE, MeteringSample.DESCRIPTOR.full_name.encode()))
 AT = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=30)
 
 
@@ -130,10 +133,7 @@ async def test_a_limited_exporters_sample_of_an_undecided_run_counts_only_within
     await decide(pg_dsn, "later-in", namespace="team-a", labels={"team": "team"})
     await decide(pg_dsn, "later-out", namespace="other-ns", labels={"team": "other"})
 
-    async def taken() -> bool:
-        return await fetchval(pg_dsn, "SELECT count(*) FROM metering_pending") == 0
-
-    await wait_for(taken, what="the pending samples judged")
+    await wait_for(lambda: nothing_pending(pg_dsn), what="the pending samples judged")
     assert [(r["run_id"], r["sample_id"], r["gpu_milli_hours"]) for r in await usage_rows(pg_dsn)] == [("later-in", "p1", 36_000), ("later-out", "p1", 72_000)]
     # exp-team's sample of the other run was never charged: dead-lettered with the reason.
     [dead] = await dead_letters(pg_dsn)
@@ -142,6 +142,28 @@ async def test_a_limited_exporters_sample_of_an_undecided_run_counts_only_within
     assert reason.startswith("out_of_scope: ") and "'token:exp-team'" in reason and "'later-out'" in reason and "other-ns" in reason, reason
     text = (await metering.client.get("/metrics")).text
     assert metric(text, "budgetgate_metering_rejections_total", reason="out_of_scope", source="http") == 1
+
+
+async def test_a_limited_exporters_sample_whose_run_is_decided_after_the_check_waits_for_the_recheck(metering, pg_dsn) -> None:
+    """The request found no decision, and the decision commits before the sample's transaction:
+    the sample is still kept pending with its sender's limits, and the re-check judges it."""
+    await decide(pg_dsn, "raced-in", namespace="team-a")
+    await decide(pg_dsn, "raced-out", namespace="other-ns")
+    sender = Principal.of("token:exp-team", ["exporter"], namespaces=["team-*"])
+    ingestor = metering.rt.ingestor
+    for run_id in ("raced-in", "raced-out"):
+        message = sample(run_id, "r1", 3600.0, at=datetime.now(UTC) - timedelta(seconds=60))
+        origin = Origin(source="http", topic=topics.METERING, payload=message.SerializeToString(), headers=HEADERS, sender=sender)
+        async with metering.rt.pool.acquire() as conn, conn.transaction():
+            assert isinstance(await ingestor.place(conn, ingestor.validate(message), origin), Pending)
+    await wait_for(lambda: nothing_pending(pg_dsn), what="the pending samples judged")
+    assert [(r["run_id"], r["gpu_milli_hours"]) for r in await usage_rows(pg_dsn)] == [("raced-in", 3_600_000)]
+    [dead] = await dead_letters(pg_dsn)
+    assert (wire.header(dead.headers, wire.DLQ_REASON) or b"").decode().startswith("out_of_scope: sample 'r1' was posted by 'token:exp-team'")
+
+
+async def nothing_pending(dsn: str) -> bool:
+    return await fetchval(dsn, "SELECT count(*) FROM metering_pending") == 0
 
 
 async def dead_letters(dsn: str) -> list[wire.Record]:
