@@ -95,10 +95,7 @@ def add_operational_routes(
     async def unlimited(principal: Principal = Depends(allow(Action.METRICS))) -> None:
         # The gauges name every budget, tenant and pool: no label can be filtered out of a scrape.
         if not principal.unscoped:
-            limits = [f"{what} {', '.join(values)}" for what, values in (("namespaces", principal.namespaces), ("tenants", principal.tenants)) if values]
-            raise Forbidden(
-                f"{principal.name!r} is limited to {' and '.join(limits)}; /metrics shows every budget and tenant, so it needs a token without limits"
-            )
+            raise Forbidden(f"{principal.name!r} is limited to {principal.limits}; /metrics shows every budget and tenant, so it needs a token without limits")
 
     metrics_guard = [Depends(unlimited)] if protect_metrics else []
 

@@ -361,21 +361,29 @@ FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamp
 WHERE r.run_id = x.run_id;
 
 -- name: insert_pending
--- Keep a sample until its run is known. When one of the same id is kept already, the new one is
--- not, and the kept one's payload comes back (for the caller to tell a resend from a conflict).
+-- Keep a sample until its run is known, with its sender's limits ($11 the sender limited to
+-- namespaces $12 and tenants $13; '' and none for a sender not limited). When one of the same id
+-- from the same sender is kept already, the new one is not, and the kept one's payload comes
+-- back (for the caller to tell a resend from a conflict).
 WITH kept AS (
     INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,
-                                  kafka_offset, payload, headers)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-    ON CONFLICT (run_id, sample_id) DO NOTHING
+                                  kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+    ON CONFLICT (run_id, sample_id, sender) DO NOTHING
     RETURNING 1
 )
 SELECT p.payload, p.headers FROM metering_pending p
-WHERE p.run_id = $1 AND p.sample_id = $2 AND NOT EXISTS (SELECT 1 FROM kept);
+WHERE p.run_id = $1 AND p.sample_id = $2 AND p.sender = $11 AND NOT EXISTS (SELECT 1 FROM kept);
 
 -- name: take_pending_of_run
 DELETE FROM metering_pending WHERE run_id = $1
-RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers;
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants;
+
+-- name: run_owners
+-- The namespace and tenant (the value of label $2) of each run of $1 that has a decision, as its
+-- latest decision names them (admission keeps both in every attempt of a run); one index probe a run.
+SELECT DISTINCT ON (run_id) run_id, namespace, labels ->> $2 AS tenant
+FROM decisions WHERE run_id = ANY($1::text[]) ORDER BY run_id, attempt DESC;
 
 -- name: pending_runs_with_decision
 SELECT DISTINCT p.run_id FROM metering_pending p
@@ -385,11 +393,11 @@ WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id) LIMIT $1;
 -- Pending samples past their grace period whose run still has no decision, taken to be
 -- dead-lettered in the same transaction. SKIP LOCKED: instances side by side share the work.
 DELETE FROM metering_pending
-WHERE (run_id, sample_id) IN (
-    SELECT p.run_id, p.sample_id FROM metering_pending p
+WHERE (run_id, sample_id, sender) IN (
+    SELECT p.run_id, p.sample_id, p.sender FROM metering_pending p
     WHERE p.expires_at <= $1 AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id)
     ORDER BY p.expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers;
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants;
 
 -- name: pending_count
 SELECT count(*) FROM metering_pending;
