@@ -244,7 +244,7 @@ CREATE TABLE usage_records (
 );
 
 -- Valid samples of runs without a decision yet, kept until one appears (then applied) or until
--- expires_at (observed_at + the grace period; then dead-lettered as unknown_run). 0036: a sender
+-- expires_at (observed_at + the grace period; then dead-lettered as unknown_run). 0027: a sender
 -- limited to namespaces or tenants is kept with it (applied only to a run within them); '' and no
 -- limits for a sender not limited (a token without limits, or Kafka).
 CREATE TABLE metering_pending (

@@ -1,4 +1,4 @@
--- 0036_pending_senders: a sample kept pending (its run had no decision yet) keeps the sender that
+-- 0027_pending_senders: a sample kept pending (its run had no decision yet) keeps the sender that
 -- posted it when that sender is limited to namespaces or tenants (an exporter token's limits):
 -- once the run has a decision, the sample is applied only if the run is within them, else it is
 -- dead-lettered as out_of_scope. '' and no limits: a sender not limited (a token without limits,
