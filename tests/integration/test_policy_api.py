@@ -106,3 +106,20 @@ async def test_text_postgres_cannot_store_is_a_422_and_nothing_is_applied(admiss
         assert await conn.fetchval("SELECT count(*) FROM policy_bundles") == 0
     finally:
         await conn.close()
+
+
+async def test_an_operator_limited_to_namespaces_or_tenants_applies_no_bundle(admission_factory, pg_dsn: str) -> None:  # noqa: F811
+    # A bundle sets every namespace's budgets: a limited operator once applied one over all of them.
+    server = await admission_factory()
+    body = {"git_sha": "c" * 40, "source": "test", "documents": [], "allow_empty": True}
+    for limits in ({"namespaces": ["vision-*"]}, {"tenants": ["vision"]}):
+        token = await issue(pg_dsn, Role.OPERATOR, **limits)
+        refused = await server.client.post("/v1/policies", json=body, headers={"Authorization": f"Bearer {token}"})
+        assert refused.status_code == 403 and "needs a token without limits" in refused.json()["detail"], refused.text
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM policy_bundles") == 0
+    finally:
+        await conn.close()
+    applied = await server.client.post("/v1/policies", json=body, headers={"Authorization": f"Bearer {await issue(pg_dsn, Role.OPERATOR)}"})
+    assert applied.status_code == 200, applied.text

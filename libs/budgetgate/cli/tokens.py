@@ -74,8 +74,8 @@ def create(name: str, roles: tuple[str, ...], namespaces: tuple[str, ...], tenan
                 --namespace alone; user usage and a protected /metrics only
                 without any limit.
     operator    reads as a reader; overrides a tenant's quotas and budgets only for
-                a --tenant (not at all with --namespace alone). Policy applies and
-                pool token releases are NOT limited.
+                a --tenant (not at all with --namespace alone); applies no policy
+                bundle with any limit. Pool token releases are NOT limited.
     accounting  reads budgets and usage as a reader (it looks up no decisions or
                 pools); overrides as an operator.
     """
