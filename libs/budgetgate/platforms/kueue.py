@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from budgetgate.client.errors import BudgetgateError, Conflict, InvalidRequest, Unauthorized
 from budgetgate.platforms.kubernetes import Mapping, Unmappable, pod_gpus
+from budgetgate.platforms.reviews import At
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 CONTROLLER_NAME = "budgetgate.io/budget"
@@ -67,10 +68,10 @@ def submission(workload: MappingType[str, Any], mapping: Mapping = Mapping()) ->
     assigned = {a.get("name"): a for a in (status.get("admission") or {}).get("podSetAssignments") or []}
     gpus = pods = 0
     flavors: list[str] = []
-    for pod_set in spec.get("podSets") or []:
-        assignment = assigned.get(pod_set.get("name", "main"), {})
-        count = assignment.get("count", pod_set.get("count", 1))
-        per_pod = pod_gpus((pod_set.get("template") or {}).get("spec") or {}, mapping.gpu_resource)
+    for pod_set in At(workload, "").obj("spec").objects("podSets"):
+        assignment = assigned.get(pod_set.text("name") or "main", {})
+        count = assignment.get("count", pod_set.count("count", 1))
+        per_pod = pod_gpus(pod_set.obj("template").obj("spec"), mapping.gpu_resource)
         gpus, pods = gpus + count * per_pod, pods + count
         if per_pod and (assignment.get("flavors") or {}).get(mapping.gpu_resource):
             flavors.append(assignment["flavors"][mapping.gpu_resource])
