@@ -13,7 +13,8 @@ Only admission.k8s.io/v1 is answered: a body that is not an admission.k8s.io/v1 
 with a request uid is a 400 problem naming the field (no AdmissionReview the API server would
 read can answer it). Within one, a malformed request or object (a CREATE or UPDATE without its
 object, a field of another type than the API's) is denied (422) naming the field, as is an object
-that cannot be a submission (budgetgate/platforms/reviews.py).
+that cannot be a submission; a run resent with another request is denied (409) saying what
+changed (budgetgate/platforms/reviews.py, resubmission.py).
 
 When budgetgate cannot decide (its ledger unavailable, no policy bundle yet), the answer is a
 denial (`BUDGETGATE_KUBERNETES_FAIL_OPEN=false`, the default) or an admission with a warning
@@ -222,7 +223,7 @@ async def _answer(
         # A dry run (kubectl --dry-run=server) is quoted: the same decision, nothing reserved or recorded.
         answer = await (Quoter(rt.admitter).quote(mapped.request) if asked.dry_run else rt.admitter.admit(mapped.request))
     except Conflict as exc:
-        return review(uid, allowed=False, code=409, message=f"budgetgate: {exc}")
+        return review(uid, allowed=False, code=409, message=f"budgetgate: {exc} {_resubmitting(exc, mapping)}")
     except InvalidSubmission as exc:
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc.field}: {exc}")
     except (Unavailable, *BACKEND_ERRORS) as exc:
@@ -238,6 +239,13 @@ async def _answer(
     if warnings:
         reviewed["response"]["warnings"] = [*warnings, *reviewed["response"].get("warnings", [])]
     return reviewed
+
+
+def _resubmitting(conflict: Conflict, mapping: Mapping) -> str:
+    """How a Kubernetes object is resubmitted as the 409 says: a higher attempt, or a new run id."""
+    if conflict.next_attempt is not None:
+        return f"(on Kubernetes: set the annotation {mapping.attempt_annotation}={conflict.next_attempt})"
+    return f"(on Kubernetes: a new object without the annotation {mapping.run_id_annotation}, which takes its own UID, or with another value of it)"
 
 
 def _undecided(uid: str, exc: BaseException, *, fail_open: bool) -> dict[str, Any]:

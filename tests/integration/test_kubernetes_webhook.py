@@ -359,3 +359,22 @@ async def test_every_field_of_a_job_given_a_wrong_type_is_answered_in_words(admi
             assert not any(text in message for text in PYTHON), (path, value, message)
             answered += 1
     assert answered > 80
+
+
+async def test_a_resent_run_asking_for_more_is_refused_naming_what_changed(admission, pg_dsn) -> None:
+    # A run admitted for 1 GPU, resent as attempt 2 for 500 GPUs for 100 h: the webhook answered
+    # the stored ALLOW, and the API server created the 500-GPU Job on it.
+    run = {**H100, "budgetgate.io/run-id": "flyte/vision/exec-resend/n0"}
+    first = await reviewed(admission, admission_review(job("small", gpus=1, parallelism=1, deadline=3600, annotations=run)))
+    assert first["allowed"] is True
+    held = await held_in_postgres(pg_dsn)
+    bigger = job("big", gpus=500, parallelism=1, deadline=100 * 3600, annotations={**run, "budgetgate.io/attempt": "2"})
+    answer = await reviewed(admission, admission_review(bigger))
+    assert answer["allowed"] is False and answer["status"]["code"] == 409, answer
+    message = answer["status"]["message"]
+    assert "resources.gpus: 1 → 500" in message and "projected_runtime_hours: 1.0 → 100.0" in message and "new run id" in message, message
+    assert "budgetgate.io/run-id" in message, message  # how a Kubernetes object takes a new run id
+    assert await held_in_postgres(pg_dsn) == held
+    # The same object sent again is the same request: let through on its decision, as before.
+    again = await reviewed(admission, admission_review(job("small", gpus=1, parallelism=1, deadline=3600, annotations={**run, "budgetgate.io/attempt": "2"})))
+    assert again["allowed"] is True and await held_in_postgres(pg_dsn) == held
