@@ -6,27 +6,9 @@ import asyncio
 import uuid
 from datetime import datetime
 
-import asyncpg
 import pytest
 
-from tests.support.admission import apply_policies, budget_yaml, submission
-
-GPU_HOUR = 3_600_000
-
-
-async def held_in_postgres(dsn: str) -> dict[str, int]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = await conn.fetch("SELECT ledger_key, sum(amount)::bigint AS held FROM reservations WHERE state = 'held' GROUP BY ledger_key")
-        return {r["ledger_key"]: r["held"] for r in rows}
-    finally:
-        await conn.close()
-
-
-async def reserved_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    ledger = server.rt.ledger
-    keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
-    return {k: reserved for k, (reserved, _consumed) in (await ledger.readings(keys)).items()}
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
 
 
 async def test_allow_answers_with_the_numbers(admission) -> None:

@@ -46,6 +46,26 @@ async def one_batch(server, bodies: list[dict[str, Any]]) -> list[Any]:  # type:
     return list(await asyncio.gather(*(p.answer for p in pending), return_exceptions=True))
 
 
+GPU_HOUR = 3_600_000  # ledger units in a GPU-hour
+
+
+async def held_in_postgres(dsn: str) -> dict[str, int]:
+    """The reservations Postgres holds, summed by ledger key (ledger units)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT ledger_key, sum(amount)::bigint AS held FROM reservations WHERE state = 'held' GROUP BY ledger_key")
+        return {r["ledger_key"]: r["held"] for r in rows}
+    finally:
+        await conn.close()
+
+
+async def reserved_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """What the server's Redis ledger holds reserved, by ledger key (ledger units)."""
+    ledger = server.rt.ledger
+    keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
+    return {k: reserved for k, (reserved, _consumed) in (await ledger.readings(keys)).items()}
+
+
 def submission(**overrides: object) -> dict[str, object]:
     body: dict[str, object] = {
         "run_id": "flyte/vision/exec-7f3a/n0",
