@@ -445,7 +445,9 @@ ORDER BY s.review_at LIMIT $2;
 -- Runs the reconciler never settled, holding since before $1 (the start deadline) a reservation,
 -- a concurrency hold or a pool token: settled so that the never-started rule (or a fact settled
 -- before the decision committed) gives them back. A run no budget covers holds no reservation,
--- only its quota slot or its token, so those are looked for too.
+-- only its quota slot or its token, so those are looked for too. A dead-lettered one waits for an
+-- operator (`budgetgate settlements resolve`), as runs_due's do: tried every tick, it was
+-- logged again each time and its dead letter's times moved.
 SELECT DISTINCT h.run_id FROM (
     SELECT r.run_id FROM reservations r WHERE r.state = 'held' AND r.created_at <= $1
     UNION ALL
@@ -454,6 +456,7 @@ SELECT DISTINCT h.run_id FROM (
     SELECT a.run_id FROM pool_allocations a WHERE a.run_id IS NOT NULL AND a.state = 'held' AND a.granted_at <= $1
 ) AS h
 WHERE NOT EXISTS (SELECT 1 FROM run_settlements s WHERE s.run_id = h.run_id)
+  AND NOT EXISTS (SELECT 1 FROM settlement_failures f WHERE f.run_id = h.run_id AND f.dead)
 LIMIT $2;
 
 -- name: run_decision
