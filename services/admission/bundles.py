@@ -32,7 +32,8 @@ async def apply_policies(body: BundleIn, request: Request, principal: Principal 
     if not principal.unscoped:
         # A bundle sets every namespace's and tenant's budgets: a token limited to some may not.
         raise Forbidden(
-            f"{principal.name!r} is limited to {principal.limits}; a policy bundle covers every namespace and tenant, so applying one needs a token without limits"
+            f"{principal.name!r} is limited to {principal.limits}; a policy bundle covers every namespace and tenant, "
+            "so applying one needs a token without limits"
         )
     rt = request.app.state.rt
     documents_json = json.dumps([d.model_dump() for d in body.documents], default=str, sort_keys=True)
