@@ -24,11 +24,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from limits import RateLimitItem, parse
 from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import FixedWindowRateLimiter
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.oidc import ClaimMapping, JwtVerifier
 from budgetgate.principals import Action, Forbidden, Principal, Unauthenticated
+from budgetgate.proxies import TrustedProxies, parse_networks
 from budgetgate.settings import ServingSettings
 from budgetgate.tokens import PREFIX, TokenStore
 
@@ -43,7 +44,6 @@ __all__ = [
     "TooManyFailures",
     "Unauthenticated",
     "allow",
-    "client_address",
     "install_auth",
 ]
 
@@ -69,6 +69,10 @@ class AuthSettings(ServingSettings):
     # ("limits" notation); past it, that address's tokens not already known good are answered 429
     # without asking Postgres, so a flood of made-up tokens cannot starve the token lookups. None = no limit.
     auth_failure_limit: str | None = "20/second"
+    # Proxies (addresses or CIDR networks, JSON: '["10.0.0.0/8"]') whose X-Forwarded-For is
+    # believed when counting those failures: the address counted is then the right-most hop not
+    # itself a trusted proxy. None by default: the connection's peer, whatever a header says.
+    trusted_proxies: list[str] = []
     # /metrics answers only a reader, auditor or operator when true.
     metrics_require_auth: bool = False
     oidc_issuer: str | None = None
@@ -81,6 +85,12 @@ class AuthSettings(ServingSettings):
     oidc_tenants_claim: str = "budgetgate_tenants"
     # Roles by subject, for tokens without a role claim (JSON: {"system:serviceaccount:flyte:flyte-admin": ["submitter"]}).
     oidc_subject_roles: dict[str, list[str]] = {}
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, entries: list[str]) -> list[str]:
+        parse_networks(entries)
+        return entries
 
 
 class RateLimited(Exception):
@@ -119,8 +129,10 @@ class Gate:
         limiter: FixedWindowRateLimiter | None = None,
         limit: str | None = None,
         failure_limit: str | None = None,
+        proxies: TrustedProxies | None = None,
     ) -> None:
         self.tokens = tokens
+        self.proxies = proxies or TrustedProxies()
         self.jwt = jwt
         self.limiter = limiter
         self.limit = parse(limit) if limit else None
@@ -264,15 +276,10 @@ def allow(action: Action) -> Callable[..., Any]:
         if checked is not None:  # a plain ASGI path checked (and counted) this request already
             checked.require(action)
             return checked
-        return await gate_of(request.app).check(request.scope["headers"], action, client=client_address(request.scope))
+        gate = gate_of(request.app)
+        return await gate.check(request.scope["headers"], action, client=gate.proxies.client(request.scope))
 
     return dependency
-
-
-def client_address(scope: Any) -> str | None:
-    """The caller's address in an ASGI scope (behind a trusted proxy, uvicorn puts the forwarded one there)."""
-    client = scope.get("client")
-    return client[0] if client else None
 
 
 def gate_of(app: Any) -> Gate:
@@ -306,7 +313,14 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
             storage = RedisStorage(url, implementation="redispy", key_prefix=f"{{{settings.redis_prefix}}}:ratelimit")
         limiter = FixedWindowRateLimiter(storage)
     tokens = TokenStore(pool, cache_seconds=settings.token_cache_seconds)
-    gate = Gate(tokens=tokens, jwt=jwt, limiter=limiter, limit=settings.rate_limit, failure_limit=settings.auth_failure_limit)
+    gate = Gate(
+        tokens=tokens,
+        jwt=jwt,
+        limiter=limiter,
+        limit=settings.rate_limit,
+        failure_limit=settings.auth_failure_limit,
+        proxies=TrustedProxies(parse_networks(settings.trusted_proxies)),
+    )
     return gate, storage
 
 

@@ -15,6 +15,12 @@ are their sum, submitted as the largest task's GPUs for the hours that sum takes
 submission has one GPU count and one runtime; GPU-hours, what budgets count, are exact).
 Flyte's own node-level overrides and map tasks' fan-out are not seen.
 
+An execution name is one run: `execute` again with the same `execution_name` and another
+request (another entity, labels, flavor) launches nothing and raises budgetgate.client.Conflict
+(409), whose `changes` name each field, then and now. After an ALLOW no attempt changes that
+(`next_attempt` is None: launch under a new execution name); after a DENY or DELAY,
+`attempt=conflict.next_attempt` asks the new question.
+
 A launch that fails after the ALLOW (bad inputs, FlyteAdmin unavailable) would leave the run's
 reservation held with no execution to end it. `execute` first asks FlyteAdmin for the execution
 (`fetch_execution`): a launch whose answer was lost may have created it, and it is then returned
@@ -201,7 +207,8 @@ def submission(
 
 
 def preflight(entity: Any, *, client: Client, **request: Any) -> AdmissionResponse:
-    """Submit `entity` (keywords of `submission`); the ALLOW answer, else BudgetDenied or BudgetDelayed."""
+    """Submit `entity` (keywords of `submission`); the ALLOW answer, else BudgetDenied or
+    BudgetDelayed, or budgetgate.client.Conflict when the run was decided for another request."""
     answer = client.submit(submission(entity, **request))
     if answer.decision == "DENY":
         raise BudgetDenied(answer, f"budgetgate denied run {answer.run_id}: {answer.reason}")

@@ -100,7 +100,7 @@ class AdmissionCheckController:
         except BudgetgateError as exc:
             if isinstance(exc, Unauthorized):
                 log.error("budgetgate refused the controller's token (%s): %s", exc.status, exc.detail)
-            return kueue.error_answer(workload, check, exc, attempt=request.attempt, now=now, attempt_annotation=self.mapping.attempt_annotation)
+            return kueue.error_answer(workload, check, exc, now=now, attempt_annotation=self.mapping.attempt_annotation)
         except (*RETRYABLE, httpx.TransportError) as exc:
             return kueue.undecided(workload, check, f"cannot decide now ({type(exc).__name__}: {exc}); will try again", now=now)
         return kueue.decided(workload, check, answer.model_dump(mode="json"), now=now, attempt_annotation=self.mapping.attempt_annotation)

@@ -18,6 +18,9 @@ MAX_RUN_ID = 256
 _RUN_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 # What one run may report holding: admission's bounds on a submission's GPUs and nodes.
 MAX_GPUS, MAX_NODES = 1_000_000, 100_000
+# Text the reconciler stores: Postgres cannot hold a NUL, and other control characters (tab and
+# newline aside) are a bug upstream.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _IDS = uuid.uuid5(uuid.NAMESPACE_URL, "https://budgetgate.dev/lifecycle/event-id")
 
 
@@ -37,6 +40,9 @@ def problems(event: LifecycleEvent) -> list[tuple[str, str]]:
     for field, most in (("gpus", MAX_GPUS), ("nodes", MAX_NODES)):
         if not 0 <= getattr(event, field) <= most:
             found.append((field, f"lifecycle event {event.event_id} reports {field} outside 0 to {most}"))
+    for field in ("flavor", "region", "reason"):
+        if control := _CONTROL.search(getattr(event, field)):
+            found.append((field, f"lifecycle event {event.event_id}: {field} holds the control character U+{ord(control.group()):04X}, which cannot be stored"))
     return found
 
 

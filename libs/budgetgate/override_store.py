@@ -15,13 +15,16 @@ from budgetgate.core.overrides import (
     Override,
     OverrideSet,
     TenantOverrides,
+    UnknownTenant,
     Value,
     after_apply,
     effective,
     from_json,
+    named_tenants,
     to_json,
     updated,
 )
+from budgetgate.core.documents import did_you_mean
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.queries import sql
 from budgetgate.policy_plan import Change, override_changes, plan
@@ -65,10 +68,11 @@ async def decided_under(conn: Any) -> PolicyBundle | None:
 
 
 async def update(
-    conn: Any, *, tenant: str, changes: Mapping[str, Value | None], label: str, actor: str, reason: str | None
+    conn: Any, *, tenant: str, changes: Mapping[str, Value | None], label: str, actor: str, reason: str | None, create: bool = False
 ) -> tuple[PolicyBundle, OverrideSet]:
     """Set (or, for None, clear) overrides of `tenant` as one new revision; returns the active
-    Git bundle and the override set after it. Raises InvalidOverride, NoActiveBundle.
+    Git bundle and the override set after it. Raises InvalidOverride, NoActiveBundle, and
+    UnknownTenant for a tenant neither the bundle nor a current override names, unless `create`.
 
     The ledger lock is taken exclusively for the write: a batch of decisions in flight finishes
     under the previous revision before the change commits, and every batch begun after reads
@@ -78,6 +82,14 @@ async def update(
         await conn.execute(sql("lock_overrides"))
         bundle = await active_bundle(conn)
         current = await load(conn)
+        if not create and tenant not in current.tenants:
+            named = named_tenants(bundle, label=label)
+            if tenant not in named:
+                hint = did_you_mean(tenant, sorted(named | set(current.tenants)))
+                raise UnknownTenant(
+                    f"tenant {tenant!r} is not known: bundle {bundle.git_sha} names it in no Quota and no budget scope ({label}: {tenant}), "
+                    f"and it has no overrides{hint}{'' if hint.endswith('?') else '.'} To give a new tenant quotas, send the update again with create=true."
+                )
         before = current.of(tenant)
         after = updated(before, changes, bundle, tenant, label=label)
         await conn.execute(sql("lock_ledger_exclusive"))

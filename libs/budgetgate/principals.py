@@ -28,7 +28,7 @@ class Action(enum.StrEnum):
     READ = "read budgets and usage"
     ALLOCATE = "allocate pool tokens"
     RELEASE = "release pool tokens"
-    INGEST = "post metering samples"
+    INGEST = "post metering samples and lifecycle events"
     ADMINISTER = "administer"
     OVERRIDE = "update tenant quotas and budgets"
     METRICS = "read metrics"
@@ -86,6 +86,10 @@ class Principal:
     def covers_tenant(self, tenant: str | None) -> bool:
         return not self.tenants or (tenant is not None and tenant in self.tenants)
 
+    def covers(self, namespace: str, tenant: str | None) -> bool:
+        """Whether what is in `namespace` and of `tenant` (None: of no tenant) is within this principal's limits."""
+        return self.covers_namespace(namespace) and self.covers_tenant(tenant)
+
     def require_namespace(self, namespace: str) -> None:
         if not self.covers_namespace(namespace):
             raise Forbidden(f"{self.name!r} is not allowed namespace {namespace!r} (allowed: {', '.join(self.namespaces)})")
@@ -104,3 +108,8 @@ class Principal:
     @property
     def unscoped(self) -> bool:
         return not self.namespaces and not self.tenants
+
+    @property
+    def limits(self) -> str:
+        """The limits in words, e.g. "namespaces vision-*, nlp-* and tenants vision" ("" when not limited)."""
+        return " and ".join(f"{what} {', '.join(values)}" for what, values in (("namespaces", self.namespaces), ("tenants", self.tenants)) if values)

@@ -72,7 +72,9 @@ def serve(*, prog: str, settings_cls: type[Any], create_app: Callable[[Any], Fas
     tls = {"ssl_certfile": certfile, "ssl_keyfile": keyfile} if certfile else {}
     app = create_app(settings)
     garbage.settle(settings.gc_thresholds)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", **tls)
+    # proxy_headers off: uvicorn would believe X-Forwarded-For from loopback by default; the
+    # services read it themselves, from BUDGETGATE_TRUSTED_PROXIES only (budgetgate.proxies).
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", proxy_headers=False, **tls)
 
 
 def add_operational_routes(
@@ -93,10 +95,7 @@ def add_operational_routes(
     async def unlimited(principal: Principal = Depends(allow(Action.METRICS))) -> None:
         # The gauges name every budget, tenant and pool: no label can be filtered out of a scrape.
         if not principal.unscoped:
-            limits = [f"{what} {', '.join(values)}" for what, values in (("namespaces", principal.namespaces), ("tenants", principal.tenants)) if values]
-            raise Forbidden(
-                f"{principal.name!r} is limited to {' and '.join(limits)}; /metrics shows every budget and tenant, so it needs a token without limits"
-            )
+            raise Forbidden(f"{principal.name!r} is limited to {principal.limits}; /metrics shows every budget and tenant, so it needs a token without limits")
 
     metrics_guard = [Depends(unlimited)] if protect_metrics else []
 

@@ -7,8 +7,8 @@ The order of one batch:
    batch, and read each run's latest decision, the ledger sequence Postgres committed and the
    tenant override revision; a submission prepared under an older revision is prepared again,
    so an override takes effect on the very next decision.
-2. A retry of a decided run is answered again (`replayed: true`), a conflicting reuse of a run
-   id and attempt gets 409; a second submission of one run within the batch follows the first.
+2. A resend of a decided run is answered again (`replayed: true`), a changed request gets 409
+   (resubmission.resent); the same request twice within the batch follows the first.
 3. The others are checked and reserved in Redis in one script, in submission order, all or none
    per decision; the script first proves Redis is current (see reserve.lua).
 4. Every decision, with its evaluations, reservations, holds and outbox row, is stored in one
@@ -50,7 +50,7 @@ from budgetgate.services.admission.fairshare import DecayedUsage
 from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import canonical, response_body
-from budgetgate.services.admission.resubmission import Conflict, decided_afresh, differences, ownership, stored_request
+from budgetgate.services.admission.resubmission import differences, resent
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 log = logging.getLogger(__name__)
@@ -307,8 +307,9 @@ class Admitter:
 
 def _sort_out(batch: list[Pending], latest: Mapping[str, Any], *, tenant_label: str) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:
     """Split a batch, in submission order, into answers known already (replays, conflicts), the
-    submissions to decide, and followers answered as their leader (a retry within the batch).
-    A second submission of a run with another attempt is left for the next batch."""
+    submissions to decide, and followers answered as their leader (the same request again within
+    the batch). A second submission of a run with another attempt or another request is left for
+    the next batch, to be judged against what the first committed (resubmission.resent)."""
     answers: dict[Pending, Any] = {}
     fresh: list[Pending] = []
     followers: list[tuple[Pending, Pending]] = []
@@ -317,25 +318,18 @@ def _sort_out(batch: list[Pending], latest: Mapping[str, Any], *, tenant_label: 
         req = p.request
         leader = leaders.get(p.run_id)
         if leader is not None:
-            if leader.request.attempt != req.attempt:
-                continue  # deferred: decided against what the leader committed
-            fields = differences(leader.request.model_dump(mode="json"), req)
-            if fields:
-                answers[p] = Conflict(p.run_id, req.attempt, fields)
-            else:
+            if leader.request.attempt == req.attempt and not differences(leader.request.model_dump(mode="json"), req):
                 followers.append((p, leader))
-            continue
+            continue  # else deferred
         leaders[p.run_id] = p
         prior = latest.get(p.run_id)
-        stored = None if prior is None else stored_request(prior["request"])  # read once for both checks
-        if stored is not None and (moved := ownership(stored, req, tenant_label=tenant_label)):
-            answers[p] = Conflict(p.run_id, req.attempt, moved, owned=True)
-        elif prior is None or decided_afresh(prior["outcome"], prior["attempt"], req.attempt):
+        verdict = resent(prior, req, tenant_label=tenant_label)
+        if verdict == "decide":
             fresh.append(p)
-        elif prior["attempt"] == req.attempt and (fields := differences(stored, req)):
-            answers[p] = Conflict(p.run_id, req.attempt, fields)
-        else:
+        elif verdict == "replay" and prior is not None:
             answers[p] = replay(prior)
+        else:
+            answers[p] = verdict
     return answers, fresh, followers
 
 

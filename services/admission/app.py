@@ -123,7 +123,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Conflict)
     async def conflict(_request: Request, exc: Conflict) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "fields": exc.fields}, status_code=409)
+        return JSONResponse(exc.problem(), status_code=409)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,7 +10,7 @@ import json
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Principal, allow
+from budgetgate.auth import Action, Forbidden, Principal, allow
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.loader import PolicyValidationError, bundle_from_json
 from budgetgate.ledger.queries import sql
@@ -29,6 +29,12 @@ router = APIRouter()
 )
 async def apply_policies(body: BundleIn, request: Request, principal: Principal = Depends(allow(Action.ADMINISTER))) -> JSONResponse:
     """Validate, plan and apply a bundle; answers the plan and the activation."""
+    if not principal.unscoped:
+        # A bundle sets every namespace's and tenant's budgets: a token limited to some may not.
+        raise Forbidden(
+            f"{principal.name!r} is limited to {principal.limits}; a policy bundle covers every namespace and tenant, "
+            "so applying one needs a token without limits"
+        )
     rt = request.app.state.rt
     documents_json = json.dumps([d.model_dump() for d in body.documents], default=str, sort_keys=True)
     try:

@@ -20,7 +20,7 @@ import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from budgetgate.auth import CHECKED, Action, client_address, gate_of
+from budgetgate.auth import CHECKED, Action, gate_of
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.schemas import AdmissionRequest
 
@@ -39,7 +39,8 @@ class SubmissionFastPath:
         fastapi_app = scope["app"]
         body = b""
         try:
-            principal = await gate_of(fastapi_app).check(scope["headers"], Action.SUBMIT, client=client_address(scope))
+            gate = gate_of(fastapi_app)
+            principal = await gate.check(scope["headers"], Action.SUBMIT, client=gate.proxies.client(scope))
             scope.setdefault("state", {})[CHECKED] = principal  # FastAPI's route does not count it again
             body = await _read(receive)
             try:

@@ -6,8 +6,15 @@ ValidatingWebhookConfiguration selects (deploy/kubernetes/webhook/). A created o
 to a submission (budgetgate/platforms/kubernetes.py), decided by this instance's admitter
 exactly as `POST /v1/admissions` would decide it, and answered with `allowed` and the decision's
 reason. A `dryRun` request (kubectl --dry-run=server) is quoted as `POST /v1/quotes` would: the
-same answer, nothing reserved or recorded. An update is answered without a decision: denied
-(403) when it raises the object's GPUs, allowed otherwise.
+same answer, nothing reserved or recorded, and said so ("would reserve"). An update is
+answered without a decision: denied (403) when it raises the object's GPUs, allowed otherwise.
+
+Only admission.k8s.io/v1 is answered: a body that is not an admission.k8s.io/v1 AdmissionReview
+with a request uid is a 400 problem naming the field (no AdmissionReview the API server would
+read can answer it). Within one, a malformed request or object (a CREATE or UPDATE without its
+object, a field of another type than the API's) is denied (422) naming the field, as is an object
+that cannot be a submission; a run resent with another request is denied (409) saying what
+changed (budgetgate/platforms/reviews.py, resubmission.py).
 
 When budgetgate cannot decide (its ledger unavailable, no policy bundle yet), the answer is a
 denial (`BUDGETGATE_KUBERNETES_FAIL_OPEN=false`, the default) or an admission with a warning
@@ -35,6 +42,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.platforms.kubernetes import ADMITTED_OWNERS, Mapping, Owned, Refuse, Skip, Submit, Unmappable, decided, review, submission
+from budgetgate.platforms.reviews import Asked, NotAReview, ask, review_uid
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
@@ -140,21 +148,31 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
     api = APIRouter()
     mapping = settings.mapping()
 
-    @api.post("/v1/kubernetes/admission-review", operation_id="reviewKubernetesAdmission", openapi_extra=_OPENAPI, responses={422: {}})
+    @api.post(
+        "/v1/kubernetes/admission-review",
+        operation_id="reviewKubernetesAdmission",
+        openapi_extra=_OPENAPI,
+        responses={400: {"description": "not an admission.k8s.io/v1 AdmissionReview with a request uid: no AdmissionReview can answer it"}},
+    )
     async def admission_review(request: Request, principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
         try:
             body = json.loads(await request.body())
         except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-            body = None
-        asked = body.get("request") if isinstance(body, dict) else None
-        if not isinstance(body, dict) or body.get("kind") != "AdmissionReview" or not isinstance(asked, dict) or not asked.get("uid"):
-            return JSONResponse(
-                {"detail": [{"loc": ["body", "request"], "msg": "not an admission.k8s.io/v1 AdmissionReview with a request uid", "type": "value_error"}]},
-                status_code=422,
-            )
-        return JSONResponse(await _answer(request, principal, body, asked["uid"], settings, mapping))
+            return _not_a_review(NotAReview("body", "is not JSON"))
+        try:
+            uid = review_uid(body)
+        except NotAReview as exc:
+            return _not_a_review(exc)
+        return JSONResponse(await _answer(request, principal, body, uid, settings, mapping))
 
     return api
+
+
+def _not_a_review(exc: NotAReview) -> JSONResponse:
+    """400: the API server cannot be answered with an AdmissionReview it would read (another
+    version, no uid to answer), so the call fails, and its failurePolicy decides."""
+    loc = ["body", *exc.field.split(".")] if exc.field != "body" else ["body"]
+    return JSONResponse({"detail": [{"loc": loc, "msg": str(exc), "type": "value_error"}]}, status_code=400)
 
 
 async def _answer(
@@ -162,36 +180,33 @@ async def _answer(
 ) -> dict[str, Any]:
     rt = request.app.state.rt
     fail_open = settings.fail_open
-    dry_run = bool(body["request"].get("dryRun"))
     warnings: list[str] = []
     try:
-        mapped = submission(body, mapping)
+        asked = ask(body)
+        mapped = submission(asked, mapping)
         if isinstance(mapped, Owned):
             try:
-                owner_run = await _admitted_owner(rt.pool, mapped, namespace=_namespace(body))
+                owner_run = await _admitted_owner(rt.pool, mapped, namespace=asked.namespace)
             except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:  # down, or not migrated yet: undecided
                 return _undecided(uid, exc, fail_open=fail_open)
-            creator = _creator(body)
-            if owner_run is not None and settings.trusts(creator):
-                if mapped.owns and not dry_run:
-                    await _record_admitted(rt.pool, body, owner_run)
+            if owner_run is not None and settings.trusts(asked.username):
+                if mapped.owns and not asked.dry_run:
+                    await _record_admitted(rt.pool, asked, owner_run)
                 return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
             if owner_run is not None:
                 # An admitted owner named by an object its controller did not create: the Pod a
                 # tenant wrote with an admitted Job's ownerReference would run beside the Job's own.
                 log.info("%s %r names admitted %s %r but was created by %r, not a trusted controller: decided as a run of its own",
-                         _kind(body), _name(body), mapped.owner_kind, mapped.owner_name, creator)  # fmt: skip
+                         asked.kind, asked.name, mapped.owner_kind, mapped.owner_name, asked.username)  # fmt: skip
                 warnings.append(
-                    f"budgetgate: {mapped.owner_kind} {mapped.owner_name!r} was admitted, but this object was created by {creator!r}, "
+                    f"budgetgate: {mapped.owner_kind} {mapped.owner_name!r} was admitted, but this object was created by {asked.username!r}, "
                     "not by a controller BUDGETGATE_KUBERNETES_TRUSTED_CREATORS names: it is decided as a run of its own"
                 )
             # An owner never admitted (a CPU-only Job, or an ownerReference written to get past
             # the check), or one named by someone else than its controller: a run of its own.
-            mapped = submission(body, mapping, own_run=True)
-    except Unmappable as exc:
+            mapped = submission(asked, mapping, own_run=True)
+    except Unmappable as exc:  # a malformed request or object, or one that cannot be a submission
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc}")
-    except (AttributeError, TypeError) as exc:  # a field of another JSON type than the API's (a string where an object goes)
-        return review(uid, allowed=False, code=422, message=f"budgetgate: not an admission.k8s.io/v1 AdmissionReview as the API defines it: {exc}")
     if isinstance(mapped, Skip):
         return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
     if isinstance(mapped, Refuse):
@@ -206,54 +221,37 @@ async def _answer(
     started = time.perf_counter()
     try:
         # A dry run (kubectl --dry-run=server) is quoted: the same decision, nothing reserved or recorded.
-        answer = await (Quoter(rt.admitter).quote(mapped.request) if dry_run else rt.admitter.admit(mapped.request))
+        answer = await (Quoter(rt.admitter).quote(mapped.request) if asked.dry_run else rt.admitter.admit(mapped.request))
     except Conflict as exc:
-        return review(uid, allowed=False, code=409, message=f"budgetgate: {exc}")
+        return review(uid, allowed=False, code=409, message=f"budgetgate: {exc} {_resubmitting(exc, mapping)}")
     except InvalidSubmission as exc:
         return review(uid, allowed=False, code=422, message=f"budgetgate: {exc.field}: {exc}")
     except (Unavailable, *BACKEND_ERRORS) as exc:
         return _undecided(uid, exc, fail_open=fail_open)
-    if dry_run:
+    if asked.dry_run:
         request.app.state.metrics.observe_quote(answer, time.perf_counter() - started)
     else:
         request.app.state.metrics.observe(answer, time.perf_counter() - started)
         rt.relay.wakeup.set()
-        if answer["decision"] == "ALLOW" and _may_own(body):
-            await _record_admitted(rt.pool, body, mapped.request.run_id)
-    reviewed = decided(uid, answer, attempt_annotation=mapping.attempt_annotation)
+        if answer["decision"] == "ALLOW" and (asked.group, asked.kind) in ADMITTED_OWNERS:
+            await _record_admitted(rt.pool, asked, mapped.request.run_id)
+    reviewed = decided(uid, answer, attempt_annotation=mapping.attempt_annotation, dry_run=asked.dry_run)
     if warnings:
         reviewed["response"]["warnings"] = [*warnings, *reviewed["response"].get("warnings", [])]
     return reviewed
+
+
+def _resubmitting(conflict: Conflict, mapping: Mapping) -> str:
+    """How a Kubernetes object is resubmitted as the 409 says: a higher attempt, or a new run id."""
+    if conflict.next_attempt is not None:
+        return f"(on Kubernetes: set the annotation {mapping.attempt_annotation}={conflict.next_attempt})"
+    return f"(on Kubernetes: a new object without the annotation {mapping.run_id_annotation}, which takes its own UID, or with another value of it)"
 
 
 def _undecided(uid: str, exc: BaseException, *, fail_open: bool) -> dict[str, Any]:
     if fail_open:
         return review(uid, allowed=True, warnings=[f"budgetgate could not decide ({exc}); admitted without a budget check (fail open)"])
     return review(uid, allowed=False, code=503, message=f"budgetgate cannot decide now ({exc}); nothing was reserved, retry shortly")
-
-
-def _may_own(body: dict[str, Any]) -> bool:
-    kind = body["request"].get("kind") or {}
-    return (kind.get("group", ""), kind.get("kind", "")) in ADMITTED_OWNERS
-
-
-def _creator(body: dict[str, Any]) -> str:
-    """The user the API server says makes the request (always set by the API server)."""
-    return str((body["request"].get("userInfo") or {}).get("username") or "")
-
-
-def _kind(body: dict[str, Any]) -> str:
-    return str((body["request"].get("kind") or {}).get("kind", ""))
-
-
-def _name(body: dict[str, Any]) -> str:
-    meta = (body["request"].get("object") or {}).get("metadata") or {}
-    return str(meta.get("name") or meta.get("generateName") or "")
-
-
-def _namespace(body: dict[str, Any]) -> str:
-    asked = body["request"]
-    return str(asked.get("namespace") or ((asked.get("object") or {}).get("metadata") or {}).get("namespace") or "default")
 
 
 async def _admitted_owner(pool: asyncpg.Pool, owned: Owned, *, namespace: str) -> str | None:
@@ -264,15 +262,14 @@ async def _admitted_owner(pool: asyncpg.Pool, owned: Owned, *, namespace: str) -
     return await pool.fetchval(sql("admitted_owner"), owned.owner_uid, namespace, owned.owner_kind, owned.owner_name)
 
 
-async def _record_admitted(pool: asyncpg.Pool, body: dict[str, Any], run_id: str) -> None:
+async def _record_admitted(pool: asyncpg.Pool, asked: Asked, run_id: str) -> None:
     """Remember an object let through on a decision, so its children are let through on it.
 
     Best effort: the decision stands whatever happens here. Unrecorded, its children are decided
     as runs of their own: reserved twice, never unbudgeted."""
-    uid = ((body["request"].get("object") or {}).get("metadata") or {}).get("uid")
-    if not uid:
+    if not asked.uid:
         return
     try:
-        await pool.execute(sql("record_admitted_object"), uid, _namespace(body), _kind(body), _name(body), run_id)
+        await pool.execute(sql("record_admitted_object"), asked.uid, asked.namespace, asked.kind, asked.name, run_id)
     except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:  # down, or not migrated yet
-        log.warning("admitted object %s (run %r) not recorded (%s): its children may be decided on their own", uid, run_id, exc)
+        log.warning("admitted object %s (run %r) not recorded (%s): its children may be decided on their own", asked.uid, run_id, exc)

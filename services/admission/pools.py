@@ -186,12 +186,11 @@ class TokenMoved(Conflict):
     """A renewal asks for another project or sub-namespace than its token is held for (409)."""
 
     def __init__(self, namespace: str, token: str, fields: list[str]) -> None:
-        ValueError.__init__(
-            self,
+        super().__init__(
             f"token {token!r} of pool {namespace!r} is held for another {' and '.join(fields)}; a renewal keeps them: "
             "release it and allocate it again (the new one's caps apply)",
+            fields,
         )
-        self.fields = fields
 
 
 def _renewal(held: Any, request: PoolRequest, body: AllocationIn, namespace: str) -> PoolRequest:

@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StringConstraints, field_validator
 
 from budgetgate.core.documents import LabelKey, LabelValue, Namespace
 from budgetgate.openapi import Operation
@@ -25,6 +25,19 @@ UnitName = Literal["gpu_hours", "node_hours", "wall_hours", "cost"]
 EnforcementName = Literal["hard", "soft", "dry-run"]
 OnExhaustedName = Literal["deny", "delay", "hold", "hold-and-drain"]
 PoolStatusName = Literal["Granted", "Exhausted", "NamespaceQuotaExceeded"]
+# Free text a caller sends and Postgres stores: no control characters but tab and newline (a NUL
+# cannot be stored at all, and the others are a bug upstream).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _no_control(text: str) -> str:
+    if found := _CONTROL.search(text):
+        character, at = ord(found.group()), found.start()
+        raise ValueError(f"holds the control character U+{character:04X} at position {at}; only tab, newline and carriage return may appear in text")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_control)]
 
 _EXAMPLE_WINDOW = {"window_start": "2026-07-01T00:00:00Z", "window_end": "2026-08-01T00:00:00Z"}
 
@@ -501,7 +514,7 @@ MAX_DOCUMENTS = 5000
 class PolicyDocument(BaseModel):
     """One YAML document of the bundle, where it was read."""
 
-    file: str = Field(max_length=1024, description="the file in the policy repository")
+    file: Text = Field(max_length=1024, description="the file in the policy repository (no control characters)")
     line: int = Field(ge=0, description="the line the document starts at")
     data: dict[str, Any] = Field(description="the YAML document, as JSON")
 
@@ -515,8 +528,8 @@ class BundleIn(BaseModel):
         }
     }
 
-    git_sha: str = Field(min_length=7, max_length=200, description="the Git SHA the documents were read at")
-    source: str = Field(max_length=1024, description="where the documents come from (a repository, a folder)")
+    git_sha: Name = Field(min_length=7, max_length=200, description="the Git SHA the documents were read at (printable ASCII, no spaces)")
+    source: Text = Field(max_length=1024, description="where the documents come from (a repository, a folder; no control characters)")
     documents: list[PolicyDocument] = Field(max_length=MAX_DOCUMENTS, description="every budgetgate document of the bundle")
     allow_empty: bool = Field(default=False, description="apply even a bundle without documents, or one that removes every budget")
 

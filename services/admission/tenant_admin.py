@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from budgetgate.auth import Action, Forbidden, Principal, allow
 from budgetgate.backends import BACKEND_ERRORS
-from budgetgate.core.overrides import FIELDS, InvalidOverride, OverrideSet, git_values
+from budgetgate.core.overrides import FIELDS, InvalidOverride, OverrideSet, UnknownTenant, git_values
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.windows import rfc3339
 from budgetgate.override_store import NoActiveBundle, active_bundle, load, update
@@ -78,17 +78,26 @@ async def get_tenant(request: Request, tenant: str = Tenant, principal: Principa
 @router.put(
     "/v1/tenants/{tenant}",
     response_model=TenantSettingsOut,
-    responses={403: {"model": Problem}, 409: {"model": Problem}, 422: {}, 503: {"model": Problem}},
+    responses={403: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}, 422: {}, 503: {"model": Problem}},
 )
-async def update_tenant(body: TenantSettingsIn, request: Request, tenant: str = Tenant, principal: Principal = Depends(allow(Action.OVERRIDE))) -> JSONResponse:
+async def update_tenant(
+    body: TenantSettingsIn,
+    request: Request,
+    tenant: str = Tenant,
+    create: bool = Query(False, description="a tenant the Git bundle does not name and that has no overrides is refused (404) unless this is true"),
+    principal: Principal = Depends(allow(Action.OVERRIDE)),
+) -> JSONResponse:
     """Override some of the tenant's quotas and budgets (null: back to Git's value); hard quotas
-    apply from the very next decision. Reductions below current use preempt nothing."""
+    apply from the very next decision. Reductions below current use preempt nothing. A tenant
+    neither Git nor an override names is refused, unless `create=true` says it is a new one."""
     _within(principal, tenant)
     rt = request.app.state.rt
     label = rt.settings.tenant_label
     try:
         async with rt.pool.acquire() as conn:
-            bundle, overrides = await update(conn, tenant=tenant, changes=body.changes(), label=label, actor=principal.name, reason=body.reason)
+            bundle, overrides = await update(conn, tenant=tenant, changes=body.changes(), label=label, actor=principal.name, reason=body.reason, create=create)
+    except UnknownTenant as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
     except InvalidOverride as exc:
         return JSONResponse({"detail": [{"loc": ["body", exc.field], "msg": str(exc), "type": "value_error"}]}, status_code=422)
     except NoActiveBundle as exc:

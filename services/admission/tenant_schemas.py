@@ -15,6 +15,7 @@ from budgetgate.core.documents import MAX_AMOUNT, MAX_COUNT
 from budgetgate.core.overrides import FIELDS
 from budgetgate.core.units import MILLI_PER_HOUR
 from budgetgate.openapi import Operation
+from budgetgate.services.admission.schemas import Text
 
 # A value of the tenant label, as a Kubernetes label value (never the "*" of policy scopes).
 TENANT_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"
@@ -58,7 +59,7 @@ class TenantSettingsIn(BaseModel):
     node_hours_budget: Hours | None = Field(default=None, description=MEANING["node_hours_budget"])
     fair_share_target: StrictFloat | None = Field(default=None, gt=0, le=1, allow_inf_nan=False, description=MEANING["fair_share_target"])
     burst_allowance: StrictFloat | None = Field(default=None, ge=1, le=100, allow_inf_nan=False, description=MEANING["burst_allowance"])
-    reason: Annotated[str, StringConstraints(max_length=500, pattern=r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$")] | None = Field(
+    reason: Annotated[Text, StringConstraints(max_length=500)] | None = Field(
         default=None, description="why, for the admin log (text, no control characters but tab and newline)"
     )
 

@@ -14,6 +14,9 @@ exactly the checks of the Kafka path. Answers:
   rejected (a conflict or counter regression with what is recorded). The answer is 422 when
   any sample was rejected (the others are recorded, and resending them is harmless), else 202
   when any is pending, else 200. Every sample reported accepted or pending is durable.
+- 403, nothing recorded: the caller is limited to namespaces or tenants and a sample is of a run
+  outside them (access.py; each such sample under `errors`). Its samples of runs with no decision
+  yet are kept pending with its limits, and count only if the run turns out to be within them.
 - 503 when Postgres is unavailable: the samples before the failing one may be recorded;
   resending the whole batch is safe, the sample ids deduplicate it.
 """
@@ -28,10 +31,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from budgetgate import wire
-from budgetgate.auth import Action, allow
+from budgetgate.auth import Action, Principal, allow
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.core.metering import Accepted, Duplicate, Rejected, Sample
 from budgetgate.core.windows import rfc3339
+from budgetgate.services.metering_ingest import access
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin, Outcome, Pending
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.samples import from_json
@@ -122,6 +126,7 @@ _OPENAPI = {
     "responses": {
         "200": {"description": "every sample accepted or a duplicate", "content": {"application/json": {"schema": _RESULTS, "example": _RESULTS_EXAMPLE}}},
         "202": {"description": "some samples are pending", "content": {"application/json": {"schema": _RESULTS, "example": _RESULTS_EXAMPLE}}},
+        "403": {"description": "the caller is no exporter, or a sample is of a run outside its namespaces or tenants (under `errors`); nothing recorded"},
     },
 }
 
@@ -138,14 +143,8 @@ def router(*, max_batch: int, metering_topic: str) -> APIRouter:
     """The ingest route; reads the Ingestor, pool and metrics from `app.state.rt`."""
     api = APIRouter()
 
-    @api.post(
-        "/v1/metering/samples",
-        operation_id="ingestMeteringSamples",
-        openapi_extra=_OPENAPI,
-        responses={422: {}, 503: {}},
-        dependencies=[Depends(allow(Action.INGEST))],
-    )
-    async def ingest_samples(request: Request) -> JSONResponse:
+    @api.post("/v1/metering/samples", operation_id="ingestMeteringSamples", openapi_extra=_OPENAPI, responses={403: {}, 422: {}, 503: {}})
+    async def ingest_samples(request: Request, principal: Principal = Depends(allow(Action.INGEST))) -> JSONResponse:
         rt = request.app.state.rt
         items, problems = json_batch(await request.body(), "samples", max_batch)
         if problems:
@@ -153,7 +152,17 @@ def router(*, max_batch: int, metering_topic: str) -> APIRouter:
         parsed, problems = _validated(rt.ingestor, rt.metrics, items)
         if problems:
             return JSONResponse({"detail": problems}, status_code=422)
-        results, problems = await _apply(rt.pool, rt.ingestor, rt.metrics, parsed, metering_topic)
+        runs = [sample.run_id for _, sample in parsed]
+        try:
+            async with rt.pool.acquire() as conn:
+                owners = await access.owners(conn, principal, runs, tenant_label=rt.ingestor.tenant_label)
+        except BACKEND_ERRORS as exc:
+            raise Unavailable(f"Postgres unavailable, no sample recorded (resend the batch): {exc}") from exc
+        if owners is not None and (outside := access.outside(principal, runs, owners, field="samples", undecided=False)):
+            return access.forbidden(principal, "samples", outside)
+        # A limited caller's samples of runs without a decision are kept pending with its limits.
+        senders = [principal if owners is not None and run not in owners else None for run in runs]
+        results, problems = await _apply(rt.pool, rt.ingestor, rt.metrics, parsed, metering_topic, senders)
         rt.relay.wakeup.set()
         status = 422 if problems else 202 if any(r["status"] == "pending" for r in results) else 200
         return JSONResponse({"results": results, **({"detail": problems} if problems else {})}, status_code=status)
@@ -190,12 +199,19 @@ def _validated(ingestor: Ingestor, metrics: MeteringMetrics, items: list[Any]) -
 
 
 async def _apply(
-    pool: asyncpg.Pool, ingestor: Ingestor, metrics: MeteringMetrics, parsed: list[tuple[MeteringSample, Sample]], topic: str
+    pool: asyncpg.Pool,
+    ingestor: Ingestor,
+    metrics: MeteringMetrics,
+    parsed: list[tuple[MeteringSample, Sample]],
+    topic: str,
+    senders: list[Principal | None],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Place each sample in a transaction of its own; per-sample results and rejections."""
+    """Place each sample in a transaction of its own (with its limited sender, when its run is
+    still to be checked against it); per-sample results and rejections."""
     results, problems = [], []
-    for index, (message, sample) in enumerate(parsed):
-        origin = Origin(source="http", topic=topic, payload=message.SerializeToString(), headers=_HEADERS + ((wire.EVENT_ID, message.event_id.encode()),))
+    for index, ((message, sample), sender) in enumerate(zip(parsed, senders, strict=True)):
+        headers = _HEADERS + ((wire.EVENT_ID, message.event_id.encode()),)
+        origin = Origin(source="http", topic=topic, payload=message.SerializeToString(), headers=headers, sender=sender)
         try:
             async with pool.acquire() as conn, conn.transaction():
                 outcome = await ingestor.place(conn, sample, origin)

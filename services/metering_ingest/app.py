@@ -66,7 +66,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10)
-        ingestor = Ingestor(max_skew=settings.max_future_skew, grace=settings.unknown_run_grace, counts=metrics)
+        ingestor = Ingestor(max_skew=settings.max_future_skew, grace=settings.unknown_run_grace, counts=metrics, tenant_label=settings.tenant_label)
         # Two producers: the relay's waits for Kafka on its own schedule, the consumer's
         # (dead letters) is started with the consumer.
         relay = OutboxRelay(

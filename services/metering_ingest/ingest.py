@@ -12,6 +12,11 @@ metering_pending until observed_at + the grace period: admission decides before 
 so a decision that has not appeared by then is taken to never come (unknown_run, dead-lettered
 through the outbox). Pending samples are applied, earliest observation first, as soon as their
 run is known: by the next sample of that run, or by `recheck`, which runs periodically.
+
+A sample posted by a sender limited to namespaces or tenants (an exporter token's limits) whose
+run had no decision when the request was checked (access.py) is kept pending with the sender's
+limits, whatever the run has by the time it is placed; once the run has a decision, it is applied
+only if the run is within those limits, else dead-lettered as out_of_scope (never charged).
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ from budgetgate.core.metering import (
     usage_event_id,
     validate,
 )
+from budgetgate.principals import Principal
 from budgetgate.services.metering_ingest import store
 from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_draft, usage_record, with_run_figures
 from budgetgate.telemetry import inject_headers
-from budgetgate.services.metering_ingest.store import PendingSample, RunState, Source
+from budgetgate.services.metering_ingest.store import Owner, PendingSample, RunState, Source
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 log = logging.getLogger(__name__)
@@ -73,6 +79,9 @@ class Origin(NamedTuple):
     headers: tuple[tuple[str, bytes], ...]
     partition: int | None = None
     offset: int | None = None
+    # A sender limited to namespaces or tenants, whose limits the run is still to be checked
+    # against (it had no decision when the request was checked): the sample is kept pending.
+    sender: Principal | None = None
 
 
 class RecordOrigin:
@@ -81,6 +90,7 @@ class RecordOrigin:
 
     __slots__ = ("record",)
     source: Source = "kafka"
+    sender: Principal | None = None  # Kafka names no principal: the topic's ACLs say who writes
 
     def __init__(self, record: ConsumerRecord) -> None:
         self.record = record
@@ -120,10 +130,19 @@ class Counts(Protocol):
 class Ingestor:
     """Turns samples into usage in Postgres; see the module docstring for the rules."""
 
-    def __init__(self, *, max_skew: timedelta, grace: timedelta, counts: Counts, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(
+        self,
+        *,
+        max_skew: timedelta,
+        grace: timedelta,
+        counts: Counts,
+        tenant_label: str = "team",
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
         self.max_skew = max_skew
         self.grace = grace
         self.counts = counts
+        self.tenant_label = tenant_label  # the decisions' label naming a run's tenant
         self.clock = clock
 
     def validate(self, message: MeteringSample, *, now: datetime | None = None) -> Sample:
@@ -138,12 +157,17 @@ class Ingestor:
     async def place(self, conn: asyncpg.Connection, sample: Sample, origin: Origins) -> Outcome:
         """Record a valid sample, find it a duplicate, or keep it pending; raises Rejected."""
         now = self.clock()
-        begun = await store.begin(conn, sample)  # the run's lock is held from here on
-        if begun.view is not None:
-            return await self._apply(conn, sample, begun.view, origin.source, now)
-        if begun.has_decision:
-            state = await self._introduce(conn, sample.run_id)
-            return await self._apply(conn, sample, await store.view(conn, sample, state), origin.source, now)
+        if origin.sender is None:
+            begun = await store.begin(conn, sample)  # the run's lock is held from here on
+            if begun.view is not None:
+                return await self._apply(conn, sample, begun.view, origin.source, now)
+            if begun.has_decision:
+                state = await self._introduce(conn, sample.run_id)
+                return await self._apply(conn, sample, await store.view(conn, sample, state), origin.source, now)
+        else:
+            # Its run had no decision when the sender's limits were checked: kept pending even if
+            # it has one by now, and judged against the limits when applied (_drain).
+            await store.lock_run(conn, sample.run_id)
         kept = await self._keep_pending(conn, sample, origin, now)
         if isinstance(kept, Rejected):
             raise kept
@@ -231,8 +255,9 @@ class Ingestor:
         if until <= now:
             return Rejected(self._unknown_run(sample.run_id))
         pending = PendingSample(
-            sample.run_id, sample.sample_id, sample.observed_at, origin.source, origin.topic, origin.payload, origin.headers, origin.partition, origin.offset
-        )
+            sample.run_id, sample.sample_id, sample.observed_at, origin.source, origin.topic, origin.payload, origin.headers, origin.partition, origin.offset,
+            origin.sender,
+        )  # fmt: skip
         kept = await store.add_pending(conn, pending, expires_at=until)
         if kept is not None and (conflict := self._pending_conflict(sample, *kept)) is not None:
             return Rejected(conflict)  # the sample kept first stays; this one was never kept
@@ -262,8 +287,16 @@ class Ingestor:
         return outcome
 
     async def _drain(self, conn: asyncpg.Connection, run_id: str) -> None:
-        """Apply the pending samples of a run that is now known (its lock held)."""
-        for pending in await store.take_pending(conn, run_id):
+        """Apply the pending samples of a run that is now known (its lock held); those of a limited
+        sender only if the run is within its limits, the others are dead-lettered."""
+        taken = await store.take_pending(conn, run_id)
+        owner = None
+        if any(pending.sender is not None for pending in taken):
+            owner = (await store.run_owners(conn, [run_id], tenant_label=self.tenant_label)).get(run_id)
+        for pending in taken:
+            if pending.sender is not None and (owner is None or not pending.sender.covers(owner.namespace, owner.tenant)):
+                await self._dead_letter(conn, pending, str(_out_of_scope(pending, pending.sender, owner)))
+                continue
             state = await store.run_state(conn, run_id)
             assert state is not None
             try:
@@ -299,6 +332,16 @@ class Ingestor:
         record = wire.dead_letter(_Parked(pending), reason=reason)
         await outbox.enqueue(conn, topic=topics.dlq(topics.METERING), record=record)
         self.counts.rejected(reason_code(reason), source=pending.source)
+
+
+def _out_of_scope(pending: PendingSample, sender: Principal, owner: Owner | None) -> Problem:
+    found = "has no decision" if owner is None else f"is in namespace {owner.namespace!r}, " + (f"tenant {owner.tenant!r}" if owner.tenant else "of no tenant")
+    return Problem(
+        Rejection.OUT_OF_SCOPE,
+        "run_id",
+        f"sample {pending.sample_id!r} was posted by {sender.name!r}, limited to {sender.limits}, before run {pending.run_id!r} had a decision; "
+        f"the run {found}, outside those limits, so the sample is not charged",
+    )
 
 
 class _Parked:

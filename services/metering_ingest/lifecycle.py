@@ -10,6 +10,9 @@ the reconciler's Kafka consumer applies (budgetgate/lifecycle.py). Answers:
 - 202: every event is in the outbox, committed in one transaction before the answer, and the
   relay publishes it to `workload.lifecycle.v1`; `results` names each event's id. The
   reconciler deduplicates on the event id, so resending a batch is harmless.
+- 403, nothing published: the caller is limited to namespaces or tenants and an event is of a run
+  outside them, or of a run with no decision yet (which cannot be checked); each such event is
+  under `errors` (access.py).
 - 503 when Postgres is unavailable: nothing was recorded; resend.
 """
 
@@ -27,6 +30,7 @@ from google.protobuf import json_format
 from budgetgate import lifecycle, outbox, topics, wire
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
+from budgetgate.services.metering_ingest import access
 from budgetgate.services.metering_ingest.api import Unavailable, json_batch, problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 
@@ -81,27 +85,40 @@ _OPENAPI = {
             "example": {"events": [_EXAMPLE]},
         }},
     },
-    "responses": {"202": {"description": "every event is durable and will be published to workload.lifecycle.v1", "content": {"application/json": {
-        "schema": _RESULTS, "example": {"results": [{"index": 0, "eventId": "b7c1…", "runId": "flyte/vision/exec-7f3a/n0", "status": "accepted"}]}}}}},
+    "responses": {
+        "202": {"description": "every event is durable and will be published to workload.lifecycle.v1", "content": {"application/json": {
+            "schema": _RESULTS, "example": {"results": [{"index": 0, "eventId": "b7c1…", "runId": "flyte/vision/exec-7f3a/n0", "status": "accepted"}]}}}},
+        "403": {"description": "the caller is no exporter, or an event is of a run outside its namespaces or tenants or of a run with no decision "
+                               "yet (under `errors`); nothing recorded"},
+    },
 }  # fmt: skip
 
 
 def router(*, max_batch: int) -> APIRouter:
-    """The lifecycle route; reads the pool and relay from `app.state.rt`."""
+    """The lifecycle route; reads the pool, relay and ingestor (its tenant label) from `app.state.rt`."""
     api = APIRouter()
 
-    @api.post("/v1/lifecycle/events", operation_id="publishLifecycleEvents", status_code=202, openapi_extra=_OPENAPI, responses={422: {}, 503: {}})
-    async def publish_lifecycle(request: Request, _principal: Principal = Depends(allow(Action.INGEST))) -> JSONResponse:
+    @api.post("/v1/lifecycle/events", operation_id="publishLifecycleEvents", status_code=202, openapi_extra=_OPENAPI, responses={403: {}, 422: {}, 503: {}})
+    async def publish_lifecycle(request: Request, principal: Principal = Depends(allow(Action.INGEST))) -> JSONResponse:
         rt = request.app.state.rt
         events, problems = parsed(await request.body(), max_batch)
         if problems:
             return JSONResponse({"detail": problems}, status_code=422)
+        runs = [event.run_id for event in events]
         rows = [outbox.row(topic=topics.LIFECYCLE, record=wire.encode(event, key=event.run_id)) for event in events]
+        outside: list[dict[str, object]] = []
         try:
-            async with rt.pool.acquire() as conn, conn.transaction():
-                await conn.executemany(sql("insert_outbox"), rows)
+            async with rt.pool.acquire() as conn:
+                owners = await access.owners(conn, principal, runs, tenant_label=rt.ingestor.tenant_label)
+                if owners is not None:
+                    outside = access.outside(principal, runs, owners, field="events", undecided=True)
+                if not outside:
+                    async with conn.transaction():
+                        await conn.executemany(sql("insert_outbox"), rows)
         except BACKEND_ERRORS as exc:
             raise Unavailable(f"Postgres unavailable, no event recorded (resend the batch): {exc}") from exc
+        if outside:
+            return access.forbidden(principal, "events", outside)
         rt.relay.wakeup.set()
         results = [{"index": i, "eventId": e.event_id, "runId": e.run_id, "status": "accepted"} for i, e in enumerate(events)]
         return JSONResponse({"results": results}, status_code=202)

@@ -1,4 +1,5 @@
-"""The usage tables in Postgres (usage_runs, usage_records, metering_pending).
+"""The usage tables in Postgres (usage_runs, usage_records, metering_pending), and the owners of
+runs (their decisions' namespace and tenant).
 
 Every function runs in the caller's transaction; whoever changes a run's usage holds the run's
 lock (`lock_run`) first, so the Kafka consumer, HTTP ingest and the pending re-check, in any
@@ -20,6 +21,7 @@ import asyncpg
 from budgetgate import outbox
 from budgetgate.core.metering import Accepted, Counters, Known, RunView, Sample, usage_event_id
 from budgetgate.ledger.queries import sql
+from budgetgate.principals import Principal
 
 Source = Literal["kafka", "http"]
 
@@ -43,7 +45,8 @@ class Begun:
 
 @dataclass(frozen=True)
 class PendingSample:
-    """A valid sample of a run without a decision, kept as it arrived."""
+    """A valid sample of a run without a decision, kept as it arrived; `sender` is the principal
+    that posted it when that one is limited to namespaces or tenants (its name and limits)."""
 
     run_id: str
     sample_id: str
@@ -54,6 +57,22 @@ class PendingSample:
     headers: tuple[tuple[str, bytes], ...]
     partition: int | None = None
     offset: int | None = None
+    sender: Principal | None = None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose a run is: the namespace and tenant (None: of no tenant) its decision names."""
+
+    namespace: str
+    tenant: str | None
+
+
+async def run_owners(conn: asyncpg.Connection, run_ids: Sequence[str], *, tenant_label: str) -> dict[str, Owner]:
+    """The owner of each of `run_ids` that has a decision (`tenant_label`: the label naming the
+    tenant), in one round trip whatever their number."""
+    rows = await conn.fetch(sql("run_owners"), sorted(set(run_ids)), tenant_label)
+    return {row["run_id"]: Owner(row["namespace"], row["tenant"]) for row in rows}
 
 
 async def lock_run(conn: asyncpg.Connection, run_id: str) -> None:
@@ -202,8 +221,10 @@ async def record_batch(conn: asyncpg.Connection, recorded: Sequence[tuple[Accept
 
 
 async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> tuple[bytes, tuple[tuple[str, bytes], ...]] | None:
-    """Keep a sample until its run is known. A sample id kept already is not kept again: the
-    kept one's payload and headers come back, for the caller to judge the new one against."""
+    """Keep a sample until its run is known. A sample id kept already for the same sender is not
+    kept again: the kept one's payload and headers come back, for the caller to judge the new one
+    against. A limited sender's samples are kept apart from everyone else's."""
+    sender = pending.sender
     row = await conn.fetchrow(
         sql("insert_pending"),
         pending.run_id,
@@ -216,6 +237,9 @@ async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expir
         pending.offset,
         pending.payload,
         _pack_headers(pending.headers),
+        sender.name if sender is not None else "",
+        list(sender.namespaces) if sender is not None else [],
+        list(sender.tenants) if sender is not None else [],
     )
     return None if row is None else (bytes(row["payload"]), _unpack_headers(bytes(row["headers"])))
 
@@ -251,6 +275,7 @@ def _pending(row: asyncpg.Record) -> PendingSample:
         headers=_unpack_headers(bytes(row["headers"])),
         partition=row["kafka_partition"],
         offset=row["kafka_offset"],
+        sender=Principal(row["sender"], frozenset(), tuple(row["sender_namespaces"]), tuple(row["sender_tenants"])) if row["sender"] else None,
     )
 
 

@@ -37,6 +37,7 @@ class Folded:
     deltas: dict[Bucket, int] = field(default_factory=lambda: defaultdict(int))
     windows: dict[str, tuple[BudgetPolicy, Window]] = field(default_factory=dict)
     whole: bool = False  # no stored state: the whole run was folded, `deltas` are its totals
+    unread: bool = False  # no stored state and nothing folded (a release, see `unfolded`)
 
     def take(self, moved: Any) -> None:
         for key, delta in moved.deltas.items():
@@ -44,18 +45,25 @@ class Folded:
         self.windows.update(moved.windows)
 
 
-async def fold_new_samples(conn: asyncpg.Connection, run: RunFacts, bundle: PolicyBundle | None) -> Folded:
-    """Fold the samples recorded since the run was last settled (its whole line if never)."""
-    row = await conn.fetchrow(sql("run_meter"), run.run_id)
+async def _stored(conn: asyncpg.Connection, run_id: str) -> Folded | None:
+    """The run's folded state as last settled, with nothing folded since (None: it has none)."""
+    row = await conn.fetchrow(sql("run_meter"), run_id)
     if row is None:
-        return await _fold_whole(conn, run, bundle)
+        return None
     used = json.loads(row["used"]) if isinstance(row["used"], str) else dict(row["used"])
     timed_rows = json.loads(row["timed"]) if isinstance(row["timed"], str) else list(row["timed"])
-    folded = Folded(
+    return Folded(
         state=RunState(row["gpu"], row["node"], row["covered"], used),
         last=(row["last_at"], row["last_id"]) if row["last_at"] is not None else None,
         timed={(k, datetime.fromisoformat(b)): a for k, b, a in timed_rows},
     )
+
+
+async def fold_new_samples(conn: asyncpg.Connection, run: RunFacts, bundle: PolicyBundle | None) -> Folded:
+    """Fold the samples recorded since the run was last settled (its whole line if never)."""
+    folded = await _stored(conn, run.run_id)
+    if folded is None:
+        return await _fold_whole(conn, run, bundle)
     line = _Line(conn, run.run_id)
     for sample in [UsageFact(r["sample_id"], r["observed_at"], r["gpu"], r["node"]) for r in await conn.fetch(sql("unfolded_samples"), run.run_id)]:
         key = (sample.observed_at, sample.sample_id)
@@ -71,7 +79,15 @@ async def fold_new_samples(conn: asyncpg.Connection, run: RunFacts, bundle: Poli
     return folded
 
 
+async def unfolded(conn: asyncpg.Connection, run_id: str) -> Folded:
+    """The run as last settled, none of its new samples folded: for a release, which moves no
+    charge (a sample it cannot fold is what it is released in spite of)."""
+    return await _stored(conn, run_id) or Folded(state=RunState(), last=None, timed={}, unread=True)
+
+
 async def save(conn: asyncpg.Connection, run_id: str, folded: Folded, timed: dict[Bucket, int]) -> None:
+    if folded.unread:
+        return  # nothing was stored, nothing folded: its first fold reads the whole line
     s = folded.state
     last_at, last_id = folded.last if folded.last else (None, None)
     timed_rows = [[k, b.isoformat(), a] for (k, b), a in sorted(timed.items()) if a]

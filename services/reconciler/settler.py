@@ -7,17 +7,17 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.reconciliation import READMITTED, STARTED, LifecycleFact, Reservation, Rules, RunFacts, Settlement
-from budgetgate.core.run_state import settle_state
+from budgetgate.core.run_state import given_back, settle_state
 from budgetgate.core.windows import Window
 from budgetgate.ledger.concurrency import EndedHolds, end_run_holds, rehold_run, renew_run_token
 from budgetgate.ledger.queries import sql
@@ -25,9 +25,14 @@ from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNo
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.reconciler import budgets, fairshare, headroom, messages, meter
 from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# What makes a ledger transaction on a run start over (`Settler.retrying`), never a failure of it.
+STARTS_OVER = (LedgerNotLoaded, LedgerKeyMissing, SettlementPending)
 
 
 @dataclass(frozen=True)
@@ -61,11 +66,29 @@ class Settler:
         self.rules = rules
         self.fair_share_half_life = fair_share_half_life
 
+    @classmethod
+    def configured(cls, settings: ReconcilerSettings, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles) -> Settler:
+        """A settler under the reconciler's `settings` (its rules, its fair-share half-life)."""
+        half_life = timedelta(seconds=settings.fair_share_half_life_seconds)
+        return cls(pool=pool, ledger=ledger, sync=sync, bundles=bundles, rules=settings.rules(), fair_share_half_life=half_life)
+
     async def settle(self, run_id: str, *, now: datetime | None = None) -> Outcome:
         """Bring the run's charges in line with its facts; rebuilds Redis first if it was lost."""
+
+        async def attempt() -> Outcome:
+            async with ledger_transaction(self.pool, self.ledger) as work:
+                await self.lock(work.conn, run_id)
+                return await self.settle_locked(work, run_id, now or datetime.now(UTC))
+
+        return await self.retrying(run_id, attempt)
+
+    async def retrying(self, run_id: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt` (a ledger transaction changing run `run_id`), tried again after what makes it
+        start over: Redis rebuilt when it lost the ledger, a key loaded that it lacked, a parked
+        settlement of the run ended."""
         for _ in range(5):
             try:
-                return await self._settle(run_id, now or datetime.now(UTC))
+                return await attempt()
             except LedgerNotLoaded:
                 await self.sync.ensure_loaded()
             except LedgerKeyMissing as missing:
@@ -80,20 +103,38 @@ class Settler:
                 continue  # its predecessor's parked half is ended under the run lock first
         raise RuntimeError(f"run {run_id!r}: the Redis ledger kept changing while settling")
 
-    async def _settle(self, run_id: str, now: datetime) -> Outcome:
-        async with ledger_transaction(self.pool, self.ledger) as work:
-            conn = work.conn
-            await conn.execute(sql("lock_run"), run_id)
-            await self._end_parked(conn, run_id)
-            await conn.execute(sql("unmark_settled"), run_id)
-            loaded = await self._load(conn, run_id)
-            if loaded is None:
-                # Denied, delayed or unknown: nothing is held, and facts wait for an admission.
-                return Outcome(run_id, False, None)
-            result = settle_state(loaded.facts, loaded.folded.state, bundle=loaded.bundle, rules=self.rules, now=now)
-            outcome = await self._apply(work, loaded, result, now)
-            await self._keep_token(work, loaded, result, now)
-            return outcome
+    async def lock(self, conn: asyncpg.Connection, run_id: str) -> None:
+        """Take the run's lock (to the end of the caller's transaction) and end its parked
+        settlement: what the run holds is then as Postgres says, and nobody else changes it."""
+        await conn.execute(sql("lock_run"), run_id)
+        await self._end_parked(conn, run_id)
+
+    async def settle_locked(self, work: LedgerTransaction, run_id: str, now: datetime) -> Outcome:
+        """Settle the run in `work`, under its lock (`lock`)."""
+        conn = work.conn
+        await conn.execute(sql("unmark_settled"), run_id)
+        loaded = await self._load(conn, run_id)
+        if loaded is None:
+            # Denied, delayed or unknown: nothing is held, and facts wait for an admission.
+            return Outcome(run_id, False, None)
+        result = settle_state(loaded.facts, loaded.folded.state, bundle=loaded.bundle, rules=self.rules, now=now)
+        outcome = await self._apply(work, loaded, result, now)
+        await self._keep_token(work, loaded, result, now)
+        return outcome
+
+    async def release_locked(self, work: LedgerTransaction, run_id: str, now: datetime, *, why: str) -> Outcome:
+        """Give back what the run holds, in `work`, under its lock (`lock`), as a release at the
+        start deadline does (its reservations end as released, `why` their reason, and its quota
+        holds and pool token go back unless it is running), moving no charge and folding none of
+        its facts since its last settlement: for an operator, when its settlement keeps failing.
+        Its facts to come are settled as any released run's."""
+        conn = work.conn
+        await conn.execute(sql("unmark_settled"), run_id)
+        loaded = await self._load(conn, run_id, fold=False)
+        if loaded is None:
+            return Outcome(run_id, False, None)
+        result = given_back(loaded.facts, loaded.folded.state, loaded.folded.timed, last=loaded.settlement)
+        return await self._apply(work, loaded, result, now, end_reason=why)
 
     async def end_pending(self, *, older_than_ms: int) -> int:
         """End every settlement parked in Redis before `older_than_ms` whose run is not being
@@ -125,7 +166,7 @@ class Settler:
             await conn.execute(sql("reset_run_meter"), run_id)
         return await self.settle(run_id, now=now)
 
-    async def _load(self, conn: asyncpg.Connection, run_id: str) -> Loaded | None:
+    async def _load(self, conn: asyncpg.Connection, run_id: str, *, fold: bool = True) -> Loaded | None:
         decision = await conn.fetchrow(sql("run_decision"), run_id)
         if decision is None:
             return None
@@ -157,10 +198,10 @@ class Settler:
             # Given back once is given back for good: a late start is charged, never held again.
             released=bool(settlement and settlement["released"]) or (bool(reservations) and not is_open and not (settlement and settlement["final"])),
         )
-        folded = await meter.fold_new_samples(conn, facts, bundle)
+        folded = await meter.fold_new_samples(conn, facts, bundle) if fold else await meter.unfolded(conn, run_id)
         return Loaded(decision, bundle, facts, held, is_open, folded, settlement)
 
-    async def _apply(self, work: LedgerTransaction, loaded: Loaded, result: Settlement, now: datetime) -> Outcome:
+    async def _apply(self, work: LedgerTransaction, loaded: Loaded, result: Settlement, now: datetime, *, end_reason: str | None = None) -> Outcome:
         conn = work.conn
         run_id = loaded.facts.run_id
         decision_id = str(loaded.decision["decision_id"])
@@ -214,7 +255,7 @@ class Settler:
         await _write_charges(conn, run_id, charges)
         if held_deltas or closing:
             state = ("reconciled" if result.final else "released") if closing else None
-            reason = (result.final_state or "").lower() if result.final else "not running within the start deadline"
+            reason = end_reason or ((result.final_state or "").lower() if result.final else "not running within the start deadline")
             await conn.execute(sql("set_held"), run_id, list(loaded.held), [result.held.get(k, 0) for k in loaded.held], state, reason if state else None)
         revision = await _put_settlement(conn, run_id, decision_id, result)
         if revision != seq:

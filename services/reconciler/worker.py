@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
-import redis.exceptions
 from opentelemetry.metrics import Observation
 
 from budgetgate import redis_client, wire
@@ -19,15 +18,15 @@ from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.consumer import Inbox
 from budgetgate.kafka_access import start_whole
 from budgetgate.lag import ConsumerProgress
-from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.outbox import OutboxRelay
 from budgetgate.serving import close_pool, close_within, stop_tasks
-from budgetgate.services.reconciler import budgets, consumers, facts, headroom
+from budgetgate.services.reconciler import budgets, consumers, dead_letters, facts, headroom
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
+from budgetgate.services.reconciler.dead_letters import REFUSALS
 from budgetgate.services.reconciler.settler import Settler
 from budgetgate.subscriber import inbox_broker
 from budgetgate.telemetry import Telemetry, setup_telemetry
@@ -39,21 +38,6 @@ log = logging.getLogger(__name__)
 # A settlement parked in Redis longer than this is ended by upkeep (its settler died or lost Redis).
 PARKED_GRACE_MS = 2000
 
-# Failures that say something about the run's data or the rules, not about an outage: retrying
-# them cannot help, so they are dead-lettered after `settle_tries` (anything else, and anything
-# in BACKEND_ERRORS first, is an outage and the loop retries it with backoff).
-REFUSALS = (
-    AmountOutOfRange,
-    asyncpg.DataError,
-    asyncpg.IntegrityConstraintViolationError,
-    redis.exceptions.ResponseError,
-    ValueError,
-    LookupError,
-    ArithmeticError,
-    AssertionError,
-    TypeError,
-)
-
 
 @dataclass
 class Stats:
@@ -64,6 +48,7 @@ class Stats:
     repairs: int = 0
     errors: int = 0
     dead_letters: int = 0
+    dead_lettered: int = 0  # settlements dead-lettered now (whoever set them aside), as upkeep last read
     ended_parked: int = 0
     failing: dict[str, int] = field(default_factory=dict)  # run id → failed tries so far
     fresh: set[str] = field(default_factory=set)
@@ -93,7 +78,12 @@ class Reconciler:
         )
         self._dead_letters = meter.create_counter(
             "budgetgate_reconciler_dead_letters",
-            description="runs whose settlement kept failing for a reason other than an outage, set aside in settlement_failures (alert on any increase)",
+            description="runs whose settlement kept failing for a reason other than an outage, set aside in settlement_failures",
+        )
+        meter.create_observable_gauge(
+            "budgetgate_reconciler_dead_lettered",
+            callbacks=[lambda _o: [Observation(self.stats.dead_lettered)]],
+            description="settlements dead-lettered now, their runs' holds still held until an operator resolves them (`budgetgate settlements`)",
         )
         self.progress = ConsumerProgress(self.telemetry.meter("budgetgate.consumer"), name="reconciler")
         self.pool: asyncpg.Pool | None = None
@@ -108,10 +98,7 @@ class Reconciler:
         self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = Bundles()
-        self.settler = Settler(
-            pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles, rules=s.rules(),
-            fair_share_half_life=timedelta(seconds=s.fair_share_half_life_seconds),
-        )  # fmt: skip
+        self.settler = Settler.configured(s, pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles)
         self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)
         routes = {**facts.routes(self.topics, on_fact=self.stats.fresh.add), **headroom.routes(self.topics, bundles=self.bundles)}
@@ -220,7 +207,7 @@ class Reconciler:
         """A settlement refused for a reason other than an outage: tried again a bounded number of
         times (the run stays marked), then dead-lettered with the reason, and never looped on."""
         assert self.pool is not None
-        reason = f"{type(exc).__name__}: {exc}"[:2000]
+        reason = dead_letters.failure_reason(exc)
         row = await self.pool.fetchrow(sql("record_settlement_failure"), run_id, reason, self.settings.settle_tries)
         self.stats.failing[run_id] = row["attempts"]
         if row["dead"]:
@@ -242,6 +229,8 @@ class Reconciler:
             now = datetime.now(UTC)
             async with self.pool.acquire() as conn:
                 await self.bundles.refresh(conn)
+                # Read anew each tick: an operator resolves them from another process.
+                self.stats.dead_lettered = await dead_letters.count(conn)
             due = [r["run_id"] for r in await self.pool.fetch(sql("runs_due"), now, 500)]
             unseen = [r["run_id"] for r in await self.pool.fetch(sql("unseen_holds"), now - timedelta(seconds=s.start_deadline_seconds), 500)]
             await self._settle_all(sorted(set(due) | set(unseen)))

@@ -103,6 +103,49 @@ async def test_resubmission_over_http(admission_factory, pg_dsn) -> None:
     assert lookup["decision_id"] == second["decision_id"]
 
 
+async def test_a_resend_asking_for_more_after_an_allow_is_a_409_naming_each_change_at_any_attempt(admission_factory, pg_dsn) -> None:
+    # An admitted run (1 GPU for 1 h) resent as attempt 2 for 500 GPUs for 100 h was answered
+    # 200 ALLOW, replayed: a client reading only `decision` launched the 500-GPU job.
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="b" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    first = (await server.client.post("/v1/admissions", json=body("grow", gpus=1, hours=1.0))).json()
+    assert first["decision"] == "ALLOW"
+    for attempt in (2, 1, 9):
+        answer = await server.client.post("/v1/admissions", json=body("grow", gpus=500, hours=100.0, attempt=attempt))
+        assert answer.status_code == 409 and answer.headers["content-type"] == "application/problem+json", answer.text
+        problem = answer.json()
+        assert problem["fields"] == ["resources.gpus", "projected_runtime_hours"] and problem["next_attempt"] is None
+        assert problem["changes"] == [
+            {"field": "resources.gpus", "was": 1, "now": 500},
+            {"field": "projected_runtime_hours", "was": 1.0, "now": 100.0},
+        ]
+        assert "resources.gpus: 1 → 500; projected_runtime_hours: 1.0 → 100.0" in problem["detail"] and "under a new run id" in problem["detail"]
+    # Unchanged, a resend at a higher attempt is answered as before.
+    again = (await server.client.post("/v1/admissions", json=body("grow", gpus=1, hours=1.0, attempt=2))).json()
+    assert again["decision_id"] == first["decision_id"] and again["replayed"] is True
+    assert await decisions_of(pg_dsn) == {"grow": [(1, "ALLOW")]}
+    assert list((await held_in_postgres(pg_dsn)).values()) == [1 * GPU_HOUR]
+
+
+async def test_after_a_refusal_a_changed_request_is_a_new_question_at_a_higher_attempt_only(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="b" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await server.client.post("/v1/admissions", json=body("ask", gpus=50, hours=4.0))).json()["decision"] == "DENY"
+    same_attempt = await server.client.post("/v1/admissions", json=body("ask", gpus=8, hours=4.0))
+    assert same_attempt.status_code == 409 and same_attempt.json()["next_attempt"] == 2, same_attempt.text
+    assert "resources.gpus: 50 → 8" in same_attempt.json()["detail"] and "as attempt 2" in same_attempt.json()["detail"]
+    smaller = (await server.client.post("/v1/admissions", json=body("ask", gpus=8, hours=4.0, attempt=2))).json()
+    assert smaller["decision"] == "ALLOW" and smaller["replayed"] is False and smaller["attempt"] == 2
+    assert await decisions_of(pg_dsn) == {"ask": [(1, "DENY"), (2, "ALLOW")]}
+    # Now admitted: the old, larger request is a 409 at any attempt, never the new ALLOW replayed.
+    for attempt in (1, 3):
+        stale = await server.client.post("/v1/admissions", json=body("ask", gpus=50, hours=4.0, attempt=attempt))
+        assert stale.status_code == 409 and stale.json()["next_attempt"] is None and "resources.gpus: 8 → 50" in stale.json()["detail"], stale.text
+    assert list((await held_in_postgres(pg_dsn)).values()) == [32 * GPU_HOUR]
+
+
 @pytest.fixture
 async def terminating_trigger(pg_dsn):  # type: ignore[no-untyped-def]
     """A trigger that kills the recording connection when it stores run 'poison': Postgres lost

@@ -136,3 +136,22 @@ def _count_lookups(server: Any) -> CountedPool:
     tokens = server.app.state.gate.tokens
     tokens.pool = CountedPool(tokens.pool)
     return tokens.pool
+
+
+async def test_a_forwarded_header_does_not_dodge_the_limit_unless_its_proxy_is_trusted(admission_factory, pg_dsn: str) -> None:  # type: ignore[no-untyped-def]
+    # From loopback, a different X-Forwarded-For on each request once made every one a new address.
+    server = await admission_factory(auth_failure_limit="5/minute")
+    spoofed = [(await server.client.get("/v1/budgets", headers={**bearer(new_secret()), "X-Forwarded-For": f"198.51.100.{i}"})).status_code for i in range(8)]
+    assert spoofed == [401] * 5 + [429] * 3
+    # A trusted proxy's header is believed: the right-most hop it did not add itself is the address.
+    behind = await admission_factory(auth_failure_limit="5/minute", trusted_proxies=["127.0.0.0/8"])
+    first = [(await behind.client.get("/v1/budgets", headers={**bearer(new_secret()), "X-Forwarded-For": f"198.51.100.{i}"})).status_code for i in range(8)]
+    assert first == [401] * 8
+    # What the client wrote on the left is not believed: one real client, however it spoofs.
+    forged = [
+        (await behind.client.get("/v1/budgets", headers={**bearer(new_secret()), "X-Forwarded-For": f"10.9.9.{i}, 203.0.113.7"})).status_code
+        for i in range(7)
+    ]  # fmt: skip
+    assert forged == [401] * 5 + [429] * 2
+    limited = await behind.client.get("/v1/budgets", headers={**bearer(new_secret()), "X-Forwarded-For": "203.0.113.7"})
+    assert limited.status_code == 429 and "203.0.113.7" in limited.json()["detail"]

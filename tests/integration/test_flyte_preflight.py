@@ -19,7 +19,7 @@ import_extra("flytekit", extra="flyte")
 from flytekit.exceptions.system import FlyteSystemUnavailableException
 from flytekit.exceptions.user import FlyteEntityNotExistException
 
-from budgetgate.client import Client
+from budgetgate.client import Client, Conflict
 from budgetgate.flyte import BudgetDelayed, BudgetDenied, LaunchFailed, execute, preflight
 from budgetgate.principals import Role
 from tests.integration.test_reconciler import reconciler_factory  # noqa: F401 - a fixture, used by name
@@ -102,6 +102,25 @@ async def test_deny_and_delay_raise_and_launch_nothing(admission_factory, pg_dsn
     assert remote.launched == []
     assert delayed.next_eligible_time is not None and "resubmit with attempt=2 at or after" in str(delayed)
     assert str(denied).startswith("budgetgate denied run flyte/vision/production/") and denied.answer.decision == "DENY"
+
+
+async def test_an_admitted_run_relaunched_with_another_request_raises_the_conflict_and_launches_nothing(admission) -> None:
+    # The same execution name (one run) as attempt 2 with other labels was answered with the
+    # run's stored ALLOW, and launched on it.
+    remote = Remote()
+
+    def attempts() -> Conflict:
+        with Client(admission.url) as bg:
+            name = execute(remote, flows.example().training, client=bg, namespace="vision-prod", labels=VISION)
+            with pytest.raises(Conflict) as conflict:
+                execute(remote, flows.example().training, client=bg, namespace="vision-prod", labels={**VISION, "environment": "dev"},
+                        execution_name=name, attempt=2)  # fmt: skip
+            return conflict.value
+
+    conflict = await asyncio.to_thread(attempts)
+    assert len(remote.launched) == 1 and conflict.status == 409
+    assert conflict.fields == ["labels"] and conflict.changes == [{"field": "labels.environment", "was": "prod", "now": "dev"}]
+    assert conflict.next_attempt is None and "under a new run id" in conflict.detail
 
 
 async def test_a_failed_launch_ends_the_run_and_its_reservation_is_released(admission, metering, reconciler_factory, pg_dsn) -> None:

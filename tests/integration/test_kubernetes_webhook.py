@@ -4,6 +4,7 @@ server expects; dry runs reserve nothing; failing closed or open when budgetgate
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 import subprocess
@@ -170,13 +171,16 @@ async def test_delay_is_a_denial_saying_when_to_retry(admission_factory, pg_dsn)
 
 
 async def test_a_dry_run_is_quoted_and_reserves_nothing(admission, pg_dsn) -> None:
-    obj = job(gpus=8, deadline=3600)
+    obj = job(gpus=8, deadline=3600, annotations=H100)
     dry = await reviewed(admission, admission_review(obj, dry_run=True))
     assert (await admission.client.get(f"/v1/admissions/{obj.metadata.uid}")).status_code == 404
     assert await held_in_postgres(pg_dsn) == {}
-    # The dry run answered what the real review then decides.
+    # The dry run answered what the real review then decides, saying it would reserve: it reserved nothing.
     real = await reviewed(admission, admission_review(obj))
-    assert (dry["allowed"], dry.get("status", {}).get("message")) == (real["allowed"], real.get("status", {}).get("message"))
+    assert dry["allowed"] is real["allowed"] is True
+    said, reason = dry["status"]["message"], real["status"]["message"].removeprefix("budgetgate: ")
+    assert reason.startswith("admitted: reserved on ") and "reserved on" not in said
+    assert said == "budgetgate (dry run, nothing reserved): would be admitted: would reserve on " + reason.removeprefix("admitted: reserved on ")
 
 
 async def test_what_cannot_be_mapped_is_denied_naming_the_fix_and_other_objects_pass(admission) -> None:
@@ -186,7 +190,7 @@ async def test_what_cannot_be_mapped_is_denied_naming_the_fix_and_other_objects_
     update = await reviewed(admission, admission_review(unchanged, operation="UPDATE", old=unchanged))
     assert update["allowed"] is True
     bad = await admission.client.post(URL, json={"kind": "Pod"})
-    assert bad.status_code == 422 and bad.headers["content-type"] == "application/problem+json"
+    assert bad.status_code == 400 and bad.headers["content-type"] == "application/problem+json"
 
 
 async def test_fails_closed_by_default_and_open_when_configured(admission_factory, monkeypatch) -> None:
@@ -260,15 +264,117 @@ async def test_a_submitter_limited_to_namespaces_submits_only_within_them(admiss
     assert (await admission.client.post(URL, json=within, headers=limited)).json()["response"]["allowed"] is True
 
 
+PYTHON = ("object has no attribute", "unsupported operand", "NoneType", "not subscriptable", "not iterable", "invalid literal", "Traceback")
+
+
 @pytest.mark.parametrize(
-    "body",
+    ("body", "field", "says"),
     [
-        b"[" * 60_000,  # deeper than the JSON parser goes
-        b'{"kind": "AdmissionReview", "request": {"uid": "u", "operation": "CREATE", "kind": "Job"}}',  # a string where an object goes
+        (b"[" * 60_000, "", "invalid body: is not JSON"),  # deeper than the JSON parser goes (the whole body is at fault: no field)
+        (b"{", "", "invalid body: is not JSON"),
+        (b'{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"operation": "CREATE"}}', "request.uid", "non-empty string"),
+        (b'{"apiVersion": "admission.k8s.io/v1", "kind": "Pod", "request": {"uid": "u"}}', "kind", "must be AdmissionReview"),
+        (b'{"kind": "AdmissionReview", "request": {"uid": "u", "operation": "CREATE", "kind": "Job"}}', "apiVersion", "admission.k8s.io/v1"),
     ],
 )
-async def test_malformed_reviews_are_refused_not_failed(admission, body: bytes) -> None:
+async def test_what_is_not_a_v1_review_with_a_uid_is_a_400_naming_the_field(admission, body: bytes, field: str, says: str) -> None:
     answer = await admission.client.post(URL, content=body, headers={"content-type": "application/json"})
-    assert answer.status_code in (200, 422), answer.text
-    if answer.status_code == 200:
-        assert answer.json()["response"]["allowed"] is False and answer.json()["response"]["status"]["code"] == 422
+    assert answer.status_code == 400 and answer.headers["content-type"] == "application/problem+json", answer.text
+    problem = answer.json()
+    assert [e["field"] for e in problem["errors"]] == [field] and says in problem["detail"], problem
+
+
+async def test_a_v1beta1_review_is_a_400_naming_the_version_answered_and_decides_nothing(admission, pg_dsn) -> None:
+    # A v1beta1 review was decided and answered as v1 (which an API server that sent v1beta1
+    # cannot read): an 8-GPU Job reserved and was admitted through it.
+    old = admission_review(job(gpus=8, deadline=3600, annotations=H100))
+    old["apiVersion"] = "admission.k8s.io/v1beta1"
+    answer = await admission.client.post(URL, json=old)
+    assert answer.status_code == 400 and answer.headers["content-type"] == "application/problem+json", answer.text
+    problem = answer.json()
+    assert problem["errors"][0]["field"] == "apiVersion" and "only admission.k8s.io/v1 AdmissionReviews" in problem["detail"]
+    assert "'admission.k8s.io/v1beta1'" in problem["detail"] and 'admissionReviewVersions must be ["v1"]' in problem["detail"]
+    assert await held_in_postgres(pg_dsn) == {}
+    assert (await admission.client.get(f"/v1/admissions/{old['request']['object']['metadata']['uid']}")).status_code == 404
+
+
+@pytest.mark.parametrize("operation", ["CREATE", "UPDATE"])
+async def test_a_create_or_update_without_its_object_is_refused_with_a_decision_of_nobody(admission, pg_dsn, operation: str) -> None:
+    obj = job(gpus=8, deadline=3600, annotations=H100)
+    review = admission_review(obj, operation=operation, old=obj)
+    review["request"]["object"] = None
+    answer = await reviewed(admission, review)
+    assert answer["allowed"] is False and answer["status"]["code"] == 422, answer
+    assert answer["status"]["message"].startswith("budgetgate: request.object is missing: ") and operation in answer["status"]["message"]
+    assert await held_in_postgres(pg_dsn) == {}
+    assert (await admission.client.get(f"/v1/admissions/{obj.metadata.uid}")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "says"),
+    [
+        (("spec", "parallelism"), "4", "spec.parallelism must be a whole number (0 or more), got '4'"),
+        (("spec", "activeDeadlineSeconds"), "3600", "spec.activeDeadlineSeconds must be a whole number of seconds above 0, got '3600'"),
+        (("spec", "template", "spec", "containers"), "trainer", "spec.template.spec.containers must be a list, got 'trainer'"),
+        (("spec", "template", "spec", "containers", 0, "resources", "limits", "nvidia.com/gpu"), "abc",
+         "spec.template.spec.containers[0].resources.limits['nvidia.com/gpu'] must be a whole number, got 'abc'"),
+        (("metadata", "labels"), ["team"], "metadata.labels must be an object of strings, got a list"),
+        (("metadata", "annotations"), "budgetgate.io/flavor=h100", "metadata.annotations must be an object of strings"),
+        (("metadata",), "train", "metadata must be an object, got 'train'"),
+    ],
+)  # fmt: skip
+async def test_a_malformed_object_is_refused_naming_the_field_in_words(admission, pg_dsn, path: tuple[Any, ...], value: Any, says: str) -> None:
+    review = admission_review(job(gpus=8, parallelism=1, deadline=3600, annotations=H100))
+    node = review["request"]["object"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    answer = await reviewed(admission, review)
+    assert answer["allowed"] is False and answer["status"]["code"] == 422, answer
+    assert says in answer["status"]["message"] and not any(text in answer["status"]["message"] for text in PYTHON), answer
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+async def test_every_field_of_a_job_given_a_wrong_type_is_answered_in_words(admission) -> None:
+    # Every field of the review, each replaced by a string and by a list, as dry runs (nothing
+    # reserved whatever is admitted): each is answered as a review, allowed or refused in words.
+    base = admission_review(job(gpus=8, parallelism=2, completions=4, deadline=3600, annotations=H100), dry_run=True)
+
+    def paths(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        inner = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+        return [p for key, v in inner for p in paths(v, (*at, key))] + ([at] if at else [])
+
+    answered = 0
+    for path in paths(base["request"]):
+        if path in (("uid",), ("dryRun",)):
+            continue
+        for value in ("abc", ["x"]):
+            review = json.loads(json.dumps(base))
+            node = review["request"]
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+            answer = await reviewed(admission, review)
+            message = answer.get("status", {}).get("message", "")
+            assert not any(text in message for text in PYTHON), (path, value, message)
+            answered += 1
+    assert answered > 80
+
+
+async def test_a_resent_run_asking_for_more_is_refused_naming_what_changed(admission, pg_dsn) -> None:
+    # A run admitted for 1 GPU, resent as attempt 2 for 500 GPUs for 100 h: the webhook answered
+    # the stored ALLOW, and the API server created the 500-GPU Job on it.
+    run = {**H100, "budgetgate.io/run-id": "flyte/vision/exec-resend/n0"}
+    first = await reviewed(admission, admission_review(job("small", gpus=1, parallelism=1, deadline=3600, annotations=run)))
+    assert first["allowed"] is True
+    held = await held_in_postgres(pg_dsn)
+    bigger = job("big", gpus=500, parallelism=1, deadline=100 * 3600, annotations={**run, "budgetgate.io/attempt": "2"})
+    answer = await reviewed(admission, admission_review(bigger))
+    assert answer["allowed"] is False and answer["status"]["code"] == 409, answer
+    message = answer["status"]["message"]
+    assert "resources.gpus: 1 → 500" in message and "projected_runtime_hours: 1.0 → 100.0" in message and "new run id" in message, message
+    assert "budgetgate.io/run-id" in message, message  # how a Kubernetes object takes a new run id
+    assert await held_in_postgres(pg_dsn) == held
+    # The same object sent again is the same request: let through on its decision, as before.
+    again = await reviewed(admission, admission_review(job("small", gpus=1, parallelism=1, deadline=3600, annotations={**run, "budgetgate.io/attempt": "2"})))
+    assert again["allowed"] is True and await held_in_postgres(pg_dsn) == held

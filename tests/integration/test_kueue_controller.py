@@ -141,33 +141,57 @@ async def test_a_workload_changed_meanwhile_is_not_overwritten(kube, admission) 
     assert kueue.pending_checks(api.get("workloads", "job-raced", "vision-prod"), {"budget"}) == ["budget"]
 
 
-def readmitted(found: dict[str, Any], *, flavor: str) -> dict[str, Any]:
-    """The Workload as Kueue leaves it after a preemption and a new quota reservation on `flavor`:
-    our check Pending again, everything else as it was."""
+def readmitted(found: dict[str, Any], *, flavor: str | None = None, count: int | None = None) -> dict[str, Any]:
+    """The Workload as Kueue leaves it after a preemption (or a deactivation) and a new quota
+    reservation, on `flavor` or for `count` pods: our check Pending again, everything else as it was."""
     found = copy.deepcopy(found)
-    found["status"]["admission"]["podSetAssignments"][0]["flavors"]["nvidia.com/gpu"] = flavor
+    assignment = found["status"]["admission"]["podSetAssignments"][0]
+    if flavor is not None:
+        assignment["flavors"]["nvidia.com/gpu"] = flavor
+    if count is not None:
+        assignment["count"] = found["spec"]["podSets"][0]["count"] = count
     for check in found["status"]["admissionChecks"]:
         if check["name"] == "budget":
             check.update(state="Pending", message="")
     return found
 
 
-async def test_a_run_readmitted_on_another_flavor_is_retried_as_a_new_attempt(kube, admission) -> None:
+async def test_an_admitted_run_readmitted_on_another_flavor_is_rejected_not_retried(kube, admission) -> None:
+    # Readmitted on a100 after its ALLOW on h100: the controller retried as attempt 2, which was
+    # answered with the h100 run's stored ALLOW, and the Workload ran on a100 on it.
     api, url = kube
     api.put("admissionchecks", fixture("admissioncheck.json"))
     api.put("workloads", workload("job-moved", job_uid="44444444-4444-4444-8444-444444444444"))
     async with deciding(url, admission.url) as controller:
         await controller.reconcile(api.get("workloads", "job-moved", "vision-prod"))
         assert check_state(api, "job-moved")["state"] == "Ready"
-        # Preempted, then admitted again on a100: the same run id and attempt, another request.
+        admitted = (await admission.client.get("/v1/admissions/44444444-4444-4444-8444-444444444444")).json()
         await controller.reconcile(api.put("workloads", readmitted(api.get("workloads", "job-moved", "vision-prod"), flavor="a100")))
-        moved = api.get("workloads", "job-moved", "vision-prod")
-        ours = check_state(api, "job-moved")
-        assert ours["state"] == "Retry" and "resources.flavor" in ours["message"] and ours["message"].endswith("the next try is attempt 2")
+    ours = check_state(api, "job-moved")
+    assert ours["state"] == "Rejected" and 'resources.flavor: "h100" → "a100"' in ours["message"] and "new run id" in ours["message"], ours
+    assert "budgetgate.io/attempt" not in (api.get("workloads", "job-moved", "vision-prod")["metadata"].get("annotations") or {})
+    decision = (await admission.client.get("/v1/admissions/44444444-4444-4444-8444-444444444444")).json()
+    assert (decision["attempt"], decision["decision_id"]) == (1, admitted["decision_id"])  # nothing decided anew
+
+
+async def test_a_refused_run_readmitted_for_another_request_is_retried_as_a_new_attempt(kube, admission) -> None:
+    api, url = kube
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    api.put("workloads", workload("job-shrunk", job_uid="45454545-4545-4545-8545-454545454545", gpus_per_pod=8, count=16))  # 128 × 6 h: DENY
+    async with deciding(url, admission.url) as controller:
+        await controller.reconcile(api.get("workloads", "job-shrunk", "vision-prod"))
+        assert check_state(api, "job-shrunk")["state"] == "Rejected"
+        # Reactivated and admitted again for 2 pods: the same run id and attempt, another request.
+        await controller.reconcile(api.put("workloads", readmitted(api.get("workloads", "job-shrunk", "vision-prod"), count=2)))
+        moved = api.get("workloads", "job-shrunk", "vision-prod")
+        ours = check_state(api, "job-shrunk")
+        assert ours["state"] == "Retry" and "resources.gpus: 128 → 16" in ours["message"] and ours["message"].endswith("the next try is attempt 2")
         assert moved["metadata"]["annotations"]["budgetgate.io/attempt"] == "2"
-        # Kueue makes the check Pending again after its retry delay: the next try is attempt 2, not the conflict again.
-        await controller.reconcile(api.put("workloads", readmitted(moved, flavor="a100")))
-    assert check_state(api, "job-moved")["state"] == "Ready"
+        # Kueue makes the check Pending again after its retry delay: attempt 2 is a new question, decided afresh.
+        await controller.reconcile(api.put("workloads", readmitted(moved)))
+    assert check_state(api, "job-shrunk")["state"] == "Ready"
+    decision = (await admission.client.get("/v1/admissions/45454545-4545-4545-8545-454545454545")).json()
+    assert (decision["attempt"], decision["decision"], decision["projected_gpu_hours"]) == (2, "ALLOW", 96.0)
 
 
 async def test_a_stale_workload_is_not_moved_to_another_attempt(kube, admission) -> None:
@@ -176,10 +200,10 @@ async def test_a_stale_workload_is_not_moved_to_another_attempt(kube, admission)
     # moved on meanwhile was set to retry as another attempt.
     api, url = kube
     api.put("admissionchecks", fixture("admissioncheck.json"))
-    api.put("workloads", workload("job-stale", job_uid="66666666-6666-4666-8666-666666666666"))
+    api.put("workloads", workload("job-stale", job_uid="66666666-6666-4666-8666-666666666666", gpus_per_pod=8, count=16))  # DENY
     async with deciding(url, admission.url) as controller:
         await controller.reconcile(api.get("workloads", "job-stale", "vision-prod"))
-        stale = api.put("workloads", readmitted(api.get("workloads", "job-stale", "vision-prod"), flavor="a100"))  # would be a 409: Retry, attempt 2
+        stale = api.put("workloads", readmitted(api.get("workloads", "job-stale", "vision-prod"), count=2))  # would be a 409: Retry, attempt 2
         api.put("workloads", copy.deepcopy(stale))  # Kueue wrote in between
         await controller.reconcile(copy.deepcopy(stale))
     stored = api.get("workloads", "job-stale", "vision-prod")

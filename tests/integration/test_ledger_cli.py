@@ -4,10 +4,7 @@ reconciler's too) compares quota counters and pool tokens as well as budgets."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,15 +13,13 @@ import redis.asyncio as aioredis
 
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
+from tests.support.cli import budgetgate_on
 from tests.integration.test_quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 
 
 async def _budgetgate(tmp_path: Path, settings, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUDGETGATE_")}
-    env.update(BUDGETGATE_POSTGRES_DSN=settings.postgres_dsn, BUDGETGATE_REDIS_URL=settings.redis_url, BUDGETGATE_REDIS_PREFIX=settings.redis_prefix)
     # cwd: no checkout's .budgetgate/dev.json may choose the servers.
-    command = [sys.executable, "-m", "budgetgate.cli.main", *args]
-    return await asyncio.to_thread(subprocess.run, command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return await budgetgate_on(settings, *args, cwd=tmp_path)
 
 
 async def test_rebuild_redis_restores_a_lost_ledger_and_repairs_drift(admission, settings, tmp_path: Path) -> None:

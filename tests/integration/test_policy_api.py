@@ -81,3 +81,45 @@ async def test_documents_that_do_not_validate_are_a_422_naming_the_field(admissi
     answer = await server.client.post("/v1/policies", json=body)
     assert answer.status_code == 422, answer.text
     assert any(words in e["msg"] for e in answer.json()["errors"]), answer.text
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"documents": [{"data": {"k": "\u0000"}, "file": "a.yaml", "line": 1}]}, "documents", "a.yaml:1: k holds the NUL character"),
+        ({"documents": [{"data": {"spec": {"\u0000": 1}}, "file": "b.yaml", "line": 4}]}, "documents", "b.yaml:4: a key of spec holds the NUL character"),
+        ({"documents": [{"data": {"k": 1}, "file": "a\u0000.yaml", "line": 1}]}, "documents.0.file", "control character U+0000"),
+        ({"source": "git@example.com:\u0000"}, "source", "control character U+0000"),
+        ({"git_sha": "4f1c" + "0" * 35 + "\u0000"}, "git_sha", "String should match pattern"),
+    ],
+)
+async def test_text_postgres_cannot_store_is_a_422_and_nothing_is_applied(admission_factory, pg_dsn: str, change, field, words) -> None:  # noqa: F811
+    # A NUL reached Postgres inside apply_bundle's transaction: a 500 with nothing said.
+    server = await admission_factory()
+    body = {"git_sha": "4f1c" + "1" * 36, "source": "x", "documents": [], "allow_empty": True, **change}
+    answer = await server.client.post("/v1/policies", json=body)
+    assert answer.status_code == 422 and answer.headers["content-type"] == "application/problem+json", answer.text
+    [error] = answer.json()["errors"]
+    assert error["field"] == field and words in error["msg"], answer.text
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM policy_bundles") == 0
+    finally:
+        await conn.close()
+
+
+async def test_an_operator_limited_to_namespaces_or_tenants_applies_no_bundle(admission_factory, pg_dsn: str) -> None:  # noqa: F811
+    # A bundle sets every namespace's budgets: a limited operator once applied one over all of them.
+    server = await admission_factory()
+    body = {"git_sha": "c" * 40, "source": "test", "documents": [], "allow_empty": True}
+    for limits in ({"namespaces": ["vision-*"]}, {"tenants": ["vision"]}):
+        token = await issue(pg_dsn, Role.OPERATOR, **limits)
+        refused = await server.client.post("/v1/policies", json=body, headers={"Authorization": f"Bearer {token}"})
+        assert refused.status_code == 403 and "needs a token without limits" in refused.json()["detail"], refused.text
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM policy_bundles") == 0
+    finally:
+        await conn.close()
+    applied = await server.client.post("/v1/policies", json=body, headers={"Authorization": f"Bearer {await issue(pg_dsn, Role.OPERATOR)}"})
+    assert applied.status_code == 200, applied.text

@@ -119,6 +119,33 @@ async def _assert_no_drift(server) -> None:  # type: ignore[no-untyped-def]
     assert drift is not None and drift.clean, drift
 
 
+async def test_a_dead_lettered_run_past_the_start_deadline_waits_for_an_operator(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
+    """A run whose settlement is dead-lettered is not tried again at every tick by the sweep of
+    never-settled runs (it was: logged each time, its dead letter's times moved); its twin, not
+    dead-lettered, is given back in the same pass."""
+    server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 5")})
+    for run_id in ("dead", "twin"):
+        assert (await server.client.post("/v1/admissions", json=physics(run_id))).json()["decision"] == "ALLOW"
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        since = datetime.now(UTC) - timedelta(hours=1)
+        await conn.execute(
+            "INSERT INTO settlement_failures (run_id, attempts, reason, dead, first_failed_at, last_failed_at) VALUES ('dead', 3, 'stuck', true, $1, $1)", since
+        )
+        await reconciler_factory(start_deadline_seconds=2)
+
+        async def twin_given_back() -> bool:
+            return await conn.fetchval("SELECT state FROM run_holds WHERE run_id = 'twin'") == "released"
+
+        await wait_for(twin_given_back, what="the twin's hold released at the start deadline")
+        # Both were past the deadline in the same sweep: the dead-lettered one was left as it was.
+        assert await conn.fetchval("SELECT state FROM run_holds WHERE run_id = 'dead'") == "held"
+        failure = await conn.fetchrow("SELECT attempts, dead, last_failed_at FROM settlement_failures WHERE run_id = 'dead'")
+        assert (failure["attempts"], failure["dead"], failure["last_failed_at"]) == (3, True, since)
+    finally:
+        await conn.close()
+
+
 async def _fact_settled_undecided(dsn: str, run_id: str) -> bool:
     conn = await asyncpg.connect(dsn)
     try:

@@ -149,7 +149,30 @@ async def test_only_operators_and_accounting_tokens_change_tenants(admission_fac
     assert (await client.put(url, json={"max_gpus": 8}, headers=accounting)).status_code == 200
     assert (await client.put("/v1/tenants/chemistry", json={"max_gpus": 8}, headers=accounting)).status_code == 403
     operator = bearer(await issue(pg_dsn, Role.OPERATOR))
-    assert (await client.put("/v1/tenants/chemistry", json={"max_gpus": 8}, headers=operator)).status_code == 200
+    assert (await client.put("/v1/tenants/chemistry?create=true", json={"max_gpus": 8}, headers=operator)).status_code == 200
+
+
+async def test_a_tenant_nothing_names_is_refused_unless_created(admission_factory, pg_dsn) -> None:
+    # A typo (`physcis`) once became a new hard quota for a tenant no run carries.
+    server = await started(admission_factory, pg_dsn)
+    typo = await server.client.put("/v1/tenants/physcis", json={"max_gpus": 8, "reason": "grant 17"})
+    assert typo.status_code == 404 and typo.headers["content-type"] == "application/problem+json", typo.text
+    detail = typo.json()["detail"]
+    assert "tenant 'physcis' is not known" in detail and "did you mean 'physics'?" in detail and "create=true" in detail, detail
+    assert (await fetch(pg_dsn, "SELECT count(*) AS n FROM tenant_overrides"))[0]["n"] == 0
+    assert (await fetch(pg_dsn, "SELECT count(*) AS n FROM admin_log WHERE action = 'tenant.override'"))[0]["n"] == 0
+    # Said to be new, it is made; from then on its overrides name it, and it is known.
+    created = await server.client.put("/v1/tenants/chemistry?create=true", json={"max_gpus": 8, "reason": "new group"})
+    assert created.status_code == 200 and created.json()["settings"]["max_gpus"]["value"] == 8, created.text
+    again = await server.client.put("/v1/tenants/chemistry", json={"max_gpus": 16})
+    assert again.status_code == 200 and again.json()["settings"]["max_gpus"]["value"] == 16, again.text
+    # The client and the CLI say so too.
+    from budgetgate.client import AsyncClient, NotFound
+
+    async with AsyncClient(server.url, token=server.token) as client:
+        with pytest.raises(NotFound, match="is not known"):
+            await client.update_tenant("biologyy", {"max_gpus": 1})
+        assert (await client.update_tenant("biology", {"max_gpus": 1}, create=True)).settings.max_gpus.value == 1
 
 
 @pytest.mark.parametrize(
@@ -225,6 +248,10 @@ async def test_the_cli_updates_a_tenant_through_the_api(admission_factory, pg_ds
     assert __import__("json").loads(shown.stdout)["settings"]["max_nodes"]["value"] == 250
     refused = await asyncio.to_thread(budgetgate, "admin", "tenant", "update", "physics", "--node-hours-budget", "5", cwd=tmp_path)
     assert refused.returncode == 1 and "node_hours_budget" in refused.stderr
+    typo = await asyncio.to_thread(budgetgate, "admin", "tenant", "update", "phyiscs", "--max-gpus", "8", cwd=tmp_path)
+    assert typo.returncode == 1 and "did you mean 'physics'?" in typo.stderr and "create=true" in typo.stderr, typo.stderr
+    created = await asyncio.to_thread(budgetgate, "admin", "tenant", "update", "chemistry", "--max-gpus", "8", "--create", cwd=tmp_path)
+    assert created.returncode == 0 and "max_gpus" in created.stdout, created.stderr
 
 
 async def test_a_window_the_reconciler_opens_takes_the_overridden_limit(admission_factory, pg_dsn) -> None:

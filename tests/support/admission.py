@@ -48,7 +48,7 @@ async def one_batch(server, bodies: list[dict[str, Any]]) -> list[Any]:  # type:
 
 
 async def held_in_postgres(dsn: str) -> dict[str, int]:
-    """What Postgres holds reserved, by ledger key."""
+    """The reservations Postgres holds, summed by ledger key (ledger units)."""
     conn = await asyncpg.connect(dsn)
     try:
         rows = await conn.fetch("SELECT ledger_key, sum(amount)::bigint AS held FROM reservations WHERE state = 'held' GROUP BY ledger_key")
@@ -58,7 +58,7 @@ async def held_in_postgres(dsn: str) -> dict[str, int]:
 
 
 async def reserved_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """What the server's Redis ledger holds reserved, by ledger key."""
+    """What the server's Redis ledger holds reserved, by ledger key (ledger units)."""
     ledger = server.rt.ledger
     keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
     return {k: reserved for k, (reserved, _consumed) in (await ledger.readings(keys)).items()}

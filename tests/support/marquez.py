@@ -1,4 +1,4 @@
-"""A Marquez stand-in: a small HTTP server following ../shared/reference/marquez/openapi.yml for
+"""A Marquez stand-in: a small HTTP server following tests/reference/marquez/openapi.yml for
 `POST /api/v1/lineage` (answers 201, stores without deduplicating, as Marquez does) and the read
 endpoints the audit uses (namespaces, jobs, runs with merged facets, one run, run facets, events).
 
@@ -37,10 +37,14 @@ class MissingSpec(RuntimeError):
     """The OpenLineage spec to validate events against is not where it should be."""
 
 
+# The reference files the tests validate against, in the repository (tests/reference/README.md).
+REFERENCE = ROOT / "tests" / "reference"
+
+
 def spec_folder() -> Path:
-    """Where the OpenLineage spec 2-0-2 is: `openlineage-spec/spec` under BUDGETGATE_REFERENCE_DIR,
-    else under ../shared/reference beside the checkout (as CI lays it out)."""
-    reference = os.environ.get("BUDGETGATE_REFERENCE_DIR") or str(ROOT.parent / "shared" / "reference")
+    """Where the OpenLineage spec 2-0-2 is: `openlineage-spec/spec` under BUDGETGATE_REFERENCE_DIR
+    (another copy, e.g. a newer spec to try), else the repository's own under tests/reference."""
+    reference = os.environ.get("BUDGETGATE_REFERENCE_DIR") or str(REFERENCE)
     return Path(reference) / "openlineage-spec" / "spec"
 
 
@@ -49,10 +53,7 @@ def require_spec() -> Path:
     must not pass as if they were valid."""
     spec = spec_folder()
     if not (spec / "OpenLineage.json").is_file():
-        raise MissingSpec(
-            f"OpenLineage spec not found at {spec}: put the shared reference beside the checkout "
-            "(../shared/reference) or set BUDGETGATE_REFERENCE_DIR to it; events cannot be validated without it"
-        )
+        raise MissingSpec(f"OpenLineage spec not found at {spec} (the repository keeps it in tests/reference); events cannot be validated without it")
     return spec
 
 

@@ -108,14 +108,15 @@ def json_record(message: MeteringSample) -> wire.Record:
     )
 
 
-async def decide(dsn: str, *run_ids: str) -> None:
-    """Record an ALLOW decision for each run, as admission would have: the runs become known."""
+async def decide(dsn: str, *run_ids: str, namespace: str = "test", labels: dict[str, str] | None = None) -> None:
+    """Record an ALLOW decision for each run, as admission would have (in `namespace`, with
+    `labels`): the runs become known."""
     conn = await asyncpg.connect(dsn)
     try:
         await conn.executemany(
             """INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu, request, response, decided_at)
-               VALUES ($1, $2, 1, 'ALLOW', 'test', 'test', '{}', 0, '{}', '{}', now())""",
-            [(uuid.uuid4(), run_id) for run_id in run_ids],
+               VALUES ($1, $2, 1, 'ALLOW', 'test', $3, $4::jsonb, 0, '{}', '{}', now())""",
+            [(uuid.uuid4(), run_id, namespace, json.dumps(labels or {})) for run_id in run_ids],
         )
     finally:
         await conn.close()

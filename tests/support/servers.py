@@ -56,7 +56,7 @@ class InProcessServer:
         self.dsn = dsn
         self.token: str | None = None
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", proxy_headers=False))
         self.task: asyncio.Task[None] | None = None
         self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
 

@@ -96,6 +96,18 @@ def test_the_pipeline_is_watched(rules: list[dict[str, Any]]) -> None:
         "budgetgate_reconciliation_lag",
         "budgetgate_metering_rejections",
         # A dead-lettered settlement leaves its reservation held: budget nobody will use.
-        "budgetgate_reconciler_dead_letters",
+        "budgetgate_reconciler_dead_lettered",
     ):
         assert metric in read, f"no alert reads {metric}"
+
+
+def test_a_dead_lettered_settlement_alerts_until_it_is_resolved(rules: list[dict[str, Any]]) -> None:
+    # What a dead-lettered settlement holds stays held until an operator resolves it: the alert
+    # reads how many are dead-lettered now, and so fires as long as one is. Counting the dead
+    # letters of the last hour went quiet an hour later, the hold still held.
+    [rule] = [r for r in rules if r["alert"] == "BudgetgateSettlementDeadLettered"]
+    assert [s.name for s in _selectors(rule["expr"])] == ["budgetgate_reconciler_dead_lettered"]
+    # Above zero; one alert however many reconcilers export the gauge (each counts them all).
+    assert re.fullmatch(r"max\(budgetgate_reconciler_dead_lettered\) > 0", rule["expr"].strip()), rule["expr"]
+    assert "for" not in rule or promql_parser.parse_duration(rule["for"]).total_seconds() <= 300
+    assert "budgetgate settlements" in rule["annotations"]["description"]

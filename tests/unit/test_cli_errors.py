@@ -35,7 +35,7 @@ def refused(result: Result, *words: str, code: int = 1) -> None:
     assert all(w in result.output for w in words), result.output
 
 
-@pytest.mark.parametrize("command", [["ledger", "check"], ["ledger", "rebuild-redis"]])
+@pytest.mark.parametrize("command", [["ledger", "check"], ["ledger", "rebuild-redis"], ["settlements", "resolve", "r", "--release", "--reason", "x"]])
 def test_ledger_commands_need_a_stack_and_never_fall_back_on_local_servers(command: list[str]) -> None:
     refused(run(*command), "no local stack found", "BUDGETGATE_POSTGRES_DSN")
     # Postgres named, Redis not: the rebuild would rewrite whatever Redis runs on 127.0.0.1.
@@ -61,6 +61,11 @@ def test_options_out_of_range_are_usage_errors() -> None:
         (["publish", "lifecycle", "--run-id", "r", "--event", "started", "--at", "9999-12-31T23:00:00-05:00"], "out of range"),
         # Before the earliest time the consumers take: published, it was dead-lettered unseen.
         (["publish", "lifecycle", "--run-id", "r", "--event", "started", "--at", "1970-01-01T00:00:00Z"], "before 2000-01-01"),
+        # A dead-lettered settlement is resolved one way, and why is said for the admin log.
+        (["settlements", "resolve", "r", "--reason", "x"], "--release"),
+        (["settlements", "resolve", "r", "--release", "--settle", "--reason", "x"], "one of the two"),
+        (["settlements", "resolve", "r", "--release"], "--reason"),
+        (["settlements", "resolve", "r", "--release", "--reason", "  "], "say why"),
     ]
     for args, words in cases:
         refused(run(*args, **env), words, code=2)

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from budgetgate.platforms.kubernetes import ADMITTED_KINDS, SCALABLE_KINDS
+from budgetgate.platforms.reviews import ANSWERED_VERSION
 from tests.support.kubernetes import GROUPS
 
 KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -32,6 +33,13 @@ def test_the_rules_send_what_the_mapping_checks() -> None:
     expected = {resource_of[k]: {"CREATE", "UPDATE"} if k in SCALABLE_KINDS else {"CREATE"} for k in ADMITTED_KINDS}
     assert {resource: ops for (_group, resource), ops in operations.items()} == expected
     assert {group for group, _ in operations} == {group for group, _ in ADMITTED_KINDS}
+
+
+def test_the_api_server_is_asked_to_send_the_one_version_answered() -> None:
+    # Another version is a 400 (the API server cannot read a v1 answer to it): the configuration
+    # must name v1 alone, or an API server preferring another would fail every call.
+    (hook,) = _doc("validatingwebhookconfiguration.yaml", "ValidatingWebhookConfiguration")["webhooks"]
+    assert [f"admission.k8s.io/{v}" for v in hook["admissionReviewVersions"]] == [ANSWERED_VERSION]
 
 
 def test_the_webhook_is_ready_while_it_answers_not_while_the_ledger_does() -> None:

@@ -93,20 +93,27 @@ def test_the_admission_check_is_marked_active_once() -> None:
 
 
 def test_permanent_error_answers_end_the_wait_and_outages_keep_it() -> None:
-    conflict = Conflict(409, {"detail": "run 'r' attempt 1 was already submitted with a different resources.flavor", "fields": ["resources.flavor"]})
-    retry = error_answer(workload(), "budget", conflict, attempt=1, now=NOW)
+    # A 409 for a request a higher attempt decides afresh (the run was refused): Retry at that attempt.
+    conflict = Conflict(409, {"detail": "run 'r' was denied at attempt 1 for another request (resources.flavor: \"h100\" → \"a100\")",
+                              "fields": ["resources.flavor"], "next_attempt": 2})  # fmt: skip
+    retry = error_answer(workload(), "budget", conflict, now=NOW)
     assert states(retry.status)["budget"] == ("Retry", f"budgetgate: {conflict.detail}; the next try is attempt 2")
     assert retry.annotations == {"budgetgate.io/attempt": "2"}
-    taken = Conflict(409, {"detail": "run 'r' is decided in another namespace", "fields": ["namespace"]})
-    assert states(error_answer(workload(), "budget", taken, attempt=1, now=NOW).status)["budget"][0] == "Rejected"
+    # A 409 no attempt changes: the run was admitted for another request, or is another owner's.
+    # Retried, each attempt was the same 409 again (or, before, the old ALLOW replayed for the new request).
+    admitted = Conflict(409, {"detail": "run 'r' was admitted at attempt 1 for another request", "fields": ["resources.flavor"], "next_attempt": None})
+    taken = Conflict(409, {"detail": "run 'r' is decided in another namespace", "fields": ["namespace"], "next_attempt": None})
+    for final in (admitted, taken):
+        rejected = error_answer(workload(), "budget", final, now=NOW)
+        assert states(rejected.status)["budget"] == ("Rejected", f"budgetgate: {final.detail}") and not rejected.annotations
     invalid = InvalidRequest(422, {"detail": "invalid resources.flavor: no rate card prices it"})
-    assert states(error_answer(workload(), "budget", invalid, attempt=1, now=NOW).status)["budget"] == (
+    assert states(error_answer(workload(), "budget", invalid, now=NOW).status)["budget"] == (
         "Rejected", "budgetgate: not a valid submission (invalid resources.flavor: no rate card prices it)"
     )  # fmt: skip
     for status, says in ((401, "token is missing"), (403, "lacks the submitter role")):
-        state, message = states(error_answer(workload(), "budget", Unauthorized(status, {"detail": "no"}), attempt=1, now=NOW).status)["budget"]
+        state, message = states(error_answer(workload(), "budget", Unauthorized(status, {"detail": "no"}), now=NOW).status)["budget"]
         assert state == "Pending" and says in message and "operator" in message
-    outage = error_answer(workload(), "budget", Unavailable(503, {"title": "Service Unavailable", "detail": "ledger down"}), attempt=1, now=NOW)
+    outage = error_answer(workload(), "budget", Unavailable(503, {"title": "Service Unavailable", "detail": "ledger down"}), now=NOW)
     assert states(outage.status)["budget"][0] == "Pending" and not outage.annotations
 
 

@@ -54,3 +54,11 @@ def test_derived_event_ids_are_stable_and_distinct() -> None:
     assert lifecycle.derived_event_id(event()) == lifecycle.derived_event_id(event())
     assert lifecycle.derived_event_id(event()) != lifecycle.derived_event_id(event(type=LifecycleType.COMPLETED))
     assert lifecycle.event_id_problem("x" * 257) and lifecycle.event_id_problem("a\x00b") and lifecycle.event_id_problem("ok") is None
+
+
+def test_text_holding_a_control_character_is_a_problem_of_its_field() -> None:
+    # The reconciler stores flavor and reason; Postgres text cannot hold a NUL.
+    assert [field for field, _ in lifecycle.problems(event(reason="oom\x00"))] == ["reason"]
+    assert [field for field, _ in lifecycle.problems(event(flavor="h100\x1b", region="eu\x00"))] == ["flavor", "region"]
+    assert "U+0000" in lifecycle.problems(event(reason="\x00"))[0][1]
+    assert lifecycle.problems(event(reason="evicted:\tpreempted\nby a higher priority")) == []

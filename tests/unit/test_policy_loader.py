@@ -14,6 +14,7 @@ import pytest
 from budgetgate.core.loader import (
     PolicyError,
     PolicyValidationError,
+    SourceDocument,
     bundle_from_json,
     build_bundle,
     documents_to_json,
@@ -1005,3 +1006,28 @@ def test_aliases_within_the_depth_limit_still_load(tmp_path: Path) -> None:
     text = POLICY.format(id="p", namespace="a").replace("id: p", "id: p\n  labels: &l {a: b}\n  annotations: *l")
     write(tmp_path, "p.yaml", text)
     assert [p.id for p in load(tmp_path).policies] == ["p"]
+
+
+def test_a_nul_character_anywhere_is_an_error_with_file_and_line() -> None:
+    # Postgres cannot store it; applying such a bundle failed inside the transaction (a 500).
+    labelled = '    namespace: vision-prod\n    labels: {team: "vis\\0ion"}\n'
+    text = POLICY.format(id="team", namespace="vision-prod").replace("    namespace: vision-prod\n", labelled)
+    with pytest.raises(PolicyValidationError) as refused:
+        build_bundle(parse_text(text, "team.yaml"), git_sha="a" * 40)
+    # (The label's own rule refuses it too, but that alone would not cover text without a rule.)
+    assert PolicyError("team.yaml", 8, "spec.scope.labels.team holds the NUL character (\\u0000); remove it") in refused.value.errors
+    # Documents that are not budgetgate's are checked too: an HTTP bundle stores every document.
+    other = SourceDocument("queues.yaml", 7, {"kind": "ClusterQueue", "spec": {"a\x00b": ["x", "y\x00"]}}, {})
+    errors = {str(e) for e in PolicyValidationError(build_errors(other)).errors}
+    assert errors == {
+        "queues.yaml:7: a key of spec holds the NUL character (\\u0000): 'a\\x00b'",
+        "queues.yaml:7: spec.a\\u0000b.1 holds the NUL character (\\u0000); remove it",
+    }
+
+
+def build_errors(*documents) -> list[PolicyError]:  # type: ignore[no-untyped-def]
+    try:
+        build_bundle(list(documents), git_sha="b" * 40)
+    except PolicyValidationError as exc:
+        return list(exc.errors)
+    return []

@@ -6,7 +6,9 @@ from datetime import timedelta
 
 import click
 import pytest
+from click.testing import CliRunner
 
+from budgetgate.cli.main import cli
 from budgetgate.cli.tokens import parse_duration
 from budgetgate.core.policy import Scope
 from budgetgate.oidc import ClaimMapping, principal_from_claims
@@ -37,6 +39,23 @@ def test_a_refusal_names_the_role_and_the_namespace_missing() -> None:
     with pytest.raises(Forbidden, match="no tenant"):
         reader.require_tenant(None)
     assert Principal.of("any", ["reader"]).covers_tenant(None)
+
+
+def test_covers_needs_both_the_namespace_and_the_tenant_and_limits_are_named() -> None:
+    exporter = Principal.of("token:dcgm", ["exporter"], namespaces=["team-*", "ml"], tenants=["team"])
+    assert exporter.covers("team-a", "team")
+    assert not exporter.covers("other-ns", "team") and not exporter.covers("team-a", "other") and not exporter.covers("team-a", None)
+    assert exporter.limits == "namespaces team-*, ml and tenants team"
+    assert Principal.of("t", ["exporter"], tenants=["team"]).limits == "tenants team"
+    assert Principal.of("any", ["exporter"]).covers("anything", None) and Principal.of("any", ["exporter"]).limits == ""
+
+
+def test_token_create_help_says_what_the_limits_mean_for_every_role() -> None:
+    shown = CliRunner().invoke(cli, ["token", "create", "--help"])
+    assert shown.exit_code == 0, shown.output
+    # The help's table: each role leads a line of its own.
+    leading = {line.split()[0].rstrip(",") for line in shown.output.splitlines() if line.strip()}
+    assert set(Role) <= leading, sorted(set(Role) - leading)
 
 
 def test_a_budget_over_every_namespace_is_hidden_from_a_namespace_limited_reader() -> None:

@@ -66,8 +66,9 @@ _HOURS = click.FloatRange(min=0, min_open=True)
 @click.option("--burst-allowance", type=click.FloatRange(min=1, max=100), help="burst limit = target × this")
 @click.option("--clear", "cleared", multiple=True, type=click.Choice(FIELDS), help="put a setting back to the Git bundle's value (repeatable)")
 @click.option("--reason", help="why, for the admin log")
+@click.option("--create", is_flag=True, help="NAME is a new tenant: neither the Git bundle nor an override names it yet (else refused, as a typo)")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def update(name: str, cleared: tuple[str, ...], reason: str | None, as_json: bool, **values: Any) -> None:
+def update(name: str, cleared: tuple[str, ...], reason: str | None, create: bool, as_json: bool, **values: Any) -> None:
     """Override settings of tenant NAME; hard quotas apply from the next decision on."""
     changes: dict[str, Any] = {field: value for field, value in values.items() if value is not None}
     both = sorted(set(changes) & set(cleared))
@@ -77,7 +78,7 @@ def update(name: str, cleared: tuple[str, ...], reason: str | None, as_json: boo
     if not changes:
         raise click.UsageError("name a setting to change (e.g. --max-nodes 250) or --clear one")
     body = {**changes, **({"reason": reason} if reason else {})}
-    answer = _call(lambda client: client.update_tenant(name, body))
+    answer = _call(lambda client: client.update_tenant(name, body, create=create))
     _print(answer.model_dump(mode="json"), as_json)
 
 

@@ -3,6 +3,7 @@ when it cannot be reached or is not a budgetgate database."""
 
 from __future__ import annotations
 
+import getpass
 import os
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -40,6 +41,11 @@ def stack_settings(cls: type[S] = CommonSettings, *, needs: str | tuple[str, ...
         return cls()
     except ValueError as exc:  # a pydantic ValidationError: a variable that does not parse
         raise click.ClickException(f"invalid settings: {_one_line(exc)}") from None
+
+
+def actor() -> str:
+    """Who runs this command, for the admin log: `cli:<login name>`."""
+    return f"cli:{getpass.getuser()}"
 
 
 def origin() -> str:

@@ -10,6 +10,7 @@ from budgetgate.cli.actions import actions, dlq
 from budgetgate.cli.audit import audit
 from budgetgate.cli.evidence import evidence
 from budgetgate.cli.ledger import ledger
+from budgetgate.cli.settlements import settlements
 from budgetgate.cli.budgets import budgets
 from budgetgate.cli.asyncapi import asyncapi
 from budgetgate.cli.explain import explain, replay
@@ -38,6 +39,7 @@ cli.add_command(usage)
 cli.add_command(audit)
 cli.add_command(evidence)
 cli.add_command(ledger)
+cli.add_command(settlements)
 cli.add_command(budgets)
 cli.add_command(actions)
 cli.add_command(dlq)

@@ -4,7 +4,6 @@ administrative actions, in the ledger database."""
 from __future__ import annotations
 
 import asyncio
-import getpass
 import json
 import re
 from datetime import timedelta
@@ -41,10 +40,6 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(minutes=minutes)
 
 
-def _actor() -> str:
-    return f"cli:{getpass.getuser()}"
-
-
 @click.group()
 def token() -> None:
     """API tokens: create (the secret is printed once), list, revoke."""
@@ -53,11 +48,37 @@ def token() -> None:
 @token.command()
 @click.option("--name", required=True, callback=_valid_name, help="a unique name, e.g. flyte-prod")
 @click.option("--role", "roles", required=True, multiple=True, type=click.Choice([str(r) for r in Role]), help="repeat for several roles")
-@click.option("--namespace", "namespaces", multiple=True, help="limit to namespaces matching this glob, e.g. 'vision-*' (repeatable)")
-@click.option("--tenant", "tenants", multiple=True, help="limit to this tenant (repeatable)")
+@click.option("--namespace", "namespaces", multiple=True, help="limit to namespaces matching this glob, e.g. 'vision-*' (repeatable; per role, see above)")
+@click.option("--tenant", "tenants", multiple=True, help="limit to this tenant, a value of BUDGETGATE_TENANT_LABEL (repeatable; per role, see above)")
 @click.option("--expires", help="lifetime, e.g. 90d; none = until revoked")
 def create(name: str, roles: tuple[str, ...], namespaces: tuple[str, ...], tenants: tuple[str, ...], expires: str | None) -> None:
-    """Create a token and print its secret (shown only this once; Postgres keeps a hash)."""
+    """Create a token and print its secret (shown only this once; Postgres keeps a hash).
+
+    Without --namespace and --tenant a token is not limited. With them, a run, decision or budget
+    is within the limits when its namespace matches a --namespace glob (if any is given) and its
+    tenant (the value of its BUDGETGATE_TENANT_LABEL label, `team` by default) is a --tenant (if
+    any is given). What the limits hold back, per role (docs/authentication.md):
+
+    \b
+    submitter   submits (admissions, quotes, the Kubernetes webhook) and looks up
+                decisions only within the limits; a pool shows it only the holders
+                within them. Pool tokens it allocates are not limited (only their
+                holder renews or releases one).
+    exporter    posts samples and lifecycle events only of runs whose decision is
+                within the limits (else 403, nothing recorded). A sample of a run
+                not decided yet is kept, and counts only if the run turns out to be
+                within them; a lifecycle event of such a run is refused.
+    reader,     reads budgets, scope usage, decisions and pool holders only within
+    auditor     the limits (a budget over every namespace: only without --namespace);
+                a tenant's usage only without --namespace, its settings not with
+                --namespace alone; user usage and a protected /metrics only
+                without any limit.
+    operator    reads as a reader; overrides a tenant's quotas and budgets only for
+                a --tenant (not at all with --namespace alone); applies no policy
+                bundle with any limit. Pool token releases are NOT limited.
+    accounting  reads budgets and usage as a reader (it looks up no decisions or
+                pools); overrides as an operator.
+    """
     from budgetgate.tokens import create_token
 
     lifetime = parse_duration(expires) if expires else None
@@ -74,7 +95,7 @@ def create(name: str, roles: tuple[str, ...], namespaces: tuple[str, ...], tenan
                     roles=[Role(r) for r in roles],
                     namespaces=list(namespaces),
                     tenants=list(tenants),
-                    created_by=_actor(),
+                    created_by=backend.actor(),
                     expires_in=lifetime,
                 )
             except asyncpg.UniqueViolationError:
@@ -121,7 +142,7 @@ def revoke(name: str) -> None:
 
     async def run() -> bool:
         async with backend.postgres(settings.postgres_dsn) as conn:
-            return await revoke_token(conn, name=name, revoked_by=_actor())
+            return await revoke_token(conn, name=name, revoked_by=backend.actor())
 
     if not asyncio.run(run()):
         raise click.ClickException(f"no live token named {name!r}")

@@ -91,10 +91,12 @@ def tenant(name: str) -> Call[TenantSettingsOut]:
     return Call("GET", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut))
 
 
-def update_tenant(name: str, changes: TenantSettingsIn | Mapping[str, Any]) -> Call[TenantSettingsOut]:
-    """PUT /v1/tenants/{tenant}: override the settings named (None: back to Git's value)."""
+def update_tenant(name: str, changes: TenantSettingsIn | Mapping[str, Any], *, create: bool = False) -> Call[TenantSettingsOut]:
+    """PUT /v1/tenants/{tenant}: override the settings named (None: back to Git's value); a tenant
+    neither Git nor an override names is a NotFound unless `create`."""
     body = changes if isinstance(changes, TenantSettingsIn) else TenantSettingsIn.model_validate(dict(changes))
-    return Call("PUT", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut), json=_body(body))
+    params = {"create": "true"} if create else {}
+    return Call("PUT", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut), json=_body(body), params=params)
 
 
 def user_usage(user: str, *, days: int = 90) -> Call[UserUsage]:

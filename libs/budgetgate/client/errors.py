@@ -32,11 +32,23 @@ class InvalidRequest(BudgetgateError):
 
 
 class Conflict(BudgetgateError):
-    """409: the same run id and attempt were submitted before with another request."""
+    """409: the run id was decided before for another request (`changes`: each field's value
+    then and now), or is another namespace's or tenant's; nothing was decided. `next_attempt`:
+    the attempt that would decide the new request afresh (the run was refused, so holds
+    nothing), or None: submit under a new run id."""
 
     @property
     def fields(self) -> list[str]:
         return list(self.problem.get("fields") or [])
+
+    @property
+    def changes(self) -> list[dict[str, Any]]:
+        return list(self.problem.get("changes") or [])
+
+    @property
+    def next_attempt(self) -> int | None:
+        found = self.problem.get("next_attempt")
+        return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 class NotFound(BudgetgateError):

@@ -96,9 +96,10 @@ class Client:
         """A tenant's quotas and budgets in force, each with its source (Git or override)."""
         return self.send(calls.tenant(name))
 
-    def update_tenant(self, name: str, changes: TenantSettingsIn | Mapping[str, Any]) -> TenantSettingsOut:
-        """Override some of a tenant's quotas and budgets (an operator or accounting token)."""
-        return self.send(calls.update_tenant(name, changes))
+    def update_tenant(self, name: str, changes: TenantSettingsIn | Mapping[str, Any], *, create: bool = False) -> TenantSettingsOut:
+        """Override some of a tenant's quotas and budgets (an operator or accounting token);
+        `create` for a tenant neither Git nor an override names yet."""
+        return self.send(calls.update_tenant(name, changes, create=create))
 
     def user_usage(self, user: str, *, days: int = 90) -> UserUsage:
         """A user's budgets and its runs' usage over the last `days` (the tenant rules)."""

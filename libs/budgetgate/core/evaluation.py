@@ -399,6 +399,20 @@ def _noted(plan: Plan, reason: str) -> str:
     return f"{reason.rstrip('.')}. Recorded, not enforced: " + "; ".join(f"{w.policy.enforcement} {w.reason}" for w in plan.waived) + "."
 
 
+_RESERVED = "admitted: reserved on "
+# What a decision's reason says, and what it says of a dry run, which reserves nothing.
+_HYPOTHETICAL = ((_RESERVED, "would be admitted: would reserve on "), ("admitted: ", "would be admitted: "), ("denied: ", "would be denied: "),
+                 ("delayed: ", "would be delayed: "))  # fmt: skip
+
+
+def hypothetical(reason: str) -> str:
+    """A decision's reason as said of a dry run: "would reserve on 2 budgets", not "reserved"."""
+    for said, would in _HYPOTHETICAL:
+        if reason.startswith(said):
+            return would + reason.removeprefix(said)
+    return reason
+
+
 def _allow_reason(plan: Plan, readings: Mapping[str, Reading]) -> str:
     candidates = [c for c in plan.charges if c.hard] or list(plan.charges)
     tightest = min(candidates, key=lambda c: ((readings[c.ledger_key].remaining - c.amount) / max(c.policy.limit.amount, 1), c.policy.id))
@@ -406,7 +420,7 @@ def _allow_reason(plan: Plan, readings: Mapping[str, Reading]) -> str:
     unit, cur = tightest.policy.limit.unit, tightest.policy.limit.currency
     n = len(plan.charges)
     return (
-        f"admitted: reserved on {n} budget{'s' if n > 1 else ''}; tightest is {tightest.policy.id!r} with "
+        f"{_RESERVED}{n} budget{'s' if n > 1 else ''}; tightest is {tightest.policy.id!r} with "
         f"{describe(unit, left, cur)} of {describe(unit, tightest.policy.limit.amount, cur)} left after this run"
     )
 

@@ -47,6 +47,7 @@ from budgetgate.core.policy_files import (
     parse_files,
     parse_text,
     read_directory,
+    unstorable_text,
 )
 
 __all__ = [
@@ -127,6 +128,9 @@ def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str, partial: 
     limits: list[ConcurrencyLimit] = []
     seen_ids: dict[tuple[str, str], SourceDocument] = {}
     rates_seen: dict[tuple[str, str, str | None, Any], str] = {}
+    # Every document, not only budgetgate's: `POST /v1/policies` stores all it is sent.
+    for doc in documents:
+        errors.extend(unstorable_text(doc))
     for doc in budgetgate_documents(documents):
         parsed = _validate(doc, errors)
         if parsed is None:

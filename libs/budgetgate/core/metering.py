@@ -80,6 +80,8 @@ class Rejection(StrEnum):
     COUNTER_REGRESSION = "counter_regression"
     CONFLICT = "conflict"
     UNKNOWN_RUN = "unknown_run"
+    # Kept pending for a sender limited to namespaces or tenants, and its run is not within them.
+    OUT_OF_SCOPE = "out_of_scope"
 
 
 @dataclass(frozen=True)

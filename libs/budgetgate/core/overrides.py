@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from budgetgate.core.documents import QuotaSpec
-from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
+from budgetgate.core.policy import ANY_VALUE, BudgetPolicy, Enforcement, PolicyBundle
 from budgetgate.core.quotas import QUOTA_FIELDS, TenantQuota
 from budgetgate.core.sources import Source
 from budgetgate.core.units import Unit, from_amount, limit_amount, smallest
@@ -89,6 +89,18 @@ def tenant_budget(bundle: PolicyBundle, tenant: str, unit: Unit, *, label: str) 
         name = _budget_field(unit)
         raise InvalidOverride(name, f"tenant {tenant!r} has {len(found)} soft {unit} budgets ({', '.join(p.id for p in found)}); an override needs exactly one")
     return found[0] if found else None
+
+
+class UnknownTenant(LookupError):
+    """An update for a tenant that neither the bundle nor an override names: a typo, until the
+    caller says it means a new tenant."""
+
+
+def named_tenants(bundle: PolicyBundle, *, label: str) -> set[str]:
+    """The tenants the bundle names: in a Quota, or as the value of `label` in a budget's scope."""
+    named = {q.tenant for q in bundle.quotas if q.tenant}
+    named |= {value for p in bundle.policies if (value := p.scope.labels.get(label)) is not None and value != ANY_VALUE}
+    return named
 
 
 def _budget_field(unit: Unit) -> str:

@@ -49,6 +49,31 @@ class SourceDocument:
         return self.lines.get(path, self.line)
 
 
+def unstorable_text(doc: SourceDocument) -> list[PolicyError]:
+    """A key or text of `doc` holding the NUL character, which Postgres cannot store (and no
+    policy means): one error per place, with its line where the document was read from YAML."""
+    errors: list[PolicyError] = []
+    pending: list[tuple[tuple[Any, ...], Any]] = [((), doc.data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                errors.append(PolicyError(doc.file, doc.line_of(path), f"{_dotted(path) or 'the document'} holds the NUL character (\\u0000); remove it"))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and "\x00" in key:
+                    where = _dotted(path) or "the document"
+                    errors.append(PolicyError(doc.file, doc.line_of(path), f"a key of {where} holds the NUL character (\\u0000): {key!r}"))
+                pending.append(((*path, key), item))
+        elif isinstance(value, list):
+            pending.extend(((*path, i), item) for i, item in enumerate(value))
+    return errors
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p).replace("\x00", "\\u0000") for p in path)
+
+
 def read_directory(directory: Path) -> list[SourceDocument]:
     """Every document of every *.yaml / *.yml file below `directory`, in path order."""
     documents, errors = parse_files(directory_files(directory))

@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
 from budgetgate.core.ledger_key import checked
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
@@ -206,6 +207,36 @@ def settle_state(run: RunFacts, state: RunState, *, bundle: PolicyBundle | None,
         ended_at=line.ended_at,
         final_state=line.final_state,
         review_at=review_at(line, run, rules, now, st),
+        used=used,
+    )
+
+
+def given_back(run: RunFacts, state: RunState, timed: Mapping[tuple[str, datetime], int], *, last: Mapping[str, Any] | None) -> Settlement:
+    """The run's settlement with what it holds given back and nothing else moved: an operator's
+    release of a run whose settlement keeps failing. Its charges stay as last settled (`state`,
+    and `timed`: those from time alone), no fact recorded since is folded in, and time reviews it
+    no more; `last` is its last settlement (run_settlements), None if it has none. Where it stands
+    comes from its lifecycle. A run not yet final is released (its facts to come are settled as
+    any released run's: charged as consumed, never held again); a final one holds nothing."""
+    line = timeline(run.events, gpus=run.gpus, nodes=run.nodes, ends_after=run.ends_after)
+    final = bool(last and last["final"])
+    used = dict(state.used)
+    return Settlement(
+        held=dict.fromkeys((r.ledger_key for r in run.reservations), 0),
+        consumed=dict(timed),
+        windows={},
+        phase=line.phase,
+        final=final,
+        provisional=bool(last and last["provisional"]),
+        released=run.released or not final,
+        over_running=any(used.get(r.policy.id, 0) > r.admitted for r in run.reservations),
+        wall=last["wall"] if last else 0,
+        metered_gpu=state.gpu,
+        actual_gpu=last["actual_gpu"] if last else state.gpu,
+        projected_gpu=run.projected_gpu,
+        ended_at=line.ended_at,
+        final_state=line.final_state if final else None,
+        review_at=None,
         used=used,
     )
 

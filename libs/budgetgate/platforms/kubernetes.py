@@ -32,13 +32,15 @@ every knob):
 
 from __future__ import annotations
 
-import math
+import re
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
+from budgetgate.core.evaluation import hypothetical
+from budgetgate.platforms.reviews import Asked, At, Unmappable, ask
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
@@ -47,6 +49,7 @@ ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), 
 SCALABLE_KINDS = ADMITTED_KINDS - {("", "Pod")}
 # Owners whose children are admitted with them: a child of one of these is skipped.
 ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
+_WHOLE = re.compile(r"^[0-9]+$")
 
 
 @dataclass(frozen=True)
@@ -102,47 +105,28 @@ class Refuse:
     reason: str
 
 
-class Unmappable(ValueError):
-    """The object cannot be turned into a submission; the message says what to add or fix."""
-
-
-def _meta(obj: MappingType[str, Any]) -> MappingType[str, Any]:
-    return obj.get("metadata") or {}
-
-
 def _group(api_version: str) -> str:
     return api_version.split("/")[0] if "/" in api_version else ""
 
 
-def quantity(value: Any) -> int:
-    """A count of an extended resource ("8", 8): a whole number, as Kubernetes requires of them."""
-    try:
-        number = float(str(value))
-    except ValueError:
-        raise Unmappable(f"GPU quantity {value!r} is not a whole number") from None
-    if not math.isfinite(number) or number < 0 or number != int(number):
-        raise Unmappable(f"GPU quantity {value!r} is not a whole number")
-    return int(number)
-
-
-def pod_gpus(pod_spec: MappingType[str, Any], resource: str) -> int:
+def pod_gpus(pod_spec: At, resource: str) -> int:
     """GPUs one pod holds, as Kubernetes computes a pod's effective request.
 
     The containers and the native sidecars (init containers with `restartPolicy: Always`)
     summed, or, when more, an init container's own request plus the sidecars started before it."""
 
-    def of(container: MappingType[str, Any]) -> int:
-        resources = container.get("resources") or {}
-        asked = (resources.get("requests") or {}).get(resource)
-        if asked is None:
-            asked = (resources.get("limits") or {}).get(resource)
-        return quantity(asked) if asked is not None else 0
+    def of(container: At) -> int:
+        resources = container.obj("resources")
+        asked = resources.obj("requests").entry(resource)
+        if asked.value is None:
+            asked = resources.obj("limits").entry(resource)
+        return asked.quantity() if asked.value is not None else 0
 
-    running = sum(of(c) for c in pod_spec.get("containers") or [])
+    running = sum(of(c) for c in pod_spec.objects("containers"))
     sidecars = init = 0
-    for container in pod_spec.get("initContainers") or []:
+    for container in pod_spec.objects("initContainers"):
         asked = of(container)
-        if container.get("restartPolicy") == "Always":  # a native sidecar: runs on beside what starts after it
+        if container.text("restartPolicy") == "Always":  # a native sidecar: runs on beside what starts after it
             sidecars, running = sidecars + asked, running + asked
         else:
             init = max(init, asked + sidecars)
@@ -156,63 +140,65 @@ class _Shape:
     deadline_seconds: int | None
 
 
-def _job(spec: MappingType[str, Any], resource: str) -> _Shape:
-    parallelism = spec.get("parallelism", 1)
-    completions = spec.get("completions")
+def _job(spec: At, resource: str) -> _Shape:
+    parallelism = spec.count("parallelism", 1) or 0
+    completions = spec.count("completions")
     pods = min(parallelism, completions) if completions is not None else parallelism
-    template = (spec.get("template") or {}).get("spec") or {}
-    deadline = spec.get("activeDeadlineSeconds")
-    if not deadline and template.get("activeDeadlineSeconds"):
+    template = spec.obj("template").obj("spec")
+    deadline = spec.seconds("activeDeadlineSeconds")
+    pod_deadline = template.seconds("activeDeadlineSeconds")
+    if not deadline and pod_deadline:
         # A pod's deadline limits one pod: the Job runs its completions in waves of `pods`.
-        waves = math.ceil(completions / pods) if completions and pods else 1
-        deadline = template["activeDeadlineSeconds"] * waves
+        waves = -(-completions // pods) if completions and pods else 1
+        deadline = pod_deadline * waves
     return _Shape(pod_gpus(template, resource) * pods, pods, deadline)
 
 
-def _ray_cluster(cluster: MappingType[str, Any], resource: str) -> tuple[int, int]:
+def _ray_cluster(cluster: At, resource: str) -> tuple[int, int]:
     """GPUs and pods of a rayClusterSpec: its head and worker groups, at their autoscaling bound."""
-    head = ((cluster.get("headGroupSpec") or {}).get("template") or {}).get("spec") or {}
-    gpus, pods = pod_gpus(head, resource), 1
-    autoscaled = bool(cluster.get("enableInTreeAutoscaling"))
-    for group_spec in cluster.get("workerGroupSpecs") or []:
-        replicas = group_spec.get("replicas", group_spec.get("minReplicas", 1))
+    gpus, pods = pod_gpus(cluster.obj("headGroupSpec").obj("template").obj("spec"), resource), 1
+    autoscaled = cluster.flag("enableInTreeAutoscaling")
+    for group_spec in cluster.objects("workerGroupSpecs"):
+        replicas = group_spec.count("replicas", group_spec.count("minReplicas", 1)) or 0
+        most = group_spec.count("maxReplicas")
         if autoscaled:
-            if group_spec.get("maxReplicas") is None:
-                raise Unmappable(f"worker group {group_spec.get('groupName')!r} is autoscaled without maxReplicas: set it, the most it may grow to")
-            replicas = max(replicas, group_spec["maxReplicas"])
-        count = replicas * group_spec.get("numOfHosts", 1)
-        gpus += count * pod_gpus((group_spec.get("template") or {}).get("spec") or {}, resource)
+            if most is None:
+                name = group_spec.text("groupName")
+                raise Unmappable(f"worker group {name!r} is autoscaled without maxReplicas ({group_spec.path}.maxReplicas): set it, the most it may grow to")
+            replicas = max(replicas, most)
+        count = replicas * (group_spec.count("numOfHosts", 1) or 0)
+        gpus += count * pod_gpus(group_spec.obj("template").obj("spec"), resource)
         pods += count
     return gpus, pods
 
 
-def _shape(group: str, kind: str, obj: MappingType[str, Any], resource: str) -> _Shape:
-    spec = obj.get("spec") or {}
+def _shape(group: str, kind: str, obj: At, resource: str) -> _Shape:
+    spec = obj.obj("spec")
     if kind == "Pod":
-        return _Shape(pod_gpus(spec, resource), 1, spec.get("activeDeadlineSeconds"))
+        return _Shape(pod_gpus(spec, resource), 1, spec.seconds("activeDeadlineSeconds"))
     if kind == "Job":
         return _job(spec, resource)
     if kind == "JobSet":
-        jobs = [(rj.get("replicas", 1), _job(((rj.get("template") or {}).get("spec") or {}), resource)) for rj in spec.get("replicatedJobs") or []]
+        jobs = [(rj.count("replicas", 1) or 0, _job(rj.obj("template").obj("spec"), resource)) for rj in spec.objects("replicatedJobs")]
         deadlines = [j.deadline_seconds for _, j in jobs if j.deadline_seconds]
         return _Shape(sum(n * j.gpus for n, j in jobs), sum(n * j.pods for n, j in jobs), max(deadlines) if deadlines else None)
     if kind == "RayCluster":  # its spec is a rayClusterSpec, and it has no deadline
         return _Shape(*_ray_cluster(spec, resource), None)
     # RayJob: the cluster it creates.
-    return _Shape(*_ray_cluster(spec.get("rayClusterSpec") or {}, resource), spec.get("activeDeadlineSeconds"))
+    return _Shape(*_ray_cluster(spec.obj("rayClusterSpec"), resource), spec.seconds("activeDeadlineSeconds"))
 
 
-def _runtime_hours(shape: _Shape, annotations: MappingType[str, str], namespace: str, mapping: Mapping) -> float:
+def _runtime_hours(shape: _Shape, annotations: At, namespace: str, mapping: Mapping) -> float:
     if shape.deadline_seconds:
         return shape.deadline_seconds / 3600
-    raw = annotations.get(mapping.runtime_annotation)
-    if raw is not None:
+    raw = annotations.entry(mapping.runtime_annotation)
+    if raw.value is not None:
         try:
-            hours = float(raw)
+            hours = float(raw.value)
         except ValueError:
-            raise Unmappable(f"annotation {mapping.runtime_annotation}={raw!r} is not a number of hours") from None
-        if not math.isfinite(hours) or hours <= 0:
-            raise Unmappable(f"annotation {mapping.runtime_annotation}={raw!r} must be a positive number of hours")
+            raw.fail("must be a number of hours")
+        if not 0 < hours < float("inf"):
+            raw.fail("must be a positive number of hours")
         return hours
     found = mapping.namespace_runtime_hours.get(namespace, mapping.default_runtime_hours)
     if found is None:
@@ -220,80 +206,107 @@ def _runtime_hours(shape: _Shape, annotations: MappingType[str, str], namespace:
     return found
 
 
-def _controller(meta: MappingType[str, Any]) -> MappingType[str, Any] | None:
-    owners = meta.get("ownerReferences") or []
-    return next((o for o in owners if o.get("controller")), owners[0] if owners else None)
+def _controller(meta: At) -> At | None:
+    owners = meta.objects("ownerReferences")
+    return next((o for o in owners if o.flag("controller")), owners[0] if owners else None)
 
 
-def submission(review: MappingType[str, Any], mapping: Mapping = Mapping(), *, own_run: bool = False) -> Submit | Skip | Refuse | Owned:
-    """What the `request` of an admission.k8s.io/v1 AdmissionReview asks of budgetgate.
+def _missing(asked: Asked) -> Unmappable:
+    article, verb = ("a", "creates") if asked.operation == "CREATE" else ("an", "updates")
+    return Unmappable(f"request.object is missing: {article} {asked.operation} carries the object it {verb}")
+
+
+def submission(review: MappingType[str, Any] | Asked, mapping: Mapping = Mapping(), *, own_run: bool = False) -> Submit | Skip | Refuse | Owned:
+    """What the `request` of an admission.k8s.io/v1 AdmissionReview (or the request as `ask`
+    read it) asks of budgetgate.
 
     A CREATE is a submission (or skipped, or `Owned` by an object of an admitted kind; with
     `own_run`, whatever its owner: the owner was not admitted); an UPDATE that raises the GPUs
     of a Job, JobSet, RayJob or RayCluster is refused, any other UPDATE skipped. Raises
-    Unmappable when the object should be a submission, or an UPDATE checked, and cannot be."""
-    request = review.get("request") or {}
-    group, kind = (request.get("kind") or {}).get("group", ""), (request.get("kind") or {}).get("kind", "")
+    Unmappable when the request or its object is malformed (a CREATE or UPDATE without its
+    object, a field of another type than the API's), or when the object should be a submission,
+    or an UPDATE checked, and cannot be."""
+    asked = review if isinstance(review, Asked) else ask(review)
+    group, kind = asked.group, asked.kind
     if (group, kind) not in ADMITTED_KINDS:
         return Skip(f"{kind or 'this kind'} ({group or 'core'}) is not a workload budgetgate admits")
-    operation = request.get("operation")
-    if operation == "UPDATE" and (group, kind) in SCALABLE_KINDS:
-        return _update(request, group, kind, mapping)
-    if operation != "CREATE":
-        return Skip(f"{operation} is not a submission; only CREATE is")
-    obj = request.get("object") or {}
-    meta = _meta(obj)
+    if asked.object is None and asked.operation in ("CREATE", "UPDATE"):
+        raise _missing(asked)
+    if asked.operation == "UPDATE" and (group, kind) in SCALABLE_KINDS:
+        return _update(asked, kind, mapping)
+    if asked.operation != "CREATE" or asked.object is None:
+        return Skip(f"{asked.operation} is not a submission; only CREATE is")
+    obj = asked.object
+    meta = obj.obj("metadata")
     owner = _controller(meta)
-    if not own_run and owner is not None and (_group(owner.get("apiVersion", "")), owner.get("kind")) in ADMITTED_OWNERS:
-        reason = f"created by {owner.get('kind')} {owner.get('name')}, which was admitted for it"
-        return Owned(str(owner.get("uid") or ""), str(owner.get("kind") or ""), str(owner.get("name") or ""), reason, owns=(group, kind) in ADMITTED_OWNERS)
-    namespace = request.get("namespace") or meta.get("namespace") or "default"
-    annotations: MappingType[str, str] = meta.get("annotations") or {}
+    if not own_run and owner is not None and (_group(owner.text("apiVersion") or ""), owner.text("kind")) in ADMITTED_OWNERS:
+        owner_kind, owner_name = owner.text("kind") or "", owner.text("name") or ""
+        reason = f"created by {owner_kind} {owner_name}, which was admitted for it"
+        return Owned(owner.text("uid") or "", owner_kind, owner_name, reason, owns=(group, kind) in ADMITTED_OWNERS)
+    labels = meta.strings("labels")
+    annotations = meta.strings("annotations")
+    notes = meta.field("annotations")
     shape = _shape(group, kind, obj, mapping.gpu_resource)
     if shape.gpus == 0 and not mapping.submit_cpu_only:
         return Skip(f"asks for no {mapping.gpu_resource}")
     # Never the owner's UID: the replicas of a ReplicaSet or StatefulSet and the Jobs of a
     # CronJob share their owner, and each is a run that needs its own reservation.
-    run_id = annotations.get(mapping.run_id_annotation) or meta.get("uid")
+    run_id = annotations.get(mapping.run_id_annotation) or asked.uid
     if not run_id:
         raise Unmappable(f"no run id: the object has no UID or annotation {mapping.run_id_annotation}")
-    attempt = annotations.get(mapping.attempt_annotation, "1")
-    if not attempt.isdigit() or int(attempt) < 1:
-        raise Unmappable(f"annotation {mapping.attempt_annotation}={attempt!r} must be a whole number from 1")
+    attempt = notes.entry(mapping.attempt_annotation)
+    if attempt.value is not None and (not _WHOLE.match(attempt.value) or int(attempt.value) < 1):
+        attempt.fail("must be a whole number from 1")
     flavor = annotations.get(mapping.flavor_annotation) or mapping.default_flavor
     region = annotations.get(mapping.region_annotation)
     body = {
         "run_id": run_id,
-        "attempt": int(attempt),
-        "namespace": namespace,
-        "labels": dict(meta.get("labels") or {}),
+        "attempt": int(attempt.value or 1),
+        "namespace": asked.namespace,
+        "labels": labels,
         "resources": {"gpus": shape.gpus, "nodes": max(1, shape.pods), **({"flavor": flavor} if flavor else {}), **({"region": region} if region else {})},
-        "projected_runtime_hours": _runtime_hours(shape, annotations, namespace, mapping),
-        "job": {"namespace": namespace, "name": meta.get("name") or meta.get("generateName") or run_id},
+        "projected_runtime_hours": _runtime_hours(shape, notes, asked.namespace, mapping),
+        "job": {"namespace": asked.namespace, "name": asked.name or run_id},
     }
     try:
         return Submit(AdmissionRequest.model_validate(body))
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        sources = _sources(mapping)
+        wrong = [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
+        problems = "; ".join(f"{where} (from {sources[where]}): {msg}" if where in sources else f"{where}: {msg}" for where, msg in wrong)
         raise Unmappable(f"not a valid submission: {problems}") from None
 
 
-def _update(request: MappingType[str, Any], group: str, kind: str, mapping: Mapping) -> Skip | Refuse:
+def _sources(mapping: Mapping) -> dict[str, str]:
+    """Where each field of the submission comes from in the object."""
+    return {
+        "run_id": f"metadata.annotations[{mapping.run_id_annotation!r}], else metadata.uid",
+        "attempt": f"metadata.annotations[{mapping.attempt_annotation!r}]",
+        "namespace": "request.namespace, else metadata.namespace",
+        "resources.flavor": f"metadata.annotations[{mapping.flavor_annotation!r}]",
+        "resources.region": f"metadata.annotations[{mapping.region_annotation!r}]",
+        "resources.gpus": f"the {mapping.gpu_resource} its pods ask for",
+        "resources.nodes": "its pods that run at once",
+        "job.name": "metadata.name",
+        "job.namespace": "request.namespace, else metadata.namespace",
+    }
+
+
+def _update(asked: Asked, kind: str, mapping: Mapping) -> Skip | Refuse:
     # Whatever created the object (a CREATE decided, or skipped as asking for no GPU) covered the
     # GPUs it had then; a patch that raises them (parallelism, replicas, maxReplicas) would run
     # more on that one reservation. Children are checked too: their owner was decided for the
     # GPUs they had when it was.
-    old, new = request.get("oldObject"), request.get("object")
-    if not old or not new:
-        raise Unmappable("an UPDATE without its oldObject and object cannot be checked")
-    before = _shape(group, kind, old, mapping.gpu_resource).gpus
-    after = _shape(group, kind, new, mapping.gpu_resource).gpus
+    old, new = asked.old_object, asked.object
+    if old is None or new is None:
+        raise Unmappable("request.oldObject is missing: an UPDATE carries the object as it was, to compare the GPUs it asks for")
+    before = _shape(asked.group, kind, old, mapping.gpu_resource).gpus
+    after = _shape(asked.group, kind, new, mapping.gpu_resource).gpus
     if after <= before:
         return Skip(f"an UPDATE asking for no more {mapping.gpu_resource} ({before} before, {after} after)")
-    name = _meta(new).get("name") or request.get("name") or ""
     return Refuse(
-        f"{kind} {name} asks for {before} {mapping.gpu_resource}; an update may not raise that to {after}, which no decision covered: "
-        f"create a new {kind} for {after} instead (with a fixed run id, a new attempt: raise the annotation {mapping.attempt_annotation})"
+        f"{kind} {asked.name} asks for {before} {mapping.gpu_resource}; an update may not raise that to {after}, which no decision covered: "
+        f"create a new {kind} for {after} instead (under a new run id: its own UID, or another value of the annotation {mapping.run_id_annotation})"
     )
 
 
@@ -309,10 +322,11 @@ def review(uid: str, *, allowed: bool, message: str | None = None, code: int | N
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 
 
-def decided(uid: str, answer: MappingType[str, Any], *, attempt_annotation: str = Mapping.attempt_annotation) -> dict[str, Any]:
+def decided(uid: str, answer: MappingType[str, Any], *, attempt_annotation: str = Mapping.attempt_annotation, dry_run: bool = False) -> dict[str, Any]:
     """The AdmissionReview for a decision (the admission API's answer): ALLOW admits, with soft
-    budgets' penalties as warnings; DENY denies with the reason; DELAY denies saying when to retry."""
-    reason = f"budgetgate: {answer['reason']}"
+    budgets' penalties as warnings; DENY denies with the reason; DELAY denies saying when to retry.
+    A dry run's answer (a quote) says what the decision would do: it reserved nothing."""
+    reason = f"budgetgate (dry run, nothing reserved): {hypothetical(answer['reason'])}" if dry_run else f"budgetgate: {answer['reason']}"
     warnings = []
     penalty = answer.get("priority_penalty") or 0.0
     if penalty > 0:

@@ -10,10 +10,11 @@ sets), and the decision becomes the check's state.
 - budgetgate unable to decide (503, 429, unreachable) → the check stays `Pending`, saying why,
   and the controller tries again (on the next event, and on its periodic requeue); a Workload
   that cannot be a submission (no runtime, say) → `Rejected`, saying what to add.
-- budgetgate's permanent answers (`error_answer`): 409 for a run id and attempt decided before
-  for another request → `Retry` with the attempt raised; 409 for a run id that is another
-  namespace's or tenant's, and 422 → `Rejected`, saying what is wrong; 401/403 (the controller's
-  own token) → `Pending`, saying what the operator must fix.
+- budgetgate's permanent answers (`error_answer`): 409 for a refused run asked for another
+  request → `Retry` at the attempt the 409 names; 409 for a run admitted for another request
+  (readmitted on another flavor, say), or a run id that is another namespace's or tenant's, and
+  422 → `Rejected`, saying what is wrong; 401/403 (the controller's own token) → `Pending`,
+  saying what the operator must fix.
 
 The submission: GPUs are each pod set's `nvidia.com/gpu` per pod (as for Pods) × its count (the
 admitted count when Kueue gives one); nodes the pods; the runtime `spec.maximumExecutionTimeSeconds`,
@@ -35,6 +36,7 @@ from pydantic import ValidationError
 
 from budgetgate.client.errors import BudgetgateError, Conflict, InvalidRequest, Unauthorized
 from budgetgate.platforms.kubernetes import Mapping, Unmappable, pod_gpus
+from budgetgate.platforms.reviews import At
 from budgetgate.services.admission.schemas import AdmissionRequest
 
 CONTROLLER_NAME = "budgetgate.io/budget"
@@ -67,10 +69,10 @@ def submission(workload: MappingType[str, Any], mapping: Mapping = Mapping()) ->
     assigned = {a.get("name"): a for a in (status.get("admission") or {}).get("podSetAssignments") or []}
     gpus = pods = 0
     flavors: list[str] = []
-    for pod_set in spec.get("podSets") or []:
-        assignment = assigned.get(pod_set.get("name", "main"), {})
-        count = assignment.get("count", pod_set.get("count", 1))
-        per_pod = pod_gpus((pod_set.get("template") or {}).get("spec") or {}, mapping.gpu_resource)
+    for pod_set in At(workload, "").obj("spec").objects("podSets"):
+        assignment = assigned.get(pod_set.text("name") or "main", {})
+        count = assignment.get("count", pod_set.count("count", 1))
+        per_pod = pod_gpus(pod_set.obj("template").obj("spec"), mapping.gpu_resource)
         gpus, pods = gpus + count * per_pod, pods + count
         if per_pod and (assignment.get("flavors") or {}).get(mapping.gpu_resource):
             flavors.append(assignment["flavors"][mapping.gpu_resource])
@@ -170,16 +172,17 @@ def error_answer(
     check: str,
     error: BudgetgateError,
     *,
-    attempt: int,
     now: datetime,
     attempt_annotation: str = Mapping.attempt_annotation,
 ) -> Patch:
-    """The check's state for an error answer to the Workload's submission (of `attempt`).
+    """The check's state for an error answer to the Workload's submission.
 
-    - 409, the attempt decided before for another request (the Workload was preempted and
-      re-admitted on another flavor, say): `Retry`, the attempt annotation raised, so the try
-      after Kueue's requeue is a new attempt rather than the same conflict again.
-    - 409, the run id is another namespace's or tenant's: `Rejected`; no attempt can change that.
+    - 409 that a higher attempt resolves (the run was refused, and is asked for another request
+      now: readmitted for fewer pods, say): `Retry`, the attempt annotation raised to the
+      conflict's `next_attempt`, so the try after Kueue's requeue is decided afresh.
+    - 409 that no attempt resolves: the run was admitted for another request (the Workload
+      preempted and readmitted on another flavor, say: the reservation was made for the first),
+      or its run id is another namespace's or tenant's: `Rejected`, saying what changed.
     - 422: `Rejected`, the message naming the fields budgetgate refused.
     - 401/403: `Pending`, saying the controller's token is missing, invalid, or lacks the submitter
       role for the namespace. That is an operator's fix, not the Workload's fault: `Rejected` would
@@ -190,10 +193,10 @@ def error_answer(
     """
     detail = error.detail or str(error)
     if isinstance(error, Conflict):
-        if any(f == "namespace" or f.startswith("labels.") for f in error.fields):
+        if error.next_attempt is None:
             return Patch(_state(workload, check, "Rejected", f"budgetgate: {detail}", now))
-        message = f"budgetgate: {detail}; the next try is attempt {attempt + 1}"
-        return Patch(_state(workload, check, "Retry", message, now), {attempt_annotation: str(attempt + 1)})
+        message = f"budgetgate: {detail}; the next try is attempt {error.next_attempt}"
+        return Patch(_state(workload, check, "Retry", message, now), {attempt_annotation: str(error.next_attempt)})
     if isinstance(error, InvalidRequest):
         return Patch(_state(workload, check, "Rejected", f"budgetgate: not a valid submission ({detail})", now))
     if isinstance(error, Unauthorized):

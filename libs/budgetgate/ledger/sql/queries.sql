@@ -367,21 +367,29 @@ FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamp
 WHERE r.run_id = x.run_id;
 
 -- name: insert_pending
--- Keep a sample until its run is known. When one of the same id is kept already, the new one is
--- not, and the kept one's payload comes back (for the caller to tell a resend from a conflict).
+-- Keep a sample until its run is known, with its sender's limits ($11 the sender limited to
+-- namespaces $12 and tenants $13; '' and none for a sender not limited). When one of the same id
+-- from the same sender is kept already, the new one is not, and the kept one's payload comes
+-- back (for the caller to tell a resend from a conflict).
 WITH kept AS (
     INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,
-                                  kafka_offset, payload, headers)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-    ON CONFLICT (run_id, sample_id) DO NOTHING
+                                  kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+    ON CONFLICT (run_id, sample_id, sender) DO NOTHING
     RETURNING 1
 )
 SELECT p.payload, p.headers FROM metering_pending p
-WHERE p.run_id = $1 AND p.sample_id = $2 AND NOT EXISTS (SELECT 1 FROM kept);
+WHERE p.run_id = $1 AND p.sample_id = $2 AND p.sender = $11 AND NOT EXISTS (SELECT 1 FROM kept);
 
 -- name: take_pending_of_run
 DELETE FROM metering_pending WHERE run_id = $1
-RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers;
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants;
+
+-- name: run_owners
+-- The namespace and tenant (the value of label $2) of each run of $1 that has a decision, as its
+-- latest decision names them (admission keeps both in every attempt of a run); one index probe a run.
+SELECT DISTINCT ON (run_id) run_id, namespace, labels ->> $2 AS tenant
+FROM decisions WHERE run_id = ANY($1::text[]) ORDER BY run_id, attempt DESC;
 
 -- name: pending_runs_with_decision
 SELECT DISTINCT p.run_id FROM metering_pending p
@@ -391,11 +399,11 @@ WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id) LIMIT $1;
 -- Pending samples past their grace period whose run still has no decision, taken to be
 -- dead-lettered in the same transaction. SKIP LOCKED: instances side by side share the work.
 DELETE FROM metering_pending
-WHERE (run_id, sample_id) IN (
-    SELECT p.run_id, p.sample_id FROM metering_pending p
+WHERE (run_id, sample_id, sender) IN (
+    SELECT p.run_id, p.sample_id, p.sender FROM metering_pending p
     WHERE p.expires_at <= $1 AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id)
     ORDER BY p.expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers;
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants;
 
 -- name: pending_count
 SELECT count(*) FROM metering_pending;
@@ -443,7 +451,9 @@ ORDER BY s.review_at LIMIT $2;
 -- Runs the reconciler never settled, holding since before $1 (the start deadline) a reservation,
 -- a concurrency hold or a pool token: settled so that the never-started rule (or a fact settled
 -- before the decision committed) gives them back. A run no budget covers holds no reservation,
--- only its quota slot or its token, so those are looked for too.
+-- only its quota slot or its token, so those are looked for too. A dead-lettered one waits for an
+-- operator (`budgetgate settlements resolve`), as runs_due's do: tried every tick, it was
+-- logged again each time and its dead letter's times moved.
 SELECT DISTINCT h.run_id FROM (
     SELECT r.run_id FROM reservations r WHERE r.state = 'held' AND r.created_at <= $1
     UNION ALL
@@ -452,6 +462,7 @@ SELECT DISTINCT h.run_id FROM (
     SELECT a.run_id FROM pool_allocations a WHERE a.run_id IS NOT NULL AND a.state = 'held' AND a.granted_at <= $1
 ) AS h
 WHERE NOT EXISTS (SELECT 1 FROM run_settlements s WHERE s.run_id = h.run_id)
+  AND NOT EXISTS (SELECT 1 FROM settlement_failures f WHERE f.run_id = h.run_id AND f.dead)
 LIMIT $2;
 
 -- name: run_decision
@@ -522,6 +533,35 @@ RETURNING attempts, dead;
 -- name: clear_settlement_failures
 -- Runs settled now ($1): their earlier failed tries no longer count towards dead-lettering.
 DELETE FROM settlement_failures WHERE run_id = ANY($1::text[]) AND NOT dead;
+
+-- name: dead_settlements
+-- Dead-lettered settlements (services/reconciler/dead_letters.py), longest dead first, $1 at most.
+SELECT run_id, reason, attempts, first_failed_at, last_failed_at FROM settlement_failures WHERE dead
+ORDER BY last_failed_at, run_id LIMIT $1;
+
+-- name: dead_settlements_count
+SELECT count(*) FROM settlement_failures WHERE dead;
+
+-- name: dead_settlement
+-- Run $1's dead-lettered settlement, locked until the transaction resolving it ends.
+SELECT run_id, reason, attempts, first_failed_at, last_failed_at FROM settlement_failures WHERE run_id = $1 AND dead FOR UPDATE;
+
+-- name: forget_dead_settlement
+-- Resolved by an operator: the run's next fact is settled as any run's.
+DELETE FROM settlement_failures WHERE run_id = $1 AND dead;
+
+-- name: runs_holding
+-- What runs $1 hold now: their held reservations, each with its budget (policy, scope, window and
+-- unit; amounts in the ledger's units), their quota hold, and their pool tokens (namespace/token).
+SELECT x.run_id,
+       COALESCE((SELECT jsonb_agg(jsonb_build_object('ledger_key', r.ledger_key, 'ledger_amount', r.amount, 'policy_id', e.policy_id,
+                                                     'scope_id', e.scope_id, 'window_key', e.window_key, 'unit', e.unit) ORDER BY r.ledger_key)
+                 FROM reservations r JOIN ledger_entries e ON e.ledger_key = r.ledger_key
+                 WHERE r.run_id = x.run_id AND r.state = 'held'), '[]'::jsonb) AS reservations,
+       h.tenant, h.gpus, h.nodes,
+       ARRAY(SELECT a.namespace || '/' || a.token FROM pool_allocations a
+             WHERE a.run_id = x.run_id AND a.state = 'held' AND a.lease_expires_at > now() ORDER BY 1) AS tokens
+FROM unnest($1::text[]) AS x (run_id) LEFT JOIN run_holds h ON h.run_id = x.run_id AND h.state = 'held';
 
 -- name: try_lock_run
 -- The run's lock (lock_run) if free: a settlement in flight keeps it.

@@ -244,7 +244,9 @@ CREATE TABLE usage_records (
 );
 
 -- Valid samples of runs without a decision yet, kept until one appears (then applied) or until
--- expires_at (observed_at + the grace period; then dead-lettered as unknown_run).
+-- expires_at (observed_at + the grace period; then dead-lettered as unknown_run). 0027: a sender
+-- limited to namespaces or tenants is kept with it (applied only to a run within them); '' and no
+-- limits for a sender not limited (a token without limits, or Kafka).
 CREATE TABLE metering_pending (
     run_id          text NOT NULL,
     sample_id       text NOT NULL,
@@ -258,7 +260,10 @@ CREATE TABLE metering_pending (
     -- JSON [[name, base64 value], ...]: bytea, because a header value may hold NUL bytes.
     headers         bytea NOT NULL,
     received_at     timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (run_id, sample_id)
+    sender            text NOT NULL DEFAULT '',
+    sender_namespaces text[] NOT NULL DEFAULT '{}',
+    sender_tenants    text[] NOT NULL DEFAULT '{}',
+    PRIMARY KEY (run_id, sample_id, sender)
 );
 CREATE INDEX metering_pending_expiry ON metering_pending (expires_at);
 

@@ -1,0 +1,94 @@
+"""The reconciler harness: a reconciler on the test's Postgres, Redis and Kafka, a feed of
+lifecycle events and usage records on the test's topics, and the ledger as each side holds it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+
+import asyncpg
+import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate import wire
+from budgetgate.services.reconciler.settings import ReconcilerSettings
+from budgetgate.services.reconciler.worker import Reconciler, build
+from budgetgate.telemetry import setup_telemetry
+from budgetgate.topics import Topics, ensure_topics
+from budgetgate.v1 import lifecycle_pb2, usage_pb2
+
+H = 3_600_000  # milli-hours in an hour: one GPU-hour in the ledger's units
+
+
+def ts(at: datetime) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromDatetime(at)
+    return stamp
+
+
+def lifecycle(run_id: str, kind: str, at: datetime, *, gpus: int = 0, event_id: str | None = None) -> lifecycle_pb2.LifecycleEvent:
+    return lifecycle_pb2.LifecycleEvent(
+        event_id=event_id or str(uuid.uuid4()), event_time=ts(at), run_id=run_id, type=lifecycle_pb2.LifecycleType.Value(kind), gpus=gpus
+    )
+
+
+def usage(run_id: str, sample: str, at: datetime, gpu_hours: float, node_hours: float = 0.0) -> usage_pb2.UsageRecord:
+    gpu, node = int(gpu_hours * H), int(node_hours * H)
+    return usage_pb2.UsageRecord(
+        event_id=str(uuid.uuid4()), event_time=ts(at), run_id=run_id, sample_id=sample, observed_at=ts(at),
+        gpu_milli_hours_cumulative=gpu, node_milli_hours_cumulative=node, gpu_milli_hours_observed=gpu, node_milli_hours_observed=node,
+    )  # fmt: skip
+
+
+class Feed:
+    """Publishes lifecycle events and usage records to the test's topics."""
+
+    def __init__(self, publisher: wire.Publisher, topics: Topics) -> None:
+        self.publisher = publisher
+        self.topics = topics
+
+    async def send(self, *messages: object) -> None:
+        for message in messages:
+            topic = self.topics.lifecycle if isinstance(message, lifecycle_pb2.LifecycleEvent) else self.topics.usage
+            await self.publisher.send(topic, message, key=message.run_id)  # type: ignore[attr-defined, arg-type]
+
+
+@pytest.fixture
+async def feed(settings) -> AsyncIterator[Feed]:  # type: ignore[no-untyped-def]
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
+    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        yield Feed(publisher, Topics(settings.topic_prefix))
+
+
+@pytest.fixture
+async def reconciler_factory(settings) -> AsyncIterator[Callable[..., Awaitable[Reconciler]]]:  # type: ignore[no-untyped-def]
+    started: list[Reconciler] = []
+
+    async def start(**overrides: object) -> Reconciler:
+        values = {**settings.model_dump(), "tick_seconds": 0.2, "drift_check_seconds": 0, **overrides}
+        reconciler = build(ReconcilerSettings(**values), telemetry=setup_telemetry(service_name="reconciler-test", otlp_endpoint=None))
+        await reconciler.start()
+        started.append(reconciler)
+        return reconciler
+
+    yield start
+    for reconciler in started:
+        await reconciler.stop()
+
+
+async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:
+    """(reserved, consumed) of every ledger key, from Postgres."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT e.ledger_key, e.consumed, COALESCE((SELECT sum(amount) FROM reservations r WHERE r.ledger_key = "
+            "e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved FROM ledger_entries e"
+        )
+        return {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in rows}
+    finally:
+        await conn.close()
+
+
+async def ledger_in_redis(reconciler: Reconciler) -> dict[str, tuple[int, int]]:
+    return await reconciler.ledger.all_readings()
