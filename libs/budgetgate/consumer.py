@@ -47,6 +47,7 @@ from google.protobuf.message import Message
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 
+from budgetgate.publisher import Publisher
 from budgetgate import wire
 from budgetgate.ledger.queries import sql
 
@@ -169,7 +170,7 @@ class Inbox:
         *,
         name: str,
         pool: asyncpg.Pool,
-        publisher: wire.Publisher,
+        publisher: Publisher,
         routes: Mapping[str, Route | BatchRoute],
         max_backoff: float = 10.0,
         on_dead_letter: Callable[[str, str], None] | None = None,

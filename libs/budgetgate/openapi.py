@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -15,19 +14,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from budgetgate.operations import Operation
 from budgetgate.problems import PROBLEM_JSON, phrase
 
 _REF = "#/components/schemas/{model}"
-
-
-@dataclass(frozen=True)
-class Operation:
-    """How one endpoint is published: its operationId, the model of its 200 answer when the
-    route answers plain JSON, and descriptions of its parameters."""
-
-    operation_id: str
-    answer: type[BaseModel] | None = None
-    parameters: Mapping[str, str] = field(default_factory=dict)
 
 
 PROBLEM_SCHEMA: dict[str, Any] = {

@@ -35,10 +35,12 @@ import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from google.protobuf.message import Message
 
+from budgetgate.publisher import Publisher
 from budgetgate import wire
 from budgetgate.kafka_access import start_whole
 from budgetgate.ledger.queries import sql
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ class OutboxRelay:
         self,
         *,
         pool: asyncpg.Pool,
-        publisher: wire.Publisher,
+        publisher: Publisher,
         topics: Topics,
         batch: int = 200,
         idle_seconds: float = 0.2,

@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 
 from budgetgate import garbage
 from budgetgate.backends import BACKEND_ERRORS
-from budgetgate.openapi import Operation, document
+from budgetgate.openapi import document
+from budgetgate.operations import Operation
 from budgetgate.principals import Forbidden, Principal
 from budgetgate.problems import install_problems, problem_response
 from budgetgate.telemetry import Telemetry

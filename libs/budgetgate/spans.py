@@ -10,7 +10,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind, Tracer
 
-from budgetgate.telemetry import extract_context
+from budgetgate.trace_context import extract_context
 
 Scope = dict[str, Any]
 Receive = Any

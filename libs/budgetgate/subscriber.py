@@ -46,11 +46,11 @@ from faststream.kafka import KafkaBroker, KafkaRouter
 from faststream.kafka.annotations import KafkaMessage
 from faststream.middlewares import AckPolicy
 
+from budgetgate.publisher import Publisher
 from budgetgate.consumer import Applied, Inbox, Turn
 from budgetgate.kafka_access import start_whole
 
 if TYPE_CHECKING:
-    from budgetgate import wire
     from budgetgate.lag import ConsumerProgress
     from budgetgate.settings import CommonSettings
 
@@ -325,7 +325,7 @@ def inbox_broker(settings: CommonSettings, router: KafkaRouter) -> KafkaBroker:
 
 
 async def start_consuming(
-    broker: KafkaBroker, publisher: wire.Publisher, *, what: str, prepare: Callable[[], Awaitable[Any]] | None = None, retry_seconds: float = 2.0
+    broker: KafkaBroker, publisher: Publisher, *, what: str, prepare: Callable[[], Awaitable[Any]] | None = None, retry_seconds: float = 2.0
 ) -> None:
     """Start the dead-letter producer and then the broker's subscribers (after `prepare()`, if
     given), waiting for Kafka as long as it takes; once started, FastStream reconnects by itself.

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import os
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import Observation
-from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -25,17 +23,9 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from budgetgate import garbage
-
-# The wire contract promises W3C trace context (traceparent, tracestate) and nothing else, so
-# the propagator is fixed here rather than read from OTEL_PROPAGATORS.
-_PROPAGATOR = TraceContextTextMapPropagator()
-TRACE_HEADERS = frozenset(_PROPAGATOR.fields)
-
-Headers = Iterable[tuple[str, bytes | str | None]]
 
 
 @dataclass(frozen=True)
@@ -130,27 +120,3 @@ def _count_collections(meter: metrics.Meter) -> None:
         callbacks=[lambda _o: observe(counted.seconds)],
         description="seconds the process stood still in the garbage collector's passes, by generation",
     )
-
-
-def inject_headers(context: Context | None = None) -> list[tuple[str, bytes]]:
-    """W3C trace context of `context` (default: the current one) as Kafka headers.
-
-    Empty when there is no valid span to continue.
-    """
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=context)
-    return [(name, value.encode("ascii")) for name, value in carrier.items()]
-
-
-def extract_context(headers: Headers | None) -> Context:
-    """The trace context carried by Kafka headers, for starting a consumer's span under it.
-
-    Without a valid `traceparent` the result is an empty context, so the consumer's span starts
-    a new trace instead of joining whatever happens to be current.
-    """
-    carrier: dict[str, str] = {}
-    for name, value in headers or ():
-        key = name.lower()
-        if key in TRACE_HEADERS and value is not None:
-            carrier[key] = value.decode("latin-1") if isinstance(value, bytes) else value
-    return _PROPAGATOR.extract(carrier, context=Context())

@@ -7,17 +7,12 @@ not use. A prefix (settings.topic_prefix) lets tests and side-by-side stacks sha
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError, for_code
 from google.protobuf.message import Message
 
-from budgetgate.kafka_access import PLAINTEXT, KafkaAccess, start_whole
-from budgetgate.settings import CommonSettings
 from budgetgate.v1.actions_pb2 import BudgetAction
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
@@ -26,7 +21,6 @@ from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from budgetgate.v1.reconciliations_pb2 import Reconciliation
 from budgetgate.v1.usage_pb2 import UsageRecord
 
-log = logging.getLogger(__name__)
 
 DECISIONS = "budget.decisions.v1"
 LIFECYCLE = "workload.lifecycle.v1"
@@ -114,47 +108,3 @@ class Topics:
 def message_class(topic: str) -> type[Message]:
     """The message class an unprefixed topic (or its dead-letter topic) carries."""
     return Topics().message_class(topic)
-
-
-async def ensure_topics(
-    bootstrap: str,
-    *,
-    prefix: str = "",
-    partitions: int | None = None,
-    replication_factor: int | None = None,
-    access: KafkaAccess = PLAINTEXT,
-) -> list[str]:
-    """Create every budgetgate topic (and DLQ) under `prefix` that does not exist yet.
-
-    Returns the names it created; existing topics are left as they are, so running it at every
-    service start is safe, also when several services race to create the same topic.
-    `partitions` and `replication_factor` not given are BUDGETGATE_TOPIC_PARTITIONS and
-    BUDGETGATE_TOPIC_REPLICATION_FACTOR (3 and 1 unless set): whichever process creates a topic
-    first, a service at start-up or the topics job, creates it as the deployment configures.
-    """
-    if partitions is None or replication_factor is None:
-        configured = CommonSettings()
-        partitions = configured.topic_partitions if partitions is None else partitions
-        replication_factor = configured.topic_replication_factor if replication_factor is None else replication_factor
-    wanted = Topics(prefix).all()
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-topics", **access.aiokafka())
-    try:
-        await start_whole(admin.start())
-        existing = set(await admin.list_topics())
-        missing = [t for t in wanted if t not in existing]
-        if not missing:
-            return []
-        response = await admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=replication_factor) for t in missing])
-    finally:
-        await admin.close()
-    created = []
-    for topic, code, *detail in response.topic_errors:
-        error = for_code(code)
-        if code == 0:
-            created.append(topic)
-        elif error is TopicAlreadyExistsError:
-            log.debug("topic %s was created concurrently", topic)
-        else:
-            message = detail[0] if detail and detail[0] else error.description
-            raise error(f"cannot create topic {topic!r}: {message}")
-    return sorted(created)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
-from budgetgate.openapi import Operation
+from budgetgate.operations import Operation
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.explain import BundleCache, explanation, recompute
 from budgetgate.services.admission.quotes import Quoter

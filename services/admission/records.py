@@ -16,7 +16,7 @@ from budgetgate import outbox, topics
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
 from budgetgate.ledger.queries import sql
-from budgetgate.telemetry import inject_headers
+from budgetgate.trace_context import inject_headers
 from budgetgate.services.admission.concurrency import Asks
 from budgetgate.services.admission.rendering import decision_message
 from budgetgate.services.admission.schemas import AdmissionRequest

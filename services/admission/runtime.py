@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import asyncpg
 import redis.asyncio as aioredis
 
+from budgetgate.publisher import Publisher
 from budgetgate.serving import close_pool, close_within
-from budgetgate import redis_client, wire
+from budgetgate import redis_client
 from budgetgate.kafka_access import start_whole
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
@@ -43,7 +44,7 @@ class Runtime:
     policies: PolicyCache
     admitter: Admitter
     relay: OutboxRelay
-    publisher: wire.Publisher
+    publisher: Publisher
     pools: TokenPools
     topics: Topics
     accounting: ExternalAccounting | None = None
@@ -69,7 +70,7 @@ async def build(settings: AdmissionSettings) -> Runtime:
     sync = LedgerSync(pool, ledger, wait=settings.rebuild_wait_seconds)
     policies = PolicyCache(pool)
     topics = Topics(settings.topic_prefix)
-    publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
+    publisher = Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
     accounting = external_accounting(settings)
     admitter = Admitter(
         pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label, accounting=accounting,

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StringConstraints, field_validator
 
 from budgetgate.core.documents import LabelKey, LabelValue, Namespace
-from budgetgate.openapi import Operation
+from budgetgate.operations import Operation
 
 MAX_RUNTIME_HOURS = 8784.0  # a leap year: anything longer is a unit mistake, not a plan
 RunId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from budgetgate.core.documents import MAX_AMOUNT, MAX_COUNT
 from budgetgate.core.overrides import FIELDS
 from budgetgate.core.units import MILLI_PER_HOUR
-from budgetgate.openapi import Operation
+from budgetgate.operations import Operation
 from budgetgate.services.admission.schemas import Text
 
 # A value of the tenant label, as a Kubernetes label value (never the "*" of policy scopes).

@@ -22,7 +22,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from faststream.kafka import KafkaBroker
 
-from budgetgate import wire
+from budgetgate.publisher import Publisher
 from budgetgate.consumer import Inbox
 from budgetgate.lag import ConsumerProgress
 from budgetgate.problems import install_problems
@@ -43,7 +43,7 @@ class Runtime:
     """What the service holds while it runs."""
 
     pool: asyncpg.Pool
-    publisher: wire.Publisher
+    publisher: Publisher
     inbox: Inbox
     progress: ConsumerProgress
     broker: KafkaBroker
@@ -89,7 +89,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ol_client = client or transport.build_client(settings.evidence_file)
         pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10)
-        publisher = wire.Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
+        publisher = Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
         handlers = EvidenceHandlers(producer=events.producer_uri(), on_stored=lambda stage, kind: stored.add(1, {"stage": stage, "event_type": kind}))
         inbox = Inbox(name=CONSUMER_NAME, pool=pool, publisher=publisher, routes=consumers.routes(topics, handlers))
         broker = inbox_broker(settings, consumers.router(settings=settings, topics=topics, runtime=lambda: app.state.rt))

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from faststream.kafka import KafkaBroker
 
-from budgetgate import wire
+from budgetgate.publisher import Publisher
 from budgetgate.consumer import Inbox
 from budgetgate.lag import ConsumerProgress
 from budgetgate.outbox import OutboxRelay
@@ -34,7 +34,8 @@ from budgetgate.spans import ServerSpans
 from budgetgate.subscriber import drain_pipelines, inbox_broker, start_consuming
 from budgetgate.serving import add_operational_routes, close_pool, close_within, postgres_check, stop_tasks
 from budgetgate.telemetry import Telemetry, setup_telemetry
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Runtime:
     ingestor: Ingestor
     metrics: MeteringMetrics
     relay: OutboxRelay
-    dlq_publisher: wire.Publisher
+    dlq_publisher: Publisher
     inbox: Inbox
     progress: ConsumerProgress
     broker: KafkaBroker
@@ -71,11 +72,11 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
         # (dead letters) is started with the consumer.
         relay = OutboxRelay(
             pool=pool,
-            publisher=wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay", access=settings.kafka_access),
+            publisher=Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-relay", access=settings.kafka_access),
             topics=topics,
             batch=settings.outbox_batch,
         )
-        dlq_publisher = wire.Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq", access=settings.kafka_access)
+        dlq_publisher = Publisher(settings.kafka_bootstrap, client_id=f"{settings.service_name}-dlq", access=settings.kafka_access)
         inbox = Inbox(
             name=settings.inbox_name,
             pool=pool,

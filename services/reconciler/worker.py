@@ -13,7 +13,8 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 from opentelemetry.metrics import Observation
 
-from budgetgate import redis_client, wire
+from budgetgate.publisher import Publisher
+from budgetgate import redis_client
 from budgetgate.backends import BACKEND_ERRORS
 from budgetgate.consumer import Inbox
 from budgetgate.kafka_access import start_whole
@@ -30,7 +31,8 @@ from budgetgate.services.reconciler.dead_letters import REFUSALS
 from budgetgate.services.reconciler.settler import Settler
 from budgetgate.subscriber import inbox_broker
 from budgetgate.telemetry import Telemetry, setup_telemetry
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ class Reconciler:
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = Bundles()
         self.settler = Settler.configured(s, pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles)
-        self.publisher = wire.Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
+        self.publisher = Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)
         routes = {**facts.routes(self.topics, on_fact=self.stats.fresh.add), **headroom.routes(self.topics, bundles=self.bundles)}
         self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=routes)

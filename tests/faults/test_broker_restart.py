@@ -10,7 +10,9 @@ import asyncio
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.wire import decode
 from tests.support.admission import apply_policies, budget_yaml

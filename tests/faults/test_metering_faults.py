@@ -13,9 +13,10 @@ from pathlib import Path
 
 import httpx
 
-from budgetgate import wire
+from budgetgate.publisher import Publisher
 from budgetgate.core.metering import Counters, milli
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.faults.test_admission_faults import private_database
 from tests.support.servers import free_port
@@ -138,7 +139,7 @@ async def test_ingest_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
         # One by one, acknowledged each: ingest is killed while it works through the head of the
         # stream, however fast it keeps up, and the rest arrives while it is down.
         nonlocal sent
-        async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        async with Publisher(settings.kafka_bootstrap) as publisher:
             for index, message in enumerate(messages):
                 if index == head:
                     await killed.wait()
@@ -173,7 +174,7 @@ async def test_postgres_killed_mid_stream_is_waited_out(metering_factory, killab
     await server.wait_ready()
     topics = Topics(settings.topic_prefix)
     messages = stream(400)
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         for message in messages:
             await publisher.send(topics.metering, message, key=message.run_id)
         await wait_for(lambda: _at_least(dsn, 20), what="ingest under way")

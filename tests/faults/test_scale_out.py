@@ -22,8 +22,9 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from budgetgate import wire
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.publisher import Publisher
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.faults.test_metering_faults import IngestProcess, assert_applied_exactly_once, rows
 from tests.faults.test_reconciler_faults import counts
@@ -120,7 +121,7 @@ async def test_two_ingest_processes_share_partitions_and_one_takes_over_from_the
     try:
         await wait_for_members(settings.kafka_bootstrap, group, 2)
         before, after = samples(480), samples(240, start=480)
-        async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        async with Publisher(settings.kafka_bootstrap) as publisher:
             for message in before:
                 await publisher.send(topics.metering, message, key=message.run_id)
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from click.testing import CliRunner, Result
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate import wire
+from budgetgate.publisher import Publisher
 from budgetgate.cli.main import cli
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1.actions_pb2 import ActionType, BudgetAction
 
 
@@ -40,7 +41,7 @@ def action(kind: str, **fields: object) -> BudgetAction:
 async def test_actions_and_dead_letters_are_listed_with_their_reasons(kafka_bootstrap: str, topic_prefix: str) -> None:
     await ensure_topics(kafka_bootstrap, prefix=topic_prefix, partitions=1)
     topics = Topics(topic_prefix)
-    async with wire.Publisher(kafka_bootstrap) as publisher:
+    async with Publisher(kafka_bootstrap) as publisher:
         await publisher.send(topics.actions, action("THRESHOLD_ALERT", scope_id="ns=a", policy_id="p", threshold_percent=80, message="80% used"), key="ns=a")
         await publisher.send(topics.actions, action("DRAIN", scope_id="ns=a", policy_id="p", run_id="run-1"), key="ns=a")
         poison = Consumed(topics.metering, 0, 41, b"run-9", b"\xff\xfe", [("event-id", b"ev-9")])

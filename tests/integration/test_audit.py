@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 
+from budgetgate.publisher import Publisher
 from budgetgate.services.evidence_emitter.audit import WindowFilter, marquez_report, marquez_runs
-from budgetgate.topics import Topics, ensure_topics
-from budgetgate import wire
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import EmitterServer, admission_decision, emitter_settings, http_client, marquez, reconciliation, wait_until  # noqa: F401
 
@@ -77,7 +78,7 @@ async def test_postgres_and_marquez_agree(settings, pg_dsn, admission_factory, m
             reconciliation(admission_decision(answers["p4"], "p4"), "RUNNING", actual_hours=2, provisional=True),  # still running
             reconciliation(admission_decision(answers["r1"], "r1", job=("vision-research", "sweep")), "CANCELLED", actual_hours=0),
         ]
-        async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        async with Publisher(settings.kafka_bootstrap) as publisher:
             for message in settled:
                 await publisher.send(topics.reconciliations, message, key=message.run_id)
         await marquez.wait_for(8 + len(settled))

@@ -19,11 +19,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from budgetgate.publisher import Publisher
 from budgetgate import wire
 from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route, Turn, locks_taken
 from budgetgate.lag import ConsumerProgress
 from budgetgate.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_acked
-from budgetgate.topics import Topics, dlq, ensure_topics
+from budgetgate.topics import Topics, dlq
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2
 
 
@@ -77,7 +79,7 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn, pipel
             raise ConnectionError("Postgres went away")
         await conn.execute("INSERT INTO effects VALUES ($1, $2)", message.run_id, message.event_id)
 
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         duplicate = event("twice")
         for message in [event("a"), duplicate, duplicate, event("poison"), event("overflow"), event("flaky"), event("b")]:
             await publisher.send(topics.lifecycle, message, key=message.run_id)
@@ -105,7 +107,7 @@ async def test_effects_once_poison_to_dlq_outage_retried(settings, pg_dsn, pipel
 
 
 async def _publish(settings, topic: str, messages: list) -> None:  # type: ignore[no-untyped-def,type-arg]
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         await asyncio.gather(*(publisher.send(topic, m, key="one-partition") for m in messages))
 
 
@@ -184,7 +186,7 @@ async def test_batch_with_poison_in_the_middle_commits_the_others_once(settings,
     group = f"g-{uuid.uuid4().hex[:8]}"
     reader = InMemoryMetricReader()
     progress = ConsumerProgress(MeterProvider(metric_readers=[reader]).get_meter("test"), name="test")
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
         assert await _consume(settings, inbox, group, 9, progress=progress, pipelined=pipelined) == 9
     rows = sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects"))
@@ -214,7 +216,7 @@ async def test_redelivered_batch_changes_nothing(settings, pg_dsn, pipelined: bo
     await pool.execute("CREATE TABLE effects (run_id text NOT NULL, event_id text NOT NULL UNIQUE)")
     await _publish(settings, topics.lifecycle, [event(f"run-{i}") for i in range(20)])
     seen: list[list[str]] = []
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         # A second group reads the same records again: the inbox (same name) takes every one as a duplicate.
         for attempt in range(2):
             inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen)})
@@ -245,7 +247,7 @@ async def test_offsets_committed_only_after_the_postgres_commit(settings, pg_dsn
             outages["left"] -= 1
             raise ConnectionError("Postgres went away before the commit")
 
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
         polling = asyncio.create_task(_consume(settings, inbox, group, 5, timeout=60, pipelined=pipelined))
         try:
@@ -291,7 +293,7 @@ async def test_pipelined_polls_overlap_and_apply_in_order(settings, pg_dsn) -> N
         await asyncio.sleep(0.2)  # the next poll is fetched, claimed and prepared meanwhile
         log.append(("handled", first))
 
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle, prepare)})
         group = f"g-{uuid.uuid4().hex[:8]}"
         assert await _consume(settings, inbox, group, 12, pipelined=True, max_records=3) == 12
@@ -331,7 +333,7 @@ async def test_a_failed_pipelined_poll_is_read_again_and_nothing_after_it_is_com
             committed_while_crashed.append(await _committed(settings.kafka_bootstrap, group, topics.lifecycle))
             raise _Crash("the poll fails")
 
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
         pipeline = Pipeline(inbox)
         consumer = AIOKafkaConsumer(
@@ -405,7 +407,7 @@ async def test_overlapping_batches_sharing_an_event_id_finish_when_the_first_is_
             raise Poison("the first message is poison", delivery=deliveries[names.index("first")])
         await conn.executemany("INSERT INTO effects VALUES ($1, $2)", [(d.message.run_id, d.message.event_id) for d in deliveries])
 
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topic: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)}, max_backoff=0.2)
         first = Turn()
         second = Turn(after=first)
@@ -445,7 +447,7 @@ async def test_a_handler_that_says_it_holds_its_locks_lets_the_next_batch_start_
             await asyncio.wait_for(first_may_finish.wait(), timeout=10)  # the outbox work, say
             steps.append("first returns")
 
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topic: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)}, max_backoff=0.2)
         first = Turn()
         second = Turn(after=first)

@@ -16,9 +16,11 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer
 
+from budgetgate.publisher import Publisher
 from budgetgate import wire
 from budgetgate.services.evidence_emitter import events, transport
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from tests.integration.test_consumer import drain
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import (
@@ -104,7 +106,7 @@ async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_
         completed = reconciliation(allowed, "COMPLETED", actual_hours=40, provisional=True)
         corrected = reconciliation(allowed, "COMPLETED", actual_hours=42)
         failed = reconciliation(research, "FAILED", actual_hours=50)
-        async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+        async with Publisher(settings.kafka_bootstrap) as publisher:
             for message in (running, completed, corrected, failed, failed):
                 await publisher.send(topics.reconciliations, message, key=message.run_id)
         await marquez.wait_for(9)

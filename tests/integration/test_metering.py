@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
+from budgetgate.publisher import Publisher
 from budgetgate import wire
 from budgetgate.core.metering import Counters, Duplicate, Rejected, Rejection, Sample, milli, normalize, reason_code, usage_event_id
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
@@ -47,7 +48,7 @@ async def count(dsn: str, table: str) -> int:
 async def test_samples_become_usage_rows_and_usage_records(metering, settings, pg_dsn) -> None:
     topics = Topics(settings.topic_prefix)
     await decide(pg_dsn, "run-a")
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         for message in [
             sample("run-a", "s1", 1800.0, minute=0, node_seconds=225.0),
             sample("run-a", "s2", 3600.0, minute=10, node_seconds=450.0),
@@ -98,7 +99,7 @@ async def test_duplicated_resent_and_shuffled_stream_gives_the_clean_usage(meter
         sample(m.run_id, f"{m.sample_id}/again", m.gpu_seconds, at=m.observed_at.ToDatetime(tzinfo=UTC), node_seconds=m.node_seconds) for m in clean[::3]
     ]
     rng.shuffle(arriving)
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         for message in arriving:
             await publisher.send(topics.metering, message, key=message.run_id)
 
@@ -154,7 +155,7 @@ async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_goi
         "conflict": sample("run-ok", "first", 999.0, minute=20),
         "unknown_run": sample("never-decided", "old", 5.0, at=long_ago),
     }
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         await publisher.send(topics.metering, sample("run-ok", "first", 100.0, minute=20), key="run-ok")
         for message in bad.values():
             await publisher.send(topics.metering, message, key=message.run_id or "none")
@@ -215,7 +216,7 @@ async def test_unknown_run_waits_for_its_decision(metering, settings, pg_dsn) ->
         sample("late-run", "p1", 10.0, at=now - timedelta(seconds=60)),
         sample("late-run", "p3", 15.0, at=now - timedelta(seconds=10)),  # lower than p2, later
     ]
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         for message in waiting:
             await publisher.send(topics.metering, message, key=message.run_id)
     await wait_for(lambda: _pending(pg_dsn, 3), what="three samples pending")
@@ -242,7 +243,7 @@ async def test_unknown_run_past_its_grace_is_dead_lettered(metering_factory, set
     server = await metering_factory(unknown_run_grace_seconds=1.0)
     await server.wait_ready()
     topics = Topics(settings.topic_prefix)
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         await publisher.send(topics.metering, sample("ghost", "g1", 5.0, at=datetime.now(UTC)), key="ghost")
     dead = await drain(settings.kafka_bootstrap, dlq(topics.metering), 1)
     [reason] = dlq_reasons(dead)
@@ -258,7 +259,7 @@ async def test_a_header_that_is_not_utf8_loses_nothing(metering, settings, pg_ds
     topics = Topics(settings.topic_prefix)
     await decide(pg_dsn, "run-h")
     odd = ("x-exporter-blob", b"\xff\xfe\x00")
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         await publisher.send(topics.metering, sample("run-h", "s1", 60.0, minute=1), key="run-h")
         record = wire.encode(sample("run-h", "s2", 120.0, minute=2), key="run-h")
         await publisher.send_record(topics.metering, wire.Record(value=record.value, key=record.key, headers=[*record.headers, odd]))
@@ -278,7 +279,7 @@ async def test_a_header_without_a_value_loses_nothing(metering, settings, pg_dsn
     topics = Topics(settings.topic_prefix)
     await decide(pg_dsn, "run-n")
     empty = ("x-exporter-note", None)
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         record = wire.encode(sample("run-n", "s1", 60.0, minute=1), key="run-n")
         await publisher.send_record(topics.metering, wire.Record(value=record.value, key=record.key, headers=[empty, *record.headers]))
         await publisher.send_record(topics.metering, wire.Record(value=b"\x00not protobuf", key=b"run-n", headers=[empty]))
@@ -297,7 +298,7 @@ async def test_poison_too_large_to_park_whole_is_parked_without_its_value(meteri
     topics = Topics(settings.topic_prefix)
     await decide(pg_dsn, "run-big")
     big = b"\x00" * 1_048_450  # not protobuf; within 1 MiB, which the copy with its reason and whence is not
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         await publisher.send_record(topics.metering, wire.Record(value=big, key=b"run-big", headers=[("x-big", b"1")]))
         await publisher.send(topics.metering, sample("run-big", "s1", 60.0, minute=1), key="run-big")
     await wait_for(lambda: _rows(pg_dsn, 1), what="the sample after the poison recorded")
@@ -307,7 +308,7 @@ async def test_poison_too_large_to_park_whole_is_parked_without_its_value(meteri
     assert wire.header(dead.headers, wire.DLQ_SOURCE_TOPIC) == topics.metering.encode() and wire.header(dead.headers, wire.DLQ_OFFSET) == b"0"
     assert wire.header(dead.headers, wire.DLQ_REASON).startswith(b"not a valid")
     assert wire.header(dead.headers, "x-big") is None
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:  # a later poll is consumed too
+    async with Publisher(settings.kafka_bootstrap) as publisher:  # a later poll is consumed too
         await publisher.send(topics.metering, sample("run-big", "s2", 120.0, minute=2), key="run-big")
     await wait_for(lambda: _rows(pg_dsn, 2), what="a later sample recorded")
 

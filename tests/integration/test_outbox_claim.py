@@ -14,6 +14,7 @@ from aiokafka import TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budgetgate.publisher import Publisher
 from budgetgate import outbox, topics, wire
 from budgetgate.ledger.migrations import migrate, migration_files
 from budgetgate.ledger.queries import sql
@@ -140,7 +141,7 @@ async def test_a_relay_pass_commits_without_its_flush_unless_it_replays_what_a_b
     rows pending again for a broker that lost them must not be lost, so that commit flushes (as
     the server is configured to: on, here)."""
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)
-    relay = outbox.OutboxRelay(pool=pool, publisher=wire.Publisher("127.0.0.1:9"), topics=Topics(""))
+    relay = outbox.OutboxRelay(pool=pool, publisher=Publisher("127.0.0.1:9"), topics=Topics(""))
     try:
         async with pool.acquire() as conn:
             await conn.execute("DELETE FROM outbox")

@@ -16,10 +16,12 @@ from typing import Any
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
+from budgetgate.publisher import Publisher
 from budgetgate import outbox, topics, wire
 from budgetgate.outbox import OutboxRelay
 from budgetgate.settings import CommonSettings
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from tests.integration.test_consumer import drain
 
@@ -54,7 +56,7 @@ async def relaying(settings: CommonSettings, pg_dsn: str, **options: Any) -> Asy
     batch, check_seconds, replay_window...), stopped after."""
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
-    relay = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap), topics=Topics(settings.topic_prefix), **options)
+    relay = OutboxRelay(pool=pool, publisher=Publisher(settings.kafka_bootstrap), topics=Topics(settings.topic_prefix), **options)
     await relay.publisher.start()
     try:
         yield pool, relay
@@ -128,7 +130,7 @@ async def test_a_relay_replays_a_forgetful_partition_whose_watermark_another_rel
                 await outbox.enqueue(conn, topic=topics.POLICIES, record=wire.encode(_announced(n), key="one-partition"))
 
     async with relaying(settings, pg_dsn, check_seconds=3600) as (pool, a):
-        b = OutboxRelay(pool=pool, publisher=wire.Publisher(settings.kafka_bootstrap), topics=names, check_seconds=3600)
+        b = OutboxRelay(pool=pool, publisher=Publisher(settings.kafka_bootstrap), topics=names, check_seconds=3600)
         await b.publisher.start()
         try:
             await one_key(pool, range(0, 1))

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from budgetgate import wire
 from budgetgate.cli.main import cli
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.integration.test_consumer import drain

@@ -535,11 +535,11 @@ def admission_decision(answer: dict, run_id: str, *, job: tuple[str, str] = ("vi
 
 async def publish(settings, *messages) -> None:  # type: ignore[no-untyped-def]
     """Send Decision and Reconciliation messages to the test's topics."""
-    from budgetgate import wire
+    from budgetgate.publisher import Publisher
     from budgetgate.topics import Topics
 
     topics = Topics(settings.topic_prefix)
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         for message in messages:
             topic = topics.decisions if message.DESCRIPTOR.name == "Decision" else topics.reconciliations
             await publisher.send(topic, message, key=message.run_id)

@@ -17,9 +17,12 @@ from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
 from budgetgate import wire
+
+from budgetgate.publisher import Publisher
 from budgetgate.services.metering_ingest.app import create_app
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 from tests.integration.test_consumer import drain
@@ -163,7 +166,7 @@ async def metrics_after_one_sample(server: MeteringServer, dsn: str) -> str:
     of the consumer has a value to export)."""
     run_id = f"metrics-{uuid.uuid4().hex[:8]}"
     await decide(dsn, run_id)
-    async with wire.Publisher(server.settings.kafka_bootstrap) as publisher:
+    async with Publisher(server.settings.kafka_bootstrap) as publisher:
         await publisher.send(Topics(server.settings.topic_prefix).metering, sample(run_id, "s1", 60.0), key=run_id)
     await wait_for(lambda: _has_usage(dsn, run_id), what="the sample consumed")
 

@@ -11,11 +11,13 @@ import asyncpg
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate import wire
+
+from budgetgate.publisher import Publisher
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import Reconciler, build
 from budgetgate.telemetry import setup_telemetry
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
 
 H = 3_600_000  # milli-hours in an hour: one GPU-hour in the ledger's units
@@ -44,7 +46,7 @@ def usage(run_id: str, sample: str, at: datetime, gpu_hours: float, node_hours: 
 class Feed:
     """Publishes lifecycle events and usage records to the test's topics."""
 
-    def __init__(self, publisher: wire.Publisher, topics: Topics) -> None:
+    def __init__(self, publisher: Publisher, topics: Topics) -> None:
         self.publisher = publisher
         self.topics = topics
 
@@ -57,7 +59,7 @@ class Feed:
 @pytest.fixture
 async def feed(settings) -> AsyncIterator[Feed]:  # type: ignore[no-untyped-def]
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix)
-    async with wire.Publisher(settings.kafka_bootstrap) as publisher:
+    async with Publisher(settings.kafka_bootstrap) as publisher:
         yield Feed(publisher, Topics(settings.topic_prefix))
 
 

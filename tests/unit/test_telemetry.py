@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from opentelemetry import trace
 
-from budgetgate.telemetry import Telemetry, extract_context, inject_headers, setup_telemetry
+from budgetgate.telemetry import Telemetry, setup_telemetry
+from budgetgate.trace_context import extract_context, inject_headers
 
 
 class _Collector(BaseHTTPRequestHandler):

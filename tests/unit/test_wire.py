@@ -13,6 +13,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from budgetgate import outbox, wire
+from budgetgate.publisher import Publisher
 from budgetgate.topics import DECISIONS, METERING, dlq
 from budgetgate.v1.common_pb2 import ALLOW, Job, Resources
 from budgetgate.v1.decisions_pb2 import Decision
@@ -252,7 +253,7 @@ def test_wire_error_is_a_value_error_carrying_its_reason() -> None:
 
 
 async def test_publisher_refuses_to_send_before_start() -> None:
-    publisher = wire.Publisher("127.0.0.1:1")
+    publisher = Publisher("127.0.0.1:1")
     with pytest.raises(RuntimeError, match="before start"):
         await publisher.send(METERING, _sample(), key=None)
     await publisher.stop()  # stopping a publisher that never started is harmless
@@ -261,7 +262,7 @@ async def test_publisher_refuses_to_send_before_start() -> None:
 async def test_publisher_that_cannot_connect_fails_at_start() -> None:
     from aiokafka.errors import KafkaConnectionError
 
-    publisher = wire.Publisher("127.0.0.1:1")  # nothing listens on port 1
+    publisher = Publisher("127.0.0.1:1")  # nothing listens on port 1
     with pytest.raises(KafkaConnectionError):
         await publisher.start()
     with pytest.raises(RuntimeError, match="before start"):
@@ -272,6 +273,7 @@ def test_event_ids_an_inbox_cannot_store_are_refused() -> None:
     from google.protobuf.timestamp_pb2 import Timestamp
 
     from budgetgate import wire
+
     from budgetgate.v1 import lifecycle_pb2
 
     for bad in ("run\x00id", "x" * 300):

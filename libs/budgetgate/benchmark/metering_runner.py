@@ -23,7 +23,7 @@ import httpx
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from budgetgate import wire
+from budgetgate.publisher import Publisher
 from budgetgate.benchmark.session import session
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
 from budgetgate.benchmark import databases, metering_workload, pauses, queries
@@ -31,7 +31,8 @@ from budgetgate.benchmark.processes import StartError, Subprocess, free_port, py
 from budgetgate.core.metering import Counters
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.settings import CommonSettings
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ async def _publish(bootstrap: str, topic: str, messages: list) -> dict[TopicPart
     """Publish the load; returns, per partition, the offset past its last record (what a
     consumer that took all of it has committed)."""
     ends: dict[TopicPartition, int] = {}
-    async with wire.Publisher(bootstrap, client_id="budgetgate-bench") as publisher:
+    async with Publisher(bootstrap, client_id="budgetgate-bench") as publisher:
         for start in range(0, len(messages), _PUBLISH_CHUNK):
             chunk = messages[start : start + _PUBLISH_CHUNK]
             # One producer sends a chunk in order per partition; acknowledged together.

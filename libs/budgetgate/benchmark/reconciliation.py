@@ -27,7 +27,7 @@ import httpx
 import redis.asyncio as aioredis
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate import wire
+from budgetgate.publisher import Publisher
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.processes import Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.loader import build_bundle, parse_text
@@ -35,7 +35,8 @@ from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.policy_repo import apply_bundle
 from budgetgate.settings import CommonSettings
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
 
 H = 3_600_000
@@ -153,7 +154,7 @@ class Bench:
             await admission.wait_port(port, timeout=60)
             run_ids = await self._admit(f"http://127.0.0.1:{port}")
             self._start("reconciler", python_module("budgetgate.services.reconciler"), log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
-            async with wire.Publisher(bootstrap, client_id="bench") as publisher:
+            async with Publisher(bootstrap, client_id="bench") as publisher:
                 topics = Topics(topic_prefix)
                 await self._warm_up(publisher, topics, dsn, run_ids.pop())
                 sent_at, messages, seconds = await self._feed(publisher, topics, run_ids)
@@ -234,7 +235,7 @@ class Bench:
         before += [_usage(run_id, n, start + step * (n + 1), 2 * H * (n + 1)) for n in range(self.options.samples)]
         return before, _lifecycle(run_id, "COMPLETED", start + step * self.options.samples)
 
-    async def _warm_up(self, publisher: wire.Publisher, topics: Topics, dsn: str, run_id: str) -> None:
+    async def _warm_up(self, publisher: Publisher, topics: Topics, dsn: str, run_id: str) -> None:
         """One run through the whole path first, so the consumer group has joined."""
         self.echo("waiting for the reconciler to join its consumer group …")
         before, completed = self._lifecycle_of(run_id, datetime.now(UTC))
@@ -250,11 +251,11 @@ class Bench:
         finally:
             await conn.close()
 
-    async def _send(self, publisher: wire.Publisher, topics: Topics, message: object) -> None:
+    async def _send(self, publisher: Publisher, topics: Topics, message: object) -> None:
         topic = topics.lifecycle if isinstance(message, lifecycle_pb2.LifecycleEvent) else topics.usage
         await publisher.send(topic, message, key=message.run_id)  # type: ignore[arg-type, attr-defined]
 
-    async def _feed(self, publisher: wire.Publisher, topics: Topics, run_ids: list[str]) -> tuple[dict[str, float], int, float]:
+    async def _feed(self, publisher: Publisher, topics: Topics, run_ids: list[str]) -> tuple[dict[str, float], int, float]:
         self.echo(f"feeding {len(run_ids)} runs at {self.options.rate:g}/s …")
         sent_at: dict[str, float] = {}
         began = time.monotonic()

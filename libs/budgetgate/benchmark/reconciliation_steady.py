@@ -25,13 +25,15 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
+from budgetgate.publisher import Publisher
 from budgetgate import wire
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.processes import free_port, python_module
 from budgetgate.benchmark.reconciliation import Bench, Options, _lifecycle, _usage
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 
 STEP_MS = 1000 * 8  # each sample adds 1 s of 8 GPUs, in GPU-milliseconds (milli-hours)
 
@@ -140,7 +142,7 @@ class SteadyBench(Bench):
             await self._preload(dsn)
             self._start("reconciler", python_module("budgetgate.services.reconciler"), log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
             await self._until_settled(dsn, "the reconciler to fold the preloaded history")
-            async with wire.Publisher(bootstrap, client_id="bench") as publisher:
+            async with Publisher(bootstrap, client_id="bench") as publisher:
                 topics = Topics(topic_prefix)
                 await self._warm_up(publisher, topics, dsn, self.warm)
                 records, seconds = await self._feed_steady(publisher, topics, dsn)
@@ -213,7 +215,7 @@ class SteadyBench(Bench):
         finally:
             await conn.close()
 
-    async def _feed_steady(self, publisher: wire.Publisher, topics: Topics, dsn: str) -> tuple[int, float]:
+    async def _feed_steady(self, publisher: Publisher, topics: Topics, dsn: str) -> tuple[int, float]:
         o = self.steady
         self.echo(f"feeding {o.records_per_s:g} usage records/s for {o.duration:g} s …")
         longs = [r for r in self.runs if r.group == "long"]
@@ -221,7 +223,7 @@ class SteadyBench(Bench):
         slots = [shorts.popleft() for _ in range(o.short_slots)]
         total = int(o.records_per_s * o.duration)
         poller = asyncio.create_task(self._poll(dsn))
-        # Its own producer, batching more than the services' one (wire.Publisher waits for each
+        # Its own producer, batching more than the services' one (Publisher waits for each
         # send): at thousands of records per second the feed must not be what limits the load.
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=False, max_batch_size=512 * 1024, linger_ms=5)
         await producer.start()
@@ -284,7 +286,7 @@ class SteadyBench(Bench):
         finally:
             await conn.close()
 
-    async def _finish(self, publisher: wire.Publisher, topics: Topics, dsn: str) -> None:
+    async def _finish(self, publisher: Publisher, topics: Topics, dsn: str) -> None:
         """Every run ends: used ones complete, unused ones are cancelled before they start."""
         now = datetime.now(UTC)
         for run in self.runs:

@@ -21,7 +21,8 @@ from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.policy_repo import apply_bundle
-from budgetgate.topics import Topics, ensure_topics
+from budgetgate.topics import Topics
+from budgetgate.topic_admin import ensure_topics
 
 
 @dataclass(frozen=True)

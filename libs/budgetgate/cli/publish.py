@@ -12,6 +12,7 @@ import uuid
 from datetime import UTC, datetime
 
 import click
+from budgetgate.publisher import Publisher
 from budgetgate.core.metering import EARLIEST
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -85,12 +86,10 @@ def _send(settings: CommonSettings, topic: str, message: Message, *, key: str) -
     """Publish `message` on `topic` and wait for the broker; (partition, offset) it landed at."""
     from aiokafka.errors import KafkaError
 
-    from budgetgate import wire
-
     backend.kafka(settings.kafka_bootstrap)
 
     async def send() -> tuple[int, int]:
-        async with wire.Publisher(settings.kafka_bootstrap, client_id="budgetgate-cli", access=settings.kafka_access) as publisher:
+        async with Publisher(settings.kafka_bootstrap, client_id="budgetgate-cli", access=settings.kafka_access) as publisher:
             meta = await publisher.send(topic, message, key=key)
             return meta.partition, meta.offset
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from budgetgate.publisher import Publisher
 from budgetgate.client.calls import Call
 from budgetgate.core.metering import sample_event_id
 from budgetgate.core.reconciliation import LIFECYCLE_KINDS
@@ -93,11 +94,10 @@ class KafkaFeed:
     the broker before `send_*` returns (async with: connect and disconnect)."""
 
     def __init__(self, bootstrap: str, *, topic_prefix: str = "", client_id: str = "budgetgate-client") -> None:
-        from budgetgate import wire
         from budgetgate.topics import Topics
 
         self.topics = Topics(topic_prefix)
-        self.publisher = wire.Publisher(bootstrap, client_id=client_id)
+        self.publisher = Publisher(bootstrap, client_id=client_id)
 
     async def __aenter__(self) -> KafkaFeed:
         await self.publisher.start()

@@ -177,7 +177,7 @@ def _issue_tokens(state: StackState, echo: Echo) -> None:
 
 def _create_topics(bootstrap: str, prefix: str, echo: Echo) -> None:
     try:
-        from budgetgate.topics import ensure_topics
+        from budgetgate.topic_admin import ensure_topics
     except ModuleNotFoundError as exc:
         if exc.name != "budgetgate.topics":
             raise
