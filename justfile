@@ -36,7 +36,7 @@ status:
 
 # Regenerate the Python code of the wire contracts in proto/.
 proto:
-    {{python}} -m budgetgate.contracts_build
+    {{python}} -m budgetgate.contracts.build
 
 # Benchmarks (outside the test run).
 bench *args:

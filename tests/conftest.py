@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis as redis_client
 
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 from tests.support import backends
 from tests.support.databases import DatabaseFactory
 from tests.support.killable import KillablePostgres, KillableServer

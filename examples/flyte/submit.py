@@ -15,7 +15,7 @@ from flytekit.configuration import Config
 from flytekit.remote import FlyteRemote
 
 from budgetgate.client import Client
-from budgetgate.flyte import BudgetDelayed, BudgetDenied, execute
+from budgetgate.adapters.flyte import BudgetDelayed, BudgetDenied, execute
 
 if __name__ == "__main__":
     from workflows import training

@@ -1,6 +1,6 @@
 """Run the admission service: python -m budgetgate.services.admission [--host H] [--port P]."""
 
-from budgetgate.serving import serve
+from budgetgate.edge.serving import serve
 from budgetgate.services.admission.app import create_app
 from budgetgate.services.admission.settings import AdmissionSettings
 

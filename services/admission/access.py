@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from budgetgate.core.policy import Scope
-from budgetgate.principals import Forbidden, Principal
+from budgetgate.core.principals import Forbidden, Principal
 
 
 def require_submission(principal: Principal, *, namespace: str, labels: Mapping[str, str], tenant_label: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import asyncpg
 import orjson
 
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Outlook
@@ -51,7 +51,7 @@ from budgetgate.services.admission.deciding import Prepared, charges, conclude, 
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.rendering import canonical, response_body
 from budgetgate.services.admission.resubmission import differences, resent
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

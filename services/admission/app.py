@@ -14,23 +14,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
-from budgetgate.auth import install_auth
-from budgetgate.services.admission import bundles, kubernetes, quote_routes, routes, tenant_admin, tenant_schemas
+from budgetgate.edge.auth import install_auth
+from budgetgate.services.admission import bundles, kubernetes, quote_routes, routes, tenant_admin
+from budgetgate.contracts import tenants as tenant_schemas
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.deciding import InvalidSubmission
 from budgetgate.services.admission.kubernetes import KubernetesWebhookSettings
 from budgetgate.services.admission.fastpath import SubmissionFastPath
-from budgetgate.bodies import BodyLimit
-from budgetgate.spans import ServerSpans
+from budgetgate.edge.bodies import BodyLimit
+from budgetgate.edge.spans import ServerSpans
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.services.admission.runtime import build, readiness, start_background
-from budgetgate.services.admission.schemas import OPERATIONS
+from budgetgate.contracts.admission import OPERATIONS
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.admission.budgets import add_budget_routes
 from budgetgate.services.admission.tenants import add_tenant_routes
 from budgetgate.services.admission.users import add_user_routes
-from budgetgate.serving import add_operational_routes, stop_tasks
-from budgetgate.telemetry import Telemetry, setup_telemetry
+from budgetgate.edge.serving import add_operational_routes, stop_tasks
+from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
 
 
 @dataclass(frozen=True)

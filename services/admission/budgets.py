@@ -20,8 +20,8 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import display
 from budgetgate.core.windows import rfc3339, window_at
 from budgetgate.ledger.queries import sql
-from budgetgate.backends import BACKEND_ERRORS
-from budgetgate.auth import Action, Principal, allow
+from budgetgate.runtime.backends import BACKEND_ERRORS
+from budgetgate.edge.auth import Action, Principal, allow
 from budgetgate.services.admission.access import sees_budget
 
 log = logging.getLogger(__name__)

@@ -10,15 +10,15 @@ import json
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Forbidden, Principal, allow
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.edge.auth import Action, Forbidden, Principal, allow
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.loader import PolicyValidationError, bundle_from_json
 from budgetgate.ledger.queries import sql
-from budgetgate.override_store import plan_with_overrides
-from budgetgate.policy_plan import emptiness
-from budgetgate.policy_repo import RepositoryError, apply_bundle
+from budgetgate.policies.override_store import plan_with_overrides
+from budgetgate.core.policy_plan import emptiness
+from budgetgate.policies.repository import RepositoryError, apply_bundle
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.schemas import BundleIn
+from budgetgate.contracts.admission import BundleIn
 from budgetgate.core.policy_files import SourceDocument
 
 router = APIRouter()

@@ -23,7 +23,7 @@ from budgetgate.core.quotas import (
 )
 from budgetgate.ledger.holds import SENSITIVE, CounterRequest, PoolLevel, PoolRequest, tenant_counter
 from budgetgate.ledger.redis_ledger import ReserveResult
-from budgetgate.services.admission.schemas import RUN_TOKEN_PREFIX, AdmissionRequest
+from budgetgate.contracts.admission import RUN_TOKEN_PREFIX, AdmissionRequest
 
 
 class NoSuchPool(LookupError):

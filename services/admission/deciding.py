@@ -19,7 +19,7 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.holds import PoolReading
 from budgetgate.ledger.redis_ledger import ChargeRequest, ReserveResult
 from budgetgate.services.admission.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 
 class InvalidSubmission(ValueError):

@@ -17,7 +17,7 @@ from budgetgate.core.overrides import effective
 from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import sql
-from budgetgate.override_store import load
+from budgetgate.policies.override_store import load
 from budgetgate.services.admission.deciding import (
     Disagreement,
     InvalidSubmission,
@@ -28,7 +28,7 @@ from budgetgate.services.admission.deciding import (
     rebuilt_usage,
 )
 from budgetgate.services.admission.rendering import canonical, response_body
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 NOT_REPLAYABLE = "recorded before decisions carried their readings (migration 0014): its ledger readings are unknown"
 _COMPARED_OUT = ("replayed",)

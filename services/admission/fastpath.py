@@ -20,9 +20,9 @@ import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from budgetgate.auth import CHECKED, Action, gate_of
+from budgetgate.edge.auth import CHECKED, Action, gate_of
 from budgetgate.services.admission.access import require_submission
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 PATH = "/v1/admissions"
 _HEADERS = [(b"content-type", b"application/json")]

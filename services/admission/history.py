@@ -14,7 +14,7 @@ import orjson
 from budgetgate.core.whatif import Ended, Recorded, Start
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.deciding import submission
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 
 @dataclass

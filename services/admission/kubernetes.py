@@ -33,13 +33,13 @@ import asyncpg
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Principal, allow
-from budgetgate.principals import Forbidden
+from budgetgate.edge.auth import Action, Principal, allow
+from budgetgate.core.principals import Forbidden
 from budgetgate.services.admission.quotes import Quoter
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.platforms.kubernetes import ADMITTED_OWNERS, Mapping, Owned, Refuse, Skip, Submit, Unmappable, decided, review, submission
 from budgetgate.platforms.reviews import Asked, NotAReview, ask, review_uid

@@ -11,18 +11,18 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Principal, allow
+from budgetgate.edge.auth import Action, Principal, allow
 from budgetgate.services.admission.access import require_submission
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
-from budgetgate.operations import Operation
+from budgetgate.contracts.operations import Operation
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.explain import BundleCache, explanation, recompute
 from budgetgate.services.admission.quotes import Quoter
 from budgetgate.services.admission.routes import RUN_ID
-from budgetgate.services.admission.schemas import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem
+from budgetgate.contracts.admission import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem
 
 router = APIRouter()
 

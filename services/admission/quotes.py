@@ -9,7 +9,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.evaluation import deciding_index
 from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
@@ -17,7 +17,7 @@ from budgetgate.ledger.redis_ledger import Reservation, ReserveResult
 from budgetgate.services.admission.admitter import Admitter, Unavailable, releases, with_ledger
 from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, readings
 from budgetgate.services.admission.rendering import response_body
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 _NOT_QUOTED = ("decision_id", "replayed", "decided_at")
 

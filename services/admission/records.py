@@ -12,14 +12,16 @@ from typing import Any
 import asyncpg
 import orjson
 
-from budgetgate import outbox, topics
+from budgetgate.messaging import outbox
+
+from budgetgate.contracts import topics
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
 from budgetgate.ledger.queries import sql
-from budgetgate.trace_context import inject_headers
+from budgetgate.contracts.trace_context import inject_headers
 from budgetgate.services.admission.concurrency import Asks
 from budgetgate.services.admission.rendering import decision_message
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.v1.decisions_pb2 import Decision as DecisionMessage
 
 

@@ -16,8 +16,8 @@ from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, Evaluation, Plan, Reading, deciding_index
 from budgetgate.core.units import Unit, display, hours, money
 from budgetgate.core.windows import rfc3339
-from budgetgate.services.admission.schemas import AdmissionResponse, EvaluationOut
-from budgetgate.timestamps import maybe_timestamp
+from budgetgate.contracts.admission import AdmissionResponse, EvaluationOut
+from budgetgate.contracts.timestamps import maybe_timestamp
 from budgetgate.v1 import common_pb2, decisions_pb2
 
 _ANSWER_KEYS = tuple(AdmissionResponse.model_fields)

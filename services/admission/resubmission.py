@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 # What makes two submissions of one run id the same request.
 COMPARED = ("namespace", "labels", "resources.gpus", "resources.nodes", "resources.flavor", "resources.region", "projected_runtime_hours", "job", "pool_token")

@@ -10,14 +10,14 @@ import orjson
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Forbidden, Principal, allow
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.edge.auth import Action, Forbidden, Principal, allow
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.access import require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.concurrency import NoSuchPool
 from budgetgate.services.admission.runtime import Runtime
-from budgetgate.services.admission.schemas import (
+from budgetgate.contracts.admission import (
     AdmissionRequest,
     AdmissionResponse,
     AdmissionStatus,

@@ -12,22 +12,22 @@ from dataclasses import dataclass, field
 import asyncpg
 import redis.asyncio as aioredis
 
-from budgetgate.publisher import Publisher
-from budgetgate.serving import close_pool, close_within
-from budgetgate import redis_client
-from budgetgate.kafka_access import start_whole
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.edge.serving import close_pool, close_within
+from budgetgate.runtime import redis_client
+from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
-from budgetgate.outbox import OutboxRelay
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.messaging.outbox import OutboxRelay
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.admitter import Admitter
 from budgetgate.services.admission.fairshare import DecayedUsage
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.pools import TokenPools
 from budgetgate.services.admission.settings import AdmissionSettings
-from budgetgate.serving import postgres_check
-from budgetgate.topics import Topics
+from budgetgate.edge.serving import postgres_check
+from budgetgate.contracts.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Runtime:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def close(self) -> None:
-        """Close every client within bounded time (see budgetgate.serving.close_within)."""
+        """Close every client within bounded time (see budgetgate.edge.serving.close_within)."""
         await close_within(self.publisher.stop(), what="admission: Kafka producer")
         if self.accounting is not None:
             await close_within(self.accounting.aclose(), what="admission: accounting client")

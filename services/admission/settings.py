@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from budgetgate.auth import AuthSettings
+from budgetgate.edge.auth import AuthSettings
 
 
 class AdmissionSettings(AuthSettings):

@@ -12,15 +12,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Forbidden, Principal, allow
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.edge.auth import Action, Forbidden, Principal, allow
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.overrides import FIELDS, InvalidOverride, OverrideSet, UnknownTenant, git_values
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.windows import rfc3339
-from budgetgate.override_store import NoActiveBundle, active_bundle, load, update
+from budgetgate.policies.override_store import NoActiveBundle, active_bundle, load, update
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.schemas import Problem
-from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut, label_value_path
+from budgetgate.contracts.admission import Problem
+from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut, label_value_path
 
 router = APIRouter()
 Tenant = label_value_path("tenant")

@@ -11,11 +11,11 @@ from typing import Any
 import asyncpg
 from fastapi import Depends, FastAPI, Query, Request
 
-from budgetgate.auth import Action, Forbidden, Principal, allow
+from budgetgate.edge.auth import Action, Forbidden, Principal, allow
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.services.admission.tenant_admin import Tenant
 from budgetgate.services.admission.usage import labelled_usage
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 
 
 class TenantSettings(CommonSettings):
@@ -47,7 +47,7 @@ def add_tenant_routes(app: FastAPI, settings: CommonSettings) -> None:
                 "(GET /v1/budgets lists the budgets within them)"
             )
 
-        from budgetgate.backends import BACKEND_ERRORS
+        from budgetgate.runtime.backends import BACKEND_ERRORS
         from budgetgate.services.admission.admitter import Unavailable
 
         rt = request.app.state.rt

@@ -10,12 +10,12 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
 
-from budgetgate.auth import Action, Forbidden, Principal, allow
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.edge.auth import Action, Forbidden, Principal, allow
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.tenant_schemas import label_value_path
+from budgetgate.contracts.tenants import label_value_path
 from budgetgate.services.admission.usage import labelled_usage
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 
 
 class UserSettings(CommonSettings):

@@ -1,6 +1,6 @@
 """Run the evidence-emitter: python -m budgetgate.services.evidence_emitter [--host H] [--port P]."""
 
-from budgetgate.serving import serve
+from budgetgate.edge.serving import serve
 from budgetgate.services.evidence_emitter.app import create_app
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
 

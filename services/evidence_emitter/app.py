@@ -22,18 +22,18 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from faststream.kafka import KafkaBroker
 
-from budgetgate.publisher import Publisher
-from budgetgate.consumer import Inbox
-from budgetgate.lag import ConsumerProgress
-from budgetgate.problems import install_problems
-from budgetgate.serving import close_pool, close_within, postgres_check, stop_tasks
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.messaging.inbox import Inbox
+from budgetgate.messaging.lag import ConsumerProgress
+from budgetgate.edge.problems import install_problems
+from budgetgate.edge.serving import close_pool, close_within, postgres_check, stop_tasks
 from budgetgate.services.evidence_emitter import consumers, events, transport
 from budgetgate.services.evidence_emitter.handlers import EvidenceHandlers
 from budgetgate.services.evidence_emitter.sender import Sender
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
-from budgetgate.subscriber import inbox_broker, start_consuming
-from budgetgate.telemetry import Telemetry, setup_telemetry
-from budgetgate.topics import Topics
+from budgetgate.messaging.subscriber import inbox_broker, start_consuming
+from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
+from budgetgate.contracts.topics import Topics
 
 CONSUMER_NAME = "evidence_emitter"
 
@@ -58,7 +58,7 @@ def create_app(settings: EvidenceSettings, *, client: OpenLineageClient | None =
     meter = telemetry.meter("budgetgate.evidence")
     stored = meter.create_counter("budgetgate_evidence_events", description="OpenLineage events stored for delivery, by stage and event type")
     topics = Topics(settings.topic_prefix)
-    progress = ConsumerProgress(telemetry.meter("budgetgate.consumer"), name=CONSUMER_NAME)
+    progress = ConsumerProgress(telemetry.meter("budgetgate.messaging.inbox"), name=CONSUMER_NAME)
     holder: dict[str, Runtime] = {}
 
     def gauge(read: Callable[[Runtime], float]) -> Callable[[CallbackOptions], list[Observation]]:

@@ -1,7 +1,7 @@
 """The evidence-emitter's Kafka side: one FastStream router with a batch subscriber on the
 decisions and reconciliations topics. Each poll is stored by the inbox as OpenLineage events to
 deliver (handlers.py) in one Postgres transaction, acknowledged only after that commit
-(budgetgate.subscriber), and then wakes the sender."""
+(budgetgate.messaging.subscriber), and then wakes the sender."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from faststream.kafka import KafkaRouter
 
-from budgetgate.consumer import Route
+from budgetgate.messaging.inbox import Route
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
-from budgetgate.subscriber import subscribe_inbox
-from budgetgate.topics import Topics
+from budgetgate.messaging.subscriber import subscribe_inbox
+from budgetgate.contracts.topics import Topics
 from budgetgate.v1 import decisions_pb2, reconciliations_pb2
 
 if TYPE_CHECKING:

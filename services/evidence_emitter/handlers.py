@@ -1,5 +1,5 @@
 """The consumer's handlers: each decision or reconciliation becomes one stored OpenLineage event,
-in the transaction that also records the message in the inbox (budgetgate.consumer)."""
+in the transaction that also records the message in the inbox (budgetgate.messaging.inbox)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import asyncpg
 
-from budgetgate.consumer import Poison
+from budgetgate.messaging.inbox import Poison
 from budgetgate.services.evidence_emitter import events, facet, store
 from budgetgate.v1 import decisions_pb2, reconciliations_pb2
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from budgetgate.settings import ServingSettings
+from budgetgate.runtime.settings import ServingSettings
 
 
 class EvidenceSettings(ServingSettings):

@@ -1,6 +1,6 @@
 """Run metering-ingest: python -m budgetgate.services.metering_ingest [--host H] [--port P]."""
 
-from budgetgate.serving import serve
+from budgetgate.edge.serving import serve
 from budgetgate.services.metering_ingest.app import create_app
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 

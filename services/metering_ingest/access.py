@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 import asyncpg
 from fastapi.responses import JSONResponse
 
-from budgetgate.principals import Principal
-from budgetgate.problems import offending
+from budgetgate.core.principals import Principal
+from budgetgate.edge.problems import offending
 from budgetgate.services.metering_ingest.store import Owner, run_owners
 
 

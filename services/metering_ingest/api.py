@@ -30,9 +30,9 @@ import asyncpg
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate import wire
-from budgetgate.auth import Action, Principal, allow
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.contracts import wire
+from budgetgate.edge.auth import Action, Principal, allow
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.metering import Accepted, Duplicate, Rejected, Sample
 from budgetgate.core.windows import rfc3339
 from budgetgate.services.metering_ingest import access

@@ -19,23 +19,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from faststream.kafka import KafkaBroker
 
-from budgetgate.publisher import Publisher
-from budgetgate.consumer import Inbox
-from budgetgate.lag import ConsumerProgress
-from budgetgate.outbox import OutboxRelay
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.messaging.inbox import Inbox
+from budgetgate.messaging.lag import ConsumerProgress
+from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.services.metering_ingest import consumers, lifecycle
 from budgetgate.services.metering_ingest.api import Unavailable, router
 from budgetgate.services.metering_ingest.ingest import Ingestor
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.auth import install_auth
-from budgetgate.bodies import BodyLimit
-from budgetgate.spans import ServerSpans
-from budgetgate.subscriber import drain_pipelines, inbox_broker, start_consuming
-from budgetgate.serving import add_operational_routes, close_pool, close_within, postgres_check, stop_tasks
-from budgetgate.telemetry import Telemetry, setup_telemetry
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.edge.auth import install_auth
+from budgetgate.edge.bodies import BodyLimit
+from budgetgate.edge.spans import ServerSpans
+from budgetgate.messaging.subscriber import drain_pipelines, inbox_broker, start_consuming
+from budgetgate.edge.serving import add_operational_routes, close_pool, close_within, postgres_check, stop_tasks
+from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def create_app(settings: MeteringSettings, *, telemetry: Telemetry | None = None
     metrics = MeteringMetrics(telemetry.meter("budgetgate.metering_ingest"))
     topics = Topics(settings.topic_prefix)
 
-    progress = ConsumerProgress(telemetry.meter("budgetgate.consumer"), name=settings.inbox_name)
+    progress = ConsumerProgress(telemetry.meter("budgetgate.messaging.inbox"), name=settings.inbox_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

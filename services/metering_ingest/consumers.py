@@ -1,6 +1,6 @@
 """metering-ingest's Kafka side: one FastStream router with a batch subscriber on
-metering.samples.v1. Each poll is applied by the inbox (budgetgate.consumer.Inbox) in one Postgres
-transaction, and acknowledged (its offsets committed) only after that commit; budgetgate.subscriber
+metering.samples.v1. Each poll is applied by the inbox (budgetgate.messaging.inbox.Inbox) in one Postgres
+transaction, and acknowledged (its offsets committed) only after that commit; budgetgate.messaging.subscriber
 says how FastStream is used for that, and where it is not enough.
 """
 
@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import asyncpg
 from faststream.kafka import KafkaRouter
 
-from budgetgate.consumer import BatchRoute, Delivery, locks_taken
+from budgetgate.messaging.inbox import BatchRoute, Delivery, locks_taken
 from budgetgate.core.metering import Rejected, Sample
 from budgetgate.services.metering_ingest.ingest import Ingestor, RecordOrigin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.subscriber import subscribe_inbox
-from budgetgate.topics import Topics
+from budgetgate.messaging.subscriber import subscribe_inbox
+from budgetgate.contracts.topics import Topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 if TYPE_CHECKING:

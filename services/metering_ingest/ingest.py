@@ -31,7 +31,9 @@ from typing import NamedTuple, Protocol
 import asyncpg
 from aiokafka import ConsumerRecord
 
-from budgetgate import outbox, topics, wire
+from budgetgate.messaging import outbox
+
+from budgetgate.contracts import topics, wire
 from budgetgate.core.metering import (
     Accepted,
     Counters,
@@ -48,10 +50,10 @@ from budgetgate.core.metering import (
     usage_event_id,
     validate,
 )
-from budgetgate.principals import Principal
+from budgetgate.core.principals import Principal
 from budgetgate.services.metering_ingest import store
 from budgetgate.services.metering_ingest.samples import raw_sample, timestamp, usage_draft, usage_record, with_run_figures
-from budgetgate.trace_context import inject_headers
+from budgetgate.contracts.trace_context import inject_headers
 from budgetgate.services.metering_ingest.store import Owner, PendingSample, RunState, Source
 from budgetgate.v1.metering_pb2 import MeteringSample
 
@@ -183,7 +185,7 @@ class Ingestor:
         (metering_place_batch); the core judges the rest, run by run (`_judge`). `locked()` is
         called once the transaction holds the locks of every run of the batch, which is all it
         takes here: the rest writes the outbox and, for samples left to the core, works under
-        those locks (budgetgate.consumer.locks_taken)."""
+        those locks (budgetgate.messaging.inbox.locks_taken)."""
         now = self.clock()
         samples = [sample for sample, _ in batch]
         event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]

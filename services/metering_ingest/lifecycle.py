@@ -3,7 +3,7 @@
 The body is `{"events": [...]}`, each a LifecycleEvent in the canonical protobuf JSON mapping
 (`runId` or `run_id`, `type` as `STARTED` …, `eventTime` as RFC 3339; `eventId` optional,
 derived from run, type and time when missing so a resend deduplicates). Events get the checks
-the reconciler's Kafka consumer applies (budgetgate/lifecycle.py). Answers:
+the reconciler's Kafka consumer applies (budgetgate/contracts/lifecycle_rules.py). Answers:
 
 - 422, nothing published: the body is not JSON, has no events, has too many, or any event has
   a bad field (problem details with `errors`, `loc` = body, events, index, field).
@@ -24,11 +24,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from budgetgate.auth import Action, Principal, allow
+from budgetgate.edge.auth import Action, Principal, allow
 from google.protobuf import json_format
 
-from budgetgate import lifecycle, outbox, topics, wire
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.contracts import lifecycle_rules as lifecycle, topics, wire
+
+from budgetgate.messaging import outbox
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.services.metering_ingest import access
 from budgetgate.services.metering_ingest.api import Unavailable, json_batch, problem

@@ -10,8 +10,8 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.lifecycle import event_id_problem
-from budgetgate.timestamps import accepted_time, fill, time_problem, timestamp
+from budgetgate.contracts.lifecycle_rules import event_id_problem
+from budgetgate.contracts.timestamps import accepted_time, fill, time_problem, timestamp
 from budgetgate.core.metering import Accepted, Problem, RawSample, Rejected, Rejection, Sample, sample_event_id, usage_event_id
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from pydantic import Field
 
-from budgetgate.auth import AuthSettings
+from budgetgate.edge.auth import AuthSettings
 
 
 class MeteringSettings(AuthSettings):
@@ -26,7 +26,7 @@ class MeteringSettings(AuthSettings):
     # a rebalance, which costs seconds on Tansu, more than the overlap gains on a short load.
     consumer_concurrency: int = Field(default=1, ge=1)
     # Each poll's transaction overlaps the next poll's decoding, validation and inbox claim
-    # (budgetgate.subscriber.Pipeline); offsets are still committed only after the commit.
+    # (budgetgate.messaging.subscriber.Pipeline); offsets are still committed only after the commit.
     consumer_pipelined: bool = True
     # How far past this service's clock a sample's observed_at may be: further is a clock or
     # unit bug at the exporter, and the sample is dead-lettered as future_timestamp.

@@ -18,10 +18,10 @@ from typing import Literal
 
 import asyncpg
 
-from budgetgate import outbox
+from budgetgate.messaging import outbox
 from budgetgate.core.metering import Accepted, Counters, Known, RunView, Sample, usage_event_id
 from budgetgate.ledger.queries import sql
-from budgetgate.principals import Principal
+from budgetgate.core.principals import Principal
 
 Source = Literal["kafka", "http"]
 

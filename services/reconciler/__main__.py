@@ -7,7 +7,7 @@ import contextlib
 import logging
 import signal
 
-from budgetgate import garbage
+from budgetgate.runtime import garbage
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import build
 

@@ -13,7 +13,7 @@ from budgetgate.core.loader import PolicyValidationError, bundle_from_json
 from budgetgate.core.overrides import effective
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.ledger.queries import sql
-from budgetgate.override_store import load
+from budgetgate.policies.override_store import load
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The reconciler's Kafka side: one FastStream router with a batch subscriber on the lifecycle,
 usage-record and decision topics. Each poll is recorded by the inbox in one Postgres transaction
 (facts.py; decisions in headroom.py), acknowledged only after that commit
-(budgetgate.subscriber), and then wakes the settle loop for the runs it marked."""
+(budgetgate.messaging.subscriber), and then wakes the settle loop for the runs it marked."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from faststream.kafka import KafkaRouter
 
 from budgetgate.services.reconciler.settings import ReconcilerSettings
-from budgetgate.subscriber import subscribe_inbox
-from budgetgate.topics import Topics
+from budgetgate.messaging.subscriber import subscribe_inbox
+from budgetgate.contracts.topics import Topics
 
 if TYPE_CHECKING:
     from budgetgate.services.reconciler.worker import Reconciler

@@ -16,13 +16,13 @@ from typing import Any
 import asyncpg
 import redis.exceptions
 
-from budgetgate.backends import BACKEND_ERRORS
+from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.core.units import Unit, display
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.services.reconciler.settler import STARTS_OVER, Outcome, Settler
-from budgetgate.tokens import log_action
+from budgetgate.access.tokens import log_action
 
 # Failures that say something about the run's data or the rules, not about an outage: retrying
 # them cannot help, so they are dead-lettered after `settle_tries` (anything else, and anything

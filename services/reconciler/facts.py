@@ -11,13 +11,13 @@ from datetime import UTC
 
 import asyncpg
 
-from budgetgate import lifecycle
-from budgetgate.consumer import BatchRoute, Delivery
+from budgetgate.contracts import lifecycle_rules as lifecycle
+from budgetgate.messaging.inbox import BatchRoute, Delivery
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.core.reconciliation import TERMINAL
 from budgetgate.ledger.queries import sql
-from budgetgate.timestamps import time_problem
-from budgetgate.topics import Topics
+from budgetgate.contracts.timestamps import time_problem
+from budgetgate.contracts.topics import Topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
 
 
@@ -86,7 +86,7 @@ async def _mark(conn: asyncpg.Connection, run_ids: set[str], on_fact: Callable[[
 
 
 def _lifecycle_problem(event: lifecycle_pb2.LifecycleEvent) -> str | None:
-    # The rules metering-ingest's HTTP lifecycle feed applies too (budgetgate/lifecycle.py).
+    # The rules metering-ingest's HTTP lifecycle feed applies too (budgetgate/contracts/lifecycle_rules.py).
     found = lifecycle.problems(event)
     return found[0][1] if found else None
 

@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from budgetgate.consumer import BatchRoute, Delivery
+from budgetgate.messaging.inbox import BatchRoute, Delivery
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.waiting import QUOTA, WaitingRun, budget_needs, waiting_for
 from budgetgate.core.windows import window_at
@@ -37,7 +37,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.ledger.waiting import headroom, registered
 from budgetgate.services.reconciler import messages
 from budgetgate.services.reconciler.bundles import Bundles, judged_under
-from budgetgate.topics import Topics
+from budgetgate.contracts.topics import Topics
 from budgetgate.v1 import common_pb2, decisions_pb2
 
 _PAGE = 200

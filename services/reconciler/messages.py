@@ -10,13 +10,13 @@ from datetime import datetime
 import asyncpg
 from google.protobuf.message import Message
 
-from budgetgate import topics, wire
+from budgetgate.contracts import topics, wire
 from budgetgate.core.policy import BudgetPolicy
 from budgetgate.core.reconciliation import Settlement
 from budgetgate.core.waiting import Headroom
 from budgetgate.core.windows import Window
-from budgetgate.outbox import enqueue
-from budgetgate.timestamps import maybe_timestamp
+from budgetgate.messaging.outbox import enqueue
+from budgetgate.contracts.timestamps import maybe_timestamp
 from budgetgate.v1 import actions_pb2, common_pb2, reconciliations_pb2
 
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 from pydantic import Field
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.settings import ServingSettings
+from budgetgate.runtime.settings import ServingSettings
 
 
 class ReconcilerSettings(ServingSettings):

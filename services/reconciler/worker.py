@@ -13,26 +13,26 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 from opentelemetry.metrics import Observation
 
-from budgetgate.publisher import Publisher
-from budgetgate import redis_client
-from budgetgate.backends import BACKEND_ERRORS
-from budgetgate.consumer import Inbox
-from budgetgate.kafka_access import start_whole
-from budgetgate.lag import ConsumerProgress
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.runtime import redis_client
+from budgetgate.runtime.backends import BACKEND_ERRORS
+from budgetgate.messaging.inbox import Inbox
+from budgetgate.runtime.kafka_access import start_whole
+from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
-from budgetgate.outbox import OutboxRelay
-from budgetgate.serving import close_pool, close_within, stop_tasks
+from budgetgate.messaging.outbox import OutboxRelay
+from budgetgate.edge.serving import close_pool, close_within, stop_tasks
 from budgetgate.services.reconciler import budgets, consumers, dead_letters, facts, headroom
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.dead_letters import REFUSALS
 from budgetgate.services.reconciler.settler import Settler
-from budgetgate.subscriber import inbox_broker
-from budgetgate.telemetry import Telemetry, setup_telemetry
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.subscriber import inbox_broker
+from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Reconciler:
             callbacks=[lambda _o: [Observation(self.stats.dead_lettered)]],
             description="settlements dead-lettered now, their runs' holds still held until an operator resolves them (`budgetgate settlements`)",
         )
-        self.progress = ConsumerProgress(self.telemetry.meter("budgetgate.consumer"), name="reconciler")
+        self.progress = ConsumerProgress(self.telemetry.meter("budgetgate.messaging.inbox"), name="reconciler")
         self.pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._repaired = False

@@ -81,7 +81,7 @@ async def test_webhook_lifecycle_over_http_and_dcgm_metering_settle_a_run(tmp_pa
 
 async def test_flyte_preflight_on_the_local_stack(tmp_path: Path, monkeypatch) -> None:
     import_extra("flytekit", extra="flyte")
-    from budgetgate.flyte import preflight
+    from budgetgate.adapters.flyte import preflight
     from tests.support import flyte_workflows as flows
 
     workdir = tmp_path / "checkout"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from budgetgate.topics import Topics
+from budgetgate.contracts.topics import Topics
 from tests.support.admission import EXAMPLES, decisions_on, git, submission
 from tests.support.cli import budgetgate
 

@@ -10,11 +10,11 @@ import asyncio
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from budgetgate.topics import Topics
+from budgetgate.contracts.topics import Topics
 
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.decisions_pb2 import Decision
-from budgetgate.wire import decode
+from budgetgate.contracts.wire import decode
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import EmitterServer, emitter_settings, http_client, marquez, wait_until  # noqa: F401 - fixture
 

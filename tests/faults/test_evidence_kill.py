@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from tests.support.marquez import decision, marquez, publish, wait_evidence_settled, wait_until  # noqa: F401 - pytest fixture
 from tests.support.servers import free_port
 

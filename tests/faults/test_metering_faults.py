@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.core.metering import Counters, milli
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.faults.test_admission_faults import private_database
 from tests.support.servers import free_port

@@ -22,9 +22,9 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from budgetgate.publisher import Publisher
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.faults.test_metering_faults import IngestProcess, assert_applied_exactly_once, rows
 from tests.faults.test_reconciler_faults import counts

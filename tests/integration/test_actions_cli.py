@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from click.testing import CliRunner, Result
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.cli.main import cli
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.actions_pb2 import ActionType, BudgetAction
 
 

@@ -242,8 +242,8 @@ async def test_readiness_and_metrics(admission) -> None:
 async def test_decision_is_published_with_the_same_decision_id(admission, settings) -> None:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from budgetgate import wire
-    from budgetgate.topics import Topics
+    from budgetgate.contracts import wire
+    from budgetgate.contracts.topics import Topics
     from budgetgate.v1 import common_pb2, decisions_pb2
 
     body = (await admission.submit(run_id="published")).json()

@@ -11,7 +11,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from budgetgate.services.admission.schemas import AdmissionResponse, AdmissionStatus, EvaluationOut
+from budgetgate.contracts.admission import AdmissionResponse, AdmissionStatus, EvaluationOut
 from tests.support.admission import apply_policies, budget_yaml
 
 ZULU = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")

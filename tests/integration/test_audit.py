@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.evidence_emitter.audit import WindowFilter, marquez_report, marquez_runs
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import EmitterServer, admission_decision, emitter_settings, http_client, marquez, reconciliation, wait_until  # noqa: F401
 

@@ -13,8 +13,8 @@ import asyncpg
 import httpx
 import pytest
 
-from budgetgate.principals import Role
-from budgetgate.tokens import revoke_token
+from budgetgate.core.principals import Role
+from budgetgate.access.tokens import revoke_token
 from tests.support.admission import admission, admission_factory, apply_policies, example_policies, submission  # noqa: F401 - pytest fixtures
 from tests.support.metering import as_json, decide, metering, metering_factory, sample, usage_rows  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, issue, ledger_state
@@ -250,7 +250,7 @@ async def test_concurrent_hits_are_counted_together_and_exactly(redis_url: str, 
     from limits.aio.storage import MemoryStorage, RedisStorage
     from limits.aio.strategies import FixedWindowRateLimiter
 
-    from budgetgate.auth import CoalescedHits, close_storage
+    from budgetgate.edge.auth import CoalescedHits, close_storage
 
     url = redis_url.replace("redis://", "async+redis://", 1)
     storage = MemoryStorage() if scope == "instance" else RedisStorage(url, implementation="redispy", key_prefix=f"{{{redis_prefix}}}:ratelimit")

@@ -13,8 +13,8 @@ import asyncpg
 import httpx
 import pytest
 
-from budgetgate.principals import Role
-from budgetgate.tokens import PREFIX, TokenStore, new_secret
+from budgetgate.core.principals import Role
+from budgetgate.access.tokens import PREFIX, TokenStore, new_secret
 from tests.support.admission import admission_factory, apply_policies, example_policies, submission  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, issue
 

@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from budgetgate import backends
+from budgetgate.runtime import backends
 from budgetgate.ledger import rewrite
 from budgetgate.ledger.redis_ledger import RedisLedger, RefusingWrites
 from budgetgate.services.admission import admitter

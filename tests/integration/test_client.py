@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from budgetgate.client import AsyncClient, Client, Conflict, InvalidRequest, NotGranted, RetryPolicy, Unauthorized, Unavailable
-from budgetgate.services.admission.schemas import AdmissionResponse, BudgetList, ScopeUsage, TenantUsage
+from budgetgate.contracts.admission import AdmissionResponse, BudgetList, ScopeUsage, TenantUsage
 from tests.support.admission import apply_policies, example_policies, submission
 
 POOLS = """apiVersion: budgetgate/v1

@@ -1,5 +1,5 @@
 """The inbox on real Kafka and Postgres, fed as the services feed it (a FastStream batch subscriber,
-budgetgate.subscriber.apply_acked per poll): effects once, offsets after effects, poison to the
+budgetgate.messaging.subscriber.apply_acked per poll): effects once, offsets after effects, poison to the
 dead-letter topic, outages retried without skipping."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from budgetgate.publisher import Publisher
-from budgetgate import wire
-from budgetgate.consumer import BatchRoute, Delivery, Inbox, Poison, Route, Turn, locks_taken
-from budgetgate.lag import ConsumerProgress
-from budgetgate.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_acked
-from budgetgate.topics import Topics, dlq
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.contracts import wire
+from budgetgate.messaging.inbox import BatchRoute, Delivery, Inbox, Poison, Route, Turn, locks_taken
+from budgetgate.messaging.lag import ConsumerProgress
+from budgetgate.messaging.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_acked
+from budgetgate.contracts.topics import Topics, dlq
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2
 
 

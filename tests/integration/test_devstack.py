@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from budgetgate.principals import Role
+from budgetgate.core.principals import Role
 from budgetgate.devstack import stack
 from budgetgate.devstack.isolation import checkout_tag, database_name
 from budgetgate.devstack.postgres import EmbeddedPostgres
@@ -26,7 +26,7 @@ from budgetgate.devstack.redis import EmbeddedRedis
 from budgetgate.devstack.state import StackState
 from budgetgate.devstack.ports import port_open, split_host_port
 from budgetgate.ledger.migrations import migration_files
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 from tests.support.databases import DatabaseFactory
 from tests.support.killable import KillablePostgres, KillableServer
 

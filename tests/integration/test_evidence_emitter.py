@@ -16,11 +16,11 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from budgetgate.publisher import Publisher
-from budgetgate import wire
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.contracts import wire
 from budgetgate.services.evidence_emitter import events, transport
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.contracts.topics import Topics, dlq
+from budgetgate.messaging.topic_admin import ensure_topics
 from tests.integration.test_consumer import drain
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import (
@@ -332,7 +332,7 @@ async def test_a_message_the_emitter_cannot_read_is_dead_lettered_and_the_rest_g
     finally:
         await emitter.stop()
     assert [e["run"]["facets"]["budget"]["run_id"] for e in marquez.received()] == ["runs/after"]
-    parked = await drain(settings.kafka_bootstrap, wire.dlq(Topics(settings.topic_prefix).decisions), 2)
+    parked = await drain(settings.kafka_bootstrap, dlq(Topics(settings.topic_prefix).decisions), 2)
     reasons = sorted(wire.header(r.headers, wire.DLQ_REASON).decode() for r in parked)
     assert len(reasons) == 2 and all(r.startswith("unusable message: ValueError") for r in reasons), reasons
 

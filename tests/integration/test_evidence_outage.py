@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from budgetgate.services.admission.settings import AdmissionSettings
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import (
     EmitterServer,

@@ -12,8 +12,8 @@ from typing import Any
 import asyncpg
 import httpx
 
-from budgetgate import topics, wire
-from budgetgate.principals import Principal, Role
+from budgetgate.contracts import topics, wire
+from budgetgate.core.principals import Principal, Role
 from budgetgate.services.metering_ingest.ingest import Origin, Pending
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.support.admission import apply_policies, budget_yaml

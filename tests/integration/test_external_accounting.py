@@ -12,7 +12,7 @@ import pytest
 
 from budgetgate.core.units import MILLI_PER_HOUR
 from budgetgate.services.evidence_emitter import events
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import decisions_pb2
 from tests.support.accounting import AccountingStandIn
 from tests.support.admission import apply_policies, budget_yaml, published_decisions

@@ -20,8 +20,8 @@ from flytekit.exceptions.system import FlyteSystemUnavailableException
 from flytekit.exceptions.user import FlyteEntityNotExistException
 
 from budgetgate.client import Client, Conflict
-from budgetgate.flyte import BudgetDelayed, BudgetDenied, LaunchFailed, execute, preflight
-from budgetgate.principals import Role
+from budgetgate.adapters.flyte import BudgetDelayed, BudgetDenied, LaunchFailed, execute, preflight
+from budgetgate.core.principals import Role
 from tests.integration.test_reconciler import reconciler_factory  # noqa: F401 - a fixture, used by name
 from tests.support import flyte_workflows as flows
 from tests.support.admission import apply_policies, budget_yaml
@@ -38,7 +38,7 @@ async def flyte_token(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Remote:
-    """What budgetgate.flyte uses of FlyteRemote: its defaults and execute()."""
+    """What budgetgate.adapters.flyte uses of FlyteRemote: its defaults and execute()."""
 
     default_project, default_domain = "vision", "production"
 

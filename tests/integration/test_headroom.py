@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 from click.testing import CliRunner
 
-from budgetgate import wire
+from budgetgate.contracts import wire
 from budgetgate.cli.actions import read_topics
 from budgetgate.cli.main import cli
-from budgetgate.topics import Topics
+from budgetgate.contracts.topics import Topics
 from budgetgate.v1.actions_pb2 import HEADROOM, BudgetAction
 from tests.integration.test_quotas import BIG_BUDGET, started
 from tests.integration.test_reconciler import feed, lifecycle, outbox, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from budgetgate.principals import Role
+from budgetgate.core.principals import Role
 from tests.support.principals import bearer, issue
 from tests.support.admission import apply_policies, budget_yaml, example_policies, held_in_postgres
 from kubernetes.client import V1OwnerReference

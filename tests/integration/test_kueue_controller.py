@@ -18,9 +18,9 @@ from lightkube import AsyncClient as KubeClient
 from lightkube import KubeConfig
 
 from budgetgate.client import NO_RETRY, AsyncClient
-from budgetgate.kueue import AdmissionCheckController
-from budgetgate.platforms import kueue
-from budgetgate.principals import Role
+from budgetgate.adapters.kueue_controller import AdmissionCheckController
+from budgetgate.platforms import kueue_workloads as kueue
+from budgetgate.core.principals import Role
 from tests.support.admission import apply_policies, example_policies, submission
 from tests.support.kube_api import KubeApi
 from tests.support.metering import wait_for

@@ -12,11 +12,11 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
-from budgetgate.publisher import Publisher
-from budgetgate import wire
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.contracts import wire
 from budgetgate.core.metering import Counters, Duplicate, Rejected, Rejection, Sample, milli, normalize, reason_code, usage_event_id
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
-from budgetgate.topics import Topics, dlq
+from budgetgate.contracts.topics import Topics, dlq
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.integration.test_consumer import drain
 from tests.support.metering import (  # noqa: F401 - pytest fixtures

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from budgetgate.topics import Topics
+from budgetgate.contracts.topics import Topics
 from tests.support.metering import (  # noqa: F401 - pytest fixtures
     as_json,
     decide,

@@ -14,11 +14,12 @@ from aiokafka import TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from budgetgate.publisher import Publisher
-from budgetgate import outbox, topics, wire
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.messaging import outbox
+from budgetgate.contracts import topics, wire
 from budgetgate.ledger.migrations import migrate, migration_files
 from budgetgate.ledger.queries import sql
-from budgetgate.topics import Topics
+from budgetgate.contracts.topics import Topics
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from tests.support.databases import drop_database, empty_database
 

@@ -16,12 +16,13 @@ from typing import Any
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
-from budgetgate.publisher import Publisher
-from budgetgate import outbox, topics, wire
-from budgetgate.outbox import OutboxRelay
-from budgetgate.settings import CommonSettings
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.messaging import outbox
+from budgetgate.contracts import topics, wire
+from budgetgate.messaging.outbox import OutboxRelay
+from budgetgate.runtime.settings import CommonSettings
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from tests.integration.test_consumer import drain
 

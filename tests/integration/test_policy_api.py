@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from budgetgate.cli.main import cli
-from budgetgate.principals import Role
+from budgetgate.core.principals import Role
 from tests.integration.test_policy_apply import commit, repo  # noqa: F401 - pytest fixture
 from tests.support.admission import admission_factory, budget_yaml  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue

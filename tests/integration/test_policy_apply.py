@@ -18,7 +18,7 @@ from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.devstack.isolation import with_database
 from budgetgate.ledger.queries import sql
 from budgetgate.core.policy_files import directory_files
-from budgetgate.policy_repo import RepositoryError, apply_bundle, policy_files, revision
+from budgetgate.policies.repository import RepositoryError, apply_bundle, policy_files, revision
 from tests.support.admission import budget_yaml
 from tests.support.databases import _execute, run_async
 

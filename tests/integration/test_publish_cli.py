@@ -8,10 +8,10 @@ import math
 
 from click.testing import CliRunner
 
-from budgetgate import wire
+from budgetgate.contracts import wire
 from budgetgate.cli.main import cli
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.integration.test_consumer import drain

@@ -20,7 +20,7 @@ from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.admission.admitter import Admitter
 from budgetgate.services.admission.policies import PolicyCache
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 from tests.support.admission import apply_policies, budget_yaml
 
 LIMITS = st.tuples(st.integers(0, 24), st.integers(0, 10), st.integers(0, 5))

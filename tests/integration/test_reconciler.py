@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from budgetgate import wire
+from budgetgate.contracts import wire
 from budgetgate.services.reconciler.worker import Reconciler
 from budgetgate.v1 import actions_pb2, reconciliations_pb2, usage_pb2
 from tests.support.admission import apply_policies, budget_yaml

@@ -5,7 +5,7 @@ could carry (a NUL, a space) are a 422, never a 500 from Postgres."""
 from __future__ import annotations
 
 
-from budgetgate.principals import Role
+from budgetgate.core.principals import Role
 from tests.support.admission import apply_policies, budget_yaml, example_policies, submission
 from tests.support.principals import bearer, issue
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import asyncpg
 
-from budgetgate import wire
+from budgetgate.contracts import wire
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.services.reconciler.worker import Reconciler
 from budgetgate.v1 import reconciliations_pb2, usage_pb2

@@ -9,7 +9,7 @@ import time
 import asyncpg
 import pytest
 
-from budgetgate.serving import close_pool, close_within
+from budgetgate.edge.serving import close_pool, close_within
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ import asyncpg
 import pytest
 
 from budgetgate.core.loader import build_bundle, parse_text
-from budgetgate.override_store import plan_with_overrides
-from budgetgate.principals import Role
+from budgetgate.policies.override_store import plan_with_overrides
+from budgetgate.core.principals import Role
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.cli import budgetgate
 from tests.support.principals import bearer, issue

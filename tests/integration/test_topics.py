@@ -21,13 +21,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 from opentelemetry.sdk.trace import TracerProvider
 
-from budgetgate.topics import ALL, Topics, dlq
+from budgetgate.contracts.topics import ALL, Topics, dlq
 
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.lifecycle_pb2 import STARTED, LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
-from budgetgate.wire import Record, context_from_headers, decode
-from budgetgate.publisher import Publisher
+from budgetgate.contracts.wire import Record, context_from_headers, decode
+from budgetgate.messaging.publisher import Publisher
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from budgetgate.cli.main import cli
 from budgetgate.client import AsyncClient
-from budgetgate.principals import Role
-from budgetgate.services.admission.schemas import UserUsage
+from budgetgate.core.principals import Role
+from budgetgate.contracts.admission import UserUsage
 from tests.integration.test_reconciler import feed, lifecycle, reconciler_factory, settled, usage, wait_for  # noqa: F401 - fixtures
 from tests.support.admission import apply_policies, budget_yaml, example_policies, submission
 from tests.support.principals import bearer, issue

@@ -18,7 +18,7 @@ from budgetgate.ledger.redis_ledger import ReserveResult
 from budgetgate.services.admission.deciding import conclude, prepare, readings_record, rebuilt_outlooks, rebuilt_result
 from budgetgate.services.admission.explain import amount_differences, differences
 from budgetgate.services.admission.rendering import response_body
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 from tests.support.admission import budget_yaml, submission
 
 AT = datetime(2026, 3, 10, 12, 30, tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""budgetgate.timestamps gives exactly what protobuf's own conversion gives, for any datetime."""
+"""budgetgate.contracts.timestamps gives exactly what protobuf's own conversion gives, for any datetime."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from budgetgate.timestamps import fill, maybe_timestamp, timestamp
+from budgetgate.contracts.timestamps import fill, maybe_timestamp, timestamp
 from budgetgate.v1.usage_pb2 import UsageRecord
 
 # The range a Timestamp holds, minus a day on each side for time zone offsets.

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from budgetgate import wire
-from budgetgate.wire import _described
+from budgetgate.contracts import wire
+from budgetgate.contracts.wire import _described
 
 names = st.sampled_from([wire.EVENT_ID, wire.CONTENT_TYPE, wire.MESSAGE_TYPE, "Event-Id", "CONTENT-TYPE", "Message-Type", "traceparent", "x-other"])
 headers = st.lists(st.tuples(names, st.binary(max_size=8)), max_size=7)

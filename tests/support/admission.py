@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from budgetgate.core.loader import build_bundle, parse_text
-from budgetgate.policy_repo import apply_bundle
+from budgetgate.policies.repository import apply_bundle
 from budgetgate.services.admission.app import create_app
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.services.admission.settings import AdmissionSettings
 from tests.support.servers import InProcessServer, free_port
 
@@ -159,7 +159,7 @@ def git(*args: str, cwd: Path) -> str:
 async def published_decisions(settings: Any, run_ids: set[str], *, timeout: float = 30) -> dict[str, Any]:
     """The Decision messages admission published for `run_ids` on the test's budget.decisions.v1
     (the last of each run), read from the beginning; fails the test unless all arrive in time."""
-    from budgetgate.topics import Topics
+    from budgetgate.contracts.topics import Topics
 
     return await decisions_on(settings.kafka_bootstrap, Topics(settings.topic_prefix).decisions, run_ids, timeout=timeout)
 
@@ -169,7 +169,7 @@ async def decisions_on(bootstrap: str, topic: str, run_ids: set[str], *, timeout
     beginning; fails the test unless all arrive in time."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from budgetgate import wire
+    from budgetgate.contracts import wire
     from budgetgate.v1 import decisions_pb2
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)

@@ -535,8 +535,8 @@ def admission_decision(answer: dict, run_id: str, *, job: tuple[str, str] = ("vi
 
 async def publish(settings, *messages) -> None:  # type: ignore[no-untyped-def]
     """Send Decision and Reconciliation messages to the test's topics."""
-    from budgetgate.publisher import Publisher
-    from budgetgate.topics import Topics
+    from budgetgate.messaging.publisher import Publisher
+    from budgetgate.contracts.topics import Topics
 
     topics = Topics(settings.topic_prefix)
     async with Publisher(settings.kafka_bootstrap) as publisher:
@@ -552,7 +552,7 @@ async def wait_evidence_settled(settings: Any, *, timeout: float = 60) -> None:
     import asyncpg
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from budgetgate.topics import Topics
+    from budgetgate.contracts.topics import Topics
 
     topics = Topics(settings.topic_prefix)
     group = emitter_settings(settings).consumer_group

@@ -16,13 +16,13 @@ import pytest
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
-from budgetgate import wire
+from budgetgate.contracts import wire
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.metering_ingest.app import create_app
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 from tests.integration.test_consumer import drain

@@ -13,8 +13,8 @@ import asyncpg
 import pytest
 import redis.asyncio as aioredis
 
-from budgetgate.principals import Role
-from budgetgate.tokens import create_token
+from budgetgate.core.principals import Role
+from budgetgate.access.tokens import create_token
 
 ALL_ROLES = tuple(Role)
 

@@ -12,12 +12,12 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import Reconciler, build
-from budgetgate.telemetry import setup_telemetry
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.runtime.telemetry import setup_telemetry
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
 
 H = 3_600_000  # milli-hours in an hour: one GPU-hour in the ledger's units

@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from budgetgate import topics
+from budgetgate.contracts import topics
 from budgetgate.cli.asyncapi import document
 from budgetgate.cli.main import cli
 

@@ -11,7 +11,7 @@ from budgetgate.services.metering_ingest.consumers import router as metering_rou
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.services.reconciler.consumers import router as reconciler_router
 from budgetgate.services.reconciler.settings import ReconcilerSettings
-from budgetgate.topics import Topics
+from budgetgate.contracts.topics import Topics
 
 
 @pytest.mark.parametrize("prefix", ["", "stack-b-"])

@@ -9,7 +9,7 @@ from tests.support.extras import import_extra
 # flytekit is the `flyte` extra, outside `dev`; CI installs it (constraints/dev-flyte.txt).
 import_extra("flytekit", extra="flyte")
 
-from budgetgate.flyte import Unprojectable, flavor_of, project, submission
+from budgetgate.adapters.flyte import Unprojectable, flavor_of, project, submission
 from tests.support import flyte_workflows as flows
 
 

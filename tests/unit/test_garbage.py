@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 from pydantic import ValidationError
 
-from budgetgate import garbage
+from budgetgate.runtime import garbage
 from budgetgate.benchmark import cpu, pauses
-from budgetgate.settings import ServingSettings
-from budgetgate.telemetry import setup_telemetry
+from budgetgate.runtime.settings import ServingSettings
+from budgetgate.runtime.telemetry import setup_telemetry
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from budgetgate.problems import problem_body
+from budgetgate.edge.problems import problem_body
 from budgetgate.services.admission.app import create_app
-from budgetgate.services.admission.schemas import AdmissionRequest, EvaluationOut
+from budgetgate.contracts.admission import AdmissionRequest, EvaluationOut
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.metering_ingest.app import create_app as create_metering_app
 from budgetgate.services.metering_ingest.settings import MeteringSettings

@@ -100,7 +100,7 @@ def test_the_image_installs_with_the_constraints_ci_installs_with() -> None:
 
 
 def test_the_lower_bounds_admit_no_version_without_what_the_code_imports() -> None:
-    # budgetgate.subscriber imports faststream.middlewares.AckPolicy, which FastStream 0.6 introduced.
+    # budgetgate.messaging.subscriber imports faststream.middlewares.AckPolicy, which FastStream 0.6 introduced.
     (faststream,) = [r for r in requirements() if canonicalize_name(r.name) == "faststream"]
     assert not faststream.specifier.contains("0.5.48") and faststream.specifier.contains("0.6.0")
-    assert "from faststream.middlewares import AckPolicy" in (ROOT / "libs" / "budgetgate" / "subscriber.py").read_text()
+    assert "from faststream.middlewares import AckPolicy" in (ROOT / "libs" / "budgetgate" / "messaging" / "subscriber.py").read_text()

@@ -9,8 +9,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from faststream.security import SASLScram512
 
-from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.kafka_access import PLAINTEXT, KafkaAccess
+from budgetgate.runtime.settings import CommonSettings
 
 
 def test_plaintext_adds_nothing() -> None:
@@ -81,7 +81,7 @@ async def test_a_start_cancelled_while_the_broker_answers_finishes_and_leaves_no
     # later test in CI. start_whole lets the start finish first, and the client's stop closes all.
     from aiokafka.client import AIOKafkaClient
 
-    from budgetgate.kafka_access import start_whole
+    from budgetgate.runtime.kafka_access import start_whole
 
     broker = _SlowMetadataBroker(delay=0.3)
     server = await asyncio.start_server(broker.serve, "127.0.0.1", 0)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from budgetgate.devstack.services import SERVICES
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes" / "base"

@@ -9,8 +9,8 @@ from aiokafka import ConsumerRecord
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from budgetgate.consumer import Applied, Delivery
-from budgetgate.lag import TIMED_PER_BATCH, ConsumerProgress
+from budgetgate.messaging.inbox import Applied, Delivery
+from budgetgate.messaging.lag import TIMED_PER_BATCH, ConsumerProgress
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 COMMITTED = datetime(2025, 3, 1, 12, tzinfo=UTC)

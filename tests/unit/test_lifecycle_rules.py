@@ -1,11 +1,11 @@
-"""The lifecycle rules both ways in share (budgetgate/lifecycle.py): the reconciler dead-letters
+"""The lifecycle rules both ways in share (budgetgate/contracts/lifecycle_rules.py): the reconciler dead-letters
 with the first broken rule's words, the HTTP feed names every broken field."""
 
 from __future__ import annotations
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate import lifecycle
+from budgetgate.contracts import lifecycle_rules as lifecycle
 from budgetgate.services.reconciler.facts import _lifecycle_problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.policy_plan import emptiness, plan
+from budgetgate.core.policy_plan import emptiness, plan
 
 BUDGET = """\
 apiVersion: budgetgate/v1

@@ -9,12 +9,12 @@ import pytest
 from click.testing import CliRunner
 
 from budgetgate.cli.main import cli
-from budgetgate.cli.tokens import parse_duration
+from budgetgate.cli.token import parse_duration
 from budgetgate.core.policy import Scope
-from budgetgate.oidc import ClaimMapping, principal_from_claims
-from budgetgate.principals import Action, Forbidden, Principal, Role, Unauthenticated
+from budgetgate.edge.oidc import ClaimMapping, principal_from_claims
+from budgetgate.core.principals import Action, Forbidden, Principal, Role, Unauthenticated
 from budgetgate.services.admission.access import require_budget_scope, sees_budget
-from budgetgate.tokens import new_secret, secret_hash, well_formed
+from budgetgate.access.tokens import new_secret, secret_hash, well_formed
 
 
 def test_each_role_may_do_exactly_its_actions() -> None:
@@ -106,7 +106,7 @@ def test_durations() -> None:
 
 
 def test_subject_roles_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from budgetgate.auth import AuthSettings
+    from budgetgate.edge.auth import AuthSettings
 
     monkeypatch.setenv("BUDGETGATE_OIDC_SUBJECT_ROLES", '{"system:serviceaccount:flyte:flyte-admin": ["submitter", "reader"]}')
     assert AuthSettings().oidc_subject_roles == {"system:serviceaccount:flyte:flyte-admin": ["submitter", "reader"]}

@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from budgetgate import contracts_build, topics
+from budgetgate.contracts import build as contracts_build, topics
 
 COMMON = "common"
 
@@ -26,7 +26,7 @@ def test_committed_generated_code_is_fresh(tmp_path: Path) -> None:
 
     stale = contracts_build.stale_files(fresh, contracts_build.generated_package_dir())
 
-    assert not stale, f"generated code is stale: {', '.join(stale)}; run `python -m budgetgate.contracts_build` and commit"
+    assert not stale, f"generated code is stale: {', '.join(stale)}; run `python -m budgetgate.contracts.build` and commit"
 
 
 def test_stale_check_names_changed_missing_and_leftover_files(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from budgetgate.auth import AuthSettings
-from budgetgate.proxies import TrustedProxies, parse_networks
+from budgetgate.edge.auth import AuthSettings
+from budgetgate.edge.proxies import TrustedProxies, parse_networks
 
 
 def scope(peer: str, *forwarded: str) -> dict:

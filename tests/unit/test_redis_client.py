@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
-from budgetgate import redis_client
+from budgetgate.runtime import redis_client
 
 arguments = st.one_of(
     st.text(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from budgetgate.services.admission.resubmission import Conflict, changes, decided_afresh, differences, resent
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 BODY = {
     "run_id": "r", "attempt": 1, "namespace": "ns", "labels": {"team": "a", "env": "prod"},

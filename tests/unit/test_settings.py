@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from budgetgate.settings import CommonSettings, fingerprint
+from budgetgate.runtime.settings import CommonSettings, fingerprint
 
 
 @pytest.fixture

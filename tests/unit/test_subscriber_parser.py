@@ -1,4 +1,4 @@
-"""The inbox subscribers' parser (budgetgate.subscriber.keep_header_bytes) on FastStream's own
+"""The inbox subscribers' parser (budgetgate.messaging.subscriber.keep_header_bytes) on FastStream's own
 batch parser: the records come through as they were, whatever bytes their headers hold."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from aiokafka import ConsumerRecord
 from faststream.kafka.message import KafkaAckableMessage
 from faststream.kafka.parser import AioKafkaBatchParser
 
-from budgetgate.subscriber import keep_header_bytes
+from budgetgate.messaging.subscriber import keep_header_bytes
 
 
 def _record(offset: int, headers: list[tuple[str, bytes | None]]) -> ConsumerRecord:

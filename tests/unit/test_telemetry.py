@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from opentelemetry import trace
 
-from budgetgate.telemetry import Telemetry, setup_telemetry
-from budgetgate.trace_context import extract_context, inject_headers
+from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
+from budgetgate.contracts.trace_context import extract_context, inject_headers
 
 
 class _Collector(BaseHTTPRequestHandler):

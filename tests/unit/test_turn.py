@@ -1,4 +1,4 @@
-"""A pipelined batch's Turn (budgetgate.consumer.Turn) without servers: once finished it lets go
+"""A pipelined batch's Turn (budgetgate.messaging.inbox.Turn) without servers: once finished it lets go
 of the batch before it, so a long-running consumer does not keep every turn since its start
 (each with its poll's event ids) alive through the chain."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from budgetgate.consumer import Turn
+from budgetgate.messaging.inbox import Turn
 
 
 def test_a_finished_turn_lets_go_of_the_one_before_it() -> None:

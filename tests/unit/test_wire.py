@@ -12,15 +12,17 @@ from google.protobuf import json_format
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from budgetgate import outbox, wire
-from budgetgate.publisher import Publisher
-from budgetgate.topics import DECISIONS, METERING, dlq
+from budgetgate.messaging import outbox
+
+from budgetgate.contracts import wire
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.contracts.topics import DECISIONS, METERING, dlq
 from budgetgate.v1.common_pb2 import ALLOW, Job, Resources
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
-from budgetgate.wire import WireError, context_from_headers, dead_letter, decode, encode
+from budgetgate.contracts.wire import WireError, context_from_headers, dead_letter, decode, encode
 
 
 def _when() -> datetime:
@@ -272,7 +274,7 @@ async def test_publisher_that_cannot_connect_fails_at_start() -> None:
 def test_event_ids_an_inbox_cannot_store_are_refused() -> None:
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from budgetgate import wire
+    from budgetgate.contracts import wire
 
     from budgetgate.v1 import lifecycle_pb2
 

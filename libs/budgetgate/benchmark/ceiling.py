@@ -12,7 +12,7 @@ import argparse
 import uvicorn
 from fastapi import FastAPI
 
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 ANSWER = {"decision": "ALLOW", "replayed": False}
 

@@ -7,8 +7,8 @@ import uuid
 
 import asyncpg
 
-from budgetgate.principals import Role
-from budgetgate.tokens import create_token
+from budgetgate.core.principals import Role
+from budgetgate.access.tokens import create_token
 
 # Added to the environment of every measured service.
 SERVICE_ENV = {"BUDGETGATE_RATE_LIMIT": "10000000/second"}

@@ -31,7 +31,7 @@ from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.messaging.topic_admin import ensure_topics
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,16 @@ import httpx
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.benchmark.session import session
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
 from budgetgate.benchmark import databases, metering_workload, pauses, queries
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.metering import Counters
 from budgetgate.ledger.migrations import migrate_dsn
-from budgetgate.settings import CommonSettings
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.runtime.settings import CommonSettings
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 
 log = logging.getLogger(__name__)
 

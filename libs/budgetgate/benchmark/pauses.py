@@ -1,5 +1,5 @@
 """What the garbage collector cost a benchmarked service: its passes and the seconds they took
-(the service's `/metrics`, budgetgate.garbage) against the CPU the process spent, both since it
+(the service's `/metrics`, budgetgate.runtime.garbage) against the CPU the process spent, both since it
 started. A sampling profiler does not show these pauses (they land in whatever frame allocated),
 and thresholds that suit one load do not suit every load, so the benchmarks report them."""
 

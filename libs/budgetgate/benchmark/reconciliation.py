@@ -27,16 +27,16 @@ import httpx
 import redis.asyncio as aioredis
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.processes import Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
-from budgetgate.policy_repo import apply_bundle
-from budgetgate.settings import CommonSettings
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.policies.repository import apply_bundle
+from budgetgate.runtime.settings import CommonSettings
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
 
 H = 3_600_000

@@ -25,15 +25,15 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
-from budgetgate.publisher import Publisher
-from budgetgate import wire
+from budgetgate.messaging.publisher import Publisher
+from budgetgate.contracts import wire
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.processes import free_port, python_module
 from budgetgate.benchmark.reconciliation import Bench, Options, _lifecycle, _usage
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 
 STEP_MS = 1000 * 8  # each sample adds 1 s of 8 GPUs, in GPU-milliseconds (milli-hours)
 

@@ -30,7 +30,7 @@ from budgetgate.benchmark.audit import Audit, check
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
 from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.benchmark.systems import Backends, Baseline, Budgetgate, System
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 
 SYSTEMS = ("baseline", "budgetgate")
 # Failures of the machinery around the measurement: reported as a message, not a traceback.

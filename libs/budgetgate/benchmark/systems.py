@@ -20,9 +20,9 @@ from budgetgate.benchmark.workload import Workload, policy_yaml
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.policy_repo import apply_bundle
-from budgetgate.topics import Topics
-from budgetgate.topic_admin import ensure_topics
+from budgetgate.policies.repository import apply_bundle
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Budgetgate:
 
     name = "budgetgate"
     ready_path = "/readyz"
-    reports_collections = True  # its /metrics has the garbage collector's figures (budgetgate.garbage)
+    reports_collections = True  # its /metrics has the garbage collector's figures (budgetgate.runtime.garbage)
 
     def __init__(self, backends: Backends, *, tag: str) -> None:
         self.token: str | None = None

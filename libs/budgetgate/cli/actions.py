@@ -12,7 +12,7 @@ from typing import Any
 import click
 from google.protobuf.json_format import MessageToDict
 
-from budgetgate.kafka_access import PLAINTEXT, KafkaAccess
+from budgetgate.runtime.kafka_access import PLAINTEXT, KafkaAccess
 from budgetgate.cli import backend
 
 
@@ -76,8 +76,8 @@ def _run(bootstrap: str, topics: list[str], follow: bool, show: Callable[[Any], 
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def actions(follow: bool, as_json: bool) -> None:
     """Holds, drains, threshold alerts and HEADROOM the reconciler published on budget.actions.v1."""
-    from budgetgate import wire
-    from budgetgate.topics import Topics
+    from budgetgate.contracts import wire
+    from budgetgate.contracts.topics import Topics
     from budgetgate.v1.actions_pb2 import ActionType, BudgetAction
 
     settings = backend.stack_settings(needs="kafka")
@@ -108,8 +108,8 @@ def actions(follow: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def dlq(source: str | None, follow: bool, as_json: bool) -> None:
     """Messages the stack's consumers could not use, with the reason and where they came from."""
-    from budgetgate import topics as topic_names
-    from budgetgate import wire
+    from budgetgate.contracts import topics as topic_names
+    from budgetgate.contracts import wire
 
     settings = backend.stack_settings(needs="kafka")
     names = topic_names.Topics(settings.topic_prefix)

@@ -23,7 +23,7 @@ def tenant() -> None:
 
 def _client() -> Any:
     from budgetgate.client import Client
-    from budgetgate.settings import dev_token
+    from budgetgate.runtime.settings import dev_token
 
     return Client(token=dev_token("operator"))
 

@@ -22,7 +22,7 @@ from faststream.specification import AsyncAPI
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from pydantic import BaseModel, Field, create_model
 
-from budgetgate import topics
+from budgetgate.contracts import topics
 from budgetgate.services.evidence_emitter import consumers as evidence_consumers
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
 from budgetgate.services.metering_ingest import consumers as metering_consumers

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 
-from budgetgate.settings import CommonSettings, find_dev_state
+from budgetgate.runtime.settings import CommonSettings, find_dev_state
 
 S = TypeVar("S", bound=CommonSettings)
 
@@ -106,7 +106,7 @@ async def postgres_pool(dsn: str, *, max_size: int = 2) -> AsyncIterator[object]
 async def redis(url: str) -> AsyncIterator[object]:
     """A Redis client, named on stderr; an address that is malformed or does not answer is a
     one-line ClickException."""
-    from budgetgate import redis_client
+    from budgetgate.runtime import redis_client
 
     announce("redis", url)
     with _reaching("Redis", url):

@@ -220,7 +220,7 @@ def what_if(decisions: int, teams: int, as_json: bool) -> None:
     Records the history in a fresh database on the Postgres server of BUDGETGATE_POSTGRES_DSN
     (not timed), then times the command's own work against a candidate with every limit at 70 %."""
     from budgetgate.benchmark import whatif
-    from budgetgate.settings import CommonSettings
+    from budgetgate.runtime.settings import CommonSettings
 
     measured = asyncio.run(whatif.run(CommonSettings().postgres_dsn, decisions=decisions, teams=teams, echo=lambda message: click.echo(message, err=True)))
     if as_json:

@@ -21,7 +21,7 @@ import click
 
 from budgetgate.client import AsyncClient, NotFound
 from budgetgate.core.loader import LoadedPolicies
-from budgetgate.settings import DEV_STATE_FILE
+from budgetgate.runtime.settings import DEV_STATE_FILE
 
 # The example policy repository, shipped in the package (a checkout's examples/policies links
 # here), so `budgetgate demo` works from an installed wheel too.
@@ -99,7 +99,7 @@ def load_policies(policies: Path | None) -> LoadedPolicies:
     # repository that ignores it, where Git holds none of them.
     from budgetgate.core.loader import load_files
     from budgetgate.core.policy_files import directory_files
-    from budgetgate.policy_repo import Revision, dirty_sha
+    from budgetgate.policies.repository import Revision, dirty_sha
 
     files = directory_files(EXAMPLES)
     return load_files(files, git_sha=dirty_sha(Revision("examples", None, True), load_files(files, git_sha="examples").documents))

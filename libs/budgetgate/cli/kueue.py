@@ -41,7 +41,7 @@ def admission_check(kubeconfig: str | None, admission_url: str | None, default_r
     from lightkube import KubeConfig
 
     from budgetgate.client import AsyncClient
-    from budgetgate.kueue import AdmissionCheckController
+    from budgetgate.adapters.kueue_controller import AdmissionCheckController
     from budgetgate.platforms.kubernetes import Mapping
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from budgetgate.cli import backend
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 
 if TYPE_CHECKING:
     from budgetgate.ledger.sync import Drift, LedgerSync

@@ -19,7 +19,7 @@ from budgetgate.cli.quote import quote
 from budgetgate.cli.whatif import what_if
 from budgetgate.cli.meter import meter
 from budgetgate.cli.kueue import kueue
-from budgetgate.cli.tokens import admin_log, token
+from budgetgate.cli.token import admin_log, token
 from budgetgate.cli.admin import admin
 
 

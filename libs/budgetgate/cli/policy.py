@@ -12,9 +12,9 @@ import click
 from budgetgate.cli import backend
 from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle_from_json, load_files, load_path
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.override_store import plan_with_overrides
-from budgetgate.policy_plan import Change, emptiness
-from budgetgate.policy_repo import RepositoryError, Revision, apply_bundle, dirty_sha, policy_files, revision
+from budgetgate.policies.override_store import plan_with_overrides
+from budgetgate.core.policy_plan import Change, emptiness
+from budgetgate.policies.repository import RepositoryError, Revision, apply_bundle, dirty_sha, policy_files, revision
 
 
 @click.group()
@@ -156,7 +156,7 @@ def apply_over_http(server: str, loaded: LoadedPolicies, *, source: str, allow_e
     """POST the bundle to admission's /v1/policies as an operator; print the plan it applied."""
     import httpx
 
-    from budgetgate.settings import dev_token
+    from budgetgate.runtime.settings import dev_token
 
     token = dev_token("operator")
     if not token:

@@ -12,13 +12,13 @@ import uuid
 from datetime import UTC, datetime
 
 import click
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.core.metering import EARLIEST
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.cli import backend
-from budgetgate.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings
 
 
 @click.group()
@@ -70,7 +70,7 @@ def metering(run_id: str, gpu_seconds: float, node_seconds: float, at: datetime 
     (on metering.samples.v1.dlq).
     """
     from budgetgate.client import metering_sample
-    from budgetgate.topics import Topics
+    from budgetgate.contracts.topics import Topics
 
     sample = metering_sample(
         run_id, sample_id=sample_id or str(uuid.uuid4()), gpu_seconds=gpu_seconds, node_seconds=node_seconds,
@@ -116,7 +116,7 @@ LIFECYCLE_EVENTS = ("started", "completed", "failed", "cancelled", "evicted", "r
 def lifecycle(run_id: str, kind: str, at: datetime | None, gpus: int, nodes: int, flavor: str, reason: str, event_id: str | None) -> None:
     """Send one lifecycle event to workload.lifecycle.v1 (what the reconciler settles runs from)."""
     from budgetgate.client import lifecycle_event
-    from budgetgate.topics import Topics
+    from budgetgate.contracts.topics import Topics
 
     event = lifecycle_event(run_id, kind, at=at, gpus=gpus, nodes=nodes, flavor=flavor, reason=reason, event_id=event_id or str(uuid.uuid4()))
     settings = backend.stack_settings(needs="kafka")

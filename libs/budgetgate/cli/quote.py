@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from budgetgate.cli import backend
-from budgetgate.settings import CommonSettings, dev_token, find_dev_state
+from budgetgate.runtime.settings import CommonSettings, dev_token, find_dev_state
 
 
 class ClientSettings(CommonSettings):

@@ -74,7 +74,7 @@ def resolve(run_id: str, release: bool, settle: bool, reason: str, as_json: bool
     A release leaves a running run its quota slot and pool token until its end is settled."""
     if release == settle:
         raise click.UsageError("say how to resolve it: --release (give back what the run holds) or --settle (settle it again), one of the two")
-    from budgetgate.backends import BACKEND_ERRORS
+    from budgetgate.runtime.backends import BACKEND_ERRORS
     from budgetgate.services.reconciler.dead_letters import NotDeadLettered, StillFailing, resolve as resolve_one
     from budgetgate.services.reconciler.settings import ReconcilerSettings
 

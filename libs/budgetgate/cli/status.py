@@ -37,7 +37,7 @@ def status(run_id: str, as_json: bool) -> None:
 
 
 async def _status(dsn: str, run_id: str) -> dict[str, Any] | None:
-    from budgetgate.override_store import decided_under
+    from budgetgate.policies.override_store import decided_under
     from budgetgate.services.admission.status import run_status
 
     async with backend.postgres(dsn) as conn:

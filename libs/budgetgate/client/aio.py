@@ -12,7 +12,7 @@ from budgetgate.client import calls, endpoints, feeds
 from budgetgate.client.calls import Call
 from budgetgate.client.errors import NotGranted, error_of
 from budgetgate.client.retries import RetryPolicy
-from budgetgate.services.admission.schemas import (
+from budgetgate.contracts.admission import (
     AdmissionRequest,
     AdmissionResponse,
     AdmissionStatus,
@@ -25,7 +25,7 @@ from budgetgate.services.admission.schemas import (
     TenantUsage,
     UserUsage,
 )
-from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
+from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 

@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
-from budgetgate.services.admission.schemas import (
+from budgetgate.contracts.admission import (
     AdmissionRequest,
     AdmissionResponse,
     AdmissionStatus,
@@ -26,7 +26,7 @@ from budgetgate.services.admission.schemas import (
     TenantUsage,
     UserUsage,
 )
-from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
+from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from budgetgate.settings import find_dev_state
+from budgetgate.runtime.settings import find_dev_state
 
 TOKEN_VARIABLE = "BUDGETGATE_TOKEN"
 ADMISSION_VARIABLE = "BUDGETGATE_ADMISSION_URL"

@@ -13,12 +13,12 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from budgetgate.publisher import Publisher
+from budgetgate.messaging.publisher import Publisher
 from budgetgate.client.calls import Call
 from budgetgate.core.metering import sample_event_id
 from budgetgate.core.reconciliation import LIFECYCLE_KINDS
-from budgetgate.lifecycle import derived_event_id
-from budgetgate.timestamps import timestamp
+from budgetgate.contracts.lifecycle_rules import derived_event_id
+from budgetgate.contracts.timestamps import timestamp
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.v1.metering_pb2 import MeteringSample
 
@@ -94,7 +94,7 @@ class KafkaFeed:
     the broker before `send_*` returns (async with: connect and disconnect)."""
 
     def __init__(self, bootstrap: str, *, topic_prefix: str = "", client_id: str = "budgetgate-client") -> None:
-        from budgetgate.topics import Topics
+        from budgetgate.contracts.topics import Topics
 
         self.topics = Topics(topic_prefix)
         self.publisher = Publisher(bootstrap, client_id=client_id)

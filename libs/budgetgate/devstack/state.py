@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from budgetgate.devstack.processes import ProcessRecord, is_running
-from budgetgate.settings import DEV_STATE_FILE
+from budgetgate.runtime.settings import DEV_STATE_FILE
 
 STATE_VERSION = 1
 

@@ -122,7 +122,7 @@ def main() -> None:
     import asyncio
     import sys
 
-    from budgetgate.settings import CommonSettings
+    from budgetgate.runtime.settings import CommonSettings
 
     async def check(dsn: str) -> list[str]:
         conn = await asyncpg.connect(dsn, timeout=5)

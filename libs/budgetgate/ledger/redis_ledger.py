@@ -119,7 +119,7 @@ class RefusingWrites(redis.exceptions.ConnectionError):
     """Redis refuses writes in its present state, with an answer redis-py has no error of its
     own for: MISCONF (its snapshots or append-only file cannot be written, e.g. a full disk),
     NOREPLICAS (fewer replicas than min-replicas-to-write), BUSY (a script running past its
-    time limit). An outage (a ConnectionError, so in budgetgate.backends.BACKEND_ERRORS)."""
+    time limit). An outage (a ConnectionError, so in budgetgate.runtime.backends.BACKEND_ERRORS)."""
 
 
 # What Redis answers a write it cannot take in its present state (a replica after a failover,
@@ -149,7 +149,7 @@ class _Script:
     script ...: -READONLY You can't write against a read only replica.", "MISCONF ..."), which
     reads as a fault of the request; it is raised as the error the same refusal of a plain
     command gives (ReadOnlyError..., RefusingWrites where redis-py has none), which every
-    service takes for an outage (budgetgate.backends)."""
+    service takes for an outage (budgetgate.runtime.backends)."""
 
     def __init__(self, script: Any) -> None:
         self._script = script

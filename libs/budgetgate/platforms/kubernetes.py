@@ -41,7 +41,7 @@ from pydantic import ValidationError
 
 from budgetgate.core.evaluation import hypothetical
 from budgetgate.platforms.reviews import Asked, At, Unmappable, ask
-from budgetgate.services.admission.schemas import AdmissionRequest
+from budgetgate.contracts.admission import AdmissionRequest
 
 ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
 # Kinds whose UPDATEs are checked for more GPUs than their CREATE was decided for (a Pod's

@@ -274,7 +274,7 @@ SELECT e.ledger_key, e.policy_id, e.policy_git_sha, e.unit, e.window_start, e.wi
                  WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
 FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
 
--- inbox (libs/budgetgate/consumer.py) ---------------------------------------------------------
+-- inbox (libs/budgetgate/messaging/inbox.py) ---------------------------------------------------------
 
 -- name: inbox_claim
 -- The inbox rows of one batch ($2 event ids, distinct and sorted; $3 their topics); returns the
@@ -1044,7 +1044,7 @@ RETURNING a.namespace, a.token, a.levels, h.expires, h.before;
 -- Takes back renew_run_token for a token Redis no longer held (its lease ran out there first).
 UPDATE pool_allocations SET lease_expires_at = $3 WHERE namespace = $1 AND token = $2;
 
--- tenant overrides (budgetgate/override_store.py) ---------------------------------------------
+-- tenant overrides (budgetgate/policies/override_store.py) ---------------------------------------------
 
 -- name: lock_overrides
 -- Serialises changes of the override set (API updates, a Git apply) across processes.

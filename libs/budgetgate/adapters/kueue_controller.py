@@ -1,0 +1,174 @@
+"""The Kueue AdmissionCheck controller (`controllerName: budgetgate.io/budget`): watches Workloads
+through the Kubernetes API (lightkube), asks budgetgate about each one waiting on our check
+(through budgetgate.client), and writes the check's state back. The rules are pure, in
+budgetgate/platforms/kueue_workloads.py; this module only reads, decides through the client, and patches.
+
+Writes are JSON merge patches: the Workload's annotations first (when they change), then its
+status with the admissionChecks list, guarded by the resourceVersion it was computed from (a
+Workload Kueue changed meanwhile answers 409, and the watch brings the new version to decide on).
+A write that would change nothing is not made. A submission is idempotent per run id and
+attempt, so deciding a Workload twice reserves once.
+
+Besides the watch, every `requeue_seconds` the controller lists the Workloads still waiting on
+a check of ours and decides them again: a Workload left Pending because budgetgate could not
+decide (503, unreachable, the controller's token refused) gets no new event by itself, since a
+status write that changes nothing is none, and a watch does not list again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from lightkube import AsyncClient as KubeClient
+from lightkube import ApiError
+from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+from lightkube.types import PatchType
+
+from budgetgate.client import AsyncClient, BudgetgateError, Unauthorized
+from budgetgate.client.retries import RETRYABLE
+from budgetgate.platforms import kueue_workloads as kueue
+from budgetgate.platforms.kubernetes import Mapping, Unmappable
+
+log = logging.getLogger(__name__)
+
+Workload = create_namespaced_resource(kueue.GROUP, kueue.VERSION, "Workload", "workloads")
+AdmissionCheck = create_global_resource(kueue.GROUP, kueue.VERSION, "AdmissionCheck", "admissionchecks")
+
+
+class AdmissionCheckController:
+    """Decides the Workloads waiting on budgetgate's AdmissionChecks."""
+
+    def __init__(
+        self,
+        *,
+        kube: KubeClient,
+        budgetgate: AsyncClient,
+        mapping: Mapping = Mapping(),
+        controller_name: str = kueue.CONTROLLER_NAME,
+        checks_refresh_seconds: float = 30.0,
+        requeue_seconds: float = 30.0,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.kube = kube
+        self.budgetgate = budgetgate
+        self.mapping = mapping
+        self.controller_name = controller_name
+        self.checks_refresh_seconds = checks_refresh_seconds
+        self.requeue_seconds = requeue_seconds
+        self.clock = clock
+        self.checks: set[str] = set()
+        self._checks_read = 0.0
+        # The watch and the periodic requeue decide one Workload at a time, never both at once.
+        self._deciding = asyncio.Lock()
+
+    async def refresh_checks(self) -> set[str]:
+        """Our AdmissionChecks (by controllerName), each marked Active."""
+        found = set()
+        async for check in self.kube.list(AdmissionCheck):
+            body = check.to_dict()
+            if (body.get("spec") or {}).get("controllerName") != self.controller_name:
+                continue
+            found.add(body["metadata"]["name"])
+            patch = kueue.active(body, now=self.clock())
+            if patch is not None:
+                await self.kube.patch(AdmissionCheck.Status, body["metadata"]["name"], patch, patch_type=PatchType.MERGE)
+        self.checks, self._checks_read = found, time.monotonic()
+        return found
+
+    async def reconcile(self, workload: dict[str, Any]) -> None:
+        """Decide every check of ours this Workload waits on, and write the states back."""
+        async with self._deciding:
+            if time.monotonic() - self._checks_read > self.checks_refresh_seconds:
+                await self.refresh_checks()
+            for check in kueue.pending_checks(workload, self.checks):
+                workload = await self._write(workload, await self._decide(workload, check))
+
+    async def _decide(self, workload: dict[str, Any], check: str) -> kueue.Patch:
+        now = self.clock()
+        try:
+            request = kueue.submission(workload, self.mapping)
+        except Unmappable as exc:
+            return kueue.unmappable(workload, check, str(exc), now=now)
+        try:
+            answer = await self.budgetgate.submit(request)
+        except BudgetgateError as exc:
+            if isinstance(exc, Unauthorized):
+                log.error("budgetgate refused the controller's token (%s): %s", exc.status, exc.detail)
+            return kueue.error_answer(workload, check, exc, now=now, attempt_annotation=self.mapping.attempt_annotation)
+        except (*RETRYABLE, httpx.TransportError) as exc:
+            return kueue.undecided(workload, check, f"cannot decide now ({type(exc).__name__}: {exc}); will try again", now=now)
+        return kueue.decided(workload, check, answer.model_dump(mode="json"), now=now, attempt_annotation=self.mapping.attempt_annotation)
+
+    async def requeue(self) -> int:
+        """Decide again every Workload waiting on a check of ours (listed afresh); how many."""
+        waiting = 0
+        async for found in self.kube.list(Workload, namespace="*"):
+            body = found.to_dict()
+            if kueue.pending_checks(body, self.checks):
+                waiting += 1
+                await self.reconcile(body)
+        return waiting
+
+    async def _write(self, workload: dict[str, Any], patch: kueue.Patch) -> dict[str, Any]:
+        if kueue.unchanged(workload, patch):
+            return workload
+        meta = workload["metadata"]
+        status = patch.status
+        try:
+            if patch.annotations:
+                # Guarded by the version decided on, as the status is: a Workload listed minutes
+                # ago by the requeue (or changed since the event) is not moved to another attempt.
+                version = {"resourceVersion": meta["resourceVersion"]} if meta.get("resourceVersion") else {}
+                guarded = {"metadata": {"annotations": patch.annotations, **version}}
+                updated = await self.kube.patch(Workload, meta["name"], guarded, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+                # Only our annotation changed since the status was computed: carry its version.
+                status = {**status, "metadata": {"resourceVersion": updated.to_dict()["metadata"].get("resourceVersion")}}
+            written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+            return written.to_dict()
+        except ApiError as exc:
+            if exc.status.code == 409:
+                log.info("workload %s/%s changed while it was decided; deciding its new version", meta["namespace"], meta["name"])
+                return workload
+            raise
+
+    async def run(self) -> None:
+        """Watch Workloads in every namespace and reconcile each change, and requeue those still
+        waiting every `requeue_seconds`, until cancelled."""
+        await self.refresh_checks()
+        requeuing = asyncio.create_task(self._requeue_forever())
+        try:
+            await self._watch_forever()
+        finally:
+            requeuing.cancel()
+            await asyncio.gather(requeuing, return_exceptions=True)
+
+    async def _requeue_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.requeue_seconds)
+            try:
+                waiting = await self.requeue()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the API server or a patch failed: the next pass tries again
+                log.warning("requeue of waiting Workloads failed (%s: %s); trying again in %ss", type(exc).__name__, exc, self.requeue_seconds)
+            else:
+                if waiting:
+                    log.info("requeued %d Workload(s) still waiting on budgetgate", waiting)
+
+    async def _watch_forever(self) -> None:
+        while True:
+            try:
+                async for event, obj in self.kube.watch(Workload, namespace="*"):
+                    if event in ("ADDED", "MODIFIED"):
+                        await self.reconcile(obj.to_dict())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the API server or a patch failed: watch again
+                log.warning("Workload watch ended (%s: %s); watching again in 2s", type(exc).__name__, exc)
+                await asyncio.sleep(2)

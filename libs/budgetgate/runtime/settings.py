@@ -1,0 +1,156 @@
+"""Settings shared by every service and the CLI, read from BUDGETGATE_* variables.
+
+Precedence: environment variables, then the state file that `budgetgate dev up` writes in the
+working directory or a parent (`.budgetgate/dev.json`; BUDGETGATE_HOME names the folder instead), then the defaults below. So a CLI command run in a
+checkout reaches the stack that `dev up` started there without further configuration.
+
+One exception: where `dev up` derived a value from a variable (a database of the checkout's own
+on the server BUDGETGATE_POSTGRES_DSN names), the state file records a digest of the variable's
+value under `from_env` (not the value: it may hold a password); while the variable still has that
+value, the derived one wins, since that variable is what the stack was built from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr
+from budgetgate.runtime.garbage import THRESHOLDS
+from budgetgate.runtime.kafka_access import KafkaAccess
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEV_STATE_FILE = Path(".budgetgate") / "dev.json"
+
+
+def find_dev_state(start: Path | None = None) -> Path | None:
+    """The state file of the local stack: under BUDGETGATE_HOME when set, else the first
+    `.budgetgate/dev.json` in the current folder or one of its parents."""
+    home = os.environ.get("BUDGETGATE_HOME")
+    if home:
+        path = Path(home).expanduser() / DEV_STATE_FILE
+        return path if path.is_file() else None
+    here = (start or Path.cwd()).resolve()
+    return next((folder / DEV_STATE_FILE for folder in (here, *here.parents) if (folder / DEV_STATE_FILE).is_file()), None)
+
+
+def fingerprint(value: str) -> str:
+    """What the state file keeps of a variable's value: enough to tell it changed, not what it was."""
+    return "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+
+
+def dev_token(role: str = "operator") -> str | None:
+    """The API token a CLI command sends: BUDGETGATE_TOKEN, else the local stack's token of `role`."""
+    token = os.environ.get("BUDGETGATE_TOKEN")
+    if token:
+        return token
+    path = find_dev_state()
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text()).get("tokens", {}).get(role)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+class _DevStateSource(PydanticBaseSettingsSource):
+    """Values published by a running `budgetgate dev up` in the current directory; with
+    `derived_only`, just those derived from a variable that still has the recorded value."""
+
+    def __init__(self, settings_cls: type[BaseSettings], *, derived_only: bool = False) -> None:
+        super().__init__(settings_cls)
+        self.derived_only = derived_only
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = find_dev_state()
+        if path is None:
+            return {}
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        fields = self.settings_cls.model_fields
+        values = {k: v for k, v in state.get("settings", {}).items() if k in fields}
+        if not self.derived_only:
+            return values
+        derived = state.get("from_env", {})
+        prefix = self.settings_cls.model_config.get("env_prefix", "")
+        return {k: v for k, v in values.items() if k in derived and fingerprint(os.environ.get(f"{prefix}{k}".upper(), "")) == derived[k]}
+
+
+class CommonSettings(BaseSettings):
+    """Connection settings every budgetgate process needs."""
+
+    model_config = SettingsConfigDict(env_prefix="BUDGETGATE_", extra="ignore")
+
+    postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Every Redis key budgetgate writes starts with this prefix inside one hash tag, so one
+    # decision's keys always share a Redis Cluster slot and deployments can share a server.
+    redis_prefix: str = "bg"
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    # Prefix for topic names, so tests and side-by-side stacks can share one broker.
+    topic_prefix: str = ""
+    # What budgetgate.ensure_topics creates a missing topic with (existing topics are
+    # left as they are). One replica suits the one-broker local stack only: production brokers
+    # want 3 (see deploy/kubernetes/README.md), and a consumer group uses at most one consumer
+    # per partition.
+    topic_partitions: int = Field(default=3, ge=1)
+    topic_replication_factor: int = Field(default=1, ge=1)
+    # How long a schema migration waits for a table lock before it gives up (and says who held
+    # it): a migration waiting on a long transaction would queue every admission behind itself.
+    migration_lock_timeout_seconds: float = Field(default=5.0, gt=0)
+    service_name: str = "budgetgate"
+    otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint; none = no export")
+    # Outbox records the relay claims, publishes together and marks in one transaction (a
+    # bundle row that carries more goes alone): the relay waits for the broker once per batch,
+    # so this bounds the rate it keeps up with.
+    outbox_batch: int = Field(default=1000, ge=1, le=100_000)
+    # How Kafka clients reach the brokers: PLAINTEXT (the local stack), SSL, SASL_PLAINTEXT or
+    # SASL_SSL, with a SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) and credentials.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: str | None = None
+
+    @property
+    def kafka_access(self) -> KafkaAccess:
+        """The access every Kafka client of this process uses."""
+        password = self.kafka_sasl_password.get_secret_value() if self.kafka_sasl_password else None
+        return KafkaAccess(self.kafka_security_protocol, self.kafka_sasl_mechanism, self.kafka_sasl_username, password, self.kafka_ssl_cafile)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            _DevStateSource(settings_cls, derived_only=True),
+            env_settings,
+            _DevStateSource(settings_cls),
+            file_secret_settings,
+        )
+
+
+class ServingSettings(CommonSettings):
+    """What an HTTP-serving process adds: TLS from a certificate and key (PEM files); both
+    unset = plain HTTP. Processes listen on loopback unless told otherwise (their `host`)."""
+
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    # The cyclic garbage collector's thresholds (gc.set_threshold; budgetgate.runtime.garbage says why
+    # not CPython's 700, 10, 10), as a JSON list: BUDGETGATE_GC_THRESHOLDS='[700, 10, 10]'.
+    # A first threshold of 0 turns automatic collection off.
+    gc_thresholds: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]] = THRESHOLDS
