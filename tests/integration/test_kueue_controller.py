@@ -19,7 +19,7 @@ from lightkube import KubeConfig
 
 from budgetgate.client import NO_RETRY, AsyncClient
 from budgetgate.adapters.kueue_controller import AdmissionCheckController
-from budgetgate.platforms import kueue_workloads as kueue
+from budgetgate.adapters import kueue_workloads as kueue
 from budgetgate.core.principals import Role
 from tests.support.admission import apply_policies, example_policies, submission
 from tests.support.kube_api import KubeApi

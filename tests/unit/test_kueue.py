@@ -13,7 +13,7 @@ import pytest
 
 from budgetgate.client import Conflict, InvalidRequest, Unauthorized, Unavailable
 from budgetgate.platforms.kubernetes import Mapping, Unmappable
-from budgetgate.platforms.kueue_workloads import PRIORITY_BOOST, active, decided, error_answer, pending_checks, submission, unchanged, undecided
+from budgetgate.adapters.kueue_workloads import PRIORITY_BOOST, active, decided, error_answer, pending_checks, submission, unchanged, undecided
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"
 NOW = datetime(2026, 7, 14, 9, 30, 7, tzinfo=UTC)

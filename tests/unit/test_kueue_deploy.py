@@ -13,7 +13,7 @@ import kubernetes_validate
 import yaml
 
 from budgetgate.client.endpoints import TOKEN_VARIABLE
-from budgetgate.platforms.kueue_workloads import CONTROLLER_NAME
+from budgetgate.adapters.kueue_workloads import CONTROLLER_NAME
 
 KUEUE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "kueue"
 BASE = KUEUE.parent / "base"

@@ -1,7 +1,7 @@
 """The Kueue AdmissionCheck controller (`controllerName: budgetgate.io/budget`): watches Workloads
 through the Kubernetes API (lightkube), asks budgetgate about each one waiting on our check
 (through budgetgate.client), and writes the check's state back. The rules are pure, in
-budgetgate/platforms/kueue_workloads.py; this module only reads, decides through the client, and patches.
+budgetgate/adapters/kueue_workloads.py; this module only reads, decides through the client, and patches.
 
 Writes are JSON merge patches: the Workload's annotations first (when they change), then its
 status with the admissionChecks list, guarded by the resourceVersion it was computed from (a
@@ -32,7 +32,7 @@ from lightkube.types import PatchType
 
 from budgetgate.client import AsyncClient, BudgetgateError, Unauthorized
 from budgetgate.client.retries import RETRYABLE
-from budgetgate.platforms import kueue_workloads as kueue
+from budgetgate.adapters import kueue_workloads as kueue
 from budgetgate.platforms.kubernetes import Mapping, Unmappable
 
 log = logging.getLogger(__name__)
