@@ -42,11 +42,16 @@ proto:
 bench *args:
     {{budgetgate}} bench admission {{args}}
 
-# What CI checks before the tests: ruff's lint rules and `ruff format`.
+# What CI checks before the tests: ruff's lint rules, `ruff format` and the documentation site.
 lint:
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
+    NO_MKDOCS_2_WARNING=1 {{venv}}/bin/mkdocs build --strict
 
 # Rewrite the tree as `ruff format` wants it.
 fmt:
     {{venv}}/bin/ruff format .
+
+# Serve the documentation site (docs/, mkdocs.yml) on http://127.0.0.1:8000, rebuilt on every change.
+docs *args:
+    NO_MKDOCS_2_WARNING=1 {{venv}}/bin/mkdocs serve {{args}}

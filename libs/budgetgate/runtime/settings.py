@@ -97,7 +97,7 @@ class CommonSettings(BaseSettings):
     kafka_bootstrap: str = "127.0.0.1:9092"
     # Prefix for topic names, so tests and side-by-side stacks can share one broker.
     topic_prefix: str = ""
-    # What budgetgate.ensure_topics creates a missing topic with (existing topics are
+    # What budgetgate.messaging.topic_admin.ensure_topics creates a missing topic with (existing topics are
     # left as they are). One replica suits the one-broker local stack only: production brokers
     # want 3 (see deploy/kubernetes/README.md), and a consumer group uses at most one consumer
     # per partition.
