@@ -42,10 +42,11 @@ proto:
 bench *args:
     {{budgetgate}} bench admission {{args}}
 
-# What CI checks before the tests: ruff's lint rules, `ruff format` and the documentation site.
+# What CI checks before the tests: ruff's lint rules, `ruff format`, the import layers and the documentation site.
 lint:
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
+    {{venv}}/bin/lint-imports
     NO_MKDOCS_2_WARNING=1 {{venv}}/bin/mkdocs build --strict
 
 # Rewrite the tree as `ruff format` wants it.
