@@ -1,1 +1,1 @@
-"""The evidence_emitter service (not built yet: see the project's issues)."""
+"""The evidence-emitter: every decision and reconciliation becomes an OpenLineage RunEvent delivered to Marquez."""

@@ -1,1 +1,2 @@
-"""The metering_ingest service (not built yet: see the project's issues)."""
+"""metering-ingest: exporters' samples (Kafka and HTTP) and lifecycle events over HTTP become usage
+records and lifecycle facts, durable before they are acknowledged."""

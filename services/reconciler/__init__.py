@@ -1,1 +1,1 @@
-"""The reconciler service (not built yet: see the project's issues)."""
+"""The reconciler: lifecycle facts and usage records replace reservations with actuals on the ledger, and keep Redis in line with Postgres."""
