@@ -214,7 +214,7 @@ def test_planned_submission_is_admitted_iff_its_hard_budgets_have_room(
 def test_the_evidence_marks_deciding_the_evaluation_admission_named(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
     from budgetgate.core.evaluation import deciding_index
     from budgetgate.services.admission.rendering import decision_message
-    from budgetgate.services.evidence_emitter.facet import decision_fields
+    from budgetgate.evidence.facet import decision_fields
 
     p, readings, releases = case
     decision = decide(p, readings, outlooks=releases)

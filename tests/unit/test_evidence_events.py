@@ -17,7 +17,7 @@ from budgetgate.core.evaluation import Reading, Resources, Submission, decide, p
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.units import MILLI_PER_HOUR
 from budgetgate.services.admission.rendering import decision_message
-from budgetgate.services.evidence_emitter import events, facet
+from budgetgate.evidence import events, facet
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 from tests.support.admission import budget_yaml
 from tests.support.marquez import OpenLineageValidator, require_spec
