@@ -15,7 +15,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.access import require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.concurrency import NoSuchPool
+from budgetgate.decisions.concurrency import NoSuchPool
 from budgetgate.services.admission.runtime import Runtime
 from budgetgate.contracts.admission import (
     AdmissionRequest,

@@ -213,7 +213,7 @@ def test_planned_submission_is_admitted_iff_its_hard_budgets_have_room(
 @given(case=plans())
 def test_the_evidence_marks_deciding_the_evaluation_admission_named(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
     from budgetgate.core.evaluation import deciding_index
-    from budgetgate.services.admission.rendering import decision_message
+    from budgetgate.decisions.rendering import decision_message
     from budgetgate.evidence.facet import decision_fields
 
     p, readings, releases = case

@@ -16,7 +16,7 @@ from budgetgate.core.accounting import EXTERNAL, LEDGER, BudgetSource, with_exte
 from budgetgate.core.evaluation import Reading, Resources, Submission, decide, plan
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.units import MILLI_PER_HOUR
-from budgetgate.services.admission.rendering import decision_message
+from budgetgate.decisions.rendering import decision_message
 from budgetgate.evidence import events, facet
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 from tests.support.admission import budget_yaml
