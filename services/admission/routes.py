@@ -28,8 +28,8 @@ from budgetgate.contracts.admission import (
     ScopeUsage,
     Token,
 )
-from budgetgate.services.admission.status import run_status
-from budgetgate.services.admission.usage import scope_usage
+from budgetgate.reports.status import run_status
+from budgetgate.reports.usage import scope_usage
 
 router = APIRouter()
 
