@@ -45,11 +45,11 @@ from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.batching import GroupCommit
-from budgetgate.services.admission.concurrency import Asks
+from budgetgate.decisions.concurrency import Asks
 from budgetgate.services.admission.fairshare import DecayedUsage
-from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
+from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
 from budgetgate.services.admission.policies import PolicyCache
-from budgetgate.services.admission.rendering import canonical, response_body
+from budgetgate.decisions.rendering import replayed, response_body
 from budgetgate.services.admission.resubmission import differences, resent
 from budgetgate.contracts.admission import AdmissionRequest
 
@@ -327,16 +327,10 @@ def _sort_out(batch: list[Pending], latest: Mapping[str, Any], *, tenant_label: 
         if verdict == "decide":
             fresh.append(p)
         elif verdict == "replay" and prior is not None:
-            answers[p] = replay(prior)
+            answers[p] = replayed(prior)
         else:
             answers[p] = verdict
     return answers, fresh, followers
-
-
-def replay(row: Mapping[str, Any]) -> dict[str, Any]:
-    body = canonical(orjson.loads(row["response"]) if isinstance(row["response"], str) else dict(row["response"]))
-    body["replayed"] = True
-    return body
 
 
 async def releases(conn: asyncpg.Connection, refused_plans: list[tuple[Plan, Mapping[str, Reading]]], start_deadline: timedelta) -> dict[str, Outlook]:

@@ -18,7 +18,7 @@ from budgetgate.edge.auth import install_auth
 from budgetgate.services.admission import bundles, kubernetes, quote_routes, routes, tenant_admin
 from budgetgate.contracts import tenants as tenant_schemas
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.deciding import InvalidSubmission
+from budgetgate.decisions.deciding import InvalidSubmission
 from budgetgate.services.admission.kubernetes import KubernetesWebhookSettings
 from budgetgate.services.admission.fastpath import SubmissionFastPath
 from budgetgate.edge.bodies import BodyLimit

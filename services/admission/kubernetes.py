@@ -45,7 +45,7 @@ from budgetgate.platforms.kubernetes import ADMITTED_OWNERS, Mapping, Owned, Ref
 from budgetgate.platforms.reviews import Asked, NotAReview, ask, review_uid
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.deciding import InvalidSubmission
+from budgetgate.decisions.deciding import InvalidSubmission
 from budgetgate.services.admission.resubmission import Conflict
 
 log = logging.getLogger(__name__)

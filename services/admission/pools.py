@@ -20,7 +20,7 @@ from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
 from budgetgate.ledger.transaction import ledger_transaction, record_ledger_mark
 from budgetgate.core.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
-from budgetgate.services.admission.concurrency import pool_request
+from budgetgate.decisions.concurrency import pool_request
 from budgetgate.services.admission.policies import PolicyCache
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.contracts.admission import AllocationIn

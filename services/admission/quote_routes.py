@@ -19,7 +19,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.contracts.operations import Operation
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.explain import BundleCache, explanation, recompute
+from budgetgate.decisions.explain import BundleCache, explanation, recompute
 from budgetgate.services.admission.quotes import Quoter
 from budgetgate.services.admission.routes import RUN_ID
 from budgetgate.contracts.admission import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem

@@ -15,8 +15,8 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import Reservation, ReserveResult
 from budgetgate.services.admission.admitter import Admitter, Unavailable, releases, with_ledger
-from budgetgate.services.admission.deciding import Prepared, charges, conclude, holds, readings
-from budgetgate.services.admission.rendering import response_body
+from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, readings
+from budgetgate.decisions.rendering import response_body
 from budgetgate.contracts.admission import AdmissionRequest
 
 _NOT_QUOTED = ("decision_id", "replayed", "decided_at")

@@ -19,8 +19,8 @@ from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
 from budgetgate.ledger.queries import sql
 from budgetgate.contracts.trace_context import inject_headers
-from budgetgate.services.admission.concurrency import Asks
-from budgetgate.services.admission.rendering import decision_message
+from budgetgate.decisions.concurrency import Asks
+from budgetgate.decisions.rendering import decision_message
 from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.v1.decisions_pb2 import Decision as DecisionMessage
 

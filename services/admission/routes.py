@@ -15,7 +15,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.access import require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.services.admission.concurrency import NoSuchPool
+from budgetgate.decisions.concurrency import NoSuchPool
 from budgetgate.services.admission.runtime import Runtime
 from budgetgate.contracts.admission import (
     AdmissionRequest,
@@ -28,8 +28,8 @@ from budgetgate.contracts.admission import (
     ScopeUsage,
     Token,
 )
-from budgetgate.services.admission.status import run_status
-from budgetgate.services.admission.usage import scope_usage
+from budgetgate.reports.status import run_status
+from budgetgate.reports.usage import scope_usage
 
 router = APIRouter()
 

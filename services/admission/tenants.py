@@ -14,12 +14,8 @@ from fastapi import Depends, FastAPI, Query, Request
 from budgetgate.edge.auth import Action, Forbidden, Principal, allow
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.services.admission.tenant_admin import Tenant
-from budgetgate.services.admission.usage import labelled_usage
+from budgetgate.reports.usage import TenantSettings, labelled_usage
 from budgetgate.runtime.settings import CommonSettings
-
-
-class TenantSettings(CommonSettings):
-    tenant_label: str = "team"
 
 
 async def tenant_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, label: str, tenant: str, days: int, now: datetime) -> dict[str, Any]:

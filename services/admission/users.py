@@ -1,6 +1,6 @@
 """Usage by user: `GET /v1/users/{user}/usage?days=90`. A user is the value of one label (`user`
 unless BUDGETGATE_USER_LABEL says otherwise), read exactly as a tenant's usage is
-(usage.labelled_usage): budgets whose scope requires that label value, and the runs' reservations
+(budgetgate.reports.usage.labelled_usage): budgets whose scope requires that label value, and the runs' reservations
 and metered usage over the last `days` days."""
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from budgetgate.edge.auth import Action, Forbidden, Principal, allow
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.contracts.tenants import label_value_path
-from budgetgate.services.admission.usage import labelled_usage
+from budgetgate.reports.usage import UserSettings, labelled_usage
 from budgetgate.runtime.settings import CommonSettings
-
-
-class UserSettings(CommonSettings):
-    # The label whose value names the user a run was submitted for.
-    user_label: str = "user"
 
 
 def add_user_routes(app: FastAPI, settings: CommonSettings) -> None:

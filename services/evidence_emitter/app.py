@@ -27,7 +27,8 @@ from budgetgate.messaging.inbox import Inbox
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.edge.problems import install_problems
 from budgetgate.edge.serving import close_pool, close_within, postgres_check, stop_tasks
-from budgetgate.services.evidence_emitter import consumers, events, transport
+from budgetgate.evidence import events
+from budgetgate.services.evidence_emitter import consumers, transport
 from budgetgate.services.evidence_emitter.handlers import EvidenceHandlers
 from budgetgate.services.evidence_emitter.sender import Sender
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings

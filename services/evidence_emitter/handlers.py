@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.messaging.inbox import Poison
-from budgetgate.services.evidence_emitter import events, facet, store
+from budgetgate.evidence import events, facet, store
 from budgetgate.v1 import decisions_pb2, reconciliations_pb2
 
 Stored = Callable[[str, str], None]  # (stage, event type), for metrics

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from budgetgate.ledger.queries import sql
-from budgetgate.services.evidence_emitter import events, handlers, store
+from budgetgate.evidence import events, store
+from budgetgate.services.evidence_emitter import handlers
 from budgetgate.services.evidence_emitter.transport import NotDelivered, Refused
 
 log = logging.getLogger(__name__)

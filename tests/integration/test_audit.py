@@ -13,7 +13,7 @@ from typing import Any
 
 
 from budgetgate.messaging.publisher import Publisher
-from budgetgate.services.evidence_emitter.audit import WindowFilter, marquez_report, marquez_runs
+from budgetgate.evidence.audit import WindowFilter, marquez_report, marquez_runs
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from tests.support.admission import apply_policies, budget_yaml

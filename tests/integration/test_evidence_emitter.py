@@ -18,7 +18,8 @@ from aiokafka import AIOKafkaConsumer
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts import wire
-from budgetgate.services.evidence_emitter import events, transport
+from budgetgate.evidence import events
+from budgetgate.services.evidence_emitter import transport
 from budgetgate.contracts.topics import Topics, dlq
 from budgetgate.messaging.topic_admin import ensure_topics
 from tests.integration.test_consumer import drain

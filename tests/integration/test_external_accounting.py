@@ -11,7 +11,7 @@ import time
 import pytest
 
 from budgetgate.core.units import MILLI_PER_HOUR
-from budgetgate.services.evidence_emitter import events
+from budgetgate.evidence import events
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import decisions_pb2
 from tests.support.accounting import AccountingStandIn

@@ -327,7 +327,7 @@ async def test_the_pool_script_checks_the_cap_of_a_held_token_asked_for_another_
     project's cap, and moves to it when it fits, so Redis records the owner Postgres would."""
     from datetime import UTC, datetime
 
-    from budgetgate.services.admission.concurrency import pool_request
+    from budgetgate.decisions.concurrency import pool_request
 
     server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=5, parent=5, cap=1)})
     url = "/v1/pools/snowflake:wh-1/allocations"

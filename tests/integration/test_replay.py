@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
-from budgetgate.services.admission.explain import replay
+from budgetgate.decisions.explain import replay
 from tests.support.admission import apply_policies, budget_yaml, example_policies
 from tests.support.cli import budgetgate
 

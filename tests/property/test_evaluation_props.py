@@ -211,12 +211,16 @@ def test_planned_submission_is_admitted_iff_its_hard_budgets_have_room(
 
 
 @given(case=plans())
-def test_the_deciding_evaluation_named_by_admission_is_the_one_the_evidence_derives(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
-    from budgetgate.services.admission.rendering import decision_message
-    from budgetgate.services.evidence_emitter.facet import deciding_index as derived
+def test_the_evidence_marks_deciding_the_evaluation_admission_named(case: tuple[Plan, dict[str, Reading], dict[str, Outlook]]) -> None:
+    from budgetgate.core.evaluation import deciding_index
+    from budgetgate.decisions.rendering import decision_message
+    from budgetgate.evidence.facet import decision_fields
 
     p, readings, releases = case
     decision = decide(p, readings, outlooks=releases)
     message = decision_message(plan=p, decision=decision, decision_id="d", decided_at=AT, job=None)
     assert message.HasField("deciding_evaluation")
-    assert message.deciding_evaluation == derived(decision.outcome, message.evaluations)
+    assert message.deciding_evaluation == deciding_index(decision)
+    fields = decision_fields(message)
+    assert [i for i, e in enumerate(fields["evaluations"]) if e["deciding"]] == [message.deciding_evaluation]
+    assert fields["policy_id"] == decision.evaluations[message.deciding_evaluation].policy_id

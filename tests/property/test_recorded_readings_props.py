@@ -15,9 +15,9 @@ from budgetgate.core.evaluation import fits
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.units import MILLI_PER_HOUR as H
 from budgetgate.ledger.redis_ledger import ReserveResult
-from budgetgate.services.admission.deciding import conclude, prepare, readings_record, rebuilt_outlooks, rebuilt_result
-from budgetgate.services.admission.explain import amount_differences, differences
-from budgetgate.services.admission.rendering import response_body
+from budgetgate.decisions.deciding import conclude, prepare, readings_record, rebuilt_outlooks, rebuilt_result
+from budgetgate.decisions.explain import amount_differences, differences
+from budgetgate.decisions.rendering import response_body
 from budgetgate.contracts.admission import AdmissionRequest
 from tests.support.admission import budget_yaml, submission
 

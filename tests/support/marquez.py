@@ -466,7 +466,8 @@ def decision(
     job: tuple[str, str] = ("vision-prod", "train-resnet"),
     remaining_hours: float = 100.0,
 ) -> Any:
-    """A Decision message as admission publishes it, with one GPU-hour budget evaluated."""
+    """A Decision message as admission publishes it, with one GPU-hour budget evaluated (and
+    named as the deciding one, as admission names the only charged budget)."""
     from google.protobuf.timestamp_pb2 import Timestamp
 
     from budgetgate.core.units import MILLI_PER_HOUR
@@ -497,7 +498,7 @@ def decision(
         outcome=common_pb2.Outcome.Value(outcome), reason=f"{outcome.lower()} in a test", policy_bundle_sha=sha,
         namespace=job[0], labels={"team": "vision"}, job=common_pb2.Job(namespace=job[0], name=job[1]),
         resources=common_pb2.Resources(gpus=gpus, nodes=1), projected_runtime_hours=hours,
-        projected_gpu_milli_hours=projected, evaluations=[evaluation])  # fmt: skip
+        projected_gpu_milli_hours=projected, evaluations=[evaluation], deciding_evaluation=0)  # fmt: skip
 
 
 def reconciliation(source: Any, final_state: str, *, actual_hours: float, provisional: bool = False, at: datetime | None = None) -> Any:

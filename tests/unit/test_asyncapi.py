@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from budgetgate.contracts import topics
-from budgetgate.cli.asyncapi import document
+from budgetgate.services.asyncapi import document
 from budgetgate.cli.main import cli
 
 

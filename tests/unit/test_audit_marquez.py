@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 
-from budgetgate.services.evidence_emitter.audit import WindowFilter, marquez_report, marquez_runs
-from budgetgate.services.evidence_emitter.facet import FACET_KEY
+from budgetgate.evidence.audit import WindowFilter, marquez_report, marquez_runs
+from budgetgate.evidence.facet import FACET_KEY
 
 SCOPE = "ns=vision-prod;team=vision"
 WINDOW = "2026-07-01T00:00:00Z/2026-08-01T00:00:00Z"

@@ -9,7 +9,7 @@ import pytest
 
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.ledger.redis_ledger import ReserveResult
-from budgetgate.services.admission.deciding import InvalidSubmission, conclude, prepare
+from budgetgate.decisions.deciding import InvalidSubmission, conclude, prepare
 from budgetgate.contracts.admission import AdmissionRequest
 from tests.support.admission import budget_yaml, submission
 

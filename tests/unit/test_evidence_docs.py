@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from openlineage.client.event_v2 import RunState
 
-from budgetgate.services.evidence_emitter import events, facet
+from budgetgate.evidence import events, facet
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"

@@ -16,8 +16,8 @@ from budgetgate.core.accounting import EXTERNAL, LEDGER, BudgetSource, with_exte
 from budgetgate.core.evaluation import Reading, Resources, Submission, decide, plan
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.units import MILLI_PER_HOUR
-from budgetgate.services.admission.rendering import decision_message
-from budgetgate.services.evidence_emitter import events, facet
+from budgetgate.decisions.rendering import decision_message
+from budgetgate.evidence import events, facet
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 from tests.support.admission import budget_yaml
 from tests.support.marquez import OpenLineageValidator, require_spec
@@ -198,6 +198,20 @@ def test_unmatched_allow_carries_no_policy() -> None:
     message = decided(bundle(budget_yaml("other", namespace="nlp-prod")))
     budget = event_for(message)["run"]["facets"]["budget"]
     assert budget["decision"] == "ALLOW" and budget["evaluations"] == []
+
+
+def test_a_waived_policy_alone_decides_nothing_in_the_facet_as_in_admission() -> None:
+    # A soft policy whose labels the run lacks is waived (recorded, never enforced): admission
+    # names no deciding evaluation (core.evaluation.deciding_index), so neither does the facet.
+    trial = budget_yaml("trial", labels="{team: vision, cost-center: '*'}", enforcement="soft")
+    message = decided(bundle(trial), labels={"team": "vision"})
+    assert not message.HasField("deciding_evaluation")
+    data = event_for(message)
+    budget = data["run"]["facets"]["budget"]
+    assert budget["decision"] == "ALLOW"
+    assert [(e["policy_id"], e["decision"], e["deciding"]) for e in budget["evaluations"]] == [("trial", "DENY", False)]
+    assert "policy_id" not in budget and "scope_id" not in budget
+    assert OpenLineageValidator(require_spec()).errors(data) == []
     assert "policy_id" not in budget
 
 

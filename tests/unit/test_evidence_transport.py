@@ -14,7 +14,8 @@ from openlineage.client.event_v2 import RunState
 from openlineage.client.transport.file import FileTransport
 from openlineage.client.transport.http import HttpTransport
 
-from budgetgate.services.evidence_emitter import events, transport
+from budgetgate.evidence import events
+from budgetgate.services.evidence_emitter import transport
 from budgetgate.services.evidence_emitter.sender import backoff
 
 

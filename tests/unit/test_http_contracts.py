@@ -142,7 +142,7 @@ def test_validation_errors_become_a_problem_listing_the_fields() -> None:
 
 
 def test_evaluation_keys_follow_the_model() -> None:
-    from budgetgate.services.admission.rendering import canonical
+    from budgetgate.decisions.rendering import canonical
 
     stored = {
         "replayed": False,

@@ -8,7 +8,7 @@ import click
 import pytest
 
 from budgetgate.cli.explain import since
-from budgetgate.services.admission.explain import differences
+from budgetgate.decisions.explain import differences
 
 
 def test_since_takes_periods_and_dates() -> None:

@@ -25,6 +25,7 @@ from budgetgate.core.evaluation import Resources, Submission, plan
 from budgetgate.core.loader import load_path
 from budgetgate.core.units import projected_hours_amount
 from budgetgate.ledger.migrations import migrate
+from budgetgate.reports.whatif import what_if
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,6 @@ def _history(decisions: int, teams: int, limit_hours: int, now: datetime) -> tup
 
 
 async def run(server_dsn: str, *, decisions: int, teams: int, limit_hours: int = 2000, echo: Any = print) -> Measured:
-    from budgetgate.cli.whatif import run as what_if
-
     name = f"bench_whatif_{uuid.uuid4().hex[:8]}"
     dsn = await databases.create(server_dsn, name)
     try:
@@ -146,7 +145,11 @@ async def run(server_dsn: str, *, decisions: int, teams: int, limit_hours: int =
         candidate = load_path(_policies(Path(tempfile.mkdtemp()) / "candidate", teams, limit_hours * 7 // 10), git_sha="what-if").bundle
         echo("replaying against the candidate (every limit at 70 %)")
         started = time.perf_counter()
-        report = await what_if(dsn, candidate, now - timedelta(days=30))
+        conn = await asyncpg.connect(dsn)
+        try:
+            report = await what_if(conn, candidate, now - timedelta(days=30))
+        finally:
+            await conn.close()
         seconds = time.perf_counter() - started
         return Measured(report["decisions"], seconds, len(report["flips"]), allows)
     finally:

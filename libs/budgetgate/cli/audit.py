@@ -39,7 +39,7 @@ def parse_window(text: str | None) -> tuple[datetime | None, str | None]:
 def audit(scope_id: str, window_text: str | None, marquez_url: str | None, as_json: bool) -> None:
     """Denial rate, reservation-to-actual error, window exhaustion and decisions by policy SHA of a
     scope; --window narrows every section to the windows it names."""
-    from budgetgate.services.evidence_emitter.audit import WindowFilter, marquez_report, marquez_runs, postgres_report
+    from budgetgate.evidence.audit import WindowFilter, marquez_report, marquez_runs, postgres_report
 
     at, key = parse_window(window_text)
     window = WindowFilter(at=at, key=key)

@@ -35,7 +35,7 @@ def budgets(as_json: bool) -> None:
 async def read_budgets(dsn: str) -> dict[str, Any] | None:
     from budgetgate.core.loader import bundle_from_json
     from budgetgate.ledger.queries import sql
-    from budgetgate.services.admission.budgets import list_budgets
+    from budgetgate.reports.budgets import list_budgets
 
     async with backend.postgres(dsn) as conn:
         row = await conn.fetchrow(sql("active_bundle"))  # type: ignore[attr-defined]

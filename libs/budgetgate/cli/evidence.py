@@ -60,8 +60,8 @@ def resend(seqs: tuple[int, ...], every: bool) -> None:
 
 
 async def _with_store(call: Callable[[Any, Any], Awaitable[Any]]) -> Any:
-    """`call(store, connection)` on the stack's ledger database (the emitter's store module)."""
-    from budgetgate.services.evidence_emitter import store
+    """`call(store, connection)` on the stack's ledger database (budgetgate.evidence.store)."""
+    from budgetgate.evidence import store
 
     async with backend.postgres(backend.stack_settings().postgres_dsn) as conn:
         return await call(store, conn)

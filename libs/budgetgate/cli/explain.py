@@ -55,7 +55,7 @@ def explain(run_id: str, as_json: bool) -> None:
 
 async def _explain(dsn: str, run_id: str) -> dict[str, Any] | None:
     from budgetgate.ledger.queries import sql
-    from budgetgate.services.admission.explain import BundleCache, explanation, recompute
+    from budgetgate.decisions.explain import BundleCache, explanation, recompute
 
     async with backend.postgres(dsn) as conn:
         row = await conn.fetchrow(sql("decision_inputs"), run_id)  # type: ignore[attr-defined]
@@ -86,7 +86,7 @@ def replay(period: str, scope: str | None, as_json: bool) -> None:
 
 
 async def _replay(dsn: str, start: datetime, scope: str | None) -> dict[str, Any]:
-    from budgetgate.services.admission.explain import replay as replay_decisions
+    from budgetgate.decisions.explain import replay as replay_decisions
 
     async with backend.postgres(dsn) as conn:
         return await replay_decisions(conn, since=start, scope=scope)

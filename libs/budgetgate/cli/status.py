@@ -38,7 +38,7 @@ def status(run_id: str, as_json: bool) -> None:
 
 async def _status(dsn: str, run_id: str) -> dict[str, Any] | None:
     from budgetgate.policies.override_store import decided_under
-    from budgetgate.services.admission.status import run_status
+    from budgetgate.reports.status import run_status
 
     async with backend.postgres(dsn) as conn:
         # What admission decides under (Git and the tenant overrides), so the figures are the

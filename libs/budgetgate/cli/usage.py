@@ -25,8 +25,7 @@ def usage(scope_id: str | None, tenant: str | None, user: str | None, label: str
     if [scope_id, tenant, user].count(None) != 2:
         raise click.UsageError("give exactly one of --scope, --tenant or --user")
     from budgetgate.cli import backend
-    from budgetgate.services.admission.tenants import TenantSettings
-    from budgetgate.services.admission.users import UserSettings
+    from budgetgate.reports.usage import TenantSettings, UserSettings
 
     who, value = ("user", user) if user is not None else ("tenant", tenant)
     settings = backend.stack_settings(UserSettings if who == "user" else TenantSettings)
@@ -44,7 +43,7 @@ async def _read(dsn: str, *, scope_id: str | None, who: str, value: str | None, 
     from budgetgate.cli import backend
     from budgetgate.core.loader import bundle_from_json
     from budgetgate.ledger.queries import sql
-    from budgetgate.services.admission.usage import labelled_usage, scope_usage
+    from budgetgate.reports.usage import labelled_usage, scope_usage
 
     async with backend.postgres(dsn) as pool:
         row = await pool.fetchrow(sql("active_bundle"))

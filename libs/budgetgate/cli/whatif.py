@@ -18,9 +18,6 @@ from budgetgate.cli import backend
 from budgetgate.cli.explain import since as parse_since
 from budgetgate.core.loader import PolicyValidationError, load_path
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.core.units import hours, money
-from budgetgate.core.whatif import Outcome, simulate
-from budgetgate.core.windows import rfc3339
 
 
 @click.command("what-if")
@@ -45,14 +42,12 @@ def what_if(directory: Path, period: str, as_json: bool) -> None:
 
 async def run(dsn: str, candidate: PolicyBundle, start: datetime, *, show_progress: bool = False) -> dict[str, Any]:
     """The what-if report of `candidate` over the decisions recorded since `start`."""
-    from budgetgate.services.admission.history import recorded_history
+    from budgetgate.reports.whatif import decisions_since, what_if
 
     async with backend.postgres(dsn) as conn:
-        total = await conn.fetchval("SELECT count(*) FROM decisions WHERE decided_at >= $1", start)  # type: ignore[attr-defined]
+        total = await decisions_since(conn, start)
         with _progress(2 * total, show_progress) as advance:
-            history = await recorded_history(conn, start, progress=advance)
-            outcome = simulate(candidate, start=history.start, decisions=history.decisions, ends=history.ends, holds=history.holds, progress=advance)
-    return as_report(outcome, start)
+            return await what_if(conn, candidate, start, progress=advance)
 
 
 @contextlib.contextmanager
@@ -63,30 +58,6 @@ def _progress(length: int, shown: bool) -> Iterator[Callable[[int], None]]:
     with click.progressbar(length=length, label="what-if", file=sys.stderr) as bar:
         yield bar.update
         bar.update(length - bar.pos)
-
-
-def as_report(outcome: Outcome, start: datetime) -> dict[str, Any]:
-    budgets = []
-    for b in outcome.by_budget.values():
-        cost = b.cost_before or b.cost_after
-        budgets.append({
-            "policy_id": b.policy_id, "scope_id": b.scope_id, "unit": b.unit,
-            "admitted_gpu_hours_before": hours(b.admitted_gpu_before), "admitted_gpu_hours_after": hours(b.admitted_gpu_after),
-            "admitted_gpu_hours_change": hours(b.admitted_gpu_after - b.admitted_gpu_before),
-            "showback_cost_before": float(money(b.cost_before)) if cost else None, "showback_cost_after": float(money(b.cost_after)) if cost else None,
-            "showback_cost_change": float(money(b.cost_after - b.cost_before)) if cost else None, "currency": b.currency,
-            "exhausted_at": rfc3339(b.exhausted_at) if b.exhausted_at else None,
-        })  # fmt: skip
-    return {
-        "since": rfc3339(start),
-        "decisions": outcome.decisions,
-        "flips": [
-            {"run_id": f.run_id, "attempt": f.attempt, "decided_at": rfc3339(f.at), "before": f.before, "after": f.after, "reason": f.reason}
-            for f in outcome.flips
-        ],
-        "by_budget": budgets,
-        "unplannable": outcome.unplannable,
-    }
 
 
 def print_report(report: dict[str, Any], directory: Path) -> None:

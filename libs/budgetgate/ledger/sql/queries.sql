@@ -967,6 +967,10 @@ WHERE d.decided_at >= $1
                                    WHERE e.decision_id = d.decision_id AND (e.scope_id = $2 OR e.policy_id = $2)))
 ORDER BY d.decided_at, d.ledger_seq NULLS FIRST, d.decision_id;
 
+-- name: whatif_decision_count
+-- How many decisions were recorded from $1 on (what policy what-if's progress counts to).
+SELECT count(*) FROM decisions WHERE decided_at >= $1;
+
 -- name: whatif_decisions
 -- The submissions recorded from $1 on, in the order decided, with what history decided and the
 -- ledger readings each was decided on (policy what-if).

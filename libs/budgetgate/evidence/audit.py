@@ -24,8 +24,8 @@ import httpx
 
 from budgetgate.core.units import MILLI_PER_HOUR, Unit, display
 from budgetgate.ledger.queries import sql
-from budgetgate.services.evidence_emitter import events
-from budgetgate.services.evidence_emitter.facet import FACET_KEY, RECONCILIATION
+from budgetgate.evidence import events
+from budgetgate.evidence.facet import FACET_KEY, RECONCILIATION
 
 
 @dataclass(frozen=True)

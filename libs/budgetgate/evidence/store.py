@@ -1,5 +1,6 @@
-"""Postgres side of the evidence-emitter: events stored when consumed, then marked delivered
-(or dead) by the sender. SQL lives in sql/queries.sql (the evidence-emitter section)."""
+"""The evidence store in Postgres: events the evidence-emitter stored when consumed, then marked
+delivered (or dead) by its sender, and the dead-lettered ones listed and put back to be sent
+(`budgetgate evidence`). SQL lives in ledger/sql/queries.sql (the evidence-emitter section)."""
 
 from __future__ import annotations
 

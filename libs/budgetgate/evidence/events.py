@@ -31,7 +31,7 @@ from openlineage.client.event_v2 import Job, Run, RunEvent, RunState
 from openlineage.client.generated.base import RunFacet
 from openlineage.client.serde import Serde
 
-from budgetgate.services.evidence_emitter.facet import FACET_KEY, SCHEMA_URL, UnusableMessage
+from budgetgate.evidence.facet import FACET_KEY, SCHEMA_URL, UnusableMessage
 
 # Fixed for good: changing it would split every run's history in Marquez in two.
 RUN_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://budgetgate.dev/openlineage/run-id")
@@ -60,7 +60,7 @@ _RECONCILED_STATES: Mapping[str, RunState] = {
 
 
 def producer_uri() -> str:
-    """The `producer` / `_producer` of every event: this emitter at its released version."""
+    """The `producer` / `_producer` of every event: the evidence-emitter at its released version."""
     try:
         version = metadata.version("budgetgate")
     except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
@@ -103,7 +103,7 @@ class BudgetRunFacet(RunFacet):
 
 
 def budget_facet(fields: Mapping[str, Any], *, producer: str) -> RunFacet:
-    """The facet carrying `fields` (as built by budgetgate.services.evidence_emitter.facet)."""
+    """The facet carrying `fields` (as built by budgetgate.evidence.facet)."""
     return BudgetRunFacet(producer=producer).with_additional_properties(**fields)
 
 

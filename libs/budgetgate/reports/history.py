@@ -13,7 +13,7 @@ import orjson
 
 from budgetgate.core.whatif import Ended, Recorded, Start
 from budgetgate.ledger.queries import sql
-from budgetgate.services.admission.deciding import submission
+from budgetgate.decisions.deciding import submission
 from budgetgate.contracts.admission import AdmissionRequest
 
 

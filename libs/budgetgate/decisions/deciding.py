@@ -18,7 +18,7 @@ from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submi
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.holds import PoolReading
 from budgetgate.ledger.redis_ledger import ChargeRequest, ReserveResult
-from budgetgate.services.admission.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
+from budgetgate.decisions.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
 from budgetgate.contracts.admission import AdmissionRequest
 
 

@@ -5,17 +5,22 @@ it settles), so the same message always gives the same facet. Its JSON schema is
 schemas/facets/budget/<version>/BudgetRunFacet.json under the URL in SCHEMA_URL.
 
 When several policies apply, every evaluation is listed under `evaluations` in the decision's
-order, and the top-level policy fields repeat the one marked `deciding: true`:
+order, and the top-level policy fields repeat the one marked `deciding: true`: the one admission
+named in the message (`deciding_evaluation`, by budgetgate.core.evaluation.deciding_index, the
+one rule), none when it named none (no budget was charged: an unmatched run, or one whose only
+evaluations are waived soft or dry-run policies). That rule picks:
 
-- DENY: the first budget that denied for missing labels, else the hard budget, among those
-  whose own answer was DENY, short by the largest part of the run;
-- DELAY: the blocking hard budget with the latest next eligible time (it sets when the run may
-  start). Each budget's time is the earliest instant it will have room under its own rules
-  (budgetgate.core.eligibility): a run ending as projected frees nothing, so it is the next
+- DENY: the hard policy whose labels the run lacks, else the denying budget (hard first) short
+  by the largest part of the run;
+- DELAY: the delaying budget (hard first) with the latest next eligible time (it sets when the
+  run may start). Each budget's time is the earliest instant it will have room under its own
+  rules (budgetgate.core.eligibility): a run ending as projected frees nothing, so it is the next
   window's start, the instant enough usage ages out of a rolling window, or an unstarted run's
   start deadline; the facet repeats the deciding budget's time as the decision gave it;
-- ALLOW: the hard budget with the least room left after the run, relative to its limit (the
-  "tightest" budget admission's reason names), else the tightest of any enforcement.
+- ALLOW: the charged hard budget (else any charged) with the least room left after the run,
+  relative to its limit (the "tightest" budget admission's reason names).
+
+Ties go to the smallest policy id.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 
 FACET_KEY = "budget"
-SCHEMA_VERSION = "1-3-0"
+SCHEMA_VERSION = "1-4-0"
 SCHEMA_BASE = "https://budgetgate.dev/schemas/"
 SCHEMA_ID = f"{SCHEMA_BASE}facets/budget/{SCHEMA_VERSION}/BudgetRunFacet.json"
 SCHEMA_URL = f"{SCHEMA_ID}#/$defs/BudgetRunFacet"
@@ -53,9 +58,9 @@ def decision_fields(message: decisions_pb2.Decision) -> Fields:
         raise UnusableMessage(f"decision {message.decision_id!r} has outcome {outcome}")
     projected_gpu = message.projected_gpu_milli_hours
     evaluations = [_evaluation(e, projected_gpu) for e in message.evaluations]
-    # Admission names the deciding evaluation; messages from before it did are judged here.
+    # Admission names the deciding evaluation, and none when no budget was charged.
     named = message.HasField("deciding_evaluation") and 0 <= message.deciding_evaluation < len(evaluations)
-    deciding = message.deciding_evaluation if named else deciding_index(outcome, message.evaluations)
+    deciding = message.deciding_evaluation if named else None
     if deciding is not None:
         evaluations[deciding]["deciding"] = True
     fields: Fields = {
@@ -199,32 +204,6 @@ def _inferred_decision(message: reconciliations_pb2.Reconciliation, charges: Seq
     return fields
 
 
-def deciding_index(outcome: str, evaluations: Sequence[decisions_pb2.Decision.Evaluation]) -> int | None:
-    """Which evaluation the decision's top-level policy fields describe (see the module doc)."""
-    if not evaluations:
-        return None
-    indexed = list(enumerate(evaluations))
-    if outcome == "DENY":
-        labels = [i for i, e in indexed if e.missing_labels]
-        if labels:
-            return labels[0]
-        denied = [(i, e) for i, e in indexed if _outcome(e) == "DENY" and e.enforcement == "hard"]
-        denied = denied or [(i, e) for i, e in indexed if _outcome(e) == "DENY"]
-        if denied:
-            return max(denied, key=lambda ie: (_shortfall(ie[1]), -ie[0]))[0]
-    if outcome == "DELAY":
-        delayed = [(i, e) for i, e in indexed if _outcome(e) == "DELAY" and e.enforcement == "hard"]
-        delayed = delayed or [(i, e) for i, e in indexed if _outcome(e) == "DELAY"]
-        if delayed:
-            return max(delayed, key=lambda ie: (_seconds(ie[1].next_eligible_time) if ie[1].HasField("next_eligible_time") else 0, -ie[0]))[0]
-    hard = [(i, e) for i, e in indexed if e.enforcement == "hard"] or indexed
-    return min(hard, key=lambda ie: ((ie[1].remaining_amount - ie[1].projected_amount) / max(ie[1].limit_amount, 1), ie[0]))[0]
-
-
-def _shortfall(e: decisions_pb2.Decision.Evaluation) -> float:
-    return e.deficit_amount / e.projected_amount if e.projected_amount > 0 else 0.0
-
-
 def _outcome(e: decisions_pb2.Decision.Evaluation) -> str:
     return common_pb2.Outcome.Name(e.outcome)
 
@@ -326,10 +305,6 @@ def normalized_state(state: str) -> str:
 def timestamp_text(stamp: Timestamp) -> str:
     """A protobuf timestamp as ISO 8601 in UTC."""
     return stamp.ToDatetime(tzinfo=UTC).isoformat()
-
-
-def _seconds(stamp: Timestamp) -> float:
-    return stamp.ToDatetime(tzinfo=UTC).timestamp()
 
 
 def event_time(stamp: Timestamp) -> datetime:

@@ -16,7 +16,7 @@ from budgetgate.core.waiting import Headroom, Limiting
 from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.waiting import headroom, refused_decision
-from budgetgate.services.admission.admitter import replay
+from budgetgate.decisions.rendering import replayed
 
 
 async def run_status(conn: asyncpg.Connection, bundle: PolicyBundle | None, run_id: str, *, now: datetime) -> tuple[dict[str, Any], str, dict[str, str]] | None:
@@ -25,7 +25,7 @@ async def run_status(conn: asyncpg.Connection, bundle: PolicyBundle | None, run_
     row = await conn.fetchrow(sql("latest_decision"), run_id)
     if row is None:
         return None
-    answer = replay(row)
+    answer = replayed(row)
     run = await refused_decision(conn, str(row["decision_id"])) if bundle is not None else None
     answer["waiting"] = waiting(*await headroom(conn, [run], bundle, now=now), now=now) if run is not None and bundle is not None else None
     labels = orjson.loads(row["labels"]) if isinstance(row["labels"], str) else dict(row["labels"])

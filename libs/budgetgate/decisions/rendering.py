@@ -6,11 +6,11 @@ EvaluationOut) and every instant as RFC 3339 UTC with a `Z`, first answers and r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-
-from collections.abc import Mapping
+import orjson
 
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, Evaluation, Plan, Reading, deciding_index
@@ -82,6 +82,14 @@ def canonical(body: dict[str, Any]) -> dict[str, Any]:
     ]
     answer.update((k, v) for k, v in body.items() if k not in answer)
     return answer
+
+
+def replayed(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The answer stored with a decision row, as it is given again (to a resubmission, a status
+    read): in the one shape, marked `replayed`."""
+    body = canonical(orjson.loads(row["response"]) if isinstance(row["response"], str) else dict(row["response"]))
+    body["replayed"] = True
+    return body
 
 
 def _instant(key: str, value: Any) -> Any:

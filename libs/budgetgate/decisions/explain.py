@@ -18,7 +18,7 @@ from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import sql
 from budgetgate.policies.override_store import load
-from budgetgate.services.admission.deciding import (
+from budgetgate.decisions.deciding import (
     Disagreement,
     InvalidSubmission,
     conclude,
@@ -27,7 +27,7 @@ from budgetgate.services.admission.deciding import (
     rebuilt_result,
     rebuilt_usage,
 )
-from budgetgate.services.admission.rendering import canonical, response_body
+from budgetgate.decisions.rendering import canonical, response_body
 from budgetgate.contracts.admission import AdmissionRequest
 
 NOT_REPLAYABLE = "recorded before decisions carried their readings (migration 0014): its ledger readings are unknown"

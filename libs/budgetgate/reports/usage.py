@@ -1,5 +1,5 @@
 """Budget status of a scope in its current window, and usage by the value of a label (a tenant,
-a user), from Postgres (the ledger's truth)."""
+a user), from Postgres (the ledger's truth): the usage routes of admission and `budgetgate usage`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,17 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import display, hours
 from budgetgate.core.windows import rfc3339, window_at
 from budgetgate.ledger.queries import sql
+from budgetgate.runtime.settings import CommonSettings
+
+
+class TenantSettings(CommonSettings):
+    # The label whose value names the tenant a run belongs to (usage by tenant).
+    tenant_label: str = "team"
+
+
+class UserSettings(CommonSettings):
+    # The label whose value names the user a run was submitted for.
+    user_label: str = "user"
 
 
 async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, now: datetime) -> dict[str, Any] | None:
