@@ -48,7 +48,7 @@ from budgetgate.services.admission.batching import GroupCommit
 from budgetgate.decisions.concurrency import Asks
 from budgetgate.services.admission.fairshare import DecayedUsage
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
-from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.policies.store import PolicyStore
 from budgetgate.decisions.rendering import replayed, response_body
 from budgetgate.services.admission.resubmission import differences, resent
 from budgetgate.contracts.admission import AdmissionRequest
@@ -116,7 +116,7 @@ class Admitter:
         pool: asyncpg.Pool,
         ledger: RedisLedger,
         sync: LedgerSync,
-        policies: PolicyCache,
+        policies: PolicyStore,
         unmatched: str = "allow",
         tenant_label: str = "team",
         accounting: ExternalAccounting | None = None,

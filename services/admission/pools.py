@@ -21,7 +21,7 @@ from budgetgate.ledger.transaction import ledger_transaction, record_ledger_mark
 from budgetgate.core.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.decisions.concurrency import pool_request
-from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.policies.store import PolicyStore
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.contracts.admission import AllocationIn
 
@@ -32,7 +32,7 @@ STATUSES = {"GRANTED": "Granted", "RENEWED": "Granted", "EXHAUSTED": "Exhausted"
 
 
 class TokenPools:
-    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyCache) -> None:
+    def __init__(self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, policies: PolicyStore) -> None:
         self.pool = pool
         self.ledger = ledger
         self.sync = sync

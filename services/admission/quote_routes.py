@@ -19,7 +19,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import sql
 from budgetgate.contracts.operations import Operation
 from budgetgate.services.admission.admitter import Unavailable
-from budgetgate.decisions.explain import BundleCache, explanation, recompute
+from budgetgate.decisions.explain import explanation, recompute
 from budgetgate.services.admission.quotes import Quoter
 from budgetgate.services.admission.routes import RUN_ID
 from budgetgate.contracts.admission import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem
@@ -120,11 +120,12 @@ async def quote(body: AdmissionRequest, request: Request, principal: Principal =
 async def explain(request: Request, run_id: str = RUN_ID, principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
     """The run's latest decision recomputed from its recorded inputs, side by side, explained."""
     try:
-        async with request.app.state.rt.pool.acquire() as conn:
+        rt = request.app.state.rt
+        async with rt.pool.acquire() as conn:
             row = await conn.fetchrow(sql("decision_inputs"), run_id)
             if row is None:
                 return JSONResponse({"detail": f"no decision for run {run_id!r}"}, status_code=404)
-            bundle = await BundleCache().for_decision(conn, row)
+            bundle = await rt.policies.under(conn, row["policy_bundle_sha"], row["override_revision"])
     except BACKEND_ERRORS as exc:
         raise Unavailable(f"Postgres unavailable: {exc}") from exc
     asked = row["request"] if isinstance(row["request"], dict) else json.loads(row["request"])

@@ -23,7 +23,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.admitter import Admitter
 from budgetgate.services.admission.fairshare import DecayedUsage
-from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.policies.store import PolicyStore
 from budgetgate.services.admission.pools import TokenPools
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.edge.serving import postgres_check
@@ -41,7 +41,7 @@ class Runtime:
     redis: aioredis.Redis
     ledger: RedisLedger
     sync: LedgerSync
-    policies: PolicyCache
+    policies: PolicyStore
     admitter: Admitter
     relay: OutboxRelay
     publisher: Publisher
@@ -68,7 +68,7 @@ async def build(settings: AdmissionSettings) -> Runtime:
     client = redis_client.connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
     ledger = RedisLedger(client, prefix=settings.redis_prefix)
     sync = LedgerSync(pool, ledger, wait=settings.rebuild_wait_seconds)
-    policies = PolicyCache(pool)
+    policies = PolicyStore(pool)
     topics = Topics(settings.topic_prefix)
     publisher = Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
     accounting = external_accounting(settings)

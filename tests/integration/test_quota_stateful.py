@@ -19,7 +19,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.admission.admitter import Admitter
-from budgetgate.services.admission.policies import PolicyCache
+from budgetgate.policies.store import PolicyStore
 from budgetgate.contracts.admission import AdmissionRequest
 from tests.support.admission import apply_policies, budget_yaml
 
@@ -53,7 +53,7 @@ def make_machine(pg_dsn: str, redis_url: str, redis_prefix: str) -> type[RuleBas
             self.client = aioredis.from_url(redis_url)
             self.ledger = RedisLedger(self.client, prefix=f"{redis_prefix}-{self.tenant}")
             self.sync = LedgerSync(self.pool, self.ledger)
-            self.policies = PolicyCache(self.pool)
+            self.policies = PolicyStore(self.pool)
             self.admitter = Admitter(pool=self.pool, ledger=self.ledger, sync=self.sync, policies=self.policies)
 
         async def _apply(self, limits: tuple[int, int, int]) -> None:

@@ -214,7 +214,7 @@ async def test_git_apply_keeps_overrides_git_left_alone_and_clears_those_it_chan
     new = build_bundle(documents, git_sha="b" * 40)
     conn = await asyncpg.connect(pg_dsn)
     try:
-        lines = [str(c) for c in await plan_with_overrides(conn, server.rt.policies.git, new)]
+        lines = [str(c) for c in await plan_with_overrides(conn, server.rt.policies.active, new)]
     finally:
         await conn.close()
     assert "= override physics max_nodes: 5 (kept: Git unchanged at 10)" in lines

@@ -55,13 +55,14 @@ def explain(run_id: str, as_json: bool) -> None:
 
 async def _explain(dsn: str, run_id: str) -> dict[str, Any] | None:
     from budgetgate.ledger.queries import sql
-    from budgetgate.decisions.explain import BundleCache, explanation, recompute
+    from budgetgate.decisions.explain import explanation, recompute
+    from budgetgate.policies.store import PolicyStore
 
     async with backend.postgres(dsn) as conn:
         row = await conn.fetchrow(sql("decision_inputs"), run_id)  # type: ignore[attr-defined]
         if row is None:
             return None
-        bundle = await BundleCache().for_decision(conn, row)
+        bundle = await PolicyStore().under(conn, row["policy_bundle_sha"], row["override_revision"])
     return explanation(recompute(dict(row), bundle), bundle)
 
 

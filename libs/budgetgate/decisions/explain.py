@@ -12,12 +12,10 @@ import orjson
 
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, deciding_index, describe
-from budgetgate.core.loader import bundle_from_json
-from budgetgate.core.overrides import effective
 from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import sql
-from budgetgate.policies.override_store import load
+from budgetgate.policies.store import PolicyStore
 from budgetgate.decisions.deciding import (
     Disagreement,
     InvalidSubmission,
@@ -54,34 +52,6 @@ class Recomputed:
         return {"run_id": self.row["run_id"], "attempt": self.row["attempt"], "decision_id": str(self.row["decision_id"]),
                 "decided_at": self.stored.get("decided_at"), "stored": self.stored.get("decision"),
                 "recomputed": (self.recomputed or {}).get("decision"), "reason": "; ".join(self.differences)}  # fmt: skip
-
-
-class BundleCache:
-    """Policy bundles by Git SHA (with the tenant overrides of a revision), each read from
-    Postgres once."""
-
-    def __init__(self) -> None:
-        self._bundles: dict[str, PolicyBundle | None] = {}
-        self._effective: dict[tuple[str, int], PolicyBundle | None] = {}
-
-    async def for_decision(self, conn: Any, row: Any) -> PolicyBundle | None:
-        """The bundle a decision row was made under: its SHA's, with the overrides of its revision."""
-        bundle = await self.get(conn, row["policy_bundle_sha"])
-        revision = row["override_revision"] or 0
-        if bundle is None or not revision:
-            return bundle
-        key = (bundle.git_sha, revision)
-        if key not in self._effective:
-            self._effective[key] = effective(bundle, await load(conn, revision))
-        return self._effective[key]
-
-    async def get(self, conn: Any, sha: str | None) -> PolicyBundle | None:
-        if sha is None:
-            return None
-        if sha not in self._bundles:
-            documents = await conn.fetchval(sql("bundle_documents"), sha)
-            self._bundles[sha] = bundle_from_json(documents, git_sha=sha) if documents is not None else None
-        return self._bundles[sha]
 
 
 def _json(value: Any) -> Any:
@@ -223,11 +193,11 @@ async def replay(conn: Any, *, since: datetime, scope: str | None = None) -> dic
     """Recompute every decision recorded from `since` on (only those with an evaluation on
     `scope`, a scope id or policy id, when given), in the order they were made, each from its
     own recorded readings: how many were replayed, which could not be, and every mismatch."""
-    bundles = BundleCache()
+    bundles = PolicyStore()
     replayed, not_replayable, mismatches = 0, [], []
     async with conn.transaction():
         async for row in conn.cursor(sql("decisions_since"), since, scope, prefetch=500):
-            found = recompute(dict(row), await bundles.for_decision(conn, row))
+            found = recompute(dict(row), await bundles.under(conn, row["policy_bundle_sha"], row["override_revision"]))
             if not found.replayable:
                 not_replayable.append({"run_id": row["run_id"], "attempt": row["attempt"], "decision_id": str(row["decision_id"]), "reason": found.why_not})
                 continue
