@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 
 from budgetgate.contracts.topics import Topics
-from tests.support.admission import EXAMPLES, decisions_on, git, submission
+from tests.support.admission import EXAMPLES, decisions_on, submission
+from tests.support.policy_repos import git
 from tests.support.cli import budgetgate
 
 

@@ -11,11 +11,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.queries import sql
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settler import Settler
-from tests.support.databases import empty_database
+from tests.support.databases import private_database
+from tests.support.waiting import wait_for
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, restart_from_snapshot, submission
 
 LIMIT = budget_yaml("faulty", limit="gpu_hours: 100")
@@ -23,21 +23,6 @@ LIMIT = budget_yaml("faulty", limit="gpu_hours: 100")
 
 def body(i: int | str) -> dict[str, object]:
     return submission(run_id=f"run-{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)
-
-
-async def wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.1)
-
-
-async def private_database(dsn: str) -> str:
-    """A migrated database of its own on a private Postgres server."""
-    _, db_dsn = await empty_database(dsn)
-    await migrate_dsn(db_dsn)
-    return db_dsn
 
 
 async def ready(server) -> bool:  # type: ignore[no-untyped-def]
@@ -67,7 +52,7 @@ async def test_postgres_stopped_mid_burst_answers_503_and_leaks_nothing(admissio
     assert (await server.client.get("/readyz")).status_code == 503
 
     killable_postgres.start()
-    await wait_for(lambda: ready(server))
+    await wait_for(lambda: ready(server), what="admission ready once Postgres is back")
     held = await held_in_postgres(dsn)
     # Every reservation Redis holds is one Postgres holds: nothing reserved for a 503.
     assert await reserved_in_redis(server) == held
@@ -133,7 +118,7 @@ async def test_nothing_is_reserved_when_a_backend_is_down_from_the_start(admissi
     answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(i)) for i in range(10)))
     assert [a.status_code for a in answers] == [503] * 10
     (killable_redis if kill == "redis" else killable_postgres).start()
-    await wait_for(lambda: ready(server))
+    await wait_for(lambda: ready(server), what=f"admission ready once {kill} is back")
     assert await held_in_postgres(dsn) == {}
     assert await reserved_in_redis(server) == {}
 
@@ -154,7 +139,7 @@ async def test_a_read_only_redis_answers_503_and_reserves_nothing(admission_fact
     assert all("ReadOnlyError" in a.json()["detail"] for a in answers)
     assert await held_in_postgres(pg_dsn) == held
     await server.rt.redis.execute_command("REPLICAOF", "NO", "ONE")
-    await wait_for(lambda: ready(server))
+    await wait_for(lambda: ready(server), what="admission ready once Redis takes writes")
     again = await server.client.post("/v1/admissions", json=body("ro-0"))
     assert again.status_code == 200 and again.json()["decision"] == "ALLOW"
     assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn) == {next(iter(held)): 16 * GPU_HOUR}

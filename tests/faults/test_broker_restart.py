@@ -16,7 +16,9 @@ from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.contracts.wire import decode
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.marquez import EmitterServer, emitter_settings, http_client, marquez, wait_until  # noqa: F401 - fixture
+from tests.support.marquez import EmitterServer, emitter_settings, http_client
+from tests.support.marquez import marquez  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 DECISIONS = 120
 KILL_AFTER = 30  # published (acknowledged) decisions before the kill
@@ -78,7 +80,7 @@ async def test_broker_restarted_empty_gets_every_answered_decision_again(admissi
         # The first part goes out and is acknowledged before the kill; the rest is answered
         # while the broker is down or just back, so the kill always lands mid-stream.
         await submit(0, KILL_AFTER)
-        await wait_until(lambda: published(pg_dsn, at_least=KILL_AFTER), timeout=60, what="the first decisions acknowledged")
+        await wait_for(lambda: published(pg_dsn, at_least=KILL_AFTER), timeout=60, what="the first decisions acknowledged")
         killable_kafka.stop()
         await submit(KILL_AFTER, DECISIONS // 2)
         killable_kafka.start()  # empty: the acknowledged decisions are gone from it
@@ -93,13 +95,13 @@ async def test_broker_restarted_empty_gets_every_answered_decision_again(admissi
             except Exception:  # noqa: BLE001 - the broker may still be settling; look again
                 return False
 
-        await wait_until(all_on_topic, timeout=120, what="every answered decision on the decisions topic again")
+        await wait_for(all_on_topic, timeout=120, what="every answered decision on the decisions topic again")
         assert server.rt.relay.replayed >= KILL_AFTER, "the acknowledged decisions the broker lost were sent again"
 
         def delivered() -> set[str]:
             return {e["run"]["facets"]["budget"]["decision_id"] for e in marquez.received()}
 
-        await wait_until(lambda: answered <= delivered(), timeout=120, what="every decision delivered as evidence")
+        await wait_for(lambda: answered <= delivered(), timeout=120, what="every decision delivered as evidence")
     finally:
         await emitter.stop()
     assert delivered() - answered == set(), "no evidence of a decision that was never answered"

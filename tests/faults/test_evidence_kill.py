@@ -13,8 +13,10 @@ from pathlib import Path
 import httpx
 
 from budgetgate.messaging.topic_admin import ensure_topics
-from tests.support.marquez import decision, marquez, publish, wait_evidence_settled, wait_until  # noqa: F401 - pytest fixture
+from tests.support.marquez import decision, publish, wait_evidence_settled
+from tests.support.marquez import marquez  # noqa: F401 - pytest fixtures
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for
 
 EVENTS = 100
 
@@ -57,7 +59,7 @@ async def test_killed_mid_delivery_resends_at_most_the_one_in_flight(settings, m
         procs.append(second)
         await marquez.wait_for(EVENTS, timeout=120)
         async with httpx.AsyncClient() as client:
-            await wait_until(lambda: _backlog_empty(client, url), timeout=60, what="the restarted emitter to drain its backlog")
+            await wait_for(lambda: _backlog_empty(client, url), timeout=60, what="the restarted emitter to drain its backlog")
         await wait_evidence_settled(settings)  # after this, no late duplicate can arrive
     finally:
         for proc in procs:

@@ -15,8 +15,10 @@ from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settler import Settler
-from tests.integration.test_reconciler import H, ledger_in_postgres, ledger_in_redis, reconciler_factory, wait_for  # noqa: F401 - fixture
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis
+from tests.support.reconciler import reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 
 class Died(Exception):

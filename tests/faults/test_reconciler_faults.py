@@ -4,38 +4,17 @@ and Redis invalidated under it is rebuilt from Postgres with every settlement in
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import asyncpg
 
-from tests.integration.test_reconciler import H, feed, ledger_in_postgres, lifecycle, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.reconciler import H, counts, ledger_in_postgres, lifecycle, start_reconciler, usage
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 RUNS = 40
-
-
-def start_reconciler(settings, log: Path) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
-    env = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None and k != "service_name"}}
-    env |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "0"}
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "budgetgate.services.reconciler"], env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-async def counts(dsn: str) -> tuple[int, int, int]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        final = await conn.fetchval("SELECT count(*) FROM run_settlements WHERE final")
-        # The facts' inbox rows (the reconciler also consumes decisions, for waiting runs).
-        inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = 'reconciler' AND topic NOT LIKE '%budget.decisions.v1'")
-        facts = await conn.fetchval("SELECT (SELECT count(*) FROM lifecycle_events) + (SELECT count(*) FROM run_samples)")
-        return final, inbox, facts
-    finally:
-        await conn.close()
 
 
 async def test_killed_mid_stream_and_restarted_loses_nothing_applies_nothing_twice(admission_factory, feed, settings, pg_dsn, tmp_path) -> None:  # noqa: F811

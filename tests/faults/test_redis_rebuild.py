@@ -12,7 +12,8 @@ import httpx
 import redis.asyncio as aioredis
 
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, restart_from_snapshot, submission
-from tests.support.metering import metric, wait_for
+from tests.support.metering import metric
+from tests.support.waiting import wait_for
 
 REBUILDS = "budgetgate_redis_rebuilds_total"
 

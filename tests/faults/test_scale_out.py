@@ -8,10 +8,8 @@ consumer group as the broker describes it, so it holds however the consumers are
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -26,11 +24,11 @@ from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
-from tests.faults.test_metering_faults import IngestProcess, assert_applied_exactly_once, rows
-from tests.faults.test_reconciler_faults import counts
-from tests.integration.test_reconciler import H, feed, ledger_in_postgres, lifecycle, usage  # noqa: F401 - fixture
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.metering import T0, decide, sample, wait_for
+from tests.support.metering import IngestProcess, T0, assert_applied_exactly_once, decide, rows, sample
+from tests.support.reconciler import H, counts, ledger_in_postgres, lifecycle, start_reconciler, usage
+from tests.support.reconciler import feed  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 PARTITIONS = 3
 INGEST_RUNS = [f"scale-{i}" for i in range(12)]  # keys enough to land on every partition
@@ -162,7 +160,9 @@ async def test_two_reconcilers_share_partitions_and_one_takes_over_from_the_othe
         messages += [lifecycle(f"s{i}", "STARTED", start), usage(f"s{i}", "1", start + timedelta(hours=1), 2 + i % 3)]
         messages += [usage(f"s{i}", "2", start + timedelta(hours=2), 6 + i % 4), lifecycle(f"s{i}", "COMPLETED", start + timedelta(hours=2))]
     name = f"{settings.topic_prefix}reconciler"
-    processes = [_reconciler(settings, name, tmp_path / f"reconciler-{n}.log") for n in (1, 2)]
+    # The drift check stays on (as deployed), often: it is how Redis catches up with a settlement
+    # the killed process committed to Postgres but never applied to Redis.
+    processes = [start_reconciler(settings, tmp_path / f"reconciler-{n}.log", drift_check_seconds="1", consumer_group=name) for n in (1, 2)]
     # Today the reconciler puts the topic prefix before the group name it is given.
     group = (name, f"{settings.topic_prefix}{name}")
     try:
@@ -232,16 +232,6 @@ async def _redis_reads(settings, key: str, wanted: tuple[int, int]) -> bool:  # 
     finally:
         await client.aclose()
     return reserved is not None and (int(reserved), int(consumed)) == wanted
-
-
-def _reconciler(settings, group: str, log: Path) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
-    """A reconciler process in consumer group `group`, as test_reconciler_faults starts one."""
-    env = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None and k != "service_name"}}
-    # The drift check stays on (as deployed), often: it is how Redis catches up with a settlement
-    # the killed process committed to Postgres but never applied to Redis.
-    env |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "1", "BUDGETGATE_CONSUMER_GROUP": group}
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "budgetgate.services.reconciler"], env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -15,7 +15,8 @@ import asyncpg
 import pytest
 
 from budgetgate.ledger.queries import sql
-from tests.integration.test_reconciler import reconciler_factory, wait_for  # noqa: F401 - fixtures
+from tests.support.reconciler import reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 NOW = datetime.now(UTC)
 RETENTION = timedelta(days=7)

@@ -17,7 +17,8 @@ from budgetgate.evidence.audit import WindowFilter, marquez_report, marquez_runs
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.marquez import EmitterServer, admission_decision, emitter_settings, http_client, marquez, reconciliation, wait_until  # noqa: F401
+from tests.support.marquez import EmitterServer, admission_decision, emitter_settings, http_client, reconciliation
+from tests.support.marquez import marquez  # noqa: F401 - pytest fixtures
 
 TEAM = "ns=vision-prod;team=vision"
 ORG = "ns=vision-prod"

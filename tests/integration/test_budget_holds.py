@@ -13,8 +13,8 @@ import pytest
 from budgetgate.services.reconciler import budgets
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.v1 import actions_pb2
-from tests.integration.test_reconciler import outbox
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.reconciler import outbox
 
 KEY = "held-key"
 LIMIT = 10_000

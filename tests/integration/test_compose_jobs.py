@@ -19,7 +19,9 @@ from typing import Any
 import asyncpg
 import yaml
 
-from tests.support.admission import EXAMPLES, admission_factory, git  # noqa: F401 - a fixture, used by name
+from tests.support.admission import EXAMPLES
+from tests.support.admission import admission_factory  # noqa: F401 - pytest fixtures
+from tests.support.policy_repos import git
 from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

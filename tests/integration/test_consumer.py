@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import asyncpg
 import pytest
@@ -27,38 +26,13 @@ from budgetgate.messaging.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_ac
 from budgetgate.contracts.topics import Topics, dlq
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2
+from tests.support.kafka import drain
 
 
 def event(run_id: str, event_id: str | None = None) -> lifecycle_pb2.LifecycleEvent:
     stamp = Timestamp()
     stamp.GetCurrentTime()
     return lifecycle_pb2.LifecycleEvent(event_id=event_id or str(uuid.uuid4()), event_time=stamp, run_id=run_id, type=lifecycle_pb2.STARTED)
-
-
-async def drain(bootstrap: str, topic: str, expected: int, timeout: float = 20, *, distinct: Callable[[Any], object] | None = None) -> list:  # type: ignore[type-arg]
-    """The records of `topic` from its start, once `expected` are there (or whatever came by
-    `timeout`); with `distinct`, once that many distinct keys of it are (at-least-once topics:
-    a record sent again must not stand in for one not read yet)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        while not partitions:
-            await consumer._client.force_metadata_update()  # noqa: SLF001
-            partitions = consumer.partitions_for_topic(topic) or set()
-        consumer.assign([TopicPartition(topic, p) for p in partitions])
-        await consumer.seek_to_beginning()
-        found: list = []  # type: ignore[type-arg]
-        deadline = asyncio.get_running_loop().time() + timeout
-        keys: set[object] = set()
-        while (len(keys) if distinct else len(found)) < expected and asyncio.get_running_loop().time() < deadline:
-            for records in (await consumer.getmany(timeout_ms=300)).values():
-                found.extend(records)
-                if distinct:
-                    keys.update(distinct(r) for r in records)
-        return found
-    finally:
-        await consumer.stop()
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])

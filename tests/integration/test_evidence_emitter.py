@@ -22,21 +22,21 @@ from budgetgate.evidence import events
 from budgetgate.services.evidence_emitter import transport
 from budgetgate.contracts.topics import Topics, dlq
 from budgetgate.messaging.topic_admin import ensure_topics
-from tests.integration.test_consumer import drain
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.kafka import drain
 from tests.support.marquez import (
     EmitterServer,
     admission_decision,
     decision,
     emitter_settings,
     http_client,
-    marquez,  # noqa: F401 - pytest fixture
     publish,
     reconciliation,
     require_spec,
     wait_evidence_settled,
-    wait_until,
 )
+from tests.support.marquez import marquez  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 POLICIES = {
     "team.yaml": budget_yaml("team", limit="gpu_hours: 80"),
@@ -138,7 +138,7 @@ async def test_a_restart_resends_nothing_and_a_refusal_is_dead_lettered(settings
     emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
     try:
         await marquez.wait_for(3)
-        await wait_until(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the refused event to be dead-lettered")
+        await wait_for(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the refused event to be dead-lettered")
     finally:
         await emitter.stop()
     assert len(marquez.refused) == 1, "a refused event is not retried"
@@ -191,12 +191,12 @@ async def test_an_event_the_receiver_keeps_failing_on_is_set_aside_and_resent_on
                 break
             await publish(settings, decision(f"runs/{i}"))
             await asyncio.sleep(0.3)
-        await wait_until(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the failing event to be dead-lettered")
+        await wait_for(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the failing event to be dead-lettered")
         # Tried once, then at least once per strike (a try with nothing delivered since the last is none).
         assert len(marquez.failed) >= 4 and all(e["run"]["runId"] == poison_run for e in marquez.failed)
         # The run's next event is no longer held back behind it.
         await publish(settings, reconciliation(poisoned, "COMPLETED", actual_hours=1.0))
-        await wait_until(lambda: any(e["run"]["runId"] == poison_run for e in marquez.received()), what="the poison run's later event")
+        await wait_for(lambda: any(e["run"]["runId"] == poison_run for e in marquez.received()), what="the poison run's later event")
 
         listed = await budgetgate("evidence", "dead", "--json")
         assert listed.exit_code == 0, listed.output
@@ -211,7 +211,7 @@ async def test_an_event_the_receiver_keeps_failing_on_is_set_aside_and_resent_on
         marquez.fail_event = lambda _event: None
         resent = await budgetgate("evidence", "resend", "--seq", str(dead["seq"]))
         assert resent.exit_code == 0 and "1 event(s) back" in resent.stdout, resent.output
-        await wait_until(lambda: (poison_run, "START") in kinds(marquez.received()), what="the resent event")
+        await wait_for(lambda: (poison_run, "START") in kinds(marquez.received()), what="the resent event")
         await wait_evidence_settled(settings)
     finally:
         await emitter.stop()
@@ -231,7 +231,7 @@ async def test_a_receiver_failing_on_everything_sets_nothing_aside(settings, mar
     marquez.fail(500)
     emitter = await EmitterServer(emitter_settings(settings, evidence_server_error_limit=1), http_client(marquez.url)).start()
     try:
-        await wait_until(lambda: emitter.rt.sender.stats.failures >= 8, what="several failed tries")
+        await wait_for(lambda: emitter.rt.sender.stats.failures >= 8, what="several failed tries")
         assert emitter.rt.sender.stats.dead_lettered == 0
         marquez.recover()
         await marquez.wait_for(3)
@@ -250,7 +250,7 @@ async def test_without_configuration_the_file_transport_is_used(settings, tmp_pa
     path = tmp_path / "evidence" / "openlineage.jsonl"
     emitter = await EmitterServer(emitter_settings(settings, evidence_file=str(path)), None).start()
     try:
-        await wait_until(lambda: path.exists() and len(path.read_text().splitlines()) == 2, what="two events in the file")
+        await wait_for(lambda: path.exists() and len(path.read_text().splitlines()) == 2, what="two events in the file")
         assert emitter.rt.client.transport.kind == "file"
     finally:
         await emitter.stop()
@@ -268,7 +268,7 @@ async def test_the_kafka_transport_delivers_to_a_topic(settings) -> None:  # typ
     await publish(settings, decision("kafka/1"), decision("kafka/2", "DENY"))
     emitter = await EmitterServer(emitter_settings(settings), client).start()
     try:
-        await wait_until(lambda: emitter.rt.sender.stats.delivered == 2, timeout=60, what="two events delivered to Kafka")
+        await wait_for(lambda: emitter.rt.sender.stats.delivered == 2, timeout=60, what="two events delivered to Kafka")
     finally:
         await emitter.stop()
     consumer = AIOKafkaConsumer(
@@ -294,11 +294,11 @@ async def test_a_reconciliation_before_its_decision_waits_for_it(settings, marqu
     await publish(settings, reconciliation(early, "COMPLETED", actual_hours=40), reconciliation(orphan, "COMPLETED", actual_hours=10))
     emitter = await EmitterServer(emitter_settings(settings, evidence_decision_wait_seconds=3.0), http_client(marquez.url)).start()
     try:
-        await wait_until(lambda: emitter.rt.sender.stats.backlog.pending == 2, what="both reconciliations to be stored")
+        await wait_for(lambda: emitter.rt.sender.stats.backlog.pending == 2, what="both reconciliations to be stored")
         # The sender reads the backlog at the start of each pass: a new reading means it has been
         # through a delivery pass with both reconciliations stored.
         seen = emitter.rt.sender.stats.backlog
-        await wait_until(lambda: emitter.rt.sender.stats.backlog is not seen, what="a delivery pass")
+        await wait_for(lambda: emitter.rt.sender.stats.backlog is not seen, what="a delivery pass")
         assert marquez.received() == [], "a reconciliation waits for its decision"
         await publish(settings, early)
         received = await marquez.wait_for(3, timeout=60)
@@ -359,7 +359,7 @@ async def test_a_run_admitted_after_a_refused_attempt_gets_its_own_end(settings,
     emitter = await EmitterServer(emitter_settings(settings), http_client(marquez.url)).start()
     try:
         if not decision_first:
-            await wait_until(lambda: emitter.rt.sender.stats.backlog.pending >= 3, what="the reconciliations stored, waiting")
+            await wait_for(lambda: emitter.rt.sender.stats.backlog.pending >= 3, what="the reconciliations stored, waiting")
             await publish(settings, admitted)
         received = await marquez.wait_for(5, timeout=60)
         await wait_evidence_settled(settings)

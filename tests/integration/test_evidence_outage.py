@@ -12,17 +12,9 @@ import pytest
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.messaging.topic_admin import ensure_topics
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.marquez import (
-    EmitterServer,
-    decision,
-    emitter_settings,
-    http_client,
-    marquez,  # noqa: F401 - pytest fixture
-    publish,
-    require_spec,
-    wait_evidence_settled,
-    wait_until,
-)
+from tests.support.marquez import EmitterServer, decision, emitter_settings, http_client, publish, require_spec, wait_evidence_settled
+from tests.support.marquez import marquez  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 
 def metric(text: str, name: str) -> float:
@@ -68,7 +60,7 @@ async def test_marquez_away_for_a_burst(settings, pg_dsn, admission_factory, mar
             return page if grown else None
 
         try:
-            page = await wait_until(backlog_page, timeout=60, what="the backlog and failures to show in /metrics")
+            page = await wait_for(backlog_page, timeout=60, what="the backlog and failures to show in /metrics")
         except AssertionError:
             raise AssertionError(f"{seen.get('page')} {emitter.rt.sender.stats}") from None
         assert metric(page, "budgetgate_evidence_oldest_undelivered_age_seconds") > 0
@@ -92,7 +84,7 @@ async def test_marquez_failing_then_stalled(settings, pg_dsn, marquez) -> None: 
     try:
         marquez.fail(503)
         await publish(settings, *[decision(f"failing/{i}") for i in range(5)])
-        await wait_until(lambda: emitter.rt.sender.stats.failures >= 3, what="503s to be retried")
+        await wait_for(lambda: emitter.rt.sender.stats.failures >= 3, what="503s to be retried")
         conn = await asyncpg.connect(pg_dsn)
         try:
             row = await conn.fetchrow(
@@ -107,7 +99,7 @@ async def test_marquez_failing_then_stalled(settings, pg_dsn, marquez) -> None: 
         marquez.stall()
         await publish(settings, *[decision(f"stalled/{i}") for i in range(5)])
         before = emitter.rt.sender.stats.failures
-        await wait_until(lambda: emitter.rt.sender.stats.failures >= before + 2, what="stalled sends to time out")
+        await wait_for(lambda: emitter.rt.sender.stats.failures >= before + 2, what="stalled sends to time out")
         marquez.recover()
         await marquez.wait_for(10)
         await wait_evidence_settled(settings)
@@ -127,7 +119,7 @@ async def test_an_answer_about_the_path_not_the_event_delays_and_loses_nothing(s
     try:
         marquez.fail(status)
         await publish(settings, *[decision(f"path-{status}/{i}") for i in range(4)])
-        await wait_until(lambda: emitter.rt.sender.stats.failures >= 3, what=f"{status}s to be retried")
+        await wait_for(lambda: emitter.rt.sender.stats.failures >= 3, what=f"{status}s to be retried")
         conn = await asyncpg.connect(pg_dsn)
         try:
             states = dict(await conn.fetch("SELECT state, count(*) FROM evidence_events GROUP BY state"))

@@ -17,8 +17,10 @@ from budgetgate.core.principals import Principal, Role
 from budgetgate.services.metering_ingest.ingest import Origin, Pending
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.metering import as_json, decide, fetchval, metering, metering_factory, metric, sample, usage_rows, wait_for  # noqa: F401 - fixtures
+from tests.support.metering import as_json, decide, fetchval, metric, sample, usage_rows
+from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, issue, ledger_state
+from tests.support.waiting import wait_for
 
 # The review's repro: a 50 GPU-hour hard budget of team-ns, and a run of 48 projected GPU-hours.
 BUDGET = {"team.yaml": budget_yaml("gpu-budget/team", namespace="team-ns", labels="{team: team}", limit="gpu_hours: 50")}

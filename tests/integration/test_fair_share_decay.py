@@ -10,10 +10,11 @@ import asyncpg
 import pytest
 
 from budgetgate.core.decay import Decayed, decayed_share
-from tests.integration.test_quotas import BIG_BUDGET, started
-from tests.integration.test_reconciler import feed, lifecycle, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures
 from tests.support.admission import apply_policies
-from tests.support.quotas import CLUSTER, QUOTA, physics
+from tests.support.quotas import BIG_BUDGET, CLUSTER, QUOTA, physics, started
+from tests.support.reconciler import lifecycle, usage
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 HOUR = 3600.0
 

@@ -22,11 +22,12 @@ from flytekit.exceptions.user import FlyteEntityNotExistException
 from budgetgate.client import Client, Conflict
 from budgetgate.adapters.flyte import BudgetDelayed, BudgetDenied, LaunchFailed, execute, preflight
 from budgetgate.core.principals import Role
-from tests.integration.test_reconciler import reconciler_factory  # noqa: F401 - a fixture, used by name
 from tests.support import flyte_workflows as flows
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.metering import metering, metering_factory, wait_for  # noqa: F401 - fixtures, used by name
+from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
+from tests.support.reconciler import reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 VISION = {"team": "vision", "cost-center": "1042", "environment": "prod"}
 

@@ -16,10 +16,11 @@ from budgetgate.cli.actions import read_topics
 from budgetgate.cli.main import cli
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1.actions_pb2 import HEADROOM, BudgetAction
-from tests.integration.test_quotas import BIG_BUDGET, started
-from tests.integration.test_reconciler import feed, lifecycle, outbox, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures
 from tests.support.admission import apply_policies, budget_yaml, submission
-from tests.support.quotas import QUOTA, physics
+from tests.support.quotas import BIG_BUDGET, QUOTA, physics, started
+from tests.support.reconciler import lifecycle, outbox, usage
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 
 def delaying(limit: int) -> dict[str, str]:

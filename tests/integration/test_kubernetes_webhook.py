@@ -20,8 +20,8 @@ from tests.support.admission import apply_policies, budget_yaml, example_policie
 from kubernetes.client import V1OwnerReference
 
 from tests.support.kubernetes import JOB_CONTROLLER, JOBSET_CONTROLLER, admission_review, as_json, container, job, jobset, job_spec, pod
-from tests.support.metering import wait_for
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for
 
 URL = "/v1/kubernetes/admission-review"
 H100 = {"budgetgate.io/flavor": "h100"}  # the example policies price GPU-hours by flavor

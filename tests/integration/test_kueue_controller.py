@@ -23,11 +23,12 @@ from budgetgate.adapters import kueue_workloads as kueue
 from budgetgate.core.principals import Role
 from tests.support.admission import apply_policies, example_policies, submission
 from tests.support.kube_api import KubeApi
-from tests.support.metering import wait_for
+from tests.support.principals import issue
+from tests.support.principals import token_in_env  # noqa: F401 - pytest fixtures
 from tests.support.servers import InProcessServer, free_port
+from tests.support.waiting import wait_for
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"
-from tests.support.principals import issue, token_in_env  # noqa: F401 - a fixture, used by name
 
 pytestmark = pytest.mark.usefixtures("token_in_env")
 

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from tests.support.cli import budgetgate_on
-from tests.integration.test_quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
+from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 
 
 async def _budgetgate(tmp_path: Path, settings, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ from budgetgate.contracts import lifecycle_rules as lifecycle, wire
 from budgetgate.client import AsyncClient, InvalidRequest, lifecycle_event
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
-from tests.integration.test_consumer import drain
+from tests.support.kafka import drain
 from tests.support.metering import fetchval, metering, metering_factory  # noqa: F401 - pytest fixtures
 
 AT = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)

@@ -14,12 +14,14 @@ from click.testing import CliRunner, Result
 
 from budgetgate.cli.main import cli
 from tests.support.dcgm import Exporters
-from tests.support.metering import decide, metering, metering_factory, usage_rows, wait_for  # noqa: F401 - pytest fixtures
+from tests.support.metering import decide, usage_rows
+from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
+from tests.support.principals import token_in_env  # noqa: F401 - pytest fixtures
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for
 
 FLYTE = "flyte/vision/exec-7f3a/n0"
 TRAIN = "vision-prod/train-resnet-0"
-from tests.support.principals import token_in_env  # noqa: F401 - a fixture, used by name
 
 pytestmark = pytest.mark.usefixtures("token_in_env")
 

@@ -18,21 +18,10 @@ from budgetgate.core.metering import Counters, Duplicate, Rejected, Rejection, S
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
 from budgetgate.contracts.topics import Topics, dlq
 from budgetgate.v1.metering_pb2 import MeteringSample
-from tests.integration.test_consumer import drain
-from tests.support.metering import (  # noqa: F401 - pytest fixtures
-    T0,
-    decide,
-    dlq_reasons,
-    fetchval,
-    json_record,
-    metric,
-    metering,
-    metering_factory,
-    sample,
-    usage_records,
-    usage_rows,
-    wait_for,
-)
+from tests.support.kafka import drain
+from tests.support.metering import T0, decide, dlq_reasons, fetchval, json_record, metric, sample, usage_records, usage_rows
+from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 GPU_HOUR = 3_600_000
 

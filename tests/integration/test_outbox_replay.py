@@ -24,7 +24,7 @@ from budgetgate.runtime.settings import CommonSettings
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
-from tests.integration.test_consumer import drain
+from tests.support.kafka import drain
 
 
 def announcement(n: int) -> wire.Record:

@@ -12,8 +12,10 @@ from click.testing import CliRunner, Result
 
 from budgetgate.cli.main import cli
 from budgetgate.core.principals import Role
-from tests.integration.test_policy_apply import commit, repo  # noqa: F401 - pytest fixture
-from tests.support.admission import admission_factory, budget_yaml  # noqa: F401 - pytest fixtures
+from tests.support.admission import budget_yaml
+from tests.support.admission import admission_factory  # noqa: F401 - pytest fixtures
+from tests.support.policy_repos import commit
+from tests.support.policy_repos import repo  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
 from tests.support.servers import free_port
 

@@ -4,7 +4,6 @@ refusing bundles that leave nothing enforced, and one-line errors about the back
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,8 @@ from budgetgate.core.policy_files import directory_files
 from budgetgate.policies.repository import RepositoryError, apply_bundle, policy_files, revision
 from tests.support.admission import budget_yaml
 from tests.support.databases import _execute, run_async
+from tests.support.policy_repos import commit
+from tests.support.policy_repos import repo  # noqa: F401 - pytest fixtures
 
 RATES = """\
 apiVersion: budgetgate/v1
@@ -30,32 +31,6 @@ spec:
   currency: USD
   rates: [{flavor: h100, rate_per_gpu_hour: 3.933}]
 """
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
-@pytest.fixture
-def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "policies"
-    root.mkdir()
-    git(root, "init", "-q", "-b", "main")
-    git(root, "config", "user.email", "t@example.com")
-    git(root, "config", "user.name", "t")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("BUDGETGATE_HOME", raising=False)
-    return root
-
-
-def commit(repo: Path, files: dict[str, str], message: str = "policies") -> str:
-    for name, text in files.items():
-        path = repo / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", message)
-    return git(repo, "rev-parse", "HEAD")
 
 
 def run(dsn: str, *args: str) -> Result:

@@ -14,7 +14,7 @@ from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.v1.metering_pb2 import MeteringSample
-from tests.integration.test_consumer import drain
+from tests.support.kafka import drain
 
 
 async def test_publish_sends_what_it_is_told(settings) -> None:

@@ -7,9 +7,11 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
-from tests.integration.test_quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
-from tests.integration.test_reconciler import feed, lifecycle, reconciler_factory, wait_for  # noqa: F401 - fixtures
 from tests.support.admission import submission
+from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
+from tests.support.reconciler import lifecycle
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 
 async def test_counts_go_down_when_runs_end_or_never_start(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811

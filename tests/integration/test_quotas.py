@@ -10,31 +10,13 @@ import pytest
 from budgetgate.ledger.concurrency import end_run_holds
 from budgetgate.ledger.queries import sql
 from tests.support.admission import apply_policies, budget_yaml, one_batch
-from tests.support.quotas import CLUSTER, QUOTA, physics
+from tests.support.quotas import BIG_BUDGET, CLUSTER, POOLS, QUOTA, physics, started
 
 SENSITIVE = """apiVersion: budgetgate/v1
 kind: Quota
 metadata: {id: sensitive}
 spec: {sensitive_pool_size: 16}
 """
-POOLS = """apiVersion: budgetgate/v1
-kind: ResourcePool
-metadata: {{id: warehouse}}
-spec: {{namespace: "snowflake:wh-1", quota: {child}, project_cap: {cap}}}
----
-apiVersion: budgetgate/v1
-kind: ResourcePool
-metadata: {{id: snowflake}}
-spec: {{namespace: snowflake, quota: {parent}}}
-"""
-BIG_BUDGET = budget_yaml("physics-gpus", namespace="physics", labels="{team: physics}", limit="gpu_hours: 100000")
-
-
-async def started(admission_factory, pg_dsn, files: dict[str, str], sha: str = "9" * 40):  # type: ignore[no-untyped-def]
-    await apply_policies(pg_dsn, files, sha=sha)
-    server = await admission_factory(pg_pool_max=30)
-    await server.wait_ready()
-    return server
 
 
 async def test_exact_rejection_message_from_a_real_submission(admission_factory, pg_dsn) -> None:

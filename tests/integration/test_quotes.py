@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncpg
 
-from tests.integration.test_quotas import BIG_BUDGET, POOLS, started
 from tests.support.admission import apply_policies, budget_yaml, submission
-from tests.support.quotas import CLUSTER, QUOTA, physics
+from tests.support.quotas import BIG_BUDGET, CLUSTER, POOLS, QUOTA, physics, started
 
 GPU_HOUR = 3_600_000
 

@@ -7,61 +7,18 @@ import asyncio
 import json
 import random
 import re
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
-import asyncpg
 import pytest
 
-from budgetgate.contracts import wire
 from budgetgate.services.reconciler.worker import Reconciler
 from budgetgate.v1 import actions_pb2, reconciliations_pb2, usage_pb2
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.reconciler import (  # noqa: F401 - fixtures and helpers, which other test modules import from here too
-    H,
-    feed,
-    ledger_in_postgres,
-    ledger_in_redis,
-    lifecycle,
-    reconciler_factory,
-    ts,
-    usage,
-)
+from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, outbox, run_charges, settled, usage
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 VISION_SCOPE = "ns=vision-prod;cost-center=1042;team=vision"
-
-
-async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 45.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout:.0f}s")
-        await asyncio.sleep(0.1)
-
-
-async def outbox(dsn: str, topic: str, message_class):  # type: ignore[no-untyped-def]
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = await conn.fetch("SELECT payload, headers FROM outbox WHERE topic = $1 ORDER BY id", topic)
-    finally:
-        await conn.close()
-    return [wire.decode(message_class, r["payload"], None) for r in rows]
-
-
-async def settled(dsn: str, run_id: str) -> asyncpg.Record | None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetchrow("SELECT * FROM run_settlements WHERE run_id = $1", run_id)
-    finally:
-        await conn.close()
-
-
-async def run_charges(dsn: str, run_id: str) -> dict[tuple[str, datetime], int]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return {(r["ledger_key"], r["bucket"]): r["amount"] for r in await conn.fetch("SELECT * FROM run_charges WHERE run_id = $1", run_id)}
-    finally:
-        await conn.close()
 
 
 async def test_48_projected_16_metered_completed_leaves_16_consumed_0_reserved(admission, reconciler_factory, feed, pg_dsn) -> None:

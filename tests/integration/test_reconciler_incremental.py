@@ -13,20 +13,10 @@ import asyncpg
 
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.v1 import usage_pb2
-from tests.integration.test_reconciler import (  # noqa: F401 - pytest fixtures
-    H,
-    feed,
-    ledger_in_postgres,
-    ledger_in_redis,
-    lifecycle,
-    reconciler_factory,
-    run_charges,
-    settled,
-    ts,
-    usage,
-    wait_for,
-)
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, run_charges, settled, ts, usage
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 BODY = {"labels": {"team": "vision"}, "resources": {"gpus": 8}, "projected_runtime_hours": 10.0}
 

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from budgetgate.core.reconciliation import Rules
 from budgetgate.services.reconciler.bundles import Bundles
 from budgetgate.services.reconciler.settler import Settler
-from tests.integration.test_quotas import BIG_BUDGET, physics, started
+from tests.support.quotas import BIG_BUDGET, physics, started
 
 POOL = "snowflake:wh-1"
 POOLS = """apiVersion: budgetgate/v1

@@ -21,8 +21,10 @@ from budgetgate.services.reconciler.worker import Reconciler
 from budgetgate.v1 import reconciliations_pb2, usage_pb2
 from tests.support.admission import AdmissionServer, apply_policies, budget_yaml, submission
 from tests.support.cli import budgetgate_on
-from tests.support.metering import fetchval, metric, wait_for
-from tests.support.reconciler import H, feed, ledger_in_postgres, ledger_in_redis, lifecycle, reconciler_factory, ts  # noqa: F401 - fixtures
+from tests.support.metering import fetchval, metric
+from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, ts
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 GAUGE = "budgetgate_reconciler_dead_lettered"
 HALF = MAX_AMOUNT // 2 + 1  # two of these on one ledger key are beyond its range

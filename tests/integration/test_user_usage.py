@@ -13,9 +13,11 @@ from budgetgate.cli.main import cli
 from budgetgate.client import AsyncClient
 from budgetgate.core.principals import Role
 from budgetgate.contracts.admission import UserUsage
-from tests.integration.test_reconciler import feed, lifecycle, reconciler_factory, settled, usage, wait_for  # noqa: F401 - fixtures
 from tests.support.admission import apply_policies, budget_yaml, example_policies, submission
 from tests.support.principals import bearer, issue
+from tests.support.reconciler import usage
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
 
 ALICE_BUDGET = budget_yaml("gpu-budget/user-alice", labels="{user: alice}", limit="gpu_hours: 200")
 

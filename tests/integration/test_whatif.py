@@ -11,7 +11,8 @@ from pathlib import Path
 
 import asyncpg
 
-from tests.support.admission import apply_policies, budget_yaml, git
+from tests.support.admission import apply_policies, budget_yaml
+from tests.support.policy_repos import git
 from tests.support.cli import budgetgate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "ci" / "policy-check.sh"

@@ -4,7 +4,6 @@ Postgres database, Redis prefix and Kafka topic prefix."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -150,10 +149,6 @@ async def admission(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
     server = await admission_factory()
     await server.wait_ready()
     return server
-
-
-def git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
 async def published_decisions(settings: Any, run_ids: set[str], *, timeout: float = 30) -> dict[str, Any]:

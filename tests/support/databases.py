@@ -51,6 +51,14 @@ async def empty_database(admin_dsn: str, *, prefix: str = "bg") -> tuple[str, st
     return name, with_database(admin_dsn, name)
 
 
+async def private_database(admin_dsn: str) -> str:
+    """The DSN of a new, migrated database on the server of `admin_dsn` (a private server a
+    fault test kills): not dropped afterwards, it goes with its server."""
+    _, dsn = await empty_database(admin_dsn)
+    await _migrate(dsn)
+    return dsn
+
+
 async def drop_database(admin_dsn: str, name: str) -> None:
     await _execute(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 
 from tests.support.servers import InProcessServer, free_port
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FACET_SCHEMAS = ROOT / "schemas"
@@ -189,15 +190,11 @@ class MarquezStandIn:
 
     async def wait_for(self, count: int, timeout: float = 60) -> list[dict[str, Any]]:
         """Wait until at least `count` events arrived; returns them (fails the test on timeout)."""
-        import asyncio
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            events = self.received()
-            if len(events) >= count:
-                return events
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"Marquez stand-in received {len(self.received())} events, expected {count} within {timeout}s")
+        try:
+            await wait_for(lambda: len(self.received()) >= count, timeout=timeout, what=f"{count} events at the Marquez stand-in")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: it received {len(self.received())}") from None
+        return self.received()
 
     def runs(self) -> dict[str, dict[str, Any]]:
         """Every run as Marquez serves it (merged facets, state), keyed by run id."""
@@ -241,7 +238,7 @@ class MarquezStandIn:
                 if errors:
                     self.invalid.append((event, errors))
         if self.delay:
-            time.sleep(self.delay)
+            time.sleep(self.delay)  # a slow receiver: the stand-in's own request thread, not the test, waits
         return 201, None
 
     def _get(self, path: str, query: dict[str, list[str]]) -> tuple[int, Any]:
@@ -435,23 +432,6 @@ def http_client(url: str, *, timeout: float = 5.0) -> Any:
     return transport.build_client("unused.jsonl", config={"transport": {"type": "http", "url": url, "timeout": timeout}})
 
 
-async def wait_until(predicate: Callable[[], Any], *, timeout: float = 60, what: str = "condition") -> Any:
-    """Await `predicate()` (sync or async) until it is truthy; fail the test on timeout."""
-    import asyncio
-    import inspect
-
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 def decision(
     run_id: str,
     outcome: str = "ALLOW",
@@ -572,12 +552,12 @@ async def wait_evidence_settled(settings: Any, *, timeout: float = 60) -> None:
                     return False
             return True
 
-        await wait_until(consumed, timeout=timeout, what=f"group {group} to commit every message")
+        await wait_for(consumed, timeout=timeout, what=f"group {group} to commit every message")
     finally:
         await consumer.stop()
     conn = await asyncpg.connect(settings.postgres_dsn)
     try:
-        await wait_until(lambda: _no_pending(conn), timeout=timeout, what="every stored evidence event to be delivered or dead")
+        await wait_for(lambda: _no_pending(conn), timeout=timeout, what="every stored evidence event to be delivered or dead")
     finally:
         await conn.close()
 

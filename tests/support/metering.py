@@ -1,14 +1,19 @@
 """metering-ingest harness: a real uvicorn server on a free port (its Kafka consumer, relay and
-pending re-check inside), wired to the test's own database and topic prefix; plus samples,
-decisions and readers for what the service wrote."""
+pending re-check inside), wired to the test's own database and topic prefix, or the service as a
+process of its own, to be killed; plus samples, decisions, readers for what the service wrote
+and the check that a stream of samples was applied exactly once."""
 
 from __future__ import annotations
 
-import asyncio
 import json
+import os
+import subprocess
+import sys
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import asyncpg
 import httpx
@@ -17,7 +22,7 @@ from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
 from budgetgate.contracts import wire
-
+from budgetgate.core.metering import Counters, milli
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.metering_ingest.app import create_app
 from budgetgate.services.metering_ingest.settings import MeteringSettings
@@ -25,8 +30,9 @@ from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
-from tests.integration.test_consumer import drain
+from tests.support.kafka import drain
 from tests.support.servers import InProcessServer, free_port
+from tests.support.waiting import wait_for
 
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
 
@@ -75,15 +81,6 @@ async def metering(metering_factory) -> MeteringServer:  # type: ignore[no-untyp
     server = await metering_factory()
     await server.wait_ready()
     return server
-
-
-async def wait_for(predicate: Callable[[], Awaitable[bool]], *, timeout: float = 30, what: str = "condition") -> None:
-    """Poll until `predicate` holds; fails the test, naming `what`, after `timeout` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout:.0f}s")
-        await asyncio.sleep(0.1)
 
 
 def sample(run_id: str, sample_id: str, gpu_seconds: float, *, minute: float = 0, node_seconds: float = 0.0, at: datetime | None = None) -> MeteringSample:
@@ -179,3 +176,89 @@ async def metrics_after_one_sample(server: MeteringServer, dsn: str) -> str:
 
 async def _has_usage(dsn: str, run_id: str) -> bool:
     return bool(await usage_rows(dsn, run_id))
+
+
+def expected_usage(messages: list[MeteringSample]) -> dict[str, Counters]:
+    final: dict[str, Counters] = defaultdict(Counters)
+    for m in messages:
+        final[m.run_id] = final[m.run_id].high_water(Counters(milli(m.gpu_seconds), milli(m.node_seconds)))
+    return dict(final)
+
+
+class IngestProcess:
+    """metering-ingest as its own process, to be killed with SIGKILL."""
+
+    def __init__(self, settings, log: Path) -> None:  # type: ignore[no-untyped-def]
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "BUDGETGATE_POSTGRES_DSN": settings.postgres_dsn,
+            "BUDGETGATE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "BUDGETGATE_TOPIC_PREFIX": settings.topic_prefix,
+            "BUDGETGATE_CONSUMER_GROUP": "metering",  # joined under the test's topic prefix
+            "BUDGETGATE_PENDING_RECHECK_SECONDS": "0.2",
+        }
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "budgetgate.services.metering_ingest", "--port", str(self.port)], env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        await wait_for(self._ready, timeout=60, what=f"metering-ingest ready (log: {self.log})")
+
+    async def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"metering-ingest exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        try:
+            async with httpx.AsyncClient(timeout=2) as client:
+                return (await client.get(f"http://127.0.0.1:{self.port}/readyz")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+async def rows(dsn: str) -> int:
+    return int(await fetchval(dsn, "SELECT count(*) FROM usage_records"))  # type: ignore[arg-type]
+
+
+async def assert_applied_exactly_once(settings, dsn: str, messages: list[MeteringSample]) -> None:  # type: ignore[no-untyped-def]
+    distinct = {(m.run_id, m.sample_id) for m in messages}
+    recorded = await usage_rows(dsn)
+    assert sorted((r["run_id"], r["sample_id"]) for r in recorded) == sorted(distinct)
+    assert await fetchval(dsn, "SELECT count(*) FROM inbox WHERE consumer = 'metering-ingest'") == len({m.event_id for m in messages})
+    final = expected_usage(messages)
+    for run_id, counters in final.items():
+        state = await fetchval(
+            dsn, "SELECT row(gpu_milli_hours_cumulative, node_milli_hours_cumulative, samples)::text FROM usage_runs WHERE run_id = $1", run_id
+        )
+        # `samples` counts applications: a sample applied twice would show here.
+        assert state == f"({counters.gpu},{counters.node},{sum(1 for r in recorded if r['run_id'] == run_id)})"
+    await wait_for(lambda: _relayed(dsn), what="outbox relayed")
+    published = await usage_records(settings.kafka_bootstrap, Topics(settings.topic_prefix).usage, len(distinct))
+    by_event: dict[str, set[bytes]] = defaultdict(set)
+    for record in published:
+        by_event[record.event_id].add(record.SerializeToString(deterministic=True))
+    # At least once on Kafka, and a redelivered record is the same record.
+    assert len(by_event) == len(distinct) and all(len(copies) == 1 for copies in by_event.values())
+    for run_id, counters in final.items():
+        mine = {e: r for r in published if r.run_id == run_id for e in [r.event_id]}.values()
+        assert sum(r.gpu_milli_hours_delta for r in mine) == counters.gpu
+
+
+async def _relayed(dsn: str) -> bool:
+    return await fetchval(dsn, "SELECT count(*) = 0 FROM outbox WHERE published_at IS NULL") is True

@@ -1,8 +1,9 @@
-"""Quota and cluster documents and a physics-tenant submission, shared by the quota and quote tests."""
+"""Quota, resource pool, cluster and budget documents, a physics-tenant submission, and an admission
+service started on them: shared by the quota, quote, lease, headroom and ledger tests."""
 
 from __future__ import annotations
 
-from tests.support.admission import submission
+from tests.support.admission import apply_policies, budget_yaml, submission
 
 QUOTA = """apiVersion: budgetgate/v1
 kind: Quota
@@ -14,6 +15,25 @@ kind: Cluster
 metadata: {id: cluster}
 spec: {gpus: 100, nodes: 50}
 """
+POOLS = """apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {{id: warehouse}}
+spec: {{namespace: "snowflake:wh-1", quota: {child}, project_cap: {cap}}}
+---
+apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {{id: snowflake}}
+spec: {{namespace: snowflake, quota: {parent}}}
+"""
+BIG_BUDGET = budget_yaml("physics-gpus", namespace="physics", labels="{team: physics}", limit="gpu_hours: 100000")
+
+
+async def started(admission_factory, pg_dsn, files: dict[str, str], sha: str = "9" * 40):  # type: ignore[no-untyped-def]
+    """An admission service, ready, on the policy `files` applied under `sha`."""
+    await apply_policies(pg_dsn, files, sha=sha)
+    server = await admission_factory(pg_pool_max=30)
+    await server.wait_ready()
+    return server
 
 
 def physics(run_id: str, *, gpus: int = 1, nodes: int = 1, **extra: object) -> dict[str, object]:

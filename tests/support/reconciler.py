@@ -1,17 +1,22 @@
-"""The reconciler harness: a reconciler on the test's Postgres, Redis and Kafka, a feed of
-lifecycle events and usage records on the test's topics, and the ledger as each side holds it."""
+"""The reconciler harness: a reconciler on the test's Postgres, Redis and Kafka (or as a process
+of its own, to be killed), a feed of lifecycle events and usage records on the test's topics,
+the ledger as each side holds it, and what the reconciler wrote to Postgres."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
+from pathlib import Path
 
 import asyncpg
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
-
+from budgetgate.contracts import wire
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import Reconciler, build
@@ -94,3 +99,53 @@ async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:
 
 async def ledger_in_redis(reconciler: Reconciler) -> dict[str, tuple[int, int]]:
     return await reconciler.ledger.all_readings()
+
+
+async def outbox(dsn: str, topic: str, message_class):  # type: ignore[no-untyped-def]
+    """The messages of `topic` in the outbox, in the order they were written."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT payload, headers FROM outbox WHERE topic = $1 ORDER BY id", topic)
+    finally:
+        await conn.close()
+    return [wire.decode(message_class, r["payload"], None) for r in rows]
+
+
+async def settled(dsn: str, run_id: str) -> asyncpg.Record | None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchrow("SELECT * FROM run_settlements WHERE run_id = $1", run_id)
+    finally:
+        await conn.close()
+
+
+async def run_charges(dsn: str, run_id: str) -> dict[tuple[str, datetime], int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {(r["ledger_key"], r["bucket"]): r["amount"] for r in await conn.fetch("SELECT * FROM run_charges WHERE run_id = $1", run_id)}
+    finally:
+        await conn.close()
+
+
+async def counts(dsn: str) -> tuple[int, int, int]:
+    """(runs settled for good, the facts' inbox rows, facts recorded)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        final = await conn.fetchval("SELECT count(*) FROM run_settlements WHERE final")
+        # The facts' inbox rows (the reconciler also consumes decisions, for waiting runs).
+        inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = 'reconciler' AND topic NOT LIKE '%budget.decisions.v1'")
+        facts = await conn.fetchval("SELECT (SELECT count(*) FROM lifecycle_events) + (SELECT count(*) FROM run_samples)")
+        return final, inbox, facts
+    finally:
+        await conn.close()
+
+
+def start_reconciler(settings, log: Path, **env: str) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
+    """The reconciler as a process of its own (to be SIGKILLed) on the test's backends, ticking
+    every 0.2 s with no drift check, its output appended to `log`; `env` sets more variables
+    (BUDGETGATE_ added, upper-cased: drift_check_seconds="1", consumer_group=...)."""
+    variables = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None and k != "service_name"}}
+    variables |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "0"}
+    variables |= {f"BUDGETGATE_{k.upper()}": v for k, v in env.items()}
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "budgetgate.services.reconciler"], env=variables, stdout=out, stderr=subprocess.STDOUT)

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from tests.support.waiting import wait_for
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -71,20 +73,26 @@ class InProcessServer:
             self.token = await issue(self.dsn)
             self.client.headers.update(bearer(self.token))
         self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()
-            await asyncio.sleep(0.02)
+        await wait_for(self._serving, timeout=30, what=f"{self.name} listening on {self.url}")
+
+    def _serving(self) -> bool:
+        assert self.task is not None
+        if self.task.done():
+            self.task.result()  # it failed to start: its error, not a timeout
+        return self.server.started
 
     async def wait_ready(self, timeout: float = 30) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
+        last: list[str] = []
+
+        async def ready() -> bool:
             response = await self.client.get("/readyz")
-            if response.status_code == 200:
-                return
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"{self.name} not ready: {response.text}")
-            await asyncio.sleep(0.05)
+            last[:] = [response.text]
+            return response.status_code == 200
+
+        try:
+            await wait_for(ready, timeout=timeout, what=f"{self.name} ready")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; /readyz said: {last[0] if last else 'nothing'}") from None
 
     async def stop(self) -> None:
         await self.client.aclose()
