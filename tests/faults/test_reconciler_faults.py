@@ -15,13 +15,15 @@ import asyncpg
 
 from tests.integration.test_reconciler import H, feed, ledger_in_postgres, lifecycle, reconciler_factory, usage, wait_for  # noqa: F401 - fixtures
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.servers import free_port
 
 RUNS = 40
 
 
 def start_reconciler(settings, log: Path) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
     env = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None and k != "service_name"}}
-    env |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "0"}
+    # A port of its own: it serves /healthz, /readyz and /metrics, and tests run side by side.
+    env |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "0", "BUDGETGATE_PORT": str(free_port())}
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "budgetgate.services.reconciler"], env=env, stdout=out, stderr=subprocess.STDOUT)
 

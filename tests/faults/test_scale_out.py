@@ -31,6 +31,7 @@ from tests.faults.test_reconciler_faults import counts
 from tests.integration.test_reconciler import H, feed, ledger_in_postgres, lifecycle, usage  # noqa: F401 - fixture
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.metering import T0, decide, sample, wait_for
+from tests.support.servers import free_port
 
 PARTITIONS = 3
 INGEST_RUNS = [f"scale-{i}" for i in range(12)]  # keys enough to land on every partition
@@ -239,7 +240,7 @@ def _reconciler(settings, group: str, log: Path) -> subprocess.Popen[bytes]:  # 
     env = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None and k != "service_name"}}
     # The drift check stays on (as deployed), often: it is how Redis catches up with a settlement
     # the killed process committed to Postgres but never applied to Redis.
-    env |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "1", "BUDGETGATE_CONSUMER_GROUP": group}
+    env |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "1", "BUDGETGATE_CONSUMER_GROUP": group, "BUDGETGATE_PORT": str(free_port())}
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "budgetgate.services.reconciler"], env=env, stdout=out, stderr=subprocess.STDOUT)
 

@@ -377,8 +377,13 @@ def test_up_starts_admission_and_down_stops_it(checkout: Path) -> None:
     assert httpx.get(f"{info['admission_url']}/v1/budgets", timeout=5).status_code == 401
     with_token = httpx.get(f"{info['admission_url']}/v1/budgets", headers={"Authorization": f"Bearer {info['tokens']['reader']}"}, timeout=5)
     assert with_token.status_code == 503 and "no policy bundle" in with_token.json()["detail"]
+    # The reconciler is served as the others are, ready once it consumes.
+    [reconciler] = [s for s in info["services"] if s["name"] == "reconciler"]
+    ready = httpx.get(f"{reconciler['url']}/readyz", timeout=5)
+    assert ready.status_code == 200 and ready.json()["checks"]["kafka_consumer"] == "ok", ready.text
     assert dev(checkout, "down").returncode == 0
-    assert not port_open(*split_host_port(info["admission_url"].removeprefix("http://"), 80))
+    for url in (info["admission_url"], reconciler["url"]):
+        assert not port_open(*split_host_port(url.removeprefix("http://"), 80))
 
 
 def test_an_interrupted_server_start_leaves_no_server_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

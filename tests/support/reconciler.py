@@ -1,5 +1,6 @@
-"""The reconciler harness: a reconciler on the test's Postgres, Redis and Kafka, a feed of
-lifecycle events and usage records on the test's topics, and the ledger as each side holds it."""
+"""The reconciler harness: a reconciler on the test's Postgres, Redis and Kafka (built directly,
+or served as its HTTP service), a feed of lifecycle events and usage records on the test's
+topics, and the ledger as each side holds it."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 
 from budgetgate.messaging.publisher import Publisher
+from budgetgate.services.reconciler.app import create_app
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import Reconciler, build
 from budgetgate.runtime.telemetry import setup_telemetry
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
+from tests.support.servers import InProcessServer, free_port
 
 H = 3_600_000  # milli-hours in an hour: one GPU-hour in the ledger's units
 
@@ -77,6 +80,39 @@ async def reconciler_factory(settings) -> AsyncIterator[Callable[..., Awaitable[
     yield start
     for reconciler in started:
         await reconciler.stop()
+
+
+class ReconcilerServer(InProcessServer):
+    """The reconciler service running (its app: /healthz, /readyz, /metrics and the operator's
+    routes), an HTTP client for it with a token of every role, and the Reconciler as `rt`."""
+
+    name = "reconciler"
+
+    def __init__(self, settings: ReconcilerSettings) -> None:
+        self.settings = settings
+        super().__init__(create_app(settings), port=settings.port, dsn=settings.postgres_dsn)
+
+    async def metrics(self) -> str:
+        response = await self.client.get("/metrics")
+        assert response.status_code == 200, response.text
+        return response.text
+
+
+@pytest.fixture
+async def reconciler_server_factory(settings) -> AsyncIterator[Callable[..., Awaitable[ReconcilerServer]]]:  # type: ignore[no-untyped-def]
+    """Start reconciler services on the test's backends, as reconciler_factory starts reconcilers."""
+    servers: list[ReconcilerServer] = []
+
+    async def start(**overrides: object) -> ReconcilerServer:
+        values = {**settings.model_dump(), "port": free_port(), "rate_limit": None, "tick_seconds": 0.2, "drift_check_seconds": 0, **overrides}
+        server = ReconcilerServer(ReconcilerSettings(**values))
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
 
 
 async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:
