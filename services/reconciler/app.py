@@ -1,6 +1,7 @@
 """The reconciler as a service: create_app(settings) builds the Reconciler (worker.py) when the app
 starts, its consumer, settle, upkeep and relay loops running until the app stops, and serves
-/healthz, /readyz (Postgres, Redis and its Kafka consumer) and /metrics."""
+/healthz, /readyz (Postgres, Redis and its Kafka consumer), /metrics and the operator's routes
+of the settlements it dead-lettered (routes.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 
+from budgetgate.contracts.settlements import OPERATIONS
+from budgetgate.edge.auth import install_auth
 from budgetgate.edge.serving import add_operational_routes, postgres_check, redis_check
 from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
+from budgetgate.services.reconciler import routes
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import Reconciler
 
@@ -31,7 +35,9 @@ def create_app(settings: ReconcilerSettings, *, telemetry: Telemetry | None = No
             await reconciler.stop()
 
     app = FastAPI(title="budgetgate reconciler", version="1", lifespan=lifespan)
-    add_operational_routes(app, telemetry=telemetry, readiness=readiness)
+    install_auth(app, settings)
+    app.include_router(routes.router)
+    add_operational_routes(app, telemetry=telemetry, readiness=readiness, operations=OPERATIONS, protect_metrics=settings.metrics_require_auth)
     return app
 
 

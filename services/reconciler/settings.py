@@ -8,12 +8,12 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.runtime.settings import ServingSettings
+from budgetgate.edge.auth import AuthSettings
 
 
-class ReconcilerSettings(ServingSettings):
+class ReconcilerSettings(AuthSettings):
     service_name: str = "budgetgate-reconciler"
-    # /healthz, /readyz and /metrics are served here.
+    # /healthz, /readyz, /metrics and the operator's dead-letter routes are served here.
     host: str = "127.0.0.1"
     port: int = 9464
     consumer_group: str = "budgetgate-reconciler"

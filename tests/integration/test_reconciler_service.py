@@ -1,6 +1,7 @@
 """The reconciler is served as the other services are: `python -m budgetgate.services.reconciler`
 runs uvicorn (stopped by its signals), with /healthz, /readyz (503 until Postgres, Redis and its
-Kafka consumer are up, then 200) and /metrics on its port."""
+Kafka consumer are up, then 200) and /metrics on its port, and the operator's routes of the
+settlements it dead-lettered, for an operator without limits only, with bad input named."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.metering import metric, wait_for
+from budgetgate.core.principals import Role
+from tests.support.metering import fetchval, metric, wait_for
+from tests.support.principals import bearer, issue
 from tests.support.reconciler import reconciler_server_factory  # noqa: F401 - fixture
 from tests.support.servers import free_port
 
 PROBLEM = "application/problem+json"
+DEAD_LETTERS = "/v1/settlements/dead-letters"
 
 
 async def test_it_is_alive_at_once_and_ready_once_it_consumes(reconciler_server_factory, killable_kafka) -> None:  # noqa: F811
@@ -38,6 +42,42 @@ async def test_it_is_alive_at_once_and_ready_once_it_consumes(reconciler_server_
         await server.wait_ready(timeout=90)
         ready = await anonymous.get("/readyz")
         assert (ready.status_code, ready.json()) == (200, {"ready": True, "checks": {"postgres": "ok", "redis": "ok", "kafka_consumer": "ok"}})
+
+
+async def test_only_an_operator_without_limits_reaches_the_dead_letters(reconciler_server_factory, pg_dsn) -> None:  # noqa: F811
+    server = await reconciler_server_factory()
+    resolve = "/v1/settlements/flyte/vision/exec-1/n0/resolve"
+    body = {"action": "release", "reason": "cleanup"}
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as anonymous:
+        for method, path in (("GET", DEAD_LETTERS), ("POST", resolve)):
+            refused = await anonymous.request(method, path, json=body if method == "POST" else None)
+            assert refused.status_code == 401 and refused.headers["content-type"] == PROBLEM, (path, refused.text)
+        reader = bearer(await issue(pg_dsn, Role.READER, Role.AUDITOR))
+        limited = bearer(await issue(pg_dsn, Role.OPERATOR, tenants=["vision"]))
+        for headers, why in ((reader, "needs role operator"), (limited, "need a token without limits")):
+            for method, path in (("GET", DEAD_LETTERS), ("POST", resolve)):
+                refused = await anonymous.request(method, path, json=body if method == "POST" else None, headers=headers)
+                assert refused.status_code == 403 and why in refused.json()["detail"], (path, refused.text)
+
+    operator = bearer(await issue(pg_dsn, Role.OPERATOR, name="ops-on-call"))
+    listed = await server.client.get(DEAD_LETTERS, headers=operator)
+    assert (listed.status_code, listed.json()) == (200, {"dead_letters": []})
+
+    unknown = await server.client.post(resolve, json=body, headers=operator)
+    assert unknown.status_code == 404 and unknown.headers["content-type"] == PROBLEM, unknown.text
+    assert "no run 'flyte/vision/exec-1/n0' is known" in unknown.json()["detail"] and "nothing changed" in unknown.json()["detail"]
+    for bad, field, said in (
+        ({"action": "drop", "reason": "x"}, "action", "'release' or 'settle'"),
+        ({"action": "release", "reason": "  \n "}, "reason", "say why, for the admin log"),
+        ({"action": "settle"}, "reason", "Field required"),
+        ({"action": "settle", "reason": "a\x00b"}, "reason", "control character"),
+        ({"action": "settle", "reason": "ok", "force": True}, "force", "Extra inputs"),
+    ):
+        invalid = await server.client.post(resolve, json=bad, headers=operator)
+        assert invalid.status_code == 422 and invalid.headers["content-type"] == PROBLEM, invalid.text
+        [error] = invalid.json()["errors"]
+        assert error["field"] == field and said in error["msg"], invalid.text
+    assert await fetchval(pg_dsn, "SELECT count(*) FROM admin_log WHERE action LIKE 'settlement.%'") == 0
 
 
 async def test_python_m_serves_it_on_its_port_and_sigterm_stops_it(settings, tmp_path: Path) -> None:
