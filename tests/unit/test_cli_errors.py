@@ -48,7 +48,11 @@ def test_ledger_commands_need_a_stack_and_never_fall_back_on_local_servers(comma
 def test_settlement_commands_need_the_reconciler_and_say_when_it_does_not_answer(command: list[str]) -> None:
     # They go through the reconciler's API: its URL, never a guess.
     refused(run(*command), "no reconciler URL", "BUDGETGATE_RECONCILER_URL", "budgetgate dev up")
-    refused(run(*command, BUDGETGATE_RECONCILER_URL="http://127.0.0.1:1"), "cannot reach the reconciler at http://127.0.0.1:1")
+    refused(run(*command, BUDGETGATE_RECONCILER_URL="http://127.0.0.1:1"), "cannot reach reconciler at http://127.0.0.1:1")
+
+
+def test_an_admin_command_says_when_admission_does_not_answer() -> None:
+    refused(run("admin", "tenant", "show", "vision", BUDGETGATE_ADMISSION_URL="http://127.0.0.1:1"), "cannot reach admission at http://127.0.0.1:1")
 
 
 @pytest.mark.parametrize("dsn", ["postgresql://postgres@127.0.0.1:abc/postgres", "postgresql://postgres@127.0.0.1:99999/postgres"])

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import click
 
+from budgetgate.cli.calling import call
+
 T = TypeVar("T")
 
 
@@ -22,25 +24,7 @@ def settlements() -> None:
 
 
 def _call(work: Callable[[Any], T]) -> T:
-    import httpx
-
-    from budgetgate.client import BudgetgateError, Client, InvalidRequest, NoEndpoint
-    from budgetgate.runtime.settings import dev_token
-
-    url = "the reconciler"
-    try:
-        with Client(token=dev_token("operator")) as client:
-            url = client.reconciler_url
-            click.echo(f"budgetgate: reconciler at {url}", err=True)
-            return work(client)
-    except InvalidRequest as exc:
-        for error in exc.errors:
-            click.echo(f"error: {error.get('field') or 'body'}: {error.get('msg')}", err=True)
-        raise click.ClickException(exc.detail) from None
-    except (BudgetgateError, NoEndpoint) as exc:
-        raise click.ClickException(str(exc)) from None
-    except httpx.HTTPError as exc:  # no answer, even after the client's resends
-        raise click.ClickException(f"cannot reach the reconciler at {url}: {' '.join(str(exc).split()) or type(exc).__name__}") from None
+    return call(work, service="reconciler", url=lambda client: client.reconciler_url)
 
 
 @settlements.command("dead-letters")
