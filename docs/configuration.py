@@ -40,7 +40,6 @@ MEANINGS = {
     "BUDGETGATE_TOPIC_REPLICATION_FACTOR": "replicas of the topics a service creates when they are missing; set it to your cluster's (e.g. 3)",
     "BUDGETGATE_ACCOUNTING_RESET_SECONDS": "how long the circuit breaker stays open before one trial ask",
     "BUDGETGATE_CONSUMER_GROUP": "the Kafka consumer group, under the topic prefix",
-    "BUDGETGATE_METRICS_HOST": "the address the Prometheus metrics are served on",
     "BUDGETGATE_SERVICE_NAME": "the name the process reports its traces and metrics under (OpenTelemetry's service.name)",
     "BUDGETGATE_KAFKA_SASL_MECHANISM": "the SASL mechanism: `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`",
     "BUDGETGATE_KAFKA_SASL_USERNAME": "the service's SASL user name",

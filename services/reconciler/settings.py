@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.runtime.settings import ServingSettings
+from budgetgate.edge.auth import AuthSettings
 
 
-class ReconcilerSettings(ServingSettings):
+class ReconcilerSettings(AuthSettings):
     service_name: str = "budgetgate-reconciler"
+    # /healthz, /readyz, /metrics and the operator's dead-letter routes are served here.
+    host: str = "127.0.0.1"
+    port: int = 9464
     consumer_group: str = "budgetgate-reconciler"
     # Records one poll hands to one transaction.
     consumer_max_records: int = 500
@@ -46,9 +50,20 @@ class ReconcilerSettings(ServingSettings):
     # The Kubernetes objects the webhook admitted (whose children pass on them) are forgotten
     # this long after their run ended (settled or released, not running); never before it ends.
     admitted_objects_retention_seconds: float = Field(default=7 * 86400.0, gt=0)
-    # Serve Prometheus metrics on this port and address; no port = no HTTP listener.
+    # The older name of BUDGETGATE_PORT, from when the reconciler served only metrics: still read,
+    # BUDGETGATE_PORT (or --port) winning when both are set.
     metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
+    # The older name of BUDGETGATE_HOST: still read, BUDGETGATE_HOST (or --host) winning when both are set.
+    metrics_host: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_names(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for older, name in (("metrics_port", "port"), ("metrics_host", "host")):
+                if values.get(older) is not None and values.get(name) is None:
+                    values = {**values, name: values[older]}
+        return values
 
     def rules(self) -> Rules:
         return Rules(

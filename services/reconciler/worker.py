@@ -1,5 +1,6 @@
-"""The reconciler process: build(settings) wires Postgres, Redis and Kafka to four loops —
-consume facts, settle marked runs, time-driven upkeep, relay the outbox."""
+"""The reconciler: Reconciler.start() wires Postgres, Redis and Kafka to four loops — consume
+facts, settle marked runs, time-driven upkeep, relay the outbox — and stop() ends them. The
+service (app.py) starts one when it starts serving; tests build one directly (build(settings))."""
 
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class Reconciler:
         )
         self.progress = ConsumerProgress(self.telemetry.meter("budgetgate.messaging.inbox"), name="reconciler")
         self.pool: asyncpg.Pool | None = None
+        self.consuming = False  # its Kafka subscriber started (and not stopped since): part of readiness
         self._tasks: list[asyncio.Task[None]] = []
         self._repaired = False
         self._windows_seen: datetime | None = None  # when upkeep last looked for new calendar windows
@@ -146,8 +148,10 @@ class Reconciler:
         relay = asyncio.create_task(self.relay.run(), name="reconciler-relay")
         try:
             await start_whole(self.broker.start())
+            self.consuming = True
             await asyncio.Event().wait()
         finally:
+            self.consuming = False
             relay.cancel()
             await asyncio.gather(relay, return_exceptions=True)
             with contextlib.suppress(Exception):

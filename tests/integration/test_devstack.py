@@ -377,8 +377,18 @@ def test_up_starts_admission_and_down_stops_it(checkout: Path) -> None:
     assert httpx.get(f"{info['admission_url']}/v1/budgets", timeout=5).status_code == 401
     with_token = httpx.get(f"{info['admission_url']}/v1/budgets", headers={"Authorization": f"Bearer {info['tokens']['reader']}"}, timeout=5)
     assert with_token.status_code == 503 and "no policy bundle" in with_token.json()["detail"]
+    # The reconciler is served as the others are, ready once it consumes; `budgetgate settlements`
+    # finds it, and the operator token, in the stack's state.
+    reconciler = httpx.get(f"{info['reconciler_url']}/readyz", timeout=5)
+    assert reconciler.status_code == 200 and reconciler.json()["checks"]["kafka_consumer"] == "ok", reconciler.text
+    base = {k: v for k, v in os.environ.items() if k not in NO_BACKEND_ENV and k != "BUDGETGATE_TOKEN"}
+    listed = subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "settlements", "dead-letters", "--json"], cwd=checkout, env=base,
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stderr
+    assert f"reconciler at {info['reconciler_url']}" in listed.stderr
     assert dev(checkout, "down").returncode == 0
-    assert not port_open(*split_host_port(info["admission_url"].removeprefix("http://"), 80))
+    for url in (info["admission_url"], info["reconciler_url"]):
+        assert not port_open(*split_host_port(url.removeprefix("http://"), 80))
 
 
 def test_an_interrupted_server_start_leaves_no_server_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
-"""The reconciler harness: a reconciler on the test's Postgres, Redis and Kafka (or as a process
-of its own, to be killed), a feed of lifecycle events and usage records on the test's topics,
-the ledger as each side holds it, and what the reconciler wrote to Postgres."""
+"""The reconciler harness: a reconciler on the test's Postgres, Redis and Kafka (built directly,
+served as its HTTP service, or as a process of its own, to be killed), a feed of lifecycle events
+and usage records on the test's topics, the ledger as each side holds it, and what the reconciler
+wrote to Postgres."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.contracts import wire
 from budgetgate.messaging.publisher import Publisher
+from budgetgate.services.reconciler.app import create_app
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.worker import Reconciler, build
 from budgetgate.runtime.telemetry import setup_telemetry
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
+from tests.support.servers import InProcessServer, free_port
 
 H = 3_600_000  # milli-hours in an hour: one GPU-hour in the ledger's units
 
@@ -82,6 +85,39 @@ async def reconciler_factory(settings) -> AsyncIterator[Callable[..., Awaitable[
     yield start
     for reconciler in started:
         await reconciler.stop()
+
+
+class ReconcilerServer(InProcessServer):
+    """The reconciler service running (its app: /healthz, /readyz, /metrics and the operator's
+    routes), an HTTP client for it with a token of every role, and the Reconciler as `rt`."""
+
+    name = "reconciler"
+
+    def __init__(self, settings: ReconcilerSettings) -> None:
+        self.settings = settings
+        super().__init__(create_app(settings), port=settings.port, dsn=settings.postgres_dsn)
+
+    async def metrics(self) -> str:
+        response = await self.client.get("/metrics")
+        assert response.status_code == 200, response.text
+        return response.text
+
+
+@pytest.fixture
+async def reconciler_server_factory(settings) -> AsyncIterator[Callable[..., Awaitable[ReconcilerServer]]]:  # type: ignore[no-untyped-def]
+    """Start reconciler services on the test's backends, as reconciler_factory starts reconcilers."""
+    servers: list[ReconcilerServer] = []
+
+    async def start(**overrides: object) -> ReconcilerServer:
+        values = {**settings.model_dump(), "port": free_port(), "rate_limit": None, "tick_seconds": 0.2, "drift_check_seconds": 0, **overrides}
+        server = ReconcilerServer(ReconcilerSettings(**values))
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
 
 
 async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:
@@ -145,7 +181,8 @@ def start_reconciler(settings, log: Path, **env: str) -> subprocess.Popen[bytes]
     every 0.2 s with no drift check, its output appended to `log`; `env` sets more variables
     (BUDGETGATE_ added, upper-cased: drift_check_seconds="1", consumer_group=...)."""
     variables = {**os.environ, **{f"BUDGETGATE_{k.upper()}": str(v) for k, v in settings.model_dump().items() if v is not None and k != "service_name"}}
-    variables |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "0"}
+    # A port of its own: it serves /healthz, /readyz and /metrics, and tests run side by side.
+    variables |= {"BUDGETGATE_TICK_SECONDS": "0.2", "BUDGETGATE_DRIFT_CHECK_SECONDS": "0", "BUDGETGATE_PORT": str(free_port())}
     variables |= {f"BUDGETGATE_{k.upper()}": v for k, v in env.items()}
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "budgetgate.services.reconciler"], env=variables, stdout=out, stderr=subprocess.STDOUT)

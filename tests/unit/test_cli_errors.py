@@ -1,6 +1,7 @@
 """Ordinary mistakes on the command line are one-line errors, never tracebacks: an option out of
-range, a period reaching before the year 1, a server address that does not parse or answer, and
-a ledger command with no stack named (it must not fall back on 127.0.0.1's Postgres and Redis)."""
+range, a period reaching before the year 1, a server address that does not parse or answer, a
+ledger command with no stack named (it must not fall back on 127.0.0.1's Postgres and Redis), and
+a settlements command with no reconciler named or none answering."""
 
 from __future__ import annotations
 
@@ -35,12 +36,23 @@ def refused(result: Result, *words: str, code: int = 1) -> None:
     assert all(w in result.output for w in words), result.output
 
 
-@pytest.mark.parametrize("command", [["ledger", "check"], ["ledger", "rebuild-redis"], ["settlements", "resolve", "r", "--release", "--reason", "x"]])
+@pytest.mark.parametrize("command", [["ledger", "check"], ["ledger", "rebuild-redis"]])
 def test_ledger_commands_need_a_stack_and_never_fall_back_on_local_servers(command: list[str]) -> None:
     refused(run(*command), "no local stack found", "BUDGETGATE_POSTGRES_DSN")
     # Postgres named, Redis not: the rebuild would rewrite whatever Redis runs on 127.0.0.1.
     refused(run(*command, BUDGETGATE_POSTGRES_DSN=UNREACHABLE), "BUDGETGATE_REDIS_URL")
     refused(run(*command, BUDGETGATE_POSTGRES_DSN=UNREACHABLE, BUDGETGATE_REDIS_URL="redis://127.0.0.1:1/0"), "cannot reach Postgres")
+
+
+@pytest.mark.parametrize("command", [["settlements", "dead-letters"], ["settlements", "resolve", "r", "--release", "--reason", "x"]])
+def test_settlement_commands_need_the_reconciler_and_say_when_it_does_not_answer(command: list[str]) -> None:
+    # They go through the reconciler's API: its URL, never a guess.
+    refused(run(*command), "no reconciler URL", "BUDGETGATE_RECONCILER_URL", "budgetgate dev up")
+    refused(run(*command, BUDGETGATE_RECONCILER_URL="http://127.0.0.1:1"), "cannot reach reconciler at http://127.0.0.1:1")
+
+
+def test_an_admin_command_says_when_admission_does_not_answer() -> None:
+    refused(run("admin", "tenant", "show", "vision", BUDGETGATE_ADMISSION_URL="http://127.0.0.1:1"), "cannot reach admission at http://127.0.0.1:1")
 
 
 @pytest.mark.parametrize("dsn", ["postgresql://postgres@127.0.0.1:abc/postgres", "postgresql://postgres@127.0.0.1:99999/postgres"])

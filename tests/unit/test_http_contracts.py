@@ -16,6 +16,8 @@ from budgetgate.contracts.admission import AdmissionRequest, EvaluationOut
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.metering_ingest.app import create_app as create_metering_app
 from budgetgate.services.metering_ingest.settings import MeteringSettings
+from budgetgate.services.reconciler.app import create_app as create_reconciler_app
+from budgetgate.services.reconciler.settings import ReconcilerSettings
 
 PROBLEM = "application/problem+json"
 
@@ -30,24 +32,32 @@ def metering_spec() -> dict[str, Any]:
     return create_metering_app(MeteringSettings()).openapi()
 
 
+@pytest.fixture(scope="module")
+def reconciler_spec() -> dict[str, Any]:
+    return create_reconciler_app(ReconcilerSettings()).openapi()
+
+
 def operations(spec: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     return [(method.upper(), path, op) for path, methods in spec["paths"].items() for method, op in methods.items()]
 
 
-def test_operation_ids_are_fit_for_generated_clients(spec, metering_spec) -> None:
+def test_operation_ids_are_fit_for_generated_clients(spec, metering_spec, reconciler_spec) -> None:
     ids = {f"{m} {p}": op["operationId"] for m, p, op in operations(spec)}
     assert ids["POST /v1/admissions"] == "submitAdmission"
     assert ids["GET /v1/admissions/{run_id}"] == "getAdmission"
     assert ids["GET /readyz"] == "getReadiness"
     assert [op["operationId"] for method, _path, op in operations(metering_spec) if method == "POST"] == ["ingestMeteringSamples", "publishLifecycleEvents"]
-    for spec_ in (spec, metering_spec):
+    ids = {f"{m} {p}": op["operationId"] for m, p, op in operations(reconciler_spec)}
+    assert ids["GET /v1/settlements/dead-letters"] == "listDeadLetteredSettlements"
+    assert ids["POST /v1/settlements/{run_id}/resolve"] == "resolveSettlement"
+    for spec_ in (spec, metering_spec, reconciler_spec):
         names = [op["operationId"] for _, _, op in operations(spec_)]
         assert len(set(names)) == len(names)
         assert all(re.fullmatch(r"[a-z]+(?:[A-Z][a-z0-9]*)+", name) for name in names), names
 
 
-def test_every_error_answer_is_documented_as_problem_details(spec, metering_spec) -> None:
-    for spec_ in (spec, metering_spec):
+def test_every_error_answer_is_documented_as_problem_details(spec, metering_spec, reconciler_spec) -> None:
+    for spec_ in (spec, metering_spec, reconciler_spec):
         for method, path, op in operations(spec_):
             errors = {status: answer for status, answer in op["responses"].items() if int(status) >= 400}
             if op.get("requestBody") or op.get("parameters"):
@@ -59,8 +69,8 @@ def test_every_error_answer_is_documented_as_problem_details(spec, metering_spec
     assert "HTTPValidationError" not in spec["components"]["schemas"]
 
 
-def test_every_schema_and_field_has_a_description(spec, metering_spec) -> None:
-    missing = described(spec) + described(metering_spec)
+def test_every_schema_and_field_has_a_description(spec, metering_spec, reconciler_spec) -> None:
+    missing = described(spec) + described(metering_spec) + described(reconciler_spec)
     assert missing == []
 
 
@@ -91,8 +101,8 @@ def undescribed(schema: dict[str, Any], at: str = "") -> list[str]:
     return found
 
 
-def test_every_endpoint_has_an_example(spec, metering_spec) -> None:
-    for method, path, op in operations(spec) + operations(metering_spec):
+def test_every_endpoint_has_an_example(spec, metering_spec, reconciler_spec) -> None:
+    for method, path, op in operations(spec) + operations(metering_spec) + operations(reconciler_spec):
         body = op.get("requestBody", {}).get("content", {}).get("application/json")
         if body is not None:
             assert "example" in body, f"{method} {path} request"
@@ -164,7 +174,8 @@ def test_every_service_answers_errors_as_problem_details() -> None:
     from budgetgate.services.evidence_emitter.settings import EvidenceSettings
 
     # No lifespan (no `with`): the routing and error rendering alone, no backend needed.
-    for app in (create_app(AdmissionSettings()), create_metering_app(MeteringSettings()), create_evidence_app(EvidenceSettings())):
+    apps = (create_app(AdmissionSettings()), create_metering_app(MeteringSettings()), create_evidence_app(EvidenceSettings()))
+    for app in (*apps, create_reconciler_app(ReconcilerSettings())):
         answer = TestClient(app).get("/no/such/route")
         assert answer.status_code == 404 and answer.headers["content-type"] == PROBLEM
         assert answer.json() == {"type": "about:blank", "title": "Not Found", "status": 404, "detail": "Not Found"}

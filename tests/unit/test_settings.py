@@ -45,3 +45,21 @@ def test_defaults_without_a_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("BUDGETGATE_POSTGRES_DSN", raising=False)
     assert CommonSettings().postgres_dsn == "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def test_the_reconciler_still_reads_its_port_and_host_under_their_older_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from budgetgate.services.reconciler.settings import ReconcilerSettings
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("BUDGETGATE_PORT", "BUDGETGATE_HOST", "BUDGETGATE_METRICS_PORT", "BUDGETGATE_METRICS_HOST", "BUDGETGATE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    assert (ReconcilerSettings().host, ReconcilerSettings().port) == ("127.0.0.1", 9464)
+    # What deployments set when it served only Prometheus metrics.
+    monkeypatch.setenv("BUDGETGATE_METRICS_PORT", "9999")
+    monkeypatch.setenv("BUDGETGATE_METRICS_HOST", "0.0.0.0")
+    assert (ReconcilerSettings().host, ReconcilerSettings().port) == ("0.0.0.0", 9999)
+    # The names every service reads win, and the command line's --host/--port over both.
+    monkeypatch.setenv("BUDGETGATE_PORT", "8090")
+    monkeypatch.setenv("BUDGETGATE_HOST", "127.0.0.2")
+    assert (ReconcilerSettings().host, ReconcilerSettings().port) == ("127.0.0.2", 8090)
+    assert ReconcilerSettings(port=7000).port == 7000

@@ -153,7 +153,8 @@ class Bench:
             admission = self._start("admission", python_module("budgetgate.services.admission", "--port", str(port)), log_dir, env)
             await admission.wait_port(port, timeout=60)
             run_ids = await self._admit(f"http://127.0.0.1:{port}")
-            self._start("reconciler", python_module("budgetgate.services.reconciler"), log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
+            reconciler = python_module("budgetgate.services.reconciler", "--port", str(free_port()))
+            self._start("reconciler", reconciler, log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
             async with Publisher(bootstrap, client_id="bench") as publisher:
                 topics = Topics(topic_prefix)
                 await self._warm_up(publisher, topics, dsn, run_ids.pop())

@@ -140,7 +140,8 @@ class SteadyBench(Bench):
             await admission.wait_port(port, timeout=60)
             await self._admit_all(f"http://127.0.0.1:{port}")
             await self._preload(dsn)
-            self._start("reconciler", python_module("budgetgate.services.reconciler"), log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
+            reconciler = python_module("budgetgate.services.reconciler", "--port", str(free_port()))
+            self._start("reconciler", reconciler, log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
             await self._until_settled(dsn, "the reconciler to fold the preloaded history")
             async with Publisher(bootstrap, client_id="bench") as publisher:
                 topics = Topics(topic_prefix)

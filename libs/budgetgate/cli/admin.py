@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from budgetgate.cli.calling import call
 from budgetgate.core.overrides import FIELDS
 
 
@@ -21,26 +22,8 @@ def tenant() -> None:
     """A tenant's quotas and budgets: show them, override them."""
 
 
-def _client() -> Any:
-    from budgetgate.client import Client
-    from budgetgate.runtime.settings import dev_token
-
-    return Client(token=dev_token("operator"))
-
-
 def _call(work: Any) -> Any:
-    from budgetgate.client import BudgetgateError, InvalidRequest, NoEndpoint
-
-    try:
-        with _client() as client:
-            click.echo(f"budgetgate: admission at {client.url}", err=True)
-            return work(client)
-    except InvalidRequest as exc:
-        for error in exc.errors:
-            click.echo(f"error: {error.get('field') or 'body'}: {error.get('msg')}", err=True)
-        raise click.ClickException(exc.detail) from None
-    except (BudgetgateError, NoEndpoint) as exc:
-        raise click.ClickException(str(exc)) from None
+    return call(work, service="admission", url=lambda client: client.url)
 
 
 @tenant.command()

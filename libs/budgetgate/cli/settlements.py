@@ -1,25 +1,21 @@
 """`budgetgate settlements dead-letters|resolve`: the settlements the reconciler set aside after
-they kept failing (services/reconciler/dead_letters.py), and their resolution by an operator.
-
-Like `budgetgate ledger`, these talk to the stack's Postgres and Redis directly: `resolve`
-changes the ledger as the reconciler does, in its ledger transaction, so it reads the
-reconciler's settings (the same BUDGETGATE_* variables; run it where the reconciler runs)."""
+they kept failing, and their resolution by an operator, through the reconciler's own API
+(`GET /v1/settlements/dead-letters`, `POST /v1/settlements/{run_id}/resolve`) with the
+project's client: the reconciler resolves them with its own settler and settings, and logs the
+caller's principal in the admin log. Its URL is BUDGETGATE_RECONCILER_URL, else the local
+stack's; the token BUDGETGATE_TOKEN, else the local stack's operator token."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
-from budgetgate.cli import backend
+from budgetgate.cli.calling import call
 
-if TYPE_CHECKING:
-    from budgetgate.services.reconciler.settings import ReconcilerSettings
-    from budgetgate.services.reconciler.settler import Settler
+T = TypeVar("T")
 
 
 @click.group()
@@ -27,20 +23,16 @@ def settlements() -> None:
     """Settlements the reconciler dead-lettered: list them with what their runs hold, resolve them."""
 
 
+def _call(work: Callable[[Any], T]) -> T:
+    return call(work, service="reconciler", url=lambda client: client.reconciler_url)
+
+
 @settlements.command("dead-letters")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def dead_letters(as_json: bool) -> None:
     """Runs whose settlement kept failing and was set aside: the reason, the tries, since when,
     and what each still holds, on which budgets. Until resolved, that stays held."""
-    from budgetgate.services.reconciler import dead_letters as letters
-
-    settings = backend.stack_settings()
-
-    async def read() -> list[dict[str, Any]]:
-        async with backend.postgres(settings.postgres_dsn) as conn:
-            return await letters.dead_letters(conn)  # type: ignore[arg-type]
-
-    found = asyncio.run(read())
+    found = [dead.model_dump(mode="json") for dead in _call(lambda client: client.dead_letters()).dead_letters]
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
@@ -74,40 +66,18 @@ def resolve(run_id: str, release: bool, settle: bool, reason: str, as_json: bool
     A release leaves a running run its quota slot and pool token until its end is settled."""
     if release == settle:
         raise click.UsageError("say how to resolve it: --release (give back what the run holds) or --settle (settle it again), one of the two")
-    from budgetgate.runtime.backends import BACKEND_ERRORS
-    from budgetgate.services.reconciler.dead_letters import NotDeadLettered, StillFailing, resolve as resolve_one
-    from budgetgate.services.reconciler.settings import ReconcilerSettings
-
-    settings = backend.stack_settings(ReconcilerSettings, needs=("postgres", "redis"))
-    actor = backend.actor()
-
-    async def run() -> Any:
-        async with _settler(settings) as settler:
-            return await resolve_one(settler, run_id, release=release, actor=actor, reason=reason)
-
-    try:
-        done = asyncio.run(run())
-    except NotDeadLettered as exc:
-        raise click.ClickException(f"{exc}; nothing changed") from None
-    except StillFailing as exc:
-        raise click.ClickException(
-            f"{exc}; it stays dead-lettered and nothing changed: fix the cause first, or give back what it holds with --release"
-        ) from None
-    except BACKEND_ERRORS as exc:
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        raise click.ClickException(f"Postgres or Redis failed while resolving run {run_id!r} ({text}); nothing changed, try again") from None
+    done = _call(lambda client: client.resolve_settlement(run_id, action="release" if release else "settle", reason=reason)).model_dump(mode="json")
     if as_json:
-        answer = {"run_id": run_id, "action": done.action, "actor": actor, "reason": reason, "changed": done.outcome.changed}
-        click.echo(json.dumps({**answer, "held": done.before, "holds": done.after}, indent=2))
+        click.echo(json.dumps(done, indent=2))
         return
-    held = _holds(done.before)
+    held = _holds(done["held"])
     if release:
-        click.echo(f"run {run_id}: released what it held: {'; '.join(held)}" if done.before["reservations"] else f"run {run_id}: released")
+        click.echo(f"run {run_id}: released what it held: {'; '.join(held)}" if done["held"]["reservations"] else f"run {run_id}: released")
     else:
-        click.echo(f"run {run_id}: settled again" + ("" if done.outcome.changed else " (its charges stood as they were)"))
-    for line in _holds(done.after):
+        click.echo(f"run {run_id}: settled again" + ("" if done["changed"] else " (its charges stood as they were)"))
+    for line in _holds(done["holds"]):
         click.echo(f"  holds now {line}")
-    click.echo(f"logged as {done.action} by {actor}", err=True)
+    click.echo(f"logged as {done['action']} by {done['actor']}", err=True)
 
 
 def _holds(holdings: dict[str, Any]) -> list[str]:
@@ -126,20 +96,3 @@ def _holds(holdings: dict[str, Any]) -> list[str]:
 def _amount(reservation: dict[str, Any]) -> str:
     unit = reservation["unit"]
     return f"{reservation['amount']:,.2f} of cost" if unit == "cost" else f"{reservation['amount']:g} {unit.replace('_', '-')}"
-
-
-@contextlib.asynccontextmanager
-async def _settler(settings: ReconcilerSettings) -> AsyncIterator[Settler]:
-    """The reconciler's settler on the stack's Postgres and Redis (both checked reachable), with
-    the active policy bundle read, closed on exit."""
-    from budgetgate.ledger.redis_ledger import RedisLedger
-    from budgetgate.ledger.sync import LedgerSync
-    from budgetgate.services.reconciler.bundles import Bundles
-    from budgetgate.services.reconciler.settler import Settler
-
-    async with backend.postgres_pool(settings.postgres_dsn, max_size=3) as pool, backend.redis(settings.redis_url) as client:
-        ledger = RedisLedger(client, prefix=settings.redis_prefix)  # type: ignore[arg-type]
-        bundles = Bundles()
-        async with pool.acquire() as conn:  # type: ignore[attr-defined]
-            await bundles.refresh(conn)
-        yield Settler.configured(settings, pool=pool, ledger=ledger, sync=LedgerSync(pool, ledger), bundles=bundles)  # type: ignore[arg-type]

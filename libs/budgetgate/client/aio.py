@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 
-from budgetgate.client import calls, endpoints, feeds
+from budgetgate.client import calls, endpoints, feeds, settlements
 from budgetgate.client.calls import Call
 from budgetgate.client.errors import NotGranted, error_of
 from budgetgate.client.retries import RetryPolicy
@@ -25,6 +25,7 @@ from budgetgate.contracts.admission import (
     TenantUsage,
     UserUsage,
 )
+from budgetgate.contracts.settlements import DeadLetterList, Resolved
 from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
@@ -51,7 +52,9 @@ def answer(call: Call[T], response: httpx.Response) -> T:
 
 class AsyncClient:
     """Talks to admission at `url` (else BUDGETGATE_ADMISSION_URL, else the local stack) with
-    `token` (else BUDGETGATE_TOKEN); `metering_url` is metering-ingest, for publish_*.
+    `token` (else BUDGETGATE_TOKEN); `metering_url` is metering-ingest, for publish_*;
+    `reconciler_url` (else BUDGETGATE_RECONCILER_URL, else the local stack) the reconciler, for
+    the settlements it dead-lettered.
 
     Use as `async with AsyncClient() as client:`, or call aclose()."""
 
@@ -61,11 +64,13 @@ class AsyncClient:
         *,
         token: str | None = None,
         metering_url: str | None = None,
+        reconciler_url: str | None = None,
         timeout: float = 30.0,
         retry: RetryPolicy = RetryPolicy(),
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._url, self.metering_url = endpoints.resolved(url, metering_url)
+        self._reconciler_url = reconciler_url
         self.retry = retry
         self._http = httpx.AsyncClient(timeout=timeout, headers=headers(endpoints.token(token)), transport=transport)
 
@@ -163,10 +168,24 @@ class AsyncClient:
         """Post metering samples to metering-ingest; per-sample results (accepted, duplicate, pending)."""
         return await self.send(feeds.post_metering(samples), base=self._metering())
 
+    async def dead_letters(self) -> DeadLetterList:
+        """The settlements the reconciler dead-lettered, with what their runs hold (an operator token)."""
+        return await self.send(settlements.dead_letters(), base=self.reconciler_url)
+
+    async def resolve_settlement(self, run_id: str, *, action: Literal["release", "settle"], reason: str) -> Resolved:
+        """Resolve a run's dead-lettered settlement: release what it holds, or settle it again (an
+        operator token); `reason` goes to the admin log."""
+        return await self.send(settlements.resolve(run_id, action=action, reason=reason), base=self.reconciler_url)
+
     @property
     def url(self) -> str:
         """Admission's base URL (NoEndpoint when none is known: a client that only publishes needs none)."""
         return self._url or endpoints.admission_url(None)
+
+    @property
+    def reconciler_url(self) -> str:
+        """The reconciler's base URL (NoEndpoint when none is known)."""
+        return endpoints.reconciler_url(self._reconciler_url)
 
     def _metering(self) -> str:
         if self.metering_url is None:

@@ -11,6 +11,7 @@ from budgetgate.runtime.settings import find_dev_state
 TOKEN_VARIABLE = "BUDGETGATE_TOKEN"
 ADMISSION_VARIABLE = "BUDGETGATE_ADMISSION_URL"
 METERING_VARIABLE = "BUDGETGATE_METERING_URL"
+RECONCILER_VARIABLE = "BUDGETGATE_RECONCILER_URL"
 
 
 class NoEndpoint(LookupError):
@@ -40,6 +41,14 @@ def metering_url(given: str | None = None) -> str | None:
     """metering-ingest's base URL, when one is known (it takes lifecycle events and samples)."""
     found = given or os.environ.get(METERING_VARIABLE) or _from_stack("metering_url")
     return found.rstrip("/") if found else None
+
+
+def reconciler_url(given: str | None = None) -> str:
+    """The reconciler's base URL (its operator routes: dead-lettered settlements)."""
+    found = given or os.environ.get(RECONCILER_VARIABLE) or _from_stack("reconciler_url")
+    if not found:
+        raise NoEndpoint(f"no reconciler URL: pass one, set {RECONCILER_VARIABLE}, or run `budgetgate dev up` in this folder or a parent")
+    return found.rstrip("/")
 
 
 def token(given: str | None = None) -> str | None:

@@ -54,7 +54,9 @@ class Service:
 SERVICES: tuple[Service, ...] = (
     Service(name="admission", module="budgetgate.services.admission", http=True, awaits_operator=("policy_bundle",)),
     Service(name="metering_ingest", module="budgetgate.services.metering_ingest", http=True),
-    Service(name="reconciler", module="budgetgate.services.reconciler", http=False),
+    # Serves /readyz, /metrics and the operator's routes of dead-lettered settlements
+    # (`budgetgate settlements`, which finds it as the state's `reconciler_url`).
+    Service(name="reconciler", module="budgetgate.services.reconciler", http=True),
     # Serves /readyz and /metrics (evidence backlog); events go to .budgetgate/evidence/ unless
     # OPENLINEAGE_URL (or openlineage-python's configuration) names Marquez.
     Service(name="evidence_emitter", module="budgetgate.services.evidence_emitter", http=True),

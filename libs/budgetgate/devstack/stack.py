@@ -76,7 +76,9 @@ def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo =
 
 def _start(state: StackState, *, timeout: float, services: bool, echo: Echo) -> None:
     tag = isolation.checkout_tag(state.root)
-    state.settings = dict.fromkeys(("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url", "metering_url"))
+    state.settings = dict.fromkeys(
+        ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url", "metering_url", "reconciler_url")
+    )
     state.save()
     _provide_postgres(state, tag=tag, timeout=timeout, echo=echo)
     _provide_redis(state, tag=tag, timeout=timeout, echo=echo)
@@ -206,6 +208,8 @@ def _start_services(state: StackState, *, timeout: float, echo: Echo) -> None:
             state.settings["admission_url"] = url
         elif service.name == "metering_ingest":
             state.settings["metering_url"] = url  # where budgetgate.client posts lifecycle events and samples
+        elif service.name == "reconciler":
+            state.settings["reconciler_url"] = url  # where `budgetgate settlements` finds the dead-lettered settlements
         state.add(
             ProcessRecord(
                 name=service.name,

@@ -25,7 +25,7 @@ from budgetgate.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_ERRORS", "Operation", "add_operational_routes", "postgres_check", "serve", "stop_tasks"]
+__all__ = ["BACKEND_ERRORS", "Operation", "add_operational_routes", "postgres_check", "redis_check", "serve", "stop_tasks"]
 
 
 class Health(BaseModel):
@@ -132,6 +132,15 @@ async def postgres_check(pool: asyncpg.Pool) -> str:
     try:
         await pool.fetchval("SELECT 1")
     except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:
+        return f"unreachable: {exc}"
+    return "ok"
+
+
+async def redis_check(client: Any) -> str:
+    """A readiness check's word on Redis (an asyncio client): "ok", or why it does not answer."""
+    try:
+        await client.ping()
+    except BACKEND_ERRORS as exc:
         return f"unreachable: {exc}"
     return "ok"
 
