@@ -21,7 +21,7 @@ from budgetgate.core.policy import OnExhausted
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.services.reconciler import headroom, messages
-from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.policies.store import PolicyStore
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.v1 import actions_pb2
 
@@ -36,7 +36,7 @@ def age_cutoff(rolling_days: int, now: datetime) -> datetime:
     return now.astimezone(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(days=rolling_days)
 
 
-async def after_consumption(conn: asyncpg.Connection, rows: Sequence[Any], *, bundles: Bundles, now: datetime) -> None:
+async def after_consumption(conn: asyncpg.Connection, rows: Sequence[Any], *, bundles: PolicyStore, now: datetime) -> None:
     """Alerts and holds for ledger keys whose consumption just changed (rows of add_consumed)."""
     for row in rows:
         key, limit, consumed = row["ledger_key"], row["limit_amount"], row["consumed"]
@@ -66,7 +66,7 @@ async def after_consumption(conn: asyncpg.Connection, rows: Sequence[Any], *, bu
                     )  # fmt: skip
 
 
-async def lift_holds(pool: asyncpg.Pool, *, bundles: Bundles, now: datetime) -> list[str]:
+async def lift_holds(pool: asyncpg.Pool, *, bundles: PolicyStore, now: datetime) -> list[str]:
     """Release holds whose window rolled on, whose limit was raised above what was consumed, or
     whose policy no longer holds; returns the ledger keys released. Each is judged locked with
     its ledger entry, so two reconcilers never both announce one release, and a settlement in
@@ -90,7 +90,7 @@ async def lift_holds(pool: asyncpg.Pool, *, bundles: Bundles, now: datetime) -> 
     return lifted
 
 
-async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime, bundles: Bundles | None = None) -> dict[str, int]:
+async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime, bundles: PolicyStore | None = None) -> dict[str, int]:
     """Take usage that has left each rolling window out of its consumed (Postgres and Redis),
     and judge the runs waiting for room on it (with `bundles`); returns how much aged out per
     ledger key."""
@@ -115,7 +115,7 @@ async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime,
     return aged
 
 
-async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: datetime, *, bundles: Bundles | None, now: datetime) -> int:
+async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: datetime, *, bundles: PolicyStore | None, now: datetime) -> int:
     async with ledger_transaction(pool, ledger) as work:
         conn = work.conn
         locked = await conn.fetchrow(sql("lock_rolling_age"), key)

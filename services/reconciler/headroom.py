@@ -36,7 +36,7 @@ from budgetgate.core.windows import window_at
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.waiting import headroom, registered
 from budgetgate.services.reconciler import messages
-from budgetgate.services.reconciler.bundles import Bundles, judged_under
+from budgetgate.policies.store import PolicyStore, judged_under
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1 import common_pb2, decisions_pb2
 
@@ -56,7 +56,7 @@ def _names(run: WaitingRun, bundle: PolicyBundle) -> set[str]:
     return budgets
 
 
-def routes(topics: Topics, *, bundles: Bundles) -> dict[str, BatchRoute]:
+def routes(topics: Topics, *, bundles: PolicyStore) -> dict[str, BatchRoute]:
     """The inbox route of budget.decisions.v1: waiting runs registered and forgotten."""
 
     async def decisions(conn: asyncpg.Connection, batch: Sequence[Delivery]) -> Mapping[Delivery, str]:
@@ -68,7 +68,7 @@ def routes(topics: Topics, *, bundles: Bundles) -> dict[str, BatchRoute]:
         await conn.execute(sql("forget_waiting"), list(latest), [m.attempt for m in latest.values()])
         runs = [run for m in latest.values() if (run := _waiting_run(m)) is not None]
         if runs:
-            await register(conn, runs, bundle=bundles.judging, now=datetime.now(UTC))
+            await register(conn, runs, bundle=bundles.current, now=datetime.now(UTC))
         return {}
 
     return {topics.decisions: BatchRoute(decisions_pb2.Decision, decisions)}
@@ -102,13 +102,13 @@ async def register(conn: asyncpg.Connection, runs: Sequence[WaitingRun], *, bund
 
 
 async def after_release(
-    conn: asyncpg.Connection, *, bundles: Bundles, tenant: str | None, sensitive: bool, policy_ids: Iterable[str], cause: str, now: datetime
+    conn: asyncpg.Connection, *, bundles: PolicyStore, tenant: str | None, sensitive: bool, policy_ids: Iterable[str], cause: str, now: datetime
 ) -> int:
     """A settlement gave back what `tenant` (and the sensitive pool) held, or room on budgets
     `policy_ids`: judge the runs waiting on them; returns the HEADROOM actions sent."""
     policies = sorted(set(policy_ids))
     names = lock_names(tenant=tenant, sensitive=sensitive, policy_ids=policies)
-    bundle = bundles.judging
+    bundle = bundles.current
     if not names or bundle is None:
         return 0
     # Taken even when nobody waits: a registration crossing this release waits for its commit.
@@ -117,10 +117,10 @@ async def after_release(
     return await _judge(conn, [registered(r) for r in rows], bundle, cause=cause, now=now, locked=names)
 
 
-async def recheck(pool: asyncpg.Pool, bundles: Bundles, *, now: datetime) -> int:
+async def recheck(pool: asyncpg.Pool, bundles: PolicyStore, *, now: datetime) -> int:
     """Judge the waiting runs not yet judged under the active bundle (its limits may have
     risen); returns the HEADROOM actions sent."""
-    bundle, sent = bundles.judging, 0
+    bundle, sent = bundles.current, 0
     while bundle is not None:
         async with pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(sql("waiting_unchecked"), judged_under(bundle), _PAGE)
@@ -132,12 +132,12 @@ async def recheck(pool: asyncpg.Pool, bundles: Bundles, *, now: datetime) -> int
     return sent
 
 
-async def rollover(pool: asyncpg.Pool, bundles: Bundles, *, since: datetime | None, now: datetime) -> int:
+async def rollover(pool: asyncpg.Pool, bundles: PolicyStore, *, since: datetime | None, now: datetime) -> int:
     """Judge the runs waiting on a calendar-window budget whose window began after they were
     refused (a DELAY until the month resets, say): in the new window the budget may have room.
     Only windows that began after `since` are looked at (None, as at start: every current one);
     returns the HEADROOM actions sent, once per run and new window."""
-    bundle = bundles.judging
+    bundle = bundles.current
     if bundle is None:
         return 0
     began = {p.id: window_at(p.window, now) for p in bundle.policies if not p.window.rolling}

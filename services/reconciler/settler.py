@@ -24,7 +24,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.reconciler import budgets, fairshare, headroom, messages, meter
-from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
 
@@ -57,7 +57,14 @@ class Loaded:
 
 class Settler:
     def __init__(
-        self, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles, rules: Rules, fair_share_half_life: timedelta = timedelta(days=7)
+        self,
+        *,
+        pool: asyncpg.Pool,
+        ledger: RedisLedger,
+        sync: LedgerSync,
+        bundles: PolicyStore,
+        rules: Rules,
+        fair_share_half_life: timedelta = timedelta(days=7),
     ) -> None:
         self.pool = pool
         self.ledger = ledger
@@ -67,7 +74,7 @@ class Settler:
         self.fair_share_half_life = fair_share_half_life
 
     @classmethod
-    def configured(cls, settings: ReconcilerSettings, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: Bundles) -> Settler:
+    def configured(cls, settings: ReconcilerSettings, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: PolicyStore) -> Settler:
         """A settler under the reconciler's `settings` (its rules, its fair-share half-life)."""
         half_life = timedelta(seconds=settings.fair_share_half_life_seconds)
         return cls(pool=pool, ledger=ledger, sync=sync, bundles=bundles, rules=settings.rules(), fair_share_half_life=half_life)
@@ -170,7 +177,7 @@ class Settler:
         decision = await conn.fetchrow(sql("run_decision"), run_id)
         if decision is None:
             return None
-        bundle = await self.bundles.get(conn, decision["policy_bundle_sha"])
+        bundle = await self.bundles.at(conn, decision["policy_bundle_sha"])
         policies = {p.id: p for p in bundle.policies} if bundle else {}
         reservations, held, is_open = [], {}, False
         for row in await conn.fetch(sql("run_reservations"), run_id, decision["decision_id"]):
@@ -359,7 +366,7 @@ class Settler:
         existing = {r["ledger_key"] for r in await conn.fetch(sql("entry_exists"), sorted(keys))}
         for key in sorted(keys - existing):
             policy, window = windows[key]
-            current = self.bundles.current(policy)
+            current = self.bundles.revision_of(policy)
             rolling = policy.window.rolling
             await conn.execute(
                 sql("create_entry"), key, policy.scope.scope_id, str(policy.limit.unit), window.key,

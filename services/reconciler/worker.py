@@ -26,7 +26,7 @@ from budgetgate.ledger.sync import LedgerSync
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.edge.serving import close_pool, close_within, stop_tasks
 from budgetgate.services.reconciler import budgets, consumers, dead_letters, facts, headroom
-from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.dead_letters import REFUSALS
 from budgetgate.services.reconciler.settler import Settler
@@ -101,7 +101,7 @@ class Reconciler:
         self.redis = redis_client.connect(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
         self.sync = LedgerSync(self.pool, self.ledger)
-        self.bundles = Bundles()
+        self.bundles = PolicyStore()
         self.settler = Settler.configured(s, pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles)
         self.publisher = Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from budgetgate.core.reconciliation import Rules
 from budgetgate.ledger.queries import sql
-from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import private_database
 from tests.support.waiting import wait_for
@@ -358,7 +358,7 @@ async def test_redis_restored_from_before_a_settlement_is_rebuilt_and_never_over
         await pool.execute(
             "INSERT INTO run_samples (run_id, sample_id, observed_at, gpu, node) VALUES ('over', 'x', $1, $2, 0)", start + timedelta(hours=5), 40 * GPU_HOUR
         )
-        bundles = Bundles()
+        bundles = PolicyStore()
         async with pool.acquire() as conn:
             await bundles.refresh(conn)
         settler = Settler(pool=pool, ledger=server.rt.ledger, sync=server.rt.sync, bundles=bundles, rules=Rules())

@@ -13,7 +13,7 @@ import pytest
 from budgetgate.core.reconciliation import Rules
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
-from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis
@@ -98,7 +98,7 @@ async def test_a_reconciler_dying_mid_settlement_never_lets_admission_over_admit
 
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2, server_settings={"application_name": "victim"})
     ledger = DyingLedger(survivor.redis, prefix=settings.redis_prefix, dies_after=dies_after)
-    bundles = Bundles()
+    bundles = PolicyStore()
     async with pool.acquire() as conn:
         await bundles.refresh(conn)
     victim = Settler(pool=pool, ledger=ledger, sync=LedgerSync(pool, ledger), bundles=bundles, rules=Rules())

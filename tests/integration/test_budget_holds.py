@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from budgetgate.services.reconciler import budgets
-from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.policies.store import PolicyStore
 from budgetgate.v1 import actions_pb2
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.reconciler import outbox
@@ -36,8 +36,8 @@ async def pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool]:
         yield pool
 
 
-async def bundles(pool: asyncpg.Pool) -> Bundles:
-    found = Bundles()
+async def bundles(pool: asyncpg.Pool) -> PolicyStore:
+    found = PolicyStore()
     async with pool.acquire() as conn:
         await found.refresh(conn)
     return found

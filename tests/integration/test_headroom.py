@@ -220,7 +220,7 @@ async def test_a_budget_delay_hears_headroom_once_when_the_next_calendar_window_
     await delayed_behind_big(admission_factory, pg_dsn, sha="3" * 40, late=4)
     reconciler = await reconciler_factory()
     await wait_for(lambda: _has(pg_dsn, ("late", 1)), what="late registered as waiting")
-    [policy] = [p for p in reconciler.bundles.judging.policies if p.id == "physics-delay"]
+    [policy] = [p for p in reconciler.bundles.current.policies if p.id == "physics-delay"]
     this = window_at(policy.window, datetime.now(UTC))
     later = this.end + timedelta(minutes=5)  # the next month, where nothing is held yet
 

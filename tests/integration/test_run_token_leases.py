@@ -12,7 +12,7 @@ import itertools
 from datetime import UTC, datetime, timedelta
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.services.reconciler.bundles import Bundles
+from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.quotas import BIG_BUDGET, physics, started
 
@@ -59,7 +59,7 @@ class Run:
 
 async def _setup(admission_factory, pg_dsn, *, quota: int = 1, lease: int = 3600):  # type: ignore[no-untyped-def]
     server = await started(admission_factory, pg_dsn, {"b.yaml": BIG_BUDGET, "p.yaml": POOLS.format(quota=quota, lease=lease)})
-    bundles = Bundles()
+    bundles = PolicyStore()
     async with server.rt.pool.acquire() as conn:
         await bundles.refresh(conn)
     settler = Settler(pool=server.rt.pool, ledger=server.rt.ledger, sync=server.rt.sync, bundles=bundles, rules=Rules())
