@@ -38,7 +38,7 @@ from budgetgate.core.eligibility import Outlook
 from budgetgate.core.evaluation import Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.sync import LedgerSync, RebuildWaitExceeded
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
@@ -52,6 +52,8 @@ from budgetgate.policies.store import PolicyStore
 from budgetgate.decisions.rendering import replayed, response_body
 from budgetgate.services.admission.resubmission import differences, resent
 from budgetgate.contracts.admission import AdmissionRequest
+
+sql = owned_by("budgetgate.services.admission")
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

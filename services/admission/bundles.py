@@ -13,13 +13,15 @@ from fastapi.responses import JSONResponse
 from budgetgate.edge.auth import Action, Forbidden, Principal, allow
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.loader import PolicyValidationError, bundle_from_json
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.policies.override_store import plan_with_overrides
 from budgetgate.core.policy_plan import emptiness
 from budgetgate.policies.repository import RepositoryError, apply_bundle
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.contracts.admission import BundleIn
 from budgetgate.core.policy_files import SourceDocument
+
+sql = owned_by("budgetgate.services.admission")
 
 router = APIRouter()
 

@@ -11,7 +11,9 @@ import asyncpg
 
 from budgetgate.core.decay import Decayed
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
+
+sql = owned_by("budgetgate.services.admission")
 
 
 class DecayedUsage:

@@ -40,13 +40,15 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from budgetgate.runtime.backends import BACKEND_ERRORS
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.platforms.kubernetes import ADMITTED_OWNERS, Mapping, Owned, Refuse, Skip, Submit, Unmappable, decided, review, submission
 from budgetgate.platforms.reviews import Asked, NotAReview, ask, review_uid
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.decisions.deciding import InvalidSubmission
 from budgetgate.services.admission.resubmission import Conflict
+
+sql = owned_by("budgetgate.services.admission")
 
 log = logging.getLogger(__name__)
 

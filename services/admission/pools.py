@@ -14,7 +14,7 @@ import asyncpg
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.holds import PoolRequest
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
 from budgetgate.ledger.transaction import ledger_transaction, record_ledger_mark
@@ -24,6 +24,8 @@ from budgetgate.decisions.concurrency import pool_request
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.contracts.admission import AllocationIn
+
+sql = owned_by("budgetgate.services.admission")
 
 log = logging.getLogger(__name__)
 

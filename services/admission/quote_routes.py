@@ -16,13 +16,15 @@ from budgetgate.services.admission.access import require_submission
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from budgetgate.runtime.backends import BACKEND_ERRORS
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.operations import Operation
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.decisions.explain import explanation, recompute
 from budgetgate.services.admission.quotes import Quoter
 from budgetgate.services.admission.routes import RUN_ID
 from budgetgate.contracts.admission import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem
+
+sql = owned_by("budgetgate.services.admission")
 
 router = APIRouter()
 

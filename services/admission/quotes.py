@@ -12,12 +12,14 @@ from typing import Any
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.evaluation import deciding_index
 from budgetgate.core.windows import rfc3339
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import Reservation, ReserveResult
 from budgetgate.services.admission.admitter import Admitter, Unavailable, releases, with_ledger
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, readings
 from budgetgate.decisions.rendering import response_body
 from budgetgate.contracts.admission import AdmissionRequest
+
+sql = owned_by("budgetgate.services.admission")
 
 _NOT_QUOTED = ("decision_id", "replayed", "decided_at")
 

@@ -17,12 +17,14 @@ from budgetgate.messaging import outbox
 from budgetgate.contracts import topics
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.trace_context import inject_headers
 from budgetgate.decisions.concurrency import Asks
 from budgetgate.decisions.rendering import decision_message
 from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.v1.decisions_pb2 import Decision as DecisionMessage
+
+sql = owned_by("budgetgate.services.admission")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from budgetgate.edge.auth import Action, Forbidden, Principal, allow
 from budgetgate.runtime.backends import BACKEND_ERRORS
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.services.admission.access import require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.decisions.concurrency import NoSuchPool
@@ -30,6 +30,8 @@ from budgetgate.contracts.admission import (
 )
 from budgetgate.reports.status import run_status
 from budgetgate.reports.usage import scope_usage
+
+sql = owned_by("budgetgate.services.admission")
 
 router = APIRouter()
 

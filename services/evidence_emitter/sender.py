@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 
 import asyncpg
 
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.evidence import events, store
 from budgetgate.services.evidence_emitter import handlers
 from budgetgate.services.evidence_emitter.transport import NotDelivered, Refused
+
+sql = owned_by("budgetgate.services.evidence_emitter")
 
 log = logging.getLogger(__name__)
 

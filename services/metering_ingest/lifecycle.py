@@ -31,10 +31,12 @@ from budgetgate.contracts import lifecycle_rules as lifecycle, topics, wire
 
 from budgetgate.messaging import outbox
 from budgetgate.runtime.backends import BACKEND_ERRORS
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.services.metering_ingest import access
 from budgetgate.services.metering_ingest.api import Unavailable, json_batch, problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
+
+sql = owned_by("budgetgate.services.metering_ingest")
 
 # json_format names the field it failed on by its JSON name (or by the name it was given).
 _FAILED_FIELD = re.compile(r"Failed to parse (\w+) field")

@@ -20,8 +20,10 @@ import asyncpg
 
 from budgetgate.messaging import outbox
 from budgetgate.core.metering import Accepted, Counters, Known, RunView, Sample, usage_event_id
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.core.principals import Principal
+
+sql = owned_by("budgetgate.services.metering_ingest")
 
 Source = Literal["kafka", "http"]
 

@@ -19,10 +19,12 @@ import redis.exceptions
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.core.units import Unit, display
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.services.reconciler.settler import STARTS_OVER, Outcome, Settler
 from budgetgate.access.tokens import log_action
+
+sql = owned_by("budgetgate.services.reconciler")
 
 # Failures that say something about the run's data or the rules, not about an outage: retrying
 # them cannot help, so they are dead-lettered after `settle_tries` (anything else, and anything

@@ -15,10 +15,12 @@ from budgetgate.contracts import lifecycle_rules as lifecycle
 from budgetgate.messaging.inbox import BatchRoute, Delivery
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.core.reconciliation import TERMINAL
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.timestamps import time_problem
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
+
+sql = owned_by("budgetgate.services.reconciler")
 
 
 def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, BatchRoute]:

@@ -10,7 +10,9 @@ from datetime import datetime, timedelta
 import asyncpg
 
 from budgetgate.core.decay import Decayed
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
+
+sql = owned_by("budgetgate.services.reconciler")
 
 
 async def add_usage(conn: asyncpg.Connection, *, tenant: str, amount: int, at: datetime, half_life: timedelta) -> Decayed:

@@ -21,7 +21,9 @@ from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.reconciliation import RunFacts, UsageFact
 from budgetgate.core.run_state import Highs, MeterRow, Reflow, RunState, SampleLine, fold, insert_sample, reflow
 from budgetgate.core.windows import Window
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
+
+sql = owned_by("budgetgate.services.reconciler")
 
 Bucket = tuple[str, datetime]
 _PAGE = 64

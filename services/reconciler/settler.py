@@ -20,13 +20,15 @@ from budgetgate.core.reconciliation import READMITTED, STARTED, LifecycleFact, R
 from budgetgate.core.run_state import given_back, settle_state
 from budgetgate.core.windows import Window
 from budgetgate.ledger.concurrency import EndedHolds, end_run_holds, rehold_run, renew_run_token
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.services.reconciler import budgets, fairshare, headroom, messages, meter
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
+
+sql = owned_by("budgetgate.services.reconciler")
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.messaging.inbox import Inbox
 from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.messaging.lag import ConsumerProgress
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.messaging.outbox import OutboxRelay
@@ -34,6 +34,8 @@ from budgetgate.messaging.subscriber import inbox_broker
 from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
+
+sql = owned_by("budgetgate.services.reconciler")
 
 
 log = logging.getLogger(__name__)

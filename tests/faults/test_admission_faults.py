@@ -11,12 +11,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import private_database
 from tests.support.waiting import wait_for
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, restart_from_snapshot, submission
+
+sql = owned_by("budgetgate.services.reconciler")  # its own queries, then the shared ledger's
 
 LIMIT = budget_yaml("faulty", limit="gpu_hours: 100")
 

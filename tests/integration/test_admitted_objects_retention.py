@@ -14,9 +14,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from tests.support.reconciler import reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
+
+sql = owned_by("budgetgate.services.reconciler")  # its own queries, then the shared ledger's
 
 NOW = datetime.now(UTC)
 RETENTION = timedelta(days=7)

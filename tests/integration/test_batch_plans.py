@@ -77,7 +77,9 @@ async def test_the_relay_claims_and_marks_by_index_after_the_outbox_grew_without
     every pass: admission's open loop got slower for as long as the window filled (2,409 full
     scans of the outbox, 10 million rows read, in 45 s at 700 decisions/s)."""
     from budgetgate.messaging import outbox
-    from budgetgate.ledger.queries import sql
+    from budgetgate.ledger.queries import owned_by
+
+    sql = owned_by("budgetgate.messaging")
 
     conn = await asyncpg.connect(pg_dsn)
 

@@ -11,8 +11,10 @@ import asyncpg
 from click.testing import CliRunner, Result
 
 from budgetgate.cli.main import cli
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from tests.support.admission import apply_policies, budget_yaml, submission
+
+sql = owned_by("budgetgate.services.reconciler")  # its own queries, then the shared ledger's
 
 POLICIES = {
     "b.yaml": "---\n".join(

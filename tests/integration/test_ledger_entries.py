@@ -10,7 +10,9 @@ import asyncio
 import asyncpg
 import orjson
 
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
+
+sql = owned_by("budgetgate.services.admission")  # its own queries, then the shared ledger's
 
 
 def _entries(*keys: str) -> str:

@@ -9,9 +9,11 @@ import asyncpg
 import pytest
 import redis.asyncio as aioredis
 
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.transaction import ledger_transaction
+
+sql = owned_by("budgetgate.services.admission")  # its own queries, then the shared ledger's
 
 # Advisory locks are per database; other tests' databases hold their own.
 HELD_SHARED = """SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 7301 AND objid = 0 AND mode = 'ShareLock' AND granted

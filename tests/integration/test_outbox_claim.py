@@ -18,10 +18,12 @@ from budgetgate.messaging.publisher import Publisher
 from budgetgate.messaging import outbox
 from budgetgate.contracts import topics, wire
 from budgetgate.ledger.migrations import migrate, migration_files
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from tests.support.databases import drop_database, empty_database
+
+sql = owned_by("budgetgate.messaging")  # its own queries, then the shared ledger's
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

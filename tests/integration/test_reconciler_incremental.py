@@ -210,7 +210,9 @@ async def test_a_fact_committed_while_its_run_is_being_settled_is_never_left_uns
     the settlement either sees the fact or leaves the run marked. Marking with ON CONFLICT DO
     NOTHING took no lock on the existing mark, so the settlement deleted it without seeing the
     uncommitted fact, and the run was never settled again (found by the scale-out fault test)."""
-    from budgetgate.ledger.queries import sql
+    from budgetgate.ledger.queries import owned_by
+
+    sql = owned_by("budgetgate.services.reconciler")
 
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("mark", limit="gpu_hours: 100000")}, sha="e" * 40)
     server = await admission_factory()

@@ -255,7 +255,9 @@ async def test_the_cli_updates_a_tenant_through_the_api(admission_factory, pg_ds
 
 
 async def test_a_window_the_reconciler_opens_takes_the_overridden_limit(admission_factory, pg_dsn) -> None:
-    from budgetgate.ledger.queries import sql
+    from budgetgate.ledger.queries import owned_by
+
+    sql = owned_by("budgetgate.services.reconciler")
 
     server = await started(admission_factory, pg_dsn)
     assert (await server.client.put("/v1/tenants/physics", json={"gpu_hours_budget": 3})).status_code == 200

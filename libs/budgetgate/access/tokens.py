@@ -21,8 +21,10 @@ from typing import Any
 
 from cachetools import LRUCache, TTLCache
 
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.core.principals import Principal, Role
+
+sql = owned_by("budgetgate.access")
 
 PREFIX = "bg_"
 # What new_secret makes: the prefix, then 32 bytes as unpadded URL-safe base64 (43 characters).

@@ -14,7 +14,7 @@ from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, deciding_index, describe
 from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.windows import iso
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.policies.store import PolicyStore
 from budgetgate.decisions.deciding import (
     Disagreement,
@@ -27,6 +27,8 @@ from budgetgate.decisions.deciding import (
 )
 from budgetgate.decisions.rendering import canonical, response_body
 from budgetgate.contracts.admission import AdmissionRequest
+
+sql = owned_by("budgetgate.decisions")
 
 NOT_REPLAYABLE = "recorded before decisions carried their readings (migration 0014): its ledger readings are unknown"
 _COMPARED_OUT = ("replayed",)

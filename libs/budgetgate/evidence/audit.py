@@ -23,9 +23,11 @@ import asyncpg
 import httpx
 
 from budgetgate.core.units import MILLI_PER_HOUR, Unit, display
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.evidence import events
 from budgetgate.evidence.facet import FACET_KEY, RECONCILIATION
+
+sql = owned_by("budgetgate.evidence")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ from typing import Any
 
 import asyncpg
 
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
+
+sql = owned_by("budgetgate.evidence")
 
 
 @dataclass(frozen=True)

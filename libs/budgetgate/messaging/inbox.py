@@ -49,7 +49,9 @@ from opentelemetry.trace import Link, SpanKind
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts import wire
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
+
+sql = owned_by("budgetgate.messaging")
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("budgetgate.messaging.inbox")

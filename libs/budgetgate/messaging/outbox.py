@@ -38,9 +38,11 @@ from google.protobuf.message import Message
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts import wire
 from budgetgate.runtime.kafka_access import start_whole
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
+
+sql = owned_by("budgetgate.messaging")
 
 log = logging.getLogger(__name__)
 

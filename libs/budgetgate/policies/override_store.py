@@ -26,9 +26,11 @@ from budgetgate.core.overrides import (
 )
 from budgetgate.core.documents import did_you_mean
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.core.policy_plan import Change, override_changes, plan
 from budgetgate.access.tokens import log_action
+
+sql = owned_by("budgetgate.policies")
 
 
 class NoActiveBundle(LookupError):

@@ -17,9 +17,11 @@ from budgetgate.contracts import topics, wire
 from budgetgate.core.loader import SourceDocument, directory_files, documents_to_json
 from budgetgate.core.policy_files import path_order
 from budgetgate.core.policy import PolicyBundle
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.policies.override_store import after_git_apply
 from budgetgate.v1 import policies_pb2
+
+sql = owned_by("budgetgate.policies")
 
 
 class RepositoryError(RuntimeError):

@@ -14,8 +14,10 @@ from typing import Any
 from budgetgate.core.loader import PolicyValidationError, bundle_from_json
 from budgetgate.core.overrides import NO_OVERRIDES, OverrideSet, effective
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.policies.override_store import load
+
+sql = owned_by("budgetgate.policies")
 
 log = logging.getLogger(__name__)
 

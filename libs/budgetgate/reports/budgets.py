@@ -10,7 +10,9 @@ from budgetgate.core.evaluation import ledger_key
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import display
 from budgetgate.core.windows import rfc3339, window_at
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
+
+sql = owned_by("budgetgate.reports")
 
 # The share of a budget used from which it is "alerting" (the reconciler alerts at 80 % too).
 ALERT_RATIO = 0.8

@@ -12,9 +12,11 @@ from typing import Any
 import orjson
 
 from budgetgate.core.whatif import Ended, Recorded, Start
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.decisions.deciding import submission
 from budgetgate.contracts.admission import AdmissionRequest
+
+sql = owned_by("budgetgate.reports")
 
 
 @dataclass

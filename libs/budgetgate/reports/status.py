@@ -14,9 +14,11 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import Unit, display
 from budgetgate.core.waiting import Headroom, Limiting
 from budgetgate.core.windows import rfc3339
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.waiting import headroom, refused_decision
 from budgetgate.decisions.rendering import replayed
+
+sql = owned_by("budgetgate.reports")
 
 
 async def run_status(conn: asyncpg.Connection, bundle: PolicyBundle | None, run_id: str, *, now: datetime) -> tuple[dict[str, Any], str, dict[str, str]] | None:

@@ -12,8 +12,10 @@ from budgetgate.core.evaluation import ledger_key
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import display, hours
 from budgetgate.core.windows import rfc3339, window_at
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.runtime.settings import CommonSettings
+
+sql = owned_by("budgetgate.reports")
 
 
 class TenantSettings(CommonSettings):

@@ -13,8 +13,10 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import hours, money
 from budgetgate.core.whatif import Outcome, simulate
 from budgetgate.core.windows import rfc3339
-from budgetgate.ledger.queries import sql
+from budgetgate.ledger.queries import owned_by
 from budgetgate.reports.history import recorded_history
+
+sql = owned_by("budgetgate.reports")
 
 
 async def decisions_since(conn: Any, start: datetime) -> int:

@@ -1,0 +1,69 @@
+-- Named queries of budgetgate.reports (budgetgate.ledger.queries.owned_by): used by that package alone.
+-- Queries more than one package uses live in the shared ledger's, libs/budgetgate/ledger/sql/queries.sql.
+
+-- name: scope_figures
+SELECT e.ledger_key, e.policy_id, e.policy_git_sha, e.unit, e.window_start, e.window_end, e.limit_amount,
+       e.consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r
+                 WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
+
+-- inbox (libs/budgetgate/messaging/inbox.py) ---------------------------------------------------------
+
+-- name: labelled_runs
+-- The runs labelled $1 = $2 (a tenant's, a user's): how many, GPU-hours held by reservations
+-- not yet replaced by actuals, and GPU/node-hours metered since $3.
+WITH runs AS (
+    SELECT DISTINCT ON (d.run_id) d.run_id, d.outcome, d.projected_gpu
+    FROM decisions d WHERE d.labels ->> $1 = $2 ORDER BY d.run_id, d.attempt DESC
+), metered AS (
+    SELECT s.run_id, max(s.gpu) AS gpu, COALESCE(max(s.gpu) FILTER (WHERE s.observed_at < $3), 0) AS gpu_before,
+           max(s.node) AS node, COALESCE(max(s.node) FILTER (WHERE s.observed_at < $3), 0) AS node_before
+    FROM run_samples s JOIN runs USING (run_id) GROUP BY s.run_id
+), holding AS (
+    SELECT DISTINCT r.run_id FROM reservations r JOIN runs USING (run_id) WHERE r.state = 'held'
+)
+SELECT count(*)::bigint AS runs,
+       count(*) FILTER (WHERE runs.outcome = 'ALLOW')::bigint AS admitted,
+       COALESCE(SUM(GREATEST(runs.projected_gpu - COALESCE(m.gpu, 0), 0)) FILTER (WHERE h.run_id IS NOT NULL), 0)::bigint AS reserved_gpu,
+       COALESCE(SUM(m.gpu - m.gpu_before), 0)::bigint AS consumed_gpu,
+       COALESCE(SUM(m.node - m.node_before), 0)::bigint AS consumed_node
+FROM runs LEFT JOIN metered m USING (run_id) LEFT JOIN holding h USING (run_id);
+
+-- evidence-emitter ------------------------------------------------------------------------------
+
+-- name: budget_figures
+-- Reserved, consumed and whether a hold is in force, for each ledger key of $1 (keys without a
+-- ledger entry yet read as nothing used): one round trip for every budget of a bundle.
+SELECT k.ledger_key, COALESCE(e.consumed, 0)::bigint AS consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r
+                 WHERE r.ledger_key = k.ledger_key AND r.state = 'held'), 0)::bigint AS reserved,
+       EXISTS (SELECT 1 FROM budget_holds h WHERE h.ledger_key = k.ledger_key) AS held
+FROM unnest($1::text[]) AS k (ledger_key) LEFT JOIN ledger_entries e USING (ledger_key);
+
+-- name: whatif_decision_count
+-- How many decisions were recorded from $1 on (what policy what-if's progress counts to).
+SELECT count(*) FROM decisions WHERE decided_at >= $1;
+
+-- name: whatif_decisions
+-- The submissions recorded from $1 on, in the order decided, with what history decided and the
+-- ledger readings each was decided on (policy what-if).
+SELECT run_id, attempt, outcome, request, decided_at, readings -> 'ledger' AS ledger
+FROM decisions WHERE decided_at >= $1
+ORDER BY decided_at, ledger_seq NULLS FIRST, decision_id;
+
+-- name: whatif_ends
+-- Runs whose end was recorded from $1 on: their metered GPU use, or released unused (a run
+-- that never started has no end of its own: its release counts from when it was settled).
+SELECT run_id, COALESCE(ended_at, settled_at) AS ended_at, actual_gpu, released
+FROM run_settlements WHERE (final OR released) AND COALESCE(ended_at, settled_at) >= $1;
+
+-- name: whatif_holds
+-- Reservations held at instant $1 by runs decided before it: amount per ledger key.
+SELECT r.run_id, d.projected_gpu, jsonb_object_agg(r.ledger_key, r.amount) AS amounts
+FROM reservations r JOIN decisions d ON d.decision_id = r.decision_id
+WHERE d.decided_at < $1 AND r.created_at < $1 AND (r.ended_at IS NULL OR r.ended_at >= $1)
+GROUP BY r.run_id, d.projected_gpu;
+
+-- authenticated callers
+

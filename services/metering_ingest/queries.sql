@@ -1,0 +1,113 @@
+-- Named queries of budgetgate.services.metering_ingest (budgetgate.ledger.queries.owned_by): used by that package alone.
+-- Queries more than one package uses live in the shared ledger's, libs/budgetgate/ledger/sql/queries.sql.
+
+-- name: lock_usage_run
+-- Serialises everything that changes one run's usage (the Kafka consumer, HTTP ingest, the
+-- pending re-check), across processes.
+SELECT pg_advisory_xact_lock(7310, hashtext($1));
+
+-- name: usage_run
+SELECT gpu_milli_hours_cumulative, node_milli_hours_cumulative, latest_observed_at
+FROM usage_runs WHERE run_id = $1;
+
+-- name: insert_usage_run
+INSERT INTO usage_runs (run_id) VALUES ($1) ON CONFLICT (run_id) DO NOTHING;
+
+-- name: usage_neighbours
+-- The recorded samples a new one is judged against: the same sample id, the same observed_at,
+-- the latest observed before it and the earliest observed after it.
+(SELECT 'same_id' AS role, sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND sample_id = $2)
+UNION ALL
+(SELECT 'same_time', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at = $3)
+UNION ALL
+(SELECT 'before', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at < $3 ORDER BY observed_at DESC LIMIT 1)
+UNION ALL
+(SELECT 'after', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at > $3 ORDER BY observed_at LIMIT 1);
+
+-- name: begin_sample
+-- The run's lock, its state and the recorded neighbours of a sample (see metering_begin_sample).
+SELECT role, sample_id, observed_at, gpu_milli_hours, node_milli_hours FROM metering_begin_sample($1, $2, $3);
+
+-- name: record_usage
+-- An accepted sample, its run's new high-water mark and the outbox row of its usage record
+-- ($14 topic, $15 key, $16 payload, $17 headers): one statement, one round trip.
+WITH recorded AS (
+    INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours,
+                               gpu_milli_hours_cumulative, node_milli_hours_cumulative, gpu_milli_hours_delta,
+                               node_milli_hours_delta, late, exporter, source, event_id)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+), run AS (
+    UPDATE usage_runs
+    SET gpu_milli_hours_cumulative = $6, node_milli_hours_cumulative = $7, samples = samples + 1,
+        latest_observed_at = GREATEST(latest_observed_at, $3), updated_at = now()
+    WHERE run_id = $1
+)
+INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
+
+-- name: metering_begin_batch
+-- The runs' locks, their state and the recorded neighbours of every sample of a batch
+-- (see metering_begin_batch).
+SELECT idx, role, run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours
+FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[]);
+
+-- name: metering_place_batch
+-- A batch's samples judged and recorded set-based where the core's rules allow it, the others
+-- left to the core (see metering_place_batch): one row per sample, by its 1-based idx.
+SELECT idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late
+FROM metering_place_batch($1::text[], $2::text[], $3::timestamptz[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[]);
+
+-- name: raise_usage_runs
+-- The new high-water marks of the runs a batch recorded samples of: per run its cumulative
+-- counters after the batch, how many samples it added and the latest observed_at among them.
+UPDATE usage_runs r
+SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
+    latest_observed_at = GREATEST(r.latest_observed_at, x.latest), updated_at = now()
+FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[]) AS x(run_id, gpu, node, added, latest)
+WHERE r.run_id = x.run_id;
+
+-- name: insert_pending
+-- Keep a sample until its run is known, with its sender's limits ($11 the sender limited to
+-- namespaces $12 and tenants $13; '' and none for a sender not limited). When one of the same id
+-- from the same sender is kept already, the new one is not, and the kept one's payload comes
+-- back (for the caller to tell a resend from a conflict).
+WITH kept AS (
+    INSERT INTO metering_pending (run_id, sample_id, observed_at, expires_at, source, topic, kafka_partition,
+                                  kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+    ON CONFLICT (run_id, sample_id, sender) DO NOTHING
+    RETURNING 1
+)
+SELECT p.payload, p.headers FROM metering_pending p
+WHERE p.run_id = $1 AND p.sample_id = $2 AND p.sender = $11 AND NOT EXISTS (SELECT 1 FROM kept);
+
+-- name: take_pending_of_run
+DELETE FROM metering_pending WHERE run_id = $1
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants;
+
+-- name: run_owners
+-- The namespace and tenant (the value of label $2) of each run of $1 that has a decision, as its
+-- latest decision names them (admission keeps both in every attempt of a run); one index probe a run.
+SELECT DISTINCT ON (run_id) run_id, namespace, labels ->> $2 AS tenant
+FROM decisions WHERE run_id = ANY($1::text[]) ORDER BY run_id, attempt DESC;
+
+-- name: pending_runs_with_decision
+SELECT DISTINCT p.run_id FROM metering_pending p
+WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id) LIMIT $1;
+
+-- name: take_expired_pending
+-- Pending samples past their grace period whose run still has no decision, taken to be
+-- dead-lettered in the same transaction. SKIP LOCKED: instances side by side share the work.
+DELETE FROM metering_pending
+WHERE (run_id, sample_id, sender) IN (
+    SELECT p.run_id, p.sample_id, p.sender FROM metering_pending p
+    WHERE p.expires_at <= $1 AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id)
+    ORDER BY p.expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants;
+
+-- name: pending_count
+SELECT count(*) FROM metering_pending;
+
