@@ -19,6 +19,7 @@ from tests.support.cli import budgetgate
 from tests.support.dcgm import Exporters
 from tests.support.extras import import_extra
 from tests.support.kubernetes import admission_review, job
+from tests.support.waiting import wait_for
 
 RUN = "flyte/vision/exec-7f3a/n0"  # the run-id label of the recorded exporter pages
 SCOPE = "ns=vision-prod;cost-center=1042;team=vision"
@@ -65,13 +66,12 @@ async def test_webhook_lifecycle_over_http_and_dcgm_metering_settle_a_run(tmp_pa
             gpu_seconds = json.loads(state.read_text())["totals"][RUN][0]
             assert 7200 + 2 * 9 < gpu_seconds < 7200 + 2 * 60
             await client.publish_lifecycle(lifecycle_event(RUN, "completed", at=datetime.now(UTC), gpus=2, nodes=1, flavor="h100"))
-            budget = None
-            for _ in range(300):
+
+            async def settled():  # type: ignore[no-untyped-def]
                 budget = next(b for b in (await client.scope_usage(SCOPE)).budgets if b.unit == "gpu_hours")
-                if budget.reserved == 0:
-                    break
-                await asyncio.sleep(0.2)
-        assert budget is not None and budget.reserved == 0.0
+                return budget if budget.reserved == 0 else None
+
+            budget = await wait_for(settled, timeout=120, interval=0.2, what="the run's metered actual in place of its reservation")
         assert abs(budget.consumed - gpu_seconds / 3600) <= 0.01  # the metered actual, not the 8 GPU-hours projected
     finally:
         exporters.close()

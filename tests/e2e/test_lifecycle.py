@@ -4,7 +4,6 @@ admission over HTTP, `budgetgate publish lifecycle` and `publish metering`, then
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from datetime import UTC, datetime, timedelta
@@ -14,6 +13,7 @@ import httpx
 
 from tests.support.cli import budgetgate
 from tests.support.admission import EXAMPLES, submission
+from tests.support.waiting import wait_for
 
 SCOPE = "ns=vision-prod;cost-center=1042;team=vision"
 
@@ -30,10 +30,11 @@ async def test_started_metered_completed_run_becomes_actuals(tmp_path: Path) -> 
         async with httpx.AsyncClient(
             base_url=state["admission_url"], timeout=30, headers={"Authorization": f"Bearer {state['tokens']['submitter']}"}
         ) as client:
-            for _ in range(200):
-                if (await client.get("/readyz")).status_code == 200:
-                    break
-                await asyncio.sleep(0.1)
+
+            async def ready() -> bool:
+                return (await client.get("/readyz")).status_code == 200
+
+            await wait_for(ready, timeout=30, what="admission ready")
             answer = (await client.post("/v1/admissions", json=submission(run_id="e2e/lifecycle"))).json()
         assert answer["decision"] == "ALLOW" and answer["projected_gpu_hours"] == 48.0
         start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
@@ -46,15 +47,15 @@ async def test_started_metered_completed_run_becomes_actuals(tmp_path: Path) -> 
         for kind, *args in steps:
             sent = budgetgate("publish", kind, "--run-id", "e2e/lifecycle", *args, cwd=workdir)
             assert sent.returncode == 0, sent.stderr
-        budget = None
-        for _ in range(300):
+
+        def settled() -> dict | None:  # type: ignore[type-arg]
             shown = budgetgate("usage", "--scope", SCOPE, "--json", cwd=workdir)
             assert shown.returncode == 0, shown.stderr
             [budget] = json.loads(shown.stdout)["budgets"]
-            if budget["reserved"] == 0:
-                break
-            await asyncio.sleep(0.2)
-        assert budget is not None and (budget["reserved"], budget["consumed"], budget["remaining"]) == (0.0, 16.0, 484.0)
+            return budget if budget["reserved"] == 0 else None
+
+        budget = await wait_for(settled, timeout=120, interval=0.2, what="the run's actuals in place of its reservation")
+        assert (budget["reserved"], budget["consumed"], budget["remaining"]) == (0.0, 16.0, 484.0)
     finally:
         down = budgetgate("dev", "down", cwd=workdir)
     assert down.returncode == 0, down.stderr

@@ -3,7 +3,6 @@ over HTTP, the decision on budget.decisions.v1 with the same decision id, dev do
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 from budgetgate.contracts.topics import Topics
 from tests.support.admission import EXAMPLES, decisions_on, submission
 from tests.support.policy_repos import git
+from tests.support.waiting import wait_for
 from tests.support.cli import budgetgate
 
 
@@ -46,11 +46,12 @@ async def test_dev_up_apply_submit_publish_down(tmp_path: Path) -> None:
         async with httpx.AsyncClient(
             base_url=state["admission_url"], timeout=30, headers={"Authorization": f"Bearer {state['tokens']['submitter']}"}
         ) as client:
-            for _ in range(200):
+
+            async def deciding() -> bool:
                 ready = await client.get("/readyz")
-                if ready.status_code == 200 and ready.json()["checks"]["policy_bundle"] == "ok":
-                    break
-                await asyncio.sleep(0.1)
+                return ready.status_code == 200 and ready.json()["checks"]["policy_bundle"] == "ok"
+
+            await wait_for(deciding, timeout=30, what="admission ready with the policy bundle applied")
             answers = {}
             for run_id, overrides in {
                 "e2e/allow": {},

@@ -41,7 +41,7 @@ def slowed(server, until: asyncio.Event | None = None, *, entered: asyncio.Event
     async def scan_iter(*args: object, **kwargs: object) -> AsyncIterator[bytes]:
         if entered is not None:
             entered.set()
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay)  # the slowness simulated: a big ledger takes a while to write
         if until is not None:
             await until.wait()
         async for key in scan(*args, **kwargs):

@@ -8,7 +8,8 @@ from datetime import datetime
 
 import pytest
 
-from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
+from tests.support.kafka import drain
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission, wait_for_bundle
 
 
 async def test_allow_answers_with_the_numbers(admission) -> None:
@@ -190,10 +191,7 @@ async def test_new_bundle_takes_effect_without_restart(admission_factory, pg_dsn
     first = (await server.submit(run_id="a", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=2.0)).json()
     assert first["decision"] == "DENY" and first["policy_bundle_sha"] == "1" * 40
     await apply_policies(pg_dsn, {"p.yaml": budget_yaml("p", limit="gpu_hours: 100")}, sha="2" * 40)
-    for _ in range(100):
-        if server.rt.policies.current.git_sha == "2" * 40:
-            break
-        await asyncio.sleep(0.05)
+    await wait_for_bundle(server, "2" * 40)
     second = (await server.submit(run_id="b", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=2.0)).json()
     assert second["decision"] == "ALLOW" and second["policy_bundle_sha"] == "2" * 40
     assert second["evaluations"][0]["policy_git_sha"] == "2" * 40
@@ -240,38 +238,21 @@ async def test_readiness_and_metrics(admission) -> None:
 
 
 async def test_decision_is_published_with_the_same_decision_id(admission, settings) -> None:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
     from budgetgate.contracts import wire
     from budgetgate.contracts.topics import Topics
     from budgetgate.v1 import common_pb2, decisions_pb2
 
     body = (await admission.submit(run_id="published")).json()
-    topic = Topics(settings.topic_prefix).decisions
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        found = None
-        for _ in range(100):
-            partitions = consumer.partitions_for_topic(topic) or set()
-            if partitions:
-                break
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - topic may be brand new
-            await asyncio.sleep(0.1)
-        consumer.assign([TopicPartition(topic, p) for p in partitions])
-        deadline = asyncio.get_running_loop().time() + 20
-        while found is None and asyncio.get_running_loop().time() < deadline:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                for record in records:
-                    message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
-                    if message.run_id == "published":
-                        found = (message, record)
-        assert found is not None, "decision never reached budget.decisions.v1"
-        message, record = found
-        assert message.decision_id == body["decision_id"] == message.event_id
-        assert message.outcome == common_pb2.ALLOW
-        assert record.key == b"published"
-        assert {e.policy_id for e in message.evaluations} == {e["policy_id"] for e in body["evaluations"]}
-        assert wire.header(record.headers, "traceparent") is not None
-    finally:
-        await consumer.stop()
+
+    def published(record) -> bool | None:  # type: ignore[no-untyped-def]
+        return wire.decode(decisions_pb2.Decision, record.value, record.headers).run_id == "published" or None
+
+    found = [r for r in await drain(settings.kafka_bootstrap, Topics(settings.topic_prefix).decisions, 1, distinct=published) if published(r)]
+    assert found, "decision never reached budget.decisions.v1"
+    record = found[-1]
+    message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
+    assert message.decision_id == body["decision_id"] == message.event_id
+    assert message.outcome == common_pb2.ALLOW
+    assert record.key == b"published"
+    assert {e.policy_id for e in message.evaluations} == {e["policy_id"] for e in body["evaluations"]}
+    assert wire.header(record.headers, "traceparent") is not None

@@ -11,7 +11,7 @@ import pytest
 
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.resubmission import Conflict
-from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission, wait_for_bundle
 
 LIMIT = budget_yaml("batched", limit="gpu_hours: 100")
 
@@ -92,8 +92,7 @@ async def test_resubmission_over_http(admission_factory, pg_dsn) -> None:
 
     # The budget owner raises the limit, as the denial said to ask; the next attempt is decided afresh.
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("small", limit="gpu_hours: 100")}, sha="2" * 40)
-    while server.rt.policies.current.git_sha != "2" * 40:
-        await asyncio.sleep(0.05)
+    await wait_for_bundle(server, "2" * 40)
     second = (await server.client.post("/v1/admissions", json=body("run", gpus=8, hours=2.0, attempt=2))).json()
     assert second["decision"] == "ALLOW" and second["replayed"] is False
     third = (await server.client.post("/v1/admissions", json=body("run", gpus=8, hours=2.0, attempt=3))).json()

@@ -73,7 +73,7 @@ async def test_concurrent_lookups_of_one_unknown_token_ask_postgres_once(pool: C
     # A caller that goes away does not cancel the lookup the others share.
     other = new_secret()
     waiting = [asyncio.ensure_future(store.principal(other)) for _ in range(5)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the event loop, no time: the five callers start and share one lookup
     waiting[0].cancel()
     done = await asyncio.gather(*waiting, return_exceptions=True)
     assert isinstance(done[0], asyncio.CancelledError) and done[1:] == [None] * 4 and pool.lookups == 2

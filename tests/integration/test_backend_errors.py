@@ -15,6 +15,8 @@ from budgetgate.ledger import rewrite
 from budgetgate.ledger.redis_ledger import RedisLedger, RefusingWrites
 from budgetgate.services.admission import admitter
 from budgetgate.services.metering_ingest import api as metering_api
+from tests.support.pg_sessions import in_pg_sleep
+from tests.support.waiting import wait_for
 
 
 async def test_admin_shutdown_of_a_session_is_a_backend_error(pg_dsn) -> None:
@@ -24,8 +26,7 @@ async def test_admin_shutdown_of_a_session_is_a_backend_error(pg_dsn) -> None:
         pid = victim.get_server_pid()
         query = asyncio.create_task(victim.fetchval("SELECT pg_sleep(30)"))
         # Wait until the query really runs in the victim's backend, then end the session.
-        while not await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND query LIKE '%pg_sleep%' AND state = 'active'", pid):
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: in_pg_sleep(admin, pid), timeout=30, what="the victim's query running")
         assert await admin.fetchval("SELECT pg_terminate_backend($1)", pid)
         with pytest.raises(BaseException) as raised:
             await query
@@ -107,6 +108,7 @@ async def test_a_redis_refusing_writes_for_too_few_replicas_is_an_outage(killabl
         assert isinstance(raised.value, backends.BACKEND_ERRORS) and "NOREPLICAS" in str(raised.value)
         # A plain command too: a rebuild meeting it is an outage (503, retried), not a fault.
         with pytest.raises(RefusingWrites):
+            # `holding` proves the rewrite still holds the ledger lock: here there is none to prove.
             await rewrite.replace_all(ledger, ledgers={"k": (1, 0)}, runs={}, generation="g", holding=lambda: asyncio.sleep(0))
         await client.config_set("min-replicas-to-write", 0)
         await ledger.load_key("k", reserved=1, consumed=0)

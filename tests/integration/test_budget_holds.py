@@ -14,6 +14,7 @@ from budgetgate.services.reconciler import budgets
 from budgetgate.policies.store import PolicyStore
 from budgetgate.v1 import actions_pb2
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.pg_sessions import wait_done_or_blocked
 from tests.support.reconciler import outbox
 
 KEY = "held-key"
@@ -60,7 +61,7 @@ async def test_a_hold_another_reconciler_is_lifting_is_not_announced_twice(pool:
     async with pool.acquire() as other, other.transaction():
         await other.execute("DELETE FROM budget_holds WHERE ledger_key = $1", KEY)
         lifting = asyncio.create_task(budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)))
-        await _done_or_waiting(lifting, other)
+        await wait_done_or_blocked(lifting, other)
     assert await lifting == []
     assert await releases(pg_dsn) == 0
 
@@ -72,18 +73,8 @@ async def test_a_hold_whose_budget_a_settlement_is_exhausting_stays(pool: asyncp
     async with pool.acquire() as settling, settling.transaction():
         await settling.execute("UPDATE ledger_entries SET consumed = $2 WHERE ledger_key = $1", KEY, LIMIT)
         lifting = asyncio.create_task(budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)))
-        await _done_or_waiting(lifting, settling)
+        await wait_done_or_blocked(lifting, settling)
     assert await lifting == []
     assert await budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)) == []
     assert await pool.fetchval("SELECT count(*) FROM budget_holds") == 1
     assert await releases(pg_dsn) == 0
-
-
-async def _done_or_waiting(task: asyncio.Task, holder: asyncpg.Connection) -> None:
-    """Until `task` is done or waits for a lock `holder`'s transaction holds."""
-    pid = holder.get_server_pid()
-    deadline = asyncio.get_running_loop().time() + 10
-    while not task.done() and asyncio.get_running_loop().time() < deadline:
-        if await holder.fetchval("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)))", pid):
-            return
-        await asyncio.sleep(0.02)

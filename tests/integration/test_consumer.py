@@ -27,6 +27,7 @@ from budgetgate.contracts.topics import Topics, dlq
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2
 from tests.support.kafka import drain
+from tests.support.waiting import wait_for
 
 
 def event(run_id: str, event_id: str | None = None) -> lifecycle_pb2.LifecycleEvent:
@@ -259,12 +260,14 @@ async def test_pipelined_polls_overlap_and_apply_in_order(settings, pg_dsn) -> N
     async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> None:
         first = int(deliveries[0].message.run_id)
         log.append(("handling", first))
-        for delivery in deliveries:
-            position = int(delivery.message.run_id)
+        positions = [int(d.message.run_id) for d in deliveries]
+        for position in positions:
             seen = await conn.fetchval("SELECT last FROM line WHERE id = 1 FOR UPDATE")
             await conn.execute("UPDATE line SET last = $1 WHERE id = 1", position)
             await conn.execute("INSERT INTO effects VALUES ($1, $2)", position, seen)
-        await asyncio.sleep(0.2)  # the next poll is fetched, claimed and prepared meanwhile
+        if 11 not in positions:  # the last poll has none after it
+            # The next poll is fetched, claimed and prepared meanwhile, while this transaction is open.
+            await wait_for(lambda: any(step == "prepared" and at > first for step, at in log), timeout=10, what=f"the poll after {first} prepared")
         log.append(("handled", first))
 
     async with Publisher(settings.kafka_bootstrap) as publisher:
@@ -375,7 +378,7 @@ async def test_overlapping_batches_sharing_an_event_id_finish_when_the_first_is_
         names = [d.message.run_id for d in deliveries]
         if "first" in names and calls["first"] == 0:
             calls["first"] += 1
-            await asyncio.sleep(0.3)  # N+1 claims meanwhile
+            await asyncio.wait_for(second.claimed.wait(), timeout=10)  # N+1 claims meanwhile
             if failure == "outage":
                 raise ConnectionResetError("Postgres went away")
             raise Poison("the first message is poison", delivery=deliveries[names.index("first")])
@@ -429,11 +432,8 @@ async def test_a_handler_that_says_it_holds_its_locks_lets_the_next_batch_start_
             asyncio.ensure_future(inbox.apply([_record(0, event("first"), topic)], turn=first)),
             asyncio.ensure_future(inbox.apply([_record(1, event("second"), topic)], turn=second)),
         ]
-        for _ in range(200):
-            if "second starts" in steps:
-                break
-            await asyncio.sleep(0.02)
-        assert steps == ["first starts", "second starts"], "the next batch's handler waited for the whole of the first's"
+        await wait_for(lambda: "second starts" in steps, timeout=10, what="the next batch's handler to start before the first's returns")
+        assert steps == ["first starts", "second starts"]
         first_may_finish.set()
         await asyncio.wait_for(asyncio.gather(*applying), timeout=20)
     rows = {r["run_id"]: r["saw_first"] for r in await pool.fetch("SELECT run_id, saw_first FROM effects")}

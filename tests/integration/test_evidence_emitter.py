@@ -8,13 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 import asyncio
 import json
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import asyncpg
 import pytest
-from aiokafka import AIOKafkaConsumer
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts import wire
@@ -190,7 +188,7 @@ async def test_an_event_the_receiver_keeps_failing_on_is_set_aside_and_resent_on
             if emitter.rt.sender.stats.dead_lettered:
                 break
             await publish(settings, decision(f"runs/{i}"))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # the scenario's pace: a trickle of other runs' decisions between the poison's tries
         await wait_for(lambda: emitter.rt.sender.stats.dead_lettered == 1, what="the failing event to be dead-lettered")
         # Tried once, then at least once per strike (a try with nothing delivered since the last is none).
         assert len(marquez.failed) >= 4 and all(e["run"]["runId"] == poison_run for e in marquez.failed)
@@ -271,18 +269,7 @@ async def test_the_kafka_transport_delivers_to_a_topic(settings) -> None:  # typ
         await wait_for(lambda: emitter.rt.sender.stats.delivered == 2, timeout=60, what="two events delivered to Kafka")
     finally:
         await emitter.stop()
-    consumer = AIOKafkaConsumer(
-        lineage_topic, bootstrap_servers=settings.kafka_bootstrap, auto_offset_reset="earliest", group_id=f"g-{uuid.uuid4().hex[:8]}", enable_auto_commit=False
-    )
-    await consumer.start()
-    try:
-        found: list[dict] = []  # type: ignore[type-arg]
-        deadline = asyncio.get_running_loop().time() + 30
-        while len(found) < 2 and asyncio.get_running_loop().time() < deadline:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                found += [json.loads(r.value) for r in records]
-    finally:
-        await consumer.stop()
+    found = [json.loads(r.value) for r in await drain(settings.kafka_bootstrap, lineage_topic, 2, timeout=30)]
     assert sorted((e["run"]["facets"]["budget"]["run_id"], e["eventType"]) for e in found) == [("kafka/1", "START"), ("kafka/2", "ABORT")]
 
 

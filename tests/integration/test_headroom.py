@@ -182,9 +182,24 @@ async def test_a_quota_override_that_raises_the_limit_sends_headroom(
     reconciler_factory,  # noqa: F811
     settings,
     pg_dsn,
+    monkeypatch,
 ) -> None:
     """PUT /v1/tenants raising a hard quota is a limit rising too: the run it refused hears of it,
     once, and a run that still does not fit does not."""
+    from budgetgate.services.reconciler import headroom
+
+    # Each upkeep tick of the reconciler rechecks the waiting runs: counted, so the test can let
+    # a few pass rather than sleep for them.
+    rechecks = [0]
+    recheck = headroom.recheck
+
+    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return await recheck(*args, **kwargs)
+        finally:
+            rechecks[0] += 1
+
+    monkeypatch.setattr(headroom, "recheck", counted)
     server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 4"), "b.yaml": BIG_BUDGET})
     assert (await server.client.post("/v1/admissions", json=physics("r1", nodes=3))).json()["decision"] == "ALLOW"
     assert (await server.client.post("/v1/admissions", json=physics("w", nodes=2))).json()["decision"] == "DENY"
@@ -200,7 +215,10 @@ async def test_a_quota_override_that_raises_the_limit_sends_headroom(
         return len(await headrooms(settings)) >= 1
 
     await wait_for(heard, what="HEADROOM after the override raised max_nodes")
-    await asyncio.sleep(1.0)  # a few upkeep ticks: nothing more is sent for the same revision
+    # A few upkeep ticks: nothing more is sent for the same revision.
+    ticks = rechecks[0]
+    await wait_for(lambda: rechecks[0] >= ticks + 3, what="three more upkeep ticks")
+    assert [a.run_id for a in await outbox(pg_dsn, "budget.actions.v1", BudgetAction) if a.type == HEADROOM] == ["w"]
     [found] = await headrooms(settings)
     assert (found.run_id, found.attempt) == ("w", 1)
     assert (await server.client.get("/v1/admissions/w")).json()["waiting"]["limiting"][0]["limit"] == 6

@@ -266,7 +266,10 @@ async def test_a_workload_that_met_an_outage_is_decided_by_the_periodic_requeue(
                 return "cannot decide now" in check_state(api, "job-outage")["message"]
 
             await wait_for(told, what="the outage written on the check")
-            await asyncio.sleep(1.5)  # requeues meeting the same outage write nothing, so no event
+            # Requeues meeting the same outage write nothing, so no event: the third list from
+            # now begins after two whole passes.
+            passes = api.lists["workloads"]
+            await wait_for(lambda: api.lists["workloads"] >= passes + 3, what="two more requeue passes")
             status_patches = [path for path, _, _ in api.patches if path.endswith("/workloads/job-outage/status")]
             assert len(status_patches) == 1
             await apply_policies(pg_dsn, example_policies(), sha="e" * 40)  # admission recovers; Kubernetes says nothing

@@ -48,9 +48,9 @@ async def test_two_batches_creating_the_same_keys_in_opposite_orders_do_not_dead
 
         async def batch(conn: asyncpg.Connection, keys: tuple[str, ...], delay: float) -> None:
             async with conn.transaction():
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)  # the scenario: the second batch starts while the first is inserting
                 await conn.execute(sql("ensure_ledger_entries"), _entries(*keys))
-                await asyncio.sleep(0.2)  # the batch's other work, its locks held
+                await asyncio.sleep(0.2)  # the batch's other work (simulated), its locks held
 
         # Listed in plan order, one the reverse of the other: inserted as listed, the first held
         # k-a and waited for k-b, which the second held while it waited for k-a.

@@ -22,6 +22,8 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1.policies_pb2 import PolicyBundlePublished
 from tests.support.databases import drop_database, empty_database
+from tests.support.pg_sessions import in_pg_sleep
+from tests.support.waiting import wait_for
 
 sql = owned_by("budgetgate.messaging")  # its own queries, then the shared ledger's
 
@@ -77,7 +79,7 @@ async def test_a_claim_never_takes_rows_another_relay_published_meanwhile(pg_dsn
     window is made wide for the test by a pause in B's claim before it locks anything."""
     name, dsn = await empty_database(pg_dsn, prefix="claim")
     try:
-        conn_a, conn_b = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        conn_a, conn_b, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn), await asyncpg.connect(dsn)
         await migrate(conn_a)
         claim = sql("claim_outbox")
         paused = claim.replace("FROM (SELECT id, records FROM outbox", "FROM (SELECT pg_sleep(0.5)) AS pause, (SELECT id, records FROM outbox")
@@ -89,12 +91,12 @@ async def test_a_claim_never_takes_rows_another_relay_published_meanwhile(pg_dsn
             async with conn_a.transaction():
                 assert len(await conn_a.fetch(claim, 10)) == 3
                 claiming = asyncio.ensure_future(conn_b.fetch(paused, 10))  # B's snapshot: three pending rows
-                await asyncio.sleep(0.2)
+                await wait_for(lambda: in_pg_sleep(watcher, conn_b.get_server_pid()), timeout=30, what="B's claim in its pause")
                 await conn_a.execute("UPDATE outbox SET published_at = now() WHERE published_at IS NULL")
             assert await claiming == []
         finally:
-            await conn_a.close()
-            await conn_b.close()
+            for conn in (conn_a, conn_b, watcher):
+                await conn.close()
     finally:
         await drop_database(pg_dsn, name)
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
 from tests.support.admission import submission
 from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
-from tests.support.reconciler import lifecycle
+from tests.support.reconciler import lifecycle, wait_caught_up
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
 
@@ -73,7 +72,7 @@ async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota
     Postgres and Redis agree throughout."""
     files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 2"), "b.yaml": BIG_BUDGET}
     server = await started(admission_factory, pg_dsn, files)
-    await reconciler_factory(start_deadline_seconds=2)
+    reconciler = await reconciler_factory(start_deadline_seconds=2)
     assert (await server.client.post("/v1/admissions", json=physics("late"))).json()["decision"] == "ALLOW"
     counter = server.rt.ledger.keys.counter("t:physics")
 
@@ -112,7 +111,7 @@ async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota
     await _assert_no_drift(server)
     # The slot it gave back stays given back: a later settlement of the ended run takes nothing.
     await feed.send(lifecycle("late", "STARTED", datetime.now(UTC) - timedelta(minutes=1), gpus=1))
-    await asyncio.sleep(1.5)
+    await wait_caught_up(reconciler)
     assert await allocations(2)
 
 

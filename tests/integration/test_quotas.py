@@ -9,7 +9,8 @@ import pytest
 
 from budgetgate.ledger.concurrency import end_run_holds
 from budgetgate.ledger.queries import sql
-from tests.support.admission import apply_policies, budget_yaml, one_batch
+from tests.support.admission import apply_policies, budget_yaml, one_batch, wait_for_bundle
+from tests.support.waiting import wait_for
 from tests.support.quotas import BIG_BUDGET, CLUSTER, POOLS, QUOTA, physics, started
 
 SENSITIVE = """apiVersion: budgetgate/v1
@@ -52,8 +53,7 @@ async def test_lowered_quota_preempts_nothing_and_rejects_until_usage_drops(admi
     for i in range(4):
         assert (await server.client.post("/v1/admissions", json=physics(f"r{i}", nodes=2))).json()["decision"] == "ALLOW"
     await apply_policies(pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 5"), "b.yaml": BIG_BUDGET}, sha="2" * 40)
-    while server.rt.policies.current.git_sha != "2" * 40:
-        await asyncio.sleep(0.05)
+    await wait_for_bundle(server, "2" * 40)
     denied = (await server.client.post("/v1/admissions", json=physics("late", nodes=1))).json()
     assert denied["reason"].startswith('allocation rejected: tenant "physics" would exceed max_nodes quota (current: 8, requested: 1, limit: 5)')
     assert "wait for running work" in denied["reason"]
@@ -146,13 +146,12 @@ async def test_caps_parent_quota_and_lease_reclaim(admission_factory, pg_dsn) ->
     leased = (await server.client.post(url, json={"token": "short", "project": "gamma", "lease_seconds": 1})).json()
     assert leased["status"] == "Granted"
     assert (await server.client.post(url, json={"token": "waiting", "project": "gamma"})).json()["status"] == "Exhausted"
+
     # Asking again once the lease has run out is granted (no fixed sleep: ask until it is).
-    for _ in range(100):
-        if (await server.client.post(url, json={"token": "waiting", "project": "gamma"})).json()["status"] == "Granted":
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the expired lease was never reclaimed")
+    async def granted() -> bool:
+        return (await server.client.post(url, json={"token": "waiting", "project": "gamma"})).json()["status"] == "Granted"
+
+    await wait_for(granted, timeout=10, what="the expired lease reclaimed")
     holders = {h["token"] for h in (await server.client.get("/v1/pools/snowflake")).json()["holders"]}
     assert holders == {"a0", "a1", "waiting"}
     assert (await server.client.post("/v1/pools/nowhere/allocations", json={"token": "x"})).status_code == 404

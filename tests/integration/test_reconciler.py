@@ -14,7 +14,7 @@ import pytest
 from budgetgate.services.reconciler.worker import Reconciler
 from budgetgate.v1 import actions_pb2, reconciliations_pb2, usage_pb2
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, outbox, run_charges, settled, usage
+from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, outbox, run_charges, settled, usage, wait_caught_up
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
 
@@ -92,7 +92,7 @@ async def test_duplicated_reordered_late_stream_gives_the_clean_ledger(admission
         return all(r is not None and r["final"] for r in rows) and len(await run_charges(pg_dsn, "messy")) == len(await run_charges(pg_dsn, "clean")) > 0
 
     await wait_for(both_final, what="both runs settled")
-    await asyncio.sleep(1.0)  # let any straggler of the duplicates be consumed
+    await wait_caught_up(reconciler)  # every straggler of the duplicates consumed, and settled
     assert await run_charges(pg_dsn, "messy") == await run_charges(pg_dsn, "clean")
     clean, messy_row = await settled(pg_dsn, "clean"), await settled(pg_dsn, "messy")
     for column in ("wall", "actual_gpu", "error_gpu", "final_state", "over_running", "provisional"):

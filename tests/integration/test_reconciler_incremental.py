@@ -14,6 +14,7 @@ import asyncpg
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.v1 import usage_pb2
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.pg_sessions import wait_done_or_blocked
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, run_charges, settled, ts, usage
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
@@ -231,7 +232,7 @@ async def test_a_fact_committed_while_its_run_is_being_settled_is_never_left_uns
         await second.execute(sql("record_samples"), ["m"], ["s2"], [at + timedelta(hours=1)], [3 * H], [0])
         await second.execute(sql("mark_runs_to_settle"), ["m"])
         settling = asyncio.create_task(reconciler.settler.settle("m"))
-        await asyncio.sleep(0.5)  # the settlement runs (or waits) while the second fact is uncommitted
+        await wait_done_or_blocked(settling, second)  # the settlement ran, or waits, while the second fact is uncommitted
         await recording.commit()
         await settling
         unfolded = await first.fetchval("SELECT count(*) FROM run_samples WHERE run_id = 'm' AND gpu_high IS NULL")

@@ -15,6 +15,7 @@ from budgetgate.core.reconciliation import Rules
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.quotas import BIG_BUDGET, physics, started
+from tests.support.waiting import wait_for
 
 POOL = "snowflake:wh-1"
 POOLS = """apiVersion: budgetgate/v1
@@ -75,6 +76,10 @@ async def _holders(server) -> dict[str, str]:  # type: ignore[no-untyped-def]
     return {h["token"]: h["lease_expires_at"] for h in (await server.client.get(f"/v1/pools/{POOL}")).json()["holders"]}
 
 
+async def _no_holders(server) -> bool:  # type: ignore[no-untyped-def]
+    return await _holders(server) == {}
+
+
 async def _assert_no_drift(server) -> None:  # type: ignore[no-untyped-def]
     drift = await server.rt.sync.check_drift(repair=False)
     assert drift is not None and drift.clean, drift
@@ -83,7 +88,7 @@ async def _assert_no_drift(server) -> None:  # type: ignore[no-untyped-def]
 async def _report_past_the_lease(run: Run, admitted_at: datetime) -> None:
     """Usage every second until twice the lease has passed since admission."""
     while datetime.now(UTC) < admitted_at + timedelta(seconds=2 * LEASE):
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # the scenario: a live run's meter reports once a second, wall-clock time passing
         await run.fact("usage")
 
 
@@ -123,7 +128,8 @@ async def test_the_lease_runs_from_the_latest_sign_of_life_for_the_length_asked_
     assert kept == {"run:asked": LEASE, "run:default": LEASE + 2, "run:granted-before-0024": LEASE}  # the length granted, kept with the token
     # A token granted before the length was kept (migration 0024) is renewed by its pool's default.
     await server.rt.pool.execute("UPDATE pool_allocations SET lease_seconds = NULL WHERE token = 'run:granted-before-0024'")
-    await asyncio.sleep(0.5)  # so that the facts below come after the grants
+    # Wall-clock time is the input: the facts below are dated now, and must come after the grants.
+    await asyncio.sleep(0.5)
     for run_id, lease in (("asked", LEASE), ("default", LEASE + 2), ("granted-before-0024", LEASE + 2)):
         run = Run(server, settler, run_id)
         started_at = await run.fact("STARTED")
@@ -145,8 +151,8 @@ async def test_a_run_that_falls_silent_loses_its_token_a_lease_later_and_never_t
     # Settling again with no new fact (as the reconciler's upkeep does) renews nothing.
     await settler.settle("quiet")
     assert (await run.lease())[1] == expires
-    await asyncio.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.2)
-    assert await _holders(server) == {}
+    await wait_for(lambda: _no_holders(server), timeout=(expires - datetime.now(UTC)).total_seconds() + 30, what="the silent run's token run out")
+    assert datetime.now(UTC) >= expires, "the token ran out before its lease"
     assert (await _submit(server, "next", lease_seconds=3600))["decision"] == "ALLOW"
 
     # The silent run speaks again: its place is another holder's, so its token stays run out,

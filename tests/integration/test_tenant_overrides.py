@@ -13,7 +13,7 @@ import pytest
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.policies.override_store import plan_with_overrides
 from budgetgate.core.principals import Role
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, wait_for_bundle
 from tests.support.cli import budgetgate
 from tests.support.principals import bearer, issue
 from tests.support.quotas import CLUSTER, QUOTA, physics
@@ -231,8 +231,7 @@ async def test_git_apply_keeps_overrides_git_left_alone_and_clears_those_it_chan
     assert [r["actor"] for r in logged] == ["test"]
     assert sorted(__import__("json").loads(logged[0]["details"])["cleared"]) == ["gpu_hours_budget", "max_gpus"]
     # The kept override still governs decisions made under the new bundle.
-    while server.rt.policies.current.git_sha != "b" * 40:
-        await asyncio.sleep(0.05)
+    await wait_for_bundle(server, "b" * 40)
     assert (await submit(server, "big", nodes=6))["reason"].startswith('allocation rejected: tenant "physics" would exceed max_nodes quota')
 
 

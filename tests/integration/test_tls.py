@@ -3,7 +3,6 @@ unless told otherwise."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import ipaddress
 import os
@@ -22,6 +21,7 @@ from cryptography.x509.oid import NameOID
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for
 
 
 def self_signed(folder: Path) -> tuple[Path, Path]:
@@ -62,15 +62,15 @@ async def test_a_service_serves_https_from_its_certificate_and_key(module: str, 
         proc = subprocess.Popen([sys.executable, "-m", f"budgetgate.services.{module}", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cert)), timeout=2) as client:
-            for _ in range(150):
+
+            async def answered() -> httpx.Response | None:
                 try:
-                    answer = await client.get(f"https://127.0.0.1:{port}/healthz")
-                    break
+                    return await client.get(f"https://127.0.0.1:{port}/healthz")
                 except httpx.TransportError:
                     assert proc.poll() is None, log.read_text()
-                    await asyncio.sleep(0.1)
-            else:
-                raise AssertionError(f"no HTTPS answer: {log.read_text()}")
+                    return None
+
+            answer = await wait_for(answered, timeout=30, what=f"an HTTPS answer (log: {log})")
             assert answer.status_code == 200
             assert (await client.request(method, f"https://127.0.0.1:{port}{path}")).status_code == 401
         with pytest.raises(httpx.TransportError):

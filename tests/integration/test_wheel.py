@@ -15,7 +15,6 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 
 from tests.support.databases import _execute, run_async
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for_sync
 from tests.support.wheel import ROOT, image_wheel
 from budgetgate.devstack.isolation import with_database
 
@@ -112,21 +112,24 @@ def test_the_installed_wheel_migrates_loads_lua_and_serves_admission(venv: Path,
 
 def _wait_ready(service: subprocess.Popen[str], url: str) -> dict[str, object]:
     """Poll /readyz until it answers 200; fail with the service's output if it dies or never does."""
-    deadline = time.monotonic() + 90
-    last: object = None
-    while time.monotonic() < deadline:
+    last: list[object] = [None]
+
+    def ready() -> dict[str, object] | None:
         if service.poll() is not None:
             pytest.fail(f"admission exited with {service.returncode}:\n{service.stdout.read() if service.stdout else ''}")
         try:
             answer = httpx.get(url, timeout=2)
-            last = answer.json()
-            if answer.status_code == 200:
-                return answer.json()
         except httpx.TransportError as exc:
-            last = exc
-        time.sleep(0.2)
-    service.terminate()
-    pytest.fail(f"admission never became ready; last answer {last!r}:\n{service.communicate(timeout=20)[0]}")
+            last[0] = exc
+            return None
+        last[0] = answer.json()
+        return answer.json() if answer.status_code == 200 else None
+
+    try:
+        return wait_for_sync(ready, timeout=90, interval=0.2, what="admission ready")
+    except AssertionError:
+        service.terminate()
+        pytest.fail(f"admission never became ready; last answer {last[0]!r}:\n{service.communicate(timeout=20)[0]}")
 
 
 def test_the_installed_wheel_ships_the_example_policies_the_demo_applies(venv: Path, tmp_path: Path) -> None:

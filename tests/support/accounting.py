@@ -28,7 +28,7 @@ class AccountingStandIn:
         self.asked.append(request.match_info["tenant"])
         mode = self.mode
         if mode == "slow":
-            await asyncio.sleep(self.delay)
+            await asyncio.sleep(self.delay)  # the slowness simulated: a source that answers late
         if mode in ("ok", "slow"):
             return web.json_response({"uuid": "c0ffee", "remaining_budget": self.remaining})
         return {

@@ -18,7 +18,9 @@ from budgetgate.policies.repository import apply_bundle
 from budgetgate.services.admission.app import create_app
 from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.services.admission.settings import AdmissionSettings
+from tests.support.kafka import drain
 from tests.support.servers import InProcessServer, free_port
+from tests.support.waiting import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "policies"
 GPU_HOUR = 3_600_000  # a GPU-hour in the ledger's unit (GPU-milliseconds)
@@ -162,32 +164,28 @@ async def published_decisions(settings: Any, run_ids: set[str], *, timeout: floa
 async def decisions_on(bootstrap: str, topic: str, run_ids: set[str], *, timeout: float = 30) -> dict[str, Any]:
     """The Decision messages for `run_ids` on `topic` (the last of each run), read from the
     beginning; fails the test unless all arrive in time."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
     from budgetgate.contracts import wire
     from budgetgate.v1 import decisions_pb2
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    found: dict[str, Any] = {}
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        partitions: set[int] = set()
-        while not partitions and loop.time() < deadline:
-            await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic may be brand new
-            partitions = consumer.partitions_for_topic(topic) or set()
-            if not partitions:
-                await asyncio.sleep(0.1)
-        consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
-        await consumer.seek_to_beginning()
-        while set(found) != run_ids and loop.time() < deadline:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                for record in records:
-                    message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
-                    if message.run_id in run_ids:
-                        found[message.run_id] = message
-    finally:
-        await consumer.stop()
+    def wanted(record: Any) -> str | None:
+        message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
+        return message.run_id if message.run_id in run_ids else None
+
+    found = {}
+    for record in await drain(bootstrap, topic, len(run_ids), timeout=timeout, distinct=wanted):
+        message = wire.decode(decisions_pb2.Decision, record.value, record.headers)
+        if message.run_id in run_ids:
+            found[message.run_id] = message
     assert set(found) == run_ids, f"decisions of {sorted(run_ids - set(found))} never reached {topic} within {timeout}s"
     return found
+
+
+async def wait_for_bundle(server: Any, sha: str, *, timeout: float = 30) -> None:
+    """Wait until admission `server` decides under the policy bundle `sha` (applied to Postgres:
+    the service picks a new bundle up on its own, within its refresh interval)."""
+
+    def loaded() -> bool:
+        current = server.rt.policies.current
+        return current is not None and current.git_sha == sha
+
+    await wait_for(loaded, timeout=timeout, what=f"admission to load policy bundle {sha[:12]}")

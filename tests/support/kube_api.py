@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,6 +47,7 @@ class KubeApi:
         self.version = 1000
         self.watchers: list[asyncio.Queue[tuple[str, dict[str, Any]]]] = []
         self.patches: list[tuple[str, str, dict[str, Any]]] = []  # (path, content type, body), as received
+        self.lists: Counter[str] = Counter()  # collections listed (not watched), by plural: a controller's requeue passes, say
         self.app = self._app()
 
     def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -73,6 +75,7 @@ class KubeApi:
         async def collection(plural: str, request: Request) -> Any:
             if request.query_params.get("watch") in ("true", "1"):
                 return StreamingResponse(self._watch(plural), media_type="application/json")
+            self.lists[plural] += 1
             items = [copy.deepcopy(o) for (p, _, _), o in sorted(self.objects.items()) if p == plural]
             return {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "List", "metadata": {"resourceVersion": str(self.version)}, "items": items}
 

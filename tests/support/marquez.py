@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
+from tests.support.kafka import wait_consumed
 from tests.support.servers import InProcessServer, free_port
 from tests.support.waiting import wait_for
 
@@ -531,30 +532,11 @@ async def wait_evidence_settled(settings: Any, *, timeout: float = 60) -> None:
     every stored event is delivered or dead: from then on nothing more can reach Marquez, so a
     test may count what arrived without sleeping "long enough" first."""
     import asyncpg
-    from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from budgetgate.contracts.topics import Topics
 
     topics = Topics(settings.topic_prefix)
-    group = emitter_settings(settings).consumer_group
-    # A consumer in the emitter's group that never subscribes: it only reads the group's
-    # committed offsets, and joining nothing, takes no partition from the emitter.
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        partitions = [TopicPartition(t, p) for t in (topics.decisions, topics.reconciliations) for p in sorted(consumer.partitions_for_topic(t) or ())]
-        assert partitions, f"no partitions of {topics.decisions} or {topics.reconciliations} on the broker"
-        ends = await consumer.end_offsets(partitions)
-
-        async def consumed() -> bool:
-            for partition in partitions:
-                if ends[partition] > 0 and ((await consumer.committed(partition)) or 0) < ends[partition]:
-                    return False
-            return True
-
-        await wait_for(consumed, timeout=timeout, what=f"group {group} to commit every message")
-    finally:
-        await consumer.stop()
+    await wait_consumed(settings.kafka_bootstrap, emitter_settings(settings).consumer_group, [topics.decisions, topics.reconciliations], timeout=timeout)
     conn = await asyncpg.connect(settings.postgres_dsn)
     try:
         await wait_for(lambda: _no_pending(conn), timeout=timeout, what="every stored evidence event to be delivered or dead")

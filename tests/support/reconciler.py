@@ -26,6 +26,8 @@ from budgetgate.runtime.telemetry import setup_telemetry
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
+from tests.support.kafka import wait_consumed
+from tests.support.waiting import wait_for
 from tests.support.servers import InProcessServer, free_port
 
 H = 3_600_000  # milli-hours in an hour: one GPU-hour in the ledger's units
@@ -135,6 +137,21 @@ async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:
 
 async def ledger_in_redis(reconciler: Reconciler) -> dict[str, tuple[int, int]]:
     return await reconciler.ledger.all_readings()
+
+
+async def wait_caught_up(reconciler: Reconciler, *, timeout: float = 60) -> None:
+    """Wait until `reconciler` has applied every fact now on its topics and settled every run they
+    marked, in Postgres and in Redis: whatever it was sent has had its effect, so a test may check
+    that something did *not* happen without sleeping "long enough" first."""
+    s = reconciler.settings
+    topics = Topics(s.topic_prefix)
+    # The group its subscriber joins (services/reconciler/consumers.py).
+    await wait_consumed(s.kafka_bootstrap, f"{s.topic_prefix}{s.consumer_group}", [topics.lifecycle, topics.usage], timeout=timeout)
+
+    async def settled_everywhere() -> bool:
+        return not await reconciler.pool.fetchval("SELECT count(*) FROM runs_to_settle") and not await reconciler.ledger.pending_settlements()
+
+    await wait_for(settled_everywhere, timeout=timeout, what="every marked run settled, in Postgres and Redis")
 
 
 async def outbox(dsn: str, topic: str, message_class):  # type: ignore[no-untyped-def]

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.support.waiting import wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,16 +40,20 @@ SESSION = textwrap.dedent("""
 
     def test_runs_long(server):
         (OUT / "started").write_text("yes")
-        time.sleep(120)
+        time.sleep(120)  # the scenario: a test still running when the SIGTERM comes
 """)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"pytest ended before {path.name}: {proc.communicate()}"
-        assert time.monotonic() < deadline, f"no {path.name} after {timeout}s"
-        time.sleep(0.05)
+def _written(path: Path, proc: subprocess.Popen[str]) -> bool:
+    if path.exists():
+        return True
+    assert proc.poll() is None, f"pytest ended before {path.name}: {proc.communicate()}"
+    return False
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    ignored = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored, 16) & (1 << (signal.SIGTERM - 1)))
 
 
 def _alive(pid: int) -> bool:
@@ -69,7 +74,7 @@ def test_a_run_stopped_by_timeout_tears_its_fixtures_down(tmp_path: Path, worker
     proc = subprocess.Popen([*command, "test_long.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     server = None
     try:
-        _wait_for(tmp_path / "started", proc)
+        wait_for_sync(lambda: _written(tmp_path / "started", proc), what="the long test started")
         server = int((tmp_path / "server.pid").read_text())
         proc.send_signal(signal.SIGTERM)  # what `timeout` sends on its own when the time is up
         output, _ = proc.communicate(timeout=60)
@@ -92,7 +97,7 @@ def test_leftovers_of_a_run_are_stopped_and_nothing_else(tmp_path: Path) -> None
     polite = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     bystander = subprocess.Popen(["sleep", "300"], env={**os.environ, "BUDGETGATE_CI_RUN": marker + "-other"}, start_new_session=True)
     try:
-        time.sleep(0.2)  # the stubborn one has set its trap
+        wait_for_sync(lambda: _ignores_sigterm(stubborn.pid), timeout=10, what="the stubborn one to set its trap")
         result = subprocess.run(
             [str(ROOT / ".ci" / "stop-leftovers"), marker], capture_output=True, text=True, timeout=60, env={**os.environ, "CI_STOP_GRACE_SECONDS": "1"}
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from budgetgate.services.admission.batching import GroupCommit
+from tests.support.waiting import wait_for
 
 
 class Recorder:
@@ -27,9 +28,7 @@ async def test_a_submission_with_no_batch_in_flight_is_committed_at_once() -> No
 
     commits.submit("a")
     # Were it to wait `max_wait` for company, this would time out.
-    async with asyncio.timeout(5):
-        while not recorder.batches:
-            await asyncio.sleep(0.001)
+    await wait_for(lambda: recorder.batches, timeout=5, what="the first batch committed")
 
     assert recorder.batches == [["a"]]
 
@@ -40,13 +39,11 @@ async def test_while_a_batch_is_in_flight_later_submissions_wait_to_be_committed
     commits = GroupCommit(recorder.commit, max_batch=64, max_wait=0.3, in_flight=2)
 
     commits.submit("a")
-    await asyncio.sleep(0.01)  # "a" is in flight, held
+    await wait_for(lambda: recorder.batches == [["a"]], timeout=5, what='"a" in flight, held')
     commits.submit("b")
-    await asyncio.sleep(0.05)  # the second batch is still gathering
+    await asyncio.sleep(0.05)  # the scenario: time passes, less than max_wait, while the second batch gathers
     commits.submit("c")
-    async with asyncio.timeout(5):
-        while len(recorder.batches) < 2:
-            await asyncio.sleep(0.005)
+    await wait_for(lambda: len(recorder.batches) >= 2, timeout=5, what="the second batch committed")
     recorder.release.set()
 
     assert recorder.batches == [["a"], ["b", "c"]]
@@ -59,9 +56,7 @@ async def test_batches_are_at_most_max_batch_and_held_back_items_go_first() -> N
     for item in "abcde":
         commits.submit(item)
     commits.resubmit(["x", "y"])
-    async with asyncio.timeout(5):
-        while sum(map(len, recorder.batches)) < 7:
-            await asyncio.sleep(0.001)
+    await wait_for(lambda: sum(map(len, recorder.batches)) >= 7, timeout=5, what="every item committed")
 
     assert recorder.batches == [["x", "y"], ["a", "b"], ["c", "d"], ["e"]]
     assert (commits.batches, commits.items) == (4, 7)
