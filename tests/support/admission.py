@@ -19,7 +19,7 @@ from budgetgate.services.admission.app import create_app
 from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.services.admission.settings import AdmissionSettings
 from tests.support.kafka import drain
-from tests.support.servers import InProcessServer, free_port
+from tests.support.servers import InProcessServer, started_servers
 from tests.support.waiting import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "policies"
@@ -130,18 +130,8 @@ spec:
 @pytest.fixture
 async def admission_factory(settings) -> AsyncIterator:  # type: ignore[no-untyped-def]
     """Start admission servers on the test's backends (several share one ledger)."""
-    servers: list[AdmissionServer] = []
-
-    async def start(**overrides: object) -> AdmissionServer:
-        values = {**settings.model_dump(), "port": free_port(), "rate_limit": None, "policy_refresh_seconds": 0.2, **overrides}
-        server = AdmissionServer(AdmissionSettings(**values))
-        await server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        await server.stop()
+    async with started_servers(settings, lambda values: AdmissionServer(AdmissionSettings(**values)), policy_refresh_seconds=0.2) as start:
+        yield start
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from budgetgate.v1.usage_pb2 import UsageRecord
 from tests.support.kafka import drain
-from tests.support.servers import InProcessServer, free_port
+from tests.support.servers import InProcessServer, free_port, started_servers
 from tests.support.waiting import wait_for
 
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
@@ -53,26 +53,11 @@ class MeteringServer(InProcessServer):
 @pytest.fixture
 async def metering_factory(settings) -> AsyncIterator[Callable[..., Awaitable[MeteringServer]]]:  # type: ignore[no-untyped-def]
     """Start metering-ingest servers on the test's backends (topics created first)."""
-    servers: list[MeteringServer] = []
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
-
-    async def start(**overrides: object) -> MeteringServer:
-        values = {
-            **settings.model_dump(),
-            "port": free_port(),
-            "rate_limit": None,
-            "pending_recheck_seconds": 0.2,
-            "consumer_group": "metering",  # joined under the test's topic prefix
-            **overrides,
-        }
-        server = MeteringServer(MeteringSettings(**values))
-        await server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        await server.stop()
+    # consumer_group: joined under the test's topic prefix.
+    build = lambda values: MeteringServer(MeteringSettings(**values))
+    async with started_servers(settings, build, pending_recheck_seconds=0.2, consumer_group="metering") as start:
+        yield start
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
 from tests.support.kafka import wait_consumed
 from tests.support.waiting import wait_for
-from tests.support.servers import InProcessServer, free_port
+from tests.support.servers import InProcessServer, free_port, started_servers
 
 H = 3_600_000  # milli-hours in an hour: one GPU-hour in the ledger's units
 
@@ -108,18 +108,9 @@ class ReconcilerServer(InProcessServer):
 @pytest.fixture
 async def reconciler_server_factory(settings) -> AsyncIterator[Callable[..., Awaitable[ReconcilerServer]]]:  # type: ignore[no-untyped-def]
     """Start reconciler services on the test's backends, as reconciler_factory starts reconcilers."""
-    servers: list[ReconcilerServer] = []
-
-    async def start(**overrides: object) -> ReconcilerServer:
-        values = {**settings.model_dump(), "port": free_port(), "rate_limit": None, "tick_seconds": 0.2, "drift_check_seconds": 0, **overrides}
-        server = ReconcilerServer(ReconcilerSettings(**values))
-        await server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        await server.stop()
+    build = lambda values: ReconcilerServer(ReconcilerSettings(**values))
+    async with started_servers(settings, build, tick_seconds=0.2, drift_check_seconds=0) as start:
+        yield start
 
 
 async def ledger_in_postgres(dsn: str) -> dict[str, tuple[int, int]]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
@@ -99,3 +100,25 @@ class InProcessServer:
         self.server.should_exit = True
         if self.task is not None:
             await self.task
+
+
+S = TypeVar("S", bound=InProcessServer)
+
+
+@contextlib.asynccontextmanager
+async def started_servers(settings: Any, build: Callable[[dict[str, Any]], S], **defaults: Any) -> AsyncIterator[Callable[..., Awaitable[S]]]:
+    """`start(**overrides)`: a server built by `build` from the test's settings, a free port, no
+    rate limit, `defaults`, then `overrides`; every one started is stopped when the block ends."""
+    servers: list[S] = []
+
+    async def start(**overrides: Any) -> S:
+        server = build({**settings.model_dump(), "port": free_port(), "rate_limit": None, **defaults, **overrides})
+        await server.start()
+        servers.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            await server.stop()
