@@ -14,7 +14,7 @@ from budgetgate.runtime import backends
 from budgetgate.ledger import rewrite
 from budgetgate.ledger.redis_ledger import RedisLedger, RefusingWrites
 from budgetgate.services.admission import admitter
-from budgetgate.services.metering_ingest import api as metering_api
+from budgetgate.services.metering_ingest.routes import samples as metering_api
 
 
 async def test_admin_shutdown_of_a_session_is_a_backend_error(pg_dsn) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from budgetgate.services.evidence_emitter.consumers import router as evidence_router
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
-from budgetgate.services.metering_ingest.consumers import router as metering_router
+from budgetgate.services.metering_ingest import consumers as metering_consumers
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.services.reconciler.consumers import router as reconciler_router
 from budgetgate.services.reconciler.settings import ReconcilerSettings
@@ -18,7 +18,7 @@ from budgetgate.contracts.topics import Topics
 def test_every_consumer_group_is_named_under_the_topic_prefix(prefix: str) -> None:
     topics = Topics(prefix)
     routers = {
-        "metering-ingest": metering_router(settings=MeteringSettings(topic_prefix=prefix), topics=topics, runtime=lambda: None),  # type: ignore[arg-type,return-value]
+        "metering-ingest": metering_consumers.subscription(MeteringSettings(topic_prefix=prefix), topics).router(lambda: None),  # type: ignore[arg-type,return-value]
         "reconciler": reconciler_router(settings=ReconcilerSettings(topic_prefix=prefix), topics=topics, reconciler=lambda: None),  # type: ignore[arg-type,return-value]
         "evidence-emitter": evidence_router(settings=EvidenceSettings(topic_prefix=prefix), topics=topics, runtime=lambda: None),  # type: ignore[arg-type,return-value]
     }
