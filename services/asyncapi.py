@@ -57,7 +57,7 @@ def document(*, prefix: str = "") -> dict[str, Any]:
     names = topics.Topics(prefix)
     settings = MeteringSettings(topic_prefix=prefix)
     broker.include_router(metering_consumers.subscription(settings, names).router(_described_only))
-    broker.include_router(reconciler_consumers.router(settings=ReconcilerSettings(topic_prefix=prefix), topics=names, reconciler=_described_only))
+    broker.include_router(reconciler_consumers.subscription(ReconcilerSettings(topic_prefix=prefix), names).router(_described_only))
     broker.include_router(evidence_consumers.router(settings=EvidenceSettings(topic_prefix=prefix), topics=names, runtime=_described_only))
     for topic in topics.EVENT_TOPICS:
         message = topics.MESSAGE_TYPES[topic]

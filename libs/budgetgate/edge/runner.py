@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
@@ -67,14 +68,16 @@ class Service:
         await self.close()
 
 
-def service_app(*, title: str, build: Callable[[], Awaitable[Service]], **fastapi: Any) -> FastAPI:
-    """The FastAPI app of a service: `build()` makes the service when the app starts, which is
+def service_app(*, title: str, build: Callable[[], Service | Awaitable[Service]], **fastapi: Any) -> FastAPI:
+    """The FastAPI app of a service: `build()` makes the service (or a coroutine making it, when
+    building it opens connections) when the app starts, which is
     then started (`app.state.rt`) and stopped when the app stops. The service's `create_app` adds
     its middleware and routes, and `operational_routes`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service = await build()
+        built = build()
+        service = await built if inspect.isawaitable(built) else built
         app.state.rt = service
         await service.start()
         try:
