@@ -58,7 +58,7 @@ def document(*, prefix: str = "") -> dict[str, Any]:
     settings = MeteringSettings(topic_prefix=prefix)
     broker.include_router(metering_consumers.subscription(settings, names).router(_described_only))
     broker.include_router(reconciler_consumers.subscription(ReconcilerSettings(topic_prefix=prefix), names).router(_described_only))
-    broker.include_router(evidence_consumers.router(settings=EvidenceSettings(topic_prefix=prefix), topics=names, runtime=_described_only))
+    broker.include_router(evidence_consumers.subscription(EvidenceSettings(topic_prefix=prefix), names).router(_described_only))
     for topic in topics.EVENT_TOPICS:
         message = topics.MESSAGE_TYPES[topic]
         producer, consumer = _ROLES[topic]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from budgetgate.services.evidence_emitter.consumers import router as evidence_router
+from budgetgate.services.evidence_emitter import consumers as evidence_consumers
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
 from budgetgate.services.metering_ingest import consumers as metering_consumers
 from budgetgate.services.metering_ingest.settings import MeteringSettings
@@ -20,7 +20,7 @@ def test_every_consumer_group_is_named_under_the_topic_prefix(prefix: str) -> No
     routers = {
         "metering-ingest": metering_consumers.subscription(MeteringSettings(topic_prefix=prefix), topics).router(lambda: None),  # type: ignore[arg-type,return-value]
         "reconciler": reconciler_consumers.subscription(ReconcilerSettings(topic_prefix=prefix), topics).router(lambda: None),  # type: ignore[arg-type,return-value]
-        "evidence-emitter": evidence_router(settings=EvidenceSettings(topic_prefix=prefix), topics=topics, runtime=lambda: None),  # type: ignore[arg-type,return-value]
+        "evidence-emitter": evidence_consumers.subscription(EvidenceSettings(topic_prefix=prefix), topics).router(lambda: None),  # type: ignore[arg-type,return-value]
     }
     groups = {name: {subscriber.group_id for subscriber in router.subscribers} for name, router in routers.items()}  # type: ignore[attr-defined]
     assert groups == {name: {f"{prefix}budgetgate-{name}"} for name in routers}
