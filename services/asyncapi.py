@@ -56,9 +56,9 @@ def document(*, prefix: str = "") -> dict[str, Any]:
     broker = KafkaBroker("kafka:9092", description="budgetgate's Kafka topics: versioned names, protobuf messages, a dead-letter topic each.")
     names = topics.Topics(prefix)
     settings = MeteringSettings(topic_prefix=prefix)
-    broker.include_router(metering_consumers.router(settings=settings, topics=names, runtime=_described_only))
-    broker.include_router(reconciler_consumers.router(settings=ReconcilerSettings(topic_prefix=prefix), topics=names, reconciler=_described_only))
-    broker.include_router(evidence_consumers.router(settings=EvidenceSettings(topic_prefix=prefix), topics=names, runtime=_described_only))
+    broker.include_router(metering_consumers.subscription(settings, names).router(_described_only))
+    broker.include_router(reconciler_consumers.subscription(ReconcilerSettings(topic_prefix=prefix), names).router(_described_only))
+    broker.include_router(evidence_consumers.subscription(EvidenceSettings(topic_prefix=prefix), names).router(_described_only))
     for topic in topics.EVENT_TOPICS:
         message = topics.MESSAGE_TYPES[topic]
         producer, consumer = _ROLES[topic]

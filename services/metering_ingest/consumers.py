@@ -1,54 +1,46 @@
-"""metering-ingest's Kafka side: one FastStream router with a batch subscriber on
-metering.samples.v1. Each poll is applied by the inbox (budgetgate.messaging.inbox.Inbox) in one Postgres
-transaction, and acknowledged (its offsets committed) only after that commit; budgetgate.messaging.subscriber
-says how FastStream is used for that, and where it is not enough.
+"""metering-ingest's Kafka side, declared once (`subscription`): metering.samples.v1 read by a
+batch subscriber, each poll applied by the inbox (budgetgate.messaging.inbox.Inbox) in one
+Postgres transaction, and acknowledged (its offsets committed) only after that commit;
+budgetgate.messaging.subscriber says how FastStream is used for that, and where it is not enough.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 import asyncpg
-from faststream.kafka import KafkaRouter
-
 from budgetgate.messaging.inbox import BatchRoute, Delivery, locks_taken
 from budgetgate.core.metering import Rejected, Sample
 from budgetgate.services.metering_ingest.ingest import Ingestor, RecordOrigin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.messaging.subscriber import subscribe_inbox
+from budgetgate.messaging.subscriber import Subscription
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 if TYPE_CHECKING:
-    from budgetgate.services.metering_ingest.app import Runtime
+    from budgetgate.services.metering_ingest.service import MeteringService
 
 
-def router(*, settings: MeteringSettings, topics: Topics, runtime: Callable[[], Runtime]) -> KafkaRouter:
-    """The service's Kafka subscribers; `runtime()` gives what the service holds while it runs."""
-    kafka = KafkaRouter()
-    # Several consumers of one group in one process, each owning some of the partitions (as
-    # processes side by side would): while one waits for Postgres, another works. Each
-    # partition still has one owner, so its records are applied in order.
-    for worker in range(settings.consumer_concurrency):
-        subscribe_inbox(
-            kafka,
-            topics.metering,
-            runtime=runtime,
-            max_records=settings.consumer_max_records,
-            group_id=settings.group_id,
-            title=f"metering.samples.v1:metering-ingest#{worker}" if worker else "metering.samples.v1:metering-ingest",
-            description=(
-                "Metering samples (budgetgate.v1.MeteringSample, binary protobuf or its canonical JSON mapping) become usage rows "
-                "and usage.records.v1 messages; poison goes to metering.samples.v1.dlq with the reason."
-            ),
-            include_in_schema=worker == 0,
-            pipelined=settings.consumer_pipelined,
-        )
-
-    return kafka
+def subscription(settings: MeteringSettings, topics: Topics) -> Subscription[MeteringService]:
+    """What metering-ingest consumes: metering samples, by `consumer_concurrency` consumers of one
+    group in one process, each owning some of the partitions (as processes side by side would):
+    while one waits for Postgres, another works. Each partition still has one owner, so its
+    records are applied in order."""
+    return Subscription(
+        routes={topics.metering: lambda service: metering_route(service.ingestor, service.metrics)},
+        group_id=settings.group_id,
+        max_records=settings.consumer_max_records,
+        title="metering.samples.v1:metering-ingest",
+        description=(
+            "Metering samples (budgetgate.v1.MeteringSample, binary protobuf or its canonical JSON mapping) become usage rows "
+            "and usage.records.v1 messages; poison goes to metering.samples.v1.dlq with the reason."
+        ),
+        pipelined=settings.consumer_pipelined,
+        workers=settings.consumer_concurrency,
+    )
 
 
 def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:

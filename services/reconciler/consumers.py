@@ -1,34 +1,30 @@
-"""The reconciler's Kafka side: one FastStream router with a batch subscriber on the lifecycle,
-usage-record and decision topics. Each poll is recorded by the inbox in one Postgres transaction
-(facts.py; decisions in headroom.py), acknowledged only after that commit
+"""The reconciler's Kafka side, declared once (`subscription`): a batch subscriber on the
+lifecycle, usage-record and decision topics. Each poll is recorded by the inbox in one Postgres
+transaction (facts.py; decisions in headroom.py), acknowledged only after that commit
 (budgetgate.messaging.subscriber), and then wakes the settle loop for the runs it marked."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from faststream.kafka import KafkaRouter
-
-from budgetgate.services.reconciler.settings import ReconcilerSettings
-from budgetgate.messaging.subscriber import subscribe_inbox
 from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.subscriber import Subscription
+from budgetgate.services.reconciler import facts, headroom
+from budgetgate.services.reconciler.settings import ReconcilerSettings
 
 if TYPE_CHECKING:
-    from budgetgate.services.reconciler.worker import Reconciler
+    from budgetgate.services.reconciler.service import Reconciler
 
 
-def router(*, settings: ReconcilerSettings, topics: Topics, reconciler: Callable[[], Reconciler]) -> KafkaRouter:
-    """The reconciler's subscriber, in consumer group `<topic prefix><consumer_group>`;
-    `reconciler()` gives the running reconciler."""
+def subscription(settings: ReconcilerSettings, topics: Topics) -> Subscription[Reconciler]:
+    """What the reconciler consumes, in consumer group `<topic prefix><consumer_group>`."""
     s = settings
-    kafka = KafkaRouter()
-    subscribe_inbox(
-        kafka,
-        topics.lifecycle,
-        topics.usage,
-        topics.decisions,
-        runtime=reconciler,
+    return Subscription(
+        routes={
+            topics.lifecycle: lambda rc: facts.lifecycle_route(on_fact=rc.stats.fresh.add),
+            topics.usage: lambda rc: facts.usage_route(on_fact=rc.stats.fresh.add),
+            topics.decisions: lambda rc: headroom.decisions_route(bundles=rc.bundles),
+        },
         then=_wake_settler,
         group_id=f"{s.topic_prefix}{s.consumer_group}",
         max_records=s.consumer_max_records,
@@ -37,7 +33,6 @@ def router(*, settings: ReconcilerSettings, topics: Topics, reconciler: Callable
         "and their runs marked to be settled; decisions (budgetgate.v1.Decision) register the runs waiting for budget or quota "
         "headroom; poison goes to <topic>.dlq with the reason.",
     )
-    return kafka
 
 
 def _wake_settler(rc: Reconciler) -> None:

@@ -17,14 +17,13 @@ from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.core.reconciliation import TERMINAL
 from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.timestamps import time_problem
-from budgetgate.contracts.topics import Topics
 from budgetgate.v1 import lifecycle_pb2, usage_pb2
 
 sql = owned_by("budgetgate.services.reconciler")
 
 
-def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, BatchRoute]:
-    """Routes for the inbox: lifecycle events and usage records, a batch at a time."""
+def lifecycle_route(*, on_fact: Callable[[str], None]) -> BatchRoute:
+    """The inbox route of lifecycle events, a batch at a time; `on_fact(run_id)` for each run marked."""
 
     async def lifecycle(conn: asyncpg.Connection, batch: Sequence[Delivery]) -> Mapping[Delivery, str]:
         refused, rows = {}, []
@@ -56,6 +55,12 @@ def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, Batch
                 await conn.execute(sql("forget_ended_waiting"), ended)
         return refused
 
+    return BatchRoute(lifecycle_pb2.LifecycleEvent, lifecycle)
+
+
+def usage_route(*, on_fact: Callable[[str], None]) -> BatchRoute:
+    """The inbox route of usage records, a batch at a time; `on_fact(run_id)` for each run marked."""
+
     async def usage(conn: asyncpg.Connection, batch: Sequence[Delivery]) -> Mapping[Delivery, str]:
         refused, rows = {}, {}
         for delivery in batch:
@@ -74,10 +79,7 @@ def routes(topics: Topics, *, on_fact: Callable[[str], None]) -> dict[str, Batch
             await _mark(conn, {r["run_id"] for r in new}, on_fact)
         return refused
 
-    return {
-        topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, lifecycle),
-        topics.usage: BatchRoute(usage_pb2.UsageRecord, usage),
-    }
+    return BatchRoute(usage_pb2.UsageRecord, usage)
 
 
 async def _mark(conn: asyncpg.Connection, run_ids: set[str], on_fact: Callable[[str], None]) -> None:

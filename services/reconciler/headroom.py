@@ -37,7 +37,6 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.waiting import headroom, registered
 from budgetgate.services.reconciler import messages
 from budgetgate.policies.store import PolicyStore, judged_under
-from budgetgate.contracts.topics import Topics
 from budgetgate.v1 import common_pb2, decisions_pb2
 
 sql = owned_by("budgetgate.services.reconciler")
@@ -58,7 +57,7 @@ def _names(run: WaitingRun, bundle: PolicyBundle) -> set[str]:
     return budgets
 
 
-def routes(topics: Topics, *, bundles: PolicyStore) -> dict[str, BatchRoute]:
+def decisions_route(*, bundles: PolicyStore) -> BatchRoute:
     """The inbox route of budget.decisions.v1: waiting runs registered and forgotten."""
 
     async def decisions(conn: asyncpg.Connection, batch: Sequence[Delivery]) -> Mapping[Delivery, str]:
@@ -73,7 +72,7 @@ def routes(topics: Topics, *, bundles: PolicyStore) -> dict[str, BatchRoute]:
             await register(conn, runs, bundle=bundles.current, now=datetime.now(UTC))
         return {}
 
-    return {topics.decisions: BatchRoute(decisions_pb2.Decision, decisions)}
+    return BatchRoute(decisions_pb2.Decision, decisions)
 
 
 def _waiting_run(message: decisions_pb2.Decision) -> WaitingRun | None:

@@ -170,7 +170,7 @@ def _scans(node: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
 
 
 async def test_the_reconciler_prunes_in_its_upkeep_and_logs_how_many(reconciler_factory, conn: asyncpg.Connection, caplog) -> None:  # noqa: F811
-    caplog.set_level(logging.INFO, logger="budgetgate.services.reconciler.worker")
+    caplog.set_level(logging.INFO, logger="budgetgate.services.reconciler.service")
     await ended_run(conn, "completed")
     await admit(conn, "job-completed", "completed")
     await ended_run(conn, "recent", at=NOW - timedelta(days=1))

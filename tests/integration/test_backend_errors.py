@@ -14,7 +14,7 @@ from budgetgate.runtime import backends
 from budgetgate.ledger import rewrite
 from budgetgate.ledger.redis_ledger import RedisLedger, RefusingWrites
 from budgetgate.services.admission import admitter
-from budgetgate.services.metering_ingest import api as metering_api
+from budgetgate.services.metering_ingest.routes import samples as metering_api
 from tests.support.pg_sessions import in_pg_sleep
 from tests.support.waiting import wait_for
 

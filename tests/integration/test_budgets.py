@@ -83,7 +83,7 @@ async def test_usage_accepts_a_policy_id(pg_dsn: str, admission_factory) -> None
 
 async def test_budget_gauges_are_exported_per_budget(pg_dsn: str, admission_factory) -> None:  # type: ignore[no-untyped-def]
     server = await _seed(pg_dsn, admission_factory)
-    await server.app.state.budget_board.refresh()
+    await server.rt.board.refresh()
     metrics = (await server.client.get("/metrics")).text
 
     def gauge(name: str, policy: str) -> float:

@@ -25,7 +25,7 @@ from tests.support.waiting import wait_for
 # The review's repro: a 50 GPU-hour hard budget of team-ns, and a run of 48 projected GPU-hours.
 BUDGET = {"team.yaml": budget_yaml("gpu-budget/team", namespace="team-ns", labels="{team: team}", limit="gpu_hours: 50")}
 TEAM_RUN = {"run_id": "v1", "namespace": "team-ns", "labels": {"team": "team"}, "job": {"namespace": "team-ns", "name": "train"}}
-# What an HTTP sample is kept pending with (services/metering_ingest/api.py).
+# What an HTTP sample is kept pending with (services/metering_ingest/routes/samples.py).
 HEADERS = ((wire.CONTENT_TYPE, wire.PROTOBUF.encode()), (wire.MESSAGE_TYPE, MeteringSample.DESCRIPTOR.full_name.encode()))
 AT = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=30)
 

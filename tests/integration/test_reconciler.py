@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from budgetgate.services.reconciler.worker import Reconciler
+from budgetgate.services.reconciler.service import Reconciler
 from budgetgate.v1 import actions_pb2, reconciliations_pb2, usage_pb2
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, outbox, run_charges, settled, usage, wait_caught_up

@@ -20,7 +20,7 @@ import asyncpg
 from budgetgate.contracts import wire
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.core.principals import Role
-from budgetgate.services.reconciler.worker import Reconciler
+from budgetgate.services.reconciler.service import Reconciler
 from budgetgate.v1 import reconciliations_pb2, usage_pb2
 from tests.support.admission import AdmissionServer, apply_policies, budget_yaml, submission
 from tests.support.cli import budgetgate_on

@@ -21,7 +21,7 @@ from budgetgate.contracts import wire
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.reconciler.app import create_app
 from budgetgate.services.reconciler.settings import ReconcilerSettings
-from budgetgate.services.reconciler.worker import Reconciler, build
+from budgetgate.services.reconciler.service import Reconciler
 from budgetgate.runtime.telemetry import setup_telemetry
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
@@ -79,7 +79,7 @@ async def reconciler_factory(settings) -> AsyncIterator[Callable[..., Awaitable[
 
     async def start(**overrides: object) -> Reconciler:
         values = {**settings.model_dump(), "tick_seconds": 0.2, "drift_check_seconds": 0, **overrides}
-        reconciler = build(ReconcilerSettings(**values), telemetry=setup_telemetry(service_name="reconciler-test", otlp_endpoint=None))
+        reconciler = Reconciler.create(ReconcilerSettings(**values), telemetry=setup_telemetry(service_name="reconciler-test", otlp_endpoint=None))
         await reconciler.start()
         started.append(reconciler)
         return reconciler

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from budgetgate.services.evidence_emitter.consumers import router as evidence_router
+from budgetgate.services.evidence_emitter import consumers as evidence_consumers
 from budgetgate.services.evidence_emitter.settings import EvidenceSettings
-from budgetgate.services.metering_ingest.consumers import router as metering_router
+from budgetgate.services.metering_ingest import consumers as metering_consumers
 from budgetgate.services.metering_ingest.settings import MeteringSettings
-from budgetgate.services.reconciler.consumers import router as reconciler_router
+from budgetgate.services.reconciler import consumers as reconciler_consumers
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.contracts.topics import Topics
 
@@ -18,9 +18,9 @@ from budgetgate.contracts.topics import Topics
 def test_every_consumer_group_is_named_under_the_topic_prefix(prefix: str) -> None:
     topics = Topics(prefix)
     routers = {
-        "metering-ingest": metering_router(settings=MeteringSettings(topic_prefix=prefix), topics=topics, runtime=lambda: None),  # type: ignore[arg-type,return-value]
-        "reconciler": reconciler_router(settings=ReconcilerSettings(topic_prefix=prefix), topics=topics, reconciler=lambda: None),  # type: ignore[arg-type,return-value]
-        "evidence-emitter": evidence_router(settings=EvidenceSettings(topic_prefix=prefix), topics=topics, runtime=lambda: None),  # type: ignore[arg-type,return-value]
+        "metering-ingest": metering_consumers.subscription(MeteringSettings(topic_prefix=prefix), topics).router(lambda: None),  # type: ignore[arg-type,return-value]
+        "reconciler": reconciler_consumers.subscription(ReconcilerSettings(topic_prefix=prefix), topics).router(lambda: None),  # type: ignore[arg-type,return-value]
+        "evidence-emitter": evidence_consumers.subscription(EvidenceSettings(topic_prefix=prefix), topics).router(lambda: None),  # type: ignore[arg-type,return-value]
     }
     groups = {name: {subscriber.group_id for subscriber in router.subscribers} for name, router in routers.items()}  # type: ignore[attr-defined]
     assert groups == {name: {f"{prefix}budgetgate-{name}"} for name in routers}

@@ -86,7 +86,7 @@ def test_the_certificate_covers_the_service_and_is_mounted_and_injected(docs: di
 
 
 def test_the_deployment_trusts_the_controllers_the_settings_trust_by_default(docs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    from budgetgate.services.admission.kubernetes import TRUSTED_CREATORS, KubernetesWebhookSettings
+    from budgetgate.services.admission.routes.kubernetes import TRUSTED_CREATORS, KubernetesWebhookSettings
 
     container = docs["Deployment/budgetgate-admission-webhook"]["spec"]["template"]["spec"]["containers"][0]
     value = next(e["value"] for e in container["env"] if e["name"] == "BUDGETGATE_KUBERNETES_TRUSTED_CREATORS")

@@ -83,12 +83,13 @@ def add_operational_routes(
     *,
     telemetry: Telemetry,
     readiness: Callable[[Request], Awaitable[dict[str, str]]],
+    details: Callable[[Request], Mapping[str, Any]] | None = None,
     operations: Mapping[str, Operation] | None = None,
     protect_metrics: bool = False,
 ) -> None:
     """Liveness, readiness (200 only when every check says "ok", else a 503 problem naming the
-    checks) and Prometheus metrics; every error answer of `app` as RFC 9457 problem details; and
-    its OpenAPI published with `operations` naming its other endpoints. Health and readiness are
+    checks; `details`, if given, shown beside them) and Prometheus metrics; every error answer of
+    `app` as RFC 9457 problem details; and its OpenAPI published with `operations` naming its other endpoints. Health and readiness are
     open to anyone; metrics too unless `protect_metrics` (then a reader, auditor or operator not
     limited to namespaces or tenants)."""
     from budgetgate.edge.auth import Action, allow
@@ -107,10 +108,11 @@ def add_operational_routes(
     @app.get("/readyz", response_model=Readiness, responses={503: {"description": "a check failed; the problem lists every check as `checks`"}})
     async def readyz(request: Request) -> JSONResponse:
         checks = await readiness(request)
+        more = dict(details(request)) if details is not None else {}
         if all(v == "ok" for v in checks.values()):
-            return JSONResponse({"ready": True, "checks": checks})
+            return JSONResponse({"ready": True, "checks": checks, **more})
         failing = ", ".join(f"{name}: {found}" for name, found in checks.items() if found != "ok")
-        return problem_response(503, f"not ready ({failing})", ready=False, checks=checks)
+        return problem_response(503, f"not ready ({failing})", ready=False, checks=checks, **more)
 
     @app.get(
         "/metrics",

@@ -1,7 +1,9 @@
 """A FastStream batch subscriber feeding the inbox (budgetgate.messaging.inbox.Inbox): each poll is applied
 in one Postgres transaction and acknowledged (its offsets committed) only after that commit.
-metering-ingest and the reconciler both consume this way; each declares its own subscriber on its
-own router with `subscribe_inbox` (`**INBOX_SUBSCRIBER`, and `apply_acked` per poll). `inbox_broker`
+metering-ingest, the reconciler and the evidence-emitter consume this way; each declares once what
+it consumes (`Subscription`: each topic with its inbox route, and the subscriber's options), from
+which both its subscriber on its own router (`subscribe_inbox`: `**INBOX_SUBSCRIBER`, and
+`apply_acked` per poll) and its inbox's routes are derived. `inbox_broker`
 makes the broker a service includes its router into (its Kafka access: TLS, SASL), and
 `start_consuming` starts it once Kafka answers.
 
@@ -36,9 +38,9 @@ import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
@@ -47,7 +49,7 @@ from faststream.kafka.annotations import KafkaMessage
 from faststream.middlewares import AckPolicy
 
 from budgetgate.messaging.publisher import Publisher
-from budgetgate.messaging.inbox import Applied, Inbox, Turn
+from budgetgate.messaging.inbox import Applied, BatchRoute, Inbox, Route, Turn
 from budgetgate.runtime.kafka_access import start_whole
 
 if TYPE_CHECKING:
@@ -314,6 +316,54 @@ def subscribe_inbox(
         await pipeline.apply(message)
 
     router.subscriber(*topics, **INBOX_SUBSCRIBER, **options)(apply_pipelined if pipelined else apply)
+
+
+@dataclass(frozen=True)
+class Subscription(Generic[R]):
+    """What a service consumes through its inbox, declared once (in its consumers.py): each topic
+    with the route that reads it, made from the running service (`routes`), and the options of
+    its FastStream subscriber. Both the subscriber (`router`) and the inbox's routes
+    (`inbox_routes`) are derived from it, so a topic is never subscribed without a route or the
+    other way round.
+
+    `workers` subscribers of one group in one process each own some of the partitions (as
+    processes side by side would); only the first is in the AsyncAPI document, the others are
+    titled `<title>#<n>`. `then` and `pipelined` are `subscribe_inbox`'s."""
+
+    routes: Mapping[str, Callable[[R], Route | BatchRoute]]
+    group_id: str
+    max_records: int
+    title: str
+    description: str
+    then: Callable[[R], None] | None = None
+    pipelined: bool = False
+    workers: int = 1
+
+    @property
+    def topics(self) -> list[str]:
+        return list(self.routes)
+
+    def inbox_routes(self, service: R) -> dict[str, Route | BatchRoute]:
+        """The inbox's route of each topic, for the running `service`."""
+        return {topic: make(service) for topic, make in self.routes.items()}
+
+    def router(self, runtime: Callable[[], R]) -> KafkaRouter:
+        """The FastStream router of the subscribers; `runtime()` gives the running service."""
+        kafka = KafkaRouter()
+        for worker in range(self.workers):
+            subscribe_inbox(
+                kafka,
+                *self.routes,
+                runtime=runtime,
+                then=self.then,
+                pipelined=self.pipelined,
+                group_id=self.group_id,
+                max_records=self.max_records,
+                title=f"{self.title}#{worker}" if worker else self.title,
+                description=self.description,
+                include_in_schema=worker == 0,
+            )
+        return kafka
 
 
 def inbox_broker(settings: CommonSettings, router: KafkaRouter) -> KafkaBroker:

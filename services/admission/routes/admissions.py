@@ -16,7 +16,7 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.services.admission.access import require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.decisions.concurrency import NoSuchPool
-from budgetgate.services.admission.runtime import Runtime
+from budgetgate.services.admission.service import AdmissionService
 from budgetgate.contracts.admission import (
     AdmissionRequest,
     AdmissionResponse,
@@ -48,7 +48,7 @@ POOL = _path(PoolNamespace, "a declared pool, e.g. snowflake:wh-1")
 TOKEN = _path(Token, "a pool token")
 
 
-def _rt(request: Request) -> Runtime:
+def _rt(request: Request) -> AdmissionService:
     return request.app.state.rt
 
 
@@ -134,7 +134,7 @@ async def pool_status(request: Request, namespace: str = POOL, principal: Princi
     return JSONResponse(found)
 
 
-async def _visible_holders(rt: Runtime, principal: Principal, namespace: str, holders: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def _visible_holders(rt: AdmissionService, principal: Principal, namespace: str, holders: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The holders a limited principal may see: a submission's token (`run:<run id>`) when the
     run's namespace and tenant are within its limits, another token when it holds it itself.
     One lookup per holder: a pool holds a few dozen tokens, and only limited callers pay it."""

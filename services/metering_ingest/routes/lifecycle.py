@@ -33,7 +33,7 @@ from budgetgate.messaging import outbox
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import owned_by
 from budgetgate.services.metering_ingest import access
-from budgetgate.services.metering_ingest.api import Unavailable, json_batch, problem
+from budgetgate.services.metering_ingest.routes.samples import Unavailable, json_batch, problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 
 sql = owned_by("budgetgate.services.metering_ingest")

@@ -1,5 +1,7 @@
-"""What the admission service holds while it runs (`build`), and the background work that keeps
-it ready: policies and the Redis ledger loaded, the outbox relayed, policy announcements heard."""
+"""The admission service (`AdmissionService.build(settings)`): what it holds while it runs, the
+background work that keeps it ready (policies and the Redis ledger loaded, the outbox relayed,
+policy announcements heard, the budget gauges refreshed) and its readiness checks. The runner
+(budgetgate.edge.runner) starts and stops it with the app."""
 
 from __future__ import annotations
 
@@ -7,12 +9,15 @@ import asyncio
 from datetime import timedelta
 import contextlib
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 import redis.asyncio as aioredis
 
 from budgetgate.messaging.publisher import Publisher
+from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within
 from budgetgate.runtime import redis_client
 from budgetgate.runtime.kafka_access import start_whole
@@ -23,6 +28,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting import ExternalAccounting
 from budgetgate.services.admission.admitter import Admitter
 from budgetgate.services.admission.fairshare import DecayedUsage
+from budgetgate.services.admission.metrics import BudgetBoard
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.admission.pools import TokenPools
 from budgetgate.services.admission.settings import AdmissionSettings
@@ -33,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Runtime:
+class AdmissionService(Service):
     """The service's adapters, built from its settings when it starts."""
 
     settings: AdmissionSettings
@@ -47,9 +53,35 @@ class Runtime:
     publisher: Publisher
     pools: TokenPools
     topics: Topics
+    board: BudgetBoard
     accounting: ExternalAccounting | None = None
     held: int = 0  # reservations held, for the gauge
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    async def build(cls, settings: AdmissionSettings) -> AdmissionService:
+        """Connect to Postgres, Redis and Kafka (lazily), and wire the admitter to them."""
+        return await _build(settings)
+
+    @property
+    def outbox_relay(self) -> OutboxRelay:  # type: ignore[override]
+        return self.relay
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {
+            "keep-ready": _keep_ready(self),
+            "policy-announcements": _policy_announcements(self),
+            "budget-gauges": self.board.run(),
+        }
+
+    async def checks(self) -> dict[str, str]:
+        checks = {"postgres": await postgres_check(self.pool)}
+        try:
+            checks["redis_ledger"] = "ok" if await self.ledger.is_loaded() else "not loaded"
+        except BACKEND_ERRORS as exc:
+            checks["redis_ledger"] = f"unreachable: {exc}"
+        checks["policy_bundle"] = "ok" if self.policies.current is not None else "none applied"
+        return checks
 
     async def close(self) -> None:
         """Close every client within bounded time (see budgetgate.edge.serving.close_within)."""
@@ -60,8 +92,7 @@ class Runtime:
         await close_pool(self.pool)
 
 
-async def build(settings: AdmissionSettings) -> Runtime:
-    """Connect to Postgres, Redis and Kafka (lazily), and wire the admitter to them."""
+async def _build(settings: AdmissionSettings) -> AdmissionService:
     # No reset query on release: every use ends its transaction, advisory locks are
     # transaction-scoped and no session state is set, so the reset round trip buys nothing.
     pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10, reset=_no_reset)
@@ -78,10 +109,11 @@ async def build(settings: AdmissionSettings) -> Runtime:
         max_batch=settings.batch_max, max_wait=settings.batch_wait_seconds, in_flight=settings.batches_in_flight,
         usage=DecayedUsage(half_life=timedelta(seconds=settings.fair_share_half_life_seconds)),
     )  # fmt: skip
-    return Runtime(
+    return AdmissionService(
         settings=settings, pool=pool, redis=client, ledger=ledger, sync=sync, policies=policies, admitter=admitter,
         relay=OutboxRelay(pool=pool, publisher=publisher, topics=topics, batch=settings.outbox_batch), publisher=publisher,
-        pools=TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies), topics=topics, accounting=accounting,
+        pools=TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies), topics=topics, board=BudgetBoard(pool, policies),
+        accounting=accounting,
     )  # fmt: skip
 
 
@@ -98,29 +130,11 @@ def external_accounting(settings: AdmissionSettings) -> ExternalAccounting | Non
     )
 
 
-def start_background(rt: Runtime) -> None:
-    rt.tasks += [
-        asyncio.create_task(_keep_ready(rt), name="keep-ready"),
-        asyncio.create_task(rt.relay.serve(), name="outbox-relay"),
-        asyncio.create_task(_policy_announcements(rt), name="policy-announcements"),
-    ]
-
-
 async def _no_reset(_conn: asyncpg.Connection) -> None:
     return None
 
 
-async def readiness(rt: Runtime) -> dict[str, str]:
-    checks = {"postgres": await postgres_check(rt.pool)}
-    try:
-        checks["redis_ledger"] = "ok" if await rt.ledger.is_loaded() else "not loaded"
-    except BACKEND_ERRORS as exc:
-        checks["redis_ledger"] = f"unreachable: {exc}"
-    checks["policy_bundle"] = "ok" if rt.policies.current is not None else "none applied"
-    return checks
-
-
-async def _keep_ready(rt: Runtime) -> None:
+async def _keep_ready(rt: AdmissionService) -> None:
     """Load policies and the Redis ledger, and keep them current, outliving any outage."""
     # Orphaned Redis holds (a process died between reserving and committing) are swept by the
     # reconciler, which owns leak protection; a retry of the same run releases its orphan here.
@@ -138,7 +152,7 @@ async def _keep_ready(rt: Runtime) -> None:
         await asyncio.sleep(rt.settings.policy_refresh_seconds if rt.policies.current else 0.5)
 
 
-async def _policy_announcements(rt: Runtime) -> None:
+async def _policy_announcements(rt: AdmissionService) -> None:
     """Switch bundles as soon as budget.policies.v1 announces one (polling is the safety net)."""
     from aiokafka import AIOKafkaConsumer
 

@@ -1,6 +1,8 @@
 """The reconciler: Reconciler.start() wires Postgres, Redis and Kafka to four loops — consume
 facts, settle marked runs, time-driven upkeep, relay the outbox — and stop() ends them. The
-service (app.py) starts one when it starts serving; tests build one directly (build(settings))."""
+runner (budgetgate.edge.runner) starts one when its app starts serving (app.py); tests make one
+directly (Reconciler.create(settings)). Its readiness: Postgres and Redis answer and its Kafka
+subscriber has started."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 from opentelemetry.metrics import Observation
@@ -24,8 +28,9 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sync import LedgerSync
 from budgetgate.messaging.outbox import OutboxRelay
-from budgetgate.edge.serving import close_pool, close_within, stop_tasks
-from budgetgate.services.reconciler import budgets, consumers, dead_letters, facts, headroom
+from budgetgate.edge.runner import Service
+from budgetgate.edge.serving import close_pool, close_within, postgres_check, redis_check
+from budgetgate.services.reconciler import budgets, consumers, dead_letters, headroom
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.dead_letters import REFUSALS
@@ -59,8 +64,11 @@ class Stats:
     fresh: set[str] = field(default_factory=set)
 
 
-class Reconciler:
-    """One reconciler instance; several may run side by side (runs are locked one at a time)."""
+class Reconciler(Service):
+    """One reconciler instance; several may run side by side (runs are locked one at a time).
+
+    Its outbox relay is not the runner's to serve (`outbox_relay` stays None): it shares the
+    producer of the consumer's dead letters, and runs in the consume loop once that is started."""
 
     def __init__(self, settings: ReconcilerSettings, *, telemetry: Telemetry | None = None) -> None:
         self.settings = settings
@@ -93,11 +101,17 @@ class Reconciler:
         self.progress = ConsumerProgress(self.telemetry.meter("budgetgate.messaging.inbox"), name="reconciler")
         self.pool: asyncpg.Pool | None = None
         self.consuming = False  # its Kafka subscriber started (and not stopped since): part of readiness
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks: list[asyncio.Task[None]] = []
         self._repaired = False
         self._windows_seen: datetime | None = None  # when upkeep last looked for new calendar windows
 
+    @classmethod
+    def create(cls, settings: ReconcilerSettings, *, telemetry: Telemetry | None = None) -> Reconciler:
+        """The reconciler for `settings`; connections open on start()."""
+        return cls(settings, telemetry=telemetry)
+
     async def start(self) -> None:
+        """Connect to Postgres and Redis (Kafka in the consume loop), then start the loops."""
         s = self.settings
         self.pool = await asyncpg.create_pool(s.postgres_dsn, min_size=s.pg_pool_min, max_size=s.pg_pool_max, command_timeout=30)
         self.redis = redis_client.connect(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
@@ -107,20 +121,27 @@ class Reconciler:
         self.settler = Settler.configured(s, pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles)
         self.publisher = Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)
-        routes = {**facts.routes(self.topics, on_fact=self.stats.fresh.add), **headroom.routes(self.topics, bundles=self.bundles)}
-        self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=routes)
-        self.broker = inbox_broker(s, consumers.router(settings=s, topics=self.topics, reconciler=lambda: self))
-        self._tasks = [
-            asyncio.create_task(self._guarded("consume", self._consume), name="reconciler-consume"),
-            asyncio.create_task(self._guarded("settle", self._settle_marked), name="reconciler-settle"),
-            asyncio.create_task(self._guarded("upkeep", self._upkeep), name="reconciler-upkeep"),
-        ]
+        consumption = consumers.subscription(s, self.topics)
+        self.inbox = Inbox(name="reconciler", pool=self.pool, publisher=self.publisher, routes=consumption.inbox_routes(self))
+        self.broker = inbox_broker(s, consumption.router(lambda: self))
+        await super().start()
 
-    async def stop(self) -> None:
-        """Stop within bounded time: a client stuck on a server that went away (a consumer
-        leaving its group, a pool waiting for a connection) is abandoned, not waited on."""
-        await stop_tasks(self._tasks)
-        self._tasks = []
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {
+            "reconciler-consume": self._guarded("consume", self._consume),
+            "reconciler-settle": self._guarded("settle", self._settle_marked),
+            "reconciler-upkeep": self._guarded("upkeep", self._upkeep),
+        }
+
+    async def checks(self) -> dict[str, str]:
+        assert self.pool is not None
+        checks = {"postgres": await postgres_check(self.pool), "redis": await redis_check(self.redis)}
+        checks["kafka_consumer"] = "ok" if self.consuming else "not consuming yet"
+        return checks
+
+    async def close(self) -> None:
+        """Within bounded time: a client stuck on a server that went away (a consumer leaving its
+        group, a pool waiting for a connection) is abandoned, not waited on."""
         await close_within(self.broker.stop(), what="reconciler: Kafka consumer")
         await close_within(self.publisher.stop(), what="reconciler: Kafka producer")
         await close_within(self.redis.aclose(), what="reconciler: Redis")
@@ -290,8 +311,3 @@ class Reconciler:
         self.stats.drift_checks += 1
         self.stats.drifted_keys = len(drift.keys) + len(drift.runs) + len(drift.counters) + len(drift.pools)
         self.stats.repairs += drift.repaired
-
-
-def build(settings: ReconcilerSettings, *, telemetry: Telemetry | None = None) -> Reconciler:
-    """The reconciler for `settings`; connections open on start()."""
-    return Reconciler(settings, telemetry=telemetry)

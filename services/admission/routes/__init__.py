@@ -1,0 +1,28 @@
+"""The admission API's routes, a module per what they serve: submissions, their decisions, usage
+by scope and token pools (admissions.py), quotes and explanations (quotes.py), policy bundles
+(bundles.py), a tenant's settings (tenants.py), usage by tenant and user (usage.py), the budgets
+(budgets.py) and the Kubernetes admission webhook (kubernetes.py). Each finds the running
+service as `request.app.state.rt` (budgetgate.services.admission.service.AdmissionService)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from budgetgate.services.admission.routes import admissions, budgets, bundles, kubernetes, quotes, tenants, usage
+from budgetgate.services.admission.settings import AdmissionSettings
+
+OPERATIONS = quotes.OPERATIONS
+
+
+def routers(settings: AdmissionSettings, *, kubernetes_webhook: kubernetes.KubernetesWebhookSettings) -> list[APIRouter]:
+    """Every router of the admission API, in the order they are matched."""
+    return [
+        # Before admissions.router: its GET /v1/admissions/{run_id:path} would take .../explain too.
+        quotes.router,
+        admissions.router,
+        bundles.router,
+        tenants.router,
+        kubernetes.router(kubernetes_webhook),
+        usage.router(settings),
+        budgets.router,
+    ]
