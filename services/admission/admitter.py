@@ -40,7 +40,7 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
-from budgetgate.ledger.sync import LedgerSync, RebuildWaitExceeded
+from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting import ExternalAccounting

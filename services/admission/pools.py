@@ -16,7 +16,7 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.holds import PoolRequest
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync, undo_unless_committed
+from budgetgate.ledger.redis_sync import LedgerSync, undo_unless_committed
 from budgetgate.ledger.transaction import ledger_transaction, record_ledger_mark
 from budgetgate.core.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger

@@ -22,7 +22,7 @@ from budgetgate.edge.serving import close_pool, close_within
 from budgetgate.runtime import redis_client
 from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting import ExternalAccounting

@@ -34,7 +34,7 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.waiting import QUOTA, WaitingRun, budget_needs, waiting_for
 from budgetgate.core.windows import window_at
 from budgetgate.ledger.queries import owned_by
-from budgetgate.ledger.waiting import headroom, registered
+from budgetgate.ledger.waiting_runs import headroom, registered
 from budgetgate.services.reconciler import messages
 from budgetgate.policies.store import PolicyStore, judged_under
 from budgetgate.v1 import common_pb2, decisions_pb2

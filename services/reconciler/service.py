@@ -26,11 +26,11 @@ from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check, redis_check
-from budgetgate.services.reconciler import budgets, consumers, dead_letters, headroom
+from budgetgate.services.reconciler import budget_actions, consumers, dead_letters, headroom
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.dead_letters import REFUSALS
@@ -266,8 +266,8 @@ class Reconciler(Service):
             # Settlements parked by a reconciler that died (or lost Redis) after its commit:
             # Redis converges on Postgres within a tick or two, without a restart or a rebuild.
             self.stats.ended_parked += await self.settler.end_pending(older_than_ms=int(time.time() * 1000) - PARKED_GRACE_MS)
-            await budgets.age_rolling(self.pool, self.ledger, now=now, bundles=self.bundles)
-            if await budgets.lift_holds(self.pool, bundles=self.bundles, now=now):
+            await budget_actions.age_rolling(self.pool, self.ledger, now=now, bundles=self.bundles)
+            if await budget_actions.lift_holds(self.pool, bundles=self.bundles, now=now):
                 self.relay.wakeup.set()
             # A new bundle may have raised a limit a waiting run is refused by; a new calendar
             # window (since the last tick; at start, any) may have room for runs refused in the last.

@@ -19,11 +19,11 @@ from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.reconciliation import READMITTED, STARTED, LifecycleFact, Reservation, Rules, RunFacts, Settlement
 from budgetgate.core.run_state import given_back, settle_state
 from budgetgate.core.windows import Window
-from budgetgate.ledger.concurrency import EndedHolds, end_run_holds, rehold_run, renew_run_token
+from budgetgate.ledger.concurrency_holds import EndedHolds, end_run_holds, rehold_run, renew_run_token
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
-from budgetgate.ledger.sync import LedgerSync
-from budgetgate.services.reconciler import budgets, fairshare, headroom, messages, meter
+from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.services.reconciler import budget_actions, fairshare, headroom, messages, meter
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
@@ -290,7 +290,7 @@ class Settler:
         if consumed_deltas:
             # Last: the ledger rows stay locked only from here to the commit.
             rows = await conn.fetch(sql("add_consumed"), list(consumed_deltas), list(consumed_deltas.values()))
-            await budgets.after_consumption(conn, rows, bundles=self.bundles, now=now)
+            await budget_actions.after_consumption(conn, rows, bundles=self.bundles, now=now)
         # Late too: the tenant's row stays locked only from here to the commit.
         await self._count_fair_share(conn, loaded, result, now)
         if ended.ended or freed:
@@ -391,7 +391,7 @@ async def _consumed_deltas(
     aged: dict[str, datetime] = {}
     if rolling:
         days = [windows[k][0].window.rolling_days or 0 for k in rolling]
-        await conn.execute(sql("ensure_rolling_ages"), rolling, days, [budgets.age_cutoff(d, now) for d in days])
+        await conn.execute(sql("ensure_rolling_ages"), rolling, days, [budget_actions.age_cutoff(d, now) for d in days])
         aged = {r["ledger_key"]: r["aged_through"] for r in await conn.fetch(sql("rolling_ages_shared"), rolling)}
     totals: dict[str, int] = defaultdict(int)
     for (key, bucket), delta in bucket_deltas.items():

@@ -12,7 +12,7 @@ import pytest
 
 from budgetgate.core.reconciliation import Rules
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.policies.store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.admission import apply_policies, budget_yaml

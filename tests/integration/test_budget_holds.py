@@ -1,5 +1,5 @@
 """Lifting a budget hold on real Postgres: once, by one reconciler, and never on a budget a
-settlement in flight is exhausting again (services/reconciler/budgets.py lift_holds)."""
+settlement in flight is exhausting again (services/reconciler/budget_actions.py lift_holds)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import asyncpg
 import pytest
 
-from budgetgate.services.reconciler import budgets
+from budgetgate.services.reconciler import budget_actions
 from budgetgate.policies.store import PolicyStore
 from budgetgate.v1 import actions_pb2
 from tests.support.admission import apply_policies, budget_yaml
@@ -50,8 +50,8 @@ async def releases(dsn: str) -> int:
 
 async def test_a_hold_is_lifted_once_and_announced_once(pool: asyncpg.Pool, pg_dsn: str) -> None:
     found = await bundles(pool)
-    assert await budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)) == [KEY]
-    assert await budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)) == []
+    assert await budget_actions.lift_holds(pool, bundles=found, now=datetime.now(UTC)) == [KEY]
+    assert await budget_actions.lift_holds(pool, bundles=found, now=datetime.now(UTC)) == []
     assert await releases(pg_dsn) == 1
 
 
@@ -60,7 +60,7 @@ async def test_a_hold_another_reconciler_is_lifting_is_not_announced_twice(pool:
     found = await bundles(pool)
     async with pool.acquire() as other, other.transaction():
         await other.execute("DELETE FROM budget_holds WHERE ledger_key = $1", KEY)
-        lifting = asyncio.create_task(budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)))
+        lifting = asyncio.create_task(budget_actions.lift_holds(pool, bundles=found, now=datetime.now(UTC)))
         await wait_done_or_blocked(lifting, other)
     assert await lifting == []
     assert await releases(pg_dsn) == 0
@@ -72,9 +72,9 @@ async def test_a_hold_whose_budget_a_settlement_is_exhausting_stays(pool: asyncp
     found = await bundles(pool)
     async with pool.acquire() as settling, settling.transaction():
         await settling.execute("UPDATE ledger_entries SET consumed = $2 WHERE ledger_key = $1", KEY, LIMIT)
-        lifting = asyncio.create_task(budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)))
+        lifting = asyncio.create_task(budget_actions.lift_holds(pool, bundles=found, now=datetime.now(UTC)))
         await wait_done_or_blocked(lifting, settling)
     assert await lifting == []
-    assert await budgets.lift_holds(pool, bundles=found, now=datetime.now(UTC)) == []
+    assert await budget_actions.lift_holds(pool, bundles=found, now=datetime.now(UTC)) == []
     assert await pool.fetchval("SELECT count(*) FROM budget_holds") == 1
     assert await releases(pg_dsn) == 0

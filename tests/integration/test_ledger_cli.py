@@ -12,7 +12,7 @@ import asyncpg
 import redis.asyncio as aioredis
 
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.redis_sync import LedgerSync
 from tests.support.cli import budgetgate_on
 from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from budgetgate.ledger.concurrency import end_run_holds
+from budgetgate.ledger.concurrency_holds import end_run_holds
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.services.admission.admitter import Admitter
 from budgetgate.policies.store import PolicyStore
 from budgetgate.contracts.admission import AdmissionRequest

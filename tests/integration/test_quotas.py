@@ -7,7 +7,7 @@ import asyncio
 import asyncpg
 import pytest
 
-from budgetgate.ledger.concurrency import end_run_holds
+from budgetgate.ledger.concurrency_holds import end_run_holds
 from budgetgate.ledger.queries import sql
 from tests.support.admission import apply_policies, budget_yaml, one_batch, wait_for_bundle
 from tests.support.waiting import wait_for

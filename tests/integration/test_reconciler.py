@@ -318,7 +318,7 @@ async def _rolled(admission_factory, reconciler_factory, feed, pg_dsn):  # type:
 
 
 async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
-    from budgetgate.services.reconciler import budgets
+    from budgetgate.services.reconciler import budget_actions
 
     reconciler, key, now = await _rolled(admission_factory, reconciler_factory, feed, pg_dsn)
 
@@ -326,10 +326,10 @@ async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_fac
         return (await ledger_in_postgres(pg_dsn))[key] == expected
 
     # Six hours on, the first sample's hour has left the window; two more hours on, all of it.
-    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
     assert await figures_are((0, 4 * H)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
-    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
-    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=8)) == {key: 4 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=8)) == {key: 4 * H}
     assert await figures_are((0, 0)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
 
 
@@ -337,21 +337,21 @@ async def test_ageing_a_key_redis_lost_loads_it_and_ages_it_next_tick(admission_
     """A rolling key missing in Redis when its usage ages out: the script changes nothing, so
     Redis stays loaded; the key is loaded from Postgres and aged on the next tick. It used to
     invalidate the whole ledger and then fail loading the key, aborting the upkeep tick."""
-    from budgetgate.services.reconciler import budgets
+    from budgetgate.services.reconciler import budget_actions
 
     reconciler, key, now = await _rolled(admission_factory, reconciler_factory, feed, pg_dsn)
     await reconciler.redis.delete(reconciler.ledger.ledger(key))
-    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
     assert await reconciler.ledger.is_loaded()
     assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)  # loaded, not aged yet
-    assert await budgets.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
     assert (await ledger_in_postgres(pg_dsn))[key] == (0, 4 * H) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
 
 
 async def test_ageing_whose_redis_reply_is_lost_invalidates_redis_and_ages_once(admission_factory, reconciler_factory, feed, pg_dsn) -> None:
     """The consume script runs but its reply never arrives: the transaction rolls back, so Redis
     must be invalidated (it had aged the key the first time, and the next tick ages it again)."""
-    from budgetgate.services.reconciler import budgets
+    from budgetgate.services.reconciler import budget_actions
 
     reconciler, key, now = await _rolled(admission_factory, reconciler_factory, feed, pg_dsn)
     ledger = reconciler.ledger
@@ -364,7 +364,7 @@ async def test_ageing_whose_redis_reply_is_lost_invalidates_redis_and_ages_once(
     ledger.consume = reply_lost  # type: ignore[method-assign]
     try:
         with pytest.raises(ConnectionError):
-            await budgets.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6))
+            await budget_actions.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6))
     finally:
         ledger.consume = real_consume  # type: ignore[method-assign]
     assert (await ledger_in_postgres(pg_dsn))[key] == (0, 10 * H), "Postgres rolled back"
@@ -372,5 +372,5 @@ async def test_ageing_whose_redis_reply_is_lost_invalidates_redis_and_ages_once(
     rebuilt = await ledger.is_loaded() and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
     assert rebuilt or not await ledger.is_loaded(), "Redis aged without Postgres: it must be rebuilt"
     await reconciler.sync.ensure_loaded()
-    assert await budgets.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
     assert (await ledger_in_postgres(pg_dsn))[key] == (0, 4 * H) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)

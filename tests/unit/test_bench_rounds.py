@@ -12,7 +12,7 @@ from budgetgate.benchmark import report, workload
 from budgetgate.benchmark.audit import Audit
 from budgetgate.benchmark.cpu import CpuUse
 from budgetgate.benchmark.load import Outcome
-from budgetgate.benchmark.runner import Measurements, Options, RunResult
+from budgetgate.benchmark.admission_runner import Measurements, Options, RunResult
 
 REQUESTS = 100
 

@@ -30,7 +30,7 @@ from budgetgate.benchmark.reconciliation import Bench, Options
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.sync import LedgerSync
+from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.messaging.topic_admin import ensure_topics
 
 

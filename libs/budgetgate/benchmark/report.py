@@ -9,7 +9,7 @@ from typing import Any
 from budgetgate.benchmark import load
 from budgetgate.benchmark.cpu import CpuUse
 from budgetgate.benchmark.rounds import spread
-from budgetgate.benchmark.runner import CEILING_TRIES, Measurements, Options, RunResult
+from budgetgate.benchmark.admission_runner import CEILING_TRIES, Measurements, Options, RunResult
 from budgetgate.benchmark.workload import GPU_HOURS_EACH, GPUS, RUNTIME_HOURS
 
 _COLUMNS = ("system", "scenario", "requests", "decisions/s", "p50 ms", "p95 ms", "p99 ms", "errors", "allowed")

@@ -25,7 +25,7 @@ from budgetgate.core.evaluation import Resources, Submission, plan
 from budgetgate.core.loader import load_path
 from budgetgate.core.units import projected_hours_amount
 from budgetgate.ledger.migrations import migrate
-from budgetgate.reports.whatif import what_if
+from budgetgate.reports.whatif_report import what_if
 
 
 @dataclass(frozen=True)

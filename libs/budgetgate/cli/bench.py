@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import click
 
-from budgetgate.benchmark.runner import SYSTEMS
+from budgetgate.benchmark.admission_runner import SYSTEMS
 from budgetgate.benchmark.workload import SCENARIOS
 
 
@@ -69,19 +69,19 @@ def admission(
     that validates the same body (the ceiling), and with --open-loop-rate an open loop at a fixed
     offered rate (p50/p99/p99.9, errors). Exits 1 if any budget was over-admitted.
     """
-    from budgetgate.benchmark import report, runner
+    from budgetgate.benchmark import admission_runner, report
 
-    options = runner.Options(
+    options = admission_runner.Options(
         requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
         scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
         open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds, rounds=rounds,
     )  # fmt: skip
     try:
-        measured = asyncio.run(runner.run(options, echo=lambda message: click.echo(message, err=True)))
+        measured = asyncio.run(admission_runner.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         click.echo("interrupted; everything the benchmark started was stopped", err=True)
         sys.exit(130)
-    except runner.BENCH_ERRORS as exc:
+    except admission_runner.BENCH_ERRORS as exc:
         raise click.ClickException(f"benchmark aborted: {type(exc).__name__}: {exc}") from exc
     if as_json:
         click.echo(json.dumps(report.as_json(options, measured), indent=2))
@@ -106,7 +106,7 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds
     with the same schema, timed. Uses BUDGETGATE_POSTGRES_DSN, and BUDGETGATE_KAFKA_BOOTSTRAP or
     a Tansu broker started for the run. Exits 1 if the recorded usage is wrong.
     """
-    from budgetgate.benchmark import metering_report, metering_runner, runner
+    from budgetgate.benchmark import admission_runner, metering_report, metering_runner
 
     options = metering_runner.Options(samples=samples, runs=runs, resend_every=resend_every, partitions=partitions, rounds=rounds)
     try:
@@ -114,7 +114,7 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds
     except (KeyboardInterrupt, asyncio.CancelledError):
         click.echo("interrupted; everything the benchmark started was stopped", err=True)
         sys.exit(130)
-    except runner.BENCH_ERRORS as exc:
+    except admission_runner.BENCH_ERRORS as exc:
         raise click.ClickException(f"benchmark aborted: {type(exc).__name__}: {exc}") from exc
     click.echo(json.dumps(metering_report.as_json(options, results), indent=2) if as_json else metering_report.as_text(options, results))
     if not all(result.correct for result in results):

@@ -1,5 +1,5 @@
 """`budgetgate ledger …`: Redis's copy of the ledger. Postgres is the truth; Redis is rebuilt
-from it (libs/budgetgate/ledger/sync.py does the work, under the exclusive ledger lock)."""
+from it (libs/budgetgate/ledger/redis_sync.py does the work, under the exclusive ledger lock)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from budgetgate.cli import backend
 from budgetgate.runtime.settings import CommonSettings
 
 if TYPE_CHECKING:
-    from budgetgate.ledger.sync import Drift, LedgerSync
+    from budgetgate.ledger.redis_sync import Drift, LedgerSync
 
 
 @click.group()
@@ -82,7 +82,7 @@ async def _drift(settings: CommonSettings) -> Drift | None:
 async def _sync(settings: CommonSettings) -> AsyncIterator[LedgerSync]:
     """A LedgerSync on the stack's Postgres and Redis (both checked reachable), closed on exit."""
     from budgetgate.ledger.redis_ledger import RedisLedger
-    from budgetgate.ledger.sync import LedgerSync
+    from budgetgate.ledger.redis_sync import LedgerSync
 
     async with backend.postgres_pool(settings.postgres_dsn) as pool, backend.redis(settings.redis_url) as client:
         yield LedgerSync(pool, RedisLedger(client, prefix=settings.redis_prefix))  # type: ignore[arg-type]

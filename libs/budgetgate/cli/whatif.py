@@ -42,7 +42,7 @@ def what_if(directory: Path, period: str, as_json: bool) -> None:
 
 async def run(dsn: str, candidate: PolicyBundle, start: datetime, *, show_progress: bool = False) -> dict[str, Any]:
     """The what-if report of `candidate` over the decisions recorded since `start`."""
-    from budgetgate.reports.whatif import decisions_since, what_if
+    from budgetgate.reports.whatif_report import decisions_since, what_if
 
     async with backend.postgres(dsn) as conn:
         total = await decisions_since(conn, start)

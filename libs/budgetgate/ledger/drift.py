@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from budgetgate.ledger.concurrency import concurrency_state
+from budgetgate.ledger.concurrency_holds import concurrency_state
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 

@@ -34,5 +34,5 @@ FROM tenant_overrides WHERE revision <= $1 ORDER BY tenant, revision DESC;
 INSERT INTO tenant_overrides (tenant, settings, actor, cause, reason, git_sha) VALUES ($1, $2::jsonb, $3, $4, $5, $6)
 RETURNING revision, changed_at;
 
--- waiting runs and HEADROOM (libs/budgetgate/ledger/waiting.py, services/reconciler/headroom.py) ---
+-- waiting runs and HEADROOM (libs/budgetgate/ledger/waiting_runs.py, services/reconciler/headroom.py) ---
 

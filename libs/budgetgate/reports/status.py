@@ -15,7 +15,7 @@ from budgetgate.core.units import Unit, display
 from budgetgate.core.waiting import Headroom, Limiting
 from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import owned_by
-from budgetgate.ledger.waiting import headroom, refused_decision
+from budgetgate.ledger.waiting_runs import headroom, refused_decision
 from budgetgate.decisions.rendering import replayed
 
 sql = owned_by("budgetgate.reports")

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 
 from budgetgate.edge.auth import Action, Principal, allow
 from budgetgate.core.principals import Forbidden
-from budgetgate.services.admission.quotes import Quoter
+from budgetgate.services.admission.quoting import Quoter
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 

@@ -20,7 +20,7 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.operations import Operation
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.decisions.explain import explanation, recompute
-from budgetgate.services.admission.quotes import Quoter
+from budgetgate.services.admission.quoting import Quoter
 from budgetgate.services.admission.routes.admissions import RUN_ID
 from budgetgate.contracts.admission import _EVALUATION_EXAMPLE, AdmissionRequest, AdmissionResponse, Problem
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from budgetgate.ledger import drift, rewrite
-from budgetgate.ledger.concurrency import concurrency_state, write_concurrency
+from budgetgate.ledger.concurrency_holds import concurrency_state, write_concurrency
 from budgetgate.ledger.drift import Drift
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
