@@ -39,8 +39,7 @@ class SubmissionFastPath:
         fastapi_app = scope["app"]
         body = b""
         try:
-            gate = gate_of(fastapi_app)
-            principal = await gate.check(scope["headers"], Action.SUBMIT, client=gate.proxies.client(scope))
+            principal = await gate_of(fastapi_app).check(scope["headers"], Action.SUBMIT, scope=scope)
             scope.setdefault("state", {})[CHECKED] = principal  # FastAPI's route does not count it again
             body = await _read(receive)
             try:

@@ -140,8 +140,9 @@ class Gate:
         self.failure_limit = parse(failure_limit) if failure_limit else None
         self.failures = FixedWindowRateLimiter(MemoryStorage()) if self.failure_limit is not None else None
 
-    async def principal(self, headers: Iterable[tuple[bytes, bytes]], *, client: str | None = None) -> Principal:
-        """The caller named by the Authorization header; raises Unauthenticated or TooManyFailures."""
+    async def principal(self, headers: Iterable[tuple[bytes, bytes]], *, scope: Any = None) -> Principal:
+        """The caller named by the Authorization header; raises Unauthenticated or TooManyFailures.
+        `scope` (the request's ASGI scope) gives the address unknown tokens are counted against."""
         value = next((v for k, v in headers if k.lower() == b"authorization"), None)
         if value is None:
             raise NoCredentials("no credentials: send `Authorization: Bearer <token>`")
@@ -150,16 +151,18 @@ class Gate:
         if scheme.lower() != "bearer" or not credential:
             raise Unauthenticated("credentials must be a bearer token (`Authorization: Bearer <token>`)")
         if credential.startswith(PREFIX):
-            return await self.api_token(credential, client=client or "an unknown address")
+            return await self.api_token(credential, scope=scope)
         if self.jwt is None:
             raise Unauthenticated("not a budgetgate API token, and no OIDC issuer is configured")
         return await self.jwt.principal(credential)
 
-    async def api_token(self, secret: str, *, client: str) -> Principal:
+    async def api_token(self, secret: str, *, scope: Any = None) -> Principal:
         """The principal of a budgetgate API token; raises Unauthenticated or TooManyFailures."""
         found = self.tokens.cached(secret)
         if found is not None:  # a caller known good keeps working while its address is limited
             return found
+        # Only a token not answered from the cache needs the caller's address.
+        client = (self.proxies.client(scope) if scope is not None else None) or "an unknown address"
         # A secret found valid before is looked up again (revoked since?) even while its address
         # is limited: callers behind one proxy share an address, and one flooding it must not
         # lock the others out each time their cached answer runs out.
@@ -177,9 +180,9 @@ class Gate:
             raise Unauthenticated("API token unknown, revoked or expired")
         return found
 
-    async def check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, client: str | None = None) -> Principal:
+    async def check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any = None) -> Principal:
         """The caller, if it may do `action` now; raises Unauthenticated, Forbidden or RateLimited."""
-        principal = await self.principal(headers, client=client)
+        principal = await self.principal(headers, scope=scope)
         principal.require(action)
         await self.count(principal)
         return principal
@@ -276,8 +279,7 @@ def allow(action: Action) -> Callable[..., Any]:
         if checked is not None:  # a plain ASGI path checked (and counted) this request already
             checked.require(action)
             return checked
-        gate = gate_of(request.app)
-        return await gate.check(request.scope["headers"], action, client=gate.proxies.client(request.scope))
+        return await gate_of(request.app).check(request.scope["headers"], action, scope=request.scope)
 
     return dependency
 
