@@ -19,9 +19,6 @@ import httpx
 
 from budgetgate.devstack.processes import log_tail, spawn
 
-# A service that serves no HTTP has no readiness endpoint: it counts as ready once it has stayed
-# up this long, which catches the common start-up failures (bad settings, server unreachable).
-SETTLE_SECONDS = 1.5
 
 # The CommonSettings fields handed to every service as BUDGETGATE_* variables.
 SETTINGS_ENV = ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix")
@@ -31,8 +28,6 @@ SETTINGS_ENV = ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", 
 class Service:
     name: str
     module: str
-    # Serves HTTP: takes --host/--port and answers GET /readyz with 200 once ready.
-    http: bool
     # Readiness checks (in the /readyz body) that wait for an operator, not for time: admission
     # stays unready, failing closed, until a policy bundle is applied. A fresh stack has none, so
     # `dev up` counts these as up and says what is missing rather than waiting for ever.
@@ -44,22 +39,20 @@ class Service:
         except ModuleNotFoundError:
             return False
 
-    def command(self, port: int | None) -> list[str]:
-        cmd = [sys.executable, "-m", self.module]
-        if self.http:
-            cmd += ["--host", "127.0.0.1", "--port", str(port)]
-        return cmd
+    def command(self, port: int) -> list[str]:
+        """Every service serves HTTP: --host/--port, and GET /readyz answers 200 once it is ready."""
+        return [sys.executable, "-m", self.module, "--host", "127.0.0.1", "--port", str(port)]
 
 
 SERVICES: tuple[Service, ...] = (
-    Service(name="admission", module="budgetgate.services.admission", http=True, awaits_operator=("policy_bundle",)),
-    Service(name="metering_ingest", module="budgetgate.services.metering_ingest", http=True),
+    Service(name="admission", module="budgetgate.services.admission", awaits_operator=("policy_bundle",)),
+    Service(name="metering_ingest", module="budgetgate.services.metering_ingest"),
     # Serves /readyz, /metrics and the operator's routes of dead-lettered settlements
     # (`budgetgate settlements`, which finds it as the state's `reconciler_url`).
-    Service(name="reconciler", module="budgetgate.services.reconciler", http=True),
+    Service(name="reconciler", module="budgetgate.services.reconciler"),
     # Serves /readyz and /metrics (evidence backlog); events go to .budgetgate/evidence/ unless
     # OPENLINEAGE_URL (or openlineage-python's configuration) names Marquez.
-    Service(name="evidence_emitter", module="budgetgate.services.evidence_emitter", http=True),
+    Service(name="evidence_emitter", module="budgetgate.services.evidence_emitter"),
 )
 
 
@@ -77,30 +70,25 @@ def service_env(service: Service, settings: Mapping[str, str | None]) -> dict[st
     return env
 
 
-def start_service(service: Service, *, settings: Mapping[str, str | None], port: int | None, log: Path, cwd: Path) -> subprocess.Popen[bytes]:
+def start_service(service: Service, *, settings: Mapping[str, str | None], port: int, log: Path, cwd: Path) -> subprocess.Popen[bytes]:
     return spawn(service.command(port), log=log, env=service_env(service, settings), cwd=cwd)
 
 
-def wait_ready(service: Service, proc: subprocess.Popen[bytes], *, url: str | None, log: Path, log_offset: int, timeout: float) -> str:
+def wait_ready(service: Service, proc: subprocess.Popen[bytes], *, url: str, log: Path, log_offset: int, timeout: float) -> str:
     """Block until the service is ready; return a note on what it still awaits (or "").
 
     Raises ServiceNotReady, naming what failed and quoting the log, when the service exits or
     is not ready within `timeout` seconds.
     """
     deadline = time.monotonic() + timeout
-    settled_at = time.monotonic() + SETTLE_SECONDS
     last = "no answer yet"
     while True:
         code = proc.poll()
         if code is not None:
             raise ServiceNotReady(f"{service.name} exited with code {code} while starting; last lines of {log}:\n{log_tail(log, since=log_offset)}")
-        if url is None:
-            if time.monotonic() >= settled_at:
-                return ""
-        else:
-            ready, last, awaiting = _probe_readyz(service, url)
-            if ready:
-                return ", ".join(f"{name}: {awaiting[name]}" for name in awaiting)
+        ready, last, awaiting = _probe_readyz(service, url)
+        if ready:
+            return ", ".join(f"{name}: {awaiting[name]}" for name in awaiting)
         if time.monotonic() >= deadline:
             raise ServiceNotReady(
                 f"{service.name} was not ready within {timeout:.0f}s (GET {url}/readyz: {last}); last lines of {log}:\n{log_tail(log, since=log_offset)}"

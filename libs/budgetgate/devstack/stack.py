@@ -199,8 +199,8 @@ def _start_services(state: StackState, *, timeout: float, echo: Echo) -> None:
         if not service.runnable():
             echo(f"{service.name}: not started, {service.module} has no __main__ yet")
             continue
-        port = free_port() if service.http else None
-        url = f"http://127.0.0.1:{port}" if port is not None else None
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
         log = _logs(state) / f"{service.name}.log"
         offset = log.stat().st_size if log.exists() else 0
         proc = start_service(service, settings=state.settings, port=port, log=log, cwd=state.root)
