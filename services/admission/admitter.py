@@ -43,12 +43,12 @@ from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reserva
 from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
 from budgetgate.services.admission import records
-from budgetgate.services.admission.accounting import ExternalAccounting
+from budgetgate.services.admission.accounting_source import ExternalAccounting
 from budgetgate.services.admission.batching import GroupCommit
 from budgetgate.decisions.concurrency import Asks
-from budgetgate.services.admission.fairshare import DecayedUsage
+from budgetgate.services.admission.fairshare_cache import DecayedUsage
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, prepare, readings, readings_record
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.decisions.rendering import replayed, response_body
 from budgetgate.services.admission.resubmission import differences, resent
 from budgetgate.contracts.admission import AdmissionRequest

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 from opentelemetry.metrics import Counter, Histogram, Meter, Observation
 
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.reports.budgets import list_budgets
 
 if TYPE_CHECKING:

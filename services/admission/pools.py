@@ -21,7 +21,7 @@ from budgetgate.ledger.transaction import ledger_transaction, record_ledger_mark
 from budgetgate.core.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.decisions.concurrency import pool_request
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.admission.resubmission import Conflict
 from budgetgate.contracts.admission import AllocationIn
 

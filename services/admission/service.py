@@ -25,11 +25,11 @@ from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.runtime.backends import BACKEND_ERRORS
-from budgetgate.services.admission.accounting import ExternalAccounting
+from budgetgate.services.admission.accounting_source import ExternalAccounting
 from budgetgate.services.admission.admitter import Admitter
-from budgetgate.services.admission.fairshare import DecayedUsage
+from budgetgate.services.admission.fairshare_cache import DecayedUsage
 from budgetgate.services.admission.metrics import BudgetBoard
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.admission.pools import TokenPools
 from budgetgate.services.admission.settings import AdmissionSettings
 from budgetgate.edge.serving import postgres_check

@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.messaging.inbox import Poison
-from budgetgate.evidence import events, facet, store
+from budgetgate.evidence import event_store, events, facet
 from budgetgate.v1 import decisions_pb2, reconciliations_pb2
 
 Stored = Callable[[str, str], None]  # (stage, event type), for metrics
@@ -45,16 +45,16 @@ class EvidenceHandlers:
 
     async def _settle_waiting(self, conn: asyncpg.Connection, run_id: str, decided: dict[str, Any], job: tuple[str, str]) -> None:
         """Reconciliations of this decision that came first get its facet (and its job) now."""
-        for seq, payload in await store.waiting_for_run(conn, run_id):
+        for seq, payload in await event_store.waiting_for_run(conn, run_id):
             reconciled = payload["run"]["facets"][facet.FACET_KEY]
             if reconciled.get("decision_id") not in (None, decided["decision_id"]):
                 continue
             await _release(conn, run_id, seq, payload, decided, job)
 
     async def reconciliation(self, conn: asyncpg.Connection, message: reconciliations_pb2.Reconciliation, _record: Any) -> None:
-        decided = await store.decision_event(conn, message.run_id, message.decision_id or None)
+        decided = await event_store.decision_event(conn, message.run_id, message.decision_id or None)
         decided_facet = decided["run"]["facets"][facet.FACET_KEY] if decided else None
-        terminal_sent = await store.terminal_sent(conn, message.run_id)
+        terminal_sent = await event_store.terminal_sent(conn, message.run_id)
         with _poison_if_unusable():
             fields = facet.reconciliation_fields(message, decided_facet)
             event_type = events.reconciliation_event_type(fields["final_state"], terminal_sent=terminal_sent)
@@ -62,7 +62,7 @@ class EvidenceHandlers:
             row = _reconciliation_row(message, fields, at)
         # The decision's job first: every event of a run must name the same job in Marquez.
         job = (decided["job"]["namespace"], decided["job"]["name"]) if decided else _job(message.job) or ("budgetgate", message.run_id)
-        await store.add_reconciliation(conn, row)
+        await event_store.add_reconciliation(conn, row)
         await self._store(
             conn,
             stage=facet.RECONCILIATION,
@@ -91,7 +91,7 @@ class EvidenceHandlers:
         state: str = "pending",
     ) -> None:
         event = events.run_event(event_type=event_type, at=at, run_id=run_id, job=job, fields=fields, producer=self.producer)
-        await store.add_event(conn, store.StoredEvent(
+        await event_store.add_event(conn, event_store.StoredEvent(
             source_event_id=message_id,
             stage=stage,
             run_id=run_id,
@@ -112,8 +112,8 @@ async def release_decided(conn: asyncpg.Connection, run_id: str) -> int:
     the reconciliation no decision, and it would wait out the decision wait and go out with an
     inferred decision. The sender calls this for every run with such a row, each pass."""
     released = 0
-    for seq, payload in await store.waiting_for_run(conn, run_id):
-        decision = await store.decision_event(conn, run_id, payload["run"]["facets"][facet.FACET_KEY].get("decision_id"))
+    for seq, payload in await event_store.waiting_for_run(conn, run_id):
+        decision = await event_store.decision_event(conn, run_id, payload["run"]["facets"][facet.FACET_KEY].get("decision_id"))
         if decision is None:
             continue
         decided = {k: v for k, v in decision["run"]["facets"][facet.FACET_KEY].items() if not k.startswith("_")}
@@ -134,8 +134,8 @@ async def _release(conn: asyncpg.Connection, run_id: str, seq: int, payload: dic
     # began the run's life again (a refused attempt's ABORT then counted as its end).
     final_state = payload["run"]["facets"][facet.FACET_KEY].get("final_state", "")
     with _poison_if_unusable():
-        payload["eventType"] = events.reconciliation_event_type(final_state, terminal_sent=await store.terminal_sent(conn, run_id)).value
-    await store.settle_waiting(conn, seq, payload)
+        payload["eventType"] = events.reconciliation_event_type(final_state, terminal_sent=await event_store.terminal_sent(conn, run_id)).value
+    await event_store.settle_waiting(conn, seq, payload)
 
 
 @contextlib.contextmanager
@@ -159,9 +159,9 @@ def _job(job: Any) -> tuple[str, str] | None:
     return None
 
 
-def _reconciliation_row(message: reconciliations_pb2.Reconciliation, fields: dict[str, Any], at: datetime) -> store.ReconciliationRow:
+def _reconciliation_row(message: reconciliations_pb2.Reconciliation, fields: dict[str, Any], at: datetime) -> event_store.ReconciliationRow:
     state = fields["final_state"]
-    return store.ReconciliationRow(
+    return event_store.ReconciliationRow(
         event_id=message.event_id,
         run_id=message.run_id,
         decision_id=message.decision_id or fields.get("decision_id"),

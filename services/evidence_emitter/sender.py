@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from budgetgate.ledger.queries import owned_by
-from budgetgate.evidence import events, store
+from budgetgate.evidence import event_store, events
 from budgetgate.services.evidence_emitter import handlers
 from budgetgate.services.evidence_emitter.transport import NotDelivered, Refused
 
@@ -48,7 +48,7 @@ class SenderStats:
     failures: int = 0
     consecutive_failures: int = 0
     last_error: str | None = None
-    backlog: store.Backlog = field(default_factory=lambda: store.Backlog(0, 0.0))
+    backlog: event_store.Backlog = field(default_factory=lambda: event_store.Backlog(0, 0.0))
 
 
 class Sender:
@@ -85,7 +85,7 @@ class Sender:
                 async with self._leadership() as lead:
                     while not lead.is_closed():
                         await self.release_decided()
-                        await store.release_stale(self.pool, self.decision_wait)
+                        await event_store.release_stale(self.pool, self.decision_wait)
                         await self.refresh_backlog()
                         if await self.deliver_once() == 0:
                             await self._idle()
@@ -99,7 +99,7 @@ class Sender:
         """Release waiting reconciliations whose decision is stored by now (see
         handlers.release_decided); returns how many."""
         released = 0
-        for run_id in await store.waiting_decided(self.pool):
+        for run_id in await event_store.waiting_decided(self.pool):
             async with self.pool.acquire() as conn, conn.transaction():
                 released += await handlers.release_decided(conn, run_id)
         return released
@@ -114,13 +114,13 @@ class Sender:
         sender woke, hold back every other event for ever.)
         """
         done, failed_in_a_row = 0, 0
-        for pending in await store.next_batch(self.pool, self.batch):
+        for pending in await event_store.next_batch(self.pool, self.batch):
             event = events.from_json(pending.payload)
             try:
                 await asyncio.to_thread(self.send, event)
             except Refused as exc:
                 log.error("evidence event %d refused (HTTP %s), dead-lettered: %s", pending.seq, exc.status, exc.body[:500])
-                await store.mark_dead(self.pool, pending.seq, status=exc.status, body=exc.body, error=str(exc))
+                await event_store.mark_dead(self.pool, pending.seq, status=exc.status, body=exc.body, error=str(exc))
                 self.stats.dead_lettered += 1
                 done += 1
                 continue
@@ -128,7 +128,7 @@ class Sender:
                 if self._poison(pending, exc):
                     reason = f"the receiver answered HTTP {exc.status} to this event {self.server_error_limit} times while it accepted others: {exc}"
                     log.error("evidence event %d dead-lettered: %s; body: %s", pending.seq, reason, exc.body[:500])
-                    await store.mark_dead(self.pool, pending.seq, status=exc.status, body=exc.body, error=reason)
+                    await event_store.mark_dead(self.pool, pending.seq, status=exc.status, body=exc.body, error=reason)
                     self.stats.dead_lettered += 1
                     done += 1
                     continue
@@ -138,7 +138,7 @@ class Sender:
                     await asyncio.sleep(wait)
                     return done
                 continue
-            await store.mark_delivered(self.pool, pending.seq)
+            await event_store.mark_delivered(self.pool, pending.seq)
             self._strikes.pop(pending.seq, None)
             self.stats.delivered += 1
             self.stats.consecutive_failures = 0
@@ -146,7 +146,7 @@ class Sender:
             done += 1
         return done
 
-    def _poison(self, pending: store.Pending, exc: NotDelivered) -> bool:
+    def _poison(self, pending: event_store.Pending, exc: NotDelivered) -> bool:
         """Whether `exc` is the last strike against the event (see the module doc)."""
         if not exc.server_error:
             return False
@@ -162,7 +162,7 @@ class Sender:
         self._strikes[pending.seq] = (strikes, self.stats.delivered)
         return False
 
-    async def _failed(self, pending: store.Pending, exc: NotDelivered) -> float:
+    async def _failed(self, pending: event_store.Pending, exc: NotDelivered) -> float:
         """Count the failure and put the event off; returns the sender's wait before its next try."""
         self.stats.failures += 1
         self.stats.consecutive_failures += 1
@@ -172,11 +172,11 @@ class Sender:
         # on (a 5xx for its content) does not hold back other runs' events for ever.
         own = backoff(pending.attempts + 1, initial=self.initial_backoff, cap=self.max_backoff)
         log.warning("evidence event %d not delivered (%s); retrying in %.1fs", pending.seq, exc, wait)
-        await store.mark_retry(self.pool, pending.seq, error=str(exc), after_seconds=own)
+        await event_store.mark_retry(self.pool, pending.seq, error=str(exc), after_seconds=own)
         return wait
 
-    async def refresh_backlog(self) -> store.Backlog:
-        self.stats.backlog = await store.backlog(self.pool)
+    async def refresh_backlog(self) -> event_store.Backlog:
+        self.stats.backlog = await event_store.backlog(self.pool)
         return self.stats.backlog
 
     async def _idle(self) -> None:

@@ -52,7 +52,7 @@ from budgetgate.core.metering import (
 )
 from budgetgate.core.principals import Principal
 from budgetgate.services.metering_ingest import store
-from budgetgate.services.metering_ingest.messages import raw_sample, timestamp, usage_draft, usage_record, with_run_figures
+from budgetgate.services.metering_ingest.codecs import raw_sample, timestamp, usage_draft, usage_record, with_run_figures
 from budgetgate.contracts.trace_context import inject_headers
 from budgetgate.services.metering_ingest.store import Owner, PendingSample, RunState, Source
 from budgetgate.v1.metering_pb2 import MeteringSample

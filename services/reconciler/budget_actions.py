@@ -21,7 +21,7 @@ from budgetgate.core.policy import OnExhausted
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.services.reconciler import headroom, messages
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.v1 import actions_pb2
 

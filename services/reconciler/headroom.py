@@ -36,7 +36,7 @@ from budgetgate.core.windows import window_at
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.waiting_runs import headroom, registered
 from budgetgate.services.reconciler import messages
-from budgetgate.policies.store import PolicyStore, judged_under
+from budgetgate.policies.policy_store import PolicyStore, judged_under
 from budgetgate.v1 import common_pb2, decisions_pb2
 
 sql = owned_by("budgetgate.services.reconciler")

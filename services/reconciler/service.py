@@ -31,7 +31,7 @@ from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check, redis_check
 from budgetgate.services.reconciler import budget_actions, consumers, dead_letters, headroom
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.services.reconciler.dead_letters import REFUSALS
 from budgetgate.services.reconciler.settler import Settler

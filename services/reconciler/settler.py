@@ -24,7 +24,7 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.services.reconciler import budget_actions, fairshare, headroom, messages, meter
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
 

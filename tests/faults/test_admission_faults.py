@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from budgetgate.core.reconciliation import Rules
 from budgetgate.ledger.queries import owned_by
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import private_database
 from tests.support.waiting import wait_for

@@ -13,7 +13,7 @@ import pytest
 from budgetgate.core.reconciliation import Rules
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis

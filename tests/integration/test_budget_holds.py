@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from budgetgate.services.reconciler import budget_actions
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.v1 import actions_pb2
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.pg_sessions import wait_done_or_blocked

@@ -17,7 +17,7 @@ import pytest
 from lightkube import AsyncClient as KubeClient
 from lightkube import KubeConfig
 
-from budgetgate.client import NO_RETRY, AsyncClient
+from budgetgate.client import AsyncClient, NO_RETRY
 from budgetgate.adapters.kueue_controller import AdmissionCheckController
 from budgetgate.adapters import kueue_workloads as kueue
 from budgetgate.core.principals import Role

@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.policies.override_store import update
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.quotas import QUOTA
 

@@ -19,7 +19,7 @@ from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.services.admission.admitter import Admitter
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.contracts.admission import AdmissionRequest
 from tests.support.admission import apply_policies, budget_yaml
 

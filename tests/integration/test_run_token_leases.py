@@ -12,7 +12,7 @@ import itertools
 from datetime import UTC, datetime, timedelta
 
 from budgetgate.core.reconciliation import Rules
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.quotas import BIG_BUDGET, physics, started
 from tests.support.waiting import wait_for

@@ -30,7 +30,7 @@ from budgetgate.core.metering import (
     validate,
 )
 from budgetgate.core.units import to_decimal
-from budgetgate.services.metering_ingest.messages import raw_sample
+from budgetgate.services.metering_ingest.codecs import raw_sample
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 pytestmark = pytest.mark.property

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from budgetgate.benchmark import report, workload
-from budgetgate.benchmark.audit import Audit
+from budgetgate.benchmark.correctness import Audit
 from budgetgate.benchmark.cpu import CpuUse
 from budgetgate.benchmark.load import Outcome
 from budgetgate.benchmark.admission_runner import Measurements, Options, RunResult

@@ -12,7 +12,7 @@ from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.overrides import InvalidOverride, OverrideSet, TenantOverrides, after_apply, effective, from_json, to_json, updated
 from budgetgate.core.units import MILLI_PER_HOUR, Unit
 from budgetgate.core.policy_plan import override_changes
-from budgetgate.services.admission.accounting import BadAnswer, NoFigure, read
+from budgetgate.services.admission.accounting_source import BadAnswer, NoFigure, read
 
 QUOTA = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {{id: q}}\nspec: {{tenant: physics, {limits}}}\n"
 CLUSTER = "apiVersion: budgetgate/v1\nkind: Cluster\nmetadata: {id: c}\nspec: {gpus: 100}\n"

@@ -26,9 +26,9 @@ from aiokafka.errors import KafkaError
 
 from budgetgate.benchmark.session import session
 from budgetgate.benchmark import databases, load, pauses, workload
-from budgetgate.benchmark.audit import Audit, check
+from budgetgate.benchmark.correctness import Audit, check
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
-from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
+from budgetgate.benchmark.service_processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.benchmark.systems import Backends, Baseline, Budgetgate, System
 from budgetgate.runtime.settings import CommonSettings
 

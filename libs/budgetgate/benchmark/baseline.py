@@ -21,10 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from budgetgate.benchmark import queries
+from budgetgate.benchmark import sql_blocks
 
 MILLI_PER_HOUR = 3_600_000
-sql = functools.partial(queries.sql, "baseline.sql")
+sql = functools.partial(sql_blocks.sql, "baseline.sql")
 
 
 class Resources(BaseModel):

@@ -26,8 +26,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.benchmark.session import session
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
-from budgetgate.benchmark import databases, metering_workload, pauses, queries
-from budgetgate.benchmark.processes import StartError, Subprocess, free_port, python_module, tansu_command
+from budgetgate.benchmark import databases, metering_workload, pauses, sql_blocks
+from budgetgate.benchmark.service_processes import StartError, Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.metering import Counters
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.runtime.settings import CommonSettings
@@ -94,7 +94,7 @@ class Run:
         ingest_dsn = await self._database(stack, "ingest")
         copy_dsn = await self._database(stack, "copy")
         work = metering_workload.build(samples=self.options.samples, runs=self.options.runs, resend_every=self.options.resend_every, tag=self.tag)
-        await _execute(ingest_dsn, queries.sql("metering.sql", "decide_runs"), work.runs)
+        await _execute(ingest_dsn, sql_blocks.sql("metering.sql", "decide_runs"), work.runs)
         await ensure_topics(bootstrap, prefix=self.topics.prefix, partitions=self.options.partitions)
         self.echo(f"publishing {len(work.messages)} samples ({work.resends} resends) of {len(work.runs)} runs to {self.topics.metering}")
         ends = await _publish(bootstrap, self.topics.metering, work.messages)
@@ -120,7 +120,7 @@ class Run:
         await _wait_relayed(service, ingest_dsn)
         await service[0].stop()  # nothing in flight while the rows are read
 
-        rows = await _fetch(ingest_dsn, queries.sql("metering.sql", "usage_rows"))
+        rows = await _fetch(ingest_dsn, sql_blocks.sql("metering.sql", "usage_rows"))
         problems = await _check(ingest_dsn, work, rows)
         self.echo(f"copying the same {len(rows)} rows with COPY")
         copy_seconds = await _copy(copy_dsn, rows)
@@ -208,7 +208,7 @@ class Run:
                 await asyncio.sleep(0.02)
         finally:
             await admin.close()
-        [found] = await _fetch(dsn, queries.sql("metering.sql", "consumed"), INBOX)
+        [found] = await _fetch(dsn, sql_blocks.sql("metering.sql", "consumed"), INBOX)
         if found["done"] != expected:
             raise StartError(f"metering-ingest committed every offset but its inbox holds {found['done']} of {expected} samples\n{child.log_tail()}")
         return float(found["seconds"])
@@ -219,7 +219,7 @@ async def _from_first_commit(meter: CpuMeter, dsn: str) -> tuple[Started, int]:
     empty until then, every 10 ms, and nothing after); with the samples consumed by then."""
     conn = await asyncpg.connect(dsn)
     try:
-        while not (done := (await conn.fetchrow(queries.sql("metering.sql", "consumed"), INBOX))["done"]):
+        while not (done := (await conn.fetchrow(sql_blocks.sql("metering.sql", "consumed"), INBOX))["done"]):
             await asyncio.sleep(0.01)
     finally:
         await conn.close()
@@ -270,7 +270,7 @@ async def _publish(bootstrap: str, topic: str, messages: list) -> dict[TopicPart
 
 
 async def _outbox(dsn: str) -> tuple[int, int]:
-    [row] = await _fetch(dsn, queries.sql("audit.sql", "outbox_state"))
+    [row] = await _fetch(dsn, sql_blocks.sql("audit.sql", "outbox_state"))
     return row["pending"], row["total"]
 
 
@@ -286,7 +286,7 @@ async def _check(dsn: str, work: metering_workload.MeteringWorkload, rows: list[
     problems = []
     if len(rows) != work.distinct:
         problems.append(f"{len(rows)} usage rows for {work.distinct} distinct samples")
-    totals = {r["run_id"]: r for r in await _fetch(dsn, queries.sql("metering.sql", "run_totals"))}
+    totals = {r["run_id"]: r for r in await _fetch(dsn, sql_blocks.sql("metering.sql", "run_totals"))}
     for run_id, expected in work.expected.items():
         total = totals.get(run_id)
         found = Counters(total["gpu"], total["node"]) if total else None

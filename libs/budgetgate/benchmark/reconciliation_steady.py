@@ -28,8 +28,8 @@ from aiokafka import AIOKafkaProducer
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts import wire
 from budgetgate.benchmark import databases
-from budgetgate.benchmark.processes import free_port, python_module
-from budgetgate.benchmark.reconciliation import Bench, Options, _lifecycle, _usage
+from budgetgate.benchmark.service_processes import free_port, python_module
+from budgetgate.benchmark.reconciliation_runner import Bench, Options, _lifecycle, _usage
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.contracts.topics import Topics

@@ -11,11 +11,11 @@ from typing import Protocol
 import asyncpg
 import redis.asyncio as aioredis
 
-from budgetgate.benchmark import baseline, queries
-from budgetgate.benchmark.audit import MILLI_PER_HOUR, BudgetTotal
+from budgetgate.benchmark import baseline, sql_blocks
+from budgetgate.benchmark.correctness import MILLI_PER_HOUR, BudgetTotal
 from budgetgate.benchmark.cpu import Part
 from budgetgate.benchmark.credentials import SERVICE_ENV, bench_token
-from budgetgate.benchmark.processes import python_module
+from budgetgate.benchmark.service_processes import python_module
 from budgetgate.benchmark.workload import Workload, policy_yaml
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.ledger.migrations import migrate_dsn
@@ -96,8 +96,8 @@ class Budgetgate:
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
         conn = await asyncpg.connect(dsn)
         try:
-            rows = await conn.fetch(queries.sql("audit.sql", "ledger_totals"))
-            allow_decisions = await conn.fetchval(queries.sql("audit.sql", "allow_decisions"))
+            rows = await conn.fetch(sql_blocks.sql("audit.sql", "ledger_totals"))
+            allow_decisions = await conn.fetchval(sql_blocks.sql("audit.sql", "allow_decisions"))
         finally:
             await conn.close()
         totals = [BudgetTotal(r["budget"], r["limit_amount"], r["consumed"], r["admitted"], r["allows"]) for r in rows]
@@ -121,7 +121,7 @@ class Budgetgate:
     async def notes(self, dsn: str) -> dict[str, int]:
         conn = await asyncpg.connect(dsn)
         try:
-            row = await conn.fetchrow(queries.sql("audit.sql", "outbox_state"))
+            row = await conn.fetchrow(sql_blocks.sql("audit.sql", "outbox_state"))
         finally:
             await conn.close()
         return {"outbox_records": row["total"], "outbox_unpublished": row["pending"]}

@@ -153,7 +153,7 @@ def reconciliation(
     if records_per_s is not None:
         _steady(records_per_s, run_lengths, long_runs, duration, budgets, as_json)
         return
-    from budgetgate.benchmark import reconciliation as bench_reconciliation
+    from budgetgate.benchmark import reconciliation_runner as bench_reconciliation
 
     options = bench_reconciliation.Options(runs=runs, rate=rate, samples=samples, budgets=budgets)
     try:
@@ -197,7 +197,7 @@ def drift(held: int, rate: float, duration: float, budgets: int, as_json: bool) 
 
     Same backends as `bench reconciliation`. Exits 1 if Redis differs from Postgres at the end.
     """
-    from budgetgate.benchmark import drift as bench_drift
+    from budgetgate.benchmark import drift_runner as bench_drift
 
     options = bench_drift.DriftOptions(held=held, rate=rate, duration=duration, budgets=budgets)
     try:
@@ -219,10 +219,12 @@ def what_if(decisions: int, teams: int, as_json: bool) -> None:
 
     Records the history in a fresh database on the Postgres server of BUDGETGATE_POSTGRES_DSN
     (not timed), then times the command's own work against a candidate with every limit at 70 %."""
-    from budgetgate.benchmark import whatif
+    from budgetgate.benchmark import whatif_runner
     from budgetgate.runtime.settings import CommonSettings
 
-    measured = asyncio.run(whatif.run(CommonSettings().postgres_dsn, decisions=decisions, teams=teams, echo=lambda message: click.echo(message, err=True)))
+    measured = asyncio.run(
+        whatif_runner.run(CommonSettings().postgres_dsn, decisions=decisions, teams=teams, echo=lambda message: click.echo(message, err=True))
+    )
     if as_json:
         click.echo(json.dumps(measured.as_json(), indent=2))
     else:

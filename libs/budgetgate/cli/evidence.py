@@ -60,11 +60,11 @@ def resend(seqs: tuple[int, ...], every: bool) -> None:
 
 
 async def _with_store(call: Callable[[Any, Any], Awaitable[Any]]) -> Any:
-    """`call(store, connection)` on the stack's ledger database (budgetgate.evidence.store)."""
-    from budgetgate.evidence import store
+    """`call(store, connection)` on the stack's ledger database (budgetgate.evidence.event_store)."""
+    from budgetgate.evidence import event_store
 
     async with backend.postgres(backend.stack_settings().postgres_dsn) as conn:
-        return await call(store, conn)
+        return await call(event_store, conn)
 
 
 def _as_json(row: Any) -> dict[str, Any]:

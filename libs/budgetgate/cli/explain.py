@@ -56,7 +56,7 @@ def explain(run_id: str, as_json: bool) -> None:
 async def _explain(dsn: str, run_id: str) -> dict[str, Any] | None:
     from budgetgate.ledger.queries import sql
     from budgetgate.decisions.explain import explanation, recompute
-    from budgetgate.policies.store import PolicyStore
+    from budgetgate.policies.policy_store import PolicyStore
 
     async with backend.postgres(dsn) as conn:
         row = await conn.fetchrow(sql("decision_inputs"), run_id)  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
-from budgetgate.client import calls, endpoints, feeds, settlements
+from budgetgate.client import calls, endpoints, feeds, settlement_calls
 from budgetgate.client.calls import Call
 from budgetgate.client.errors import NotGranted, error_of
 from budgetgate.client.retries import RetryPolicy
@@ -170,12 +170,12 @@ class AsyncClient:
 
     async def dead_letters(self) -> DeadLetterList:
         """The settlements the reconciler dead-lettered, with what their runs hold (an operator token)."""
-        return await self.send(settlements.dead_letters(), base=self.reconciler_url)
+        return await self.send(settlement_calls.dead_letters(), base=self.reconciler_url)
 
     async def resolve_settlement(self, run_id: str, *, action: Literal["release", "settle"], reason: str) -> Resolved:
         """Resolve a run's dead-lettered settlement: release what it holds, or settle it again (an
         operator token); `reason` goes to the admin log."""
-        return await self.send(settlements.resolve(run_id, action=action, reason=reason), base=self.reconciler_url)
+        return await self.send(settlement_calls.resolve(run_id, action=action, reason=reason), base=self.reconciler_url)
 
     @property
     def url(self) -> str:

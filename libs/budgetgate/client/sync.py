@@ -8,7 +8,7 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
-from budgetgate.client import calls, endpoints, feeds, settlements
+from budgetgate.client import calls, endpoints, feeds, settlement_calls
 from budgetgate.client.aio import answer, headers
 from budgetgate.client.calls import Call
 from budgetgate.client.errors import NotGranted
@@ -147,12 +147,12 @@ class Client:
 
     def dead_letters(self) -> DeadLetterList:
         """The settlements the reconciler dead-lettered, with what their runs hold (an operator token)."""
-        return self.send(settlements.dead_letters(), base=self.reconciler_url)
+        return self.send(settlement_calls.dead_letters(), base=self.reconciler_url)
 
     def resolve_settlement(self, run_id: str, *, action: Literal["release", "settle"], reason: str) -> Resolved:
         """Resolve a run's dead-lettered settlement: release what it holds, or settle it again (an
         operator token); `reason` goes to the admin log."""
-        return self.send(settlements.resolve(run_id, action=action, reason=reason), base=self.reconciler_url)
+        return self.send(settlement_calls.resolve(run_id, action=action, reason=reason), base=self.reconciler_url)
 
     @property
     def url(self) -> str:

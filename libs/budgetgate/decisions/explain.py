@@ -15,7 +15,7 @@ from budgetgate.core.evaluation import Decision, deciding_index, describe
 from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.windows import iso
 from budgetgate.ledger.queries import owned_by
-from budgetgate.policies.store import PolicyStore
+from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.decisions.deciding import (
     Disagreement,
     InvalidSubmission,

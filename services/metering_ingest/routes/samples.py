@@ -38,7 +38,7 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.services.metering_ingest import access
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin, Outcome, Pending
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
-from budgetgate.services.metering_ingest.messages import from_json
+from budgetgate.services.metering_ingest.codecs import from_json
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 _SAMPLE_SCHEMA = {

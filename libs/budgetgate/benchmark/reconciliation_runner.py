@@ -29,7 +29,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.benchmark import databases
-from budgetgate.benchmark.processes import Subprocess, free_port, python_module, tansu_command
+from budgetgate.benchmark.service_processes import Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn

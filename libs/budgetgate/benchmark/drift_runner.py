@@ -25,8 +25,8 @@ import httpx
 import redis.asyncio as aioredis
 
 from budgetgate.benchmark import databases
-from budgetgate.benchmark.processes import free_port, python_module
-from budgetgate.benchmark.reconciliation import Bench, Options
+from budgetgate.benchmark.service_processes import free_port, python_module
+from budgetgate.benchmark.reconciliation_runner import Bench, Options
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.redis_ledger import RedisLedger

@@ -1,6 +1,6 @@
 """The evidence store in Postgres: events the evidence-emitter stored when consumed, then marked
 delivered (or dead) by its sender, and the dead-lettered ones listed and put back to be sent
-(`budgetgate evidence`). SQL lives in ledger/sql/queries.sql (the evidence-emitter section)."""
+(`budgetgate evidence`). Its SQL is evidence/queries.sql."""
 
 from __future__ import annotations
 
