@@ -41,7 +41,7 @@ from budgetgate.contracts.admission import AdmissionRequest
 
 CONTROLLER_NAME = "budgetgate.io/budget"
 PRIORITY_BOOST = "kueue.x-k8s.io/priority-boost"
-GROUP, VERSION = "kueue.x-k8s.io", "v1beta1"
+GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
 
 
 def _time(at: datetime) -> str:
