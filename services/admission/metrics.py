@@ -1,6 +1,6 @@
 """The admission service's metrics: its answers (counted and timed as they go out), the
 reservations held and Redis rebuilds, and per budget of the active bundle in its current window
-(`budgetgate_budget_used_ratio`, `budgetgate_budget_remaining`, `budgetgate_budget_held`), read
+(`budgetgate_budget_committed_ratio`, `budgetgate_budget_consumed_ratio`, `budgetgate_budget_remaining`, `budgetgate_budget_held`), read
 from the running service's `BudgetBoard`, refreshed periodically from Postgres so a scrape costs
 no query."""
 
@@ -52,7 +52,7 @@ class BudgetBoard:
     def observe(self, field: str) -> list[Observation]:
         observations = []
         for b in self.budgets:
-            value = {"used_ratio": b["used_ratio"], "remaining": b["remaining"], "held": 1 if b["state"] == "held" else 0}[field]
+            value = 1 if b["state"] == "held" else 0 if field == "held" else b[field]
             observations.append(Observation(value, {"policy_id": b["policy_id"], "scope_id": b["scope_id"], "unit": b["unit"]}))
         return observations
 
@@ -80,7 +80,8 @@ class Metrics:
             description="rebuilds of the Redis ledger from Postgres this instance made (Redis emptied, restored from an older snapshot, or invalidated)",
         )
         for name, field, description in (
-            ("budgetgate_budget_used_ratio", "used_ratio", "share of the budget reserved or consumed in its current window"),
+            ("budgetgate_budget_committed_ratio", "committed_ratio", "committed (reserved + consumed) / limit in the budget's current window"),
+            ("budgetgate_budget_consumed_ratio", "consumed_ratio", "consumed (metered actuals) / limit in the budget's current window"),
             ("budgetgate_budget_remaining", "remaining", "what is left of the budget in its current window, in hours or its currency"),
             ("budgetgate_budget_held", "held", "1 while a hold is in force on the budget, else 0"),
         ):

@@ -1,6 +1,11 @@
 """Budget-level consequences of consumption: threshold alerts, holds (and drains) when a budget
 is exhausted and their lifting, and usage ageing out of rolling windows.
 
+Threshold alerts are sent on both measures of core/thresholds.py, once per window each: on
+consumed as a settlement moves it (`after_consumption`), on committed (reserved + consumed) at
+the reconciler's next tick after admission reserved past a threshold (`committed_alerts`), so
+the action feed says what `budgetgate budgets` and the gauges say, within a tick.
+
 A budget is exhausted when what its window has consumed reaches its limit (reservations alone
 never exhaust a budget: they are what running workloads are expected to use). Admission already
 answers DELAY for a `hold` or `hold-and-drain` budget without room; the reconciler announces
@@ -18,6 +23,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.core.policy import OnExhausted
+from budgetgate.core.thresholds import THRESHOLDS, Measure, crossed
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.services.reconciler import headroom, messages
@@ -29,7 +35,6 @@ sql = owned_by("budgetgate.services.reconciler")
 
 log = logging.getLogger(__name__)
 
-THRESHOLDS = (80, 100)
 HOLDING = (OnExhausted.HOLD, OnExhausted.HOLD_AND_DRAIN)
 
 
@@ -44,12 +49,9 @@ async def after_consumption(conn: asyncpg.Connection, rows: Sequence[Any], *, bu
         key, limit, consumed = row["ledger_key"], row["limit_amount"], row["consumed"]
         if limit <= 0:
             continue
-        for threshold in THRESHOLDS:
-            if consumed * 100 >= threshold * limit and await conn.fetchval(sql("insert_alert"), key, threshold):
-                await messages.action(
-                    conn, kind=actions_pb2.THRESHOLD_ALERT, ledger_key=key, policy_id=row["policy_id"], scope_id=row["scope_id"], threshold=threshold, now=now,
-                    text=f"budget {row['policy_id']!r} has consumed {100 * consumed / limit:.1f}% of its limit in this window (threshold {threshold}%)",
-                )  # fmt: skip
+        for threshold in crossed(consumed, limit):
+            if await conn.fetchval(sql("insert_alert"), key, str(Measure.CONSUMED), threshold):
+                await _alert(conn, row, Measure.CONSUMED, threshold, amount=consumed, now=now)
         policy = bundles.active_policy(row["policy_id"])
         current = row["window_end"] is None or row["window_end"] > now
         if policy is None or policy.on_exhausted not in HOLDING or consumed < limit or not current:
@@ -66,6 +68,29 @@ async def after_consumption(conn: asyncpg.Connection, rows: Sequence[Any], *, bu
                         conn, kind=actions_pb2.DRAIN, ledger_key=key, policy_id=policy.id, scope_id=row["scope_id"], run_id=run["run_id"], now=now,
                         text=f"drain run {run['run_id']!r}: budget {policy.id!r} is exhausted",
                     )  # fmt: skip
+
+
+async def committed_alerts(pool: asyncpg.Pool, *, now: datetime) -> int:
+    """THRESHOLD_ALERT on committed for every current budget whose reserved + consumed reached a
+    threshold since the last look; returns how many were sent. The alert row and its action
+    commit together, and the row's key sends each alert once, whichever reconciler sees it."""
+    sent = 0
+    async with pool.acquire() as conn:
+        for row in await conn.fetch(sql("committed_alerts_due"), list(THRESHOLDS), now):
+            async with conn.transaction():
+                if await conn.fetchval(sql("insert_alert"), row["ledger_key"], str(Measure.COMMITTED), row["threshold"]):
+                    await _alert(conn, row, Measure.COMMITTED, row["threshold"], amount=row["committed"], now=now)
+                    sent += 1
+    return sent
+
+
+async def _alert(conn: asyncpg.Connection, row: Any, measure: Measure, threshold: int, *, amount: int, now: datetime) -> None:
+    what = "committed (reserved + consumed)" if measure is Measure.COMMITTED else "consumed"
+    await messages.action(
+        conn, kind=actions_pb2.THRESHOLD_ALERT, ledger_key=row["ledger_key"], policy_id=row["policy_id"], scope_id=row["scope_id"],
+        threshold=threshold, measure=str(measure), now=now,
+        text=f"budget {row['policy_id']!r} has {what} {100 * amount / row['limit_amount']:.1f}% of its limit in this window ({measure} {threshold}%)",
+    )  # fmt: skip
 
 
 async def lift_holds(pool: asyncpg.Pool, *, bundles: PolicyStore, now: datetime) -> list[str]:

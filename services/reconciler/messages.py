@@ -100,11 +100,12 @@ async def action(
     now: datetime,
     run_id: str = "",
     threshold: int = 0,
+    measure: str = "",
 ) -> None:
     """One action on budget.actions.v1, keyed by scope so a scope's actions stay in order."""
     name = actions_pb2.ActionType.Name(kind)
     message = actions_pb2.BudgetAction(
-        event_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"budgetgate:action:{name}:{ledger_key}:{run_id}:{threshold}:{now.isoformat()}")),
+        event_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"budgetgate:action:{name}:{ledger_key}:{run_id}:{measure}{threshold}:{now.isoformat()}")),
         event_time=maybe_timestamp(now),
         type=kind,  # type: ignore[arg-type]
         scope_id=scope_id,
@@ -112,6 +113,7 @@ async def action(
         policy_id=policy_id,
         run_id=run_id,
         threshold_percent=threshold,
+        measure=measure,
         message=text,
     )
     await _outbox(conn, topics.ACTIONS, scope_id, message)

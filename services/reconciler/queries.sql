@@ -256,12 +256,31 @@ SELECT COALESCE(SUM(amount), 0)::bigint FROM run_charges WHERE ledger_key = $1 A
 UPDATE rolling_ages SET aged_through = $2 WHERE ledger_key = $1;
 
 -- name: insert_alert
-INSERT INTO budget_alerts (ledger_key, threshold_percent) VALUES ($1, $2)
-ON CONFLICT (ledger_key, threshold_percent) DO NOTHING RETURNING true;
+-- $2: the measure (committed, consumed), $3: the threshold in percent; true when not sent before.
+INSERT INTO budget_alerts (ledger_key, measure, threshold_percent) VALUES ($1, $2, $3)
+ON CONFLICT (ledger_key, measure, threshold_percent) DO NOTHING RETURNING true;
 
 -- name: rearm_alerts
--- A rolling window whose usage aged out below a threshold may cross it again.
-DELETE FROM budget_alerts WHERE ledger_key = $1 AND threshold_percent::numeric * $3 > $2::numeric * 100;
+-- A rolling window whose usage aged out below a threshold may cross it again: each measure
+-- ($2: consumed now, plus the held reservations for committed) against $3, the limit.
+DELETE FROM budget_alerts a WHERE a.ledger_key = $1 AND a.threshold_percent::numeric * $3 > 100 * (
+    $2::numeric + CASE WHEN a.measure = 'committed' THEN
+        COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = $1 AND r.state = 'held'), 0) ELSE 0 END);
+
+-- name: committed_alerts_due
+-- The ledger entries of current windows whose committed (consumed + held reservations, as
+-- `budgetgate budgets` reads it) has reached a threshold of $1 not alerted on yet ($2: now).
+SELECT e.ledger_key, e.policy_id, e.scope_id, e.limit_amount, t.threshold,
+       e.consumed + COALESCE(r.reserved, 0) AS committed
+FROM ledger_entries e
+LEFT JOIN LATERAL (SELECT SUM(amount) AS reserved FROM reservations
+                   WHERE ledger_key = e.ledger_key AND state = 'held') r ON true
+CROSS JOIN unnest($1::int[]) AS t (threshold)
+WHERE e.limit_amount > 0 AND (e.window_end IS NULL OR e.window_end > $2)
+  AND (e.consumed + COALESCE(r.reserved, 0))::numeric * 100 >= t.threshold::numeric * e.limit_amount
+  AND NOT EXISTS (SELECT 1 FROM budget_alerts a
+                  WHERE a.ledger_key = e.ledger_key AND a.measure = 'committed' AND a.threshold_percent = t.threshold)
+ORDER BY e.ledger_key, t.threshold;
 
 -- name: insert_hold
 INSERT INTO budget_holds (ledger_key, policy_id, scope_id, on_exhausted) VALUES ($1, $2, $3, $4)

@@ -269,6 +269,8 @@ class Reconciler(Service):
             await budget_actions.age_rolling(self.pool, self.ledger, now=now, bundles=self.bundles)
             if await budget_actions.lift_holds(self.pool, bundles=self.bundles, now=now):
                 self.relay.wakeup.set()
+            if await budget_actions.committed_alerts(self.pool, now=now):
+                self.relay.wakeup.set()
             # A new bundle may have raised a limit a waiting run is refused by; a new calendar
             # window (since the last tick; at start, any) may have room for runs refused in the last.
             if await headroom.recheck(self.pool, self.bundles, now=now):

@@ -58,10 +58,13 @@ async def test_budgets_list_every_budget_in_human_units_with_its_state(pg_dsn: s
     response = await server.client.get("/v1/budgets")
     assert response.status_code == 200
     by_id = {b["policy_id"]: b for b in response.json()["budgets"]}
-    assert {k: by_id["tight"][k] for k in ("scope_id", "unit", "limit", "reserved", "consumed", "remaining", "used_percent", "state")} == {
+    fields = ("scope_id", "unit", "limit", "reserved", "consumed", "remaining", "committed", "committed_percent", "consumed_percent", "alerts", "state")
+    assert {k: by_id["tight"][k] for k in fields} == {
         "scope_id": "ns=vision-prod;cost-center=1042", "unit": "gpu_hours", "limit": 55.0, "reserved": 48.0, "consumed": 0.0,
-        "remaining": 7.0, "used_percent": 87.3, "state": "alerting"}  # fmt: skip
-    assert {p: b["state"] for p, b in by_id.items()} == {"roomy": "ok", "tight": "alerting", "full": "exhausted", "paused": "held", "money": "ok"}
+        "remaining": 7.0, "committed": 48.0, "committed_percent": 87.3, "consumed_percent": 0.0, "alerts": ["committed 80%"], "state": "alerting"}  # fmt: skip
+    assert by_id["tight"]["used_percent"] == by_id["tight"]["committed_percent"]  # the first name of the measure
+    # "full": every GPU-hour committed (reserved), none consumed: new work does not fit, nothing is exhausted.
+    assert {p: b["state"] for p, b in by_id.items()} == {"roomy": "ok", "tight": "alerting", "full": "full", "paused": "held", "money": "ok"}
     assert (by_id["money"]["reserved"], by_id["money"]["currency"], by_id["money"]["used_percent"]) == (5.0, "USD", 5.0)
     assert by_id["roomy"]["window_key"] and by_id["roomy"]["window_start"] < by_id["roomy"]["window_end"]
 
@@ -69,7 +72,7 @@ async def test_budgets_list_every_budget_in_human_units_with_its_state(pg_dsn: s
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.stdout)["budgets"] == response.json()["budgets"]
     text = (await invoke(pg_dsn, ["budgets"])).stdout
-    assert re.search(r"tight\s+ns=vision-prod;cost-center=1042\s+\S+\s+gpu-hours\s+55\s+48\s+0\s+7\s+87\.3%\s+alerting", text), text
+    assert re.search(r"tight\s+ns=vision-prod;cost-center=1042\s+\S+\s+gpu-hours\s+55\s+48\s+0\s+7\s+87\.3%\s+0\.0%\s+alerting", text), text
 
 
 async def test_usage_accepts_a_policy_id(pg_dsn: str, admission_factory) -> None:  # type: ignore[no-untyped-def]
@@ -92,7 +95,8 @@ async def test_budget_gauges_are_exported_per_budget(pg_dsn: str, admission_fact
         assert 'unit="' in match.group(1) and 'scope_id="' in match.group(1)
         return float(match.group(2))
 
-    assert gauge("budgetgate_budget_used_ratio", "tight") == round(48 / 55, 6)
+    assert gauge("budgetgate_budget_committed_ratio", "tight") == round(48 / 55, 6)
+    assert gauge("budgetgate_budget_consumed_ratio", "tight") == 0.0
     assert gauge("budgetgate_budget_remaining", "tight") == 7.0
     assert gauge("budgetgate_budget_remaining", "money") == 95.0
     assert (gauge("budgetgate_budget_held", "paused"), gauge("budgetgate_budget_held", "tight")) == (1.0, 0.0)

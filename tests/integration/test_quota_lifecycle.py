@@ -87,7 +87,9 @@ async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota
 
     await feed.send(lifecycle("late", "STARTED", datetime.now(UTC), gpus=1))
     await wait_for(lambda: allocations(3), what="late counted on the quota again")
-    assert (await _held(pg_dsn))[0] == 3
+    # The hold reaches Redis inside the Postgres transaction, before its commit
+    # (ledger/transaction.py): Postgres shows it a moment after Redis does.
+    await wait_for(lambda: _held_holds(pg_dsn, 3), what="late's hold taken again in Postgres")
 
     async def recorded() -> bool:
         # The holds taken again took a ledger sequence number, which Postgres records with them
@@ -155,6 +157,10 @@ async def _fact_settled_undecided(dsn: str, run_id: str) -> bool:
         )
     finally:
         await conn.close()
+
+
+async def _held_holds(dsn: str, n: int) -> bool:
+    return (await _held(dsn))[0] == n
 
 
 async def _held(dsn: str) -> tuple[int, int]:

@@ -71,12 +71,13 @@ def test_every_expression_parses_and_reads_an_exported_metric(rules: list[dict[s
 
 def test_a_broken_expression_does_not_parse() -> None:
     with pytest.raises(ValueError):
-        promql_parser.parse("max by (policy_id (budgetgate_budget_used_ratio) >= 0.8")
+        promql_parser.parse("max by (policy_id (budgetgate_budget_committed_ratio) >= 0.8")
 
 
 def test_budget_alerts_cover_80_percent_100_percent_and_holds_per_budget(rules: list[dict[str, Any]]) -> None:
     by_name = {rule["alert"]: rule for rule in rules}
-    expectations = {"BudgetAt80Percent": ("budgetgate_budget_used_ratio", "0.8"), "BudgetExhausted": ("budgetgate_budget_used_ratio", "1"),
+    expectations = {"BudgetCommitted80Percent": ("budgetgate_budget_committed_ratio", "0.8"), "BudgetFull": ("budgetgate_budget_committed_ratio", "1"),
+                    "BudgetConsumed80Percent": ("budgetgate_budget_consumed_ratio", "0.8"), "BudgetExhausted": ("budgetgate_budget_consumed_ratio", "1"),
                     "BudgetHeld": ("budgetgate_budget_held", "1")}  # fmt: skip
     for alert, (metric, threshold) in expectations.items():
         expr = by_name[alert]["expr"]

@@ -93,7 +93,7 @@ def actions(follow: bool, as_json: bool) -> None:
         if as_json:
             click.echo(json.dumps(data, sort_keys=True))
             return
-        what = data.get("type", "?") + (f" {action.threshold_percent}%" if action.threshold_percent else "")
+        what = data.get("type", "?") + (f" {action.measure} {action.threshold_percent}%".replace("  ", " ") if action.threshold_percent else "")
         subject = f"policy {action.policy_id} on {action.scope_id}" + (f", run {action.run_id}" if action.run_id else "")
         if action.type == ActionType.HEADROOM:
             subject = f"run {action.run_id} attempt {action.attempt}"

@@ -16,7 +16,8 @@ from budgetgate.cli import backend
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def budgets(as_json: bool) -> None:
-    """Limit, reserved, consumed, remaining, used % and state of every budget."""
+    """Limit, reserved, consumed, remaining, committed % (reserved + consumed), consumed % and
+    state of every budget: the two measures the alerts and gauges use."""
     settings = backend.stack_settings()
     found = asyncio.run(read_budgets(settings.postgres_dsn))
     if found is None:
@@ -26,9 +27,9 @@ def budgets(as_json: bool) -> None:
         return
     click.echo(f"bundle {found['policy_bundle_sha']}")
     table(
-        ["budget", "scope", "window", "unit", "limit", "reserved", "consumed", "remaining", "used", "state"],
+        ["budget", "scope", "window", "unit", "limit", "reserved", "consumed", "remaining", "committed", "consumed %", "state"],
         [[b["policy_id"], b["scope_id"], b["window_key"], unit_label(b), f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}",
-          f"{b['remaining']:g}", f"{b['used_percent']:.1f}%", b["state"]] for b in found["budgets"]],
+          f"{b['remaining']:g}", f"{b['committed_percent']:.1f}%", f"{b['consumed_percent']:.1f}%", b["state"]] for b in found["budgets"]],
     )  # fmt: skip
 
 

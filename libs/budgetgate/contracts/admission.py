@@ -478,9 +478,21 @@ class BudgetLine(BaseModel):
     reserved: float = Field(description="held by admitted runs not yet reconciled")
     consumed: float = Field(description="metered actuals")
     remaining: float = Field(description="limit - reserved - consumed")
-    used_percent: float = Field(description="(reserved + consumed) / limit, in percent")
-    used_ratio: float = Field(description="(reserved + consumed) / limit")
-    state: Literal["ok", "alerting", "exhausted", "held"] = Field(description="ok; alerting from 80 % used; exhausted; held while a hold is in force")
+    committed: float = Field(description="reserved + consumed: what the budget has promised in this window")
+    committed_percent: float = Field(description="committed / limit, in percent")
+    committed_ratio: float = Field(description="committed / limit (the gauge budgetgate_budget_committed_ratio)")
+    consumed_percent: float = Field(description="consumed / limit, in percent")
+    consumed_ratio: float = Field(description="consumed / limit (the gauge budgetgate_budget_consumed_ratio)")
+    alerts: list[str] = Field(
+        description="the thresholds each measure has reached in this window, e.g. ['committed 80%', 'committed 100%', 'consumed 80%']: "
+        "the THRESHOLD_ALERT actions the reconciler sends, once each"
+    )
+    used_percent: float = Field(description="committed_percent under its first name", deprecated=True)
+    used_ratio: float = Field(description="committed_ratio under its first name", deprecated=True)
+    state: Literal["ok", "alerting", "full", "exhausted", "held"] = Field(
+        description="held while a hold is in force; exhausted when consumed reaches the limit; full when committed does (new work does not fit); "
+        "alerting from 80 % committed; else ok"
+    )
 
 
 class BudgetList(BaseModel):
@@ -491,8 +503,9 @@ class BudgetList(BaseModel):
         "budgets": [{
             "policy_id": "gpu-budget/team-vision-prod", "scope_id": "ns=vision-prod;cost-center=1042;team=vision", "window_key": "2026-07",
             "window_start": "2026-07-01T00:00:00Z", "window_end": "2026-08-01T00:00:00Z", "unit": "gpu_hours", "currency": None,
-            "enforcement": "hard", "limit": 500.0, "reserved": 48.0, "consumed": 310.25, "remaining": 141.75, "used_percent": 71.7,
-            "used_ratio": 0.7165, "state": "ok",
+            "enforcement": "hard", "limit": 500.0, "reserved": 48.0, "consumed": 310.25, "remaining": 141.75, "committed": 358.25,
+            "committed_percent": 71.7, "committed_ratio": 0.7165, "consumed_percent": 62.1, "consumed_ratio": 0.6205, "alerts": [],
+            "used_percent": 71.7, "used_ratio": 0.7165, "state": "ok",
         }],
     })  # fmt: skip
 

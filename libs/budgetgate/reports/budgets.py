@@ -1,5 +1,6 @@
 """Every budget of a bundle in its current window, in human units, from the ledger's truth in
-Postgres: `GET /v1/budgets`, the budget gauges and `budgetgate budgets`."""
+Postgres: `GET /v1/budgets`, the budget gauges and `budgetgate budgets`. "Committed" and
+"consumed" are the two measures of core/thresholds.py, the ones the alerts use."""
 
 from __future__ import annotations
 
@@ -8,23 +9,12 @@ from typing import Any
 
 from budgetgate.core.evaluation import ledger_key
 from budgetgate.core.policy import PolicyBundle
+from budgetgate.core.thresholds import budget_state, crossed, ratio
 from budgetgate.core.units import display
 from budgetgate.core.windows import rfc3339, window_at
 from budgetgate.ledger.queries import owned_by
 
 sql = owned_by("budgetgate.reports")
-
-# The share of a budget used from which it is "alerting" (the reconciler alerts at 80 % too).
-ALERT_RATIO = 0.8
-
-
-def budget_state(*, used_ratio: float, remaining: int, held: bool) -> str:
-    """ok / alerting / exhausted / held: a hold wins, then no room left, then 80 % used."""
-    if held:
-        return "held"
-    if remaining <= 0:
-        return "exhausted"
-    return "alerting" if used_ratio >= ALERT_RATIO else "ok"
 
 
 async def list_budgets(conn: Any, bundle: PolicyBundle, now: datetime) -> list[dict[str, Any]]:
@@ -39,8 +29,9 @@ async def list_budgets(conn: Any, bundle: PolicyBundle, now: datetime) -> list[d
         row = rows.get(key)
         reserved, consumed, held = (row["reserved"], row["consumed"], row["held"]) if row else (0, 0, False)
         unit, limit = policy.limit.unit, policy.limit.amount
-        remaining = limit - reserved - consumed
-        ratio = (reserved + consumed) / limit if limit else 0.0
+        committed = reserved + consumed
+        remaining = limit - committed
+        committed_ratio, consumed_ratio = ratio(committed, limit), ratio(consumed, limit)
         budgets.append({
             "policy_id": policy.id,
             "scope_id": policy.scope.scope_id,
@@ -54,8 +45,15 @@ async def list_budgets(conn: Any, bundle: PolicyBundle, now: datetime) -> list[d
             "reserved": display(unit, reserved),
             "consumed": display(unit, consumed),
             "remaining": display(unit, remaining),
-            "used_percent": round(100 * ratio, 1),
-            "used_ratio": round(ratio, 6),
-            "state": budget_state(used_ratio=ratio, remaining=remaining, held=held),
+            "committed": display(unit, committed),
+            "committed_percent": round(100 * committed_ratio, 1),
+            "committed_ratio": round(committed_ratio, 6),
+            "consumed_percent": round(100 * consumed_ratio, 1),
+            "consumed_ratio": round(consumed_ratio, 6),
+            "alerts": [f"committed {t}%" for t in crossed(committed, limit)] + [f"consumed {t}%" for t in crossed(consumed, limit)],
+            # Kept for readers of the first release: the committed measure under its old name.
+            "used_percent": round(100 * committed_ratio, 1),
+            "used_ratio": round(committed_ratio, 6),
+            "state": budget_state(reserved=reserved, consumed=consumed, limit=limit, held=held),
         })  # fmt: skip
     return budgets

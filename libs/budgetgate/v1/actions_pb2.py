@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62udgetgate/v1/actions.proto\x12\rbudgetgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xff\x01\n\x0c\x42udgetAction\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\'\n\x04type\x18\x03 \x01(\x0e\x32\x19.budgetgate.v1.ActionType\x12\x10\n\x08scope_id\x18\x04 \x01(\t\x12\x12\n\nledger_key\x18\x05 \x01(\t\x12\x11\n\tpolicy_id\x18\x06 \x01(\t\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x19\n\x11threshold_percent\x18\x08 \x01(\x05\x12\x0f\n\x07message\x18\t \x01(\t\x12\x0f\n\x07\x61ttempt\x18\n \x01(\x05*s\n\nActionType\x12\x1b\n\x17\x41\x43TION_TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04HOLD\x10\x01\x12\t\n\x05\x44RAIN\x10\x02\x12\x10\n\x0cRELEASE_HOLD\x10\x03\x12\x13\n\x0fTHRESHOLD_ALERT\x10\x04\x12\x0c\n\x08HEADROOM\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62udgetgate/v1/actions.proto\x12\rbudgetgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x90\x02\n\x0c\x42udgetAction\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\'\n\x04type\x18\x03 \x01(\x0e\x32\x19.budgetgate.v1.ActionType\x12\x10\n\x08scope_id\x18\x04 \x01(\t\x12\x12\n\nledger_key\x18\x05 \x01(\t\x12\x11\n\tpolicy_id\x18\x06 \x01(\t\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x19\n\x11threshold_percent\x18\x08 \x01(\x05\x12\x0f\n\x07message\x18\t \x01(\t\x12\x0f\n\x07\x61ttempt\x18\n \x01(\x05\x12\x0f\n\x07measure\x18\x0b \x01(\t*s\n\nActionType\x12\x1b\n\x17\x41\x43TION_TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04HOLD\x10\x01\x12\t\n\x05\x44RAIN\x10\x02\x12\x10\n\x0cRELEASE_HOLD\x10\x03\x12\x13\n\x0fTHRESHOLD_ALERT\x10\x04\x12\x0c\n\x08HEADROOM\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'budgetgate.v1.actions_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTIONTYPE']._serialized_start=337
-  _globals['_ACTIONTYPE']._serialized_end=452
+  _globals['_ACTIONTYPE']._serialized_start=354
+  _globals['_ACTIONTYPE']._serialized_end=469
   _globals['_BUDGETACTION']._serialized_start=80
-  _globals['_BUDGETACTION']._serialized_end=335
+  _globals['_BUDGETACTION']._serialized_end=352
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ THRESHOLD_ALERT: ActionType
 HEADROOM: ActionType
 
 class BudgetAction(_message.Message):
-    __slots__ = ("event_id", "event_time", "type", "scope_id", "ledger_key", "policy_id", "run_id", "threshold_percent", "message", "attempt")
+    __slots__ = ("event_id", "event_time", "type", "scope_id", "ledger_key", "policy_id", "run_id", "threshold_percent", "message", "attempt", "measure")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class BudgetAction(_message.Message):
     THRESHOLD_PERCENT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     event_time: _timestamp_pb2.Timestamp
     type: ActionType
@@ -46,4 +47,5 @@ class BudgetAction(_message.Message):
     threshold_percent: int
     message: str
     attempt: int
-    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[ActionType, str]] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., policy_id: _Optional[str] = ..., run_id: _Optional[str] = ..., threshold_percent: _Optional[int] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    measure: str
+    def __init__(self, event_id: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., type: _Optional[_Union[ActionType, str]] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., policy_id: _Optional[str] = ..., run_id: _Optional[str] = ..., threshold_percent: _Optional[int] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ..., measure: _Optional[str] = ...) -> None: ...

@@ -606,12 +606,13 @@ CREATE TABLE budget_holds (
     held_at      timestamptz NOT NULL DEFAULT now()
 );
 
--- Threshold alerts sent, once per ledger key (window) and threshold.
+-- Threshold alerts sent, once per ledger key (window), measure and threshold (0030).
 CREATE TABLE budget_alerts (
     ledger_key        text NOT NULL,
     threshold_percent integer NOT NULL CHECK (threshold_percent > 0),
     alerted_at        timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (ledger_key, threshold_percent)
+    measure           text NOT NULL DEFAULT 'consumed' CHECK (measure IN ('committed', 'consumed')),
+    PRIMARY KEY (ledger_key, measure, threshold_percent)
 );
 
 -- 0005_evidence: the evidence-emitter's delivery state, the reconciliations it consumed, and
