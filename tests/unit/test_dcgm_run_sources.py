@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from budgetgate.platforms.dcgm import Meter, ScrapeError, claims, holdings, pod_end, pods_named
+from budgetgate.core import metering as metering_rules
+from budgetgate.platforms.dcgm import VALID_RUN_ID, Meter, ScrapeError, claims, holdings, pod_end, pods_named
 from budgetgate.platforms.mig_slices import MigProfileError, instance_share
 from budgetgate.platforms.run_labels import RUN_ANNOTATION, RUN_LABEL, run_label_value
 
 PAGES = Path(__file__).resolve().parents[1] / "fixtures" / "dcgm"
 T0 = datetime(2026, 7, 14, 9, 0, tzinfo=UTC)
-SWEEP = "nlp/sweep 7"  # not a label value: the pods carry its hash, and the id whole in their annotation
+SWEEP = "flyte/nlp/sweep-7/n0"  # not a label value: the pods carry its hash, and the id whole in their annotation
 SWEEP_JOB_UID = "6b7c8d9e-0f1a-4b2c-9d3e-4f5a6b7c8d02"
 FINETUNE_JOB_UID = "5a6b7c8d-9e0f-4a1b-8c2d-3e4f5a6b7c01"
 
@@ -77,6 +78,18 @@ def test_a_hashed_run_label_is_never_the_run_id() -> None:
     assert "does not hash to it" in held.why["nlp-prod/sweep-7-0-q4m9z"]
 
 
+def test_a_run_id_metering_ingest_would_refuse_is_not_published() -> None:
+    # An annotation is free text: a run id with a space would have its sample refused, and with
+    # it every sample of the same publish. Its pod is named instead, with the reason.
+    spaced = mig_pods()
+    spaced[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["annotations"][RUN_ANNOTATION] = "nlp/sweep 7"
+    spaced[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["labels"][RUN_LABEL] = run_label_value("nlp/sweep 7")
+    page_with = page("node-e-mig.prom").replace(run_label_value(SWEEP), run_label_value("nlp/sweep 7"))
+    held = holdings([page_with], pods=spaced)
+    assert sorted(held) == ["exp-42", "exp-43"] and "is not one metering-ingest accepts" in held.why["nlp-prod/sweep-7-0-q4m9z"]
+    assert VALID_RUN_ID.pattern == metering_rules._RUN_ID.pattern  # the rule metering-ingest applies
+
+
 def test_the_run_label_comes_before_a_relabel_and_the_uids() -> None:
     labelled = "\n".join(
         line.replace('team="nlp"', 'budgetgate_io_run_id="bert-run-1",team="nlp"') if "train-bert-0" in line else line
@@ -122,7 +135,8 @@ def test_a_mig_instance_without_a_sample_to_read_fails_the_page() -> None:
 def test_an_older_exporters_gpu_util_of_a_mig_instance_is_read() -> None:
     # Exporters before 3.x wrote DCGM_FI_DEV_GPU_UTIL for instances too (as 0), labelled alike.
     lines = page("node-e-mig.prom").splitlines()
-    instances = [line.replace("DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_GPU_UTIL").rsplit(" ", 1)[0] + " 0" for line in lines if line.startswith("DCGM_FI_DEV_SM_CLOCK{") and "GPU_I_ID" in line]
+    clocks = [line for line in lines if line.startswith("DCGM_FI_DEV_SM_CLOCK{") and "GPU_I_ID" in line]
+    instances = [line.replace("DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_GPU_UTIL").rsplit(" ", 1)[0] + " 0" for line in clocks]
     old = []
     for line in lines:
         if not line.startswith(("DCGM_FI_PROF_GR_ENGINE_ACTIVE{", "DCGM_FI_DEV_FB_USED{")):

@@ -76,7 +76,7 @@ first scrape after the restore, else kept uncharged until `max_gap` while each e
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -101,6 +101,9 @@ RUN_LABEL_METRIC = sanitized(RUN_LABEL)  # budgetgate_io_run_id
 RUN_ID_POD_LABELS = ("jobset_sigs_k8s_io_jobset_uid", "batch_kubernetes_io_controller_uid", "controller_uid", "pod_uid")
 DEFAULT_RUN_ID_TEMPLATE = "{namespace}/{pod}"
 _TERMINAL = frozenset({"Succeeded", "Failed"})
+# The run ids metering-ingest accepts (core/metering.py): a sample of any other would be refused,
+# and with it every sample of the same publish.
+VALID_RUN_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
 
 class ScrapeError(ValueError):
@@ -264,9 +267,7 @@ def pod_end(pod: Mapping[str, Any]) -> tuple[bool, datetime | None]:
     return True, max(ends) if ends else None
 
 
-def _run_id(
-    claim: Claim, pod: Mapping[str, Any] | None, *, run_id_label: str, pod_run_id_labels: Iterable[str], known: bool
-) -> str | _Unresolved | None:
+def _run_id(claim: Claim, pod: Mapping[str, Any] | None, *, run_id_label: str, pod_run_id_labels: Iterable[str], known: bool) -> str | _Unresolved | None:
     labels = {**pod_labels(pod), **claim.labels} if pod is not None else dict(claim.labels)
     for name in (RUN_LABEL_METRIC, run_id_label):
         value = labels.get(name)
@@ -339,6 +340,9 @@ def holdings_of(
                 unmapped.add(name)
                 continue
             run_id = run_id_template.format(namespace=claim.namespace, pod=claim.pod, container=claim.container)
+        if not VALID_RUN_ID.match(run_id):
+            unresolved[name] = f"its run id {run_id!r} is not one metering-ingest accepts (1-256 printable ASCII characters, no spaces)"
+            continue
         over, end = pod_end(pod) if pod is not None else (False, None)
         if over:
             gone.add(name)
@@ -486,9 +490,7 @@ class Meter:
         )
 
 
-def _held_for(
-    seconds: float, since: datetime, before: Mapping[str, float], after: Mapping[str, float], ended: Mapping[str, tuple[float, datetime]]
-) -> float:
+def _held_for(seconds: float, since: datetime, before: Mapping[str, float], after: Mapping[str, float], ended: Mapping[str, tuple[float, datetime]]) -> float:
     """The share-seconds of one interval of `seconds` from `since`: held at both ends, the mean
     of the two shares over all of it; at one end, half of it; and what a pod that ended in it
     held, up to its end (half that when it was not held at the start either)."""
