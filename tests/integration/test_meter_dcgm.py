@@ -223,3 +223,36 @@ async def test_exporters_and_pods_found_through_the_kubernetes_api(metering, pg_
     assert abs(after[0]["gpu_milli_hours"] - last_running["gpu_milli_hours"] - 2 / 7 * up_to_end) <= 1
     assert abs(after[0]["node_milli_hours"] - last_running["node_milli_hours"] - up_to_end) <= 1
     assert {r["gpu_milli_hours"] for r in after} == {after[0]["gpu_milli_hours"]}  # nothing past its end
+
+
+async def test_the_newest_exporter_pod_of_a_node_is_scraped(kube, tmp_path) -> None:
+    from lightkube import AsyncClient as KubeClient
+    from lightkube import KubeConfig
+
+    from budgetgate.adapters.dcgm_discovery import discover_exporters
+
+    api, url = kube
+    old, new = exporter_pod("gpu-node-a", 9401), exporter_pod("gpu-node-a", 9402)
+    new["metadata"]["name"], new["metadata"]["creationTimestamp"] = "dcgm-exporter-gpu-node-a-2", "2026-07-14T09:00:00Z"
+    other = exporter_pod("gpu-node-b", 9403)
+    other["metadata"]["labels"] = {"app.kubernetes.io/name": "something-else"}
+    for pod in (new, old, other, exporter_pod("gpu-node-c", 9404, namespace="elsewhere")):
+        api.put("pods", pod)
+    config = KubeConfig.from_file(kubeconfig_file(tmp_path / "kubeconfig.json", url))
+    client = KubeClient(config)
+    try:
+        found = await discover_exporters(client, namespace="gpu-operator", selector="app.kubernetes.io/name=dcgm-exporter", port=9400)
+    finally:
+        await client.close()
+    assert found == {"node/gpu-node-a": "http://127.0.0.1:9402/metrics"}  # a rollout's newer pod; other labels and namespaces left out
+
+
+async def test_a_kubernetes_api_that_fails_skips_the_scrape(exporters, metering, pg_dsn, tmp_path) -> None:
+    await decide(pg_dsn, FLYTE)
+    config = kubeconfig_file(tmp_path / "kubeconfig.json", f"http://127.0.0.1:{free_port()}")
+    args = ["--url", f"{exporters.url}/b/metrics", "--kubernetes", "--kubeconfig", str(config), "--interval", "0.1", "--count", "2", "--via", "http"]
+    result = await meter(*args, env={"BUDGETGATE_METERING_URL": metering.url})
+    # Without the pods, which of them ended is not known: nothing is charged (the interval is
+    # counted when the API answers again within --max-gap).
+    assert result.output.count("looking up 1 pod(s) through the Kubernetes API failed") == 2 and "skipping this scrape" in result.output
+    assert await usage_rows(pg_dsn) == []

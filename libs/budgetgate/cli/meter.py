@@ -119,6 +119,13 @@ def dcgm(
     if no_state and state_file is not None:
         raise click.UsageError("--state and --no-state together")
     slices = _mig_slices(mig_slices)
+    if discover_namespace is not None:
+        from budgetgate.adapters.dcgm_discovery import _selector
+
+        try:
+            _selector(selector)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--selector") from None
     state = None if no_state else (state_file or default_state(exporter))
     gap = timedelta(seconds=max_gap)
     meter_ = _restored(state, gap)
