@@ -233,3 +233,13 @@ def test_a_deleted_pod_still_reported_holds_nothing() -> None:
     pods[("nlp-prod", "sweep-7-0-q4m9z")] = None
     held = holdings([page("node-e-mig.prom")], pods=pods)
     assert SWEEP not in held and held.gone == {"nlp-prod/sweep-7-0-q4m9z"}
+
+
+def test_a_pod_not_looked_up_is_not_taken_for_deleted() -> None:
+    pods = mig_pods()
+    del pods[("nlp-prod", "eval-0-m2n7c")]  # not asked for: its own labels on the page name its run
+    held = holdings([page("node-e-mig.prom")], pods=pods)
+    assert "exp-43" in held and held.gone == frozenset()
+    del pods[("nlp-prod", "sweep-7-0-q4m9z")]
+    unknown = holdings([page("node-e-mig.prom")], pods=pods)
+    assert SWEEP not in unknown and "not looked up through the Kubernetes API" in unknown.why["nlp-prod/sweep-7-0-q4m9z"]

@@ -37,7 +37,7 @@ the pod looked up through the Kubernetes API (below).
   which matches no run id the webhook or controller assign).
 
 **Pods from the Kubernetes API** (`pods`, optional): (namespace, name) → the pod object, None
-when it is not found. A known pod's labels (sanitized as the exporter sanitizes them) and UID
+when it is not found (a pod missing from the mapping was not looked up). A known pod's labels (sanitized as the exporter sanitizes them) and UID
 stand in for those the page lacks, and its run label is resolved. A pod that is gone, or has
 ended (phase Succeeded or Failed) while the kubelet still reports it, holds nothing: an ended
 pod's GPUs are charged up to its end (the last container's `finishedAt`), not to the scrape.
@@ -327,11 +327,12 @@ def holdings_of(
             idle += 1  # nobody is charged for it
             continue
         name = f"{claim.namespace}/{claim.pod}"
+        looked_up = pods is not None and (claim.namespace, claim.pod) in pods
         pod = pods.get((claim.namespace, claim.pod)) if pods is not None else None
-        if pods is not None and pod is None:
+        if looked_up and pod is None:
             gone.add(name)  # deleted: the kubelet still reports it for a while
             continue
-        run_id = _run_id(claim, pod, run_id_label=run_id_label, pod_run_id_labels=rest, known=pods is not None)
+        run_id = _run_id(claim, pod, run_id_label=run_id_label, pod_run_id_labels=rest, known=looked_up)
         if isinstance(run_id, _Unresolved):
             unresolved[name] = run_id.why
             continue
@@ -368,8 +369,9 @@ def holdings_of(
 
 
 def pods_named(found: Iterable[Claim]) -> set[tuple[str, str]]:
-    """The pods (namespace, name) that claims name: those to look up."""
-    return {(c.namespace, c.pod) for c in found if c.pod}
+    """The pods (namespace, name) that claims name: those to look up (not a pod without a
+    namespace, which an exporter writing no namespace would name: no lookup could find it)."""
+    return {(c.namespace, c.pod) for c in found if c.pod and c.namespace}
 
 
 @dataclass(frozen=True)
