@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from budgetgate.adapters.dcgm_discovery import _selector, exporter_url
+from budgetgate.adapters.dcgm_discovery import label_selector, exporter_url
 from budgetgate.cli.main import cli
 from budgetgate.cli.meter import _mig_slices, _restored, default_state
 
@@ -73,8 +73,8 @@ def test_an_exporter_pod_is_scraped_at_its_ip_and_metrics_port() -> None:
 
 
 def test_the_exporter_selector_is_equality_terms() -> None:
-    assert _selector("app=nvidia-dcgm-exporter, tier = gpu") == {"app": "nvidia-dcgm-exporter", "tier": "gpu"}
-    assert _selector("app==dcgm") == {"app": "dcgm"}
+    assert label_selector("app=nvidia-dcgm-exporter, tier = gpu") == {"app": "nvidia-dcgm-exporter", "tier": "gpu"}
+    assert label_selector("app==dcgm") == {"app": "dcgm"}
     for bad in ("app", "app!=dcgm", "=dcgm"):
         with pytest.raises(ValueError, match="is not of the form name=value"):
-            _selector(bad)
+            label_selector(bad)

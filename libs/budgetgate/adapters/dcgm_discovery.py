@@ -37,7 +37,7 @@ async def discover_exporters(kube: KubeClient, *, namespace: str, selector: str,
     """Exporter name (`node/<nodeName>`) → metrics URL of each running exporter pod; on a node
     with two (a rollout), the newer."""
     found: dict[str, tuple[str, str]] = {}
-    async for pod in kube.list(Pod, namespace=namespace, labels=_selector(selector)):
+    async for pod in kube.list(Pod, namespace=namespace, labels=label_selector(selector)):
         obj = pod.to_dict()
         url = exporter_url(obj, port=port, path=path)
         key = f"node/{(obj.get('spec') or {}).get('nodeName') or obj['metadata']['name']}"
@@ -47,7 +47,7 @@ async def discover_exporters(kube: KubeClient, *, namespace: str, selector: str,
     return {name: url for name, (_, url) in sorted(found.items())}
 
 
-def _selector(selector: str) -> dict[str, Any]:
+def label_selector(selector: str) -> dict[str, Any]:
     """A label selector of equality terms (`a=b,c=d`) as lightkube takes it."""
     terms: dict[str, Any] = {}
     for term in filter(None, (t.strip() for t in selector.split(","))):

@@ -120,10 +120,10 @@ def dcgm(
         raise click.UsageError("--state and --no-state together")
     slices = _mig_slices(mig_slices)
     if discover_namespace is not None:
-        from budgetgate.adapters.dcgm_discovery import _selector
+        from budgetgate.adapters.dcgm_discovery import label_selector
 
         try:
-            _selector(selector)
+            label_selector(selector)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--selector") from None
     state = None if no_state else (state_file or default_state(exporter))
