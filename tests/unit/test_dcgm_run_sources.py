@@ -132,8 +132,8 @@ def test_a_mig_instance_without_a_sample_to_read_fails_the_page() -> None:
         holdings([page("node-e-mig-without-prof.prom")])
 
 
-def test_an_older_exporters_gpu_util_of_a_mig_instance_is_read() -> None:
-    # Exporters before 3.x wrote DCGM_FI_DEV_GPU_UTIL for instances too (as 0), labelled alike.
+def test_an_exporters_gpu_util_of_a_mig_instance_is_read() -> None:
+    # Some exporter versions (3.3 among them) wrote DCGM_FI_DEV_GPU_UTIL for instances too, as 0, labelled alike.
     lines = page("node-e-mig.prom").splitlines()
     clocks = [line for line in lines if line.startswith("DCGM_FI_DEV_SM_CLOCK{") and "GPU_I_ID" in line]
     instances = [line.replace("DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_GPU_UTIL").rsplit(" ", 1)[0] + " 0" for line in clocks]

@@ -7,7 +7,7 @@ and `container` holding it (`pod_namespace`, `pod_name`, `container_name` with
 `--use-old-namespace`; empty or absent when idle). A whole GPU is read from its
 `DCGM_FI_DEV_GPU_UTIL` sample. A MIG instance (a sample with `GPU_I_PROFILE` and `GPU_I_ID`,
 and the parent GPU's `UUID`) has no `DCGM_FI_DEV_GPU_UTIL` (DCGM does not support it on GPU
-instances; exporters before 3.x wrote it as 0): it is read from the first of
+instances; some exporter versions wrote it as 0): it is read from the first of
 `DCGM_FI_DEV_GPU_UTIL`, `DCGM_FI_PROF_GR_ENGINE_ACTIVE` (in the default counters, reported per
 instance), `DCGM_FI_DEV_FB_USED` that has a sample for it. The exporter maps instances to pods
 as it maps GPUs, by `GPU_I_ID`. A MIG instance counts as the fraction of a GPU its profile's
