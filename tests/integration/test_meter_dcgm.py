@@ -18,12 +18,14 @@ import pytest
 from click.testing import CliRunner, Result
 
 from budgetgate.cli.main import cli
+from budgetgate.core.principals import Role
+from budgetgate.runtime.settings import DEV_STATE_FILE
 from budgetgate.platforms.run_labels import RUN_ANNOTATION, RUN_LABEL, run_label_value
 from tests.support.dcgm import Exporters, NodeExporter, container_status, exporter_pod, gpu_pod, kubeconfig_file
 from tests.support.kube_api import KubeApi
 from tests.support.metering import decide, fetchval, usage_rows
 from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
-from tests.support.principals import token_in_env  # noqa: F401 - pytest fixtures
+from tests.support.principals import issue, token_in_env  # noqa: F401 - pytest fixtures
 from tests.support.servers import InProcessServer, free_port
 from tests.support.waiting import wait_for
 
@@ -256,3 +258,31 @@ async def test_a_kubernetes_api_that_fails_skips_the_scrape(exporters, metering,
     # counted when the API answers again within --max-gap).
     assert result.output.count("looking up 1 pod(s) through the Kubernetes API failed") == 2 and "skipping this scrape" in result.output
     assert await usage_rows(pg_dsn) == []
+
+
+async def test_over_http_the_meter_sends_its_token_or_the_local_stacks_exporter_token(exporters, metering, pg_dsn, tmp_path, monkeypatch) -> None:
+    """No BUDGETGATE_TOKEN: `--token`, else the exporter token of the stack `dev up` started."""
+    await decide(pg_dsn, FLYTE)
+    monkeypatch.delenv("BUDGETGATE_TOKEN")
+    state = str(tmp_path / "meter.json")
+    args = ["--url", f"{exporters.url}/b/metrics", "--labelled-only", "--interval", "0.1", "--count", "2", "--via", "http", "--state", state]
+    env = {"BUDGETGATE_METERING_URL": metering.url}
+    refused = await asyncio.to_thread(CliRunner().invoke, cli, ["meter", "dcgm", *args], env={"BUDGETGATE_HOME": "", **env})
+    assert "401 Unauthorized: no credentials" in refused.output, refused.output  # said at each scrape; the meter goes on
+    assert await usage_rows(pg_dsn) == []
+
+    own = await issue(pg_dsn, Role.EXPORTER)
+    await meter(*args, "--token", own, env=env)
+    sent = await wait_for(lambda: _rows(pg_dsn, 0), what="the samples sent with --token")
+
+    stack = tmp_path / "stack"
+    (stack / DEV_STATE_FILE).parent.mkdir(parents=True)
+    (stack / DEV_STATE_FILE).write_text(json.dumps({"tokens": {"exporter": await issue(pg_dsn, Role.EXPORTER), "operator": "not-this-one"}}))
+    await meter(*args, env={**env, "BUDGETGATE_HOME": str(stack)})
+    await wait_for(lambda: _rows(pg_dsn, sent), what="the samples sent with the stack's exporter token")
+
+
+async def _rows(dsn: str, more_than: int) -> int:
+    """How many samples of FLYTE were recorded, once more than `more_than` were (else 0)."""
+    found = len(await usage_rows(dsn, FLYTE))
+    return found if found > more_than else 0

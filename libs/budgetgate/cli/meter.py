@@ -108,10 +108,16 @@ def meter() -> None:
     "--via", type=click.Choice(["kafka", "http"]), default="kafka", show_default=True, help="Publish to metering.samples.v1, or POST to metering-ingest."
 )
 @click.option("--metering-url", default=None, help="metering-ingest's URL for --via http (default: BUDGETGATE_METERING_URL, else the local stack's).")
+@click.option(
+    "--token",
+    default=None,
+    help="API token of an exporter for --via http (default: BUDGETGATE_TOKEN, else the local stack's exporter token); shown nowhere.",
+)
 def dcgm(
     urls: tuple[str, ...], discover_namespace: str | None, selector: str, exporter_port: int, discover_every: float, use_kubernetes: bool,
     kubeconfig: str | None, interval: float, count: int | None, run_id_label: str, run_id_template: str, labelled_only: bool,
     mig_slices: tuple[str, ...], exporter: str, state_file: Path | None, no_state: bool, max_gap: float, via: str, metering_url: str | None,
+    token: str | None,
 ) -> None:  # fmt: skip
     """Scrape DCGM exporters and publish each run's cumulative GPU-seconds."""
     if not urls and discover_namespace is None:
@@ -143,7 +149,7 @@ def dcgm(
         interval=interval,
         count=count,
     )
-    asyncio.run(_with_publisher(via, metering_url, run.loop))
+    asyncio.run(_with_publisher(via, metering_url, run.loop, token=token))
 
 
 def _restored(state: Path | None, gap: timedelta) -> Meter:
@@ -254,11 +260,15 @@ class _Run:
         )
 
 
-async def _with_publisher(via: str, metering_url: str | None, loop: Callable[[Callable[..., Awaitable[Any]]], Awaitable[None]]) -> None:
+async def _with_publisher(
+    via: str, metering_url: str | None, loop: Callable[[Callable[..., Awaitable[Any]]], Awaitable[None]], *, token: str | None = None
+) -> None:
     from budgetgate.client import AsyncClient, KafkaFeed
+    from budgetgate.runtime.settings import dev_token
 
     if via == "http":
-        async with AsyncClient(metering_url=metering_url) as client:
+        # The exporter's own token: --token, else BUDGETGATE_TOKEN, else the local stack's.
+        async with AsyncClient(metering_url=metering_url, token=token or dev_token("exporter")) as client:
             if client.metering_url is None:
                 raise click.ClickException("no metering-ingest URL: pass --metering-url or set BUDGETGATE_METERING_URL")
             await loop(client.publish_metering)
