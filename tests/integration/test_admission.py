@@ -173,6 +173,17 @@ async def test_unpriced_flavor_under_a_cost_budget_is_422(admission, pg_dsn) -> 
     assert await held_in_postgres(pg_dsn) == {}
 
 
+async def test_a_flavor_no_rate_card_prices_is_admitted_with_a_warning(admission) -> None:
+    """Example policies: no cost budget covers these labels, and h100 is priced."""
+    body = {"namespace": "vision-prod", "labels": {"team": "vision", "environment": "prod"}, "resources": {"gpus": 1, "flavor": "h200"}}
+    typo = (await admission.submit(run_id="typo-flavor", **body)).json()
+    assert typo["decision"] == "ALLOW" and typo["showback_cost"] is None and any("no rate card prices flavor 'h200'" in w for w in typo["warnings"]), typo
+    priced = (await admission.submit(run_id="right-flavor", **{**body, "resources": {"gpus": 1, "flavor": "h100"}})).json()
+    assert priced["warnings"] == [] and priced["showback_cost"] is not None
+    # A replay says the same.
+    assert (await admission.client.get("/v1/admissions/typo-flavor")).json()["warnings"] == typo["warnings"]
+
+
 async def test_scope_usage_reports_the_current_window(admission) -> None:
     await admission.submit()
     response = await admission.client.get("/v1/scopes/ns=vision-prod;cost-center=1042;team=vision/usage")

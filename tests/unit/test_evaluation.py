@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -269,6 +270,23 @@ def test_unknown_flavor_is_fine_when_no_cost_policy_applies() -> None:
     p = plan(bundle(TEAM, COST_CENTER), submission(flavor="b200", labels={"team": "vision"}))
     assert [c.policy.id for c in p.charges] == ["team-vision"]
     assert p.showback_micros is None and p.currency is None
+
+
+def test_a_flavor_no_rate_card_prices_is_said_in_a_warning() -> None:
+    """h200 for h100: admitted, and told why it has no showback cost (before, silently null)."""
+    p = plan(bundle(TEAM), submission(flavor="h200", labels={"team": "vision"}))
+    known = ", ".join(sorted({r.flavor for r in RATES.rates}))
+    assert p.warnings == (f"no rate card prices flavor 'h200' (priced: {known}): showback_cost is null",)
+    assert plan(bundle(TEAM), submission(labels={"team": "vision"})).warnings == ()  # priced
+    assert plan(bundle(TEAM, rates=False), submission(flavor="h200", labels={"team": "vision"})).warnings == ()  # nothing is priced at all
+    assert plan(bundle(TEAM), submission(flavor=None, labels={"team": "vision"})).warnings == ()
+
+
+def test_a_rate_card_can_make_an_unknown_flavor_an_error() -> None:
+    strict = PolicyBundle(git_sha="f" * 40, policies=(TEAM,), rate_cards=(dataclasses.replace(RATES, unknown_flavor="reject"),))
+    with pytest.raises(UnknownFlavor, match="no rate card prices flavor 'h200'.*rejects unknown flavors"):
+        plan(strict, submission(flavor="h200", labels={"team": "vision"}))
+    assert plan(strict, submission(labels={"team": "vision"})).showback_micros is not None
 
 
 # --- decisions ----------------------------------------------------------------------------------

@@ -1031,3 +1031,13 @@ def build_errors(*documents) -> list[PolicyError]:  # type: ignore[no-untyped-de
     except PolicyValidationError as exc:
         return list(exc.errors)
     return []
+
+
+def test_a_rate_card_says_what_an_unknown_flavor_gets(tmp_path: Path) -> None:
+    write(tmp_path, "rates.yaml", RATES)
+    assert not load(tmp_path).rejects_unknown_flavors  # a warning in the answer, by default
+    write(tmp_path, "rates.yaml", RATES.replace("  currency: USD\n", "  currency: USD\n  unknown_flavor: reject\n"))
+    assert load(tmp_path).rejects_unknown_flavors
+    write(tmp_path, "rates.yaml", RATES.replace("  currency: USD\n", "  currency: USD\n  unknown_flavor: ignore\n"))
+    error = only_error(tmp_path)
+    assert "unknown_flavor" in error.message and "'warn'" in error.message and "'reject'" in error.message, error.message

@@ -280,6 +280,10 @@ class AdmissionResponse(BaseModel):
     accounting: AccountingOut | None = Field(
         default=None, description="with an external accounting source configured: which figure the tenant's soft GPU-hour budget was judged on"
     )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="what the decision did not block on but you should know, e.g. a flavor no rate card prices (so no showback cost)",
+    )
 
 
 class LimitingFigure(BaseModel):

@@ -195,6 +195,9 @@ class RateDoc(_Strict):
 class RateCardSpec(_Strict):
     currency: Currency
     rates: list[RateDoc] = Field(min_length=1)
+    # A submission naming a flavor no card prices: "warn" (admitted, with a warning in its answer
+    # and no showback cost) or "reject" (refused with 422 naming resources.flavor).
+    unknown_flavor: Literal["warn", "reject"] = "warn"
 
 
 class Document(_Strict):

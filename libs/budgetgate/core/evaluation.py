@@ -83,6 +83,7 @@ class Plan:
     currency: str | None
     override_revision: int = 0  # the bundle's tenant override revision
     waived: tuple[Waived, ...] = ()
+    warnings: tuple[str, ...] = ()  # said in the answer, never blocking (a flavor no rate card prices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,12 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
     projected_gpu = checked(projected_hours_amount(res.gpus, submission.runtime_hours), "the projected GPU-hours (gpus × runtime)")
     priced = bundle.rate_for(res.flavor, res.region, submission.at) if res.flavor else None
     showback = checked(projected_cost_micros(projected_gpu, priced[0].rate_per_gpu_hour), "the projected cost in micro-units") if priced else None
+    warnings: tuple[str, ...] = ()
+    if priced is None and res.flavor and bundle.rate_cards:
+        # Priced by no card (a typo such as h200 for h100, or a card that does not cover it yet).
+        if bundle.rejects_unknown_flavors:
+            raise UnknownFlavor(bundle.unpriced(res.flavor, res.region).split(":")[0] + ", and a rate card of the bundle rejects unknown flavors")
+        warnings = (bundle.unpriced(res.flavor, res.region),)
     charges: list[Charge] = []
     violations: list[Violation] = []
     waived: list[Waived] = []
@@ -159,6 +166,7 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
         currency=priced[1] if priced else None,
         override_revision=bundle.override_revision,
         waived=tuple(waived),
+        warnings=warnings,
     )
 
 

@@ -228,7 +228,7 @@ def _policy(policy_id: str, spec: BudgetPolicySpec, source: Source) -> BudgetPol
 
 def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:
     rates = tuple(Rate(r.flavor, r.rate_per_gpu_hour, r.region, r.effective_from) for r in spec.rates)
-    return RateCard(id=card_id, currency=spec.currency, rates=rates, source=source)
+    return RateCard(id=card_id, currency=spec.currency, rates=rates, source=source, unknown_flavor=spec.unknown_flavor)
 
 
 def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCard], *, partial: bool) -> list[PolicyError]:

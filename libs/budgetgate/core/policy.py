@@ -95,6 +95,9 @@ class RateCard:
     currency: str
     rates: tuple[Rate, ...]
     source: Source
+    # What a submission naming a flavor no rate card prices gets: a warning in its answer, or a
+    # refusal (422) when any card of the bundle says "reject".
+    unknown_flavor: str = "warn"
 
     def rate_for(self, flavor: str, region: str | None, at: datetime) -> Rate | None:
         """The most specific rate in effect at `at`: a region match beats a rate with no region,
@@ -133,6 +136,17 @@ class PolicyBundle:
         """The declared pools an allocation in `namespace` counts against, most specific first."""
         declared = {p.namespace: p for p in self.pools}
         return [declared[ns] for ns in pool_chain(namespace) if ns in declared]
+
+    def unpriced(self, flavor: str, region: str | None) -> str:
+        """What to say of a submission whose flavor no rate card prices (its answer's warning, or
+        the reason it is refused)."""
+        known = sorted({rate.flavor for card in self.rate_cards for rate in card.rates})
+        where = f" in region {region!r}" if region else ""
+        return f"no rate card prices flavor {flavor!r}{where} (priced: {', '.join(known)}): showback_cost is null"
+
+    @property
+    def rejects_unknown_flavors(self) -> bool:
+        return any(card.unknown_flavor == "reject" for card in self.rate_cards)
 
     def rate_for(self, flavor: str, region: str | None, at: datetime) -> tuple[Rate, str] | None:
         """The most specific rate in effect across all rate cards, and its currency (validation

@@ -43,6 +43,7 @@ def response_body(*, plan: Plan, decision: Decision, decision_id: str, decided_a
         "decided_at": rfc3339(decided_at),
         "evaluations": [_evaluation(e, plan.projected_gpu) for e in decision.evaluations],
         **(standing or {"tenant": None, "priority_penalty": 0.0, "preemptible": False, "fair_share": None, "accounting": None}),
+        "warnings": list(plan.warnings),
     }
 
 
@@ -80,6 +81,7 @@ def canonical(body: dict[str, Any]) -> dict[str, Any]:
         {**{k: _instant(k, e[k]) for k in _EVALUATION_KEYS if k in e}, **{k: v for k, v in e.items() if k not in _EVALUATION_KEYS}}
         for e in body.get("evaluations", [])
     ]
+    answer.setdefault("warnings", [])  # an answer stored before warnings were given had none
     answer.update((k, v) for k, v in body.items() if k not in answer)
     return answer
 
