@@ -52,7 +52,8 @@ class FlyteAdminStandIn:
         self.launch_plans: dict[tuple[str, ...], Any] = {}
         self.executions: dict[tuple[str, str, str], Any] = {}
         self.created: list[dict[str, Any]] = []  # what create_execution was asked
-        self.reads_until_down: int | None = None  # get_execution answers this many more times, then FlyteAdmin is unavailable
+        self.reads = 0  # get_execution calls so far
+        self.failing_reads: set[int] = set()  # which of them (1, 2, ...) find FlyteAdmin unavailable
 
     def remote(self) -> FlyteRemote:
         remote = FlyteRemote(Config.for_endpoint("flyteadmin.invalid:443"), default_project=self.project, default_domain=self.domain)
@@ -128,10 +129,9 @@ class FlyteAdminStandIn:
         return ident
 
     def get_execution(self, ident: Any) -> Any:
-        if self.reads_until_down is not None:
-            if self.reads_until_down <= 0:
-                raise FlyteSystemUnavailableException("FlyteAdmin is unavailable")
-            self.reads_until_down -= 1
+        self.reads += 1
+        if self.reads in self.failing_reads:
+            raise FlyteSystemUnavailableException("FlyteAdmin is unavailable")
         found = self.executions.get((ident.project, ident.domain, ident.name))
         if found is None:
             raise FlyteEntityNotExistException(f"execution {ident.project}/{ident.domain}/{ident.name} not found")

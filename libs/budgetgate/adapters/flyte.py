@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from budgetgate.adapters.flyte_projection import Unprojectable, project
+from budgetgate.adapters.flyte_projection import Projection, TaskUse, Unprojectable, flavor_of, project
 from budgetgate.client import Client, lifecycle_event
 from budgetgate.contracts.admission import AdmissionRequest, AdmissionResponse
 
@@ -287,3 +287,9 @@ def _launch_failed(exc: Exception, *, run_id: str, execution_name: str, attempt:
         return LaunchFailed(message, run_id=run_id, execution_name=execution_name, attempt=attempt, released=False)
     message = f"launching run {run_id} failed ({why}); the run is ended (CANCELLED published, its reservation released): retry as a new run (no execution_name)"
     return LaunchFailed(message, run_id=run_id, execution_name=execution_name, attempt=attempt, released=True)
+
+
+__all__ = [
+    "BudgetDelayed", "BudgetDenied", "BudgetRefused", "LaunchFailed", "Projection", "TaskUse", "Unprojectable",
+    "execute", "execution_name_for", "flavor_of", "preflight", "project", "submission",
+]  # fmt: skip
