@@ -7,13 +7,22 @@ execution may start, and refuse to launch it on DENY or DELAY.
     with Client() as bg:
         execution = execute(remote, training_wf, {"epochs": 10}, client=bg, labels={"team": "vision", "cost-center": "1042"})
 
-What an entity projects (`project`): for a task, its GPUs — `Resources(gpu=…)` requested, else
-the limit — for its timeout (`@task(timeout=…)`, else `default_runtime_hours`); its flavor from
-`accelerator=` (`nvidia-tesla-a100` → `a100`, `nvidia-h100` → `h100`). For a workflow, every task
-node, sub-workflows included, as if each ran for its whole timeout: the execution's GPU-hours
-are their sum, submitted as the largest task's GPUs for the hours that sum takes them (a
-submission has one GPU count and one runtime; GPU-hours, what budgets count, are exact).
-Flyte's own node-level overrides and map tasks' fan-out are not seen.
+What an execution projects (`project`, budgetgate.adapters.flyte_projection, whose docstring has
+the rules): local tasks, workflows and launch plans compiled by flytekit, and what FlyteRemote
+fetches (FlyteTask, FlyteWorkflow, FlyteLaunchPlan) from their compiled templates; references and
+anything else not at hand through the remote `execute` launches with. Each task node: its GPUs
+(node overrides first) for its timeout times its attempts; a branch, its costliest case; a gate,
+nothing; a map, its element × the list's length when known before launch (`inputs`, defaults,
+fixed inputs), else `max_map_size`, else Unprojectable. The execution's GPU-hours are their sum,
+submitted as the largest node's GPUs for the hours that sum takes them (a submission has one GPU
+count and one runtime; GPU-hours, what budgets count, are exact).
+
+The call is checked before anything is submitted: arguments `remote.execute` does not take,
+inputs the entity does not have, an execution name FlyteAdmin refuses, or both a name and
+`execution_name_prefix` (which `execute` turns into the name, as flytekit does) raise TypeError or
+ValueError, with no decision made. With `wait=True`, the execution is launched, then waited for
+(`remote.wait`); an error while waiting is raised as it is (a note names the run): the execution
+was launched, its reservation is its own, nothing is ended.
 
 An execution name is one run: `execute` again with the same `execution_name` and another
 request (another entity, labels, flavor) launches nothing and raises budgetgate.client.Conflict
