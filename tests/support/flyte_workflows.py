@@ -9,7 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
-from flytekit import LaunchPlan, Resources, approve, conditional, map_task, sleep, task, workflow
+from flytekit import LaunchPlan, Resources, approve, conditional, map_task, reference_task, sleep, task, workflow
 from flytekit.extras.accelerators import A100
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flyte" / "workflows.py"
@@ -129,3 +129,20 @@ def overridden(x: int = 1) -> int:
     retry (retries=0 on a node leaves the task's 2, as flytepropeller counts them)."""
     big = shard(x=x).with_overrides(requests=Resources(gpu="8"), limits=Resources(gpu="8"), timeout=timedelta(hours=3), retries=1)
     return flaky(x=big).with_overrides(retries=0)
+
+
+@workflow
+def through_a_plan() -> list[int]:
+    """A launch plan node: its child execution maps 6 elements (12 GPU-hours)."""
+    return fan_out_plan()
+
+
+@reference_task(project="vision", domain="production", name="tests.support.flyte_workflows.flaky", version="v1")
+def registered_flaky(x: int) -> int:
+    """`flaky` as registered on FlyteAdmin (3 GPU-hours with its retries)."""
+    ...
+
+
+@workflow
+def with_a_reference(x: int = 1) -> int:
+    return registered_flaky(x=shard(x=x))

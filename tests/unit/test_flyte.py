@@ -158,3 +158,11 @@ def test_bad_settings_are_refused() -> None:
         project(flows.fan_out, max_map_size=-1)
     with pytest.raises(ValueError, match="default_runtime_hours"):
         project(flows.without_timeout, default_runtime_hours=0)
+
+
+def test_launch_plan_nodes_and_reference_nodes_count(admin) -> None:
+    assert project(flows.through_a_plan).gpu_hours == 12.0
+    with pytest.raises(Unprojectable, match=r"node n1: task vision/production/tests\.support\.flyte_workflows\.flaky@v1 is not at hand: pass remote="):
+        project(flows.with_a_reference)
+    projected = project(flows.with_a_reference, remote=admin.remote())  # 2 GPU-hours of shard, 3 of the registered flaky
+    assert [(t.name.rsplit(".", 1)[-1], t.gpu_hours) for t in projected.tasks] == [("shard", 2.0), ("flaky", 3.0)]
