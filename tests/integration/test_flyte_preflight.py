@@ -318,3 +318,10 @@ async def test_wait_returns_the_execution_as_it_ended(admission) -> None:
     ended = await asyncio.to_thread(launch)
     (launched,) = remote.launched
     assert "wait" not in launched and remote.waited == [launched["execution_name"]] and ended == f"{launched['execution_name']}: SUCCEEDED"
+
+    def without_wait() -> None:
+        with Client(admission.url) as bg, pytest.raises(TypeError, match="has no wait"):
+            execute(Remote(), flows.example().training, client=bg, namespace="vision-prod", labels=VISION, execution_name="unwaited", wait=True)
+
+    await asyncio.to_thread(without_wait)
+    assert (await admission.client.get("/v1/admissions/flyte/vision/production/unwaited")).status_code == 404

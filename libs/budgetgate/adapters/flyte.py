@@ -227,6 +227,8 @@ def execute(
         raise ValueError("no Flyte project or domain: pass project= and domain=, or configure the remote's defaults")
     name = execution_name_for(execution_name, execution_name_prefix)
     given = dict(inputs or {})
+    if wait and not callable(getattr(remote, "wait", None)):
+        raise TypeError(f"wait=True, and {type(remote).__name__} has no wait(execution) to wait with; nothing was submitted")
     _check_call(remote, entity, given, {"project": project_name, "domain": domain, "execution_name": name, **execute_kwargs})
     run_id = f"flyte/{project_name}/{domain}/{name}"
     preflight(
