@@ -9,8 +9,9 @@ from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
-from flytekit import LaunchPlan, Resources, approve, conditional, map_task, reference_task, sleep, task, workflow
+from flytekit import ImageSpec, LaunchPlan, PodTemplate, Resources, approve, conditional, map_task, reference_task, sleep, task, workflow
 from flytekit.extras.accelerators import A100
+from kubernetes.client import V1Container, V1PodSpec, V1ResourceRequirements
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flyte" / "workflows.py"
 
@@ -146,3 +147,37 @@ def registered_flaky(x: int) -> int:
 @workflow
 def with_a_reference(x: int = 1) -> int:
     return registered_flaky(x=shard(x=x))
+
+
+# Images and pod templates: an ImageSpec the projection must not build; GPUs a pod template names.
+
+trainer_image = ImageSpec(name="budgetgate-trainer", packages=["torch"], registry="ghcr.io/budgetgate-example")
+
+
+@task(container_image=trainer_image, requests=Resources(gpu="2"), timeout=timedelta(hours=1))
+def imaged(x: int) -> int:
+    return x
+
+
+@task(
+    pod_template=PodTemplate(
+        primary_container_name="primary",
+        pod_spec=V1PodSpec(
+            containers=[V1Container(name="primary", resources=V1ResourceRequirements(limits={"nvidia.com/gpu": "4"})), V1Container(name="sidecar")]
+        ),
+    ),
+    timeout=timedelta(hours=1),
+)
+def podded(x: int) -> int:
+    return x
+
+
+@task(pod_template=PodTemplate(primary_container_name="primary"), requests=Resources(gpu="3"), timeout=timedelta(hours=1))
+def podded_with_resources(x: int) -> int:
+    return x
+
+
+@workflow
+def images_and_pods(x: int = 1) -> int:
+    """2 GPUs (an ImageSpec image), 4 (a pod template's nvidia.com/gpu), 3 (Resources on a pod template task)."""
+    return podded_with_resources(x=podded(x=imaged(x=x)))

@@ -166,3 +166,15 @@ def test_launch_plan_nodes_and_reference_nodes_count(admin) -> None:
         project(flows.with_a_reference)
     projected = project(flows.with_a_reference, remote=admin.remote())  # 2 GPU-hours of shard, 3 of the registered flaky
     assert [(t.name.rsplit(".", 1)[-1], t.gpu_hours) for t in projected.tasks] == [("shard", 2.0), ("flaky", 3.0)]
+
+
+def test_pod_template_gpus_count_and_images_are_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Compiling for the projection resolved the ImageSpec image, which builds it (docker).
+    from flytekit.image_spec.image_spec import ImageBuildEngine
+
+    def build(image_spec) -> None:
+        raise AssertionError(f"the projection built image {image_spec.name}")
+
+    monkeypatch.setattr(ImageBuildEngine, "build", build)
+    projected = project(flows.images_and_pods)
+    assert [(t.name.rsplit(".", 1)[-1], t.gpus) for t in projected.tasks] == [("imaged", 2), ("podded", 4), ("podded_with_resources", 3)]

@@ -34,7 +34,7 @@ from typing import Any
 
 _GLOBAL_INPUTS = {"", "start-node"}  # a binding to the workflow's inputs (flytekit: GLOBAL_INPUT_NODE_ID; compiled: START_NODE_ID)
 _SYSTEM_NODES = {"start-node", "end-node"}
-_POD_GPU = re.compile(r"^[a-z0-9.-]+/gpu$")  # nvidia.com/gpu, amd.com/gpu
+_POD_GPU = re.compile(r"^([a-z0-9.-]+/)?gpu$")  # flytekit's `gpu` (flytepropeller names it), nvidia.com/gpu, amd.com/gpu
 _LOCAL = "budgetgate-preflight"  # the project, domain and version local entities are compiled under (ids only)
 
 
@@ -232,7 +232,7 @@ def _resource_gpus(resources: Any, what: str) -> int | None:
 
 
 def _pod_gpus(template: Any, what: str) -> int | None:
-    """The GPUs of a pod-template task: its containers' `<vendor>/gpu` (request, else limit)."""
+    """The GPUs of a pod-template task: its containers' `gpu` or `<vendor>/gpu` (request, else limit)."""
     pod = getattr(template, "k8s_pod", None)
     spec = getattr(pod, "pod_spec", None) or {}
     total = None
@@ -369,11 +369,18 @@ class _Walk:
 
 
 def _compile(entity: Any, templates: _Templates) -> Any:
-    """Compile a local entity as FlyteRemote.execute would register it; the entity's own model."""
-    from flytekit.configuration import ImageConfig, SerializationSettings
+    """Compile a local entity as FlyteRemote.execute would register it; the entity's own model.
+    Images are not resolved: an ImageSpec is named, not built (a projection needs no image)."""
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
     from flytekit.tools.translator import get_serializable
 
-    settings = SerializationSettings(image_config=ImageConfig.auto_default_image(), project=_LOCAL, domain=_LOCAL, version=_LOCAL)
+    class _AnyImage(ImageConfig):
+        def find_image(self, name: str) -> Image:
+            return Image(name=name, fqn=f"{_LOCAL}/{name}", tag=_LOCAL)
+
+    default = ImageConfig.auto_default_image()
+    images = _AnyImage(default_image=default.default_image, images=default.images)
+    settings = SerializationSettings(image_config=images, project=_LOCAL, domain=_LOCAL, version=_LOCAL)
     mapping: OrderedDict[Any, Any] = OrderedDict()
     try:
         model = get_serializable(mapping, settings, entity)
