@@ -149,6 +149,15 @@ def with_a_reference(x: int = 1) -> int:
     return registered_flaky(x=shard(x=x))
 
 
+retried_plan = LaunchPlan.get_or_create(retried, name="budgetgate_retried")
+
+
+@workflow
+def over_plans(xs: list[int]) -> list[int]:
+    """A map over a launch plan (3 GPU-hours per child execution), 2 at once."""
+    return map_task(retried_plan, concurrency=2)(x=xs)
+
+
 # Images and pod templates: an ImageSpec the projection must not build; GPUs a pod template names.
 
 trainer_image = ImageSpec(name="budgetgate-trainer", packages=["torch"], registry="ghcr.io/budgetgate-example")
