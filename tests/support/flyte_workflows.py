@@ -3,6 +3,7 @@ this module is imported; the example of examples/flyte/ loaded as well."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from datetime import timedelta
@@ -156,6 +157,17 @@ retried_plan = LaunchPlan.get_or_create(retried, name="budgetgate_retried")
 def over_plans(xs: list[int]) -> list[int]:
     """A map over a launch plan (3 GPU-hours per child execution), 2 at once."""
     return map_task(retried_plan, concurrency=2)(x=xs)
+
+
+@task(requests=Resources(gpu="1"), timeout=timedelta(hours=1))
+def score(x: int, weights: list[float]) -> float:
+    return x * sum(weights)
+
+
+@workflow
+def fan_out_with_a_bound_list(xs: list[int]) -> list[float]:
+    """A map over `xs` whose `weights` (a list of 9) is bound: the same for every element."""
+    return map_task(functools.partial(score, weights=[0.1] * 9))(x=xs)
 
 
 # Images and pod templates: an ImageSpec the projection must not build; GPUs a pod template names.

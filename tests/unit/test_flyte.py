@@ -140,6 +140,7 @@ def test_a_map_counts_its_fan_out_or_refuses(admin) -> None:
     assert project(flows.fan_out_of_an_output, max_map_size=7).gpu_hours == 14.0
     with pytest.raises(Unprojectable, match="inside a @workflow"):
         project(flows.map_task(flows.shard))
+    assert project(flows.fan_out_with_a_bound_list, inputs={"xs": [1, 2]}).gpu_hours == 2.0  # a bound list is not mapped over
     over_plans = project(flows.over_plans, inputs={"xs": [1, 2, 3]})  # child executions: 3 × (1 GPU × 1 h × 3 attempts)
     assert [(t.gpus, t.instances, t.attempts) for t in over_plans.tasks] == [(2, 3, 3)] and over_plans.gpu_hours == 9.0
 

@@ -332,7 +332,8 @@ class _Walk:
 
     def array(self, node: Any, known: Mapping[str, int], path: str) -> list[TaskUse]:
         array = node.array_node
-        lengths = [n for b in node.inputs or [] if (n := _length(b.binding, known)) is not None]
+        bound = set(getattr(array, "_bound_inputs", None) or ())  # a partial's inputs, the same for every element
+        lengths = [n for b in node.inputs or [] if b.var not in bound and (n := _length(b.binding, known)) is not None]
         if lengths:
             elements = max(lengths)
         elif self.max_map_size is not None:
