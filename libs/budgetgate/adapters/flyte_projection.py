@@ -20,7 +20,8 @@ that launches the execution. One walk over the templates projects them all:
 - a map (an array node, `map_task` or a map over a launch plan): the mapped node × its elements,
   at most `concurrency` at once; the elements are counted from the list the map is given when it
   is known before launch (a literal list, or a workflow input given in `inputs`, a launch plan's
-  fixed or default input, a workflow's default), else `max_map_size`, else Unprojectable.
+  fixed or default input, a workflow's default; a partial's bound inputs aside), else
+  `max_map_size`, else Unprojectable.
 """
 
 from __future__ import annotations
