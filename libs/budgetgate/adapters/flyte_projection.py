@@ -9,7 +9,7 @@ and any entity a template names that is not at hand is fetched through `remote`,
 that launches the execution. One walk over the templates projects them all:
 
 - a task node: its GPUs (the node's `with_overrides` resources when they name GPUs, else the
-  task's: request, else limit; a pod template's containers' `nvidia.com/gpu` when the container
+  task's: request, else limit; a pod template's containers' `gpu` or `<vendor>/gpu` when the container
   names none) for its timeout (the node's, else the task's, else `default_runtime_hours`) times
   its attempts (`retries + 1`: the node's retries when not 0, else the task's, as flytepropeller
   counts them; `count_retries=False` counts one attempt);
