@@ -197,3 +197,131 @@ async def test_when_flyteadmin_cannot_say_whether_it_launched_the_reservation_st
 
     failed = await asyncio.to_thread(launch)
     assert not failed.released and f"execution_name={failed.execution_name!r}" in str(failed) and "cannot be told" in str(failed)
+
+
+class Waiting(Remote):
+    """The recorder, with FlyteRemote.wait: the execution as it ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: list[str] = []
+
+    def wait(self, execution: str) -> str:
+        self.waited.append(execution)
+        return f"{execution}: SUCCEEDED"
+
+
+def _admin():
+    from tests.support.flyte_admin import FlyteAdminStandIn
+
+    admin = FlyteAdminStandIn()
+    admin.register(flows.fan_out_plan, flows.example().training)
+    return admin
+
+
+async def test_a_fetched_launch_plan_is_admitted_and_launched(admission) -> None:
+    # The common production path through a real FlyteRemote (its FlyteAdmin a stand-in): fetch a
+    # launch plan, execute it. It was refused (Unprojectable) before anything was submitted.
+    admin = _admin()
+
+    def launch() -> Any:
+        remote = admin.remote()
+        plan = remote.fetch_launch_plan(name="budgetgate_fan_out_of_six", version="v1")
+        with Client(admission.url) as bg:
+            return execute(remote, plan, client=bg, namespace="vision-prod", labels=VISION)
+
+    execution = await asyncio.to_thread(launch)
+    (created,) = admin.created
+    assert created["name"] == execution.id.name and created["entity"].name == "budgetgate_fan_out_of_six"
+    decision = (await admission.client.get(f"/v1/admissions/flyte/vision/production/{execution.id.name}")).json()
+    assert (decision["decision"], decision["projected_gpu_hours"]) == ("ALLOW", 12.0)
+
+
+async def test_an_execution_name_prefix_names_the_run_and_launches(admission) -> None:
+    # flytekit refuses execution_name_prefix beside the execution_name execute passes: it raised
+    # after the ALLOW, leaving a decision (and, without an exporter token, a reservation) behind.
+    admin = _admin()
+
+    def launch() -> Any:
+        remote = admin.remote()
+        plan = remote.fetch_launch_plan(name="budgetgate_fan_out_of_six", version="v1")
+        with Client(admission.url) as bg:
+            return execute(remote, plan, client=bg, namespace="vision-prod", labels=VISION, execution_name_prefix="nightly")
+
+    execution = await asyncio.to_thread(launch)
+    name = execution.id.name
+    assert name.startswith("nightly-") and len(name) == len("nightly-") + 19 and [c["name"] for c in admin.created] == [name]
+    decision = (await admission.client.get(f"/v1/admissions/flyte/vision/production/{name}")).json()
+    assert decision["decision"] == "ALLOW"
+
+
+async def test_a_call_flytekit_would_refuse_submits_nothing(admission) -> None:
+    admin = _admin()
+
+    def attempts() -> list[BaseException]:
+        remote = admin.remote()
+        plan = remote.fetch_launch_plan(name="budgetgate_fan_out_of_six", version="v1")
+        refused = []
+        with Client(admission.url) as bg:
+            for kwargs, error in [
+                ({"execution_name": "refused1", "execution_name_prefix": "nightly"}, ValueError),
+                ({"execution_name": "refused2", "priority": "high"}, TypeError),  # not an argument of FlyteRemote.execute
+                ({"execution_name": "Refused_3"}, ValueError),  # FlyteAdmin's names: lowercase, digits, '-'
+                ({"execution_name_prefix": "x" * 44}, ValueError),  # with its suffix, over 63 characters
+            ]:
+                with pytest.raises(error) as caught:
+                    execute(remote, plan, client=bg, namespace="vision-prod", labels=VISION, **kwargs)
+                refused.append(caught.value)
+            with pytest.raises(ValueError, match=r"has no input epochs.*nothing was submitted"):  # its only input is fixed: none to give
+                execute(remote, flows.fan_out_of_a_literal, {"epochs": 3}, client=bg, namespace="vision-prod", labels=VISION, execution_name="refused5")
+        return refused
+
+    refused = await asyncio.to_thread(attempts)
+    assert "not both" in str(refused[0]) and "would refuse these arguments" in str(refused[1]) and "at most 63" in str(refused[3])
+    assert admin.created == []
+    for name in ("refused1", "refused2", "refused5"):
+        assert (await admission.client.get(f"/v1/admissions/flyte/vision/production/{name}")).status_code == 404
+    budgets = (await admission.client.get("/v1/budgets")).json()["budgets"]
+    assert all(b["reserved"] == 0 for b in budgets)
+
+
+async def test_an_error_while_waiting_is_raised_and_the_launched_run_keeps_its_reservation(admission) -> None:
+    # FlyteRemote.execute(wait=True) raised while waiting (FlyteAdmin unavailable for a poll);
+    # the execution was found launched and returned as if waiting had ended.
+    from flytekit.exceptions.system import FlyteSystemUnavailableException
+
+    admin = _admin()
+    admin.failing_reads = {2}  # the read after the launch answers; the first poll of the wait does not
+
+    def launch() -> BaseException:
+        remote = admin.remote()
+        plan = remote.fetch_launch_plan(name="budgetgate_fan_out_of_six", version="v1")
+        with Client(admission.url) as bg:
+            with pytest.raises(FlyteSystemUnavailableException) as failed:
+                execute(remote, plan, client=bg, namespace="vision-prod", labels=VISION, execution_name="waited", wait=True)
+            return failed.value
+
+    failed = await asyncio.to_thread(launch)
+    assert any("run flyte/vision/production/waited was launched" in note for note in failed.__notes__)
+    assert [c["name"] for c in admin.created] == ["waited"]
+    vision = next(b for b in (await admission.client.get("/v1/budgets")).json()["budgets"] if b["policy_id"] == "gpu-budget/team-vision-prod")
+    assert vision["reserved"] == 12.0  # the execution runs: its reservation stands
+
+
+async def test_wait_returns_the_execution_as_it_ended(admission) -> None:
+    remote = Waiting()
+
+    def launch() -> str:
+        with Client(admission.url) as bg:
+            return execute(remote, flows.example().training, client=bg, namespace="vision-prod", labels=VISION, wait=True)
+
+    ended = await asyncio.to_thread(launch)
+    (launched,) = remote.launched
+    assert "wait" not in launched and remote.waited == [launched["execution_name"]] and ended == f"{launched['execution_name']}: SUCCEEDED"
+
+    def without_wait() -> None:
+        with Client(admission.url) as bg, pytest.raises(TypeError, match="has no wait"):
+            execute(Remote(), flows.example().training, client=bg, namespace="vision-prod", labels=VISION, execution_name="unwaited", wait=True)
+
+    await asyncio.to_thread(without_wait)
+    assert (await admission.client.get("/v1/admissions/flyte/vision/production/unwaited")).status_code == 404

@@ -7,13 +7,22 @@ execution may start, and refuse to launch it on DENY or DELAY.
     with Client() as bg:
         execution = execute(remote, training_wf, {"epochs": 10}, client=bg, labels={"team": "vision", "cost-center": "1042"})
 
-What an entity projects (`project`): for a task, its GPUs — `Resources(gpu=…)` requested, else
-the limit — for its timeout (`@task(timeout=…)`, else `default_runtime_hours`); its flavor from
-`accelerator=` (`nvidia-tesla-a100` → `a100`, `nvidia-h100` → `h100`). For a workflow, every task
-node, sub-workflows included, as if each ran for its whole timeout: the execution's GPU-hours
-are their sum, submitted as the largest task's GPUs for the hours that sum takes them (a
-submission has one GPU count and one runtime; GPU-hours, what budgets count, are exact).
-Flyte's own node-level overrides and map tasks' fan-out are not seen.
+What an execution projects (`project`, budgetgate.adapters.flyte_projection, whose docstring has
+the rules): local tasks, workflows and launch plans compiled by flytekit, and what FlyteRemote
+fetches (FlyteTask, FlyteWorkflow, FlyteLaunchPlan) from their compiled templates; references and
+anything else not at hand through the remote `execute` launches with. Each task node: its GPUs
+(node overrides first) for its timeout times its attempts; a branch, its costliest case; a gate,
+nothing; a map, its element × the list's length when known before launch (`inputs`, defaults,
+fixed inputs), else `max_map_size`, else Unprojectable. The execution's GPU-hours are their sum,
+submitted as the largest node's GPUs for the hours that sum takes them (a submission has one GPU
+count and one runtime; GPU-hours, what budgets count, are exact).
+
+The call is checked before anything is submitted: arguments `remote.execute` does not take,
+inputs the entity does not have, an execution name FlyteAdmin refuses, or both a name and
+`execution_name_prefix` (which `execute` turns into the name, as flytekit does) raise TypeError or
+ValueError, with no decision made. With `wait=True`, the execution is launched, then waited for
+(`remote.wait`); an error while waiting is raised as it is (a note names the run): the execution
+was launched, its reservation is its own, nothing is ended.
 
 An execution name is one run: `execute` again with the same `execution_name` and another
 request (another entity, labels, flavor) launches nothing and raises budgetgate.client.Conflict
@@ -40,18 +49,14 @@ import logging
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from budgetgate.adapters.flyte_projection import Projection, TaskUse, Unprojectable, flavor_of, project
 from budgetgate.client import Client, lifecycle_event
 from budgetgate.contracts.admission import AdmissionRequest, AdmissionResponse
 
 log = logging.getLogger(__name__)
-
-
-class Unprojectable(ValueError):
-    """An entity whose GPU-hours cannot be projected; the message says what to add."""
 
 
 class BudgetRefused(RuntimeError):
@@ -87,101 +92,6 @@ class LaunchFailed(RuntimeError):
         self.released = released
 
 
-@dataclass(frozen=True)
-class TaskUse:
-    """One task's projected use: `gpus` for `hours`, on `flavor`."""
-
-    name: str
-    gpus: int
-    hours: float
-    flavor: str | None
-
-
-@dataclass(frozen=True)
-class Projection:
-    """What an execution is projected to use, task by task."""
-
-    tasks: tuple[TaskUse, ...]
-
-    @property
-    def gpu_hours(self) -> float:
-        return sum(t.gpus * t.hours for t in self.tasks)
-
-    @property
-    def gpus(self) -> int:
-        return max((t.gpus for t in self.tasks), default=0)
-
-    @property
-    def runtime_hours(self) -> float:
-        """Hours the largest task's GPUs would take for all the GPU-hours (the longest task's
-        hours for CPU-only work)."""
-        if self.gpus:
-            return self.gpu_hours / self.gpus
-        return max((t.hours for t in self.tasks), default=0.0)
-
-    @property
-    def flavor(self) -> str | None:
-        """The flavor of most of the GPU-hours."""
-        by_flavor: dict[str, float] = {}
-        for t in self.tasks:
-            if t.flavor and t.gpus:
-                by_flavor[t.flavor] = by_flavor.get(t.flavor, 0.0) + t.gpus * t.hours
-        return max(by_flavor, key=by_flavor.__getitem__) if by_flavor else None
-
-
-def flavor_of(device: str) -> str:
-    """The rate card's flavor of a Flyte accelerator device name."""
-    name = device.lower().removeprefix("nvidia-").removeprefix("tesla-")
-    return re.sub(r"[^a-z0-9._-]", "-", name)
-
-
-def _gpus(task: Any) -> int:
-    resources = getattr(task, "resources", None)
-    asked = None
-    if resources is not None:
-        asked = getattr(resources.requests, "gpu", None) or getattr(resources.limits, "gpu", None)
-    if asked in (None, ""):
-        return 0
-    try:
-        count = float(str(asked))
-    except ValueError:
-        raise Unprojectable(f"task {task.name}: gpu={asked!r} is not a number of GPUs") from None
-    if count < 0 or count != int(count):
-        raise Unprojectable(f"task {task.name}: gpu={asked!r} is not a whole number of GPUs")
-    return int(count)
-
-
-def _task(task: Any, default_runtime_hours: float | None) -> TaskUse:
-    timeout = getattr(getattr(task, "metadata", None), "timeout", None)
-    if timeout:
-        hours = timeout.total_seconds() / 3600
-    elif default_runtime_hours is not None:
-        hours = default_runtime_hours
-    else:
-        raise Unprojectable(f"task {task.name} has no timeout: set @task(timeout=timedelta(...)) or pass default_runtime_hours")
-    accelerator = getattr(task, "accelerator", None)
-    flavor = flavor_of(accelerator.to_flyte_idl().device) if accelerator is not None else None
-    return TaskUse(task.name, _gpus(task), hours, flavor)
-
-
-def project(entity: Any, *, default_runtime_hours: float | None = None) -> Projection:
-    """The projected use of a flytekit task or workflow (see the module docstring)."""
-    from flytekit.core.base_task import PythonTask
-    from flytekit.core.launch_plan import LaunchPlan
-    from flytekit.core.workflow import WorkflowBase
-
-    if isinstance(entity, LaunchPlan):
-        entity = entity.workflow
-    if isinstance(entity, PythonTask):
-        return Projection((_task(entity, default_runtime_hours),))
-    if isinstance(entity, WorkflowBase):
-        found: list[TaskUse] = []
-        for node in entity.nodes:
-            found.extend(project(node.flyte_entity, default_runtime_hours=default_runtime_hours).tasks)
-        return Projection(tuple(found))
-    raise Unprojectable(f"{type(entity).__name__} {getattr(entity, 'name', '')!r} is not a flytekit task, workflow or launch plan")
-
-
 def submission(
     entity: Any,
     *,
@@ -191,10 +101,17 @@ def submission(
     attempt: int = 1,
     flavor: str | None = None,
     region: str | None = None,
+    inputs: Mapping[str, Any] | None = None,
+    remote: Any = None,
     default_runtime_hours: float | None = None,
+    count_retries: bool = True,
+    max_map_size: int | None = None,
 ) -> AdmissionRequest:
-    """The submission for executing `entity` as run `run_id` (flavor: the accelerator's, unless given)."""
-    projected = project(entity, default_runtime_hours=default_runtime_hours)
+    """The submission for executing `entity` with `inputs` as run `run_id` (flavor: the
+    accelerator's, unless given; `remote`, `count_retries`, `max_map_size`: see `project`)."""
+    projected = project(
+        entity, inputs=inputs, remote=remote, default_runtime_hours=default_runtime_hours, count_retries=count_retries, max_map_size=max_map_size
+    )
     if projected.runtime_hours <= 0:
         raise Unprojectable(f"{getattr(entity, 'name', 'the entity')} has no task to run")
     chosen = flavor or projected.flavor
@@ -221,6 +138,58 @@ def preflight(entity: Any, *, client: Client, **request: Any) -> AdmissionRespon
     return answer
 
 
+EXECUTION_NAME = re.compile(r"^[a-z][a-z0-9-]*$")  # FlyteAdmin's rule for an execution name
+MAX_EXECUTION_NAME = 63  # FlyteAdmin's limit (a Kubernetes label value)
+
+
+def execution_name_for(execution_name: str | None, prefix: str | None) -> str:
+    """The execution name to launch under: the one given, else `<prefix>-<19 hex>` (flytekit's
+    form for execution_name_prefix), else `b<19 hex>`; ValueError, before anything is submitted,
+    for a name FlyteAdmin would refuse or for both a name and a prefix."""
+    if execution_name is not None and prefix is not None:
+        raise ValueError("pass execution_name or execution_name_prefix, not both (flytekit refuses both)")
+    if execution_name is not None:
+        name, what = execution_name, f"execution_name {execution_name!r}"
+    elif prefix is not None:
+        name, what = f"{prefix}-{uuid.uuid4().hex[:19]}", f"execution_name_prefix {prefix!r}"
+    else:
+        return f"b{uuid.uuid4().hex[:19]}"  # a letter, then 19 more: within FlyteAdmin's older limit of 20 as well
+    if not isinstance(name, str) or not EXECUTION_NAME.match(name) or len(name) > MAX_EXECUTION_NAME:
+        raise ValueError(
+            f"{what}: FlyteAdmin takes execution names of lowercase letters, digits and '-', starting with a letter, "
+            f"at most {MAX_EXECUTION_NAME} characters (a prefix: at most {MAX_EXECUTION_NAME - 20})"
+        )
+    return name
+
+
+def _check_call(remote: Any, entity: Any, inputs: Mapping[str, Any], arguments: Mapping[str, Any]) -> None:
+    """Refuse, before the submission, a call `remote.execute` would refuse after it: an argument
+    it does not take, an input the entity does not have."""
+    import inspect
+
+    try:
+        signature = inspect.signature(remote.execute)
+    except (TypeError, ValueError):  # a callable without a signature: nothing to check against
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(entity, dict(inputs), **arguments)
+        except TypeError as exc:
+            raise TypeError(f"{type(remote).__name__}.execute would refuse these arguments ({exc}); nothing was submitted") from None
+    declared = None
+    interface = getattr(entity, "python_interface", None)
+    if interface is not None:
+        declared = set(interface.inputs)
+    elif getattr(entity, "interface", None) is not None and entity.interface.inputs is not None:
+        declared = set(entity.interface.inputs)
+    unknown = sorted(set(inputs) - declared) if declared is not None else []
+    if unknown:
+        raise ValueError(
+            f"{getattr(entity, 'name', 'the entity')} has no input {', '.join(unknown)} "
+            f"(its inputs: {', '.join(sorted(declared or ())) or 'none'}); nothing was submitted"
+        )
+
+
 def execute(
     remote: Any,
     entity: Any,
@@ -232,41 +201,65 @@ def execute(
     project: str | None = None,
     domain: str | None = None,
     execution_name: str | None = None,
+    execution_name_prefix: str | None = None,
     attempt: int = 1,
     flavor: str | None = None,
     region: str | None = None,
     default_runtime_hours: float | None = None,
+    count_retries: bool = True,
+    max_map_size: int | None = None,
     lifecycle: Client | None = None,
+    wait: bool = False,
     **execute_kwargs: Any,
 ) -> Any:
     """`remote.execute(entity, inputs, ...)` once budgetgate has admitted it, as run
     `flyte/<project>/<domain>/<execution name>` in namespace `<project>-<domain>` (Flyte's default
-    mapping) unless `namespace` is given. The execution name is made here when not given, so a
-    retry of this call with the same name is the same run. A launch that raises ends the run
-    (through `lifecycle`, default `client`) and raises LaunchFailed (see the module docstring)."""
-    project = project or remote.default_project
+    mapping) unless `namespace` is given. The execution name is made here when not given (from
+    `execution_name_prefix` when given, as flytekit makes it), so a retry of this call with the
+    same name is the same run. The call is checked before the submission (arguments
+    `remote.execute` takes, inputs the entity has, the execution name). A launch that raises ends
+    the run (through `lifecycle`, default `client`) and raises LaunchFailed (see the module
+    docstring). With `wait`, the launched execution is waited for (`remote.wait`); an error while
+    waiting is raised as it is, the execution launched and its reservation kept."""
+    project_name = project or remote.default_project
     domain = domain or remote.default_domain
-    if not project or not domain:
+    if not project_name or not domain:
         raise ValueError("no Flyte project or domain: pass project= and domain=, or configure the remote's defaults")
-    name = execution_name or f"b{uuid.uuid4().hex[:19]}"  # Flyte execution names: a letter, then up to 19 more
-    run_id = f"flyte/{project}/{domain}/{name}"
+    name = execution_name_for(execution_name, execution_name_prefix)
+    given = dict(inputs or {})
+    if wait and not callable(getattr(remote, "wait", None)):
+        raise TypeError(f"wait=True, and {type(remote).__name__} has no wait(execution) to wait with; nothing was submitted")
+    _check_call(remote, entity, given, {"project": project_name, "domain": domain, "execution_name": name, **execute_kwargs})
+    run_id = f"flyte/{project_name}/{domain}/{name}"
     preflight(
-        entity, client=client, run_id=run_id, namespace=namespace or f"{project}-{domain}", labels=labels,
-        attempt=attempt, flavor=flavor, region=region, default_runtime_hours=default_runtime_hours,
+        entity, client=client, run_id=run_id, namespace=namespace or f"{project_name}-{domain}", labels=labels,
+        attempt=attempt, flavor=flavor, region=region, inputs=given, remote=remote,
+        default_runtime_hours=default_runtime_hours, count_retries=count_retries, max_map_size=max_map_size,
     )  # fmt: skip
     try:
-        return remote.execute(entity, dict(inputs or {}), project=project, domain=domain, execution_name=name, **execute_kwargs)
+        execution = remote.execute(entity, given, project=project_name, domain=domain, execution_name=name, **execute_kwargs)
     except Exception as exc:
-        found = _existing(remote, project=project, domain=domain, name=name)
+        found = _existing(remote, project=project_name, domain=domain, name=name)
         if found is _UNKNOWN:
             message = (
                 f"launching run {run_id} failed ({type(exc).__name__}: {exc}), and whether FlyteAdmin created the execution cannot be told now: "
                 f"its reservation is held; retry with execution_name={name!r} (an execution that exists is then found and returned)"
             )
             raise LaunchFailed(message, run_id=run_id, execution_name=name, attempt=attempt, released=False) from exc
-        if found is not None:
-            return found  # it launched all the same (an answer lost after FlyteAdmin created it, or a retry of one that did)
-        raise _launch_failed(exc, run_id=run_id, execution_name=name, attempt=attempt, lifecycle=lifecycle or client) from exc
+        if found is None:
+            raise _launch_failed(exc, run_id=run_id, execution_name=name, attempt=attempt, lifecycle=lifecycle or client) from exc
+        execution = found  # it launched all the same (an answer lost after FlyteAdmin created it, or a retry of one that did)
+    if not wait:
+        return execution
+    try:
+        return remote.wait(execution)
+    except Exception as exc:
+        # The execution was launched: its reservation belongs to it (the run's end comes from its
+        # own lifecycle, not from here); the caller learns that waiting failed, and can wait again.
+        exc.add_note(
+            f"budgetgate: run {run_id} was launched (execution {project_name}/{domain}/{name}); waiting for it failed, the execution and its reservation stand"
+        )
+        raise
 
 
 _UNKNOWN = object()
@@ -305,3 +298,9 @@ def _launch_failed(exc: Exception, *, run_id: str, execution_name: str, attempt:
         return LaunchFailed(message, run_id=run_id, execution_name=execution_name, attempt=attempt, released=False)
     message = f"launching run {run_id} failed ({why}); the run is ended (CANCELLED published, its reservation released): retry as a new run (no execution_name)"
     return LaunchFailed(message, run_id=run_id, execution_name=execution_name, attempt=attempt, released=True)
+
+
+__all__ = [
+    "BudgetDelayed", "BudgetDenied", "BudgetRefused", "LaunchFailed", "Projection", "TaskUse", "Unprojectable",
+    "execute", "execution_name_for", "flavor_of", "preflight", "project", "submission",
+]  # fmt: skip
