@@ -161,7 +161,8 @@ def test_evaluation_keys_follow_the_model() -> None:
         "decided_at": "2026-03-10T12:00:00.5+00:00",
     }
     answer = canonical(stored)
-    assert list(answer) == ["run_id", "replayed", "decided_at", "evaluations"]
+    # An answer stored before warnings were given reads as one with none.
+    assert list(answer) == ["run_id", "replayed", "decided_at", "evaluations", "warnings"] and answer["warnings"] == []
     assert answer["decided_at"] == "2026-03-10T12:00:00.500000Z"
     assert answer["evaluations"] == [{"policy_id": "p", "window_end": "2026-04-01T00:00:00Z"}]
     assert list(EvaluationOut.model_fields)[0] == "policy_id"
