@@ -61,3 +61,7 @@ def test_the_token_the_api_server_presents_is_documented() -> None:
     for text in ((WEBHOOK / "validatingwebhookconfiguration.yaml").read_text(), (KUBERNETES / "README.md").read_text()):
         assert "kind: WebhookAdmissionConfiguration" in text and "kubeConfigFile:" in text and user in text and "token:" in text
         assert "--role submitter" in text
+    # Both webhooks are called with the token: the mutating one's plugin names the kubeconfig too.
+    readme = (KUBERNETES / "README.md").read_text()
+    assert "name: MutatingAdmissionWebhook" in readme and "name: ValidatingAdmissionWebhook" in readme
+    assert readme.count("kubeConfigFile: /etc/kubernetes/budgetgate-webhook.kubeconfig") == 2

@@ -317,7 +317,10 @@ def _resubmitting(conflict: Conflict, mapping: Mapping) -> str:
     """How a Kubernetes object is resubmitted as the 409 says: a higher attempt, or a new run id."""
     if conflict.next_attempt is not None:
         return f"(on Kubernetes: set the annotation {mapping.attempt_annotation}={conflict.next_attempt})"
-    return f"(on Kubernetes: a new object without the annotation {mapping.run_id_annotation}, which takes its own UID, or with another value of it)"
+    return (
+        f"(on Kubernetes: a new object without the annotation {mapping.run_id_annotation}, which the mutating webhook names afresh "
+        "(else its UID), or with another value of it)"
+    )
 
 
 def _undecided(uid: str, exc: BaseException, *, fail_open: bool) -> dict[str, Any]:
