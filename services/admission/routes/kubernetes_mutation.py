@@ -29,6 +29,7 @@ answered the same way, with the patch, and nothing happens anywhere: the quote r
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import logging
 import uuid
@@ -60,6 +61,8 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.quoting import Quoter
+from budgetgate.services.admission.routes.kubernetes import _EXAMPLE as REVIEW_EXAMPLE
+from budgetgate.services.admission.routes.kubernetes import _REVIEW as REVIEW_SCHEMA
 from budgetgate.services.admission.routes.kubernetes import KubernetesWebhookSettings, _admitted_owner, _not_a_review
 
 log = logging.getLogger(__name__)
@@ -76,12 +79,15 @@ _ANSWER_EXAMPLE = {
         ).decode(),
     },
 }
+# What a mutating webhook is sent: the object before it is stored, without a UID.
+_EXAMPLE = copy.deepcopy(REVIEW_EXAMPLE)
+del _EXAMPLE["request"]["object"]["metadata"]["uid"]
 _OPENAPI = {
-    "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object", "description": "an admission.k8s.io/v1 AdmissionReview"}}}},
+    "requestBody": {"required": True, "content": {"application/json": {"schema": REVIEW_SCHEMA, "example": _EXAMPLE}}},
     "responses": {
         "200": {
             "description": "the AdmissionReview answered: always allowed, with the JSON patch (base64) that names the run",
-            "content": {"application/json": {"schema": {"type": "object"}, "example": _ANSWER_EXAMPLE}},
+            "content": {"application/json": {"schema": REVIEW_SCHEMA, "example": _ANSWER_EXAMPLE}},
         }
     },
 }
