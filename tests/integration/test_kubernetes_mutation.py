@@ -121,6 +121,19 @@ async def test_an_object_naming_its_run_keeps_the_name_hashed_into_the_label(adm
     assert pod_run_id(template) == run_id
     assert (await validated(admission, stored(patched)))["allowed"] is True
     assert (await admission.client.get(f"/v1/admissions/{run_id}")).json()["decision"] == "ALLOW"
+    # A pod made from that template for an owner never admitted (or not remembered) is a run of
+    # its own: the run id it inherited is its owner's, so it is named afresh (else it would be
+    # decided under the owner's run id, and refused as a conflicting resend).
+    stray_owner = {**patched, "kind": "Job", "apiVersion": "batch/v1", "metadata": {**patched["metadata"], "name": "suite-x", "uid": str(uuid.uuid4())}}
+    orphan = pod_of(stray_owner, "suite-x-0", template)
+    orphan["spec"]["activeDeadlineSeconds"] = 600
+    orphan["metadata"]["labels"].update(VISION)
+    orphan["metadata"]["annotations"].update(H100)
+    _, renamed = await mutated(admission, orphan, user=JOB_CONTROLLER)
+    fresh = renamed["metadata"]["annotations"]["budgetgate.io/run-id"]
+    assert fresh != run_id and uuid.UUID(fresh) and pod_run_id(renamed) == fresh
+    answer = await validated(admission, stored(renamed), user=JOB_CONTROLLER)
+    assert answer["allowed"] is True and (await admission.client.get(f"/v1/admissions/{fresh}")).status_code == 200, answer
 
 
 async def test_a_dry_run_is_named_and_nothing_is_recorded(admission, pg_dsn) -> None:

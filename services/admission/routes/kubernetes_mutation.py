@@ -20,6 +20,8 @@ webhooks see it). So the run cannot be named by its UID here, and this webhook n
 Left unchanged: objects of other kinds and operations, objects asking for no GPU, objects
 labelled for a Kueue queue (Kueue names and admits them), and the children a trusted controller
 creates for an admitted owner (a Job's pods, a JobSet's Jobs: they carry their owner's names).
+A child a trusted controller creates for an owner never admitted (nor remembered) is a run of its
+own, and is named afresh: a run id annotation it has came from its owner's template.
 
 This webhook never denies: what cannot be named (a malformed object) is let through unchanged,
 and the validating webhook refuses it naming the field. A dry run (kubectl --dry-run=server) is
@@ -159,6 +161,10 @@ async def _answer(
                 return patched(uid, [], message=f"budgetgate: left unchanged (its owner could not be looked up: {exc})")
             if owner_run is not None:
                 return patched(uid, [], message=f"budgetgate: left unchanged (created by {owned.owner_kind} {owned.owner_name}: it carries its owner's run id)")
+            # Its owner was never admitted (or not remembered): it is a run of its own, and a run id
+            # it has from its owner's template is its owner's, so it is named afresh.
+            run_id = str(uuid.uuid4())
+            named = _with_run_id(asked, run_id, mapping)
         mapped = owned if not isinstance(owned, Owned) else submission(named, mapping, own_run=True)
     except Unmappable as exc:
         # The validating webhook refuses it, naming the same field; nothing to name here.
