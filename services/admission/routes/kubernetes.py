@@ -259,9 +259,7 @@ async def _answer(
                 # tenant wrote with an admitted Job's ownerReference would run beside the Job's own.
                 log.info("%s %r names admitted %s %r but was created by %r, not a trusted controller: decided as a run of its own",
                          asked.kind, asked.name, mapped.owner_kind, mapped.owner_name, asked.username)  # fmt: skip
-                warnings.append(
-                    short(f"budgetgate: created by {asked.username!r}, no controller in TRUSTED_CREATORS: decided as its own run, not as its owner's")
-                )
+                warnings.append(short(f"budgetgate: created by {asked.username!r}, not a TRUSTED_CREATORS controller: decided as its own run"))
             # An owner never admitted (a CPU-only Job, or an ownerReference written to get past
             # the check), or one named by someone else than its controller: a run of its own.
             mapped = submission(asked, mapping, own_run=True)
