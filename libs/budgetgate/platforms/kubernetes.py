@@ -362,13 +362,15 @@ def _update(asked: Asked, kind: str, mapping: Mapping) -> Skip | Refuse | Contro
     # GPUs it had then; a patch that raises them (parallelism, replicas, maxReplicas) would run
     # more on that one reservation. Children are checked too: their owner was decided for the
     # GPUs they had when it was. A queued object still suspended is Kueue's to decide on resuming.
+    counts = ""
     if not (was_queued and still_suspended):
         before = _shape(group, kind, old, mapping.gpu_resource).gpus
         after = _shape(group, kind, new, mapping.gpu_resource).gpus
+        counts = f" ({before} before, {after} after)"
         if after > before:
             return Refuse(
                 f"{kind} {asked.name} asks for {before} {mapping.gpu_resource}; an update may not raise that to {after}, which no decision covered: "
-                f"create a new {kind} for {after} instead (under a new run id: its own UID, or another value of the annotation {mapping.run_id_annotation})"
+                f"create a new {kind} for {after} instead (under a new run id: a new object without the annotation {mapping.run_id_annotation} is named afresh)"
             )
     renaming = _renaming(asked, kind, renamed)
     if renaming is not None:
@@ -385,7 +387,7 @@ def _update(asked: Asked, kind: str, mapping: Mapping) -> Skip | Refuse | Contro
             f"{kind} {asked.name} is suspended in Kueue's queue {old_labels[QUEUE_LABEL]!r}: its {QUEUE_LABEL} label may change but not go "
             "(unlabelled, it could be resumed without Kueue); to run it outside Kueue, delete it and create it again without the label",
         )
-    return Skip("an UPDATE asking for no more GPUs, keeping its run id")
+    return Skip(f"an UPDATE asking for no more {mapping.gpu_resource}{counts}, keeping its run id")
 
 
 def _renaming(asked: Asked, kind: str, renamed: list[str]) -> Controlled | None:
