@@ -128,7 +128,10 @@ async def test_a_child_of_an_admitted_owner_passes_only_when_a_trusted_controlle
     extra = pod("train-extra", containers=[container(gpus=8)], deadline=3600, owner=owner, annotations=H100)
     answer = await reviewed(admission, admission_review(extra, user="mallory@example.com"))
     assert "which was admitted for it" not in answer["status"]["message"], answer
-    assert any("created by 'mallory@example.com'" in w and "TRUSTED_CREATORS" in w for w in answer.get("warnings", [])), answer
+    assert any(
+        w.startswith("budgetgate: created by 'mallory@example.com', not a TRUSTED_CREATORS controller") and not w.endswith("...")
+        for w in answer.get("warnings", [])
+    ), answer
     decision = (await admission.client.get(f"/v1/admissions/{extra.metadata.uid}")).json()
     assert decision["projected_gpu_hours"] == 8.0  # reserved as a run of its own
     # Without a deadline of its own it cannot be decided, and is denied rather than let through.
@@ -166,7 +169,8 @@ async def test_delay_is_a_denial_saying_when_to_retry(admission_factory, pg_dsn)
     first = await reviewed(server, admission_review(job(gpus=8, deadline=2 * 3600, labels={"team": "vision"})))
     assert first["allowed"] is True  # 16 of 20 GPU-hours: the next one must wait for the window
     answer = await reviewed(server, admission_review(job(gpus=8, deadline=2 * 3600, labels={"team": "vision"})))
-    assert answer["allowed"] is False and answer["status"]["code"] == 429
+    assert answer["allowed"] is False and (answer["status"]["code"], answer["status"]["reason"]) == (429, "TooManyRequests")
+    assert "details" not in answer["status"]  # no retryAfterSeconds: client-go would sleep it out in the call
     assert "retry at or after 20" in answer["status"]["message"] and "budgetgate.io/attempt=2" in answer["status"]["message"]
 
 
@@ -197,10 +201,11 @@ async def test_fails_closed_by_default_and_open_when_configured(admission_factor
     closed = await admission_factory()  # no policy bundle applied: it cannot decide
     answer = await reviewed(closed, admission_review(job(gpus=1, deadline=60)))
     assert answer["allowed"] is False and answer["status"]["code"] == 503 and "cannot decide" in answer["status"]["message"]
+    assert answer["status"]["reason"] == "ServiceUnavailable"
     monkeypatch.setenv("BUDGETGATE_KUBERNETES_FAIL_OPEN", "true")
     opened = await admission_factory()
     answer = await reviewed(opened, admission_review(job(gpus=1, deadline=60)))
-    assert answer["allowed"] is True and "fail open" in answer["warnings"][0]
+    assert answer["allowed"] is True and "fail open" in answer["warnings"][0] and len(answer["warnings"][0]) <= 120
 
 
 async def test_namespace_default_runtime_from_the_environment(admission_factory, pg_dsn, monkeypatch) -> None:
@@ -330,7 +335,7 @@ async def test_a_malformed_object_is_refused_naming_the_field_in_words(admission
         node = node[key]
     node[path[-1]] = value
     answer = await reviewed(admission, review)
-    assert answer["allowed"] is False and answer["status"]["code"] == 422, answer
+    assert answer["allowed"] is False and (answer["status"]["code"], answer["status"]["reason"]) == (422, "Invalid"), answer
     assert says in answer["status"]["message"] and not any(text in answer["status"]["message"] for text in PYTHON), answer
     assert await held_in_postgres(pg_dsn) == {}
 
@@ -370,7 +375,7 @@ async def test_a_resent_run_asking_for_more_is_refused_naming_what_changed(admis
     held = await held_in_postgres(pg_dsn)
     bigger = job("big", gpus=500, parallelism=1, deadline=100 * 3600, annotations={**run, "budgetgate.io/attempt": "2"})
     answer = await reviewed(admission, admission_review(bigger))
-    assert answer["allowed"] is False and answer["status"]["code"] == 409, answer
+    assert answer["allowed"] is False and (answer["status"]["code"], answer["status"]["reason"]) == (409, "Conflict"), answer
     message = answer["status"]["message"]
     assert "resources.gpus: 1 → 500" in message and "projected_runtime_hours: 1.0 → 100.0" in message and "new run id" in message, message
     assert "budgetgate.io/run-id" in message, message  # how a Kubernetes object takes a new run id
@@ -378,3 +383,63 @@ async def test_a_resent_run_asking_for_more_is_refused_naming_what_changed(admis
     # The same object sent again is the same request: let through on its decision, as before.
     again = await reviewed(admission, admission_review(job("small", gpus=1, parallelism=1, deadline=3600, annotations={**run, "budgetgate.io/attempt": "2"})))
     assert again["allowed"] is True and await held_in_postgres(pg_dsn) == held
+
+
+KUEUE = "system:serviceaccount:kueue-system:kueue-controller-manager"
+
+
+def queued(name: str, *, suspend: bool = True, **spec: Any) -> dict[str, Any]:
+    """A Job labelled for Kueue's queue team-a, created suspended (as Kueue's own webhook makes it)."""
+    obj = as_json(job(name, **spec))
+    obj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "team-a"
+    obj["spec"]["suspend"] = suspend
+    return obj
+
+
+def owner_of(obj: dict[str, Any]) -> V1OwnerReference:
+    return V1OwnerReference(api_version=obj["apiVersion"], kind=obj["kind"], name=obj["metadata"]["name"], uid=obj["metadata"]["uid"], controller=True)
+
+
+async def test_a_job_queued_in_kueue_is_left_to_kueue_and_its_pods_pass_on_it(admission, pg_dsn) -> None:
+    obj = queued("kueued", gpus=8, parallelism=2, deadline=3600, annotations=H100)
+    answer = await reviewed(admission, admission_review(obj))
+    assert answer["allowed"] is True and answer["status"]["message"].startswith("budgetgate: not decided here (left to Kueue: Job kueued"), answer
+    assert "budgetgate's AdmissionCheck" in answer["status"]["message"]
+    assert (await admission.client.get(f"/v1/admissions/{obj['metadata']['uid']}")).status_code == 404
+    assert await held_in_postgres(pg_dsn) == {}
+    # Only Kueue resumes it (after its checks, budgetgate's among them).
+    resumed = {**obj, "spec": {**obj["spec"], "suspend": False}}
+    refused = await reviewed(admission, admission_review(resumed, operation="UPDATE", old=obj))
+    assert refused["allowed"] is False and (refused["status"]["code"], refused["status"]["reason"]) == (403, "Forbidden")
+    assert "only Kueue resumes it" in refused["status"]["message"], refused
+    by_kueue = await reviewed(admission, admission_review(resumed, operation="UPDATE", old=obj, user=KUEUE))
+    assert by_kueue["allowed"] is True, by_kueue
+    # Its pods are Kueue's run: the Job controller's pass on the Job, undecided ...
+    own = pod("kueued-0", containers=[container(gpus=8)], owner=owner_of(obj))
+    passed = await reviewed(admission, admission_review(own, user=JOB_CONTROLLER))
+    assert passed["allowed"] is True and "which was admitted for it" in passed["status"]["message"], passed
+    assert (await admission.client.get(f"/v1/admissions/{own.metadata.uid}")).status_code == 404
+    # ... and a tenant's naming it is a run of its own.
+    extra = pod("kueued-extra", containers=[container(gpus=8)], deadline=3600, owner=owner_of(obj), annotations=H100)
+    decided = await reviewed(admission, admission_review(extra, user="mallory@example.com"))
+    assert decided["allowed"] is True and (await admission.client.get(f"/v1/admissions/{extra.metadata.uid}")).status_code == 200
+
+
+async def test_the_kueue_label_alone_is_no_way_around_budgets(admission, pg_dsn) -> None:
+    # Labelled but not suspended: it would run before Kueue admitted anything. Decided here.
+    running = queued("unsuspended", suspend=False, gpus=8, deadline=3600, annotations=H100)
+    answer = await reviewed(admission, admission_review(running))
+    assert answer["allowed"] is True and answer["status"]["message"].startswith("budgetgate: admitted"), answer
+    assert any("not suspended" in w for w in answer["warnings"]) and all(len(w) <= 120 for w in answer["warnings"])
+    assert (await admission.client.get(f"/v1/admissions/{running['metadata']['uid']}")).json()["projected_gpu_hours"] == 8.0
+    # Suspended and labelled, then unlabelled to be resumed without Kueue: the label may not go.
+    obj = queued("sneaky", gpus=8, deadline=3600, annotations=H100)
+    assert (await reviewed(admission, admission_review(obj)))["allowed"] is True
+    unlabelled = {**obj, "metadata": {**obj["metadata"], "labels": {k: v for k, v in obj["metadata"]["labels"].items() if not k.startswith("kueue.")}}}
+    refused = await reviewed(admission, admission_review(unlabelled, operation="UPDATE", old=obj))
+    assert refused["allowed"] is False and "may change but not go" in refused["status"]["message"], refused
+    # A dry run of a queued Job is not remembered: a pod naming it is decided on its own.
+    dry = queued("dry", gpus=8, deadline=3600, annotations=H100)
+    assert (await reviewed(admission, admission_review(dry, dry_run=True)))["allowed"] is True
+    child = pod("dry-0", containers=[container(gpus=8)], deadline=3600, owner=owner_of(dry), annotations=H100)
+    assert "which was admitted for it" not in (await reviewed(admission, admission_review(child, user=JOB_CONTROLLER)))["status"]["message"]

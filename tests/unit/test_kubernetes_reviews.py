@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from budgetgate.platforms.kubernetes import Mapping, Submit, Unmappable, decided, submission
-from budgetgate.platforms.reviews import NotAReview, review_uid
+from budgetgate.platforms.kubernetes import Mapping, Submit, Unmappable, decided, naming, submission
+from budgetgate.platforms.reviews import NotAReview, ask, review_uid
 from tests.support.kubernetes import admission_review, as_json, container, job, job_spec, jobset, pod, raycluster, rayjob
 
 H100 = {"budgetgate.io/flavor": "h100", "budgetgate.io/run-id": "fuzzed", "budgetgate.io/attempt": "1"}
@@ -62,11 +62,14 @@ def replaced(review: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[
 
 
 def outcome(review: dict[str, Any]) -> object:
-    """What the mapping makes of `review` (as the webhook asks it: also as a run of its own)."""
+    """What the mapping makes of `review` (as the webhook asks it: also as a run of its own), and
+    the mutating webhook's patch naming its run."""
     found: list[object] = []
-    for own_run in (False, True):
+    attempts = [lambda: submission(review, Mapping(), own_run=False), lambda: submission(review, Mapping(), own_run=True)]
+    attempts.append(lambda: naming(ask(review), "fuzzed/run", Mapping(), priority_class="gpu-low"))
+    for attempt in attempts:
         try:
-            found.append(submission(review, Mapping(), own_run=own_run))
+            found.append(attempt())
         except Unmappable as refused:
             message = str(refused)
             assert message and not any(text in message for text in PYTHON), message

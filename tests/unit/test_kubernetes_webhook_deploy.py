@@ -27,7 +27,7 @@ def docs() -> dict[str, dict[str, Any]]:
         if name.startswith(".."):
             continue
         for doc in yaml.safe_load_all((WEBHOOK / name).read_text()):
-            if doc["kind"] != "ValidatingWebhookConfiguration":  # cluster-scoped: kustomize leaves it be
+            if doc["kind"] not in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):  # cluster-scoped: kustomize leaves them be
                 doc["metadata"]["namespace"] = kustomization["namespace"]
             found[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return found
@@ -44,7 +44,7 @@ def test_every_manifest_is_named_and_valid(docs: dict[str, dict[str, Any]]) -> N
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         checked += 1
-    assert checked == 5
+    assert checked == 6
 
 
 def test_the_configuration_calls_the_route_on_the_tls_service(docs: dict[str, dict[str, Any]]) -> None:
@@ -64,10 +64,33 @@ def test_the_configuration_calls_the_route_on_the_tls_service(docs: dict[str, di
     assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in hook["rules"]} == {
         (("",), ("pods",)), (("batch",), ("jobs",)), (("jobset.x-k8s.io",), ("jobsets",)), (("ray.io",), ("rayjobs",)), (("ray.io",), ("rayclusters",)),
     }  # fmt: skip
-    # UPDATE of what may raise its GPUs after admission (parallelism, replicas); a Pod's are fixed.
+    # UPDATE of what may raise its GPUs after admission (parallelism, replicas), and of a Pod's run
+    # id label (a match condition sends only those: a Pod's GPUs are fixed).
     assert {r["resources"][0]: r["operations"] for r in hook["rules"]} == {
-        "pods": ["CREATE"], "jobs": ["CREATE", "UPDATE"], "jobsets": ["CREATE", "UPDATE"], "rayjobs": ["CREATE", "UPDATE"], "rayclusters": ["CREATE", "UPDATE"],
-    }  # fmt: skip
+        resource: ["CREATE", "UPDATE"] for resource in ("pods", "jobs", "jobsets", "rayjobs", "rayclusters")
+    }
+
+
+def test_the_mutating_webhook_names_runs_on_create_on_the_same_service_and_selection(docs: dict[str, dict[str, Any]]) -> None:
+    (validating,) = docs["ValidatingWebhookConfiguration/budgetgate"]["webhooks"]
+    mutating_config = docs["MutatingWebhookConfiguration/budgetgate"]
+    (hook,) = mutating_config["webhooks"]
+    paths = create_app(AdmissionSettings()).openapi()["paths"]
+    assert hook["clientConfig"]["service"]["path"] == "/v1/kubernetes/mutate" and "post" in paths["/v1/kubernetes/mutate"]
+    assert {k: v for k, v in hook["clientConfig"]["service"].items() if k != "path"} == {
+        k: v for k, v in validating["clientConfig"]["service"].items() if k != "path"
+    }
+    assert mutating_config["metadata"]["annotations"] == docs["ValidatingWebhookConfiguration/budgetgate"]["metadata"]["annotations"]
+    # Quoting holds and records nothing: no side effects, dry run or not; a run is named once, on
+    # CREATE, and named again (keeping its id) when a later webhook changed the object.
+    assert hook["sideEffects"] == "None" and hook["reinvocationPolicy"] == "IfNeeded" and hook["admissionReviewVersions"] == ["v1"]
+    assert hook["failurePolicy"] == validating["failurePolicy"] == "Fail"
+    assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in hook["rules"]} == {
+        (tuple(r["apiGroups"]), tuple(r["resources"])) for r in validating["rules"]
+    } and all(r["operations"] == ["CREATE"] for r in hook["rules"])
+    assert hook["namespaceSelector"] == validating["namespaceSelector"]
+    gpus = [c for c in validating["matchConditions"] if c["name"].endswith("-asking-for-gpus")]
+    assert len(gpus) == 5 and hook["matchConditions"] == gpus
 
 
 def test_the_certificate_covers_the_service_and_is_mounted_and_injected(docs: dict[str, dict[str, Any]]) -> None:

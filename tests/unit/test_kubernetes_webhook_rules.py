@@ -30,8 +30,12 @@ def test_the_rules_send_what_the_mapping_checks() -> None:
                 operations.setdefault((group, resource), set()).update(rule["operations"])
     resource_of = {(group, kind): resource for kind, (group, _version, resource) in GROUPS.items()}
     assert set(resource_of) == ADMITTED_KINDS
-    expected = {resource_of[k]: {"CREATE", "UPDATE"} if k in SCALABLE_KINDS else {"CREATE"} for k in ADMITTED_KINDS}
+    # Every kind on UPDATE: the scalable ones for their GPUs, all for their run id label (a Pod
+    # only for that: its match condition sends no other update of a Pod).
+    assert SCALABLE_KINDS < ADMITTED_KINDS
+    expected = {resource_of[k]: {"CREATE", "UPDATE"} for k in ADMITTED_KINDS}
     assert {resource: ops for (_group, resource), ops in operations.items()} == expected
+    assert any(c["name"] == "pod-updates-renaming-the-run" for c in hook["matchConditions"])
     assert {group for group, _ in operations} == {group for group, _ in ADMITTED_KINDS}
 
 
@@ -57,3 +61,7 @@ def test_the_token_the_api_server_presents_is_documented() -> None:
     for text in ((WEBHOOK / "validatingwebhookconfiguration.yaml").read_text(), (KUBERNETES / "README.md").read_text()):
         assert "kind: WebhookAdmissionConfiguration" in text and "kubeConfigFile:" in text and user in text and "token:" in text
         assert "--role submitter" in text
+    # Both webhooks are called with the token: the mutating one's plugin names the kubeconfig too.
+    readme = (KUBERNETES / "README.md").read_text()
+    assert "name: MutatingAdmissionWebhook" in readme and "name: ValidatingAdmissionWebhook" in readme
+    assert readme.count("kubeConfigFile: /etc/kubernetes/budgetgate-webhook.kubeconfig") == 2

@@ -24,10 +24,24 @@ every knob):
   RayJob's RayCluster and pods, a RayCluster's pods) are `Owned`: let through without a
   decision when their owner was admitted (the webhook checks, since an ownerReference is the
   creator's to write), else decided as a run of their own (`submission(..., own_run=True)`).
+- A Job, JobSet, RayJob or RayCluster labelled `kueue.x-k8s.io/queue-name` and created
+  suspended (`spec.suspend: true`) is `Queued`: Kueue decides it, through budgetgate's
+  AdmissionCheck, when it admits the Workload, and only Kueue resumes it (below). Labelled but
+  not suspended, it is decided here like any other: the label alone passes nothing. A bare Pod
+  is decided here whatever its labels (Kueue's scheduling gate on a Pod is removed by an UPDATE
+  nothing here sees).
 - An UPDATE of a Job, JobSet, RayJob or RayCluster that raises its GPU count (a patched
   parallelism, replicas or maxReplicas) is refused: the decision covered the GPUs it was
-  created with. Every other UPDATE (Kueue suspending or resuming it, labels, scaling down) is
-  let through.
+  created with (a queued object still suspended may change: Kueue decides it when it admits
+  it). An UPDATE only a controller may make is `Controlled`: resuming a suspended queued object
+  (Kueue does, once its checks passed), taking the queue label off a suspended one (it would
+  then be resumable by anyone), and changing the run id label or annotation of any object, or of
+  its pod templates (the label names the run a pod's usage is metered to). Every other UPDATE
+  (Kueue suspending it, other labels, scaling down) is let through.
+- The mutating webhook names a run before the object exists (`naming`): the API server gives
+  an object its UID only when it stores it, after every mutating webhook, so the run id is the
+  annotation `budgetgate.io/run-id`, set to a fresh UUID when absent, and the label
+  `budgetgate.io/run-id` (`run_labels`) on the object and its pod templates, so its pods carry it.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ from pydantic import ValidationError
 
 from budgetgate.core.evaluation import hypothetical
 from budgetgate.platforms.reviews import Asked, At, Unmappable, ask
+from budgetgate.platforms.run_labels import RUN_ANNOTATION, RUN_LABEL, run_label_value
 from budgetgate.contracts.admission import AdmissionRequest
 
 ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
@@ -49,6 +64,13 @@ ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), 
 SCALABLE_KINDS = ADMITTED_KINDS - {("", "Pod")}
 # Owners whose children are admitted with them: a child of one of these is skipped.
 ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
+# The label that hands a Job (JobSet, RayJob, RayCluster) to Kueue; Kueue keeps what it queues
+# suspended (spec.suspend) until it admits its Workload.
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# The metav1.StatusReason of each code an answer denies with (k8s.io/apimachinery metav1).
+STATUS_REASONS = {400: "BadRequest", 403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests", 503: "ServiceUnavailable"}
+# The API server passes a warning on as an HTTP Warning header; longer than this it may be cut.
+WARNING_LIMIT = 120
 _WHOLE = re.compile(r"^[0-9]+$")
 
 
@@ -72,9 +94,28 @@ class Mapping:
 
 @dataclass(frozen=True)
 class Submit:
-    """The object is a submission."""
+    """The object is a submission; `warnings` to pass on with its answer."""
 
     request: AdmissionRequest
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The object is Kueue's to admit (labelled for a queue and created suspended): let through
+    without a decision, and remembered so that its children are let through on it."""
+
+    queue: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Controlled:
+    """An UPDATE a controller may make and nobody else: allowed when a trusted controller makes
+    it, else refused (403) with `reason`; `what` says what it does."""
+
+    what: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -216,13 +257,16 @@ def _missing(asked: Asked) -> Unmappable:
     return Unmappable(f"request.object is missing: {article} {asked.operation} carries the object it {verb}")
 
 
-def submission(review: MappingType[str, Any] | Asked, mapping: Mapping = Mapping(), *, own_run: bool = False) -> Submit | Skip | Refuse | Owned:
+def submission(
+    review: MappingType[str, Any] | Asked, mapping: Mapping = Mapping(), *, own_run: bool = False
+) -> Submit | Skip | Refuse | Owned | Queued | Controlled:
     """What the `request` of an admission.k8s.io/v1 AdmissionReview (or the request as `ask`
     read it) asks of budgetgate.
 
     A CREATE is a submission (or skipped, or `Owned` by an object of an admitted kind; with
-    `own_run`, whatever its owner: the owner was not admitted); an UPDATE that raises the GPUs
-    of a Job, JobSet, RayJob or RayCluster is refused, any other UPDATE skipped. Raises
+    `own_run`, whatever its owner: the owner was not admitted; or `Queued` for Kueue); an UPDATE
+    that raises the GPUs of a Job, JobSet, RayJob or RayCluster is refused, one only a
+    controller may make is `Controlled`, any other UPDATE skipped. Raises
     Unmappable when the request or its object is malformed (a CREATE or UPDATE without its
     object, a field of another type than the API's), or when the object should be a submission,
     or an UPDATE checked, and cannot be."""
@@ -232,7 +276,7 @@ def submission(review: MappingType[str, Any] | Asked, mapping: Mapping = Mapping
         return Skip(f"{kind or 'this kind'} ({group or 'core'}) is not a workload budgetgate admits")
     if asked.object is None and asked.operation in ("CREATE", "UPDATE"):
         raise _missing(asked)
-    if asked.operation == "UPDATE" and (group, kind) in SCALABLE_KINDS:
+    if asked.operation == "UPDATE":
         return _update(asked, kind, mapping)
     if asked.operation != "CREATE" or asked.object is None:
         return Skip(f"{asked.operation} is not a submission; only CREATE is")
@@ -246,6 +290,15 @@ def submission(review: MappingType[str, Any] | Asked, mapping: Mapping = Mapping
     labels = meta.strings("labels")
     annotations = meta.strings("annotations")
     notes = meta.field("annotations")
+    warnings: tuple[str, ...] = ()
+    queue = labels.get(QUEUE_LABEL)
+    if queue and (group, kind) in SCALABLE_KINDS:
+        if obj.obj("spec").flag("suspend"):
+            return Queued(
+                queue, f"left to Kueue: {kind} {asked.name} waits suspended in queue {queue!r} until Kueue admits it, after budgetgate's AdmissionCheck"
+            )
+        # Not suspended, it would run before Kueue admitted anything: the label passes nothing.
+        warnings = (short(f"budgetgate: labelled for Kueue queue {queue!r} but not suspended (spec.suspend): decided here"),)
     shape = _shape(group, kind, obj, mapping.gpu_resource)
     if shape.gpus == 0 and not mapping.submit_cpu_only:
         return Skip(f"asks for no {mapping.gpu_resource}")
@@ -269,7 +322,7 @@ def submission(review: MappingType[str, Any] | Asked, mapping: Mapping = Mapping
         "job": {"namespace": asked.namespace, "name": asked.name or run_id},
     }
     try:
-        return Submit(AdmissionRequest.model_validate(body))
+        return Submit(AdmissionRequest.model_validate(body), warnings)
     except ValidationError as exc:
         sources = _sources(mapping)
         wrong = [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
@@ -292,33 +345,182 @@ def _sources(mapping: Mapping) -> dict[str, str]:
     }
 
 
-def _update(asked: Asked, kind: str, mapping: Mapping) -> Skip | Refuse:
+def _update(asked: Asked, kind: str, mapping: Mapping) -> Skip | Refuse | Controlled:
+    old, new = asked.old_object, asked.object
+    if old is None or new is None:
+        raise Unmappable("request.oldObject is missing: an UPDATE carries the object as it was, to compare what it changes")
+    group = asked.group
+    # Both named from their own root, so that a place has one name in both.
+    names_before, names_after = _run_names(group, kind, At(old.value, ""), mapping), _run_names(group, kind, new, mapping)
+    renamed = sorted(where for where in {*names_before, *names_after} if names_before.get(where) != names_after.get(where))
+    if (group, kind) not in SCALABLE_KINDS:  # a Pod: its GPU requests cannot change, its run's names can
+        return _renaming(asked, kind, renamed) or Skip("an UPDATE of a Pod that keeps its run id")
+    old_labels, new_labels = old.obj("metadata").strings("labels"), new.obj("metadata").strings("labels")
+    was_queued = bool(old_labels.get(QUEUE_LABEL)) and old.obj("spec").flag("suspend")
+    still_suspended = new.obj("spec").flag("suspend")
     # Whatever created the object (a CREATE decided, or skipped as asking for no GPU) covered the
     # GPUs it had then; a patch that raises them (parallelism, replicas, maxReplicas) would run
     # more on that one reservation. Children are checked too: their owner was decided for the
-    # GPUs they had when it was.
-    old, new = asked.old_object, asked.object
-    if old is None or new is None:
-        raise Unmappable("request.oldObject is missing: an UPDATE carries the object as it was, to compare the GPUs it asks for")
-    before = _shape(asked.group, kind, old, mapping.gpu_resource).gpus
-    after = _shape(asked.group, kind, new, mapping.gpu_resource).gpus
-    if after <= before:
-        return Skip(f"an UPDATE asking for no more {mapping.gpu_resource} ({before} before, {after} after)")
-    return Refuse(
-        f"{kind} {asked.name} asks for {before} {mapping.gpu_resource}; an update may not raise that to {after}, which no decision covered: "
-        f"create a new {kind} for {after} instead (under a new run id: its own UID, or another value of the annotation {mapping.run_id_annotation})"
+    # GPUs they had when it was. A queued object still suspended is Kueue's to decide on resuming.
+    counts = ""
+    if not (was_queued and still_suspended):
+        before = _shape(group, kind, old, mapping.gpu_resource).gpus
+        after = _shape(group, kind, new, mapping.gpu_resource).gpus
+        counts = f" ({before} before, {after} after)"
+        if after > before:
+            return Refuse(
+                f"{kind} {asked.name} asks for {before} {mapping.gpu_resource}; an update may not raise that to {after}, which no decision covered: "
+                f"create a new {kind} for {after} instead (under a new run id: a new object without the annotation {mapping.run_id_annotation} is named afresh)"
+            )
+    renaming = _renaming(asked, kind, renamed)
+    if renaming is not None:
+        return renaming
+    if was_queued and not still_suspended:
+        return Controlled(
+            f"resumes {kind} {asked.name}, queued in Kueue",
+            f"{kind} {asked.name} is queued in Kueue ({QUEUE_LABEL}={old_labels[QUEUE_LABEL]}): only Kueue resumes it (spec.suspend: false), "
+            "once it admitted its Workload after budgetgate's AdmissionCheck",
+        )
+    if was_queued and not new_labels.get(QUEUE_LABEL):
+        return Controlled(
+            f"takes {kind} {asked.name} out of Kueue",
+            f"{kind} {asked.name} is suspended in Kueue's queue {old_labels[QUEUE_LABEL]!r}: its {QUEUE_LABEL} label may change but not go "
+            "(unlabelled, it could be resumed without Kueue); to run it outside Kueue, delete it and create it again without the label",
+        )
+    return Skip(f"an UPDATE asking for no more {mapping.gpu_resource}{counts}, keeping its run id")
+
+
+def _renaming(asked: Asked, kind: str, renamed: list[str]) -> Controlled | None:
+    if not renamed:
+        return None
+    return Controlled(
+        f"changes the run id of {kind} {asked.name}",
+        f"{kind} {asked.name}: {', '.join(renamed)} may not change once created: it names the run its GPUs are metered to "
+        "(create a new object to run under another run id)",
     )
+
+
+def templates(group: str, kind: str, obj: At) -> list[tuple[str, At, bool]]:
+    """The templates of an object's children that it has, as (JSON pointer, template, whether it
+    is a pod template): a Job's pod template; a JobSet's Job templates and theirs; a RayJob's or
+    RayCluster's head and worker pod templates. A Pod has none."""
+
+    def present(at: At | None, *names: str) -> At | None:
+        for name in names:
+            if at is None or at.field(name).value is None:
+                return None
+            at = at.obj(name)
+        return at
+
+    found: list[tuple[str, At | None, bool]] = []
+    if kind == "Job":
+        found.append(("/spec/template", present(obj, "spec", "template"), True))
+    elif kind == "JobSet":
+        for i, replicated in enumerate(present(obj, "spec").objects("replicatedJobs") if present(obj, "spec") else []):
+            job_template = present(replicated, "template")
+            found.append((f"/spec/replicatedJobs/{i}/template", job_template, False))
+            found.append((f"/spec/replicatedJobs/{i}/template/spec/template", present(job_template, "spec", "template"), True))
+    elif kind in ("RayJob", "RayCluster"):
+        base, cluster = ("/spec/rayClusterSpec", present(obj, "spec", "rayClusterSpec")) if kind == "RayJob" else ("/spec", present(obj, "spec"))
+        found.append((f"{base}/headGroupSpec/template", present(cluster, "headGroupSpec", "template"), True))
+        for i, group_spec in enumerate(cluster.objects("workerGroupSpecs") if cluster else []):
+            found.append((f"{base}/workerGroupSpecs/{i}/template", present(group_spec, "template"), True))
+    return [(pointer, at, pod) for pointer, at, pod in found if at is not None]
+
+
+def _run_names(group: str, kind: str, obj: At, mapping: Mapping) -> dict[str, str]:
+    """Where the object names its run, and the names: the run id label and annotation of the
+    object and of its children's templates (absent ones left out)."""
+    found: dict[str, str] = {}
+    places = [("metadata", obj.obj("metadata"), mapping.run_id_annotation)]
+    places += [(f"{t.path}.metadata", t.obj("metadata"), RUN_ANNOTATION) for _pointer, t, _pod in templates(group, kind, obj)]
+    for where, meta, annotation in places:
+        label = meta.strings("labels").get(RUN_LABEL)
+        if label is not None:
+            found[f"{where}.labels[{RUN_LABEL!r}]"] = label
+        note = meta.strings("annotations").get(annotation)
+        if note is not None:
+            found[f"{where}.annotations[{annotation!r}]"] = note
+    return found
+
+
+def _pointer_key(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def naming(
+    asked: Asked, run_id: str, mapping: Mapping = Mapping(), *, priority_class: str | None = None, override_priority: bool = False
+) -> list[dict[str, Any]]:
+    """The JSON patch (RFC 6902) that names the run of a created object `run_id`: the annotation
+    `mapping.run_id_annotation` on the object; the label RUN_LABEL (`run_label_value`) on it and
+    on its children's templates, with the annotation RUN_ANNOTATION holding the whole run id where
+    the label is a hash of it; and `priority_class` as the pod templates' priorityClassName (kept
+    where the object sets one, unless `override_priority`). A bare Pod's priorityClassName is left
+    as it is: the API server resolved its priority before any webhook ran. Raises Unmappable when
+    a field it writes into is of another type than the API's."""
+    obj = asked.object
+    if obj is None:
+        raise Unmappable("request.object is missing: a CREATE carries the object it creates")
+    label = run_label_value(run_id)
+    hashed = label != run_id
+    meta = obj.obj("metadata")
+    labels, annotations = meta.strings("labels"), meta.strings("annotations")
+    patch: list[dict[str, Any]] = []
+    wanted_notes = {mapping.run_id_annotation: run_id, **({RUN_ANNOTATION: run_id} if hashed else {})}
+    if any(annotations.get(k) != v for k, v in wanted_notes.items()):
+        patch.append({"op": "add", "path": "/metadata/annotations", "value": {**annotations, **wanted_notes}})
+    if labels.get(RUN_LABEL) != label:
+        patch.append({"op": "add", "path": "/metadata/labels", "value": {**labels, RUN_LABEL: label}})
+    for pointer, template, pod in templates(asked.group, asked.kind, obj):
+        template_meta = template.obj("metadata")
+        inner_labels, inner_notes = template_meta.strings("labels"), template_meta.strings("annotations")
+        if inner_labels.get(RUN_LABEL) != label or (hashed and inner_notes.get(RUN_ANNOTATION) != run_id):
+            written = {**template_meta.value, "labels": {**inner_labels, RUN_LABEL: label}}
+            if hashed:
+                written["annotations"] = {**inner_notes, RUN_ANNOTATION: run_id}
+            patch.append({"op": "add", "path": f"{pointer}/metadata", "value": written})
+        if pod and priority_class and template.field("spec").value is not None:
+            current = template.obj("spec").text("priorityClassName")
+            if current != priority_class and (not current or override_priority):
+                patch.append({"op": "add", "path": f"{pointer}/spec/{_pointer_key('priorityClassName')}", "value": priority_class})
+    return patch
+
+
+def priority_class_for(classes: MappingType[str, str], *, penalty: float, preemptible: bool) -> str | None:
+    """The PriorityClass a quote maps to: `classes["preemptible"]` for a run above its tenant's
+    fair-share target (when configured), else the class of the largest penalty bound (a key "0"
+    to "1") at or below the run's soft-budget penalty; None when no bound is that low."""
+    if preemptible and classes.get("preemptible"):
+        return classes["preemptible"]
+    bounds = sorted((float(k), v) for k, v in classes.items() if k != "preemptible")
+    chosen = None
+    for bound, name in bounds:
+        if bound <= penalty + 1e-12:
+            chosen = name
+    return chosen
+
+
+def short(text: str, limit: int = WARNING_LIMIT) -> str:
+    """`text` cut to `limit` characters (ending "..." when cut): the API server may cut a longer
+    warning anywhere."""
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def review(uid: str, *, allowed: bool, message: str | None = None, code: int | None = None, warnings: list[str] | None = None) -> dict[str, Any]:
     """An admission.k8s.io/v1 AdmissionReview answering the request `uid`."""
     response: dict[str, Any] = {"uid": uid, "allowed": allowed}
-    if message is not None:
-        response["status"] = {"code": code or (200 if allowed else 403), "message": message}
+    if not allowed:
+        code = code or 403
+        if code not in STATUS_REASONS:
+            raise ValueError(f"a denial's code is one of {sorted(STATUS_REASONS)} (each with its metav1.StatusReason), got {code}")
+    elif code not in (None, 200):
+        raise ValueError(f"an admission's code is 200, got {code}")
+    if message is not None or not allowed:
+        response["status"] = {"code": code or 200, "message": message or ""}
         if not allowed:
-            response["status"]["reason"] = {403: "Forbidden", 429: "TooManyRequests", 503: "ServiceUnavailable"}.get(code or 403, "Forbidden")
+            response["status"]["reason"] = STATUS_REASONS[code or 403]
     if warnings:
-        response["warnings"] = warnings
+        response["warnings"] = [short(w) for w in warnings]
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 
 
@@ -334,7 +536,7 @@ def decided(uid: str, answer: MappingType[str, Any], *, attempt_annotation: str 
     if answer.get("preemptible"):
         warnings.append("budgetgate: admitted above the tenant's fair-share target; preemptible")
     warnings += [
-        f"budgetgate: dry-run policy {e['policy_id']} would {e['decision']}"
+        short(f"budgetgate: dry-run policy {e['policy_id']} would {e['decision']}")
         for e in answer.get("evaluations", [])
         if e.get("enforcement") == "dry-run" and e.get("decision") != "ALLOW"
     ]
@@ -343,7 +545,11 @@ def decided(uid: str, answer: MappingType[str, Any], *, attempt_annotation: str 
     if answer["decision"] == "DENY":
         return review(uid, allowed=False, message=reason, code=403, warnings=warnings)
     times = sorted(str(e["next_eligible_time"]) for e in answer.get("evaluations", []) if e.get("decision") == "DELAY" and e.get("next_eligible_time"))
-    when = f"retry at or after {times[-1]}" if times else "retry later"
+    if not times and answer.get("next_eligible_time"):
+        times = [str(answer["next_eligible_time"])]
+    # The time goes in the message only: details.retryAfterSeconds would have client-go sleep
+    # that long inside the call before trying again.
+    when = f"retry at or after {times[-1]}" if times else "retry later (no eligible time was given)"
     again = int(answer.get("attempt", 1)) + 1
     return review(uid, allowed=False, code=429, warnings=warnings, message=(
         f"{reason}; {when} (create the object again, or with a fixed run id set the annotation {attempt_annotation}={again})"

@@ -7,7 +7,14 @@ to a submission (budgetgate/platforms/kubernetes.py), decided by this instance's
 exactly as `POST /v1/admissions` would decide it, and answered with `allowed` and the decision's
 reason. A `dryRun` request (kubectl --dry-run=server) is quoted as `POST /v1/quotes` would: the
 same answer, nothing reserved or recorded, and said so ("would reserve"). An update is
-answered without a decision: denied (403) when it raises the object's GPUs, allowed otherwise.
+answered without a decision: denied (403) when it raises the object's GPUs, or when it is one
+only a controller may make (resuming what Kueue queued, changing a run id label) and someone
+else makes it; allowed otherwise. A Job (JobSet, RayJob, RayCluster) labelled for a Kueue queue
+and created suspended is left to Kueue's AdmissionCheck: let through undecided and remembered,
+so that its children pass on it as on an admitted owner.
+
+The mutating webhook (kubernetes_mutation.py) runs before this one and names the run: the
+object reaches here with its `budgetgate.io/run-id` annotation, the run id decided under.
 
 Only admission.k8s.io/v1 is answered: a body that is not an admission.k8s.io/v1 AdmissionReview
 with a request uid is a 400 problem naming the field (no AdmissionReview the API server would
@@ -26,6 +33,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -36,12 +44,26 @@ from fastapi.responses import JSONResponse
 from budgetgate.edge.auth import Action, Principal, allow
 from budgetgate.core.principals import Forbidden
 from budgetgate.services.admission.quoting import Quoter
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import owned_by
-from budgetgate.platforms.kubernetes import ADMITTED_OWNERS, Mapping, Owned, Refuse, Skip, Submit, Unmappable, decided, review, submission
+from budgetgate.platforms.kubernetes import (
+    ADMITTED_OWNERS,
+    Controlled,
+    Mapping,
+    Owned,
+    Queued,
+    Refuse,
+    Skip,
+    Submit,
+    Unmappable,
+    decided,
+    review,
+    short,
+    submission,
+)
 from budgetgate.platforms.reviews import Asked, NotAReview, ask, review_uid
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
@@ -49,6 +71,8 @@ from budgetgate.decisions.deciding import InvalidSubmission
 from budgetgate.services.admission.resubmission import Conflict
 
 sql = owned_by("budgetgate.services.admission")
+
+KUEUE_CONTROLLERS = ("system:serviceaccount:kueue-system:kueue-controller-manager",)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +125,7 @@ _OPENAPI = {
 }
 
 
+_CLASS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 TRUSTED_CREATORS = (
     "system:kube-controller-manager",
     "system:serviceaccount:kube-system:*",
@@ -132,9 +157,43 @@ class KubernetesWebhookSettings(BaseSettings):
     # accounts) and the JobSet controller; add KubeRay's operator where RayJobs run, e.g.
     # "system:serviceaccount:ray-system:kuberay-operator".
     trusted_creators: list[str] = Field(default_factory=lambda: list(TRUSTED_CREATORS))
+    # Kueue's controller (JSON list of user names, shell patterns allowed): the one that resumes
+    # a Job, JobSet, RayJob or RayCluster queued in Kueue (created suspended with the label
+    # kueue.x-k8s.io/queue-name), once Kueue admitted its Workload. Anybody else resuming one is
+    # refused: the webhook let it through on Kueue's word, and Kueue's AdmissionCheck decides it.
+    kueue_controllers: list[str] = Field(default_factory=lambda: list(KUEUE_CONTROLLERS))
+    # The mutating webhook's PriorityClass per quote (JSON): a soft-budget penalty bound ("0" to
+    # "1") to the class of runs whose penalty is at least that (the largest bound that fits), and
+    # "preemptible" to the class of runs above their tenant's fair-share target, e.g.
+    # {"0": "gpu-normal", "0.5": "gpu-low", "preemptible": "gpu-preemptible"}. Set on the pod
+    # templates of Jobs, JobSets, RayJobs and RayClusters; empty, no class is set.
+    priority_classes: dict[str, str] = Field(default_factory=dict)
+    override_priority_class: bool = Field(
+        default=False, description="replace a priorityClassName the object sets with the one BUDGETGATE_KUBERNETES_PRIORITY_CLASSES gives"
+    )
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _bands(cls, classes: dict[str, str]) -> dict[str, str]:
+        for key, name in classes.items():
+            if key != "preemptible":
+                try:
+                    bound = float(key)
+                except ValueError:
+                    raise ValueError(f"key {key!r} is neither a penalty bound from 0 to 1 nor 'preemptible'") from None
+                if not 0 <= bound <= 1:
+                    raise ValueError(f"key {key!r}: a penalty bound is from 0 to 1")
+            if not isinstance(name, str) or not _CLASS_NAME.match(name) or len(name) > 253:
+                raise ValueError(f"{key!r}: {name!r} is not a PriorityClass name (a DNS subdomain: lowercase letters, digits, '-' and '.')")
+        return classes
 
     def trusts(self, username: str) -> bool:
         return any(fnmatch.fnmatchcase(username, pattern) for pattern in self.trusted_creators)
+
+    def controls(self, username: str) -> bool:
+        """Whether `username` is a controller that may make a `Controlled` update: a trusted
+        creator, or Kueue's controller."""
+        return self.trusts(username) or any(fnmatch.fnmatchcase(username, pattern) for pattern in self.kueue_controllers)
 
     def mapping(self) -> Mapping:
         return Mapping(
@@ -200,10 +259,7 @@ async def _answer(
                 # tenant wrote with an admitted Job's ownerReference would run beside the Job's own.
                 log.info("%s %r names admitted %s %r but was created by %r, not a trusted controller: decided as a run of its own",
                          asked.kind, asked.name, mapped.owner_kind, mapped.owner_name, asked.username)  # fmt: skip
-                warnings.append(
-                    f"budgetgate: {mapped.owner_kind} {mapped.owner_name!r} was admitted, but this object was created by {asked.username!r}, "
-                    "not by a controller BUDGETGATE_KUBERNETES_TRUSTED_CREATORS names: it is decided as a run of its own"
-                )
+                warnings.append(short(f"budgetgate: created by {asked.username!r}, not a TRUSTED_CREATORS controller: decided as its own run"))
             # An owner never admitted (a CPU-only Job, or an ownerReference written to get past
             # the check), or one named by someone else than its controller: a run of its own.
             mapped = submission(asked, mapping, own_run=True)
@@ -213,7 +269,19 @@ async def _answer(
         return review(uid, allowed=True, message=f"budgetgate: not a submission ({mapped.reason})")
     if isinstance(mapped, Refuse):
         return review(uid, allowed=False, code=403, message=f"budgetgate: {mapped.reason}")
+    if isinstance(mapped, Controlled):
+        if settings.controls(asked.username):
+            return review(uid, allowed=True, message=f"budgetgate: not a submission (a controller's update: {mapped.what})")
+        return review(uid, allowed=False, code=403, message=f"budgetgate: {mapped.reason}")
+    if isinstance(mapped, Queued):
+        if not asked.dry_run:
+            # Its children (a JobSet's Jobs, a Job's pods) pass on it once Kueue resumes it, which
+            # Kueue does only after admitting its Workload (and only Kueue may: Controlled).
+            notes = asked.object.obj("metadata").strings("annotations") if asked.object is not None else {}
+            await _record_admitted(rt.pool, asked, notes.get(mapping.run_id_annotation) or asked.uid or "")
+        return review(uid, allowed=True, message=f"budgetgate: not decided here ({mapped.reason})")
     assert isinstance(mapped, Submit)
+    warnings += mapped.warnings
     try:
         # The same limits as POST /v1/admissions: a submitter limited to some namespaces or
         # tenants submits within them, whichever way its submission comes.
@@ -239,7 +307,7 @@ async def _answer(
             await _record_admitted(rt.pool, asked, mapped.request.run_id)
     reviewed = decided(uid, answer, attempt_annotation=mapping.attempt_annotation, dry_run=asked.dry_run)
     if warnings:
-        reviewed["response"]["warnings"] = [*warnings, *reviewed["response"].get("warnings", [])]
+        reviewed["response"]["warnings"] = [short(w) for w in [*warnings, *reviewed["response"].get("warnings", [])]]
     return reviewed
 
 
@@ -247,12 +315,15 @@ def _resubmitting(conflict: Conflict, mapping: Mapping) -> str:
     """How a Kubernetes object is resubmitted as the 409 says: a higher attempt, or a new run id."""
     if conflict.next_attempt is not None:
         return f"(on Kubernetes: set the annotation {mapping.attempt_annotation}={conflict.next_attempt})"
-    return f"(on Kubernetes: a new object without the annotation {mapping.run_id_annotation}, which takes its own UID, or with another value of it)"
+    return (
+        f"(on Kubernetes: a new object without the annotation {mapping.run_id_annotation}, which the mutating webhook names afresh "
+        "(else its UID), or with another value of it)"
+    )
 
 
 def _undecided(uid: str, exc: BaseException, *, fail_open: bool) -> dict[str, Any]:
     if fail_open:
-        return review(uid, allowed=True, warnings=[f"budgetgate could not decide ({exc}); admitted without a budget check (fail open)"])
+        return review(uid, allowed=True, warnings=[f"budgetgate: admitted unchecked (fail open): could not decide: {exc}"])
     return review(uid, allowed=False, code=503, message=f"budgetgate cannot decide now ({exc}); nothing was reserved, retry shortly")
 
 
@@ -269,7 +340,7 @@ async def _record_admitted(pool: asyncpg.Pool, asked: Asked, run_id: str) -> Non
 
     Best effort: the decision stands whatever happens here. Unrecorded, its children are decided
     as runs of their own: reserved twice, never unbudgeted."""
-    if not asked.uid:
+    if not asked.uid or not run_id:
         return
     try:
         await pool.execute(sql("record_admitted_object"), asked.uid, asked.namespace, asked.kind, asked.name, run_id)
