@@ -8,7 +8,8 @@
 #
 # Writes a Markdown summary to $BUDGETGATE_SUMMARY (default budgetgate-summary.md), appends it
 # to $GITHUB_STEP_SUMMARY when set, and exits non-zero when validation fails, or when decisions
-# would flip and BUDGETGATE_FAIL_ON_FLIPS=1.
+# would flip and BUDGETGATE_FAIL_ON_FLIPS=1. Decisions what-if does not simulate (refused by a
+# tenant quota, the sensitive pool or a token pool) are listed apart and never count as flips.
 set -eu
 
 DIR=${1:-policies}
@@ -31,12 +32,23 @@ import json, sys
 validate, diff, what_if, summary = sys.argv[1:5]
 report = json.load(open(what_if))
 lines = ["## budgetgate policy check", "", open(validate).read().strip(), "", "### Plan against the active bundle", "```", open(diff).read().rstrip(), "```", ""]
-lines.append(f"### What-if since {report['since']}: {report['decisions']} recorded decisions, {len(report['flips'])} would flip")
+skipped = report.get("not_simulated", [])
+by = ", ".join(f"{n} by {factor}" for factor, n in report.get("not_simulated_by", {}).items())
+lines.append(
+    f"### What-if since {report['since']}: {report['decisions']} recorded decisions, {len(report['flips'])} would flip"
+    + (f", {len(skipped)} not simulated ({by})" if skipped else "")
+)
 if report["flips"]:
     lines += ["", "| run | attempt | decided at | before | after |", "|---|---|---|---|---|"]
     lines += [f"| `{f['run_id']}` | {f['attempt']} | {f['decided_at']} | {f['before']} | {f['after']} |" for f in report["flips"][:50]]
     if len(report["flips"]) > 50:
         lines.append(f"| … {len(report['flips']) - 50} more | | | | |")
+if skipped:
+    lines += ["", "Not simulated (what-if models budgets only; history's outcome is kept and never counted as a flip):", ""]
+    lines += ["| run | attempt | decided at | outcome | decided by | the candidate's budgets alone |", "|---|---|---|---|---|---|"]
+    lines += [f"| `{n['run_id']}` | {n['attempt']} | {n['decided_at']} | {n['outcome']} | {n['decided_by']} | {n['budgets_after'] or 'cannot price it'} |" for n in skipped[:50]]
+    if len(skipped) > 50:
+        lines.append(f"| … {len(skipped) - 50} more | | | | | |")
 lines += ["", "| budget | admitted GPU-hours | change | showback cost change | exhausted at |", "|---|---|---|---|---|"]
 for b in report["by_budget"]:
     cost = "" if b["showback_cost_change"] is None else f"{b['showback_cost_change']:+.2f} {b['currency'] or ''}"

@@ -23,7 +23,7 @@ from budgetgate.core.policy import PolicyBundle
 @click.command("what-if")
 @click.argument("directory", type=click.Path(exists=True, path_type=Path))
 @click.option("--since", "period", default="30d", show_default=True, help="From when: a period (30d, 12h, 2w) or an ISO date.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"decisions": N, "flips": [...], "by_budget": [...]}.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"decisions": N, "flips": [...], "not_simulated": [...], "by_budget": [...]}.')
 def what_if(directory: Path, period: str, as_json: bool) -> None:
     """Replay the period's recorded submissions against the policies in DIRECTORY."""
     try:
@@ -61,9 +61,21 @@ def _progress(length: int, shown: bool) -> Iterator[Callable[[int], None]]:
 
 
 def print_report(report: dict[str, Any], directory: Path) -> None:
-    click.echo(f"what-if {directory} since {report['since']}: {report['decisions']} decisions replayed, {len(report['flips'])} would flip")
+    skipped = report["not_simulated"]
+    click.echo(
+        f"what-if {directory} since {report['since']}: {report['decisions']} decisions replayed, {len(report['flips'])} would flip"
+        + (f", {len(skipped)} not simulated" if skipped else "")
+    )
     for f in report["flips"]:
         click.echo(f"  {f['before']} -> {f['after']}  {f['run_id']} (attempt {f['attempt']}, {f['decided_at']}): {f['reason']}")
+    if skipped:
+        by = ", ".join(f"{n} by {factor}" for factor, n in report["not_simulated_by"].items())
+        click.echo(
+            f"  {len(skipped)} not simulated ({by}): decided by what what-if does not model (it models budgets only): history's outcome kept, never a flip:"
+        )
+        for n in skipped:
+            alone = f"; the candidate's budgets alone: {n['budgets_after']}" if n["budgets_after"] else "; the candidate cannot price it"
+            click.echo(f"  = {n['outcome']}  {n['run_id']} (attempt {n['attempt']}, {n['decided_at']}) by {n['decided_by']}: {n['reason']}{alone}")
     for b in report["by_budget"]:
         line = (
             f"  {b['policy_id']}: admitted {b['admitted_gpu_hours_before']:g} -> {b['admitted_gpu_hours_after']:g} GPU-hours "
