@@ -10,6 +10,7 @@
 # to $GITHUB_STEP_SUMMARY when set, and exits non-zero when validation fails, or when decisions
 # would flip and BUDGETGATE_FAIL_ON_FLIPS=1. Decisions what-if does not simulate (refused by a
 # tenant quota, the sensitive pool or a token pool) are listed apart and never count as flips.
+# The candidate is the working tree, uncommitted changes included, for diff and what-if alike.
 set -eu
 
 DIR=${1:-policies}
@@ -23,7 +24,7 @@ budgetgate policy validate "$DIR" > "$WORK/validate.txt" 2>&1 || {
   cat "$SUMMARY"
   exit 1
 }
-budgetgate policy diff --allow-dirty "$DIR" > "$WORK/diff.txt"
+budgetgate policy diff "$DIR" > "$WORK/diff.txt"
 budgetgate policy what-if "$DIR" --since "$SINCE" --json > "$WORK/what-if.json"
 
 python3 - "$WORK/validate.txt" "$WORK/diff.txt" "$WORK/what-if.json" "$SUMMARY" <<'PY'

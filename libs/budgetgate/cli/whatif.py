@@ -1,5 +1,6 @@
 """`budgetgate policy what-if DIR`: the period's recorded submissions decided again under a
-candidate policy folder, on a simulated ledger (budgetgate.core.whatif); nothing live changes."""
+candidate policy folder (its working tree, as `policy diff` reads it), on a simulated ledger
+(budgetgate.core.whatif); nothing live changes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import click
 
 from budgetgate.cli import backend
 from budgetgate.cli.explain import since as parse_since
-from budgetgate.core.loader import PolicyValidationError, load_path
+from budgetgate.cli.policy import load_candidate
 from budgetgate.core.policy import PolicyBundle
 
 
@@ -25,15 +26,14 @@ from budgetgate.core.policy import PolicyBundle
 @click.option("--since", "period", default="30d", show_default=True, help="From when: a period (30d, 12h, 2w) or an ISO date.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"decisions": N, "flips": [...], "not_simulated": [...], "by_budget": [...]}.')
 def what_if(directory: Path, period: str, as_json: bool) -> None:
-    """Replay the period's recorded submissions against the policies in DIRECTORY."""
-    try:
-        candidate = load_path(directory, git_sha="what-if").bundle
-    except PolicyValidationError as exc:
-        for error in exc.errors:
-            click.echo(f"error: {error}", err=True)
-        raise SystemExit(f"{len(exc.errors)} error(s) in {directory}") from None
+    """Replay the period's recorded submissions against the policies in DIRECTORY.
+
+    DIRECTORY is read as `policy diff` reads it: its working tree, uncommitted changes included
+    (the files Git would commit; a folder outside Git as it is)."""
+    rev, loaded = load_candidate(directory)
     start = parse_since(period)
-    report = asyncio.run(run(backend.stack_settings().postgres_dsn, candidate, start, show_progress=sys.stderr.isatty()))
+    report = asyncio.run(run(backend.stack_settings().postgres_dsn, loaded.bundle, start, show_progress=sys.stderr.isatty()))
+    report = {"candidate": {"directory": str(directory), "source": rev.describe(), "git_sha": loaded.bundle.git_sha}, **report}
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -62,6 +62,7 @@ def _progress(length: int, shown: bool) -> Iterator[Callable[[int], None]]:
 
 def print_report(report: dict[str, Any], directory: Path) -> None:
     skipped = report["not_simulated"]
+    click.echo(f"candidate: {directory}, {report['candidate']['source']}")
     click.echo(
         f"what-if {directory} since {report['since']}: {report['decisions']} decisions replayed, {len(report['flips'])} would flip"
         + (f", {len(skipped)} not simulated" if skipped else "")
