@@ -233,7 +233,7 @@ def test_diff_reads_a_folder_outside_git_as_it_is(tmp_path: Path, pg_dsn: str, m
     monkeypatch.chdir(tmp_path)
     result = run(pg_dsn, "policy", "diff", str(folder))
     assert result.exit_code == 0, result.output
-    assert f"candidate: {folder}, working tree (not in a Git repository)" in result.stdout
+    assert f"candidate: {folder}, working tree (not in a Git repository with a commit)" in result.stdout
     assert any(line.strip().startswith("+ budget team:") for line in result.stdout.splitlines())
     committed = run(pg_dsn, "policy", "diff", "--committed", str(folder))
     assert committed.exit_code == 1 and "is not in a Git repository with a commit" in committed.output

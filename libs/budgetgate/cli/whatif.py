@@ -71,9 +71,7 @@ def print_report(report: dict[str, Any], directory: Path) -> None:
         click.echo(f"  {f['before']} -> {f['after']}  {f['run_id']} (attempt {f['attempt']}, {f['decided_at']}): {f['reason']}")
     if skipped:
         by = ", ".join(f"{n} by {factor}" for factor, n in report["not_simulated_by"].items())
-        click.echo(
-            f"  {len(skipped)} not simulated ({by}): decided by what what-if does not model (it models budgets only): history's outcome kept, never a flip:"
-        )
+        click.echo(f"  {len(skipped)} not simulated ({by}): what-if models budgets only, so history's outcome is kept and never counted as a flip:")
         for n in skipped:
             alone = f"; the candidate's budgets alone: {n['budgets_after']}" if n["budgets_after"] else "; the candidate cannot price it"
             click.echo(f"  = {n['outcome']}  {n['run_id']} (attempt {n['attempt']}, {n['decided_at']}) by {n['decided_by']}: {n['reason']}{alone}")

@@ -56,7 +56,7 @@ class Revision:
     def describe(self) -> str:
         """What the documents are, as `policy diff` and `policy what-if` say it."""
         if self.head is None:
-            return "working tree (not in a Git repository)"
+            return "working tree (not in a Git repository with a commit)"
         if self.dirty:
             return "working tree (uncommitted changes)"
         if self.left_out:
