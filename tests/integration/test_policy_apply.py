@@ -4,6 +4,7 @@ refusing bundles that leave nothing enforced, and one-line errors about the back
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,3 +186,54 @@ def test_without_a_stack_or_variable_nothing_falls_back_to_the_default_port(tmp_
     result = CliRunner().invoke(cli, ["usage", "--scope", "x"])
     assert result.exit_code == 1
     assert "no local stack found from" in result.stderr and "budgetgate dev up" in result.stderr
+
+
+def test_diff_reads_the_working_tree_with_uncommitted_edits_as_what_if_does(repo: Path, pg_dsn: str) -> None:
+    sha = commit(repo, {".gitignore": "local.yaml\n", "team.yaml": budget_yaml("team")})
+    assert run(pg_dsn, "policy", "apply", str(repo)).exit_code == 0
+    clean = run(pg_dsn, "policy", "diff", str(repo))
+    assert clean.exit_code == 0, clean.output
+    assert f"candidate: {repo}, working tree at commit {sha[:12]} (no uncommitted changes)" in clean.stdout and "no changes" in clean.stdout
+
+    # Edited, one file new and untracked, one ignored: the edit -> diff -> what-if loop, before a commit.
+    (repo / "team.yaml").write_text(budget_yaml("team", limit="gpu_hours: 250"))
+    (repo / "new.yaml").write_text(budget_yaml("new", namespace="new"))
+    (repo / "local.yaml").write_text(budget_yaml("sneaky", namespace="other"))
+    dirty = run(pg_dsn, "policy", "diff", str(repo))
+    assert dirty.exit_code == 0, dirty.output
+    lines = [line.strip() for line in dirty.stdout.splitlines()]
+    assert f"candidate: {repo}, working tree (uncommitted changes)" in lines
+    assert "~ budget team: limit 100 gpu-hours -> limit 250 gpu-hours" in lines
+    assert any(line.startswith("+ budget new:") for line in lines) and "sneaky" not in dirty.stdout
+    [target] = [line.rsplit(" -> ", 1)[1] for line in lines if line.startswith("plan against active bundle")]
+    assert target.startswith(f"{sha}-dirty.")
+    assert run(pg_dsn, "policy", "diff", "--allow-dirty", str(repo)).stdout == dirty.stdout  # older scripts keep working
+
+    what_if = run(pg_dsn, "policy", "what-if", str(repo), "--since", "1d", "--json")
+    assert what_if.exit_code == 0, what_if.output
+    report = json.loads(what_if.stdout)
+    assert report["candidate"] == {"directory": str(repo), "source": "working tree (uncommitted changes)", "git_sha": target}
+    assert sorted(b["policy_id"] for b in report["by_budget"]) == ["new", "team"]  # the documents diff compared
+
+    committed = run(pg_dsn, "policy", "diff", "--committed", str(repo))
+    assert committed.exit_code == 0, committed.output
+    assert f"candidate: {repo}, commit {sha[:12]} (committed only: uncommitted changes left out)" in committed.stdout
+    assert "no changes" in committed.stdout and f"-> {sha}" in committed.stdout
+    both = run(pg_dsn, "policy", "diff", "--committed", "--allow-dirty", str(repo))
+    assert both.exit_code == 2 and "--committed leaves uncommitted changes out" in both.output
+    # Applying still takes a commit: the loop ends with one.
+    assert "uncommitted changes" in run(pg_dsn, "policy", "apply", str(repo)).output
+
+
+def test_diff_reads_a_folder_outside_git_as_it_is(tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "loose"
+    folder.mkdir()
+    (folder / "team.yaml").write_text(budget_yaml("team"))
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    result = run(pg_dsn, "policy", "diff", str(folder))
+    assert result.exit_code == 0, result.output
+    assert f"candidate: {folder}, working tree (not in a Git repository with a commit)" in result.stdout
+    assert any(line.strip().startswith("+ budget team:") for line in result.stdout.splitlines())
+    committed = run(pg_dsn, "policy", "diff", "--committed", str(folder))
+    assert committed.exit_code == 1 and "is not in a Git repository with a commit" in committed.output

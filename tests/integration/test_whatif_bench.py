@@ -21,6 +21,7 @@ async def test_bench_what_if_replays_the_whole_history(postgres_admin_dsn: str) 
     assert report["decisions"] == 3000
     # Every limit at 70 %: some recorded ALLOWs cannot all fit any more.
     assert 0 < report["flips"] <= report["recorded_allows"] < 3000
+    assert report["not_simulated"] == 0  # budgets decided every one of them
     conn = await asyncpg.connect(postgres_admin_dsn)
     try:
         assert await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE 'bench_whatif_%'") == 0

@@ -10,7 +10,7 @@ from decimal import Decimal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from budgetgate.core.evaluation import Resources, Submission, plan
+from budgetgate.core.evaluation import Reading, Resources, Submission, decide, plan
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.units import MILLI_PER_HOUR as H
 from budgetgate.core.whatif import Ended, Recorded, Start, simulate
@@ -120,3 +120,168 @@ def test_history_counts_each_run_it_admitted_once_whatever_the_candidate_did(lim
     decisions = sorted((r for i, ((gpus, _), h) in enumerate(zip(runs, histories, strict=True)) for r in retried(i, gpus, h)), key=lambda r: r.submission.at)
     outcome = simulate(bundle(limit), start={}, decisions=decisions, ends=[])
     assert outcome.by_budget["team"].admitted_gpu_before == sum(gpus for (gpus, _), h in zip(runs, histories, strict=True) if "ALLOW" in h) * H
+
+
+# Histories as admission records them: budgets, and the concurrency limits the simulation does
+# not model (a tenant quota, the sensitive pool, a token pool), refusing what they refuse.
+QUOTA_DOCS = """apiVersion: budgetgate/v1
+kind: Quota
+metadata: {{id: tenant-vision}}
+spec: {{tenant: vision, max_gpus: {max_gpus}, max_concurrent_allocations: {max_allocations}}}
+---
+apiVersion: budgetgate/v1
+kind: Quota
+metadata: {{id: sensitive-pool}}
+spec: {{sensitive_pool_size: {sensitive}, sensitive_unit: gpus, sensitive_label: {{key: sensitive, value: "true"}}}}
+---
+apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {{id: warehouse}}
+spec: {{namespace: "snowflake:wh-1", quota: {tokens}, lease_seconds: 3600}}
+"""
+
+
+def limited_bundle(limit_hours: int, on_exhausted: str, max_gpus: int, max_allocations: int, sensitive: int, tokens: int, soft_hours: int):  # type: ignore[no-untyped-def]
+    text = "---\n".join(
+        [
+            budget_yaml("team", limit=f"gpu_hours: {limit_hours}", on_exhausted=on_exhausted),
+            budget_yaml("team-soft", limit=f"gpu_hours: {soft_hours}", enforcement="soft", window="{calendar: week}"),
+            budget_yaml("team-dry", limit=f"gpu_hours: {soft_hours}", enforcement="dry-run", window="{calendar: day}"),
+            QUOTA_DOCS.format(max_gpus=max_gpus, max_allocations=max_allocations, sensitive=sensitive, tokens=tokens),
+        ]
+    )
+    return build_bundle(parse_text(text, "b.yaml"), git_sha="d" * 40)
+
+
+# A run: GPUs, hours, sensitive, asks a pool token, minutes it runs, % of its projection it uses
+# (None: it never started and gave its hold back), and how many attempts it makes if refused.
+runs_strategy = st.lists(
+    st.tuples(
+        st.integers(1, 8),
+        st.sampled_from(["0.5", "1", "2", "6"]),
+        st.booleans(),
+        st.booleans(),
+        st.integers(1, 60),
+        st.one_of(st.none(), st.integers(0, 100)),
+        st.integers(1, 3),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def as_admission_recorded(bundle, runs) -> tuple[list[Recorded], list[Ended], set[tuple[str, int]]]:  # type: ignore[no-untyped-def]
+    """Decide `runs` as admission does — budgets on the ledger, then the concurrency limits in
+    the same atomic step — with the reconciler's settlement at each admitted run's end. Returns
+    the recorded decisions, the recorded ends, and (run id, attempt) of each decision a
+    concurrency limit refused."""
+    import heapq
+
+    from budgetgate.core.quotas import Holdings, PoolOutcome, pool_rejection, quota_violation, sensitive_violation
+    from budgetgate.core.quotas import Request as Wanted
+    from budgetgate.core.whatif import budgets_outcome
+    from budgetgate.decisions.concurrency import refused
+
+    quota, pool = bundle.quota_for("vision"), bundle.pools[0]
+    ledger: dict[str, list[int]] = {}
+    tenant, sensitive, tokens = [0, 0, 0], [0, 0, 0], [0]
+    events: list[tuple] = []  # (at, 0 = an end, 1 = a submission, seq, payload): an end first at the same instant
+    for i, (gpus, hours, is_sensitive, token, minutes, used, attempts) in enumerate(runs):
+        heapq.heappush(events, (AT + timedelta(minutes=3 * i), 1, i, (i, 1)))
+    decisions, ends, by_limits, held = [], [], set(), {}
+    seq = len(runs)
+    while events:
+        at, kind, _, payload = heapq.heappop(events)
+        if kind == 0:
+            run_id = payload
+            amounts, projected, gpus, is_sensitive, token, used = held.pop(run_id)
+            for key, amount in amounts.items():
+                ledger[key][0] -= amount
+                if used is not None:
+                    ledger[key][1] += amount * (projected * used // 100) // projected
+            tenant[0] -= gpus
+            tenant[2] -= 1
+            sensitive[0] -= gpus if is_sensitive else 0
+            tokens[0] -= 1 if token else 0
+            ends.append(Ended(run_id, at, 0 if used is None else projected * used // 100, released=used is None))
+            continue
+        i, attempt = payload
+        gpus, hours, is_sensitive, token, minutes, used, attempts = runs[i]
+        labels = {"team": "vision", **({"sensitive": "true"} if is_sensitive else {})}
+        sub = Submission(f"r{i}", "vision-prod", labels, Resources(gpus=gpus), Decimal(hours), at, attempt)
+        the_plan = plan(bundle, sub)
+        readings = {c.ledger_key: Reading(c.policy.limit.amount, *ledger.setdefault(c.ledger_key, [0, 0])) for c in the_plan.charges}
+        decision = decide(the_plan, readings)
+        wanted = Wanted(gpus=gpus, nodes=1)
+        limit_reason = (
+            quota_violation("vision", quota, Holdings(*tenant), wanted)
+            or (sensitive_violation(bundle.sensitive, Holdings(*sensitive), wanted) if is_sensitive else None)
+            or (pool_rejection([PoolOutcome(pool.namespace, "EXHAUSTED" if tokens[0] >= pool.quota else "OK", tokens[0], pool.quota)]) if token else None)
+        )
+        if limit_reason is not None:
+            decision = refused(decision, limit_reason)
+            by_limits.add((sub.run_id, attempt))
+        verdicts = [(str(e.enforcement), e.outcome) for e in decision.evaluations]
+        decisions.append(Recorded(sub, decision.outcome, reason=decision.reason, budgets_outcome=budgets_outcome(verdicts)))
+        if decision.admitted:
+            amounts = {c.ledger_key: c.amount for c in the_plan.charges}
+            for key, amount in amounts.items():
+                ledger[key][0] += amount
+            tenant[0] += gpus
+            tenant[2] += 1
+            sensitive[0] += gpus if is_sensitive else 0
+            tokens[0] += 1 if token else 0
+            held[sub.run_id] = (amounts, the_plan.projected_gpu, gpus, is_sensitive, token, used)
+            heapq.heappush(events, (at + timedelta(minutes=minutes), 0, seq, sub.run_id))
+        elif attempt < attempts:
+            heapq.heappush(events, (at + timedelta(minutes=7), 1, seq, (i, attempt + 1)))
+        seq += 1
+    return decisions, ends, by_limits
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(5, 300),
+    on_exhausted=st.sampled_from(["deny", "delay"]),
+    max_gpus=st.integers(2, 48),
+    max_allocations=st.integers(1, 10),
+    sensitive=st.integers(1, 24),
+    tokens=st.integers(1, 4),
+    soft=st.integers(1, 100),
+    runs=runs_strategy,
+)
+def test_an_unchanged_bundle_never_flips_whatever_the_concurrency_limits_refused(
+    limit: int, on_exhausted: str, max_gpus: int, max_allocations: int, sensitive: int, tokens: int, soft: int, runs: list
+) -> None:
+    bundle = limited_bundle(limit, on_exhausted, max_gpus, max_allocations, sensitive, tokens, soft)
+    decisions, ends, by_limits = as_admission_recorded(bundle, runs)
+    outcome = simulate(bundle, start={}, decisions=decisions, ends=ends)
+    assert outcome.flips == []
+    # Exactly the decisions a limit refused are reported apart, each with the limit that did.
+    assert {(n.run_id, n.attempt) for n in outcome.not_simulated} == by_limits
+    recorded = {(r.submission.run_id, r.submission.attempt): r for r in decisions}
+    for n in outcome.not_simulated:
+        assert n.outcome == "DENY" and n.reason == recorded[(n.run_id, n.attempt)].reason
+        assert n.decided_by in ("tenant quota", "sensitive pool", "token pool")
+    # History's admissions, and only they, are the candidate's.
+    team = outcome.by_budget["team"]
+    assert team.admitted_gpu_before == team.admitted_gpu_after
+
+
+def test_a_quota_refusal_is_not_simulated_and_frees_nothing_it_never_held() -> None:
+    # r0 holds 8 of the tenant's 12 GPUs, so history refused r1 (8) for the quota; r2 (4) fit.
+    # Replayed without quotas r1 would be admitted and hold 48 GPU-hours, refusing r2 in turn.
+    bundle = limited_bundle(100, "deny", max_gpus=12, max_allocations=10, sensitive=24, tokens=4, soft_hours=100)
+    decisions, ends, by_limits = as_admission_recorded(
+        bundle, [(8, "6", False, False, 240, 100, 1), (8, "6", False, False, 240, 100, 1), (4, "6", False, False, 240, 100, 1)]
+    )
+    assert [r.outcome for r in decisions] == ["ALLOW", "DENY", "ALLOW"] and by_limits == {("r1", 1)}
+    outcome = simulate(bundle, start={}, decisions=decisions, ends=ends)
+    assert outcome.flips == []
+    [skipped] = outcome.not_simulated
+    assert (skipped.run_id, skipped.outcome, skipped.decided_by, skipped.budgets_after) == ("r1", "DENY", "tenant quota", "ALLOW")
+    assert skipped.reason.startswith('allocation rejected: tenant "vision" would exceed max_gpus quota')
+    # A candidate that changes the budget still flips what its budget decides, and only that.
+    lower = simulate(limited_bundle(40, "deny", 12, 10, 24, 4, 100), start={}, decisions=decisions, ends=ends)
+    assert [(f.run_id, f.before, f.after) for f in lower.flips] == [("r0", "ALLOW", "DENY")]  # 48 of 40; r2's 24 fit
+    assert [(n.run_id, n.budgets_after) for n in lower.not_simulated] == [("r1", "DENY")]

@@ -3,7 +3,8 @@
 A fresh database is filled (COPY, not timed) with N recorded decisions over the last 29 days,
 spread over `teams` teams with one monthly GPU-hour budget each, decided by a running tally as
 admission would, with their ledger readings and, for half the admitted runs, a recorded end at
-80 % of the projection. Then the candidate folder (every limit at 70 %) is replayed against it
+80 % of the projection (each answer with its budget's evaluation, which what-if reads to tell
+what decided it). Then the candidate folder (every limit at 70 %) is replayed against it
 exactly as the command does it (read the history, simulate), and timed."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Measured:
     seconds: float
     flips: int
     recorded_allows: int
+    not_simulated: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -42,6 +44,7 @@ class Measured:
             "decisions_per_s": round(self.decisions / self.seconds),
             "flips": self.flips,
             "recorded_allows": self.recorded_allows,
+            "not_simulated": self.not_simulated,
         }
 
 
@@ -94,7 +97,8 @@ def _history(decisions: int, teams: int, limit_hours: int, now: datetime) -> tup
                 "r" * 40,
                 amount,
                 json.dumps(request),
-                "{}",
+                # The answer as far as what-if reads it: what its budget decided.
+                json.dumps({"decision": outcome, "evaluations": [{"policy_id": charge.policy.id, "enforcement": "hard", "decision": outcome}]}),
                 at,
                 json.dumps({"version": 1, "status": "RESERVED", "ledger": [reading]}),
             )
@@ -151,6 +155,6 @@ async def run(server_dsn: str, *, decisions: int, teams: int, limit_hours: int =
         finally:
             await conn.close()
         seconds = time.perf_counter() - started
-        return Measured(report["decisions"], seconds, len(report["flips"]), allows)
+        return Measured(report["decisions"], seconds, len(report["flips"]), allows, len(report["not_simulated"]))
     finally:
         await databases.drop(server_dsn, name)

@@ -49,11 +49,12 @@ def validate(path: Path) -> None:
     )
 
 
-def load_revision(directory: Path, *, allow_dirty: bool) -> tuple[Revision, LoadedPolicies]:
+def load_revision(directory: Path, *, allow_dirty: bool, committed: bool = False) -> tuple[Revision, LoadedPolicies]:
     """The documents Git holds for `directory` at its revision (the working tree's, if dirty and
-    allowed), validated under the SHA they will be applied at."""
+    allowed; HEAD's whatever the working tree holds, if `committed`), validated under the SHA
+    they will be applied at."""
     try:
-        rev = revision(directory, allow_dirty=allow_dirty)
+        rev = revision(directory, allow_dirty=allow_dirty, committed=committed)
         files = policy_files(directory, rev)
     except RepositoryError as exc:
         raise click.ClickException(str(exc)) from None
@@ -88,12 +89,26 @@ def print_plan(active: PolicyBundle | None, changes: list[Change], new: PolicyBu
         click.echo("  no changes")
 
 
+def load_candidate(directory: Path, *, committed: bool = False) -> tuple[Revision, LoadedPolicies]:
+    """The documents `policy diff` and `policy what-if` judge: the working tree's files Git would
+    commit, uncommitted changes included (ignored files are not; a folder outside Git is read
+    as it is), or with `committed` HEAD's; `Revision.describe` says which."""
+    return load_revision(directory, allow_dirty=not committed, committed=committed)
+
+
 @policy.command()
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--allow-dirty", is_flag=True, help="diff the working tree's uncommitted changes too")
-def diff(directory: Path, allow_dirty: bool) -> None:
-    """Print what applying DIRECTORY would change against the active bundle."""
-    _, loaded = load_revision(directory, allow_dirty=allow_dirty)
+@click.option("--committed", is_flag=True, help="diff HEAD's commit only, leaving uncommitted changes out")
+@click.option("--allow-dirty", is_flag=True, hidden=True, help="accepted for older scripts: the working tree is what is diffed anyway")
+def diff(directory: Path, committed: bool, allow_dirty: bool) -> None:
+    """Print what applying DIRECTORY would change against the active bundle.
+
+    DIRECTORY is read as its working tree, uncommitted changes included (what `policy what-if`
+    replays), unless --committed."""
+    if committed and allow_dirty:
+        raise click.UsageError("--committed leaves uncommitted changes out; --allow-dirty is for taking them in")
+    rev, loaded = load_candidate(directory, committed=committed)
+    click.echo(f"candidate: {directory}, {rev.describe()}")
     _report(loaded)
     settings = backend.stack_settings()
 

@@ -1,5 +1,6 @@
 """`budgetgate policy what-if DIR`: the period's recorded submissions decided again under a
-candidate policy folder, on a simulated ledger (budgetgate.core.whatif); nothing live changes."""
+candidate policy folder (its working tree, as `policy diff` reads it), on a simulated ledger
+(budgetgate.core.whatif); nothing live changes."""
 
 from __future__ import annotations
 
@@ -16,24 +17,23 @@ import click
 
 from budgetgate.cli import backend
 from budgetgate.cli.explain import since as parse_since
-from budgetgate.core.loader import PolicyValidationError, load_path
+from budgetgate.cli.policy import load_candidate
 from budgetgate.core.policy import PolicyBundle
 
 
 @click.command("what-if")
 @click.argument("directory", type=click.Path(exists=True, path_type=Path))
 @click.option("--since", "period", default="30d", show_default=True, help="From when: a period (30d, 12h, 2w) or an ISO date.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"decisions": N, "flips": [...], "by_budget": [...]}.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"decisions": N, "flips": [...], "not_simulated": [...], "by_budget": [...]}.')
 def what_if(directory: Path, period: str, as_json: bool) -> None:
-    """Replay the period's recorded submissions against the policies in DIRECTORY."""
-    try:
-        candidate = load_path(directory, git_sha="what-if").bundle
-    except PolicyValidationError as exc:
-        for error in exc.errors:
-            click.echo(f"error: {error}", err=True)
-        raise SystemExit(f"{len(exc.errors)} error(s) in {directory}") from None
+    """Replay the period's recorded submissions against the policies in DIRECTORY.
+
+    DIRECTORY is read as `policy diff` reads it: its working tree, uncommitted changes included
+    (the files Git would commit; a folder outside Git as it is)."""
+    rev, loaded = load_candidate(directory)
     start = parse_since(period)
-    report = asyncio.run(run(backend.stack_settings().postgres_dsn, candidate, start, show_progress=sys.stderr.isatty()))
+    report = asyncio.run(run(backend.stack_settings().postgres_dsn, loaded.bundle, start, show_progress=sys.stderr.isatty()))
+    report = {"candidate": {"directory": str(directory), "source": rev.describe(), "git_sha": loaded.bundle.git_sha}, **report}
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -61,9 +61,20 @@ def _progress(length: int, shown: bool) -> Iterator[Callable[[int], None]]:
 
 
 def print_report(report: dict[str, Any], directory: Path) -> None:
-    click.echo(f"what-if {directory} since {report['since']}: {report['decisions']} decisions replayed, {len(report['flips'])} would flip")
+    skipped = report["not_simulated"]
+    click.echo(f"candidate: {directory}, {report['candidate']['source']}")
+    click.echo(
+        f"what-if {directory} since {report['since']}: {report['decisions']} decisions replayed, {len(report['flips'])} would flip"
+        + (f", {len(skipped)} not simulated" if skipped else "")
+    )
     for f in report["flips"]:
         click.echo(f"  {f['before']} -> {f['after']}  {f['run_id']} (attempt {f['attempt']}, {f['decided_at']}): {f['reason']}")
+    if skipped:
+        by = ", ".join(f"{n} by {factor}" for factor, n in report["not_simulated_by"].items())
+        click.echo(f"  {len(skipped)} not simulated ({by}): what-if models budgets only, so history's outcome is kept and never counted as a flip:")
+        for n in skipped:
+            alone = f"; the candidate's budgets alone: {n['budgets_after']}" if n["budgets_after"] else "; the candidate cannot price it"
+            click.echo(f"  = {n['outcome']}  {n['run_id']} (attempt {n['attempt']}, {n['decided_at']}) by {n['decided_by']}: {n['reason']}{alone}")
     for b in report["by_budget"]:
         line = (
             f"  {b['policy_id']}: admitted {b['admitted_gpu_hours_before']:g} -> {b['admitted_gpu_hours_after']:g} GPU-hours "

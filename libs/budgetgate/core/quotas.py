@@ -188,6 +188,27 @@ def pool_rejection(outcomes: list[PoolOutcome]) -> str | None:
     return None
 
 
+# How a token request refused because another holder has the token begins (the rest of that
+# reason is written where the pool's readings are read: decisions/concurrency.py).
+TOKEN_TAKEN = 'token "'
+TENANT_QUOTA, SENSITIVE_POOL, TOKEN_POOL = "tenant quota", "sensitive pool", "token pool"
+
+
+def concurrency_limit(reason: str) -> str | None:
+    """Which concurrency limit refused a decision whose reason is `reason` (TENANT_QUOTA,
+    SENSITIVE_POOL or TOKEN_POOL), or None when no concurrency limit did: a refusal by one of
+    them replaces the decision's reason with the limit's own (the messages above)."""
+    if reason.startswith(REJECTED + "tenant "):
+        return TENANT_QUOTA
+    if reason.startswith(REJECTED + "sensitive "):
+        return SENSITIVE_POOL
+    if reason.startswith('token pool "') or (reason.startswith(TOKEN_TAKEN) and '" of pool "' in reason):
+        return TOKEN_POOL
+    if reason.startswith(REJECTED):
+        return "concurrency limit"
+    return None
+
+
 def soft_penalty(utilizations: list[float]) -> float:
     """The worse-of rule: the most used soft budget drives the penalty (0 with none)."""
     return max((priority_penalty(u) for u in utilizations), default=0.0)

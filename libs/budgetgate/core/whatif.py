@@ -7,8 +7,15 @@ it into consumption when the run's recorded end comes (its metered actual, scale
 budget's unit by the run's actual/projected ratio; nothing when it never started). A run the
 candidate would have refused consumes nothing; a run it would admit that history refused holds
 its projected amount to the end of the period (no actual was ever metered for it). So a
-changed limit changes later decisions too. Quotas, token pools and soft penalties are not
-simulated; a DELAY's time is not recomputed.
+changed limit changes later decisions too.
+
+Only budgets are simulated. Concurrency limits (tenant quotas — max GPUs, nodes, concurrent
+allocations —, the sensitive pool, token pools) are not, nor soft penalties, external
+accounting (it judges soft budgets only) or a DELAY's time. A recorded decision that something
+other than its budgets decided — a concurrency limit's refusal, or an outcome its own budget
+evaluations do not explain (`Recorded.budgets_outcome`) — is not simulated: history's outcome
+stands for it on the simulated ledger (a refused run holds nothing), it is never a flip, and it
+is reported apart (`Outcome.not_simulated`) with what decided it.
 """
 
 from __future__ import annotations
@@ -20,16 +27,43 @@ from datetime import datetime
 
 from budgetgate.core.evaluation import Plan, Reading, Submission, UnknownFlavor, decide, plan
 from budgetgate.core.ledger_key import AmountOutOfRange
-from budgetgate.core.policy import BudgetPolicy, PolicyBundle
+from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
+from budgetgate.core.quotas import concurrency_limit
 
 
 @dataclass(frozen=True, slots=True)
 class Recorded:
-    """A recorded decision: the submission, when, and what history decided."""
+    """A recorded decision: the submission, when, and what history decided; its reason, and
+    what its budgets alone decided (`budgets_outcome` of its evaluations; None when unknown)."""
 
     submission: Submission
     outcome: str
     decision_id: str = ""
+    reason: str = ""
+    budgets_outcome: str | None = None
+
+
+def budgets_outcome(evaluations: Iterable[tuple[str, str]]) -> str:
+    """What a decision's budgets alone decided, from its evaluations' (enforcement, outcome):
+    a hard policy's DENY (no room, or missing labels) denies, else a hard DELAY delays, else it
+    admits; soft and dry-run policies never block (`decide`)."""
+    hard = {outcome for enforcement, outcome in evaluations if enforcement == Enforcement.HARD}
+    return "DENY" if "DENY" in hard else "DELAY" if "DELAY" in hard else "ALLOW"
+
+
+OTHER = "other than its budgets"
+
+
+def decided_by(recorded: Recorded) -> str | None:
+    """What decided a recorded decision when the simulation does not model it: the concurrency
+    limit that refused it (tenant quota, sensitive pool, token pool), or OTHER when its outcome
+    is not the one its budgets alone decided; None when its budgets decided it."""
+    found = concurrency_limit(recorded.reason)
+    if found is not None:
+        return found
+    if recorded.budgets_outcome is not None and recorded.budgets_outcome != recorded.outcome:
+        return OTHER
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +95,21 @@ class Flip:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class NotSimulated:
+    """A recorded decision something the simulation does not model decided (`decided_by`):
+    history's outcome stands for it; `budgets_after` is what the candidate's budgets alone
+    would decide (None when the candidate cannot price it)."""
+
+    run_id: str
+    attempt: int
+    at: datetime
+    outcome: str
+    decided_by: str
+    reason: str
+    budgets_after: str | None
+
+
 @dataclass(slots=True)
 class BudgetChange:
     """One candidate budget: what its runs admitted as recorded and under the candidate."""
@@ -80,6 +129,7 @@ class BudgetChange:
 class Outcome:
     decisions: int = 0
     flips: list[Flip] = field(default_factory=list)
+    not_simulated: list[NotSimulated] = field(default_factory=list)
     by_budget: dict[str, BudgetChange] = field(default_factory=dict)
     unplannable: list[str] = field(default_factory=list)  # run ids the candidate cannot price
 
@@ -120,22 +170,33 @@ class Simulation:
                     self._tally_before(plan(self._policies(sub.namespace), sub), recorded)
             return
         self.outcome.decisions += 1
+        factor = decided_by(recorded)
         try:
             the_plan = plan(self._policies(sub.namespace), sub)
         except (UnknownFlavor, AmountOutOfRange) as exc:  # under the proposed rate cards or policies
             self.outcome.unplannable.append(sub.run_id)
-            self._flip(recorded, "DENY", str(exc))
+            if factor is not None:
+                self._not_simulated(recorded, factor, None)
+            else:
+                self._flip(recorded, "DENY", str(exc))
             return
         readings = {c.ledger_key: self._reading(c.ledger_key, c.policy) for c in the_plan.charges}
         decision = decide(the_plan, readings if the_plan.charges else None)
-        self._tally(the_plan, recorded, decision.outcome, readings)
-        if decision.outcome == "ALLOW":
+        after = decision.outcome
+        if factor is not None:
+            # Not simulated: what decided it is not modelled, so history's outcome stands (a
+            # quota's refusal must not turn into a hold that refuses later runs).
+            self._not_simulated(recorded, factor, decision.outcome)
+            after = recorded.outcome
+        self._tally(the_plan, recorded, after, readings)
+        if after == "ALLOW":
             amounts = {c.ledger_key: c.amount for c in the_plan.charges}
             for key, amount in amounts.items():
                 self.ledger.setdefault(key, [0, 0])[0] += amount
             self.holds[sub.run_id] = _Hold(amounts, the_plan.projected_gpu)
             self.admitted.add(sub.run_id)
-        self._flip(recorded, decision.outcome, decision.reason)
+        if factor is None:
+            self._flip(recorded, decision.outcome, decision.reason)
 
     def end(self, ended: Ended) -> None:
         held = self.holds.pop(ended.run_id, None)
@@ -185,6 +246,10 @@ class Simulation:
             left = readings[c.ledger_key].remaining - (c.amount if outcome == "ALLOW" else 0)
             if change.exhausted_at is None and c.hard and left <= 0:
                 change.exhausted_at = at
+
+    def _not_simulated(self, recorded: Recorded, factor: str, budgets_after: str | None) -> None:
+        sub = recorded.submission
+        self.outcome.not_simulated.append(NotSimulated(sub.run_id, sub.attempt, sub.at, recorded.outcome, factor, recorded.reason, budgets_after))
 
     def _flip(self, recorded: Recorded, after: str, reason: str) -> None:
         if after != recorded.outcome:

@@ -45,28 +45,44 @@ def _git_bytes(directory: Path, *args: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Revision:
-    """Where a policy directory's documents come from: a commit, or (dirty) the working tree."""
+    """Where a policy directory's documents come from: a commit, or (dirty) the working tree.
+    `left_out`: a commit read on purpose although the working tree has uncommitted changes."""
 
     sha: str
     head: str | None
     dirty: bool
+    left_out: bool = False
+
+    def describe(self) -> str:
+        """What the documents are, as `policy diff` and `policy what-if` say it."""
+        if self.head is None:
+            return "working tree (not in a Git repository with a commit)"
+        if self.dirty:
+            return "working tree (uncommitted changes)"
+        if self.left_out:
+            return f"commit {self.sha[:12]} (committed only: uncommitted changes left out)"
+        return f"working tree at commit {self.sha[:12]} (no uncommitted changes)"
 
 
-def revision(directory: Path, *, allow_dirty: bool) -> Revision:
+def revision(directory: Path, *, allow_dirty: bool, committed: bool = False) -> Revision:
     """The Git commit the directory's policies are at.
 
     A tree with uncommitted changes under the directory is refused unless `allow_dirty`; then the
     documents are the working tree's files Git would commit (ignored files are not), and the
-    SHA gets a digest suffix (see `dirty_sha`)."""
+    SHA gets a digest suffix (see `dirty_sha`). With `committed`, the documents are HEAD's
+    whatever the working tree holds (there must be a commit)."""
     if not directory.is_dir():
         raise RepositoryError(f"{directory} is not a directory")
     try:
         head = _git(directory, "rev-parse", "HEAD")
         dirty = bool(_git(directory, "status", "--porcelain", "--", "."))
     except RepositoryError as exc:
-        if not allow_dirty:
-            raise RepositoryError(f"{directory} is not in a Git repository with a commit ({exc}); commit the policies or pass --allow-dirty") from exc
+        if committed or not allow_dirty:
+            hint = "commit the policies, or leave out --committed" if committed else "commit the policies or pass --allow-dirty"
+            raise RepositoryError(f"{directory} is not in a Git repository with a commit ({exc}); {hint}") from exc
         return Revision("nogit", None, True)
+    if committed:
+        return Revision(head, head, False, left_out=dirty)
     if dirty and not allow_dirty:
         raise RepositoryError(f"{directory} has uncommitted changes; commit them (policies are applied at a Git SHA) or pass --allow-dirty")
     return Revision(head, head, dirty)

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from budgetgate.core.whatif import Ended, Recorded, Start
+from budgetgate.core.whatif import Ended, Recorded, Start, budgets_outcome
 from budgetgate.ledger.queries import owned_by
 from budgetgate.decisions.deciding import submission
 from budgetgate.contracts.admission import AdmissionRequest
@@ -31,6 +31,17 @@ def _json(value: Any) -> Any:
     return orjson.loads(value) if isinstance(value, str | bytes) else value
 
 
+def _budgets_outcome(verdicts: list[str] | None) -> str | None:
+    """What a decision's budgets alone decided, from its evaluations' "enforcement outcome"
+    pairs; None when its answer recorded no evaluations, or evaluations without either part."""
+    if verdicts is None:
+        return None
+    pairs = [(enforcement, outcome) for enforcement, _, outcome in (v.partition(" ") for v in verdicts)]
+    if any("?" in pair for pair in pairs):
+        return None
+    return budgets_outcome(pairs)
+
+
 async def recorded_history(conn: Any, since: datetime, *, progress: Callable[[int], None] | None = None) -> History:
     """Everything a what-if over the period from `since` needs, in four queries."""
     history = History()
@@ -40,7 +51,8 @@ async def recorded_history(conn: Any, since: datetime, *, progress: Callable[[in
             request = (
                 AdmissionRequest.model_validate_json(row["request"]) if isinstance(row["request"], str) else AdmissionRequest.model_validate(row["request"])
             )
-            history.decisions.append(Recorded(submission(request, row["decided_at"]), row["outcome"]))
+            budgets = _budgets_outcome(row["verdicts"])
+            history.decisions.append(Recorded(submission(request, row["decided_at"]), row["outcome"], reason=row["reason"], budgets_outcome=budgets))
             for reading in _json(row["ledger"]) or ():
                 if reading["ledger_key"] not in history.start:
                     history.start[reading["ledger_key"]] = Start(reading["reserved"], reading["consumed"], row["decided_at"])

@@ -46,9 +46,14 @@ FROM unnest($1::text[]) AS k (ledger_key) LEFT JOIN ledger_entries e USING (ledg
 SELECT count(*) FROM decisions WHERE decided_at >= $1;
 
 -- name: whatif_decisions
--- The submissions recorded from $1 on, in the order decided, with what history decided and the
--- ledger readings each was decided on (policy what-if).
-SELECT run_id, attempt, outcome, request, decided_at, readings -> 'ledger' AS ledger
+-- The submissions recorded from $1 on, in the order decided, with what history decided and why,
+-- the ledger readings each was decided on, and its evaluations' distinct "enforcement outcome"
+-- pairs (what its budgets alone decided; NULL when the answer recorded none, `?` for a part an
+-- evaluation lacks) (policy what-if).
+SELECT run_id, attempt, outcome, reason, request, decided_at, readings -> 'ledger' AS ledger,
+       CASE WHEN jsonb_typeof(response -> 'evaluations') = 'array' THEN ARRAY(
+           SELECT DISTINCT coalesce(e ->> 'enforcement', '?') || ' ' || coalesce(e ->> 'decision', '?') FROM jsonb_array_elements(response -> 'evaluations') AS e
+       ) END AS verdicts
 FROM decisions WHERE decided_at >= $1
 ORDER BY decided_at, ledger_seq NULLS FIRST, decision_id;
 

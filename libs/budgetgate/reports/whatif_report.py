@@ -1,10 +1,12 @@
 """The what-if report: the period's recorded submissions decided again under a candidate policy
-bundle on a simulated ledger (budgetgate.core.whatif), with what would flip and each budget's
-admitted GPU-hours and cost before and after; nothing live changes. `budgetgate policy what-if`
-prints it and the what-if benchmark times it."""
+bundle on a simulated ledger (budgetgate.core.whatif), with what would flip, the decisions not
+simulated (decided by what the simulation does not model, such as a tenant quota: never flips)
+and each budget's admitted GPU-hours and cost before and after; nothing live changes.
+`budgetgate policy what-if` prints it and the what-if benchmark times it."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -53,6 +55,19 @@ def as_report(outcome: Outcome, start: datetime) -> dict[str, Any]:
             {"run_id": f.run_id, "attempt": f.attempt, "decided_at": rfc3339(f.at), "before": f.before, "after": f.after, "reason": f.reason}
             for f in outcome.flips
         ],
+        "not_simulated": [
+            {
+                "run_id": n.run_id,
+                "attempt": n.attempt,
+                "decided_at": rfc3339(n.at),
+                "outcome": n.outcome,
+                "decided_by": n.decided_by,
+                "reason": n.reason,
+                "budgets_after": n.budgets_after,
+            }
+            for n in outcome.not_simulated
+        ],  # fmt: skip
+        "not_simulated_by": dict(sorted(Counter(n.decided_by for n in outcome.not_simulated).items())),
         "by_budget": budgets,
         "unplannable": outcome.unplannable,
     }
