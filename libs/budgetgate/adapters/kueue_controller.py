@@ -172,8 +172,7 @@ class AdmissionCheckController:
             return workload
         meta = workload["metadata"]
         status = patch.status
-        # Written, or refused because it changed meanwhile: either way no longer the Workload's version.
-        self._pass(meta, meta.get("resourceVersion"))
+        between: str | None = None
         try:
             if patch.annotations:
                 # Guarded by the version decided on, as the status is: a Workload listed minutes
@@ -181,17 +180,27 @@ class AdmissionCheckController:
                 version = {"resourceVersion": meta["resourceVersion"]} if meta.get("resourceVersion") else {}
                 guarded = {"metadata": {"annotations": patch.annotations, **version}}
                 updated = await self.kube.patch(Workload, meta["name"], guarded, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+                # The version decided on is no longer the Workload's, whatever the status write meets.
+                self._pass(meta, meta.get("resourceVersion"))
                 # Only our annotation changed since the status was computed: carry its version.
                 between = updated.to_dict()["metadata"].get("resourceVersion")
-                self._pass(meta, between)
                 status = {**status, "metadata": {"resourceVersion": between}}
             written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)
-            return written.to_dict()
         except ApiError as exc:
             if exc.status.code == 409:
+                # Changed meanwhile: the versions written from are stale, the watch brings the new one.
+                self._pass(meta, meta.get("resourceVersion"))
+                self._pass(meta, between)
                 log.info("workload %s/%s changed while it was decided; deciding its new version", meta["namespace"], meta["name"])
                 return workload
+            # Another failure: a version still current (the annotation's, if that write went
+            # through) is left to be decided again.
             raise
+        # Written: the version decided on, and the one the annotation write made (its watch event
+        # is handled after this reconcile), are both passed.
+        self._pass(meta, meta.get("resourceVersion"))
+        self._pass(meta, between)
+        return written.to_dict()
 
     async def run(self) -> None:
         """Watch Workloads in every namespace and reconcile each change, and requeue those still
