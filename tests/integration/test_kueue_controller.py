@@ -19,6 +19,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from fastapi.responses import JSONResponse
 from lightkube import AsyncClient as KubeClient
 from lightkube import KubeConfig
 
@@ -480,3 +481,53 @@ async def test_missing_attribution_is_rejected_and_cpu_only_work_let_through(kub
     assert "decision" in decision, (decision, check_state(api, "job-cpu-2"))
     assert decision["decision"] == "ALLOW" and decision["projected_gpu_hours"] == 0.0
     assert check_state(api, "job-cpu-2")["podSetUpdates"] == [{"name": "main", "labels": {"budgetgate.io/run-id": "18181818-1818-4818-8818-181818181818"}}]
+
+
+class FailingOnce:
+    """The stand-in's app, answering the first request of `method` to a path ending `suffix` with
+    a 500 (an API server failing one write) before passing everything through."""
+
+    def __init__(self, app: Any, method: str, suffix: str) -> None:
+        self.app, self.method, self.suffix, self.armed = app, method, suffix, True
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.armed and scope["type"] == "http" and scope["method"] == self.method and scope["path"].endswith(self.suffix):
+            self.armed = False
+            body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "InternalError", "code": 500, "message": "etcd timeout"}
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def test_a_workload_whose_status_write_failed_is_decided_again_not_passed_over(admission_factory, pg_dsn) -> None:
+    # The attempt annotation was written, then the status write failed: the Workload (attempt 2,
+    # still Pending) is current, and is decided again rather than taken for the controller's own
+    # version between its two writes.
+    files = {"b.yaml": budget_yaml("vision-delay", namespace="vision-prod", labels="{team: vision}", limit="gpu_hours: 100", on_exhausted="delay")}
+    await apply_policies(pg_dsn, files, sha="f" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    holder = submission(run_id="holder", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=7.5)
+    assert (await server.client.post("/v1/admissions", json=holder)).json()["decision"] == "ALLOW"
+    run_id = "19191919-1919-4919-8919-191919191919"
+    api = KubeApi()
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    api.put("workloads", workload("job-failed-write", job_uid=run_id))
+    stand_in = InProcessServer(FailingOnce(api.app, "PATCH", "/workloads/job-failed-write/status"), port=free_port())
+    await stand_in.start()
+    kube_client = KubeClient(kubeconfig(stand_in.url), field_manager="budgetgate")
+    try:
+        async with AsyncClient(server.url) as budgetgate:
+            controller = AdmissionCheckController(kube=kube_client, budgetgate=budgetgate, requeue_seconds=0.2)
+            running = asyncio.create_task(controller.run())
+            try:
+                await wait_for(lambda: _decided(api, "job-failed-write"), what="the Workload decided after the failed write")
+            finally:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+    finally:
+        await kube_client.close()
+        await stand_in.stop()
+    assert check_state(api, "job-failed-write")["state"] == "Retry"
+    assert api.get("workloads", "job-failed-write", "vision-prod")["metadata"]["annotations"]["budgetgate.io/attempt"] == "3"
+    assert await decisions_of(pg_dsn, run_id) == [(1, "DELAY"), (2, "DELAY")]
