@@ -40,6 +40,8 @@ def test_manifests_are_valid_and_wired() -> None:
     from budgetgate.cli.main import cli
 
     assert CliRunner().invoke(cli, [*command[3:], "--help"]).exit_code == 0
+    check = found["AdmissionCheck/budget"]
+    assert check["apiVersion"] == "kueue.x-k8s.io/v1beta2" and set(check["spec"]) == {"controllerName"}  # v1beta2 has no retryDelayMinutes
     binding = found["ClusterRoleBinding/budgetgate-kueue"]
     assert binding["roleRef"]["name"] == "budgetgate-kueue" and binding["subjects"][0]["name"] == pod["serviceAccountName"]
 
@@ -90,3 +92,9 @@ def test_the_controller_may_reach_dns_the_api_server_and_admission() -> None:
     admission_port = urlsplit(next(e["value"] for e in container["env"] if e["name"] == "BUDGETGATE_ADMISSION_URL")).port
     assert {("UDP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", admission_port)} <= _egress_ports(base + ours, labels)
     assert ("TCP", 443) not in _egress_ports(base, labels)  # what the base alone allows does not cover it
+
+
+def test_two_controllers_never_overlap_in_a_rollout() -> None:
+    # No leader election yet: a RollingUpdate would run the old and the new pod at once.
+    spec = docs()["Deployment/budgetgate-kueue-admission-check"]["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}

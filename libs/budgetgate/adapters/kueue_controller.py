@@ -11,8 +11,17 @@ attempt, so deciding a Workload twice reserves once.
 
 Besides the watch, every `requeue_seconds` the controller lists the Workloads still waiting on
 a check of ours and decides them again: a Workload left Pending because budgetgate could not
-decide (503, unreachable, the controller's token refused) gets no new event by itself, since a
-status write that changes nothing is none, and a watch does not list again.
+decide (the controller's token refused) gets no new event by itself, since a status write that
+changes nothing is none, and a watch does not list again. What time fixes (a DELAY, a full quota,
+budgetgate unable to decide) is a `Retry` with `requeueAfterSeconds`: Kueue evicts the Workload
+and queues it again after that long, and the controller decides it when quota is reserved anew.
+
+A DENY that no hard budget explains was refused by a concurrency limit: the controller reads the
+run's status (GET /v1/admissions/{run_id}, which the submitter role may) to tell a limit that is
+full now (`Retry`) from one the run can never fit (`Rejected`).
+
+Run one replica (the Deployment's `Recreate` strategy): two controllers deciding one Workload
+would each submit, and the second would find its guarded write a conflict.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class AdmissionCheckController:
         controller_name: str = kueue.CONTROLLER_NAME,
         checks_refresh_seconds: float = 30.0,
         requeue_seconds: float = 30.0,
+        retries: kueue.Retries = kueue.Retries(),
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.kube = kube
@@ -61,11 +71,14 @@ class AdmissionCheckController:
         self.controller_name = controller_name
         self.checks_refresh_seconds = checks_refresh_seconds
         self.requeue_seconds = requeue_seconds
+        self.retries = retries
         self.clock = clock
         self.checks: set[str] = set()
         self._checks_read = 0.0
         # The watch and the periodic requeue decide one Workload at a time, never both at once.
         self._deciding = asyncio.Lock()
+        # Versions of Workloads not to decide (see _superseded), oldest first, a bounded number.
+        self._passed: dict[tuple[str | None, str | None, str], None] = {}
 
     async def refresh_checks(self) -> set[str]:
         """Our AdmissionChecks (by controllerName), each marked Active."""
@@ -86,24 +99,63 @@ class AdmissionCheckController:
         async with self._deciding:
             if time.monotonic() - self._checks_read > self.checks_refresh_seconds:
                 await self.refresh_checks()
+            if self._superseded(workload):
+                return
             for check in kueue.pending_checks(workload, self.checks):
                 workload = await self._write(workload, await self._decide(workload, check))
+
+    def _superseded(self, workload: dict[str, Any]) -> bool:
+        """Whether this version of the Workload is one the controller has moved on from: it wrote
+        a state computed from it (a watch event or a listing delivered late brings it again), or
+        it is the version its own annotation write made, whose status write follows (deciding it
+        would submit the raised attempt while its Retry is being written)."""
+        meta = workload.get("metadata") or {}
+        return (meta.get("namespace"), meta.get("name"), meta.get("resourceVersion")) in self._passed
+
+    def _pass(self, meta: dict[str, Any], version: str | None) -> None:
+        if version is None:
+            return
+        self._passed[(meta.get("namespace"), meta.get("name"), version)] = None
+        while len(self._passed) > 10_000:
+            self._passed.pop(next(iter(self._passed)))
 
     async def _decide(self, workload: dict[str, Any], check: str) -> kueue.Patch:
         now = self.clock()
         try:
+            if not self.mapping.submit_cpu_only and kueue.asks_no_gpu(workload, self.mapping):
+                why = f"the Workload asks for no {self.mapping.gpu_resource}: let through without a decision (CPU-only work is not submitted)"
+                return kueue.let_through(workload, check, why, now=now)
             request = kueue.submission(workload, self.mapping)
         except Unmappable as exc:
             return kueue.unmappable(workload, check, str(exc), now=now)
+        if (conflict := kueue.run_label_conflict(workload, request.run_id)) is not None:
+            return kueue.unmappable(workload, check, conflict, now=now)
         try:
             answer = await self.budgetgate.submit(request)
         except BudgetgateError as exc:
             if isinstance(exc, Unauthorized):
                 log.error("budgetgate refused the controller's token (%s): %s", exc.status, exc.detail)
-            return kueue.error_answer(workload, check, exc, now=now, attempt_annotation=self.mapping.attempt_annotation)
+            return kueue.error_answer(workload, check, exc, now=now, retries=self.retries, attempt_annotation=self.mapping.attempt_annotation)
         except (*RETRYABLE, httpx.TransportError) as exc:
-            return kueue.undecided(workload, check, f"cannot decide now ({type(exc).__name__}: {exc}); will try again", now=now)
-        return kueue.decided(workload, check, answer.model_dump(mode="json"), now=now, attempt_annotation=self.mapping.attempt_annotation)
+            why = f"cannot decide now ({type(exc).__name__}: {exc})"
+            return kueue.unavailable(workload, check, why, now=now, retries=self.retries)
+        body = answer.model_dump(mode="json")
+        kind = kueue.refusal(body)
+        if kind is kueue.Refusal.CONCURRENCY:
+            kind = await self._concurrency(request.run_id, body)
+        return kueue.decided(workload, check, body, now=now, kind=kind, retries=self.retries, attempt_annotation=self.mapping.attempt_annotation)
+
+    async def _concurrency(self, run_id: str, answer: dict[str, Any]) -> kueue.Refusal:
+        """Which concurrency limit refused the run, from its status (kueue.Refusal.CONCURRENCY when
+        the status cannot be read, or is of another decision than `answer`)."""
+        try:
+            status = await self.budgetgate.lookup(run_id)
+        except (BudgetgateError, *RETRYABLE, httpx.TransportError) as exc:
+            log.warning("could not read the status of run %r to tell which limit refused it (%s: %s)", run_id, type(exc).__name__, exc)
+            return kueue.Refusal.CONCURRENCY
+        if status is None or status.decision_id != answer["decision_id"]:
+            return kueue.Refusal.CONCURRENCY
+        return kueue.concurrency(status.model_dump(mode="json"))
 
     async def requeue(self) -> int:
         """Decide again every Workload waiting on a check of ours (listed afresh); how many."""
@@ -120,6 +172,7 @@ class AdmissionCheckController:
             return workload
         meta = workload["metadata"]
         status = patch.status
+        between: str | None = None
         try:
             if patch.annotations:
                 # Guarded by the version decided on, as the status is: a Workload listed minutes
@@ -127,15 +180,27 @@ class AdmissionCheckController:
                 version = {"resourceVersion": meta["resourceVersion"]} if meta.get("resourceVersion") else {}
                 guarded = {"metadata": {"annotations": patch.annotations, **version}}
                 updated = await self.kube.patch(Workload, meta["name"], guarded, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+                # The version decided on is no longer the Workload's, whatever the status write meets.
+                self._pass(meta, meta.get("resourceVersion"))
                 # Only our annotation changed since the status was computed: carry its version.
-                status = {**status, "metadata": {"resourceVersion": updated.to_dict()["metadata"].get("resourceVersion")}}
+                between = updated.to_dict()["metadata"].get("resourceVersion")
+                status = {**status, "metadata": {"resourceVersion": between}}
             written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)
-            return written.to_dict()
         except ApiError as exc:
             if exc.status.code == 409:
+                # Changed meanwhile: the versions written from are stale, the watch brings the new one.
+                self._pass(meta, meta.get("resourceVersion"))
+                self._pass(meta, between)
                 log.info("workload %s/%s changed while it was decided; deciding its new version", meta["namespace"], meta["name"])
                 return workload
+            # Another failure: a version still current (the annotation's, if that write went
+            # through) is left to be decided again.
             raise
+        # Written: the version decided on, and the one the annotation write made (its watch event
+        # is handled after this reconcile), are both passed.
+        self._pass(meta, meta.get("resourceVersion"))
+        self._pass(meta, between)
+        return written.to_dict()
 
     async def run(self) -> None:
         """Watch Workloads in every namespace and reconcile each change, and requeue those still
