@@ -126,12 +126,27 @@ async def test_delay_exits_3_and_says_when_to_resubmit(admission_factory, pg_dsn
     assert f"resubmit as attempt 2 at or after {eligible} (or use --wait)" in shown.stdout
     assert rows_of(shown.stdout)["ten"]["eligible at"] == eligible
 
-    # Waiting for half an hour does not fit a minute's wait: said at once, not slept through.
+    # Half an hour does not fit a 3 s wait: it asks whether the run fits now until the wait
+    # ends, and with nothing freed it resubmits nothing.
     started = time.monotonic()
-    waited = await submit(server.url, *TEAM, "--gpus", "1", "--hours", "6", "--run-id", "cli/second", "--wait", "--wait-timeout", "60s")
-    assert waited.exit_code == 3 and time.monotonic() - started < 20, waited.output
-    assert f"next eligible at {eligible}, after the wait ends" in waited.stderr and "not waiting" in waited.stderr
-    assert [(a, o) for a, o, _ in await decisions(pg_dsn, "cli/second")] == [(1, "DELAY")]  # nothing resubmitted
+    waited = await submit(server.url, *TEAM, "--gpus", "1", "--hours", "6", "--run-id", "cli/second", "--wait", "--wait-timeout", "3s", "--interval", "0.5")
+    assert waited.exit_code == 3 and 3 <= time.monotonic() - started < 30, waited.output
+    assert f"next eligible at {eligible}, after the wait ends; waiting until " in waited.stderr
+    assert "the wait ended at " in waited.stderr and "still DELAYed at attempt 1" in waited.stderr
+    assert [(a, o) for a, o, _ in await decisions(pg_dsn, "cli/second")] == [(1, "DELAY")]
+
+    # The same wait while the limit is raised: admission says the run fits now, and it is
+    # resubmitted then, long before its next eligible time.
+    waiting = asyncio.create_task(
+        submit(server.url, *TEAM, "--gpus", "1", "--hours", "6", "--run-id", "cli/second", "--wait", "--wait-timeout", "2m", "--interval", "0.5")
+    )
+    await asyncio.sleep(1.5)
+    await apply_policies(pg_dsn, {"d.yaml": budget_yaml("ten", limit="gpu_hours: 20", on_exhausted="delay")}, sha="e" * 40)
+    raised = await waiting
+    assert raised.exit_code == 0, (raised.stdout, raised.stderr)
+    assert "run cli/second fits now" in raised.stderr and "attempt 2: ALLOW" in raised.stderr
+    assert [(a, o) for a, o, _ in await decisions(pg_dsn, "cli/second")] == [(1, "DELAY"), (2, "ALLOW")]
+    assert raised.stdout.startswith("ALLOW run cli/second attempt 2")
 
 
 async def test_wait_resubmits_with_the_next_attempt_at_the_next_eligible_time(admission_factory, reconciler_factory, pg_dsn) -> None:  # noqa: F811

@@ -4,11 +4,13 @@ admitted, refused for good, or the wait's upper bound is reached.
 
 Waiting keeps to admission's resubmission rules (services/admission/resubmission.py): the same
 request under the same run id, each time with the next attempt (a higher attempt after a DELAY
-is decided afresh; the same attempt would only be answered again), sent at or after the next
-eligible time the DELAY named and never sooner than `--interval` after the last submission. A
-DELAY that names no eligible time (the run is larger than a whole budget), or one past the end
-of the wait, is not waited for. A 409 while waiting (someone else decided the run id for
-another request) ends the wait: the run id is no longer this command's alone.
+is decided afresh; the same attempt would only be answered again), sent at the next eligible
+time the DELAY named, or sooner once admission says the run fits now (GET /v1/admissions/{run_id}:
+`waiting.headroom`, asked every `--interval` seconds: a limit raised, a run ended early), and
+never sooner than `--interval` after the last submission. A next eligible time past the end of
+the wait is waited for only in that way, until the wait ends. A 409 while waiting (someone else
+decided the run id for another request) ends the wait: the run id is no longer this command's
+alone.
 """
 
 from __future__ import annotations
@@ -85,20 +87,24 @@ def _duration(_ctx: click.Context, _param: click.Parameter, value: str) -> float
 @click.option("--region", default=None, help="The region, for regional prices.")
 @click.option("--hours", "runtime_hours", type=click.FloatRange(min=0, min_open=True), default=None, help="Projected runtime in hours.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON (as POST /v1/admissions answers it).")
-@click.option("--wait", is_flag=True, help="On DELAY, resubmit with the next attempt at the next eligible time until the run is admitted or refused.")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="On DELAY, resubmit with the next attempt at the next eligible time, or once admission says the run fits, until it is admitted or refused.",
+)
 @click.option(
     "--wait-timeout",
     default="1h",
     show_default=True,
     callback=_duration,
-    help="With --wait: how long to wait at most (90s, 30m, 2h, 1d); a next eligible time past it is not waited for.",
+    help="With --wait: how long to wait at most (90s, 30m, 2h, 1d).",
 )
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.1, max=3600),
     default=10.0,
     show_default=True,
-    help="With --wait: the least time in seconds between two submissions.",
+    help="With --wait: how often, in seconds, to ask whether the run fits now; and the least time between two submissions.",
 )
 def submit(
     body_file: Path | None,
@@ -165,30 +171,52 @@ def follow(
     interval: float,
     sleep: Callable[[float], None] = time.sleep,
 ) -> AdmissionResponse:
-    """Resubmit `body` while the answer is a DELAY that can be waited for before `deadline`;
-    the last answer. Progress goes to stderr."""
+    """Resubmit `body` while the answer is a DELAY, until `deadline`: with the next attempt, at
+    the DELAY's next eligible time, or sooner when admission says the run fits now (its
+    `waiting.headroom`, asked every `interval` seconds); never two submissions closer than
+    `interval`. The last answer; progress goes to stderr."""
+    from budgetgate.client import Unauthorized
+
     last_sent = datetime.now(UTC)
+    ask = True  # whether lookups may be made (a token without the lookup role cannot)
     while answer.decision == "DELAY":
-        when = eligible_at(answer)
         tried = max(answer.attempt, int(body["attempt"]))
-        if when is None:
-            _say(f"DELAY at attempt {tried} names no time it will have room (the run is larger than a whole budget): not waiting")
-            return answer
-        at = max(when, last_sent + timedelta(seconds=interval))
-        if at > deadline:
-            _say(f"DELAY at attempt {tried}: next eligible at {_iso(when)}, after the wait ends at {_iso(deadline)}: not waiting")
-            return answer
         if tried >= MOST_ATTEMPTS:
             _say(f"DELAY at attempt {tried}, the last attempt a run may have: not waiting")
             return answer
+        when = eligible_at(answer)
+        earliest = last_sent + timedelta(seconds=interval)
+        at = max(when, earliest) if when is not None else None
+        if at is not None and at <= deadline:
+            _say(f"DELAY at attempt {tried}: resubmitting as attempt {tried + 1} at {_iso(at)} (in {_seconds(at):.0f}s), or once it fits")
+        else:
+            said = f"next eligible at {_iso(when)}, after the wait ends" if when is not None else "no time named when it will fit"
+            _say(f"DELAY at attempt {tried}: {said}; waiting until {_iso(deadline)} for room (a raised limit, a run that ends early)")
+        while at is None or datetime.now(UTC) < at:
+            left = _seconds(deadline)
+            if left <= 0:
+                _say(f"the wait ended at {_iso(deadline)}: run {answer.run_id} is still DELAYed at attempt {tried}")
+                return answer
+            sleep(max(0.0, min(interval, left, _seconds(at) if at is not None else left)))
+            if ask and datetime.now(UTC) >= earliest and (at is None or datetime.now(UTC) < at):
+                try:
+                    found = client.lookup(answer.run_id)
+                except Unauthorized as exc:
+                    ask = False
+                    _say(f"cannot ask whether the run fits now ({exc.detail}): waiting for the next eligible time only")
+                    continue
+                if found is not None and found.waiting is not None and found.waiting.headroom:
+                    _say(f"run {answer.run_id} fits now: {found.waiting.summary}")
+                    break
         body["attempt"] = tried + 1
-        pause = max(0.0, (at - datetime.now(UTC)).total_seconds())
-        _say(f"DELAY at attempt {tried}: resubmitting as attempt {body['attempt']} at {_iso(at)} (in {pause:.0f}s)")
-        sleep(pause)
         last_sent = datetime.now(UTC)
         answer = client.submit(body)
         _say(f"attempt {answer.attempt}: {answer.decision}" + (" (answered before: replayed)" if answer.replayed else ""))
     return answer
+
+
+def _seconds(at: datetime) -> float:
+    return (at - datetime.now(UTC)).total_seconds()
 
 
 def print_decision(answer: AdmissionResponse) -> None:
