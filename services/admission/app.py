@@ -16,6 +16,7 @@ from budgetgate.contracts.admission import OPERATIONS
 from budgetgate.decisions.deciding import InvalidSubmission
 from budgetgate.edge.auth import install_auth
 from budgetgate.edge.bodies import BodyLimit
+from budgetgate.edge.problems import validation_errors
 from budgetgate.edge.runner import operational_routes, service_app
 from budgetgate.edge.spans import ServerSpans
 from budgetgate.runtime.telemetry import Telemetry, setup_telemetry
@@ -71,10 +72,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's default echoes each bad input back, which fails on NaN and repeats
-        # oversized values; the location and message name the problem well enough.
-        detail: list[dict[str, Any]] = [{"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]} for err in exc.errors()]
-        return JSONResponse({"detail": detail}, status_code=422)
+        return JSONResponse({"detail": validation_errors(exc)}, status_code=422)
 
     @app.exception_handler(InvalidSubmission)
     async def invalid(_request: Request, exc: InvalidSubmission) -> JSONResponse:

@@ -90,6 +90,17 @@ async def test_errors_are_problem_details(admission) -> None:
         problem = answer.json()
         assert problem["status"] == answer.status_code and problem["type"] == "about:blank" and problem["title"] and problem["detail"], what
     assert [a.status_code for a in answers.values()] == [404, 404, 422, 413, 404]
+    # A body that is not JSON says where and why, not a byte offset read as a field ("invalid 1: ...").
+    assert (
+        answers["bad body"].json()["detail"]
+        == "invalid body: not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2 (character 1)"
+    )
+    broken = b'{\n  "run_id": "r",\n  "attempt": 1\n  "namespace": "vision-prod"\n}'
+    answer = await admission.client.post("/v1/admissions", content=broken, headers={"content-type": "application/json"})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["errors"] == [
+        {"field": "", "loc": ["body"], "msg": "not valid JSON: Expecting ',' delimiter at line 4, column 3 (character 36)", "type": "json_invalid"}
+    ]
 
 
 def content_type(response: Any) -> str:

@@ -9,9 +9,8 @@ import json
 
 import httpx
 import pytest
-from pydantic import ValidationError
 
-from budgetgate.client import AsyncClient, Client, Conflict, InvalidRequest, NotGranted, RetryPolicy, Unauthorized, Unavailable
+from budgetgate.client import AsyncClient, BudgetgateError, Client, Conflict, InvalidRequest, NotGranted, RetryPolicy, Unauthorized, Unavailable
 from budgetgate.contracts.admission import AdmissionResponse, BudgetList, ScopeUsage, TenantUsage
 from tests.support.admission import apply_policies, example_policies, submission
 
@@ -84,9 +83,15 @@ async def test_errors_are_exceptions_and_are_not_resent(admission) -> None:
             await client.submit(submission(run_id="client/unpriced", resources={"gpus": 1, "nodes": 1, "flavor": "no-such-flavor"}))
         assert invalid.value.errors and invalid.value.status == 422
     assert len(recorder.requests) == 3  # one each: neither a 409 nor a 422 is sent again
-    async with AsyncClient(admission.url) as client:
-        with pytest.raises(ValidationError):  # the server's own model checks the request before it leaves
+    unsent = Recorder()
+    async with AsyncClient(admission.url, transport=unsent) as client:
+        # The server's own model checks the request before it leaves: the same error as its 422.
+        with pytest.raises(BudgetgateError) as local:
             await client.submit(submission(run_id="client/bad", projected_runtime_hours=-1.0))
+    assert isinstance(local.value, InvalidRequest) and local.value.fields == ["projected_runtime_hours"] and not local.value.sent
+    assert unsent.requests == []
+    served = await admission.client.post("/v1/admissions", json=submission(run_id="client/bad", projected_runtime_hours=-1.0))
+    assert served.status_code == 422 and served.json()["detail"] == local.value.detail
 
 
 async def test_a_refused_connection_is_retried_with_the_same_run_id_and_attempt(admission, pg_dsn) -> None:

@@ -50,3 +50,18 @@ def test_create_list_revoke_and_the_admin_log(pg_dsn: str) -> None:
     log = json.loads(run(pg_dsn, "admin-log", "--json").stdout)
     assert [(e["action"], e["subject"]) for e in log] == [("token.revoke", "flyte-prod"), ("token.create", "flyte-prod")]
     assert all(e["actor"].startswith("cli:") for e in log) and log[1]["details"]["roles"] == ["submitter"]
+
+
+def test_list_has_a_header_row(pg_dsn: str) -> None:
+    assert run(pg_dsn, "token", "list").stdout == "no API tokens; `budgetgate token create` makes one\n"
+    assert run(pg_dsn, "token", "create", "--name", "ci", "--role", "submitter", "--role", "reader", "--namespace", "vision-*").exit_code == 0
+    assert run(pg_dsn, "token", "create", "--name", "operator-on-call", "--role", "operator").exit_code == 0
+    assert run(pg_dsn, "token", "revoke", "ci").exit_code == 0
+    header, rule, *rows = run(pg_dsn, "token", "list").stdout.splitlines()
+    assert header.split() == ["name", "roles", "limited", "to", "created", "by", "state"]
+    assert set(rule) == {"-", " "} and len(rows) == 2
+    columns = [header.index(name) for name in ("name", "roles", "limited to", "created by", "state")]
+    cells = {row.split()[0]: [row[a:b].strip() for a, b in zip(columns, [*columns[1:], None], strict=True)] for row in rows}
+    assert cells["ci"][:3] == ["ci", "submitter,reader", "ns=vision-*"] and cells["ci"][4].startswith("revoked ")
+    assert cells["operator-on-call"][1:3] == ["operator", "-"] and cells["operator-on-call"][4] == "live"
+    assert all(c[3].startswith("cli:") for c in cells.values())

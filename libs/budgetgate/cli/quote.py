@@ -18,7 +18,7 @@ class ClientSettings(CommonSettings):
     admission_url: str = "http://127.0.0.1:8080"
 
 
-def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+def label_pairs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
     labels = {}
     for value in values:
         key, sep, val = value.partition("=")
@@ -37,7 +37,7 @@ def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...
 )
 @click.option("--run-id", default=None, help="The run id (default: quote/preview).")
 @click.option("--namespace", "-n", default=None, help="The submission's namespace.")
-@click.option("--label", "-l", "labels", multiple=True, callback=_labels, help="A label, KEY=VALUE; repeatable.")
+@click.option("--label", "-l", "labels", multiple=True, callback=label_pairs, help="A label, KEY=VALUE; repeatable.")
 @click.option("--gpus", type=int, default=None)
 @click.option("--nodes", type=int, default=None)
 @click.option("--flavor", default=None)
@@ -57,18 +57,55 @@ def quote(
     as_json: bool,
 ) -> None:
     """What admission would decide on a submission now (decision, cost, next eligible time)."""
-    body: dict[str, Any] = json.loads(body_file.read_text()) if body_file else {}
+    body = request_body(
+        body_file, run_id=run_id, namespace=namespace, labels=labels, gpus=gpus, nodes=nodes, flavor=flavor, region=region, runtime_hours=runtime_hours
+    )
     body.setdefault("run_id", "quote/preview")
-    resources = dict(body.get("resources") or {})
+    answer = post_quote(body)
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    print_quote(answer)
+
+
+def request_body(
+    body_file: Path | None,
+    *,
+    run_id: str | None,
+    namespace: str | None,
+    labels: dict[str, str],
+    gpus: int | None,
+    nodes: int | None,
+    flavor: str | None,
+    region: str | None,
+    runtime_hours: float | None,
+    attempt: int | None = None,
+) -> dict[str, Any]:
+    """A submission's body (POST /v1/admissions) from a --file and the options over it; a usage
+    error naming what is missing or what the file is not."""
+    body: dict[str, Any] = {}
+    if body_file is not None:
+        try:
+            body = json.loads(body_file.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(f"cannot read {body_file}: {exc}", param_hint="--file") from None
+        except ValueError as exc:
+            raise click.BadParameter(f"{body_file} is not JSON: {exc}", param_hint="--file") from None
+        if not isinstance(body, dict):
+            raise click.BadParameter(f"{body_file} holds a JSON {type(body).__name__}, not a submission object", param_hint="--file")
+    resources = body.get("resources") or {}
+    if not isinstance(resources, dict):
+        raise click.BadParameter(f"{body_file}: resources is not an object", param_hint="--file")
+    resources = dict(resources)
     overrides = {"gpus": gpus, "nodes": nodes, "flavor": flavor, "region": region}
     resources.update({k: v for k, v in overrides.items() if v is not None})
     resources.setdefault("nodes", 1)
     body["resources"] = resources
-    for key, value in (("run_id", run_id), ("namespace", namespace), ("projected_runtime_hours", runtime_hours)):
+    for key, value in (("run_id", run_id), ("namespace", namespace), ("projected_runtime_hours", runtime_hours), ("attempt", attempt)):
         if value is not None:
             body[key] = value
     if labels:
-        body["labels"] = {**body.get("labels", {}), **labels}
+        body["labels"] = {**(body.get("labels") or {}), **labels}
     missing = [
         name
         for name, present in (("--namespace", "namespace" in body), ("--gpus", "gpus" in resources), ("--hours", "projected_runtime_hours" in body))
@@ -76,11 +113,7 @@ def quote(
     ]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or a --file that has them)")
-    answer = post_quote(body)
-    if as_json:
-        click.echo(json.dumps(answer, indent=2))
-        return
-    print_quote(answer)
+    return body
 
 
 def post_quote(body: dict[str, Any]) -> dict[str, Any]:

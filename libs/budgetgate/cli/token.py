@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from budgetgate.cli import backend
+from budgetgate.cli.tables import table
 from budgetgate.core.principals import Role
 
 _DURATION = re.compile(r"^(\d+)([mhdw])$")
@@ -126,10 +127,16 @@ def list_(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
+    if not rows:
+        click.echo("no API tokens; `budgetgate token create` makes one")
+        return
+    lines = []
     for r in rows:
         state = f"revoked {r['revoked_at']}" if r["revoked_at"] else (f"expires {r['expires_at']}" if r["expires_at"] else "live")
         limits = " ".join([*(f"ns={n}" for n in r["namespaces"]), *(f"tenant={t}" for t in r["tenants"])]) or "-"
-        click.echo(f"{r['name']:<28} {','.join(r['roles']):<22} {limits:<30} {r['created_by']:<22} {state}")
+        lines.append([r["name"], ",".join(r["roles"]), limits, r["created_by"], state])
+    for line in table(["name", "roles", "limited to", "created by", "state"], lines):
+        click.echo(line)
 
 
 @token.command()

@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from budgetgate.cli.tables import table
+
 
 @click.command()
 @click.option("--scope", "scope_id", default=None, help="A scope id, e.g. 'ns=vision-prod;cost-center=1042;team=vision', or a budget's policy id.")
@@ -60,21 +62,32 @@ async def _read(dsn: str, *, scope_id: str | None, who: str, value: str | None, 
 
 
 def _print(result: dict[str, Any]) -> None:
-    headers = ["budget", "scope", "unit", "window", "limit", "reserved", "consumed", "remaining", "used"]
-    rows = []
-    for b in result["budgets"]:
-        unit = b["currency"] if b["unit"] == "cost" else b["unit"].replace("_", "-")
-        window = f"{b['window_start'][:10]} to {b['window_end'][:10]}"
-        used = f"{100 * (b['utilization'] or 0):.1f}%"
-        rows.append([b["policy_id"], b["scope_id"], unit, window, f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}", f"{b['remaining']:g}", used])
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    click.echo("  ".join("-" * w for w in widths))
-    for row in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-    if "runs" in result:
+    who = "tenant" if "tenant" in result else "user" if "user" in result else None
+    if result["budgets"]:
+        rows = []
+        for b in result["budgets"]:
+            unit = b["currency"] if b["unit"] == "cost" else b["unit"].replace("_", "-")
+            window = f"{b['window_start'][:10]} to {b['window_end'][:10]}"
+            used = f"{100 * (b['utilization'] or 0):.1f}%"
+            rows.append(
+                [b["policy_id"], b["scope_id"], unit, window, f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}", f"{b['remaining']:g}", used]
+            )
+        for line in table(["budget", "scope", "unit", "window", "limit", "reserved", "consumed", "remaining", "used"], rows):
+            click.echo(line)
+    elif who is None:
+        click.echo(f"scope {result['scope_id']} has no budget in its current window")
+    elif result.get("policy_bundle_sha") is None:
+        click.echo("no budgets: no policy bundle is active (`budgetgate policy apply`)")
+    else:
+        # No policy's scope requires this label value: what limits the runs are the budgets of
+        # the namespaces and labels they are submitted under, which this reading cannot name.
+        other = "--tenant TEAM" if who == "user" else "--scope SCOPE"
+        click.echo(
+            f"no budget names {result['label']}={result[who]} in its scope; the budgets of the scopes its runs are submitted in apply "
+            f"(`budgetgate usage {other}`, `budgetgate budgets`)"
+        )
+    if who is not None:
         r = result["runs"]
-        who = "tenant" if "tenant" in result else "user"
         click.echo(
             f"\n{who} {result['label']}={result[who]}, last {result['days']} days: {r['runs']} run(s), {r['admitted']} admitted; "
             f"{r['reserved_gpu_hours']:g} GPU-hours reserved, {r['consumed_gpu_hours']:g} GPU-hours and {r['consumed_node_hours']:g} node-hours metered"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from budgetgate.contracts.admission import (
     AdmissionRequest,
@@ -26,6 +26,7 @@ from budgetgate.contracts.admission import (
     TenantUsage,
     UserUsage,
 )
+from budgetgate.client.errors import InvalidRequest
 from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut
 
 T = TypeVar("T")
@@ -49,6 +50,27 @@ def _model(cls: type[M]) -> Callable[[Any], M]:
     return cls.model_validate
 
 
+def invalid(exc: ValidationError) -> InvalidRequest:
+    """A pydantic ValidationError of a request model as the InvalidRequest the service would
+    answer: each offending field by its dotted path in the body."""
+    return InvalidRequest.unsent([
+        {"field": ".".join(str(p) for p in e["loc"]), "loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()
+    ])  # fmt: skip
+
+
+def validated(model: type[M], given: Any) -> M:
+    """`given` (a `model`, or a mapping of its fields) checked with `model`, the service's own
+    request model; InvalidRequest (nothing sent) naming each offending field when it fails."""
+    if isinstance(given, model):
+        return given
+    if not isinstance(given, Mapping):
+        raise InvalidRequest.unsent([{"field": "", "msg": f"a {model.__name__} or a mapping of its fields is required, not {type(given).__name__}"}])
+    try:
+        return model.model_validate(dict(given))
+    except ValidationError as exc:
+        raise invalid(exc) from None
+
+
 def _body(model: BaseModel) -> dict[str, Any]:
     # Fields left at their defaults are not sent: the server fills them the same way, and a
     # request looks like what the user wrote (the same run id and attempt on every retry).
@@ -62,7 +84,7 @@ def readiness() -> Call[dict[str, str]]:
 
 def submit(request: AdmissionRequest | Mapping[str, Any]) -> Call[AdmissionResponse]:
     """POST /v1/admissions (validated here first, with the server's own model)."""
-    body = request if isinstance(request, AdmissionRequest) else AdmissionRequest.model_validate(dict(request))
+    body = validated(AdmissionRequest, request)
     return Call("POST", "/v1/admissions", _model(AdmissionResponse), json=_body(body))
 
 
@@ -94,7 +116,7 @@ def tenant(name: str) -> Call[TenantSettingsOut]:
 def update_tenant(name: str, changes: TenantSettingsIn | Mapping[str, Any], *, create: bool = False) -> Call[TenantSettingsOut]:
     """PUT /v1/tenants/{tenant}: override the settings named (None: back to Git's value); a tenant
     neither Git nor an override names is a NotFound unless `create`."""
-    body = changes if isinstance(changes, TenantSettingsIn) else TenantSettingsIn.model_validate(dict(changes))
+    body = validated(TenantSettingsIn, changes)
     params = {"create": "true"} if create else {}
     return Call("PUT", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut), json=_body(body), params=params)
 
@@ -106,7 +128,7 @@ def user_usage(user: str, *, days: int = 90) -> Call[UserUsage]:
 
 def allocate(namespace: str, request: AllocationIn | Mapping[str, Any]) -> Call[AllocationOut]:
     """POST /v1/pools/{namespace}/allocations (idempotent per token: renews the lease)."""
-    body = request if isinstance(request, AllocationIn) else AllocationIn.model_validate(dict(request))
+    body = validated(AllocationIn, request)
     return Call("POST", f"/v1/pools/{quote(namespace, safe=':')}/allocations", _model(AllocationOut), json=_body(body))
 
 

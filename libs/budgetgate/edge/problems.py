@@ -16,6 +16,7 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -97,14 +98,41 @@ def install_problems(app: FastAPI) -> None:
     """Problem details for every error answer of `app`; a route's own handlers stay in charge of
     what an error says, the middleware of how it is written."""
     app.add_middleware(ProblemDetails)
-    app.exception_handlers.setdefault(RequestValidationError, _invalid_request)
+    # FastAPI installs a default of its own: only that one is replaced, never an app's own.
+    if app.exception_handlers.get(RequestValidationError) in (None, request_validation_exception_handler):
+        app.exception_handlers[RequestValidationError] = _invalid_request
     app.add_exception_handler(Exception, _unexpected)
 
 
+def validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
+    """FastAPI's validation errors as `loc`, `msg` and `type`, without the bad input itself
+    (FastAPI's default echoes each one back, which fails on NaN and repeats oversized values).
+    A body that is not JSON is said where and why (FastAPI names only the byte offset, which
+    would read as a field: "invalid 18: JSON decode error")."""
+    return [_malformed(e, exc.body) if e.get("type") == "json_invalid" else {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+
+
+def _malformed(error: Mapping[str, Any], body: Any) -> dict[str, Any]:
+    loc = list(error.get("loc") or [])
+    position = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    why = str((error.get("ctx") or {}).get("error") or "JSON decode error")
+    return {"loc": loc[:1] or ["body"], "msg": f"not valid JSON: {why}{where_in(body, position)}", "type": "json_invalid"}
+
+
+def where_in(text: Any, position: int | None) -> str:
+    """` at line L, column C (character N)` of `position` in `text` (1-based line and column),
+    ` at character N` when the text is not at hand, or nothing when the position is not known."""
+    if position is None:
+        return ""
+    if not isinstance(text, str) or not 0 <= position <= len(text):
+        return f" at character {position}"
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    return f" at line {line}, column {column} (character {position})"
+
+
 async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    # FastAPI's default echoes each bad input back, which fails on NaN and repeats oversized
-    # values; the location and message name the problem well enough.
-    return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]}, status_code=422)
+    return JSONResponse({"detail": validation_errors(exc)}, status_code=422)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
