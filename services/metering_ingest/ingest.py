@@ -17,6 +17,12 @@ A sample posted by a sender limited to namespaces or tenants (an exporter token'
 run had no decision when the request was checked (access.py) is kept pending with the sender's
 limits, whatever the run has by the time it is placed; once the run has a decision, it is applied
 only if the run is within those limits, else dead-lettered as out_of_scope (never charged).
+
+A sample above what its run can have used (its GPUs (nodes) x the time since its earliest
+decision, plus the tolerance: budgetgate.core.metering.UsageBound) is rejected as
+impossible_usage. The run's capacity is kept on its usage_runs row when it is introduced; before
+a sample is refused by it, the capacity is read again from the run's decisions (a later attempt
+may have asked for more), so the row only ever sends a sample to a closer look.
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ def bounded_stream(draw: st.DrawFn) -> tuple[list[Sample], dict[str, UsageBound]
     return draw(st.permutations(samples)), bounds
 
 
-@settings(max_examples=500)
+@settings(max_examples=300)
 @given(stream=bounded_stream())
 def test_no_sample_above_its_runs_bound_is_ever_accepted(stream: tuple[list[Sample], dict[str, UsageBound]]) -> None:
     samples, bounds = stream
@@ -317,7 +317,7 @@ def test_no_sample_above_its_runs_bound_is_ever_accepted(stream: tuple[list[Samp
         assert all(bound.allows(Sample(run_id, k.sample_id, k.observed_at, k.counters)) for k in store.recorded(run_id))
 
 
-@settings(max_examples=500)
+@settings(max_examples=300)
 @given(stream=bounded_stream())
 def test_samples_within_the_bound_are_judged_as_without_one(stream: tuple[list[Sample], dict[str, UsageBound]]) -> None:
     """A sample above the bound changes nothing: the stream gives what it gives without them and
@@ -332,7 +332,7 @@ def test_samples_within_the_bound_are_judged_as_without_one(stream: tuple[list[S
         assert store.cumulative(run_id) == free_store.cumulative(run_id)
 
 
-@settings(max_examples=300)
+@settings(max_examples=200)
 @given(stream=bounded_stream(), data=st.data())
 def test_a_bounded_batch_judged_together_gives_what_one_by_one_gives(stream: tuple[list[Sample], dict[str, UsageBound]], data: st.DataObject) -> None:
     samples, bounds = stream

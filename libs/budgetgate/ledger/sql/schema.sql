@@ -406,6 +406,11 @@ ALTER FUNCTION metering_begin_batch(text[], text[], timestamptz[]) SET plan_cach
 -- earlier in the batch: as assess_batch. Accepted samples are recorded in usage_records and their
 -- runs' high-water marks raised, in this statement.
 --
+-- 0029: a run with a sample above its usage bound (its capacity kept on its usage_runs row, with
+-- the tolerance: $9 parts per million, $10 the clock slack in microseconds) is left to the core
+-- too, which rejects the sample as impossible_usage or, its decisions asking for more by now,
+-- raises the capacity; the runs started here get their capacity from metering_capacity.
+--
 -- Returns one row per sample (idx, 1-based): outcome 'accepted' (with cumulative, delta, late),
 -- 'duplicate' (with of_sample) or 'python'.
 -- VOLATILE, so the statements after the locks see everything committed before they were granted.
@@ -451,7 +456,9 @@ BEGIN
                COALESCE(s.gpu::numeric * 1000000000 > run.max_gpus * span.us * (1000000 + p_tolerance_ppm)
                         OR s.node::numeric * 1000000000 > run.max_nodes * span.us * (1000000 + p_tolerance_ppm), false) AS over
         FROM s JOIN run USING (rid)
-        CROSS JOIN LATERAL (SELECT GREATEST((extract(epoch FROM s.at) - extract(epoch FROM run.since)) * 1000000 + p_slack_us, 0) AS us) AS span
+        -- No earliest decision (a run whose decisions are gone): no bound, as in the core.
+        CROSS JOIN LATERAL (SELECT CASE WHEN run.since IS NOT NULL
+                                        THEN GREATEST((extract(epoch FROM s.at) - extract(epoch FROM run.since)) * 1000000 + p_slack_us, 0) END AS us) AS span
         -- The same sample id, found by the event id of its usage record (derived from run and
         -- sample id): with run_id in the condition the planner may take the (run_id, observed_at)
         -- index and read the run's whole history.

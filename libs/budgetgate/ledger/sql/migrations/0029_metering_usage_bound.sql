@@ -161,7 +161,9 @@ BEGIN
                COALESCE(s.gpu::numeric * 1000000000 > run.max_gpus * span.us * (1000000 + p_tolerance_ppm)
                         OR s.node::numeric * 1000000000 > run.max_nodes * span.us * (1000000 + p_tolerance_ppm), false) AS over
         FROM s JOIN run USING (rid)
-        CROSS JOIN LATERAL (SELECT GREATEST((extract(epoch FROM s.at) - extract(epoch FROM run.since)) * 1000000 + p_slack_us, 0) AS us) AS span
+        -- No earliest decision (a run whose decisions are gone): no bound, as in the core.
+        CROSS JOIN LATERAL (SELECT CASE WHEN run.since IS NOT NULL
+                                        THEN GREATEST((extract(epoch FROM s.at) - extract(epoch FROM run.since)) * 1000000 + p_slack_us, 0) END AS us) AS span
         -- The same sample id, found by the event id of its usage record (derived from run and
         -- sample id): with run_id in the condition the planner may take the (run_id, observed_at)
         -- index and read the run's whole history.
