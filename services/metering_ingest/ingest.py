@@ -17,6 +17,12 @@ A sample posted by a sender limited to namespaces or tenants (an exporter token'
 run had no decision when the request was checked (access.py) is kept pending with the sender's
 limits, whatever the run has by the time it is placed; once the run has a decision, it is applied
 only if the run is within those limits, else dead-lettered as out_of_scope (never charged).
+
+A sample above what its run can have used (its GPUs (nodes) x the time since its earliest
+decision, plus the tolerance: budgetgate.core.metering.UsageBound) is rejected as
+impossible_usage. The run's capacity is kept on its usage_runs row when it is introduced; before
+a sample is refused by it, the capacity is read again from the run's decisions (a later attempt
+may have asked for more), so the row only ever sends a sample to a closer look.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, Protocol
 
@@ -35,6 +41,7 @@ from budgetgate.messaging import outbox
 
 from budgetgate.contracts import topics, wire
 from budgetgate.core.metering import (
+    DEFAULT_USAGE_TOLERANCE,
     Accepted,
     Counters,
     Duplicate,
@@ -43,6 +50,8 @@ from budgetgate.core.metering import (
     Rejection,
     RunView,
     Sample,
+    Tolerance,
+    UsageBound,
     assess,
     assess_batch,
     pending_conflict,
@@ -139,10 +148,16 @@ class Ingestor:
         grace: timedelta,
         counts: Counts,
         tenant_label: str = "team",
+        usage_tolerance: float = DEFAULT_USAGE_TOLERANCE,
+        usage_slack: timedelta | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.max_skew = max_skew
         self.grace = grace
+        # A sample above its run's GPUs (nodes) x the time since its earliest decision, plus the
+        # clock slack (by default as far as a sample may be from the future) and this ratio, is
+        # impossible (budgetgate.core.metering.UsageBound).
+        self.tolerance = Tolerance.of(usage_tolerance, slack=max_skew if usage_slack is None else usage_slack)
         self.counts = counts
         self.tenant_label = tenant_label  # the decisions' label naming a run's tenant
         self.clock = clock
@@ -160,12 +175,12 @@ class Ingestor:
         """Record a valid sample, find it a duplicate, or keep it pending; raises Rejected."""
         now = self.clock()
         if origin.sender is None:
-            begun = await store.begin(conn, sample)  # the run's lock is held from here on
+            begun = await store.begin(conn, sample, self.tolerance)  # the run's lock is held from here on
             if begun.view is not None:
                 return await self._apply(conn, sample, begun.view, origin.source, now)
             if begun.has_decision:
                 state = await self._introduce(conn, sample.run_id)
-                return await self._apply(conn, sample, await store.view(conn, sample, state), origin.source, now)
+                return await self._apply(conn, sample, await store.view(conn, sample, state, self.tolerance), origin.source, now)
         else:
             # Its run had no decision when the sender's limits were checked: kept pending even if
             # it has one by now, and judged against the limits when applied (_drain).
@@ -189,7 +204,9 @@ class Ingestor:
         now = self.clock()
         samples = [sample for sample, _ in batch]
         event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
-        placing = asyncio.ensure_future(store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids))
+        placing = asyncio.ensure_future(
+            store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids, tolerance=self.tolerance)
+        )
         try:
             await asyncio.sleep(0)  # the batch goes out; its usage records are drafted meanwhile
             recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
@@ -221,7 +238,8 @@ class Ingestor:
 
     async def _judge(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]], now: datetime) -> list[Outcome | Rejected]:
         """The core's judgement of samples the set-based rules leave to it (runs without a
-        decision, with pending samples, or with a conflict or regression in the batch)."""
+        decision, with pending samples, with a sample above the run's bound, or with a conflict or
+        regression in the batch)."""
         samples = [sample for sample, _ in batch]
         begun = await store.begin_batch(conn, samples)  # every run's lock is held from here on
         introduced = sorted({s.run_id for s in samples if s.run_id not in begun.runs and s.run_id in begun.decided})
@@ -236,7 +254,8 @@ class Ingestor:
                 known.append(index)
             else:
                 outcomes[index] = await self._keep_pending(conn, sample, origin, now)
-        judged = assess_batch((samples[i], begun.view(i, begun.runs[samples[i].run_id])) for i in known)
+        runs = await self._bounded(conn, begun.runs, [samples[i] for i in known])
+        judged = assess_batch((samples[i], begun.view(i, runs[samples[i].run_id], self.tolerance)) for i in known)
         recorded, announce, keys = [], [], []
         recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
         for index, outcome in zip(known, judged, strict=True):
@@ -281,7 +300,20 @@ class Ingestor:
         assert state is not None
         return state
 
+    async def _bounded(self, conn: asyncpg.Connection, runs: dict[str, RunState], samples: Sequence[Sample]) -> dict[str, RunState]:
+        """`runs` with the capacity of those with a sample above their bound as their decisions
+        say now (a later attempt may have asked for more than the run was introduced with)."""
+        above = sorted({s.run_id for s in samples if (bound := runs[s.run_id].bound(self.tolerance)) is not None and not bound.allows(s)})
+        if not above:
+            return runs
+        fresh = await store.refresh_capacity(conn, above)
+        return {**runs, **{run_id: replace(runs[run_id], capacity=fresh.get(run_id)) for run_id in above}}
+
     async def _apply(self, conn: asyncpg.Connection, sample: Sample, view: RunView, source: Source, now: datetime) -> Accepted | Duplicate:
+        if view.bound is not None and not view.bound.allows(sample):
+            # Judged by the capacity the run's decisions give now, not the one kept on its row.
+            capacity = (await store.refresh_capacity(conn, [sample.run_id])).get(sample.run_id)
+            view = replace(view, bound=None if capacity is None else UsageBound(capacity, self.tolerance))
         outcome = assess(sample, view)
         if isinstance(outcome, Accepted):
             announce = outbox.row(topic=topics.USAGE, record=wire.encode(usage_record(outcome, recorded_at=now), key=sample.run_id))
@@ -303,7 +335,7 @@ class Ingestor:
             assert state is not None
             try:
                 sample = self.validate(wire.decode(MeteringSample, pending.payload, pending.headers))
-                outcome = await self._apply(conn, sample, await store.view(conn, sample, state), pending.source, self.clock())
+                outcome = await self._apply(conn, sample, await store.view(conn, sample, state, self.tolerance), pending.source, self.clock())
             except (Rejected, wire.WireError) as exc:
                 await self._dead_letter(conn, pending, str(exc))
                 continue

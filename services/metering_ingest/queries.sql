@@ -7,11 +7,22 @@
 SELECT pg_advisory_xact_lock(7310, hashtext($1));
 
 -- name: usage_run
-SELECT gpu_milli_hours_cumulative, node_milli_hours_cumulative, latest_observed_at
+SELECT gpu_milli_hours_cumulative, node_milli_hours_cumulative, latest_observed_at, max_gpus, max_nodes, first_decided_at
 FROM usage_runs WHERE run_id = $1;
 
 -- name: insert_usage_run
-INSERT INTO usage_runs (run_id) VALUES ($1) ON CONFLICT (run_id) DO NOTHING;
+-- A run with a decision starts its usage, with its capacity as its decisions say (0029).
+INSERT INTO usage_runs (run_id, max_gpus, max_nodes, first_decided_at)
+SELECT c.run_id, c.max_gpus, c.max_nodes, c.first_decided_at FROM metering_capacity(ARRAY[$1::text]) AS c
+ON CONFLICT (run_id) DO NOTHING;
+
+-- name: refresh_capacity
+-- The capacity of runs $1 as their decisions say now (a later attempt may ask for more GPUs
+-- than the one the run was introduced with), kept on their usage_runs rows.
+UPDATE usage_runs r SET max_gpus = c.max_gpus, max_nodes = c.max_nodes, first_decided_at = c.first_decided_at
+FROM metering_capacity($1::text[]) AS c
+WHERE r.run_id = c.run_id
+RETURNING r.run_id, r.max_gpus, r.max_nodes, r.first_decided_at;
 
 -- name: usage_neighbours
 -- The recorded samples a new one is judged against: the same sample id, the same observed_at,
@@ -29,8 +40,9 @@ UNION ALL
  FROM usage_records WHERE run_id = $1 AND observed_at > $3 ORDER BY observed_at LIMIT 1);
 
 -- name: begin_sample
--- The run's lock, its state and the recorded neighbours of a sample (see metering_begin_sample).
-SELECT role, sample_id, observed_at, gpu_milli_hours, node_milli_hours FROM metering_begin_sample($1, $2, $3);
+-- The run's lock, its state (with its capacity) and the recorded neighbours of a sample (see metering_begin_sample).
+SELECT role, sample_id, observed_at, gpu_milli_hours, node_milli_hours, max_gpus, max_nodes, first_decided_at
+FROM metering_begin_sample($1, $2, $3);
 
 -- name: record_usage
 -- An accepted sample, its run's new high-water mark and the outbox row of its usage record
@@ -51,14 +63,16 @@ INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
 -- name: metering_begin_batch
 -- The runs' locks, their state and the recorded neighbours of every sample of a batch
 -- (see metering_begin_batch).
-SELECT idx, role, run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours
+SELECT idx, role, run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, max_gpus, max_nodes, first_decided_at
 FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[]);
 
 -- name: metering_place_batch
 -- A batch's samples judged and recorded set-based where the core's rules allow it, the others
--- left to the core (see metering_place_batch): one row per sample, by its 1-based idx.
+-- left to the core (see metering_place_batch): one row per sample, by its 1-based idx. $9 and
+-- $10: the usage tolerance, in parts per million and the clock slack in microseconds.
 SELECT idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late
-FROM metering_place_batch($1::text[], $2::text[], $3::timestamptz[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[]);
+FROM metering_place_batch($1::text[], $2::text[], $3::timestamptz[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[],
+                          $9::bigint, $10::bigint);
 
 -- name: raise_usage_runs
 -- The new high-water marks of the runs a batch recorded samples of: per run its cumulative

@@ -42,7 +42,14 @@ class MeteringService(Service):
         self.metrics = metrics
         self.progress = progress
         topics = Topics(settings.topic_prefix)
-        self.ingestor = Ingestor(max_skew=settings.max_future_skew, grace=settings.unknown_run_grace, counts=metrics, tenant_label=settings.tenant_label)
+        self.ingestor = Ingestor(
+            max_skew=settings.max_future_skew,
+            grace=settings.unknown_run_grace,
+            counts=metrics,
+            tenant_label=settings.tenant_label,
+            usage_tolerance=settings.metering_usage_tolerance,
+            usage_slack=settings.metering_usage_slack,
+        )
         # Two producers: the relay's waits for Kafka on its own schedule, the consumer's
         # (dead letters) is started with the consumer.
         self.relay = OutboxRelay(

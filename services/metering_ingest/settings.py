@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from pydantic import Field
 
+from budgetgate.core.metering import DEFAULT_USAGE_TOLERANCE
 from budgetgate.edge.auth import AuthSettings
 
 
@@ -31,6 +32,16 @@ class MeteringSettings(AuthSettings):
     # How far past this service's clock a sample's observed_at may be: further is a clock or
     # unit bug at the exporter, and the sample is dead-lettered as future_timestamp.
     max_future_skew_seconds: float = Field(default=300.0, ge=0)
+    # How far above what its run can physically have used a sample may go, as a ratio (0.05: 5 %).
+    # A run used at most its GPUs (nodes) x the time since its earliest decision, the GPUs (nodes)
+    # being the most any decision of the run asked for; a sample above GPUs x (observed_at -
+    # earliest decided_at + the usage slack) x (1 + this), or the same for nodes, is dead-lettered
+    # as impossible_usage and never charged.
+    metering_usage_tolerance: float = Field(default=DEFAULT_USAGE_TOLERANCE, ge=0, le=1000, allow_inf_nan=False)
+    # The usage slack: seconds added to the time since a run's earliest decision, for the clocks of
+    # exporter (observed_at) and admission (decided_at), which may disagree. Unset: the same as
+    # BUDGETGATE_MAX_FUTURE_SKEW_SECONDS, the disagreement the service allows a sample already.
+    metering_usage_slack_seconds: float | None = Field(default=None, ge=0, le=10 * 365 * 86400, allow_inf_nan=False)
     # A sample whose run has no decision is kept pending until observed_at + this, re-checked
     # every pending_recheck_seconds, then dead-lettered as unknown_run.
     unknown_run_grace_seconds: float = Field(default=600.0, ge=0)
@@ -52,6 +63,11 @@ class MeteringSettings(AuthSettings):
     @property
     def max_future_skew(self) -> timedelta:
         return timedelta(seconds=self.max_future_skew_seconds)
+
+    @property
+    def metering_usage_slack(self) -> timedelta:
+        seconds = self.max_future_skew_seconds if self.metering_usage_slack_seconds is None else self.metering_usage_slack_seconds
+        return timedelta(seconds=seconds)
 
     @property
     def unknown_run_grace(self) -> timedelta:

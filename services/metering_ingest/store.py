@@ -13,27 +13,34 @@ import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 import asyncpg
 
 from budgetgate.messaging import outbox
-from budgetgate.core.metering import Accepted, Counters, Known, RunView, Sample, usage_event_id
+from budgetgate.core.metering import Accepted, Capacity, Counters, Known, RunView, Sample, Tolerance, UsageBound, usage_event_id
 from budgetgate.ledger.queries import owned_by
 from budgetgate.core.principals import Principal
 
 sql = owned_by("budgetgate.services.metering_ingest")
 
 Source = Literal["kafka", "http"]
+_MICROSECOND = timedelta(microseconds=1)
 
 
 @dataclass(frozen=True)
 class RunState:
-    """A known run's high-water mark and the observed_at of its latest sample."""
+    """A known run's high-water mark, the observed_at of its latest sample, and its capacity as
+    kept on its row (None: unknown, no bound)."""
 
     cumulative: Counters
     latest: datetime | None
+    capacity: Capacity | None = None
+
+    def bound(self, tolerance: Tolerance) -> UsageBound | None:
+        """The most the run can have used by a time, with `tolerance` (None: no bound known)."""
+        return None if self.capacity is None else UsageBound(self.capacity, tolerance)
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,19 @@ async def run_state(conn: asyncpg.Connection, run_id: str) -> RunState | None:
     row = await conn.fetchrow(sql("usage_run"), run_id)
     if row is None:
         return None
-    return RunState(Counters(row["gpu_milli_hours_cumulative"], row["node_milli_hours_cumulative"]), row["latest_observed_at"])
+    return RunState(Counters(row["gpu_milli_hours_cumulative"], row["node_milli_hours_cumulative"]), row["latest_observed_at"], _capacity(row))
+
+
+def _capacity(row: asyncpg.Record) -> Capacity | None:
+    since = row["first_decided_at"]
+    return None if since is None else Capacity(row["max_gpus"], row["max_nodes"], since)
+
+
+async def refresh_capacity(conn: asyncpg.Connection, run_ids: Sequence[str]) -> dict[str, Capacity | None]:
+    """The capacity of each of `run_ids` (known runs, their locks held) as their decisions say
+    now, kept on their rows: a later decision may ask for more than the run was introduced with."""
+    rows = await conn.fetch(sql("refresh_capacity"), sorted(set(run_ids)))
+    return {row["run_id"]: _capacity(row) for row in rows}
 
 
 async def has_decision(conn: asyncpg.Connection, run_id: str) -> bool:
@@ -97,23 +116,28 @@ async def create_run(conn: asyncpg.Connection, run_id: str) -> None:
     await conn.execute(sql("insert_usage_run"), run_id)
 
 
-async def begin(conn: asyncpg.Connection, sample: Sample) -> Begun:
-    """Take the run's lock and read what judging `sample` needs, in one round trip."""
+async def begin(conn: asyncpg.Connection, sample: Sample, tolerance: Tolerance) -> Begun:
+    """Take the run's lock and read what judging `sample` needs, in one round trip (the view's
+    bound with `tolerance`)."""
     rows = await conn.fetch(sql("begin_sample"), sample.run_id, sample.sample_id, sample.observed_at)
     found = {row["role"]: row for row in rows}
     run = found.get("run")
     if run is None:
         return Begun(view=None, has_decision="decision" in found)
-    state = RunState(Counters(run["gpu_milli_hours"], run["node_milli_hours"]), run["observed_at"])
-    return Begun(view=_view(state, rows), has_decision=True)
+    return Begun(view=_view(_run_row(run), rows, tolerance), has_decision=True)
 
 
-async def view(conn: asyncpg.Connection, sample: Sample, state: RunState) -> RunView:
+def _run_row(row: asyncpg.Record) -> RunState:
+    """The state of a run from the 'run' row of metering_begin_sample or metering_begin_batch."""
+    return RunState(Counters(row["gpu_milli_hours"], row["node_milli_hours"]), row["observed_at"], _capacity(row))
+
+
+async def view(conn: asyncpg.Connection, sample: Sample, state: RunState, tolerance: Tolerance) -> RunView:
     """What the core needs to assess `sample` against a run whose lock is held."""
-    return _view(state, await conn.fetch(sql("usage_neighbours"), sample.run_id, sample.sample_id, sample.observed_at))
+    return _view(state, await conn.fetch(sql("usage_neighbours"), sample.run_id, sample.sample_id, sample.observed_at), tolerance)
 
 
-def _view(state: RunState, rows: list[asyncpg.Record]) -> RunView:
+def _view(state: RunState, rows: list[asyncpg.Record], tolerance: Tolerance) -> RunView:
     found = {
         row["role"]: Known(row["sample_id"], row["observed_at"], Counters(row["gpu_milli_hours"], row["node_milli_hours"]))
         for row in rows
@@ -126,6 +150,7 @@ def _view(state: RunState, rows: list[asyncpg.Record]) -> RunView:
         same_time=found.get("same_time"),
         before=found.get("before"),
         after=found.get("after"),
+        bound=state.bound(tolerance),
     )
 
 
@@ -161,8 +186,8 @@ class BatchBegun:
     decided: frozenset[str]
     neighbours: dict[int, list[asyncpg.Record]]
 
-    def view(self, index: int, state: RunState) -> RunView:
-        return _view(state, self.neighbours.get(index, []))
+    def view(self, index: int, state: RunState, tolerance: Tolerance) -> RunView:
+        return _view(state, self.neighbours.get(index, []), tolerance)
 
 
 async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> BatchBegun:
@@ -171,7 +196,7 @@ async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> Ba
     runs, decided, neighbours = {}, set(), defaultdict(list)
     for row in rows:
         if row["role"] == "run":
-            runs[row["run_id"]] = RunState(Counters(row["gpu_milli_hours"], row["node_milli_hours"]), row["observed_at"])
+            runs[row["run_id"]] = _run_row(row)
         elif row["role"] == "decision":
             decided.add(row["run_id"])
         else:
@@ -179,17 +204,20 @@ async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> Ba
     return BatchBegun(runs, frozenset(decided), dict(neighbours))
 
 
-async def place_batch(conn: asyncpg.Connection, samples: Sequence[Sample], *, sources: Sequence[Source], event_ids: Sequence[str]) -> list[asyncpg.Record]:
+async def place_batch(
+    conn: asyncpg.Connection, samples: Sequence[Sample], *, sources: Sequence[Source], event_ids: Sequence[str], tolerance: Tolerance
+) -> list[asyncpg.Record]:
     """Judge and record, in one round trip, the samples of a batch the set-based rules cover
     (see metering_place_batch); the others come back as 'python'. One row per sample, read as
     (idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late):
     `idx` is 1-based in the batch; `outcome` is 'accepted' (recorded: the run's counters after
-    it and the delta), 'duplicate' (of the recorded `of_sample`) or 'python' (left to the core)."""
+    it and the delta), 'duplicate' (of the recorded `of_sample`) or 'python' (left to the core:
+    among others every run with a sample above its bound with `tolerance`, as its row keeps it)."""
     return await conn.fetch(
         sql("metering_place_batch"),
         [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples],
         [s.counters.gpu for s in samples], [s.counters.node for s in samples], [s.exporter for s in samples],
-        sources, event_ids,
+        sources, event_ids, tolerance.ppm, tolerance.slack // _MICROSECOND,
     )  # fmt: skip
 
 

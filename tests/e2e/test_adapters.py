@@ -28,6 +28,9 @@ SCOPE = "ns=vision-prod;cost-center=1042;team=vision"
 async def test_webhook_lifecycle_over_http_and_dcgm_metering_settle_a_run(tmp_path: Path, monkeypatch) -> None:
     workdir = tmp_path / "checkout"
     shutil.copytree(EXAMPLES, workdir / "policies")
+    # The meter below ran for the hour before the run's decision, made now: metering takes usage
+    # only as far as the run's GPUs can have used it since its decision, give or take this slack.
+    monkeypatch.setenv("BUDGETGATE_METERING_USAGE_SLACK_SECONDS", str(2 * 3600))
     up = budgetgate("dev", "up", "--detach", cwd=workdir)
     assert up.returncode == 0, up.stdout + up.stderr
     exporters = Exporters(train_scrapes=0)

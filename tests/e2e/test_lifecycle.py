@@ -18,9 +18,12 @@ from tests.support.waiting import wait_for
 SCOPE = "ns=vision-prod;cost-center=1042;team=vision"
 
 
-async def test_started_metered_completed_run_becomes_actuals(tmp_path: Path) -> None:
+async def test_started_metered_completed_run_becomes_actuals(tmp_path: Path, monkeypatch) -> None:
     workdir = tmp_path / "checkout"
     shutil.copytree(EXAMPLES, workdir / "policies")
+    # The run's history below is two hours old, its decision made now: metering takes usage only
+    # as far as the run's GPUs can have used it since its decision, give or take this slack.
+    monkeypatch.setenv("BUDGETGATE_METERING_USAGE_SLACK_SECONDS", str(3 * 3600))
     up = budgetgate("dev", "up", "--detach", cwd=workdir)
     assert up.returncode == 0, up.stdout + up.stderr
     try:

@@ -42,13 +42,15 @@ async def test_begin_batch_finds_runs_by_index_after_decisions_grew_without_anal
 
 
 async def test_place_batch_finds_samples_by_index_after_usage_grew_without_analyze(pg_dsn: str) -> None:
-    await decide(pg_dsn, "long-run")
+    # With a capacity, so that every sample is compared with its run's bound (5 %, 300 s slack).
+    await decide(pg_dsn, "long-run", gpus=8, nodes=1, decided_at=T0 - timedelta(minutes=1))
     conn = await asyncpg.connect(pg_dsn)
 
     async def place(minute: int, sample_id: str) -> list[asyncpg.Record]:
         return await conn.fetch(
-            "SELECT * FROM metering_place_batch($1, $2, $3, $4, $5, $6, $7, $8)",
+            "SELECT * FROM metering_place_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
             ["long-run"], [sample_id], [T0 + timedelta(minutes=minute)], [1000 * minute], [10 * minute], [""], ["kafka"], [f"e-{sample_id}"],
+            50_000, 300_000_000,
         )  # fmt: skip
 
     try:

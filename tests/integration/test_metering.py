@@ -131,6 +131,7 @@ async def _processed(server, expected: int) -> bool:  # type: ignore[no-untyped-
 async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_going(metering, settings, pg_dsn) -> None:
     topics = Topics(settings.topic_prefix)
     await decide(pg_dsn, "run-ok")
+    await decide(pg_dsn, "run-one-gpu", gpus=1, nodes=1)  # decided now: at most 1 GPU x (300 s slack) x 1.05 so far
     future = datetime.now(UTC) + timedelta(hours=1)
     long_ago = datetime.now(UTC) - timedelta(days=2)
     bad = {
@@ -143,6 +144,7 @@ async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_goi
         "counter_regression": sample("run-ok", "down", 10.0, minute=30),
         "conflict": sample("run-ok", "first", 999.0, minute=20),
         "unknown_run": sample("never-decided", "old", 5.0, at=long_ago),
+        "impossible_usage": sample("run-one-gpu", "fast", 3600.0, at=datetime.now(UTC)),
     }
     async with Publisher(settings.kafka_bootstrap) as publisher:
         await publisher.send(topics.metering, sample("run-ok", "first", 100.0, minute=20), key="run-ok")
@@ -169,6 +171,7 @@ async def test_every_rejection_reason_goes_to_the_dlq_and_the_consumer_keeps_goi
     # Samples that do not even parse carry the consumer's reason, which names no code of ours.
     assert sorted(str(reason_code(r)) for r in reasons) == expected_reasons, reasons
     assert any("gpu_seconds" in r and "-5.0" in r for r in reasons)
+    assert any(r.startswith("impossible_usage: run 'run-one-gpu' reported 3600 GPU-seconds") for r in reasons), reasons
     assert all(wire.header(r.headers, wire.DLQ_SOURCE_TOPIC) == topics.metering.encode() for r in dead)
     # The consumer went on: the sample after all of them is recorded, none of the bad ones is.
     await wait_for(lambda: _rows(pg_dsn, 2), what="the good samples recorded")

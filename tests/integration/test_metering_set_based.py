@@ -16,11 +16,12 @@ import asyncpg
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from budgetgate.core.metering import Accepted, Counters, Duplicate, MemoryUsage, Rejected, Sample
+from budgetgate.core.metering import Accepted, Capacity, Counters, Duplicate, MemoryUsage, Rejected, Sample, Tolerance, UsageBound
 from budgetgate.services.metering_ingest import store
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin, Pending
 from tests.support.metering import T0, decide
 
+TOLERANCE = Tolerance.of(0.05, slack=timedelta(minutes=5))
 GRACE = timedelta(days=30)  # nothing expires while a test runs: a sample of an unknown run waits
 ORIGIN = Origin(source="kafka", topic="t", payload=b"", headers=())
 
@@ -139,7 +140,7 @@ async def test_a_clean_stream_is_judged_in_postgres_alone(pg_dsn: str) -> None:
     try:
         for batch in (stream[:4], stream[4:]):
             async with conn.transaction():
-                placed = await store.place_batch(conn, batch, sources=["kafka"] * len(batch), event_ids=[str(uuid.uuid4()) for _ in batch])
+                placed = await store.place_batch(conn, batch, sources=["kafka"] * len(batch), event_ids=[str(uuid.uuid4()) for _ in batch], tolerance=TOLERANCE)
             assert "python" not in {p["outcome"] for p in placed}
         outcomes = {p["idx"] - 1: p["outcome"] for p in placed}
         assert outcomes == {0: "duplicate", 1: "accepted", 2: "accepted"}
@@ -150,5 +151,93 @@ async def test_a_clean_stream_is_judged_in_postgres_alone(pg_dsn: str) -> None:
             True,  # minute 4 came after minute 5
             False,
         ]
+    finally:
+        await conn.close()
+
+
+# The usage bound on both paths: whatever the samples, none above what its run can have used
+# since its earliest decision (with the tolerance) is recorded, and the others are judged as the
+# core judges them sample after sample, whether Postgres or the core judged them.
+
+
+@st.composite
+def bounded_batches(draw: st.DrawFn) -> tuple[dict[str, tuple[int, int, int]], list[list[tuple[str, str, int, int, int]]], Tolerance, int | None]:
+    """Runs "a" and "b" with a capacity (GPUs, nodes, decided at minute), batches of samples (run,
+    sample id, second, gpu, node) with counters from nothing to far above their bound, many
+    right at it; a tolerance; and, maybe, after which batch run "a" is decided again for more GPUs."""
+    capacity = {run: (draw(st.integers(0, 8)), draw(st.integers(1, 3)), draw(st.integers(-10, 20))) for run in ("a", "b")}
+    tolerance = Tolerance(draw(st.sampled_from([0, 50_000, 123_457])), draw(st.sampled_from([timedelta(0), timedelta(minutes=5), timedelta(seconds=7)])))
+
+    @st.composite
+    def one(draw: st.DrawFn) -> tuple[str, str, int, int, int]:
+        run = draw(st.sampled_from(["a", "b"]))
+        second = draw(st.integers(0, 40 * 60))
+        gpus, nodes, minute = capacity[run]
+        counters = []
+        for units in (gpus, nodes):
+            span = max((second - minute * 60) * 10**6 + tolerance.slack // timedelta(microseconds=1), 0)
+            # The bound before a later decision for more GPUs (`allowed`), and around it.
+            most = units * span * (10**6 + tolerance.ppm) // 10**9
+            counters.append(draw(st.one_of(st.integers(max(most - 2, 0), most + 2), st.integers(0, 4 * most + 10), st.just(0))))
+        return run, f"s{draw(st.integers(0, 30))}", second, counters[0], counters[1]
+
+    samples = draw(st.lists(one(), max_size=50))
+    cuts = sorted(draw(st.lists(st.integers(0, len(samples)), max_size=4)))
+    batches = [samples[a:b] for a, b in zip([0, *cuts], [*cuts, len(samples)], strict=True)]
+    return capacity, batches, tolerance, draw(st.one_of(st.none(), st.integers(0, len(batches))))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=bounded_batches(), one_by_one=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_no_sample_above_its_bound_is_recorded_on_either_path(
+    pg_dsn: str, case: tuple[dict[str, tuple[int, int, int]], list[list[tuple[str, str, int, int, int]]], Tolerance, int | None], one_by_one: list[bool]
+) -> None:
+    asyncio.run(_compare_bounded(pg_dsn, case, one_by_one))
+
+
+async def _compare_bounded(
+    dsn: str, case: tuple[dict[str, tuple[int, int, int]], list[list[tuple[str, str, int, int, int]]], Tolerance, int | None], one_by_one: list[bool]
+) -> None:
+    capacity, batches, tolerance, readmit_after = case
+    tag = uuid.uuid4().hex[:8]
+    run = {name: f"{tag}-{name}" for name in ("a", "b")}
+    bounds = {}
+    for name, (gpus, nodes, minute) in capacity.items():
+        await decide(dsn, run[name], gpus=gpus, nodes=nodes, decided_at=T0 + timedelta(minutes=minute))
+        bounds[run[name]] = UsageBound(Capacity(gpus, nodes, T0 + timedelta(minutes=minute)), tolerance)
+    ingestor = Ingestor(max_skew=tolerance.slack, grace=GRACE, counts=_NoCounts(), usage_tolerance=tolerance.ppm / 1_000_000)
+    assert ingestor.tolerance == tolerance
+    reference = MemoryUsage(bounds)
+    conn = await asyncpg.connect(dsn)
+    try:
+        for number, raw in enumerate(batches):
+            if number == readmit_after:
+                # Run "a" readmitted on more GPUs, decided later: its bound is that of the most GPUs.
+                gpus, nodes, minute = capacity["a"]
+                await decide(dsn, run["a"], gpus=gpus + 4, nodes=nodes, decided_at=T0 + timedelta(minutes=minute + 5), attempt=2)
+                bounds[run["a"]] = UsageBound(Capacity(gpus + 4, nodes, T0 + timedelta(minutes=minute)), tolerance)
+                reference.set_bound(run["a"], bounds[run["a"]])
+            batch = [Sample(run[r], sid, T0 + timedelta(seconds=sec), Counters(gpu, node)) for r, sid, sec, gpu, node in raw]
+            expected = [_shape(_expected(reference, s)) for s in batch]
+            if one_by_one[number % len(one_by_one)]:  # as HTTP ingest places them: the core, sample by sample
+                got = []
+                for s in batch:
+                    async with conn.transaction():
+                        try:
+                            got.append(await ingestor.place(conn, s, ORIGIN))
+                        except Rejected as exc:
+                            got.append(exc)
+            else:
+                with _judged_in_sql() as judged:
+                    async with conn.transaction():
+                        got = await ingestor.place_batch(conn, [(s, ORIGIN) for s in batch])
+                event(f"bounded, judged in Postgres: {'all' if judged and all(judged) else 'some' if any(judged) else 'none'}")
+            event(f"impossible samples in the batch: {'some' if any(not bounds[s.run_id].allows(s) for s in batch) else 'none'}")
+            assert [_shape(o) for o in got] == expected
+        for name in ("a", "b"):
+            rows = await conn.fetch("SELECT sample_id, observed_at, gpu_milli_hours, node_milli_hours FROM usage_records WHERE run_id = $1", run[name])
+            recorded = [Sample(run[name], r["sample_id"], r["observed_at"], Counters(r["gpu_milli_hours"], r["node_milli_hours"])) for r in rows]
+            assert all(bounds[run[name]].allows(s) for s in recorded)
+            assert sorted((s.observed_at, s.counters) for s in recorded) == [(k.observed_at, k.counters) for k in reference.recorded(run[name])]
     finally:
         await conn.close()

@@ -4,10 +4,12 @@ cumulative go down or its deltas disagree with it."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -17,11 +19,15 @@ from budgetgate.core.metering import (
     EARLIEST,
     MAX_SECONDS,
     Accepted,
+    Capacity,
     Counters,
     Duplicate,
     RawSample,
     Rejected,
+    Rejection,
     Sample,
+    Tolerance,
+    UsageBound,
     _validate_each,
     assess_batch,
     milli,
@@ -242,3 +248,97 @@ def _validated(check):  # type: ignore[no-untyped-def]
         return check()
     except Rejected as exc:
         return [(p.reason, p.field, p.message) for p in exc.problems]
+
+
+# The usage bound: no sample above what its run can have used is ever accepted, and samples
+# within it are judged as if there were no bound.
+
+_TOLERANCES = st.builds(
+    Tolerance,
+    ppm=st.one_of(st.just(0), st.just(50_000), st.integers(0, 2_000_000)),
+    slack=st.one_of(st.just(timedelta(0)), st.just(timedelta(seconds=300)), st.integers(0, 10**9).map(lambda us: timedelta(microseconds=us))),
+)
+_CAPACITIES = st.builds(
+    Capacity,
+    gpus=st.one_of(st.none(), st.integers(0, 16), st.integers(0, 1_000_000)),
+    nodes=st.one_of(st.none(), st.integers(1, 4), st.integers(1, 100_000)),
+    since=st.integers(-30 * 60 * 10**6, 30 * 60 * 10**6).map(lambda us: START + timedelta(microseconds=us)),
+)
+
+
+@settings(max_examples=2000)
+@given(capacity=_CAPACITIES, tolerance=_TOLERANCES, after=st.integers(-(10**12), 10**13))
+def test_the_bound_is_units_times_the_time_since_the_decision_with_the_tolerance_rounded_down(capacity: Capacity, tolerance: Tolerance, after: int) -> None:
+    bound = UsageBound(capacity, tolerance)
+    at = capacity.since + timedelta(microseconds=after)
+    seconds = max(Fraction(after, 10**6) + Fraction(tolerance.slack // timedelta(microseconds=1), 10**6), Fraction(0))
+    for units in (capacity.gpus, capacity.nodes):
+        expected = None if units is None else math.floor(units * seconds * 1000 * (1 + Fraction(tolerance.ppm, 10**6)))
+        assert bound.allowed(units, at) == expected
+
+
+@st.composite
+def bounded_stream(draw: st.DrawFn) -> tuple[list[Sample], dict[str, UsageBound]]:
+    """Samples of runs with a bound (or none), their counters anywhere from nothing to far above
+    it, many just at it, with duplicates, resends and regressions among them."""
+    bounds = {run: UsageBound(draw(_CAPACITIES), draw(_TOLERANCES)) for run in draw(st.sets(st.sampled_from(["a", "b", "c"]), min_size=1))}
+    runs = sorted(bounds) + ["free"]  # "free": a run without a bound
+
+    @st.composite
+    def one(draw: st.DrawFn) -> Sample:
+        run = draw(st.sampled_from(runs))
+        at = START + timedelta(seconds=draw(st.integers(-3600, 4 * 3600)), microseconds=draw(st.integers(0, 999_999)))
+        bound = bounds.get(run)
+        counters = []
+        for units in (bound.capacity.gpus, bound.capacity.nodes) if bound else (None, None):
+            most = bound.allowed(units, at) if bound else None
+            near = st.integers(max(most - 2, 0), most + 2) if most is not None else st.integers(0, 10**9)
+            counters.append(draw(st.one_of(near, st.integers(0, 10**12), st.just(0))))
+        return Sample(run, f"s{draw(st.integers(0, 12))}", at, Counters(*counters))
+
+    samples = draw(st.lists(one(), max_size=40))
+    samples += draw(st.lists(st.sampled_from(samples), max_size=10)) if samples else []
+    return draw(st.permutations(samples)), bounds
+
+
+@settings(max_examples=300)
+@given(stream=bounded_stream())
+def test_no_sample_above_its_runs_bound_is_ever_accepted(stream: tuple[list[Sample], dict[str, UsageBound]]) -> None:
+    samples, bounds = stream
+    store, outcomes = normalize(samples, bounds)
+    for sample, outcome in zip(samples, outcomes, strict=True):
+        bound = bounds.get(sample.run_id)
+        if bound is not None and not bound.allows(sample):
+            assert not isinstance(outcome, Accepted)
+        if isinstance(outcome, Rejected) and outcome.reason is Rejection.IMPOSSIBLE_USAGE:
+            assert bound is not None and not bound.allows(sample)
+            assert {p.field for p in outcome.problems} == {p.field for p in bound.problems(sample)}
+    for run_id, bound in bounds.items():
+        assert all(bound.allows(Sample(run_id, k.sample_id, k.observed_at, k.counters)) for k in store.recorded(run_id))
+
+
+@settings(max_examples=300)
+@given(stream=bounded_stream())
+def test_samples_within_the_bound_are_judged_as_without_one(stream: tuple[list[Sample], dict[str, UsageBound]]) -> None:
+    """A sample above the bound changes nothing: the stream gives what it gives without them and
+    without any bound, sample for sample, and the same usage."""
+    samples, bounds = stream
+    store, outcomes = normalize(samples, bounds)
+    within = [s for s in samples if s.run_id not in bounds or bounds[s.run_id].allows(s)]
+    free_store, free_outcomes = normalize(within)
+    assert [_shape(o) for o, s in zip(outcomes, samples, strict=True) if s in within] == [_shape(o) for o in free_outcomes]
+    for run_id in {s.run_id for s in samples}:
+        assert recorded(store, run_id) == recorded(free_store, run_id)
+        assert store.cumulative(run_id) == free_store.cumulative(run_id)
+
+
+@settings(max_examples=200)
+@given(stream=bounded_stream(), data=st.data())
+def test_a_bounded_batch_judged_together_gives_what_one_by_one_gives(stream: tuple[list[Sample], dict[str, UsageBound]], data: st.DataObject) -> None:
+    samples, bounds = stream
+    split = data.draw(st.integers(0, len(samples)))
+    before, batch = samples[:split], samples[split:]
+    one_by_one, _ = normalize(before, bounds)
+    together, _ = normalize(before, bounds)
+    expected = [_outcome(one_by_one, sample) for sample in batch]
+    assert [_shape(o) for o in assess_batch((sample, together.view(sample)) for sample in batch)] == [_shape(o) for o in expected]

@@ -93,15 +93,27 @@ def json_record(message: MeteringSample) -> wire.Record:
     )
 
 
-async def decide(dsn: str, *run_ids: str, namespace: str = "test", labels: dict[str, str] | None = None) -> None:
+async def decide(
+    dsn: str,
+    *run_ids: str,
+    namespace: str = "test",
+    labels: dict[str, str] | None = None,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    decided_at: datetime | None = None,
+    attempt: int = 1,
+) -> None:
     """Record an ALLOW decision for each run, as admission would have (in `namespace`, with
-    `labels`): the runs become known."""
+    `labels`): the runs become known. `gpus` and `nodes`: what it asked for (None: no count, as
+    no decision of admission's has; the run's usage then has no bound); `decided_at`: when
+    (default: the database's now)."""
     conn = await asyncpg.connect(dsn)
     try:
         await conn.executemany(
-            """INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu, request, response, decided_at)
-               VALUES ($1, $2, 1, 'ALLOW', 'test', $3, $4::jsonb, 0, '{}', '{}', now())""",
-            [(uuid.uuid4(), run_id, namespace, json.dumps(labels or {})) for run_id in run_ids],
+            """INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, projected_gpu, request, response, decided_at,
+                                      gpus, nodes)
+               VALUES ($1, $2, $5, 'ALLOW', 'test', $3, $4::jsonb, 0, '{}', '{}', COALESCE($6, now()), $7, $8)""",
+            [(uuid.uuid4(), run_id, namespace, json.dumps(labels or {}), attempt, decided_at, gpus, nodes) for run_id in run_ids],
         )
     finally:
         await conn.close()

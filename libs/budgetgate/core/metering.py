@@ -22,6 +22,12 @@ the next one carries the total. What one sample means, given what is known about
   observed_at (see `MemoryUsage.usage_through`). A reader of usage.records.v1 thus sees per run
   the cumulative never falling, deltas summing to it, and each record's own counters a true
   point of the run's usage at its observed_at.
+- **Possible**: a run cannot have used more than its GPUs (nodes) × the time since it could have
+  started. It starts after its decision, so as of observed_at it used at most `gpus` ×
+  (observed_at − its earliest decided_at), `gpus` being the most any decision of the run (any
+  attempt) asked for; a sample above that, plus a `Tolerance` (a ratio, and a fixed slack for
+  the clocks of exporter and admission), is rejected as `impossible_usage` and never charged
+  (`UsageBound`). Without a known capacity (no decision names a count) there is no bound.
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ import hashlib
 import math
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from decimal import ROUND_HALF_UP
+from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -82,6 +88,8 @@ class Rejection(StrEnum):
     UNKNOWN_RUN = "unknown_run"
     # Kept pending for a sender limited to namespaces or tenants, and its run is not within them.
     OUT_OF_SCOPE = "out_of_scope"
+    # More GPU- or node-seconds than the run's GPUs (nodes) could have used since its decision.
+    IMPOSSIBLE_USAGE = "impossible_usage"
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,105 @@ def _counter_problems(name: str, value: float) -> list[Problem]:
     return []
 
 
+# The default of BUDGETGATE_METERING_USAGE_TOLERANCE: a sample may report up to this ratio more
+# than its run's GPUs (nodes) × the time since its earliest decision (plus the clock slack).
+DEFAULT_USAGE_TOLERANCE = 0.05
+_PPM = 1_000_000
+_MICROS = timedelta(microseconds=1)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a run could have used, as its decisions say: the most GPUs and nodes any decision of
+    the run (any attempt, any outcome) asked for, None when one of them names no count (then
+    that counter has no bound), and the earliest decided_at (the run cannot have started before)."""
+
+    gpus: int | None
+    nodes: int | None
+    since: datetime
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far above the physical bound a sample may go: `ppm` parts per million of it, and
+    `slack` more time (the clocks of the exporter, which stamps observed_at, and of admission,
+    which stamps decided_at, may disagree by as much as the service allows a sample from the
+    future: BUDGETGATE_MAX_FUTURE_SKEW_SECONDS)."""
+
+    ppm: int
+    slack: timedelta
+
+    def __post_init__(self) -> None:
+        if self.ppm < 0 or self.slack < timedelta(0):
+            raise ValueError(f"a usage tolerance cannot be negative (ratio {self.ppm / _PPM}, slack {self.slack.total_seconds()}s)")
+
+    @classmethod
+    def of(cls, ratio: float, *, slack: timedelta) -> Tolerance:
+        """The tolerance of `ratio` (0.05: 5 % above the bound) and `slack`."""
+        if not math.isfinite(ratio) or ratio < 0:
+            raise ValueError(f"a usage tolerance ratio must be a finite number at least 0, not {ratio!r}")
+        return cls(round(ratio * _PPM), slack)
+
+    @property
+    def ratio(self) -> Decimal:
+        return Decimal(self.ppm).scaleb(-6).normalize()
+
+
+@dataclass(frozen=True)
+class UsageBound:
+    """The most a run can have used by a time, in milli-unit-seconds: per unit of capacity
+    (a GPU, a node) the time since its earliest decision, plus the slack, plus the ratio:
+    units × max(0, observed_at − since + slack) × (1 + ratio), rounded down. Exact integer
+    arithmetic on microseconds, as metering_place_batch's comparison in Postgres (numeric)."""
+
+    capacity: Capacity
+    tolerance: Tolerance
+
+    def span_micros(self, at: datetime) -> int:
+        """Microseconds the run may have been running by `at`, the slack included (at least 0)."""
+        return max((at - self.capacity.since) // _MICROS + self.tolerance.slack // _MICROS, 0)
+
+    def allowed(self, units: int | None, at: datetime) -> int | None:
+        """The most milli-unit-seconds `units` (GPUs or nodes) can have used by `at` (None: no bound)."""
+        if units is None:
+            return None
+        # milli-unit-seconds = units x micros / 1000; x (1e6 + ppm) / 1e6.
+        return units * self.span_micros(at) * (_PPM + self.tolerance.ppm) // (1000 * _PPM)
+
+    def allows(self, sample: Sample) -> bool:
+        """Whether `sample` is within the bound, both counters."""
+        gpu, node = self.allowed(self.capacity.gpus, sample.observed_at), self.allowed(self.capacity.nodes, sample.observed_at)
+        return (gpu is None or sample.counters.gpu <= gpu) and (node is None or sample.counters.node <= node)
+
+    def problems(self, sample: Sample) -> list[Problem]:
+        """Why `sample` reports more than its run can have used, per counter ([] when it does not)."""
+        found = []
+        for field_name, unit, used, units in (
+            ("gpu_seconds", "GPU", sample.counters.gpu, self.capacity.gpus),
+            ("node_seconds", "node", sample.counters.node, self.capacity.nodes),
+        ):
+            most = self.allowed(units, sample.observed_at)
+            if most is not None and used > most:
+                found.append(Problem(Rejection.IMPOSSIBLE_USAGE, field_name, self._message(sample, unit, used, units, most)))
+        return found
+
+    def _message(self, sample: Sample, unit: str, used: int, units: int | None, most: int) -> str:
+        since = self.capacity.since
+        elapsed = Decimal((sample.observed_at - since) // _MICROS).scaleb(-6).normalize()
+        slack = Decimal(self.tolerance.slack // _MICROS).scaleb(-6).normalize()
+        return (
+            f"run {sample.run_id!r} reported {_seconds(used)} {unit}-seconds in sample {sample.sample_id!r} at {sample.observed_at.isoformat()}, "
+            f"{elapsed:f}s after its earliest decision ({since.isoformat()}); with at most {units} {unit}s it can have used at most "
+            f"{_seconds(most)} {unit}-seconds by then ({units} {unit}s x max(0, {elapsed:f}s + {slack:f}s clock slack) x (1 + {self.tolerance.ratio:f} "
+            f"tolerance)), so the sample is not charged"
+        )
+
+
+def _seconds(milli_seconds: int) -> str:
+    """Milli-unit-seconds as seconds, digit for digit (108000000 -> '108000', 1386 -> '1.386')."""
+    return f"{Decimal(milli_seconds).scaleb(-3).normalize():f}"
+
+
 @dataclass(frozen=True)
 class Known:
     """An accepted sample of a run, as recorded."""
@@ -283,6 +390,7 @@ class RunView:
     same_time: Known | None = None  # a recorded sample with the same observed_at
     before: Known | None = None  # the latest recorded sample observed before it
     after: Known | None = None  # the earliest recorded sample observed after it
+    bound: UsageBound | None = None  # the most the run can have used by a time (None: no bound known)
 
 
 @dataclass(frozen=True)
@@ -326,6 +434,8 @@ def assess(sample: Sample, run: RunView) -> Accepted | Duplicate:
                 f"other counters ({_describe(run.same_time)})",
             )
         )
+    if run.bound is not None and (impossible := run.bound.problems(sample)):
+        raise Rejected(*impossible)
     if run.before is not None and not sample.counters.covers(run.before.counters):
         raise Rejected(
             Problem(
@@ -391,6 +501,7 @@ class _Batched:
             same_time=recorded.same_time or same_time,
             before=_nearest(recorded.before, self.samples[at - 1] if at > 0 else None, latest=True),
             after=_nearest(recorded.after, self.samples[after] if after < len(times) else None, latest=False),
+            bound=recorded.bound,
         )
 
     def add(self, accepted: Accepted) -> None:
@@ -455,10 +566,12 @@ class _Run:
 
 class MemoryUsage:
     """The usage store in memory: the reference the Postgres store must agree with, and what
-    tests of the normalization use without a server."""
+    tests of the normalization use without a server. `bounds`: the UsageBound of each run that
+    has one (its decisions' capacity, with the tolerance)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bounds: Mapping[str, UsageBound] | None = None) -> None:
         self._runs: dict[str, _Run] = {}
+        self._bounds = dict(bounds or {})
 
     def view(self, sample: Sample) -> RunView:
         """The RunView of `sample`'s run."""
@@ -474,6 +587,7 @@ class MemoryUsage:
             same_time=same_time,
             before=run.samples[at - 1] if at > 0 else None,
             after=run.samples[after_index] if after_index < len(times) else None,
+            bound=self._bounds.get(sample.run_id),
         )
 
     def apply(self, sample: Sample) -> Accepted | Duplicate:
@@ -484,6 +598,13 @@ class MemoryUsage:
             bisect.insort(run.samples, Known(sample.sample_id, sample.observed_at, sample.counters), key=lambda k: k.observed_at)
             run.cumulative = outcome.cumulative
         return outcome
+
+    def set_bound(self, run_id: str, bound: UsageBound | None) -> None:
+        """Judge the run's samples from now on by `bound` (a later decision asked for more, say)."""
+        if bound is None:
+            self._bounds.pop(run_id, None)
+        else:
+            self._bounds[run_id] = bound
 
     def cumulative(self, run_id: str) -> Counters:
         """The run's high-water mark (zero for a run without samples)."""
@@ -501,9 +622,10 @@ class MemoryUsage:
         return known[-1].counters if known else Counters()
 
 
-def normalize(samples: Iterable[Sample]) -> tuple[MemoryUsage, list[Accepted | Duplicate | Rejected]]:
-    """Apply `samples` in order to an empty store: the store, and each sample's outcome."""
-    store = MemoryUsage()
+def normalize(samples: Iterable[Sample], bounds: Mapping[str, UsageBound] | None = None) -> tuple[MemoryUsage, list[Accepted | Duplicate | Rejected]]:
+    """Apply `samples` in order to an empty store (with the runs' `bounds`): the store, and each
+    sample's outcome."""
+    store = MemoryUsage(bounds)
     outcomes: list[Accepted | Duplicate | Rejected] = []
     for sample in samples:
         try:

@@ -216,7 +216,14 @@ CREATE TABLE usage_runs (
     node_milli_hours_cumulative bigint NOT NULL DEFAULT 0 CHECK (node_milli_hours_cumulative >= 0),
     samples                    integer NOT NULL DEFAULT 0,
     latest_observed_at         timestamptz,
-    updated_at                 timestamptz NOT NULL DEFAULT now()
+    updated_at                 timestamptz NOT NULL DEFAULT now(),
+    -- 0029: the run's capacity, as its decisions say (metering_capacity): the most GPUs and nodes
+    -- any decision asked for (NULL: some decision names no count, no bound on that counter) and
+    -- the earliest decided_at. A sample above max_gpus (max_nodes) x (observed_at -
+    -- first_decided_at), plus the tolerance, is dead-lettered as impossible_usage.
+    max_gpus                   integer,
+    max_nodes                  integer,
+    first_decided_at           timestamptz
 );
 
 -- One row per accepted sample. gpu/node_milli_hours are the sample's own counters (what the run
@@ -267,38 +274,51 @@ CREATE TABLE metering_pending (
 );
 CREATE INDEX metering_pending_expiry ON metering_pending (expires_at);
 
+-- 0029: the capacity of each run of $1 that has a decision, as its decisions say.
+CREATE FUNCTION metering_capacity(p_run_ids text[])
+RETURNS TABLE (run_id text, max_gpus integer, max_nodes integer, first_decided_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT d.run_id,
+           CASE WHEN count(d.gpus) = count(*) THEN max(d.gpus) END,
+           CASE WHEN count(d.nodes) = count(*) THEN max(d.nodes) END,
+           min(d.decided_at)
+    FROM decisions d WHERE d.run_id = ANY (p_run_ids) GROUP BY d.run_id
+$$;
+
 -- Begins judging a sample in one round trip: takes the run's lock, then returns the run's state
--- (role 'run': latest observed_at and the cumulative counters) and the recorded samples the new
+-- (role 'run': latest observed_at, the cumulative counters and, 0029, its capacity) and the recorded samples the new
 -- one is compared with ('same_id', 'same_time', 'before', 'after'); for a run metering does not
 -- know yet, only whether it has a decision (role 'decision'). VOLATILE on purpose: in READ
 -- COMMITTED each query of a volatile function takes a fresh snapshot, so the reads see
 -- everything committed before the lock was granted.
 CREATE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz)
-RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint)
+RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
+               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(7310, hashtext(p_run_id));
     RETURN QUERY
-        SELECT 'run', NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative
+        SELECT 'run', NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative,
+               r.max_gpus, r.max_nodes, r.first_decided_at
         FROM usage_runs r WHERE r.run_id = p_run_id;
     IF NOT FOUND THEN
         RETURN QUERY
-            SELECT 'decision', NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint
+            SELECT 'decision', NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz
             WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p_run_id);
         RETURN;
     END IF;
     RETURN QUERY
-        (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+        (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u WHERE u.run_id = p_run_id AND u.sample_id = p_sample_id)
         UNION ALL
-        (SELECT 'same_time', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+        (SELECT 'same_time', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at = p_observed_at)
         UNION ALL
-        (SELECT 'before', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+        (SELECT 'before', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at < p_observed_at
          ORDER BY u.observed_at DESC LIMIT 1)
         UNION ALL
-        (SELECT 'after', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+        (SELECT 'after', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at > p_observed_at
          ORDER BY u.observed_at LIMIT 1);
 END
@@ -315,17 +335,19 @@ ALTER FUNCTION metering_begin_sample(text, text, timestamptz) SET plan_cache_mod
 --   per sample (idx, 1-based) of a known run, its recorded neighbours, as metering_begin_sample.
 -- VOLATILE, so the reads after the locks see everything committed before they were granted.
 CREATE FUNCTION metering_begin_batch(p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[])
-RETURNS TABLE (idx integer, role text, run_id text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint)
+RETURNS TABLE (idx integer, role text, run_id text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
+               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 BEGIN
     PERFORM pg_advisory_xact_lock(7310, k.h)
     FROM (SELECT DISTINCT hashtext(r) AS h FROM unnest(p_run_ids) AS r ORDER BY 1) AS k;
     RETURN QUERY
-        SELECT NULL::integer, 'run', r.run_id, NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative
+        SELECT NULL::integer, 'run', r.run_id, NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative,
+               r.max_gpus, r.max_nodes, r.first_decided_at
         FROM usage_runs r WHERE r.run_id = ANY (p_run_ids);
     RETURN QUERY
-        SELECT NULL::integer, 'decision', x.id, NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint
+        SELECT NULL::integer, 'decision', x.id, NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz
         FROM (SELECT DISTINCT i.id FROM unnest(p_run_ids) AS i(id)) AS x
         WHERE NOT EXISTS (SELECT 1 FROM usage_runs r WHERE r.run_id = x.id)
           AND EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = x.id);
@@ -339,15 +361,15 @@ BEGIN
             CROSS JOIN LATERAL (SELECT u.run_id, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
                                 FROM usage_records u WHERE u.run_id = k.rid ORDER BY u.observed_at DESC LIMIT 1) AS l
         )
-        SELECT s.i::integer, 'same_id', s.rid, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+        SELECT s.i::integer, 'same_id', s.rid, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
         FROM s JOIN usage_records u ON u.run_id = s.rid AND u.sample_id = s.sid
         UNION ALL
         -- The usual case, a sample after everything recorded: its neighbour before is the latest.
-        SELECT s.i::integer, 'before', s.rid, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours
+        SELECT s.i::integer, 'before', s.rid, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
         FROM s JOIN latest l ON l.run_id = s.rid WHERE s.at > l.observed_at
         UNION ALL
         -- A late sample: its neighbours at, before and after its observed_at.
-        SELECT s.i::integer, n.role, s.rid, n.sid, n.at, n.gpu, n.node
+        SELECT s.i::integer, n.role, s.rid, n.sid, n.at, n.gpu, n.node, NULL::integer, NULL::integer, NULL::timestamptz
         FROM s JOIN latest l ON l.run_id = s.rid AND s.at <= l.observed_at
         CROSS JOIN LATERAL (
             (SELECT 'same_time' AS role, u.sample_id AS sid, u.observed_at AS at, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
@@ -384,12 +406,17 @@ ALTER FUNCTION metering_begin_batch(text[], text[], timestamptz[]) SET plan_cach
 -- earlier in the batch: as assess_batch. Accepted samples are recorded in usage_records and their
 -- runs' high-water marks raised, in this statement.
 --
+-- 0029: a run with a sample above its usage bound (its capacity kept on its usage_runs row, with
+-- the tolerance: $9 parts per million, $10 the clock slack in microseconds) is left to the core
+-- too, which rejects the sample as impossible_usage or, its decisions asking for more by now,
+-- raises the capacity; the runs started here get their capacity from metering_capacity.
+--
 -- Returns one row per sample (idx, 1-based): outcome 'accepted' (with cumulative, delta, late),
 -- 'duplicate' (with of_sample) or 'python'.
 -- VOLATILE, so the statements after the locks see everything committed before they were granted.
 CREATE FUNCTION metering_place_batch(
     p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[], p_gpu bigint[], p_node bigint[],
-    p_exporters text[], p_sources text[], p_event_ids text[]
+    p_exporters text[], p_sources text[], p_event_ids text[], p_tolerance_ppm bigint, p_slack_us bigint
 )
 RETURNS TABLE (idx integer, outcome text, of_sample text, gpu_cumulative bigint, node_cumulative bigint,
                gpu_delta bigint, node_delta bigint, late boolean)
@@ -398,11 +425,12 @@ LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(7310, k.h)
     FROM (SELECT DISTINCT hashtext(r) AS h FROM unnest(p_run_ids) AS r ORDER BY 1) AS k;
-    INSERT INTO usage_runs (run_id)
-    SELECT x.id FROM (SELECT DISTINCT i.id FROM unnest(p_run_ids) AS i(id)) AS x
-    WHERE NOT EXISTS (SELECT 1 FROM usage_runs r WHERE r.run_id = x.id)
-      AND EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = x.id)
-      AND NOT EXISTS (SELECT 1 FROM metering_pending p WHERE p.run_id = x.id)
+    INSERT INTO usage_runs (run_id, max_gpus, max_nodes, first_decided_at)
+    SELECT c.run_id, c.max_gpus, c.max_nodes, c.first_decided_at
+    FROM metering_capacity(ARRAY(
+        SELECT x.id FROM (SELECT DISTINCT i.id FROM unnest(p_run_ids) AS i(id)) AS x
+        WHERE NOT EXISTS (SELECT 1 FROM usage_runs r WHERE r.run_id = x.id)
+          AND NOT EXISTS (SELECT 1 FROM metering_pending p WHERE p.run_id = x.id))) AS c
     ON CONFLICT (run_id) DO NOTHING;
     RETURN QUERY
     WITH s AS (
@@ -410,7 +438,8 @@ BEGIN
         FROM unnest(p_run_ids, p_sample_ids, p_observed_at, p_gpu, p_node, p_exporters, p_sources, p_event_ids)
              WITH ORDINALITY AS x(rid, sid, at, gpu, node, exporter, source, event_id, i)
     ), run AS (
-        SELECT r.run_id AS rid, r.gpu_milli_hours_cumulative AS gpu, r.node_milli_hours_cumulative AS node, r.latest_observed_at AS latest
+        SELECT r.run_id AS rid, r.gpu_milli_hours_cumulative AS gpu, r.node_milli_hours_cumulative AS node, r.latest_observed_at AS latest,
+               r.max_gpus, r.max_nodes, r.first_decided_at AS since
         FROM usage_runs r WHERE r.run_id IN (SELECT DISTINCT y.rid FROM s AS y)
     ), known AS (
         -- The samples of runs metering knows, each with the recorded sample of the same id and
@@ -419,8 +448,17 @@ BEGIN
         SELECT s.i, s.rid, s.sid, s.at, s.gpu, s.node, run.gpu AS run_gpu, run.node AS run_node, run.latest,
                COALESCE(same_id.rid = s.rid AND same_id.sid = s.sid, false) AS has_id, same_id.at AS id_at, same_id.gpu AS id_gpu, same_id.node AS id_node,
                same_time.sid AS time_sid, same_time.gpu AS time_gpu, same_time.node AS time_node,
-               before.gpu AS before_gpu, before.node AS before_node, after.gpu AS after_gpu, after.node AS after_node
+               before.gpu AS before_gpu, before.node AS before_node, after.gpu AS after_gpu, after.node AS after_node,
+               -- Above what the run's GPUs (nodes) can have used since its earliest decision, with
+               -- the tolerance (budgetgate.core.metering.UsageBound, the same exact arithmetic):
+               -- left to the core, which rejects it (impossible_usage) or, the run's decisions
+               -- asking for more by now, raises the capacity kept here.
+               COALESCE(s.gpu::numeric * 1000000000 > run.max_gpus * span.us * (1000000 + p_tolerance_ppm)
+                        OR s.node::numeric * 1000000000 > run.max_nodes * span.us * (1000000 + p_tolerance_ppm), false) AS over
         FROM s JOIN run USING (rid)
+        -- No earliest decision (a run whose decisions are gone): no bound, as in the core.
+        CROSS JOIN LATERAL (SELECT CASE WHEN run.since IS NOT NULL
+                                        THEN GREATEST((extract(epoch FROM s.at) - extract(epoch FROM run.since)) * 1000000 + p_slack_us, 0) END AS us) AS span
         -- The same sample id, found by the event id of its usage record (derived from run and
         -- sample id): with run_id in the condition the planner may take the (run_id, observed_at)
         -- index and read the run's whole history.
@@ -441,10 +479,12 @@ BEGIN
                first_value(k.sid) OVER (PARTITION BY k.rid, k.at ORDER BY k.i) AS first_sid
         FROM known k WINDOW t AS (PARTITION BY k.rid ORDER BY k.at, k.i)
     ), odd AS (
-        -- Runs with a sample the set-based judgement does not cover: a conflict (same id or same
-        -- time with other values, in the batch or recorded), or counters that go down.
+        -- Runs with a sample the set-based judgement does not cover: one above the run's bound, a
+        -- conflict (same id or same time with other values, in the batch or recorded), or counters
+        -- that go down.
         SELECT b.rid FROM by_time b
-        WHERE (b.has_id AND (b.id_at, b.id_gpu, b.id_node) IS DISTINCT FROM (b.at, b.gpu, b.node))
+        WHERE b.over
+           OR (b.has_id AND (b.id_at, b.id_gpu, b.id_node) IS DISTINCT FROM (b.at, b.gpu, b.node))
            OR (b.time_sid IS NOT NULL AND (b.time_gpu, b.time_node) IS DISTINCT FROM (b.gpu, b.node))
            OR b.gpu < b.prev_gpu OR b.node < b.prev_node
            OR (b.prev_at = b.at AND (b.prev_gpu <> b.gpu OR b.prev_node <> b.node))
@@ -491,7 +531,8 @@ BEGIN
     FROM s WHERE s.i NOT IN (SELECT c.i FROM clean c);
 END
 $$;
-ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], bigint[], text[], text[], text[]) SET plan_cache_mode = force_custom_plan;  -- 0019
+ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], bigint[], text[], text[], text[], bigint, bigint)
+    SET plan_cache_mode = force_custom_plan;  -- 0019, 0029
 
 -- 0004_reconciler: the facts the reconciler settles runs from (lifecycle events, usage samples),
 -- what each run is charged on each ledger key, and the hold and alert state of budgets.
