@@ -6,73 +6,37 @@ controller then makes from the templates carry the run's label."""
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
 import uuid
 from typing import Any
 
-import jsonpatch
 import pytest
-from kubernetes.client import V1OwnerReference
 
 from budgetgate.platforms.kubernetes import Submit, submission
 from budgetgate.platforms.run_labels import RUN_LABEL, pod_run_id, run_label_value
 from tests.support.admission import apply_policies, budget_yaml, held_in_postgres
-from tests.support.kubernetes import JOB_CONTROLLER, VISION, admission_review, as_json, container, job, jobset, job_spec, pod
+from tests.support.kubernetes import (
+    JOB_CONTROLLER,
+    VISION,
+    admission_review,
+    as_json,
+    container,
+    job,
+    jobset,
+    job_spec,
+    mutated,
+    pod,
+    pod_of,
+    stored,
+    unstored,
+    validated,
+)
 
 MUTATE = "/v1/kubernetes/mutate"
 VALIDATE = "/v1/kubernetes/admission-review"
 H100 = {"budgetgate.io/flavor": "h100"}
 KUEUE = "system:serviceaccount:kueue-system:kueue-controller-manager"
-
-
-def unstored(obj: Any) -> dict[str, Any]:
-    """`obj` as a mutating webhook sees it: no UID yet."""
-    body = copy.deepcopy(obj if isinstance(obj, dict) else as_json(obj))
-    body["metadata"].pop("uid", None)
-    return body
-
-
-async def mutated(server, obj: dict[str, Any], **review: Any) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[no-untyped-def]
-    """The mutating webhook's answer for creating `obj`, and `obj` as the API server patches it."""
-    sent = admission_review(obj, **review)
-    answer = await server.client.post(MUTATE, json=sent)
-    assert answer.status_code == 200, answer.text
-    body = answer.json()
-    assert (body["apiVersion"], body["kind"], body["response"]["uid"]) == ("admission.k8s.io/v1", "AdmissionReview", sent["request"]["uid"])
-    response = body["response"]
-    assert response["allowed"] is True  # it never denies
-    if "patch" not in response:
-        assert "patchType" not in response
-        return response, obj
-    assert response["patchType"] == "JSONPatch"
-    return response, jsonpatch.apply_patch(obj, json.loads(base64.b64decode(response["patch"])))
-
-
-async def validated(server, obj: dict[str, Any], **review: Any) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    answer = await server.client.post(VALIDATE, json=admission_review(obj, **review))
-    assert answer.status_code == 200, answer.text
-    return answer.json()["response"]
-
-
-def stored(obj: dict[str, Any]) -> dict[str, Any]:
-    """`obj` as the API server stores it: with its UID."""
-    return {**obj, "metadata": {**obj["metadata"], "uid": str(uuid.uuid4())}}
-
-
-def pod_of(owner: dict[str, Any], name: str, template: dict[str, Any]) -> dict[str, Any]:
-    """The Pod a controller makes from `template` for `owner` (its labels and annotations)."""
-    made = as_json(pod(name, containers=[container(gpus=1)]))
-    made["metadata"]["labels"] = dict(template["metadata"].get("labels") or {})
-    made["metadata"]["annotations"] = dict(template["metadata"].get("annotations") or {})
-    made["spec"] = copy.deepcopy(template["spec"])
-    made["metadata"]["ownerReferences"] = [
-        as_json(
-            V1OwnerReference(api_version=owner["apiVersion"], kind=owner["kind"], name=owner["metadata"]["name"], uid=owner["metadata"]["uid"], controller=True)
-        )
-    ]
-    return unstored(made)
 
 
 async def test_the_run_is_named_before_the_uid_and_decided_under_that_name(admission, pg_dsn) -> None:
