@@ -64,6 +64,7 @@ from budgetgate.platforms.kubernetes import (
     short,
     submission,
 )
+from budgetgate.platforms.flyte_workflows import flyte_run, flyte_submission, is_flyte_workflow, offloaded_message
 from budgetgate.platforms.reviews import Asked, NotAReview, ask, review_uid
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
@@ -130,6 +131,10 @@ TRUSTED_CREATORS = (
     "system:kube-controller-manager",
     "system:serviceaccount:kube-system:*",
     "system:serviceaccount:jobset-system:jobset-controller-manager",
+    # Flyte (the flyte-core chart's accounts): FlyteAdmin creates FlyteWorkflows, flytepropeller
+    # their pods and plugin objects.
+    "system:serviceaccount:flyte:flyteadmin",
+    "system:serviceaccount:flyte:flytepropeller",
 )
 
 
@@ -244,7 +249,13 @@ async def _answer(
     warnings: list[str] = []
     try:
         asked = ask(body)
-        mapped = submission(asked, mapping)
+        if is_flyte_workflow(asked.group, asked.kind):
+            flyte = await _flyte_workflow(rt, asked, uid, settings, mapping)
+            if isinstance(flyte, dict):  # answered: on its run's decision, or undecided
+                return flyte
+            mapped = flyte
+        else:
+            mapped = submission(asked, mapping)
         if isinstance(mapped, Owned):
             try:
                 owner_run = await _admitted_owner(rt.pool, mapped, namespace=asked.namespace)
@@ -309,6 +320,50 @@ async def _answer(
     if warnings:
         reviewed["response"]["warnings"] = [short(w) for w in [*warnings, *reviewed["response"].get("warnings", [])]]
     return reviewed
+
+
+async def _flyte_workflow(rt: Any, asked: Asked, uid: str, settings: KubernetesWebhookSettings, mapping: Mapping) -> dict[str, Any] | Submit | Skip:
+    """A FlyteWorkflow: its CREATE answered on its run's decision when the run has one and
+    FlyteAdmin (a trusted creator) created it, else mapped to a submission (flyte_workflows)."""
+    if asked.operation != "CREATE":
+        if asked.operation == "UPDATE" and asked.object is None:
+            raise Unmappable("request.object is missing: an UPDATE carries the object it updates")
+        return Skip(f"{asked.operation} of a FlyteWorkflow is not a submission; only CREATE is (flytepropeller writes its status into it)")
+    if asked.object is None:
+        raise Unmappable("request.object is missing: a CREATE carries the object it creates")
+    run = flyte_run(asked.object)
+    if settings.trusts(asked.username):
+        try:
+            prior = await rt.pool.fetchrow(sql("latest_decision"), run.run_id)
+        except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:
+            return _undecided(uid, exc, fail_open=settings.fail_open)
+        if prior is not None:
+            return await _on_decision(rt, asked, uid, run.run_id, prior, mapping)
+    # No decision yet (or created by someone else than FlyteAdmin: then decided like any
+    # submission, a resend of its run's request answered from it, another request a 409).
+    if run.offloaded:
+        raise Unmappable(offloaded_message(run))
+    return flyte_submission(asked, mapping)
+
+
+async def _on_decision(rt: Any, asked: Asked, uid: str, run_id: str, prior: Any, mapping: Mapping) -> dict[str, Any]:
+    """A FlyteWorkflow whose run was decided before it was created: by the preflight
+    (budgetgate.adapters.flyte, from flytekit's projection, which may differ from this object's),
+    or, for a child execution carrying its parent's labels, its parent's. Answered from that
+    decision, without a new one: nothing is reserved twice."""
+    said = f"run {run_id} was decided before its FlyteWorkflow was created (attempt {prior['attempt']}, decision {prior['decision_id']})"
+    if prior["namespace"] != asked.namespace:
+        return review(uid, allowed=False, code=409, message=(
+            f"budgetgate: {said} in another namespace than {asked.namespace!r}: a run keeps its namespace; launch it again under a new "
+            f"execution name, with the preflight's namespace= set to {asked.namespace!r} (the namespace Flyte runs the project and domain in)"
+        ))  # fmt: skip
+    answer = prior["response"]
+    answer = json.loads(answer) if isinstance(answer, str) else dict(answer)
+    if prior["outcome"] == "ALLOW":
+        if not asked.dry_run:
+            await _record_admitted(rt.pool, asked, run_id)  # its pods pass on it
+        return review(uid, allowed=True, message=f"budgetgate: not decided again ({said}: admitted, it runs on that decision)")
+    return decided(uid, answer, attempt_annotation=mapping.attempt_annotation, dry_run=asked.dry_run)
 
 
 def _resubmitting(conflict: Conflict, mapping: Mapping) -> str:
