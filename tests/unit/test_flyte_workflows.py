@@ -80,8 +80,8 @@ def test_an_offloaded_closure_is_refused_naming_the_field_and_flyteadmins_settin
 
 def test_a_launch_plan_node_is_refused_naming_the_node_and_the_preflight() -> None:
     obj = flyte_workflow()
-    obj["spec"]["nodes"]["n0"] = {"id": "n0", "resources": {}, "kind": "workflow",
-                                  "workflow": {"launchPlanRefId": {"resourceType": "LAUNCH_PLAN", "project": "vision", "domain": "production", "name": "etl", "version": "v3"}}}  # fmt: skip
+    plan = {"resourceType": "LAUNCH_PLAN", "project": "vision", "domain": "production", "name": "etl", "version": "v3"}
+    obj["spec"]["nodes"]["n0"] = {"id": "n0", "resources": {}, "kind": "workflow", "workflow": {"launchPlanRefId": plan}}
     with pytest.raises(Unmappable, match=r"node n0 launches launch plan vision/production/etl@v3 as a child execution.*\(budgetgate.adapters.flyte.execute\)"):
         _submitted(obj)
 

@@ -69,7 +69,8 @@ def test_the_configuration_calls_the_route_on_the_tls_service(docs: dict[str, di
     # id label (a match condition sends only those: a Pod's GPUs are fixed). A FlyteWorkflow on
     # CREATE only: flytepropeller writes its status into the object, many times per execution.
     assert {r["resources"][0]: r["operations"] for r in hook["rules"]} == {
-        **{resource: ["CREATE", "UPDATE"] for resource in ("pods", "jobs", "jobsets", "rayjobs", "rayclusters")}, "flyteworkflows": ["CREATE"],
+        **{resource: ["CREATE", "UPDATE"] for resource in ("pods", "jobs", "jobsets", "rayjobs", "rayclusters")},
+        "flyteworkflows": ["CREATE"],
     }
 
 
