@@ -159,8 +159,10 @@ class KubernetesWebhookSettings(BaseSettings):
     # patterns allowed): an ownerReference is its creator's to write, so a Pod that names an
     # admitted Job but was created by a tenant is decided as a run of its own. The defaults are
     # kube-controller-manager (Job and ReplicaSet pods, under its own or per-controller service
-    # accounts) and the JobSet controller; add KubeRay's operator where RayJobs run, e.g.
-    # "system:serviceaccount:ray-system:kuberay-operator".
+    # accounts), the JobSet controller, and Flyte's FlyteAdmin and flytepropeller (the flyte-core
+    # chart's accounts in namespace flyte): a FlyteWorkflow FlyteAdmin creates passes on its run's
+    # decision (the preflight's), flytepropeller's pods on their FlyteWorkflow. Add KubeRay's
+    # operator where RayJobs run, e.g. "system:serviceaccount:ray-system:kuberay-operator".
     trusted_creators: list[str] = Field(default_factory=lambda: list(TRUSTED_CREATORS))
     # Kueue's controller (JSON list of user names, shell patterns allowed): the one that resumes
     # a Job, JobSet, RayJob or RayCluster queued in Kueue (created suspended with the label
