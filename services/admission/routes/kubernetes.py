@@ -16,6 +16,15 @@ so that its children pass on it as on an admitted owner.
 The mutating webhook (kubernetes_mutation.py) runs before this one and names the run: the
 object reaches here with its `budgetgate.io/run-id` annotation, the run id decided under.
 
+A FlyteWorkflow (flytepropeller's CRD, which FlyteAdmin creates for every execution) is the run
+`flyte/<project>/<domain>/<execution>` of its labels, the Flyte preflight's: when FlyteAdmin (a
+trusted creator) creates one whose run already has a decision (the preflight's, or a parent
+execution's for a child carrying its labels), it is answered from that decision with no new
+submission (nothing reserved twice, no 409 for a projection that differs); otherwise it is mapped
+(budgetgate/platforms/flyte_workflows.py) and decided like any object, an offloaded closure
+refused (422) naming the field and FlyteAdmin's setting. The pods flytepropeller creates for it
+pass on it as on an admitted owner.
+
 Only admission.k8s.io/v1 is answered: a body that is not an admission.k8s.io/v1 AdmissionReview
 with a request uid is a 400 problem naming the field (no AdmissionReview the API server would
 read can answer it). Within one, a malformed request or object (a CREATE or UPDATE without its
