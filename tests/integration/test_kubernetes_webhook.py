@@ -494,7 +494,9 @@ async def test_a_flyteworkflow_runs_on_its_preflights_decision_without_a_second(
     held = await held_in_postgres(pg_dsn)
     workflow = flyte_workflow(execution)
     answer = await reviewed(admission, flyte_review(workflow))
-    assert answer["allowed"] is True and answer["status"]["message"].startswith(f"budgetgate: not decided again (run {run_id} was decided before"), answer
+    assert answer["allowed"] is True and answer["status"]["message"].startswith(
+        f"budgetgate: not decided again (run {run_id} already has a decision (attempt 1, decision {preflight.json()['decision_id']})"
+    ), answer
     assert await held_in_postgres(pg_dsn) == held and await _decision_count(pg_dsn, run_id) == 1
     assert "which was admitted for it" in (await reviewed(admission, admission_review(flyte_pod(workflow), user=FLYTEPROPELLER)))["status"]["message"]
     # Offloaded (FlyteAdmin's useOffloadedWorkflowClosure): nothing to project, the decision suffices.

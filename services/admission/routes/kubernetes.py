@@ -362,7 +362,7 @@ async def _on_decision(rt: Any, asked: Asked, uid: str, run_id: str, prior: Any,
     (budgetgate.adapters.flyte, from flytekit's projection, which may differ from this object's),
     or, for a child execution carrying its parent's labels, its parent's. Answered from that
     decision, without a new one: nothing is reserved twice."""
-    said = f"run {run_id} was decided before its FlyteWorkflow was created (attempt {prior['attempt']}, decision {prior['decision_id']})"
+    said = f"run {run_id} already has a decision (attempt {prior['attempt']}, decision {prior['decision_id']})"
     if prior["namespace"] != asked.namespace:
         return review(uid, allowed=False, code=409, message=(
             f"budgetgate: {said} in another namespace than {asked.namespace!r}: a run keeps its namespace; launch it again under a new "
