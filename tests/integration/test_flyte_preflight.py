@@ -7,7 +7,11 @@ is a recorder of what FlyteRemote.execute would have been asked.)"""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
+
+import asyncpg
+import httpx
 
 import pytest
 
@@ -24,6 +28,7 @@ from budgetgate.adapters.flyte import BudgetDelayed, BudgetDenied, LaunchFailed,
 from budgetgate.core.principals import Role
 from tests.support import flyte_workflows as flows
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.kubernetes import flyte_review, flyte_workflow
 from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
 from tests.support.reconciler import reconciler_factory  # noqa: F401 - pytest fixtures
@@ -325,3 +330,45 @@ async def test_wait_returns_the_execution_as_it_ended(admission) -> None:
 
     await asyncio.to_thread(without_wait)
     assert (await admission.client.get("/v1/admissions/flyte/vision/production/unwaited")).status_code == 404
+
+
+class AdminCreatingWorkflows(Remote):
+    """A FlyteRemote whose FlyteAdmin creates the execution's FlyteWorkflow, as it does in a
+    cluster: the API server sends it to budgetgate's admission webhook, whose answer decides
+    whether it is created (FlyteAdmin's launch fails with its message when denied)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self.reviews: list[dict[str, Any]] = []
+
+    def execute(self, entity: Any, inputs: dict[str, Any], **kwargs: Any) -> str:
+        review = flyte_review(flyte_workflow(kwargs["execution_name"]))
+        headers = {"Authorization": f"Bearer {os.environ['BUDGETGATE_TOKEN']}"}
+        answer = httpx.post(f"{self.url}/v1/kubernetes/admission-review", json=review, headers=headers, timeout=30).json()["response"]
+        self.reviews.append(answer)
+        if not answer["allowed"]:
+            raise FlyteSystemUnavailableException(f"failed to create workflow in propeller: {answer['status']['message']}")
+        return super().execute(entity, inputs, **kwargs)
+
+
+async def test_the_webhook_lets_the_preflights_execution_through_on_its_decision(admission, pg_dsn) -> None:
+    # The preflight projected the workflow from flytekit's templates; the FlyteWorkflow FlyteAdmin
+    # then creates is projected otherwise (its own templates): submitted again it would be a 409.
+    # The webhook lets it through on the preflight's decision: one decision, one reservation.
+    remote = AdminCreatingWorkflows(admission.url)
+
+    def launch() -> str:
+        with Client(admission.url) as bg:
+            return execute(remote, flows.example().training, {"epochs": 3}, client=bg, namespace="vision-prod", labels=VISION)
+
+    name = await asyncio.to_thread(launch)
+    (answer,) = remote.reviews
+    assert answer["allowed"] is True and "not decided again" in answer["status"]["message"], answer
+    decision = (await admission.client.get(f"/v1/admissions/flyte/vision/production/{name}")).json()
+    assert (decision["decision"], decision["projected_gpu_hours"], decision["attempt"]) == ("ALLOW", 48.5, 1)  # the preflight's
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM decisions WHERE run_id = $1", f"flyte/vision/production/{name}") == 1
+    finally:
+        await conn.close()

@@ -6,11 +6,13 @@ controller then makes from the templates carry the run's label."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import uuid
 from typing import Any
 
+import jsonpatch
 import pytest
 
 from budgetgate.platforms.kubernetes import Submit, submission
@@ -32,6 +34,8 @@ from tests.support.kubernetes import (
     unstored,
     validated,
 )
+from tests.support.kubernetes import FLYTEPROPELLER, flyte_pod, flyte_review, flyte_workflow
+from budgetgate.platforms.flyte_usage import flyte_run_id
 
 MUTATE = "/v1/kubernetes/mutate"
 VALIDATE = "/v1/kubernetes/admission-review"
@@ -204,3 +208,36 @@ async def test_the_run_label_of_an_admitted_object_is_fixed(admission, user: str
     del unlabelled["spec"]["template"]["metadata"]["labels"][RUN_LABEL]
     answer = await validated(admission, unlabelled, operation="UPDATE", old=running, user=user)
     assert answer["allowed"] is (user == KUEUE)
+
+
+async def test_a_flyteworkflow_is_named_as_its_execution_and_its_pods_carry_the_run(admission, pg_dsn) -> None:
+    # The run of a FlyteWorkflow is its Flyte execution's (the preflight's run id), not a fresh
+    # UUID: a path with '/', so the label is its hash and the annotation holds it whole.
+    # flytepropeller copies the workflow's labels and annotations onto its pods: the meter reads
+    # the run there.
+    execution = "f0e1d2c3b4a596877869"
+    run_id = flyte_run_id("vision", "production", execution)
+    sent = flyte_review(flyte_workflow(execution, uid=""))
+    answer = (await admission.client.post(MUTATE, json=sent)).json()["response"]
+    assert answer["allowed"] is True and answer["status"]["message"] == f"budgetgate: run {run_id}", answer
+    workflow = jsonpatch.apply_patch(sent["request"]["object"], json.loads(base64.b64decode(answer["patch"])))
+    meta = workflow["metadata"]
+    assert meta["labels"][RUN_LABEL] == run_label_value(run_id) != run_id and meta["annotations"]["budgetgate.io/run-id"] == run_id
+    assert meta["labels"]["execution-id"] == execution  # FlyteAdmin's labels kept
+    # Stored (with its UID), it is decided under that run, and flytepropeller's pod passes on it
+    # carrying the run, as the meter reads it.
+    workflow = stored(workflow)
+    decided_answer = (await admission.client.post(VALIDATE, json=flyte_review(workflow))).json()["response"]
+    assert decided_answer["allowed"] is True, decided_answer
+    assert (await admission.client.get(f"/v1/admissions/{run_id}")).json()["decision"] == "ALLOW"
+    propeller_pod = unstored(flyte_pod(workflow))
+    assert pod_run_id(propeller_pod) == run_id
+    left, unchanged = await mutated(admission, propeller_pod, user=FLYTEPROPELLER)
+    assert "patch" not in left and unchanged is propeller_pod, left
+    passed = await validated(admission, stored(propeller_pod), user=FLYTEPROPELLER)
+    assert passed["allowed"] is True and "which was admitted for it" in passed["status"]["message"], passed
+    # Without FlyteAdmin's labels it cannot be named: left unchanged, and refused by the validating webhook.
+    unlabelled = flyte_workflow(execution, uid="")
+    del unlabelled["metadata"]["labels"]["execution-id"]
+    left_alone = (await admission.client.post(MUTATE, json=flyte_review(unlabelled))).json()["response"]
+    assert "patch" not in left_alone and "execution-id" in left_alone["status"]["message"]

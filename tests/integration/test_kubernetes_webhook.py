@@ -11,15 +11,18 @@ import subprocess
 import sys
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
 from budgetgate.core.principals import Role
 from tests.support.principals import bearer, issue
-from tests.support.admission import apply_policies, budget_yaml, example_policies, held_in_postgres
+from tests.support.admission import apply_policies, budget_yaml, example_policies, held_in_postgres, submission
+from budgetgate.platforms.flyte_usage import flyte_run_id
 from kubernetes.client import V1OwnerReference
 
 from tests.support.kubernetes import JOB_CONTROLLER, JOBSET_CONTROLLER, admission_review, as_json, container, job, jobset, job_spec, pod
+from tests.support.kubernetes import FLYTEPROPELLER, flyte_pod, flyte_review, flyte_workflow
 from tests.support.servers import free_port
 from tests.support.waiting import wait_for
 
@@ -443,3 +446,98 @@ async def test_the_kueue_label_alone_is_no_way_around_budgets(admission, pg_dsn)
     assert (await reviewed(admission, admission_review(dry, dry_run=True)))["allowed"] is True
     child = pod("dry-0", containers=[container(gpus=8)], deadline=3600, owner=owner_of(dry), annotations=H100)
     assert "which was admitted for it" not in (await reviewed(admission, admission_review(child, user=JOB_CONTROLLER)))["status"]["message"]
+
+
+async def _decision_count(dsn: str, run_id: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval("SELECT count(*) FROM decisions WHERE run_id = $1", run_id)
+    finally:
+        await conn.close()
+
+
+async def test_a_flyteworkflow_is_decided_as_its_flyte_run_and_flytepropellers_pods_pass_on_it(admission, pg_dsn) -> None:
+    # `pyflyte run --remote`, the console, a schedule: no preflight ran. FlyteAdmin creates the
+    # FlyteWorkflow, decided here as the preflight would have named it.
+    workflow = flyte_workflow("a0c1e2d3f4a5b6c7d8e9")
+    run_id = flyte_run_id("vision", "production", "a0c1e2d3f4a5b6c7d8e9")
+    answer = await reviewed(admission, flyte_review(workflow))
+    assert answer["allowed"] is True and answer["status"]["message"].startswith("budgetgate: admitted"), answer
+    decision = (await admission.client.get(f"/v1/admissions/{run_id}")).json()
+    assert (decision["decision"], decision["projected_gpu_hours"], decision["attempt"]) == ("ALLOW", 19.5, 1)
+    held = await held_in_postgres(pg_dsn)
+    # flytepropeller's pods name it "flyteworkflow" as their owner: they pass on its decision.
+    pod_obj = flyte_pod(workflow)
+    passed = await reviewed(admission, admission_review(pod_obj, user=FLYTEPROPELLER))
+    assert passed["allowed"] is True and "created by FlyteWorkflow a0c1e2d3f4a5b6c7d8e9, which was admitted for it" in passed["status"]["message"], passed
+    assert (await admission.client.get(f"/v1/admissions/{pod_obj['metadata']['uid']}")).status_code == 404
+    # The API server retrying the FlyteWorkflow's call is answered from its decision.
+    again = await reviewed(admission, flyte_review(workflow))
+    assert again["allowed"] is True and "not decided again" in again["status"]["message"], again
+    assert await held_in_postgres(pg_dsn) == held and await _decision_count(pg_dsn, run_id) == 1
+    # A tenant's pod naming the FlyteWorkflow is no pod of flytepropeller's: decided on its own.
+    forged = flyte_pod(workflow)
+    forged["metadata"]["annotations"] = {"budgetgate.io/projected-runtime-hours": "1", **H100}
+    own = await reviewed(admission, admission_review(forged, user="mallory@example.com"))
+    assert "which was admitted for it" not in own["status"]["message"], own
+    assert (await admission.client.get(f"/v1/admissions/{forged['metadata']['uid']}")).json()["projected_gpu_hours"] == 4.0
+
+
+async def test_a_flyteworkflow_runs_on_its_preflights_decision_without_a_second(admission, pg_dsn) -> None:
+    # The preflight projected from flytekit's templates (here 8 GPUs for 6 h): the FlyteWorkflow's
+    # own projection differs (4 GPUs, 4.875 h). Submitted again it would be a 409 'changed';
+    # it runs on the preflight's decision instead, and nothing is reserved twice.
+    execution = "b1d2e3f4a5b6c7d8e9f0"
+    run_id = flyte_run_id("vision", "production", execution)
+    preflight = await admission.client.post("/v1/admissions", json=submission(run_id=run_id, job={"namespace": "vision-prod", "name": "training.train_wf"}))
+    assert preflight.status_code == 200 and preflight.json()["decision"] == "ALLOW", preflight.text
+    held = await held_in_postgres(pg_dsn)
+    workflow = flyte_workflow(execution)
+    answer = await reviewed(admission, flyte_review(workflow))
+    assert answer["allowed"] is True and answer["status"]["message"].startswith(
+        f"budgetgate: not decided again (run {run_id} already has a decision (attempt 1, decision {preflight.json()['decision_id']})"
+    ), answer
+    assert await held_in_postgres(pg_dsn) == held and await _decision_count(pg_dsn, run_id) == 1
+    assert "which was admitted for it" in (await reviewed(admission, admission_review(flyte_pod(workflow), user=FLYTEPROPELLER)))["status"]["message"]
+    # Offloaded (FlyteAdmin's useOffloadedWorkflowClosure): nothing to project, the decision suffices.
+    offloaded = flyte_workflow(execution)
+    for field in ("spec", "tasks"):
+        del offloaded[field]
+    offloaded["workflowClosureReference"] = "s3://flyte/metadata/closure.pb"
+    assert (await reviewed(admission, flyte_review(offloaded)))["allowed"] is True
+    # Created by someone else than FlyteAdmin, it is a submission like any: another request of
+    # the run is a 409 naming what changed.
+    other = await reviewed(admission, flyte_review(flyte_workflow(execution), user="mallory@example.com"))
+    assert other["allowed"] is False and other["status"]["code"] == 409 and "resources.gpus: 8 → 4" in other["status"]["message"], other
+    assert await held_in_postgres(pg_dsn) == held and await _decision_count(pg_dsn, run_id) == 1
+
+
+async def test_a_flyteworkflow_refused_by_its_preflight_or_offloaded_without_one_is_denied(admission, pg_dsn) -> None:
+    # Denied by the preflight (over budget), then launched all the same: denied with that decision.
+    execution = "c2e3f4a5b6c7d8e9f0a1"
+    run_id = flyte_run_id("vision", "production", execution)
+    denied = await admission.client.post(
+        "/v1/admissions", json=submission(run_id=run_id, resources={"gpus": 64, "nodes": 8, "flavor": "h100"}, projected_runtime_hours=10.0)
+    )
+    assert denied.json()["decision"] == "DENY", denied.text
+    answer = await reviewed(admission, flyte_review(flyte_workflow(execution)))
+    assert answer["allowed"] is False and answer["status"]["code"] == 403 and answer["status"]["message"] == f"budgetgate: {denied.json()['reason']}"
+    assert await _decision_count(pg_dsn, run_id) == 1
+    # Decided in another namespace than the one Flyte runs it in: refused, nothing decided.
+    elsewhere = "d3f4a5b6c7d8e9f0a1b2"
+    moved = await admission.client.post("/v1/admissions", json=submission(run_id=flyte_run_id("vision", "production", elsewhere), namespace="vision-dev"))
+    assert moved.json()["decision"] == "ALLOW", moved.text
+    refused = await reviewed(admission, flyte_review(flyte_workflow(elsewhere)))
+    assert refused["allowed"] is False and refused["status"]["code"] == 409 and "another namespace than 'vision-prod'" in refused["status"]["message"]
+    # Offloaded with no decision: nothing to project it from, refused naming the field and the setting.
+    offloaded = flyte_workflow("e4a5b6c7d8e9f0a1b2c3")
+    for field in ("spec", "tasks"):
+        del offloaded[field]
+    offloaded["workflowClosureReference"] = "s3://flyte/metadata/closure.pb"
+    answer = await reviewed(admission, flyte_review(offloaded))
+    assert answer["allowed"] is False and answer["status"]["code"] == 422, answer
+    assert "workflowClosureReference" in answer["status"]["message"] and "useOffloadedWorkflowClosure" in answer["status"]["message"]
+    assert await _decision_count(pg_dsn, flyte_run_id("vision", "production", "e4a5b6c7d8e9f0a1b2c3")) == 0
+    # Its status updates are not decided (the configuration does not even send them).
+    update = await reviewed(admission, flyte_review(flyte_workflow(execution), operation="UPDATE"))
+    assert update["allowed"] is True and "only CREATE is" in update["status"]["message"]

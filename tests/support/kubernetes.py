@@ -8,6 +8,7 @@ import base64
 import copy
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
@@ -202,3 +203,47 @@ def pod_of(owner: dict[str, Any], name: str, template: dict[str, Any]) -> dict[s
         )
     ]
     return unstored(made)
+
+
+FLYTE_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "flyte"
+FLYTEADMIN = "system:serviceaccount:flyte:flyteadmin"  # who creates FlyteWorkflows (the flyte-core chart's account)
+FLYTEPROPELLER = "system:serviceaccount:flyte:flytepropeller"  # who creates their pods
+
+
+def flyte_workflow(execution: str | None = None, *, namespace: str = "vision-prod", uid: str | None = None) -> dict[str, Any]:
+    """tests/fixtures/flyte/flyteworkflow.json (its README says what it runs), as execution
+    `execution` (its name and execution-id label) in `namespace`, with `uid` (a fresh one unless
+    given: the API server gives it on storing, so a mutating webhook's review has none: uid="")."""
+    obj = json.loads((FLYTE_FIXTURES / "flyteworkflow.json").read_text())
+    if execution is not None:
+        obj["metadata"]["name"] = execution
+        obj["metadata"]["labels"]["execution-id"] = execution
+        obj["executionId"]["name"] = execution
+    obj["metadata"]["namespace"] = namespace
+    if uid != "":
+        obj["metadata"]["uid"] = uid or str(uuid.uuid4())
+    return obj
+
+
+def flyte_pod(workflow: dict[str, Any]) -> dict[str, Any]:
+    """tests/fixtures/flyte/flyteworkflow-pod.json: the pod flytepropeller creates for the `train`
+    node of `workflow`, owned by it and carrying its labels and annotations."""
+    pod_obj = json.loads((FLYTE_FIXTURES / "flyteworkflow-pod.json").read_text())
+    meta, owner_meta = pod_obj["metadata"], workflow["metadata"]
+    name = owner_meta["name"]
+    meta["name"], meta["namespace"], meta["uid"] = f"{name}-n1-0", owner_meta["namespace"], str(uuid.uuid4())
+    meta["labels"] = {**owner_meta["labels"], "node-id": "n1", "task-name": "training-train", "interruptible": "false"}
+    meta["annotations"] = {**(owner_meta.get("annotations") or {}), **meta["annotations"]}
+    meta["ownerReferences"][0].update(name=name, uid=owner_meta.get("uid", ""))
+    return pod_obj
+
+
+def flyte_review(obj: dict[str, Any], *, operation: str = "CREATE", dry_run: bool = False, user: str = FLYTEADMIN) -> dict[str, Any]:
+    """The AdmissionReview the API server sends for `user` creating a FlyteWorkflow: named by its
+    CRD's kind (FlyteWorkflow), whatever the body's kind (flytepropeller writes "flyteworkflow")."""
+    review = admission_review({**obj, "kind": "Pod"}, operation=operation, dry_run=dry_run, user=user)
+    request = review["request"]
+    request["object"] = obj
+    request["kind"] = request["requestKind"] = {"group": "flyte.lyft.com", "version": "v1alpha1", "kind": "FlyteWorkflow"}
+    request["resource"] = {"group": "flyte.lyft.com", "version": "v1alpha1", "resource": "flyteworkflows"}
+    return review

@@ -167,3 +167,19 @@ def test_a_pod_update_is_sent_only_when_it_renames_the_run() -> None:
     # The mutating webhook is not called on updates at all (its rules), and its conditions hold
     # for any CREATE of a GPU pod.
     assert sent(MUTATING, admission_review(base)) is True
+
+
+def test_every_flyteworkflow_is_sent_and_its_gpu_pods_too() -> None:
+    # Which GPUs a FlyteWorkflow asks for is in its task templates' protobuf JSON: no condition
+    # reads it, so every FlyteWorkflow's CREATE reaches both webhooks (the mapping lets one asking
+    # for none through), and none of the conditions errors on its shape.
+    from tests.support.kubernetes import flyte_pod, flyte_review, flyte_workflow
+
+    workflow = flyte_workflow()
+    cpu_only = flyte_workflow()
+    for template in cpu_only["tasks"].values():
+        template["container"]["resources"] = {}
+    for obj in (workflow, cpu_only):
+        assert sent(VALIDATING, flyte_review(obj)) and sent(MUTATING, flyte_review(obj))
+    # flytepropeller's pod for a GPU task is sent (and passes on its owner, the mapping says).
+    assert sent(VALIDATING, admission_review(flyte_pod(workflow))) and sent(MUTATING, admission_review(flyte_pod(workflow)))

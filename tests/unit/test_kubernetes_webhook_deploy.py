@@ -63,11 +63,14 @@ def test_the_configuration_calls_the_route_on_the_tls_service(docs: dict[str, di
     assert hook["sideEffects"] == "NoneOnDryRun" and hook["admissionReviewVersions"] == ["v1"]
     assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in hook["rules"]} == {
         (("",), ("pods",)), (("batch",), ("jobs",)), (("jobset.x-k8s.io",), ("jobsets",)), (("ray.io",), ("rayjobs",)), (("ray.io",), ("rayclusters",)),
+        (("flyte.lyft.com",), ("flyteworkflows",)),
     }  # fmt: skip
     # UPDATE of what may raise its GPUs after admission (parallelism, replicas), and of a Pod's run
-    # id label (a match condition sends only those: a Pod's GPUs are fixed).
+    # id label (a match condition sends only those: a Pod's GPUs are fixed). A FlyteWorkflow on
+    # CREATE only: flytepropeller writes its status into the object, many times per execution.
     assert {r["resources"][0]: r["operations"] for r in hook["rules"]} == {
-        resource: ["CREATE", "UPDATE"] for resource in ("pods", "jobs", "jobsets", "rayjobs", "rayclusters")
+        **{resource: ["CREATE", "UPDATE"] for resource in ("pods", "jobs", "jobsets", "rayjobs", "rayclusters")},
+        "flyteworkflows": ["CREATE"],
     }
 
 
@@ -120,3 +123,6 @@ def test_the_deployment_trusts_the_controllers_the_settings_trust_by_default(doc
     # A pattern matches whole names: a tenant's account named like a controller is no controller.
     assert not settings.trusts("system:serviceaccount:vision-prod:job-controller")
     assert not settings.trusts("system:serviceaccount:kube-system-evil:x") and not settings.trusts("alice@example.com")
+    # FlyteAdmin creates FlyteWorkflows (let through on their run's decision), flytepropeller their pods.
+    assert settings.trusts("system:serviceaccount:flyte:flyteadmin") and settings.trusts("system:serviceaccount:flyte:flytepropeller")
+    assert not settings.trusts("system:serviceaccount:vision-prod:flyteadmin")

@@ -9,7 +9,9 @@ from typing import Any
 
 import yaml
 
-from budgetgate.platforms.kubernetes import ADMITTED_KINDS, SCALABLE_KINDS
+from budgetgate.platforms.flyte_workflows import GROUP as FLYTE_GROUP
+from budgetgate.platforms.flyte_workflows import KIND as FLYTE_KIND
+from budgetgate.platforms.kubernetes import ADMITTED_KINDS, ADMITTED_OWNERS, SCALABLE_KINDS
 from budgetgate.platforms.reviews import ANSWERED_VERSION
 from tests.support.kubernetes import GROUPS
 
@@ -34,9 +36,13 @@ def test_the_rules_send_what_the_mapping_checks() -> None:
     # only for that: its match condition sends no other update of a Pod).
     assert SCALABLE_KINDS < ADMITTED_KINDS
     expected = {resource_of[k]: {"CREATE", "UPDATE"} for k in ADMITTED_KINDS}
+    # A FlyteWorkflow (flyte_workflows) on CREATE alone: flytepropeller writes its status into it.
+    expected["flyteworkflows"] = {"CREATE"}
     assert {resource: ops for (_group, resource), ops in operations.items()} == expected
     assert any(c["name"] == "pod-updates-renaming-the-run" for c in hook["matchConditions"])
-    assert {group for group, _ in operations} == {group for group, _ in ADMITTED_KINDS}
+    assert {group for group, _ in operations} == {group for group, _ in ADMITTED_KINDS} | {FLYTE_GROUP}
+    # The pods flytepropeller creates pass on their FlyteWorkflow, whose CREATE is sent.
+    assert (FLYTE_GROUP, FLYTE_KIND) in ADMITTED_OWNERS
 
 
 def test_the_api_server_is_asked_to_send_the_one_version_answered() -> None:

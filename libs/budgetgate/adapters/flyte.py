@@ -55,6 +55,7 @@ from typing import Any
 from budgetgate.adapters.flyte_projection import Projection, TaskUse, Unprojectable, flavor_of, project
 from budgetgate.client import Client, lifecycle_event
 from budgetgate.contracts.admission import AdmissionRequest, AdmissionResponse
+from budgetgate.platforms.flyte_usage import flyte_run_id
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def execute(
     if wait and not callable(getattr(remote, "wait", None)):
         raise TypeError(f"wait=True, and {type(remote).__name__} has no wait(execution) to wait with; nothing was submitted")
     _check_call(remote, entity, given, {"project": project_name, "domain": domain, "execution_name": name, **execute_kwargs})
-    run_id = f"flyte/{project_name}/{domain}/{name}"
+    run_id = flyte_run_id(project_name, domain, name)
     preflight(
         entity, client=client, run_id=run_id, namespace=namespace or f"{project_name}-{domain}", labels=labels,
         attempt=attempt, flavor=flavor, region=region, inputs=given, remote=remote,

@@ -27,77 +27,25 @@ that launches the execution. One walk over the templates projects them all:
 from __future__ import annotations
 
 import math
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
+
+from budgetgate.platforms.flyte_usage import (
+    POD_GPU,
+    Projection,
+    TaskUse,
+    Unprojectable,
+    attempts,
+    costliest,
+    flavor_of,
+    gpu_count,
+    mapped,
+)
 
 _GLOBAL_INPUTS = {"", "start-node"}  # a binding to the workflow's inputs (flytekit: GLOBAL_INPUT_NODE_ID; compiled: START_NODE_ID)
 _SYSTEM_NODES = {"start-node", "end-node"}
-_POD_GPU = re.compile(r"^([a-z0-9.-]+/)?gpu$")  # flytekit's `gpu` (flytepropeller names it), nvidia.com/gpu, amd.com/gpu
 _LOCAL = "budgetgate-preflight"  # the project, domain and version local entities are compiled under (ids only)
-
-
-class Unprojectable(ValueError):
-    """An entity whose GPU-hours cannot be projected; the message says what to add."""
-
-
-@dataclass(frozen=True)
-class TaskUse:
-    """One task node's projected use: `gpus` at once for `hours`, on `flavor`. `hours` covers all
-    its `attempts`; a map's node holds its `instances` (elements) at `gpus` for as long as they
-    take, at most its concurrency at once."""
-
-    name: str
-    gpus: int
-    hours: float
-    flavor: str | None
-    node: str = ""
-    attempts: int = 1
-    instances: int = 1
-
-    @property
-    def gpu_hours(self) -> float:
-        return self.gpus * self.hours
-
-
-@dataclass(frozen=True)
-class Projection:
-    """What an execution is projected to use, task node by task node."""
-
-    tasks: tuple[TaskUse, ...]
-
-    @property
-    def gpu_hours(self) -> float:
-        return sum(t.gpu_hours for t in self.tasks)
-
-    @property
-    def gpus(self) -> int:
-        return max((t.gpus for t in self.tasks), default=0)
-
-    @property
-    def runtime_hours(self) -> float:
-        """Hours the largest task's GPUs would take for all the GPU-hours (the longest task's
-        hours for CPU-only work)."""
-        if self.gpus:
-            return self.gpu_hours / self.gpus
-        return max((t.hours for t in self.tasks), default=0.0)
-
-    @property
-    def flavor(self) -> str | None:
-        """The flavor of most of the GPU-hours."""
-        by_flavor: dict[str, float] = {}
-        for t in self.tasks:
-            if t.flavor and t.gpus:
-                by_flavor[t.flavor] = by_flavor.get(t.flavor, 0.0) + t.gpu_hours
-        return max(by_flavor, key=by_flavor.__getitem__) if by_flavor else None
-
-
-def flavor_of(device: str) -> str:
-    """The rate card's flavor of a Flyte accelerator device name."""
-    name = device.lower().removeprefix("nvidia-").removeprefix("tesla-")
-    return re.sub(r"[^a-z0-9._-]", "-", name)
 
 
 def _key(ident: Any) -> tuple[Any, ...]:
@@ -205,18 +153,6 @@ def _retries(metadata: Any) -> int:
     return int(getattr(strategy, "retries", strategy) or 0) if strategy is not None else 0
 
 
-def _count(value: Any, what: str) -> int | None:
-    if value in (None, ""):
-        return None
-    try:
-        count = float(str(value))
-    except ValueError:
-        raise Unprojectable(f"{what}: gpu={value!r} is not a number of GPUs") from None
-    if count < 0 or count != int(count):
-        raise Unprojectable(f"{what}: gpu={value!r} is not a whole number of GPUs")
-    return int(count)
-
-
 def _resource_gpus(resources: Any, what: str) -> int | None:
     """The GPUs a Resources model names (request, else limit); None when it names none."""
     from flytekit.models.task import Resources
@@ -226,7 +162,7 @@ def _resource_gpus(resources: Any, what: str) -> int | None:
     for entries in (resources.requests, resources.limits):
         for entry in entries or []:
             if entry.name == Resources.ResourceName.GPU:
-                count = _count(entry.value, what)
+                count = gpu_count(entry.value, what)
                 if count is not None:
                     return count
     return None
@@ -240,9 +176,9 @@ def _pod_gpus(template: Any, what: str) -> int | None:
     for container in spec.get("containers") or []:
         resources = container.get("resources") or {}
         for side in ("requests", "limits"):
-            asked = [v for k, v in (resources.get(side) or {}).items() if _POD_GPU.match(k)]
+            asked = [v for k, v in (resources.get(side) or {}).items() if POD_GPU.match(k)]
             if asked:
-                total = (total or 0) + sum(_count(v, what) or 0 for v in asked)
+                total = (total or 0) + sum(gpu_count(v, what) or 0 for v in asked)
                 break
     return total
 
@@ -328,8 +264,7 @@ class _Walk:
         cases += [(f"elif-{i}", other.then_node) for i, other in enumerate(block.other or [], start=1)]
         if block.else_node is not None:
             cases.append(("else", block.else_node))  # else: an error (fail) runs nothing
-        options = [self.node(node, known, f"{path}/{label}") for label, node in cases]
-        return max(options, key=lambda uses: sum(u.gpu_hours for u in uses), default=[])
+        return costliest([self.node(node, known, f"{path}/{label}") for label, node in cases])
 
     def array(self, node: Any, known: Mapping[str, int], path: str) -> list[TaskUse]:
         array = node.array_node
@@ -345,11 +280,8 @@ class _Walk:
                 "nor a default): pass the input in inputs=, or max_map_size= (the most elements a map may have)"
             )
         parallelism = getattr(array, "_parallelism", None) or getattr(array, "parallelism", None)
-        at_once = min(elements, parallelism) if parallelism else elements
         element = self.node(array.node, {}, f"{path}/[{elements}]")
-        if not elements:
-            return []
-        return [replace(u, gpus=u.gpus * at_once, hours=u.hours * elements / at_once, instances=u.instances * elements) for u in element]
+        return mapped(element, elements, parallelism)
 
     def task(self, template: Any, metadata: Any, overrides: Any, path: str) -> TaskUse:
         name = template.id.name
@@ -365,9 +297,8 @@ class _Walk:
             if self.default_runtime_hours is None:
                 raise Unprojectable(f"{what} has no timeout: set @task(timeout=timedelta(...)) or pass default_runtime_hours")
             hours = self.default_runtime_hours
-        retries = _retries(metadata) or _retries(template.metadata)  # flytepropeller: the node's when not 0, else the task's
-        attempts = retries + 1 if self.count_retries else 1
-        return TaskUse(name, gpus, hours * attempts, flavor_of(device) if device else None, node=path, attempts=attempts)
+        tries = attempts(_retries(metadata), _retries(template.metadata), count_retries=self.count_retries)
+        return TaskUse(name, gpus, hours * tries, flavor_of(device) if device else None, node=path, attempts=tries)
 
 
 def _compile(entity: Any, templates: _Templates) -> Any:

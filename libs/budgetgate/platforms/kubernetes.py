@@ -21,9 +21,11 @@ every knob):
   owner's: the replicas of a ReplicaSet or StatefulSet, and the Jobs of a CronJob, share their
   owner and are each a run of their own). `budgetgate.io/attempt` gives the attempt (else 1).
 - Objects created by an object the webhook admits too (a Job's pods, a JobSet's Jobs, a
-  RayJob's RayCluster and pods, a RayCluster's pods) are `Owned`: let through without a
-  decision when their owner was admitted (the webhook checks, since an ownerReference is the
-  creator's to write), else decided as a run of their own (`submission(..., own_run=True)`).
+  RayJob's RayCluster and pods, a RayCluster's pods, the pods and objects flytepropeller
+  creates for a FlyteWorkflow (flyte_workflows), which name it "flyteworkflow") are `Owned`:
+  let through without a decision when their owner was admitted (the webhook checks, since an
+  ownerReference is the creator's to write), else decided as a run of their own
+  (`submission(..., own_run=True)`).
 - A Job, JobSet, RayJob or RayCluster labelled `kueue.x-k8s.io/queue-name` and created
   suspended (`spec.suspend: true`) is `Queued`: Kueue decides it, through budgetgate's
   AdmissionCheck, when it admits the Workload, and only Kueue resumes it (below). Labelled but
@@ -63,7 +65,11 @@ ADMITTED_KINDS = {("", "Pod"), ("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), 
 # GPU requests cannot change).
 SCALABLE_KINDS = ADMITTED_KINDS - {("", "Pod")}
 # Owners whose children are admitted with them: a child of one of these is skipped.
-ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster")}
+ADMITTED_OWNERS = {("batch", "Job"), ("jobset.x-k8s.io", "JobSet"), ("ray.io", "RayJob"), ("ray.io", "RayCluster"), ("flyte.lyft.com", "FlyteWorkflow")}
+# Owner kinds as their controllers write them in ownerReferences, where that is not the kind's
+# own name: flytepropeller names a FlyteWorkflow by its constant "flyteworkflow"
+# (v1alpha1.FlyteWorkflowKind) on the pods and objects it creates for it.
+OWNER_KINDS = {("flyte.lyft.com", "flyteworkflow"): "FlyteWorkflow"}
 # The label that hands a Job (JobSet, RayJob, RayCluster) to Kueue; Kueue keeps what it queues
 # suspended (spec.suspend) until it admits its Workload.
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -283,8 +289,10 @@ def submission(
     obj = asked.object
     meta = obj.obj("metadata")
     owner = _controller(meta)
-    if not own_run and owner is not None and (_group(owner.text("apiVersion") or ""), owner.text("kind")) in ADMITTED_OWNERS:
-        owner_kind, owner_name = owner.text("kind") or "", owner.text("name") or ""
+    owner_group = _group(owner.text("apiVersion") or "") if owner is not None else ""
+    owner_kind = OWNER_KINDS.get((owner_group, owner.text("kind") or ""), owner.text("kind") or "") if owner is not None else ""
+    if not own_run and owner is not None and (owner_group, owner_kind) in ADMITTED_OWNERS:
+        owner_name = owner.text("name") or ""
         reason = f"created by {owner_kind} {owner_name}, which was admitted for it"
         return Owned(owner.text("uid") or "", owner_kind, owner_name, reason, owns=(group, kind) in ADMITTED_OWNERS)
     labels = meta.strings("labels")

@@ -16,6 +16,15 @@ so that its children pass on it as on an admitted owner.
 The mutating webhook (kubernetes_mutation.py) runs before this one and names the run: the
 object reaches here with its `budgetgate.io/run-id` annotation, the run id decided under.
 
+A FlyteWorkflow (flytepropeller's CRD, which FlyteAdmin creates for every execution) is the run
+`flyte/<project>/<domain>/<execution>` of its labels, the Flyte preflight's: when FlyteAdmin (a
+trusted creator) creates one whose run already has a decision (the preflight's, or a parent
+execution's for a child carrying its labels), it is answered from that decision with no new
+submission (nothing reserved twice, no 409 for a projection that differs); otherwise it is mapped
+(budgetgate/platforms/flyte_workflows.py) and decided like any object, an offloaded closure
+refused (422) naming the field and FlyteAdmin's setting. The pods flytepropeller creates for it
+pass on it as on an admitted owner.
+
 Only admission.k8s.io/v1 is answered: a body that is not an admission.k8s.io/v1 AdmissionReview
 with a request uid is a 400 problem naming the field (no AdmissionReview the API server would
 read can answer it). Within one, a malformed request or object (a CREATE or UPDATE without its
@@ -64,6 +73,7 @@ from budgetgate.platforms.kubernetes import (
     short,
     submission,
 )
+from budgetgate.platforms.flyte_workflows import flyte_run, flyte_submission, is_flyte_workflow, offloaded_message
 from budgetgate.platforms.reviews import Asked, NotAReview, ask, review_uid
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
@@ -130,6 +140,10 @@ TRUSTED_CREATORS = (
     "system:kube-controller-manager",
     "system:serviceaccount:kube-system:*",
     "system:serviceaccount:jobset-system:jobset-controller-manager",
+    # Flyte (the flyte-core chart's accounts): FlyteAdmin creates FlyteWorkflows, flytepropeller
+    # their pods and plugin objects.
+    "system:serviceaccount:flyte:flyteadmin",
+    "system:serviceaccount:flyte:flytepropeller",
 )
 
 
@@ -154,8 +168,10 @@ class KubernetesWebhookSettings(BaseSettings):
     # patterns allowed): an ownerReference is its creator's to write, so a Pod that names an
     # admitted Job but was created by a tenant is decided as a run of its own. The defaults are
     # kube-controller-manager (Job and ReplicaSet pods, under its own or per-controller service
-    # accounts) and the JobSet controller; add KubeRay's operator where RayJobs run, e.g.
-    # "system:serviceaccount:ray-system:kuberay-operator".
+    # accounts), the JobSet controller, and Flyte's FlyteAdmin and flytepropeller (the flyte-core
+    # chart's accounts in namespace flyte): a FlyteWorkflow FlyteAdmin creates passes on its run's
+    # decision (the preflight's), flytepropeller's pods on their FlyteWorkflow. Add KubeRay's
+    # operator where RayJobs run, e.g. "system:serviceaccount:ray-system:kuberay-operator".
     trusted_creators: list[str] = Field(default_factory=lambda: list(TRUSTED_CREATORS))
     # Kueue's controller (JSON list of user names, shell patterns allowed): the one that resumes
     # a Job, JobSet, RayJob or RayCluster queued in Kueue (created suspended with the label
@@ -244,7 +260,13 @@ async def _answer(
     warnings: list[str] = []
     try:
         asked = ask(body)
-        mapped = submission(asked, mapping)
+        if is_flyte_workflow(asked.group, asked.kind):
+            flyte = await _flyte_workflow(rt, asked, uid, settings, mapping)
+            if isinstance(flyte, dict):  # answered: on its run's decision, or undecided
+                return flyte
+            mapped = flyte
+        else:
+            mapped = submission(asked, mapping)
         if isinstance(mapped, Owned):
             try:
                 owner_run = await _admitted_owner(rt.pool, mapped, namespace=asked.namespace)
@@ -309,6 +331,50 @@ async def _answer(
     if warnings:
         reviewed["response"]["warnings"] = [short(w) for w in [*warnings, *reviewed["response"].get("warnings", [])]]
     return reviewed
+
+
+async def _flyte_workflow(rt: Any, asked: Asked, uid: str, settings: KubernetesWebhookSettings, mapping: Mapping) -> dict[str, Any] | Submit | Skip:
+    """A FlyteWorkflow: its CREATE answered on its run's decision when the run has one and
+    FlyteAdmin (a trusted creator) created it, else mapped to a submission (flyte_workflows)."""
+    if asked.operation != "CREATE":
+        if asked.operation == "UPDATE" and asked.object is None:
+            raise Unmappable("request.object is missing: an UPDATE carries the object it updates")
+        return Skip(f"{asked.operation} of a FlyteWorkflow is not a submission; only CREATE is (flytepropeller writes its status into it)")
+    if asked.object is None:
+        raise Unmappable("request.object is missing: a CREATE carries the object it creates")
+    run = flyte_run(asked.object)
+    if settings.trusts(asked.username):
+        try:
+            prior = await rt.pool.fetchrow(sql("latest_decision"), run.run_id)
+        except (*BACKEND_ERRORS, asyncpg.PostgresError) as exc:
+            return _undecided(uid, exc, fail_open=settings.fail_open)
+        if prior is not None:
+            return await _on_decision(rt, asked, uid, run.run_id, prior, mapping)
+    # No decision yet (or created by someone else than FlyteAdmin: then decided like any
+    # submission, a resend of its run's request answered from it, another request a 409).
+    if run.offloaded:
+        raise Unmappable(offloaded_message(run))
+    return flyte_submission(asked, mapping)
+
+
+async def _on_decision(rt: Any, asked: Asked, uid: str, run_id: str, prior: Any, mapping: Mapping) -> dict[str, Any]:
+    """A FlyteWorkflow whose run was decided before it was created: by the preflight
+    (budgetgate.adapters.flyte, from flytekit's projection, which may differ from this object's),
+    or, for a child execution carrying its parent's labels, its parent's. Answered from that
+    decision, without a new one: nothing is reserved twice."""
+    said = f"run {run_id} already has a decision (attempt {prior['attempt']}, decision {prior['decision_id']})"
+    if prior["namespace"] != asked.namespace:
+        return review(uid, allowed=False, code=409, message=(
+            f"budgetgate: {said} in another namespace than {asked.namespace!r}: a run keeps its namespace; launch it again under a new "
+            f"execution name, with the preflight's namespace= set to {asked.namespace!r} (the namespace Flyte runs the project and domain in)"
+        ))  # fmt: skip
+    answer = prior["response"]
+    answer = json.loads(answer) if isinstance(answer, str) else dict(answer)
+    if prior["outcome"] == "ALLOW":
+        if not asked.dry_run:
+            await _record_admitted(rt.pool, asked, run_id)  # its pods pass on it
+        return review(uid, allowed=True, message=f"budgetgate: not decided again ({said}: admitted, it runs on that decision)")
+    return decided(uid, answer, attempt_annotation=mapping.attempt_annotation, dry_run=asked.dry_run)
 
 
 def _resubmitting(conflict: Conflict, mapping: Mapping) -> str:

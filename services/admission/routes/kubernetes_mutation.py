@@ -17,6 +17,11 @@ webhooks see it). So the run cannot be named by its UID here, and this webhook n
   BUDGETGATE_KUBERNETES_OVERRIDE_PRIORITY_CLASS is true. A bare Pod's is left alone: the API
   server's Priority admission resolved the pod's priority from it before any webhook ran.
 
+A FlyteWorkflow (flyte.lyft.com) is named as its Flyte execution's run,
+`flyte/<project>/<domain>/<execution>` from FlyteAdmin's labels (platforms/flyte_workflows.py),
+the run the preflight submits and the validating webhook decides: the annotation and the label
+go on the object, and flytepropeller copies both onto the pods it creates for it.
+
 Left unchanged: objects of other kinds and operations, objects asking for no GPU, objects
 labelled for a Kueue queue (Kueue names and admits them), and the children a trusted controller
 creates for an admitted owner (a Job's pods, a JobSet's Jobs: they carry their owner's names).
@@ -58,6 +63,7 @@ from budgetgate.platforms.kubernetes import (
     short,
     submission,
 )
+from budgetgate.platforms.flyte_workflows import flyte_run, is_flyte_workflow
 from budgetgate.platforms.reviews import Asked, At, NotAReview, ask, review_uid
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.access import require_submission
@@ -141,6 +147,8 @@ async def _answer(
         asked = ask(body)
     except Unmappable as exc:
         return patched(uid, [], message=f"budgetgate: left unchanged ({exc})")
+    if is_flyte_workflow(asked.group, asked.kind) and asked.operation == "CREATE" and asked.object is not None:
+        return _flyte_named(uid, asked, mapping)
     if asked.operation != "CREATE" or (asked.group, asked.kind) not in ADMITTED_KINDS or asked.object is None:
         return patched(
             uid, [], message=f"budgetgate: left unchanged (only the CREATE of a workload is named; this is {asked.operation} of {asked.kind or 'an object'})"
@@ -182,6 +190,19 @@ async def _answer(
         return patched(uid, [], message=f"budgetgate: left unchanged ({exc})")
     said = f"budgetgate: run {run_id}" + (f", priority class {priority_class}" if priority_class else "")
     return patched(uid, patch, message=said + (" (dry run: nothing recorded)" if asked.dry_run else ""), warnings=warnings)
+
+
+def _flyte_named(uid: str, asked: Asked, mapping: Mapping) -> dict[str, Any]:
+    """A FlyteWorkflow named as its execution's run (flyte/<project>/<domain>/<execution>, from
+    FlyteAdmin's labels; a child execution carries its parent's): the run id annotation and label
+    on the object, which flytepropeller copies onto every pod it creates for it."""
+    try:
+        run = flyte_run(asked.object) if asked.object is not None else None
+        patch = naming(asked, run.run_id, mapping) if run is not None else []
+    except Unmappable as exc:  # the validating webhook refuses it, naming the same field
+        return patched(uid, [], message=f"budgetgate: left unchanged ({exc})")
+    said = f"budgetgate: run {run.run_id}" if run is not None else "budgetgate: left unchanged"
+    return patched(uid, patch, message=said + (" (dry run: nothing recorded)" if asked.dry_run else ""))
 
 
 def _with_run_id(asked: Asked, run_id: str, mapping: Mapping) -> Asked:
