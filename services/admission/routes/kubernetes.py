@@ -232,17 +232,26 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
         responses={400: {"description": "not an admission.k8s.io/v1 AdmissionReview with a request uid: no AdmissionReview can answer it"}},
     )
     async def admission_review(request: Request, principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-            return _not_a_review(NotAReview("body", "is not JSON"))
-        try:
-            uid = review_uid(body)
-        except NotAReview as exc:
-            return _not_a_review(exc)
+        read = await read_review(request)
+        if isinstance(read, JSONResponse):
+            return read
+        body, uid = read
         return JSONResponse(await _answer(request, principal, body, uid, settings, mapping))
 
     return api
+
+
+async def read_review(request: Request) -> tuple[dict[str, Any], str] | JSONResponse:
+    """The AdmissionReview a webhook route was sent, and its request uid; or the 400 answering a
+    body no AdmissionReview can answer."""
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+        return _not_a_review(NotAReview("body", "is not JSON"))
+    try:
+        return body, review_uid(body)
+    except NotAReview as exc:
+        return _not_a_review(exc)
 
 
 def _not_a_review(exc: NotAReview) -> JSONResponse:

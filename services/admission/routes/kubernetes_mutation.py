@@ -64,14 +64,14 @@ from budgetgate.platforms.kubernetes import (
     submission,
 )
 from budgetgate.platforms.flyte_workflows import flyte_run, is_flyte_workflow
-from budgetgate.platforms.reviews import Asked, At, NotAReview, ask, review_uid
+from budgetgate.platforms.reviews import Asked, At, ask
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.access import require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.quoting import Quoter
 from budgetgate.services.admission.routes.kubernetes import _EXAMPLE as REVIEW_EXAMPLE
 from budgetgate.services.admission.routes.kubernetes import _REVIEW as REVIEW_SCHEMA
-from budgetgate.services.admission.routes.kubernetes import KubernetesWebhookSettings, _admitted_owner, _not_a_review
+from budgetgate.services.admission.routes.kubernetes import KubernetesWebhookSettings, _admitted_owner, read_review
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +113,10 @@ def router(settings: KubernetesWebhookSettings) -> APIRouter:
         responses={400: {"description": "not an admission.k8s.io/v1 AdmissionReview with a request uid: no AdmissionReview can answer it"}},
     )
     async def mutate(request: Request, principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError):
-            return _not_a_review(NotAReview("body", "is not JSON"))
-        try:
-            uid = review_uid(body)
-        except NotAReview as exc:
-            return _not_a_review(exc)
+        read = await read_review(request)
+        if isinstance(read, JSONResponse):
+            return read
+        body, uid = read
         return JSONResponse(await _answer(request, principal, body, uid, settings, mapping))
 
     return api
