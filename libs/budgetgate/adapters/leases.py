@@ -28,7 +28,6 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-import httpx
 from lightkube import ApiError
 from lightkube import AsyncClient as KubeClient
 from lightkube.models.coordination_v1 import LeaseSpec
@@ -151,13 +150,15 @@ class LeaderElection:
             while True:
                 try:
                     await self.try_acquire_or_renew()
-                except (ApiError, httpx.HTTPError) as exc:
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the API server away, a connection cut: tried again
                     log.warning("lease %s/%s: %s: %s", self.namespace, self.name, type(exc).__name__, exc)
                 if self._leading and not self.leading:
                     self._step_down(f"not renewed for {self.renew_deadline_seconds}s")
                 await asyncio.sleep(self.retry_seconds)
         finally:
-            await asyncio.shield(self.release())
+            await self.release()
 
     async def release(self) -> None:
         """Give the Lease up if this replica holds it (holder cleared), so another need not wait
@@ -171,5 +172,5 @@ class LeaderElection:
                 lease.spec.holderIdentity = None
                 lease.spec.leaseDurationSeconds = 1
                 await self.kube.replace(lease)
-        except (ApiError, httpx.HTTPError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the API server away: the others wait the lease out
             log.warning("lease %s/%s not released (%s): the next leader waits it out", self.namespace, self.name, exc)
