@@ -25,9 +25,9 @@ class ReconcilerSettings(AuthSettings):
     # long gives its reservation back.
     start_deadline_seconds: float = 3600.0
     # A run the Kubernetes validating webhook admitted holds provisionally: unless the platform
-    # confirms its object was stored (a STORED event from the lifecycle controller, or any start,
-    # eviction or end) this long after admission, its reservation is given back ("the object was
-    # never stored": a later webhook, a ResourceQuota or a taken name refused it after budgetgate).
+    # confirms its object was stored (a STORED event from the lifecycle controller, any start,
+    # eviction or end, or a usage sample) this long after admission, its reservation is given back
+    # ("the object was never stored": a later webhook, a ResourceQuota or a taken name refused it).
     provisional_hold_seconds: float = Field(default=120.0, gt=0)
     # A finished run whose metering has not caught up is charged provisionally (bound GPUs ×
     # wall time) after this long, and corrected when the samples arrive.

@@ -13,8 +13,7 @@ import pytest
 from lightkube import AsyncClient as KubeClient
 
 from budgetgate.adapters.leases import LeaderElection
-from tests.integration.test_kueue_controller import kubeconfig
-from tests.support.kube_api import KubeApi
+from tests.support.kube_api import KubeApi, kubeconfig
 from tests.support.servers import InProcessServer, free_port
 from tests.support.waiting import wait_for
 

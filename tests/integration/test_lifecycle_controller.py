@@ -26,8 +26,7 @@ from budgetgate.client import AsyncClient
 from budgetgate.core.principals import Role
 from budgetgate.platforms.run_labels import RUN_LABEL, run_label_value
 from budgetgate.v1.lifecycle_pb2 import LifecycleType
-from tests.integration.test_kueue_controller import kubeconfig
-from tests.support.kube_api import KubeApi
+from tests.support.kube_api import KubeApi, kubeconfig
 from tests.support.kubernetes import admission_review, as_json, job
 from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
