@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 from lightkube import AsyncClient as KubeClient
 
@@ -48,8 +49,10 @@ async def kube() -> AsyncIterator[tuple[KubeApi, str]]:
     api = KubeApi()
     server = InProcessServer(api.app, port=free_port())
     await server.start()
+    _SERVERS[id(api)] = [server]
     yield api, server.url
-    await server.stop()
+    for running in _SERVERS.pop(id(api), []):
+        await running.stop()
 
 
 @asynccontextmanager
@@ -255,3 +258,74 @@ async def running_controller(url: str, publish) -> AsyncIterator[LifecycleContro
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await kube_client.close()
+
+
+def bare_pod(name: str, run_id: str, *, phase: str, started: datetime | None = None, finished: datetime | None = None) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if phase == "Running" and started:
+        state = {"running": {"startedAt": stamp(started)}}
+    elif started:
+        state = {"terminated": {"startedAt": stamp(started), "finishedAt": stamp(finished or started), "exitCode": 0}}
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "vision-prod", "uid": f"uid-{name}", "labels": {RUN_LABEL: run_id},
+                     "creationTimestamp": stamp(datetime.now(UTC))},
+        "spec": {"nodeName": "gpu-node-2", "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]},
+        "status": {"phase": phase, "containerStatuses": [{"name": "main", "state": state}] if state else []},
+    }  # fmt: skip
+
+
+async def test_outages_of_the_api_server_and_of_metering_ingest_are_waited_out(kube) -> None:
+    """The API server going away ends the watches (listed again with backoff once it is back, what
+    changed meanwhile derived from the new list); publications failing are retried with backoff.
+    Every fact is published once it goes through, none twice; a bare pod deleted before it
+    finished cancels its run."""
+    api, url = kube
+    port = int(url.rsplit(":", 1)[1])
+    delivered: list[Any] = []
+    failures = {"left": 3}
+
+    async def flaky(events) -> None:  # type: ignore[no-untyped-def]
+        if failures["left"]:
+            failures["left"] -= 1
+            raise httpx.ConnectError("metering-ingest unreachable")
+        delivered.extend(events)
+
+    t0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=10)
+    api.put("pods", bare_pod("solo", "run-solo", phase="Running", started=t0))
+    async with running_controller(url, flaky) as controller:
+        await wait_for(lambda: {LifecycleType.Name(e.type) for e in delivered} == {"STORED", "STARTED"}, timeout=30, what="facts through the outage")
+        assert failures["left"] == 0
+        restarts = controller.watch_restarts
+        await kube_server_restart(
+            api, port, between=lambda: api.put("pods", bare_pod("solo", "run-solo", phase="Succeeded", started=t0, finished=t0 + timedelta(minutes=5)))
+        )
+        await wait_for(lambda: controller.watch_restarts > restarts, timeout=20, what="the watches ended by the outage")
+        await wait_for(lambda: any(LifecycleType.Name(e.type) == "COMPLETED" for e in delivered), timeout=30, what="COMPLETED from the list after the outage")
+        api.put("pods", bare_pod("gone", "run-gone", phase="Running", started=t0))
+        await wait_for(lambda: any(e.run_id == "run-gone" and LifecycleType.Name(e.type) == "STARTED" for e in delivered), timeout=20, what="run-gone started")
+        api.delete("pods", "gone", "vision-prod")
+        await wait_for(
+            lambda: any(e.run_id == "run-gone" and LifecycleType.Name(e.type) == "CANCELLED" for e in delivered), timeout=20, what="run-gone cancelled"
+        )
+    ids = [e.event_id for e in delivered]
+    assert len(ids) == len(set(ids))  # nothing published twice by one controller
+    solo = {LifecycleType.Name(e.type): e.event_time.ToDatetime(tzinfo=UTC) for e in delivered if e.run_id == "run-solo"}
+    assert solo["STARTED"] == t0 and solo["COMPLETED"] == t0 + timedelta(minutes=5) and set(solo) == {"STORED", "STARTED", "COMPLETED"}
+
+
+async def kube_server_restart(api: KubeApi, port: int, *, between) -> None:  # type: ignore[no-untyped-def]
+    """Stop the stand-in serving (watches cut, calls refused), change the cluster meanwhile, serve again on the same port."""
+    for server in list(_SERVERS.get(id(api), [])):
+        server.server.force_exit = True  # not waiting for the open watches
+        await server.stop()
+    for plural in ("pods", "jobs", "workloads"):  # the open watches told to go (the stand-in keeps serving them otherwise)
+        api.expire_watches(plural)
+    await asyncio.sleep(1.0)  # lists and watches refused meanwhile
+    between()
+    server = InProcessServer(api.app, port=port)
+    await server.start()
+    _SERVERS[id(api)] = [server]
+
+
+_SERVERS: dict[int, list[InProcessServer]] = {}
