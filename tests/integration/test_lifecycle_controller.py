@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -24,9 +29,12 @@ from lightkube import AsyncClient as KubeClient
 from budgetgate.adapters.leases import LeaderElection
 from budgetgate.adapters.lifecycle_controller import LifecycleController
 from budgetgate.client import AsyncClient
+from budgetgate.contracts import wire
+from budgetgate.contracts.topics import Topics
 from budgetgate.core.principals import Role
 from budgetgate.platforms.run_labels import RUN_LABEL, run_label_value
-from budgetgate.v1.lifecycle_pb2 import LifecycleType
+from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
+from tests.support.kafka import drain
 from tests.support.kube_api import KubeApi, kubeconfig
 from tests.support.kubernetes import admission_review, as_json, job
 from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
@@ -329,3 +337,47 @@ async def kube_server_restart(api: KubeApi, port: int, *, between) -> None:  # t
 
 
 _SERVERS: dict[int, list[InProcessServer]] = {}
+
+
+async def test_the_command_elects_itself_and_publishes(kube, metering, settings, pg_dsn, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`budgetgate kubernetes lifecycle` as the Deployment runs it (its own process, a kubeconfig,
+    the Lease in its namespace): it takes the Lease and its facts reach workload.lifecycle.v1."""
+    api, url = kube
+    config = tmp_path / "kubeconfig"
+    config.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
+        "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
+        "users": [{"name": "budgetgate", "user": {"token": "stand-in-token"}}],
+        "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "budgetgate"}}],
+    }))  # fmt: skip
+    token = await issue(pg_dsn, Role.EXPORTER)
+    t0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=3)
+    api.put("pods", bare_pod("cli-solo", "run-cli", phase="Running", started=t0))
+    command = [sys.executable, "-m", "budgetgate.cli.main", "kubernetes", "lifecycle", "--kubeconfig", str(config), "--identity", "cli-replica",
+               "--lease-seconds", "3", "--renew-deadline", "2", "--retry-seconds", "0.2"]  # fmt: skip
+    env = {**os.environ, "BUDGETGATE_METERING_URL": metering.url, "BUDGETGATE_TOKEN": token, "POD_NAMESPACE": "budgetgate"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        await wait_for(lambda: (api.find("leases", "budgetgate-lifecycle", "budgetgate") or {}).get("spec", {}).get("holderIdentity") == "cli-replica",
+                       timeout=30, what="the command holding the Lease")  # fmt: skip
+        records = await drain(settings.kafka_bootstrap, Topics(settings.topic_prefix).lifecycle, 2)
+        events = sorted((LifecycleType.Name(e.type), e.run_id) for e in (wire.decode(LifecycleEvent, r.value, r.headers) for r in records))
+        assert events == [("STARTED", "run-cli"), ("STORED", "run-cli")]
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=30)[0].decode()
+    assert "leads (lease budgetgate/budgetgate-lifecycle)" in output, output
+
+
+def test_the_command_needs_a_namespace_for_its_lease(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from budgetgate.cli import kubernetes as command
+    from budgetgate.cli.main import cli
+
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    monkeypatch.setattr(command, "SERVICE_ACCOUNT_NAMESPACE", Path("/nonexistent/namespace"))
+    result = CliRunner().invoke(cli, ["kubernetes", "lifecycle", "--metering-url", "http://127.0.0.1:9"])
+    assert result.exit_code == 2 and "no namespace for the Lease" in result.output
+    result = CliRunner().invoke(cli, ["kubernetes", "lifecycle", "--lease-namespace", "b", "--renew-deadline", "20"])
+    assert result.exit_code == 2 and "--retry-seconds < --renew-deadline < --lease-seconds" in result.output
