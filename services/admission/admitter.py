@@ -97,6 +97,7 @@ class Pending:
     decision_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     result: ReserveResult | None = None
     accounting: BudgetSource | None = None
+    provisional: bool = False
 
     @property
     def run_id(self) -> str:
@@ -140,9 +141,14 @@ class Admitter:
         self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
 
-    async def admit(self, request: AdmissionRequest, *, now: datetime | None = None) -> dict[str, Any]:
-        """Decide a submission; raises Unavailable (503), InvalidSubmission (422) or Conflict (409)."""
+    async def admit(self, request: AdmissionRequest, *, now: datetime | None = None, provisional: bool = False) -> dict[str, Any]:
+        """Decide a submission; raises Unavailable (503), InvalidSubmission (422) or Conflict (409).
+
+        `provisional`: the submission's object may still be refused after this answer (the
+        Kubernetes validating webhook answers before the API server stores it), so what an ALLOW
+        holds is given back unless the object is confirmed (see the reconciler's provisional hold)."""
         pending = self._prepare(request, now or datetime.now(UTC))
+        pending.provisional = provisional
         if self.accounting is not None:
             pending.accounting = await self.accounting.source(pending.bundle, pending.plan, pending.asks.tenant, label=self.tenant_label)
         self.batches.submit(pending)
@@ -299,7 +305,7 @@ class Admitter:
             body = response_body(plan=p.plan, decision=decision, decision_id=p.decision_id, decided_at=p.decided_at, standing=view)
             seq = p.result.seq if p.result is not None and reserved else None
             recorded = readings_record(p.prepared, p.result, ahead, tenant_label=self.tenant_label, usage=usage)
-            decided.append(records.DecisionRecord(p.request, p.plan, decision, body, p.asks, p.decided_at, reserved, seq, recorded))
+            decided.append(records.DecisionRecord(p.request, p.plan, decision, body, p.asks, p.decided_at, reserved, seq, recorded, p.provisional))
         return decided
 
     def decayed(self, p: Prepared) -> Decayed | None:

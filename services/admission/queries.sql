@@ -18,7 +18,7 @@ WITH batch AS (
         job_namespace text, job_name text, policy_bundle_sha text, projected_gpu bigint, showback_micros bigint,
         currency text, request jsonb, response jsonb, decided_at timestamptz, ledger_seq bigint, readings jsonb,
         override_revision bigint, gpus integer, nodes integer, flavor text, region text, expected_end timestamptz, evaluations jsonb,
-        entries jsonb, reservations jsonb, holds jsonb, token jsonb)
+        entries jsonb, reservations jsonb, holds jsonb, token jsonb, provisional boolean)
 ), decision AS (
     INSERT INTO decisions (decision_id, run_id, attempt, outcome, reason, namespace, labels, job_namespace,
                            job_name, policy_bundle_sha, projected_gpu, showback_micros, currency, request,
@@ -69,6 +69,12 @@ WITH batch AS (
         lease_expires_at = EXCLUDED.lease_expires_at, lease_seconds = EXCLUDED.lease_seconds, state = 'held', principal = NULL,
         granted_at = now(), released_at = NULL
     WHERE a.state = 'released' OR a.lease_expires_at <= clock_timestamp()
+), provisional AS (
+    -- An admission the Kubernetes validating webhook made before the API server stored the
+    -- object: the reconciler gives it back unless a fact confirms the object (migration 0028).
+    INSERT INTO provisional_holds (run_id, decision_id, held_since)
+    SELECT b.run_id, b.decision_id, b.decided_at FROM batch b WHERE b.provisional AND b.outcome = 'ALLOW'
+    ON CONFLICT (run_id) DO UPDATE SET decision_id = EXCLUDED.decision_id, held_since = EXCLUDED.held_since
 )
 INSERT INTO outbox (topic, headers, records, keys, payloads, event_ids)
 VALUES ($2, $6::jsonb, cardinality($4::bytea[]), $3::text[], $4::bytea[], $5::text[]);

@@ -40,6 +40,9 @@ class DecisionRecord:
     reserved: bool
     ledger_seq: int | None
     readings: dict[str, Any]  # what the decision was made on (deciding.readings_record)
+    # Taken by the Kubernetes validating webhook before the object was stored: given back unless
+    # the object is confirmed (the reconciler's provisional hold, migration 0028).
+    provisional: bool = False
 
     def row(self) -> dict[str, Any]:
         """The jsonb object record_decisions reads (see queries.sql)."""
@@ -88,6 +91,7 @@ class DecisionRecord:
                 "lease_expires_at": datetime.fromtimestamp(pool.expiry_ms / 1000, UTC).isoformat(),
                 "lease_seconds": pool.lease_seconds,
             } if pool else None,
+            "provisional": self.provisional,
         }  # fmt: skip
 
     def message(self) -> DecisionMessage:

@@ -67,8 +67,26 @@ LIMIT $2;
 -- the tenant its concurrency holds were taken for, and whether an earlier attempt was refused.
 SELECT d.decision_id, d.decided_at, d.policy_bundle_sha, d.projected_gpu, d.gpus, d.nodes, d.flavor, d.region, d.labels,
        d.job_namespace, d.job_name, (SELECT h.tenant FROM run_holds h WHERE h.run_id = d.run_id) AS tenant,
-       EXISTS (SELECT 1 FROM decisions r WHERE r.run_id = d.run_id AND r.attempt < d.attempt AND r.outcome <> 'ALLOW') AS after_refusal
+       EXISTS (SELECT 1 FROM decisions r WHERE r.run_id = d.run_id AND r.attempt < d.attempt AND r.outcome <> 'ALLOW') AS after_refusal,
+       EXISTS (SELECT 1 FROM provisional_holds p WHERE p.run_id = d.run_id AND p.decision_id = d.decision_id) AS provisional
 FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1;
+
+-- name: unconfirmed_holds
+-- Provisional admissions (the Kubernetes webhook's) held since before $1 (the provisional hold)
+-- whose row is still there: settled so that one no fact confirmed is given back. A dead-lettered
+-- one waits for an operator, as unseen_holds's do.
+SELECT p.run_id FROM provisional_holds p
+WHERE p.held_since <= $1
+  AND NOT EXISTS (SELECT 1 FROM settlement_failures f WHERE f.run_id = p.run_id AND f.dead)
+ORDER BY p.held_since LIMIT $2;
+
+-- name: end_provisional_hold
+-- The run's provisional hold of decision $2 was confirmed, given back or ended.
+DELETE FROM provisional_holds WHERE run_id = $1 AND decision_id = $2;
+
+-- name: forget_provisional_holds
+-- A run without an admitting decision holds nothing provisionally.
+DELETE FROM provisional_holds WHERE run_id = $1;
 
 -- name: run_reservations
 SELECT r.ledger_key, r.amount, r.state, e.policy_id, e.admitted

@@ -262,7 +262,9 @@ class Reconciler(Service):
                 self.stats.dead_lettered = await dead_letters.count(conn)
             due = [r["run_id"] for r in await self.pool.fetch(sql("runs_due"), now, 500)]
             unseen = [r["run_id"] for r in await self.pool.fetch(sql("unseen_holds"), now - timedelta(seconds=s.start_deadline_seconds), 500)]
-            await self._settle_all(sorted(set(due) | set(unseen)))
+            # Provisional holds of the Kubernetes webhook never confirmed: given back ("the object was never stored").
+            unconfirmed = [r["run_id"] for r in await self.pool.fetch(sql("unconfirmed_holds"), now - timedelta(seconds=s.provisional_hold_seconds), 500)]
+            await self._settle_all(sorted(set(due) | set(unseen) | set(unconfirmed)))
             # Settlements parked by a reconciler that died (or lost Redis) after its commit:
             # Redis converges on Postgres within a tick or two, without a restart or a rebuild.
             self.stats.ended_parked += await self.settler.end_pending(older_than_ms=int(time.time() * 1000) - PARKED_GRACE_MS)

@@ -24,6 +24,11 @@ class ReconcilerSettings(AuthSettings):
     # A run admitted but not running (never started, or evicted and not re-admitted) for this
     # long gives its reservation back.
     start_deadline_seconds: float = 3600.0
+    # A run the Kubernetes validating webhook admitted holds provisionally: unless the platform
+    # confirms its object was stored (a STORED event from the lifecycle controller, any start,
+    # eviction or end, or a usage sample) this long after admission, its reservation is given back
+    # ("the object was never stored": a later webhook, a ResourceQuota or a taken name refused it).
+    provisional_hold_seconds: float = Field(default=120.0, gt=0)
     # A finished run whose metering has not caught up is charged provisionally (bound GPUs ×
     # wall time) after this long, and corrected when the samples arrive.
     provisional_grace_seconds: float = 600.0
@@ -71,4 +76,5 @@ class ReconcilerSettings(AuthSettings):
             provisional_grace=timedelta(seconds=self.provisional_grace_seconds),
             metering_tolerance=timedelta(seconds=self.metering_tolerance_seconds),
             wall_refresh=timedelta(seconds=self.wall_refresh_seconds),
+            provisional_hold=timedelta(seconds=self.provisional_hold_seconds),
         )

@@ -16,7 +16,7 @@ import asyncpg
 
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.ledger_key import LedgerKey
-from budgetgate.core.reconciliation import READMITTED, STARTED, LifecycleFact, Reservation, Rules, RunFacts, Settlement
+from budgetgate.core.reconciliation import NOT_STARTED, READMITTED, STARTED, LifecycleFact, Reservation, Rules, RunFacts, Settlement
 from budgetgate.core.run_state import given_back, settle_state
 from budgetgate.core.windows import Window
 from budgetgate.ledger.concurrency_holds import EndedHolds, end_run_holds, rehold_run, renew_run_token
@@ -125,10 +125,12 @@ class Settler:
         loaded = await self._load(conn, run_id)
         if loaded is None:
             # Denied, delayed or unknown: nothing is held, and facts wait for an admission.
+            await conn.execute(sql("forget_provisional_holds"), run_id)
             return Outcome(run_id, False, None)
         result = settle_state(loaded.facts, loaded.folded.state, bundle=loaded.bundle, rules=self.rules, now=now)
         outcome = await self._apply(work, loaded, result, now)
         await self._keep_token(work, loaded, result, now)
+        await self._end_provisional(conn, loaded, result)
         return outcome
 
     async def release_locked(self, work: LedgerTransaction, run_id: str, now: datetime, *, why: str) -> Outcome:
@@ -143,7 +145,16 @@ class Settler:
         if loaded is None:
             return Outcome(run_id, False, None)
         result = given_back(loaded.facts, loaded.folded.state, loaded.folded.timed, last=loaded.settlement)
-        return await self._apply(work, loaded, result, now, end_reason=why)
+        outcome = await self._apply(work, loaded, result, now, end_reason=why)
+        await self._end_provisional(conn, loaded, result)
+        return outcome
+
+    async def _end_provisional(self, conn: asyncpg.Connection, loaded: Loaded, result: Settlement) -> None:
+        """A provisional hold confirmed (a fact showed its object exists), given back, or ended is
+        provisional no more: its row goes, in the settlement's transaction, so the rule holds
+        across restarts until then and is never applied twice."""
+        if loaded.facts.provisional and not result.unconfirmed:
+            await conn.execute(sql("end_provisional_hold"), loaded.facts.run_id, loaded.decision["decision_id"])
 
     async def end_pending(self, *, older_than_ms: int) -> int:
         """End every settlement parked in Redis before `older_than_ms` whose run is not being
@@ -204,6 +215,7 @@ class Settler:
                 LifecycleFact(r["event_id"], r["kind"], r["event_time"], r["gpus"], r["nodes"]) for r in await conn.fetch(sql("run_lifecycle"), run_id)
             ),
             ends_after=decision["decided_at"] if decision["after_refusal"] else None,
+            provisional=decision["provisional"],
             # Given back once is given back for good: a late start is charged, never held again.
             released=bool(settlement and settlement["released"]) or (bool(reservations) and not is_open and not (settlement and settlement["final"])),
         )
@@ -264,7 +276,7 @@ class Settler:
         await _write_charges(conn, run_id, charges)
         if held_deltas or closing:
             state = ("reconciled" if result.final else "released") if closing else None
-            reason = end_reason or ((result.final_state or "").lower() if result.final else "not running within the start deadline")
+            reason = end_reason or ((result.final_state or "").lower() if result.final else (result.release_reason or NOT_STARTED))
             await conn.execute(sql("set_held"), run_id, list(loaded.held), [result.held.get(k, 0) for k in loaded.held], state, reason if state else None)
         revision = await _put_settlement(conn, run_id, decision_id, result)
         if revision != seq:

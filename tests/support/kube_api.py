@@ -8,7 +8,8 @@ for any kind it is told to serve (core `v1` under `/api/v1`, every group under `
   replace (PUT) and JSON merge patches of an object or of its status subresource; a write naming
   another resourceVersion than the stored one is a 409 Conflict Status, and every write bumps
   the resourceVersion and goes to the watchers;
-- delete (DELETE), which announces DELETED.
+- delete (DELETE), which announces DELETED;
+- `expire_watches` ends watches with 410 Gone, as an API server does when a watched version is too old.
 
 An object is stored once, under its group, and served in any version of that group the stand-in
 serves; a version it does not serve is a 404, as an API server answers for a version a CRD does not
@@ -87,6 +88,18 @@ def _selected(obj: dict[str, Any], selector: str | None) -> bool:
     return True
 
 
+def kubeconfig(url: str) -> Any:
+    """A lightkube KubeConfig for the stand-in at `url`, with a bearer token as a service account would have."""
+    from lightkube import KubeConfig
+
+    return KubeConfig.from_dict({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
+        "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
+        "users": [{"name": "budgetgate", "user": {"token": "stand-in-token"}}],
+        "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "budgetgate"}}],
+    })  # fmt: skip
+
+
 class KubeApi:
     """The stored objects, by (plural, namespace, name), and the app serving them."""
 
@@ -124,6 +137,18 @@ class KubeApi:
         self.version += 1
         self._announce(plural, "DELETED", obj)
         return obj
+
+    def expire_watches(self, plural: str) -> int:
+        """End every watch of `plural` with the ERROR event an API server sends when the watched
+        resourceVersion is too old (410 Gone: the client must list again); how many were ended."""
+        gone = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Expired", "code": 410,
+                "message": "too old resource version"}  # fmt: skip
+        ended = 0
+        for watched, queue in self.watchers:
+            if watched == plural:
+                queue.put_nowait(("ERROR", gone))
+                ended += 1
+        return ended
 
     def items(self, plural: str, namespace: str | None = None) -> list[dict[str, Any]]:
         return [copy.deepcopy(o) for (p, ns, _), o in sorted(self.objects.items()) if p == plural and namespace in (None, ns)]
@@ -280,6 +305,9 @@ class KubeApi:
         try:
             while True:
                 event, obj = await queue.get()
+                if event == "ERROR":  # the watch ends with it, as the API server's does
+                    yield (json.dumps({"type": event, "object": obj}) + "\n").encode()
+                    return
                 if namespace not in (None, obj["metadata"].get("namespace", "")) or not _selected(obj, selector):
                     continue
                 yield (json.dumps({"type": event, "object": self._as_version(obj, group, version)}) + "\n").encode()

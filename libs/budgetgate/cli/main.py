@@ -20,6 +20,7 @@ from budgetgate.cli.submit import submit
 from budgetgate.cli.whatif import what_if
 from budgetgate.cli.meter import meter
 from budgetgate.cli.kueue import kueue
+from budgetgate.cli.kubernetes import kubernetes
 from budgetgate.cli.token import admin_log, token
 from budgetgate.cli.admin import admin
 
@@ -52,6 +53,7 @@ cli.add_command(status)
 cli.add_command(replay)
 cli.add_command(meter)
 cli.add_command(kueue)
+cli.add_command(kubernetes)
 cli.add_command(token)
 cli.add_command(admin_log)
 cli.add_command(admin)

@@ -101,7 +101,7 @@ def _send(settings: CommonSettings, topic: str, message: Message, *, key: str) -
 
 # The event's gpus and nodes are int32 fields.
 COUNT = click.IntRange(0, 2**31 - 1)
-LIFECYCLE_EVENTS = ("started", "completed", "failed", "cancelled", "evicted", "readmitted")
+LIFECYCLE_EVENTS = ("started", "completed", "failed", "cancelled", "evicted", "readmitted", "stored")
 
 
 @publish.command()

@@ -36,7 +36,8 @@ def lifecycle_event(
     reason: str = "",
     event_id: str | None = None,
 ) -> LifecycleEvent:
-    """A LifecycleEvent: `kind` is STARTED, COMPLETED, FAILED, CANCELLED, EVICTED or READMITTED."""
+    """A LifecycleEvent: `kind` is STARTED, COMPLETED, FAILED, CANCELLED, EVICTED, READMITTED or
+    STORED (the run's object exists: confirms a provisional hold)."""
     when = at or datetime.now(UTC)
     kind = kind.upper()
     if kind not in LIFECYCLE_KINDS:

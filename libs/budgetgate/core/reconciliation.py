@@ -21,6 +21,11 @@ samples give the same answer as the clean sequence. The rules:
   every admission of the workload.
 - **Never started.** A run not running (never started, or evicted and not re-admitted) for
   `start_deadline` gives its reservation back; later usage is still charged as consumed.
+- **Provisional.** A run admitted provisionally (by the Kubernetes validating webhook, before the
+  API server stored the object: a later webhook, a ResourceQuota or a name already taken may still
+  refuse it) gives its reservation back `provisional_hold` after its admission unless the platform
+  confirmed the object: STORED (the object exists), any start, eviction or end, or a usage sample. Confirmed, it
+  follows the start deadline as any run.
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ from budgetgate.core.units import MILLI_PER_HOUR, Unit, cost_micros
 from budgetgate.core.windows import Window, window_at
 
 STARTED, COMPLETED, FAILED, CANCELLED, EVICTED, READMITTED = "STARTED", "COMPLETED", "FAILED", "CANCELLED", "EVICTED", "READMITTED"
-LIFECYCLE_KINDS = (STARTED, COMPLETED, FAILED, CANCELLED, EVICTED, READMITTED)
+# The platform stored the run's object: confirms a provisional hold, changes nothing else.
+STORED = "STORED"
+LIFECYCLE_KINDS = (STARTED, COMPLETED, FAILED, CANCELLED, EVICTED, READMITTED, STORED)
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
+# What shows the run's object exists (confirming a provisional hold): any fact the platform reports.
+CONFIRMING = frozenset({STORED, STARTED, READMITTED, EVICTED}) | TERMINAL
+NOT_STARTED = "not running within the start deadline"
 # Several transitions at one instant happen in this order: a run started and evicted in the
 # same second ran for zero seconds, rather than never stopping.
 _SAME_INSTANT = {STARTED: 0, EVICTED: 1, READMITTED: 2, COMPLETED: 3, FAILED: 3, CANCELLED: 3}
@@ -91,6 +101,9 @@ class RunFacts:
     # (the admitting decision's time) and before any start ended that attempt, cancelled while it
     # waited, not this one.
     ends_after: datetime | None = None
+    # Admitted provisionally (the Kubernetes validating webhook): given back `provisional_hold`
+    # after admission unless a fact confirms the object was stored.
+    provisional: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +113,8 @@ class Rules:
     metering_tolerance: timedelta = timedelta(seconds=60)
     # How often a running run's wall time is brought up to date when a wall-hours budget applies.
     wall_refresh: timedelta = timedelta(minutes=1)
+    # A provisional admission whose object no fact confirms is given back this long after it.
+    provisional_hold: timedelta = timedelta(minutes=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +156,10 @@ class Settlement:
     final_state: str | None
     review_at: datetime | None  # when time alone changes this settlement next; None = never
     used: Mapping[str, int] = field(default_factory=dict)  # per policy id, in its unit
+    # Why the run's holds were given back now (None: they were not, or were before).
+    release_reason: str | None = None
+    # A provisional admission still waiting for its object to be confirmed.
+    unconfirmed: bool = False
 
     @property
     def error_gpu(self) -> int:
@@ -226,7 +245,7 @@ def settle(facts: RunFacts, *, bundle: PolicyBundle | None, rules: Rules, now: d
     line = timeline(facts.events, gpus=facts.gpus, nodes=facts.nodes, ends_after=facts.ends_after)
     metered = increments(facts.samples)
     covered = max((s.observed_at for s in facts.samples), default=None)
-    st = standing(line, covered, admitted_at=facts.admitted_at, released=facts.released, rules=rules, now=now)
+    st = standing(line, covered, admitted_at=facts.admitted_at, released=facts.released, rules=rules, now=now, unconfirmed=unconfirmed(facts, covered))
     wall, tail, final, provisional, released, idle_since = st.wall, st.tail, st.final, st.provisional, st.released, st.idle_since
 
     held: dict[str, int] = {}
@@ -264,8 +283,10 @@ def settle(facts: RunFacts, *, bundle: PolicyBundle | None, rules: Rules, now: d
         projected_gpu=facts.projected_gpu,
         ended_at=line.ended_at,
         final_state=line.final_state,
-        review_at=_review_at(line, facts, rules, now, final=final, released=released, idle_since=idle_since),
+        review_at=_review_at(line, facts, rules, now, final=final, released=released, idle_since=idle_since, st=st),
         used=used,
+        release_reason=st.release_reason,
+        unconfirmed=st.unconfirmed,
     )
 
 
@@ -279,10 +300,22 @@ class Standing:
     provisional: bool
     released: bool
     idle_since: datetime
+    release_reason: str | None = None  # why the holds are given back now (None: not now)
+    unconfirmed: bool = False  # a provisional admission not confirmed yet (nor given back)
+    confirm_by: datetime | None = None  # when an unconfirmed one is given back
 
 
-def standing(line: Timeline, covered: datetime | None, *, admitted_at: datetime, released: bool, rules: Rules, now: datetime) -> Standing:
-    """The time-driven half of the rules: completeness, finality, release, wall time, the tail."""
+def unconfirmed(facts: RunFacts, covered: datetime | None) -> bool:
+    """Whether the run was admitted provisionally and no fact shows its object exists yet: no
+    lifecycle event, and no usage sample (`covered`, the latest sample's time: a metered run runs)."""
+    return facts.provisional and covered is None and not any(e.kind in CONFIRMING for e in facts.events)
+
+
+def standing(
+    line: Timeline, covered: datetime | None, *, admitted_at: datetime, released: bool, rules: Rules, now: datetime, unconfirmed: bool = False
+) -> Standing:
+    """The time-driven half of the rules: completeness, finality, release, wall time, the tail.
+    `unconfirmed`: a provisional admission no fact confirmed (see `unconfirmed`)."""
     wall = [(at, ms) for iv in line.intervals for at, ms in hour_pieces(iv.start, _end(iv, now))]
     stopped = max((_end(iv, now) for iv in line.intervals), default=None)
     complete = stopped is None or (covered is not None and covered >= stopped - rules.metering_tolerance)
@@ -293,7 +326,15 @@ def standing(line: Timeline, covered: datetime | None, *, admitted_at: datetime,
     tail = _uncovered(line.intervals, covered, now) if provisional else []
     idle_since = line.last_change or admitted_at
     release_due = line.phase in ("admitted", "evicted") and now >= idle_since + rules.start_deadline
-    return Standing(wall, tail, final, provisional, released or release_due, idle_since)
+    waiting = unconfirmed and line.phase == "admitted" and not released
+    confirm_by = admitted_at + rules.provisional_hold if waiting else None
+    lapsed = confirm_by is not None and now >= confirm_by
+    reason = None
+    if not released and lapsed:
+        reason = f"the object was never stored: no platform fact confirmed it within the provisional hold ({rules.provisional_hold.total_seconds():g} s)"
+    elif not released and release_due:
+        reason = NOT_STARTED
+    return Standing(wall, tail, final, provisional, released or release_due or lapsed, idle_since, reason, waiting and not lapsed, confirm_by)
 
 
 def unit_amount(unit: Unit, gpu: int, node: int, at: datetime, facts: RunFacts, bundle: PolicyBundle | None) -> int:
@@ -316,7 +357,7 @@ def bucket_of(policy: BudgetPolicy, at: datetime) -> tuple[str, datetime, Window
 
 def review_at(line: Timeline, facts: RunFacts, rules: Rules, now: datetime, st: Standing) -> datetime | None:
     """When time alone changes the run's settlement next; None = never."""
-    return _review_at(line, facts, rules, now, final=st.final, released=st.released, idle_since=st.idle_since)
+    return _review_at(line, facts, rules, now, final=st.final, released=st.released, idle_since=st.idle_since, st=st)
 
 
 def _usage(
@@ -356,14 +397,19 @@ def _uncovered(intervals: Iterable[Interval], covered: datetime | None, now: dat
     return pieces
 
 
-def _review_at(line: Timeline, facts: RunFacts, rules: Rules, now: datetime, *, final: bool, released: bool, idle_since: datetime) -> datetime | None:
+def _review_at(
+    line: Timeline, facts: RunFacts, rules: Rules, now: datetime, *, final: bool, released: bool, idle_since: datetime, st: Standing
+) -> datetime | None:
     if final:
         return None
     if line.phase == "ended":
         assert line.ended_at is not None
         return line.ended_at + rules.provisional_grace
     if line.phase in ("admitted", "evicted"):
-        return None if released else idle_since + rules.start_deadline
+        if released:
+            return None
+        deadline = idle_since + rules.start_deadline
+        return min(deadline, st.confirm_by) if st.unconfirmed and st.confirm_by is not None else deadline
     if any(r.policy.limit.unit is Unit.WALL_HOURS for r in facts.reservations):
         return now + rules.wall_refresh
     return None

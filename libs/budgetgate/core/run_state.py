@@ -28,7 +28,7 @@ from typing import Any
 
 from budgetgate.core.ledger_key import checked
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
-from budgetgate.core.reconciliation import RunFacts, Rules, Settlement, UsageFact, bucket_of, review_at, standing, timeline, unit_amount
+from budgetgate.core.reconciliation import RunFacts, Rules, Settlement, UsageFact, bucket_of, review_at, standing, timeline, unconfirmed, unit_amount
 from budgetgate.core.units import Unit
 from budgetgate.core.windows import Window
 
@@ -173,7 +173,7 @@ def settle_state(run: RunFacts, state: RunState, *, bundle: PolicyBundle | None,
     the metered charges are the sum of the fold's deltas, kept by the caller.
     """
     line = timeline(run.events, gpus=run.gpus, nodes=run.nodes, ends_after=run.ends_after)
-    st = standing(line, state.covered, admitted_at=run.admitted_at, released=run.released, rules=rules, now=now)
+    st = standing(line, state.covered, admitted_at=run.admitted_at, released=run.released, rules=rules, now=now, unconfirmed=unconfirmed(run, state.covered))
     consumed: dict[tuple[str, datetime], int] = defaultdict(int)
     windows: dict[str, tuple[BudgetPolicy, Window]] = {}
     used: dict[str, int] = {}
@@ -208,6 +208,8 @@ def settle_state(run: RunFacts, state: RunState, *, bundle: PolicyBundle | None,
         final_state=line.final_state,
         review_at=review_at(line, run, rules, now, st),
         used=used,
+        release_reason=st.release_reason,
+        unconfirmed=st.unconfirmed,
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62udgetgate/v1/lifecycle.proto\x12\rbudgetgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xdb\x01\n\x0eLifecycleEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12*\n\x04type\x18\x04 \x01(\x0e\x32\x1c.budgetgate.v1.LifecycleType\x12\x0c\n\x04gpus\x18\x05 \x01(\x05\x12\r\n\x05nodes\x18\x06 \x01(\x05\x12\x0e\n\x06\x66lavor\x18\x07 \x01(\t\x12\x0e\n\x06region\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t*\x83\x01\n\rLifecycleType\x12\x1e\n\x1aLIFECYCLE_TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\x0b\n\x07\x45VICTED\x10\x05\x12\x0e\n\nREADMITTED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62udgetgate/v1/lifecycle.proto\x12\rbudgetgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xdb\x01\n\x0eLifecycleEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12.\n\nevent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12*\n\x04type\x18\x04 \x01(\x0e\x32\x1c.budgetgate.v1.LifecycleType\x12\x0c\n\x04gpus\x18\x05 \x01(\x05\x12\r\n\x05nodes\x18\x06 \x01(\x05\x12\x0e\n\x06\x66lavor\x18\x07 \x01(\t\x12\x0e\n\x06region\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t*\x8f\x01\n\rLifecycleType\x12\x1e\n\x1aLIFECYCLE_TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\x0b\n\x07\x45VICTED\x10\x05\x12\x0e\n\nREADMITTED\x10\x06\x12\n\n\x06STORED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,7 +33,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'budgetgate.v1.lifecycle_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LIFECYCLETYPE']._serialized_start=304
-  _globals['_LIFECYCLETYPE']._serialized_end=435
+  _globals['_LIFECYCLETYPE']._serialized_end=447
   _globals['_LIFECYCLEEVENT']._serialized_start=82
   _globals['_LIFECYCLEEVENT']._serialized_end=301
 # @@protoc_insertion_point(module_scope)

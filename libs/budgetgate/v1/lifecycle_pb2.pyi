@@ -18,6 +18,7 @@ class LifecycleType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCELLED: _ClassVar[LifecycleType]
     EVICTED: _ClassVar[LifecycleType]
     READMITTED: _ClassVar[LifecycleType]
+    STORED: _ClassVar[LifecycleType]
 LIFECYCLE_TYPE_UNSPECIFIED: LifecycleType
 STARTED: LifecycleType
 COMPLETED: LifecycleType
@@ -25,6 +26,7 @@ FAILED: LifecycleType
 CANCELLED: LifecycleType
 EVICTED: LifecycleType
 READMITTED: LifecycleType
+STORED: LifecycleType
 
 class LifecycleEvent(_message.Message):
     __slots__ = ("event_id", "event_time", "run_id", "type", "gpus", "nodes", "flavor", "region", "reason")

@@ -322,7 +322,9 @@ async def _answer(
     started = time.perf_counter()
     try:
         # A dry run (kubectl --dry-run=server) is quoted: the same decision, nothing reserved or recorded.
-        answer = await (Quoter(rt.admitter).quote(mapped.request) if asked.dry_run else rt.admitter.admit(mapped.request))
+        # Provisional: the API server may still refuse the object after this answer (another
+        # webhook, a ResourceQuota, its name taken), so the hold lapses unless it is confirmed stored.
+        answer = await (Quoter(rt.admitter).quote(mapped.request) if asked.dry_run else rt.admitter.admit(mapped.request, provisional=True))
     except Conflict as exc:
         return review(uid, allowed=False, code=409, message=f"budgetgate: {exc} {_resubmitting(exc, mapping)}")
     except InvalidSubmission as exc:

@@ -57,7 +57,11 @@ _EVENT_SCHEMA = {
     "properties": {
         "eventId": {"type": "string", "description": "optional; derived from run, type and event time when missing"},
         "runId": {"type": "string", "description": "the run, as admission decided it"},
-        "type": {"type": "string", "enum": ["STARTED", "COMPLETED", "FAILED", "CANCELLED", "EVICTED", "READMITTED"], "description": "what happened"},
+        "type": {
+            "type": "string",
+            "enum": ["STARTED", "COMPLETED", "FAILED", "CANCELLED", "EVICTED", "READMITTED", "STORED"],
+            "description": "what happened (STORED: the run's object exists, confirming a provisional hold)",
+        },
         "eventTime": {"type": "string", "format": "date-time", "description": "when it happened on the platform (RFC 3339)"},
         "gpus": {"type": "integer", "minimum": 0, "description": "GPUs bound (started/readmitted; 0 = as requested)"},
         "nodes": {"type": "integer", "minimum": 0, "description": "nodes bound (started/readmitted; 0 = as requested)"},

@@ -543,7 +543,7 @@ ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], big
 CREATE TABLE lifecycle_events (
     event_id   text PRIMARY KEY,
     run_id     text NOT NULL,
-    kind       text NOT NULL CHECK (kind IN ('STARTED', 'COMPLETED', 'FAILED', 'CANCELLED', 'EVICTED', 'READMITTED')),
+    kind       text NOT NULL CHECK (kind IN ('STARTED', 'COMPLETED', 'FAILED', 'CANCELLED', 'EVICTED', 'READMITTED', 'STORED')),
     event_time timestamptz NOT NULL,
     gpus       integer NOT NULL DEFAULT 0 CHECK (gpus >= 0),
     nodes      integer NOT NULL DEFAULT 0 CHECK (nodes >= 0),
@@ -971,3 +971,15 @@ CREATE INDEX admitted_objects_admitted_at_uid ON admitted_objects (admitted_at, 
 -- 0024: the length of the lease a submission's token was granted with (renewed by it while its
 -- run shows it is alive); NULL for tokens granted before, renewed by their pool's default.
 ALTER TABLE pool_allocations ADD COLUMN lease_seconds integer CHECK (lease_seconds > 0);
+
+-- 0028_provisional_holds: the provisional holds of runs the Kubernetes validating webhook admitted
+-- (the API server may still refuse the object after it), still open: admission writes one with
+-- the decision; the reconciler deletes it when a fact confirms the object, or gives the hold back
+-- after BUDGETGATE_PROVISIONAL_HOLD_SECONDS, or the run ends. (0028 also let lifecycle_events hold
+-- STORED, above.)
+CREATE TABLE provisional_holds (
+    run_id      text PRIMARY KEY,
+    decision_id uuid NOT NULL,
+    held_since  timestamptz NOT NULL
+);
+CREATE INDEX provisional_holds_held_since ON provisional_holds (held_since);
