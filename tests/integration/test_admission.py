@@ -173,15 +173,20 @@ async def test_unpriced_flavor_under_a_cost_budget_is_422(admission, pg_dsn) -> 
     assert await held_in_postgres(pg_dsn) == {}
 
 
-async def test_a_flavor_no_rate_card_prices_is_admitted_with_a_warning(admission) -> None:
-    """Example policies: no cost budget covers these labels, and h100 is priced."""
-    body = {"namespace": "vision-prod", "labels": {"team": "vision", "environment": "prod"}, "resources": {"gpus": 1, "flavor": "h200"}}
-    typo = (await admission.submit(run_id="typo-flavor", **body)).json()
-    assert typo["decision"] == "ALLOW" and typo["showback_cost"] is None and any("no rate card prices flavor 'h200'" in w for w in typo["warnings"]), typo
-    priced = (await admission.submit(run_id="right-flavor", **{**body, "resources": {"gpus": 1, "flavor": "h100"}})).json()
+async def test_a_flavor_no_rate_card_prices_is_admitted_with_a_warning(admission_factory, pg_dsn) -> None:
+    """A GPU-hour budget and a rate card pricing h100 only: h200 (a typo) is admitted, said so."""
+    rates = "apiVersion: budgetgate/v1\nkind: RateCard\nmetadata: {id: r}\nspec: {currency: USD, rates: [{flavor: h100, rate_per_gpu_hour: 2.5}]}\n"
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("team", labels="{team: vision}"), "r.yaml": rates}, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    body = {"labels": {"team": "vision"}, "resources": {"gpus": 1, "nodes": 1, "flavor": "h200"}}
+    typo = (await server.submit(run_id="typo-flavor", **body)).json()
+    assert typo["decision"] == "ALLOW", typo
+    assert typo["showback_cost"] is None and typo["warnings"] == ["no rate card prices flavor 'h200' (priced: h100): showback_cost is null"]
+    priced = (await server.submit(run_id="right-flavor", **{**body, "resources": {"gpus": 1, "nodes": 1, "flavor": "h100"}})).json()
     assert priced["warnings"] == [] and priced["showback_cost"] is not None
     # A replay says the same.
-    assert (await admission.client.get("/v1/admissions/typo-flavor")).json()["warnings"] == typo["warnings"]
+    assert (await server.client.get("/v1/admissions/typo-flavor")).json()["warnings"] == typo["warnings"]
 
 
 async def test_scope_usage_reports_the_current_window(admission) -> None:
