@@ -12,13 +12,11 @@ reconciler replaces the reservation with the metered actuals, and nothing is hel
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-import pytest
 from click.testing import CliRunner
 from lightkube import AsyncClient as KubeClient
 
@@ -29,12 +27,12 @@ from budgetgate.client import AsyncClient
 from budgetgate.core.principals import Role
 from budgetgate.platforms.run_labels import RUN_LABEL, pod_run_id
 from tests.support.dcgm import container_status, kubeconfig_file
-from tests.support.kube_api import KubeApi, kubeconfig
+from tests.support.kube_api import KubeApi, kube, kubeconfig  # noqa: F401 - pytest fixture
 from tests.support.kubernetes import JOB_CONTROLLER, job, mutated, pod_of, stored, unstored, validated
 from tests.support.metering import metering, metering_factory, usage_rows  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue, token_in_env  # noqa: F401 - pytest fixtures
 from tests.support.reconciler import ledger_in_postgres, ledger_in_redis, reconciler_factory  # noqa: F401 - pytest fixtures
-from tests.support.servers import InProcessServer, PageServer, free_port
+from tests.support.servers import PageServer
 from tests.support.waiting import wait_for
 
 H100 = {"budgetgate.io/flavor": "h100"}
@@ -58,15 +56,6 @@ def exporter_page(pod: dict[str, Any]) -> bytes:
         )
         lines.append(f"DCGM_FI_DEV_GPU_UTIL{{{labels}}} 93")
     return ("\n".join(lines) + "\n").encode()
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[tuple[KubeApi, str]]:
-    api = KubeApi()
-    server = InProcessServer(api.app, port=free_port())
-    await server.start()
-    yield api, server.url
-    await server.stop()
 
 
 async def figures(dsn: str, run_id: str) -> dict[str, Any]:

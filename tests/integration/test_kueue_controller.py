@@ -21,7 +21,6 @@ import asyncpg
 import pytest
 from fastapi.responses import JSONResponse
 from lightkube import AsyncClient as KubeClient
-from lightkube import KubeConfig
 
 from budgetgate.client import AsyncClient, NO_RETRY
 from budgetgate.adapters.kueue_controller import AdmissionCheckController
@@ -32,7 +31,7 @@ from budgetgate.ledger.concurrency_holds import end_run_holds
 from budgetgate.ledger.queries import sql
 from budgetgate.platforms.kubernetes import Mapping
 from tests.support.admission import apply_policies, budget_yaml, example_policies, submission
-from tests.support.kube_api import KubeApi
+from tests.support.kube_api import KubeApi, kube, kubeconfig  # noqa: F401 - pytest fixture
 from tests.support.kueue_sim import KueueSim
 from tests.support.principals import issue
 from tests.support.principals import token_in_env  # noqa: F401 - pytest fixtures
@@ -42,16 +41,6 @@ from tests.support.waiting import wait_for
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kueue"
 
 pytestmark = pytest.mark.usefixtures("token_in_env")
-
-
-def kubeconfig(url: str) -> KubeConfig:
-    """A kubeconfig for the stand-in, with a bearer token as a service account would have."""
-    return KubeConfig.from_dict({
-        "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
-        "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
-        "users": [{"name": "budgetgate", "user": {"token": "stand-in-token"}}],
-        "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "budgetgate"}}],
-    })  # fmt: skip
 
 
 @asynccontextmanager
@@ -80,15 +69,6 @@ def workload(name: str, *, job_uid: str, gpus_per_pod: int = 4, count: int = 2) 
     for where in ("requests", "limits"):
         found["spec"]["podSets"][0]["template"]["spec"]["containers"][0]["resources"][where]["nvidia.com/gpu"] = str(gpus_per_pod)
     return found
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[tuple[KubeApi, str]]:
-    api = KubeApi()
-    server = InProcessServer(api.app, port=free_port())
-    await server.start()
-    yield api, server.url
-    await server.stop()
 
 
 def check_state(api: KubeApi, name: str) -> dict[str, Any]:

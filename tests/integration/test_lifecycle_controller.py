@@ -23,7 +23,6 @@ from typing import Any
 
 import asyncpg
 import httpx
-import pytest
 from lightkube import AsyncClient as KubeClient
 
 from budgetgate.adapters.leases import LeaderElection
@@ -35,12 +34,12 @@ from budgetgate.core.principals import Role
 from budgetgate.platforms.run_labels import RUN_LABEL, run_label_value
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from tests.support.kafka import drain
-from tests.support.kube_api import KubeApi, kubeconfig
+from tests.support.kube_api import KubeApi, kube, kubeconfig  # noqa: F401 - pytest fixture
 from tests.support.kubernetes import admission_review, as_json, job
 from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
 from tests.support.reconciler import reconciler_factory  # noqa: F401 - pytest fixtures
-from tests.support.servers import InProcessServer, free_port
+from tests.support.servers import InProcessServer
 from tests.support.waiting import wait_for
 
 URL = "/v1/kubernetes/admission-review"
@@ -50,17 +49,6 @@ HOLD = 8.0  # seconds of provisional hold
 
 def stamp(at: datetime) -> str:
     return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[tuple[KubeApi, str]]:
-    api = KubeApi()
-    server = InProcessServer(api.app, port=free_port())
-    await server.start()
-    _SERVERS[id(api)] = [server]
-    yield api, server.url
-    for running in _SERVERS.pop(id(api), []):
-        await running.stop()
 
 
 @asynccontextmanager
@@ -324,19 +312,15 @@ async def test_outages_of_the_api_server_and_of_metering_ingest_are_waited_out(k
 
 async def kube_server_restart(api: KubeApi, port: int, *, between) -> None:  # type: ignore[no-untyped-def]
     """Stop the stand-in serving (watches cut, calls refused), change the cluster meanwhile, serve again on the same port."""
-    for server in list(_SERVERS.get(id(api), [])):
-        server.server.force_exit = True  # not waiting for the open watches
-        await server.stop()
+    assert api.serving is not None
+    api.serving.server.force_exit = True  # not waiting for the open watches
+    await api.serving.stop()
     for plural in ("pods", "jobs", "workloads"):  # the open watches told to go (the stand-in keeps serving them otherwise)
         api.expire_watches(plural)
     await asyncio.sleep(1.0)  # lists and watches refused meanwhile
     between()
-    server = InProcessServer(api.app, port=port)
-    await server.start()
-    _SERVERS[id(api)] = [server]
-
-
-_SERVERS: dict[int, list[InProcessServer]] = {}
+    api.serving = InProcessServer(api.app, port=port)
+    await api.serving.start()
 
 
 async def test_the_command_elects_itself_and_publishes(kube, metering, settings, pg_dsn, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,11 +22,11 @@ from budgetgate.core.principals import Role
 from budgetgate.runtime.settings import DEV_STATE_FILE
 from budgetgate.platforms.run_labels import RUN_ANNOTATION, RUN_LABEL, run_label_value
 from tests.support.dcgm import Exporters, NodeExporter, container_status, exporter_pod, gpu_pod, kubeconfig_file
-from tests.support.kube_api import KubeApi
+from tests.support.kube_api import KubeApi, kube  # noqa: F401 - pytest fixture
 from tests.support.metering import decide, fetchval, usage_rows
 from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue, token_in_env  # noqa: F401 - pytest fixtures
-from tests.support.servers import InProcessServer, free_port
+from tests.support.servers import free_port
 from tests.support.waiting import wait_for
 
 FLYTE = "flyte/vision/exec-7f3a/n0"
@@ -136,15 +136,6 @@ async def test_an_exporter_failing_for_a_while_neither_ends_nor_overcharges_its_
 
 SWEEP = "flyte/nlp/sweep-7/n0"  # annotated on its Job; no label value, so the pods carry its hash
 SWEEP_JOB_UID = "6b7c8d9e-0f1a-4b2c-9d3e-4f5a6b7c8d02"
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[tuple[KubeApi, str]]:
-    api = KubeApi()
-    server = InProcessServer(api.app, port=free_port())
-    await server.start()
-    yield api, server.url
-    await server.stop()
 
 
 def cluster(api: KubeApi) -> None:

@@ -26,8 +26,11 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.support.servers import InProcessServer, free_port
 
 # (group, version) -> the plurals served there, with their kinds.
 SERVED: dict[tuple[str, str], dict[str, str]] = {
@@ -111,6 +114,7 @@ class KubeApi:
         self.watchers: list[tuple[str, asyncio.Queue[tuple[str, dict[str, Any]]]]] = []
         self.patches: list[tuple[str, str, dict[str, Any]]] = []  # (path, content type, body), as received
         self.writes: list[tuple[str, str]] = []  # (method, path) of every write request, answered or refused
+        self.serving: InProcessServer | None = None  # set by the `kube` fixture
         self.lists: Counter[str] = Counter()  # collections listed (not watched), by plural: a controller's requeue passes, say
         self.app = self._app()
 
@@ -313,3 +317,15 @@ class KubeApi:
                 yield (json.dumps({"type": event, "object": self._as_version(obj, group, version)}) + "\n").encode()
         finally:
             self.watchers.remove((plural, queue))
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[tuple[KubeApi, str]]:
+    """The stand-in served on loopback for a test: (the API, its URL). `api.serving` is the server,
+    which a test may stop and start again on the same port (an API server outage)."""
+    api = KubeApi()
+    api.serving = InProcessServer(api.app, port=free_port())
+    await api.serving.start()
+    url = api.serving.url
+    yield api, url
+    await api.serving.stop()
