@@ -1,0 +1,351 @@
+"""One campaign: start the cluster, run the plan's operations and faults concurrently, sample
+the ledger, let the stack settle, observe the stores, and judge the history.
+
+Timing is not replayed: operations start at their planned offsets on this machine's clock, and
+how their answers interleave with the faults differs from run to run. What the seed fixes is
+the plan (its fingerprint is in the history's setup line and in the summary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import redis.asyncio as aioredis
+
+from budgetgate.chaos import checkers, recorder
+from budgetgate.chaos.cluster import POOL_LEASE_SECONDS, POOL_NAMESPACE, POOL_QUOTA, RECONCILER_ENV, REDIS_PREFIX, Cluster
+from budgetgate.chaos.nemesis import Nemesis
+from budgetgate.chaos.schedule import Operation, Plan, plan
+from budgetgate.ledger.redis_ledger import RedisLedger
+
+CLIENT_TIMEOUT_SECONDS = 30.0
+LEDGER_SAMPLE_SECONDS = 2.0
+SNAPSHOT_SECONDS = 5.0
+MAX_IN_FLIGHT = 64
+
+Echo = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Options:
+    seed: int
+    duration: float
+    rate: float = 4.0
+    faults: bool = True
+    fault_kinds: tuple[str, ...] | None = None
+    settle_seconds: float = 45.0
+    folder: Path = Path(".budgetgate/chaos")
+    keep_database: bool = False
+
+
+@dataclass
+class Outcome:
+    history: Path
+    verdict: checkers.Verdict
+    plan: Plan
+    operations: dict[str, int] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)
+    skipped_faults: dict[str, str] = field(default_factory=dict)
+
+
+class Campaign:
+    def __init__(self, options: Options, *, echo: Echo = print) -> None:
+        self.options = options
+        self.echo = echo
+        self.plan = plan(options.seed, options.duration, rate=options.rate, faults=options.faults, fault_kinds=options.fault_kinds)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        self.folder = options.folder / f"seed-{options.seed}-{stamp}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.recorder = recorder.Recorder(self.folder / "history.jsonl")
+        self.cluster = Cluster(seed=options.seed, budgets=self.plan.budgets, folder=self.folder, echo=echo)
+        self.t0 = time.monotonic()
+        self.admitted: set[str] = set()
+        self.started: dict[str, datetime] = {}
+        self.sample_bodies: dict[tuple[str, str], dict[str, Any]] = {}
+        self.counts: dict[str, int] = {}
+        self.gate = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    def clock(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def run(self) -> Outcome:
+        o = self.options
+        self.echo(
+            f"chaos: seed {o.seed}, {o.duration:g}s, plan {self.plan.fingerprint()}: {len(self.plan.operations)} operations, {len(self.plan.faults)} faults"
+        )
+        self.echo(f"chaos: history in {self.recorder.path}")
+        nemesis: Nemesis | None = None
+        try:
+            await self.cluster.start()
+            self.recorder.write(self._setup_line())
+            async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_SECONDS) as client:
+                self.client = client
+                self.t0 = time.monotonic()
+                nemesis = Nemesis(self.cluster, self.recorder, self.clock, self.echo)
+                background = [asyncio.create_task(self._sample_ledger()), asyncio.create_task(self._snapshots())]
+                faults = asyncio.create_task(nemesis.run(self.plan.faults, self.t0))
+                await self._drive(self.plan.operations)
+                await faults
+                self.echo(f"[{self.clock():7.1f}s] workload and faults done; settling")
+                await self._settle()
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, return_exceptions=True)
+                self.recorder.write(await self._observe())
+            self.recorder.write({"type": "end", "at": round(self.clock(), 3)})
+        finally:
+            self.recorder.close()
+            await self.cluster.stop(keep_database=o.keep_database)
+        verdict = checkers.check(recorder.read(self.recorder.path))
+        (self.folder / "verdict.json").write_text(json.dumps(verdict.as_dict(), indent=2))
+        return Outcome(
+            self.recorder.path, verdict, self.plan, dict(self.counts), dict(nemesis.done) if nemesis else {}, dict(nemesis.skipped) if nemesis else {}
+        )
+
+    def _setup_line(self) -> dict[str, Any]:
+        settings = {
+            "client_timeout_seconds": CLIENT_TIMEOUT_SECONDS,
+            "start_deadline_seconds": float(RECONCILER_ENV["BUDGETGATE_START_DEADLINE_SECONDS"]),
+            "provisional_grace_seconds": float(RECONCILER_ENV["BUDGETGATE_PROVISIONAL_GRACE_SECONDS"]),
+            "pool_quota": POOL_QUOTA,
+            "pool_lease_seconds": POOL_LEASE_SECONDS,
+            "rate": self.options.rate,
+        }
+        return {
+            "type": "setup",
+            "seed": self.plan.seed,
+            "duration": self.plan.duration,
+            "fingerprint": self.plan.fingerprint(),
+            "budgets": [asdict(b) for b in self.plan.budgets],
+            "faults_planned": [asdict(f) for f in self.plan.faults],
+            "operations_planned": len(self.plan.operations),
+            "settings": settings,
+            "database": self.cluster.database,
+        }
+
+    # --- the workload -------------------------------------------------------------------
+
+    async def _drive(self, operations: tuple[Operation, ...]) -> None:
+        tasks = []
+        for op in operations:
+            delay = self.t0 + op.at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await self.gate.acquire()
+            tasks.append(asyncio.create_task(self._one(op)))
+        await asyncio.gather(*tasks)
+
+    async def _one(self, op: Operation) -> None:
+        try:
+            await self.perform(op)
+        finally:
+            self.gate.release()
+
+    async def perform(self, op: Operation) -> None:
+        kind, p = op.kind, op.params
+        line: dict[str, Any] = {"type": "op", "index": op.index, "kind": kind, "instance": p.get("instance", 0), "planned": op.at}
+        request = self._request(op)
+        if request is None:
+            line.update(invoke=round(self.clock(), 3), complete=round(self.clock(), 3), outcome="skipped", request=dict(p))
+            self.recorder.write(line)
+            self._count("skipped")
+            return
+        method, url, token, body, recorded = request
+        line["request"] = recorded
+        line["invoke"] = round(self.clock(), 3)
+        try:
+            response = await self.client.request(method, url, json=body, headers={"Authorization": f"Bearer {token}"})
+        except httpx.TimeoutException as exc:
+            line.update(outcome="info", error=f"timeout: {type(exc).__name__}")
+        except httpx.HTTPError as exc:
+            line.update(outcome="info", error=f"{type(exc).__name__}: {exc}"[:300])
+        else:
+            status = response.status_code
+            try:
+                answer: Any = response.json()
+            except ValueError:
+                answer = response.text[:500]
+            line.update(
+                status=status, answer=answer, outcome="ok" if status < 300 or (kind == "conflict" and status == 409) else "fail" if status < 500 else "info"
+            )
+            self._learn(op, status, answer)
+        line["complete"] = round(self.clock(), 3)
+        self.recorder.write(line)
+        self._count(f"{kind}:{line['outcome']}")
+
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _admission(self, p: dict[str, Any]) -> str:
+        return self.cluster.services[f"admission-{p.get('instance', 0) + 1}"].url
+
+    def _metering(self, p: dict[str, Any]) -> str:
+        return self.cluster.services[f"metering-{p.get('instance', 0) + 1}"].url
+
+    def _request(self, op: Operation) -> tuple[str, str, str, Any, dict[str, Any]] | None:
+        """(method, url, token, body, what the history records) or None when skipped."""
+        kind, p = op.kind, op.params
+        tokens = self.cluster.tokens
+        if kind in ("submit", "retry", "conflict"):
+            return "POST", f"{self._admission(p)}/v1/admissions", tokens["submitter"], p["body"], p["body"]
+        if kind == "lifecycle":
+            run_id = p["run_id"]
+            if p["type"] == "STARTED":
+                if run_id not in self.admitted:
+                    return None
+                self.started[run_id] = datetime.now(UTC)
+            elif run_id not in self.started:
+                return None
+            event = {"runId": run_id, "type": p["type"], "eventTime": _rfc3339(datetime.now(UTC)), "gpus": p["gpus"], "nodes": 1}
+            return (
+                "POST",
+                f"{self._metering(p)}/v1/lifecycle/events",
+                tokens["exporter"],
+                {"events": [event]},
+                {"run_id": run_id, "type": p["type"], "event": event},
+            )
+        if kind == "sample":
+            key = (p["run_id"], p["sample_id"])
+            if p.get("resend"):
+                sample = self.sample_bodies.get(key)
+                if sample is None:
+                    return None
+            else:
+                begun = self.started.get(p["run_id"])
+                if begun is None:
+                    return None
+                now = datetime.now(UTC)
+                observed = now - timedelta(seconds=p.get("late_by", 0.0))
+                if observed <= begun:
+                    observed = begun + timedelta(milliseconds=100)
+                seconds = min((observed - begun).total_seconds(), p["cap_seconds"])
+                sample = {
+                    "sampleId": p["sample_id"],
+                    "runId": p["run_id"],
+                    "observedAt": _rfc3339(observed),
+                    "gpuSeconds": round(p["gpus"] * seconds * 0.8, 3),
+                    "nodeSeconds": round(seconds * 0.8, 3),
+                    "exporter": "chaos",
+                }
+                self.sample_bodies[key] = sample
+            recorded = {"run_id": p["run_id"], "sample_id": p["sample_id"], "sample": sample, "resend": bool(p.get("resend"))}
+            return "POST", f"{self._metering(p)}/v1/metering/samples", tokens["exporter"], {"samples": [sample]}, recorded
+        if kind == "policy-apply":
+            documents = [{"file": "chaos/policies.yaml", "line": i, "data": d} for i, d in enumerate(self.cluster.documents)]
+            body = {"git_sha": f"chaos{self.plan.seed:x}r{p['revision']:06d}", "source": "budgetgate chaos", "documents": documents}
+            return "POST", f"{self._admission(p)}/v1/policies", tokens["operator"], body, {"git_sha": body["git_sha"]}
+        if kind == "tenant-override":
+            body = {"max_gpus": p["max_gpus"], "reason": "chaos campaign"}
+            return "PUT", f"{self._admission(p)}/v1/tenants/{p['tenant']}?create=true", tokens["operator"], body, {"tenant": p["tenant"], **body}
+        if kind == "pool-allocate":
+            body = {"token": p["token"], "project": p["project"], "lease_seconds": POOL_LEASE_SECONDS}
+            return "POST", f"{self._admission(p)}/v1/pools/{POOL_NAMESPACE}/allocations", tokens["submitter"], body, body
+        if kind == "pool-release":
+            return "DELETE", f"{self._admission(p)}/v1/pools/{POOL_NAMESPACE}/allocations/{p['token']}", tokens["submitter"], None, {"token": p["token"]}
+        raise ValueError(f"unknown operation kind {kind!r}")
+
+    def _learn(self, op: Operation, status: int, answer: Any) -> None:
+        if op.kind in ("submit", "retry") and status == 200 and isinstance(answer, dict) and answer.get("decision") == "ALLOW":
+            self.admitted.add(op.params["run_id"])
+
+    # --- sampling and settling ------------------------------------------------------------
+
+    async def _sample_ledger(self) -> None:
+        while True:
+            await asyncio.sleep(LEDGER_SAMPLE_SECONDS)
+            with contextlib.suppress(Exception):
+                await self._ledger_once()
+
+    async def _ledger_once(self) -> None:
+        conn = await asyncpg.connect(self.cluster.dsn, timeout=5)
+        try:
+            rows = await conn.fetch(LEDGER_FIGURES, timeout=5)
+        finally:
+            await conn.close()
+        at = round(self.clock(), 3)
+        keys = {r["ledger_key"]: {"policy_id": r["policy_id"], "limit": r["limit_amount"], "held": r["held"], "consumed": r["consumed"]} for r in rows}
+        self.recorder.write({"type": "ledger", "source": "postgres", "at": at, "keys": keys})
+        client = aioredis.Redis(port=self.cluster.redis.primary.port, socket_timeout=3)
+        try:
+            readings = await RedisLedger(client, prefix=REDIS_PREFIX).readings(keys)
+        finally:
+            await client.aclose()
+        in_redis = {
+            k: {"policy_id": v["policy_id"], "limit": v["limit"], "held": readings[k][0], "consumed": readings[k][1]} for k, v in keys.items() if k in readings
+        }
+        self.recorder.write({"type": "ledger", "source": "redis", "at": round(self.clock(), 3), "keys": in_redis})
+
+    async def _snapshots(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_SECONDS)
+            with contextlib.suppress(Exception):
+                await self.cluster.redis.snapshot(round(self.clock(), 3))
+
+    async def _settle(self) -> None:
+        c = self.cluster
+        for proxy in c.proxies:
+            proxy.heal()
+        if c.broker_paused:
+            c.pause_broker(False)
+        for name, service in c.services.items():
+            if service.proc is None or service.proc.proc.poll() is not None or service.skew:
+                await c.restart_service(name)
+        # A submission to each admission instance after the faults: Redis is loaded again by then.
+        for i in range(2):
+            body = dict(self.plan.operations[0].params["body"]) if self.plan.operations else {}
+            if body:
+                body = {**body, "run_id": f"chaos/{self.plan.seed}/settle-{i}", "resources": {**body["resources"], "gpus": 1}, "projected_runtime_hours": 0.001}
+                await self.perform(
+                    Operation(
+                        index=len(self.plan.operations) + i, at=self.clock(), kind="submit", params={"run_id": body["run_id"], "body": body, "instance": i}
+                    )
+                )
+        deadline = time.monotonic() + self.options.settle_seconds
+        while time.monotonic() < deadline:
+            if await self._quiet():
+                break
+            await asyncio.sleep(1.0)
+        # The start deadline and the provisional grace have their time to act.
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+
+    async def _quiet(self) -> bool:
+        conn = await asyncpg.connect(self.cluster.dsn, timeout=5)
+        try:
+            row = await conn.fetchrow(
+                "SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL) AS outbox,"
+                " (SELECT count(*) FROM evidence_events WHERE state IN ('pending', 'waiting')) AS evidence"
+            )
+        finally:
+            await conn.close()
+        return row["outbox"] == 0 and row["evidence"] == 0
+
+    async def _observe(self) -> dict[str, Any]:
+        from budgetgate.chaos.observation import observe
+
+        return await observe(self.cluster, at=round(self.clock(), 3), echo=self.echo)
+
+
+LEDGER_FIGURES = """
+SELECT e.ledger_key, e.policy_id, e.limit_amount, e.consumed,
+       COALESCE(SUM(r.amount) FILTER (WHERE r.state = 'held'), 0)::bigint AS held
+FROM ledger_entries e LEFT JOIN reservations r ON r.ledger_key = e.ledger_key
+GROUP BY e.ledger_key ORDER BY e.ledger_key
+"""
+
+
+def _rfc3339(at: datetime) -> str:
+    return at.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+async def run(options: Options, *, echo: Echo = print) -> Outcome:
+    return await Campaign(options, echo=echo).run()
