@@ -322,3 +322,12 @@ def test_a_history_file_is_read_back_and_a_torn_last_line_is_skipped(tmp_path: P
     path.write_text(json.dumps({"type": "setup"}) + "\nnot json\n" + json.dumps({"type": "end"}) + "\n")
     with pytest.raises(recorder.HistoryError, match=":2: not JSON"):
         recorder.read(path)
+
+
+def test_a_redis_figure_taken_mid_settlement_is_not_judged() -> None:
+    """Between a settlement's halves Redis shows the consumption before the reservation comes
+    off (settle_begin.lua): tighter than Postgres on purpose, so not an over-admission."""
+    lines = _clean()
+    over = {"policy_id": "chaos/chaos-00", "limit": LIMIT, "held": LIMIT, "consumed": 1}
+    lines.insert(-2, {"type": "ledger", "source": "redis", "at": 5.0, "keys": {"k0": {**over, "parked": True}}})
+    assert checkers.check(lines).ok

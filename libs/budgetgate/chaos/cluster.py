@@ -56,6 +56,14 @@ RECONCILER_ENV = {
 }
 
 
+# Bugs a campaign can plant on purpose, to show the checkers catch them (`--plant`).
+PLANTS = {
+    # The second admission instance keeps its Redis ledger under another prefix: each instance
+    # then checks submissions against only its own reservations, and together they over-admit.
+    "split-redis": "admission-2 uses another Redis key prefix than admission-1",
+}
+
+
 class FaketimeMissing(RuntimeError):
     """Clock skew needs the `faketime` program (Debian's faketime package)."""
 
@@ -116,7 +124,10 @@ class ServiceProcess:
 
 
 class Cluster:
-    def __init__(self, *, seed: int, budgets: tuple[Budget, ...], folder: Path, echo: Any = print) -> None:
+    def __init__(self, *, seed: int, budgets: tuple[Budget, ...], folder: Path, echo: Any = print, plant: str | None = None) -> None:
+        if plant is not None and plant not in PLANTS:
+            raise ValueError(f"unknown planted bug {plant!r}; known: {', '.join(PLANTS)}")
+        self.plant = plant
         self.seed = seed
         self.budgets = budgets
         self.folder = folder
@@ -194,6 +205,8 @@ class Cluster:
             "BUDGETGATE_SERVICE_NAME": name,
             "BUDGETGATE_RATE_LIMIT": "10000000/second",
         }
+        if self.plant == "split-redis" and name == "admission-2":
+            env["BUDGETGATE_REDIS_PREFIX"] = f"{REDIS_PREFIX}-split"
         if role == "reconciler":
             env.update(RECONCILER_ENV)
         if role == "evidence":

@@ -28,6 +28,7 @@ class TcpProxy:
         self._flowing.set()
         self._server: asyncio.Server | None = None
         self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
@@ -43,6 +44,10 @@ class TcpProxy:
             self._server.close()
         self._flowing.set()
         self._drop_all()
+        handlers = list(self._handlers)
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     def cut(self) -> None:
         self.mode = "cut"
@@ -68,18 +73,28 @@ class TcpProxy:
     def _drop_all(self) -> None:
         for client, server in list(self._links):
             for writer in (client, server):
-                with contextlib.suppress(Exception):
-                    writer.transport.abort()
+                _abort(writer)
         self._links.clear()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            pass  # the proxy is closing
+        finally:
+            self._handlers.discard(task)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.mode == "cut":
-            writer.transport.abort()
+            _abort(writer)
             return
         try:
             up_reader, up_writer = await asyncio.wait_for(asyncio.open_connection(*self.upstream), timeout=5.0)
         except (OSError, TimeoutError):
-            writer.transport.abort()
+            _abort(writer)
             return
         link = (writer, up_writer)
         self._links.add(link)
@@ -88,8 +103,7 @@ class TcpProxy:
         finally:
             self._links.discard(link)
             for w in link:
-                with contextlib.suppress(Exception):
-                    w.transport.abort()
+                _abort(w)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -106,5 +120,12 @@ class TcpProxy:
         except (OSError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            with contextlib.suppress(Exception):
-                writer.transport.abort()
+            _abort(writer)
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Drop the connection at once (no FIN handshake), and mark the writer closed."""
+    with contextlib.suppress(Exception):
+        writer.transport.abort()
+    with contextlib.suppress(Exception):
+        writer.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from budgetgate.chaos.cluster import PLANTS
 from budgetgate.chaos.schedule import FAULT_KINDS
 
 
@@ -31,6 +32,11 @@ def chaos() -> None:
 )
 @click.option("--out", "folder", default=Path(".budgetgate/chaos"), show_default=True, type=click.Path(path_type=Path), help="Where the history goes.")
 @click.option("--keep-database", is_flag=True, help="Keep the campaign's Postgres database (dropped by default).")
+@click.option(
+    "--plant",
+    type=click.Choice(tuple(PLANTS)),
+    help="Plant a bug on purpose, to see the checkers catch it: " + "; ".join(f"{k}: {v}" for k, v in PLANTS.items()),
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run(
     seed: int,
@@ -41,6 +47,7 @@ def run(
     settle_seconds: float,
     folder: Path,
     keep_database: bool,
+    plant: str | None,
     as_json: bool,
 ) -> None:
     """Start a stack, run a seeded workload and faults against it, judge the history.
@@ -59,6 +66,7 @@ def run(
         settle_seconds=settle_seconds,
         folder=folder,
         keep_database=keep_database,
+        plant=plant,
     )
     echo = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
     outcome = asyncio.run(run_campaign(options, echo=echo))
