@@ -50,6 +50,7 @@ class Options:
     folder: Path = Path(".budgetgate/chaos")
     keep_database: bool = False
     plant: str | None = None  # a bug planted on purpose (cluster.PLANTS)
+    server_dsn: str | None = None  # the Postgres server of its database; else BUDGETGATE_POSTGRES_DSN's
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Campaign:
         self.folder = options.folder / f"seed-{options.seed}-{stamp}"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.recorder = recorder.Recorder(self.folder / "history.jsonl")
-        self.cluster = Cluster(seed=options.seed, budgets=self.plan.budgets, folder=self.folder, echo=echo, plant=options.plant)
+        self.cluster = Cluster(seed=options.seed, budgets=self.plan.budgets, folder=self.folder, echo=echo, plant=options.plant, server_dsn=options.server_dsn)
         self.t0 = time.monotonic()
         self.admitted: set[str] = set()
         self.started: dict[str, datetime] = {}

@@ -124,7 +124,9 @@ class ServiceProcess:
 
 
 class Cluster:
-    def __init__(self, *, seed: int, budgets: tuple[Budget, ...], folder: Path, echo: Any = print, plant: str | None = None) -> None:
+    def __init__(
+        self, *, seed: int, budgets: tuple[Budget, ...], folder: Path, echo: Any = print, plant: str | None = None, server_dsn: str | None = None
+    ) -> None:
         if plant is not None and plant not in PLANTS:
             raise ValueError(f"unknown planted bug {plant!r}; known: {', '.join(PLANTS)}")
         self.plant = plant
@@ -134,7 +136,8 @@ class Cluster:
         self.logs = folder / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.echo = echo
-        self.server_dsn = os.environ.get("BUDGETGATE_POSTGRES_DSN") or "postgresql://postgres@127.0.0.1:5432/postgres"
+        # The server the campaign's database is made on: given, else BUDGETGATE_POSTGRES_DSN's.
+        self.server_dsn = server_dsn or os.environ.get("BUDGETGATE_POSTGRES_DSN") or "postgresql://postgres@127.0.0.1:5432/postgres"
         self.database = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
         self.dsn = ""
         self.redis = RedisPair(folder / "redis", self.logs)
