@@ -26,6 +26,7 @@ def chaos() -> None:
     "--rate", default=4.0, show_default=True, type=click.FloatRange(0.1, 100.0), help="Submissions a second (each with its retries, events and samples)."
 )
 @click.option("--fault", "fault_kinds", multiple=True, type=click.Choice(tuple(FAULT_KINDS)), help="Only these fault kinds (repeatable). Default: every kind.")
+@click.option("--without", "without_kinds", multiple=True, type=click.Choice(tuple(FAULT_KINDS)), help="Every fault kind but these (repeatable).")
 @click.option("--no-faults", is_flag=True, help="Run the workload without any fault (a baseline).")
 @click.option(
     "--settle", "settle_seconds", default=45.0, show_default=True, type=click.FloatRange(0.0), help="Seconds the stack gets after the faults to settle."
@@ -43,6 +44,7 @@ def run(
     duration: float,
     rate: float,
     fault_kinds: tuple[str, ...],
+    without_kinds: tuple[str, ...],
     no_faults: bool,
     settle_seconds: float,
     folder: Path,
@@ -56,6 +58,13 @@ def run(
     history stays in --out either way."""
     from budgetgate.chaos.campaign import Options
     from budgetgate.chaos.campaign import run as run_campaign
+
+    if fault_kinds and without_kinds:
+        raise click.UsageError("--fault names the kinds to inject, --without the kinds to leave out: give one of them")
+    if without_kinds:
+        fault_kinds = tuple(k for k in FAULT_KINDS if k not in without_kinds)
+        if not fault_kinds:
+            raise click.UsageError("--without leaves no fault kind; use --no-faults for a run without faults")
 
     options = Options(
         seed=seed,
