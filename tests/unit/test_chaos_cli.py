@@ -10,7 +10,8 @@ from typing import Any
 from click.testing import CliRunner
 
 from budgetgate.cli.main import cli
-from tests.unit.test_chaos_checkers import _clean, _submit
+from tests.support.chaos_histories import clean_history as _clean
+from tests.support.chaos_histories import submit as _submit
 
 
 def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
