@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -79,6 +80,13 @@ class Campaign:
         self.sample_bodies: dict[tuple[str, str], dict[str, Any]] = {}
         self.counts: dict[str, int] = {}
         self.gate = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -90,6 +98,12 @@ class Campaign:
         )
         self.echo(f"chaos: history in {self.recorder.path}")
         nemesis: Nemesis | None = None
+        # SIGTERM (a CI time limit) cancels the campaign, so that it still stops what it started
+        # and drops its database; the history keeps what was written.
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        if task is not None:
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
         try:
             await self.cluster.start()
             self.recorder.write(self._setup_line())
@@ -97,8 +111,8 @@ class Campaign:
                 self.client = client
                 self.t0 = time.monotonic()
                 nemesis = Nemesis(self.cluster, self.recorder, self.clock, self.echo)
-                background = [asyncio.create_task(self._sample_ledger()), asyncio.create_task(self._snapshots())]
-                faults = asyncio.create_task(nemesis.run(self.plan.faults, self.t0))
+                background = [self._spawn(self._sample_ledger()), self._spawn(self._snapshots())]
+                faults = self._spawn(nemesis.run(self.plan.faults, self.t0))
                 await self._drive(self.plan.operations)
                 await faults
                 self.echo(f"[{self.clock():7.1f}s] workload and faults done; settling")
@@ -109,8 +123,14 @@ class Campaign:
                 self.recorder.write(await self._observe())
             self.recorder.write({"type": "end", "at": round(self.clock(), 3)})
         finally:
+            # Cut short (SIGTERM, an error): what is still in flight stops before the history closes.
+            pending = [t for t in self.tasks if not t.done()]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             self.recorder.close()
             await self.cluster.stop(keep_database=o.keep_database)
+            loop.remove_signal_handler(signal.SIGTERM)
         verdict = checkers.check(recorder.read(self.recorder.path))
         (self.folder / "verdict.json").write_text(json.dumps(verdict.as_dict(), indent=2))
         return Outcome(
@@ -148,7 +168,7 @@ class Campaign:
             if delay > 0:
                 await asyncio.sleep(delay)
             await self.gate.acquire()
-            tasks.append(asyncio.create_task(self._one(op)))
+            tasks.append(self._spawn(self._one(op)))
         await asyncio.gather(*tasks)
 
     async def _one(self, op: Operation) -> None:

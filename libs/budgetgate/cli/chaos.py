@@ -78,7 +78,11 @@ def run(
         plant=plant,
     )
     echo = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
-    outcome = asyncio.run(run_campaign(options, echo=echo))
+    try:
+        outcome = asyncio.run(run_campaign(options, echo=echo))
+    except asyncio.CancelledError:
+        click.echo(f"the campaign was stopped (SIGTERM) before its end; what it recorded is under {folder}", err=True)
+        sys.exit(1)
     summary = {
         "seed": seed,
         "duration": duration,
