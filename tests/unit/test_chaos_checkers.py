@@ -62,6 +62,9 @@ def test_an_allow_postgres_lost_counts_against_the_budget_and_as_a_lost_decision
     # Postgres has neither its decision nor its reservation.
     # ... and its evidence is of a decision Postgres never recorded.
     assert _caught(lines) == {"conservation", "decisions", "evidence"}
+    # Already in the ledger samples taken after it was told: Postgres's figures plus its projection.
+    during = [v for v in checkers.check(lines).violations if v.message.startswith("postgres at t=4.5s")]
+    assert during and during[0].operations == [21] and "ALLOWs the ledger never recorded" in during[0].message
 
 
 def test_a_duplicated_sample_is_caught() -> None:

@@ -95,17 +95,27 @@ def conservation(history: History, verdict: Verdict) -> None:
     (Postgres and Redis), and at the end what the acknowledged ALLOWs still hold plus what was
     consumed."""
     judged = 0
+    lost = _allows_without_reservation(history)
     for sample in history.ledger:
         for key, figures in sample["keys"].items():
             if figures.get("policy_id") not in history.hard_policies or figures.get("parked"):
                 continue  # a soft budget; or a Redis figure mid-settlement, deliberately tighter
             judged += 1
-            if figures["held"] + figures["consumed"] > figures["limit"]:
+            # ALLOWs told before this sample that the ledger never recorded hold their projection
+            # on top of what it shows (Postgres samples of gpu_hours keys).
+            unseen = []
+            if sample["source"] == "postgres" and key.endswith("|gpu_hours"):
+                namespace = history.hard_policies[figures["policy_id"]]["namespace"]
+                unseen = [(index, amount) for index, complete, amount in lost.get(namespace, []) if complete <= sample["at"]]
+            told = sum(amount for _index, amount in unseen)
+            if figures["held"] + figures["consumed"] + told > figures["limit"]:
+                extra = f" + {told} of ALLOWs the ledger never recorded" if told else ""
                 verdict.violations.append(
                     Violation(
                         "conservation",
-                        f"{sample['source']} at t={sample['at']:.1f}s: {key} holds {figures['held']} + consumed {figures['consumed']} "
+                        f"{sample['source']} at t={sample['at']:.1f}s: {key} holds {figures['held']} + consumed {figures['consumed']}{extra} "
                         f"> limit {figures['limit']}",
+                        [index for index, _amount in unseen],
                     )
                 )
     observation = history.observation
@@ -149,6 +159,24 @@ def conservation(history: History, verdict: Verdict) -> None:
                     )
                 )
     verdict.judged["conservation"] = judged
+
+
+def _allows_without_reservation(history: History) -> dict[str, list[tuple[int, float, int]]]:
+    """Per namespace, the ALLOWs told of which the final observation has no reservation at all:
+    (operation index, when the answer came, projected milli-GPU-seconds)."""
+    if history.observation is None:
+        return {}
+    reserved = {r["run_id"] for r in history.observation["reservations"]}
+    found: dict[str, list[tuple[int, float, int]]] = defaultdict(list)
+    seen: set[str] = set()
+    for op in sorted(history.decisions_told(), key=lambda o: o["complete"]):
+        body = op["request"]
+        if op["answer"]["decision"] != "ALLOW" or body["run_id"] in reserved or body["run_id"] in seen:
+            continue
+        seen.add(body["run_id"])
+        amount = round(body["resources"]["gpus"] * body["projected_runtime_hours"] * MILLI_PER_GPU_HOUR)
+        found[body["namespace"]].append((op["index"], op["complete"], amount))
+    return found
 
 
 def decisions_durable(history: History, verdict: Verdict) -> None:

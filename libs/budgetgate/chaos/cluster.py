@@ -67,9 +67,9 @@ RECONCILER_ENV = {
 
 # Bugs a campaign can plant on purpose, to show the checkers catch them (`--plant`).
 PLANTS = {
-    # The second admission instance keeps its Redis ledger under another prefix: each instance
-    # then checks submissions against only its own reservations, and together they over-admit.
-    "split-redis": "admission-2 uses another Redis key prefix than admission-1",
+    # The second admission instance decides on a copy of the ledger (a database made from the
+    # campaign's right after set-up): what it admits, the rest of the stack never sees.
+    "split-ledger": "admission-2 decides on a copy of the Postgres ledger, not the one the stack shares",
 }
 
 
@@ -148,6 +148,7 @@ class Cluster:
         # The server the campaign's database is made on: given, else BUDGETGATE_POSTGRES_DSN's.
         self.server_dsn = server_dsn or os.environ.get("BUDGETGATE_POSTGRES_DSN") or "postgresql://postgres@127.0.0.1:5432/postgres"
         self.database = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
+        self.split_database = f"{self.database}_split"
         self.dsn = ""
         self.redis = RedisPair(folder / "redis", self.logs)
         self.broker_port = free_port()
@@ -175,6 +176,12 @@ class Cluster:
         finally:
             await conn.close()
         self.tokens = await issue_dev_tokens(self.dsn)
+        if self.plant == "split-ledger":
+            admin = await asyncpg.connect(self.server_dsn)
+            try:
+                await admin.execute(f'CREATE DATABASE "{self.split_database}" TEMPLATE "{self.database}"')
+            finally:
+                await admin.close()
         await self.redis.start()
         self.echo(f"redis: primary :{self.redis.primary.port}, replica :{self.redis.replica.port}")
         await self.start_broker()
@@ -218,8 +225,8 @@ class Cluster:
             "BUDGETGATE_RATE_LIMIT": "10000000/second",
         }
         env.update(POOL_ENV[role])
-        if self.plant == "split-redis" and name == "admission-2":
-            env["BUDGETGATE_REDIS_PREFIX"] = f"{REDIS_PREFIX}-split"
+        if self.plant == "split-ledger" and name == "admission-2":
+            env["BUDGETGATE_POSTGRES_DSN"] = _with_port(databases.with_database(self.dsn, self.split_database), pg_proxy.port)
         if role == "reconciler":
             env.update(RECONCILER_ENV)
         if role == "evidence":
@@ -286,6 +293,8 @@ class Cluster:
         self.sink.close()
         if self.dsn and not keep_database:
             await databases.drop(self.server_dsn, self.database)
+            if self.plant == "split-ledger":
+                await databases.drop(self.server_dsn, self.split_database)
 
 
 def kill_group(child: Subprocess) -> None:
