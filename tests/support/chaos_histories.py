@@ -125,7 +125,7 @@ def clean_history() -> list[dict[str, Any]]:
             "type": "ledger",
             "source": "postgres",
             "at": 4.5,
-            "keys": {"k0": {"policy_id": "chaos/chaos-00", "limit": LIMIT, "held": 2 * RUN_AMOUNT, "consumed": 0}},
+            "keys": {"k0": {"policy_id": "chaos/chaos-00", "unit": "gpu_hours", "limit": LIMIT, "held": 2 * RUN_AMOUNT, "consumed": 0}},
         },
         {
             "type": "ledger",

@@ -315,7 +315,10 @@ class Campaign:
         finally:
             await conn.close()
         at = round(self.clock(), 3)
-        keys = {r["ledger_key"]: {"policy_id": r["policy_id"], "limit": r["limit_amount"], "held": r["held"], "consumed": r["consumed"]} for r in rows}
+        keys = {
+            r["ledger_key"]: {"policy_id": r["policy_id"], "unit": r["unit"], "limit": r["limit_amount"], "held": r["held"], "consumed": r["consumed"]}
+            for r in rows
+        }
         self.recorder.write({"type": "ledger", "source": "postgres", "at": at, "keys": keys})
         client = aioredis.Redis(port=self.cluster.redis.primary.port, socket_timeout=3)
         try:
@@ -375,7 +378,7 @@ class Campaign:
 
 
 LEDGER_FIGURES = """
-SELECT e.ledger_key, e.policy_id, e.limit_amount, e.consumed,
+SELECT e.ledger_key, e.policy_id, e.unit, e.limit_amount, e.consumed,
        COALESCE(SUM(r.amount) FILTER (WHERE r.state = 'held'), 0)::bigint AS held
 FROM ledger_entries e LEFT JOIN reservations r ON r.ledger_key = e.ledger_key
 GROUP BY e.ledger_key ORDER BY e.ledger_key

@@ -104,7 +104,8 @@ def conservation(history: History, verdict: Verdict) -> None:
             # ALLOWs told before this sample that the ledger never recorded hold their projection
             # on top of what it shows (Postgres samples of gpu_hours keys).
             unseen = []
-            if sample["source"] == "postgres" and key.endswith("|gpu_hours"):
+            unit = figures.get("unit") or ("gpu_hours" if key.endswith("|gpu_hours") else None)
+            if sample["source"] == "postgres" and unit == "gpu_hours":
                 namespace = history.hard_policies[figures["policy_id"]]["namespace"]
                 unseen = [(index, amount) for index, complete, amount in lost.get(namespace, []) if complete <= sample["at"]]
             told = sum(amount for _index, amount in unseen)
