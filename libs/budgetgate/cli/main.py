@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from budgetgate.cli import bench, db, demo, dev, policy, publish
+from budgetgate.cli import bench, chaos, db, demo, dev, policy, publish
 from budgetgate.cli.usage import usage
 from budgetgate.cli.actions import actions, dlq
 from budgetgate.cli.audit import audit
@@ -36,6 +36,7 @@ cli.add_command(policy.policy)
 policy.policy.add_command(what_if)
 cli.add_command(demo.demo)
 cli.add_command(bench.bench)
+cli.add_command(chaos.chaos)
 cli.add_command(publish.publish)
 cli.add_command(usage)
 cli.add_command(audit)

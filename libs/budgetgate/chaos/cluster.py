@@ -1,0 +1,321 @@
+"""The campaign's own stack: a database on the Postgres server of BUDGETGATE_POSTGRES_DSN, a
+Redis primary and replica, a Tansu broker, a Marquez stand-in, and seven service processes (two
+admission, two metering-ingest, two reconcilers, the evidence-emitter), each reaching Postgres
+and Redis through a proxy of its own (budgetgate.chaos.tcp_proxy).
+
+The machine's Postgres is shared, so it is never killed or stopped here: its outages are the
+proxies' cuts, delays and black holes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+
+from budgetgate.benchmark import databases
+from budgetgate.benchmark.service_processes import StartError, Subprocess, tansu_command
+from budgetgate.chaos.lineage_sink import LineageSink
+from budgetgate.chaos.redis_pair import RedisPair
+from budgetgate.chaos.schedule import SERVICE_PROCESSES, Budget
+from budgetgate.chaos.tcp_proxy import TcpProxy
+from budgetgate.devstack.access_tokens import issue_dev_tokens
+from budgetgate.devstack.ports import free_port
+from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.ledger.migrations import migrate_dsn
+from budgetgate.messaging.topic_admin import ensure_topics
+from budgetgate.policies.repository import apply_bundle
+
+REDIS_PREFIX = "chaos"
+POOL_NAMESPACE = "pool:chaos"
+POOL_QUOTA = 4
+POOL_LEASE_SECONDS = 30
+MODULES = {
+    "admission": "budgetgate.services.admission",
+    "metering": "budgetgate.services.metering_ingest",
+    "reconciler": "budgetgate.services.reconciler",
+    "evidence": "budgetgate.services.evidence_emitter",
+}
+# Small connection pools: the campaign's database is on a shared server (max_connections is often
+# 100), and seven services with the default pools could take most of it.
+POOL_ENV = {
+    "admission": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "6"},
+    "metering": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "4"},
+    "reconciler": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "5", "BUDGETGATE_SETTLE_CONCURRENCY": "3"},
+    "evidence": {"BUDGETGATE_PG_POOL_MIN": "1", "BUDGETGATE_PG_POOL_MAX": "3"},
+}
+# Short deadlines, so that a campaign of minutes sees reservations given back.
+RECONCILER_ENV = {
+    "BUDGETGATE_START_DEADLINE_SECONDS": "20",
+    "BUDGETGATE_PROVISIONAL_GRACE_SECONDS": "10",
+    "BUDGETGATE_ORPHAN_GRACE_SECONDS": "20",
+    "BUDGETGATE_DRIFT_CHECK_SECONDS": "5",
+}
+
+
+# Bugs a campaign can plant on purpose, to show the checkers catch them (`--plant`).
+PLANTS = {
+    # The second admission instance decides on a copy of the ledger (a database made from the
+    # campaign's right after set-up): what it admits, the rest of the stack never sees.
+    "split-ledger": "admission-2 decides on a copy of the Postgres ledger, not the one the stack shares",
+}
+
+
+class FaketimeMissing(RuntimeError):
+    """Clock skew needs the `faketime` program (Debian's faketime package)."""
+
+
+def policy_documents(budgets: tuple[Budget, ...]) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "budgetgate/v1",
+            "kind": "RateCard",
+            "metadata": {"id": "chaos/rates"},
+            "spec": {"currency": "USD", "rates": [{"flavor": "h100", "rate_per_gpu_hour": 4.0}, {"flavor": "a100", "rate_per_gpu_hour": 2.0}]},
+        },
+        {
+            "apiVersion": "budgetgate/v1",
+            "kind": "ResourcePool",
+            "metadata": {"id": "chaos-pool"},
+            "spec": {
+                "namespace": POOL_NAMESPACE,
+                "quota": POOL_QUOTA,
+                "project_cap": POOL_QUOTA,
+                "namespace_cap": POOL_QUOTA,
+                "lease_seconds": POOL_LEASE_SECONDS,
+            },
+        },
+    ]
+    for b in budgets:
+        scope = {"namespace": b.namespace, "labels": {"team": b.namespace}}
+        enforcement = "soft" if b.kind == "soft" else "hard"
+        spec: dict[str, Any] = {"scope": scope, "window": {"calendar": "month"}, "limit": {"gpu_hours": b.gpu_hours}, "enforcement": enforcement}
+        if enforcement == "hard":
+            spec["on_exhausted"] = "delay" if b.kind == "delaying" else "deny"
+        docs.append({"apiVersion": "budgetgate/v1", "kind": "BudgetPolicy", "metadata": {"id": b.policy_id}, "spec": spec})
+        if b.cost is not None:
+            cost_spec = {
+                "scope": scope,
+                "window": {"calendar": "month"},
+                "limit": {"cost": b.cost, "currency": "USD"},
+                "enforcement": "hard",
+                "on_exhausted": "deny",
+            }
+            docs.append({"apiVersion": "budgetgate/v1", "kind": "BudgetPolicy", "metadata": {"id": f"{b.policy_id}/cost"}, "spec": cost_spec})
+    return docs
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    module: str
+    port: int
+    env: dict[str, str]
+    proc: Subprocess | None = None
+    skew: float = 0.0
+    proxies: dict[str, TcpProxy] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Cluster:
+    def __init__(
+        self, *, seed: int, budgets: tuple[Budget, ...], folder: Path, echo: Any = print, plant: str | None = None, server_dsn: str | None = None
+    ) -> None:
+        if plant is not None and plant not in PLANTS:
+            raise ValueError(f"unknown planted bug {plant!r}; known: {', '.join(PLANTS)}")
+        self.plant = plant
+        self.seed = seed
+        self.budgets = budgets
+        self.folder = folder
+        self.logs = folder / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        # The server the campaign's database is made on: given, else BUDGETGATE_POSTGRES_DSN's.
+        self.server_dsn = server_dsn or os.environ.get("BUDGETGATE_POSTGRES_DSN") or "postgresql://postgres@127.0.0.1:5432/postgres"
+        self.database = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
+        self.split_database = f"{self.database}_split"
+        self.dsn = ""
+        self.redis = RedisPair(folder / "redis", self.logs)
+        self.broker_port = free_port()
+        self.broker: Subprocess | None = None
+        self.broker_paused = False
+        self.sink = LineageSink()
+        self.services: dict[str, ServiceProcess] = {}
+        self.proxies: list[TcpProxy] = []
+        self.tokens: dict[str, str] = {}
+        self.documents = policy_documents(budgets)
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.broker_port}"
+
+    async def start(self) -> None:
+        self.dsn = await databases.create(self.server_dsn, self.database)
+        self.echo(f"postgres: database {self.database}")
+        await migrate_dsn(self.dsn)
+        documents = parse_text("\n---\n".join(json.dumps(d) for d in self.documents), "chaos/policies.yaml")
+        bundle = build_bundle(documents, git_sha=f"{self.seed:08x}".ljust(40, "0"))
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await apply_bundle(conn, bundle=bundle, documents=documents, source="budgetgate chaos", applied_by="budgetgate chaos")
+        finally:
+            await conn.close()
+        self.tokens = await issue_dev_tokens(self.dsn)
+        if self.plant == "split-ledger":
+            admin = await asyncpg.connect(self.server_dsn)
+            try:
+                await admin.execute(f'CREATE DATABASE "{self.split_database}" TEMPLATE "{self.database}"')
+            finally:
+                await admin.close()
+        await self.redis.start()
+        self.echo(f"redis: primary :{self.redis.primary.port}, replica :{self.redis.replica.port}")
+        await self.start_broker()
+        self.sink.start()
+        for name in SERVICE_PROCESSES:
+            await self._prepare(name)
+        for service in self.services.values():
+            self._spawn(service)
+        await asyncio.gather(*(self.wait_ready(s) for s in self.services.values()))
+        self.echo(f"services: {', '.join(self.services)} ready")
+
+    async def start_broker(self) -> None:
+        self.broker = Subprocess(f"broker-{int(time.time() * 1000)}", tansu_command(self.broker_port), log_dir=self.logs)
+        await self.broker.wait_port(self.broker_port, timeout=30)
+        await ensure_topics(self.bootstrap, prefix="")
+        self.broker_paused = False
+
+    def kill_broker(self) -> None:
+        if self.broker is not None:
+            if self.broker_paused:
+                os.kill(self.broker.pid, signal.SIGCONT)
+            kill_group(self.broker)
+
+    def pause_broker(self, paused: bool) -> None:
+        if self.broker is not None and self.broker.proc.poll() is None:
+            os.kill(self.broker.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            self.broker_paused = paused
+
+    async def _prepare(self, name: str) -> None:
+        role = name.split("-")[0]
+        pg_proxy = await TcpProxy(f"{name}->postgres", upstream=_host_port(self.dsn)).start()
+        redis_proxy = await TcpProxy(f"{name}->redis", upstream=("127.0.0.1", self.redis.primary.port)).start()
+        self.proxies += [pg_proxy, redis_proxy]
+        env = {
+            "BUDGETGATE_POSTGRES_DSN": _with_port(self.dsn, pg_proxy.port),
+            "BUDGETGATE_REDIS_URL": f"redis://127.0.0.1:{redis_proxy.port}/0",
+            "BUDGETGATE_REDIS_PREFIX": REDIS_PREFIX,
+            "BUDGETGATE_KAFKA_BOOTSTRAP": self.bootstrap,
+            "BUDGETGATE_TOPIC_PREFIX": "",
+            "BUDGETGATE_SERVICE_NAME": name,
+            "BUDGETGATE_RATE_LIMIT": "10000000/second",
+        }
+        env.update(POOL_ENV[role])
+        if self.plant == "split-ledger" and name == "admission-2":
+            env["BUDGETGATE_POSTGRES_DSN"] = _with_port(databases.with_database(self.dsn, self.split_database), pg_proxy.port)
+        if role == "reconciler":
+            env.update(RECONCILER_ENV)
+        if role == "evidence":
+            env["OPENLINEAGE_URL"] = self.sink.url
+        self.services[name] = ServiceProcess(name, MODULES[role], free_port(), env, proxies={"postgres": pg_proxy, "redis": redis_proxy})
+
+    def _spawn(self, service: ServiceProcess) -> None:
+        command = [sys.executable, "-m", service.module, "--host", "127.0.0.1", "--port", str(service.port)]
+        if service.skew:
+            faketime = shutil.which("faketime")
+            if faketime is None:
+                raise FaketimeMissing("clock skew needs `faketime` (apt-get install faketime)")
+            command = [faketime, "-f", f"{service.skew:+g}s", *command]
+        service.proc = Subprocess(f"{service.name}-{int(time.time() * 1000)}", command, log_dir=self.logs, env=service.env)
+
+    async def wait_ready(self, service: ServiceProcess, timeout: float = 90.0) -> None:
+        assert service.proc is not None
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=3.0) as client:
+            while True:
+                service.proc.check_alive()
+                try:
+                    if (await client.get(f"{service.url}/readyz")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise StartError(f"{service.name} not ready within {timeout:.0f}s:\n{service.proc.log_tail()}")
+                await asyncio.sleep(0.2)
+
+    def kill_service(self, name: str) -> None:
+        service = self.services[name]
+        if service.proc is not None:
+            kill_group(service.proc)
+
+    async def restart_service(self, name: str, *, skew: float = 0.0) -> None:
+        """Start it again (killed, or to change its clock); ready or not, the workload goes on."""
+        service = self.services[name]
+        self.kill_service(name)
+        service.skew = skew
+        self._spawn(service)
+        try:
+            await self.wait_ready(service, timeout=60.0)
+        except StartError as exc:
+            self.echo(f"{name} not ready after a restart: {exc}")
+
+    def proxies_of(self, target: str) -> list[TcpProxy]:
+        """'admission-1->redis', or '*->postgres' for every service's link to Postgres."""
+        source, _, store = target.partition("->")
+        return [s.proxies[store] for s in self.services.values() if source in ("*", s.name)]
+
+    def redirect_redis(self) -> None:
+        for service in self.services.values():
+            service.proxies["redis"].redirect(("127.0.0.1", self.redis.primary.port))
+
+    async def stop(self, *, keep_database: bool = False) -> None:
+        for service in self.services.values():
+            if service.proc is not None:
+                kill_group(service.proc)
+        for proxy in self.proxies:
+            await proxy.close()
+        self.kill_broker()
+        await self.redis.stop()
+        self.sink.close()
+        if self.dsn and not keep_database:
+            await databases.drop(self.server_dsn, self.database)
+            if self.plant == "split-ledger":
+                await databases.drop(self.server_dsn, self.split_database)
+
+
+def kill_group(child: Subprocess) -> None:
+    """SIGKILL the child's whole process group (it leads one: started in a session of its own),
+    then reap it: under `faketime` the service is a grandchild, which killing the child alone
+    would leave running, with its skewed clock."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.kill()
+
+
+def _host_port(dsn: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(dsn)
+    return parts.hostname or "127.0.0.1", parts.port or 5432
+
+
+def _with_port(dsn: str, port: int) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    userinfo = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=(f"{userinfo}@" if userinfo else "") + f"127.0.0.1:{port}"))
