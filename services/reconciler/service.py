@@ -60,6 +60,7 @@ class Stats:
     dead_letters: int = 0
     dead_lettered: int = 0  # settlements dead-lettered now (whoever set them aside), as upkeep last read
     ended_parked: int = 0
+    upkeep_ticks: int = 0  # time-driven passes done (deadlines judged, holds lifted, alerts sent)
     failing: dict[str, int] = field(default_factory=dict)  # run id → failed tries so far
     fresh: set[str] = field(default_factory=set)
 
@@ -119,6 +120,8 @@ class Reconciler(Service):
         self.sync = LedgerSync(self.pool, self.ledger)
         self.bundles = PolicyStore()
         self.settler = Settler.configured(s, pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles)
+        async with self.pool.acquire() as conn:  # before the first settlement: deadlines on Postgres's clock
+            await self.settler.measure_clock(conn)
         self.publisher = Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
         self.relay = OutboxRelay(pool=self.pool, publisher=self.publisher, topics=self.topics, batch=s.outbox_batch)
         consumption = consumers.subscription(s, self.topics)
@@ -255,8 +258,9 @@ class Reconciler(Service):
         prune_after: tuple[datetime, str] | None = None
         pruned = 0
         while True:
-            now = datetime.now(UTC)
             async with self.pool.acquire() as conn:
+                # Every deadline below is judged on Postgres's clock (Settler.measure_clock).
+                now = await self.settler.measure_clock(conn)
                 await self.bundles.refresh(conn)
                 # Read anew each tick: an operator resolves them from another process.
                 self.stats.dead_lettered = await dead_letters.count(conn)
@@ -280,6 +284,7 @@ class Reconciler(Service):
             if await headroom.rollover(self.pool, self.bundles, since=self._windows_seen, now=now):
                 self.relay.wakeup.set()
             self._windows_seen = now
+            self.stats.upkeep_ticks += 1
             await headroom.forget_stale(self.pool, older_than=timedelta(seconds=s.waiting_seconds), now=now)
             if time.monotonic() >= next_sweep:
                 # Leak protection for Redis holds whose decision never committed (a process died

@@ -74,6 +74,23 @@ class Settler:
         self.bundles = bundles
         self.rules = rules
         self.fair_share_half_life = fair_share_half_life
+        # Postgres's clock less this process's, as upkeep last measured it. Deadlines are judged on
+        # Postgres's clock, the one every recorded time (decided, created, events) was taken on: a
+        # reconciler whose own clock ran ahead gave reservations back before their start deadline,
+        # and admission gave the room to others (the fault campaign's seed 7, clock skew).
+        self.clock_offset = timedelta(0)
+
+    def now(self) -> datetime:
+        """The time on Postgres's clock (this process's, corrected by the last measured offset)."""
+        return datetime.now(UTC) + self.clock_offset
+
+    async def measure_clock(self, conn: asyncpg.Connection) -> datetime:
+        """Measure the offset of Postgres's clock from this process's; returns Postgres's time now."""
+        before = datetime.now(UTC)
+        theirs: datetime = await conn.fetchval("SELECT clock_timestamp()")
+        after = datetime.now(UTC)
+        self.clock_offset = theirs - (before + (after - before) / 2)
+        return theirs
 
     @classmethod
     def configured(cls, settings: ReconcilerSettings, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: PolicyStore) -> Settler:
@@ -87,7 +104,7 @@ class Settler:
         async def attempt() -> Outcome:
             async with ledger_transaction(self.pool, self.ledger) as work:
                 await self.lock(work.conn, run_id)
-                return await self.settle_locked(work, run_id, now or datetime.now(UTC))
+                return await self.settle_locked(work, run_id, now or self.now())
 
         return await self.retrying(run_id, attempt)
 
