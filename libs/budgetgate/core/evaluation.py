@@ -130,8 +130,8 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
     if priced is None and res.flavor and bundle.rate_cards:
         # Priced by no card (a typo such as h200 for h100, or a card that does not cover it yet).
         if bundle.rejects_unknown_flavors:
-            raise UnknownFlavor(bundle.unpriced(res.flavor, res.region).split(":")[0] + ", and a rate card of the bundle rejects unknown flavors")
-        warnings = (bundle.unpriced(res.flavor, res.region),)
+            raise UnknownFlavor(bundle.unpriced(res.flavor, res.region) + ", and a rate card of the bundle rejects unknown flavors")
+        warnings = (bundle.unpriced(res.flavor, res.region) + ": showback_cost is null",)
     charges: list[Charge] = []
     violations: list[Violation] = []
     waived: list[Waived] = []

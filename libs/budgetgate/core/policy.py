@@ -138,11 +138,11 @@ class PolicyBundle:
         return [declared[ns] for ns in pool_chain(namespace) if ns in declared]
 
     def unpriced(self, flavor: str, region: str | None) -> str:
-        """What to say of a submission whose flavor no rate card prices (its answer's warning, or
-        the reason it is refused)."""
+        """What to say of a submission whose flavor no rate card prices, the start of its answer's
+        warning or of the reason it is refused."""
         known = sorted({rate.flavor for card in self.rate_cards for rate in card.rates})
         where = f" in region {region!r}" if region else ""
-        return f"no rate card prices flavor {flavor!r}{where} (priced: {', '.join(known)}): showback_cost is null"
+        return f"no rate card prices flavor {flavor!r}{where} (priced: {', '.join(known)})"
 
     @property
     def rejects_unknown_flavors(self) -> bool:

@@ -15,8 +15,6 @@ from __future__ import annotations
 from enum import StrEnum
 
 THRESHOLDS = (80, 100)
-# The share of a budget from which it is "alerting".
-ALERT_RATIO = THRESHOLDS[0] / 100
 
 
 class Measure(StrEnum):
@@ -38,7 +36,7 @@ def crossed(amount: int, limit: int) -> list[int]:
 
 def budget_state(*, reserved: int, consumed: int, limit: int, held: bool) -> str:
     """held / exhausted / full / alerting / ok: a hold wins, then consumed at its limit, then
-    nothing left to commit, then either measure at ALERT_RATIO."""
+    nothing left to commit, then committed at the first of THRESHOLDS."""
     if held:
         return "held"
     if limit > 0 and consumed >= limit:
