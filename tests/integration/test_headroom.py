@@ -145,6 +145,13 @@ async def test_budget_delay_hears_headroom_when_a_limit_rises_and_when_a_run_end
     await wait_for(lambda: count(1), what="HEADROOM after the limit rose")
     [raised] = await headrooms(settings)
     assert (raised.run_id, raised.attempt, raised.policy_id, raised.scope_id) == ("late", 1, "physics-delay", "ns=physics;team=physics")
+
+    # Each instance takes up a new bundle when its announcement or periodic check arrives, so the
+    # admission instance may still show the old limit when the reconciler has already spoken.
+    async def shows_new_limit() -> bool:
+        return (await server.client.get("/v1/admissions/late")).json()["waiting"]["limiting"][0]["limit"] == 14.0
+
+    await wait_for(shows_new_limit, what="admission showing the risen limit")
     now = (await server.client.get("/v1/admissions/late")).json()["waiting"]
     assert now["headroom"] is True and now["limiting"][0]["limit"] == 14.0 and now["limiting"][0]["remaining"] == 6.0
     assert (await server.client.get("/v1/admissions/mid")).json()["waiting"]["headroom"] is False

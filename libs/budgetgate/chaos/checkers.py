@@ -223,8 +223,13 @@ def decisions_durable(history: History, verdict: Verdict) -> None:
             )
         events = evidence.get(decision_id, set())
         if not events:
+            trail = observation.get("evidence_trail", {}).get(decision_id)
             verdict.violations.append(
-                Violation("evidence", f"decision {decision_id} of run {answer['run_id']} never reached the evidence stand-in", [op["index"]])
+                Violation(
+                    "evidence",
+                    f"decision {decision_id} of run {answer['run_id']} never reached the evidence stand-in" + (f"; its trail: {trail}" if trail else ""),
+                    [op["index"]],
+                )
             )
         elif len({event_type for event_type, _ in events}) != len(events):
             verdict.violations.append(

@@ -1,6 +1,11 @@
 """What the stores hold once the stack has settled, as the history's `observation` line: the
 ledger, decisions, usage, the decisions topic read from its start, the evidence stand-in's
-events, and the drift check of Redis against Postgres (budgetgate.ledger.drift, not repairing)."""
+events, and the drift check of Redis against Postgres (budgetgate.ledger.drift, not repairing).
+
+A decision missing from the stand-in gets its trail (`evidence_trail`), so a violation can be
+diagnosed from the history alone: where it sits on the topic, whether the evidence-emitter's inbox
+took it, its evidence row (state, attempts, last error), and the emitter group's committed offset
+and the log's end on that partition."""
 
 from __future__ import annotations
 
@@ -19,6 +24,9 @@ from budgetgate.contracts.topics import Topics
 from budgetgate.ledger import drift
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.v1.decisions_pb2 import Decision
+
+# The evidence-emitter's consumer group in the campaign's stack (no topic prefix there).
+EMITTER_GROUP = "budgetgate-evidence-emitter"
 
 QUERIES = {
     "ledger_entries": "SELECT ledger_key, policy_id, unit, limit_amount AS limit, consumed FROM ledger_entries ORDER BY ledger_key",
@@ -42,18 +50,77 @@ async def observe(cluster: Cluster, *, at: float, echo: Callable[[str], None], w
     while time.monotonic() < deadline and not decided <= {e["decision_id"] for e in cluster.sink.decision_events()}:
         await asyncio.sleep(1.0)
     found["evidence"] = [e for e in cluster.sink.decision_events() if e.get("stage") in (None, "decision")]
+    placed: dict[str, dict[str, Any]] = {}
     try:
-        found["topic_decisions"] = sorted(await decisions_on_topic(cluster.bootstrap))
+        placed = await decisions_on_topic(cluster.bootstrap)
+        found["topic_decisions"] = sorted(placed)
         found["topic_read"] = True
     except Exception as exc:  # noqa: BLE001 - the broker may be unreachable: said, not judged
         echo(f"the decisions topic could not be read: {exc}")
         found["topic_decisions"], found["topic_read"] = [], False
+    missing = sorted(decided - {e["decision_id"] for e in found["evidence"]})
+    if missing:
+        try:
+            found["evidence_trail"] = await evidence_trail(cluster, missing, placed)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis that fails must not cost the observation
+            echo(f"the trail of the decisions missing from the evidence could not be read: {exc!r}")
     found["redis_drift"] = await redis_drift(cluster)
     found.update(type="observation", at=at)
     return found
 
 
-async def decisions_on_topic(bootstrap: str, *, quiet_polls: int = 3) -> set[str]:
+async def evidence_trail(cluster: Cluster, missing: list[str], placed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """For each decision id in `missing` (not in the stand-in): its place on the decisions topic,
+    whether the emitter's inbox took its record, its evidence rows, and the emitter group's
+    committed offset and the log's end on its partition."""
+    conn = await asyncpg.connect(cluster.dsn, timeout=10)
+    try:
+        rows = await conn.fetch(
+            """SELECT decision_id, stage, state, attempts, last_error, event_type,
+                      extract(epoch FROM next_attempt_at - now())::float8 AS next_attempt_in,
+                      extract(epoch FROM now() - created_at)::float8 AS age_seconds
+               FROM evidence_events WHERE decision_id = ANY($1::text[])""",
+            missing,
+        )
+        events = [p["event_id"] for d in missing if (p := placed.get(d))]
+        took = await conn.fetch("SELECT event_id FROM inbox WHERE consumer = 'evidence_emitter' AND event_id = ANY($1::text[])", events)
+        taken = {r["event_id"] for r in took}
+    finally:
+        await conn.close()
+    group: dict[str, Any] = {}
+    try:
+        group = await emitter_group(cluster.bootstrap)
+    except Exception as exc:  # noqa: BLE001 - said in the trail, not judged
+        group = {"error": repr(exc)}
+    trail = {}
+    for decision_id in missing:
+        where = placed.get(decision_id)
+        trail[decision_id] = {
+            "topic": where,
+            "inbox_took": where is not None and where["event_id"] in taken,
+            "evidence_rows": [dict(r) for r in rows if r["decision_id"] == decision_id],
+            "emitter_group": group.get(str(where["partition"])) if where else group,
+        }
+    return trail
+
+
+async def emitter_group(bootstrap: str) -> dict[str, Any]:
+    """The evidence-emitter group's committed offset and the log's end, per decisions partition
+    (read by a consumer of the group that never joins it: an offset fetch, not a rebalance)."""
+    topic = Topics("").decisions
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=EMITTER_GROUP, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        ends = await consumer.end_offsets(partitions) if partitions else {}
+        return {str(tp.partition): {"committed": await consumer.committed(tp), "end_reported": ends.get(tp)} for tp in partitions}
+    finally:
+        await consumer.stop()
+
+
+async def decisions_on_topic(bootstrap: str, *, quiet_polls: int = 3) -> dict[str, dict[str, Any]]:
+    """Every decision on the decisions topic read from its start: its id, with the partition,
+    offset and event id of its first record there."""
     topic = Topics("").decisions
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
@@ -66,7 +133,7 @@ async def decisions_on_topic(bootstrap: str, *, quiet_polls: int = 3) -> set[str
             partitions = consumer.partitions_for_topic(topic) or set()
         consumer.assign([TopicPartition(topic, p) for p in partitions])
         await consumer.seek_to_beginning()
-        seen: set[str] = set()
+        seen: dict[str, dict[str, Any]] = {}
         idle = 0
         while idle < quiet_polls:
             batch = await consumer.getmany(timeout_ms=1000)
@@ -77,7 +144,7 @@ async def decisions_on_topic(bootstrap: str, *, quiet_polls: int = 3) -> set[str
                     message = wire.decode(Decision, record.value, record.headers)
                 except wire.WireError:
                     continue
-                seen.add(message.decision_id or message.event_id)
+                seen.setdefault(message.decision_id or message.event_id, {"partition": record.partition, "offset": record.offset, "event_id": message.event_id})
         return seen
     finally:
         await consumer.stop()

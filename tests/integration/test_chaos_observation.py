@@ -1,0 +1,55 @@
+"""A decision missing from the evidence stand-in gets its trail in the campaign's observation
+(docs/promises.md): where it sits on the decisions topic, whether the emitter's inbox took it, its
+evidence rows, and the emitter group's committed offset and the log's end on its partition."""
+
+from __future__ import annotations
+
+import uuid
+from types import SimpleNamespace
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from budgetgate.chaos.observation import decisions_on_topic, evidence_trail
+from budgetgate.contracts import wire
+from budgetgate.contracts.topics import Topics
+from budgetgate.messaging.topic_admin import ensure_topics
+from budgetgate.v1.decisions_pb2 import Decision
+
+
+async def test_a_decision_missing_from_the_evidence_gets_its_trail(killable_kafka, pg_dsn) -> None:
+    bootstrap = killable_kafka.url
+    await ensure_topics(bootstrap)
+    taken, untaken = str(uuid.uuid4()), str(uuid.uuid4())
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for decision_id in (taken, untaken):
+            message = Decision(event_id=f"e-{decision_id}", decision_id=decision_id, run_id=f"run-{decision_id}", event_time=Timestamp(seconds=1_700_000_000))
+            record = wire.encode(message, key=message.run_id)
+            await producer.send_and_wait(Topics("").decisions, record.value, key=record.key, headers=record.headers)
+    finally:
+        await producer.stop()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("INSERT INTO inbox (consumer, event_id, topic) VALUES ('evidence_emitter', $1, 'budget.decisions.v1')", f"e-{taken}")
+        await conn.execute(
+            "INSERT INTO evidence_events (source_event_id, stage, run_id, run_uuid, decision_id, event_type, event_time, payload, state, attempts, last_error)"
+            " VALUES ($1, 'decision', $2, $3, $4, 'OTHER', now(), '{}', 'pending', 3, 'HTTP 503')",
+            f"e-{taken}", f"run-{taken}", uuid.uuid4(), taken,
+        )  # fmt: skip
+    finally:
+        await conn.close()
+
+    placed = await decisions_on_topic(bootstrap)
+    assert set(placed) == {taken, untaken}
+    trail = await evidence_trail(SimpleNamespace(dsn=pg_dsn, bootstrap=bootstrap), [taken, untaken], placed)  # type: ignore[arg-type]
+
+    assert trail[taken]["topic"] == placed[taken] and trail[taken]["inbox_took"] is True
+    [row] = trail[taken]["evidence_rows"]
+    assert (row["state"], row["attempts"], row["last_error"]) == ("pending", 3, "HTTP 503")
+    assert trail[untaken]["inbox_took"] is False and trail[untaken]["evidence_rows"] == []
+    # No emitter ever committed: the partition's end is there, the committed offset is not.
+    group = trail[untaken]["emitter_group"]
+    assert group["committed"] is None and group["end_reported"] >= 1
