@@ -12,7 +12,17 @@ from budgetgate.chaos.campaign import Options, run
 
 
 async def test_a_planted_over_admission_is_caught_by_the_conservation_checker(postgres_admin_dsn: str, tmp_path: Path) -> None:
-    options = Options(seed=3, duration=20.0, rate=6.0, faults=False, settle_seconds=5.0, folder=tmp_path, plant="split-ledger", server_dsn=postgres_admin_dsn)
+    options = Options(
+        seed=3,
+        duration=20.0,
+        rate=6.0,
+        faults=False,
+        settle_seconds=5.0,
+        folder=tmp_path,
+        plant="split-ledger",
+        postgres="shared",
+        server_dsn=postgres_admin_dsn,
+    )
     outcome = await run(options, echo=lambda _m: None)
 
     caught = {v.checker for v in outcome.verdict.violations}

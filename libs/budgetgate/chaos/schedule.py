@@ -26,9 +26,8 @@ SERVICE_PROCESSES = (
 )
 STORES = ("postgres", "redis")
 
-# Fault kinds, each with its weight in the schedule. Killing or pausing the machine's Postgres
-# is not among them: the server is shared with other work, so Postgres outages are injected by
-# the proxies between each service and Postgres (cut, delay, black hole) instead.
+# Fault kinds, each with its weight in the schedule. The Postgres kinds need the campaign's own
+# server (`--postgres own`, the default); on a shared server they are skipped and said so.
 FAULT_KINDS: dict[str, int] = {
     "kill-service": 4,
     "redis-kill": 1,
@@ -41,6 +40,8 @@ FAULT_KINDS: dict[str, int] = {
     "proxy-delay": 2,
     "proxy-blackhole": 2,
     "clock-skew": 1,
+    "postgres-kill": 1,
+    "postgres-pause": 1,
 }
 
 GPU_CHOICES = (1, 2, 4, 8)
@@ -241,6 +242,10 @@ def _fault_details(rng: random.Random, kind: str) -> tuple[str, float, dict[str,
         return "broker", rng.uniform(2.0, 8.0), {}
     if kind == "broker-kill":
         return "broker", rng.uniform(1.0, 4.0), {}
+    if kind == "postgres-kill":
+        return "postgres", rng.uniform(1.0, 4.0), {}
+    if kind == "postgres-pause":
+        return "postgres", rng.uniform(2.0, 8.0), {}
     if kind == "redis-failover":
         return "redis", rng.uniform(1.0, 3.0), {"replica_lag_seconds": round(rng.uniform(1.0, 4.0), 1)}
     if kind == "redis-old-snapshot":

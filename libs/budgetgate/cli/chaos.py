@@ -34,6 +34,14 @@ def chaos() -> None:
 @click.option("--out", "folder", default=Path(".budgetgate/chaos"), show_default=True, type=click.Path(path_type=Path), help="Where the history goes.")
 @click.option("--keep-database", is_flag=True, help="Keep the campaign's Postgres database (dropped by default).")
 @click.option(
+    "--postgres",
+    type=click.Choice(("own", "shared")),
+    default="own",
+    show_default=True,
+    help="own: a Postgres server of the campaign's own, which the Postgres faults kill and pause; "
+    "shared: a database on BUDGETGATE_POSTGRES_DSN's server, never killed (the Postgres faults are skipped).",
+)
+@click.option(
     "--plant",
     type=click.Choice(tuple(PLANTS)),
     help="Plant a bug on purpose, to see the checkers catch it: " + "; ".join(f"{k}: {v}" for k, v in PLANTS.items()),
@@ -49,6 +57,7 @@ def run(
     settle_seconds: float,
     folder: Path,
     keep_database: bool,
+    postgres: str,
     plant: str | None,
     as_json: bool,
 ) -> None:
@@ -75,6 +84,7 @@ def run(
         settle_seconds=settle_seconds,
         folder=folder,
         keep_database=keep_database,
+        postgres=postgres,
         plant=plant,
     )
     echo = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
