@@ -18,7 +18,7 @@ from budgetgate.core.units import Unit, limit_amount, smallest
 from budgetgate.core.windows import CALENDARS, zone
 
 API_VERSION = "budgetgate/v1"
-SUPPORTED_KINDS = ("BudgetPolicy", "RateCard", "Quota", "Cluster", "ResourcePool")
+SUPPORTED_KINDS = ("BudgetPolicy", "RateCard", "Quota", "Cluster", "ResourcePool", "Account")
 # Kinds the project will read once their features exist; named so the error says "not yet".
 PLANNED_KINDS: tuple[str, ...] = ()
 
@@ -27,6 +27,8 @@ LabelKey = Annotated[str, StringConstraints(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Z
 LabelValue = Annotated[str, StringConstraints(pattern=r"^(\*|([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?)$")]
 Namespace = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
 PolicyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")]
+# An account id, as a policy id is written (a ledger's scope id is `account=<id>`: no `;` or `=`).
+AccountId = PolicyId
 Currency = Annotated[str, StringConstraints(pattern=r"^[A-Z]{3}$")]
 Positive = Annotated[Decimal, Field(gt=0, allow_inf_nan=False)]
 # The largest ledger amount: integers stay exact in Redis Lua, whose numbers are doubles.
@@ -163,11 +165,19 @@ class LimitDoc(_Strict):
 
 
 class BudgetPolicySpec(_Strict):
-    scope: ScopeDoc
+    # Which runs it covers: a scope, or an account of the tree (and every account below it).
+    scope: ScopeDoc | None = None
+    account: AccountId | None = None
     window: WindowDoc
     limit: LimitDoc
     enforcement: Literal["hard", "soft", "dry-run"] = "hard"
     on_exhausted: Literal["deny", "delay", "hold", "hold-and-drain"] = "deny"
+
+    @model_validator(mode="after")
+    def _scope_or_account(self) -> BudgetPolicySpec:
+        if (self.scope is None) == (self.account is None):
+            raise ValueError("a budget covers either a scope or an account: give one of scope and account")
+        return self
 
     @field_validator("on_exhausted")
     @classmethod
@@ -272,12 +282,29 @@ class ResourcePoolSpec(_Strict):
     lease_seconds: int = Field(default=3600, ge=1, le=30 * 86400)
 
 
+class AccountSpec(_Strict):
+    """An account of the tree (core/accounts.py)."""
+
+    level: Literal["organisation", "department", "team", "user"]
+    parent: AccountId | None = None
+    scope: ScopeDoc | None = None
+    # Whether the budgets of the accounts below it may give them more than its own budget has.
+    overcommit: bool = False
+
+    @model_validator(mode="after")
+    def _user_has_scope(self) -> AccountSpec:
+        if self.level == "user" and self.scope is None:
+            raise ValueError("a user account needs a scope (the labels that name the user's runs, e.g. {labels: {user: alice}})")
+        return self
+
+
 SPEC_MODELS: dict[str, type[BaseModel]] = {
     "BudgetPolicy": BudgetPolicySpec,
     "RateCard": RateCardSpec,
     "Quota": QuotaSpec,
     "Cluster": ClusterSpec,
     "ResourcePool": ResourcePoolSpec,
+    "Account": AccountSpec,
 }
 
 

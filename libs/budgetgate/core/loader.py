@@ -10,14 +10,17 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from budgetgate.core.accounts import Account, AccountScope, AccountTree, build_tree
 from budgetgate.core.documents import (
     API_VERSION,
+    AccountSpec,
     PATTERN_MEANINGS,
     SPEC_MODELS,
     SUPPORTED_KINDS,
     BudgetPolicySpec,
     Document,
     RateCardSpec,
+    ScopeDoc,
     did_you_mean,
     kind_problem,
     known_keys,
@@ -34,7 +37,7 @@ from budgetgate.core.policy import (
     Source,
 )
 from budgetgate.core.quota_documents import ConcurrencyLimit, concurrency_checks, concurrency_fields, concurrency_limit
-from budgetgate.core.units import Unit, limit_amount
+from budgetgate.core.units import Unit, display, limit_amount
 from budgetgate.core.windows import WindowSpec
 
 # Re-exported: callers find the reading side of policies here too.
@@ -126,6 +129,8 @@ def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str, partial: 
     policies: list[BudgetPolicy] = []
     rate_cards: list[RateCard] = []
     limits: list[ConcurrencyLimit] = []
+    accounts: list[Account] = []
+    budget_specs: list[tuple[str, BudgetPolicySpec, Source]] = []
     seen_ids: dict[tuple[str, str], SourceDocument] = {}
     rates_seen: dict[tuple[str, str, str | None, Any], str] = {}
     # Every document, not only budgetgate's: `POST /v1/policies` stores all it is sent.
@@ -144,17 +149,30 @@ def build_bundle(documents: Sequence[SourceDocument], *, git_sha: str, partial: 
         seen_ids[key] = doc
         source = Source(doc.file, doc.line)
         if isinstance(spec, BudgetPolicySpec):
-            policies.append(_policy(envelope.metadata.id, spec, source))
+            budget_specs.append((envelope.metadata.id, spec, source))
+        elif isinstance(spec, AccountSpec):
+            accounts.append(_account(envelope.metadata.id, spec, source))
         elif isinstance(spec, RateCardSpec):
             errors.extend(_duplicate_rates(doc, spec, rates_seen))
             rate_cards.append(_rate_card(envelope.metadata.id, spec, source))
         else:
             limits.append(concurrency_limit(envelope.metadata.id, spec, source))
+    tree, tree_errors = build_tree(accounts)
+    errors.extend(tree_errors)
+    for policy_id, spec, source in budget_specs:
+        if spec.account is not None and spec.account not in tree.accounts:
+            if not partial:  # one file of a folder: its accounts may be in another file
+                unknown = f"policy {policy_id!r} is attached to account {spec.account!r}, which no Account document defines"
+                errors.append(PolicyError(source.file, source.line, unknown))
+            policies.append(_policy(policy_id, spec, source, AccountTree()))
+        else:
+            policies.append(_policy(policy_id, spec, source, tree))
     errors.extend(_cross_checks(policies, rate_cards, partial=partial))
+    errors.extend(_account_checks(policies, tree))
     errors.extend(concurrency_checks(limits, partial=partial))
     if errors:
         raise PolicyValidationError(errors)
-    return PolicyBundle(git_sha=git_sha, policies=tuple(policies), rate_cards=tuple(rate_cards), **concurrency_fields(limits))
+    return PolicyBundle(git_sha=git_sha, policies=tuple(policies), rate_cards=tuple(rate_cards), accounts=tree, **concurrency_fields(limits))
 
 
 def _duplicate_rates(doc: SourceDocument, spec: RateCardSpec, seen: dict[tuple[str, str, str | None, Any], str]) -> list[PolicyError]:
@@ -212,18 +230,67 @@ def _errors(doc: SourceDocument, exc: ValidationError, prefix: tuple[Any, ...], 
     return result
 
 
-def _policy(policy_id: str, spec: BudgetPolicySpec, source: Source) -> BudgetPolicy:
+def _policy(policy_id: str, spec: BudgetPolicySpec, source: Source, tree: AccountTree) -> BudgetPolicy:
     limit = spec.limit
     unit, value = next((u, getattr(limit, u.value)) for u in Unit if getattr(limit, u.value) is not None)
+    if spec.account is not None:
+        # An account no document defines (one file checked alone) covers nothing.
+        scope: Scope | AccountScope = tree.scope_of(spec.account) if spec.account in tree.accounts else AccountScope(spec.account, ())
+    else:
+        assert spec.scope is not None  # the spec holds one of them
+        scope = _scope(spec.scope)
     return BudgetPolicy(
         id=policy_id,
-        scope=Scope(namespaces=spec.scope.namespace_set(), labels=dict(spec.scope.labels)),
+        scope=scope,
         window=WindowSpec(calendar=spec.window.calendar, timezone=spec.window.timezone, rolling_days=spec.window.rolling_days),
         limit=Limit(unit=unit, amount=limit_amount(unit, value), currency=limit.currency),
         enforcement=Enforcement(spec.enforcement),
         on_exhausted=OnExhausted(spec.on_exhausted),
         source=source,
     )
+
+
+def _scope(doc: ScopeDoc) -> Scope:
+    return Scope(namespaces=doc.namespace_set(), labels=dict(doc.labels))
+
+
+def _account(account_id: str, spec: AccountSpec, source: Source) -> Account:
+    own = _scope(spec.scope) if spec.scope is not None else None
+    return Account(id=account_id, level=spec.level, parent=spec.parent, own_scope=own, overcommit=spec.overcommit, source=source)
+
+
+def _account_checks(policies: Sequence[BudgetPolicy], tree: AccountTree) -> list[PolicyError]:
+    """A budget of an account gives it no more than a budget of any account above it in the
+    same unit and window, unless that account declares overcommit."""
+    errors = []
+    attached = [(p.scope.account, p) for p in policies if isinstance(p.scope, AccountScope) and p.scope.account in tree.accounts]
+    by_account: dict[str, list[BudgetPolicy]] = {}
+    for account_id, policy in attached:
+        by_account.setdefault(account_id, []).append(policy)
+    for account_id, policy in attached:
+        for above in tree.ancestors(account_id):
+            if tree.accounts[above].overcommit:
+                continue
+            for parent_policy in by_account.get(above, ()):
+                same = (parent_policy.limit.unit, parent_policy.limit.currency, parent_policy.window.calendar, parent_policy.window.rolling_days)
+                if same == (policy.limit.unit, policy.limit.currency, policy.window.calendar, policy.window.rolling_days) and (
+                    policy.limit.amount > parent_policy.limit.amount
+                ):
+                    errors.append(
+                        PolicyError(
+                            policy.source.file,
+                            policy.source.line,
+                            f"policy {policy.id!r} gives account {account_id!r} {display_limit(policy)}, more than {display_limit(parent_policy)} "
+                            f"of {parent_policy.id!r} on {above!r} above it; lower it, or declare overcommit: true on {above!r}",
+                        )
+                    )
+    return errors
+
+
+def display_limit(policy: BudgetPolicy) -> str:
+    """A policy's limit as written: `40 gpu_hours`, `500 USD`."""
+    unit = policy.limit.unit
+    return f"{display(unit, policy.limit.amount):g} {policy.limit.currency if unit is Unit.COST else unit.value}"
 
 
 def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:

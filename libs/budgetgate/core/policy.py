@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
 
+from budgetgate.core.accounts import AccountScope, AccountTree
 from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
 from budgetgate.core.sources import Source
 from budgetgate.core.units import Unit
 from budgetgate.core.windows import WindowSpec
 
-ANY_VALUE = "*"
+from budgetgate.core.scopes import ANY_VALUE, Scope
+
+__all__ = ["ANY_VALUE", "BudgetPolicy", "Enforcement", "Limit", "OnExhausted", "PolicyBundle", "Rate", "RateCard", "Scope", "pool_chain"]
 
 
 class Enforcement(StrEnum):
@@ -35,35 +38,6 @@ class OnExhausted(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Scope:
-    """Which submissions a policy covers: namespaces (none = any) and required labels."""
-
-    namespaces: frozenset[str] = frozenset()
-    labels: Mapping[str, str] = field(default_factory=dict)
-    # Canonical, stable id from the fixed predicates, e.g. `ns=vision-prod;cost-center=1042`;
-    # made once (every charge of every decision files under it).
-    scope_id: str = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        parts = [f"ns={','.join(sorted(self.namespaces))}"] if self.namespaces else []
-        parts += [f"{key}={self.labels[key]}" for key in sorted(self.labels)]
-        object.__setattr__(self, "scope_id", ";".join(parts) if parts else "all")
-
-    def covers_namespace(self, namespace: str) -> bool:
-        return not self.namespaces or namespace in self.namespaces
-
-    def missing_labels(self, labels: Mapping[str, str]) -> tuple[str, ...]:
-        """Required labels the submission does not carry at all (a policy violation)."""
-        return tuple(sorted(key for key in self.labels if key not in labels))
-
-    def matches(self, namespace: str, labels: Mapping[str, str]) -> bool:
-        """Whether a submission with these labels falls under this scope."""
-        if not self.covers_namespace(namespace):
-            return False
-        return all(key in labels and (want == ANY_VALUE or labels[key] == want) for key, want in self.labels.items())
-
-
-@dataclass(frozen=True, slots=True)
 class Limit:
     unit: Unit
     amount: int  # in the unit's fixed-point scale (see budgetgate.core.units)
@@ -73,7 +47,7 @@ class Limit:
 @dataclass(frozen=True, slots=True)
 class BudgetPolicy:
     id: str
-    scope: Scope
+    scope: Scope | AccountScope  # an account's: core/accounts.py
     window: WindowSpec
     limit: Limit
     enforcement: Enforcement
@@ -124,6 +98,7 @@ class PolicyBundle:
     cluster: Cluster | None = None
     pools: tuple[ResourcePool, ...] = ()
     override_revision: int = 0  # the tenant overrides applied on top of Git (core/overrides.py)
+    accounts: AccountTree = field(default_factory=AccountTree)
 
     def restricted_to(self, keep: Callable[[BudgetPolicy], bool]) -> PolicyBundle:
         """The same bundle with only the budget policies `keep` accepts."""
