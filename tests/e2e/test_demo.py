@@ -11,7 +11,7 @@ from pathlib import Path
 
 import asyncpg
 
-from budgetgate.cli.demo import MIX
+from budgetgate.cli.demo import MIX, _relative_times
 from budgetgate.ledger.queries import sql
 from tests.support.admission import apply_policies, budget_yaml
 
@@ -45,3 +45,10 @@ async def test_demo_runs_on_its_own_stack_and_prints_the_same_every_time(tmp_pat
     assert first.stdout == second.stdout
     assert "research experiment 2, resubmitted smaller" in first.stdout
     assert await active_sha(pg_dsn) == "m" * 40
+
+
+def test_reasons_print_run_relative_instants_as_distances_and_window_starts_as_they_are() -> None:
+    reason = "room at 2026-11-29T07:00:00Z; window resets 2026-11-30T00:00:00Z"
+    # A window's start stays an instant: as a distance it would change with the minute the demo runs in.
+    assert _relative_times(reason, "2026-11-29T06:46:30Z") == "room at decision time + 0h14m; window resets 2026-11-30T00:00:00Z"
+    assert _relative_times(reason, "2026-11-29T06:47:10Z") == "room at decision time + 0h13m; window resets 2026-11-30T00:00:00Z"
