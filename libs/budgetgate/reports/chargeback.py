@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -33,6 +34,7 @@ FORMATS = ("json", "csv", "table")
 # The figures of a row: the ledger's integers (exact), then as a person reads them.
 AMOUNTS = ("gpu_milli_hours", "node_milli_hours", "cost_micros", "unpriced_gpu_milli_hours", "reserved_gpu_milli_hours", "reserved_cost_micros")
 FIGURES = ("gpu_hours", "node_hours", "cost", "unpriced_gpu_hours", "reserved_gpu_hours", "reserved_cost")
+WORK_MEM = "64MB"
 NOT_YET = {"account": "grouping by account needs the account tree, which budgetgate does not have yet (issue 37); group by tenant, user or budget"}
 
 
@@ -118,6 +120,15 @@ def currency(bundle: PolicyBundle | None) -> str | None:
     return bundle.rate_cards[0].currency if bundle and bundle.rate_cards else None
 
 
+@asynccontextmanager
+async def _acquired(pool: asyncpg.Pool | asyncpg.Connection) -> AsyncIterator[asyncpg.Connection]:
+    if isinstance(pool, asyncpg.Connection):
+        yield pool
+    else:
+        async with pool.acquire() as conn:
+            yield conn
+
+
 def _price(bundle: PolicyBundle | None, flavor: str | None, region: str | None, at: datetime, gpu: int) -> int | None:
     """Cost in micro-currency of `gpu` milli-GPU-hours at the rate in effect at `at`; None when none prices them."""
     priced = bundle.rate_for(flavor, region, at) if bundle and flavor else None
@@ -136,8 +147,13 @@ async def chargeback(
     """The report of `request`; `sees(namespace, tenant)` keeps the runs a limited reader may see."""
     breaks = breakpoints(bundle, request.start, request.end)
     args = (request.start, request.end, breaks, tenant_label, user_label)
-    metered = await pool.fetch(sql("chargeback_metered"), *args)
-    reserved = await pool.fetch(sql("chargeback_reserved"), *args)
+    async with _acquired(pool) as conn, conn.transaction(readonly=True, isolation="repeatable_read"):
+        # One snapshot for both readings. The plan's aggregate needs more than the default
+        # work_mem over a month of records (else it spills to disk), and compiling it with JIT
+        # costs more than it saves (docs/benchmarks.md, `budgetgate bench report`).
+        await conn.execute(f"SET LOCAL work_mem = '{WORK_MEM}'; SET LOCAL jit = off")
+        metered = await conn.fetch(sql("chargeback_metered"), *args)
+        reserved = await conn.fetch(sql("chargeback_reserved"), *args)
     cells: dict[tuple[Any, ...], list[int]] = {}
     total = [0] * len(AMOUNTS)
 
