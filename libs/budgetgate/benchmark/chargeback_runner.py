@@ -107,9 +107,8 @@ class Measured:
         lines = [f"report over {self.records:,} usage records of {self.runs:,} runs in one month (loaded in {self.load_seconds:.1f} s, not timed)"]
         for name, figure in self.seconds.items():
             if figure:
-                lines.append(
-                    f"  {name:<28} {figure['median']:.3f} s median of {figure['rounds']} (low {figure['low']:.3f}, high {figure['high']:.3f}); {self.rows[name]} rows"
-                )
+                around = f"low {figure['low']:.3f}, high {figure['high']:.3f}"
+                lines.append(f"  {name:<28} {figure['median']:.3f} s median of {figure['rounds']} ({around}); {self.rows[name]} rows")
         lines += ["", "EXPLAIN (ANALYZE, BUFFERS) of chargeback_metered, grouped by tenant:", *self.plan]
         return "\n".join(lines)
 
