@@ -92,6 +92,9 @@ class Measured:
     seconds: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     plan: list[str] = field(default_factory=list)
+    # The month's metered GPU milli-hours as the report totals them, in every grouping alike
+    # (None when the groupings disagreed, which the command reports as a failure).
+    gpu_milli_hours: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +103,7 @@ class Measured:
             "load_seconds": round(self.load_seconds, 1),
             "seconds": self.seconds,
             "rows": self.rows,
+            "gpu_milli_hours": self.gpu_milli_hours,
             "plan": self.plan,
         }
 
@@ -133,6 +137,7 @@ async def run(server_dsn: str, *, records: int, runs: int, rounds: int, echo: An
             load = time.perf_counter() - started
             measured = Measured(records=(records // runs) * runs, runs=runs, load_seconds=load)
             timings: dict[str, list[float]] = {}
+            totals: set[int] = set()
             for n in range(rounds):
                 for keys, period, end in GROUPINGS:
                     label = (f"{','.join(keys)} by {period}" if period != "none" else ",".join(keys)) + (", first week" if end != END else "")
@@ -142,7 +147,10 @@ async def run(server_dsn: str, *, records: int, runs: int, rounds: int, echo: An
                     report = await chargeback(conn, bundle, request, tenant_label="team", user_label="user")
                     timings.setdefault(label, []).append(time.perf_counter() - started)
                     measured.rows[label] = len(report["rows"])
+                    if end == END:
+                        totals.add(report["total"]["gpu_milli_hours"])
             measured.seconds = {label: spread(values) for label, values in timings.items()}
+            measured.gpu_milli_hours = totals.pop() if len(totals) == 1 else None
             args = (START, END, breakpoints(bundle, START, END), "team", "user")
             async with conn.transaction(readonly=True):
                 # As the report runs it (budgetgate.reports.chargeback).

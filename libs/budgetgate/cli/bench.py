@@ -254,3 +254,5 @@ def report(records: int, runs: int, rounds: int, as_json: bool) -> None:
         chargeback_runner.run(CommonSettings().postgres_dsn, records=records, runs=runs, rounds=rounds, echo=lambda message: click.echo(message, err=True))
     )
     click.echo(json.dumps(measured.as_json(), indent=2) if as_json else measured.as_text())
+    if measured.gpu_milli_hours is None:
+        raise click.ClickException("the groupings of the month disagree on its total GPU-hours")
