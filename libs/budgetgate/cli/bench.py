@@ -232,3 +232,27 @@ def what_if(decisions: int, teams: int, as_json: bool) -> None:
             f"what-if: {measured.decisions} recorded decisions replayed in {measured.seconds:.1f} s "
             f"({measured.decisions / measured.seconds:,.0f} decisions/s); {measured.flips} flips of {measured.recorded_allows} recorded ALLOWs"
         )
+
+
+@bench.command("report")
+@click.option("--records", default=1_000_000, show_default=True, type=click.IntRange(1), help="Usage records over the month.")
+@click.option("--runs", default=20_000, show_default=True, type=click.IntRange(1), help="Runs the records belong to.")
+@_rounds("Time the report in every grouping this many times; the median is reported.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def report(records: int, runs: int, rounds: int, as_json: bool) -> None:
+    """`budgetgate report` over a month of RECORDS usage records, in a few groupings.
+
+    Loads the month into a fresh database on the Postgres server of BUDGETGATE_POSTGRES_DSN
+    (generate_series, not timed), times the report, and prints the main query's plan
+    (EXPLAIN (ANALYZE, BUFFERS))."""
+    from budgetgate.benchmark import chargeback_runner
+    from budgetgate.runtime.settings import CommonSettings
+
+    if records < runs:
+        raise click.UsageError(f"--records ({records}) must be at least --runs ({runs}): every run has a sample")
+    measured = asyncio.run(
+        chargeback_runner.run(CommonSettings().postgres_dsn, records=records, runs=runs, rounds=rounds, echo=lambda message: click.echo(message, err=True))
+    )
+    click.echo(json.dumps(measured.as_json(), indent=2) if as_json else measured.as_text())
+    if measured.gpu_milli_hours is None:
+        raise click.ClickException("the groupings of the month disagree on its total GPU-hours")

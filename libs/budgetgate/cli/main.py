@@ -6,6 +6,7 @@ import click
 
 from budgetgate.cli import bench, chaos, db, demo, dev, policy, publish
 from budgetgate.cli.usage import usage
+from budgetgate.cli.report import report
 from budgetgate.cli.actions import actions, dlq
 from budgetgate.cli.audit import audit
 from budgetgate.cli.evidence import evidence
@@ -39,6 +40,7 @@ cli.add_command(bench.bench)
 cli.add_command(chaos.chaos)
 cli.add_command(publish.publish)
 cli.add_command(usage)
+cli.add_command(report)
 cli.add_command(audit)
 cli.add_command(evidence)
 cli.add_command(ledger)

@@ -577,6 +577,63 @@ class BundleApplied(BaseModel):
     budgets: int = Field(description="how many budgets the bundle has")
 
 
+class ChargebackFigures(BaseModel):
+    """Metered use and its cost, and apart from them what is reserved but not yet metered: the
+    ledger's integers (exact) and the same as a person reads them."""
+
+    gpu_hours: float = Field(description="GPU-hours metered in the period")
+    node_hours: float = Field(description="node-hours metered in the period")
+    cost: float = Field(description="cost of the metered GPU-hours in the report's currency, to the cent")
+    unpriced_gpu_hours: float = Field(description="metered GPU-hours no rate card priced (not in cost)")
+    reserved_gpu_hours: float = Field(description="GPU-hours reserved by runs decided in the period and not yet metered (not in gpu_hours)")
+    reserved_cost: float = Field(description="what the reserved GPU-hours would cost (not in cost)")
+    gpu_milli_hours: int = Field(description="gpu_hours in the ledger's unit (a thousandth of a GPU-second)")
+    node_milli_hours: int = Field(description="node_hours in the ledger's unit")
+    cost_micros: int = Field(description="cost in millionths of the currency")
+    unpriced_gpu_milli_hours: int = Field(description="unpriced_gpu_hours in the ledger's unit")
+    reserved_gpu_milli_hours: int = Field(description="reserved_gpu_hours in the ledger's unit")
+    reserved_cost_micros: int = Field(description="reserved_cost in millionths of the currency")
+
+
+class ChargebackRow(ChargebackFigures):
+    """One row: a period and a value of each group key asked for (a key not asked for is absent;
+    a run without that label, flavor, region or budget is null)."""
+
+    period_start: datetime | None = Field(None, description="start of the row's day, ISO week or month (UTC); absent with period none")
+    tenant: str | None = Field(None, description="the tenant label's value, when grouped by tenant")
+    user: str | None = Field(None, description="the user label's value, when grouped by user")
+    budget: str | None = Field(None, description="a budget's policy id the runs reserved on, when grouped by budget (a run on several counts in each)")
+    flavor: str | None = Field(None, description="the GPU flavor, when grouped by flavor")
+    region: str | None = Field(None, description="the region, when grouped by region")
+
+
+class ChargebackReport(BaseModel):
+    """Chargeback over [from, to): rows by period and group keys, and the total of distinct use."""
+
+    model_config = _example({
+        "from": "2026-11-01T00:00:00Z", "to": "2026-12-01T00:00:00Z", "group_by": ["tenant"], "period": "month", "currency": "USD",
+        "policy_bundle_sha": "e" * 40, "tenant_label": "team", "user_label": "user",
+        "rows": [{"period_start": "2026-11-01T00:00:00Z", "tenant": "vision", "gpu_hours": 120.5, "node_hours": 15.0, "cost": 301.25,
+                  "unpriced_gpu_hours": 0.0, "reserved_gpu_hours": 16.0, "reserved_cost": 40.0, "gpu_milli_hours": 433800000,
+                  "node_milli_hours": 54000000, "cost_micros": 301250000, "unpriced_gpu_milli_hours": 0, "reserved_gpu_milli_hours": 57600000,
+                  "reserved_cost_micros": 40000000}],
+        "total": {"gpu_hours": 120.5, "node_hours": 15.0, "cost": 301.25, "unpriced_gpu_hours": 0.0, "reserved_gpu_hours": 16.0, "reserved_cost": 40.0,
+                  "gpu_milli_hours": 433800000, "node_milli_hours": 54000000, "cost_micros": 301250000, "unpriced_gpu_milli_hours": 0,
+                  "reserved_gpu_milli_hours": 57600000, "reserved_cost_micros": 40000000},
+    })  # fmt: skip
+
+    from_: datetime = Field(alias="from", description="start of the period, included")
+    to: datetime = Field(description="end of the period, excluded")
+    group_by: list[str] = Field(description="the group keys, in order")
+    period: Literal["day", "week", "month", "none"] = Field(description="rows per day, week or month (UTC), or none")
+    currency: str | None = Field(description="the rate cards' currency; null when no rate card is active")
+    policy_bundle_sha: str | None = Field(description="the active policy bundle, whose rate cards priced the report")
+    tenant_label: str = Field(description="the label naming tenants")
+    user_label: str = Field(description="the label naming users")
+    rows: list[ChargebackRow] = Field(description="one row per period and group values")
+    total: ChargebackFigures = Field(description="the period's total; a run on several budgets counts once")
+
+
 OPERATIONS: dict[str, Operation] = {
     "POST /v1/admissions": Operation("submitAdmission"),
     "GET /v1/admissions/{run_id}": Operation("getAdmission", parameters={"run_id": "the run id (it may contain slashes)"}),
@@ -593,5 +650,16 @@ OPERATIONS: dict[str, Operation] = {
     ),
     "GET /v1/pools/{namespace}": Operation("getPool", answer=PoolStatus, parameters={"namespace": "a declared pool"}),
     "GET /v1/budgets": Operation("listBudgets", answer=BudgetList),
+    "GET /v1/reports/chargeback": Operation(
+        "getChargebackReport",
+        answer=ChargebackReport,
+        parameters={
+            "from": "start of the period, included: a date (2026-11-01, midnight UTC) or an RFC 3339 instant",
+            "to": "end of the period, excluded: a date or an RFC 3339 instant",
+            "group_by": "tenant, user, budget, flavor or region; repeat it or join keys with commas (account is not built yet)",
+            "period": "rows per day, week (ISO) or month in UTC, or none",
+            "format": "json or csv (else the Accept header decides: text/csv gives CSV)",
+        },
+    ),
     "POST /v1/policies": Operation("applyPolicies", answer=BundleApplied),
 }

@@ -80,7 +80,9 @@ def finish(spec: dict[str, Any], operations: Mapping[str, Operation]) -> dict[st
             op["operationId"] = known.operation_id if known else _camel(op.get("operationId", f"{method}_{path}"))
             if known and known.answer is not None:
                 _add_model(schemas, known.answer)
-                op["responses"]["200"]["content"] = {"application/json": {"schema": {"$ref": _REF.format(model=known.answer.__name__)}}}
+                # Other media types the route declares (text/csv) stay beside the JSON answer.
+                others = {k: v for k, v in op["responses"]["200"].get("content", {}).items() if k != "application/json"}
+                op["responses"]["200"]["content"] = {"application/json": {"schema": {"$ref": _REF.format(model=known.answer.__name__)}}, **others}
             for parameter in op.get("parameters", []):
                 parameter.setdefault("description", (known.parameters.get(parameter["name"]) if known else None) or parameter["name"].replace("_", " "))
             if op.get("parameters") or op.get("requestBody"):

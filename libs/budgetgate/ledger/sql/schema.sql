@@ -249,6 +249,8 @@ CREATE TABLE usage_records (
     PRIMARY KEY (run_id, sample_id),
     UNIQUE (run_id, observed_at)
 );
+-- 0032: the records observed in a period, with what a chargeback report reads of them (an index-only scan).
+CREATE INDEX usage_records_observed ON usage_records (observed_at) INCLUDE (run_id, gpu_milli_hours_delta, node_milli_hours_delta);
 
 -- Valid samples of runs without a decision yet, kept until one appears (then applied) or until
 -- expires_at (observed_at + the grace period; then dead-lettered as unknown_run). 0027: a sender
