@@ -151,7 +151,7 @@ async def run(server_dsn: str, *, records: int, runs: int, rounds: int, echo: An
                         totals.add(report["total"]["gpu_milli_hours"])
             measured.seconds = {label: spread(values) for label, values in timings.items()}
             measured.gpu_milli_hours = totals.pop() if len(totals) == 1 else None
-            args = (START, END, breakpoints(bundle, START, END), "team", "user")
+            args = (START, END, breakpoints(bundle, START, END), "team", "user", False)  # by tenant: no labels in the grain
             async with conn.transaction(readonly=True):
                 # As the report runs it (budgetgate.reports.chargeback).
                 await conn.execute(f"SET LOCAL work_mem = '{WORK_MEM}'; SET LOCAL jit = off")

@@ -20,7 +20,7 @@ from budgetgate.cli.tables import table
     "--group-by",
     "group_by",
     multiple=True,
-    help="tenant, user, budget, flavor or region; several by repeating or joining with commas (default: tenant). account is not built yet.",
+    help="account (rolled up the tree), tenant, user, budget, flavor or region; several by repeating or joining with commas (default: tenant).",
 )
 @click.option("--period", default="none", show_default=True, help="Rows per day, week (ISO, from Monday) or month, in UTC; none for the whole period.")
 @click.option("--format", "fmt", default="table", show_default=True, type=click.Choice(["table", "csv", "json"]), help="How to print the report.")
@@ -40,7 +40,10 @@ def report(start: str, end: str, group_by: tuple[str, ...], period: str, fmt: st
 
     settings = backend.stack_settings(TenantSettings)
     labels = (tenant_label or settings.tenant_label, user_label or UserSettings().user_label)
-    result = asyncio.run(_read(settings.postgres_dsn, request, *labels))
+    try:
+        result = asyncio.run(_read(settings.postgres_dsn, request, *labels))
+    except ReportError as exc:  # by account, without an account tree
+        raise click.UsageError(f"--{exc.field.replace('_', '-')}: {exc}") from None
     if fmt == "json":
         click.echo(json.dumps(result, indent=2))
     elif fmt == "csv":

@@ -656,7 +656,7 @@ OPERATIONS: dict[str, Operation] = {
         parameters={
             "from": "start of the period, included: a date (2026-11-01, midnight UTC) or an RFC 3339 instant",
             "to": "end of the period, excluded: a date or an RFC 3339 instant",
-            "group_by": "tenant, user, budget, flavor or region; repeat it or join keys with commas (account is not built yet)",
+            "group_by": "account (rolled up the tree), tenant, user, budget, flavor or region; repeat it or join keys with commas",
             "period": "rows per day, week (ISO) or month in UTC, or none",
             "format": "json or csv (else the Accept header decides: text/csv gives CSV)",
         },

@@ -1,18 +1,24 @@
 """Chargeback: metered GPU-hours, node-hours and their cost in the rate card's currency over a
-half-open period [from, to), grouped by tenant, user, budget, flavor or region and by day, week
-or month, with what is reserved but not yet metered in columns of its own (`budgetgate report`,
+half-open period [from, to), grouped by account (rolled up the tree), tenant, user, budget,
+flavor or region and by day, week or month, with what is reserved but not yet metered in columns of its own (`budgetgate report`,
 `GET /v1/reports/chargeback`).
 
 Postgres sums the ledger at one fixed grain (namespace, tenant, user, flavor, region, the budgets
 a run reserved on, UTC day, rate segment; reports/queries.sql); each such row is priced once at
 the rate in effect (the active bundle's rate cards), half up to a millionth of the currency, and
 the report is rolled up from those rows. So every grouping and period adds up to the same
-totals, in the ledger's own units (milli-unit-seconds, micro-currency)."""
+totals, in the ledger's own units (milli-unit-seconds, micro-currency).
+
+By account, a run counts under its own account (the deepest one of the tree its namespace and
+labels fall under, core/accounts.py) and under every account above it, so each account's row is
+its whole subtree; as by budget, the total counts each run once."""
 
 from __future__ import annotations
 
 import csv
 import io
+import itertools
+import json
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,14 +34,13 @@ from budgetgate.ledger.queries import owned_by
 
 sql = owned_by("budgetgate.reports")
 
-GROUP_KEYS = ("tenant", "user", "budget", "flavor", "region")
+GROUP_KEYS = ("account", "tenant", "user", "budget", "flavor", "region")
 PERIODS = ("day", "week", "month", "none")
 FORMATS = ("json", "csv", "table")
 # The figures of a row: the ledger's integers (exact), then as a person reads them.
 AMOUNTS = ("gpu_milli_hours", "node_milli_hours", "cost_micros", "unpriced_gpu_milli_hours", "reserved_gpu_milli_hours", "reserved_cost_micros")
 FIGURES = ("gpu_hours", "node_hours", "cost", "unpriced_gpu_hours", "reserved_gpu_hours", "reserved_cost")
 WORK_MEM = "64MB"
-NOT_YET = {"account": "grouping by account needs the account tree, which budgetgate does not have yet (issue 37); group by tenant, user or budget"}
 
 
 class ReportError(ValueError):
@@ -84,8 +89,6 @@ def group_keys(values: Iterable[str]) -> tuple[str, ...]:
     keys: list[str] = []
     for value in values:
         for key in (k.strip() for k in value.split(",")):
-            if key in NOT_YET:
-                raise ReportError("group_by", NOT_YET[key])
             if key not in GROUP_KEYS:
                 raise ReportError("group_by", f"unknown group key {key!r}: one or several of {', '.join(GROUP_KEYS)}")
             if key not in keys:
@@ -146,7 +149,10 @@ async def chargeback(
 ) -> dict[str, Any]:
     """The report of `request`; `sees(namespace, tenant)` keeps the runs a limited reader may see."""
     breaks = breakpoints(bundle, request.start, request.end)
-    args = (request.start, request.end, breaks, tenant_label, user_label)
+    by_account = "account" in request.group_by
+    if by_account and (bundle is None or not bundle.accounts):
+        raise ReportError("group_by", "grouping by account needs Account documents in the active policy bundle, and it has none (docs/policies.md#accounts)")
+    args = (request.start, request.end, breaks, tenant_label, user_label, by_account)
     async with _acquired(pool) as conn, conn.transaction(readonly=True, isolation="repeatable_read"):
         # One snapshot for both readings. The plan's aggregate needs more than the default
         # work_mem over a month of records (else it spills to disk), and compiling it with JIT
@@ -162,15 +168,29 @@ async def chargeback(
             return
         for i, amount in enumerate(amounts):
             total[i] += amount
-        values = {"tenant": row["tenant"], "user": row["user_value"], "flavor": row["flavor"], "region": row["region"]}
+        values = {"tenant": [row["tenant"]], "user": [row["user_value"]], "flavor": [row["flavor"]], "region": [row["region"]]}
         # A run that reserved on several budgets counts under each; one on none under no budget.
-        for budget in row["budgets"] or [None]:
-            key = (period_start(row["day"], request.period), *({**values, "budget": budget}[k] for k in request.group_by))
-            cell = cells.setdefault(key, [0] * len(AMOUNTS))
+        # By account: under its own account and every account above it (none: under no account).
+        values["budget"] = list(row["budgets"] or [None])
+        if by_account:
+            values["account"] = chain(row["namespace"], row["labels"])
+        period = period_start(row["day"], request.period)
+        for groups in itertools.product(*(values[k] for k in request.group_by)):
+            cell = cells.setdefault((period, *groups), [0] * len(AMOUNTS))
             for i, amount in enumerate(amounts):
                 cell[i] += amount
-            if "budget" not in request.group_by:
-                break
+
+    chains: dict[tuple[str, str], list[str | None]] = {}
+
+    def chain(namespace: str, labels: Any) -> list[str | None]:
+        text = labels if isinstance(labels, str) else json.dumps(labels or {}, sort_keys=True)
+        found = chains.get((namespace, text))
+        if found is None:
+            assert bundle is not None
+            tree = bundle.accounts
+            own = tree.account_of(namespace, json.loads(text) if isinstance(text, str) else {})
+            found = chains[namespace, text] = [own, *tree.ancestors(own)] if own is not None else [None]
+        return found
 
     for row in metered:
         cost = _price(bundle, row["flavor"], row["region"], row["priced_at"], row["gpu"])

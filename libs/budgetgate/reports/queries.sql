@@ -82,7 +82,8 @@ GROUP BY r.run_id, d.projected_gpu;
 -- ($3: the instants a rate takes effect, ascending; the segment is how many are not after the
 -- sample). Each sample counts by how much it raised its run's high-water mark (the delta). A UTC
 -- day is date_bin's (fixed 24 h bins from a UTC midnight): date_trunc with a time zone costs twice
--- as much per record. Runs are materialized so each run's budgets are read once.
+-- as much per record. Runs are materialized so each run's budgets are read once. With $6 (a report
+-- by account) the run's labels are part of the grain too, for the account tree to place it.
 WITH used AS (
     SELECT u.run_id, date_bin('1 day', u.observed_at, timestamptz '2000-01-01Z') AS day,
            width_bucket(u.observed_at, $3::timestamptz[]) AS segment,
@@ -92,15 +93,16 @@ WITH used AS (
 ), runs AS MATERIALIZED (
     SELECT r.run_id, d.namespace, d.labels ->> $4 AS tenant, d.labels ->> $5 AS user_value, d.flavor, d.region,
            ARRAY(SELECT DISTINCT e.policy_id FROM reservations x JOIN ledger_entries e USING (ledger_key)
-                 WHERE x.run_id = r.run_id ORDER BY 1) AS budgets
+                 WHERE x.run_id = r.run_id ORDER BY 1) AS budgets,
+           CASE WHEN $6::boolean THEN d.labels END AS labels
     FROM (SELECT DISTINCT run_id FROM used) AS r
     CROSS JOIN LATERAL (SELECT x.namespace, x.labels, x.flavor, x.region FROM decisions x WHERE x.run_id = r.run_id
                         ORDER BY x.outcome = 'ALLOW' DESC, x.attempt DESC LIMIT 1) AS d
 )
-SELECT runs.namespace, runs.tenant, runs.user_value, runs.flavor, runs.region, runs.budgets, used.day, used.segment,
+SELECT runs.namespace, runs.tenant, runs.user_value, runs.flavor, runs.region, runs.budgets, used.day, used.segment, runs.labels,
        sum(used.gpu)::bigint AS gpu, sum(used.node)::bigint AS node, min(used.first_at) AS priced_at
 FROM used JOIN runs USING (run_id)
-GROUP BY 1, 2, 3, 4, 5, 6, 7, 8;
+GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9;
 
 -- name: chargeback_reserved
 -- GPU milli-hours still reserved (held) and not yet metered, of runs decided in [$1, $2): the
@@ -113,7 +115,8 @@ SELECT d.namespace, d.labels ->> $4 AS tenant, d.labels ->> $5 AS user_value, d.
        ARRAY(SELECT DISTINCT e.policy_id FROM reservations x JOIN ledger_entries e USING (ledger_key)
              WHERE x.run_id = held.run_id ORDER BY 1) AS budgets,
        date_bin('1 day', d.decided_at, timestamptz '2000-01-01Z') AS day, width_bucket(d.decided_at, $3::timestamptz[]) AS segment,
+       CASE WHEN $6::boolean THEN d.labels END AS labels,
        sum(GREATEST(d.projected_gpu - COALESCE(u.gpu_milli_hours_cumulative, 0), 0))::bigint AS gpu, min(d.decided_at) AS priced_at
 FROM held JOIN decisions d ON d.decision_id = held.decision_id LEFT JOIN usage_runs u ON u.run_id = held.run_id
 WHERE d.decided_at >= $1 AND d.decided_at < $2
-GROUP BY 1, 2, 3, 4, 5, 6, 7, 8;
+GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9;

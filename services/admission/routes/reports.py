@@ -58,6 +58,8 @@ def router(settings: CommonSettings) -> APIRouter:
         sees = None if principal.unscoped else principal.covers
         try:
             found = await chargeback(rt.pool, rt.policies.current, asked, tenant_label=tenant_label, user_label=user_label, sees=sees)
+        except ReportError as exc:  # by account, without an account tree
+            raise _invalid(exc.field, str(exc)) from None
         except BACKEND_ERRORS as exc:
             raise Unavailable(f"Postgres unavailable: {exc}") from exc
         if format == "csv" or (format is None and _wants_csv(request.headers.get("accept", ""))):
