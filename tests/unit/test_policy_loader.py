@@ -96,7 +96,8 @@ def test_example_repository_loads() -> None:
         "node-budget/team-nlp-preprocessing",
     ]
     assert [card.id for card in bundle.rate_cards] == ["rates/2026"]
-    assert len(documents) == 7
+    assert sorted(bundle.accounts.accounts) == ["acme", "nlp", "platform", "research", "sandbox", "vision"]
+    assert len(documents) == 13
 
 
 def test_example_policies_are_read_as_written() -> None:

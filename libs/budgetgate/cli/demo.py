@@ -156,6 +156,10 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies, *, tokens: dict
         settled = await _wait_settled(reader, scopes)
         _print_runs(finished)
         _print_budgets(settled, title="Budgets after the runs finished: reservations replaced by actuals")
+        if loaded.bundle.accounts:
+            month, next_month = _this_month()
+            report = await reader.chargeback(month, next_month, group_by=("account",))
+            _print_chargeback(loaded, report.model_dump(mode="json", by_alias=True))
         if any(b["reserved"] for scope in settled for b in scope.get("budgets", [])):
             click.echo("\n(some reservations are still held: the reconciler has not caught up yet; `budgetgate usage --scope …` shows the ledger as it goes)")
 
@@ -208,6 +212,41 @@ async def _wait_settled(client: AsyncClient, scopes: list[str], timeout: float =
         if all(b["reserved"] == 0 for scope in usage for b in scope.get("budgets", [])) or asyncio.get_running_loop().time() > deadline:
             return usage
         await asyncio.sleep(0.5)
+
+
+def _this_month() -> tuple[str, str]:
+    from datetime import UTC, datetime
+
+    today = datetime.now(UTC).date()
+    start = today.replace(day=1)
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return start.isoformat(), end.isoformat()
+
+
+def _print_chargeback(loaded: LoadedPolicies, report: dict[str, Any]) -> None:
+    """The month's chargeback by account, down the tree: each account's row is its whole subtree."""
+    click.echo(f"\nChargeback this month by account (budgetgate report --group-by account), in {report['currency']}\n")
+    rows = {row["account"]: row for row in report["rows"]}
+    tree = loaded.bundle.accounts
+    table = []
+
+    def walk(account_id: str, depth: int) -> None:
+        row = rows.get(account_id)
+        figures = _figures(row) if row else ["0", "0", "0.00", "0"]
+        table.append(["  " * depth + account_id, *figures])
+        for child in tree.children(account_id):
+            walk(child.id, depth + 1)
+
+    for root in tree.roots():
+        walk(root.id, 0)
+    if None in rows:
+        table.append(["(no account)", *_figures(rows[None])])
+    table.append(["total (each run once)", *_figures(report["total"])])
+    _table(["account", "metered GPU-h", "node-h", "cost", "reserved GPU-h"], table)
+
+
+def _figures(row: dict[str, Any]) -> list[str]:
+    return [f"{row['gpu_hours']:g}", f"{row['node_hours']:g}", f"{row['cost']:.2f}", f"{row['reserved_gpu_hours']:g}"]
 
 
 def _print_runs(finished: list[tuple[Workload, dict[str, Any], float]]) -> None:

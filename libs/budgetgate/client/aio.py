@@ -19,6 +19,7 @@ from budgetgate.contracts.admission import (
     AllocationIn,
     AllocationOut,
     BudgetList,
+    ChargebackReport,
     PoolStatus,
     ReleaseOut,
     ScopeUsage,
@@ -116,6 +117,11 @@ class AsyncClient:
     async def tenant_usage(self, tenant: str, *, days: int = 90) -> TenantUsage:
         """A tenant's budgets and its runs' usage over the last `days`."""
         return await self.send(calls.tenant_usage(tenant, days=days))
+
+    async def chargeback(self, start: str, to: str, *, group_by: tuple[str, ...] = ("tenant",), period: str = "none") -> ChargebackReport:
+        """Chargeback over [start, to): metered and reserved GPU-hours, node-hours and cost by
+        the group keys (account, tenant, user, budget, flavor, region) and period (a reader token)."""
+        return await self.send(calls.chargeback(start, to, group_by=group_by, period=period))
 
     async def tenant(self, name: str) -> TenantSettingsOut:
         """A tenant's quotas and budgets in force, each with its source (Git or override)."""

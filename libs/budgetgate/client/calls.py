@@ -20,6 +20,7 @@ from budgetgate.contracts.admission import (
     AllocationIn,
     AllocationOut,
     BudgetList,
+    ChargebackReport,
     PoolStatus,
     ReleaseOut,
     ScopeUsage,
@@ -106,6 +107,12 @@ def scope_usage(scope_id: str) -> Call[ScopeUsage]:
 def tenant_usage(tenant: str, *, days: int = 90) -> Call[TenantUsage]:
     """GET /v1/tenants/{tenant}/usage?days=N."""
     return Call("GET", f"/v1/tenants/{quote(tenant, safe='')}/usage", _model(TenantUsage), params={"days": days})
+
+
+def chargeback(start: str, to: str, *, group_by: tuple[str, ...] = ("tenant",), period: str = "none") -> Call[ChargebackReport]:
+    """GET /v1/reports/chargeback?from&to&group_by&period (JSON)."""
+    params = {"from": start, "to": to, "group_by": ",".join(group_by), "period": period, "format": "json"}
+    return Call("GET", "/v1/reports/chargeback", _model(ChargebackReport), params=params)
 
 
 def tenant(name: str) -> Call[TenantSettingsOut]:

@@ -20,6 +20,7 @@ from budgetgate.contracts.admission import (
     AllocationIn,
     AllocationOut,
     BudgetList,
+    ChargebackReport,
     PoolStatus,
     ReleaseOut,
     ScopeUsage,
@@ -94,6 +95,11 @@ class Client:
     def tenant_usage(self, tenant: str, *, days: int = 90) -> TenantUsage:
         """A tenant's budgets and its runs' usage over the last `days`."""
         return self.send(calls.tenant_usage(tenant, days=days))
+
+    def chargeback(self, start: str, to: str, *, group_by: tuple[str, ...] = ("tenant",), period: str = "none") -> ChargebackReport:
+        """Chargeback over [start, to): metered and reserved GPU-hours, node-hours and cost by
+        the group keys (account, tenant, user, budget, flavor, region) and period (a reader token)."""
+        return self.send(calls.chargeback(start, to, group_by=group_by, period=period))
 
     def tenant(self, name: str) -> TenantSettingsOut:
         """A tenant's quotas and budgets in force, each with its source (Git or override)."""

@@ -600,6 +600,9 @@ class ChargebackRow(ChargebackFigures):
     a run without that label, flavor, region or budget is null)."""
 
     period_start: datetime | None = Field(None, description="start of the row's day, ISO week or month (UTC); absent with period none")
+    account: str | None = Field(
+        None, description="an account of the tree, when grouped by account: its row holds its whole subtree (a run counts under its own and every one above)"
+    )
     tenant: str | None = Field(None, description="the tenant label's value, when grouped by tenant")
     user: str | None = Field(None, description="the user label's value, when grouped by user")
     budget: str | None = Field(None, description="a budget's policy id the runs reserved on, when grouped by budget (a run on several counts in each)")
