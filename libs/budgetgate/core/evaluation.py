@@ -155,7 +155,10 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
                 raise
             waived.append(Waived(policy, str(exc)))
             continue
-        charges.append(Charge(policy, window_at(policy.window, submission.at), amount))
+        window = window_at(policy.window, submission.at)
+        if bundle.grants:  # the window's limit: the policy's plus what was granted to it
+            policy = bundle.with_grants(policy, ledger_key(policy, window))
+        charges.append(Charge(policy, window, amount))
     return Plan(
         submission=submission,
         bundle_sha=bundle.git_sha,

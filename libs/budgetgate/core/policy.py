@@ -7,11 +7,15 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
 from budgetgate.core.sources import Source
 from budgetgate.core.units import Unit
 from budgetgate.core.windows import WindowSpec
+
+if TYPE_CHECKING:
+    from budgetgate.core.grants import Grant
 
 ANY_VALUE = "*"
 
@@ -124,6 +128,25 @@ class PolicyBundle:
     cluster: Cluster | None = None
     pools: tuple[ResourcePool, ...] = ()
     override_revision: int = 0  # the tenant overrides applied on top of Git (core/overrides.py)
+    # The grants made over the API, by (policy id, ledger key) of the window they are for
+    # (core/grants.py); each window's limit is the policy's plus its grants.
+    grants: Mapping[tuple[str, str], tuple[Grant, ...]] = field(default_factory=dict, hash=False)
+
+    def granted(self, policy_id: str, ledger_key: str) -> tuple[Grant, ...]:
+        """The grants made to `policy_id` for the window of `ledger_key`, oldest first."""
+        return self.grants.get((policy_id, ledger_key), ()) if self.grants else ()
+
+    def limit_of(self, policy: BudgetPolicy, ledger_key: str) -> int:
+        """The limit of `policy` in the window of `ledger_key`: its own plus the window's grants,
+        never below zero."""
+        found = self.granted(policy.id, ledger_key)
+        return max(0, policy.limit.amount + sum(g.amount for g in found)) if found else policy.limit.amount
+
+    def with_grants(self, policy: BudgetPolicy, ledger_key: str) -> BudgetPolicy:
+        """`policy` with its limit in the window of `ledger_key` (itself when nothing was granted)."""
+        if not self.granted(policy.id, ledger_key):
+            return policy
+        return replace(policy, limit=replace(policy.limit, amount=self.limit_of(policy, ledger_key)))
 
     def restricted_to(self, keep: Callable[[BudgetPolicy], bool]) -> PolicyBundle:
         """The same bundle with only the budget policies `keep` accepts."""

@@ -1,0 +1,152 @@
+"""Budget grants (`POST`/`GET /v1/budgets/{policy_id}/grants`) on real Postgres, Redis and Kafka:
+a grant raises or lowers a window's limit for the very next decision on every instance, in the
+Redis check and the Postgres ledger alike; it is versioned, logged with who, why, before and
+after, guarded by roles, and a bad one changes nothing."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import asyncpg
+
+from budgetgate.core.principals import Role
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml
+from tests.support.principals import bearer, issue
+from tests.support.quotas import physics
+
+POLICY = "gpu-budget/physics"
+HARD = budget_yaml(POLICY, namespace="physics", labels="{team: physics}", limit="gpu_hours: 10", window="{calendar: month}")
+FISCAL = budget_yaml("gpu-year/physics", namespace="physics", labels="{team: physics}", limit="node_hours: 1000", window="{fiscal_year: {start_month: 4}}")
+URL = f"/v1/budgets/{POLICY}/grants"
+
+
+async def started(admission_factory, pg_dsn, **settings: object):  # type: ignore[no-untyped-def]
+    await apply_policies(pg_dsn, {"b.yaml": HARD}, sha="a" * 40)
+    server = await admission_factory(**settings)
+    await server.wait_ready()
+    return server
+
+
+async def decide(server, run_id: str, gpus: int = 1) -> dict:  # type: ignore[no-untyped-def]
+    answer = await server.client.post("/v1/admissions", json=physics(run_id, gpus=gpus))
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+async def fetch(dsn: str, query: str, *args: object) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetch(query, *args)
+    finally:
+        await conn.close()
+
+
+async def limits(dsn: str) -> list[int]:
+    return [r["limit_amount"] for r in await fetch(dsn, "SELECT limit_amount FROM ledger_entries WHERE policy_id = $1", POLICY)]
+
+
+async def test_a_grant_opens_a_full_budget_and_a_negative_one_closes_it_on_every_instance(admission_factory, pg_dsn) -> None:
+    first = await started(admission_factory, pg_dsn)
+    # Another instance on the same ledger that would not poll for an hour: it learns of a grant
+    # from the revision every batch reads as it begins.
+    second = await admission_factory(policy_refresh_seconds=3600)
+    await second.wait_ready()
+    assert (await decide(first, "fill", gpus=10))["decision"] == "ALLOW"  # 10 of 10 GPU-hours
+    full = await decide(second, "full-1")
+    assert full["decision"] == "DENY"
+
+    granted = await first.client.post(URL, json={"amount": 5, "reason": "allocation committee 17"})
+    assert granted.status_code == 200, granted.text
+    grant = granted.json()
+    assert (grant["amount"], grant["limit_before"], grant["limit_after"]) == (5.0, 10.0, 15.0)
+    assert grant["policy_id"] == POLICY and grant["scope_id"] == "ns=physics;team=physics" and grant["reason"] == "allocation committee 17"
+    # The open window's ledger entry holds the new limit, and both instances decide under it.
+    assert await limits(pg_dsn) == [15 * GPU_HOUR]
+    for server, run_id in ((second, "after-grant-b"), (first, "after-grant-a")):
+        answer = await decide(server, run_id, gpus=2)
+        assert answer["decision"] == "ALLOW", answer
+        assert answer["override_revision"] == grant["revision"]
+        assert answer["evaluations"][0]["limit"] == 15.0
+    # 14 of 15 used: taking 10 away leaves 5, below what is used. Nothing held is undone, and the
+    # next submission is refused as the budget says (deny).
+    taken = await second.client.post(URL, json={"amount": -10, "reason": "hours moved to chemistry"})
+    assert taken.status_code == 200, taken.text
+    assert (taken.json()["limit_before"], taken.json()["limit_after"]) == (15.0, 5.0)
+    assert await limits(pg_dsn) == [5 * GPU_HOUR]
+    for server, run_id in ((first, "after-take-a"), (second, "after-take-b")):
+        answer = await decide(server, run_id)
+        assert answer["decision"] == "DENY" and answer["evaluations"][0]["limit"] == 5.0, answer
+    held = await fetch(pg_dsn, "SELECT sum(amount) AS held FROM reservations WHERE state = 'held'")
+    assert held[0]["held"] == 14 * GPU_HOUR
+
+    listed = (await first.client.get(URL)).json()
+    assert [(g["amount"], g["limit_after"]) for g in listed["grants"]] == [(5.0, 15.0), (-10.0, 5.0)]
+    # The budgets and the admin log show them: the limit as policy + grants, who, why, before, after.
+    budget = next(b for b in (await first.client.get("/v1/budgets")).json()["budgets"] if b["policy_id"] == POLICY)
+    assert (budget["limit"], budget["policy_limit"], budget["granted"]) == (5.0, 10.0, -5.0)
+    assert [g["reason"] for g in budget["grants"]] == ["allocation committee 17", "hours moved to chemistry"]
+    logged = await fetch(pg_dsn, "SELECT actor, subject, details FROM admin_log WHERE action = 'budget.grant' ORDER BY id")
+    import json
+
+    details = [json.loads(r["details"]) for r in logged]
+    assert [(d["before"], d["after"], d["reason"]) for d in details] == [
+        ({"limit": 10.0}, {"limit": 15.0}, "allocation committee 17"),
+        ({"limit": 15.0}, {"limit": 5.0}, "hours moved to chemistry"),
+    ]
+    assert all(r["subject"] == POLICY and r["actor"].startswith("token:") for r in logged)
+    # A decision made under a grant is explained identically from its recorded revision.
+    explained = (await first.client.get("/v1/admissions/after-take-a/explain")).json()
+    assert explained["identical"] is True, explained["differences"]
+
+
+async def test_bad_grants_are_refused_naming_the_field_and_change_nothing(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn)
+    assert (await decide(server, "opens-the-window", gpus=4))["decision"] == "ALLOW"
+    before = (await limits(pg_dsn), await fetch(pg_dsn, "SELECT count(*) AS n FROM admin_log"))
+    cases = [
+        (URL, {"amount": -11, "reason": "too much"}, 422, "amount"),
+        (URL, {"amount": 0, "reason": "nothing"}, 422, "amount"),
+        (URL, {"amount": 5}, 422, "reason"),
+        (URL, {"amount": 5, "reason": "   "}, 422, "reason"),
+        (URL, {"amount": 5, "reason": "r", "window": "2020-01-01"}, 422, "window"),
+        (URL, {"amount": 5, "reason": "r", "window": "2030-01-02T00:00:00Z/2030-02-01T00:00:00Z"}, 422, "window"),
+        (URL, {"amount": 5, "reason": "r", "window": "next tuesday"}, 422, "window"),
+        (URL, {"amount": 5, "reason": "r", "scope_id": "ns=chemistry"}, 422, "scope_id"),
+        ("/v1/budgets/gpu-budget/physcis/grants", {"amount": 5, "reason": "r"}, 404, "did you mean 'gpu-budget/physics'?"),
+    ]
+    for url, body, status, named in cases:
+        answer = await server.client.post(url, json=body)
+        assert answer.status_code == status, (body, answer.text)
+        assert answer.headers["content-type"] == "application/problem+json"
+        assert named in answer.text, (body, answer.text)
+    assert (await limits(pg_dsn), await fetch(pg_dsn, "SELECT count(*) AS n FROM admin_log")) == before
+    assert (await fetch(pg_dsn, "SELECT count(*) AS n FROM budget_grants"))[0]["n"] == 0
+    # Taking exactly the whole limit is allowed: the limit is then zero.
+    whole = await server.client.post(URL, json={"amount": -10, "reason": "budget frozen"})
+    assert whole.status_code == 200 and whole.json()["limit_after"] == 0.0, whole.text
+    assert (await decide(server, "frozen"))["decision"] == "DENY"
+
+
+async def test_a_grant_for_a_later_window_waits_for_it_and_only_operators_and_accounting_grant(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn)
+    now = datetime.now(UTC)
+    later = f"{now.year + 1}-01-15"
+    ahead = await server.client.post(URL, json={"amount": 90, "reason": "next year's allocation", "window": later})
+    assert ahead.status_code == 200, ahead.text
+    assert ahead.json()["window_start"] == f"{now.year + 1}-01-01T00:00:00Z" and ahead.json()["limit_after"] == 100.0
+    # This window is untouched by it.
+    assert (await decide(server, "now", gpus=10))["decision"] == "ALLOW"
+    assert (await decide(server, "now-2"))["decision"] == "DENY"
+    only_later = (await server.client.get(URL, params={"window": later})).json()["grants"]
+    assert [g["amount"] for g in only_later] == [90.0]
+    assert (await server.client.get(URL, params={"window": now.isoformat()})).json()["grants"] == []
+
+    for role in (Role.READER, Role.SUBMITTER, Role.AUDITOR):
+        refused = await server.client.post(URL, json={"amount": 1, "reason": "r"}, headers=bearer(await issue(pg_dsn, role)))
+        assert refused.status_code == 403 and "needs role accounting or operator" in refused.json()["detail"], role
+    accounting = bearer(await issue(pg_dsn, Role.ACCOUNTING))
+    assert (await server.client.get(URL, headers=accounting)).status_code == 200
+    assert (await server.client.post(URL, json={"amount": 1, "reason": "r"}, headers=accounting)).status_code == 200
+    elsewhere = bearer(await issue(pg_dsn, Role.ACCOUNTING, tenants=["chemistry"]))
+    assert (await server.client.post(URL, json={"amount": 1, "reason": "r"}, headers=elsewhere)).status_code == 403
+    assert len((await server.client.get(URL)).json()["grants"]) == 2
