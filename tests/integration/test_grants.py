@@ -150,3 +150,24 @@ async def test_a_grant_for_a_later_window_waits_for_it_and_only_operators_and_ac
     elsewhere = bearer(await issue(pg_dsn, Role.ACCOUNTING, tenants=["chemistry"]))
     assert (await server.client.post(URL, json={"amount": 1, "reason": "r"}, headers=elsewhere)).status_code == 403
     assert len((await server.client.get(URL)).json()["grants"]) == 2
+
+
+async def test_a_fiscal_year_budget_is_charged_in_its_year_and_takes_grants_for_it(admission_factory, pg_dsn) -> None:
+    await apply_policies(pg_dsn, {"f.yaml": FISCAL}, sha="f" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    now = datetime.now(UTC)
+    began = now.year if now.month >= 4 else now.year - 1
+    key = f"{began}-04-01T00:00:00Z/{began + 1}-04-01T00:00:00Z"
+    answer = await decide(server, "fiscal-1")
+    assert answer["decision"] == "ALLOW"
+    evaluation = answer["evaluations"][0]
+    assert (evaluation["window_start"], evaluation["window_end"]) == (f"{began}-04-01T00:00:00Z", f"{began + 1}-04-01T00:00:00Z")
+    url = "/v1/budgets/gpu-year/physics/grants"
+    granted = await server.client.post(url, json={"amount": 250.5, "reason": "ad-hoc credit, ticket 4411", "window": key})
+    assert granted.status_code == 200, granted.text
+    assert (granted.json()["ledger_key"], granted.json()["limit_after"]) == (f"ns=physics;team=physics|{key}|node_hours", 1250.5)
+    assert (await decide(server, "fiscal-2"))["evaluations"][0]["limit"] == 1250.5
+    # The next fiscal year starts from the policy's limit again.
+    following = await server.client.post(url, json={"amount": 1, "reason": "r", "window": f"{began + 1}-04-01"})
+    assert following.json()["limit_before"] == 1000.0 and following.json()["limit_after"] == 1001.0

@@ -35,7 +35,7 @@ from budgetgate.core.policy import (
 )
 from budgetgate.core.quota_documents import ConcurrencyLimit, concurrency_checks, concurrency_fields, concurrency_limit
 from budgetgate.core.units import Unit, limit_amount
-from budgetgate.core.windows import WindowSpec
+from budgetgate.core.windows import FISCAL_YEAR, WindowSpec
 
 # Re-exported: callers find the reading side of policies here too.
 from budgetgate.core.policy_files import (
@@ -218,12 +218,19 @@ def _policy(policy_id: str, spec: BudgetPolicySpec, source: Source) -> BudgetPol
     return BudgetPolicy(
         id=policy_id,
         scope=Scope(namespaces=spec.scope.namespace_set(), labels=dict(spec.scope.labels)),
-        window=WindowSpec(calendar=spec.window.calendar, timezone=spec.window.timezone, rolling_days=spec.window.rolling_days),
+        window=_window(spec),
         limit=Limit(unit=unit, amount=limit_amount(unit, value), currency=limit.currency),
         enforcement=Enforcement(spec.enforcement),
         on_exhausted=OnExhausted(spec.on_exhausted),
         source=source,
     )
+
+
+def _window(spec: BudgetPolicySpec) -> WindowSpec:
+    fiscal = spec.window.fiscal_year
+    if fiscal is not None:
+        return WindowSpec(calendar=FISCAL_YEAR, timezone=spec.window.timezone, start_month=fiscal.start_month)
+    return WindowSpec(calendar=spec.window.calendar, timezone=spec.window.timezone, rolling_days=spec.window.rolling_days)
 
 
 def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:
@@ -233,13 +240,13 @@ def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:
 
 def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCard], *, partial: bool) -> list[PolicyError]:
     errors = []
-    ledgers: dict[tuple[str, str | None, int | None, Unit], BudgetPolicy] = {}
+    ledgers: dict[tuple[str, str | None, int | None, int | None, Unit], BudgetPolicy] = {}
     for policy in policies:
         # One ledger per scope, window and unit: two policies on it would fight over its limit.
         # The time zone is left out on purpose: `UTC` and `Etc/UTC` (or London in winter) lay
         # out the same windows, and two calendars of one kind in different zones on one scope
         # are a mistake either way.
-        identity = (policy.scope.scope_id, policy.window.calendar, policy.window.rolling_days, policy.limit.unit)
+        identity = (policy.scope.scope_id, policy.window.calendar, policy.window.rolling_days, policy.window.start_month, policy.limit.unit)
         other = ledgers.setdefault(identity, policy)
         if other is not policy:
             errors.append(
