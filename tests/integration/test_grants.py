@@ -8,6 +8,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import asyncpg
+import pytest
 
 from budgetgate.core.principals import Role
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml
@@ -171,3 +172,49 @@ async def test_a_fiscal_year_budget_is_charged_in_its_year_and_takes_grants_for_
     # The next fiscal year starts from the policy's limit again.
     following = await server.client.post(url, json={"amount": 1, "reason": "r", "window": f"{began + 1}-04-01"})
     assert following.json()["limit_before"] == 1000.0 and following.json()["limit_after"] == 1001.0
+
+
+async def test_the_cli_and_the_client_grant_through_the_api_and_budgets_show_it(admission_factory, pg_dsn, tmp_path, monkeypatch) -> None:
+    import asyncio
+    import json
+
+    from budgetgate.client import AsyncClient, InvalidRequest
+    from tests.support.cli import budgetgate
+
+    server = await started(admission_factory, pg_dsn)
+    monkeypatch.setenv("BUDGETGATE_ADMISSION_URL", server.url)
+    monkeypatch.setenv("BUDGETGATE_POSTGRES_DSN", pg_dsn)
+    monkeypatch.setenv("BUDGETGATE_TOKEN", await issue(pg_dsn, Role.ACCOUNTING, name="finance"))
+    done = await asyncio.to_thread(budgetgate, "grant", "add", POLICY, "2.5", "--reason", "ad-hoc credit", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"granted +2.5 gpu_hours to {POLICY}" in done.stdout and "limit 10 -> 12.5" in done.stdout, done.stdout
+    taken = await asyncio.to_thread(budgetgate, "grant", "add", "--reason", "correction", "--", POLICY, "-0.5", cwd=tmp_path)
+    assert taken.returncode == 0 and "limit 12.5 -> 12" in taken.stdout, taken.stderr
+    # Usage errors say what is wrong and send nothing.
+    for args, said in (
+        (["grant", "add", POLICY, "0", "--reason", "r"], "non-zero"),
+        (["grant", "add", POLICY, "lots", "--reason", "r"], "not a number"),
+        (["grant", "add", POLICY, "1"], "--reason"),
+    ):
+        refused = await asyncio.to_thread(budgetgate, *args, cwd=tmp_path)
+        assert refused.returncode == 2 and said in refused.stderr, (args, refused.stderr)
+    too_much = await asyncio.to_thread(budgetgate, "grant", "add", "--reason", "r", "--", POLICY, "-100", cwd=tmp_path)
+    assert too_much.returncode == 1 and "amount" in too_much.stderr and "at most" in too_much.stderr, too_much.stderr
+    listed = await asyncio.to_thread(budgetgate, "grant", "list", POLICY, cwd=tmp_path)
+    assert listed.returncode == 0 and "finance: ad-hoc credit" in listed.stdout and "finance: correction" in listed.stdout, listed.stdout
+    budgets = await asyncio.to_thread(budgetgate, "budgets", "--json", cwd=tmp_path)
+    assert budgets.returncode == 0, budgets.stderr
+    line = json.loads(budgets.stdout)["budgets"][0]
+    assert (line["limit"], line["policy_limit"], line["granted"], len(line["grants"])) == (12.0, 10.0, 2.0, 2)
+    usage = await asyncio.to_thread(budgetgate, "usage", "--scope", POLICY, "--json", cwd=tmp_path)
+    assert usage.returncode == 0, usage.stderr
+    assert [(b["limit"], b["granted"]) for b in json.loads(usage.stdout)["budgets"]] == [(12.0, 2.0)]
+
+    async with AsyncClient(server.url, token=server.token) as client:
+        made = await client.grant_budget(POLICY, {"amount": 1, "reason": "from the client"})
+        assert made.limit_after == 13.0
+        assert [g.reason for g in (await client.budget_grants(POLICY)).grants] == ["ad-hoc credit", "correction", "from the client"]
+        scope = await client.scope_usage("ns=physics;team=physics")
+        assert (scope.budgets[0].limit, scope.budgets[0].policy_limit, scope.budgets[0].granted) == (13.0, 10.0, 3.0)
+        with pytest.raises(InvalidRequest, match="reason"):
+            await client.grant_budget(POLICY, {"amount": 1})

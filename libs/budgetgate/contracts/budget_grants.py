@@ -1,14 +1,14 @@
 """The bodies of `POST` and `GET /v1/budgets/{policy_id}/grants`: an amount granted to (or taken
-from) one budget in one window, with its reason, and the grants made (core/grants.py)."""
+from) one budget in one window, with its reason, and the grants made (core/grants.py). A grant
+as recorded is `GrantOut` of contracts/admission.py, which the budget listings show too."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StringConstraints
 
-from budgetgate.contracts.admission import Text
+from budgetgate.contracts.admission import GrantOut, Text
 from budgetgate.contracts.operations import Operation
 
 _GRANT_EXAMPLE = {"amount": 2000, "reason": "allocation committee 2026-17: extra hours for the spring release"}
@@ -46,26 +46,6 @@ class GrantIn(BaseModel):
         "omitted, the current window. A window that has ended is refused.",
     )
     scope_id: str | None = Field(default=None, max_length=1000, description="the budget's scope id; when given, it must be the budget's")
-
-
-class GrantOut(BaseModel):
-    """One grant as recorded."""
-
-    model_config = ConfigDict(json_schema_extra={"examples": [_GRANTED]})
-
-    revision: int = Field(description="its revision (grants and tenant overrides share one sequence; decisions record it)")
-    policy_id: str = Field(description="the budget")
-    scope_id: str = Field(description="the budget's scope id")
-    unit: str = Field(description="the budget's unit: gpu_hours, node_hours, wall_hours or cost")
-    ledger_key: str = Field(description="the ledger key of the window it is for")
-    window_start: datetime = Field(description="the window's start")
-    window_end: datetime = Field(description="the window's end")
-    amount: float = Field(description="what was granted, in the budget's unit (negative: taken away)")
-    limit_before: float = Field(description="the window's limit before it (the policy's plus earlier grants)")
-    limit_after: float = Field(description="the window's limit after it")
-    actor: str = Field(description="who made it")
-    reason: str = Field(description="why")
-    granted_at: datetime = Field(description="when")
 
 
 class GrantList(BaseModel):
