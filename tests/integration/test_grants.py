@@ -210,6 +210,14 @@ async def test_the_cli_and_the_client_grant_through_the_api_and_budgets_show_it(
     assert usage.returncode == 0, usage.stderr
     assert [(b["limit"], b["granted"]) for b in json.loads(usage.stdout)["budgets"]] == [(12.0, 2.0)]
 
+    logged = await asyncio.to_thread(budgetgate, "admin-log", "--json", cwd=tmp_path)
+    entries = [e for e in json.loads(logged.stdout) if e["action"] == "budget.grant"]
+    assert [(e["subject"], e["details"]["before"], e["details"]["after"], e["details"]["reason"]) for e in entries] == [
+        (POLICY, {"limit": 12.5}, {"limit": 12.0}, "correction"),
+        (POLICY, {"limit": 10.0}, {"limit": 12.5}, "ad-hoc credit"),
+    ]
+    assert all(e["actor"] == "token:finance" for e in entries)
+
     async with AsyncClient(server.url, token=server.token) as client:
         made = await client.grant_budget(POLICY, {"amount": 1, "reason": "from the client"})
         assert made.limit_after == 13.0
