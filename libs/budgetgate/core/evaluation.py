@@ -8,16 +8,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
-from typing import TYPE_CHECKING
 
 from budgetgate.core.ledger_key import LedgerKey, checked
-from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
+from budgetgate.core.policy import BudgetPolicy, Enforcement, Grant, PolicyBundle
 from budgetgate.core.eligibility import Outlook, next_eligible
 from budgetgate.core.units import Unit, display, projected_cost_micros, projected_hours_amount
 from budgetgate.core.windows import Window, iso, window_at
-
-if TYPE_CHECKING:
-    from budgetgate.core.grants import Grant
 
 
 @dataclass(frozen=True, slots=True)

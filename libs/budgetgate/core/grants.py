@@ -5,6 +5,8 @@ wall-hours, or its currency) to one budget for its current window or a named one
 Grants are never changed: the window's limit is the policy's limit (with a tenant override, if
 any) plus the sum of its grants, never below zero. A grant is for one window; the next window
 starts from the policy's limit again. Pure: grant_store.py records them.
+The Grant record itself is part of the policy model (core/policy.py), beside the bundle whose
+windows it adds to.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Any
 
 from budgetgate.core.documents import did_you_mean
 from budgetgate.core.ledger_key import MAX_AMOUNT, LedgerKey
-from budgetgate.core.policy import BudgetPolicy, PolicyBundle
+from budgetgate.core.policy import BudgetPolicy, Grant, PolicyBundle
 from budgetgate.core.units import Unit, display, from_amount, smallest, to_amount, to_decimal
-from budgetgate.core.windows import Window, rfc3339, window_at
+from budgetgate.core.windows import Window, window_at
 
 
 class InvalidGrant(ValueError):
@@ -33,44 +35,6 @@ class InvalidGrant(ValueError):
 
 class UnknownBudget(InvalidGrant):
     """No budget of the active bundle has that policy id."""
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """One grant as recorded: `amount` in ledger units (negative takes away), the window's limit
-    before and after it, who made it and why."""
-
-    revision: int
-    policy_id: str
-    scope_id: str
-    unit: Unit
-    ledger_key: str
-    window_start: datetime
-    window_end: datetime
-    amount: int
-    limit_before: int
-    limit_after: int
-    actor: str
-    reason: str
-    granted_at: datetime
-
-    def view(self) -> dict[str, Any]:
-        """The grant as JSON answers show it: amounts in the budget's unit (hours, or currency)."""
-        return {
-            "revision": self.revision,
-            "policy_id": self.policy_id,
-            "scope_id": self.scope_id,
-            "unit": str(self.unit),
-            "ledger_key": self.ledger_key,
-            "window_start": rfc3339(self.window_start),
-            "window_end": rfc3339(self.window_end),
-            "amount": display(self.unit, self.amount),
-            "limit_before": display(self.unit, self.limit_before),
-            "limit_after": display(self.unit, self.limit_after),
-            "actor": self.actor,
-            "reason": self.reason,
-            "granted_at": rfc3339(self.granted_at),
-        }
 
 
 def by_window(grants: Iterable[Grant]) -> dict[tuple[str, str], tuple[Grant, ...]]:

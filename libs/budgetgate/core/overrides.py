@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
 from budgetgate.core.documents import QuotaSpec
-from budgetgate.core.policy import ANY_VALUE, BudgetPolicy, Enforcement, PolicyBundle
+from budgetgate.core.policy import ANY_VALUE, BudgetPolicy, Enforcement, Grant, PolicyBundle
 from budgetgate.core.quotas import QUOTA_FIELDS, TenantQuota
 from budgetgate.core.sources import Source
 from budgetgate.core.units import Unit, from_amount, limit_amount, smallest
@@ -29,9 +29,6 @@ BUDGET_FIELDS: Mapping[str, Unit] = {"gpu_hours_budget": Unit.GPU_HOURS, "node_h
 FIELDS = ("max_nodes", "max_gpus", "max_concurrent_allocations", "gpu_hours_budget", "node_hours_budget", "fair_share_target", "burst_allowance")
 HARD_FIELDS = QUOTA_FIELDS
 Value = int | float
-
-if TYPE_CHECKING:
-    from budgetgate.core.grants import Grant
 
 
 class InvalidOverride(ValueError):

@@ -1,4 +1,5 @@
-"""The policy model: budgets, their scopes and limits, and rate cards."""
+"""The policy model: budgets, their scopes and limits, rate cards, and the grants made to a
+budget's window over the API (core/grants.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,12 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Any
 
 from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
 from budgetgate.core.sources import Source
-from budgetgate.core.units import Unit
-from budgetgate.core.windows import WindowSpec
-
-if TYPE_CHECKING:
-    from budgetgate.core.grants import Grant
+from budgetgate.core.units import Unit, display
+from budgetgate.core.windows import WindowSpec, rfc3339
 
 ANY_VALUE = "*"
 
@@ -114,6 +112,44 @@ class RateCard:
         if not candidates:
             return None
         return max(candidates, key=lambda r: _specificity(r, at))
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One grant as recorded: `amount` in ledger units (negative takes away), the window's limit
+    before and after it, who made it and why."""
+
+    revision: int
+    policy_id: str
+    scope_id: str
+    unit: Unit
+    ledger_key: str
+    window_start: datetime
+    window_end: datetime
+    amount: int
+    limit_before: int
+    limit_after: int
+    actor: str
+    reason: str
+    granted_at: datetime
+
+    def view(self) -> dict[str, Any]:
+        """The grant as JSON answers show it: amounts in the budget's unit (hours, or currency)."""
+        return {
+            "revision": self.revision,
+            "policy_id": self.policy_id,
+            "scope_id": self.scope_id,
+            "unit": str(self.unit),
+            "ledger_key": self.ledger_key,
+            "window_start": rfc3339(self.window_start),
+            "window_end": rfc3339(self.window_end),
+            "amount": display(self.unit, self.amount),
+            "limit_before": display(self.unit, self.limit_before),
+            "limit_after": display(self.unit, self.limit_after),
+            "actor": self.actor,
+            "reason": self.reason,
+            "granted_at": rfc3339(self.granted_at),
+        }
 
 
 @dataclass(frozen=True, slots=True)
