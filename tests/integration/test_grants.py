@@ -14,6 +14,7 @@ from budgetgate.core.principals import Role
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml
 from tests.support.principals import bearer, issue
 from tests.support.quotas import physics
+from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
 
 POLICY = "gpu-budget/physics"
 HARD = budget_yaml(POLICY, namespace="physics", labels="{team: physics}", limit="gpu_hours: 10", window="{calendar: month}")
@@ -226,3 +227,44 @@ async def test_the_cli_and_the_client_grant_through_the_api_and_budgets_show_it(
         assert (scope.budgets[0].limit, scope.budgets[0].policy_limit, scope.budgets[0].granted) == (13.0, 10.0, 3.0)
         with pytest.raises(InvalidRequest, match="reason"):
             await client.grant_budget(POLICY, {"amount": 1})
+
+
+async def test_a_grant_that_makes_room_sends_headroom_to_the_delayed_run(admission_factory, reconciler_factory, settings, pg_dsn) -> None:  # noqa: F811
+    from budgetgate.cli.actions import read_topics
+    from budgetgate.contracts import wire
+    from budgetgate.contracts.topics import Topics
+    from budgetgate.v1.actions_pb2 import HEADROOM, BudgetAction
+    from tests.support.waiting import wait_for
+
+    delaying = budget_yaml(POLICY, namespace="physics", labels="{team: physics}", limit="gpu_hours: 10", on_exhausted="delay")
+    await apply_policies(pg_dsn, {"d.yaml": delaying}, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    assert (await decide(server, "big", gpus=8))["decision"] == "ALLOW"
+    assert (await decide(server, "w", gpus=4))["decision"] == "DELAY"
+    await reconciler_factory()
+
+    async def waiting() -> bool:
+        return bool(await fetch(pg_dsn, "SELECT 1 FROM waiting_runs WHERE run_id = 'w'"))
+
+    async def headrooms() -> list[str]:
+        found = []
+        async for record in read_topics(settings.kafka_bootstrap, [Topics(settings.topic_prefix).actions], follow=False):
+            action = wire.decode(BudgetAction, record.value, record.headers)
+            if action.type == HEADROOM:
+                found.append(action.run_id)
+        return found
+
+    await wait_for(waiting, what="w registered as waiting")
+    assert (await server.client.post(URL, json={"amount": 1, "reason": "not enough"})).status_code == 200
+    status = (await server.client.get("/v1/admissions/w")).json()["waiting"]
+    assert status["limiting"][0]["limit"] == 11 and status["headroom"] is False
+    assert (await server.client.post(URL, json={"amount": 2, "reason": "enough"})).status_code == 200
+
+    async def heard() -> bool:
+        return "w" in await headrooms()
+
+    await wait_for(heard, what="HEADROOM after the grant made room")
+    assert await headrooms() == ["w"]
+    status = (await server.client.get("/v1/admissions/w")).json()["waiting"]
+    assert status["limiting"][0]["limit"] == 13 and status["headroom"] is True
