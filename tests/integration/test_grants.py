@@ -5,13 +5,14 @@ after, guarded by roles, and a bad one changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 import asyncpg
 import pytest
 
 from budgetgate.core.principals import Role
-from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, wait_for_bundle
 from tests.support.principals import bearer, issue
 from tests.support.quotas import physics
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
@@ -176,7 +177,6 @@ async def test_a_fiscal_year_budget_is_charged_in_its_year_and_takes_grants_for_
 
 
 async def test_the_cli_and_the_client_grant_through_the_api_and_budgets_show_it(admission_factory, pg_dsn, tmp_path, monkeypatch) -> None:
-    import asyncio
     import json
 
     from budgetgate.client import AsyncClient, InvalidRequest
@@ -268,3 +268,34 @@ async def test_a_grant_that_makes_room_sends_headroom_to_the_delayed_run(admissi
     assert await headrooms() == ["w"]
     status = (await server.client.get("/v1/admissions/w")).json()["waiting"]
     assert status["limiting"][0]["limit"] == 13 and status["headroom"] is True
+
+
+async def test_under_concurrency_each_decision_obeys_the_grants_of_the_revision_it_records(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn, pg_pool_max=30)
+    racing = [asyncio.create_task(decide(server, f"race-{i}")) for i in range(12)]
+    taken = await server.client.post(URL, json={"amount": -4, "reason": "cut to 6"})
+    assert taken.status_code == 200, taken.text
+    revision = taken.json()["revision"]
+    after = await asyncio.gather(*(decide(server, f"after-{i}") for i in range(12)))
+    answers = [*await asyncio.gather(*racing), *after]
+    assert all(a["override_revision"] == revision for a in after)
+    before = sum(a["decision"] == "ALLOW" for a in answers if a["override_revision"] < revision)
+    under_new = sum(a["decision"] == "ALLOW" for a in answers if a["override_revision"] == revision)
+    # Decisions made before the grant committed first; from then on at most 6 GPU-hours are held,
+    # counting theirs, and none of theirs was undone.
+    assert under_new == max(0, 6 - before)
+    held = await fetch(pg_dsn, "SELECT count(*) AS n FROM reservations WHERE state = 'held'")
+    assert held[0]["n"] == max(6, before)
+
+
+async def test_a_git_apply_keeps_the_grants_on_top_of_the_new_limit(admission_factory, pg_dsn) -> None:
+    server = await started(admission_factory, pg_dsn)
+    assert (await decide(server, "opens", gpus=10))["decision"] == "ALLOW"
+    assert (await server.client.post(URL, json={"amount": 5, "reason": "committee"})).status_code == 200
+    raised = budget_yaml(POLICY, namespace="physics", labels="{team: physics}", limit="gpu_hours: 20", window="{calendar: month}")
+    await apply_policies(pg_dsn, {"b.yaml": raised}, sha="b" * 40)
+    await wait_for_bundle(server, "b" * 40)
+    assert await limits(pg_dsn) == [25 * GPU_HOUR]
+    answer = await decide(server, "after-apply", gpus=15)
+    assert answer["decision"] == "ALLOW" and answer["evaluations"][0]["limit"] == 25.0, answer
+    assert (await decide(server, "full"))["decision"] == "DENY"
