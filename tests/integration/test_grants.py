@@ -299,3 +299,22 @@ async def test_a_git_apply_keeps_the_grants_on_top_of_the_new_limit(admission_fa
     answer = await decide(server, "after-apply", gpus=15)
     assert answer["decision"] == "ALLOW" and answer["evaluations"][0]["limit"] == 25.0, answer
     assert (await decide(server, "full"))["decision"] == "DENY"
+
+
+async def test_a_window_the_reconciler_opens_takes_the_grants_made_to_it_ahead(admission_factory, pg_dsn) -> None:
+    from budgetgate.ledger.queries import owned_by
+
+    sql = owned_by("budgetgate.services.reconciler")
+    server = await started(admission_factory, pg_dsn)
+    later = f"{datetime.now(UTC).year + 1}-03-10"
+    made = (await server.client.post(URL, json={"amount": 4, "reason": "ahead", "window": later})).json()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        # Usage lands in that window before any decision opened it: its entry has the grant.
+        await conn.execute(sql("create_entry"), made["ledger_key"], made["scope_id"], "gpu_hours", made["ledger_key"].split("|")[1],
+                           datetime.fromisoformat(made["window_start"]), datetime.fromisoformat(made["window_end"]), POLICY, "a" * 40,
+                           10 * GPU_HOUR)  # fmt: skip
+        limit = await conn.fetchval("SELECT limit_amount FROM ledger_entries WHERE ledger_key = $1", made["ledger_key"])
+    finally:
+        await conn.close()
+    assert limit == 14 * GPU_HOUR

@@ -82,27 +82,27 @@ def window_of(policy: BudgetPolicy, named: str | None, now: datetime, *, ended: 
     if named is None:
         return window_at(policy.window, now)
     text = named.strip()
-    if "/" in text:
-        start = _instant(text.partition("/")[0], "window")
-        window = window_at(policy.window, start)
-        if window.key != text:
-            raise InvalidGrant("window", f"{named!r} is not a window of budget {policy.id!r}; the window starting there is {window.key!r}")
-    else:
-        window = window_at(policy.window, _instant(text, "window"))
+    at = _instant(text.partition("/")[0] if "/" in text else text, named)
+    try:
+        window = window_at(policy.window, at)
+    except (ValueError, OverflowError):  # an instant so near the calendar's end that its window has none
+        raise InvalidGrant("window", f"{named!r} is beyond the windows budgetgate lays out") from None
+    if "/" in text and window.key != text:
+        raise InvalidGrant("window", f"{named!r} is not a window of budget {policy.id!r}; the window starting there is {window.key!r}")
     if window.end <= now and not ended:
         raise InvalidGrant("window", f"window {window.key} of budget {policy.id!r} has ended; grants are for the current window or a later one")
     return window
 
 
-def _instant(text: str, field_name: str) -> datetime:
+def _instant(text: str, named: str) -> datetime:
     try:
         if len(text) == 10:
             return datetime.combine(date.fromisoformat(text), datetime.min.time(), tzinfo=UTC)
         at = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise InvalidGrant(field_name, f"{text!r} is neither a window key (<start>/<end>) nor a date or RFC 3339 instant") from None
+    except (ValueError, OverflowError):
+        raise InvalidGrant("window", f"{named!r} is neither a window key (<start>/<end>) nor a date or RFC 3339 instant") from None
     if at.tzinfo is None:
-        raise InvalidGrant(field_name, f"{text!r} has no time zone; write it with Z or an offset")
+        raise InvalidGrant("window", f"{named!r} has no time zone; write it with Z or an offset")
     return at
 
 
