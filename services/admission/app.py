@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from budgetgate.contracts import budget_grants as grant_schemas
 from budgetgate.contracts import tenants as tenant_schemas
 from budgetgate.contracts.admission import OPERATIONS
 from budgetgate.decisions.deciding import InvalidSubmission
@@ -55,7 +56,7 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     operational_routes(
         app,
         telemetry=telemetry,
-        operations={**OPERATIONS, **routes.OPERATIONS, **tenant_schemas.OPERATIONS},
+        operations={**OPERATIONS, **routes.OPERATIONS, **tenant_schemas.OPERATIONS, **grant_schemas.OPERATIONS},
         protect_metrics=settings.metrics_require_auth,
     )
     return app

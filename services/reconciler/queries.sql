@@ -233,12 +233,14 @@ SELECT ledger_key FROM ledger_entries WHERE ledger_key = ANY($1::text[]);
 
 -- name: create_entry
 -- A window's ledger entry the first time usage lands in it (admission creates the others), at
--- the limit a tenant override sets for the policy, else $9 (the bundle's).
+-- the limit a tenant override sets for the policy, else $9 (the bundle's), plus the window's grants
+-- (migration 0031), never below zero.
 INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id,
                             policy_git_sha, limit_amount)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, COALESCE(
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, GREATEST(0, COALESCE(
     (SELECT (s.value ->> 'amount')::bigint FROM tenant_overrides_current o, jsonb_each(o.settings) s
-     WHERE s.value ->> 'policy_id' = $7 AND s.value ->> 'unit' = $3 LIMIT 1), $9))
+     WHERE s.value ->> 'policy_id' = $7 AND s.value ->> 'unit' = $3 LIMIT 1), $9)
+    + COALESCE((SELECT sum(g.amount) FROM budget_grants g WHERE g.policy_id = $7 AND g.ledger_key = $1), 0)))
 ON CONFLICT (ledger_key) DO NOTHING;
 
 -- name: add_consumed

@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from budgetgate.core.units import MILLI_PER_HOUR, Unit, cost_micros, from_amount, hours_amount, limit_amount, money, to_amount, to_decimal
-from budgetgate.core.windows import CALENDARS, WindowSpec, window_at, zone
+from budgetgate.core.windows import CALENDARS, FISCAL_YEAR, WindowSpec, window_at, zone
 
 pytestmark = pytest.mark.property
 
@@ -155,7 +155,8 @@ def _loadable(name: str) -> bool:
 # Every zone name the project can load.
 ZONES = sorted(name for name in available_timezones() if _loadable(name))
 
-calendar_specs = st.builds(WindowSpec, calendar=st.sampled_from(CALENDARS), timezone=st.sampled_from(ZONES))
+fiscal_specs = st.builds(WindowSpec, calendar=st.just(FISCAL_YEAR), timezone=st.sampled_from(ZONES), start_month=st.integers(min_value=1, max_value=12))
+calendar_specs = st.one_of(st.builds(WindowSpec, calendar=st.sampled_from(CALENDARS), timezone=st.sampled_from(ZONES)), fiscal_specs)
 rolling_specs = st.builds(WindowSpec, rolling_days=st.integers(min_value=1, max_value=3660))
 specs = st.one_of(calendar_specs, rolling_specs)
 
@@ -217,6 +218,9 @@ def test_calendar_windows_follow_the_local_calendar(spec: WindowSpec, at: dateti
     elif spec.calendar == "week":
         assert local_start.weekday() == 0
         assert 0 <= (local_at - local_start).days < 7
+    elif spec.calendar == FISCAL_YEAR:
+        year = local_at.year if local_at.month >= (spec.start_month or 1) else local_at.year - 1
+        assert (local_start.year, local_start.month, local_start.day) == (year, spec.start_month, 1)
     else:
         assert (local_start.year, local_start.month, local_start.day) == (local_at.year, local_at.month, 1)
 
@@ -229,3 +233,25 @@ def test_rolling_windows_end_at_the_instant(spec: WindowSpec, at: datetime) -> N
     assert window.end == at.astimezone(UTC)
     assert window.end - window.start == timedelta(days=spec.rolling_days or 0)
     assert window.key == f"rolling-{spec.rolling_days}d"
+
+
+@settings(deadline=None)
+@given(spec=fiscal_specs, at=instants)
+def test_a_fiscal_year_runs_from_local_midnight_of_its_month_to_the_same_a_year_later(spec: WindowSpec, at: datetime) -> None:
+    tz = zone(spec.timezone)
+    window = window_at(spec, at)
+    start, end = window.start.astimezone(tz), window.end.astimezone(tz)
+    assert (end.year - start.year, end.month, end.day) == (1, start.month, 1) == (1, spec.start_month, 1)
+    # Local midnight, unless it did not exist that day (a DST gap at midnight): then the first
+    # instant after it, within the hour or two such a gap lasts.
+    for edge in (start, end):
+        assert (edge.hour, edge.minute) == (0, 0) or (edge.hour < 3 and (edge - timedelta(hours=edge.hour, minutes=edge.minute)).day == 1)
+    # 365 or 366 days, give or take the zone's offset changing between the two dates.
+    assert timedelta(days=365) - timedelta(hours=3) <= window.end - window.start <= timedelta(days=366) + timedelta(hours=3)
+
+
+@given(start_month=st.integers(min_value=1, max_value=12), year=st.integers(min_value=2012, max_value=2199), month=st.integers(min_value=1, max_value=12))
+def test_a_fiscal_year_is_named_by_the_year_it_starts_in(start_month: int, year: int, month: int) -> None:
+    window = window_at(WindowSpec(calendar=FISCAL_YEAR, start_month=start_month), datetime(year, month, 15, tzinfo=UTC))
+    began = year if month >= start_month else year - 1
+    assert window.key == f"{began}-{start_month:02d}-01T00:00:00Z/{began + 1}-{start_month:02d}-01T00:00:00Z"

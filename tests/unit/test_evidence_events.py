@@ -4,6 +4,7 @@ the budget facet, the event-type mapping, the run UUID, and validity against the
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -14,8 +15,9 @@ from openlineage.client.event_v2 import RunState
 
 from budgetgate.core.accounting import EXTERNAL, LEDGER, BudgetSource, with_external
 from budgetgate.core.evaluation import Reading, Resources, Submission, decide, plan
+from budgetgate.core.grants import Grant, by_window
 from budgetgate.core.loader import build_bundle, parse_text
-from budgetgate.core.units import MILLI_PER_HOUR
+from budgetgate.core.units import MILLI_PER_HOUR, Unit
 from budgetgate.decisions.rendering import decision_message
 from budgetgate.evidence import events, facet
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
@@ -353,3 +355,36 @@ def test_a_missing_spec_fails_loudly_instead_of_skipping_validation(tmp_path, mo
     with pytest.raises(MissingSpec):
         MarquezStandIn()
     assert MarquezStandIn(validate=False).invalid == []
+
+
+def test_a_granted_window_shows_the_policys_limit_the_grants_and_validates() -> None:
+    plain = bundle(TEAM)
+    policy = plain.policies[0]
+    key = "ns=vision-prod;team=vision|2026-03-01T00:00:00Z/2026-04-01T00:00:00Z|gpu_hours"
+    made = [
+        Grant(7, "team", policy.scope.scope_id, Unit.GPU_HOURS, key, AT, AT, 20 * H, 100 * H, 120 * H, "token:finance", "committee 17", AT),
+        Grant(9, "team", policy.scope.scope_id, Unit.GPU_HOURS, key, AT, AT, -5 * H, 120 * H, 115 * H, "token:ops", "moved to nlp", AT),
+    ]
+    granted = replace(plain, grants=by_window(made), override_revision=9)
+    budget = event_for(decided(granted))["run"]["facets"]["budget"]
+    evaluation = budget["evaluations"][0]
+    assert (evaluation["limit"], evaluation["policy_limit"], evaluation["granted"]) == (115.0, 100.0, 15.0)
+    assert evaluation["grants"] == [
+        {"revision": 7, "amount": 20.0, "actor": "token:finance", "reason": "committee 17"},
+        {"revision": 9, "amount": -5.0, "actor": "token:ops", "reason": "moved to nlp"},
+    ]
+    assert evaluation["reading"]["limit_amount"] == 115 * H and budget["override_revision"] == 9
+    # A window without grants has none of the three.
+    assert not {"policy_limit", "granted", "grants"} & set(event_for(decided(plain))["run"]["facets"]["budget"]["evaluations"][0])
+
+
+def test_the_facet_with_grants_validates_against_its_schema() -> None:
+    plain = bundle(TEAM)
+    key = "ns=vision-prod;team=vision|2026-03-01T00:00:00Z/2026-04-01T00:00:00Z|gpu_hours"
+    made = [Grant(3, "team", "ns=vision-prod;team=vision", Unit.GPU_HOURS, key, AT, AT, -100 * H, 100 * H, 0, "token:finance", "frozen", AT)]
+    event = event_for(decided(replace(plain, grants=by_window(made), override_revision=3)))
+    assert event["run"]["facets"]["budget"]["evaluations"][0]["limit"] == 0.0
+    assert OpenLineageValidator(require_spec()).errors(event) == []
+    broken = {**event, "run": {**event["run"], "facets": {"budget": {**event["run"]["facets"]["budget"]}}}}
+    broken["run"]["facets"]["budget"]["evaluations"] = [{**event["run"]["facets"]["budget"]["evaluations"][0], "grants": [{"revision": 3}]}]
+    assert OpenLineageValidator(require_spec()).errors(broken) != []

@@ -1042,3 +1042,27 @@ def test_a_rate_card_says_what_an_unknown_flavor_gets(tmp_path: Path) -> None:
     write(tmp_path, "rates.yaml", RATES.replace("  currency: USD\n", "  currency: USD\n  unknown_flavor: ignore\n"))
     error = only_error(tmp_path)
     assert "unknown_flavor" in error.message and "'warn'" in error.message and "'reject'" in error.message, error.message
+
+
+def test_a_fiscal_year_window_is_read_with_its_start_month_and_zone(tmp_path: Path) -> None:
+    text = POLICY.format(id="p", namespace="a").replace("calendar: month", "fiscal_year: {start_month: 4}\n    timezone: Europe/London")
+    write(tmp_path, "f.yaml", text)
+    window = policy(load(tmp_path), "p").window
+    assert window == WindowSpec(calendar="fiscal_year", timezone="Europe/London", start_month=4)
+
+
+@pytest.mark.parametrize(
+    ("window", "expect"),
+    [
+        ("fiscal_year: {start_month: 13}", "spec.window.fiscal_year.start_month: Input should be less than or equal to 12"),
+        ("fiscal_year: {start_month: 0}", "spec.window.fiscal_year.start_month: Input should be greater than or equal to 1"),
+        ("fiscal_year: {}", "spec.window.fiscal_year.start_month: Field required"),
+        ("fiscal_year: {start_month: 4, start_monht: 5}", "spec.window.fiscal_year.start_monht: unknown key; did you mean 'start_month'?"),
+        ("fiscal_year: {start_month: 4}\n    calendar: month", "spec.window: give exactly one of calendar"),
+    ],
+)
+def test_a_bad_fiscal_year_is_an_error_at_its_line(tmp_path: Path, window: str, expect: str) -> None:
+    write(tmp_path, "f.yaml", POLICY.format(id="p", namespace="a").replace("calendar: month", window))
+    error = only_error(tmp_path)
+    assert error.file == "f.yaml" and error.line is not None and error.line >= 8
+    assert error.message.startswith(expect), error.message

@@ -23,8 +23,9 @@ def test_each_role_may_do_exactly_its_actions() -> None:
     assert may[Role.EXPORTER] == {Action.INGEST}
     assert may[Role.READER] == {Action.LOOKUP, Action.READ, Action.METRICS}
     assert may[Role.AUDITOR] == {Action.LOOKUP, Action.READ, Action.METRICS}  # reads everything, changes nothing
-    assert may[Role.OPERATOR] == {Action.LOOKUP, Action.READ, Action.RELEASE, Action.ADMINISTER, Action.OVERRIDE, Action.METRICS}
-    assert may[Role.ACCOUNTING] == {Action.READ, Action.OVERRIDE}  # an accounting system's service token
+    assert may[Role.OPERATOR] == {Action.LOOKUP, Action.READ, Action.RELEASE, Action.ADMINISTER, Action.OVERRIDE, Action.GRANT, Action.METRICS}
+    # An accounting system's service token: reads, overrides tenants' settings, grants to budgets.
+    assert may[Role.ACCOUNTING] == {Action.READ, Action.OVERRIDE, Action.GRANT}
 
 
 def test_a_refusal_names_the_role_and_the_namespace_missing() -> None:

@@ -88,3 +88,22 @@ def test_a_quota_wait_is_judged_on_what_the_tenant_and_sensitive_work_hold_now()
     assert 'tenant "physics" max_nodes: 9 of 10 held, needs 2: does not fit' in found.describe()
     later = judge(waiting, BUNDLE, now=NOW, ledger={}, tenant_held=Holdings(gpus=40, nodes=8, allocations=3), sensitive_held=Holdings(gpus=4))
     assert later.fits
+
+
+def test_a_wait_is_judged_on_the_limit_with_the_windows_grants() -> None:
+    from dataclasses import replace
+
+    from budgetgate.core.grants import by_window
+    from budgetgate.core.policy import Grant
+    from budgetgate.core.units import Unit
+
+    waiting = run(BUDGET, needs=(BudgetNeed("physics-gpus", "gpu_hours", 8 * H),))
+    [key] = current_keys(waiting, BUNDLE, NOW).values()
+    policy = BUNDLE.policies[0]
+    grant = Grant(5, policy.id, policy.scope.scope_id, Unit.GPU_HOURS, key, NOW, NOW, 10 * H, 100 * H, 110 * H, "token:finance", "committee", NOW)
+    granted = replace(BUNDLE, grants=by_window([grant]), override_revision=5)
+    ledger = {key: Reading(110 * H, 40 * H, 55 * H)}
+    found = judge(waiting, granted, now=NOW, ledger=ledger, tenant_held=Holdings(), sensitive_held=Holdings())
+    assert found.fits and found.describe() == "budget 'physics-gpus' (gpu_hours): 95 of 110 used, needs 8: fits"
+    # Without the grant the same figures do not fit.
+    assert not judge(waiting, BUNDLE, now=NOW, ledger=ledger, tenant_held=Holdings(), sensitive_held=Holdings()).fits

@@ -308,3 +308,41 @@ def test_a_zone_folder_or_an_overlong_name_is_an_unknown_time_zone(name: str) ->
         zone(name)
     with pytest.raises(ValueError, match="unknown time zone"):
         WindowSpec(calendar="month", timezone=name)
+
+
+# --- fiscal years ----------------------------------------------------------------------------------
+
+APRIL = WindowSpec(calendar="fiscal_year", start_month=4)
+
+
+def test_a_fiscal_year_from_april() -> None:
+    assert bounds(window_at(APRIL, utc(2026, 3, 31, 23, 59))) == (utc(2025, 4, 1), utc(2026, 4, 1))
+    window = window_at(APRIL, utc(2026, 4, 1))
+    assert bounds(window) == (utc(2026, 4, 1), utc(2027, 4, 1))
+    assert window.key == "2026-04-01T00:00:00Z/2027-04-01T00:00:00Z"
+
+
+def test_a_fiscal_year_from_january_is_the_calendar_year() -> None:
+    assert bounds(window_at(WindowSpec(calendar="fiscal_year", start_month=1), utc(2028, 2, 29))) == (utc(2028, 1, 1), utc(2029, 1, 1))
+
+
+def test_a_fiscal_year_starts_at_local_midnight_in_its_zone() -> None:
+    # 1 October in Sydney is in daylight time (UTC+10 until the first Sunday of October).
+    spec = WindowSpec(calendar="fiscal_year", timezone="Australia/Sydney", start_month=10)
+    window = window_at(spec, in_zone("Australia/Sydney", 2026, 10, 1, 0, 30))
+    assert bounds(window) == (utc(2026, 9, 30, 14), utc(2027, 9, 30, 14))
+    # A minute before that local midnight is still the previous fiscal year.
+    assert window_at(spec, utc(2026, 9, 30, 13, 59)).end == window.start
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"calendar": "fiscal_year"}, "only a fiscal year, has a start_month"),
+        ({"calendar": "month", "start_month": 4}, "only a fiscal year, has a start_month"),
+        ({"calendar": "fiscal_year", "start_month": 13}, "start_month must be a month"),
+    ],
+)
+def test_a_fiscal_year_needs_a_month_and_only_it_has_one(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WindowSpec(**fields)

@@ -16,8 +16,9 @@ from budgetgate.cli import backend
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def budgets(as_json: bool) -> None:
-    """Limit, reserved, consumed, remaining, committed % (reserved + consumed), consumed % and
-    state of every budget: the two measures the alerts and gauges use."""
+    """Limit (the policy's plus the window's grants), reserved, consumed, remaining, committed %
+    (reserved + consumed), consumed % and state of every budget: the two measures the alerts and
+    gauges use."""
     settings = backend.stack_settings()
     found = asyncio.run(read_budgets(settings.postgres_dsn))
     if found is None:
@@ -27,23 +28,28 @@ def budgets(as_json: bool) -> None:
         return
     click.echo(f"bundle {found['policy_bundle_sha']}")
     table(
-        ["budget", "scope", "window", "unit", "limit", "reserved", "consumed", "remaining", "committed", "consumed %", "state"],
-        [[b["policy_id"], b["scope_id"], b["window_key"], unit_label(b), f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}",
+        ["budget", "scope", "window", "unit", "limit", "granted", "reserved", "consumed", "remaining", "committed", "consumed %", "state"],
+        [[b["policy_id"], b["scope_id"], b["window_key"], unit_label(b), f"{b['limit']:g}", granted(b), f"{b['reserved']:g}", f"{b['consumed']:g}",
           f"{b['remaining']:g}", f"{b['committed_percent']:.1f}%", f"{b['consumed_percent']:.1f}%", b["state"]] for b in found["budgets"]],
     )  # fmt: skip
 
 
 async def read_budgets(dsn: str) -> dict[str, Any] | None:
-    from budgetgate.core.loader import bundle_from_json
-    from budgetgate.ledger.queries import sql
+    from budgetgate.policies.override_store import decided_under
     from budgetgate.reports.budgets import list_budgets
 
     async with backend.postgres(dsn) as conn:
-        row = await conn.fetchrow(sql("active_bundle"))  # type: ignore[attr-defined]
-        if row is None:
+        # What admission decides under: the Git bundle with tenant overrides and grants.
+        bundle = await decided_under(conn)
+        if bundle is None:
             return None
-        bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"])
         return {"policy_bundle_sha": bundle.git_sha, "budgets": await list_budgets(conn, bundle, datetime.now(UTC))}
+
+
+def granted(budget: dict[str, Any]) -> str:
+    """The window's grants beside its limit: `+200 (2)`, or blank when nothing was granted."""
+    found = budget.get("grants") or []
+    return f"{budget['granted']:+g} ({len(found)})" if found else ""
 
 
 def unit_label(budget: dict[str, Any]) -> str:

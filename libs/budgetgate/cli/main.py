@@ -24,6 +24,7 @@ from budgetgate.cli.kueue import kueue
 from budgetgate.cli.kubernetes import kubernetes
 from budgetgate.cli.token import admin_log, token
 from budgetgate.cli.admin import admin
+from budgetgate.cli.grant import grant
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -60,6 +61,7 @@ cli.add_command(kubernetes)
 cli.add_command(token)
 cli.add_command(admin_log)
 cli.add_command(admin)
+cli.add_command(grant)
 
 
 if __name__ == "__main__":

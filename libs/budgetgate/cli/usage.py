@@ -43,13 +43,12 @@ def usage(scope_id: str | None, tenant: str | None, user: str | None, label: str
 
 async def _read(dsn: str, *, scope_id: str | None, who: str, value: str | None, label: str, days: int) -> dict[str, Any] | None:
     from budgetgate.cli import backend
-    from budgetgate.core.loader import bundle_from_json
-    from budgetgate.ledger.queries import sql
+    from budgetgate.policies.override_store import decided_under
     from budgetgate.reports.usage import labelled_usage, scope_usage
 
     async with backend.postgres(dsn) as pool:
-        row = await pool.fetchrow(sql("active_bundle"))
-        bundle = bundle_from_json(row["documents"], git_sha=row["git_sha"]) if row else None
+        # What admission decides under: the Git bundle with tenant overrides and grants.
+        bundle = await decided_under(pool)
         now = datetime.now(UTC)
         if value is not None:
             return await labelled_usage(pool, bundle, who=who, label=label, value=value, days=days, now=now)
@@ -69,10 +68,12 @@ def _print(result: dict[str, Any]) -> None:
             unit = b["currency"] if b["unit"] == "cost" else b["unit"].replace("_", "-")
             window = f"{b['window_start'][:10]} to {b['window_end'][:10]}"
             used = f"{100 * (b['utilization'] or 0):.1f}%"
-            rows.append(
-                [b["policy_id"], b["scope_id"], unit, window, f"{b['limit']:g}", f"{b['reserved']:g}", f"{b['consumed']:g}", f"{b['remaining']:g}", used]
-            )
-        for line in table(["budget", "scope", "unit", "window", "limit", "reserved", "consumed", "remaining", "used"], rows):
+            granted = f"{b['granted']:+g} ({len(b['grants'])})" if b.get("grants") else ""
+            rows.append([
+                b["policy_id"], b["scope_id"], unit, window, f"{b['limit']:g}", granted, f"{b['reserved']:g}", f"{b['consumed']:g}",
+                f"{b['remaining']:g}", used,
+            ])  # fmt: skip
+        for line in table(["budget", "scope", "unit", "window", "limit", "granted", "reserved", "consumed", "remaining", "used"], rows):
             click.echo(line)
     elif who is None:
         click.echo(f"scope {result['scope_id']} has no budget in its current window")

@@ -28,6 +28,8 @@ from budgetgate.contracts.admission import (
 )
 from budgetgate.contracts.settlements import DeadLetterList, Resolved
 from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut
+from budgetgate.contracts.budget_grants import GrantIn, GrantList
+from budgetgate.contracts.admission import GrantOut
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent
 from budgetgate.v1.metering_pb2 import MeteringSample
 
@@ -131,6 +133,15 @@ class AsyncClient:
         """Override some of a tenant's quotas and budgets (an operator or accounting token);
         `create` for a tenant neither Git nor an override names yet."""
         return await self.send(calls.update_tenant(name, changes, create=create))
+
+    async def grant_budget(self, policy_id: str, grant: GrantIn | Mapping[str, Any]) -> GrantOut:
+        """Add hours (or money; negative takes away) to a budget's limit in its current window or
+        the one named, with a reason (an operator or accounting token)."""
+        return await self.send(calls.grant_budget(policy_id, grant))
+
+    async def budget_grants(self, policy_id: str, *, window: str | None = None) -> GrantList:
+        """The grants made to a budget, oldest first (only the named window's, if one is named)."""
+        return await self.send(calls.budget_grants(policy_id, window=window))
 
     async def user_usage(self, user: str, *, days: int = 90) -> UserUsage:
         """A user's budgets and its runs' usage over the last `days` (the tenant rules)."""

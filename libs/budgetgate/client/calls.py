@@ -29,6 +29,8 @@ from budgetgate.contracts.admission import (
 )
 from budgetgate.client.errors import InvalidRequest
 from budgetgate.contracts.tenants import TenantSettingsIn, TenantSettingsOut
+from budgetgate.contracts.budget_grants import GrantIn, GrantList
+from budgetgate.contracts.admission import GrantOut
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -126,6 +128,19 @@ def update_tenant(name: str, changes: TenantSettingsIn | Mapping[str, Any], *, c
     body = validated(TenantSettingsIn, changes)
     params = {"create": "true"} if create else {}
     return Call("PUT", f"/v1/tenants/{quote(name, safe='')}", _model(TenantSettingsOut), json=_body(body), params=params)
+
+
+def grant_budget(policy_id: str, grant: GrantIn | Mapping[str, Any]) -> Call[GrantOut]:
+    """POST /v1/budgets/{policy_id}/grants: add `amount` (in the budget's unit; negative takes
+    away) to the budget's limit in its current window or the one named, with a reason."""
+    body = validated(GrantIn, grant)
+    return Call("POST", f"/v1/budgets/{quote(policy_id, safe='/')}/grants", _model(GrantOut), json=_body(body))
+
+
+def budget_grants(policy_id: str, *, window: str | None = None) -> Call[GrantList]:
+    """GET /v1/budgets/{policy_id}/grants[?window=...]: the grants made to a budget, oldest first."""
+    params = {"window": window} if window is not None else {}
+    return Call("GET", f"/v1/budgets/{quote(policy_id, safe='/')}/grants", _model(GrantList), params=params)
 
 
 def user_usage(user: str, *, days: int = 90) -> Call[UserUsage]:

@@ -322,12 +322,42 @@ class AdmissionStatus(AdmissionResponse):
     waiting: Waiting | None = Field(default=None, description="for a DELAY or a quota rejection: what it waits for and how it stands now; else null")
 
 
+_GRANT_EXAMPLE = {
+    "revision": 41, "policy_id": "gpu-budget/team-vision-prod", "scope_id": "ns=vision-prod;cost-center=1042;team=vision", "unit": "gpu_hours",
+    "ledger_key": "ns=vision-prod;cost-center=1042;team=vision|2026-07-01T00:00:00Z/2026-08-01T00:00:00Z|gpu_hours",
+    "window_start": "2026-07-01T00:00:00Z", "window_end": "2026-08-01T00:00:00Z", "amount": 100.0, "limit_before": 400.0, "limit_after": 500.0,
+    "actor": "token:finance", "reason": "allocation committee 2026-17", "granted_at": "2026-07-14T09:30:00Z",
+}  # fmt: skip
+
+
+class GrantOut(BaseModel):
+    """One grant to a budget's window as recorded (core/grants.py): an amount added to its limit,
+    or taken from it, with who and why."""
+
+    model_config = _example(_GRANT_EXAMPLE)
+
+    revision: int = Field(description="its revision (grants and tenant overrides share one sequence; decisions record it)")
+    policy_id: str = Field(description="the budget")
+    scope_id: str = Field(description="the budget's scope id")
+    unit: str = Field(description="the budget's unit: gpu_hours, node_hours, wall_hours or cost")
+    ledger_key: str = Field(description="the ledger key of the window it is for")
+    window_start: datetime = Field(description="the window's start")
+    window_end: datetime = Field(description="the window's end")
+    amount: float = Field(description="what was granted, in the budget's unit (negative: taken away)")
+    limit_before: float = Field(description="the window's limit before it (the policy's plus earlier grants)")
+    limit_after: float = Field(description="the window's limit after it")
+    actor: str = Field(description="who made it")
+    reason: str = Field(description="why")
+    granted_at: datetime = Field(description="when")
+
+
 class BudgetUsage(BaseModel):
     """One budget of a scope in its current window."""
 
     model_config = _example({
         "policy_id": "gpu-budget/team-vision-prod", "policy_git_sha": "e" * 40, "unit": "gpu_hours", "currency": None, "enforcement": "hard",
-        **_EXAMPLE_WINDOW, "limit": 500.0, "reserved": 48.0, "consumed": 120.5, "remaining": 331.5, "utilization": 0.337,
+        **_EXAMPLE_WINDOW, "limit": 500.0, "policy_limit": 400.0, "granted": 100.0, "grants": [_GRANT_EXAMPLE],
+        "reserved": 48.0, "consumed": 120.5, "remaining": 331.5, "utilization": 0.337,
     })  # fmt: skip
 
     policy_id: str = Field(description="the policy's id")
@@ -337,7 +367,10 @@ class BudgetUsage(BaseModel):
     enforcement: EnforcementName = Field(description="hard, soft or dry-run")
     window_start: datetime = Field(description="start of the current window")
     window_end: datetime = Field(description="end of the current window")
-    limit: float = Field(description="the budget's limit")
+    limit: float = Field(description="the budget's limit in this window: the policy's plus the window's grants")
+    policy_limit: float = Field(description="the policy's limit (with a tenant override, if any)")
+    granted: float = Field(description="the sum of the window's grants (negative: taken away)")
+    grants: list[GrantOut] = Field(description="the window's grants, oldest first")
     reserved: float = Field(description="held by admitted runs not yet reconciled")
     consumed: float = Field(description="metered actuals")
     remaining: float = Field(description="limit − reserved − consumed")
@@ -478,7 +511,10 @@ class BudgetLine(BaseModel):
     unit: str = Field(description="gpu_hours, node_hours, wall_hours or cost")
     currency: str | None = Field(description="the currency of a cost budget")
     enforcement: str = Field(description="hard, soft or dry-run")
-    limit: float = Field(description="the limit, in hours or the currency")
+    limit: float = Field(description="the limit in this window, in hours or the currency: the policy's plus the window's grants")
+    policy_limit: float = Field(description="the policy's limit (with a tenant override, if any)")
+    granted: float = Field(description="the sum of the window's grants (negative: taken away)")
+    grants: list[GrantOut] = Field(description="the window's grants, oldest first")
     reserved: float = Field(description="held by admitted runs not yet reconciled")
     consumed: float = Field(description="metered actuals")
     remaining: float = Field(description="limit - reserved - consumed")
@@ -507,7 +543,8 @@ class BudgetList(BaseModel):
         "budgets": [{
             "policy_id": "gpu-budget/team-vision-prod", "scope_id": "ns=vision-prod;cost-center=1042;team=vision", "window_key": "2026-07",
             "window_start": "2026-07-01T00:00:00Z", "window_end": "2026-08-01T00:00:00Z", "unit": "gpu_hours", "currency": None,
-            "enforcement": "hard", "limit": 500.0, "reserved": 48.0, "consumed": 310.25, "remaining": 141.75, "committed": 358.25,
+            "enforcement": "hard", "limit": 500.0, "policy_limit": 500.0, "granted": 0.0, "grants": [],
+            "reserved": 48.0, "consumed": 310.25, "remaining": 141.75, "committed": 358.25,
             "committed_percent": 71.7, "committed_ratio": 0.7165, "consumed_percent": 62.1, "consumed_ratio": 0.6205, "alerts": [],
             "used_percent": 71.7, "used_ratio": 0.7165, "state": "ok",
         }],

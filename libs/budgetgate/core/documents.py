@@ -114,10 +114,15 @@ class ScopeDoc(_Strict):
         return frozenset(self.namespaces or ())
 
 
+class FiscalYearDoc(_Strict):
+    start_month: int = Field(ge=1, le=12)
+
+
 class WindowDoc(_Strict):
     calendar: Literal["month", "week", "day"] | None = None
     timezone: str = "UTC"
     rolling_days: int | None = Field(default=None, ge=1, le=3660)
+    fiscal_year: FiscalYearDoc | None = None
 
     @field_validator("timezone")
     @classmethod
@@ -127,8 +132,8 @@ class WindowDoc(_Strict):
 
     @model_validator(mode="after")
     def _one_form(self) -> WindowDoc:
-        if (self.calendar is None) == (self.rolling_days is None):
-            raise ValueError(f"give exactly one of calendar ({'|'.join(CALENDARS)}) or rolling_days")
+        if sum(form is not None for form in (self.calendar, self.rolling_days, self.fiscal_year)) != 1:
+            raise ValueError(f"give exactly one of calendar ({'|'.join(CALENDARS)}), rolling_days or fiscal_year ({{start_month: 1-12}})")
         return self
 
 

@@ -5,12 +5,12 @@ applies exactly `fits()` below to every hard charge."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
 from budgetgate.core.ledger_key import LedgerKey, checked
-from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
+from budgetgate.core.policy import BudgetPolicy, Enforcement, Grant, PolicyBundle
 from budgetgate.core.eligibility import Outlook, next_eligible
 from budgetgate.core.units import Unit, display, projected_cost_micros, projected_hours_amount
 from budgetgate.core.windows import Window, iso, window_at
@@ -84,6 +84,9 @@ class Plan:
     override_revision: int = 0  # the bundle's tenant override revision
     waived: tuple[Waived, ...] = ()
     warnings: tuple[str, ...] = ()  # said in the answer, never blocking (a flavor no rate card prices)
+    # By ledger key, for the windows that have grants (core/grants.py): the policy's own limit
+    # and the grants its charge's limit adds up (carried with the decision, for the evidence).
+    granted: Mapping[str, tuple[int, tuple[Grant, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,7 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
     charges: list[Charge] = []
     violations: list[Violation] = []
     waived: list[Waived] = []
+    granted: dict[str, tuple[int, tuple[Grant, ...]]] = {}
     for policy in bundle.policies:
         scope = policy.scope
         hard = policy.enforcement is Enforcement.HARD
@@ -155,7 +159,14 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
                 raise
             waived.append(Waived(policy, str(exc)))
             continue
-        charges.append(Charge(policy, window_at(policy.window, submission.at), amount))
+        window = window_at(policy.window, submission.at)
+        if bundle.grants:  # the window's limit: the policy's plus what was granted to it
+            key = ledger_key(policy, window)
+            found = bundle.granted(policy.id, key)
+            if found:
+                granted[key] = (policy.limit.amount, found)
+                policy = bundle.with_grants(policy, key)
+        charges.append(Charge(policy, window, amount))
     return Plan(
         submission=submission,
         bundle_sha=bundle.git_sha,
@@ -167,6 +178,7 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
         override_revision=bundle.override_revision,
         waived=tuple(waived),
         warnings=warnings,
+        granted=granted,
     )
 
 

@@ -38,7 +38,7 @@ from budgetgate.core.policy import (
 )
 from budgetgate.core.quota_documents import ConcurrencyLimit, concurrency_checks, concurrency_fields, concurrency_limit
 from budgetgate.core.units import Unit, display, limit_amount
-from budgetgate.core.windows import WindowSpec
+from budgetgate.core.windows import FISCAL_YEAR, WindowSpec
 
 # Re-exported: callers find the reading side of policies here too.
 from budgetgate.core.policy_files import (
@@ -242,7 +242,7 @@ def _policy(policy_id: str, spec: BudgetPolicySpec, source: Source, tree: Accoun
     return BudgetPolicy(
         id=policy_id,
         scope=scope,
-        window=WindowSpec(calendar=spec.window.calendar, timezone=spec.window.timezone, rolling_days=spec.window.rolling_days),
+        window=_window(spec),
         limit=Limit(unit=unit, amount=limit_amount(unit, value), currency=limit.currency),
         enforcement=Enforcement(spec.enforcement),
         on_exhausted=OnExhausted(spec.on_exhausted),
@@ -272,10 +272,8 @@ def _account_checks(policies: Sequence[BudgetPolicy], tree: AccountTree) -> list
             if tree.accounts[above].overcommit:
                 continue
             for parent_policy in by_account.get(above, ()):
-                same = (parent_policy.limit.unit, parent_policy.limit.currency, parent_policy.window.calendar, parent_policy.window.rolling_days)
-                if same == (policy.limit.unit, policy.limit.currency, policy.window.calendar, policy.window.rolling_days) and (
-                    policy.limit.amount > parent_policy.limit.amount
-                ):
+                same = (parent_policy.limit.unit, parent_policy.limit.currency, _layout(parent_policy.window))
+                if same == (policy.limit.unit, policy.limit.currency, _layout(policy.window)) and (policy.limit.amount > parent_policy.limit.amount):
                     errors.append(
                         PolicyError(
                             policy.source.file,
@@ -287,10 +285,22 @@ def _account_checks(policies: Sequence[BudgetPolicy], tree: AccountTree) -> list
     return errors
 
 
+def _layout(window: WindowSpec) -> tuple[str | None, int | None, int | None]:
+    """What makes two windows one ledger's (the time zone aside, as `_cross_checks` says)."""
+    return window.calendar, window.rolling_days, window.start_month
+
+
 def display_limit(policy: BudgetPolicy) -> str:
     """A policy's limit as written: `40 gpu_hours`, `500 USD`."""
     unit = policy.limit.unit
     return f"{display(unit, policy.limit.amount):g} {policy.limit.currency if unit is Unit.COST else unit.value}"
+
+
+def _window(spec: BudgetPolicySpec) -> WindowSpec:
+    fiscal = spec.window.fiscal_year
+    if fiscal is not None:
+        return WindowSpec(calendar=FISCAL_YEAR, timezone=spec.window.timezone, start_month=fiscal.start_month)
+    return WindowSpec(calendar=spec.window.calendar, timezone=spec.window.timezone, rolling_days=spec.window.rolling_days)
 
 
 def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:
@@ -300,13 +310,13 @@ def _rate_card(card_id: str, spec: RateCardSpec, source: Source) -> RateCard:
 
 def _cross_checks(policies: Sequence[BudgetPolicy], rate_cards: Sequence[RateCard], *, partial: bool) -> list[PolicyError]:
     errors = []
-    ledgers: dict[tuple[str, str | None, int | None, Unit], BudgetPolicy] = {}
+    ledgers: dict[tuple[str, str | None, int | None, int | None, Unit], BudgetPolicy] = {}
     for policy in policies:
         # One ledger per scope, window and unit: two policies on it would fight over its limit.
         # The time zone is left out on purpose: `UTC` and `Etc/UTC` (or London in winter) lay
         # out the same windows, and two calendars of one kind in different zones on one scope
         # are a mistake either way.
-        identity = (policy.scope.scope_id, policy.window.calendar, policy.window.rolling_days, policy.limit.unit)
+        identity = (policy.scope.scope_id, policy.window.calendar, policy.window.rolling_days, policy.window.start_month, policy.limit.unit)
         other = ledgers.setdefault(identity, policy)
         if other is not policy:
             errors.append(

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from budgetgate.core.documents import QuotaSpec
-from budgetgate.core.policy import ANY_VALUE, BudgetPolicy, Enforcement, PolicyBundle
+from budgetgate.core.policy import ANY_VALUE, BudgetPolicy, Enforcement, Grant, PolicyBundle
 from budgetgate.core.quotas import QUOTA_FIELDS, TenantQuota
 from budgetgate.core.sources import Source
 from budgetgate.core.units import Unit, from_amount, limit_amount, smallest
@@ -68,10 +68,12 @@ class TenantOverrides:
 
 @dataclass(frozen=True, slots=True)
 class OverrideSet:
-    """Every tenant's overrides at one revision (0: none was ever made)."""
+    """Every tenant's overrides at one revision (0: none was ever made), and the budget grants
+    made up to it (core/grants.py; they share the revision sequence), by (policy id, ledger key)."""
 
     revision: int = 0
     tenants: Mapping[str, TenantOverrides] = field(default_factory=dict)
+    grants: Mapping[tuple[str, str], tuple[Grant, ...]] = field(default_factory=dict)
 
     def of(self, tenant: str) -> Mapping[str, Override]:
         found = self.tenants.get(tenant)
@@ -177,8 +179,8 @@ def _quota_values(quota: TenantQuota | None, overrides: Mapping[str, Override]) 
 
 
 def effective(bundle: PolicyBundle, overrides: OverrideSet) -> PolicyBundle:
-    """`bundle` with every override applied; it keeps the bundle's Git SHA and names the
-    override revision beside it."""
+    """`bundle` with every override applied and the grants beside it; it keeps the bundle's Git
+    SHA and names the override revision beside it."""
     quotas = {q.tenant: q for q in bundle.quotas}
     limits: dict[tuple[str, Unit], int] = {}
     for tenant, found in overrides.tenants.items():
@@ -190,7 +192,7 @@ def effective(bundle: PolicyBundle, overrides: OverrideSet) -> PolicyBundle:
             if name in found.fields and found.fields[name].policy_id is not None:
                 limits[(found.fields[name].policy_id, unit)] = found.fields[name].amount(unit)  # type: ignore[index]
     policies = tuple(replace(p, limit=replace(p.limit, amount=limits[(p.id, p.limit.unit)])) if (p.id, p.limit.unit) in limits else p for p in bundle.policies)
-    return replace(bundle, policies=policies, quotas=tuple(quotas.values()), override_revision=overrides.revision)
+    return replace(bundle, policies=policies, quotas=tuple(quotas.values()), override_revision=overrides.revision, grants=overrides.grants)
 
 
 @dataclass(frozen=True, slots=True)

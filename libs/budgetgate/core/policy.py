@@ -1,18 +1,20 @@
-"""The policy model: budgets, their scopes and limits, and rate cards."""
+"""The policy model: budgets, their scopes and limits, rate cards, and the grants made to a
+budget's window over the API (core/grants.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
+from typing import Any
 
 from budgetgate.core.accounts import AccountScope, AccountTree
 from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
 from budgetgate.core.sources import Source
-from budgetgate.core.units import Unit
-from budgetgate.core.windows import WindowSpec
+from budgetgate.core.units import Unit, display
+from budgetgate.core.windows import WindowSpec, rfc3339
 
 from budgetgate.core.scopes import ANY_VALUE, Scope
 
@@ -87,6 +89,44 @@ class RateCard:
 
 
 @dataclass(frozen=True, slots=True)
+class Grant:
+    """One grant as recorded: `amount` in ledger units (negative takes away), the window's limit
+    before and after it, who made it and why."""
+
+    revision: int
+    policy_id: str
+    scope_id: str
+    unit: Unit
+    ledger_key: str
+    window_start: datetime
+    window_end: datetime
+    amount: int
+    limit_before: int
+    limit_after: int
+    actor: str
+    reason: str
+    granted_at: datetime
+
+    def view(self) -> dict[str, Any]:
+        """The grant as JSON answers show it: amounts in the budget's unit (hours, or currency)."""
+        return {
+            "revision": self.revision,
+            "policy_id": self.policy_id,
+            "scope_id": self.scope_id,
+            "unit": str(self.unit),
+            "ledger_key": self.ledger_key,
+            "window_start": rfc3339(self.window_start),
+            "window_end": rfc3339(self.window_end),
+            "amount": display(self.unit, self.amount),
+            "limit_before": display(self.unit, self.limit_before),
+            "limit_after": display(self.unit, self.limit_after),
+            "actor": self.actor,
+            "reason": self.reason,
+            "granted_at": rfc3339(self.granted_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyBundle:
     """Every policy document of one Git revision."""
 
@@ -99,6 +139,25 @@ class PolicyBundle:
     pools: tuple[ResourcePool, ...] = ()
     override_revision: int = 0  # the tenant overrides applied on top of Git (core/overrides.py)
     accounts: AccountTree = field(default_factory=AccountTree)
+    # The grants made over the API, by (policy id, ledger key) of the window they are for
+    # (core/grants.py); each window's limit is the policy's plus its grants.
+    grants: Mapping[tuple[str, str], tuple[Grant, ...]] = field(default_factory=dict, hash=False)
+
+    def granted(self, policy_id: str, ledger_key: str) -> tuple[Grant, ...]:
+        """The grants made to `policy_id` for the window of `ledger_key`, oldest first."""
+        return self.grants.get((policy_id, ledger_key), ()) if self.grants else ()
+
+    def limit_of(self, policy: BudgetPolicy, ledger_key: str) -> int:
+        """The limit of `policy` in the window of `ledger_key`: its own plus the window's grants,
+        never below zero."""
+        found = self.granted(policy.id, ledger_key)
+        return max(0, policy.limit.amount + sum(g.amount for g in found)) if found else policy.limit.amount
+
+    def with_grants(self, policy: BudgetPolicy, ledger_key: str) -> BudgetPolicy:
+        """`policy` with its limit in the window of `ledger_key` (itself when nothing was granted)."""
+        if not self.granted(policy.id, ledger_key):
+            return policy
+        return replace(policy, limit=replace(policy.limit, amount=self.limit_of(policy, ledger_key)))
 
     def restricted_to(self, keep: Callable[[BudgetPolicy], bool]) -> PolicyBundle:
         """The same bundle with only the budget policies `keep` accepts."""

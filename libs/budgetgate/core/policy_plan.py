@@ -3,12 +3,14 @@ added, removed or changed, with before -> after; and the tenant overrides it kee
 
 from __future__ import annotations
 
+from calendar import month_name
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from budgetgate.core.overrides import Fate
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.units import Unit, from_amount
+from budgetgate.core.windows import WindowSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +41,20 @@ def limit_text(policy: BudgetPolicy) -> str:
     return f"{shown} {policy.limit.currency}" if unit is Unit.COST else f"{shown} {unit.value.replace('_', '-')}"
 
 
+def _window_text(window: WindowSpec) -> str:
+    if window.rolling_days is not None:
+        return f"rolling {window.rolling_days} days"
+    if window.start_month is not None:
+        return f"fiscal year from {month_name[window.start_month]} ({window.timezone})"
+    return f"{window.calendar} ({window.timezone})"
+
+
 def _budget(policy: BudgetPolicy) -> dict[str, str]:
     window = policy.window
     return {
         "limit": limit_text(policy),
         "scope": policy.scope.scope_id,
-        "window": f"{window.calendar} ({window.timezone})" if window.calendar else f"rolling {window.rolling_days} days",
+        "window": _window_text(window),
         "enforcement": str(policy.enforcement),
         "on_exhausted": str(policy.on_exhausted),
     }

@@ -15,8 +15,8 @@ class Role(enum.StrEnum):
     READER = "reader"
     OPERATOR = "operator"
     AUDITOR = "auditor"
-    # An accounting system's service token: it reads budgets and usage, and changes tenants'
-    # quotas and budgets.
+    # An accounting system's service token: it reads budgets and usage, changes tenants' quotas
+    # and budgets, and grants hours to budgets (or takes them away).
     ACCOUNTING = "accounting"
 
 
@@ -31,6 +31,7 @@ class Action(enum.StrEnum):
     INGEST = "post metering samples and lifecycle events"
     ADMINISTER = "administer"
     OVERRIDE = "update tenant quotas and budgets"
+    GRANT = "grant hours to budgets or take them away"
     METRICS = "read metrics"
 
 
@@ -43,6 +44,7 @@ ALLOWED: Mapping[Action, frozenset[Role]] = {
     Action.INGEST: frozenset({Role.EXPORTER}),
     Action.ADMINISTER: frozenset({Role.OPERATOR}),
     Action.OVERRIDE: frozenset({Role.OPERATOR, Role.ACCOUNTING}),
+    Action.GRANT: frozenset({Role.OPERATOR, Role.ACCOUNTING}),
     Action.METRICS: frozenset({Role.READER, Role.OPERATOR, Role.AUDITOR}),
 }
 

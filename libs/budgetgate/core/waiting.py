@@ -139,9 +139,10 @@ def judge(
     limiting: list[Limiting] = []
     for need, policy in _refusing(run, bundle):
         key = ledger_key(policy, window_at(policy.window, now))
-        reading = ledger.get(key) or Reading(policy.limit.amount, 0, 0)
+        limit = bundle.limit_of(policy, key)  # the policy's plus the window's grants
+        reading = ledger.get(key) or Reading(limit, 0, 0)
         limiting.append(
-            Limiting("budget", policy.id, need.unit, policy.limit.amount, reading.reserved + reading.consumed, need.amount,
+            Limiting("budget", policy.id, need.unit, limit, reading.reserved + reading.consumed, need.amount,
                      scope_id=policy.scope.scope_id, reserved=reading.reserved, consumed=reading.consumed)
         )  # fmt: skip
     if run.waiting_for == QUOTA:

@@ -1,4 +1,5 @@
-"""Budget windows: calendar months, weeks and days in a time zone, or rolling N days."""
+"""Budget windows: calendar months, weeks and days, or fiscal years starting in a chosen month, in a
+time zone; or rolling N days."""
 
 from __future__ import annotations
 
@@ -7,21 +8,28 @@ from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 CALENDARS = ("month", "week", "day")
+FISCAL_YEAR = "fiscal_year"  # a year from the first of `start_month`, local midnight
 
 
 @dataclass(frozen=True, slots=True)
 class WindowSpec:
-    """How a policy's window is laid out in time; exactly one of calendar or rolling_days."""
+    """How a policy's window is laid out in time; exactly one of calendar or rolling_days. A
+    fiscal year is the calendar `fiscal_year` with the month it starts in (`start_month`, 1-12)."""
 
     calendar: str | None = None
     timezone: str = "UTC"
     rolling_days: int | None = None
+    start_month: int | None = None
 
     def __post_init__(self) -> None:
         if (self.calendar is None) == (self.rolling_days is None):
             raise ValueError("a window has exactly one of calendar or rolling_days")
-        if self.calendar is not None and self.calendar not in CALENDARS:
-            raise ValueError(f"calendar must be one of {', '.join(CALENDARS)}, not {self.calendar!r}")
+        if self.calendar is not None and self.calendar not in (*CALENDARS, FISCAL_YEAR):
+            raise ValueError(f"calendar must be one of {', '.join((*CALENDARS, FISCAL_YEAR))}, not {self.calendar!r}")
+        if (self.calendar == FISCAL_YEAR) != (self.start_month is not None):
+            raise ValueError("a fiscal year, and only a fiscal year, has a start_month")
+        if self.start_month is not None and not 1 <= self.start_month <= 12:
+            raise ValueError(f"start_month must be a month, 1 to 12, not {self.start_month}")
         if self.rolling_days is not None and not 1 <= self.rolling_days <= 3660:
             raise ValueError("rolling_days must be between 1 and 3660")
         zone(self.timezone)
@@ -62,7 +70,10 @@ def window_at(spec: WindowSpec, at: datetime) -> Window:
         end = at.astimezone(UTC)
         return Window(end - timedelta(days=spec.rolling_days), end, f"rolling-{spec.rolling_days}d")
     local = at.astimezone(zone(spec.timezone))
-    start_local, end_local = _calendar_bounds(spec.calendar or "", local)
+    if spec.calendar == FISCAL_YEAR:
+        start_local, end_local = fiscal_year_bounds(spec.start_month or 1, local)
+    else:
+        start_local, end_local = _calendar_bounds(spec.calendar or "", local)
     start, end = _instant(start_local), _instant(end_local)
     return Window(start, end, f"{_iso(start)}/{_iso(end)}")
 
@@ -79,6 +90,14 @@ def _calendar_bounds(calendar: str, local: datetime) -> tuple[datetime, datetime
         start = midnight.replace(day=1)
         end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
     return start, end
+
+
+def fiscal_year_bounds(start_month: int, local: datetime) -> tuple[datetime, datetime]:
+    """The local start and end of the fiscal year starting on the first of `start_month` that
+    contains `local` (April: 1 April 2026 00:00 to 1 April 2027 00:00, local time)."""
+    year = local.year if local.month >= start_month else local.year - 1
+    start = local.replace(year=year, month=start_month, day=1, hour=0, minute=0, second=0, microsecond=0, fold=0)
+    return start, start.replace(year=year + 1)
 
 
 def _add_days(local: datetime, days: int) -> datetime:

@@ -143,6 +143,7 @@ def decision_message(
     )
     for e in decision.evaluations:
         reading = (readings or {}).get(e.ledger_key or "")
+        policy_limit, grants = plan.granted.get(e.ledger_key or "", (None, ()))
         message.evaluations.append(
             decisions_pb2.Decision.Evaluation(
                 policy_id=e.policy_id,
@@ -164,6 +165,8 @@ def decision_message(
                 missing_labels=list(e.missing_labels),
                 reserved_amount=reading.reserved if reading else None,
                 consumed_amount=reading.consumed if reading else None,
+                policy_limit_amount=policy_limit,
+                grants=[decisions_pb2.Decision.Grant(revision=g.revision, amount=g.amount, actor=g.actor, reason=g.reason) for g in grants],
             )
         )
     return message

@@ -36,7 +36,7 @@ from budgetgate.core.units import MILLI_PER_HOUR, Unit, display, hours
 from budgetgate.v1 import common_pb2, decisions_pb2, reconciliations_pb2
 
 FACET_KEY = "budget"
-SCHEMA_VERSION = "1-4-0"
+SCHEMA_VERSION = "1-5-0"
 SCHEMA_BASE = "https://budgetgate.dev/schemas/"
 SCHEMA_ID = f"{SCHEMA_BASE}facets/budget/{SCHEMA_VERSION}/BudgetRunFacet.json"
 SCHEMA_URL = f"{SCHEMA_ID}#/$defs/BudgetRunFacet"
@@ -244,6 +244,11 @@ def _evaluation(e: decisions_pb2.Decision.Evaluation, projected_gpu: int) -> Fie
         entry["missing_labels"] = list(e.missing_labels)
     if e.HasField("reserved_amount") and e.HasField("consumed_amount"):
         entry["reading"] = reading(e, shown)
+    if e.HasField("policy_limit_amount"):
+        # The window's limit was the policy's plus grants made over the API (1-5-0).
+        entry["policy_limit"] = shown(e.policy_limit_amount)
+        entry["granted"] = shown(sum(g.amount for g in e.grants))
+        entry["grants"] = [{"revision": g.revision, "amount": shown(g.amount), "actor": g.actor, "reason": g.reason} for g in e.grants]
     return entry
 
 

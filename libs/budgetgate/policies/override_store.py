@@ -25,6 +25,7 @@ from budgetgate.core.overrides import (
     updated,
 )
 from budgetgate.core.documents import did_you_mean
+from budgetgate.core.grants import by_window, from_row
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.queries import owned_by
 from budgetgate.core.policy_plan import Change, override_changes, plan
@@ -38,7 +39,7 @@ class NoActiveBundle(LookupError):
 
 
 async def load(conn: Any, revision: int | None = None) -> OverrideSet:
-    """Every tenant's overrides at `revision` (default: the latest)."""
+    """Every tenant's overrides, and the budget grants, at `revision` (default: the latest)."""
     if revision is None:
         revision = await conn.fetchval(sql("override_revision"))
     tenants = {}
@@ -46,7 +47,8 @@ async def load(conn: Any, revision: int | None = None) -> OverrideSet:
         fields = from_json(_json(row["settings"]))
         if fields:
             tenants[row["tenant"]] = TenantOverrides(row["tenant"], fields, row["revision"], row["actor"], row["changed_at"])
-    return OverrideSet(revision, tenants)
+    grants = by_window(from_row(row) for row in await conn.fetch(sql("grants_at"), revision)) if revision else {}
+    return OverrideSet(revision, tenants, grants)
 
 
 def _json(value: Any) -> Any:
@@ -107,7 +109,7 @@ async def update(
         await log_action(conn, actor=actor, action="tenant.override", subject=tenant, details=details)
         tenants = dict(current.tenants)
         tenants[tenant] = TenantOverrides(tenant, after, row["revision"], actor, row["changed_at"])
-    return bundle, OverrideSet(row["revision"], {t: o for t, o in tenants.items() if o.fields})
+    return bundle, OverrideSet(row["revision"], {t: o for t, o in tenants.items() if o.fields}, current.grants)
 
 
 async def _move_limits(conn: Any, bundle: PolicyBundle, before: Mapping[str, Override], after: Mapping[str, Override]) -> None:

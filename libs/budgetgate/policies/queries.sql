@@ -9,9 +9,12 @@ ON CONFLICT (git_sha) DO NOTHING;
 INSERT INTO policy_activations (git_sha) VALUES ($1) RETURNING seq;
 
 -- name: update_policy_limits
--- A new policy revision changes the limit of its current and future windows, never closed ones.
-UPDATE ledger_entries SET limit_amount = $2, policy_git_sha = $3, updated_at = now()
-WHERE policy_id = $1 AND unit = $4 AND (window_end IS NULL OR window_end > now());
+-- A new policy revision changes the limit of its current and future windows, never closed ones:
+-- $2 plus the grants of each window (migration 0031), never below zero.
+UPDATE ledger_entries e SET limit_amount = GREATEST(0, $2 + COALESCE(
+        (SELECT sum(g.amount) FROM budget_grants g WHERE g.policy_id = e.policy_id AND g.ledger_key = e.ledger_key), 0)),
+    policy_git_sha = $3, updated_at = now()
+WHERE e.policy_id = $1 AND e.unit = $4 AND (e.window_end IS NULL OR e.window_end > now());
 
 -- name: bundle_differs
 -- A SHA names one content: re-applying it with other documents is refused.
@@ -36,3 +39,21 @@ RETURNING revision, changed_at;
 
 -- waiting runs and HEADROOM (libs/budgetgate/ledger/waiting_runs.py, services/reconciler/headroom.py) ---
 
+-- budget grants (migration 0031, policies/grant_store.py) ---
+
+-- name: grants_at
+-- Every grant made at or before revision $1, oldest first.
+SELECT revision, policy_id, scope_id, unit, ledger_key, window_start, window_end, amount, limit_before, limit_after,
+       actor, reason, git_sha, granted_at
+FROM budget_grants WHERE revision <= $1 ORDER BY revision;
+
+-- name: insert_grant
+INSERT INTO budget_grants (policy_id, scope_id, unit, ledger_key, window_start, window_end, amount, limit_before,
+                           limit_after, actor, reason, git_sha)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+RETURNING revision, granted_at;
+
+-- name: set_window_limit
+-- The limit of one window's ledger entry, when it has one (a window no decision has touched yet
+-- gets its limit, grants included, when its entry is made).
+UPDATE ledger_entries SET limit_amount = $2, updated_at = now() WHERE ledger_key = $1 AND policy_id = $3;

@@ -1,6 +1,7 @@
 """Every budget of a bundle in its current window, in human units, from the ledger's truth in
 Postgres: `GET /v1/budgets`, the budget gauges and `budgetgate budgets`. "Committed" and
-"consumed" are the two measures of core/thresholds.py, the ones the alerts use."""
+"consumed" are the two measures of core/thresholds.py, the ones the alerts use. A window's limit
+is the policy's plus its grants (core/grants.py), shown apart and listed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from budgetgate.core.evaluation import ledger_key
+from budgetgate.core.grants import grants_view
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.thresholds import budget_state, crossed, ratio
 from budgetgate.core.units import display
@@ -28,7 +30,7 @@ async def list_budgets(conn: Any, bundle: PolicyBundle, now: datetime) -> list[d
     for policy, window, key in zip(bundle.policies, windows, keys, strict=True):
         row = rows.get(key)
         reserved, consumed, held = (row["reserved"], row["consumed"], row["held"]) if row else (0, 0, False)
-        unit, limit = policy.limit.unit, policy.limit.amount
+        unit, limit = policy.limit.unit, bundle.limit_of(policy, key)
         committed = reserved + consumed
         remaining = limit - committed
         committed_ratio, consumed_ratio = ratio(committed, limit), ratio(consumed, limit)
@@ -42,6 +44,7 @@ async def list_budgets(conn: Any, bundle: PolicyBundle, now: datetime) -> list[d
             "currency": policy.limit.currency,
             "enforcement": str(policy.enforcement),
             "limit": display(unit, limit),
+            **grants_view(bundle, policy, key),
             "reserved": display(unit, reserved),
             "consumed": display(unit, consumed),
             "remaining": display(unit, remaining),

@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.core.evaluation import ledger_key
+from budgetgate.core.grants import grants_view
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import display, hours
 from budgetgate.core.windows import rfc3339, window_at
@@ -29,8 +30,8 @@ class UserSettings(CommonSettings):
 
 
 async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, now: datetime) -> dict[str, Any] | None:
-    """Limit, reserved, consumed and remaining for every budget on `scope_id`; None if no
-    policy of the bundle has that scope."""
+    """Limit (the policy's plus the window's grants, listed), reserved, consumed and remaining
+    for every budget on `scope_id`; None if no policy of the bundle has that scope."""
     policies = [p for p in bundle.policies if p.scope.scope_id == scope_id]
     if not policies:
         return None
@@ -41,7 +42,7 @@ async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, n
     for policy in policies:
         row = rows.get(keys[policy.id])
         reserved, consumed = (row["reserved"], row["consumed"]) if row else (0, 0)
-        unit, limit = policy.limit.unit, policy.limit.amount
+        unit, limit = policy.limit.unit, bundle.limit_of(policy, keys[policy.id])
         remaining = limit - reserved - consumed
         budgets.append(
             {
@@ -53,6 +54,7 @@ async def scope_usage(pool: asyncpg.Pool, bundle: PolicyBundle, scope_id: str, n
                 "window_start": rfc3339(windows[policy.id].start),
                 "window_end": rfc3339(windows[policy.id].end),
                 "limit": display(unit, limit),
+                **grants_view(bundle, policy, keys[policy.id]),
                 "reserved": display(unit, reserved),
                 "consumed": display(unit, consumed),
                 "remaining": display(unit, remaining),

@@ -31,7 +31,7 @@ class Decision(_message.Message):
         detail: str
         def __init__(self, policy_id: _Optional[str] = ..., source: _Optional[str] = ..., remaining_amount: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
     class Evaluation(_message.Message):
-        __slots__ = ("policy_id", "policy_git_sha", "scope_id", "ledger_key", "window_start", "window_end", "unit", "enforcement", "on_exhausted", "limit_amount", "projected_amount", "remaining_amount", "admitted_amount", "deficit_amount", "outcome", "next_eligible_time", "missing_labels", "reserved_amount", "consumed_amount")
+        __slots__ = ("policy_id", "policy_git_sha", "scope_id", "ledger_key", "window_start", "window_end", "unit", "enforcement", "on_exhausted", "limit_amount", "projected_amount", "remaining_amount", "admitted_amount", "deficit_amount", "outcome", "next_eligible_time", "missing_labels", "reserved_amount", "consumed_amount", "policy_limit_amount", "grants")
         POLICY_ID_FIELD_NUMBER: _ClassVar[int]
         POLICY_GIT_SHA_FIELD_NUMBER: _ClassVar[int]
         SCOPE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class Decision(_message.Message):
         MISSING_LABELS_FIELD_NUMBER: _ClassVar[int]
         RESERVED_AMOUNT_FIELD_NUMBER: _ClassVar[int]
         CONSUMED_AMOUNT_FIELD_NUMBER: _ClassVar[int]
+        POLICY_LIMIT_AMOUNT_FIELD_NUMBER: _ClassVar[int]
+        GRANTS_FIELD_NUMBER: _ClassVar[int]
         policy_id: str
         policy_git_sha: str
         scope_id: str
@@ -70,7 +72,20 @@ class Decision(_message.Message):
         missing_labels: _containers.RepeatedScalarFieldContainer[str]
         reserved_amount: int
         consumed_amount: int
-        def __init__(self, policy_id: _Optional[str] = ..., policy_git_sha: _Optional[str] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., window_start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unit: _Optional[str] = ..., enforcement: _Optional[str] = ..., on_exhausted: _Optional[str] = ..., limit_amount: _Optional[int] = ..., projected_amount: _Optional[int] = ..., remaining_amount: _Optional[int] = ..., admitted_amount: _Optional[int] = ..., deficit_amount: _Optional[int] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., next_eligible_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., missing_labels: _Optional[_Iterable[str]] = ..., reserved_amount: _Optional[int] = ..., consumed_amount: _Optional[int] = ...) -> None: ...
+        policy_limit_amount: int
+        grants: _containers.RepeatedCompositeFieldContainer[Decision.Grant]
+        def __init__(self, policy_id: _Optional[str] = ..., policy_git_sha: _Optional[str] = ..., scope_id: _Optional[str] = ..., ledger_key: _Optional[str] = ..., window_start: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_end: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unit: _Optional[str] = ..., enforcement: _Optional[str] = ..., on_exhausted: _Optional[str] = ..., limit_amount: _Optional[int] = ..., projected_amount: _Optional[int] = ..., remaining_amount: _Optional[int] = ..., admitted_amount: _Optional[int] = ..., deficit_amount: _Optional[int] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., next_eligible_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., missing_labels: _Optional[_Iterable[str]] = ..., reserved_amount: _Optional[int] = ..., consumed_amount: _Optional[int] = ..., policy_limit_amount: _Optional[int] = ..., grants: _Optional[_Iterable[_Union[Decision.Grant, _Mapping]]] = ...) -> None: ...
+    class Grant(_message.Message):
+        __slots__ = ("revision", "amount", "actor", "reason")
+        REVISION_FIELD_NUMBER: _ClassVar[int]
+        AMOUNT_FIELD_NUMBER: _ClassVar[int]
+        ACTOR_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        revision: int
+        amount: int
+        actor: str
+        reason: str
+        def __init__(self, revision: _Optional[int] = ..., amount: _Optional[int] = ..., actor: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]

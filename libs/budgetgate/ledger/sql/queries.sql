@@ -163,7 +163,9 @@ UPDATE pool_allocations SET lease_expires_at = $3 WHERE namespace = $1 AND token
 -- tenant overrides (budgetgate/policies/override_store.py) ---------------------------------------------
 
 -- name: override_revision
-SELECT COALESCE(max(revision), 0)::bigint FROM tenant_overrides;
+-- Overrides and grants share one revision sequence (migration 0031): the highest of either.
+SELECT GREATEST(COALESCE((SELECT max(revision) FROM tenant_overrides), 0),
+                COALESCE((SELECT max(revision) FROM budget_grants), 0))::bigint;
 
 -- name: waiting_decision
 -- A decision as a waiting run needs it: who it was for, what it asked, and its evaluations as

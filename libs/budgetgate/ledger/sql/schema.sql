@@ -160,7 +160,8 @@ CREATE TABLE inbox (
 -- reservations to ledger_entries (every reservation insert took a KEY SHARE lock on its ledger
 -- row, which on a hot budget makes every concurrent decision share one row lock).
 
--- 0009_group_commit: decisions begun a batch at a time (0015: and the override revision).
+-- 0009_group_commit: decisions begun a batch at a time (0015: and the override revision; 0031:
+-- the highest of override and grant revisions).
 -- Takes the ledger lock (shared) and the lock of every run of a batch (in one order, so two
 -- batches never wait on each other in a cycle), then reads: first a row with only the highest
 -- ledger sequence Postgres committed, then the latest decision of each run that has one.
@@ -180,7 +181,8 @@ BEGIN
     RETURN QUERY
         SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
                budgetgate_committed_ledger_seq(),
-               COALESCE((SELECT max(o.revision) FROM tenant_overrides o), 0)::bigint;
+               GREATEST(COALESCE((SELECT max(o.revision) FROM tenant_overrides o), 0),
+                        COALESCE((SELECT max(g.revision) FROM budget_grants g), 0))::bigint;
     RETURN QUERY
         SELECT d.run_id, d.decision_id, d.attempt, d.outcome, d.request, d.response, NULL::bigint, NULL::bigint
         FROM (SELECT DISTINCT r FROM unnest(p_run_ids) AS r) AS ids(id)
@@ -985,3 +987,24 @@ CREATE TABLE provisional_holds (
     held_since  timestamptz NOT NULL
 );
 CREATE INDEX provisional_holds_held_since ON provisional_holds (held_since);
+
+-- 0031_budget_grants: hours (or money) granted to, or taken from, one budget in one window over
+-- the API, on top of the Git limit; the revision comes from the tenant override sequence, so one
+-- number pins the overrides and grants a decision was made under (core/grants.py).
+CREATE TABLE budget_grants (
+    revision     bigint PRIMARY KEY DEFAULT nextval('tenant_overrides_revision_seq'),
+    policy_id    text NOT NULL,
+    scope_id     text NOT NULL,
+    unit         text NOT NULL CHECK (unit IN ('gpu_hours', 'node_hours', 'wall_hours', 'cost')),
+    ledger_key   text NOT NULL,
+    window_start timestamptz NOT NULL,
+    window_end   timestamptz NOT NULL,
+    amount       bigint NOT NULL CHECK (amount <> 0),   -- in the ledger's units; negative takes away
+    limit_before bigint NOT NULL,                        -- the window's limit before and after it
+    limit_after  bigint NOT NULL CHECK (limit_after >= 0),
+    actor        text NOT NULL,
+    reason       text NOT NULL CHECK (reason <> ''),
+    git_sha      text NOT NULL,                          -- the active bundle when it was made
+    granted_at   timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX budget_grants_window ON budget_grants (policy_id, ledger_key, revision);
