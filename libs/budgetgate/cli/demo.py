@@ -151,6 +151,7 @@ async def _run(settings: dict[str, Any], loaded: LoadedPolicies, *, tokens: dict
         _print_decisions(rows)
         scopes = sorted({e["scope_id"] for _, answer in rows for e in answer["evaluations"]})
         _print_budgets(await _usage(reader, scopes))
+        rows.append(await _grant_and_resubmit(settings, tokens, client))
         allowed = [(w, answer) for w, answer in rows if answer["decision"] == "ALLOW" and not answer["replayed"]]
         finished = await _lifecycles(settings, allowed)
         settled = await _wait_settled(reader, scopes)
@@ -212,6 +213,33 @@ async def _wait_settled(client: AsyncClient, scopes: list[str], timeout: float =
         if all(b["reserved"] == 0 for scope in usage for b in scope.get("budgets", [])) or asyncio.get_running_loop().time() > deadline:
             return usage
         await asyncio.sleep(0.5)
+
+
+# Finance grants the research budget 40 GPU-hours for this week: a third experiment as large as
+# the one it had to wait (48 GPU-hours on 88 of 120 used) is then admitted.
+GRANTED = ("gpu-budget/team-vision-research", 40, "finance approved extra hours for the paper deadline (FIN-1234)")
+REGRANTED = Workload("research experiment 3, after the grant", "vision/research-3", "vision-research", {"team": "vision", "environment": "dev"}, 4, 12.0)
+
+
+async def _grant_and_resubmit(settings: dict[str, Any], tokens: dict[str, str], client: AsyncClient) -> tuple[Workload, dict[str, Any]]:
+    policy_id, amount, reason = GRANTED
+    async with AsyncClient(settings["admission_url"], token=tokens["accounting"]) as accounting:
+        grant = await accounting.grant_budget(policy_id, {"amount": amount, "reason": reason})
+    click.echo(f"\nA grant (budgetgate grant add {policy_id} {amount} --reason …), by the accounting role\n")
+    click.echo(f"- {policy_id}: limit {grant.limit_before:g} -> {grant.limit_after:g} GPU-hours this window: {grant.reason}")
+    w = REGRANTED
+    body = {
+        "run_id": f"demo/{w.run}",
+        "attempt": w.attempt,
+        "namespace": w.namespace,
+        "labels": w.labels,
+        "resources": {"gpus": w.gpus, "nodes": 1, "flavor": w.flavor},
+        "projected_runtime_hours": w.hours,
+        "job": {"namespace": w.namespace, "name": w.run.split("/")[-1]},
+    }
+    answer = (await client.submit(body)).model_dump(mode="json")
+    click.echo(f"- {w.what} ({w.gpus}x{w.flavor} {w.hours:g}h): {answer['decision']}")
+    return w, answer
 
 
 def _this_month() -> tuple[str, str]:
