@@ -44,6 +44,12 @@ async def test_demo_runs_on_its_own_stack_and_prints_the_same_every_time(tmp_pat
     assert second.returncode == 0, second.stderr
     assert first.stdout == second.stdout
     assert "research experiment 2, resubmitted smaller" in first.stdout
+    # The runs' samples are charged (metering-ingest's usage bound covers the demo's compressed
+    # hours), so every reservation became actuals and the chargeback holds them.
+    assert "reservations are still held" not in first.stdout
+    assert "limit 120 -> 160 GPU-hours this window" in first.stdout and "research experiment 3, after the grant (4xh100 12h): ALLOW" in first.stdout
+    [total] = [line.split() for line in first.stdout.splitlines() if line.startswith("total (each run once)")]
+    assert float(total[4]) > 0 and float(total[-1]) == 0, total  # metered GPU-hours, nothing left reserved
     assert await active_sha(pg_dsn) == "m" * 40
 
 

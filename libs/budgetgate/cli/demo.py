@@ -26,6 +26,7 @@ from budgetgate.runtime.settings import DEV_STATE_FILE
 # The example policy repository, shipped in the package (a checkout's examples/policies links
 # here), so `budgetgate demo` works from an installed wheel too.
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "policies"
+DEMO_USAGE_SLACK_SECONDS = 2 * 86400
 VISION = {"cost-center": "1042", "team": "vision", "environment": "prod"}
 NLP = {"team": "nlp", "environment": "dev"}
 
@@ -76,6 +77,10 @@ def demo(keep: bool, policies: Path | None) -> None:
     root = Path(tempfile.mkdtemp(prefix="budgetgate-demo-"))
     click.echo(f"starting a stack of the demo's own in {root} …", err=True)
     os.environ["BUDGETGATE_HOME"] = str(root)  # every connection below names the demo's stack
+    # The demo tells hours of running in seconds: its runs report usage from before they were
+    # decided, which metering-ingest refuses as impossible unless its usage slack covers them
+    # (the longest run, 20 h at 1.25 times its projection). Only the demo's own stack gets it.
+    os.environ.setdefault("BUDGETGATE_METERING_USAGE_SLACK_SECONDS", str(DEMO_USAGE_SLACK_SECONDS))
     try:
         _dev(root, "up", "--detach")
         stack = json.loads((root / DEV_STATE_FILE).read_text())
