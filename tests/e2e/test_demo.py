@@ -54,7 +54,8 @@ async def test_demo_runs_on_its_own_stack_and_prints_the_same_every_time(tmp_pat
 
 
 def test_reasons_print_run_relative_instants_as_distances_and_window_starts_as_they_are() -> None:
-    reason = "room at 2026-11-29T07:00:00Z; window resets 2026-11-30T00:00:00Z"
+    reason = "room at 2026-11-29T07:00:12Z; window resets 2026-11-30T00:00:00Z, in Berlin 2026-11-29T23:00:00Z"
     # A window's start stays an instant: as a distance it would change with the minute the demo runs in.
-    assert _relative_times(reason, "2026-11-29T06:46:30Z") == "room at decision time + 0h14m; window resets 2026-11-30T00:00:00Z"
-    assert _relative_times(reason, "2026-11-29T06:47:10Z") == "room at decision time + 0h13m; window resets 2026-11-30T00:00:00Z"
+    tail = "; window resets 2026-11-30T00:00:00Z, in Berlin 2026-11-29T23:00:00Z"
+    assert _relative_times(reason, "2026-11-29T06:46:30Z") == "room at decision time + 0h14m" + tail
+    assert _relative_times(reason, "2026-11-29T06:47:10Z") == "room at decision time + 0h13m" + tail

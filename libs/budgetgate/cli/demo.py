@@ -321,14 +321,16 @@ _INSTANT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?Z")
 
 def _relative_times(text: str, decided_at: str) -> str:
     """Instants within a day of the decision as a distance from it ("decision time + 1h00m"), so
-    the demo prints the same on every run; a window's start (midnight UTC) and later instants are
-    stable as they are, and as a distance would change with the minute the demo runs in."""
+    the demo prints the same on every run; a window's start (a local midnight: on a quarter hour
+    to the second in UTC, whatever the zone) and later instants are stable as they are, and as a
+    distance would change with the minute the demo runs in."""
     start = datetime.fromisoformat(decided_at)
 
     def relative(match: re.Match[str]) -> str:
         instant = datetime.fromisoformat(match.group())
         seconds = (instant - start).total_seconds()
-        if not 0 <= seconds < 86400 or (instant.hour, instant.minute, instant.second, instant.microsecond) == (0, 0, 0, 0):
+        boundary = instant.minute % 15 == 0 and instant.second == 0 and instant.microsecond == 0
+        if not 0 <= seconds < 86400 or boundary:
             return match.group()
         minutes = round(seconds / 60)
         return f"decision time + {minutes // 60}h{minutes % 60:02d}m"
