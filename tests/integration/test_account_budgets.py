@@ -6,46 +6,12 @@ from __future__ import annotations
 
 import asyncpg
 
+from tests.support.accounts import account_budget, account_tree
 from tests.support.admission import apply_policies, held_in_postgres, reserved_in_redis
 
 GPU_HOUR = 3_600_000  # the ledger's unit: milli-GPU-seconds
 
-TREE = """
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: acme}
-spec: {level: organisation}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: research}
-spec: {level: department, parent: acme}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: vision}
-spec: {level: team, parent: research, scope: {namespace: vision, labels: {team: vision}}}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: alice}
-spec: {level: user, parent: vision, scope: {labels: {user: alice}}}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: nlp}
-spec: {level: team, parent: research, scope: {namespace: nlp}}
----
-apiVersion: budgetgate/v1
-kind: BudgetPolicy
-metadata: {id: research-month}
-spec: {account: research, window: {calendar: month}, limit: {gpu_hours: 12}}
----
-apiVersion: budgetgate/v1
-kind: BudgetPolicy
-metadata: {id: alice-month}
-spec: {account: alice, window: {calendar: month}, limit: {gpu_hours: 10}}
-"""
+TREE = account_tree() + account_budget("research-month", "research", 12) + account_budget("alice-month", "alice", 10)
 
 
 def run(run_id: str, namespace: str, gpus: int, **labels: str) -> dict[str, object]:

@@ -21,6 +21,7 @@ from budgetgate.cli.main import cli
 from budgetgate.core.principals import Role
 from budgetgate.core.units import MICROS_PER_UNIT, MILLI_PER_HOUR
 from budgetgate.reports.chargeback import AMOUNTS, GROUP_KEYS, PERIODS
+from tests.support.accounts import account_tree
 from tests.support.admission import apply_policies
 from tests.support.principals import bearer, issue
 
@@ -39,31 +40,7 @@ spec:
 NOVEMBER = ("2026-11-01", "2026-12-01")
 # The account tree over the runs below: alice's runs in vision-prod are hers, the rest of
 # vision-prod the team's; nlp-prod is nlp's (alice's run there included).
-ACCOUNTS = """apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: acme}
-spec: {level: organisation}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: research}
-spec: {level: department, parent: acme}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: vision}
-spec: {level: team, parent: research, scope: {namespace: vision-prod, labels: {team: vision}}}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: alice}
-spec: {level: user, parent: vision, scope: {labels: {user: alice}}}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: nlp}
-spec: {level: team, parent: research, scope: {namespace: nlp-prod}}
-"""
+ACCOUNTS = account_tree(vision="vision-prod", nlp="nlp-prod")
 
 
 def at(text: str) -> datetime:

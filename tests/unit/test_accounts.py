@@ -8,43 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from budgetgate.core.loader import PolicyValidationError, build_bundle, parse_text
+from tests.support.accounts import account_budget, account_tree
 
-TREE = """
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: acme}
-spec: {level: organisation}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: research}
-spec: {level: department, parent: acme}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: vision}
-spec: {level: team, parent: research, scope: {namespace: vision, labels: {team: vision}}}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: alice}
-spec: {level: user, parent: vision, scope: {labels: {user: alice}}}
----
-apiVersion: budgetgate/v1
-kind: Account
-metadata: {id: nlp}
-spec: {level: team, parent: research, scope: {namespace: nlp}}
-"""
-
-
-def budget(policy_id: str, account: str, gpu_hours: float, window: str = "{calendar: month}") -> str:
-    return f"""
----
-apiVersion: budgetgate/v1
-kind: BudgetPolicy
-metadata: {{id: {policy_id}}}
-spec: {{account: {account}, window: {window}, limit: {{gpu_hours: {gpu_hours}}}}}
-"""
+TREE = account_tree()
 
 
 def account(account_id: str, spec: str) -> str:
@@ -62,7 +28,7 @@ def problems(text: str) -> list[str]:
 
 
 def test_a_users_scope_is_laid_over_its_teams_and_a_department_covers_its_teams() -> None:
-    b = bundle(TREE + budget("research-month", "research", 100) + budget("alice-month", "alice", 10))
+    b = bundle(TREE + account_budget("research-month", "research", 100) + account_budget("alice-month", "alice", 10))
     tree = b.accounts
     assert tree.accounts["alice"].scope.scope_id == "ns=vision;team=vision;user=alice"
     assert tree.ancestors("alice") == ["vision", "research", "acme"]
@@ -128,8 +94,11 @@ spec: {scope: {namespace: vision}, window: {calendar: month}, limit: {gpu_hours:
             account("stray", "{level: user, parent: vision, scope: {namespace: nlp, labels: {user: s}}}"),
             "account 'stray' names namespace(s) nlp outside its parent's (vision)",
         ),
-        (budget("lost", "nobody", 5), "policy 'lost' is attached to account 'nobody', which no Account document defines"),
-        (budget("dept", "research", 10) + budget("team", "vision", 20), "policy 'team' gives account 'vision' 20 gpu_hours, more than 10 gpu_hours"),
+        (account_budget("lost", "nobody", 5), "policy 'lost' is attached to account 'nobody', which no Account document defines"),
+        (
+            account_budget("dept", "research", 10) + account_budget("team", "vision", 20),
+            "policy 'team' gives account 'vision' 20 gpu_hours, more than 10 gpu_hours",
+        ),
     ],
 )
 def test_validation_refuses(extra: str, expected: str) -> None:
@@ -139,10 +108,10 @@ def test_validation_refuses(extra: str, expected: str) -> None:
 
 def test_a_parent_that_declares_overcommit_lets_a_child_have_more() -> None:
     text = TREE.replace("spec: {level: department, parent: acme}", "spec: {level: department, parent: acme, overcommit: true}")
-    b = bundle(text + budget("dept", "research", 10) + budget("team", "vision", 20))
+    b = bundle(text + account_budget("dept", "research", 10) + account_budget("team", "vision", 20))
     assert {p.id for p in b.policies} == {"dept", "team"}
     # Another unit or window is another ledger: no comparison.
-    assert bundle(TREE + budget("dept", "research", 10) + budget("team", "vision", 20, "{rolling_days: 7}"))
+    assert bundle(TREE + account_budget("dept", "research", 10) + account_budget("team", "vision", 20, "{rolling_days: 7}"))
 
 
 def test_a_budget_covers_a_scope_or_an_account_not_both_nor_neither() -> None:
@@ -169,10 +138,10 @@ RUNS = st.tuples(
 def test_a_run_charged_to_an_account_is_charged_to_every_budgeted_ancestor(run: tuple[str, dict[str, str]]) -> None:
     b = bundle(
         TREE
-        + budget("org", "acme", 1000)
-        + budget("research-month", "research", 100)
-        + budget("vision-month", "vision", 50)
-        + budget("alice-month", "alice", 10)
+        + account_budget("org", "acme", 1000)
+        + account_budget("research-month", "research", 100)
+        + account_budget("vision-month", "vision", 50)
+        + account_budget("alice-month", "alice", 10)
     )
     tree = b.accounts
     by_account = {p.scope.scope_id.removeprefix("account="): p for p in b.policies}
