@@ -53,8 +53,9 @@ def exhausted_at(consumed: int, limit: int, *, start: datetime, end: datetime, n
     elapsed = _micros(min(now, end) - start)
     if consumed <= 0 or elapsed <= 0:
         return None
-    at = start + timedelta(microseconds=-(-limit * elapsed // consumed))  # rounded up: never earlier than the pace says
-    return at if at < end else None
+    offset = -(-limit * elapsed // consumed)  # rounded up: never earlier than the pace says
+    # Compared before it becomes an instant: a slow pace can lie past any date Python holds.
+    return start + timedelta(microseconds=offset) if offset < _micros(end - start) else None
 
 
 def cumulative(days: Sequence[tuple[datetime, int]]) -> list[tuple[datetime, int]]:
