@@ -170,13 +170,15 @@ def chart(burn: BurnDown, unit_name: str) -> Chart:
     else:
         for day, total in burn.daily:
             points.append((x(min(day + timedelta(days=1), now)), y(total)))  # by the end of each day
+        points.append((x(now), y(burn.daily[-1][1] if burn.daily else 0)))  # and flat since the last metered day
     used = " ".join(f"{px},{py}" for px, py in points)
     exhausted = figures["exhausted_at"]
+    shown = {name: number(value, burn.unit) for name, value in figures.items() if isinstance(value, float)}
     text = (
-        f"Used {figures['consumed']:,} of {figures['limit']:,} {unit_name} "
+        f"Used {shown['consumed']} of {shown['limit']} {unit_name} "
         f"({round(100 * burn.consumed / burn.limit, 1) if burn.limit else 0}%) between {rfc3339(burn.start)[:10]} and {rfc3339(now)[:16]}Z, "
-        f"with {figures['reserved']:,} more reserved. At this pace it reaches {figures['projected']:,} by the window's end "
-        f"({rfc3339(burn.end)[:10]}), {figures['projected_with_reserved']:,} with what is reserved"
+        f"with {shown['reserved']} more reserved. At this pace it reaches {shown['projected']} by the window's end "
+        f"({rfc3339(burn.end)[:10]}), {shown['projected_with_reserved']} with what is reserved"
         + (f"; the limit is reached around {exhausted[:16]}Z." if exhausted else "; the limit is not reached.")
     )
     return Chart(
@@ -193,6 +195,11 @@ def chart(burn: BurnDown, unit_name: str) -> Chart:
         end_label=rfc3339(burn.end)[:10],
         text=text,
     )
+
+
+def number(value: float, unit: Unit) -> str:
+    """A figure as the page writes it: money to the cent, hours to the thousandth."""
+    return f"{value:,.2f}" if unit is Unit.COST else f"{value:,.3f}"
 
 
 UNIT_NAMES = {Unit.GPU_HOURS: "GPU-hours", Unit.NODE_HOURS: "node-hours", Unit.WALL_HOURS: "wall-hours", Unit.COST: ""}

@@ -100,7 +100,7 @@ async def test_the_page_shows_the_known_ledger(ui, pg_dsn) -> None:
         for policy, (consumed, limit, reserved) in BUDGETS.items():
             shown = tuple(figure(page.text, policy, name) for name in ("consumed", "limit", "reserved"))
             assert shown == (consumed, limit, reserved), policy
-            assert f"Used {consumed:,} of {limit:,} GPU-hours" in page.text
+            assert f"Used {consumed:,.3f} of {limit:,.3f} GPU-hours" in page.text
         for account, figures in ACCOUNTS.items():
             gpu, cost, reserved = figures
             assert account_row(page.text, account)[:3] == [gpu, cost, reserved], account

@@ -206,6 +206,7 @@ async def dashboard(request: Request, month: str | None = None, tenant: str | No
             "unit": unit_name,
             "window_key": reading.window.key,
             "figures": burn.figures(),
+            "shown": {name: pages.number(value, policy.limit.unit) for name, value in burn.figures().items() if isinstance(value, float)},
             "held": reading.held,
             "chart": pages.chart(burn, unit_name),
         })  # fmt: skip
