@@ -31,6 +31,7 @@ FLAGS = (
     "--window-size=1280,1024",
 )
 
+pytest.importorskip("selenium", reason="selenium is missing: install the dev extra (`pip install -e '.[dev]'`) to run the browser test")
 pytestmark = pytest.mark.skipif(
     not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
     reason=f"{CHROMIUM} or {CHROMEDRIVER} is missing: `apt-get install chromium chromium-driver` to run the browser test",
