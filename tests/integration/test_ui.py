@@ -14,8 +14,9 @@ import pytest
 
 from budgetgate.core.principals import Role
 from budgetgate.reports.chargeback import AMOUNTS
+from tests.integration.test_oidc import AUDIENCE, ISSUER, Issuer
 from tests.support.known_ledger import ACCOUNTS, BUDGETS, EVIL, write_known_ledger
-from tests.support.principals import bearer, issue
+from tests.support.principals import bearer, issue, ledger_state
 
 TOKEN_COOKIE = "budgetgate_ui_token"
 
@@ -167,8 +168,9 @@ async def test_sign_out_forgets_the_token(ui, pg_dsn) -> None:
         assert "You are signed out." in (await client.get(out.headers["location"])).text
 
 
-async def test_forms_without_their_csrf_token_change_nothing(ui, pg_dsn) -> None:
+async def test_forms_without_their_csrf_token_change_nothing(ui, pg_dsn, settings) -> None:
     reader = await issue(pg_dsn, Role.READER)
+    before = await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix)
     async with browser(ui) as client:
         await sign_in(client, reader)
         csrf = csrf_of((await client.get("/ui")).text)
@@ -181,6 +183,27 @@ async def test_forms_without_their_csrf_token_change_nothing(ui, pg_dsn) -> None
         assert answer.status_code == 403 and TOKEN_COOKIE not in answer.headers.get("set-cookie", "")
         json_body = await fresh.post("/ui/sign-in", json={"token": reader})
         assert json_body.status_code == 400 and "application/x-www-form-urlencoded" in json_body.text
+    assert await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix) == before
+
+
+async def test_an_oidc_token_signs_in_as_it_calls_the_api(admission_factory, pg_dsn) -> None:
+    await write_known_ledger(pg_dsn)
+    issuer = Issuer()
+    try:
+        server = await admission_factory(oidc_issuer=ISSUER, oidc_audience=AUDIENCE, oidc_jwks_url=issuer.jwks_url)
+        await server.wait_ready()
+        async with browser(server) as client:
+            await sign_in(client, issuer.token(budgetgate_roles=["reader"], budgetgate_tenants=["nlp"]))
+            page = (await client.get("/ui")).text
+            assert figure(page, "gpu/nlp", "consumed") == BUDGETS["gpu/nlp"][0] and 'id="budget-gpu/vision"' not in page
+            assert "Signed in as <strong>jwt:system:serviceaccount:flyte:flyte-admin</strong> (limited to tenants nlp)" in page
+            assert (await client.get("/ui/decisions/ui/vision-1")).status_code == 403
+        async with browser(server) as client:
+            csrf = csrf_of((await client.get("/ui/sign-in")).text)
+            expired = issuer.token(budgetgate_roles=["reader"], exp=0)
+            assert (await client.post("/ui/sign-in", data={"csrf": csrf, "token": expired})).status_code == 401
+    finally:
+        issuer.pages.close()
 
 
 async def test_a_label_made_of_html_is_shown_as_text(ui, pg_dsn) -> None:
