@@ -105,6 +105,8 @@ async def test_the_page_shows_the_known_ledger(ui, pg_dsn) -> None:
         for account, figures in ACCOUNTS.items():
             gpu, cost, reserved = figures
             assert account_row(page.text, account)[:3] == [gpu, cost, reserved], account
+        research = page.text.split('data-account="research"', 1)[1].split("</tr>", 1)[0]
+        assert '<a href="#budget-gpu/research">gpu/research</a>' in research  # the budget attached to it
         assert page.text.count('href="/ui/decisions/') == 3
         detail = await client.get("/ui/decisions/ui%2Fvision-1")
         assert detail.status_code == 200 and "Decision of run ui/vision-1" in detail.text and 'id="explanation"' in detail.text, detail.text
@@ -119,6 +121,7 @@ async def test_a_limited_reader_sees_only_its_own(ui, pg_dsn) -> None:
         await sign_in(client, nlp)
         page = (await client.get("/ui")).text
         assert 'id="budget-gpu/nlp"' in page and 'id="budget-gpu/vision"' not in page
+        assert 'id="budget-gpu/research"' not in page  # a budget over two tenants' runs, as GET /v1/budgets
         assert 'data-account="nlp"' in page and 'data-account="vision"' not in page
         assert account_row(page, "research")[:3] == list(ACCOUNTS["nlp"])  # its rows only, rolled up
         assert "ui/vision-1" not in page and "ui/nlp-1" in page

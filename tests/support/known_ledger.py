@@ -1,5 +1,5 @@
 """A small known ledger in this month for the page for tenants and finance: an account tree
-(acme > research > vision, nlp), two budgets, two metered runs and one with a label made to break
+(acme > research > vision, nlp), two scope budgets and one attached to research, two metered runs and one with a label made to break
 HTML, written as admission, metering-ingest and the reconciler would have left them, plus the
 figures the page must show for it."""
 
@@ -51,16 +51,18 @@ spec: {level: team, parent: research, scope: {namespace: nlp-prod, labels: {team
 """,
     "budgets.yaml": budget_yaml("gpu/vision", limit="gpu_hours: 100")
     + "---\n"
-    + budget_yaml("gpu/nlp", namespace="nlp-prod", labels="{team: nlp}", limit="gpu_hours: 50"),
+    + budget_yaml("gpu/nlp", namespace="nlp-prod", labels="{team: nlp}", limit="gpu_hours: 50")
+    + "---\napiVersion: budgetgate/v1\nkind: BudgetPolicy\nmetadata: {id: gpu/research}\n"
+    + "spec: {account: research, window: {calendar: month}, limit: {gpu_hours: 500}}\n",
 }
-# run: namespace, team, flavor, budget reserved on, projected GPU-hours, held, metered GPU-hours (observed an hour after the month's start and on)
+# run: namespace, team, flavor, budgets reserved on, projected GPU-hours, held, metered GPU-hours (observed an hour after the month's start and on)
 RUNS = {
-    "ui/vision-1": ("vision-prod", "vision", "h100", "gpu/vision", 10, False, 6),
-    "ui/nlp-1": ("nlp-prod", "nlp", "a100", "gpu/nlp", 20, True, 4),
-    "ui/evil-1": ("lab", EVIL, "h100", None, 1, False, 0),
+    "ui/vision-1": ("vision-prod", "vision", "h100", ("gpu/vision", "gpu/research"), 10, False, 6),
+    "ui/nlp-1": ("nlp-prod", "nlp", "a100", ("gpu/nlp", "gpu/research"), 20, True, 4),
+    "ui/evil-1": ("lab", EVIL, "h100", (), 1, False, 0),
 }
 # What the page must show: each budget's consumed / limit / reserved (GPU-hours), and each account's roll-up (GPU-hours, USD, reserved GPU-hours).
-BUDGETS = {"gpu/vision": (6.0, 100.0, 0.0), "gpu/nlp": (4.0, 50.0, 20.0)}
+BUDGETS = {"gpu/vision": (6.0, 100.0, 0.0), "gpu/nlp": (4.0, 50.0, 20.0), "gpu/research": (10.0, 500.0, 20.0)}
 ACCOUNTS = {"acme": (10.0, 19.0, 16.0), "research": (10.0, 19.0, 16.0), "vision": (6.0, 15.0, 0.0), "nlp": (4.0, 4.0, 16.0)}
 
 
@@ -76,8 +78,8 @@ async def write_known_ledger(dsn: str) -> None:
     start, now = month_start(), datetime.now(UTC)
     keys = {p.id: ledger_key(p, window_at(p.window, now)) for p in bundle.policies}
     consumed = {p: 0 for p in keys}
-    for _run, (_ns, _team, _flavor, budget, _projected, _held, metered) in RUNS.items():
-        if budget is not None:
+    for _run, (_ns, _team, _flavor, budgets, _projected, _held, metered) in RUNS.items():
+        for budget in budgets:
             consumed[budget] += metered * H
     conn = await asyncpg.connect(dsn)
     try:
@@ -88,7 +90,7 @@ async def write_known_ledger(dsn: str) -> None:
                 "limit_amount, consumed) VALUES ($1, $2, 'gpu_hours', $3, $4, $5, $6, $7, $8, $9)",
                 keys[policy.id], policy.scope.scope_id, window.key, window.start, window.end, policy.id, SHA, policy.limit.amount, consumed[policy.id],
             )  # fmt: skip
-        for n, (run_id, (namespace, team, flavor, budget, projected, held, metered)) in enumerate(RUNS.items()):
+        for n, (run_id, (namespace, team, flavor, budgets, projected, held, metered)) in enumerate(RUNS.items()):
             decision_id, decided = uuid.uuid4(), start + timedelta(minutes=10 + n)
             labels = {"team": team, "user": "alice"}
             request = {"run_id": run_id, "attempt": 1, "namespace": namespace, "labels": labels}
@@ -99,7 +101,7 @@ async def write_known_ledger(dsn: str) -> None:
                 decision_id, run_id, response["reason"], namespace, json.dumps(labels), projected * H, json.dumps(request), json.dumps(response),
                 decided, flavor, SHA,
             )  # fmt: skip
-            if budget is not None:
+            for budget in budgets:
                 await conn.execute(
                     "INSERT INTO reservations (run_id, ledger_key, decision_id, amount, state, expected_end) VALUES ($1, $2, $3, $4, $5, $6)",
                     run_id, keys[budget], decision_id, projected * H, "held" if held else "reconciled", decided + timedelta(hours=projected),
