@@ -152,7 +152,9 @@ def chart(burn: BurnDown, unit_name: str) -> Chart:
     """The burn-down's geometry and its text alternative."""
     figures = burn.figures()
     scale = burn.unit.scale
-    top = max(burn.limit, burn.projected + burn.reserved, burn.consumed + burn.reserved, 1) * 1.05
+    # The daily curve is the usage records' and need not end at the ledger's figure: room for both.
+    highest = max((total for _, total in burn.daily or ()), default=0)
+    top = max(burn.limit, burn.projected + burn.reserved, burn.consumed + burn.reserved, highest, 1) * 1.05
     length = (burn.end - burn.start).total_seconds()
     left, right, ceiling, floor = LEFT, WIDTH - RIGHT, TOP, HEIGHT - BOTTOM
 

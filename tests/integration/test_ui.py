@@ -131,8 +131,11 @@ async def test_a_limited_reader_sees_only_its_own(ui, pg_dsn) -> None:
         assert (await client.get("/ui", params={"tenant": "nlp"})).status_code == 200
         csv_text = (await client.get("/ui/chargeback.csv")).text
         assert [row["account"] for row in csv.DictReader(io.StringIO(csv_text))] == ["acme", "nlp", "research"]
-        bad = await client.get("/ui", params={"month": "2026-13"})
-        assert bad.status_code == 400 and "month: " in bad.text
+        for month in ("2026-13", "9999-12", "0000-01", "2026-1", "２０２６-11"):
+            bad = await client.get("/ui", params={"month": month})
+            assert bad.status_code == 400 and "month: " in bad.text, month
+        october = await client.get("/ui/chargeback.csv", params={"month": "2026-10"})
+        assert october.status_code == 200 and 'filename="chargeback-2026-10.csv"' in october.headers["content-disposition"]
 
 
 async def test_the_csv_is_this_months_chargeback(ui, pg_dsn) -> None:

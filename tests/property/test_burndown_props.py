@@ -1,6 +1,7 @@
 """Properties of a budget's burn-down arithmetic (budgetgate.reports.burndown): the linear
 projection to the window's end and the instant the pace reaches the limit, in the ledger's
-integers, against exact rational arithmetic."""
+integers, against exact rational arithmetic; and of its chart (the page's inline SVG), which
+stays inside its box and says the figures it draws."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from budgetgate.reports.burndown import cumulative, exhausted_at, projected
+from budgetgate.core.units import Unit
+from budgetgate.reports.burndown import BurnDown, cumulative, exhausted_at, projected
+from budgetgate.services.admission.pages import chart, number
 
 pytestmark = pytest.mark.property
 
@@ -83,3 +86,29 @@ def test_the_daily_curve_adds_up_in_day_order(days: list[tuple[int, int]]) -> No
     assert [day for day, _ in curve] == sorted(START + timedelta(days=d) for d, _ in days)
     assert [total for _, total in curve] == sorted(total for _, total in curve)
     assert (curve[-1][1] if curve else 0) == sum(amount for _, amount in days)
+
+
+@given(
+    limit=st.integers(min_value=0, max_value=10**12),
+    consumed=st.integers(min_value=0, max_value=10**12),
+    reserved=st.integers(min_value=0, max_value=10**12),
+    length=st.integers(min_value=1, max_value=400 * 86_400),
+    elapsed=st.integers(min_value=-86_400, max_value=500 * 86_400),
+    daily=st.lists(st.tuples(st.integers(min_value=0, max_value=400), st.integers(min_value=0, max_value=10**11)), unique_by=lambda d: d[0], max_size=30),
+    unit=st.sampled_from(list(Unit)),
+)
+def test_the_chart_stays_in_its_box_and_says_its_figures(limit: int, consumed: int, reserved: int, length: int, elapsed: int, daily, unit: Unit) -> None:  # type: ignore[no-untyped-def]
+    end, now = START + timedelta(seconds=length), START + timedelta(seconds=elapsed)
+    curve = cumulative([(START + timedelta(days=d), a) for d, a in daily]) if unit in (Unit.GPU_HOURS, Unit.NODE_HOURS) else None
+    burn = BurnDown("p", unit, START, end, now, limit, consumed, reserved, curve)
+    drawn = chart(burn, "GPU-hours")
+    left, top, right, bottom = drawn.plot
+    points = [tuple(float(v) for v in p.split(",")) for p in drawn.used.split()]
+    points += [drawn.now, drawn.projection[:2], drawn.projection[2:], (drawn.reserved[0], drawn.reserved[1]), (left, drawn.limit_y)]
+    for x, y in points:
+        assert left <= x <= right and top <= y <= bottom, (x, y, drawn)
+    assert drawn.reserved[2] >= 0
+    assert [x for x, _ in points[: len(drawn.used.split())]] == sorted(x for x, _ in points[: len(drawn.used.split())])  # time runs left to right
+    shown = burn.figures()
+    assert drawn.text.startswith(f"Used {number(shown['consumed'], unit)} of {number(shown['limit'], unit)} GPU-hours")
+    assert ("the limit is not reached" in drawn.text) == (burn.exhausted_at is None)

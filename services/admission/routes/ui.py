@@ -41,7 +41,7 @@ sql = owned_by("budgetgate.services.admission")
 router = APIRouter(include_in_schema=False)
 
 RECENT = 50
-_MONTH = re.compile(r"(\d{4})-(\d{2})")
+_MONTH = re.compile(r"([0-9]{4})-([0-9]{2})")
 
 
 class Shown(Exception):
@@ -110,7 +110,7 @@ def _month(request: Request, text: str | None, now: datetime) -> tuple[datetime,
         year, month = now.year, now.month
     else:
         found = _MONTH.fullmatch(text)
-        if found is None or not 1 <= int(found[2]) <= 12 or int(found[1]) < 1:
+        if found is None or not 1 <= int(found[2]) <= 12 or not 1 <= int(found[1]) <= 9998:
             raise _error(request, 400, "Bad request", f"month: {text[:40]!r} is not a month written YYYY-MM, e.g. 2026-11")
         year, month = int(found[1]), int(found[2])
     start = datetime(year, month, 1, tzinfo=UTC)
