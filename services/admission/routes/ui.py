@@ -69,6 +69,8 @@ def _to_sign_in(request: Request, *, notice: str | None = None, clear: bool = Fa
 
 async def _check(request: Request, headers: list[tuple[bytes, bytes]]) -> Principal:
     """The principal of `headers`' credential, allowed to read; raises Shown for 403, 429 and 503."""
+    if getattr(request.app.state, "gate", None) is None:  # not a bad credential: the service is starting
+        raise _error(request, 503, "Unavailable", "the service is starting; credentials cannot be checked yet", headers={"Retry-After": "1"})
     try:
         return await gate_of(request.app).check(headers, Action.READ, scope=request.scope)
     except Forbidden as exc:
