@@ -6,6 +6,7 @@ token changes nothing, and a label made of HTML is shown as text."""
 from __future__ import annotations
 
 import csv
+import html
 import io
 import re
 
@@ -219,3 +220,21 @@ async def test_a_label_made_of_html_is_shown_as_text(ui, pg_dsn) -> None:
         detail = (await client.get("/ui/decisions/ui/evil-1")).text
     for text in (page, detail):
         assert EVIL not in text and "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in text
+
+
+async def test_a_decision_admission_made_is_explained_as_the_api_explains_it(ui, pg_dsn) -> None:
+    submitted = await ui.submit(run_id="ui/real-1")
+    assert submitted.status_code == 200 and submitted.json()["decision"] == "ALLOW", submitted.text
+    explained = (await ui.client.get("/v1/admissions/ui/real-1/explain")).json()
+    async with browser(ui) as client:
+        await sign_in(client, await issue(pg_dsn, Role.READER))
+        page = (await client.get("/ui")).text
+        assert '<a href="/ui/decisions/ui%2Freal-1">ui/real-1</a>' in page
+        detail = await client.get("/ui/decisions/ui%2Freal-1")
+    assert detail.status_code == 200
+    steps = re.findall(r"<li>(.*?)</li>", detail.text.split('id="explanation"', 1)[1].split("</ol>", 1)[0], re.S)
+    assert [html.unescape(step) for step in steps] == explained["account"]
+    assert "comes out identical" in detail.text
+    assert len(explained["readings"]) == 2  # gpu/vision and gpu/research, the account budget above it
+    for reading in explained["readings"]:
+        assert f'<th scope="row">{reading["ledger_key"]}</th><td class="num">{reading["limit"]}</td>' in detail.text
