@@ -1,7 +1,8 @@
 """Every error answer of every budgetgate HTTP service as RFC 9457 problem details
 (`application/problem+json`), whoever produced it: a route's `{"detail": ...}`, FastAPI's
 validation errors (the offending fields listed under `errors`), a body too large, an unknown
-route, or an unexpected exception.
+route, or an unexpected exception. An HTML page (text/html) is the one exception: it is already
+written for the person reading it.
 
 One plain ASGI middleware rewrites error answers (only those: success answers pass through
 untouched), so routes keep answering `{"detail": ...}` and no service can forget the format.
@@ -62,7 +63,8 @@ def problem_response(status: int, detail: Any, *, headers: Mapping[str, str] | N
 
 
 class ProblemDetails:
-    """Plain ASGI middleware: turns every answer with status ≥ 400 into problem details."""
+    """Plain ASGI middleware: turns every answer with status ≥ 400 into problem details, but for
+    an HTML page made for people (admission's page for tenants and finance, /ui), left as it is."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -75,7 +77,7 @@ class ProblemDetails:
         chunks: list[bytes] = []
 
         async def rewrite(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
+            if message["type"] == "http.response.start" and message["status"] >= 400 and not _page(message):
                 held["start"] = message
                 return
             if "start" not in held or message["type"] != "http.response.body":
@@ -92,6 +94,10 @@ class ProblemDetails:
             await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, rewrite)
+
+
+def _page(start: Mapping[str, Any]) -> bool:
+    return any(k.lower() == b"content-type" and v.lower().startswith(b"text/html") for k, v in start.get("headers", []))
 
 
 def install_problems(app: FastAPI) -> None:

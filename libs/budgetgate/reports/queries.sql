@@ -120,3 +120,28 @@ SELECT d.namespace, d.labels ->> $4 AS tenant, d.labels ->> $5 AS user_value, d.
 FROM held JOIN decisions d ON d.decision_id = held.decision_id LEFT JOIN usage_runs u ON u.run_id = held.run_id
 WHERE d.decided_at >= $1 AND d.decided_at < $2
 GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9;
+
+-- name: budget_daily_usage
+-- Metered GPU and node milli-hours by UTC day (date_bin's fixed 24 h bins) of the runs that
+-- reserved on each ledger key of $1, observed within that key's window [$2, $3) (the arrays run
+-- in step): the daily curve of a budget's burn-down. Each sample counts by how much it raised its
+-- run's high-water mark, as in chargeback_metered.
+WITH k AS (
+    SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[]) AS k (ledger_key, start_at, end_at)
+)
+SELECT k.ledger_key, date_bin('1 day', u.observed_at, timestamptz '2000-01-01Z') AS day,
+       sum(u.gpu_milli_hours_delta)::bigint AS gpu, sum(u.node_milli_hours_delta)::bigint AS node
+FROM k JOIN reservations r ON r.ledger_key = k.ledger_key
+JOIN usage_records u ON u.run_id = r.run_id AND u.observed_at >= k.start_at AND u.observed_at < k.end_at
+GROUP BY 1, 2 ORDER BY 1, 2;
+
+-- name: recent_decisions
+-- Decisions newest first, before the keyset ($1 decided_at, $2 decision_id; NULLs: from the
+-- newest), of the tenants in $4 by the $5 label (NULL: any tenant), $3 at most.
+SELECT d.decision_id, d.run_id, d.attempt, d.outcome, d.reason, d.namespace, d.labels ->> $5 AS tenant, d.decided_at,
+       d.projected_gpu, d.policy_bundle_sha
+FROM decisions d
+WHERE ($1::timestamptz IS NULL OR (d.decided_at, d.decision_id) < ($1, $2::uuid))
+  AND ($4::text[] IS NULL OR d.labels ->> $5 = ANY ($4::text[]))
+ORDER BY d.decided_at DESC, d.decision_id DESC
+LIMIT $3;

@@ -1,10 +1,10 @@
 """The admission API's routes, a module per what they serve: submissions, their decisions, usage
 by scope and token pools (admissions.py), quotes and explanations (quotes.py), policy bundles
 (bundles.py), a tenant's settings (tenants.py), usage by tenant and user (usage.py), the budgets
-(budgets.py), the grants to them (grants.py), chargeback reports (reports.py) and the Kubernetes
-admission webhooks (kubernetes.py validating, and kubernetes_mutation.py naming the run before it).
-Each finds the running service as `request.app.state.rt`
-(budgetgate.services.admission.service.AdmissionService)."""
+(budgets.py), the grants to them (grants.py), chargeback reports (reports.py), the read-only page
+for tenants and finance (ui.py) and the Kubernetes admission webhooks (kubernetes.py validating,
+and kubernetes_mutation.py naming the run before it). Each finds the running service as
+`request.app.state.rt` (budgetgate.services.admission.service.AdmissionService)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from budgetgate.services.admission.routes import (
     quotes,
     reports,
     tenants,
+    ui,
     usage,
 )
 from budgetgate.services.admission.settings import AdmissionSettings
@@ -41,4 +42,5 @@ def routers(settings: AdmissionSettings, *, kubernetes_webhook: kubernetes.Kuber
         budgets.router,
         reports.router(settings),
         grants.router,
+        ui.router,
     ]
