@@ -15,7 +15,7 @@ import pytest
 
 from budgetgate.core.principals import Role
 from budgetgate.reports.chargeback import AMOUNTS
-from tests.integration.test_oidc import AUDIENCE, ISSUER, Issuer
+from tests.support.oidc import AUDIENCE, ISSUER, Issuer
 from tests.support.known_ledger import ACCOUNTS, BUDGETS, EVIL, write_known_ledger
 from tests.support.principals import bearer, issue, ledger_state
 
