@@ -129,7 +129,13 @@ async def test_metering_stops_reservation_stays_admission_decides_then_converges
     # Samples resume: the ledger converges on the actuals.
     await feed.send(usage("long", "2", start + timedelta(hours=2), 15), usage("long", "3", start + timedelta(hours=3), 23))
     await wait_for(lambda: figures_are((0, 23 * H)), what="actuals after metering resumed")
-    assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+
+    # A settlement frees Redis's reservation in its second half, after Postgres has committed
+    # (Redis is tighter than Postgres in between, on purpose): Redis follows a moment later.
+    async def redis_agrees() -> bool:
+        return await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
+
+    await wait_for(redis_agrees, what="Redis equal to Postgres")
     assert (await server.submit(run_id="fits-now", labels={"team": "vision"}, resources={"gpus": 7}, projected_runtime_hours=11.0)).json()[
         "decision"
     ] == "ALLOW"
