@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 
 from budgetgate.core.principals import Role
+from tests.support.databases import fetch
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, wait_for_bundle
 from tests.support.principals import bearer, issue
 from tests.support.quotas import physics
@@ -34,14 +35,6 @@ async def decide(server, run_id: str, gpus: int = 1) -> dict:  # type: ignore[no
     answer = await server.client.post("/v1/admissions", json=physics(run_id, gpus=gpus))
     assert answer.status_code == 200, answer.text
     return answer.json()
-
-
-async def fetch(dsn: str, query: str, *args: object) -> list[asyncpg.Record]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetch(query, *args)
-    finally:
-        await conn.close()
 
 
 async def limits(dsn: str) -> list[int]:

@@ -13,6 +13,7 @@ import pytest
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.policies.override_store import plan_with_overrides
 from budgetgate.core.principals import Role
+from tests.support.databases import fetch
 from tests.support.admission import apply_policies, budget_yaml, wait_for_bundle
 from tests.support.cli import budgetgate
 from tests.support.principals import bearer, issue
@@ -37,14 +38,6 @@ async def submit(server, run_id: str, **kwargs: object) -> dict:  # type: ignore
     answer = await server.client.post("/v1/admissions", json=physics(run_id, **kwargs))
     assert answer.status_code == 200, answer.text
     return answer.json()
-
-
-async def fetch(dsn: str, query: str, *args: object) -> list[asyncpg.Record]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetch(query, *args)
-    finally:
-        await conn.close()
 
 
 async def test_a_lowered_quota_applies_to_the_very_next_decision_on_every_instance(admission_factory, pg_dsn) -> None:

@@ -102,3 +102,12 @@ class DatabaseFactory:
     def close(self) -> None:
         if self._template_ready:
             self.drop(self.template)
+
+
+async def fetch(dsn: str, query: str, *args: object) -> list[asyncpg.Record]:
+    """The rows of one query, on a connection of its own."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetch(query, *args)
+    finally:
+        await conn.close()
