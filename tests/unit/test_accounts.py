@@ -97,7 +97,7 @@ spec: {scope: {namespace: vision}, window: {calendar: month}, limit: {gpu_hours:
         (account_budget("lost", "nobody", 5), "policy 'lost' is attached to account 'nobody', which no Account document defines"),
         (
             account_budget("dept", "research", 10) + account_budget("team", "vision", 20),
-            "policy 'team' gives account 'vision' 20 gpu_hours, more than 10 gpu_hours",
+            "policy 'team' gives account 'vision' 20 gpu-hours, more than 10 gpu-hours",
         ),
     ],
 )

@@ -10,10 +10,10 @@ from pathlib import Path
 import click
 
 from budgetgate.cli import backend
-from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle_from_json, display_limit, load_files, load_path
-from budgetgate.core.policy import BudgetPolicy, PolicyBundle
+from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle_from_json, load_files, load_path
+from budgetgate.core.policy import PolicyBundle
 from budgetgate.policies.override_store import plan_with_overrides
-from budgetgate.core.policy_plan import Change, emptiness
+from budgetgate.core.policy_plan import Change, emptiness, limit_text, window_text
 from budgetgate.policies.repository import RepositoryError, Revision, apply_bundle, dirty_sha, policy_files, revision
 
 
@@ -54,15 +54,10 @@ def validate(path: Path) -> None:
         for policy in bundle.policies:
             if policy.scope.scope_id.startswith("account="):
                 owner = policy.scope.scope_id.removeprefix("account=")
-                budgets.setdefault(owner, []).append(f"{policy.id}: {display_limit(policy)} per {_window_words(policy)}")
+                budgets.setdefault(owner, []).append(f"{policy.id}: {limit_text(policy)} per {window_text(policy.window)}")
         for line in bundle.accounts.lines():
             account_id = line.strip().split(" ", 1)[0]
             click.echo(f"  {line}" + (f"  [{'; '.join(budgets[account_id])}]" if account_id in budgets else ""))
-
-
-def _window_words(policy: BudgetPolicy) -> str:
-    window = policy.window
-    return window.calendar if window.calendar is not None else f"{window.rolling_days} rolling days"
 
 
 def load_revision(directory: Path, *, allow_dirty: bool, committed: bool = False) -> tuple[Revision, LoadedPolicies]:

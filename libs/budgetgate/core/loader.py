@@ -37,7 +37,8 @@ from budgetgate.core.policy import (
     Source,
 )
 from budgetgate.core.quota_documents import ConcurrencyLimit, concurrency_checks, concurrency_fields, concurrency_limit
-from budgetgate.core.units import Unit, display, limit_amount
+from budgetgate.core.policy_plan import limit_text
+from budgetgate.core.units import Unit, limit_amount
 from budgetgate.core.windows import FISCAL_YEAR, WindowSpec
 
 # Re-exported: callers find the reading side of policies here too.
@@ -278,7 +279,7 @@ def _account_checks(policies: Sequence[BudgetPolicy], tree: AccountTree) -> list
                         PolicyError(
                             policy.source.file,
                             policy.source.line,
-                            f"policy {policy.id!r} gives account {account_id!r} {display_limit(policy)}, more than {display_limit(parent_policy)} "
+                            f"policy {policy.id!r} gives account {account_id!r} {limit_text(policy)}, more than {limit_text(parent_policy)} "
                             f"of {parent_policy.id!r} on {above!r} above it; lower it, or declare overcommit: true on {above!r}",
                         )
                     )
@@ -288,12 +289,6 @@ def _account_checks(policies: Sequence[BudgetPolicy], tree: AccountTree) -> list
 def _layout(window: WindowSpec) -> tuple[str | None, int | None, int | None]:
     """What makes two windows one ledger's (the time zone aside, as `_cross_checks` says)."""
     return window.calendar, window.rolling_days, window.start_month
-
-
-def display_limit(policy: BudgetPolicy) -> str:
-    """A policy's limit as written: `40 gpu_hours`, `500 USD`."""
-    unit = policy.limit.unit
-    return f"{display(unit, policy.limit.amount):g} {policy.limit.currency if unit is Unit.COST else unit.value}"
 
 
 def _window(spec: BudgetPolicySpec) -> WindowSpec:

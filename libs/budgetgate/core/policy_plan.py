@@ -41,7 +41,7 @@ def limit_text(policy: BudgetPolicy) -> str:
     return f"{shown} {policy.limit.currency}" if unit is Unit.COST else f"{shown} {unit.value.replace('_', '-')}"
 
 
-def _window_text(window: WindowSpec) -> str:
+def window_text(window: WindowSpec) -> str:
     if window.rolling_days is not None:
         return f"rolling {window.rolling_days} days"
     if window.start_month is not None:
@@ -54,7 +54,7 @@ def _budget(policy: BudgetPolicy) -> dict[str, str]:
     return {
         "limit": limit_text(policy),
         "scope": policy.scope.scope_id,
-        "window": _window_text(window),
+        "window": window_text(window),
         "enforcement": str(policy.enforcement),
         "on_exhausted": str(policy.on_exhausted),
     }

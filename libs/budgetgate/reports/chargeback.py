@@ -183,12 +183,13 @@ async def chargeback(
     chains: dict[tuple[str, str], list[str | None]] = {}
 
     def chain(namespace: str, labels: Any) -> list[str | None]:
+        """The run's account and every account above it (asyncpg gives jsonb as its text)."""
         text = labels if isinstance(labels, str) else json.dumps(labels or {}, sort_keys=True)
         found = chains.get((namespace, text))
         if found is None:
             assert bundle is not None
             tree = bundle.accounts
-            own = tree.account_of(namespace, json.loads(text) if isinstance(text, str) else {})
+            own = tree.account_of(namespace, json.loads(text))
             found = chains[namespace, text] = [own, *tree.ancestors(own)] if own is not None else [None]
         return found
 
