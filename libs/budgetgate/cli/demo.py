@@ -263,15 +263,9 @@ def _print_chargeback(loaded: LoadedPolicies, report: dict[str, Any]) -> None:
     tree = loaded.bundle.accounts
     table = []
 
-    def walk(account_id: str, depth: int) -> None:
-        row = rows.get(account_id)
-        figures = _figures(row) if row else ["0", "0", "0.00", "0"]
-        table.append(["  " * depth + account_id, *figures])
-        for child in tree.children(account_id):
-            walk(child.id, depth + 1)
-
-    for root in tree.roots():
-        walk(root.id, 0)
+    for account, depth in tree.walk():
+        row = rows.get(account.id)
+        table.append(["  " * depth + account.id, *(_figures(row) if row else ["0", "0", "0.00", "0"])])
     if None in rows:
         table.append(["(no account)", *_figures(rows[None])])
     table.append(["total (each run once)", *_figures(report["total"])])

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from budgetgate.cli import backend
+from budgetgate.core.accounts import attached_to, describe
 from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle_from_json, load_files, load_path
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.policies.override_store import plan_with_overrides
@@ -50,14 +51,12 @@ def validate(path: Path) -> None:
     )
     if bundle.accounts:
         click.echo("accounts (each covers its own scope and every account below it):")
-        budgets: dict[str, list[str]] = {}
+        budgets: dict[str | None, list[str]] = {}
         for policy in bundle.policies:
-            if policy.scope.scope_id.startswith("account="):
-                owner = policy.scope.scope_id.removeprefix("account=")
-                budgets.setdefault(owner, []).append(f"{policy.id}: {limit_text(policy)} per {window_text(policy.window)}")
-        for line in bundle.accounts.lines():
-            account_id = line.strip().split(" ", 1)[0]
-            click.echo(f"  {line}" + (f"  [{'; '.join(budgets[account_id])}]" if account_id in budgets else ""))
+            budgets.setdefault(attached_to(policy.scope.scope_id), []).append(f"{policy.id}: {limit_text(policy)} per {window_text(policy.window)}")
+        for account, depth in bundle.accounts.walk():
+            on_it = budgets.get(account.id)
+            click.echo(f"  {'  ' * depth}{describe(account)}" + (f"  [{'; '.join(on_it)}]" if on_it else ""))
 
 
 def load_revision(directory: Path, *, allow_dirty: bool, committed: bool = False) -> tuple[Revision, LoadedPolicies]:

@@ -18,12 +18,14 @@ more than a budget of its parent's in the same unit and window (unless the paren
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from budgetgate.core.scopes import Scope
 from budgetgate.core.sources import PolicyError, Source
 
+# The scope id of a budget attached to an account: `account=<id>`.
+ACCOUNT_PREFIX = "account="
 # From the top of the tree down: a parent's level comes before its child's.
 LEVELS = ("organisation", "department", "team", "user")
 
@@ -57,7 +59,7 @@ class AccountScope:
         any_namespace = any(not m.namespaces for m in self.members)
         object.__setattr__(self, "namespaces", frozenset() if any_namespace else frozenset().union(*(m.namespaces for m in self.members)))
         object.__setattr__(self, "labels", {})
-        object.__setattr__(self, "scope_id", f"account={self.account}")
+        object.__setattr__(self, "scope_id", f"{ACCOUNT_PREFIX}{self.account}")
 
     def covers_namespace(self, namespace: str) -> bool:
         return any(m.covers_namespace(namespace) for m in self.members)
@@ -117,19 +119,32 @@ class AccountTree:
                     best = key
         return best[1] if best is not None else None
 
-    def lines(self) -> list[str]:
-        """The tree as `policy validate` prints it, one account a line, indented by depth."""
-        out: list[str] = []
+    def walk(self) -> Iterator[tuple[Account, int]]:
+        """Every account with its depth, parents first, children by id: the order the tree is
+        shown in (`policy validate`, the demo, the page)."""
 
-        def walk(account: Account, depth: int) -> None:
-            what = account.scope.scope_id if account.own_scope is not None and account.scope is not None else "what the accounts below it cover"
-            out.append(f"{'  ' * depth}{account.id} ({account.level}{', overcommit' if account.overcommit else ''}): {what}")
+        def below(account: Account, depth: int) -> Iterator[tuple[Account, int]]:
+            yield account, depth
             for child in self.children(account.id):
-                walk(child, depth + 1)
+                yield from below(child, depth + 1)
 
         for root in self.roots():
-            walk(root, 0)
-        return out
+            yield from below(root, 0)
+
+    def lines(self) -> list[str]:
+        """The tree as `policy validate` prints it, one account a line, indented by depth."""
+        return [f"{'  ' * depth}{describe(account)}" for account, depth in self.walk()]
+
+
+def describe(account: Account) -> str:
+    """An account as the tree shows it: id, level, and the scope it covers."""
+    what = account.scope.scope_id if account.own_scope is not None and account.scope is not None else "what the accounts below it cover"
+    return f"{account.id} ({account.level}{', overcommit' if account.overcommit else ''}): {what}"
+
+
+def attached_to(scope_id: str) -> str | None:
+    """The account a budget's scope id names (`account=<id>`, AccountScope), or None."""
+    return scope_id.removeprefix(ACCOUNT_PREFIX) if scope_id.startswith(ACCOUNT_PREFIX) else None
 
 
 def build_tree(accounts: list[Account]) -> tuple[AccountTree, list[PolicyError]]:
@@ -207,7 +222,7 @@ def _cycle(start: str, by_id: Mapping[str, Account]) -> list[str] | None:
     return None
 
 
-def _laid_over(account: Account, parent: Scope | None, error: object) -> Scope | None:
+def _laid_over(account: Account, parent: Scope | None, error: Callable[[Account, str], None]) -> Scope | None:
     own = account.own_scope
     if own is None:
         return parent
@@ -215,8 +230,8 @@ def _laid_over(account: Account, parent: Scope | None, error: object) -> Scope |
         return own
     for key, value in own.labels.items():
         if key in parent.labels and parent.labels[key] != value:
-            error(account, f"account {account.id!r} sets label {key}={value}, but its parent's scope says {key}={parent.labels[key]}")  # type: ignore[operator]
+            error(account, f"account {account.id!r} sets label {key}={value}, but its parent's scope says {key}={parent.labels[key]}")
     if own.namespaces and parent.namespaces and not own.namespaces <= parent.namespaces:
         outside = ", ".join(sorted(own.namespaces - parent.namespaces))
-        error(account, f"account {account.id!r} names namespace(s) {outside} outside its parent's ({', '.join(sorted(parent.namespaces))})")  # type: ignore[operator]
+        error(account, f"account {account.id!r} names namespace(s) {outside} outside its parent's ({', '.join(sorted(parent.namespaces))})")
     return Scope(namespaces=own.namespaces or parent.namespaces, labels={**parent.labels, **own.labels})

@@ -12,12 +12,12 @@ from typing import Any
 
 from budgetgate.core.accounts import AccountScope, AccountTree
 from budgetgate.core.quotas import Cluster, ResourcePool, SensitivePool, TenantQuota
+from budgetgate.core.scopes import ANY_VALUE, Scope
 from budgetgate.core.sources import Source
 from budgetgate.core.units import Unit, display
 from budgetgate.core.windows import WindowSpec, rfc3339
 
-from budgetgate.core.scopes import ANY_VALUE, Scope
-
+# Scope and ANY_VALUE live in core/scopes.py (core/accounts.py needs them without this module).
 __all__ = ["ANY_VALUE", "BudgetPolicy", "Enforcement", "Limit", "OnExhausted", "PolicyBundle", "Rate", "RateCard", "Scope", "pool_chain"]
 
 

@@ -21,6 +21,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
+from budgetgate.core.accounts import attached_to
 from budgetgate.access.tokens import PREFIX
 from budgetgate.core.principals import Action, Forbidden, Principal, Unauthenticated
 from budgetgate.decisions.explain import explanation, recompute
@@ -159,21 +160,16 @@ def _tree(bundle: Any, report: dict[str, Any], budgets: list[Any], *, everything
         shown.update(tree.ancestors(account))
     attached: dict[str, list[str]] = {}
     for burn in budgets:
-        scope_id = burn["scope_id"]
-        if scope_id.startswith("account="):
-            attached.setdefault(scope_id.removeprefix("account="), []).append(burn["policy_id"])
-    out: list[dict[str, Any]] = []
-
-    def walk(account: Any, depth: int) -> None:
-        if account.id not in shown:
-            return
-        out.append({"id": account.id, "level": account.level, "depth": depth, "figures": rows.get(account.id), "budgets": attached.get(account.id, [])})
-        for child in tree.children(account.id):
-            walk(child, depth + 1)
-
-    for root in tree.roots():
-        walk(root, 0)
-    return out
+        owner = attached_to(burn["scope_id"])
+        if owner is not None:
+            attached.setdefault(owner, []).append(burn["policy_id"])
+    # An account is shown with every account above it, so a walk that skips the ones not shown
+    # skips none whose descendants are.
+    return [
+        {"id": account.id, "level": account.level, "depth": depth, "figures": rows.get(account.id), "budgets": attached.get(account.id, [])}
+        for account, depth in tree.walk()
+        if account.id in shown
+    ]
 
 
 @router.get("/ui")
