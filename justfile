@@ -18,6 +18,10 @@ lock:
 test *args:
     {{python}} -m pytest {{args}}
 
+# The ledger suites again, on an embedded Redis Cluster (three masters with a replica each).
+test-cluster *args:
+    BUDGETGATE_TEST_REDIS=cluster {{python}} -m pytest -m ledger {{args}}
+
 # Apply the example policies to the local stack and submit a mix of workloads.
 demo *args:
     {{budgetgate}} demo {{args}}

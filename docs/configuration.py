@@ -35,7 +35,8 @@ PACKAGES = ("budgetgate", "budgetgate.services")
 # Fields without a comment or a description in the code, explained here until the code says it.
 MEANINGS = {
     "BUDGETGATE_POSTGRES_DSN": "the ledger database: the one store to back up",
-    "BUDGETGATE_REDIS_URL": "Redis for the atomic check-and-reserve (a live copy of the ledger, rebuilt from Postgres when lost)",
+    "BUDGETGATE_REDIS_URL": "Redis for the atomic check-and-reserve (a live copy of the ledger, rebuilt from Postgres when lost); "
+    "`redis+cluster://host:port` (or `rediss+cluster://`) names a Redis Cluster by one of its nodes",
     "BUDGETGATE_KAFKA_BOOTSTRAP": "Kafka bootstrap servers",
     "BUDGETGATE_TOPIC_REPLICATION_FACTOR": "replicas of the topics a service creates when they are missing; set it to your cluster's (e.g. 3)",
     "BUDGETGATE_ACCOUNTING_RESET_SECONDS": "how long the circuit breaker stays open before one trial ask",

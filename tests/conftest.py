@@ -7,6 +7,7 @@ Each test gets its own database, Redis key prefix and topic prefix, so tests can
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import uuid
@@ -15,8 +16,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-import redis as redis_client
 
+from budgetgate.runtime.redis_client import connect_sync
 from budgetgate.runtime.settings import CommonSettings
 from tests.support import backends
 from tests.support.databases import DatabaseFactory
@@ -26,6 +27,16 @@ TESTS = Path(__file__).parent
 # Tests under these folders get the folder's marker, so `-m "not faults"` and the like just work.
 TIER_MARKERS = ("integration", "e2e", "faults", "property")
 NO_SERVER_TIERS = ("unit", "property")
+# The ledger suites: what reserves, releases, settles, rebuilds and checks the Redis ledger, and
+# the faults that test it. They get the `ledger` marker, and CI runs them a second time on a
+# Redis Cluster (`BUDGETGATE_TEST_REDIS=cluster pytest -m ledger`, `just test-cluster`).
+LEDGER_SUITES = frozenset({
+    "integration/test_ledger_lock.py", "integration/test_ledger_entries.py", "integration/test_ledger_cli.py",
+    "integration/test_quota_stateful.py", "integration/test_budget_holds.py", "integration/test_provisional_holds.py",
+    "integration/test_admission_batches.py", "integration/test_reconciler_incremental.py", "integration/test_redis_cluster.py",
+    "faults/test_redis_rebuild.py", "faults/test_admission_faults.py", "faults/test_reconciler_crash_window.py",
+    "faults/test_redis_cluster_faults.py",
+})  # fmt: skip
 SERVER_FIXTURES = frozenset({
     "postgres_admin_dsn", "redis_server_url", "kafka_server_bootstrap", "pg_dsn", "redis_url",
     "redis_prefix", "kafka_bootstrap", "topic_prefix", "settings",
@@ -33,7 +44,17 @@ SERVER_FIXTURES = frozenset({
 })  # fmt: skip
 
 
+@pytest.hookimpl(trylast=True)  # (after the terminal reporter is registered)
 def pytest_configure(config: pytest.Config) -> None:
+    # Consumer groups of the tests' services (in-process, or processes inheriting this
+    # environment) on a 3 s session, not the default 10 s: Tansu completes a join after half the
+    # session timeout, so every service start and every takeover waits 1.5 s instead of 5.
+    os.environ.setdefault("BUDGETGATE_KAFKA_SESSION_TIMEOUT_MS", "3000")
+    # Where the terminal is (xdist's controller, not its workers), and not under -v, which names
+    # every test already.
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(config, "workerinput") and config.get_verbosity() <= 0:
+        config.pluginmanager.register(_FailuresAsTheyHappen(reporter), "budgetgate-failures-as-they-happen")
     # SIGTERM (`timeout` in .ci/run, a CI runner cancelling a job) kills a Python process
     # outright: no fixture teardown, so the servers the fixtures started in sessions of their own
     # (Postgres, Redis, Tansu) keep running, and an embedded Postgres's postmaster.pid with them.
@@ -58,11 +79,20 @@ def _tier(item: pytest.Item) -> str | None:
         return None
 
 
+def _suite(item: pytest.Item) -> str | None:
+    """The item's file under tests/ (`integration/test_x.py`); None for one elsewhere (a test
+    that runs pytest on files of its own)."""
+    path = Path(item.path)
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = _tier(item)
         if tier in TIER_MARKERS:
             item.add_marker(getattr(pytest.mark, tier))
+        if _suite(item) in LEDGER_SUITES:
+            item.add_marker(pytest.mark.ledger)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -71,6 +101,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         wanted = SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
         if wanted:
             pytest.fail(f"tests/{_tier(item)} runs without servers, but this test asks for {sorted(wanted)}")
+
+
+class _FailuresAsTheyHappen:
+    """A failure's name as it happens, not only in the summary at the end: a run cut off at its
+    time limit (CI's, a runner's) prints no summary, and its dots say only that something failed."""
+
+    def __init__(self, reporter: pytest.TerminalReporter) -> None:
+        self.reporter = reporter
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            what = {"setup": "ERROR at setup of", "teardown": "ERROR at teardown of"}.get(report.when, "FAILED")
+            self.reporter.write_line("")
+            self.reporter.write_line(f"{what} {report.nodeid}", red=True, bold=True)
 
 
 # -- servers, once per session ----------------------------------------------------------------
@@ -124,7 +168,7 @@ def redis_prefix(redis_server_url: str) -> Iterator[str]:
     """A key prefix unique to this test; every key containing it is deleted afterwards."""
     prefix = f"t{uuid.uuid4().hex[:12]}"
     yield prefix
-    client = redis_client.Redis.from_url(redis_server_url)
+    client = connect_sync(redis_server_url)
     try:
         keys = list(client.scan_iter(match=f"*{prefix}*", count=1000))
         for start in range(0, len(keys), 500):

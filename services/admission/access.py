@@ -4,9 +4,11 @@ a budget's scope, a stored decision."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from budgetgate.core.policy import Scope
 from budgetgate.core.principals import Forbidden, Principal
+from budgetgate.ledger.archive import ArchivedDecision
 
 
 def require_submission(principal: Principal, *, namespace: str, labels: Mapping[str, str], tenant_label: str) -> None:
@@ -31,3 +33,11 @@ def sees_budget(principal: Principal, scope: Scope, *, tenant_label: str) -> boo
     except Forbidden:
         return False
     return True
+
+
+def archived_problem(principal: Principal, found: ArchivedDecision) -> dict[str, Any]:
+    """The 410 of a run whose latest decision is archived. Its namespace and tenant went with it,
+    so a principal limited to some is told only that (not when, nor where the archive is)."""
+    if principal.namespaces or principal.tenants:
+        return {"detail": f"run {found.run_id!r}'s latest decision is archived; an operator can restore its month (`budgetgate ledger restore`)"}
+    return found.problem()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,7 @@ from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, pr
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.decisions.rendering import replayed, response_body
 from budgetgate.services.admission.resubmission import differences, resent
+from budgetgate.services.admission.stages import BatchClock, StageClock
 from budgetgate.contracts.admission import AdmissionRequest
 
 sql = owned_by("budgetgate.services.admission")
@@ -98,6 +100,7 @@ class Pending:
     result: ReserveResult | None = None
     accounting: BudgetSource | None = None
     provisional: bool = False
+    clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
 
     @property
     def run_id(self) -> str:
@@ -128,8 +131,10 @@ class Admitter:
         max_wait: float = 0.001,
         in_flight: int = 2,
         usage: DecayedUsage | None = None,
+        committed: Callable[[], None] | None = None,
     ) -> None:
         self.start_deadline = start_deadline
+        self.committed = committed  # told after each batch that committed decisions (the relay's nudge)
         self.pool = pool
         self.ledger = ledger
         self.sync = sync
@@ -141,16 +146,22 @@ class Admitter:
         self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
 
-    async def admit(self, request: AdmissionRequest, *, now: datetime | None = None, provisional: bool = False) -> dict[str, Any]:
+    async def admit(
+        self, request: AdmissionRequest, *, now: datetime | None = None, provisional: bool = False, clock: StageClock | None = None
+    ) -> dict[str, Any]:
         """Decide a submission; raises Unavailable (503), InvalidSubmission (422) or Conflict (409).
 
         `provisional`: the submission's object may still be refused after this answer (the
         Kubernetes validating webhook answers before the API server stores it), so what an ALLOW
-        holds is given back unless the object is confirmed (see the reconciler's provisional hold)."""
+        holds is given back unless the object is confirmed (see the reconciler's provisional hold).
+        `clock`: for a submission timed stage by stage, its clock, which this fills in."""
         pending = self._prepare(request, now or datetime.now(UTC))
         pending.provisional = provisional
         if self.accounting is not None:
             pending.accounting = await self.accounting.source(pending.bundle, pending.plan, pending.asks.tenant, label=self.tenant_label)
+        if clock is not None:
+            clock.planned = time.perf_counter()
+            pending.clock = clock
         self.batches.submit(pending)
         return await pending.answer
 
@@ -181,8 +192,9 @@ class Admitter:
     async def _commit(self, batch: list[Pending]) -> None:
         """Decide and commit `batch`, then answer each of its submissions."""
         answers: dict[Pending, dict[str, Any] | BaseException] = {}
+        clock = BatchClock()
         try:
-            answers = await with_ledger(self.sync, lambda: self._decide(batch))
+            answers = await with_ledger(self.sync, lambda: self._decide(batch, clock))
         except asyncio.CancelledError:
             for p in batch:
                 p.answer.cancel()
@@ -191,7 +203,10 @@ class Admitter:
             failure = exc
             answers = {p: failure for p in batch}
         deferred = [p for p in batch if p not in answers]
+        clock.ended = time.perf_counter()
         for p, answer in answers.items():
+            if p.clock is not None:
+                p.clock.batch = clock
             if p.answer.done():
                 continue  # the client went away
             if isinstance(answer, BaseException):
@@ -201,9 +216,11 @@ class Admitter:
         if deferred:
             self.batches.resubmit(deferred)
 
-    async def _decide(self, batch: list[Pending]) -> dict[Pending, dict[str, Any] | BaseException]:
-        """The answers of `batch`, committed; submissions left out wait for the next batch."""
+    async def _decide(self, batch: list[Pending], clock: BatchClock) -> dict[Pending, dict[str, Any] | BaseException]:
+        """The answers of `batch`, committed; submissions left out wait for the next batch.
+        `clock` gets the seconds of each step on Postgres and Redis."""
         run_ids = sorted({p.run_id for p in batch})
+        since = time.perf_counter()
         async with ledger_transaction(self.pool, self.ledger, locks_itself=True) as work:
             try:  # takes the ledger lock first: behind a rebuild, waits as long as for one
                 rows = await work.conn.fetch(sql("begin_batch"), run_ids, timeout=self.sync.wait)
@@ -211,12 +228,16 @@ class Admitter:
                 raise RebuildWaitExceeded(
                     f"the ledger stayed locked for more than {self.sync.wait:g} s (Redis being rebuilt from Postgres, or Postgres slow); retry shortly"
                 ) from exc
+            clock.postgres_read += time.perf_counter() - since
             committed_seq = rows[0]["committed_seq"]
             latest = {row["run_id"]: row for row in rows[1:]}
             answers, fresh, followers = _sort_out(batch, latest, tenant_label=self.tenant_label)
             fresh = await self._current(work.conn, fresh, rows[0]["override_revision"], answers)
+            since = time.perf_counter()
             await self._reserve(work, [p for p in fresh if p.needs_ledger], committed_seq)
+            clock.redis += time.perf_counter() - since
             decided = await self._decisions(work.conn, fresh)
+            since = time.perf_counter()
             if decided:
                 try:
                     await records.record(work.conn, decided)
@@ -227,6 +248,11 @@ class Admitter:
                     # a write it had acknowledged (see migration 0021). Rolled back, Redis rebuilt
                     # from Postgres (with_ledger), and the batch decided again.
                     raise LedgerNotLoaded(f"Redis handed out ledger sequence numbers again: {exc}") from exc
+            written = time.perf_counter()
+            clock.postgres_write += written - since
+        clock.commit += time.perf_counter() - written
+        if decided and self.committed is not None:
+            self.committed()
         for r, p in zip(decided, fresh, strict=True):
             answers[p] = r.body
         for follower, leader in followers:

@@ -25,7 +25,7 @@ from budgetgate.services.admission import routes
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.fastpath import SubmissionFastPath
 from budgetgate.services.admission.metrics import Metrics
-from budgetgate.services.admission.resubmission import Conflict
+from budgetgate.services.admission.resubmission import Archived, Conflict
 from budgetgate.services.admission.routes.kubernetes import KubernetesWebhookSettings
 from budgetgate.services.admission.service import AdmissionService
 from budgetgate.services.admission.settings import AdmissionSettings
@@ -45,7 +45,9 @@ def create_app(settings: AdmissionSettings, *, telemetry: Telemetry | None = Non
     unless given); connections open when the app starts."""
     telemetry = telemetry or setup_telemetry(service_name=settings.service_name, otlp_endpoint=settings.otlp_endpoint)
     app = service_app(title="budgetgate admission", build=lambda: AdmissionService.build(settings), **_NO_NATIVE_TELEMETRY)
-    app.state.metrics = Metrics.create(telemetry.meter("budgetgate.admission"), lambda: getattr(app.state, "rt", None))
+    app.state.metrics = Metrics.create(
+        telemetry.meter("budgetgate.admission"), lambda: getattr(app.state, "rt", None), stage_interval=settings.stage_timing_interval_seconds
+    )
     app.add_middleware(SubmissionFastPath)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ServerSpans, tracer=telemetry.tracer("budgetgate.admission"))
@@ -70,6 +72,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Conflict)
     async def conflict(_request: Request, exc: Conflict) -> JSONResponse:
         return JSONResponse(exc.problem(), status_code=409)
+
+    @app.exception_handler(Archived)
+    async def gone(_request: Request, exc: Archived) -> JSONResponse:
+        return JSONResponse(exc.problem(), status_code=410)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -37,6 +37,7 @@ class SubmissionFastPath:
             await self.app(scope, receive, send)
             return
         fastapi_app = scope["app"]
+        clock = fastapi_app.state.metrics.stage_clock(time.perf_counter())
         body = b""
         try:
             principal = await gate_of(fastapi_app).check(scope["headers"], Action.SUBMIT, scope=scope)
@@ -50,7 +51,9 @@ class SubmissionFastPath:
             rt = fastapi_app.state.rt
             require_submission(principal, namespace=request.namespace, labels=request.labels, tenant_label=rt.settings.tenant_label)
             started = time.perf_counter()
-            answer = await rt.admitter.admit(request)
+            if clock is not None:
+                clock.read = started
+            answer = await rt.admitter.admit(request, clock=clock)
         except Exception as exc:  # noqa: BLE001 - rendered by the app's handler for it, or re-raised
             handler = _handler(fastapi_app, exc)
             if handler is None:
@@ -59,10 +62,11 @@ class SubmissionFastPath:
             await response(scope, receive, send)
             return
         fastapi_app.state.metrics.observe(answer, time.perf_counter() - started)
-        fastapi_app.state.rt.relay.wakeup.set()
         payload = orjson.dumps(answer)
         await send({"type": "http.response.start", "status": 200, "headers": [*_HEADERS, (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+        if clock is not None:
+            fastapi_app.state.metrics.observe_stages(clock, time.perf_counter())
 
 
 async def _read(receive: Any) -> bytes:

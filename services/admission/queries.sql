@@ -4,8 +4,8 @@
 -- name: begin_batch
 -- Ledger lock (shared) + the lock of every run of a batch; then a row with only the highest
 -- ledger sequence Postgres committed and the highest tenant override revision, then each run's
--- latest decision: one round trip.
-SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision FROM budgetgate_begin_batch($1::text[]);
+-- latest decision (0033: with no outcome, request or response when it is archived): one round trip.
+SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision, decided_at FROM budgetgate_begin_batch($1::text[]);
 
 -- name: record_decisions
 -- A batch of decisions, each with its evaluations, its ledger entries and reservations (when it
@@ -30,8 +30,8 @@ WITH batch AS (
 ), evaluations AS (
     INSERT INTO decision_evaluations (decision_id, policy_id, policy_git_sha, scope_id, ledger_key, window_start,
                                       window_end, unit, enforcement, outcome, limit_amount, projected, remaining,
-                                      admitted, deficit, next_eligible_time)
-    SELECT b.decision_id, e.*
+                                      admitted, deficit, next_eligible_time, decided_at)
+    SELECT b.decision_id, e.*, b.decided_at
     FROM batch b, jsonb_to_recordset(b.evaluations) AS e(
         policy_id text, policy_git_sha text, scope_id text, ledger_key text, window_start timestamptz,
         window_end timestamptz, unit text, enforcement text, outcome text, limit_amount bigint, projected bigint,

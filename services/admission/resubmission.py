@@ -1,5 +1,5 @@
 """What a submission is to the decisions its run already has: a resend answered again, a
-submission decided afresh, or a 409 (`Conflict`).
+submission decided afresh, a 409 (`Conflict`), or a 410 when its latest decision is archived.
 
 A run id names one request. Sent again unchanged, at any attempt, it gets the run's stored
 decision (`replayed: true`), except that a higher attempt after a refusal (DENY or DELAY, which
@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from budgetgate.contracts.admission import AdmissionRequest
+from budgetgate.core.windows import rfc3339
 
 # What makes two submissions of one run id the same request.
 COMPARED = ("namespace", "labels", "resources.gpus", "resources.nodes", "resources.flavor", "resources.region", "projected_runtime_hours", "job", "pool_token")
@@ -62,6 +64,22 @@ class Conflict(ValueError):
 
     def problem(self) -> dict[str, Any]:
         return {"detail": str(self), "fields": self.fields, **self.extensions}
+
+
+class Archived(Conflict):
+    """410 Gone: the run's latest decision is archived (`budgetgate ledger archive`). The request
+    it was decided for is not at hand, so a resend can neither be answered from it nor decided
+    afresh (it could be another owner's run, or a changed request); nothing changed."""
+
+
+def archived(run_id: str, attempt: int, decided_at: datetime) -> Archived:
+    return Archived(
+        f"run {run_id!r}'s latest decision (attempt {attempt}, decided at {rfc3339(decided_at)}) is archived (`budgetgate ledger archive`): "
+        "a resend can neither be answered from it nor decided again; submit under a new run id",
+        [],
+        next_attempt=None,
+        archived={"attempt": attempt, "decided_at": rfc3339(decided_at)},
+    )
 
 
 def owned_elsewhere(run_id: str, moved: list[str]) -> Conflict:
@@ -143,10 +161,12 @@ def decided_afresh(prior_outcome: str, prior_attempt: int, attempt: int) -> bool
 
 def resent(prior: Mapping[str, Any] | None, request: AdmissionRequest, *, tenant_label: str) -> Literal["decide", "replay"] | Conflict:
     """What `request` is to its run's latest decision (`prior`: its `request`, `outcome` and
-    `attempt`; None when the run has none): to be decided, to be answered with `prior` again,
-    or a Conflict."""
+    `attempt`; None when the run has none; `outcome` None when it is archived, with its
+    `decided_at`): to be decided, to be answered with `prior` again, or a Conflict (Archived)."""
     if prior is None:
         return "decide"
+    if prior["outcome"] is None:  # known by its keys only: its month is archived
+        return archived(request.run_id, prior["attempt"], prior["decided_at"])
     stored = stored_request(prior["request"])
     moved = ownership(stored, request, tenant_label=tenant_label)
     if moved:

@@ -28,6 +28,7 @@ def subscription(settings: EvidenceSettings, topics: Topics) -> Subscription[Evi
         # Set only once the poll committed: the sender will see its events.
         then=lambda service: service.sender.wakeup.set(),
         group_id=settings.consumer_group,
+        group_timing=settings.kafka_group_timing,
         max_records=settings.consumer_max_records,
         title="evidence-emitter",
         description="Decisions (budgetgate.v1.Decision) and reconciliations (budgetgate.v1.Reconciliation) are stored as OpenLineage "

@@ -32,6 +32,7 @@ def subscription(settings: MeteringSettings, topics: Topics) -> Subscription[Met
     return Subscription(
         routes={topics.metering: lambda service: metering_route(service.ingestor, service.metrics)},
         group_id=settings.group_id,
+        group_timing=settings.kafka_group_timing,
         max_records=settings.consumer_max_records,
         title="metering.samples.v1:metering-ingest",
         description=(

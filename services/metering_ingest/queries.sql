@@ -55,7 +55,7 @@ WITH recorded AS (
 ), run AS (
     UPDATE usage_runs
     SET gpu_milli_hours_cumulative = $6, node_milli_hours_cumulative = $7, samples = samples + 1,
-        latest_observed_at = GREATEST(latest_observed_at, $3), updated_at = now()
+        latest_observed_at = GREATEST(latest_observed_at, $3), earliest_observed_at = LEAST(earliest_observed_at, $3), updated_at = now()
     WHERE run_id = $1
 )
 INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
@@ -76,11 +76,11 @@ FROM metering_place_batch($1::text[], $2::text[], $3::timestamptz[], $4::bigint[
 
 -- name: raise_usage_runs
 -- The new high-water marks of the runs a batch recorded samples of: per run its cumulative
--- counters after the batch, how many samples it added and the latest observed_at among them.
+-- counters after the batch, how many samples it added and the latest and earliest observed_at among them.
 UPDATE usage_runs r
 SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
-    latest_observed_at = GREATEST(r.latest_observed_at, x.latest), updated_at = now()
-FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[]) AS x(run_id, gpu, node, added, latest)
+    latest_observed_at = GREATEST(r.latest_observed_at, x.latest), earliest_observed_at = LEAST(r.earliest_observed_at, x.earliest), updated_at = now()
+FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[], $6::timestamptz[]) AS x(run_id, gpu, node, added, latest, earliest)
 WHERE r.run_id = x.run_id;
 
 -- name: insert_pending
@@ -110,7 +110,7 @@ FROM decisions WHERE run_id = ANY($1::text[]) ORDER BY run_id, attempt DESC;
 
 -- name: pending_runs_with_decision
 SELECT DISTINCT p.run_id FROM metering_pending p
-WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id) LIMIT $1;
+WHERE EXISTS (SELECT 1 FROM decision_keys d WHERE d.run_id = p.run_id) LIMIT $1;
 
 -- name: take_expired_pending
 -- Pending samples past their grace period whose run still has no decision, taken to be
@@ -118,7 +118,7 @@ WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id) LIMIT $1;
 DELETE FROM metering_pending
 WHERE (run_id, sample_id, sender) IN (
     SELECT p.run_id, p.sample_id, p.sender FROM metering_pending p
-    WHERE p.expires_at <= $1 AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p.run_id)
+    WHERE p.expires_at <= $1 AND NOT EXISTS (SELECT 1 FROM decision_keys d WHERE d.run_id = p.run_id)
     ORDER BY p.expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
 RETURNING run_id, sample_id, observed_at, source, topic, kafka_partition, kafka_offset, payload, headers, sender, sender_namespaces, sender_tenants;
 

@@ -19,6 +19,7 @@ import asyncpg
 from budgetgate.contracts.topics import Topics
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check
+from budgetgate.ledger import partitions
 from budgetgate.messaging.inbox import Inbox
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.messaging.outbox import OutboxRelay
@@ -74,7 +75,11 @@ class MeteringService(Service):
         return cls(settings, pool, metrics=metrics, progress=progress)
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
-        return {"metering-consumer": self._consume(), "pending-recheck": self._recheck_pending()}
+        return {
+            "metering-consumer": self._consume(),
+            "pending-recheck": self._recheck_pending(),
+            "partitions-ahead": partitions.keep_ahead(self.pool, ahead=self.settings.ledger_partitions_ahead_months),
+        }
 
     async def checks(self) -> dict[str, str]:
         checks = {"postgres": await postgres_check(self.pool)}

@@ -27,6 +27,7 @@ def subscription(settings: ReconcilerSettings, topics: Topics) -> Subscription[R
         },
         then=_wake_settler,
         group_id=f"{s.topic_prefix}{s.consumer_group}",
+        group_timing=s.kafka_group_timing,
         max_records=s.consumer_max_records,
         title="reconciler",
         description="Lifecycle events (budgetgate.v1.LifecycleEvent) and usage records (budgetgate.v1.UsageRecord) are recorded "

@@ -64,9 +64,12 @@ LIMIT $2;
 
 -- name: run_decision
 -- The decision that admitted the run (a DELAYed run may have been admitted on a later attempt),
--- the tenant its concurrency holds were taken for, and whether an earlier attempt was refused.
+-- the tenant its concurrency holds were taken for, whether an earlier attempt was refused, and
+-- the latest observation of a sample metering-ingest accepted for it (usage_runs, its table:
+-- usage that may not have reached this reconciler yet, see RunFacts.metered_through).
 SELECT d.decision_id, d.decided_at, d.policy_bundle_sha, d.projected_gpu, d.gpus, d.nodes, d.flavor, d.region, d.labels,
        d.job_namespace, d.job_name, (SELECT h.tenant FROM run_holds h WHERE h.run_id = d.run_id) AS tenant,
+       (SELECT u.latest_observed_at FROM usage_runs u WHERE u.run_id = d.run_id) AS metered_through,
        EXISTS (SELECT 1 FROM decisions r WHERE r.run_id = d.run_id AND r.attempt < d.attempt AND r.outcome <> 'ALLOW') AS after_refusal,
        EXISTS (SELECT 1 FROM provisional_holds p WHERE p.run_id = d.run_id AND p.decision_id = d.decision_id) AS provisional
 FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1;
@@ -356,7 +359,7 @@ SELECT w.run_id, w.attempt, w.decision_id, w.waiting_for, w.tenant, w.labels, w.
        ARRAY(SELECT jsonb_array_elements(w.needs) ->> 0), w.checked_sha, w.decided_at
 FROM jsonb_to_recordset($1::jsonb) AS w(run_id text, attempt integer, decision_id uuid, waiting_for text, tenant text, labels jsonb,
                                         sensitive boolean, gpus integer, nodes integer, needs jsonb, checked_sha text, decided_at timestamptz)
-WHERE NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+WHERE NOT EXISTS (SELECT 1 FROM decision_keys d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
 ON CONFLICT (run_id) DO NOTHING
 RETURNING run_id;
 
@@ -366,7 +369,7 @@ RETURNING run_id;
 -- for quota headroom and needs the budget too, and may be waiting on the budget alone by now).
 SELECT w.* FROM waiting_runs w
 WHERE ((w.waiting_for = 'quota' AND (w.tenant = $1 OR ($2 AND w.sensitive))) OR w.policy_ids && $3::text[])
-  AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+  AND NOT EXISTS (SELECT 1 FROM decision_keys d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
 ORDER BY w.run_id;
 
 -- name: waiting_unchecked
@@ -374,7 +377,7 @@ ORDER BY w.run_id;
 -- claimed so that one reconciler judges each.
 SELECT w.* FROM waiting_runs w
 WHERE w.checked_sha IS DISTINCT FROM $1
-  AND NOT EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
+  AND NOT EXISTS (SELECT 1 FROM decision_keys d WHERE d.run_id = w.run_id AND d.attempt > w.attempt)
 ORDER BY w.run_id LIMIT $2 FOR UPDATE OF w SKIP LOCKED;
 
 -- name: mark_waiting_checked
@@ -406,11 +409,11 @@ DELETE FROM headroom_notices n USING gone WHERE n.decision_id = gone.decision_id
 -- admitted again after the admission settled has no end yet: its objects stay, however old.
 WITH looked AS (
     -- Whether the run ended is read per object (a subquery of the target list, run for the rows
-    -- the LIMIT keeps), by the keys of run_settlements and decisions: never a scan of either.
+    -- the LIMIT keeps), by the keys of run_settlements and decision_keys: never a scan of either.
     SELECT o.uid, o.admitted_at, EXISTS (
         SELECT 1 FROM run_settlements s
         WHERE s.run_id = o.run_id AND (s.final OR s.released) AND s.phase <> 'running' AND s.settled_at < $1
-          AND s.decision_id = (SELECT d.decision_id FROM decisions d WHERE d.run_id = o.run_id AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1)
+          AND s.decision_id = (SELECT k.decision_id FROM decision_keys k WHERE k.run_id = o.run_id AND k.outcome = 'ALLOW' ORDER BY k.attempt DESC LIMIT 1)
     ) AS ended
     FROM admitted_objects o
     WHERE o.admitted_at < $1 AND (o.admitted_at, o.uid) > (COALESCE($2::timestamptz, '-infinity'), COALESCE($3::text, ''))

@@ -24,6 +24,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.messaging.inbox import Inbox
 from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.messaging.lag import ConsumerProgress
+from budgetgate.ledger import partitions
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
@@ -134,6 +135,7 @@ class Reconciler(Service):
             "reconciler-consume": self._guarded("consume", self._consume),
             "reconciler-settle": self._guarded("settle", self._settle_marked),
             "reconciler-upkeep": self._guarded("upkeep", self._upkeep),
+            "partitions-ahead": partitions.keep_ahead(self.pool, ahead=self.settings.ledger_partitions_ahead_months),
         }
 
     async def checks(self) -> dict[str, str]:

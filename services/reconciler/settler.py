@@ -233,6 +233,7 @@ class Settler:
             ),
             ends_after=decision["decided_at"] if decision["after_refusal"] else None,
             provisional=decision["provisional"],
+            metered_through=decision["metered_through"],
             # Given back once is given back for good: a late start is charged, never held again.
             released=bool(settlement and settlement["released"]) or (bool(reservations) and not is_open and not (settlement and settlement["final"])),
         )

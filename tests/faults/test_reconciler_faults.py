@@ -13,6 +13,7 @@ from tests.support.admission import apply_policies, budget_yaml
 from tests.support.reconciler import H, counts, ledger_in_postgres, lifecycle, start_reconciler, usage
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
+from budgetgate.runtime.redis_client import connect
 
 RUNS = 40
 
@@ -68,9 +69,8 @@ async def test_killed_mid_stream_and_restarted_loses_nothing_applies_nothing_twi
     assert inbox == facts == len(messages)
     ledger = await ledger_in_postgres(pg_dsn)
     assert ledger == expected
-    from redis.asyncio import Redis
 
-    client = Redis.from_url(settings.redis_url)
+    client = connect(settings.redis_url)
     try:
         reserved, consumed = await client.hmget(f"{{{settings.redis_prefix}}}:l:{key}", "reserved", "consumed")
     finally:

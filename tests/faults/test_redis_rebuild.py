@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, restart_from_snapshot, submission
 from tests.support.metering import metric
 from tests.support.waiting import wait_for
+from budgetgate.runtime import redis_client
 
 REBUILDS = "budgetgate_redis_rebuilds_total"
 
@@ -120,7 +121,7 @@ async def test_a_rebuilder_that_dies_mid_rebuild_holds_the_others_only_until_its
     # Redis emptied; the stalled instance is elected to rebuild it and stops mid-rebuild.
     entered, resume = asyncio.Event(), asyncio.Event()
     slowed(stalled, resume, entered=entered)
-    redis = aioredis.from_url(settings.redis_url)
+    redis = redis_client.connect(settings.redis_url)
     conn = await asyncpg.connect(pg_dsn)
     try:
         await redis.delete(*[key async for key in redis.scan_iter(match=f"{stalled.rt.ledger.tag}:*")])

@@ -15,11 +15,8 @@ from pathlib import Path
 
 import asyncpg
 import httpx
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
-from prometheus_client.parser import text_string_to_metric_families
-from redis.asyncio import Redis
 
+from budgetgate.benchmark.consumer_group import group_members, records_taken
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
@@ -29,41 +26,11 @@ from tests.support.metering import IngestProcess, T0, assert_applied_exactly_onc
 from tests.support.reconciler import H, counts, ledger_in_postgres, lifecycle, start_reconciler, usage
 from tests.support.reconciler import feed  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
+from budgetgate.runtime.redis_client import connect
 
 PARTITIONS = 3
 INGEST_RUNS = [f"scale-{i}" for i in range(12)]  # keys enough to land on every partition
 RECONCILER_RUNS = 36
-
-
-async def group_members(bootstrap: str, *names: str) -> list[frozenset[int]] | None:
-    """The partitions of each member of the first of `names` that is a consumer group with
-    members, or None while there is none or it is rebalancing.
-
-    Tansu names the members but leaves their assignments empty; then each member is given as
-    the empty set and only their number can be checked.
-    """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        # One group per request: Tansu answers a request for several with a malformed response.
-        responses = [response for name in names for response in await admin.describe_consumer_groups([name])]
-    finally:
-        await admin.close()
-    for response in responses:
-        for error, _group, state, _ptype, _protocol, members in response.groups:
-            if error or not members:
-                continue
-            if state != "Stable":
-                return None
-            found = []
-            for _member_id, _client_id, _host, _metadata, assignment in members:
-                partitions: set[int] = set()
-                if assignment:
-                    for _topic, numbers in ConsumerProtocolMemberAssignment.decode(assignment).assignment:
-                        partitions.update(numbers)
-                found.append(frozenset(partitions))
-            return found
-    return None
 
 
 async def wait_for_members(bootstrap: str, names: tuple[str, ...], count: int) -> list[frozenset[int]]:
@@ -83,16 +50,10 @@ async def wait_for_members(bootstrap: str, names: tuple[str, ...], count: int) -
     return members
 
 
-async def kafka_samples(port: int) -> float:
+async def kafka_samples(port: int) -> int:
     """How many Kafka samples one metering-ingest process took care of (its /metrics)."""
     async with httpx.AsyncClient(timeout=5) as client:
-        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
-    return sum(
-        found.value
-        for family in text_string_to_metric_families(text)
-        for found in family.samples
-        if found.name == "budgetgate_metering_samples_total" and found.labels.get("source") == "kafka"
-    )
+        return records_taken((await client.get(f"http://127.0.0.1:{port}/metrics")).text)
 
 
 def samples(count: int, *, start: int = 0) -> list[MeteringSample]:
@@ -226,7 +187,7 @@ async def _runs_charged_wrongly(dsn: str, usage: dict[str, int]) -> dict[str, ob
 
 
 async def _redis_reads(settings, key: str, wanted: tuple[int, int]) -> bool:  # type: ignore[no-untyped-def]
-    client = Redis.from_url(settings.redis_url)
+    client = connect(settings.redis_url)
     try:
         reserved, consumed = await client.hmget(f"{{{settings.redis_prefix}}}:l:{key}", "reserved", "consumed")
     finally:

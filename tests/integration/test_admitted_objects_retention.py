@@ -152,7 +152,7 @@ async def test_a_pass_reads_only_by_index(conn: asyncpg.Connection) -> None:
         "SELECT 'uid-' || g, 'vision', 'Pod', 'p', 'run-' || (g % 20000 + 1), $1::timestamptz + g * interval '1 second' FROM generate_series(1, 50000) g",
         LONG_AGO,
     )
-    await conn.execute("ANALYZE admitted_objects, run_settlements, decisions")
+    await conn.execute("ANALYZE admitted_objects, run_settlements, decisions, decision_keys")
 
     [plan] = json.loads(await conn.fetchval("EXPLAIN (FORMAT JSON) " + sql("prune_admitted_objects"), NOW - RETENTION, None, None, 1000))
     scans = list(_scans(plan["Plan"]))

@@ -73,10 +73,10 @@ async def seed(conn: asyncpg.Connection) -> None:
         )  # fmt: skip
         await conn.execute(
             """INSERT INTO decision_evaluations (decision_id, policy_id, policy_git_sha, scope_id, ledger_key, window_start, window_end,
-                                                 unit, enforcement, outcome, limit_amount, projected, remaining, admitted, deficit)
-               VALUES ($1, $2, $3, $4, $5, NULL, NULL, 'gpu_hours', 'hard', $6, $7, $8, $9, $10, $11)""",
+                                                 unit, enforcement, outcome, limit_amount, projected, remaining, admitted, deficit, decided_at)
+               VALUES ($1, $2, $3, $4, $5, NULL, NULL, 'gpu_hours', 'hard', $6, $7, $8, $9, $10, $11, $12)""",
             decision_id, "team-a" if scope == SCOPE else "team-b", sha, scope, ledger_key, outcome,
-            100 * H if scope == SCOPE else 50 * H, 48 * H if outcome == "DENY" else 10 * H, remaining, admitted, deficit,
+            100 * H if scope == SCOPE else 50 * H, 48 * H if outcome == "DENY" else 10 * H, remaining, admitted, deficit, at,
         )  # fmt: skip
         if run == "r1":
             await conn.execute(

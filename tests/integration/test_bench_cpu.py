@@ -14,10 +14,10 @@ import time
 import asyncpg
 import psutil
 import pytest
-import redis.asyncio as aioredis
 
 from budgetgate.benchmark import cpu
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
+from budgetgate.runtime import redis_client
 
 
 def _burn(seconds: float) -> None:
@@ -71,8 +71,25 @@ async def test_postgres_counts_the_server_processes_of_its_database_including_ne
     assert spent is not None and spent > 0.05
 
 
+async def test_the_benchmarks_own_connections_are_not_its_postgres(pg_dsn: str) -> None:
+    """A connection the benchmark opens to watch the database while the load runs is not the
+    system's: its server process is left out of "postgres"; any other connection is in it."""
+    if await cpu._backends(pg_dsn) is None:  # noqa: SLF001
+        pytest.skip("the test Postgres is not a server of this machine (a container): its processes cannot be read")
+    watching = await cpu.unmetered_connection(pg_dsn)
+    working = await asyncpg.connect(pg_dsn)
+    try:
+        read = await cpu._backends(pg_dsn)  # noqa: SLF001
+        assert read is not None
+        assert await working.fetchval("SELECT pg_backend_pid()") in read
+        assert await watching.fetchval("SELECT pg_backend_pid()") not in read
+    finally:
+        await watching.close()
+        await working.close()
+
+
 async def test_redis_counts_its_server(redis_server_url: str) -> None:
-    client = aioredis.from_url(redis_server_url)
+    client = redis_client.connect(redis_server_url)
     meter = CpuMeter([Part("redis", redis_url=redis_server_url)])
 
     async def work() -> None:  # about 0.2 s of the server's CPU in one script
@@ -92,21 +109,47 @@ def test_figures_per_unit_and_the_report_line() -> None:
 
     assert used.per_unit_us(2000) == {"service": 300.0, "postgres": 150.0, "broker": None}
     assert used.per_unit_us(0) == {"service": None, "postgres": None, "broker": None}
-    assert used.line(2000, "decision") == "CPU µs per decision: service 300, postgres 150, broker -; machine 50% busy (2 CPUs)"
+    assert used.line(2000, "decision") == (
+        "CPU µs per decision: all parts - (service 300, postgres 150, broker -); machine 50% busy (2 CPUs): bound by waiting, not by CPU"
+    )
     assert used.as_json(2000) == {
         "window_seconds": 2.0,
         "cpu_seconds": {"service": 0.6, "postgres": 0.3, "broker": None},
         "us_per_unit": {"service": 300.0, "postgres": 150.0, "broker": None},
+        "groups": {},  # one process per service: no replicas to add up
+        "group_us_per_unit": {},
+        "all_parts_us_per_unit": None,  # the broker's part is unknown, so what a unit costs is too
+        "not_in_all_parts": [],
         "machine_busy": 0.5,
+        "bound_by_waiting": True,
         "cpus": 2,
-        "bound_per_second": None,  # the broker's part is unknown, so what a unit costs is too
+        "bound_per_second": None,
     }
     assert used.bound_per_second(2000) is None and used.bound_line(2000, "decision") is None
 
 
+def test_all_parts_leave_out_what_is_only_shown_beside_them_and_a_busy_machine_is_not_waiting() -> None:
+    used = CpuUse(seconds=2.0, parts={"service": 0.6, "postgres": 0.3, "load generator": 0.5}, machine_busy=0.95, cpus=2, apart=frozenset({"load generator"}))
+
+    assert used.all_parts == pytest.approx(0.9) and used.all_parts_us(2000) == 450.0
+    assert not used.bound_by_waiting
+    assert used.line(2000, "decision") == "CPU µs per decision: all parts 450 (service 300, postgres 150); load generator 250; machine 95% busy (2 CPUs)"
+    assert used.bound_per_second(2000) == pytest.approx(2 * 2000 / 0.9)  # the load generator is no part of a unit's cost
+    unknown_beside = CpuUse(seconds=1.0, parts={"service": 0.2, "load generator": None}, machine_busy=0.89, cpus=2, apart=frozenset({"load generator"}))
+    assert unknown_beside.all_parts_us(1000) == 200.0 and unknown_beside.bound_by_waiting
+
+
+async def test_the_meter_keeps_a_part_not_counted_apart() -> None:
+    meter = CpuMeter([Part.process("me", os.getpid()), Part.process("beside", os.getpid(), counted=False)])
+
+    _, used = await meter.measure(_nothing)
+
+    assert used.apart == frozenset({"beside"})
+
+
 def test_the_bound_is_what_all_cpus_hold_at_the_measured_cost_of_a_unit() -> None:
     # 2000 decisions cost 0.6 + 0.3 + 0.1 = 1.0 CPU second: 500 µs each, so 2 CPUs hold 4000/s.
-    used = CpuUse(seconds=2.0, parts={"service": 0.6, "postgres": 0.3, "load generator": 0.1}, machine_busy=0.5, cpus=2)
+    used = CpuUse(seconds=2.0, parts={"service": 0.6, "postgres": 0.3, "redis": 0.1}, machine_busy=0.5, cpus=2)
 
     assert used.bound_per_second(2000) == pytest.approx(4000.0)
     assert used.as_json(2000)["bound_per_second"] == 4000.0

@@ -97,7 +97,7 @@ async def _consume(  # type: ignore[no-untyped-def]
     broker = KafkaBroker(settings.kafka_bootstrap)
     pipeline = Pipeline(inbox, progress=progress)
 
-    @broker.subscriber(*inbox.routes, group_id=group, **INBOX_SUBSCRIBER, **options)
+    @broker.subscriber(*inbox.routes, group_id=group, **INBOX_SUBSCRIBER, **settings.kafka_group_timing, **options)
     async def apply(message: KafkaMessage) -> None:
         nonlocal taken
         if pipelined:
@@ -314,7 +314,12 @@ async def test_a_failed_pipelined_poll_is_read_again_and_nothing_after_it_is_com
         inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: BatchRoute(lifecycle_pb2.LifecycleEvent, handle)})
         pipeline = Pipeline(inbox)
         consumer = AIOKafkaConsumer(
-            topics.lifecycle, bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False, auto_offset_reset="earliest"
+            topics.lifecycle,
+            bootstrap_servers=settings.kafka_bootstrap,
+            group_id=group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            **settings.kafka_group_timing,
         )
         await consumer.start()
         failures = 0

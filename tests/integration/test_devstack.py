@@ -5,14 +5,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
+import socket
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 import asyncpg
 import httpx
+import psutil
 import pytest
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -24,10 +25,11 @@ from budgetgate.devstack.postgres import EmbeddedPostgres
 from budgetgate.devstack.processes import ProcessRecord
 from budgetgate.devstack.redis import EmbeddedRedis
 from budgetgate.devstack.state import StackState
-from budgetgate.devstack.ports import port_open, split_host_port
+from budgetgate.devstack.ports import free_port, port_open, split_host_port
 from budgetgate.ledger.migrations import migration_files
 from budgetgate.runtime.settings import CommonSettings
 from tests.support.databases import DatabaseFactory
+from tests.support.devstack import NO_BACKEND_ENV, alive_pids, checkout, dev, new_checkout, not_zombie, status  # noqa: F401 - checkout, new_checkout: fixtures
 from tests.support.killable import KillablePostgres, KillableServer
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -89,6 +91,49 @@ async def test_killable_kafka_comes_back_without_topics(killable_kafka: Killable
         await admin.close()
 
 
+LEFTOVER = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'postgres: leftover', 0, 0, 0); time.sleep(120)"
+
+
+def _leftover(data_dir: Path, planted: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    """A process named like a backend, working in the data directory, outside the server's
+    process group: what a backend the group's SIGKILL missed (or one slow to die) looks like.
+    Added to `planted` at once, for the test to reap whatever happens."""
+    proc = subprocess.Popen([sys.executable, "-c", LEFTOVER], cwd=data_dir, start_new_session=True)
+    planted.append(proc)
+    deadline = time.monotonic() + 10
+    # (process_iter's info dict: a process that ends while listed is skipped, not raised on)
+    while proc.pid not in {p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("postgres")} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+async def test_a_killed_postgres_leaves_nothing_working_in_its_data_directory(killable_postgres: KillablePostgres) -> None:
+    server = killable_postgres._server
+    planted: list[subprocess.Popen[bytes]] = []
+    try:
+        missed = _leftover(server.data_dir, planted)
+        assert missed.pid in {p.pid for p in server.leftovers()}
+        killable_postgres.stop()
+        missed.wait(timeout=10)  # (reaped by the kill's wait already: its code is lost)
+        assert not psutil.pid_exists(missed.pid) and server.leftovers() == []
+        # Left over from a postmaster killed some other way: the next start clears them first.
+        orphan = _leftover(server.data_dir, planted)
+        killable_postgres.start()
+        orphan.wait(timeout=10)
+        assert not psutil.pid_exists(orphan.pid)  # (the new server's own processes work there now)
+    finally:
+        # Never left running (nor unreaped, which warns in whatever test runs next) if a step fails.
+        for proc in planted:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+    conn = await asyncpg.connect(killable_postgres.dsn)
+    try:
+        assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await conn.close()
+
+
 async def test_pg_dsn_is_migrated_and_its_own(pg_dsn: str, _database_factory: DatabaseFactory) -> None:
     conn = await asyncpg.connect(pg_dsn)
     try:
@@ -117,55 +162,6 @@ def test_settings_point_at_this_tests_own_resources(settings: CommonSettings, pg
 
 # -- dev up / status / down -------------------------------------------------------------------
 
-NO_BACKEND_ENV = ("BUDGETGATE_POSTGRES_DSN", "BUDGETGATE_REDIS_URL", "BUDGETGATE_KAFKA_BOOTSTRAP",
-                  "BUDGETGATE_REDIS_PREFIX", "BUDGETGATE_TOPIC_PREFIX", "BUDGETGATE_HOME")  # fmt: skip
-
-
-def dev(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `budgetgate dev ARGS` in `root`, with no BUDGETGATE_* servers unless `env` names some.
-
-    The `dev` group is invoked directly: the whole CLI imports every command group, which costs
-    most of a second per call; tests/e2e goes through the `budgetgate` entry point.
-    """
-    base = {k: v for k, v in os.environ.items() if k not in NO_BACKEND_ENV}
-    cmd = [sys.executable, "-c", "from budgetgate.cli.dev import dev; dev()", *args]
-    return subprocess.run(cmd, cwd=root, env={**base, **(env or {})}, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
-
-
-def status(root: Path) -> dict:  # type: ignore[type-arg]
-    result = dev(root, "status", "--json")
-    return json.loads(result.stdout)
-
-
-@pytest.fixture
-def new_checkout():  # type: ignore[no-untyped-def]
-    """Makes directories to run stacks in; whatever is left up there is taken down afterwards.
-
-    Under the system temp dir rather than tmp_path: the embedded Postgres runs as another user
-    that must traverse every parent, and pytest resets its own base directory to mode 0700
-    whenever a session starts (another one may start while this one runs).
-    """
-    roots: list[Path] = []
-
-    def make() -> Path:
-        roots.append(Path(tempfile.mkdtemp(prefix="budgetgate-checkout-")))
-        return roots[-1]
-
-    yield make
-    for root in roots:
-        dev(root, "down")
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def checkout(new_checkout) -> Path:  # type: ignore[no-untyped-def]
-    return new_checkout()
-
-
-def alive_pids(info: dict) -> dict[str, int]:  # type: ignore[type-arg]
-    return {p["name"]: p["pid"] for p in info["processes"] if p["alive"]}
-
 
 async def test_up_status_down_with_embedded_servers(checkout: Path) -> None:
     started = dev(checkout, "up", "--detach", "--no-services")
@@ -183,7 +179,10 @@ async def test_up_status_down_with_embedded_servers(checkout: Path) -> None:
     await client.aclose()
     assert port_open(*split_host_port(info["kafka_bootstrap"], 9092))
     # Settings reach any command run in the checkout through the state file.
-    assert json.loads((checkout / ".budgetgate" / "dev.json").read_text())["settings"]["redis_url"] == info["redis_url"]
+    published = json.loads((checkout / ".budgetgate" / "dev.json").read_text())["settings"]
+    assert published["redis_url"] == info["redis_url"]
+    # The embedded broker's groups on a short session, so the services join in 1.5 s.
+    assert published["kafka_session_timeout_ms"] == 3_000
     # One token per role, readable by the owner only, and live in the stack's database.
     assert set(info["tokens"]) == {role.value for role in Role}  # one token per role, accounting included
     assert (checkout / ".budgetgate" / "dev.json").stat().st_mode & 0o777 == 0o600
@@ -201,16 +200,9 @@ async def test_up_status_down_with_embedded_servers(checkout: Path) -> None:
     stopped = dev(checkout, "down")
     assert stopped.returncode == 0, stopped.stderr
     assert not (checkout / ".budgetgate" / "dev.json").exists()
-    assert not any(Path(f"/proc/{pid}").exists() and _not_zombie(pid) for pid in alive_pids(info).values())
+    assert not any(Path(f"/proc/{pid}").exists() and not_zombie(pid) for pid in alive_pids(info).values())
     assert dev(checkout, "down").returncode == 0
     assert dev(checkout, "status").returncode == 1
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_two_checkouts_run_side_by_side(new_checkout) -> None:  # type: ignore[no-untyped-def]
@@ -404,7 +396,7 @@ def test_an_interrupted_server_start_leaves_no_server_running(tmp_path: Path, mo
         server.start(timeout=30, on_spawn=spawned.append)
     (record,) = spawned
     assert record.name == "redis" and record.pid == server.pid
-    assert not _not_zombie(record.pid), "the half-started server is still running"
+    assert not not_zombie(record.pid), "the half-started server is still running"
 
 
 def test_up_interrupted_while_postgres_starts_records_it_at_once_and_leaves_nothing_behind(checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -428,7 +420,7 @@ def test_up_interrupted_while_postgres_starts_records_it_at_once_and_leaves_noth
     with pytest.raises(KeyboardInterrupt):
         stack.up(checkout, timeout=60, services=False, echo=lambda _line: None)
     assert seen and seen[-1][:1] == [f"postgres {_postmaster_pid(checkout)}"], f"not in the state file while it started: {seen}"
-    assert not _not_zombie(_postmaster_pid(checkout)), "the interrupted Postgres is still running"
+    assert not not_zombie(_postmaster_pid(checkout)), "the interrupted Postgres is still running"
     monkeypatch.undo()
     result = dev(checkout, "up", "--detach", "--no-services")
     assert result.returncode == 0, result.stderr
@@ -438,3 +430,42 @@ def test_up_interrupted_while_postgres_starts_records_it_at_once_and_leaves_noth
 def _postmaster_pid(root: Path) -> int:
     # The lock of the killed postmaster stays behind; the next start removes it as stale.
     return int((root / ".budgetgate" / "postgres" / "postmaster.pid").read_text().split("\n", 1)[0])
+
+
+# The services outlive the Popen objects of this process (`dev down` stops them by pid, as it would
+# those of a `dev up` that has exited).
+@pytest.mark.filterwarnings("ignore:subprocess .* is still running:ResourceWarning")
+def test_a_service_whose_port_is_taken_while_it_starts_is_started_on_another(
+    checkout: Path, postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stack picks a free port, then the service binds it: something else can bind it first.
+    env = {"BUDGETGATE_POSTGRES_DSN": postgres_admin_dsn, "BUDGETGATE_REDIS_URL": redis_server_url, "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap}
+    database = database_name(checkout_tag(checkout))
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picks = iter([taken])
+    monkeypatch.setattr(stack, "free_port", lambda: next(picks, None) or free_port())
+    echoed: list[str] = []
+    try:
+        assert dev(checkout, "up", "--detach", "--no-services", env=env).returncode == 0
+        state = StackState.load(checkout)
+        assert state is not None
+        with monkeypatch.context() as patched:
+            for name, value in env.items():
+                patched.setenv(name, value)
+            stack._start_services(state, timeout=120, echo=echoed.append)
+        first = stack.SERVICES[0].name
+        assert f"{first}: http://127.0.0.1:{taken} was taken while it started; starting it on another port" in echoed
+        saved = StackState.load(checkout)
+        assert saved is not None
+        records = [p for p in saved.processes if p.name == first]
+        assert len(records) == 1 and records[0].extra["url"] != f"http://127.0.0.1:{taken}"  # the stack records the new start only
+        assert httpx.get(f"{records[0].extra['url']}/healthz", timeout=5).status_code == 200
+    finally:
+        squatter.close()
+        dev(checkout, "down")
+        from tests.support.databases import _execute, run_async
+
+        run_async(lambda: _execute(postgres_admin_dsn, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))

@@ -299,19 +299,26 @@ async def decisions_of(dsn: str, run_id: str) -> list[tuple[int, str]]:
         await conn.close()
 
 
+async def delaying(admission_factory: Any, pg_dsn: str, *, sha: str) -> Any:
+    """An admission service whose budget for team vision (100 GPU-hours, delaying when full)
+    has 60 held by another run: a Workload asking 48 is delayed."""
+    files = {"b.yaml": budget_yaml("vision-delay", namespace="vision-prod", labels="{team: vision}", limit="gpu_hours: 100", on_exhausted="delay")}
+    await apply_policies(pg_dsn, files, sha=sha)
+    server = await admission_factory()
+    await server.wait_ready()
+    holder = submission(run_id="holder", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=7.5)
+    assert (await server.client.post("/v1/admissions", json=holder)).json()["decision"] == "ALLOW"
+    return server
+
+
 def stored(api: KubeApi, name: str) -> dict[str, Any]:
     return api.get("workloads", name, "vision-prod")
 
 
 async def test_a_delay_is_decided_once_per_requeue_interval_not_in_a_hot_loop(kube, admission_factory, pg_dsn) -> None:
     api, url = kube
-    files = {"b.yaml": budget_yaml("vision-delay", namespace="vision-prod", labels="{team: vision}", limit="gpu_hours: 100", on_exhausted="delay")}
-    await apply_policies(pg_dsn, files, sha="d" * 40)
-    server = await admission_factory()
-    await server.wait_ready()
     # 60 of the 100 GPU-hours held: the Workload's 48 wait for room.
-    holder = submission(run_id="holder", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=7.5)
-    assert (await server.client.post("/v1/admissions", json=holder)).json()["decision"] == "ALLOW"
+    server = await delaying(admission_factory, pg_dsn, sha="d" * 40)
     run_id = "12121212-1212-4212-8212-121212121212"
     api.put("admissionchecks", fixture("admissioncheck.json"))
     api.put("workloads", workload("job-delayed", job_uid=run_id))
@@ -483,12 +490,7 @@ async def test_a_workload_whose_status_write_failed_is_decided_again_not_passed_
     # The attempt annotation was written, then the status write failed: the Workload (attempt 2,
     # still Pending) is current, and is decided again rather than taken for the controller's own
     # version between its two writes.
-    files = {"b.yaml": budget_yaml("vision-delay", namespace="vision-prod", labels="{team: vision}", limit="gpu_hours: 100", on_exhausted="delay")}
-    await apply_policies(pg_dsn, files, sha="f" * 40)
-    server = await admission_factory()
-    await server.wait_ready()
-    holder = submission(run_id="holder", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=7.5)
-    assert (await server.client.post("/v1/admissions", json=holder)).json()["decision"] == "ALLOW"
+    server = await delaying(admission_factory, pg_dsn, sha="f" * 40)
     run_id = "19191919-1919-4919-8919-191919191919"
     api = KubeApi()
     api.put("admissionchecks", fixture("admissioncheck.json"))
@@ -511,3 +513,45 @@ async def test_a_workload_whose_status_write_failed_is_decided_again_not_passed_
     assert check_state(api, "job-failed-write")["state"] == "Retry"
     assert api.get("workloads", "job-failed-write", "vision-prod")["metadata"]["annotations"]["budgetgate.io/attempt"] == "3"
     assert await decisions_of(pg_dsn, run_id) == [(1, "DELAY"), (2, "DELAY")]
+
+
+class KueueWritesBetween:
+    """The stand-in's app, where Kueue writes the Workload (its provisioning check re-provisioned)
+    right after the controller's first annotation write to it: the controller's status write,
+    guarded by the version its annotation write made, then meets a 409."""
+
+    def __init__(self, api: KubeApi, name: str) -> None:
+        self.api, self.name, self.armed = api, name, True
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.api.app(scope, receive, send)
+        if self.armed and scope["type"] == "http" and scope["method"] == "PATCH" and scope["path"].endswith(f"/workloads/{self.name}"):
+            self.armed = False
+            changed = self.api.get("workloads", self.name, "vision-prod")
+            changed["status"]["admissionChecks"][1]["message"] = "re-provisioned"
+            self.api.put("workloads", changed)
+
+
+async def test_a_kueue_write_between_the_attempt_and_the_status_carries_the_decision_over(admission_factory, pg_dsn) -> None:
+    # The attempt annotation was raised, then Kueue wrote the Workload before the Retry was: the
+    # decision made is written onto Kueue's version (Kueue's change kept), not taken back and
+    # decided again as a third attempt with no Retry ever written for the second.
+    server = await delaying(admission_factory, pg_dsn, sha="e" * 40)
+    run_id = "17171717-1717-4717-8717-171717171717"
+    api = KubeApi()
+    api.put("admissionchecks", fixture("admissioncheck.json"))
+    waiting = api.put("workloads", workload("job-raced-write", job_uid=run_id))
+    stand_in = InProcessServer(KueueWritesBetween(api, "job-raced-write"), port=free_port())
+    await stand_in.start()
+    try:
+        async with deciding(stand_in.url, server.url) as controller:
+            await controller.reconcile(copy.deepcopy(waiting))
+            # Kueue's version is the one written from now on: nothing left to decide on it.
+            await controller.reconcile(api.get("workloads", "job-raced-write", "vision-prod"))
+    finally:
+        await stand_in.stop()
+    found = api.get("workloads", "job-raced-write", "vision-prod")
+    assert check_state(api, "job-raced-write")["state"] == "Retry"
+    assert found["status"]["admissionChecks"][1]["message"] == "re-provisioned"
+    assert found["metadata"]["annotations"]["budgetgate.io/attempt"] == "2"
+    assert await decisions_of(pg_dsn, run_id) == [(1, "DELAY")]

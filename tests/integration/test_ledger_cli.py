@@ -9,12 +9,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import asyncpg
-import redis.asyncio as aioredis
 
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
 from tests.support.cli import budgetgate_on
 from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
+from budgetgate.runtime import redis_client
 
 
 async def _budgetgate(tmp_path: Path, settings, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
@@ -31,7 +31,7 @@ async def test_rebuild_redis_restores_a_lost_ledger_and_repairs_drift(admission,
     assert before and set(holds) == {"ledger-cli/0", "ledger-cli/1"}
     await admission.stop()  # nothing else may rebuild Redis behind the command's back
 
-    client = aioredis.from_url(settings.redis_url)
+    client = redis_client.connect(settings.redis_url)
     ledger = RedisLedger(client, prefix=settings.redis_prefix)
     try:
         await client.delete(*[key async for key in client.scan_iter(match=f"*{settings.redis_prefix}*")])
@@ -69,7 +69,7 @@ async def test_check_compares_quota_counters_and_pool_tokens_and_the_reconciler_
     await server.stop()  # nothing else may change or rebuild Redis meanwhile
 
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
-    client = aioredis.from_url(settings.redis_url)
+    client = redis_client.connect(settings.redis_url)
     ledger = RedisLedger(client, prefix=settings.redis_prefix)
     sync = LedgerSync(pool, ledger)
     counter, leases = ledger.keys.counter("t:physics"), ledger.keys.pool("snowflake:wh-1")[0]
@@ -116,7 +116,7 @@ async def test_a_ledger_lost_during_the_check_is_not_reported_as_matching(admiss
     assert (await admission.submit(run_id="lost-midway")).json()["decision"] == "ALLOW"
     await admission.stop()  # it would rebuild Redis as soon as it noticed
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
-    client = aioredis.from_url(settings.redis_url)
+    client = redis_client.connect(settings.redis_url)
     try:
         assert (await LedgerSync(pool, RedisLedger(client, prefix=settings.redis_prefix)).check_drift(repair=False)).clean  # type: ignore[union-attr]
         assert await LedgerSync(pool, _LostMidway(client, prefix=settings.redis_prefix)).check_drift(repair=False) is None

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncpg
 import pytest
-import redis.asyncio as aioredis
 
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.transaction import ledger_transaction
+from budgetgate.runtime import redis_client
 
 sql = owned_by("budgetgate.services.admission")  # its own queries, then the shared ledger's
 
@@ -23,7 +23,7 @@ HELD_SHARED = """SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND c
 @pytest.mark.parametrize("locks_itself", [False, True], ids=["own-statement", "begin-batch"])
 async def test_a_ledger_transaction_keeps_a_rebuild_out_until_it_commits(pg_dsn: str, redis_url: str, redis_prefix: str, locks_itself: bool) -> None:
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
-    client = aioredis.from_url(redis_url)
+    client = redis_client.connect(redis_url)
     rebuild = await asyncpg.connect(pg_dsn)
     try:
         async with ledger_transaction(pool, RedisLedger(client, prefix=redis_prefix), locks_itself=locks_itself) as work:

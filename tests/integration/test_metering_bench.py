@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-import asyncpg
+from tests.support.bench import assert_nothing_left
 
 
 async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres_admin_dsn: str, kafka_server_bootstrap: str) -> None:
@@ -40,7 +40,7 @@ async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres
     assert set(collected["passes"]) == {"young", "middle", "full"} and collected["cpu_seconds"] > 0
     assert 0 <= collected["share"] < 1
 
-    await _nothing_left(postgres_admin_dsn, report["run_tag"])
+    await assert_nothing_left(postgres_admin_dsn, report["run_tag"])
 
 
 async def test_rounds_pair_each_service_run_with_its_own_copy(postgres_admin_dsn: str, kafka_server_bootstrap: str) -> None:
@@ -61,13 +61,4 @@ async def test_rounds_pair_each_service_run_with_its_own_copy(postgres_admin_dsn
     assert report["medians"]["ratio_rows_per_second"]["low"] == ratios[0] and report["medians"]["ratio_rows_per_second"]["high"] == ratios[1]
     assert rounds[report["median_round"] - 1]["ratio_rows_per_second"] == ratios[0] == report["ratio_rows_per_second"]
     for measured in rounds:
-        await _nothing_left(postgres_admin_dsn, measured["run_tag"])
-
-
-async def _nothing_left(admin_dsn: str, tag: str) -> None:
-    conn = await asyncpg.connect(admin_dsn)
-    try:
-        left = await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE $1", f"bench\\_{tag}\\_%")
-    finally:
-        await conn.close()
-    assert left == 0
+        await assert_nothing_left(postgres_admin_dsn, measured["run_tag"])

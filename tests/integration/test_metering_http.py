@@ -3,7 +3,10 @@ recorded, 202 for pending samples, durable before the answer; health, readiness 
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
+
+import pytest
 
 from budgetgate.contracts.topics import Topics
 from tests.support.metering import (  # noqa: F401 - pytest fixtures
@@ -153,3 +156,14 @@ async def test_health_readiness_and_openapi(metering) -> None:
     assert ready.status_code == 200 and ready.json()["checks"] == {"postgres": "ok", "kafka_consumer": "ok"}
     spec = (await metering.client.get("/openapi.json")).json()
     assert "samples" in spec["paths"]["/v1/metering/samples"]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+
+
+async def test_the_kafka_clients_log_through_the_services_logging(
+    metering_factory, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.INFO, logger="budgetgate.messaging.kafka")  # (a service logs at INFO)
+    server = await metering_factory()
+    await server.wait_ready()  # the consumer was given its partitions while it started
+    assert any(r.name == "budgetgate.messaging.kafka" and "assigned to partitions" in r.getMessage() for r in caplog.records)
+    # Not on stdout in a format of FastStream's own, where a command's output would collect it.
+    assert "assigned to partitions" not in capsys.readouterr().out

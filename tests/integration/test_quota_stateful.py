@@ -9,7 +9,6 @@ import uuid
 from datetime import UTC, datetime
 
 import asyncpg
-import redis.asyncio as aioredis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
@@ -22,6 +21,7 @@ from budgetgate.services.admission.admitter import Admitter
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.contracts.admission import AdmissionRequest
 from tests.support.admission import apply_policies, budget_yaml
+from budgetgate.runtime import redis_client
 
 LIMITS = st.tuples(st.integers(0, 24), st.integers(0, 10), st.integers(0, 5))
 
@@ -50,7 +50,7 @@ def make_machine(pg_dsn: str, redis_url: str, redis_prefix: str) -> type[RuleBas
 
         async def _connect(self) -> None:
             self.pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=12)
-            self.client = aioredis.from_url(redis_url)
+            self.client = redis_client.connect(redis_url)
             self.ledger = RedisLedger(self.client, prefix=f"{redis_prefix}-{self.tenant}")
             self.sync = LedgerSync(self.pool, self.ledger)
             self.policies = PolicyStore(self.pool)

@@ -18,6 +18,7 @@ from tests.support.pg_sessions import wait_done_or_blocked
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, run_charges, settled, ts, usage
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
+from budgetgate.runtime import redis_client
 
 BODY = {"labels": {"team": "vision"}, "resources": {"gpus": 8}, "projected_runtime_hours": 10.0}
 
@@ -157,12 +158,11 @@ async def _final(dsn: str, run_id: str) -> bool:
 
 
 async def test_the_settle_script_refuses_a_figure_beyond_the_range_and_changes_nothing(settings) -> None:
-    import redis.asyncio as aioredis
 
     from budgetgate.core.ledger_key import AmountOutOfRange
     from budgetgate.ledger.redis_ledger import KeyChange, RedisLedger
 
-    client = aioredis.from_url(settings.redis_url)
+    client = redis_client.connect(settings.redis_url)
     try:
         ledger = RedisLedger(client, prefix=settings.redis_prefix)
         await client.set(ledger.marker, "g")
@@ -186,11 +186,10 @@ async def test_a_late_undo_of_a_rolled_back_settlement_never_ends_the_next_one(s
     parks its own settlement, again as sequence 3 (the revision S1 never committed). S1's undo,
     arriving late, must leave S2 alone: matched on the number only, it undid S2's increase, and
     S2's commit then found nothing parked."""
-    import redis.asyncio as aioredis
 
     from budgetgate.ledger.redis_ledger import KeyChange, RedisLedger
 
-    client = aioredis.from_url(settings.redis_url)
+    client = redis_client.connect(settings.redis_url)
     try:
         ledger = RedisLedger(client, prefix=settings.redis_prefix)
         await client.set(ledger.marker, "g")

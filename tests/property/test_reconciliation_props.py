@@ -451,3 +451,31 @@ def test_folding_a_provisional_run_gives_the_whole_run_settlement(stream, data, 
     if not keep:
         assert oracle.released == (now >= T0 + PROVISIONAL.provisional_hold)
         assert oracle.unconfirmed == (now < T0 + PROVISIONAL.provisional_hold)
+
+
+# --- usage accepted by metering-ingest but not yet at the reconciler (seed 20261131) ---------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(min_value=0.0, max_value=6.0, allow_nan=False), min_size=1, max_size=6),
+    st.integers(min_value=0, max_value=5),
+    st.integers(min_value=0, max_value=599),
+)
+def test_usage_still_in_flight_is_covered_by_what_stays_held_until_it_arrives(increments: list[float], received: int, after_end_s: int) -> None:
+    # Samples one minute apart ending just before COMPLETED, cumulative; the reconciler has the
+    # first `received` of them, metering-ingest accepted them all (`metered_through`).
+    end_minute = 300
+    times = [end_minute - len(increments) + i for i in range(len(increments))]
+    cumulative = [sum(increments[: i + 1]) for i in range(len(increments))]
+    everything = [sample(t, c) for t, c in zip(times, cumulative, strict=True)]
+    folded = everything[: min(received, len(everything))]
+    run = replace(facts([ev(STARTED, 0), ev(COMPLETED, end_minute)], folded, policies=(GPU,)), metered_through=everything[-1].observed_at)
+    result = settle(run, bundle=BUNDLE, rules=RULES, now=T0 + timedelta(minutes=end_minute, seconds=after_end_s))
+    total = everything[-1].gpu  # all the usage metering-ingest acknowledged (within the 48 GPU-hours reserved)
+    consumed = sum(result.consumed_by_key().values())  # on whichever month's key it happened in
+    if len(folded) < len(everything):
+        assert not result.final  # within the provisional grace the end waits for it
+        assert result.held[key(GPU)] + consumed >= total
+    else:
+        assert result.final and consumed == total

@@ -2,7 +2,9 @@
 
 In order: the server named by BUDGETGATE_POSTGRES_DSN / BUDGETGATE_REDIS_URL /
 BUDGETGATE_KAFKA_BOOTSTRAP; else a container, when a Docker engine answers; else an embedded
-server started by the same code as `budgetgate dev up`. Whatever is started here is registered
+server started by the same code as `budgetgate dev up`. BUDGETGATE_TEST_REDIS=cluster runs the
+session on an embedded Redis Cluster (three masters with a replica each) instead, whatever
+BUDGETGATE_REDIS_URL says: the ledger suites run on both. Whatever is started here is registered
 on the caller's ExitStack and stopped (and its files removed) when that closes.
 """
 
@@ -16,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+
 from budgetgate.devstack.embedded import EmbeddedServer
 from budgetgate.devstack.kafka import TansuBroker
 from budgetgate.devstack.postgres import EmbeddedPostgres
 from budgetgate.devstack.redis import EmbeddedRedis
+from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
 from tests.support import containers
 
 S = TypeVar("S", bound=EmbeddedServer)
@@ -72,7 +76,23 @@ def postgres(stack: ExitStack) -> Backend:
     return Backend(run_embedded(stack, new_postgres(stack)).dsn(), "embedded")
 
 
+def new_redis_cluster(stack: ExitStack) -> EmbeddedRedisCluster:
+    cluster = EmbeddedRedisCluster(scratch_dir(stack, "redis-cluster"))
+    stack.callback(cluster.stop)
+    return cluster.start()
+
+
+def redis_on_cluster() -> bool:
+    """Whether this session's Redis is a cluster (BUDGETGATE_TEST_REDIS=cluster)."""
+    wanted = os.environ.get("BUDGETGATE_TEST_REDIS", "").strip().lower()
+    if wanted not in ("", "single", "cluster"):
+        raise ValueError(f"BUDGETGATE_TEST_REDIS={wanted!r}: say 'cluster' or 'single'")
+    return wanted == "cluster"
+
+
 def redis(stack: ExitStack) -> Backend:
+    if redis_on_cluster():
+        return Backend(new_redis_cluster(stack).url, "embedded cluster")
     if given := os.environ.get("BUDGETGATE_REDIS_URL"):
         return Backend(given, "env")
     if containers.docker_engine_available():

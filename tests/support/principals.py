@@ -11,10 +11,10 @@ from typing import Any
 
 import asyncpg
 import pytest
-import redis.asyncio as aioredis
 
 from budgetgate.core.principals import Role
 from budgetgate.access.tokens import create_token
+from budgetgate.runtime import redis_client
 
 ALL_ROLES = tuple(Role)
 
@@ -51,7 +51,7 @@ async def ledger_state(dsn: str, redis_url: str, prefix: str) -> dict[str, Any]:
         rows["outbox"] = sorted(str(dict(r)) for r in await conn.fetch("SELECT id, topic, key, payload FROM outbox"))
     finally:
         await conn.close()
-    client = aioredis.from_url(redis_url)
+    client = redis_client.connect(redis_url)
     try:
         keys = sorted([k async for k in client.scan_iter(match=f"{{{prefix}}}*")])
         rows["redis"] = [(k, await client.dump(k)) for k in keys if b"ratelimit" not in k]

@@ -103,3 +103,40 @@ def test_a_round_that_fails_its_check_fails_the_run(monkeypatch: pytest.MonkeyPa
     assert "round 2: metering-ingest 10000 rows/s, COPY 100000 rows/s: 0.1x" in outcome.output and "FAILED its check" in outcome.output
     assert "the median round (1):" in outcome.output and "correctness: OK" in outcome.output
     assert "correctness: FAILED - round 2: 1 usage row too many" in outcome.output and "correctness check failed" in outcome.output
+
+
+def test_replicas_are_named_with_the_samples_each_took_and_their_cpu_beside_the_sum() -> None:
+    from budgetgate.benchmark import metering_report
+    from budgetgate.benchmark.cpu import CpuUse
+
+    cpu = CpuUse(
+        seconds=0.5, parts={"service 1": 0.02, "service 2": 0.04, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2,
+        groups={"service": ("service 1", "service 2")},
+    )  # fmt: skip
+    result = metering_runner.Result(
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.6, rows=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
+        cpu=cpu, cpu_samples=1000, replicas=2, consumed_by_replica=[400, 700],
+    )  # fmt: skip
+    options = metering_runner.Options(replicas=2)
+
+    report = metering_report.as_json(options, [result])
+    assert report["consumed_by_replica"] == {"service 1": 400, "service 2": 700}
+    assert report["window"] == {"samples": 1000, "seconds": 0.5, "samples_per_second": 2000.0}
+    assert report["cpu"]["group_us_per_unit"] == {"service": pytest.approx(60.0)} and report["cpu"]["all_parts_us_per_unit"] == pytest.approx(92.5)
+    text = metering_report.as_text(options, [result])
+    assert "2 metering-ingest processes in one consumer group: service 1 took 400 samples, service 2 took 700 samples" in text
+    assert (
+        "from the first commit with every replica in the group (1000 samples in 0.50 s = 2000/s), CPU µs per sample consumed: "
+        "all parts 92 (service 60 = service 1 20 + service 2 40, postgres 30, broker 2)"
+    ) in text
+    rounds = metering_report.as_json(metering_runner.Options(replicas=2, rounds=2), [result, result])
+    assert rounds["medians"]["service_us_per_sample"]["median"] == pytest.approx(60.0)
+    assert list(rounds["medians"]["us_per_sample"]) == ["service 1", "service 2", "postgres", "broker"]
+    text = metering_report.as_text(metering_runner.Options(replicas=2, rounds=2), [result, result])
+    assert "round 1: metering-ingest 1667 rows/s, COPY 100000 rows/s: 0.01667x; CPU µs per sample: service 60 = service 1 20 + service 2 40" in text
+    assert "samples/s with every replica in the group 2000 (2000-2000)" in text
+
+
+def test_more_replicas_than_partitions_is_refused() -> None:
+    outcome = CliRunner().invoke(bench, ["metering", "--partitions", "2", "--replicas", "3"])
+    assert outcome.exit_code == 2 and "replicas (3) must be at most partitions (2)" in outcome.output

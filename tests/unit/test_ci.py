@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
@@ -121,3 +122,40 @@ def test_ci_run_marks_the_test_run_and_stops_its_leftovers() -> None:
     assert '.ci/stop-leftovers "$run_id"' in script
     # pytest's "no tests collected" still fails CI.
     assert '5) log "FAILED: pytest collected no tests' in script
+
+
+FAILS_THEN_HANGS = textwrap.dedent("""
+    import os, time
+    from pathlib import Path
+
+    def test_fails():
+        assert 1 == 2
+
+    def test_hangs():
+        (Path(os.environ["CI_TEST_OUT"]) / "started").write_text("yes")
+        time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_failure_is_named_before_a_run_is_cut_off(tmp_path: Path, workers: str) -> None:
+    """A run killed outright (SIGKILL: no summary) has already printed which test failed."""
+    (tmp_path / "test_cut.py").write_text(FAILS_THEN_HANGS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {**os.environ, "CI_TEST_OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-n", workers, "test_cut.py"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        # (with xdist the worker's report reaches the controller a moment after the test ran)
+        wait_for_sync(lambda: _written(tmp_path / "started", proc), what="the hanging test started")
+        wait_for_sync(lambda: any("FAILED test_cut.py::test_fails" in line for line in lines), timeout=60, what="the failure named while the run goes on")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        reader.join(timeout=30)
+        proc.stdout.close()
+    assert "short test summary" not in "".join(lines)  # (killed before it: the name came from the hook)

@@ -1,10 +1,13 @@
 """Group commit (services/admission/batching.py) without servers: a submission that finds no batch
-in flight is committed at once; while one is in flight, later submissions wait up to `max_wait`
-to be committed together; a batch never exceeds `max_batch`; held-back items go first."""
+in flight is committed at once, and so is one that arrives alone while a batch is in flight;
+while one is in flight, submissions arriving close together wait up to `max_wait` to be
+committed together; a batch never exceeds `max_batch`; held-back items go first."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from budgetgate.services.admission.batching import GroupCommit
 from tests.support.waiting import wait_for
@@ -82,3 +85,50 @@ async def test_a_submission_made_as_the_last_batch_is_answered_is_never_stranded
 
         async with asyncio.timeout(5):
             await answers["b"]
+
+
+class Clock:
+    """When submissions arrive, as the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_submission_that_arrives_alone_is_committed_at_once_beside_a_batch_in_flight() -> None:
+    """At 200 submissions/s they arrive 5 ms apart: with a batch in flight, the next one must
+    not wait `max_wait` for company that is not coming."""
+    recorder, clock = Recorder(), Clock()
+    recorder.hold = True
+    commits = GroupCommit(recorder.commit, max_batch=64, max_wait=60.0, in_flight=2, clock=clock)
+
+    commits.submit("a")
+    await wait_for(lambda: recorder.batches == [["a"]], timeout=5, what='"a" in flight, held')
+    clock.now = 100.0  # further apart than max_wait
+    commits.submit("b")
+    # Were it to wait `max_wait` for company, this would time out.
+    await wait_for(lambda: len(recorder.batches) == 2, timeout=5, what='"b" committed beside "a"')
+    recorder.release.set()
+
+    assert recorder.batches == [["a"], ["b"]]
+    assert not commits.company_coming
+
+
+async def test_submissions_arriving_close_together_are_expected_to_keep_coming() -> None:
+    clock = Clock()
+    commits = GroupCommit(Recorder().commit, max_batch=64, max_wait=0.001, in_flight=2, clock=clock)
+    assert not commits.company_coming  # none arrived yet
+
+    for i in range(4):
+        clock.now = i * 0.0002  # 5,000 a second
+        commits.submit(str(i))
+    assert commits.company_coming and commits.gap == pytest.approx(0.0002)
+    clock.now += 0.002  # one longer gap does not undo a run of short ones...
+    commits.submit("late")
+    assert commits.gap == pytest.approx(0.0002 + 0.25 * (0.002 - 0.0002)) and commits.company_coming
+    for _ in range(3):  # ...gaps of 5 ms do
+        clock.now += 0.005
+        commits.submit("slow")
+    assert not commits.company_coming

@@ -23,6 +23,7 @@ from budgetgate.adapters.kueue_workloads import (
     Retries,
     active,
     asks_no_gpu,
+    carried_over,
     concurrency,
     decided,
     error_answer,
@@ -298,3 +299,27 @@ def test_a_write_that_changes_nothing_is_known() -> None:
     written["status"]["admissionChecks"] = pending.status["status"]["admissionChecks"]
     assert unchanged(written, undecided(written, "budget", "ledger unavailable", now=NOW))
     assert not unchanged(written, undecided(written, "budget", "Postgres unavailable", now=NOW))
+
+
+def test_a_decision_is_carried_over_to_a_version_kueue_wrote_only_while_it_still_stands() -> None:
+    decided_on = workload()
+    decided_on["metadata"]["resourceVersion"] = "7"
+    patch = decided(decided_on, "budget", answer("DELAY", evaluations=[evaluation("DELAY", next_eligible_time="2026-08-01T00:00:00Z")]), now=NOW)
+    fresh = copy.deepcopy(decided_on)
+    fresh["metadata"].update(resourceVersion="9", annotations={**(fresh["metadata"].get("annotations") or {}), **patch.annotations})
+    fresh["status"]["admissionChecks"][1]["message"] = "re-provisioned"
+    carried = carried_over(decided_on, fresh, "budget", patch)
+    assert carried is not None and carried["metadata"] == {"resourceVersion": "9"}
+    # Our check as decided, Kueue's change to the other check kept.
+    assert states(carried) == {"budget": states(patch.status)["budget"], "provisioning": ("Ready", "re-provisioned")}
+    # Not when the decision no longer stands for the new version.
+    evicted = copy.deepcopy(fresh)
+    evicted["status"]["conditions"].append({"type": "Evicted", "status": "True", "reason": "Preempted"})
+    moved = copy.deepcopy(fresh)
+    moved["status"]["admission"]["podSetAssignments"][0]["count"] = 1
+    other_attempt = copy.deepcopy(fresh)
+    other_attempt["metadata"]["annotations"]["budgetgate.io/attempt"] = "5"
+    decided_already = copy.deepcopy(fresh)
+    decided_already["status"]["admissionChecks"][0].update(state="Ready")
+    for changed in (evicted, moved, other_attempt, decided_already):
+        assert carried_over(decided_on, changed, "budget", patch) is None

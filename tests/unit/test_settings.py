@@ -63,3 +63,13 @@ def test_the_reconciler_still_reads_its_port_and_host_under_their_older_names(tm
     monkeypatch.setenv("BUDGETGATE_HOST", "127.0.0.2")
     assert (ReconcilerSettings().host, ReconcilerSettings().port) == ("127.0.0.2", 8090)
     assert ReconcilerSettings(port=7000).port == 7000
+
+
+def test_group_timing_heartbeats_every_third_of_the_session_at_most_every_3_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BUDGETGATE_KAFKA_SESSION_TIMEOUT_MS", raising=False)
+    assert CommonSettings().kafka_group_timing == {"session_timeout_ms": 10_000, "heartbeat_interval_ms": 3_000}
+    monkeypatch.setenv("BUDGETGATE_KAFKA_SESSION_TIMEOUT_MS", "3000")
+    assert CommonSettings().kafka_group_timing == {"session_timeout_ms": 3_000, "heartbeat_interval_ms": 1_000}
+    monkeypatch.setenv("BUDGETGATE_KAFKA_SESSION_TIMEOUT_MS", "999")
+    with pytest.raises(ValueError, match="kafka_session_timeout_ms"):
+        CommonSettings()

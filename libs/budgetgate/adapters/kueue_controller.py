@@ -6,7 +6,10 @@ budgetgate/adapters/kueue_workloads.py; this module only reads, decides through 
 Writes are JSON merge patches: the Workload's annotations first (when they change), then its
 status with the admissionChecks list, guarded by the resourceVersion it was computed from (a
 Workload Kueue changed meanwhile answers 409, and the watch brings the new version to decide on).
-A write that would change nothing is not made. A submission is idempotent per run id and
+When the attempt annotation went through and Kueue wrote before the status did, the decision is
+carried over to Kueue's version (re-read, our check's state put on it) while it still stands for
+it: deciding that version again would decide the next attempt with no state ever written for
+this one. A write that would change nothing is not made. A submission is idempotent per run id and
 attempt, so deciding a Workload twice reserves once.
 
 Besides the watch, every `requeue_seconds` the controller lists the Workloads still waiting on
@@ -102,7 +105,7 @@ class AdmissionCheckController:
             if self._superseded(workload):
                 return
             for check in kueue.pending_checks(workload, self.checks):
-                workload = await self._write(workload, await self._decide(workload, check))
+                workload = await self._write(workload, check, await self._decide(workload, check))
 
     def _superseded(self, workload: dict[str, Any]) -> bool:
         """Whether this version of the Workload is one the controller has moved on from: it wrote
@@ -167,7 +170,7 @@ class AdmissionCheckController:
                 await self.reconcile(body)
         return waiting
 
-    async def _write(self, workload: dict[str, Any], patch: kueue.Patch) -> dict[str, Any]:
+    async def _write(self, workload: dict[str, Any], check: str, patch: kueue.Patch) -> dict[str, Any]:
         if kueue.unchanged(workload, patch):
             return workload
         meta = workload["metadata"]
@@ -185,7 +188,17 @@ class AdmissionCheckController:
                 # Only our annotation changed since the status was computed: carry its version.
                 between = updated.to_dict()["metadata"].get("resourceVersion")
                 status = {**status, "metadata": {"resourceVersion": between}}
-            written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+            try:
+                written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+            except ApiError as exc:
+                if exc.status.code != 409 or between is None:
+                    raise
+                # The attempt is raised but Kueue wrote before the state was: carry the decision
+                # over to Kueue's version, or it would be decided again as the next attempt
+                # with no state ever written for this one.
+                written = await self._carry_over(workload, check, patch)
+                if written is None:
+                    raise
         except ApiError as exc:
             if exc.status.code == 409:
                 # Changed meanwhile: the versions written from are stale, the watch brings the new one.
@@ -201,6 +214,27 @@ class AdmissionCheckController:
         self._pass(meta, meta.get("resourceVersion"))
         self._pass(meta, between)
         return written.to_dict()
+
+    async def _carry_over(self, workload: dict[str, Any], check: str, patch: kueue.Patch, *, tries: int = 3) -> Any | None:
+        """Write `patch`'s state of `check` onto the Workload's current version, re-read after
+        each 409, while the decision still stands for it (`kueue.carried_over`); None when it
+        does not, or after `tries` conflicts."""
+        meta = workload["metadata"]
+        for _ in range(tries):
+            fresh = (await self.kube.get(Workload, meta["name"], namespace=meta["namespace"])).to_dict()
+            status = kueue.carried_over(workload, fresh, check, patch)
+            if status is None:
+                return None
+            try:
+                written = await self.kube.patch(Workload.Status, meta["name"], status, namespace=meta["namespace"], patch_type=PatchType.MERGE)
+            except ApiError as exc:
+                if exc.status.code != 409:
+                    raise
+                continue
+            self._pass(meta, (fresh.get("metadata") or {}).get("resourceVersion"))
+            log.info("workload %s/%s changed between the two writes; decision carried over to the new version", meta["namespace"], meta["name"])
+            return written
+        return None
 
     async def run(self) -> None:
         """Watch Workloads in every namespace and reconcile each change, and requeue those still

@@ -425,6 +425,27 @@ def unchanged(workload: MappingType[str, Any], patch: Patch) -> bool:
     return not patch.annotations and patch.status["status"]["admissionChecks"] == current
 
 
+def carried_over(decided_from: MappingType[str, Any], fresh: MappingType[str, Any], check: str, patch: Patch) -> dict[str, Any] | None:
+    """The status write of `patch`, decided on `decided_from`, carried over to `fresh`: the version
+    someone else (Kueue) wrote after the controller's annotation write, before its status write.
+    Our check's new entry replaces the fresh one, every other check stays as `fresh` has it, and
+    the write is guarded by `fresh`'s version. None when the decision does not stand for `fresh`:
+    our check no longer waits on it, the admission or the pod sets it was decided on changed, or
+    the annotations are no longer the ones written (client-go's RetryOnConflict re-reads and
+    re-applies the same way)."""
+    if check not in pending_checks(fresh, {check}):
+        return None
+    before, after = decided_from.get("status") or {}, fresh.get("status") or {}
+    if before.get("admission") != after.get("admission") or (decided_from.get("spec") or {}).get("podSets") != (fresh.get("spec") or {}).get("podSets"):
+        return None
+    annotations = (fresh.get("metadata") or {}).get("annotations") or {}
+    if any(annotations.get(key) != value for key, value in patch.annotations.items()):
+        return None
+    (ours,) = [c for c in patch.status["status"]["admissionChecks"] if c.get("name") == check]
+    checks = [ours if c.get("name") == check else c for c in after.get("admissionChecks") or []]
+    return {"metadata": {"resourceVersion": (fresh.get("metadata") or {}).get("resourceVersion")}, "status": {"admissionChecks": checks}}
+
+
 def unmappable(workload: MappingType[str, Any], check: str, why: str, *, now: datetime) -> Patch:
     """The Workload cannot be a submission: Rejected, the message saying what to add."""
     return Patch(_state(workload, check, "Rejected", f"budgetgate: {why}", now))

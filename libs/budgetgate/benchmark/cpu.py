@@ -6,15 +6,26 @@ machine running budgetgate needs per unit of work.
 Processes are read with psutil, so only those on this machine: a part on another host (a remote
 Postgres, Redis or broker) is reported as unknown (None), never as zero. Postgres is the server
 processes of the benchmark's own database (pg_stat_activity), read at the start and the end of the
-window; a server process that ended in between is missed, one that started counts from zero.
+window; a server process that ended in between is missed, one that started counts from zero; the
+benchmark's own connections that watch the database meanwhile (application_name `UNMETERED`) are
+left out, as the load generator is.
 Redis counts its whole server (INFO cpu), which is shared with anything else using it.
+
+"All parts" is what the system measured spends: every part but those read only to be shown
+beside it (`Part.counted` False: the load generator, which a real deployment does not run).
+Replicas of one service are parts of their own ("service 1", "service 2") and, added up, a group
+("service"): each replica's share is shown, and their sum, but each is counted once. A
+window in which the machine was less than `WAITING_BELOW` busy was bound by waiting (on a round
+trip, a timer, a lock, an fsync), not by CPU: more work could have been done in it, so its rate
+says less about the design than its CPU per unit does.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import asyncpg
@@ -22,6 +33,12 @@ import psutil
 import redis.asyncio as aioredis
 
 T = TypeVar("T")
+
+# Below this share of all CPUs busy, a window is reported as bound by waiting, not by CPU.
+WAITING_BELOW = 0.9
+# The application_name of a benchmark's own connections to the database it meters (polling for
+# progress while the load runs): their server processes are not the system's, so not in "postgres".
+UNMETERED = "budgetgate-bench"
 
 
 @dataclass(frozen=True)
@@ -32,20 +49,46 @@ class CpuUse:
     parts: dict[str, float | None]
     machine_busy: float  # share of all CPUs busy over the window, 0..1
     cpus: int
+    apart: frozenset[str] = frozenset()  # parts shown but not counted in all parts (Part.counted)
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a group's name: its parts (Part.group), the replicas of a service
 
     def per_unit_us(self, units: int) -> dict[str, float | None]:
         """Microseconds of CPU per unit of work (a decision, a sample), by part."""
-        return {name: (None if used is None or units <= 0 else round(used / units * 1e6, 1)) for name, used in self.parts.items()}
+        return {name: _per_unit_us(used, units) for name, used in self.parts.items()}
+
+    def group_seconds(self) -> dict[str, float | None]:
+        """CPU seconds of each group, its parts added up; None when one of them could not be read."""
+        return {name: _sum([self.parts[member] for member in members]) for name, members in self.groups.items()}
+
+    def group_us(self, units: int) -> dict[str, float | None]:
+        """Microseconds of CPU per unit of work of each group (the replicas of a service, together)."""
+        return {name: _per_unit_us(used, units) for name, used in self.group_seconds().items()}
+
+    @property
+    def all_parts(self) -> float | None:
+        """CPU seconds of every counted part added up; None when one of them could not be read
+        (its share would be missing)."""
+        return _sum([used for name, used in self.parts.items() if name not in self.apart])
+
+    def all_parts_us(self, units: int) -> float | None:
+        """Microseconds of CPU per unit of work, every counted part added up."""
+        spent = self.all_parts
+        return None if spent is None or units <= 0 else round(spent / units * 1e6, 1)
+
+    @property
+    def bound_by_waiting(self) -> bool:
+        """Whether the machine was less than WAITING_BELOW busy over the window."""
+        return self.machine_busy < WAITING_BELOW
 
     def bound_per_second(self, units: int) -> float | None:
         """The units of work per second this machine's CPUs, every one of them busy with nothing
-        else, would hold at the measured cost of a unit (every part's CPU added up): what no way
-        of spreading the work over processes or batches can exceed here without making a unit
-        cheaper. None when a part could not be read (its cost would be missing)."""
-        known = [used for used in self.parts.values() if used is not None]
-        if units <= 0 or len(known) < len(self.parts) or sum(known) <= 0:
+        else, would hold at the measured cost of a unit (all parts): what no way of spreading
+        the work over processes or batches can exceed here without making a unit cheaper. None
+        when a part could not be read (its cost would be missing)."""
+        spent = self.all_parts
+        if units <= 0 or spent is None or spent <= 0:
             return None
-        return self.cpus * units / sum(known)
+        return self.cpus * units / spent
 
     def as_json(self, units: int) -> dict[str, object]:
         bound = self.bound_per_second(units)
@@ -53,15 +96,25 @@ class CpuUse:
             "window_seconds": round(self.seconds, 3),
             "cpu_seconds": {k: None if v is None else round(v, 3) for k, v in self.parts.items()},
             "us_per_unit": self.per_unit_us(units),
+            "groups": {name: list(members) for name, members in self.groups.items()},
+            "group_us_per_unit": self.group_us(units),
+            "all_parts_us_per_unit": self.all_parts_us(units),
+            "not_in_all_parts": sorted(self.apart),
             "machine_busy": round(self.machine_busy, 3),
+            "bound_by_waiting": self.bound_by_waiting,
             "cpus": self.cpus,
             "bound_per_second": None if bound is None else round(bound, 1),
         }
 
     def line(self, units: int, unit: str) -> str:
-        """`µs of CPU per <unit>: service 330, postgres 150, ...; machine 61% busy (2 CPUs)`."""
-        figures = ", ".join(f"{k} {'-' if v is None else f'{v:.0f}'}" for k, v in self.per_unit_us(units).items())
-        return f"CPU µs per {unit}: {figures}; machine {self.machine_busy:.0%} busy ({self.cpus} CPUs)"
+        """`CPU µs per <unit>: all parts 520 (service 330, postgres 150, redis 40); load generator
+        80; machine 61% busy (2 CPUs): bound by waiting, not by CPU`; replicas as `service 330 =
+        service 1 160 + service 2 170`."""
+        each = self.per_unit_us(units)
+        counted = parts_text(each, self.groups, self.group_us(units), apart=self.apart)
+        shown = "".join(f"; {k} {_us(v)}" for k, v in each.items() if k in self.apart)
+        machine = f"machine {self.machine_busy:.0%} busy ({self.cpus} CPUs)" + (": bound by waiting, not by CPU" if self.bound_by_waiting else "")
+        return f"CPU µs per {unit}: all parts {_us(self.all_parts_us(units))} ({counted}){shown}; {machine}"
 
     def bound_line(self, units: int, unit: str, *, against: Sequence[tuple[str, float]] = ()) -> str | None:
         """`all 2 CPUs, busy with this alone, would hold at most 3100 decisions/s at these costs:
@@ -75,20 +128,80 @@ class CpuUse:
         return line + (": " + ", ".join(compared) if compared else "")
 
 
+def parts_text(each: Mapping[str, float | None], groups: Mapping[str, Sequence[str]], sums: Mapping[str, float | None], *, apart: Iterable[str] = ()) -> str:
+    """`service 330 = service 1 160 + service 2 170, postgres 150, redis 40`: the parts not
+    `apart` in order, the members of a group as one figure, its sum (`sums`) and theirs."""
+    group_of = {member: name for name, members in groups.items() for member in members}
+    left_out = set(apart)
+    figures = []
+    for name, used in each.items():
+        group = group_of.get(name)
+        if name in left_out:
+            continue
+        if group is None:
+            figures.append(f"{name} {_us(used)}")
+        elif name == groups[group][0]:
+            figures.append(f"{group} {_us(sums.get(group))} = " + " + ".join(f"{member} {_us(each.get(member))}" for member in groups[group]))
+    return ", ".join(figures)
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _per_unit_us(used: float | None, units: int) -> float | None:
+    return None if used is None or units <= 0 else round(used / units * 1e6, 1)
+
+
+def _sum(values: Sequence[float | None]) -> float | None:
+    """The sum, or None when there is nothing to add or one of them is unknown."""
+    if not values or any(v is None for v in values):
+        return None
+    return sum(v for v in values if v is not None)
+
+
 @dataclass(frozen=True)
 class Part:
     """One part to read: processes of this machine by pid (None: not here, so unknown), the
-    Postgres server processes of a database, or a whole Redis server."""
+    Postgres server processes of a database, or a whole Redis server. `counted`: whether it is
+    part of the system measured (all parts), or only shown beside it (the load generator).
+    `group`: the name its figure is also added up under with the other parts of that group (the
+    replicas of one service)."""
 
     name: str
     pids: tuple[int, ...] | None = None
     postgres_dsn: str | None = None
     redis_url: str | None = None
+    counted: bool = True
+    group: str | None = None
 
     @classmethod
-    def process(cls, name: str, pid: int | None) -> Part:
+    def process(cls, name: str, pid: int | None, *, counted: bool = True, group: str | None = None) -> Part:
         """A process of this machine, or unknown (`pid` None: not started here)."""
-        return cls(name, None if pid is None else (pid,))
+        return cls(name, None if pid is None else (pid,), counted=counted, group=group)
+
+    @classmethod
+    def replicas(cls, name: str, pids: Sequence[int]) -> list[Part]:
+        """The processes of one service: one is the part `name`; several are `name 1` … `name N`,
+        in group `name`."""
+        if len(pids) == 1:
+            return [cls.process(name, pids[0])]
+        return [cls.process(replica_name(name, number), pid, group=name) for number, pid in enumerate(pids, 1)]
+
+
+def load_generator() -> Part:
+    """The benchmark's own process (it generates the load): shown beside the system, not counted."""
+    return Part.process("load generator", os.getpid(), counted=False)
+
+
+async def unmetered_connection(dsn: str) -> asyncpg.Connection:
+    """A connection of the benchmark's own to the database it meters, left out of its "postgres"."""
+    return await asyncpg.connect(dsn, server_settings={"application_name": UNMETERED})
+
+
+def replica_name(name: str, number: int) -> str:
+    """What replica `number` (from 1) of service `name` is called in the figures."""
+    return f"{name} {number}"
 
 
 _Reading = tuple[dict[int, float] | None, float | None]  # (CPU seconds by pid, or a server-wide total)
@@ -116,7 +229,12 @@ class CpuMeter:
         after = [await _read(part) for part in self.parts]
         busy = _busy_share(started.machine, psutil.cpu_times())
         used = {part.name: _spent(b, a) for part, b, a in zip(self.parts, started.readings, after, strict=True)}
-        return CpuUse(seconds, used, busy, psutil.cpu_count() or 1)
+        apart = frozenset(part.name for part in self.parts if not part.counted)
+        groups: dict[str, tuple[str, ...]] = {}
+        for part in self.parts:
+            if part.group is not None:
+                groups[part.group] = (*groups.get(part.group, ()), part.name)
+        return CpuUse(seconds, used, busy, psutil.cpu_count() or 1, apart, groups)
 
     async def measure(self, work: Callable[[], Awaitable[T]]) -> tuple[T, CpuUse]:
         """Run `work` and return its result with the CPU each part spent meanwhile."""
@@ -174,7 +292,10 @@ async def _backends(dsn: str) -> list[int] | None:
         me = await conn.fetchrow("SELECT pid, extract(epoch FROM backend_start)::float8 AS started FROM pg_stat_activity WHERE pid = pg_backend_pid()")
         if me is None or not _is_local_backend(me["pid"], me["started"]):
             return None
-        rows = await conn.fetch("SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        rows = await conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() AND application_name IS DISTINCT FROM $1",
+            UNMETERED,
+        )
     finally:
         await conn.close()
     return [r["pid"] for r in rows]

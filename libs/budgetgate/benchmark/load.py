@@ -5,6 +5,11 @@ sent at a fixed offered rate whatever the answers (an open loop, `offer`).
 A few lines of asyncio streams instead of a full HTTP client: on a small machine the client
 shares the cores with the services it measures, and a general-purpose client's own CPU time
 would be a noticeable part of every latency.
+
+Several `ports` are replicas of one service, driven as one: in the closed loop client k keeps its
+connection to replica k mod N (as a connection-level load balancer pins a keep-alive
+connection), in the open loop submission i goes to replica i mod N (round robin); which replica
+answered each submission is recorded (`Outcome.served_by`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ class Outcome:
     sent: list[float] = field(default_factory=list)  # when each of them was due (perf_counter)
     decisions: list[str | None] = field(default_factory=list)  # per submission; None = error
     errors: Counter[str] = field(default_factory=Counter)
+    served_by: list[int | None] = field(default_factory=list)  # per submission, the replica (index into the ports) that answered it
+
+    @classmethod
+    def of(cls, count: int) -> Outcome:
+        """An empty outcome for `count` submissions."""
+        return cls(decisions=[None] * count, served_by=[None] * count)
 
     @property
     def answered(self) -> int:
@@ -39,6 +50,11 @@ class Outcome:
 
     def count(self, decision: str) -> int:
         return sum(d == decision for d in self.decisions)
+
+    def answered_by(self, replicas: int) -> list[int]:
+        """How many submissions each of `replicas` replicas answered."""
+        counts = Counter(r for r in self.served_by if r is not None)
+        return [counts[r] for r in range(replicas)]
 
     def percentile_ms(self, p: float) -> float | None:
         """Nearest-rank percentile of the answered requests' latencies, in milliseconds."""
@@ -69,8 +85,8 @@ def _percentile_ms(latencies: list[float], p: float) -> float | None:
 
 
 class _Connection:
-    def __init__(self, host: str, port: int, token: str | None = None) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, token: str | None = None, *, replica: int = 0) -> None:
+        self.host, self.port, self.replica = host, port, replica
         self.authorization = f"Authorization: Bearer {token}\r\n" if token else ""
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
@@ -130,31 +146,32 @@ async def _send(connection: _Connection, path: str, body: bytes, outcome: Outcom
     outcome.latencies.append(time.perf_counter() - started)
     outcome.sent.append(started)
     outcome.decisions[i] = json.loads(payload)["decision"]
+    outcome.served_by[i] = connection.replica
     return True
 
 
 async def offer(
-    *, host: str, port: int, bodies: Sequence[bytes], rate: float, path: str = "/v1/admissions", max_connections: int = 512, token: str | None = None
+    *, host: str, ports: Sequence[int], bodies: Sequence[bytes], rate: float, path: str = "/v1/admissions", max_connections: int = 512, token: str | None = None
 ) -> Outcome:
     """Send body i at i / `rate` seconds after the start, whether or not earlier ones were
-    answered (an open loop: a slow answer does not slow the offered load). Latency counts from
-    the moment a submission was due, so time spent queued behind a slow server (or waiting for
-    one of the `max_connections` connections) is included."""
-    outcome = Outcome(decisions=[None] * len(bodies))
-    idle: asyncio.Queue[_Connection] = asyncio.Queue()
-    opened = 0
+    answered (an open loop: a slow answer does not slow the offered load), to replica i mod N of
+    `ports`. Latency counts from the moment a submission was due, so time spent queued behind a
+    slow server (or waiting for one of a replica's `max_connections` connections) is included."""
+    outcome = Outcome.of(len(bodies))
+    idle: list[asyncio.Queue[_Connection]] = [asyncio.Queue() for _ in ports]
+    opened = [0] * len(ports)
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
 
     async def one(i: int, due: float) -> None:
-        nonlocal opened
-        if idle.empty() and opened < max_connections:
-            opened += 1
-            connection = _Connection(host, port, token)
+        replica = i % len(ports)
+        if idle[replica].empty() and opened[replica] < max_connections:
+            opened[replica] += 1
+            connection = _Connection(host, ports[replica], token, replica=replica)
         else:
-            connection = await idle.get()
+            connection = await idle[replica].get()
         await _send(connection, path, bodies[i], outcome, i, due)
-        idle.put_nowait(connection)  # closed after an error; it reconnects on its next use
+        idle[replica].put_nowait(connection)  # closed after an error; it reconnects on its next use
 
     start = time.perf_counter()
     for i in range(len(bodies)):
@@ -167,18 +184,22 @@ async def offer(
     while tasks:
         await asyncio.gather(*list(tasks))
     outcome.elapsed = time.perf_counter() - start
-    while not idle.empty():
-        await idle.get_nowait().close()
+    for queue in idle:
+        while not queue.empty():
+            await queue.get_nowait().close()
     return outcome
 
 
-async def drive(*, host: str, port: int, bodies: Sequence[bytes], concurrency: int, path: str = "/v1/admissions", token: str | None = None) -> Outcome:
-    """Send every body once with `concurrency` clients; errors are counted, never retried."""
-    outcome = Outcome(decisions=[None] * len(bodies))
+async def drive(
+    *, host: str, ports: Sequence[int], bodies: Sequence[bytes], concurrency: int, path: str = "/v1/admissions", token: str | None = None
+) -> Outcome:
+    """Send every body once with `concurrency` clients, client k to replica k mod N of `ports`;
+    errors are counted, never retried."""
+    outcome = Outcome.of(len(bodies))
     next_index = iter(range(len(bodies)))
 
-    async def client() -> None:
-        connection = _Connection(host, port, token)
+    async def client(k: int) -> None:
+        connection = _Connection(host, ports[k % len(ports)], token, replica=k % len(ports))
         try:
             for i in next_index:
                 await _send(connection, path, bodies[i], outcome, i, time.perf_counter())
@@ -186,6 +207,6 @@ async def drive(*, host: str, port: int, bodies: Sequence[bytes], concurrency: i
             await connection.close()
 
     started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(bodies))))))
+    await asyncio.gather(*(client(k) for k in range(max(1, min(concurrency, len(bodies))))))
     outcome.elapsed = time.perf_counter() - started
     return outcome

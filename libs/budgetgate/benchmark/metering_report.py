@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from budgetgate.benchmark.cpu import parts_text, replica_name
 from budgetgate.benchmark.metering_runner import COPY_TRIES, Options, Result
 from budgetgate.benchmark.rounds import spread
 
@@ -28,11 +29,25 @@ def as_json(options: Options, results: Sequence[Result]) -> dict[str, Any]:
             "ratio_rows_per_second": spread((r["ratio_rows_per_second"] for r in rounds), digits=5),
             "rows_per_second": spread((r["ingest"]["rows_per_second"] for r in rounds), digits=1),
             "copy_rows_per_second": spread((r["copy"]["rows_per_second"] for r in rounds), digits=1),
-            "service_us_per_sample": spread((r["cpu"]["us_per_unit"]["service"] if r["cpu"] else None for r in rounds), digits=1),
+            "service_us_per_sample": spread((_service_us(r["cpu"]) for r in rounds), digits=1),
+            "all_parts_us_per_sample": spread((r["cpu"]["all_parts_us_per_unit"] if r["cpu"] else None for r in rounds), digits=1),
+            "us_per_sample": {part: spread((r["cpu"]["us_per_unit"].get(part) if r["cpu"] else None for r in rounds), digits=1) for part in _parts(rounds)},
+            "window_samples_per_second": spread((r["window"]["samples_per_second"] if r["window"] else None for r in rounds), digits=1),
         },
         "correct": not problems,
         "problems": problems,
     }
+
+
+def _service_us(cpu: dict[str, Any] | None) -> float | None:
+    """The service's CPU per sample: its one process, or its replicas added up."""
+    if cpu is None:
+        return None
+    return cpu["group_us_per_unit"]["service"] if "service" in cpu["group_us_per_unit"] else cpu["us_per_unit"].get("service")
+
+
+def _parts(rounds: Sequence[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(part for r in rounds if r["cpu"] for part in r["cpu"]["us_per_unit"]))
 
 
 def _median_round(rounds: Sequence[dict[str, Any]]) -> int:
@@ -44,7 +59,13 @@ def _one(options: Options, result: Result) -> dict[str, Any]:
     ingest_rows_per_s = _per_second(result.rows, result.ingest_seconds)
     copy_rows_per_s = _per_second(result.rows, result.copy_seconds)
     return {
-        "options": {"samples": options.samples, "runs": options.runs, "resend_every": options.resend_every, "partitions": options.partitions},
+        "options": {
+            "samples": options.samples,
+            "runs": options.runs,
+            "resend_every": options.resend_every,
+            "partitions": options.partitions,
+            "replicas": options.replicas,
+        },
         "load": {"messages": result.messages, "distinct_samples": result.distinct, "resends": result.messages - result.distinct, "runs": result.runs},
         "ingest": {
             "seconds": round(result.ingest_seconds, 3),
@@ -57,6 +78,9 @@ def _one(options: Options, result: Result) -> dict[str, Any]:
         "copy": {"seconds": round(result.copy_seconds, 3), "rows": result.rows, "rows_per_second": copy_rows_per_s, "best_of": COPY_TRIES},
         "ratio_rows_per_second": round(ingest_rows_per_s / copy_rows_per_s, 5) if copy_rows_per_s else None,
         "cpu": {**result.cpu.as_json(result.cpu_samples), "samples": result.cpu_samples, "bound": _bound(result, copy_rows_per_s)} if result.cpu else None,
+        "window": _window(result),
+        "replicas": result.replicas,
+        "consumed_by_replica": _by_replica(result),
         "garbage_collection": result.collections.as_json() if result.collections else None,
         "correct": result.correct,
         "problems": result.problems,
@@ -77,8 +101,14 @@ def as_text(options: Options, results: Sequence[Result]) -> str:
     medians = data["medians"]
     parts = [f"ratio (metering-ingest / COPY, rows/s) {_x(medians['ratio_rows_per_second'])}"]
     parts += [f"{name} {_figure(medians[key])}" for name, key in (("metering-ingest rows/s", "rows_per_second"), ("COPY rows/s", "copy_rows_per_second"))]
+    if medians["window_samples_per_second"] is not None:
+        steady = "with every replica in the group" if options.replicas > 1 else "from the first commit"
+        parts.append(f"samples/s {steady} {_figure(medians['window_samples_per_second'])}")
     if medians["service_us_per_sample"] is not None:
         parts.append(f"service CPU µs per sample {_figure(medians['service_us_per_sample'])}")
+    if medians["all_parts_us_per_sample"] is not None:
+        each = ", ".join(f"{part} {_figure(figure)}" for part, figure in medians["us_per_sample"].items())
+        parts.append(f"all parts CPU µs per sample {_figure(medians['all_parts_us_per_sample'])} ({each})")
     lines.append(f"median of {len(results)} rounds: " + "; ".join(parts))
     lines += [f"correctness: FAILED - {problem}" for problem in data["problems"] if not problem.startswith(f"round {middle}: ")]
     return "\n".join(lines)
@@ -88,8 +118,8 @@ def _round_line(number: int, data: dict[str, Any]) -> str:
     ingest, copy = data["ingest"]["rows_per_second"], data["copy"]["rows_per_second"]
     line = f"round {number}: metering-ingest {ingest:.0f} rows/s, COPY {copy:.0f} rows/s: {data['ratio_rows_per_second']}x"
     if data["cpu"] is not None:
-        spent = ", ".join(f"{part} {'-' if us is None else f'{us:.0f}'}" for part, us in data["cpu"]["us_per_unit"].items())
-        line += f"; CPU µs per sample: {spent}"
+        cpu = data["cpu"]
+        line += f"; CPU µs per sample: {parts_text(cpu['us_per_unit'], cpu['groups'], cpu['group_us_per_unit'])}"
     if data["garbage_collection"] is not None and data["garbage_collection"]["share"] is not None:
         line += f"; garbage collection {data['garbage_collection']['share']:.1%} of the service's CPU"
     return line + ("" if data["correct"] else "; FAILED its check")
@@ -117,8 +147,15 @@ def _one_text(options: Options, result: Result) -> str:
         f"ratio (metering-ingest / COPY, rows/s): {data['ratio_rows_per_second']}x (COPY: the best of {COPY_TRIES})",
         f"usage records published: {result.published} ({result.unpublished_at_end} still in the outbox when the last sample was consumed)",
     ]
+    if result.replicas > 1:
+        consumed = data["consumed_by_replica"]
+        each = "" if consumed is None else ": " + ", ".join(f"{name} took {count} samples" for name, count in consumed.items())
+        lines.append(f"{result.replicas} metering-ingest processes in one consumer group{each} (the timing above includes their joining it)")
     if result.cpu is not None:
-        lines.append(f"from its first commit on ({result.cpu_samples} samples), {result.cpu.line(result.cpu_samples, 'sample consumed')}")
+        since = "from its first commit on" if result.replicas == 1 else "from the first commit with every replica in the group"
+        window = data["window"]
+        rate = "" if window is None else f" in {window['seconds']:.2f} s = {window['samples_per_second']:.0f}/s"
+        lines.append(f"{since} ({result.cpu_samples} samples{rate}), {result.cpu.line(result.cpu_samples, 'sample consumed')}")
         bound, held = result.cpu.bound_line(result.cpu_samples, "sample", against=[("metering-ingest", ingest["messages_per_second"])]), data["cpu"]["bound"]
         if bound is not None and held is not None:
             against_copy = "" if held["ratio_rows_per_second"] is None else f": {held['ratio_rows_per_second']}x COPY"
@@ -130,6 +167,20 @@ def _one_text(options: Options, result: Result) -> str:
     else:
         lines.extend(f"correctness: FAILED - {problem}" for problem in result.problems)
     return "\n".join(lines)
+
+
+def _window(result: Result) -> dict[str, float] | None:
+    """The samples consumed in the CPU window (from the first commit with every replica in the
+    group) and their rate: the steady rate, without the start or the replicas' joining."""
+    if result.cpu is None or result.cpu.seconds <= 0:
+        return None
+    return {"samples": result.cpu_samples, "seconds": round(result.cpu.seconds, 3), "samples_per_second": _per_second(result.cpu_samples, result.cpu.seconds)}
+
+
+def _by_replica(result: Result) -> dict[str, int] | None:
+    if result.consumed_by_replica is None:
+        return None
+    return {replica_name("service", number): count for number, count in enumerate(result.consumed_by_replica, 1)}
 
 
 def _bound(result: Result, copy_rows_per_s: float) -> dict[str, float | None] | None:

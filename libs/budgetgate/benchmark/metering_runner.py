@@ -3,6 +3,11 @@ metering-ingest service started and timed, on the database's clock, from the sta
 transaction until it has consumed all of it; then the rows it wrote are copied with COPY into a
 second, identical database and that is timed too.
 
+With `replicas` > 1 that many metering-ingest processes are started together in one consumer
+group and share the topic's partitions; the timing from the first transaction includes their
+joining the group (a rebalance for each that joins), so the CPU figures and the steady rate are
+taken over a window that opens at the first commit after all of them are in the group.
+
 Everything started is stopped, and the databases dropped, also on Ctrl-C, SIGTERM or an error.
 """
 
@@ -14,7 +19,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +30,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.benchmark.session import session
+from budgetgate.benchmark.consumer_group import taken_by, until_members
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
 from budgetgate.benchmark import databases, metering_workload, pauses, sql_blocks
 from budgetgate.benchmark.service_processes import StartError, Subprocess, free_port, python_module, tansu_command
@@ -47,9 +53,19 @@ class Options:
     resend_every: int = 10
     partitions: int = 3
     rounds: int = 1  # the whole run (its own broker, databases, topics and service) this many times
+    replicas: int = 1  # metering-ingest processes in the one consumer group
     ready_timeout: float = 60.0
     # Long enough for the slowest machine this runs on; the run fails rather than hang.
     consume_timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, not {self.replicas}")
+        if self.replicas > self.partitions:
+            raise ValueError(
+                f"replicas ({self.replicas}) must be at most partitions ({self.partitions}): "
+                "a consumer group gives each partition to one member, so the others would only wait"
+            )
 
 
 @dataclass
@@ -66,9 +82,11 @@ class Result:
     published: int
     unpublished_at_end: int
     problems: list[str] = field(default_factory=list)
-    cpu: CpuUse | None = None  # from the service's first commit until it had consumed every sample
+    cpu: CpuUse | None = None  # from the service's first commit (with every replica in the group) until it had consumed every sample
     cpu_samples: int = 0  # the samples consumed in that window, which its figures are per
-    collections: pauses.Collections | None = None  # the service's garbage collection, once it had consumed every sample
+    collections: pauses.Collections | None = None  # the service's garbage collection (its replicas' added up), once it had consumed every sample
+    replicas: int = 1
+    consumed_by_replica: list[int] | None = None  # the messages each replica took care of (its /metrics), in the order started
 
     @property
     def correct(self) -> bool:
@@ -99,26 +117,30 @@ class Run:
         self.echo(f"publishing {len(work.messages)} samples ({work.resends} resends) of {len(work.runs)} runs to {self.topics.metering}")
         ends = await _publish(bootstrap, self.topics.metering, work.messages)
 
-        service = self._start_service(stack, log_dir, ingest_dsn, bootstrap)
-        meter = CpuMeter([Part.process("service", service[0].pid), Part("postgres", postgres_dsn=ingest_dsn), Part.process("broker", self.broker_pid)])
+        services = self._start_services(stack, log_dir, ingest_dsn, bootstrap)
+        pids = [child.pid for child, _ in services]
+        meter = CpuMeter([*Part.replicas("service", pids), Part("postgres", postgres_dsn=ingest_dsn), Part.process("broker", self.broker_pid)])
         # Watched from the start: the service may consume everything before it answers ready.
-        # Its CPU is read from its first commit on, so its start (imports, connections) is left out.
-        metering = asyncio.create_task(_from_first_commit(meter, ingest_dsn))
-        consumed = asyncio.create_task(self._wait_consumed(service, ingest_dsn, bootstrap, ends, len(work.messages)))
+        # Its CPU is read from its first commit on (with every replica in the group), so its start
+        # (imports, connections, joining the group) is left out.
+        metering = asyncio.create_task(_from_first_commit(meter, ingest_dsn, self._joined(bootstrap, services)))
+        consumed = asyncio.create_task(self._wait_consumed(services, ingest_dsn, bootstrap, ends, len(work.messages)))
         try:
-            await self._wait_ready(service)
-            self.echo("metering-ingest ready; timed from its first transaction until it has consumed every sample")
+            await asyncio.gather(*(self._wait_ready(service) for service in services))
+            self.echo(f"metering-ingest ready{_times(len(services))}; timed from its first transaction until it has consumed every sample")
             ingest_seconds = await consumed
             cpu = await _cpu_window(meter, metering, len(work.messages))
-            collections = await pauses.observed(f"http://127.0.0.1:{service[1]}", service[0].pid)
+            urls = [(f"http://127.0.0.1:{port}", child.pid) for child, port in services]
+            collections = await pauses.observed_all(urls)
+            by_replica = await taken_by([url for url, _ in urls]) if len(services) > 1 else None
         finally:
             consumed.cancel()
             metering.cancel()
             if metering.done() and not metering.cancelled():
                 metering.exception()  # retrieved: a failure of the figure is not the run's
         pending, published = await _outbox(ingest_dsn)
-        await _wait_relayed(service, ingest_dsn)
-        await service[0].stop()  # nothing in flight while the rows are read
+        await _wait_relayed(services, ingest_dsn)
+        await asyncio.gather(*(child.stop() for child, _ in services))  # nothing in flight while the rows are read
 
         rows = await _fetch(ingest_dsn, sql_blocks.sql("metering.sql", "usage_rows"))
         problems = await _check(ingest_dsn, work, rows)
@@ -127,8 +149,19 @@ class Run:
         used, in_window = cpu or (None, 0)
         return Result(
             self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems, used, in_window,
-            collections,
+            collections, len(services), by_replica,
         )  # fmt: skip
+
+    def _joined(self, bootstrap: str, services: list[tuple[Subprocess, int]]) -> Callable[[], Awaitable[None]]:
+        """What returns once every replica is a member of the group (at once with one: its first
+        commit is after it joined)."""
+
+        async def joined() -> None:
+            if len(services) > 1:
+                await until_members(bootstrap, self._group, len(services), timeout=self.options.ready_timeout, alive=lambda: _check_alive(services))
+                self.echo(f"all {len(services)} replicas in the consumer group")
+
+        return joined
 
     async def _kafka(self, stack: contextlib.AsyncExitStack, log_dir: Path) -> str:
         given = os.environ.get("BUDGETGATE_KAFKA_BOOTSTRAP")
@@ -150,19 +183,24 @@ class Run:
         await migrate_dsn(dsn)
         return dsn
 
-    def _start_service(self, stack: contextlib.AsyncExitStack, log_dir: Path, dsn: str, bootstrap: str) -> tuple[Subprocess, int]:
-        port = free_port()
+    def _start_services(self, stack: contextlib.AsyncExitStack, log_dir: Path, dsn: str, bootstrap: str) -> list[tuple[Subprocess, int]]:
+        """`options.replicas` metering-ingest processes in one consumer group, each with its port."""
         env = {
             "BUDGETGATE_POSTGRES_DSN": dsn,
             "BUDGETGATE_KAFKA_BOOTSTRAP": bootstrap,
             "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
             "BUDGETGATE_CONSUMER_GROUP": "metering-ingest",  # the service joins it under the topic prefix (self._group)
         }
-        child = self._child(
-            "metering-ingest", python_module("budgetgate.services.metering_ingest", "--host", "127.0.0.1", "--port", str(port)), log_dir=log_dir, env=env
-        )
-        stack.push_async_callback(child.stop)
-        return child, port
+        services = []
+        count = self.options.replicas
+        for number in range(1, count + 1):
+            port = free_port()
+            name = "metering-ingest" if count == 1 else f"metering-ingest-{number}"
+            command = python_module("budgetgate.services.metering_ingest", "--host", "127.0.0.1", "--port", str(port))
+            child = self._child(name, command, log_dir=log_dir, env=env)
+            stack.push_async_callback(child.stop)
+            services.append((child, port))
+        return services
 
     @property
     def _group(self) -> str:
@@ -184,7 +222,7 @@ class Run:
                     raise StartError(f"metering-ingest not ready after {self.options.ready_timeout:.0f}s: {response.text}\n{child.log_tail()}")
                 await asyncio.sleep(0.05)
 
-    async def _wait_consumed(self, service: tuple[Subprocess, int], dsn: str, bootstrap: str, ends: dict[TopicPartition, int], expected: int) -> float:
+    async def _wait_consumed(self, services: list[tuple[Subprocess, int]], dsn: str, bootstrap: str, ends: dict[TopicPartition, int], expected: int) -> float:
         """Seconds from the service's first transaction until every sample is consumed (the
         service may start consuming before it answers ready: its start is not timed).
 
@@ -192,7 +230,6 @@ class Run:
         commit: polling the database (a count over the growing inbox every few milliseconds)
         would take CPU from the service being measured. The inbox is read once at the end, for
         the count and the time on the database's clock."""
-        child, _ = service
         deadline = time.monotonic() + self.options.consume_timeout
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-bench")
         await admin.start()
@@ -201,22 +238,37 @@ class Run:
                 committed = await admin.list_consumer_group_offsets(self._group, partitions=list(ends))
                 if all(tp in committed and committed[tp].offset >= end for tp, end in ends.items()):
                     break
-                child.check_alive()
+                _check_alive(services)
                 if time.monotonic() > deadline:
                     done = {f"{tp.partition}": (committed[tp].offset if tp in committed else None) for tp in ends}
-                    raise StartError(f"metering-ingest committed offsets {done} of {ends} in {self.options.consume_timeout:.0f}s\n{child.log_tail()}")
+                    raise StartError(f"metering-ingest committed offsets {done} of {ends} in {self.options.consume_timeout:.0f}s\n{_log_tails(services)}")
                 await asyncio.sleep(0.02)
         finally:
             await admin.close()
         [found] = await _fetch(dsn, sql_blocks.sql("metering.sql", "consumed"), INBOX)
         if found["done"] != expected:
-            raise StartError(f"metering-ingest committed every offset but its inbox holds {found['done']} of {expected} samples\n{child.log_tail()}")
+            raise StartError(f"metering-ingest committed every offset but its inbox holds {found['done']} of {expected} samples\n{_log_tails(services)}")
         return float(found["seconds"])
 
 
-async def _from_first_commit(meter: CpuMeter, dsn: str) -> tuple[Started, int]:
-    """Start `meter` as soon as the service's first transaction is visible (a count of its inbox,
-    empty until then, every 10 ms, and nothing after); with the samples consumed by then."""
+def _times(count: int) -> str:
+    return "" if count == 1 else f" ({count} replicas)"
+
+
+def _check_alive(services: list[tuple[Subprocess, int]]) -> None:
+    for child, _ in services:
+        child.check_alive()
+
+
+def _log_tails(services: list[tuple[Subprocess, int]]) -> str:
+    return "\n".join(f"{child.name}:\n{child.log_tail()}" for child, _ in services)
+
+
+async def _from_first_commit(meter: CpuMeter, dsn: str, joined: Callable[[], Awaitable[None]]) -> tuple[Started, int]:
+    """Start `meter` as soon as every replica is in the group (`joined`) and the service's first
+    transaction is visible (a count of its inbox, empty until then, every 10 ms, and nothing
+    after); with the samples consumed by then."""
+    await joined()
     conn = await asyncpg.connect(dsn)
     try:
         while not (done := (await conn.fetchrow(sql_blocks.sql("metering.sql", "consumed"), INBOX))["done"]):
@@ -274,10 +326,10 @@ async def _outbox(dsn: str) -> tuple[int, int]:
     return row["pending"], row["total"]
 
 
-async def _wait_relayed(service: tuple[Subprocess, int], dsn: str, timeout: float = 120.0) -> None:
+async def _wait_relayed(services: list[tuple[Subprocess, int]], dsn: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while (await _outbox(dsn))[0] > 0 and time.monotonic() < deadline:
-        service[0].check_alive()
+        _check_alive(services)
         await asyncio.sleep(0.1)
 
 

@@ -6,6 +6,7 @@ and thresholds that suit one load do not suit every load, so the benchmarks repo
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -31,10 +32,24 @@ class Collections:
         """The share of the process's CPU spent in collections."""
         return sum(self.seconds) / self.cpu_seconds if self.cpu_seconds > 0 else None
 
+    replicas: int = 1  # processes added up (`total`)
+
+    @classmethod
+    def total(cls, found: Sequence[Collections | None]) -> Collections | None:
+        """The replicas of a service as one: their passes, seconds and CPU added up; None when one
+        of them could not be read."""
+        if not found or any(c is None for c in found):
+            return None
+        known = [c for c in found if c is not None]
+        passes = tuple(sum(c.passes[g] for c in known) for g in range(len(GENERATIONS)))
+        seconds = tuple(sum(c.seconds[g] for c in known) for g in range(len(GENERATIONS)))
+        return cls(passes, seconds, sum(c.cpu_seconds for c in known), sum(c.replicas for c in known))
+
     def line(self) -> str:
         counts = ", ".join(f"{name} {count}" for name, count in zip(GENERATIONS, self.passes, strict=True))
-        share = "" if self.share is None else f" = {self.share:.1%} of its {self.cpu_seconds:.2f} s CPU"
-        return f"garbage collection in the service since it started: {sum(self.passes)} passes ({counts}), {sum(self.seconds):.3f} s{share}"
+        whose = "the service" if self.replicas == 1 else f"the service's {self.replicas} replicas, added up,"
+        share = "" if self.share is None else f" = {self.share:.1%} of {'its' if self.replicas == 1 else 'their'} {self.cpu_seconds:.2f} s CPU"
+        return f"garbage collection in {whose} since it started: {sum(self.passes)} passes ({counts}), {sum(self.seconds):.3f} s{share}"
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -42,6 +57,7 @@ class Collections:
             "seconds": {name: round(s, 4) for name, s in zip(GENERATIONS, self.seconds, strict=True)},
             "cpu_seconds": round(self.cpu_seconds, 3),
             "share": None if self.share is None else round(self.share, 4),
+            "replicas": self.replicas,
         }
 
 
@@ -53,6 +69,11 @@ async def observed(base_url: str, pid: int) -> Collections | None:
     except Exception as exc:  # noqa: BLE001 - see the docstring
         log.warning("garbage collection figures left out: %s", exc)
         return None
+
+
+async def observed_all(services: Sequence[tuple[str, int]]) -> Collections | None:
+    """`observed` for each replica (base URL, pid) of a service, added up (`Collections.total`)."""
+    return Collections.total([await observed(url, pid) for url, pid in services])
 
 
 async def read(base_url: str, pid: int) -> Collections:

@@ -6,6 +6,11 @@ every run; a real reconciler (subprocess) consumes the feed. The feed is open lo
 lifecycle (STARTED, `samples` usage records, COMPLETED) is published at i / rate seconds. Lag of
 a run = when Postgres committed its final settlement (clock_timestamp() of that transaction)
 minus when its COMPLETED event was handed to the producer, both on this machine's clock.
+
+With `replicas` > 1 that many reconcilers are started in the one consumer group, and the feed
+waits until all of them are in it. From the first message fed until every run is settled, the
+CPU of each reconciler, their sum, Postgres, Redis and the broker is read (benchmark.cpu), per
+message fed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.benchmark import databases
+from budgetgate.benchmark.consumer_group import taken_by, until_members
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started, load_generator, replica_name, unmetered_connection
 from budgetgate.benchmark.service_processes import Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
@@ -49,6 +56,46 @@ class Options:
     samples: int = 4  # usage records per run
     budgets: int = 20
     timeout: float = 300.0
+    replicas: int = 1  # reconciler processes in the one consumer group
+
+
+def check_replicas(replicas: int) -> None:
+    """ValueError unless 1 <= `replicas` <= the partitions the benchmark's topics are created with."""
+    partitions = CommonSettings().topic_partitions
+    if not 1 <= replicas <= partitions:
+        raise ValueError(
+            f"replicas ({replicas}) must be between 1 and the topics' partitions ({partitions}, BUDGETGATE_TOPIC_PARTITIONS): "
+            "a consumer group gives each partition to one member, so more would only wait"
+        )
+
+
+@dataclass(frozen=True)
+class Spent:
+    """What the reconcilers (each, and together), Postgres, Redis and the broker spent over the
+    measured load, per `unit` of work fed; with the messages each reconciler took care of."""
+
+    cpu: CpuUse | None
+    units: int
+    unit: str
+    window: str  # what the window spans, for the report
+    replicas: int
+    taken: list[int] | None  # per reconciler, in the order started (its /metrics)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "replicas": self.replicas,
+            "messages_by_replica": None if self.taken is None else {replica_name("reconciler", n): count for n, count in enumerate(self.taken, 1)},
+            "cpu": None if self.cpu is None else {**self.cpu.as_json(self.units), "units": self.units, "unit": self.unit},
+        }
+
+    def lines(self) -> list[str]:
+        lines = []
+        if self.replicas > 1:
+            each = "" if self.taken is None else ": " + ", ".join(f"{replica_name('reconciler', n)} took {count}" for n, count in enumerate(self.taken, 1))
+            lines.append(f"{self.replicas} reconciler processes in one consumer group{each} (messages of every topic it consumes, since it started)")
+        if self.cpu is not None:
+            lines.append(f"{self.window} ({self.units} {self.unit}s), {self.cpu.line(self.units, self.unit)}")
+        return lines
 
 
 @dataclass
@@ -60,6 +107,8 @@ class Report:
     lags_ms: list[float] = field(repr=False)
     ledger_ok: bool
     ledger_note: str
+    spent: Spent | None = None
+    tag: str | None = None  # names its database (bench_<tag>_…), Redis prefix and topics (bench-<tag>…)
 
     def percentile(self, q: float) -> float:
         ordered = sorted(self.lags_ms)
@@ -79,6 +128,8 @@ class Report:
             },
             "ledger_ok": self.ledger_ok,
             "ledger": self.ledger_note,
+            **(self.spent.as_json() if self.spent else {}),
+            "run_tag": self.tag,
         }
 
     def as_text(self) -> str:
@@ -89,6 +140,7 @@ class Report:
             f"settled: {self.runs_settled}/{o.runs} runs",
             f"reconciliation lag (COMPLETED sent -> final settlement committed): p50 {self.percentile(0.5):.1f} ms, "
             f"p99 {self.percentile(0.99):.1f} ms, max {max(self.lags_ms, default=float('nan')):.1f} ms",
+            *(self.spent.lines() if self.spent else []),
             f"ledger: {'OK' if self.ledger_ok else 'WRONG'} - {self.ledger_note}",
         ]
         return "\n".join(lines)
@@ -133,6 +185,8 @@ class Bench:
         self.tag = uuid.uuid4().hex[:8]
         self.settings = CommonSettings()
         self.children: list[Subprocess] = []
+        self.broker_pid: int | None = None  # the broker started for the run (its CPU is read)
+        check_replicas(options.replicas)
 
     async def run(self) -> Report:
         log_dir = Path(tempfile.mkdtemp(prefix=f"budgetgate-bench-{self.tag}-"))
@@ -153,17 +207,58 @@ class Bench:
             admission = self._start("admission", python_module("budgetgate.services.admission", "--port", str(port)), log_dir, env)
             await admission.wait_port(port, timeout=60)
             run_ids = await self._admit(f"http://127.0.0.1:{port}")
-            reconciler = python_module("budgetgate.services.reconciler", "--port", str(free_port()))
-            self._start("reconciler", reconciler, log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
+            reconcilers = await self._start_reconcilers(log_dir, env, bootstrap, topic_prefix)
             async with Publisher(bootstrap, client_id="bench") as publisher:
                 topics = Topics(topic_prefix)
                 await self._warm_up(publisher, topics, dsn, run_ids.pop())
+                meter = self._meter(dsn, reconcilers)
+                started = await meter.start()
                 sent_at, messages, seconds = await self._feed(publisher, topics, run_ids)
             lags = await self._lags(dsn, sent_at)
+            spent = await self._spent(meter, started, reconcilers, messages, "message", "from the first message fed until every run was settled")
             ok, note = await self._audit(dsn, len(sent_at))
-            return Report(self.options, len(lags), messages, seconds, lags, ok, note)
+            return Report(self.options, len(lags), messages, seconds, lags, ok, note, spent, self.tag)
         finally:
             await self._clean_up(database, prefix, log_dir)
+
+    async def _start_reconcilers(self, log_dir: Path, env: dict[str, str], bootstrap: str, topic_prefix: str) -> list[tuple[Subprocess, int]]:
+        """`options.replicas` reconcilers in one consumer group, each with its port; with more
+        than one, returned once every one of them is in the group."""
+        count = self.options.replicas
+        reconcilers = []
+        for number in range(1, count + 1):
+            port = free_port()
+            command = python_module("budgetgate.services.reconciler", "--port", str(port))
+            name = "reconciler" if count == 1 else f"reconciler-{number}"
+            # The group is joined under the topic prefix: <topic prefix>reconciler.
+            reconcilers.append((self._start(name, command, log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1", "BUDGETGATE_CONSUMER_GROUP": "reconciler"}), port))
+        if count > 1:
+            self.echo(f"waiting for the {count} reconcilers to join their consumer group …")
+            group = f"{topic_prefix}reconciler"
+
+            def alive() -> None:
+                for child, _ in reconcilers:
+                    child.check_alive()
+
+            await until_members(bootstrap, group, count, timeout=120, alive=alive)
+        return reconcilers
+
+    def _meter(self, dsn: str, reconcilers: list[tuple[Subprocess, int]]) -> CpuMeter:
+        """Each reconciler, the run's database, Redis and the broker; the benchmark beside them."""
+        return CpuMeter(
+            [
+                *Part.replicas("reconciler", [child.pid for child, _ in reconcilers]),
+                Part("postgres", postgres_dsn=dsn),
+                Part("redis", redis_url=self.settings.redis_url),
+                Part.process("broker", self.broker_pid),
+                load_generator(),
+            ]
+        )
+
+    async def _spent(self, meter: CpuMeter, started: Started, reconcilers: list[tuple[Subprocess, int]], units: int, unit: str, window: str) -> Spent:
+        cpu = await meter.stop(started)
+        taken = await taken_by([f"http://127.0.0.1:{port}" for _, port in reconcilers]) if len(reconcilers) > 1 else None
+        return Spent(cpu, units, unit, window, len(reconcilers), taken)
 
     async def _clean_up(self, database: str, prefix: str, log_dir: Path) -> None:
         """Stop the services, drop the run's database and Redis keys, remove its logs."""
@@ -192,6 +287,7 @@ class Bench:
         port = free_port()
         broker = self._start("kafka", tansu_command(port), log_dir)
         await broker.wait_port(port, timeout=30)
+        self.broker_pid = broker.pid
         return f"127.0.0.1:{port}"
 
     async def _apply(self, dsn: str) -> None:
@@ -277,7 +373,7 @@ class Bench:
         return sent_at, count, time.monotonic() - began
 
     async def _lags(self, dsn: str, sent_at: dict[str, float]) -> list[float]:
-        conn = await asyncpg.connect(dsn)
+        conn = await unmetered_connection(dsn)
         try:
             deadline = time.monotonic() + self.options.timeout
             while True:

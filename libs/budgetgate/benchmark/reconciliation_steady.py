@@ -7,6 +7,10 @@ COPY (and folded by the reconciler before the clock starts); the other half to s
 making room for the next. Lag of a record = when the ledger (the run's charges in Postgres) first
 shows its cumulative counter, minus when it was handed to the producer; the ledger is polled
 every `poll` seconds, which bounds the resolution. Ends with the ledger audit.
+
+With `replicas` > 1 that many reconcilers share the consumer group (as in `bench reconciliation`);
+from the first record fed until the ledger showed the last one, the CPU of each reconciler, their
+sum, Postgres, Redis and the broker is read, per usage record fed.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts import wire
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.service_processes import free_port, python_module
-from budgetgate.benchmark.reconciliation_runner import Bench, Options, _lifecycle, _usage
+from budgetgate.benchmark.cpu import unmetered_connection
+from budgetgate.benchmark.reconciliation_runner import Bench, Options, Spent, _lifecycle, _usage
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.contracts.topics import Topics
@@ -49,6 +54,7 @@ class SteadyOptions:
     budgets: int = 5
     poll: float = 0.1
     timeout: float = 300.0
+    replicas: int = 1  # reconciler processes in the one consumer group
 
 
 @dataclass
@@ -60,6 +66,8 @@ class SteadyReport:
     unseen: int
     ledger_ok: bool
     ledger_note: str
+    spent: Spent | None = None
+    tag: str | None = None  # names its database (bench_<tag>_…), Redis prefix and topics (bench-<tag>…)
 
     def percentile(self, group: str, q: float) -> float:
         ordered = sorted(self.lags_ms[group])
@@ -83,6 +91,7 @@ class SteadyReport:
         return {
             "options": asdict(self.options), "records": self.records, "offered_records_per_s": round(self.records / self.send_seconds, 1),
             "lag": groups, "p99_ratio_long_to_short": round(self.ratio, 2), "unseen": self.unseen, "ledger_ok": self.ledger_ok, "ledger": self.ledger_note,
+            **(self.spent.as_json() if self.spent else {}), "run_tag": self.tag,
         }  # fmt: skip
 
     def as_text(self) -> str:
@@ -94,6 +103,7 @@ class SteadyReport:
                 f"p99 {self.percentile(group, 0.99):.1f} ms, max {max(self.lags_ms[group], default=float('nan')):.1f} ms"
             )
         lines.append(f"p99 ratio long/short: {self.ratio:.2f}; records never seen in the ledger: {self.unseen}")
+        lines += self.spent.lines() if self.spent else []
         lines.append(f"ledger: {'OK' if self.ledger_ok else 'WRONG'} - {self.ledger_note}")
         return "\n".join(lines)
 
@@ -109,7 +119,7 @@ class _Run:
 class SteadyBench(Bench):
     def __init__(self, options: SteadyOptions, *, echo: Callable[[str], None]) -> None:
         self.token = ""  # the benchmark's API token, made in its database
-        super().__init__(Options(budgets=options.budgets), echo=echo)
+        super().__init__(Options(budgets=options.budgets, replicas=options.replicas), echo=echo)
         self.steady = options
         o = options
         shorts = math.ceil(o.records_per_s / 2 * o.duration / o.short_length) + o.short_slots
@@ -140,17 +150,19 @@ class SteadyBench(Bench):
             await admission.wait_port(port, timeout=60)
             await self._admit_all(f"http://127.0.0.1:{port}")
             await self._preload(dsn)
-            reconciler = python_module("budgetgate.services.reconciler", "--port", str(free_port()))
-            self._start("reconciler", reconciler, log_dir, {**env, "BUDGETGATE_TICK_SECONDS": "1"})
+            reconcilers = await self._start_reconcilers(log_dir, env, bootstrap, topic_prefix)
             await self._until_settled(dsn, "the reconciler to fold the preloaded history")
             async with Publisher(bootstrap, client_id="bench") as publisher:
                 topics = Topics(topic_prefix)
                 await self._warm_up(publisher, topics, dsn, self.warm)
+                meter = self._meter(dsn, reconcilers)
+                started = await meter.start()
                 records, seconds = await self._feed_steady(publisher, topics, dsn)
+                spent = await self._spent(meter, started, reconcilers, records, "usage record", "from the first record fed until the ledger showed the last")
                 await self._finish(publisher, topics, dsn)
             ok, note = await self._audit_steady(dsn)
             unseen = sum(len(r.pending) for r in self.runs)
-            return SteadyReport(self.steady, records, seconds, dict(self.lags), unseen, ok, note)
+            return SteadyReport(self.steady, records, seconds, dict(self.lags), unseen, ok, note, spent, self.tag)
         finally:
             await self._clean_up(database, prefix, log_dir)
 
@@ -272,7 +284,7 @@ class SteadyBench(Bench):
         return total, seconds
 
     async def _poll(self, dsn: str) -> None:
-        conn = await asyncpg.connect(dsn)
+        conn = await unmetered_connection(dsn)
         try:
             by_id = {r.run_id: r for r in self.runs}
             while True:

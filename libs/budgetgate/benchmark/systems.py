@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,11 +38,12 @@ class System(Protocol):
     name: str
     ready_path: str
     reports_collections: bool  # whether its /metrics has budgetgate_gc_* (benchmark.pauses)
+    reports_stages: bool  # whether its /metrics has budgetgate_admission_stage_seconds (benchmark.breakdown)
     token: str | None  # what the load generator sends as a bearer token
 
     async def prepare(self, dsn: str, workload: Workload) -> None: ...
     def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]: ...
-    def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]: ...
+    def cpu_parts(self, *, service_pids: Sequence[int], dsn: str) -> list[Part]: ...
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]: ...
     async def notes(self, dsn: str) -> dict[str, int]: ...
     async def cleanup(self) -> None: ...
@@ -53,6 +55,7 @@ class Budgetgate:
     name = "budgetgate"
     ready_path = "/readyz"
     reports_collections = True  # its /metrics has the garbage collector's figures (budgetgate.runtime.garbage)
+    reports_stages = True  # and the stages of a submission (services/admission/stages.py)
 
     def __init__(self, backends: Backends, *, tag: str) -> None:
         self.token: str | None = None
@@ -83,11 +86,11 @@ class Budgetgate:
         }
         return python_module("budgetgate.services.admission", "--host", "127.0.0.1", "--port", str(port)), env
 
-    def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]:
-        """The service, its database's server processes, Redis and the broker (unknown when the
-        broker was given rather than started here)."""
+    def cpu_parts(self, *, service_pids: Sequence[int], dsn: str) -> list[Part]:
+        """The service (each of its replicas), its database's server processes, Redis and the
+        broker (unknown when the broker was given rather than started here)."""
         return [
-            Part.process("service", service_pid),
+            *Part.replicas("service", service_pids),
             Part("postgres", postgres_dsn=dsn),
             Part("redis", redis_url=self.backends.redis_url),
             Part.process("broker", self.backends.broker_pid),
@@ -151,6 +154,7 @@ class Baseline:
     name = "baseline"
     ready_path = "/readyz"
     reports_collections = False
+    reports_stages = False
     token: str | None = None  # the baseline has no authentication
 
     async def prepare(self, dsn: str, workload: Workload) -> None:
@@ -164,8 +168,8 @@ class Baseline:
     def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]:
         return python_module("budgetgate.benchmark.baseline", "--dsn", dsn, "--host", "127.0.0.1", "--port", str(port)), {}
 
-    def cpu_parts(self, *, service_pid: int, dsn: str) -> list[Part]:
-        return [Part.process("service", service_pid), Part("postgres", postgres_dsn=dsn)]
+    def cpu_parts(self, *, service_pids: Sequence[int], dsn: str) -> list[Part]:
+        return [*Part.replicas("service", service_pids), Part("postgres", postgres_dsn=dsn)]
 
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
         conn = await asyncpg.connect(dsn)

@@ -1,6 +1,11 @@
 """A Marquez stand-in for the campaign: `POST /api/v1/lineage` answers 201 and keeps the event,
 without deduplicating (as Marquez does), on a thread of the campaign's process. Only what the
-evidence checker needs: the events received, in order."""
+evidence checker needs: the events received, in order.
+
+The nemesis takes it down (`outage`): `503` answers every POST with Marquez's error body and
+keeps nothing (Marquez's database gone, a proxy in front of it failing); `reset` reads the request
+and closes the connection without an answer (Marquez killed mid-request, a load balancer
+resetting). The evidence-emitter must hold its events and deliver every one once it is back."""
 
 from __future__ import annotations
 
@@ -11,9 +16,13 @@ from typing import Any
 
 
 class LineageSink:
+    OUTAGES = ("503", "reset")
+
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.rejected = 0
+        self.outage: str | None = None  # one of OUTAGES while the nemesis has it down
+        self.refused = 0  # posts turned away by an outage
         self._lock = threading.Lock()
         sink = self
 
@@ -24,6 +33,15 @@ class LineageSink:
             def do_POST(self) -> None:  # noqa: N802 - the http.server name
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
+                outage = sink.outage
+                if outage is not None:
+                    with sink._lock:
+                        sink.refused += 1
+                    if outage == "reset":
+                        self.close_connection = True
+                        return
+                    self._answer(503, {"code": 503, "message": "the stand-in is down (a fault of the campaign)"})
+                    return
                 if self.path.split("?")[0] != "/api/v1/lineage":
                     self._answer(404, {"code": 404, "message": "no route"})
                     return

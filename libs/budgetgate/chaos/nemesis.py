@@ -98,6 +98,14 @@ class Nemesis:
             await asyncio.sleep(duration)
             c.pause_broker(False)
             return f"SIGSTOP for {duration:.1f}s"
+        if kind == "marquez-outage":
+            outage = str(fault.params["outage"])
+            c.sink.outage = outage
+            try:
+                await asyncio.sleep(duration)
+            finally:
+                c.sink.outage = None
+            return f"the Marquez stand-in down ({'answers 503' if outage == '503' else 'resets every request'}) for {duration:.1f}s"
         if kind == "redis-kill":
             await c.redis.kill_primary()
             await asyncio.sleep(duration)

@@ -42,6 +42,8 @@ FAULT_KINDS: dict[str, int] = {
     "clock-skew": 1,
     "postgres-kill": 1,
     "postgres-pause": 1,
+    # Last, so that `--without marquez-outage` plans what a seed planned before it came.
+    "marquez-outage": 1,
 }
 
 GPU_CHOICES = (1, 2, 4, 8)
@@ -248,6 +250,8 @@ def _fault_details(rng: random.Random, kind: str) -> tuple[str, float, dict[str,
         return "postgres", rng.uniform(2.0, 8.0), {}
     if kind == "redis-failover":
         return "redis", rng.uniform(1.0, 3.0), {"replica_lag_seconds": round(rng.uniform(1.0, 4.0), 1)}
+    if kind == "marquez-outage":
+        return "marquez", rng.uniform(3.0, 20.0), {"outage": rng.choice(("503", "reset"))}
     if kind == "redis-old-snapshot":
         return "redis", rng.uniform(0.5, 2.0), {}
     if kind == "redis-kill":

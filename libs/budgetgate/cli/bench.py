@@ -46,6 +46,13 @@ def bench() -> None:
     "Measure every scenario, system and the ceiling this many times, the systems taking turns to go first; "
     "the ratios are paired per round and their median is reported."
 )
+@click.option(
+    "--replicas",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Processes of each system (and of the ceiling) on the one database and Redis, driven as one service: client k on process k mod N.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def admission(
     requests: int,
@@ -59,6 +66,7 @@ def admission(
     open_loop_rate: float,
     open_loop_seconds: float,
     rounds: int,
+    replicas: int,
     as_json: bool,
 ) -> None:
     """Admission decisions/s and latency: budgetgate vs. a FastAPI + Postgres row-lock service.
@@ -67,15 +75,19 @@ def admission(
     BUDGETGATE_POSTGRES_DSN; budgetgate uses BUDGETGATE_REDIS_URL and BUDGETGATE_KAFKA_BOOTSTRAP,
     or a Tansu broker started for the run. Also measures, in the same run, a FastAPI endpoint
     that validates the same body (the ceiling), and with --open-loop-rate an open loop at a fixed
-    offered rate (p50/p99/p99.9, errors). Exits 1 if any budget was over-admitted.
+    offered rate (p50/p99/p99.9, errors). With --replicas N, each system runs as N processes
+    and the CPU figures show each one and their sum. Exits 1 if any budget was over-admitted.
     """
     from budgetgate.benchmark import admission_runner, report
 
-    options = admission_runner.Options(
-        requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
-        scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
-        open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds, rounds=rounds,
-    )  # fmt: skip
+    try:
+        options = admission_runner.Options(
+            requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
+            scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
+            open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds, rounds=rounds, replicas=replicas,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         measured = asyncio.run(admission_runner.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -97,18 +109,25 @@ def admission(
 @click.option("--resend-every", default=10, show_default=True, type=click.IntRange(0), help="Resend every n-th sample under a new event id (0: never).")
 @click.option("--partitions", default=3, show_default=True, type=click.IntRange(1), help="Partitions of the metering topic.")
 @_rounds("Run the whole benchmark this many times, each service run paired with its own COPY; the median ratio is reported.")
+@click.option(
+    "--replicas", default=1, show_default=True, type=click.IntRange(1), help="metering-ingest processes in the one consumer group (at most --partitions)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds: int, as_json: bool) -> None:
+def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds: int, replicas: int, as_json: bool) -> None:
     """Metering ingest samples/s into Postgres through the real consumer, vs. a plain COPY.
 
     The load is published to Kafka first; then metering-ingest is started and timed from ready
     until its inbox holds every sample. The rows it wrote are then COPYed into a fresh database
     with the same schema, timed. Uses BUDGETGATE_POSTGRES_DSN, and BUDGETGATE_KAFKA_BOOTSTRAP or
-    a Tansu broker started for the run. Exits 1 if the recorded usage is wrong.
+    a Tansu broker started for the run. With --replicas N, N processes share the partitions and
+    the CPU figures show each one and their sum. Exits 1 if the recorded usage is wrong.
     """
     from budgetgate.benchmark import admission_runner, metering_report, metering_runner
 
-    options = metering_runner.Options(samples=samples, runs=runs, resend_every=resend_every, partitions=partitions, rounds=rounds)
+    try:
+        options = metering_runner.Options(samples=samples, runs=runs, resend_every=resend_every, partitions=partitions, rounds=rounds, replicas=replicas)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         results = asyncio.run(metering_runner.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -139,23 +158,45 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds
     "--long-runs", default=10, show_default=True, type=click.IntRange(1), help="With --records-per-s: long runs fed at once (short runs: as many at a time)."
 )
 @click.option("--duration", default=30.0, show_default=True, type=click.FloatRange(1), help="With --records-per-s: seconds of load.")
+@click.option(
+    "--replicas",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Reconciler processes in the one consumer group (at most the topics' partitions, BUDGETGATE_TOPIC_PARTITIONS).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def reconciliation(
-    runs: int, rate: float, samples: int, budgets: int, records_per_s: float | None, run_lengths: str, long_runs: int, duration: float, as_json: bool
+    runs: int,
+    rate: float,
+    samples: int,
+    budgets: int,
+    records_per_s: float | None,
+    run_lengths: str,
+    long_runs: int,
+    duration: float,
+    replicas: int,
+    as_json: bool,
 ) -> None:
     """Reconciliation lag p50/p99: a run's COMPLETED event sent -> its actuals committed; with
     --records-per-s, a usage record sent -> the ledger showing it, for short and long runs.
 
     Starts admission and the reconciler as subprocesses on a fresh database of the Postgres of
     BUDGETGATE_POSTGRES_DSN, with BUDGETGATE_REDIS_URL and BUDGETGATE_KAFKA_BOOTSTRAP (or a Tansu
-    broker started for the run). Exits 1 if the ledger does not add up afterwards.
+    broker started for the run). With --replicas N, N reconcilers share the consumer group. Either
+    way the CPU per message (per usage record) of each reconciler, their sum, Postgres, Redis and
+    the broker is reported. Exits 1 if the ledger does not add up afterwards.
     """
-    if records_per_s is not None:
-        _steady(records_per_s, run_lengths, long_runs, duration, budgets, as_json)
-        return
     from budgetgate.benchmark import reconciliation_runner as bench_reconciliation
 
-    options = bench_reconciliation.Options(runs=runs, rate=rate, samples=samples, budgets=budgets)
+    try:
+        bench_reconciliation.check_replicas(replicas)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if records_per_s is not None:
+        _steady(records_per_s, run_lengths, long_runs, duration, budgets, replicas, as_json)
+        return
+    options = bench_reconciliation.Options(runs=runs, rate=rate, samples=samples, budgets=budgets, replicas=replicas)
     try:
         report = asyncio.run(bench_reconciliation.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -166,7 +207,7 @@ def reconciliation(
         raise click.ClickException("the ledger does not add up, or runs were left unsettled: see above")
 
 
-def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: float, budgets: int, as_json: bool) -> None:
+def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: float, budgets: int, replicas: int, as_json: bool) -> None:
     from budgetgate.benchmark import reconciliation_steady
 
     try:
@@ -174,8 +215,9 @@ def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: fl
     except ValueError as exc:
         raise click.BadParameter("two numbers: SHORT,LONG", param_hint="--run-lengths") from exc
     options = reconciliation_steady.SteadyOptions(
-        records_per_s=records_per_s, short_length=short, long_length=long, long_runs=long_runs, short_slots=long_runs, duration=duration, budgets=budgets
-    )
+        records_per_s=records_per_s, short_length=short, long_length=long, long_runs=long_runs, short_slots=long_runs, duration=duration, budgets=budgets,
+        replicas=replicas,
+    )  # fmt: skip
     try:
         report = asyncio.run(reconciliation_steady.run(options, echo=lambda message: click.echo(message, err=True)))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -256,3 +298,79 @@ def report(records: int, runs: int, rounds: int, as_json: bool) -> None:
     click.echo(json.dumps(measured.as_json(), indent=2) if as_json else measured.as_text())
     if measured.gpu_milli_hours is None:
         raise click.ClickException("the groupings of the month disagree on its total GPU-hours")
+
+
+def _report_file(path: str | None, what: str) -> dict | None:  # type: ignore[type-arg]
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=what) from exc
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{path} is not JSON ({exc}): write it with the benchmark's --json", param_hint=what) from exc
+    if not isinstance(found, dict):
+        raise click.BadParameter(f"{path} is not a benchmark's JSON report", param_hint=what)
+    return found
+
+
+@bench.command()
+@click.option("--admission", "admission_file", required=True, help="`budgetgate bench admission --json` output (open loop included, preferably).")
+@click.option("--metering", "metering_file", required=True, help="`budgetgate bench metering --json` output.")
+@click.option("--reconciliation", "reconciliation_file", help="`budgetgate bench reconciliation --json` output, when it measured CPU per record.")
+@click.option("--scenario", type=click.Choice(SCENARIOS), default="spread", show_default=True, help="The admission scenario whose costs to use.")
+@click.option("--gpus", default="1000,10000,100000", show_default=True, help="Platform sizes, comma-separated.")
+@click.option("--utilization", default=0.85, show_default=True, type=click.FloatRange(0, 1, min_open=True), help="Share of the GPUs running work at the peak.")
+@click.option("--gpus-per-run", default=8.0, show_default=True, type=click.FloatRange(0, min_open=True), help="Mean GPUs of a running run.")
+@click.option(
+    "--submissions-per-1000-gpus", default=2.0, show_default=True, type=click.FloatRange(0, min_open=True), help="Peak admission requests/s per 1,000 GPUs."
+)
+@click.option(
+    "--sample-seconds", default=15.0, show_default=True, type=click.FloatRange(0, min_open=True), help="One metering sample per running run this often."
+)
+@click.option("--headroom", default=0.5, show_default=True, type=click.FloatRange(0, 1, min_open=True), help="Share of a core planned busy at the peak.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
+def capacity(
+    admission_file: str,
+    metering_file: str,
+    reconciliation_file: str | None,
+    scenario: str,
+    gpus: str,
+    utilization: float,
+    gpus_per_run: float,
+    submissions_per_1000_gpus: float,
+    sample_seconds: float,
+    headroom: float,
+    as_json: bool,
+) -> None:
+    """What platforms of --gpus GPUs need at their peak, from the CPU the benchmarks measured per
+    decision and per sample: cores per service, Redis shards, Kafka partitions, Postgres cores.
+    Measures nothing itself (see budgetgate.benchmark.capacity and docs/scale-out.md)."""
+    from budgetgate.benchmark import capacity as model
+
+    try:
+        sizes = [int(g.replace("_", "")) for g in gpus.split(",") if g.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"{gpus!r}: give whole numbers of GPUs, comma-separated", param_hint="--gpus") from exc
+    if not sizes or any(g <= 0 for g in sizes):
+        raise click.BadParameter(f"{gpus!r}: give positive numbers of GPUs, comma-separated", param_hint="--gpus")
+    admission_report = _report_file(admission_file, "--admission")
+    metering_report = _report_file(metering_file, "--metering")
+    assert admission_report is not None and metering_report is not None
+    try:
+        costs = model.costs(admission_report, metering_report, _report_file(reconciliation_file, "--reconciliation"), scenario=scenario)
+    except model.CostsMissing as exc:
+        raise click.ClickException(str(exc)) from exc
+    load = model.Load(
+        utilization=utilization,
+        gpus_per_run=gpus_per_run,
+        submissions_per_s_per_1000_gpus=submissions_per_1000_gpus,
+        sample_seconds=sample_seconds,
+        headroom=headroom,
+    )
+    plans = [model.plan(g, costs, load) for g in sizes]
+    if as_json:
+        click.echo(json.dumps({"costs": costs.as_json(), "plans": [p.as_json() for p in plans]}, indent=2))
+    else:
+        click.echo(model.as_markdown(plans, costs, load))

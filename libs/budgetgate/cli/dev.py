@@ -46,14 +46,15 @@ def _interrupt_on_sigterm() -> None:
 @click.option("--detach", is_flag=True, help="Return once everything is ready and leave it running.")
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds each part may take to become ready.")
 @click.option("--no-services", is_flag=True, help="Only Postgres, Redis and Kafka (run services yourself).")
-def up(detach: bool, timeout: float, no_services: bool) -> None:
+@click.option("--redis-cluster", is_flag=True, help="A Redis Cluster of three masters with a replica each instead of one redis-server.")
+def up(detach: bool, timeout: float, no_services: bool, redis_cluster: bool) -> None:
     """Start the stack of this folder (in the foreground unless --detach); exit 2 when a part is not running."""
     from budgetgate.devstack import stack
 
     root = _root()
     _interrupt_on_sigterm()
     try:
-        result = stack.up(root, timeout=timeout, services=not no_services, echo=_echo)
+        result = stack.up(root, timeout=timeout, services=not no_services, redis_cluster=redis_cluster, echo=_echo)
     except stack.STACK_ERRORS as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:

@@ -41,6 +41,8 @@ def explain(run_id: str, as_json: bool) -> None:
     found = asyncio.run(_explain(backend.stack_settings().postgres_dsn, run_id))
     if found is None:
         raise click.ClickException(f"no decision for run {run_id!r}")
+    if isinstance(found, str):  # archived
+        raise click.ClickException(found)
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
@@ -53,7 +55,9 @@ def explain(run_id: str, as_json: bool) -> None:
         click.echo(f"  differs: {difference}")
 
 
-async def _explain(dsn: str, run_id: str) -> dict[str, Any] | None:
+async def _explain(dsn: str, run_id: str) -> dict[str, Any] | str | None:
+    """The explanation; or, when the run's latest decision is archived, what says so; or None."""
+    from budgetgate.ledger.archive import archived_decision
     from budgetgate.ledger.queries import sql
     from budgetgate.decisions.explain import explanation, recompute
     from budgetgate.policies.policy_store import PolicyStore
@@ -61,7 +65,8 @@ async def _explain(dsn: str, run_id: str) -> dict[str, Any] | None:
     async with backend.postgres(dsn) as conn:
         row = await conn.fetchrow(sql("decision_inputs"), run_id)  # type: ignore[attr-defined]
         if row is None:
-            return None
+            gone = await archived_decision(conn, run_id)  # type: ignore[arg-type]
+            return None if gone is None else str(gone)
         bundle = await PolicyStore().under(conn, row["policy_bundle_sha"], row["override_revision"])
     return explanation(recompute(dict(row), bundle), bundle)
 
@@ -69,11 +74,14 @@ async def _explain(dsn: str, run_id: str) -> dict[str, Any] | None:
 @click.command()
 @click.option("--since", "period", default="30d", show_default=True, help="From when: a period (30d, 12h, 2w) or an ISO date.")
 @click.option("--scope", default=None, help="Only decisions with an evaluation on this scope id (or policy id).")
-@click.option("--json", "as_json", is_flag=True, help='Print {"replayed": N, "mismatches": [...], "not_replayable": [...]}.')
+@click.option(
+    "--json", "as_json", is_flag=True, help='Print {"replayed": N, "mismatches": [...], "not_replayable": [...]} (and "archived": [...] when months are).'
+)
 def replay(period: str, scope: str | None, as_json: bool) -> None:
     """Recompute every recorded decision of the period, in order, from its recorded readings.
 
-    Exits 1 when any recomputed decision differs from the stored one."""
+    Exits 1 when any recomputed decision differs from the stored one. Months of the period that
+    are archived (`budgetgate ledger archive`) are named: their decisions are not replayed."""
     report = asyncio.run(_replay(backend.stack_settings().postgres_dsn, since(period), scope))
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -82,6 +90,10 @@ def replay(period: str, scope: str | None, as_json: bool) -> None:
                    + (f"; {len(report['not_replayable'])} not replayable (recorded before readings were)" if report["not_replayable"] else ""))  # fmt: skip
         for m in report["mismatches"]:
             click.echo(f"  {m['run_id']} attempt {m['attempt']} at {m['decided_at']}: stored {m['stored']}, recomputed {m['recomputed']}: {m['reason']}")
+        from budgetgate.ledger.archive import not_read
+
+        for a in report.get("archived", []):
+            click.echo(f"  {not_read(a)}")
     if report["mismatches"]:
         raise SystemExit(1)
 

@@ -1,5 +1,7 @@
-"""`budgetgate ledger …`: Redis's copy of the ledger. Postgres is the truth; Redis is rebuilt
-from it (libs/budgetgate/ledger/redis_sync.py does the work, under the exclusive ledger lock)."""
+"""`budgetgate ledger …`: Redis's copy of the ledger (Postgres is the truth; Redis is rebuilt from
+it: libs/budgetgate/ledger/redis_sync.py does the work, under the exclusive ledger lock), and the
+monthly partitions of Postgres's growing tables: created ahead, archived past the retention,
+restored (libs/budgetgate/ledger/partitions.py, archive.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import sys
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from pathlib import Path
+from typing import Any
+
 import click
 
 from budgetgate.cli import backend
-from budgetgate.runtime.settings import CommonSettings
+from budgetgate.runtime.settings import CommonSettings, RetentionSettings
 
 if TYPE_CHECKING:
     from budgetgate.ledger.redis_sync import Drift, LedgerSync
@@ -20,7 +25,8 @@ if TYPE_CHECKING:
 
 @click.group()
 def ledger() -> None:
-    """The ledger's Redis copy: rebuild it from Postgres, or compare the two."""
+    """The ledger: its Redis copy (rebuild it from Postgres, compare the two) and Postgres's monthly
+    partitions (create them ahead, archive the months past the retention, restore one)."""
 
 
 def _settings() -> CommonSettings:
@@ -86,3 +92,126 @@ async def _sync(settings: CommonSettings) -> AsyncIterator[LedgerSync]:
 
     async with backend.postgres_pool(settings.postgres_dsn) as pool, backend.redis(settings.redis_url) as client:
         yield LedgerSync(pool, RedisLedger(client, prefix=settings.redis_prefix))  # type: ignore[arg-type]
+
+
+@ledger.command("partitions")
+@click.option("--ahead", type=click.IntRange(1, 120), default=None, help="Months to create ahead of this one [BUDGETGATE_LEDGER_PARTITIONS_AHEAD_MONTHS, 3].")
+def partitions_command(ahead: int | None) -> None:
+    """Create the monthly partitions ahead, then list every partition and archived month.
+
+    Rows the default partitions hold (of a month that had no partition yet) are moved into their
+    months' partitions. Services do this themselves on start and once an hour."""
+    from budgetgate.ledger.partitions import month_label
+
+    settings = backend.stack_settings()
+    created, found, archived = asyncio.run(_partitions(settings.postgres_dsn, settings.ledger_partitions_ahead_months if ahead is None else ahead))
+    click.echo(f"created {len(created)} partition(s)" + (": " + ", ".join(created) if created else ""))
+    for p in found:
+        if p.default:
+            click.echo(f"  {p.name:<36} {'default: rows of months without a partition':<48} {p.rows} row(s)")
+        else:
+            click.echo(f"  {p.name:<36} {month_label(p.start):<48} ~{max(p.rows, 0)} row(s)")
+    for a in archived:
+        click.echo(f"  {a['partition']:<36} archived {a['archived_at']:%Y-%m-%d}: {a['row_count']} row(s) in {a['location']}")
+
+
+async def _partitions(dsn: str, ahead: int) -> tuple[list[str], list[Any], list[Any]]:
+    """The partitions created, every partition (the default ones' rows counted exactly: rows
+    there are worth a look) and the archived months."""
+    import asyncpg
+
+    from budgetgate.ledger import partitions
+    from budgetgate.ledger.queries import sql
+
+    async with backend.postgres(dsn) as conn:
+        try:
+            created = await partitions.ensure(conn, ahead=ahead)  # type: ignore[arg-type]
+        except asyncpg.LockNotAvailableError as exc:
+            raise click.ClickException(f"partitions not created: {exc} (a table stayed locked; try again)") from None
+        found = await partitions.partitions(conn, exact_defaults=True)  # type: ignore[arg-type]
+        archived = await conn.fetch(sql("ledger_archives"), None)  # type: ignore[attr-defined]
+    return created, found, archived
+
+
+@ledger.command("archive")
+@click.option(
+    "--to", "directory", type=click.Path(file_okay=False, path_type=Path), default=None, help="Where to write the archives [BUDGETGATE_LEDGER_ARCHIVE_DIR]."
+)
+@click.option(
+    "--retention-months", type=click.IntRange(1), default=None, help="Months kept in Postgres [BUDGETGATE_LEDGER_RETENTION_MONTHS; unset: nothing is archived]."
+)
+@click.option("--dry-run", is_flag=True, help="Say which months would be archived, and which are kept and why; change nothing.")
+def archive_command(directory: Path | None, retention_months: int | None, dry_run: bool) -> None:
+    """Archive the months of usage, decisions and the outbox past the retention to files, then drop them from Postgres.
+
+    Each month, oldest first: its partitions copied to compressed CSV files with a manifest,
+    read back and counted, then detached and dropped (a crash leaves Postgres as it was, or the
+    next run finishes the month). A month holding a run still open, or an outbox row not
+    published, is refused, naming them; exit 1 when any month was refused. `budgetgate ledger
+    restore MANIFEST` brings one back."""
+    settings = backend.stack_settings(RetentionSettings)
+    months = retention_months or settings.ledger_retention_months
+    if months is None:
+        click.echo("no retention set (BUDGETGATE_LEDGER_RETENTION_MONTHS, or --retention-months): nothing is archived")
+        return
+    where = directory or (Path(settings.ledger_archive_dir) if settings.ledger_archive_dir else None)
+    if where is None and not dry_run:
+        raise click.ClickException("say where the archives go: --to DIR, or BUDGETGATE_LEDGER_ARCHIVE_DIR")
+    from budgetgate.ledger.partitions import month_label
+
+    report = asyncio.run(_archive(settings, months, where or Path("."), dry_run))
+    click.echo(f"months ending on or before {report.cutoff:%Y-%m-%d} ({months} month(s) kept):")
+    for series, month, named in report.would_archive:
+        click.echo(f"  would archive {series} {month_label(month)}: {', '.join(named.values())}")
+    for done in report.archived:
+        tables = ", ".join(f"{t.partition} ({t.rows} rows)" for t in done.tables)
+        click.echo(f"  archived {done.series} {month_label(done.month)}: {tables} -> {done.manifest}")
+    for kept in report.kept:
+        click.echo(f"  {kept}")
+    if not (report.would_archive or report.archived or report.kept):
+        click.echo("  nothing to archive")
+    if report.refused:
+        raise SystemExit(1)
+
+
+async def _archive(settings: RetentionSettings, months: int, directory: Path, dry_run: bool) -> Any:
+    """The archive's report; each month said on stderr as it is done."""
+    import asyncpg
+
+    from budgetgate.ledger.archive import ArchiveError, archive
+
+    async with backend.postgres(settings.postgres_dsn) as conn:
+        try:
+            return await archive(
+                conn,  # type: ignore[arg-type]
+                retention_months=months,
+                directory=directory,
+                dry_run=dry_run,
+                ahead=settings.ledger_partitions_ahead_months,
+                say=lambda line: click.echo(line, err=True),
+            )
+        except (ArchiveError, OSError, asyncpg.LockNotAvailableError) as exc:
+            raise click.ClickException(f"nothing more was archived (the months said above are): {exc}") from None
+
+
+@ledger.command("restore")
+@click.argument("manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def restore_command(manifest: Path) -> None:
+    """Bring an archived month back into Postgres from its MANIFEST (manifest.json).
+
+    Every file is checked against the manifest (digest and rows) before anything is loaded; the
+    month is then loaded, attached as its partition again and no longer counted as archived, in
+    one transaction. `budgetgate ledger archive` archives it again once it is past the retention."""
+    from budgetgate.ledger.archive import ArchiveError, restore
+
+    async def run():  # type: ignore[no-untyped-def]
+        async with backend.postgres(backend.stack_settings().postgres_dsn) as conn:
+            return await restore(conn, manifest)  # type: ignore[arg-type]
+
+    try:
+        done = asyncio.run(run())
+    except ArchiveError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"restored {done.series} {done.month}: " + ", ".join(f"{p} ({n} rows)" for p, n in done.tables))
+    if done.moved_from_default:
+        click.echo(f"  and moved {done.moved_from_default} row(s) of that month from the default partition into it")

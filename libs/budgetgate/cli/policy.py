@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from budgetgate.cli import backend
+from budgetgate.cli.lazy import LazyGroup
 from budgetgate.core.accounts import attached_to, describe
 from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle_from_json, load_files, load_path
 from budgetgate.core.policy import PolicyBundle
@@ -18,7 +19,8 @@ from budgetgate.core.policy_plan import Change, emptiness, limit_text, window_te
 from budgetgate.policies.repository import RepositoryError, Revision, apply_bundle, dirty_sha, policy_files, revision
 
 
-@click.group()
+# (`what-if` imports this module, so it is named here and imported when run)
+@click.group(cls=LazyGroup, lazy={"what-if": "budgetgate.cli.whatif:what_if"})
 def policy() -> None:
     """Budgets as code: YAML policy documents in Git."""
 

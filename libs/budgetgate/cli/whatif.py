@@ -67,6 +67,10 @@ def print_report(report: dict[str, Any], directory: Path) -> None:
         f"what-if {directory} since {report['since']}: {report['decisions']} decisions replayed, {len(report['flips'])} would flip"
         + (f", {len(skipped)} not simulated" if skipped else "")
     )
+    from budgetgate.ledger.archive import not_read
+
+    for a in report.get("archived", []):
+        click.echo(f"  {not_read(a)}")
     for f in report["flips"]:
         click.echo(f"  {f['before']} -> {f['after']}  {f['run_id']} (attempt {f['attempt']}, {f['decided_at']}): {f['reason']}")
     if skipped:

@@ -9,13 +9,14 @@ Retry-After asks. The bearer token comes from the `token` argument, else BUDGETG
 
 from budgetgate.client.aio import AsyncClient
 from budgetgate.client.endpoints import NoEndpoint
-from budgetgate.client.errors import BudgetgateError, Conflict, InvalidRequest, NotFound, NotGranted, RateLimited, Unauthorized, Unavailable
+from budgetgate.client.errors import Archived, BudgetgateError, Conflict, InvalidRequest, NotFound, NotGranted, RateLimited, Unauthorized, Unavailable
 from budgetgate.client.feeds import KafkaFeed, lifecycle_event, metering_sample
 from budgetgate.client.retries import NO_RETRY, RetryPolicy
 from budgetgate.client.sync import Client
 
 __all__ = [
     "NO_RETRY",
+    "Archived",
     "AsyncClient",
     "BudgetgateError",
     "Client",

@@ -86,6 +86,17 @@ class NotFound(BudgetgateError):
     """404."""
 
 
+class Archived(BudgetgateError):
+    """410: the run's latest decision is archived (moved out of the ledger's database, past its
+    retention, by `budgetgate ledger archive`): no resend, lookup or explanation is answered from
+    it; submit under a new run id. `archive` names the archive when the answer does."""
+
+    @property
+    def archive(self) -> str | None:
+        found = self.problem.get("archive")
+        return found if isinstance(found, str) else None
+
+
 class Unauthorized(BudgetgateError):
     """401 or 403: no token, a bad token, or a principal without the role."""
 
@@ -107,7 +118,7 @@ class NotGranted(Exception):
 
 
 _BY_STATUS: dict[int, type[BudgetgateError]] = {
-    401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 422: InvalidRequest, 429: RateLimited, 503: Unavailable,
+    401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 410: Archived, 422: InvalidRequest, 429: RateLimited, 503: Unavailable,
 }  # fmt: skip
 
 

@@ -42,10 +42,12 @@ class Charge:
     policy: BudgetPolicy
     window: Window
     amount: int
+    # Its key, written once: a decision reads it a dozen times (the plan, Redis, the readings, the
+    # rows and the message), and writing it (the window's bounds as text) was 4 % of admission's CPU.
+    ledger_key: str = field(init=False, compare=False, repr=False)
 
-    @property
-    def ledger_key(self) -> str:
-        return ledger_key(self.policy, self.window)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ledger_key", ledger_key(self.policy, self.window))
 
     @property
     def hard(self) -> bool:

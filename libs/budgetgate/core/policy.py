@@ -142,6 +142,11 @@ class PolicyBundle:
     # The grants made over the API, by (policy id, ledger key) of the window they are for
     # (core/grants.py); each window's limit is the policy's plus its grants.
     grants: Mapping[tuple[str, str], tuple[Grant, ...]] = field(default_factory=dict, hash=False)
+    # Each tenant's quota (the first listed for it), looked up for every submission.
+    _quota_of: Mapping[str, TenantQuota] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_quota_of", {q.tenant: q for q in reversed(self.quotas)})
 
     def granted(self, policy_id: str, ledger_key: str) -> tuple[Grant, ...]:
         """The grants made to `policy_id` for the window of `ledger_key`, oldest first."""
@@ -164,7 +169,7 @@ class PolicyBundle:
         return replace(self, policies=tuple(p for p in self.policies if keep(p)))
 
     def quota_for(self, tenant: str | None) -> TenantQuota | None:
-        return next((q for q in self.quotas if q.tenant == tenant), None) if tenant else None
+        return self._quota_of.get(tenant) if tenant else None
 
     def pool_chain(self, namespace: str) -> list[ResourcePool]:
         """The declared pools an allocation in `namespace` counts against, most specific first."""

@@ -10,7 +10,10 @@ samples give the same answer as the clean sequence. The rules:
   zero. A run metered past its reservation is over-running and eats into the remaining budget.
 - **Ended** (COMPLETED, FAILED, CANCELLED). The reservation is replaced by the metered actual.
   Metering is complete when a sample was observed no earlier than `metering_tolerance` before
-  the run stopped running. Until then the reservation stays as the upper bound; after
+  the run stopped running, and no sample metering-ingest has accepted for the run is still on its
+  way to the reconciler (`RunFacts.metered_through`: accepted usage not yet folded would be
+  charged after the rest of the reservation was given back, and that room given to another run
+  meanwhile: the fault campaign's seed 20261131). Until then the reservation stays as the upper bound; after
   `provisional_grace` the running time no sample covers is charged provisionally as bound GPUs
   (nodes) × that time, and replaced by the samples when they arrive.
 - **Windows.** A sample's increment over the previous sample is usage at the sample's time, and
@@ -104,6 +107,9 @@ class RunFacts:
     # Admitted provisionally (the Kubernetes validating webhook): given back `provisional_hold`
     # after admission unless a fact confirms the object was stored.
     provisional: bool = False
+    # The latest observation of a sample metering-ingest has accepted for the run, as Postgres
+    # knows it (its usage may not have reached the reconciler yet); None: none known.
+    metered_through: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +251,16 @@ def settle(facts: RunFacts, *, bundle: PolicyBundle | None, rules: Rules, now: d
     line = timeline(facts.events, gpus=facts.gpus, nodes=facts.nodes, ends_after=facts.ends_after)
     metered = increments(facts.samples)
     covered = max((s.observed_at for s in facts.samples), default=None)
-    st = standing(line, covered, admitted_at=facts.admitted_at, released=facts.released, rules=rules, now=now, unconfirmed=unconfirmed(facts, covered))
+    st = standing(
+        line,
+        covered,
+        admitted_at=facts.admitted_at,
+        released=facts.released,
+        rules=rules,
+        now=now,
+        unconfirmed=unconfirmed(facts, covered),
+        metered_through=facts.metered_through,
+    )
     wall, tail, final, provisional, released, idle_since = st.wall, st.tail, st.final, st.provisional, st.released, st.idle_since
 
     held: dict[str, int] = {}
@@ -312,13 +327,23 @@ def unconfirmed(facts: RunFacts, covered: datetime | None) -> bool:
 
 
 def standing(
-    line: Timeline, covered: datetime | None, *, admitted_at: datetime, released: bool, rules: Rules, now: datetime, unconfirmed: bool = False
+    line: Timeline,
+    covered: datetime | None,
+    *,
+    admitted_at: datetime,
+    released: bool,
+    rules: Rules,
+    now: datetime,
+    unconfirmed: bool = False,
+    metered_through: datetime | None = None,
 ) -> Standing:
     """The time-driven half of the rules: completeness, finality, release, wall time, the tail.
-    `unconfirmed`: a provisional admission no fact confirmed (see `unconfirmed`)."""
+    `unconfirmed`: a provisional admission no fact confirmed (see `unconfirmed`);
+    `metered_through`: see RunFacts (a sample accepted later than `covered` is still on its way)."""
     wall = [(at, ms) for iv in line.intervals for at, ms in hour_pieces(iv.start, _end(iv, now))]
     stopped = max((_end(iv, now) for iv in line.intervals), default=None)
-    complete = stopped is None or (covered is not None and covered >= stopped - rules.metering_tolerance)
+    in_flight = metered_through is not None and (covered is None or metered_through > covered)
+    complete = stopped is None or (covered is not None and covered >= stopped - rules.metering_tolerance and not in_flight)
     ended = line.phase == "ended"
     assert line.ended_at is None or ended
     final = ended and (complete or now >= line.ended_at + rules.provisional_grace)  # type: ignore[operator]

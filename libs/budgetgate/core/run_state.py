@@ -173,7 +173,16 @@ def settle_state(run: RunFacts, state: RunState, *, bundle: PolicyBundle | None,
     the metered charges are the sum of the fold's deltas, kept by the caller.
     """
     line = timeline(run.events, gpus=run.gpus, nodes=run.nodes, ends_after=run.ends_after)
-    st = standing(line, state.covered, admitted_at=run.admitted_at, released=run.released, rules=rules, now=now, unconfirmed=unconfirmed(run, state.covered))
+    st = standing(
+        line,
+        state.covered,
+        admitted_at=run.admitted_at,
+        released=run.released,
+        rules=rules,
+        now=now,
+        unconfirmed=unconfirmed(run, state.covered),
+        metered_through=run.metered_through,
+    )
     consumed: dict[tuple[str, datetime], int] = defaultdict(int)
     windows: dict[str, tuple[BudgetPolicy, Window]] = {}
     used: dict[str, int] = {}

@@ -14,6 +14,7 @@ from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Decision, deciding_index, describe
 from budgetgate.core.policy import Enforcement, PolicyBundle
 from budgetgate.core.windows import iso
+from budgetgate.ledger.archive import archives_within
 from budgetgate.ledger.queries import owned_by
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.decisions.deciding import (
@@ -194,7 +195,9 @@ def account(found: Recomputed, bundle: PolicyBundle | None, readings: list[dict[
 async def replay(conn: Any, *, since: datetime, scope: str | None = None) -> dict[str, Any]:
     """Recompute every decision recorded from `since` on (only those with an evaluation on
     `scope`, a scope id or policy id, when given), in the order they were made, each from its
-    own recorded readings: how many were replayed, which could not be, and every mismatch."""
+    own recorded readings: how many were replayed, which could not be, every mismatch, and, when
+    there are any, the months of the period that are archived (`archived`: their decisions are
+    not in Postgres to replay)."""
     bundles = PolicyStore()
     replayed, not_replayable, mismatches = 0, [], []
     async with conn.transaction():
@@ -206,4 +209,8 @@ async def replay(conn: Any, *, since: datetime, scope: str | None = None) -> dic
             replayed += 1
             if found.differences:
                 mismatches.append(found.mismatch())
-    return {"replayed": replayed, "mismatches": mismatches, "not_replayable": not_replayable}
+    report: dict[str, Any] = {"replayed": replayed, "mismatches": mismatches, "not_replayable": not_replayable}
+    archived = await archives_within(conn, "decisions", since)
+    if archived:  # only then: a period Postgres holds whole reads as it always did
+        report["archived"] = archived
+    return report

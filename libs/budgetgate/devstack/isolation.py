@@ -67,13 +67,19 @@ async def ensure_database(dsn: str, database: str) -> None:
 
 
 def check_redis(url: str) -> None:
-    """Raise ExternalServerError unless the Redis at `url` answers PING."""
+    """Raise ExternalServerError unless the Redis at `url` (a server, or a cluster by one of its
+    nodes) answers PING."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    from budgetgate.runtime.redis_client import connect_sync
+
+    try:
+        client = connect_sync(url, socket_connect_timeout=3, socket_timeout=3)
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:  # a cluster's client finds its nodes at once
+        raise ExternalServerError(f"Redis at {redact(url)} does not answer: {exc}") from exc
     try:
         client.ping()
-    except redis.RedisError as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
         raise ExternalServerError(f"Redis at {redact(url)} does not answer: {exc}") from exc
     finally:
         client.close()

@@ -15,12 +15,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on right now, picked at random so parallel stacks rarely collide."""
     for _ in range(200):
         port = random.randrange(_LOW, _HIGH)
-        if _bindable(host, port):
+        if bindable(host, port):
             return port
     raise RuntimeError(f"no free TCP port found on {host} between {_LOW} and {_HIGH}")
 
 
-def _bindable(host: str, port: int) -> bool:
+def bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))

@@ -14,9 +14,13 @@ import pwd
 import signal
 import stat
 import subprocess
+import time
+from contextlib import suppress
 from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
+
+import psutil
 
 from budgetgate.devstack.embedded import EmbeddedServer, ServerStartError, not_installed
 from budgetgate.devstack.ports import port_open
@@ -111,9 +115,41 @@ class EmbeddedPostgres(EmbeddedServer):
         self.data_dir.chmod(0o700)
         if not (self.data_dir / "PG_VERSION").exists():
             self._initdb(user)
-        self._remove_stale_lock()
+        if not self._remove_stale_lock():
+            # No postmaster: whatever still works in the data directory is a backend of a dead
+            # one, attached to its shared memory, and the new postmaster would refuse to start
+            # ("pre-existing shared memory block is still in use").
+            self._kill_leftovers()
 
-    def _remove_stale_lock(self) -> None:
+    def kill(self) -> None:
+        """Hard kill of the postmaster and its process group, then of any process still working
+        in the data directory (a backend slow to die, or one the group signal missed), so that
+        a restart finds no leftover attached to the old shared memory."""
+        super().kill()
+        self._kill_leftovers()
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Postgres processes whose working directory is this cluster's data directory (a
+        server's processes all work there)."""
+        found = []
+        for process in psutil.process_iter(["name"]):
+            with suppress(psutil.Error):
+                if (process.info["name"] or "").startswith("postgres") and process.cwd() == str(self.data_dir):
+                    found.append(process)
+        return found
+
+    def _kill_leftovers(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while left := self.leftovers():
+            for process in left:
+                with suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(left, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise ServerStartError(f"{self.name}: processes {[p.pid for p in self.leftovers()]} still work in {self.data_dir} after SIGKILL")
+
+    def _remove_stale_lock(self) -> bool:
+        """Whether a live postmaster holds the data directory's lock; a stale lock is removed."""
         # A killed postmaster whose parent is gone may stay a zombie when nothing reaps orphans
         # (some container inits do not); Postgres takes a zombie for a live postmaster and would
         # refuse to start. A lock naming a pid that runs nothing is stale: remove it.
@@ -121,9 +157,11 @@ class EmbeddedPostgres(EmbeddedServer):
         try:
             pid = int(lock.read_text().split("\n", 1)[0])
         except (OSError, ValueError):
-            return
+            return False
         if read_cmdline(pid) is None:
             lock.unlink(missing_ok=True)
+            return False
+        return True
 
     def _initdb(self, user: str | None) -> None:
         if any(self.data_dir.iterdir()):

@@ -27,8 +27,10 @@ from budgetgate.devstack.ports import free_port, port_open
 from budgetgate.devstack.postgres import EmbeddedPostgres, pg_ctl_stop
 from budgetgate.devstack.processes import ProcessRecord, is_running, read_cmdline, terminate, wait_gone
 from budgetgate.devstack.redis import EmbeddedRedis
-from budgetgate.devstack.services import SERVICES, Service, ServiceNotReady, start_service, wait_ready
+from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
+from budgetgate.devstack.services import SERVICES, Service, ServiceNotReady, log_tail, start_service, wait_ready
 from budgetgate.devstack.state import StackState, StateFileError, stack_lock, state_dir
+from budgetgate.runtime.redis_client import is_cluster_url
 from budgetgate.runtime.settings import find_dev_state, fingerprint
 
 Echo = Callable[[str], None]
@@ -50,8 +52,10 @@ class UpResult:
     already_up: bool
 
 
-def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo = print) -> UpResult:
-    """Start the stack of `root` unless one is up already; on any failure, stop what was started."""
+def up(root: Path, *, timeout: float = 60.0, services: bool = True, redis_cluster: bool = False, echo: Echo = print) -> UpResult:
+    """Start the stack of `root` unless one is up already; on any failure, stop what was started.
+    `redis_cluster`: an embedded Redis Cluster (three masters with a replica each) instead of one
+    redis-server."""
     root = root.resolve()
     with stack_lock(root):
         existing = StackState.load(root)
@@ -63,7 +67,7 @@ def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo =
             StackState.remove(root)
         state = StackState(root=root)
         try:
-            _start(state, timeout=timeout, services=services, echo=echo)
+            _start(state, timeout=timeout, services=services, redis_cluster=redis_cluster, echo=echo)
         except BaseException:
             echo("start-up failed; stopping what was started")
             _stop_all(state, echo)
@@ -74,14 +78,14 @@ def up(root: Path, *, timeout: float = 60.0, services: bool = True, echo: Echo =
         return UpResult(state, already_up=False)
 
 
-def _start(state: StackState, *, timeout: float, services: bool, echo: Echo) -> None:
+def _start(state: StackState, *, timeout: float, services: bool, redis_cluster: bool, echo: Echo) -> None:
     tag = isolation.checkout_tag(state.root)
     state.settings = dict.fromkeys(
         ("postgres_dsn", "redis_url", "redis_prefix", "kafka_bootstrap", "topic_prefix", "admission_url", "metering_url", "reconciler_url")
     )
     state.save()
     _provide_postgres(state, tag=tag, timeout=timeout, echo=echo)
-    _provide_redis(state, tag=tag, timeout=timeout, echo=echo)
+    _provide_redis(state, tag=tag, timeout=timeout, cluster=redis_cluster, echo=echo)
     _provide_kafka(state, tag=tag, timeout=timeout, echo=echo)
     state.save()
     _migrate(str(state.settings["postgres_dsn"]), echo)
@@ -120,19 +124,33 @@ def _provide_postgres(state: StackState, *, tag: str, timeout: float, echo: Echo
     state.settings["postgres_dsn"] = server.dsn(EMBEDDED_DATABASE)
 
 
-def _provide_redis(state: StackState, *, tag: str, timeout: float, echo: Echo) -> None:
+def _provide_redis(state: StackState, *, tag: str, timeout: float, cluster: bool, echo: Echo) -> None:
     external = os.environ.get("BUDGETGATE_REDIS_URL")
     prefix = os.environ.get("BUDGETGATE_REDIS_PREFIX")
+    if external and cluster and not is_cluster_url(external):
+        raise ExternalServerError(
+            f"--redis-cluster with BUDGETGATE_REDIS_URL={redact(external)}, which names no cluster: "
+            "unset it for an embedded cluster, or give a redis+cluster:// URL"
+        )
     if external:
         isolation.check_redis(external)
         state.settings["redis_url"] = external
         state.settings["redis_prefix"] = prefix or isolation.redis_prefix(tag)
         echo(f"redis: {external} (BUDGETGATE_REDIS_URL), key prefix {state.settings['redis_prefix']}")
         return
-    server = EmbeddedRedis(log=_logs(state) / "redis.log", workdir=state_dir(state.root) / "redis")
-    _start_embedded(state, server, timeout=timeout, echo=echo)
-    state.settings["redis_url"] = server.url
+    if cluster:
+        started = time.monotonic()
+        redis_cluster = EmbeddedRedisCluster(state_dir(state.root) / "redis-cluster").start(timeout=timeout, record=state.put)
+        state.settings["redis_url"] = redis_cluster.url
+        echo(f"redis: embedded cluster of {len(redis_cluster.nodes)} nodes, {redis_cluster.url} (up in {time.monotonic() - started:.1f}s)")
+    else:
+        server = EmbeddedRedis(log=_logs(state) / "redis.log", workdir=state_dir(state.root) / "redis")
+        _start_embedded(state, server, timeout=timeout, echo=echo)
+        state.settings["redis_url"] = server.url
     state.settings["redis_prefix"] = prefix or "bg"
+
+
+LOCAL_SESSION_TIMEOUT_MS = 3_000
 
 
 def _provide_kafka(state: StackState, *, tag: str, timeout: float, echo: Echo) -> None:
@@ -148,6 +166,9 @@ def _provide_kafka(state: StackState, *, tag: str, timeout: float, echo: Echo) -
     _start_embedded(state, server, timeout=timeout, echo=echo)
     state.settings["kafka_bootstrap"] = server.url
     state.settings["topic_prefix"] = prefix or ""
+    # Tansu completes a group join after half the session timeout: the local stack's services
+    # join theirs in 1.5 s rather than 5 (BUDGETGATE_KAFKA_SESSION_TIMEOUT_MS still wins).
+    state.settings["kafka_session_timeout_ms"] = LOCAL_SESSION_TIMEOUT_MS
 
 
 def _migrate(dsn: str, echo: Echo) -> None:
@@ -192,42 +213,65 @@ def _create_topics(bootstrap: str, prefix: str, echo: Echo) -> None:
     echo(f"topics: {len(created)} ensured")
 
 
+# What a service's log says when the port it was given was taken between the pick and its bind
+# (another stack, a test's server): it is started again on another port.
+_PORT_TAKEN = ("[Errno 98]", "address already in use")
+_PORT_TRIES = 3
+
+
 def _start_services(state: StackState, *, timeout: float, echo: Echo) -> None:
     # Start them all, then wait for each: their start-up times overlap instead of adding up.
-    pending: list[tuple[Service, subprocess.Popen[bytes], str | None, Path, int]] = []
-    for service in SERVICES:
-        if not service.runnable():
-            echo(f"{service.name}: not started, {service.module} has no __main__ yet")
-            continue
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = _logs(state) / f"{service.name}.log"
-        offset = log.stat().st_size if log.exists() else 0
-        proc = start_service(service, settings=state.settings, port=port, log=log, cwd=state.root)
-        if service.name == "admission":
-            state.settings["admission_url"] = url
-        elif service.name == "metering_ingest":
-            state.settings["metering_url"] = url  # where budgetgate.client posts lifecycle events and samples
-        elif service.name == "reconciler":
-            state.settings["reconciler_url"] = url  # where `budgetgate settlements` finds the dead-lettered settlements
-        state.add(
-            ProcessRecord(
-                name=service.name,
-                pid=proc.pid,
-                cmdline=[str(a) for a in proc.args],  # type: ignore[union-attr]
-                log=str(log),
-                extra={"url": url} if url else {},
-            )
-        )
-        pending.append((service, proc, url, log, offset))
-    for service, proc, url, log, offset in pending:
-        awaiting = wait_ready(service, proc, url=url, log=log, log_offset=offset, timeout=timeout)
+    pending = [(service, _launch(service, state)) for service in SERVICES if _runnable(service, echo)]
+    for service, (proc, url, log, offset) in pending:
+        for tries_left in range(_PORT_TRIES - 1, -1, -1):
+            try:
+                awaiting = wait_ready(service, proc, url=url, log=log, log_offset=offset, timeout=timeout)
+            except ServiceNotReady:
+                if not tries_left or proc.poll() is None or not any(m in log_tail(log, since=offset) for m in _PORT_TAKEN):
+                    raise
+                echo(f"{service.name}: {url} was taken while it started; starting it on another port")
+                proc, url, log, offset = _launch(service, state)
+                continue
+            break
         where = f" at {url}" if url else ""
         if awaiting:
             echo(f"{service.name}: serving{where}, not ready until an operator acts ({awaiting})")
         else:
             echo(f"{service.name}: ready{where}")
     _refresh_cmdlines(state)
+
+
+def _runnable(service: Service, echo: Echo) -> bool:
+    if not service.runnable():
+        echo(f"{service.name}: not started, {service.module} has no __main__ yet")
+        return False
+    return True
+
+
+def _launch(service: Service, state: StackState) -> tuple[subprocess.Popen[bytes], str, Path, int]:
+    """Start `service` on a free port, publishing its URL and recording its process (replacing
+    an earlier record of it): the process, its URL, its log and where this start's lines begin."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = _logs(state) / f"{service.name}.log"
+    offset = log.stat().st_size if log.exists() else 0
+    proc = start_service(service, settings=state.settings, port=port, log=log, cwd=state.root)
+    if service.name == "admission":
+        state.settings["admission_url"] = url
+    elif service.name == "metering_ingest":
+        state.settings["metering_url"] = url  # where budgetgate.client posts lifecycle events and samples
+    elif service.name == "reconciler":
+        state.settings["reconciler_url"] = url  # where `budgetgate settlements` finds the dead-lettered settlements
+    state.put(
+        ProcessRecord(
+            name=service.name,
+            pid=proc.pid,
+            cmdline=[str(a) for a in proc.args],  # type: ignore[union-attr]
+            log=str(log),
+            extra={"url": url},
+        )
+    )
+    return proc, url, log, offset
 
 
 def _refresh_cmdlines(state: StackState) -> None:
@@ -293,13 +337,13 @@ def status(root: Path) -> dict[str, Any] | None:
     if state is None:
         return None
     alive = state.alive()
-    records = {p.name: p for p in state.processes}
     services = []
     for name, setting, port in _BACKENDS:
         url = state.settings.get(setting)
-        record = records.get(name)
-        if record is not None:
-            services.append({"name": name, "url": url, "alive": alive[name], "started_here": True})
+        # A server of one process, or a cluster of nodes (`redis-node-0`, ...: listed below too).
+        own = [p.name for p in state.processes if p.name == name or p.name.startswith(f"{name}-node-")]
+        if own:
+            services.append({"name": name, "url": url, "alive": all(alive[n] for n in own), "started_here": True})
         elif url:
             services.append({"name": name, "url": url, "alive": _address_open(str(url), port), "started_here": False})
     for record in state.processes:

@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from limits import RateLimitItem, parse
-from limits.aio.storage import MemoryStorage, RedisStorage
+from limits.aio.storage import MemoryStorage, RedisClusterStorage, RedisStorage
 from limits.aio.strategies import FixedWindowRateLimiter
 from pydantic import Field, field_validator
 
@@ -30,6 +30,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.edge.oidc import ClaimMapping, JwtVerifier
 from budgetgate.core.principals import Action, Forbidden, Principal, Unauthenticated
 from budgetgate.edge.proxies import TrustedProxies, parse_networks
+from budgetgate.runtime.redis_client import is_cluster_url
 from budgetgate.runtime.settings import ServingSettings
 from budgetgate.access.tokens import PREFIX, TokenStore
 
@@ -311,8 +312,7 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
         if settings.rate_limit_scope == "instance":
             storage = MemoryStorage()
         else:
-            url = settings.redis_url.replace("redis://", "async+redis://", 1).replace("rediss://", "async+rediss://", 1)
-            storage = RedisStorage(url, implementation="redispy", key_prefix=f"{{{settings.redis_prefix}}}:ratelimit")
+            storage = _shared_storage(settings.redis_url, key_prefix=f"{{{settings.redis_prefix}}}:ratelimit")
         limiter = FixedWindowRateLimiter(storage)
     tokens = TokenStore(pool, cache_seconds=settings.token_cache_seconds)
     gate = Gate(
@@ -324,6 +324,21 @@ async def build_gate(settings: AuthSettings, pool: Any) -> tuple[Gate, RedisStor
         proxies=TrustedProxies(parse_networks(settings.trusted_proxies)),
     )
     return gate, storage
+
+
+def _shared_storage(redis_url: str, *, key_prefix: str) -> RedisStorage:
+    """The `limits` storage of a limit shared by every instance, on the ledger's Redis: a single
+    server, or a cluster (`redis+cluster://`, `rediss+cluster://`), whose keys share one hash tag."""
+    scheme, _, rest = redis_url.partition("://")
+    if is_cluster_url(redis_url):
+        tls = {"ssl": True} if scheme.lower().startswith("rediss") else {}
+        return RedisClusterStorage(f"async+redis+cluster://{rest}", implementation="redispy", key_prefix=key_prefix, **tls)
+    limits_scheme = {"redis": "async+redis", "rediss": "async+rediss", "unix": "async+redis+unix"}.get(scheme.lower())
+    if limits_scheme is None:
+        raise ValueError(
+            f"BUDGETGATE_REDIS_URL: a rate limit shared by instances needs a redis://, rediss://, unix:// or redis+cluster:// URL, not {scheme}://"
+        )
+    return RedisStorage(f"{limits_scheme}://{rest}", implementation="redispy", key_prefix=key_prefix)
 
 
 async def close_storage(storage: Any) -> None:

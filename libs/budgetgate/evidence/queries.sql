@@ -149,9 +149,9 @@ SELECT ev.policy_id, ev.policy_git_sha, ev.scope_id, ev.enforcement,
        count(*) FILTER (WHERE ev.outcome = 'ALLOW')   AS allowed,
        count(*) FILTER (WHERE ev.outcome = 'DENY')    AS denied,
        count(*) FILTER (WHERE ev.outcome = 'DELAY')   AS delayed,
-       min(d.decided_at)                              AS first_decided_at,
-       max(d.decided_at)                              AS last_decided_at
-FROM decision_evaluations ev JOIN decisions d ON d.decision_id = ev.decision_id
+       min(ev.decided_at)                             AS first_decided_at,
+       max(ev.decided_at)                             AS last_decided_at
+FROM decision_evaluations ev
 LEFT JOIN ledger_entries le ON le.ledger_key = ev.ledger_key
 WHERE ev.scope_id = $1
   AND (($2::timestamptz IS NULL AND $3::text IS NULL)

@@ -129,7 +129,7 @@ class LedgerSync:
                 # The run's lock: a retry of this run deciding right now finishes first.
                 await conn.execute(sql("lock_ledger_shared"))
                 await conn.execute(sql("lock_run"), run_id)
-                known = await conn.fetchval("SELECT 1 FROM decisions WHERE decision_id = $1", _uuid(decision_id))
+                known = await conn.fetchval("SELECT 1 FROM decision_keys WHERE decision_id = $1", _uuid(decision_id))
                 if known:
                     continue
                 if await self.redis.release(run_id, decision_id=decision_id):

@@ -338,6 +338,9 @@ class Subscription(Generic[R]):
     then: Callable[[R], None] | None = None
     pipelined: bool = False
     workers: int = 1
+    # The group member's session timeout and heartbeat (CommonSettings.kafka_group_timing);
+    # empty: aiokafka's defaults.
+    group_timing: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def topics(self) -> list[str]:
@@ -362,6 +365,7 @@ class Subscription(Generic[R]):
                 title=f"{self.title}#{worker}" if worker else self.title,
                 description=self.description,
                 include_in_schema=worker == 0,
+                **self.group_timing,
             )
         return kafka
 
@@ -369,7 +373,15 @@ class Subscription(Generic[R]):
 def inbox_broker(settings: CommonSettings, router: KafkaRouter) -> KafkaBroker:
     """The FastStream broker of a service (`settings.service_name`) consuming through `router`,
     with the deployment's Kafka access (TLS, SASL); connected on `start_consuming`."""
-    broker = KafkaBroker(settings.kafka_bootstrap, client_id=settings.service_name, log_level=logging.DEBUG, security=settings.kafka_access.faststream())
+    # FastStream logs through the process's own logging (the service's format, on stderr), not a
+    # handler of its own on stdout with colours; each message it handles at DEBUG.
+    broker = KafkaBroker(
+        settings.kafka_bootstrap,
+        client_id=settings.service_name,
+        logger=logging.getLogger("budgetgate.messaging.kafka"),
+        log_level=logging.DEBUG,
+        security=settings.kafka_access.faststream(),
+    )
     broker.include_router(router)
     return broker
 

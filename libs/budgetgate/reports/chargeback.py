@@ -30,6 +30,7 @@ import asyncpg
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import cost_micros, hours, money
 from budgetgate.core.windows import rfc3339
+from budgetgate.ledger.archive import archives_within
 from budgetgate.ledger.queries import owned_by
 
 sql = owned_by("budgetgate.reports")
@@ -154,6 +155,12 @@ async def chargeback(
         raise ReportError("group_by", "grouping by account needs Account documents in the active policy bundle, and it has none (docs/policies.md#accounts)")
     args = (request.start, request.end, breaks, tenant_label, user_label, by_account)
     async with _acquired(pool) as conn, conn.transaction(readonly=True, isolation="repeatable_read"):
+        gone = await archives_within(conn, "usage_records", request.start, request.end)
+        if gone:  # a report missing months of usage would undercharge without saying so
+            months = ", ".join(a["from"][:7] for a in gone)
+            raise ReportError(
+                "from", f"the usage of {months} is archived (`budgetgate ledger archive`): restore it (`budgetgate ledger restore`) to report on that period"
+            )
         # One snapshot for both readings. The plan's aggregate needs more than the default
         # work_mem over a month of records (else it spills to disk), and compiling it with JIT
         # costs more than it saves (docs/benchmarks.md, `budgetgate bench report`).

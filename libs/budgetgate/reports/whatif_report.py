@@ -15,6 +15,7 @@ from budgetgate.core.policy import PolicyBundle
 from budgetgate.core.units import hours, money
 from budgetgate.core.whatif import Outcome, simulate
 from budgetgate.core.windows import rfc3339
+from budgetgate.ledger.archive import archives_within
 from budgetgate.ledger.queries import owned_by
 from budgetgate.reports.history import recorded_history
 
@@ -29,10 +30,16 @@ async def decisions_since(conn: Any, start: datetime) -> int:
 
 async def what_if(conn: Any, candidate: PolicyBundle, start: datetime, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The what-if report of `candidate` over the decisions recorded since `start`; `progress`
-    is told how many decisions were read, then decided again, as it goes."""
+    is told how many decisions were read, then decided again, as it goes. Months of the period
+    that are archived are named (`archived`, only when there are any): their decisions are not
+    in Postgres to decide again."""
     history = await recorded_history(conn, start, progress=progress)
     outcome = simulate(candidate, start=history.start, decisions=history.decisions, ends=history.ends, holds=history.holds, progress=progress)
-    return as_report(outcome, start)
+    report = as_report(outcome, start)
+    archived = await archives_within(conn, "decisions", start)
+    if archived:
+        report["archived"] = archived
+    return report
 
 
 def as_report(outcome: Outcome, start: datetime) -> dict[str, Any]:

@@ -33,4 +33,9 @@ BACKEND_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.OutOfMemoryError,
     redis.exceptions.TryAgainError,
     redis.exceptions.ClusterDownError,
+    # A Redis Cluster's client gave up routing a command: its redirects (MOVED, ASK, TRYAGAIN
+    # while a slot moves) or reconnections ran out ("TTL exhausted."), or no live node serves
+    # the slot (a master lost before its replica is promoted). Both pass once the cluster settles.
+    redis.exceptions.ClusterError,
+    redis.exceptions.SlotNotCoveredError,
 )

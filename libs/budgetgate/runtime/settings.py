@@ -106,6 +106,12 @@ class CommonSettings(BaseSettings):
     # How long a schema migration waits for a table lock before it gives up (and says who held
     # it): a migration waiting on a long transaction would queue every admission behind itself.
     migration_lock_timeout_seconds: float = Field(default=5.0, gt=0)
+    # The monthly partitions of the ledger's growing tables (decisions, their evaluations, usage
+    # records, the outbox) the services writing them create ahead of this month, on start and once
+    # an hour (budgetgate.ledger.partitions). A decision or usage record of a month without one
+    # lands in its table's default partition and is moved out when its month is created; an
+    # outbox row of such a month is refused, hence at least 1.
+    ledger_partitions_ahead_months: int = Field(default=3, ge=1, le=120)
     service_name: str = "budgetgate"
     otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP endpoint; none = no export")
     # Outbox records the relay claims, publishes together and marks in one transaction (a
@@ -119,6 +125,19 @@ class CommonSettings(BaseSettings):
     kafka_sasl_username: str | None = None
     kafka_sasl_password: SecretStr | None = None
     kafka_ssl_cafile: str | None = None
+    # How long a consumer of a group may go without a heartbeat before the broker gives its
+    # partitions to the others (the consumers heartbeat every third of it, at most every 3 s).
+    # Kafka brokers accept 6 s to 30 min by default (group.min/max.session.timeout.ms); a
+    # shorter one hands a dead consumer's partitions over sooner but takes a loop stalled that
+    # long for a dead one. The local broker (Tansu) also completes a join after half of it.
+    kafka_session_timeout_ms: int = Field(default=10_000, ge=1_000, le=1_800_000)
+
+    @property
+    def kafka_group_timing(self) -> dict[str, int]:
+        """The session timeout and heartbeat of every consumer group member of this process
+        (aiokafka's and FastStream's keyword arguments)."""
+        session = self.kafka_session_timeout_ms
+        return {"session_timeout_ms": session, "heartbeat_interval_ms": min(3_000, session // 3)}
 
     @property
     def kafka_access(self) -> KafkaAccess:
@@ -142,6 +161,18 @@ class CommonSettings(BaseSettings):
             _DevStateSource(settings_cls),
             file_secret_settings,
         )
+
+
+class RetentionSettings(CommonSettings):
+    """What `budgetgate ledger archive` keeps in Postgres, and where it writes what it does not."""
+
+    # Months of decisions (with their evaluations) and usage records kept in Postgres: a month
+    # that ended this many calendar months ago or longer is archived to files and dropped by
+    # `budgetgate ledger archive`. Unset (the default), nothing is archived.
+    ledger_retention_months: int | None = Field(default=None, ge=1)
+    # Where `budgetgate ledger archive` writes the archives (`<dir>/<series>/<YYYY-MM>/`, a
+    # manifest and a compressed CSV file per table); `--to` overrides it.
+    ledger_archive_dir: str | None = None
 
 
 class ServingSettings(CommonSettings):

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from budgetgate.edge.auth import Action, Forbidden, Principal, allow
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.ledger.queries import owned_by
-from budgetgate.services.admission.access import require_budget_scope, require_submission
+from budgetgate.ledger.archive import archived_decision
+from budgetgate.services.admission.access import archived_problem, require_budget_scope, require_submission
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.decisions.concurrency import NoSuchPool
 from budgetgate.services.admission.service import AdmissionService
@@ -52,30 +53,32 @@ def _rt(request: Request) -> AdmissionService:
     return request.app.state.rt
 
 
-@router.post("/v1/admissions", response_model=AdmissionResponse, responses={409: {"model": Problem}, 422: {}, 503: {"model": Problem}})
+@router.post("/v1/admissions", response_model=AdmissionResponse, responses={409: {"model": Problem}, 410: {"model": Problem}, 422: {}, 503: {"model": Problem}})
 async def submit(body: AdmissionRequest, request: Request, principal: Principal = Depends(allow(Action.SUBMIT))) -> JSONResponse:
     started = time.perf_counter()
     rt = _rt(request)
     require_submission(principal, namespace=body.namespace, labels=body.labels, tenant_label=rt.settings.tenant_label)
     answer = await rt.admitter.admit(body)
     request.app.state.metrics.observe(answer, time.perf_counter() - started)
-    rt.relay.wakeup.set()
     # Built here rather than by FastAPI: the body is already exactly the documented model,
     # and validating it again costs more than the decision's own Python work. (Submissions
     # normally take the plain ASGI path of fastpath.py; this route documents them.)
     return JSONResponse(answer)
 
 
-@router.get("/v1/admissions/{run_id:path}", response_model=AdmissionStatus, responses={404: {"model": Problem}})
+@router.get("/v1/admissions/{run_id:path}", response_model=AdmissionStatus, responses={404: {"model": Problem}, 410: {"model": Problem}})
 async def lookup(request: Request, run_id: str = RUN_ID, principal: Principal = Depends(allow(Action.LOOKUP))) -> dict | JSONResponse:
     """The run's latest decision; for a DELAY or a quota rejection, `waiting` says what it waits
-    for and how the limits that refused it stand now."""
+    for and how the limits that refused it stand now. 410 when it is archived."""
     rt = _rt(request)
     try:
         async with rt.pool.acquire() as conn:
             found = await run_status(conn, rt.policies.current, run_id, now=datetime.now(UTC))
+            gone = await archived_decision(conn, run_id) if found is None else None
     except BACKEND_ERRORS as exc:
         raise Unavailable(f"Postgres unavailable: {exc}") from exc
+    if gone is not None:
+        return JSONResponse(archived_problem(principal, gone), status_code=410)
     if found is None:
         return JSONResponse({"detail": f"no decision for run {run_id!r}"}, status_code=404)
     answer, namespace, labels = found

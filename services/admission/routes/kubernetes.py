@@ -335,7 +335,6 @@ async def _answer(
         request.app.state.metrics.observe_quote(answer, time.perf_counter() - started)
     else:
         request.app.state.metrics.observe(answer, time.perf_counter() - started)
-        rt.relay.wakeup.set()
         if answer["decision"] == "ALLOW" and (asked.group, asked.kind) in ADMITTED_OWNERS:
             await _record_admitted(rt.pool, asked, mapped.request.run_id)
     reviewed = decided(uid, answer, attempt_annotation=mapping.attempt_annotation, dry_run=asked.dry_run)

@@ -12,7 +12,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from budgetgate.edge.auth import Action, Principal, allow
-from budgetgate.services.admission.access import require_submission
+from budgetgate.ledger.archive import archived_decision
+from budgetgate.services.admission.access import archived_problem, require_submission
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from budgetgate.runtime.backends import BACKEND_ERRORS
@@ -118,14 +119,22 @@ async def quote(body: AdmissionRequest, request: Request, principal: Principal =
     return JSONResponse(answer)
 
 
-@router.get("/v1/admissions/{run_id:path}/explain", response_model=ExplainResponse, responses={404: {"model": Problem}, 503: {"model": Problem}})
+@router.get(
+    "/v1/admissions/{run_id:path}/explain",
+    response_model=ExplainResponse,
+    responses={404: {"model": Problem}, 410: {"model": Problem}, 503: {"model": Problem}},
+)
 async def explain(request: Request, run_id: str = RUN_ID, principal: Principal = Depends(allow(Action.LOOKUP))) -> JSONResponse:
-    """The run's latest decision recomputed from its recorded inputs, side by side, explained."""
+    """The run's latest decision recomputed from its recorded inputs, side by side, explained; 410
+    when it is archived (`budgetgate ledger archive`), naming the archive."""
     try:
         rt = request.app.state.rt
         async with rt.pool.acquire() as conn:
             row = await conn.fetchrow(sql("decision_inputs"), run_id)
             if row is None:
+                gone = await archived_decision(conn, run_id)
+                if gone is not None:
+                    return JSONResponse(archived_problem(principal, gone), status_code=410)
                 return JSONResponse({"detail": f"no decision for run {run_id!r}"}, status_code=404)
             bundle = await rt.policies.under(conn, row["policy_bundle_sha"], row["override_revision"])
     except BACKEND_ERRORS as exc:

@@ -26,6 +26,7 @@ from budgetgate.access.tokens import PREFIX
 from budgetgate.core.principals import Action, Forbidden, Principal, Unauthenticated
 from budgetgate.decisions.explain import explanation, recompute
 from budgetgate.edge.auth import CheckUnavailable, RateLimited, gate_of
+from budgetgate.ledger.archive import archived_decision
 from budgetgate.ledger.queries import owned_by
 from budgetgate.reports.budgets import readings
 from budgetgate.reports.burndown import burn_downs
@@ -34,7 +35,7 @@ from budgetgate.reports.recent import recent_decisions
 from budgetgate.reports.usage import UserSettings
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission import pages
-from budgetgate.services.admission.access import require_submission, sees_budget
+from budgetgate.services.admission.access import archived_problem, require_submission, sees_budget
 from budgetgate.services.admission.pages import TOKEN_COOKIE, BadForm
 
 sql = owned_by("budgetgate.services.admission")
@@ -250,8 +251,11 @@ async def decision(request: Request, run_id: str) -> Response:
             async with rt.pool.acquire() as conn:
                 row = await conn.fetchrow(sql("decision_inputs"), run_id)
                 bundle = await rt.policies.under(conn, row["policy_bundle_sha"], row["override_revision"]) if row is not None else None
+                gone = await archived_decision(conn, run_id) if row is None else None
         except BACKEND_ERRORS as exc:
             raise _error(request, 503, "Unavailable", f"Postgres unavailable: {exc}", principal=principal, headers={"Retry-After": "1"}) from None
+        if gone is not None:
+            raise _error(request, 410, "Archived", archived_problem(principal, gone)["detail"], principal=principal)
         if row is None:
             raise _error(request, 404, "Not found", f"no decision for run {run_id!r}", principal=principal)
         asked = row["request"] if isinstance(row["request"], dict) else json.loads(row["request"])

@@ -102,7 +102,7 @@ SELECT b.git_sha, b.documents, a.seq FROM policy_activations a JOIN policy_bundl
 ORDER BY a.seq DESC LIMIT 1;
 
 -- name: run_has_decision
-SELECT EXISTS (SELECT 1 FROM decisions WHERE run_id = $1);
+SELECT EXISTS (SELECT 1 FROM decision_keys WHERE run_id = $1);
 
 -- name: held_concurrency
 SELECT run_id, decision_id, tenant, gpus, nodes, sensitive FROM run_holds WHERE state = 'held';
@@ -131,7 +131,7 @@ RETURNING tenant, gpus, nodes, sensitive;
 -- in the ledger's units (policy id -> outcome, limit, projected, remaining, admitted, deficit).
 SELECT d.decision_id, d.run_id, d.attempt, d.policy_bundle_sha, d.override_revision, d.request, d.response, d.decided_at, d.readings,
        (SELECT jsonb_object_agg(e.policy_id, jsonb_build_array(e.outcome, e.limit_amount, e.projected, e.remaining, e.admitted, e.deficit))
-        FROM decision_evaluations e WHERE e.decision_id = d.decision_id) AS amounts
+        FROM decision_evaluations e WHERE e.decision_id = d.decision_id AND e.decided_at = d.decided_at) AS amounts
 FROM decisions d WHERE d.run_id = $1 ORDER BY d.attempt DESC LIMIT 1;
 
 -- name: log_admin_action
@@ -174,7 +174,7 @@ SELECT d.decision_id, d.run_id, d.attempt, d.outcome, d.reason, d.labels, d.deci
        COALESCE(d.gpus, (d.request -> 'resources' ->> 'gpus')::integer) AS gpus,
        COALESCE(d.nodes, (d.request -> 'resources' ->> 'nodes')::integer, 1) AS nodes,
        COALESCE((SELECT jsonb_agg(jsonb_build_array(e.policy_id, e.unit, e.enforcement, e.outcome, e.projected) ORDER BY e.policy_id)
-                 FROM decision_evaluations e WHERE e.decision_id = d.decision_id), '[]'::jsonb) AS evaluations
+                 FROM decision_evaluations e WHERE e.decision_id = d.decision_id AND e.decided_at = d.decided_at), '[]'::jsonb) AS evaluations
 FROM decisions d WHERE d.decision_id = $1;
 
 -- name: held_by_tenants
@@ -186,3 +186,87 @@ FROM run_holds WHERE state = 'held' AND tenant = ANY($1::text[]) GROUP BY tenant
 SELECT COALESCE(SUM(gpus), 0)::bigint AS gpus, COALESCE(SUM(nodes), 0)::bigint AS nodes, count(*)::bigint AS allocations
 FROM run_holds WHERE state = 'held' AND sensitive;
 
+
+-- monthly partitions and archives (budgetgate/ledger/partitions.py, budgetgate/ledger/archive.py) -------------
+
+-- name: ledger_partitions
+-- The partitions of the tables $1 with their bounds (NULL for the default partition) and
+-- estimated rows, by table and month.
+SELECT p.relname AS parent, c.relname AS name, bounds.range_start, bounds.range_end, c.reltuples::bigint AS estimate
+FROM pg_inherits i
+JOIN pg_class c ON c.oid = i.inhrelid
+JOIN pg_class p ON p.oid = i.inhparent
+CROSS JOIN LATERAL (
+    SELECT m[1]::timestamptz AS range_start, m[2]::timestamptz AS range_end
+    FROM (SELECT regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']+)''\) TO \(''([^'']+)''\)') AS m) AS x
+) AS bounds
+WHERE p.relname = ANY($1::text[]) AND p.relnamespace = current_schema()::regnamespace
+ORDER BY p.relname, bounds.range_start NULLS LAST;
+
+-- name: ledger_detached
+-- Tables named as months of the tables $1 that are no partition of theirs (a detach finished and
+-- the archive that made it stopped before it dropped them).
+SELECT m[1] AS parent, c.relname AS name, make_timestamptz(m[2]::integer, m[3]::integer, 1, 0, 0, 0, 'UTC') AS month
+FROM pg_class c CROSS JOIN LATERAL regexp_match(c.relname, '^(.+)_p(\d{4})(\d{2})$') AS m
+WHERE c.relkind = 'r' AND c.relnamespace = current_schema()::regnamespace AND m[1] = ANY($1::text[])
+  AND NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid)
+ORDER BY 3, 1;
+
+-- name: ensure_partitions
+-- The partitions of table $1 for this month and the $2 after it (and for months the default
+-- partition holds rows of); returns those created.
+SELECT budgetgate_ensure_partitions($1, $2);
+
+-- name: archive_needs_decisions
+-- Why the decisions of [$1, $2) are still needed: their runs are open (ledger_open_runs); per
+-- reason, how many runs and the first few.
+SELECT o.reason, count(DISTINCT o.run_id) AS runs, (array_agg(DISTINCT o.run_id ORDER BY o.run_id))[1:5] AS examples
+FROM (SELECT DISTINCT d.run_id FROM decisions d WHERE d.decided_at >= $1 AND d.decided_at < $2) AS m
+JOIN ledger_open_runs o USING (run_id)
+GROUP BY o.reason ORDER BY o.reason;
+
+-- name: archive_needs_usage
+-- Why the usage records of [$1, $2) are still needed: their runs are open (metering judges a
+-- late sample against the records around it).
+SELECT o.reason, count(DISTINCT o.run_id) AS runs, (array_agg(DISTINCT o.run_id ORDER BY o.run_id))[1:5] AS examples
+FROM (SELECT DISTINCT u.run_id FROM usage_records u WHERE u.observed_at >= $1 AND u.observed_at < $2) AS m
+JOIN ledger_open_runs o USING (run_id)
+GROUP BY o.reason ORDER BY o.reason;
+
+-- name: archive_needs_outbox
+-- The outbox rows of [$1, $2) not published yet: their month stays until the relay sends them.
+SELECT 'it is not published yet' AS reason, count(*) AS runs, (array_agg(o.id::text ORDER BY o.id))[1:5] AS examples
+FROM outbox o WHERE o.created_at >= $1 AND o.created_at < $2 AND o.published_at IS NULL
+HAVING count(*) > 0;
+
+-- name: archive_waits_decisions
+-- The runs decided in [$1, $2) with usage observed at or after $3 (in a month kept): chargeback
+-- reports of that month read their decisions, which wait until that usage is archived too.
+SELECT 'its run has usage in a month kept (chargeback reads the decision)' AS reason, count(*) AS runs,
+       (array_agg(m.run_id ORDER BY m.run_id))[1:5] AS examples
+FROM (SELECT DISTINCT d.run_id FROM decisions d WHERE d.decided_at >= $1 AND d.decided_at < $2) AS m
+WHERE EXISTS (SELECT 1 FROM usage_records u WHERE u.run_id = m.run_id AND u.observed_at >= $3)
+HAVING count(*) > 0;
+
+-- name: record_archive
+INSERT INTO ledger_archives (partition, parent, range_start, range_end, row_count, sha256, location) VALUES ($1, $2, $3, $4, $5, $6, $7);
+
+-- name: ledger_archives
+-- The months archived of tables $1 (NULL: every table), by table and month.
+SELECT partition, parent, range_start, range_end, row_count, sha256, location, archived_at FROM ledger_archives
+WHERE $1::text[] IS NULL OR parent = ANY($1::text[]) ORDER BY parent, range_start;
+
+-- name: archives_within
+-- The months archived of table $1 that overlap [$2, $3): what a reading of that period cannot see.
+SELECT partition, range_start, range_end, row_count, location FROM ledger_archives
+WHERE parent = $1 AND range_end > $2 AND range_start < $3 ORDER BY range_start;
+
+-- name: unarchive
+DELETE FROM ledger_archives WHERE partition = $1;
+
+-- name: archived_decision
+-- A run whose latest decision is archived: its keys and the archive holding it (no row when the
+-- run has no decision, or its latest is not archived).
+SELECT k.run_id, k.decision_id, k.attempt, k.decided_at, a.partition, a.location
+FROM (SELECT * FROM decision_keys WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1) AS k
+JOIN ledger_archives a ON a.parent = 'decisions' AND k.decided_at >= a.range_start AND k.decided_at < a.range_end;

@@ -34,11 +34,132 @@ CREATE TABLE ledger_entries (
 CREATE INDEX ledger_entries_scope ON ledger_entries (scope_id, window_start);
 CREATE INDEX ledger_entries_policy ON ledger_entries (policy_id);
 
+-- 0033: decisions and their evaluations are partitioned by the UTC month of decided_at
+-- (`<table>_pYYYYMM`, created ahead by budgetgate_ensure_partitions; `<table>_default` takes a
+-- row of a month without one), so a month older than the retention is archived to files and
+-- its partitions dropped (`budgetgate ledger archive`). What a partitioned table cannot enforce
+-- across partitions lives in decision_keys, one narrow row per decision, kept when its month is
+-- archived: a run's attempt decided once, a ledger sequence number recorded once (0021), and the
+-- decision the foreign keys of reservations, holds, settlements and evaluations point at.
+
+-- The months archived: their partitions are gone, their rows in the files the manifest names.
+CREATE TABLE ledger_archives (
+    partition   text PRIMARY KEY,
+    parent      text NOT NULL,
+    range_start timestamptz NOT NULL,
+    range_end   timestamptz NOT NULL,
+    row_count   bigint NOT NULL,
+    sha256      text NOT NULL,          -- of the compressed file
+    location    text NOT NULL,          -- the archive's manifest, as the archiving command wrote it
+    archived_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX ledger_archives_range ON ledger_archives (parent, range_start);
+
+-- The partition of `p_parent` that holds instant `p_at`: `<parent>_pYYYYMM` (the UTC month).
+CREATE FUNCTION budgetgate_partition_name(p_parent text, p_at timestamptz) RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT p_parent || '_p' || to_char(p_at AT TIME ZONE 'UTC', 'YYYYMM')
+$$;
+
+-- Attaches table `p_table` (shaped as `p_parent`) as the partition of the UTC month of `p_at`,
+-- first moving into it the rows of that month the default partition holds (which would
+-- otherwise refuse the attach). Returns how many rows were moved. The default partition is
+-- locked for the move and the attach (the attach takes that lock anyway).
+CREATE FUNCTION budgetgate_attach_month(p_parent text, p_table text, p_at timestamptz) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    first_day timestamp := date_trunc('month', p_at AT TIME ZONE 'UTC');
+    lo timestamptz := first_day AT TIME ZONE 'UTC';
+    hi timestamptz := (first_day + interval '1 month') AT TIME ZONE 'UTC';
+    key text;
+    fallback regclass;
+    cols text;
+    moved bigint := 0;
+BEGIN
+    SELECT a.attname, NULLIF(pt.partdefid, 0)::regclass INTO key, fallback
+    FROM pg_partitioned_table pt JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+    WHERE pt.partrelid = p_parent::regclass;
+    IF key IS NULL THEN
+        RAISE EXCEPTION '% is not a partitioned table', p_parent;
+    END IF;
+    IF fallback IS NOT NULL THEN
+        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', fallback);
+        SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum) INTO cols
+        FROM pg_attribute a WHERE a.attrelid = p_parent::regclass AND a.attnum > 0 AND NOT a.attisdropped;
+        EXECUTE format('WITH moved AS (DELETE FROM %s WHERE %I >= $1 AND %I < $2 RETURNING %s) INSERT INTO %I (%s) SELECT %s FROM moved',
+                       fallback, key, key, cols, p_table, cols, cols) USING lo, hi;
+        GET DIAGNOSTICS moved = ROW_COUNT;
+    END IF;
+    EXECUTE format('ALTER TABLE %I ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)', p_parent, p_table, lo, hi);
+    RETURN moved;
+END
+$$;
+
+-- Creates the partition of `p_parent` for the UTC month of `p_at` unless it exists or that month
+-- was archived; true when it was created.
+CREATE FUNCTION budgetgate_ensure_month(p_parent text, p_at timestamptz) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    name text := budgetgate_partition_name(p_parent, p_at);
+BEGIN
+    IF to_regclass(name) IS NOT NULL OR EXISTS (SELECT 1 FROM ledger_archives a WHERE a.partition = name) THEN
+        RETURN false;
+    END IF;
+    EXECUTE format('CREATE TABLE %I (LIKE %I INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMPRESSION)', name, p_parent);
+    PERFORM budgetgate_attach_month(p_parent, name, p_at);
+    RETURN true;
+END
+$$;
+
+-- The partitions of `p_parent` for this UTC month and the `p_ahead` after it, and for every
+-- month (not archived) of which the default partition holds rows, those rows moved into it.
+-- Returns the partitions created. One caller per table at a time (an advisory lock).
+CREATE FUNCTION budgetgate_ensure_partitions(p_parent text, p_ahead integer) RETURNS SETOF text
+LANGUAGE plpgsql AS $$
+DECLARE
+    this_month timestamp := date_trunc('month', now() AT TIME ZONE 'UTC');
+    month timestamp;
+    key text;
+    fallback regclass;
+BEGIN
+    PERFORM pg_advisory_xact_lock(7350, hashtext(p_parent));
+    FOR month IN SELECT generate_series(this_month, this_month + make_interval(months => p_ahead), interval '1 month') LOOP
+        IF budgetgate_ensure_month(p_parent, month AT TIME ZONE 'UTC') THEN
+            RETURN NEXT budgetgate_partition_name(p_parent, month AT TIME ZONE 'UTC');
+        END IF;
+    END LOOP;
+    SELECT a.attname, NULLIF(pt.partdefid, 0)::regclass INTO key, fallback
+    FROM pg_partitioned_table pt JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+    WHERE pt.partrelid = p_parent::regclass;
+    IF fallback IS NOT NULL THEN
+        FOR month IN EXECUTE format('SELECT DISTINCT date_trunc(''month'', %I AT TIME ZONE ''UTC'') FROM %s ORDER BY 1', key, fallback) LOOP
+            IF budgetgate_ensure_month(p_parent, month AT TIME ZONE 'UTC') THEN
+                RETURN NEXT budgetgate_partition_name(p_parent, month AT TIME ZONE 'UTC');
+            END IF;
+        END LOOP;
+    END IF;
+END
+$$;
+
+-- The keys of every decision, archived or not.
+CREATE TABLE decision_keys (
+    decision_id uuid PRIMARY KEY,
+    run_id      text NOT NULL,
+    attempt     integer NOT NULL,
+    outcome     text NOT NULL,
+    decided_at  timestamptz NOT NULL,
+    ledger_seq  bigint,
+    CONSTRAINT decision_keys_run_attempt UNIQUE (run_id, attempt)
+);
+-- 0021, 0033: unique, so a number a Redis that lost writes hands out again fails the second commit
+-- (the index kept its name from when it was on decisions: admission looks for it).
+CREATE UNIQUE INDEX decisions_ledger_seq ON decision_keys (ledger_seq) WHERE ledger_seq IS NOT NULL;
+
 CREATE TABLE decisions (
-    decision_id       uuid PRIMARY KEY,
+    decision_id       uuid NOT NULL,
     run_id            text NOT NULL,
-    attempt           integer NOT NULL CHECK (attempt >= 1),
-    outcome           text NOT NULL CHECK (outcome IN ('ALLOW', 'DENY', 'DELAY')),
+    attempt           integer NOT NULL CONSTRAINT decisions_attempt_check CHECK (attempt >= 1),
+    outcome           text NOT NULL CONSTRAINT decisions_outcome_check CHECK (outcome IN ('ALLOW', 'DENY', 'DELAY')),
     reason            text NOT NULL,
     namespace         text NOT NULL,
     labels            jsonb NOT NULL,
@@ -58,14 +179,14 @@ CREATE TABLE decisions (
     region            text,
     readings          jsonb,            -- 0014: what the decision was made on; NULL before 0014
     override_revision bigint,           -- 0015: the tenant override revision it was made under
-    UNIQUE (run_id, attempt)
-);
+    PRIMARY KEY (decision_id, decided_at)
+) PARTITION BY RANGE (decided_at);
+CREATE INDEX decisions_run ON decisions (run_id, attempt);
 CREATE INDEX decisions_decided_at ON decisions (decided_at);
--- 0021: unique, so a number a Redis that lost writes hands out again fails the second commit.
-CREATE UNIQUE INDEX decisions_ledger_seq ON decisions (ledger_seq) WHERE ledger_seq IS NOT NULL;
+CREATE TABLE decisions_default PARTITION OF decisions DEFAULT;
 
 CREATE TABLE decision_evaluations (
-    decision_id        uuid NOT NULL REFERENCES decisions (decision_id),
+    decision_id        uuid NOT NULL REFERENCES decision_keys (decision_id),
     policy_id          text NOT NULL,
     policy_git_sha     text NOT NULL,
     scope_id           text NOT NULL,
@@ -81,14 +202,37 @@ CREATE TABLE decision_evaluations (
     admitted           bigint NOT NULL,
     deficit            bigint,
     next_eligible_time timestamptz,
-    PRIMARY KEY (decision_id, policy_id)
-);
+    decided_at         timestamptz NOT NULL,  -- 0033: its decision's, to be partitioned alike
+    PRIMARY KEY (decision_id, policy_id, decided_at)
+) PARTITION BY RANGE (decided_at);
 CREATE INDEX decision_evaluations_scope ON decision_evaluations (scope_id, window_start);
+CREATE TABLE decision_evaluations_default PARTITION OF decision_evaluations DEFAULT;
+SELECT budgetgate_ensure_partitions('decisions', 3);
+SELECT budgetgate_ensure_partitions('decision_evaluations', 3);
+
+-- A decision's keys, written as the decision is (so a second decision of a run's attempt, or a
+-- second use of a ledger sequence number, fails its insert), and never changed after.
+CREATE FUNCTION budgetgate_decision_keys() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        RAISE EXCEPTION 'a decision''s keys (decision_id, run_id, attempt, outcome, decided_at, ledger_seq) never change: decision %', OLD.decision_id;
+    END IF;
+    INSERT INTO decision_keys (decision_id, run_id, attempt, outcome, decided_at, ledger_seq)
+    VALUES (NEW.decision_id, NEW.run_id, NEW.attempt, NEW.outcome, NEW.decided_at, NEW.ledger_seq);
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER decisions_keys BEFORE INSERT ON decisions FOR EACH ROW EXECUTE FUNCTION budgetgate_decision_keys();
+CREATE TRIGGER decisions_keys_fixed BEFORE UPDATE OF decision_id, run_id, attempt, outcome, decided_at, ledger_seq ON decisions
+    FOR EACH ROW WHEN (ROW(OLD.decision_id, OLD.run_id, OLD.attempt, OLD.outcome, OLD.decided_at, OLD.ledger_seq)
+                       IS DISTINCT FROM ROW(NEW.decision_id, NEW.run_id, NEW.attempt, NEW.outcome, NEW.decided_at, NEW.ledger_seq))
+    EXECUTE FUNCTION budgetgate_decision_keys();
 
 CREATE TABLE reservations (
     run_id         text NOT NULL,
     ledger_key     text NOT NULL,        -- a ledger_entries key, written in the same statement
-    decision_id    uuid NOT NULL REFERENCES decisions (decision_id),
+    decision_id    uuid NOT NULL REFERENCES decision_keys (decision_id),
     amount         bigint NOT NULL CHECK (amount >= 0),
     state          text NOT NULL DEFAULT 'held' CHECK (state IN ('held', 'released', 'reconciled')),
     expected_end   timestamptz NOT NULL,  -- submission time + projected runtime
@@ -101,9 +245,11 @@ CREATE INDEX reservations_held ON reservations (ledger_key, expected_end) WHERE 
 
 -- Transactional outbox: written with the decision, published to Kafka by a relay. A row holds
 -- one record (key, payload, headers) or, since 0018, a bundle of records of one topic (keys,
--- payloads, event_ids, sharing `headers` but for the event id).
+-- payloads, event_ids, sharing `headers` but for the event id). 0035: partitioned by the UTC
+-- month of created_at, without a default partition (created_at is Postgres's clock), so a month
+-- is detached CONCURRENTLY when archived; the key holds created_at, the id stays unique alone.
 CREATE TABLE outbox (
-    id           bigserial PRIMARY KEY,
+    id           bigserial,
     topic        text NOT NULL,           -- logical topic name, without any deployment prefix
     key          text,
     payload      bytea,
@@ -115,12 +261,13 @@ CREATE TABLE outbox (
     payloads     bytea[],
     event_ids    text[],
     kafka_partitions integer[],           -- where the broker put its records, for a replay
+    CONSTRAINT outbox_pkey PRIMARY KEY (id, created_at),
     CONSTRAINT outbox_record_or_bundle CHECK (
         CASE WHEN payloads IS NULL THEN payload IS NOT NULL AND records = 1 AND keys IS NULL AND event_ids IS NULL
              ELSE payload IS NULL AND key IS NULL AND records >= 1 AND cardinality(payloads) = records
                   AND cardinality(keys) = records AND cardinality(event_ids) = records END
     )
-);
+) PARTITION BY RANGE (created_at);
 CREATE INDEX outbox_pending ON outbox (id) WHERE published_at IS NULL;
 CREATE INDEX outbox_published ON outbox (published_at) WHERE published_at IS NOT NULL;
 -- 0026: the records' columns compressed with lz4, not pglz (a metering poll's bundle is written
@@ -135,6 +282,7 @@ EXCEPTION WHEN feature_not_supported THEN
     RAISE NOTICE 'this server has no lz4: the outbox keeps pglz';
 END
 $$;
+SELECT budgetgate_ensure_partitions('outbox', 3);
 
 -- 0011_outbox_replay: the highest offset each partition acknowledged to a relay; a partition
 -- that later ends at or below it lost acknowledged records, which the relay sends again.
@@ -166,10 +314,12 @@ CREATE TABLE inbox (
 -- batches never wait on each other in a cycle), then reads: first a row with only the highest
 -- ledger sequence Postgres committed, then the latest decision of each run that has one.
 -- VOLATILE on purpose: each query takes a fresh snapshot after the locks were granted. 0020: one
--- index probe per run, a plan that stays right when PL/pgSQL made it on an empty table.
+-- index probe per run, a plan that stays right when PL/pgSQL made it on an empty table. 0033: found
+-- by its keys and read from its month's partition; a run whose latest decision is archived comes
+-- back with its attempt and decided_at and no outcome, request or response (a resend is 410 Gone).
 CREATE FUNCTION budgetgate_begin_batch(p_run_ids text[])
 RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
-               committed_seq bigint, override_revision bigint)
+               committed_seq bigint, override_revision bigint, decided_at timestamptz)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     lock_key integer;
@@ -182,13 +332,16 @@ BEGIN
         SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
                budgetgate_committed_ledger_seq(),
                GREATEST(COALESCE((SELECT max(o.revision) FROM tenant_overrides o), 0),
-                        COALESCE((SELECT max(g.revision) FROM budget_grants g), 0))::bigint;
+                        COALESCE((SELECT max(g.revision) FROM budget_grants g), 0))::bigint,
+               NULL::timestamptz;
     RETURN QUERY
-        SELECT d.run_id, d.decision_id, d.attempt, d.outcome, d.request, d.response, NULL::bigint, NULL::bigint
+        SELECT k.run_id, k.decision_id, k.attempt, x.outcome, x.request, x.response, NULL::bigint, NULL::bigint, k.decided_at
         FROM (SELECT DISTINCT r FROM unnest(p_run_ids) AS r) AS ids(id)
-        CROSS JOIN LATERAL (SELECT x.run_id, x.decision_id, x.attempt, x.outcome, x.request, x.response FROM decisions x
-                            WHERE x.run_id = ids.id ORDER BY x.attempt DESC LIMIT 1) AS d
-        ORDER BY d.run_id;
+        CROSS JOIN LATERAL (SELECT y.run_id, y.decision_id, y.attempt, y.decided_at FROM decision_keys y
+                            WHERE y.run_id = ids.id ORDER BY y.attempt DESC LIMIT 1) AS k
+        LEFT JOIN LATERAL (SELECT d.outcome, d.request, d.response FROM decisions d
+                           WHERE d.decision_id = k.decision_id AND d.decided_at = k.decided_at) AS x ON true
+        ORDER BY k.run_id;
 END
 $$;
 
@@ -201,9 +354,10 @@ CREATE TABLE ledger_marks (
 );
 
 -- The highest ledger sequence Postgres committed: admission decides only on a Redis not behind it.
+-- 0033: read from the keys, which outlive their decisions' archiving.
 CREATE FUNCTION budgetgate_committed_ledger_seq() RETURNS bigint
 LANGUAGE sql STABLE AS $$
-    SELECT GREATEST(COALESCE((SELECT max(d.ledger_seq) FROM decisions d WHERE d.ledger_seq IS NOT NULL), 0),
+    SELECT GREATEST(COALESCE((SELECT max(k.ledger_seq) FROM decision_keys k WHERE k.ledger_seq IS NOT NULL), 0),
                     COALESCE((SELECT max(m.ledger_seq) FROM ledger_marks m), 0))::bigint
 $$;
 
@@ -225,7 +379,11 @@ CREATE TABLE usage_runs (
     -- first_decided_at), plus the tolerance, is dead-lettered as impossible_usage.
     max_gpus                   integer,
     max_nodes                  integer,
-    first_decided_at           timestamptz
+    first_decided_at           timestamptz,
+    -- 0034: the earliest observed_at of its samples (with latest_observed_at: where in time its
+    -- records are, so finding one by its id reads those months' partitions alone); NULL: unknown,
+    -- every month is read.
+    earliest_observed_at       timestamptz
 );
 
 -- One row per accepted sample. gpu/node_milli_hours are the sample's own counters (what the run
@@ -233,26 +391,32 @@ CREATE TABLE usage_runs (
 -- much it raised that (0 for a late sample, observed before the run's latest). Every row is
 -- also a usage.records.v1 message with the same event_id.
 -- Ordered by observed_at, the counters of a run never go down.
+-- 0034: partitioned by the UTC month of observed_at, as decisions are (0033); its unique keys
+-- hold observed_at (a sample id sent again at another instant is a conflict metering finds).
+-- 0032: usage_records_observed: the records observed in a period, with what a chargeback report
+-- reads of them (an index-only scan).
 CREATE TABLE usage_records (
     run_id                      text NOT NULL,
     sample_id                   text NOT NULL,
     observed_at                 timestamptz NOT NULL,
-    gpu_milli_hours             bigint NOT NULL CHECK (gpu_milli_hours >= 0),
-    node_milli_hours            bigint NOT NULL CHECK (node_milli_hours >= 0),
-    gpu_milli_hours_cumulative  bigint NOT NULL CHECK (gpu_milli_hours_cumulative >= gpu_milli_hours),
-    node_milli_hours_cumulative bigint NOT NULL CHECK (node_milli_hours_cumulative >= node_milli_hours),
-    gpu_milli_hours_delta       bigint NOT NULL CHECK (gpu_milli_hours_delta >= 0),
-    node_milli_hours_delta      bigint NOT NULL CHECK (node_milli_hours_delta >= 0),
+    gpu_milli_hours             bigint NOT NULL CONSTRAINT usage_records_gpu_milli_hours_check CHECK (gpu_milli_hours >= 0),
+    node_milli_hours            bigint NOT NULL CONSTRAINT usage_records_node_milli_hours_check CHECK (node_milli_hours >= 0),
+    gpu_milli_hours_cumulative  bigint NOT NULL CONSTRAINT usage_records_check CHECK (gpu_milli_hours_cumulative >= gpu_milli_hours),
+    node_milli_hours_cumulative bigint NOT NULL CONSTRAINT usage_records_check1 CHECK (node_milli_hours_cumulative >= node_milli_hours),
+    gpu_milli_hours_delta       bigint NOT NULL CONSTRAINT usage_records_gpu_milli_hours_delta_check CHECK (gpu_milli_hours_delta >= 0),
+    node_milli_hours_delta      bigint NOT NULL CONSTRAINT usage_records_node_milli_hours_delta_check CHECK (node_milli_hours_delta >= 0),
     late                        boolean NOT NULL,
     exporter                    text NOT NULL,
-    source                      text NOT NULL CHECK (source IN ('kafka', 'http')),
-    event_id                    text NOT NULL UNIQUE,
+    source                      text NOT NULL CONSTRAINT usage_records_source_check CHECK (source IN ('kafka', 'http')),
+    event_id                    text NOT NULL,
     recorded_at                 timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (run_id, sample_id),
-    UNIQUE (run_id, observed_at)
-);
--- 0032: the records observed in a period, with what a chargeback report reads of them (an index-only scan).
+    CONSTRAINT usage_records_pkey PRIMARY KEY (run_id, sample_id, observed_at),
+    CONSTRAINT usage_records_run_id_observed_at_key UNIQUE (run_id, observed_at),
+    CONSTRAINT usage_records_event_id_key UNIQUE (event_id, observed_at)
+) PARTITION BY RANGE (observed_at);
 CREATE INDEX usage_records_observed ON usage_records (observed_at) INCLUDE (run_id, gpu_milli_hours_delta, node_milli_hours_delta);
+CREATE TABLE usage_records_default PARTITION OF usage_records DEFAULT;
+SELECT budgetgate_ensure_partitions('usage_records', 3);
 
 -- Valid samples of runs without a decision yet, kept until one appears (then applied) or until
 -- expires_at (observed_at + the grace period; then dead-lettered as unknown_run). 0027: a sender
@@ -443,7 +607,7 @@ BEGIN
              WITH ORDINALITY AS x(rid, sid, at, gpu, node, exporter, source, event_id, i)
     ), run AS (
         SELECT r.run_id AS rid, r.gpu_milli_hours_cumulative AS gpu, r.node_milli_hours_cumulative AS node, r.latest_observed_at AS latest,
-               r.max_gpus, r.max_nodes, r.first_decided_at AS since
+               r.max_gpus, r.max_nodes, r.first_decided_at AS since, r.earliest_observed_at AS earliest
         FROM usage_runs r WHERE r.run_id IN (SELECT DISTINCT y.rid FROM s AS y)
     ), known AS (
         -- The samples of runs metering knows, each with the recorded sample of the same id and
@@ -465,9 +629,13 @@ BEGIN
                                         THEN GREATEST((extract(epoch FROM s.at) - extract(epoch FROM run.since)) * 1000000 + p_slack_us, 0) END AS us) AS span
         -- The same sample id, found by the event id of its usage record (derived from run and
         -- sample id): with run_id in the condition the planner may take the (run_id, observed_at)
-        -- index and read the run's whole history.
+        -- index and read the run's whole history. 0034: within the months the run has records
+        -- in (its earliest and latest observed_at), so only their partitions are read.
         LEFT JOIN LATERAL (SELECT u.run_id AS rid, u.sample_id AS sid, u.observed_at AS at, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
-                           FROM usage_records u WHERE u.event_id = s.event_id LIMIT 1) AS same_id ON true
+                           FROM usage_records u
+                           WHERE u.event_id = s.event_id AND u.observed_at >= COALESCE(run.earliest, '-infinity')
+                             AND u.observed_at <= COALESCE(run.latest, 'infinity')
+                           LIMIT 1) AS same_id ON true
         LEFT JOIN LATERAL (SELECT u.sample_id AS sid, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
                            FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at = s.at AND s.at <= run.latest LIMIT 1) AS same_time ON true
         LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
@@ -518,8 +686,9 @@ BEGIN
     ), raised AS (
         UPDATE usage_runs r
         SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
-            latest_observed_at = GREATEST(r.latest_observed_at, x.latest), updated_at = now()
-        FROM (SELECT a.rid, max(a.cum_gpu) AS gpu, max(a.cum_node) AS node, count(*)::integer AS added, max(a.at) AS latest
+            latest_observed_at = GREATEST(r.latest_observed_at, x.latest), earliest_observed_at = LEAST(r.earliest_observed_at, x.earliest),
+            updated_at = now()
+        FROM (SELECT a.rid, max(a.cum_gpu) AS gpu, max(a.cum_node) AS node, count(*)::integer AS added, max(a.at) AS latest, min(a.at) AS earliest
               FROM accepted a GROUP BY a.rid) AS x
         WHERE r.run_id = x.rid
     )
@@ -604,7 +773,7 @@ CREATE TABLE runs_to_settle (
 -- Where each run stands, as last settled. review_at: when time alone changes its charges next.
 CREATE TABLE run_settlements (
     run_id        text PRIMARY KEY,
-    decision_id   uuid NOT NULL REFERENCES decisions (decision_id),
+    decision_id   uuid NOT NULL REFERENCES decision_keys (decision_id),
     phase         text NOT NULL CHECK (phase IN ('admitted', 'running', 'evicted', 'ended')),
     final         boolean NOT NULL DEFAULT false,
     provisional   boolean NOT NULL DEFAULT false,
@@ -731,7 +900,7 @@ CREATE TABLE evidence_reconciliation_charges (
 -- before any ledger and have no window.
 CREATE VIEW audit_denial_rate AS
 WITH latest AS (
-    SELECT DISTINCT ON (run_id) decision_id, run_id, outcome
+    SELECT DISTINCT ON (run_id) decision_id, decided_at, run_id, outcome
     FROM decisions ORDER BY run_id, attempt DESC
 )
 SELECT ev.scope_id,
@@ -745,7 +914,7 @@ SELECT ev.scope_id,
        round(count(DISTINCT l.run_id) FILTER (WHERE l.outcome = 'DENY')::numeric
              / count(DISTINCT l.run_id), 4)                         AS denial_rate
 FROM latest l
-JOIN decision_evaluations ev ON ev.decision_id = l.decision_id
+JOIN decision_evaluations ev ON ev.decision_id = l.decision_id AND ev.decided_at = l.decided_at
 LEFT JOIN ledger_entries le ON le.ledger_key = ev.ledger_key
 GROUP BY ev.scope_id, le.window_key, le.window_start, le.window_end;
 
@@ -789,8 +958,8 @@ WITH figures AS (
     WHERE e.window_start IS NOT NULL
     GROUP BY e.ledger_key
 ), ran_out AS (
-    SELECT ev.ledger_key, min(d.decided_at) AS exhausted_at
-    FROM decision_evaluations ev JOIN decisions d ON d.decision_id = ev.decision_id
+    SELECT ev.ledger_key, min(ev.decided_at) AS exhausted_at
+    FROM decision_evaluations ev
     WHERE ev.remaining IS NOT NULL AND ev.remaining - ev.admitted <= 0
     GROUP BY ev.ledger_key
 ), burn AS (
@@ -820,9 +989,9 @@ SELECT ev.policy_id,
        count(*) FILTER (WHERE ev.outcome = 'ALLOW')   AS allowed,
        count(*) FILTER (WHERE ev.outcome = 'DENY')    AS denied,
        count(*) FILTER (WHERE ev.outcome = 'DELAY')   AS delayed,
-       min(d.decided_at)                              AS first_decided_at,
-       max(d.decided_at)                              AS last_decided_at
-FROM decision_evaluations ev JOIN decisions d ON d.decision_id = ev.decision_id
+       min(ev.decided_at)                             AS first_decided_at,
+       max(ev.decided_at)                             AS last_decided_at
+FROM decision_evaluations ev
 GROUP BY ev.policy_id, ev.policy_git_sha, ev.scope_id, ev.enforcement;
 
 -- The evidence not yet delivered, for dashboards (the emitter exports the same as metrics).
@@ -839,7 +1008,7 @@ FROM evidence_events;
 
 CREATE TABLE run_holds (
     run_id      text PRIMARY KEY,
-    decision_id uuid NOT NULL REFERENCES decisions (decision_id),
+    decision_id uuid NOT NULL REFERENCES decision_keys (decision_id),
     tenant      text,
     gpus        integer NOT NULL CHECK (gpus >= 0),
     nodes       integer NOT NULL CHECK (nodes >= 0),
@@ -1008,3 +1177,15 @@ CREATE TABLE budget_grants (
     granted_at   timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX budget_grants_window ON budget_grants (policy_id, ledger_key, revision);
+
+-- 0033: the runs the ledger still works on, each with why (a run may show up once per reason): their
+-- decisions and usage are not archived (budgetgate.ledger.archive). A run holding nothing, ended
+-- and settled to its end, is not here.
+CREATE VIEW ledger_open_runs AS
+SELECT run_id, 'a reservation is held' AS reason FROM reservations WHERE state = 'held'
+UNION ALL SELECT run_id, 'a concurrency hold is held' FROM run_holds WHERE state = 'held'
+UNION ALL SELECT run_id, 'a provisional hold is open' FROM provisional_holds
+UNION ALL SELECT run_id, 'it waits for room (DELAY or quota)' FROM waiting_runs
+UNION ALL SELECT run_id, 'it is not settled to its end' FROM run_settlements WHERE NOT ((final OR released) AND phase <> 'running')
+UNION ALL SELECT run_id, 'it has facts waiting to be settled' FROM runs_to_settle
+UNION ALL SELECT run_id, 'its settlement failed and is being retried' FROM settlement_failures WHERE NOT dead;

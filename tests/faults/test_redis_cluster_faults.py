@@ -1,0 +1,179 @@
+"""Admission on a Redis Cluster while the cluster fails over to a replica that lagged behind its
+master, and while the ledger's slot moves to another master, both in the middle of a burst.
+
+What must hold (DESIGN's invariants): nothing is over-admitted (the ALLOWs Postgres holds never
+exceed the hard limit), every answer is a decision or a fail-closed 503, and once the cluster
+settles, Redis holds what Postgres holds. The ledger generation (the sequence every reservation
+advances, recorded by Postgres with it) is what proves a promoted replica behind: it hands out a
+sequence Postgres has committed already, and is rebuilt before it decides.
+
+The ledger's keys share one hash tag today, so its shard is the one master serving that tag's
+slot; these tests find it with CLUSTER KEYSLOT and aim their faults there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+import redis
+
+from budgetgate.devstack.redis_cluster import ClusterNode, EmbeddedRedisCluster
+from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
+from tests.support.waiting import wait_for
+
+LIMIT_GPU_HOURS = 60
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EmbeddedRedisCluster]:
+    # Quick to notice a dead master: the failover comes a few seconds after the kill.
+    with EmbeddedRedisCluster(tmp_path / "cluster", node_timeout_ms=1000) as started:
+        yield started
+
+
+def body(i: int | str) -> dict[str, object]:
+    return submission(run_id=f"burst-{i}", labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)
+
+
+def _node_of_slot(cluster: EmbeddedRedisCluster, slot: int) -> tuple[ClusterNode, ClusterNode]:
+    """The live master serving `slot`, and its replica."""
+    view = cluster.known_nodes(cluster.nodes[0])
+    by_id = {cluster.node_id(node): node for node in cluster.nodes if node.is_alive()}
+    for node_id, fields in view.items():
+        flags = fields[1].split(",")
+        if "master" not in flags or "fail" in flags:
+            continue
+        for part in fields[7:]:
+            if part.startswith("["):
+                continue  # a slot being migrated or imported
+            low, _, high = part.partition("-")
+            if int(low) <= slot <= int(high or low):
+                replica = next(by_id[r] for r, f in view.items() if "slave" in f[1].split(",") and f[2] == node_id and r in by_id)
+                return by_id[node_id], replica
+    raise AssertionError(f"no live master serves slot {slot}")
+
+
+def _slot(cluster: EmbeddedRedisCluster, tag: str) -> int:
+    return int(cluster.nodes[0].client().execute_command("CLUSTER", "KEYSLOT", tag))
+
+
+async def _settled_and_audited(server, pg_dsn: str, asked: range) -> int:  # type: ignore[no-untyped-def]
+    """Resend every submission until each has a decision (a 503 is retried, as a platform
+    would), then check the invariants; returns how many were allowed."""
+
+    async def all_decided() -> bool:
+        answers = await _answers(server, asked)
+        return all(status == 200 for status, _ in answers)
+
+    await wait_for(all_decided, timeout=90, what="every submission decided once the cluster settled")
+    held = await held_in_postgres(pg_dsn)
+    assert len(held) == 1
+    (allowed_units,) = held.values()
+    assert allowed_units <= LIMIT_GPU_HOURS * GPU_HOUR, f"over-admitted: {allowed_units / GPU_HOUR} GPU-hours held against a limit of {LIMIT_GPU_HOURS}"
+
+    async def redis_matches() -> bool:
+        return await reserved_in_redis(server) == held
+
+    await wait_for(redis_matches, timeout=60, what="Redis to hold what Postgres holds")
+    return allowed_units // GPU_HOUR
+
+
+async def _answers(server, indexes: range) -> list[tuple[int, str | None]]:  # type: ignore[no-untyped-def]
+    replies = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(i)) for i in indexes))
+    return [(r.status_code, r.json().get("decision") if r.status_code == 200 else None) for r in replies]
+
+
+async def test_a_failover_to_a_replica_that_lagged_mid_burst_over_admits_nothing(admission_factory, cluster, pg_dsn, settings) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("cluster-failover", limit=f"gpu_hours: {LIMIT_GPU_HOURS}")}, sha="c" * 40)
+    server = await admission_factory(redis_url=cluster.url)
+    await server.wait_ready()
+    master, replica = _node_of_slot(cluster, _slot(cluster, server.rt.ledger.tag))
+
+    first = await _answers(server, range(0, 20))
+    assert first == [(200, "ALLOW")] * 20
+    # The replica's copy as of now, kept on disk; then the replica is gone while the master takes
+    # twenty more reservations it will never see.
+    replica.client().save()
+    replica.kill()
+    second = await _answers(server, range(20, 40))
+    assert second == [(200, "ALLOW")] * 20
+
+    # The master dies; the replica comes back from its older copy (the ledger's marker and an
+    # older generation in it) and is promoted by the cluster in the middle of the next burst.
+    master.kill()
+    replica.start()
+    # It holds the ledger as it was (its marker included), a generation behind what Postgres committed.
+    ledger = server.rt.ledger
+    behind = redis.Redis(port=replica.port, single_connection_client=True)
+    behind.execute_command("READONLY")
+    assert behind.exists(ledger.marker)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        committed = await conn.fetchval("SELECT budgetgate_committed_ledger_seq()")
+    finally:
+        await conn.close()
+    assert int(behind.get(ledger.sequence)) < committed
+    behind.close()
+    burst = asyncio.create_task(_answers(server, range(40, 80)))
+
+    def promoted() -> bool:
+        try:
+            return replica.client().info("replication").get("role") == "master"
+        except redis.RedisError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while not promoted():
+        assert time.monotonic() < deadline, "the cluster never promoted the replica"
+        await asyncio.sleep(0.2)
+    during = await burst
+    assert {status for status, _ in during} <= {200, 503}
+    master.start()  # back empty, with its cluster identity: it joins as the new master's replica
+
+    allowed = await _settled_and_audited(server, pg_dsn, range(80))
+    assert allowed == LIMIT_GPU_HOURS  # everything the limit had room for, and nothing past it
+
+
+async def test_moving_the_ledger_slot_to_another_master_under_load_loses_nothing(admission_factory, cluster, pg_dsn, settings) -> None:
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("cluster-reshard", limit=f"gpu_hours: {LIMIT_GPU_HOURS}")}, sha="d" * 40)
+    server = await admission_factory(redis_url=cluster.url)
+    await server.wait_ready()
+    slot = _slot(cluster, server.rt.ledger.tag)
+    source, _ = _node_of_slot(cluster, slot)
+    target = next(node for node in cluster.master_nodes if node is not source and node.is_alive())
+    source_id, target_id = cluster.node_id(source), cluster.node_id(target)
+
+    assert await _answers(server, range(0, 10)) == [(200, "ALLOW")] * 10
+    moved = asyncio.Event()
+
+    async def load() -> list[tuple[int, str | None]]:
+        seen: list[tuple[int, str | None]] = []
+        i = 10
+        while not moved.is_set() and i < 70:
+            seen += await _answers(server, range(i, i + 4))
+            i += 4
+        return seen
+
+    loading = asyncio.create_task(load())
+    await asyncio.sleep(0.3)
+    # The resharding redis-cli --cluster reshard does, key by key (CLUSTER SETSLOT, MIGRATE).
+    tgt, src = target.client(), source.client()
+    tgt.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 5):
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+        await asyncio.sleep(0.05)  # the load goes on between the moves, meeting ASK and TRYAGAIN
+    for node in cluster.master_nodes:
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    moved.set()
+    during = await loading
+    assert {status for status, _ in during} <= {200, 503}
+    assert _node_of_slot(cluster, slot)[0] is target
+
+    allowed = await _settled_and_audited(server, pg_dsn, range(70))
+    assert allowed == LIMIT_GPU_HOURS

@@ -1,0 +1,32 @@
+"""Every service's consumer group members run with the session timeout and heartbeat of its
+settings (BUDGETGATE_KAFKA_SESSION_TIMEOUT_MS), in every worker's FastStream subscriber."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from budgetgate.contracts.topics import Topics
+from budgetgate.services.evidence_emitter import consumers as evidence_consumers
+from budgetgate.services.evidence_emitter.settings import EvidenceSettings
+from budgetgate.services.metering_ingest import consumers as metering_consumers
+from budgetgate.services.metering_ingest.settings import MeteringSettings
+from budgetgate.services.reconciler import consumers as reconciler_consumers
+from budgetgate.services.reconciler.settings import ReconcilerSettings
+
+
+@pytest.mark.parametrize(
+    ("settings_class", "consumers"),
+    [(MeteringSettings, metering_consumers), (ReconcilerSettings, reconciler_consumers), (EvidenceSettings, evidence_consumers)],
+    ids=["metering-ingest", "reconciler", "evidence-emitter"],
+)
+def test_each_subscriber_joins_with_the_settings_session_timeout(monkeypatch: pytest.MonkeyPatch, settings_class: Any, consumers: Any) -> None:
+    monkeypatch.setenv("BUDGETGATE_KAFKA_SESSION_TIMEOUT_MS", "4500")
+    settings = settings_class()
+    subscription = consumers.subscription(settings, Topics(settings.topic_prefix))
+    router = subscription.router(lambda: None)
+    assert router.subscribers, "no subscriber"
+    for subscriber in router.subscribers:
+        config = subscriber._connection_args  # (what FastStream gives aiokafka's consumer)
+        assert (config["session_timeout_ms"], config["heartbeat_interval_ms"]) == (4_500, 1_500)
