@@ -190,6 +190,7 @@ async def _policy_announcements(rt: AdmissionService) -> None:
             group_id=None,
             auto_offset_reset="latest",
             enable_auto_commit=False,
+            metadata_max_age_ms=rt.settings.kafka_metadata_max_age_ms,
             **rt.settings.kafka_access.aiokafka(),
         )
         try:

@@ -6,18 +6,26 @@ the outbox keeps published rows for a replay window and resends what the broker 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.conn import create_conn
+from aiokafka.protocol.admin import CreateTopicsRequest
 
+from budgetgate.chaos.tcp_proxy import TcpProxy
 from budgetgate.contracts.topics import Topics
+from budgetgate.devstack.kafka import TansuBroker
 
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.decisions_pb2 import Decision
-from budgetgate.contracts.wire import decode
+from budgetgate.contracts.wire import decode, encode
+from budgetgate.runtime.kafka_access import start_whole
 from tests.support.admission import apply_policies, budget_yaml
-from tests.support.marquez import EmitterServer, emitter_settings, http_client
+from tests.support.marquez import EmitterServer, decision, emitter_settings, http_client
 from tests.support.marquez import marquez  # noqa: F401 - pytest fixtures
+from tests.support.servers import free_port
 from tests.support.waiting import wait_for
 
 DECISIONS = 120
@@ -105,3 +113,81 @@ async def test_broker_restarted_empty_gets_every_answered_decision_again(admissi
     finally:
         await emitter.stop()
     assert delivered() - answered == set(), "no evidence of a decision that was never answered"
+
+
+class TansuBehindProxy(TansuBroker):
+    """A broker that tells its clients to reach it through `advertised` (a proxy's port): the
+    test can then cut the clients off while it talks to the broker itself."""
+
+    def __init__(self, *, log: Path, advertised: int) -> None:
+        self.listening = free_port()
+        super().__init__(log=log, port=self.listening)
+        self.advertised = advertised
+
+    def command(self) -> list[str]:
+        return [*super().command()[:4], "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised}", "--storage-engine", "memory://tansu/"]
+
+
+async def test_a_partition_the_restarted_broker_made_anew_is_read_too(settings, marquez, tmp_path) -> None:  # noqa: F811
+    """A broker that lost its state makes a topic anew when a client asks for it, with its own
+    partition count (Tansu: 4 partitions, where budgetgate creates 3). An emitter that finds the
+    topics there when it reconnects sees no error and keeps its view of 3 partitions, so no
+    member of its group reads the fourth until that view is renewed (kafka_metadata_max_age_ms;
+    aiokafka's default is 5 minutes)."""
+    proxy = await TcpProxy("emitter->kafka", upstream=("127.0.0.1", 0)).start()
+    broker = TansuBehindProxy(log=tmp_path / "kafka.log", advertised=proxy.port)
+    broker.start()
+    proxy.redirect(("127.0.0.1", broker.listening))
+    bootstrap = f"127.0.0.1:{proxy.port}"
+    topics = Topics(settings.topic_prefix)
+    emitter = None
+    try:
+        await create_topics(broker, topics, partitions=3)
+        emitter_config = emitter_settings(settings, kafka_bootstrap=bootstrap, kafka_metadata_max_age_ms=METADATA_MAX_AGE_MS)
+        emitter = await EmitterServer(emitter_config, http_client(marquez.url)).start()
+        before = decision("before-the-kill")
+        await publish_to(bootstrap, topics.decisions, before, partition=0)
+        await wait_for(lambda: before.decision_id in delivered_ids(marquez), timeout=60, what="a decision delivered before the kill")
+        proxy.cut()
+        broker.kill()
+        broker.start()  # empty
+        await create_topics(broker, topics, partitions=4)  # before the emitter can reach it
+        proxy.heal()
+        after = decision("on-the-new-partition")
+        await publish_to(bootstrap, topics.decisions, after, partition=3)
+        await wait_for(lambda: after.decision_id in delivered_ids(marquez), timeout=60, what="the decision on the partition the broker added delivered")
+    finally:
+        if emitter is not None:
+            await emitter.stop()
+        broker.kill()
+        await proxy.close()
+
+
+METADATA_MAX_AGE_MS = 2_000  # aiokafka's default, 300 000, leaves the fourth unread
+
+
+async def create_topics(broker: TansuBehindProxy, topics: Topics, *, partitions: int) -> None:
+    """Create every topic on `broker` over a connection of its own (its clients are told to go
+    through the proxy, which may be cut)."""
+    conn = await create_conn("127.0.0.1", broker.listening)
+    try:
+        wanted = [(name, partitions, 1, [], []) for name in topics.all()]
+        answer = await conn.send(CreateTopicsRequest(create_topic_requests=wanted, timeout=10_000, validate_only=False))
+        assert all(code == 0 for _, code, *_ in answer.topic_errors), answer
+    finally:
+        conn.close()
+
+
+def delivered_ids(marquez: Any) -> set[str]:
+    return {e["run"]["facets"]["budget"]["decision_id"] for e in marquez.received()}
+
+
+async def publish_to(bootstrap: str, topic: str, message: Decision, *, partition: int) -> None:
+    """Send `message` to one partition of `topic`."""
+    record = encode(message, key=message.run_id)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await start_whole(producer.start())
+    try:
+        await producer.send_and_wait(topic, value=record.value, key=record.key, headers=record.headers, partition=partition)
+    finally:
+        await producer.stop()

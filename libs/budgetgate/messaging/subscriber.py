@@ -374,10 +374,13 @@ def inbox_broker(settings: CommonSettings, router: KafkaRouter) -> KafkaBroker:
     """The FastStream broker of a service (`settings.service_name`) consuming through `router`,
     with the deployment's Kafka access (TLS, SASL); connected on `start_consuming`."""
     # FastStream logs through the process's own logging (the service's format, on stderr), not a
-    # handler of its own on stdout with colours; each message it handles at DEBUG.
+    # handler of its own on stdout with colours; each message it handles at DEBUG. Its consumers
+    # look at the topics' partitions every kafka_metadata_max_age_ms: a partition they do not
+    # know of (a topic a broker that lost its state made anew with more) is read by nobody.
     broker = KafkaBroker(
         settings.kafka_bootstrap,
         client_id=settings.service_name,
+        metadata_max_age_ms=settings.kafka_metadata_max_age_ms,
         logger=logging.getLogger("budgetgate.messaging.kafka"),
         log_level=logging.DEBUG,
         security=settings.kafka_access.faststream(),

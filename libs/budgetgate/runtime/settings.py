@@ -131,6 +131,13 @@ class CommonSettings(BaseSettings):
     # shorter one hands a dead consumer's partitions over sooner but takes a loop stalled that
     # long for a dead one. The local broker (Tansu) also completes a join after half of it.
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1_000, le=1_800_000)
+    # How old a consumer's view of the topics' partitions may grow before it asks the brokers
+    # again. A partition it does not know of is read by no member of its group: one added to a
+    # topic, or a topic a broker that lost its state made anew with its own partition count
+    # (brokers create a topic a producer asks for: Tansu with 4 partitions, Kafka with
+    # num.partitions) sits unread until then. Kafka's clients wait 5 minutes; each look is one
+    # small metadata request.
+    kafka_metadata_max_age_ms: int = Field(default=10_000, ge=1_000, le=3_600_000)
 
     @property
     def kafka_group_timing(self) -> dict[str, int]:
