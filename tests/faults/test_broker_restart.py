@@ -109,10 +109,33 @@ async def test_broker_restarted_empty_gets_every_answered_decision_again(admissi
         def delivered() -> set[str]:
             return {e["run"]["facets"]["budget"]["decision_id"] for e in marquez.received()}
 
-        await wait_for(lambda: answered <= delivered(), timeout=120, what="every decision delivered as evidence")
+        try:
+            await wait_for(lambda: answered <= delivered(), timeout=120, what="every decision delivered as evidence")
+        except AssertionError as exc:
+            missing = sorted(answered - delivered())
+            raise AssertionError(f"{exc}: {len(missing)} missing; {await evidence_trail(pg_dsn, bootstrap, topics.decisions, missing)}") from None
     finally:
         await emitter.stop()
     assert delivered() - answered == set(), "no evidence of a decision that was never answered"
+
+
+async def evidence_trail(dsn: str, bootstrap: str, topic: str, missing: list[str]) -> dict[str, object]:
+    """Where decisions missing from the evidence stopped: their evidence rows, and the
+    partitions of the topic with the emitter group's committed offsets (a failure's message)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT decision_id, stage, state, attempts, last_error FROM evidence_events WHERE decision_id = ANY($1::text[])", missing[:10])
+    finally:
+        await conn.close()
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        await consumer.topics()
+        partitions = sorted(consumer.partitions_for_topic(topic) or ())
+        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
+    finally:
+        await consumer.stop()
+    return {"missing": missing[:10], "evidence_rows": [dict(r) for r in rows], "partitions_and_ends": {tp.partition: end for tp, end in ends.items()}}
 
 
 class TansuBehindProxy(TansuBroker):
@@ -128,7 +151,7 @@ class TansuBehindProxy(TansuBroker):
         return [*super().command()[:4], "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised}", "--storage-engine", "memory://tansu/"]
 
 
-async def test_a_partition_the_restarted_broker_made_anew_is_read_too(settings, marquez, tmp_path) -> None:  # noqa: F811
+async def test_seed_20261128_a_partition_the_restarted_broker_made_anew_is_read_too(settings, marquez, tmp_path) -> None:  # noqa: F811
     """A broker that lost its state makes a topic anew when a client asks for it, with its own
     partition count (Tansu: 4 partitions, where budgetgate creates 3). An emitter that finds the
     topics there when it reconnects sees no error and keeps its view of 3 partitions, so no
