@@ -7,6 +7,7 @@ wheel (in memory) for this module. Every test works under its own topic prefix.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -124,6 +125,40 @@ async def test_ensure_topics_fills_in_only_what_is_missing(kafka_bootstrap: str,
 
     assert created == sorted(Topics(topic_prefix).all())
     assert not any(t.startswith(other_prefix) for t in created)
+
+
+async def test_ensure_topics_names_a_topic_the_broker_made_with_another_partition_count(
+    kafka_bootstrap: str, topic_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A client asking for a topic a broker does not have makes the broker create it with its own
+    # count (Tansu: 4), before a service could create it as configured; the consumers then see
+    # more partitions than the deployment sized them for. Left as it is, and said.
+    decisions = Topics(topic_prefix).decisions
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        made = await admin.describe_topics([decisions])  # a metadata request, as any client's
+    finally:
+        await admin.close()
+    count = len(made[0]["partitions"])
+    assert count != 3, "the broker made the topic with the configured count; nothing to tell"
+
+    with caplog.at_level(logging.WARNING, logger="budgetgate.messaging.topic_admin"):
+        created = await ensure_topics(kafka_bootstrap, prefix=topic_prefix, partitions=3)
+
+    assert decisions not in created
+    assert sorted(created) == sorted(t for t in Topics(topic_prefix).all() if t != decisions)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"topic {decisions} has {count} partitions where 3 are configured (BUDGETGATE_TOPIC_PARTITIONS); "
+        "a broker that creates topics on its own (auto.create.topics.enable) may have made it"
+    ]
+    # Topics it made itself, as configured, are nothing to tell.
+    await ensure_topics(kafka_bootstrap, prefix=topic_prefix + "as-configured-", partitions=3)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="budgetgate.messaging.topic_admin"):
+        assert await ensure_topics(kafka_bootstrap, prefix=topic_prefix + "as-configured-", partitions=3) == []
+    assert [r.getMessage() for r in caplog.records] == []
 
 
 async def test_ensure_topics_creates_topics_as_the_settings_say(kafka_bootstrap: str, topic_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
