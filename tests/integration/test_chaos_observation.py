@@ -53,3 +53,4 @@ async def test_a_decision_missing_from_the_evidence_gets_its_trail(killable_kafk
     # No emitter ever committed: the partition's end is there, the committed offset is not.
     group = trail[untaken]["emitter_group"]
     assert group["committed"] is None and group["end_reported"] >= 1
+    assert trail[untaken]["topic_partitions"] == 3  # as ensure_topics made it

@@ -71,8 +71,8 @@ async def observe(cluster: Cluster, *, at: float, echo: Callable[[str], None], w
 
 async def evidence_trail(cluster: Cluster, missing: list[str], placed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """For each decision id in `missing` (not in the stand-in): its place on the decisions topic,
-    whether the emitter's inbox took its record, its evidence rows, and the emitter group's
-    committed offset and the log's end on its partition."""
+    whether the emitter's inbox took its record, its evidence rows, the emitter group's
+    committed offset and the log's end on its partition, and how many partitions the topic has."""
     conn = await asyncpg.connect(cluster.dsn, timeout=10)
     try:
         rows = await conn.fetch(
@@ -100,6 +100,8 @@ async def evidence_trail(cluster: Cluster, missing: list[str], placed: dict[str,
             "inbox_took": where is not None and where["event_id"] in taken,
             "evidence_rows": [dict(r) for r in rows if r["decision_id"] == decision_id],
             "emitter_group": group.get(str(where["partition"])) if where else group,
+            # More than the deployment creates: the broker made the topic anew on its own.
+            "topic_partitions": None if "error" in group else len(group),
         }
     return trail
 
