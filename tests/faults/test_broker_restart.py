@@ -5,22 +5,22 @@ the outbox keeps published rows for a replay window and resends what the broker 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.conn import create_conn
 from aiokafka.protocol.admin import CreateTopicsRequest
 
+from budgetgate.chaos.observation import decisions_on_topic, evidence_trail
 from budgetgate.chaos.tcp_proxy import TcpProxy
 from budgetgate.contracts.topics import Topics
 from budgetgate.devstack.kafka import TansuBroker
 
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.decisions_pb2 import Decision
-from budgetgate.contracts.wire import decode, encode
+from budgetgate.contracts.wire import encode
 from budgetgate.runtime.kafka_access import start_whole
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.marquez import EmitterServer, decision, emitter_settings, http_client
@@ -49,30 +49,8 @@ async def decision_ids(dsn: str) -> set[str]:
         await conn.close()
 
 
-async def on_topic(bootstrap: str, topic: str) -> set[str]:
-    """Event ids of every decision the topic holds now, read from the start of each partition."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        await asyncio.wait_for(consumer.topics(), timeout=10)  # fresh metadata
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        if not tps:
-            return set()
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ids: set[str] = set()
-        # Until a poll brings nothing: Tansu reports a partition's end offset too low to read up to.
-        while batches := await consumer.getmany(*tps, timeout_ms=1000):
-            for records in batches.values():
-                ids.update(decode(Decision, r.value, r.headers).event_id for r in records)
-        return ids
-    finally:
-        await consumer.stop()
-
-
 async def test_broker_restarted_empty_gets_every_answered_decision_again(admission_factory, killable_kafka, settings, pg_dsn, marquez) -> None:  # noqa: F811
     bootstrap = killable_kafka.url
-    topics = Topics(settings.topic_prefix)
     await ensure_topics(bootstrap, prefix=settings.topic_prefix)
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("k", limit="gpu_hours: 1000000")}, sha="f" * 40)
     server = await admission_factory(kafka_bootstrap=bootstrap)
@@ -99,43 +77,24 @@ async def test_broker_restarted_empty_gets_every_answered_decision_again(admissi
 
         async def all_on_topic() -> bool:
             try:
-                return answered <= await on_topic(bootstrap, topics.decisions)
+                # Until a poll brings nothing: Tansu reports a partition's end offset too low to read up to.
+                return answered <= set(await decisions_on_topic(bootstrap, prefix=settings.topic_prefix, quiet_polls=1))
             except Exception:  # noqa: BLE001 - the broker may still be settling; look again
                 return False
 
         await wait_for(all_on_topic, timeout=120, what="every answered decision on the decisions topic again")
         assert server.rt.relay.replayed >= KILL_AFTER, "the acknowledged decisions the broker lost were sent again"
 
-        def delivered() -> set[str]:
-            return {e["run"]["facets"]["budget"]["decision_id"] for e in marquez.received()}
-
         try:
-            await wait_for(lambda: answered <= delivered(), timeout=120, what="every decision delivered as evidence")
+            await wait_for(lambda: answered <= delivered_ids(marquez), timeout=120, what="every decision delivered as evidence")
         except AssertionError as exc:
-            missing = sorted(answered - delivered())
-            raise AssertionError(f"{exc}: {len(missing)} missing; {await evidence_trail(pg_dsn, bootstrap, topics.decisions, missing)}") from None
+            missing = sorted(answered - delivered_ids(marquez))[:10]
+            placed = await decisions_on_topic(bootstrap, prefix=settings.topic_prefix)
+            trail = await evidence_trail(pg_dsn, bootstrap, missing, placed, prefix=settings.topic_prefix)
+            raise AssertionError(f"{exc}: {len(answered - delivered_ids(marquez))} missing, the first: {trail}") from None
     finally:
         await emitter.stop()
-    assert delivered() - answered == set(), "no evidence of a decision that was never answered"
-
-
-async def evidence_trail(dsn: str, bootstrap: str, topic: str, missing: list[str]) -> dict[str, object]:
-    """Where decisions missing from the evidence stopped: their evidence rows, and the
-    partitions of the topic with the emitter group's committed offsets (a failure's message)."""
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = await conn.fetch("SELECT decision_id, stage, state, attempts, last_error FROM evidence_events WHERE decision_id = ANY($1::text[])", missing[:10])
-    finally:
-        await conn.close()
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        await consumer.topics()
-        partitions = sorted(consumer.partitions_for_topic(topic) or ())
-        ends = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
-    finally:
-        await consumer.stop()
-    return {"missing": missing[:10], "evidence_rows": [dict(r) for r in rows], "partitions_and_ends": {tp.partition: end for tp, end in ends.items()}}
+    assert delivered_ids(marquez) - answered == set(), "no evidence of a decision that was never answered"
 
 
 class TansuBehindProxy(TansuBroker):

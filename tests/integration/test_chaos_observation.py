@@ -5,7 +5,6 @@ evidence rows, and the emitter group's committed offset and the log's end on its
 from __future__ import annotations
 
 import uuid
-from types import SimpleNamespace
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
@@ -44,7 +43,7 @@ async def test_a_decision_missing_from_the_evidence_gets_its_trail(killable_kafk
 
     placed = await decisions_on_topic(bootstrap)
     assert set(placed) == {taken, untaken}
-    trail = await evidence_trail(SimpleNamespace(dsn=pg_dsn, bootstrap=bootstrap), [taken, untaken], placed)  # type: ignore[arg-type]
+    trail = await evidence_trail(pg_dsn, bootstrap, [taken, untaken], placed)
 
     assert trail[taken]["topic"] == placed[taken] and trail[taken]["inbox_took"] is True
     [row] = trail[taken]["evidence_rows"]

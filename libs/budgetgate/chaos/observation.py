@@ -25,7 +25,8 @@ from budgetgate.ledger import drift
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.v1.decisions_pb2 import Decision
 
-# The evidence-emitter's consumer group in the campaign's stack (no topic prefix there).
+# The evidence-emitter's consumer group, after the deployment's topic prefix (none in the
+# campaign's stack).
 EMITTER_GROUP = "budgetgate-evidence-emitter"
 
 QUERIES = {
@@ -61,7 +62,7 @@ async def observe(cluster: Cluster, *, at: float, echo: Callable[[str], None], w
     missing = sorted(decided - {e["decision_id"] for e in found["evidence"]})
     if missing:
         try:
-            found["evidence_trail"] = await evidence_trail(cluster, missing, placed)
+            found["evidence_trail"] = await evidence_trail(cluster.dsn, cluster.bootstrap, missing, placed)
         except Exception as exc:  # noqa: BLE001 - a diagnosis that fails must not cost the observation
             echo(f"the trail of the decisions missing from the evidence could not be read: {exc!r}")
     found["redis_drift"] = await redis_drift(cluster)
@@ -69,11 +70,11 @@ async def observe(cluster: Cluster, *, at: float, echo: Callable[[str], None], w
     return found
 
 
-async def evidence_trail(cluster: Cluster, missing: list[str], placed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+async def evidence_trail(dsn: str, bootstrap: str, missing: list[str], placed: dict[str, dict[str, Any]], *, prefix: str = "") -> dict[str, dict[str, Any]]:
     """For each decision id in `missing` (not in the stand-in): its place on the decisions topic,
     whether the emitter's inbox took its record, its evidence rows, the emitter group's
     committed offset and the log's end on its partition, and how many partitions the topic has."""
-    conn = await asyncpg.connect(cluster.dsn, timeout=10)
+    conn = await asyncpg.connect(dsn, timeout=10)
     try:
         rows = await conn.fetch(
             """SELECT decision_id, stage, state, attempts, last_error, event_type,
@@ -89,7 +90,7 @@ async def evidence_trail(cluster: Cluster, missing: list[str], placed: dict[str,
         await conn.close()
     group: dict[str, Any] = {}
     try:
-        group = await emitter_group(cluster.bootstrap)
+        group = await emitter_group(bootstrap, prefix=prefix)
     except Exception as exc:  # noqa: BLE001 - said in the trail, not judged
         group = {"error": repr(exc)}
     trail = {}
@@ -106,11 +107,11 @@ async def evidence_trail(cluster: Cluster, missing: list[str], placed: dict[str,
     return trail
 
 
-async def emitter_group(bootstrap: str) -> dict[str, Any]:
+async def emitter_group(bootstrap: str, *, prefix: str = "") -> dict[str, Any]:
     """The evidence-emitter group's committed offset and the log's end, per decisions partition
     (read by a consumer of the group that never joins it: an offset fetch, not a rebalance)."""
-    topic = Topics("").decisions
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=EMITTER_GROUP, enable_auto_commit=False)
+    topic = Topics(prefix).decisions
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=prefix + EMITTER_GROUP, enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
@@ -120,10 +121,10 @@ async def emitter_group(bootstrap: str) -> dict[str, Any]:
         await consumer.stop()
 
 
-async def decisions_on_topic(bootstrap: str, *, quiet_polls: int = 3) -> dict[str, dict[str, Any]]:
-    """Every decision on the decisions topic read from its start: its id, with the partition,
-    offset and event id of its first record there."""
-    topic = Topics("").decisions
+async def decisions_on_topic(bootstrap: str, *, prefix: str = "", quiet_polls: int = 3) -> dict[str, dict[str, Any]]:
+    """Every decision on the decisions topic (under `prefix`) read from its start: its id, with
+    the partition, offset and event id of its first record there."""
+    topic = Topics(prefix).decisions
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     try:

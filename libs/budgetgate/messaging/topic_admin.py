@@ -39,10 +39,11 @@ async def ensure_topics(
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-topics", **access.aiokafka())
     try:
         await start_whole(admin.start())
-        existing = set(await admin.list_topics())
+        # Every topic with its partitions, in one metadata request that asks for no topic by
+        # name (a broker would create a topic a request names).
+        existing = {t["topic"]: t for t in await admin.describe_topics()}
         missing = [t for t in wanted if t not in existing]
-        if present := [t for t in wanted if t in existing]:
-            _say_other_partition_counts(await admin.describe_topics(present), partitions)
+        _say_other_partition_counts([existing[t] for t in wanted if t in existing], partitions)
         if not missing:
             return []
         response = await admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=replication_factor) for t in missing])
@@ -61,20 +62,16 @@ async def ensure_topics(
     return sorted(created)
 
 
-def _say_other_partition_counts(described: list[dict[str, Any]], partitions: int) -> list[str]:
-    """Warn of each existing topic whose partition count is not the configured one; returns
-    their names. Left as they are (a topic's partitions can only grow, and its keys then move),
-    but said: a broker that creates the topics its clients ask for (Kafka's
+def _say_other_partition_counts(described: list[dict[str, Any]], partitions: int) -> None:
+    """Warn of each existing topic whose partition count is not the configured one. Left as
+    they are (a topic's partitions can only grow, and its keys then move), but said: a broker that creates the topics its clients ask for (Kafka's
     auto.create.topics.enable, Tansu always) makes them with its own count after losing them,
     before a service or the topics job could create them as configured."""
-    other = []
     for topic in described:
         count = len(topic.get("partitions") or ())
         if topic.get("error_code", 0) == 0 and count != partitions:
-            other.append(topic["topic"])
             log.warning(
                 "topic %s has %d partitions where %d are configured (BUDGETGATE_TOPIC_PARTITIONS); "
                 "a broker that creates topics on its own (auto.create.topics.enable) may have made it",
                 topic["topic"], count, partitions,
             )  # fmt: skip
-    return other
