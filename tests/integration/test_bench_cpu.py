@@ -88,6 +88,43 @@ async def test_the_benchmarks_own_connections_are_not_its_postgres(pg_dsn: str) 
         await working.close()
 
 
+async def test_postgres_writes_are_its_wal_and_the_growth_of_the_database_over_the_window(pg_dsn: str) -> None:
+    """10,000 rows of 200 bytes written inside the window: at least their bytes in the WAL and on
+    disk (other work on the server only adds to both); nothing after the window counts."""
+    conn = await asyncpg.connect(pg_dsn)
+    table = f"bench_writes_{os.getpid()}"
+    await conn.execute(f"DROP TABLE IF EXISTS {table}; CREATE TABLE {table} (id bigint, pad text)")
+    meter = CpuMeter([Part("postgres", postgres_dsn=pg_dsn)])
+    try:
+        started = await meter.start()
+        await conn.execute(f"INSERT INTO {table} SELECT g, repeat('x', 200) FROM generate_series(1, 10000) AS g")
+        used = await meter.stop(started)
+        await conn.execute(f"INSERT INTO {table} SELECT g, repeat('x', 200) FROM generate_series(1, 100000) AS g")  # after: not counted
+    finally:
+        await conn.execute(f"DROP TABLE {table}")
+        await conn.close()
+
+    written = used.postgres_writes
+    assert written is not None and written.wal_bytes is not None and written.stored_bytes is not None
+    assert written.wal_bytes >= 10_000 * 200 and written.stored_bytes >= 10_000 * 200
+    if await _server_is_quiet(pg_dsn):  # with other tests writing beside it, only the lower bounds hold
+        assert written.stored_bytes < 100_000 * 200
+    per_row = used.as_json(10_000)["postgres_bytes_per_unit"]
+    assert isinstance(per_row, dict) and per_row["wal"] >= 200 and per_row["stored"] >= 200
+    assert f"; Postgres bytes per row: WAL {per_row['wal']:,.0f}, stored {per_row['stored']:,.0f}" in used.line(10_000, "row")
+    # A meter without a Postgres part reads none of it.
+    _, none = await CpuMeter([Part.process("me", os.getpid())]).measure(_nothing)
+    assert none.postgres_writes is None and "postgres_bytes" not in none.as_json(1) and "bytes per" not in none.line(1, "row")
+
+
+async def _server_is_quiet(dsn: str) -> bool:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()") == 0
+    finally:
+        await conn.close()
+
+
 async def test_redis_counts_its_server(redis_server_url: str) -> None:
     client = redis_client.connect(redis_server_url)
     meter = CpuMeter([Part("redis", redis_url=redis_server_url)])

@@ -116,3 +116,41 @@ def test_reconciliation_costs_are_per_usage_record_and_the_replicas_are_added_up
     plan = capacity.plan(10_000, costs, Load())
     assert plan.complete and plan.reconciler.cores_busy == pytest.approx(plan.records_per_s * 580.0 / 1e6, rel=1e-4)
     assert plan.redis.cores_busy == pytest.approx((plan.decisions_per_s * 70 + plan.records_per_s * 40) / 1e6, rel=1e-4)
+
+
+def with_writes(row: dict[str, Any], wal: float | None, stored: float | None) -> dict[str, Any]:
+    return {**row, "cpu": {**row["cpu"], "postgres_bytes_per_unit": {"wal": wal, "stored": stored}}}
+
+
+def test_postgres_bytes_per_unit_become_its_wal_rate_and_the_storage_its_retention_holds() -> None:
+    closed = [with_writes(r, w, s) for r, (w, s) in zip(ADMISSION["results"], ((9.0, 9.0), (4000.0, 1000.0), (6000.0, 3000.0), (1.0, 1.0)), strict=True)]
+    admission = {"results": closed, "open_loop": [with_writes(ADMISSION["open_loop"][0], 7000.0, 1500.0)]}
+    metering = {"rounds": [with_writes(METERING, w, s) for w, s in ((300.0, 100.0), (500.0, 300.0), (400.0, 200.0))]}
+    record = {"cpu": {"unit": "usage record", "us_per_unit": {"reconciler": 500.0, "postgres": 400.0}, "postgres_bytes_per_unit": {"wal": 900.0, "stored": 250.0}}}
+    costs = capacity.costs(admission, metering, record)
+    # Per decision the dearer of the closed loop's medians (5000, 2000) and the open loop's (7000, 1500).
+    assert costs.decision_writes == capacity.WriteCost(wal=7000.0, stored=2000.0)
+    assert costs.sample_writes == capacity.WriteCost(wal=400.0, stored=200.0)
+    assert costs.record_writes == capacity.WriteCost(wal=900.0, stored=250.0)
+    load = Load(retention_months=6, mean_load=0.25)
+    plan = capacity.plan(10_000, costs, load)
+    samples = 1062.5 / 15
+    assert plan.postgres_wal_bytes_per_s == pytest.approx(20 * 7000 + samples * 400 + samples * 900, abs=0.1)
+    per_day = (20 * 2000 + samples * 200 + samples * 250) * 86_400
+    assert plan.postgres_stored_bytes_per_day == pytest.approx(per_day, abs=1)
+    assert plan.postgres_stored_bytes_retained == pytest.approx(per_day * 365.25 / 12 * 6 * 0.25, abs=1)
+    text = capacity.as_markdown([plan], costs, load)
+    assert f"| Postgres: WAL written at the peak, MB/s | {plan.postgres_wal_bytes_per_s / 1e6:.3f} |" in text
+    assert "| Postgres: stored over 6 months at 25% of the peak, GB |" in text
+    assert "- decision: service 2000.0, postgres 550.0, redis 70.0, broker 15.0; bytes: WAL 7000, stored 2000" in text
+
+
+def test_reports_without_postgres_bytes_leave_the_storage_not_measured() -> None:
+    costs = capacity.costs(ADMISSION, METERING)
+    assert costs.decision_writes == capacity.WriteCost() and costs.record_writes is None
+    plan = capacity.plan(1000, costs)
+    assert plan.postgres_wal_bytes_per_s is None and plan.postgres_stored_bytes_retained is None
+    assert "| Postgres: stored per day at the peak, GB | not measured |" in capacity.as_markdown([plan], costs, Load())
+    for bad in ({"retention_months": 0}, {"mean_load": 0.0}, {"mean_load": 1.5}):
+        with pytest.raises(ValueError):
+            Load(**bad)  # type: ignore[arg-type]

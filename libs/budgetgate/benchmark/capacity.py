@@ -1,6 +1,6 @@
 """A capacity model from measured costs: what a platform of N GPUs needs (cores per service, Redis
-shards, Kafka partitions, Postgres cores and write rate), computed from the CPU each part spent
-per decision and per sample in `budgetgate bench admission --json` and `budgetgate bench
+shards, Kafka partitions, Postgres cores, its write rate and its storage), computed from the CPU
+each part spent, and the bytes Postgres wrote, per decision and per sample in `budgetgate bench admission --json` and `budgetgate bench
 metering --json` (and per reconciliation record, when `bench reconciliation --json` measured it).
 
 Nothing here measures: the benchmarks do, and this module turns their figures and a platform's
@@ -16,10 +16,13 @@ How a cost is read from the reports:
   alone in their batch, so dearer); the model takes the dearer of the two per part, so the
   figures hold whether peaks arrive spread out or in bursts;
 - metering: per part, the median over the rounds.
+Postgres's bytes per unit (WAL written, more stored on disk) are read the same way, from each
+run's `cpu.postgres_bytes_per_unit`; a report from before they were measured leaves them None.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PARTS = ("service", "postgres", "redis", "broker")
+DAYS_PER_MONTH = 365.25 / 12
 # Parts a benchmark shows but the model does not count as the system's.
 NOT_COUNTED = frozenset({"load generator"})
 
@@ -50,11 +54,40 @@ class UnitCost:
 
     @classmethod
     def dearer(cls, a: UnitCost, b: UnitCost) -> UnitCost:
-        def pick(x: float | None, y: float | None) -> float | None:
-            known = [v for v in (x, y) if v is not None]
-            return max(known) if known else None
+        return cls(**{p: _dearer(a.of(p), b.of(p)) for p in PARTS})
 
-        return cls(**{p: pick(a.of(p), b.of(p)) for p in PARTS})
+
+def _dearer(x: float | None, y: float | None) -> float | None:
+    known = [v for v in (x, y) if v is not None]
+    return max(known) if known else None
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 1) if known else None
+
+
+@dataclass(frozen=True)
+class WriteCost:
+    """Bytes one unit of work makes Postgres write: `wal` (the server's WAL) and `stored` (more
+    on disk: rows, indexes, TOAST, until archived); None when the report did not measure it."""
+
+    wal: float | None = None
+    stored: float | None = None
+
+    @classmethod
+    def read(cls, cpu: Mapping[str, Any]) -> WriteCost:
+        """From one run's `cpu` figures (`postgres_bytes_per_unit`)."""
+        each = cpu.get("postgres_bytes_per_unit") or {}
+        return cls(*(None if each.get(k) is None else float(each[k]) for k in ("wal", "stored")))
+
+    @classmethod
+    def dearer(cls, a: WriteCost, b: WriteCost) -> WriteCost:
+        return cls(*(_dearer(getattr(a, k), getattr(b, k)) for k in ("wal", "stored")))
+
+    @classmethod
+    def median(cls, costs: Sequence[WriteCost]) -> WriteCost:
+        return cls(*(_median(getattr(c, k) for c in costs) for k in ("wal", "stored")))
 
 
 @dataclass(frozen=True)
@@ -63,6 +96,9 @@ class Costs:
     sample: UnitCost
     record: UnitCost | None = None  # a reconciliation record; None when not measured
     sources: tuple[str, ...] = ()  # what each figure was read from, for the report
+    decision_writes: WriteCost = WriteCost()
+    sample_writes: WriteCost = WriteCost()
+    record_writes: WriteCost | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,19 +115,21 @@ class Load:
     sample_seconds: float = 15.0  # one metering sample per running run this often (`budgetgate meter dcgm`'s interval)
     records_per_sample: float = 1.0  # reconciliation records the reconciler applies per sample
     headroom: float = 0.5  # the share of a core planned busy at the peak (the rest absorbs bursts and failover)
+    retention_months: int = 12  # months of decisions and usage Postgres keeps before `budgetgate ledger archive` (BUDGETGATE_LEDGER_RETENTION_MONTHS)
+    mean_load: float = 0.5  # the load over a month, as a share of its peak (for the storage the retention holds)
     min_replicas: int = 2  # per service, so that one can fail or be upgraded
     partitions_per_consumer: int = 2  # Kafka partitions per consumer process, to scale out without repartitioning
     min_partitions: int = 6
 
     def __post_init__(self) -> None:
-        for name in ("utilization", "headroom"):
+        for name in ("utilization", "headroom", "mean_load"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("gpus_per_run", "submissions_per_s_per_1000_gpus", "sample_seconds", "records_per_sample"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("min_replicas", "partitions_per_consumer", "min_partitions"):
+        for name in ("min_replicas", "partitions_per_consumer", "min_partitions", "retention_months"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -120,6 +158,9 @@ class Plan:
     broker: Need
     partitions: dict[str, int | None] = field(default_factory=dict)
     binding: str | None = None  # the part with the most cores busy
+    postgres_wal_bytes_per_s: float | None = None  # WAL Postgres writes at the peak
+    postgres_stored_bytes_per_day: float | None = None  # what a day at the peak adds to its disk
+    postgres_stored_bytes_retained: float | None = None  # what the retention holds, at the mean load
     # False when reconciliation was not measured: Postgres, Redis and the broker then lack the
     # reconciler's share, and their figures are lower bounds.
     complete: bool = True
@@ -157,64 +198,87 @@ def unit_cost(us_per_unit: Mapping[str, float | None]) -> UnitCost:
 
 def median_cost(costs: Sequence[UnitCost]) -> UnitCost:
     """Per part, the median of the rounds that measured it."""
-
-    def med(values: Iterable[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return round(statistics.median(known), 1) if known else None
-
-    return UnitCost(**{p: med(c.of(p) for c in costs) for p in PARTS})
+    return UnitCost(**{p: _median(c.of(p) for c in costs) for p in PARTS})
 
 
-def admission_cost(report: Mapping[str, Any], *, scenario: str = "spread") -> tuple[UnitCost, str]:
-    """The dearer per part of budgetgate's closed and open loops in `scenario` (see the module
-    doc), from `bench admission --json`."""
+def _admission_runs(report: Mapping[str, Any], scenario: str) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """The `cpu` figures of budgetgate's closed-loop and open-loop runs in `scenario`."""
     if not isinstance(report.get("results"), list):
         raise CostsMissing("not a `budgetgate bench admission --json` report: no `results`")
 
-    def runs(rows: Iterable[Mapping[str, Any]]) -> list[UnitCost]:
-        return [unit_cost(r["cpu"]["us_per_unit"]) for r in rows if r.get("system") == "budgetgate" and r.get("scenario") == scenario and r.get("cpu")]
+    def runs(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [r["cpu"] for r in rows if r.get("system") == "budgetgate" and r.get("scenario") == scenario and r.get("cpu")]
 
     closed, open_ = runs(report["results"]), runs(report.get("open_loop") or [])
     if not closed and not open_:
         raise CostsMissing(
             f"the admission report has no CPU figures of budgetgate in scenario {scenario!r}: run `budgetgate bench admission --scenario {scenario} --json`"
         )
-    if closed and open_:
+    return closed, open_
+
+
+def admission_cost(report: Mapping[str, Any], *, scenario: str = "spread") -> tuple[UnitCost, str]:
+    """The dearer per part of budgetgate's closed and open loops in `scenario` (see the module
+    doc), from `bench admission --json`."""
+    closed, open_ = _admission_runs(report, scenario)
+    cost = {name: median_cost([unit_cost(c["us_per_unit"]) for c in runs]) for name, runs in (("closed loop", closed), ("open loop", open_)) if runs}
+    if len(cost) == 2:
         return UnitCost.dearer(
-            median_cost(closed), median_cost(open_)
+            cost["closed loop"], cost["open loop"]
         ), f"admission: dearer of closed loop ({len(closed)} rounds) and open loop ({len(open_)} rounds), {scenario}"
-    which = "closed loop" if closed else "open loop"
-    return median_cost(closed or open_), f"admission: {which} only ({len(closed or open_)} rounds), {scenario}"
+    ((which, only),) = cost.items()
+    return only, f"admission: {which} only ({len(closed or open_)} rounds), {scenario}"
+
+
+def admission_writes(report: Mapping[str, Any], *, scenario: str = "spread") -> WriteCost:
+    """Postgres's bytes per decision, read as admission_cost reads the CPU."""
+    medians = [WriteCost.median([WriteCost.read(c) for c in runs]) for runs in _admission_runs(report, scenario) if runs]
+    return functools.reduce(WriteCost.dearer, medians)
+
+
+def _metering_rounds(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    found = [r["cpu"] for r in report.get("rounds") or [report] if r.get("cpu")]
+    if not found:
+        raise CostsMissing("the metering report has no CPU figures (its measuring window was empty): run `budgetgate bench metering --json` with more samples")
+    return found
 
 
 def metering_cost(report: Mapping[str, Any]) -> tuple[UnitCost, str]:
     """Per part, the median over the rounds of `bench metering --json`'s CPU per sample."""
-    rounds = report.get("rounds") or [report]
-    found = [unit_cost(r["cpu"]["us_per_unit"]) for r in rounds if r.get("cpu")]
-    if not found:
-        raise CostsMissing("the metering report has no CPU figures (its measuring window was empty): run `budgetgate bench metering --json` with more samples")
-    return median_cost(found), f"metering: median of {len(found)} rounds"
+    found = _metering_rounds(report)
+    return median_cost([unit_cost(c["us_per_unit"]) for c in found]), f"metering: median of {len(found)} rounds"
 
 
-def reconciliation_cost(report: Mapping[str, Any]) -> tuple[UnitCost, str]:
-    """Per part, the median over the rounds of `bench reconciliation --json`'s CPU per record."""
-    rounds = report.get("rounds") or [report]
-    measured = [r["cpu"] for r in rounds if isinstance(r.get("cpu"), Mapping) and "us_per_unit" in r["cpu"]]
+def _reconciliation_rounds(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    measured = [r["cpu"] for r in report.get("rounds") or [report] if isinstance(r.get("cpu"), Mapping) and "us_per_unit" in r["cpu"]]
     if not measured:
         raise CostsMissing("the reconciliation report has no CPU figures per record")
     units = {m.get("unit", "usage record") for m in measured}
     if units != {"usage record"}:
         # The lifecycle mode counts every message (events and records): not the model's unit.
         raise CostsMissing(f"the reconciliation report is per {', '.join(sorted(units))}: run `budgetgate bench reconciliation --records-per-s N --json`")
-    found = [unit_cost(m["us_per_unit"]) for m in measured]
-    return median_cost(found), f"reconciliation: median of {len(found)} rounds"
+    return measured
+
+
+def reconciliation_cost(report: Mapping[str, Any]) -> tuple[UnitCost, str]:
+    """Per part, the median over the rounds of `bench reconciliation --json`'s CPU per record."""
+    measured = _reconciliation_rounds(report)
+    return median_cost([unit_cost(m["us_per_unit"]) for m in measured]), f"reconciliation: median of {len(measured)} rounds"
 
 
 def costs(admission: Mapping[str, Any], metering: Mapping[str, Any], reconciliation: Mapping[str, Any] | None = None, *, scenario: str = "spread") -> Costs:
     decision, a = admission_cost(admission, scenario=scenario)
     sample, m = metering_cost(metering)
     record, r = reconciliation_cost(reconciliation) if reconciliation is not None else (None, "reconciliation: not measured")
-    return Costs(decision, sample, record, (a, m, r))
+    return Costs(
+        decision,
+        sample,
+        record,
+        (a, m, r),
+        decision_writes=admission_writes(admission, scenario=scenario),
+        sample_writes=WriteCost.median([WriteCost.read(c) for c in _metering_rounds(metering)]),
+        record_writes=None if reconciliation is None else WriteCost.median([WriteCost.read(c) for c in _reconciliation_rounds(reconciliation)]),
+    )
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -253,6 +317,8 @@ def plan(gpus: int, costs: Costs, load: Load = Load()) -> Plan:
     metering = _cores((samples, costs.sample.service))
     reconciler = _cores((records, costs.record.service)) if costs.record is not None else None
     postgres, redis, broker = part("postgres"), part("redis"), part("broker")
+    wal, stored = (_written(kind, costs, ((decisions, "decision"), (samples, "sample"), (records, "record"))) for kind in ("wal", "stored"))
+    per_day = None if stored is None else stored * 86_400
     metering_procs = _replicas(metering, load, minimum=load.min_replicas)
     reconciler_procs = _replicas(reconciler, load, minimum=load.min_replicas)
     busy = {"admission": admission, "metering-ingest": metering, "reconciler": reconciler, "postgres": postgres, "redis": redis, "broker": broker}
@@ -275,7 +341,26 @@ def plan(gpus: int, costs: Costs, load: Load = Load()) -> Plan:
         },
         binding=max(known, key=lambda k: known[k]) if known else None,
         complete=costs.record is not None,
+        postgres_wal_bytes_per_s=None if wal is None else round(wal, 1),
+        postgres_stored_bytes_per_day=None if per_day is None else round(per_day),
+        postgres_stored_bytes_retained=None if per_day is None else round(per_day * DAYS_PER_MONTH * load.retention_months * load.mean_load),
     )
+
+
+def _written(kind: str, costs: Costs, rates: Iterable[tuple[float, str]]) -> float | None:
+    """Bytes/s of `kind` ("wal", "stored") Postgres writes at these rates of each unit; None when
+    a measured unit's bytes are missing. A unit whose CPU was not measured (the reconciliation
+    record) is left out, as the CPU figures leave it (the plan is then not complete)."""
+    total = 0.0
+    for rate, unit in rates:
+        if unit == "record" and costs.record is None:
+            continue
+        written = getattr(costs, f"{unit}_writes")
+        each = None if written is None else getattr(written, kind)
+        if each is None:
+            return None
+        total += rate * each
+    return total
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -313,9 +398,25 @@ def as_markdown(plans: Sequence[Plan], costs: Costs, load: Load) -> str:
         row(f"{label}: {unit}", (least + _fmt(pick(p).units) if pick(p).units is not None else _fmt(None) for p in plans))
     for topic in plans[0].partitions if plans else ():
         row(f"Kafka partitions, {topic}", (_fmt(p.partitions.get(topic)) for p in plans))
+    least = "≥ " if plans and not plans[0].complete else ""
+    for label, pick, scale in (
+        ("Postgres: WAL written at the peak, MB/s", lambda p: p.postgres_wal_bytes_per_s, 1e6),
+        ("Postgres: stored per day at the peak, GB", lambda p: p.postgres_stored_bytes_per_day, 1e9),
+        (f"Postgres: stored over {load.retention_months} months at {load.mean_load:.0%} of the peak, GB", lambda p: p.postgres_stored_bytes_retained, 1e9),
+    ):
+        row(label, (_fmt(None) if pick(p) is None else least + _fmt(pick(p) / scale, 3) for p in plans))
     row("binds first (most cores busy)", ((p.binding or "not measured") for p in plans))
-    lines = ["\n".join(rows), "", "Costs (CPU µs per unit, by part):", ""]
-    for name, cost in (("decision", costs.decision), ("sample", costs.sample), ("reconciliation record", costs.record)):
-        lines.append(f"- {name}: " + (", ".join(f"{p} {_fmt(cost.of(p), 1)}" for p in PARTS) if cost is not None else "not measured"))
+    lines = ["\n".join(rows), "", "Costs per unit (CPU µs by part; bytes Postgres writes):", ""]
+    for name, cost, writes in (
+        ("decision", costs.decision, costs.decision_writes),
+        ("sample", costs.sample, costs.sample_writes),
+        ("reconciliation record", costs.record, costs.record_writes),
+    ):
+        if cost is None:
+            lines.append(f"- {name}: not measured")
+            continue
+        cpu = ", ".join(f"{p} {_fmt(cost.of(p), 1)}" for p in PARTS)
+        written = "not measured" if writes is None else f"WAL {_fmt(writes.wal, 0)}, stored {_fmt(writes.stored, 0)}"
+        lines.append(f"- {name}: {cpu}; bytes: {written}")
     lines += ["", "Read from: " + "; ".join(costs.sources) + ".", "", "Load assumed: " + ", ".join(f"{k} {v}" for k, v in asdict(load).items()) + "."]
     return "\n".join(lines)

@@ -11,6 +11,12 @@ benchmark's own connections that watch the database meanwhile (application_name 
 left out, as the load generator is.
 Redis counts its whole server (INFO cpu), which is shared with anything else using it.
 
+Beside the CPU, the meter reads what Postgres wrote over the window (`PostgresWrites`): the WAL
+the server wrote (pg_current_wal_lsn, so every database of the server, checkpoints' full-page
+images included) and how much the benchmark's database grew on disk (pg_database_size: tables,
+indexes and TOAST, in whole pages). Per unit of work, they are the write rate and the storage a
+platform's Postgres needs before old months are archived.
+
 "All parts" is what the system measured spends: every part but those read only to be shown
 beside it (`Part.counted` False: the load generator, which a real deployment does not run).
 Replicas of one service are parts of their own ("service 1", "service 2") and, added up, a group
@@ -51,6 +57,7 @@ class CpuUse:
     cpus: int
     apart: frozenset[str] = frozenset()  # parts shown but not counted in all parts (Part.counted)
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a group's name: its parts (Part.group), the replicas of a service
+    postgres_writes: PostgresWrites | None = None  # what the Postgres part wrote (None: no Postgres part)
 
     def per_unit_us(self, units: int) -> dict[str, float | None]:
         """Microseconds of CPU per unit of work (a decision, a sample), by part."""
@@ -104,6 +111,7 @@ class CpuUse:
             "bound_by_waiting": self.bound_by_waiting,
             "cpus": self.cpus,
             "bound_per_second": None if bound is None else round(bound, 1),
+            **({} if self.postgres_writes is None else self.postgres_writes.as_json(units)),
         }
 
     def line(self, units: int, unit: str) -> str:
@@ -114,7 +122,8 @@ class CpuUse:
         counted = parts_text(each, self.groups, self.group_us(units), apart=self.apart)
         shown = "".join(f"; {k} {_us(v)}" for k, v in each.items() if k in self.apart)
         machine = f"machine {self.machine_busy:.0%} busy ({self.cpus} CPUs)" + (": bound by waiting, not by CPU" if self.bound_by_waiting else "")
-        return f"CPU µs per {unit}: all parts {_us(self.all_parts_us(units))} ({counted}){shown}; {machine}"
+        written = "" if self.postgres_writes is None else f"; Postgres {self.postgres_writes.text(units, unit)}"
+        return f"CPU µs per {unit}: all parts {_us(self.all_parts_us(units))} ({counted}){shown}; {machine}{written}"
 
     def bound_line(self, units: int, unit: str, *, against: Sequence[tuple[str, float]] = ()) -> str | None:
         """`all 2 CPUs, busy with this alone, would hold at most 3100 decisions/s at these costs:
@@ -126,6 +135,29 @@ class CpuUse:
         line = f"all {self.cpus} CPUs, busy with this alone, would hold at most {bound:.0f} {unit}s/s at these costs"
         compared = [f"{bound / rate:.2f}x {name}'s measured {rate:.0f}/s" for name, rate in against if rate > 0]
         return line + (": " + ", ".join(compared) if compared else "")
+
+
+@dataclass(frozen=True)
+class PostgresWrites:
+    """What the Postgres server wrote over a window: `wal_bytes` of WAL (the server's, every
+    database) and `stored_bytes` more on disk for the benchmark's database; None for a figure
+    that could not be read (WAL on a standby)."""
+
+    wal_bytes: int | None
+    stored_bytes: int | None
+
+    def per_unit(self, units: int) -> dict[str, float | None]:
+        """Bytes per unit of work: `wal` written, `stored` more on disk."""
+        written = {"wal": self.wal_bytes, "stored": self.stored_bytes}
+        return {name: None if spent is None or units <= 0 else round(spent / units, 1) for name, spent in written.items()}
+
+    def as_json(self, units: int) -> dict[str, object]:
+        return {"postgres_bytes": {"wal": self.wal_bytes, "stored": self.stored_bytes}, "postgres_bytes_per_unit": self.per_unit(units)}
+
+    def text(self, units: int, unit: str) -> str:
+        """`bytes per decision: WAL 3,100, stored 1,900`."""
+        wal, stored = self.per_unit(units).values()
+        return f"bytes per {unit}: WAL {_bytes(wal)}, stored {_bytes(stored)}"
 
 
 def parts_text(each: Mapping[str, float | None], groups: Mapping[str, Sequence[str]], sums: Mapping[str, float | None], *, apart: Iterable[str] = ()) -> str:
@@ -143,6 +175,10 @@ def parts_text(each: Mapping[str, float | None], groups: Mapping[str, Sequence[s
         elif name == groups[group][0]:
             figures.append(f"{group} {_us(sums.get(group))} = " + " + ".join(f"{member} {_us(each.get(member))}" for member in groups[group]))
     return ", ".join(figures)
+
+
+def _bytes(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def _us(value: float | None) -> str:
@@ -214,27 +250,39 @@ class Started:
     readings: list[_Reading]
     machine: Any  # psutil.cpu_times()
     at: float
+    postgres: tuple[int | None, int | None] | None = None  # (WAL position, database size) of the Postgres part
 
 
 @dataclass
 class CpuMeter:
     parts: list[Part]
 
+    @property
+    def _postgres_dsn(self) -> str | None:
+        return next((part.postgres_dsn for part in self.parts if part.postgres_dsn is not None), None)
+
     async def start(self) -> Started:
-        return Started([await _read(part) for part in self.parts], psutil.cpu_times(), time.perf_counter())
+        dsn = self._postgres_dsn
+        postgres = None if dsn is None else await _postgres_position(dsn)
+        return Started([await _read(part) for part in self.parts], psutil.cpu_times(), time.perf_counter(), postgres)
 
     async def stop(self, started: Started) -> CpuUse:
         """The CPU each part spent since `started`."""
         seconds = time.perf_counter() - started.at
         after = [await _read(part) for part in self.parts]
         busy = _busy_share(started.machine, psutil.cpu_times())
+        dsn = self._postgres_dsn
+        writes = None
+        if dsn is not None and started.postgres is not None:
+            (wal_before, size_before), (wal_after, size_after) = started.postgres, await _postgres_position(dsn)
+            writes = PostgresWrites(_grown(wal_before, wal_after), _grown(size_before, size_after))
         used = {part.name: _spent(b, a) for part, b, a in zip(self.parts, started.readings, after, strict=True)}
         apart = frozenset(part.name for part in self.parts if not part.counted)
         groups: dict[str, tuple[str, ...]] = {}
         for part in self.parts:
             if part.group is not None:
                 groups[part.group] = (*groups.get(part.group, ()), part.name)
-        return CpuUse(seconds, used, busy, psutil.cpu_count() or 1, apart, groups)
+        return CpuUse(seconds, used, busy, psutil.cpu_count() or 1, apart, groups, writes)
 
     async def measure(self, work: Callable[[], Awaitable[T]]) -> tuple[T, CpuUse]:
         """Run `work` and return its result with the CPU each part spent meanwhile."""
@@ -259,6 +307,25 @@ def _spent(before: _Reading, after: _Reading) -> float | None:
         return None
     # A process that started during the window counts from zero.
     return sum(max(t - (pids_before or {}).get(pid, 0.0), 0.0) for pid, t in pids_after.items())
+
+
+def _grown(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else max(after - before, 0)
+
+
+async def _postgres_position(dsn: str) -> tuple[int | None, int | None]:
+    """(the server's WAL position in bytes, the database's size in bytes); None for what cannot
+    be read (a standby has no current WAL position). Read on a connection left out of the CPU."""
+    conn = await unmetered_connection(dsn)
+    try:
+        size = await conn.fetchval("SELECT pg_database_size(current_database())")
+        try:
+            wal = await conn.fetchval("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
+        except asyncpg.PostgresError:
+            wal = None
+    finally:
+        await conn.close()
+    return wal, size
 
 
 def process_seconds(pid: int) -> float | None:

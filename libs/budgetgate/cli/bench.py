@@ -330,6 +330,20 @@ def _report_file(path: str | None, what: str) -> dict | None:  # type: ignore[ty
     "--sample-seconds", default=15.0, show_default=True, type=click.FloatRange(0, min_open=True), help="One metering sample per running run this often."
 )
 @click.option("--headroom", default=0.5, show_default=True, type=click.FloatRange(0, 1, min_open=True), help="Share of a core planned busy at the peak.")
+@click.option(
+    "--retention-months",
+    default=12,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Months of decisions and usage Postgres keeps before `budgetgate ledger archive` moves them out.",
+)
+@click.option(
+    "--mean-load",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="The load over a month as a share of its peak (for the storage the retention holds).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
 def capacity(
     admission_file: str,
@@ -342,10 +356,13 @@ def capacity(
     submissions_per_1000_gpus: float,
     sample_seconds: float,
     headroom: float,
+    retention_months: int,
+    mean_load: float,
     as_json: bool,
 ) -> None:
     """What platforms of --gpus GPUs need at their peak, from the CPU the benchmarks measured per
-    decision and per sample: cores per service, Redis shards, Kafka partitions, Postgres cores.
+    decision and per sample: cores per service, Redis shards, Kafka partitions, Postgres cores, and
+    from the bytes Postgres wrote per unit, its WAL rate and its storage.
     Measures nothing itself (see budgetgate.benchmark.capacity and docs/scale-out.md)."""
     from budgetgate.benchmark import capacity as model
 
@@ -368,6 +385,8 @@ def capacity(
         submissions_per_s_per_1000_gpus=submissions_per_1000_gpus,
         sample_seconds=sample_seconds,
         headroom=headroom,
+        retention_months=retention_months,
+        mean_load=mean_load,
     )
     plans = [model.plan(g, costs, load) for g in sizes]
     if as_json:
