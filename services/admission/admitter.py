@@ -2,9 +2,9 @@
 reservations made atomically in Redis and the decisions made durable in Postgres before anyone
 hears them.
 
-The order of one batch:
-1. In one Postgres transaction, take the ledger lock (shared) and the lock of every run of the
-   batch, and read each run's latest decision, the ledger sequence Postgres committed and the
+The order of one batch (a ledger_session: no transaction block, three round trips):
+1. In one Postgres statement, take the ledger lock (shared) and the lock of every run of the
+   batch, at session level, and read each run's latest decision, the ledger sequence Postgres committed and the
    tenant override revision; a submission prepared under an older revision is prepared again,
    so an override takes effect on the very next decision.
 2. A resend of a decided run is answered again (`replayed: true`), a changed request gets 409
@@ -12,7 +12,8 @@ The order of one batch:
 3. The others are checked and reserved in Redis in one script, in submission order, all or none
    per decision; the script first proves Redis is current (see reserve.lua).
 4. Every decision, with its evaluations, reservations, holds and outbox row, is stored in one
-   statement; the transaction commits; only then is anyone answered.
+   statement, which commits as it ends; only then is anyone answered. The locks are let go
+   after that, in the background.
 If anything fails after Redis reserved, the Redis ledger is invalidated and rebuilt from
 Postgres before the next decision (fail closed; ledger_transaction).
 """
@@ -42,7 +43,7 @@ from budgetgate.ledger.outlooks import outlooks
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
-from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction
+from budgetgate.ledger.transaction import LedgerTransaction, ledger_session
 from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting_source import ExternalAccounting
 from budgetgate.services.admission.batching import GroupCommit
@@ -221,7 +222,7 @@ class Admitter:
         `clock` gets the seconds of each step on Postgres and Redis."""
         run_ids = sorted({p.run_id for p in batch})
         since = time.perf_counter()
-        async with ledger_transaction(self.pool, self.ledger, locks_itself=True) as work:
+        async with ledger_session(self.pool, self.ledger) as work:
             try:  # takes the ledger lock first: behind a rebuild, waits as long as for one
                 rows = await work.conn.fetch(sql("begin_batch"), run_ids, timeout=self.sync.wait)
             except TimeoutError as exc:
@@ -248,9 +249,7 @@ class Admitter:
                     # a write it had acknowledged (see migration 0021). Rolled back, Redis rebuilt
                     # from Postgres (with_ledger), and the batch decided again.
                     raise LedgerNotLoaded(f"Redis handed out ledger sequence numbers again: {exc}") from exc
-            written = time.perf_counter()
-            clock.postgres_write += written - since
-        clock.commit += time.perf_counter() - written
+            clock.postgres_write += time.perf_counter() - since
         if decided and self.committed is not None:
             self.committed()
         for r, p in zip(decided, fresh, strict=True):

@@ -148,7 +148,8 @@ def _evaluation(e: Evaluation) -> dict[str, Any]:
 
 async def record(conn: asyncpg.Connection, records: Sequence[DecisionRecord]) -> None:
     """Store `records` and the outbox bundle of their decision messages (one row: one to write,
-    claim and mark per batch) in `conn`'s transaction, in one statement."""
+    claim and mark per batch) in one statement: in `conn`'s transaction, or, outside one
+    (admission's ledger_session), committing as it ends."""
     messages = [r.message() for r in records]
     bundle = outbox.bundle_messages(topic=topics.DECISIONS, messages=messages, keys=[r.request.run_id for r in records], trace_headers=inject_headers())
     await conn.execute(

@@ -5,13 +5,14 @@ A submission on `POST /v1/admissions` passes, in order:
 - `body_and_auth`: the caller checked, the body read and validated (the fast path's own work);
 - `plan`: the pure part of deciding (the bundle's covering policies, the plan, the asks);
 - `batch_wait`: queued until the group commit starts the batch it is in (batching.py);
-- `postgres_read`: a connection, BEGIN and `begin_batch` (the ledger lock, the runs' locks and
-  their latest decisions);
+- `postgres_read`: a connection and `begin_batch` (the ledger lock, the runs' locks and their
+  latest decisions; no BEGIN: see ledger_session);
 - `redis`: the batch's check-and-reserve script (and, rarely, loading keys Redis never saw);
 - `decide`: the batch's own Python work: sorting out replays and conflicts, concluding each
   decision and rendering its answer;
-- `postgres_write`: the decisions encoded (rows and messages) and stored in one statement;
-- `commit`: the COMMIT, which waits for the WAL flush;
+- `postgres_write`: the decisions encoded (rows and messages) and stored in one statement, which
+  commits as it ends (waiting for the WAL flush; no COMMIT of its own), the locks let go after
+  the answer;
 - `answer`: from the batch's end until the answer is written (the submitter woken, the answer
   counted and encoded).
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-STAGES = ("body_and_auth", "plan", "batch_wait", "postgres_read", "redis", "decide", "postgres_write", "commit", "answer")
+STAGES = ("body_and_auth", "plan", "batch_wait", "postgres_read", "redis", "decide", "postgres_write", "answer")
 
 
 @dataclass(slots=True)
@@ -40,11 +41,10 @@ class BatchClock:
     postgres_read: float = 0.0
     redis: float = 0.0
     postgres_write: float = 0.0
-    commit: float = 0.0
 
     @property
     def waited(self) -> float:
-        return self.postgres_read + self.redis + self.postgres_write + self.commit
+        return self.postgres_read + self.redis + self.postgres_write
 
 
 @dataclass(slots=True)
@@ -70,7 +70,6 @@ class StageClock:
             "redis": batch.redis,
             "decide": max(batch.ended - batch.started - batch.waited, 0.0),
             "postgres_write": batch.postgres_write,
-            "commit": batch.commit,
             "answer": answered - batch.ended,
         }
 

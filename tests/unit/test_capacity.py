@@ -126,7 +126,8 @@ def test_postgres_bytes_per_unit_become_its_wal_rate_and_the_storage_its_retenti
     closed = [with_writes(r, w, s) for r, (w, s) in zip(ADMISSION["results"], ((9.0, 9.0), (4000.0, 1000.0), (6000.0, 3000.0), (1.0, 1.0)), strict=True)]
     admission = {"results": closed, "open_loop": [with_writes(ADMISSION["open_loop"][0], 7000.0, 1500.0)]}
     metering = {"rounds": [with_writes(METERING, w, s) for w, s in ((300.0, 100.0), (500.0, 300.0), (400.0, 200.0))]}
-    record = {"cpu": {"unit": "usage record", "us_per_unit": {"reconciler": 500.0, "postgres": 400.0}, "postgres_bytes_per_unit": {"wal": 900.0, "stored": 250.0}}}
+    written = {"wal": 900.0, "stored": 250.0}
+    record = {"cpu": {"unit": "usage record", "us_per_unit": {"reconciler": 500.0, "postgres": 400.0}, "postgres_bytes_per_unit": written}}
     costs = capacity.costs(admission, metering, record)
     # Per decision the dearer of the closed loop's medians (5000, 2000) and the open loop's (7000, 1500).
     assert costs.decision_writes == capacity.WriteCost(wal=7000.0, stored=2000.0)

@@ -10,6 +10,7 @@ Any other Redis change whose transaction fails invalidates the Redis ledger, to 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -46,19 +47,14 @@ class LedgerTransaction:
 
 
 @contextlib.asynccontextmanager
-async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger, *, locks_itself: bool = False) -> AsyncIterator[LedgerTransaction]:
-    """A transaction holding the ledger lock shared; commits on leaving the block.
-
-    `locks_itself`: the caller's first statement takes the lock (admission's begin_batch does,
-    before it reads anything, and long before its Redis call), which saves a round trip per
-    transaction on the path every waiting submission is answered after."""
+async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIterator[LedgerTransaction]:
+    """A transaction holding the ledger lock shared; commits on leaving the block."""
     async with pool.acquire() as conn:
         tx = conn.transaction()
         await tx.start()
         work = LedgerTransaction(conn, ledger)
         try:
-            if not locks_itself:
-                await conn.execute(sql("lock_ledger_shared"))
+            await conn.execute(sql("lock_ledger_shared"))
             yield work
         except BaseException:
             if work.redis_changed:
@@ -77,6 +73,58 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger, *, locks_i
                 await ledger.invalidate("a ledger transaction's commit failed or was not confirmed")
             raise  # parked settlements wait for end_pending, which asks Postgres
     await _end(ledger, work.parked, committed=True)
+
+
+# Sessions whose locks are being let go after their unit committed (ledger_session), kept so
+# that the tasks are not collected before they ran.
+_letting_go: set[asyncio.Task[None]] = set()
+
+
+@contextlib.asynccontextmanager
+async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIterator[LedgerTransaction]:
+    """A unit of change to the ledger with no transaction block, for admission's decisions: as
+    ledger_transaction, in three round trips instead of five.
+
+    The caller's first statement takes the ledger lock (shared) and its other locks at session
+    level (budgetgate_begin_decisions), so they hold across statements that each commit on their
+    own; its one write of the unit is one statement, which commits it (an implicit transaction:
+    no BEGIN, no COMMIT). Under READ COMMITTED every statement took a fresh snapshot anyway, so
+    the reads see what they saw inside a transaction; what the locks serialise stays serialised,
+    as they are let go only after the write committed.
+
+    They are let go after the block, in the background: whoever waits on the unit's answer does
+    not wait for that round trip. A connection whose locks cannot be let go is closed (its
+    session's locks end with it), never returned to the pool holding them. On failure, a Redis
+    change whose write did not commit, or might have, invalidates the Redis ledger before the
+    locks are let go, as in ledger_transaction."""
+    conn = await pool.acquire()
+    work = LedgerTransaction(conn, ledger)
+    try:
+        yield work
+    except BaseException:
+        try:
+            if work.redis_changed:
+                await ledger.invalidate("a ledger unit failed after its Redis script, before its write committed or with the commit unconfirmed")
+        finally:
+            await _let_go(pool, conn)
+        raise
+    task = asyncio.get_running_loop().create_task(_let_go(pool, conn), name="let-go-of-ledger-locks")
+    _letting_go.add(task)
+    task.add_done_callback(_letting_go.discard)
+
+
+async def _let_go(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+    """Let go of the session locks of `conn` and give it back to `pool`; when that fails, close
+    it: its locks end with its session."""
+    try:
+        await conn.execute(sql("let_go_of_session_locks"))
+    except BaseException as exc:
+        log.warning("could not let go of a ledger session's locks (%s: %s); its connection is closed instead", type(exc).__name__, exc)
+        conn.terminate()
+        if not isinstance(exc, Exception):
+            raise
+    finally:
+        await pool.release(conn)
 
 
 async def _end(ledger: RedisLedger, parked: list[tuple[str, int, str]], *, committed: bool) -> None:

@@ -7,6 +7,11 @@
 -- so a rebuild never misses a reservation made in Redis but not yet committed here.
 SELECT pg_advisory_xact_lock_shared(7301, 0);
 
+-- name: let_go_of_session_locks
+-- The session-level advisory locks of a ledger_session (the ledger lock, the runs' locks), let go
+-- once its write committed or it failed.
+SELECT pg_advisory_unlock_all();
+
 -- name: lock_ledger_exclusive
 SELECT pg_advisory_xact_lock(7301, 0);
 
