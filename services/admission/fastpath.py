@@ -8,7 +8,8 @@ app (OpenAPI, documentation); anything this path does not handle itself goes to 
 that does not validate (so 422s look exactly like every other route's), and any error of the
 admitter, rendered by the app's own exception handlers. The caller is checked exactly as the
 route's dependency would (auth.Gate: a submitter, within its namespaces and tenants) before the
-body is even read.
+body is even read; the caller's hit on its rate limit is sent then and awaited once the body is
+validated, so its round trip to Redis overlaps reading and validating the body.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ class SubmissionFastPath:
         clock = fastapi_app.state.metrics.stage_clock(time.perf_counter())
         body = b""
         try:
-            principal = await gate_of(fastapi_app).check(scope["headers"], Action.SUBMIT, scope=scope)
+            principal, counted = await gate_of(fastapi_app).begin_check(scope["headers"], Action.SUBMIT, scope=scope)
             scope.setdefault("state", {})[CHECKED] = principal  # FastAPI's route does not count it again
             body = await _read(receive)
             try:
                 request = AdmissionRequest.model_validate_json(body)
             except ValidationError:
+                await counted
                 await self.app(scope, _replay(body), send)  # FastAPI renders the 422
                 return
+            await counted
             rt = fastapi_app.state.rt
             require_submission(principal, namespace=request.namespace, labels=request.labels, tenant_label=rt.settings.tenant_label)
             started = time.perf_counter()

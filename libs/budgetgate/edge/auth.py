@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Literal
 
 import asyncpg
@@ -183,10 +183,24 @@ class Gate:
 
     async def check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any = None) -> Principal:
         """The caller, if it may do `action` now; raises Unauthenticated, Forbidden or RateLimited."""
+        principal, counted = await self.begin_check(headers, action, scope=scope)
+        await counted
+        return principal
+
+    async def begin_check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any = None) -> tuple[Principal, Awaitable[None]]:
+        """As `check`, with the caller's hit on its rate limit sent but not awaited: the caller
+        awaits it (it raises RateLimited) before acting on the request, so that its round trip
+        to Redis overlaps the caller's own work (reading and validating the body). An outcome
+        nobody awaits (the request failed first) is retrieved, never reported as lost."""
         principal = await self.principal(headers, scope=scope)
         principal.require(action)
-        await self.count(principal)
-        return principal
+        if self.hits is None:
+            nothing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            nothing.set_result(None)
+            return principal, nothing
+        counted = asyncio.ensure_future(self.count(principal))
+        counted.add_done_callback(_retrieve)
+        return principal, counted
 
     async def count(self, principal: Principal) -> None:
         if self.hits is None or self.limiter is None or self.limit is None:  # hits is None exactly when no limit is set
@@ -202,6 +216,11 @@ class Gate:
         if not allowed:
             stats = await self.limiter.get_window_stats(self.limit, principal.name)
             raise RateLimited(principal, max(1, int(stats.reset_time - time.time() + 0.999)))
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class CoalescedHits:
