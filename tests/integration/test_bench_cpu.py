@@ -141,6 +141,12 @@ async def test_redis_counts_its_server(redis_server_url: str) -> None:
     assert spent is not None and spent > 0.05
 
 
+def test_redis_is_one_part_and_a_cluster_one_part_per_node_or_unknown_when_unreachable(redis_server_url: str) -> None:
+    # (A reachable cluster, node by node: tests/integration/test_bench_smoke.py.)
+    assert cpu.redis_parts(redis_server_url) == [Part("redis", redis_url=redis_server_url)]
+    assert cpu.redis_parts("redis+cluster://127.0.0.1:9") == [Part("redis", None)]
+
+
 def test_figures_per_unit_and_the_report_line() -> None:
     used = CpuUse(seconds=2.0, parts={"service": 0.6, "postgres": 0.3, "broker": None}, machine_busy=0.5, cpus=2)
 

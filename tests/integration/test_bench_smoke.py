@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from budgetgate.benchmark import capacity
+from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
 from budgetgate.services.admission.stages import STAGES
 from tests.support.bench import assert_nothing_left
 
@@ -151,6 +153,25 @@ async def test_replicas_are_driven_as_one_service_and_audited_together(postgres_
         ("baseline", ("service 1", "service 2")), ("budgetgate", ("service 1", "service 2"))
     }  # fmt: skip
     await assert_nothing_left(postgres_admin_dsn, report["run_tag"], redis_url=redis_server_url)
+
+
+async def test_a_redis_cluster_is_benchmarked_node_by_node_and_audited(tmp_path: Path, postgres_admin_dsn: str, kafka_server_bootstrap: str) -> None:
+    """`BUDGETGATE_REDIS_URL=redis+cluster://…` with `--replicas 2`: the two replicas of
+    budgetgate reserve on a Redis Cluster, the audit reads the ledger back from it, each node's
+    CPU is a part of its own (`redis-<port>`, masters and replicas), and the benchmark's keys are
+    gone from the cluster afterwards."""
+    with EmbeddedRedisCluster(tmp_path / "cluster") as cluster:
+        env = _env(postgres_admin_dsn, cluster.url, kafka_server_bootstrap)
+        report = json.loads(_bench(["admission", "--system", "budgetgate", "--requests", "60", "--concurrency", "4", "--warmup", "10",
+                                    "--scenario", "spread", "--budgets", "4", "--replicas", "2", "--no-ceiling", "--json"], env))  # fmt: skip
+        [result] = report["results"]
+        assert report["correct"] is True and result["correct"] is True and result["errors"] == 0
+        assert result["allowed"] == result["expected_allowed"] and result["correctness"]["problems"] == []
+        nodes = [part for part in result["cpu"]["us_per_unit"] if part.startswith("redis-")]
+        assert sorted(nodes) == sorted(f"redis-{node.port}" for node in cluster.nodes) and "redis" not in result["cpu"]["us_per_unit"]
+        assert all(result["cpu"]["us_per_unit"][node] is not None for node in nodes)
+        assert capacity.admission_cost(report)[0].redis == pytest.approx(sum(result["cpu"]["us_per_unit"][node] for node in nodes), abs=0.5)
+        await assert_nothing_left(postgres_admin_dsn, report["run_tag"], redis_url=cluster.url)
 
 
 def test_capacity_plans_from_the_benchmarks_own_reports(

@@ -9,7 +9,9 @@ processes of the benchmark's own database (pg_stat_activity), read at the start 
 window; a server process that ended in between is missed, one that started counts from zero; the
 benchmark's own connections that watch the database meanwhile (application_name `UNMETERED`) are
 left out, as the load generator is.
-Redis counts its whole server (INFO cpu), which is shared with anything else using it.
+Redis counts its whole server (INFO cpu), which is shared with anything else using it; a Redis
+Cluster (a `redis+cluster://` URL) is one part per node, masters and replicas, each read on its
+own (`redis_parts`), named `redis-<port>`, which the capacity model adds up as Redis.
 
 Beside the CPU, the meter reads what Postgres wrote over the window (`PostgresWrites`): the WAL
 the server wrote (pg_current_wal_lsn, so every database of the server, checkpoints' full-page
@@ -37,6 +39,9 @@ from typing import Any, TypeVar
 import asyncpg
 import psutil
 import redis.asyncio as aioredis
+import redis.exceptions
+
+from budgetgate.runtime.redis_client import cluster_node_url, connect_sync
 
 T = TypeVar("T")
 
@@ -223,6 +228,25 @@ class Part:
         if len(pids) == 1:
             return [cls.process(name, pids[0])]
         return [cls.process(replica_name(name, number), pid, group=name) for number, pid in enumerate(pids, 1)]
+
+
+def redis_parts(url: str) -> list[Part]:
+    """The Redis part of a benchmark: the server of `url`, or, for a Redis Cluster URL, each of
+    its nodes (found from the one the URL names; a node that cannot be asked is left out, and
+    the cluster that cannot be reached at all is one unknown part)."""
+    node = cluster_node_url(url)
+    if node is None:
+        return [Part("redis", redis_url=url)]
+    try:
+        client = connect_sync(url)
+        try:
+            nodes = sorted((n.host, n.port) for n in client.get_nodes())  # type: ignore[attr-defined]
+        finally:
+            client.close()
+    except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+        return [Part("redis", None)]
+    scheme = node.partition("://")[0]
+    return [Part(f"redis-{port}", redis_url=f"{scheme}://{host}:{port}") for host, port in nodes]
 
 
 def load_generator() -> Part:

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import asyncpg
 import httpx
-import redis.asyncio as aioredis
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.consumer_group import taken_by, until_members
-from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started, load_generator, replica_name, unmetered_connection
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started, load_generator, redis_parts, replica_name, unmetered_connection
+from budgetgate.benchmark.systems import drop_prefixed_keys
 from budgetgate.benchmark.service_processes import Subprocess, free_port, python_module, tansu_command
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
@@ -249,7 +249,7 @@ class Bench:
             [
                 *Part.replicas("reconciler", [child.pid for child, _ in reconcilers]),
                 Part("postgres", postgres_dsn=dsn),
-                Part("redis", redis_url=self.settings.redis_url),
+                *redis_parts(self.settings.redis_url),
                 Part.process("broker", self.broker_pid),
                 load_generator(),
             ]
@@ -267,11 +267,7 @@ class Bench:
         with contextlib.suppress(Exception):
             await databases.drop(self.settings.postgres_dsn, database)
         with contextlib.suppress(Exception):
-            client = aioredis.from_url(self.settings.redis_url)
-            keys = [k async for k in client.scan_iter(match=f"{{{prefix}}}:*", count=1000)]
-            for start in range(0, len(keys), 500):
-                await client.delete(*keys[start : start + 500])
-            await client.aclose()
+            await drop_prefixed_keys(self.settings.redis_url, prefix)
         shutil.rmtree(log_dir, ignore_errors=True)
 
     def _start(self, name: str, command: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Subprocess:

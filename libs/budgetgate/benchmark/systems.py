@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import asyncpg
-import redis.asyncio as aioredis
+from budgetgate.runtime import redis_client
 
 from budgetgate.benchmark import baseline, sql_blocks
 from budgetgate.benchmark.correctness import MILLI_PER_HOUR, BudgetTotal
-from budgetgate.benchmark.cpu import Part
+from budgetgate.benchmark.cpu import Part, redis_parts
 from budgetgate.benchmark.credentials import SERVICE_ENV, bench_token
 from budgetgate.benchmark.service_processes import python_module
 from budgetgate.benchmark.workload import Workload, policy_yaml
@@ -92,7 +92,7 @@ class Budgetgate:
         return [
             *Part.replicas("service", service_pids),
             Part("postgres", postgres_dsn=dsn),
-            Part("redis", redis_url=self.backends.redis_url),
+            *redis_parts(self.backends.redis_url),
             Part.process("broker", self.backends.broker_pid),
         ]
 
@@ -114,7 +114,7 @@ class Budgetgate:
         return totals, problems
 
     async def _redis_reserved(self, ledger_keys: list[str]) -> dict[str, int]:
-        client = aioredis.from_url(self.backends.redis_url)
+        client = redis_client.connect(self.backends.redis_url)
         try:
             readings = await RedisLedger(client, prefix=self.redis_prefix).readings(ledger_keys)
         finally:
@@ -130,13 +130,7 @@ class Budgetgate:
         return {"outbox_records": row["total"], "outbox_unpublished": row["pending"]}
 
     async def cleanup(self) -> None:
-        client = aioredis.from_url(self.backends.redis_url)
-        try:
-            keys = [key async for key in client.scan_iter(match="{" + self.redis_prefix + "}:*", count=1000)]
-            for start in range(0, len(keys), 500):
-                await client.delete(*keys[start : start + 500])
-        finally:
-            await client.aclose()
+        await drop_prefixed_keys(self.backends.redis_url, self.redis_prefix)
         if not self.backends.kafka_is_ours:
             from aiokafka.admin import AIOKafkaAdminClient
 
@@ -188,3 +182,15 @@ class Baseline:
 
     async def cleanup(self) -> None:
         return None
+
+
+async def drop_prefixed_keys(url: str, prefix: str) -> None:
+    """Delete the ledger keys of a benchmark's Redis prefix (`{prefix}:*`, one hash tag, so one
+    slot of a Redis Cluster), on a server or a cluster."""
+    client = redis_client.connect(url)
+    try:
+        keys = [key async for key in client.scan_iter(match="{" + prefix + "}:*", count=1000)]
+        for start in range(0, len(keys), 500):
+            await client.delete(*keys[start : start + 500])
+    finally:
+        await client.aclose()
