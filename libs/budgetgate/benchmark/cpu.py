@@ -16,8 +16,10 @@ own (`redis_parts`), named `redis-<port>`, which the capacity model adds up as R
 Beside the CPU, the meter reads what Postgres wrote over the window (`PostgresWrites`): the WAL
 the server wrote (pg_current_wal_lsn, so every database of the server, checkpoints' full-page
 images included) and how much the benchmark's database grew on disk (pg_database_size: tables,
-indexes and TOAST, in whole pages). Per unit of work, they are the write rate and the storage a
-platform's Postgres needs before old months are archived.
+indexes and TOAST, in whole pages), split into what is kept (until its month is archived) and
+what is transient: the outbox and the inbox (`TRANSIENT`), whose rows are deleted after their
+replay and dedup windows and whose space Postgres then reuses. Per unit of work, they are the
+write rate and the storage a platform's Postgres needs.
 
 "All parts" is what the system measured spends: every part but those read only to be shown
 beside it (`Part.counted` False: the load generator, which a real deployment does not run).
@@ -145,24 +147,29 @@ class CpuUse:
 @dataclass(frozen=True)
 class PostgresWrites:
     """What the Postgres server wrote over a window: `wal_bytes` of WAL (the server's, every
-    database) and `stored_bytes` more on disk for the benchmark's database; None for a figure
-    that could not be read (WAL on a standby)."""
+    database), and how much the benchmark's database grew on disk: `stored_bytes` in the tables
+    it keeps, `transient_bytes` in the outbox and the inbox (pruned after their windows); None
+    for a figure that could not be read (WAL on a standby)."""
 
     wal_bytes: int | None
     stored_bytes: int | None
+    transient_bytes: int | None = None
+
+    def _figures(self) -> dict[str, int | None]:
+        return {"wal": self.wal_bytes, "stored": self.stored_bytes, "transient": self.transient_bytes}
 
     def per_unit(self, units: int) -> dict[str, float | None]:
-        """Bytes per unit of work: `wal` written, `stored` more on disk."""
-        written = {"wal": self.wal_bytes, "stored": self.stored_bytes}
-        return {name: None if spent is None or units <= 0 else round(spent / units, 1) for name, spent in written.items()}
+        """Bytes per unit of work: `wal` written, `stored` more on disk to keep, `transient` more
+        on disk until pruned."""
+        return {name: None if spent is None or units <= 0 else round(spent / units, 1) for name, spent in self._figures().items()}
 
     def as_json(self, units: int) -> dict[str, object]:
-        return {"postgres_bytes": {"wal": self.wal_bytes, "stored": self.stored_bytes}, "postgres_bytes_per_unit": self.per_unit(units)}
+        return {"postgres_bytes": self._figures(), "postgres_bytes_per_unit": self.per_unit(units)}
 
     def text(self, units: int, unit: str) -> str:
-        """`bytes per decision: WAL 3,100, stored 1,900`."""
-        wal, stored = self.per_unit(units).values()
-        return f"bytes per {unit}: WAL {_bytes(wal)}, stored {_bytes(stored)}"
+        """`bytes per decision: WAL 7,300, stored 4,100 (+ 2,200 in the outbox and inbox until pruned)`."""
+        wal, stored, transient = self.per_unit(units).values()
+        return f"bytes per {unit}: WAL {_bytes(wal)}, stored {_bytes(stored)} (+ {_bytes(transient)} in the outbox and inbox until pruned)"
 
 
 def parts_text(each: Mapping[str, float | None], groups: Mapping[str, Sequence[str]], sums: Mapping[str, float | None], *, apart: Iterable[str] = ()) -> str:
@@ -274,7 +281,7 @@ class Started:
     readings: list[_Reading]
     machine: Any  # psutil.cpu_times()
     at: float
-    postgres: tuple[int | None, int | None] | None = None  # (WAL position, database size) of the Postgres part
+    postgres: tuple[int | None, int | None, int | None] | None = None  # (WAL position, database size, transient tables' size) of the Postgres part
 
 
 @dataclass
@@ -298,8 +305,10 @@ class CpuMeter:
         dsn = self._postgres_dsn
         writes = None
         if dsn is not None and started.postgres is not None:
-            (wal_before, size_before), (wal_after, size_after) = started.postgres, await _postgres_position(dsn)
-            writes = PostgresWrites(_grown(wal_before, wal_after), _grown(size_before, size_after))
+            (wal_before, size_before, transient_before), (wal_after, size_after, transient_after) = started.postgres, await _postgres_position(dsn)
+            transient = _grown(transient_before, transient_after)
+            grown = _grown(size_before, size_after)
+            writes = PostgresWrites(_grown(wal_before, wal_after), None if grown is None or transient is None else max(grown - transient, 0), transient)
         used = {part.name: _spent(b, a) for part, b, a in zip(self.parts, started.readings, after, strict=True)}
         apart = frozenset(part.name for part in self.parts if not part.counted)
         groups: dict[str, tuple[str, ...]] = {}
@@ -337,19 +346,33 @@ def _grown(before: int | None, after: int | None) -> int | None:
     return None if before is None or after is None else max(after - before, 0)
 
 
-async def _postgres_position(dsn: str) -> tuple[int | None, int | None]:
-    """(the server's WAL position in bytes, the database's size in bytes); None for what cannot
-    be read (a standby has no current WAL position). Read on a connection left out of the CPU."""
+async def _postgres_position(dsn: str) -> tuple[int | None, int | None, int | None]:
+    """(the server's WAL position in bytes, the database's size in bytes, the size of its
+    transient tables); None for what cannot be read (a standby has no current WAL position).
+    Read on a connection left out of the CPU."""
     conn = await unmetered_connection(dsn)
     try:
-        size = await conn.fetchval("SELECT pg_database_size(current_database())")
+        size, transient = await conn.fetchrow(_SIZES, list(TRANSIENT))
         try:
             wal = await conn.fetchval("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
         except asyncpg.PostgresError:
             wal = None
     finally:
         await conn.close()
-    return wal, size
+    return wal, size, transient
+
+
+# Tables whose rows are deleted after a window (the outbox's replay window, the inbox's dedup
+# window), with their partitions: what they hold is on disk for a while, not kept.
+TRANSIENT = ("outbox", "inbox")
+_SIZES = """
+SELECT pg_database_size(current_database()),
+       coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint
+FROM pg_class c
+WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'r'
+  AND (c.relname = ANY($1::text[])
+       OR EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class p ON p.oid = i.inhparent WHERE i.inhrelid = c.oid AND p.relname = ANY($1::text[])))
+"""
 
 
 def process_seconds(pid: int) -> float | None:
