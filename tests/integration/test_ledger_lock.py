@@ -46,6 +46,22 @@ async def test_a_ledger_transaction_keeps_a_rebuild_out_until_it_commits(pg_dsn:
         await pool.close()
 
 
+async def test_the_release_befores_begin_batch_still_takes_transaction_scoped_locks(pg_dsn: str) -> None:
+    """Processes of the release before call budgetgate_begin_batch in a transaction block and
+    never let go of locks themselves: its locks must end with that transaction, as they did."""
+    conn = await asyncpg.connect(pg_dsn)
+    observer = await asyncpg.connect(pg_dsn)
+    try:
+        async with conn.transaction():
+            rows = await conn.fetch("SELECT * FROM budgetgate_begin_batch($1::text[])", ["run-a", "run-b"])
+            assert rows[0]["committed_seq"] is not None and len(rows) == 1  # the ledger's row; no decisions yet
+            assert (await observer.fetchval(HELD, LEDGER), await observer.fetchval(HELD, RUNS)) == (1, 2)
+        assert await _none_held(observer)
+    finally:
+        await observer.close()
+        await conn.close()
+
+
 async def test_a_ledger_session_holds_its_locks_across_its_statements_and_lets_go_after_its_block(pg_dsn: str, redis_url: str, redis_prefix: str) -> None:
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=1)
     client = redis_client.connect(redis_url)

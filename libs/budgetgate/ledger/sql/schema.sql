@@ -317,17 +317,33 @@ CREATE TABLE inbox (
 -- index probe per run, a plan that stays right when PL/pgSQL made it on an empty table. 0033: found
 -- by its keys and read from its month's partition; a run whose latest decision is archived comes
 -- back with its attempt and decided_at and no outcome, request or response (a resend is 410 Gone).
-CREATE FUNCTION budgetgate_begin_batch(p_run_ids text[])
-RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
-               committed_seq bigint, override_revision bigint, decided_at timestamptz)
+CREATE FUNCTION budgetgate_lock_batch(p_run_ids text[], p_session boolean) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     lock_key integer;
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared(7301, 0);
+    IF p_session THEN
+        PERFORM pg_advisory_lock_shared(7301, 0);
+    ELSE
+        PERFORM pg_advisory_xact_lock_shared(7301, 0);
+    END IF;
     FOR lock_key IN SELECT DISTINCT hashtext(r) FROM unnest(p_run_ids) AS r ORDER BY 1 LOOP
-        PERFORM pg_advisory_xact_lock(7302, lock_key);
+        IF p_session THEN
+            PERFORM pg_advisory_lock(7302, lock_key);
+        ELSE
+            PERFORM pg_advisory_xact_lock(7302, lock_key);
+        END IF;
     END LOOP;
+END
+$$;
+
+-- 0036: what a batch reads once its locks are held, for budgetgate_begin_batch and
+-- budgetgate_begin_decisions alike.
+CREATE FUNCTION budgetgate_batch_reads(p_run_ids text[])
+RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
+               committed_seq bigint, override_revision bigint, decided_at timestamptz)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
     RETURN QUERY
         SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
                budgetgate_committed_ledger_seq(),
@@ -345,33 +361,25 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION budgetgate_begin_batch(p_run_ids text[])
+RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
+               committed_seq bigint, override_revision bigint, decided_at timestamptz)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM budgetgate_lock_batch(p_run_ids, false);
+    RETURN QUERY SELECT * FROM budgetgate_batch_reads(p_run_ids);
+END
+$$;
+
 -- Admission's: budgetgate_begin_batch with the locks taken at session level (migration 0036); the
 -- caller lets them go once its one write committed (ledger_session).
 CREATE FUNCTION budgetgate_begin_decisions(p_run_ids text[])
 RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
                committed_seq bigint, override_revision bigint, decided_at timestamptz)
 LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    lock_key integer;
 BEGIN
-    PERFORM pg_advisory_lock_shared(7301, 0);
-    FOR lock_key IN SELECT DISTINCT hashtext(r) FROM unnest(p_run_ids) AS r ORDER BY 1 LOOP
-        PERFORM pg_advisory_lock(7302, lock_key);
-    END LOOP;
-    RETURN QUERY
-        SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
-               budgetgate_committed_ledger_seq(),
-               GREATEST(COALESCE((SELECT max(o.revision) FROM tenant_overrides o), 0),
-                        COALESCE((SELECT max(g.revision) FROM budget_grants g), 0))::bigint,
-               NULL::timestamptz;
-    RETURN QUERY
-        SELECT k.run_id, k.decision_id, k.attempt, x.outcome, x.request, x.response, NULL::bigint, NULL::bigint, k.decided_at
-        FROM (SELECT DISTINCT r FROM unnest(p_run_ids) AS r) AS ids(id)
-        CROSS JOIN LATERAL (SELECT y.run_id, y.decision_id, y.attempt, y.decided_at FROM decision_keys y
-                            WHERE y.run_id = ids.id ORDER BY y.attempt DESC LIMIT 1) AS k
-        LEFT JOIN LATERAL (SELECT d.outcome, d.request, d.response FROM decisions d
-                           WHERE d.decision_id = k.decision_id AND d.decided_at = k.decided_at) AS x ON true
-        ORDER BY k.run_id;
+    PERFORM budgetgate_lock_batch(p_run_ids, true);
+    RETURN QUERY SELECT * FROM budgetgate_batch_reads(p_run_ids);
 END
 $$;
 

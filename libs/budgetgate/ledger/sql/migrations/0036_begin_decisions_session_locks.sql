@@ -5,17 +5,33 @@
 -- write and COMMIT. The caller lets the locks go (pg_advisory_unlock_all) once that write has
 -- committed, or ends its session. budgetgate_begin_batch stays for processes of the release
 -- before, which take transaction-scoped locks, until they are all replaced; both kinds conflict.
-CREATE FUNCTION budgetgate_begin_decisions(p_run_ids text[])
-RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
-               committed_seq bigint, override_revision bigint, decided_at timestamptz)
+-- Both take their locks (budgetgate_lock_batch) and then read (budgetgate_batch_reads, the reads
+-- of 0033, each query with a fresh snapshot, after the locks were granted) with the same code.
+CREATE FUNCTION budgetgate_lock_batch(p_run_ids text[], p_session boolean) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     lock_key integer;
 BEGIN
-    PERFORM pg_advisory_lock_shared(7301, 0);
+    IF p_session THEN
+        PERFORM pg_advisory_lock_shared(7301, 0);
+    ELSE
+        PERFORM pg_advisory_xact_lock_shared(7301, 0);
+    END IF;
     FOR lock_key IN SELECT DISTINCT hashtext(r) FROM unnest(p_run_ids) AS r ORDER BY 1 LOOP
-        PERFORM pg_advisory_lock(7302, lock_key);
+        IF p_session THEN
+            PERFORM pg_advisory_lock(7302, lock_key);
+        ELSE
+            PERFORM pg_advisory_xact_lock(7302, lock_key);
+        END IF;
     END LOOP;
+END
+$$;
+
+CREATE FUNCTION budgetgate_batch_reads(p_run_ids text[])
+RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
+               committed_seq bigint, override_revision bigint, decided_at timestamptz)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
     RETURN QUERY
         SELECT NULL::text, NULL::uuid, NULL::integer, NULL::text, NULL::jsonb, NULL::jsonb,
                budgetgate_committed_ledger_seq(),
@@ -30,5 +46,25 @@ BEGIN
         LEFT JOIN LATERAL (SELECT d.outcome, d.request, d.response FROM decisions d
                            WHERE d.decision_id = k.decision_id AND d.decided_at = k.decided_at) AS x ON true
         ORDER BY k.run_id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION budgetgate_begin_batch(p_run_ids text[])
+RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
+               committed_seq bigint, override_revision bigint, decided_at timestamptz)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM budgetgate_lock_batch(p_run_ids, false);
+    RETURN QUERY SELECT * FROM budgetgate_batch_reads(p_run_ids);
+END
+$$;
+
+CREATE FUNCTION budgetgate_begin_decisions(p_run_ids text[])
+RETURNS TABLE (run_id text, decision_id uuid, attempt integer, outcome text, request jsonb, response jsonb,
+               committed_seq bigint, override_revision bigint, decided_at timestamptz)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM budgetgate_lock_batch(p_run_ids, true);
+    RETURN QUERY SELECT * FROM budgetgate_batch_reads(p_run_ids);
 END
 $$;
