@@ -183,3 +183,21 @@ def test_a_redis_figure_taken_mid_settlement_is_not_judged() -> None:
     over = {"policy_id": "chaos/chaos-00", "limit": LIMIT, "held": LIMIT, "consumed": 1}
     lines.insert(-2, {"type": "ledger", "source": "redis", "at": 5.0, "keys": {"k0": {**over, "parked": True}}})
     assert checkers.check(lines).ok
+
+
+def test_seed_20261203_a_hold_postgres_ended_that_redis_brought_back_is_not_over_the_limit() -> None:
+    """Seed 20261203: the Redis primary restarted from a snapshot taken before a run's
+    reservation ended, so Redis held it again while Postgres had ended it; a usage record then
+    raised consumed in both, and Redis's held + consumed was over the limit. Redis was tighter
+    than Postgres (a release lost), not over-admitted: with the hold Postgres ended left out, the
+    sample is within the limit. A hold Postgres has not ended (a decision not committed yet)
+    still counts."""
+    lines = _clean()
+    over = {"policy_id": "chaos/chaos-00", "limit": LIMIT, "held": RUN_AMOUNT, "consumed": LIMIT - RUN_AMOUNT + 1}
+    lost_release = {**over, "runs": {"r9": {"amount": RUN_AMOUNT, "decision_id": "d9"}}, "ended_in_postgres": ["r9"]}
+    lines.insert(-2, {"type": "ledger", "source": "redis", "at": 5.0, "keys": {"k0": lost_release}})
+    assert checkers.check(lines).ok
+    not_committed = {**over, "runs": {"r9": {"amount": RUN_AMOUNT, "decision_id": "d9"}}, "ended_in_postgres": []}
+    lines = _clean()
+    lines.insert(-2, {"type": "ledger", "source": "redis", "at": 5.0, "keys": {"k0": not_committed}})
+    assert _caught(lines) == {"conservation"}

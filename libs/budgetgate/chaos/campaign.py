@@ -337,6 +337,9 @@ class Campaign:
             in_redis = await _redis_figures(RedisLedger(client, prefix=REDIS_PREFIX), keys)
         finally:
             await client.aclose()
+        over = {key: figure for key, figure in in_redis.items() if "runs" in figure}
+        if over:
+            await _ended_in_postgres(self.cluster.dsn, over)
         self.recorder.write({"type": "ledger", "source": "redis", "at": round(self.clock(), 3), "keys": in_redis})
 
     async def _snapshots(self) -> None:
@@ -426,7 +429,45 @@ async def _redis_figures(ledger: RedisLedger, keys: dict[str, dict[str, Any]]) -
         if parked_keys is None or key in parked_keys:
             figure["parked"] = True
         out[key] = figure
+    over = [key for key, figure in out.items() if not figure.get("parked") and figure["held"] + figure["consumed"] > figure["limit"]]
+    if over:
+        # Rare: which runs hold what on such a key, for the checker to tell a hold Postgres
+        # ended (a release Redis lost, as after a restore from an old snapshot) from one it has
+        # not committed (ahead of the decision's commit).
+        holds = await ledger.run_holds()
+        pipe = ledger.client.pipeline(transaction=False)
+        for run_id in holds:
+            pipe.hget(ledger.run(run_id), "_decision")
+        decided = {run_id: _text_or_none(found) for run_id, found in zip(holds, await pipe.execute(), strict=True)}
+        for key in over:
+            out[key]["runs"] = {run_id: {"amount": held[key], "decision_id": decided[run_id]} for run_id, held in holds.items() if key in held}
     return out
+
+
+def _text_or_none(found: bytes | str | None) -> str | None:
+    return found.decode() if isinstance(found, bytes) else found
+
+
+async def _ended_in_postgres(dsn: str, over: dict[str, dict[str, Any]]) -> None:
+    """For each Redis figure over its limit, the runs whose reservation on that key, of the very
+    decision Redis holds it for, Postgres holds no more (ended, read after Redis):
+    `ended_in_postgres`. A run Postgres has no such reservation of is not among them (a decision
+    not committed yet, or another attempt's)."""
+    conn = await asyncpg.connect(dsn, timeout=5)
+    try:
+        for key, figure in over.items():
+            runs = [(run_id, hold["decision_id"]) for run_id, hold in figure["runs"].items() if hold["decision_id"]]
+            rows = await conn.fetch(ENDED_RESERVATIONS, key, [r for r, _ in runs], [d for _, d in runs], timeout=5)
+            figure["ended_in_postgres"] = sorted(r["run_id"] for r in rows)
+    finally:
+        await conn.close()
+
+
+ENDED_RESERVATIONS = """
+SELECT r.run_id FROM reservations r JOIN unnest($2::text[], $3::text[]) AS h(run_id, decision_id)
+  ON r.run_id = h.run_id AND r.decision_id::text = h.decision_id
+WHERE r.ledger_key = $1 AND r.state <> 'held'
+"""
 
 
 def _other_instance(url: str, cluster: Cluster) -> str:

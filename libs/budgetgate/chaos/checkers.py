@@ -109,7 +109,11 @@ def conservation(history: History, verdict: Verdict) -> None:
                 namespace = history.hard_policies[figures["policy_id"]]["namespace"]
                 unseen = [(index, amount) for index, complete, amount in lost.get(namespace, []) if complete <= sample["at"]]
             told = sum(amount for _index, amount in unseen)
-            if figures["held"] + figures["consumed"] + told > figures["limit"]:
+            # A Redis hold of a run whose reservation Postgres has ended is a release Redis lost
+            # (restored from an old snapshot): tighter than Postgres, the loss the ledger accepts
+            # (seed 20261203). One Postgres has no reservation of still counts.
+            ended = sum(figures["runs"][run_id]["amount"] for run_id in figures.get("ended_in_postgres", ()))
+            if figures["held"] - ended + figures["consumed"] + told > figures["limit"]:
                 extra = f" + {told} of ALLOWs the ledger never recorded" if told else ""
                 verdict.violations.append(
                     Violation(
