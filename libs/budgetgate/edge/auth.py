@@ -183,17 +183,23 @@ class Gate:
 
     async def check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any = None) -> Principal:
         """The caller, if it may do `action` now; raises Unauthenticated, Forbidden or RateLimited."""
-        principal, counted = await self.begin_check(headers, action, scope=scope)
-        await counted
+        principal = await self._allowed(headers, action, scope=scope)
+        await self.count(principal)
+        return principal
+
+    async def _allowed(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any) -> Principal:
+        principal = await self.principal(headers, scope=scope)
+        principal.require(action)
         return principal
 
     async def begin_check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any = None) -> tuple[Principal, Awaitable[None]]:
         """As `check`, with the caller's hit on its rate limit sent but not awaited: the caller
         awaits it (it raises RateLimited) before acting on the request, so that its round trip
         to Redis overlaps the caller's own work (reading and validating the body). An outcome
-        nobody awaits (the request failed first) is retrieved, never reported as lost."""
-        principal = await self.principal(headers, scope=scope)
-        principal.require(action)
+        nobody awaits (the request failed first) is retrieved, never reported as lost. Only the
+        submission fast path has work to overlap: every other route uses `check`, which counts
+        in line rather than through a task of its own."""
+        principal = await self._allowed(headers, action, scope=scope)
         if self.hits is None:
             nothing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             nothing.set_result(None)
