@@ -47,7 +47,9 @@ def subscription(settings: MeteringSettings, topics: Topics) -> Subscription[Met
 def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
     """metering.samples.v1 for the inbox: a batch of samples placed together; a sample that is
     rejected (invalid, a conflict, a regression, a run that never got a decision) is refused.
-    The samples are validated while Postgres claims their inbox rows (`prepare`)."""
+    Tracked by offsets, with no inbox row per sample: a sample's id keeps it from being applied
+    twice (a sample delivered again is a duplicate of itself, or pending already), so each poll
+    records only the offsets it applied per partition (budgetgate.messaging.inbox)."""
 
     def prepare(deliveries: Sequence[Delivery]) -> None:
         now = ingestor.clock()
@@ -75,7 +77,7 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
         metrics.outcomes(placed, source="kafka")
         return refused
 
-    return BatchRoute(MeteringSample, handle, prepare)
+    return BatchRoute(MeteringSample, handle, prepare, offsets=True)
 
 
 def _validated(ingestor: Ingestor, message: MeteringSample, now: datetime) -> Sample | Rejected:

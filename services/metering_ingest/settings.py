@@ -16,17 +16,21 @@ class MeteringSettings(AuthSettings):
     port: int = 8081
     pg_pool_min: int = 1
     pg_pool_max: int = 10
-    # The Kafka consumer group, under the topic prefix as the other consumers' (`group_id`),
-    # and the name the inbox records processed event ids under.
+    # The Kafka consumer group, under the topic prefix as the other consumers' (`group_id`).
     consumer_group: str = "budgetgate-metering-ingest"
+    # The name the samples' polls are recorded under (consumer_offsets: the offsets each poll
+    # applied, per partition; a sample's id keeps it from being applied twice).
     inbox_name: str = "metering-ingest"
+    # How long each poll's consumer_offsets rows are kept (the latest of each partition always),
+    # pruned every hour.
+    consumer_offsets_retention_hours: float = Field(default=24.0, gt=0)
     # The most samples one poll takes, and so one Postgres transaction.
     consumer_max_records: int = Field(default=5000, ge=1)
     # Consumers of the group in this process (each owns some partitions; more than there are
     # partitions only wait). One by default: every member that joins stops the whole group for
     # a rebalance, which costs seconds on Tansu, more than the overlap gains on a short load.
     consumer_concurrency: int = Field(default=1, ge=1)
-    # Each poll's transaction overlaps the next poll's decoding, validation and inbox claim
+    # Each poll's transaction overlaps the next poll's decoding and validation
     # (budgetgate.messaging.subscriber.Pipeline); offsets are still committed only after the commit.
     consumer_pipelined: bool = True
     # How far past this service's clock a sample's observed_at may be: further is a clock or

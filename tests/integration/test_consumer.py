@@ -444,3 +444,103 @@ async def test_a_handler_that_says_it_holds_its_locks_lets_the_next_batch_start_
     rows = {r["run_id"]: r["saw_first"] for r in await pool.fetch("SELECT run_id, saw_first FROM effects")}
     assert rows == {"first": False, "second": True}, "the next batch ran under the lock before the first batch committed"
     await pool.close()
+
+
+def _idempotent_route(seen: list[list[str]]) -> BatchRoute:
+    """A route tracked by offsets whose effect is idempotent by the message's own identity (its
+    run id, as a sample's id is for metering-ingest); refuses 'refused', names 'poison'."""
+
+    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> dict[Delivery, str]:
+        seen.append([d.message.run_id for d in deliveries])
+        for delivery in deliveries:
+            if delivery.message.run_id == "poison":
+                raise Poison("run id 'poison' is not acceptable", delivery=delivery)
+        refused = {d: "refused by the handler" for d in deliveries if d.message.run_id == "refused"}
+        kept = [(d.message.run_id, d.message.event_id) for d in deliveries if d not in refused]
+        await conn.executemany("INSERT INTO effects VALUES ($1, $2) ON CONFLICT (run_id) DO NOTHING", kept)
+        return refused
+
+    return BatchRoute(lifecycle_pb2.LifecycleEvent, handle, offsets=True)
+
+
+async def _offsets(pool: asyncpg.Pool, topic: str) -> list[tuple[int, int, int, int]]:
+    rows = await pool.fetch(
+        "SELECT kafka_partition, first_offset, last_offset, records FROM consumer_offsets WHERE consumer = 'test' AND topic = $1 ORDER BY first_offset", topic
+    )
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])
+async def test_a_route_tracked_by_offsets_keeps_no_inbox_row_and_records_each_polls_offsets(settings, pg_dsn, pipelined: bool) -> None:
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL UNIQUE, event_id text NOT NULL)")
+    twice = event("twice")
+    names = ["a", "poison", "b", "refused", "c", "d"]
+    await _publish(settings, topics.lifecycle, [event(n) for n in names[:3]] + [twice, twice] + [event(n) for n in names[3:]])
+    seen: list[list[str]] = []
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    async with Publisher(settings.kafka_bootstrap) as publisher:
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _idempotent_route(seen)})
+        assert await _consume(settings, inbox, group, 8, pipelined=pipelined, max_records=3) == 8
+        reasons = sorted(wire.header(r.headers, wire.DLQ_REASON).decode() for r in await drain(settings.kafka_bootstrap, dlq(topics.lifecycle), 2))
+    assert sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects")) == ["a", "b", "c", "d", "twice"]
+    assert len(reasons) == 2 and "refused by the handler" in reasons and any("poison" in r for r in reasons)
+    assert inbox.dead_lettered == 2 and inbox.processed == 5
+    # No inbox row per message: each poll recorded the offsets it applied, in its transaction;
+    # together they cover every record once (poison, refusals and duplicates included).
+    assert await pool.fetchval("SELECT count(*) FROM inbox WHERE consumer = 'test'") == 0
+    polls = await _offsets(pool, topics.lifecycle)
+    assert len(polls) >= 3 and all(p == 0 and last - first < n <= 3 for p, first, last, n in polls), polls
+    covered = sorted(o for _, first, last, _ in polls for o in range(first, last + 1))
+    assert covered == list(range(8)) and sum(n for *_, n in polls) == 8
+    assert await _committed(settings.kafka_bootstrap, group, topics.lifecycle) == 8
+    await pool.close()
+
+
+async def test_a_poll_of_a_route_tracked_by_offsets_delivered_again_reaches_the_handler_and_changes_nothing(settings, pg_dsn) -> None:
+    """Nothing is skipped by offset (a broker that lost its log numbers new records from 0 again):
+    a poll read again, as after a crash before its offsets reached Kafka, is given to the handler
+    again, whose effects are idempotent by the messages' own identity."""
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    await pool.execute("CREATE TABLE effects (run_id text NOT NULL UNIQUE, event_id text NOT NULL)")
+    await _publish(settings, topics.lifecycle, [event(f"run-{i}") for i in range(10)])
+    seen: list[list[str]] = []
+    async with Publisher(settings.kafka_bootstrap) as publisher:
+        for attempt in range(2):  # a second group reads the same records again
+            inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _idempotent_route(seen)})
+            assert await _consume(settings, inbox, f"g-{attempt}-{uuid.uuid4().hex[:8]}", 10) == 10
+            assert (inbox.processed, inbox.duplicates) == (10, 0)
+    assert await pool.fetchval("SELECT count(*) FROM effects") == 10
+    assert sum(len(batch) for batch in seen) == 20
+    assert sum(n for *_, n in await _offsets(pool, topics.lifecycle)) == 20
+    await pool.close()
+
+
+async def test_pruning_offsets_keeps_each_partitions_latest_and_other_consumers_rows(pg_dsn) -> None:
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    rows = [
+        ("test", "t", 0, 0, 9, 10, "-3 hours"),
+        ("test", "t", 0, 10, 19, 10, "-2 hours"),
+        ("test", "t", 0, 20, 29, 10, "-90 minutes"),  # partition 0's latest: kept, however old
+        ("test", "t", 1, 0, 4, 5, "-3 hours"),
+        ("test", "t", 1, 5, 9, 5, "-1 minute"),  # recent: kept
+        ("test", "t", 1, 10, 14, 5, "0 minutes"),
+        ("other", "t", 0, 0, 9, 10, "-3 hours"),  # another consumer's: kept
+        ("other", "t", 0, 10, 19, 10, "0 minutes"),
+    ]
+    await pool.executemany(
+        "INSERT INTO consumer_offsets (consumer, topic, kafka_partition, first_offset, last_offset, records, applied_at)"
+        " VALUES ($1, $2, $3, $4, $5, $6, now() + $7::text::interval)",
+        rows,
+    )
+    inbox = Inbox(name="test", pool=pool, publisher=None, routes={})  # type: ignore[arg-type]
+    before = await pool.fetchval("SELECT now() - interval '1 hour'")
+    assert await inbox.prune_offsets(before) == 3
+    left = await pool.fetch("SELECT consumer, kafka_partition, first_offset FROM consumer_offsets ORDER BY 1, 2, 3")
+    assert [tuple(r) for r in left] == [("other", 0, 0), ("other", 0, 10), ("test", 0, 20), ("test", 1, 5), ("test", 1, 10)]
+    assert await inbox.prune_offsets(before) == 0
+    await pool.close()

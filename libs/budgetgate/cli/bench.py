@@ -117,7 +117,7 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds
     """Metering ingest samples/s into Postgres through the real consumer, vs. a plain COPY.
 
     The load is published to Kafka first; then metering-ingest is started and timed from ready
-    until its inbox holds every sample. The rows it wrote are then COPYed into a fresh database
+    until its polls have applied every sample. The rows it wrote are then COPYed into a fresh database
     with the same schema, timed. Uses BUDGETGATE_POSTGRES_DSN, and BUDGETGATE_KAFKA_BOOTSTRAP or
     a Tansu broker started for the run. With --replicas N, N processes share the partitions and
     the CPU figures show each one and their sum. Exits 1 if the recorded usage is wrong.

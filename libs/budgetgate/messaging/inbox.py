@@ -20,10 +20,18 @@ A service gives each topic a route:
     savepoint of its own (`handler(conn, [delivery])`), to find the one to blame.
   A batch may be applied more than once before it commits (after an outage, or as above), so a
   handler keeps its side effects outside Postgres (metrics, callbacks) idempotent or harmless.
+- `BatchRoute(message_cls, handler, offsets=True)`: as above, for a handler whose effects are
+  idempotent by the messages' own identity (metering-ingest: a sample's id). The inbox keeps no
+  row per message: each poll records, in its transaction, the offsets it applied per partition
+  (one `consumer_offsets` row each), as Kafka Connect sinks do. A message delivered again (a poll
+  applied again after a crash, before its offsets reached Kafka; a producer's resend in a later
+  poll) reaches the handler again, which finds it done; within one poll, a repeated event id is
+  still a duplicate. Nothing is ever skipped by offset: a broker that lost its log (or a topic made
+  anew) starts its offsets again, and those records are new.
 
 Messages are decoded (`wire.decode`) before any handler sees them; one that cannot be is poison.
 Duplicates (an event id this consumer's inbox already has, or one repeated within the batch)
-never reach a handler. Any other exception is a passing outage: the whole batch is retried with
+never reach a handler (of a route tracked by offsets: one repeated within the batch). Any other exception is a passing outage: the whole batch is retried with
 capped backoff, in place, so nothing is skipped; its offsets are committed only once it is done.
 
 `Inbox.apply(records)` is that transactional step, whatever polled the records: the services
@@ -39,6 +47,7 @@ from collections import defaultdict
 from contextvars import ContextVar
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -103,6 +112,9 @@ class BatchRoute:
     message: type[Message]
     handler: BatchHandler
     prepare: Callable[[Sequence[Delivery]], None] | None = None
+    # The handler's effects are idempotent by the messages' own identity: the poll's offsets are
+    # recorded per partition instead of an inbox row per message (see the module docstring).
+    offsets: bool = False
 
 
 @dataclass(eq=False)
@@ -181,6 +193,8 @@ class Inbox:
         self.pool = pool
         self.publisher = publisher
         self.routes = dict(routes)
+        # Topics whose polls are recorded by offsets, with no inbox row per message.
+        self.by_offsets = frozenset(topic for topic, route in self.routes.items() if isinstance(route, BatchRoute) and route.offsets)
         self.max_backoff = max_backoff
         self.on_dead_letter = on_dead_letter
         self.processed = 0
@@ -210,11 +224,12 @@ class Inbox:
             deliveries.append((index, Delivery(message, record)))
         if turn is not None:
             turn.event_ids = frozenset(d.message.event_id for _, d in deliveries)
+        applied = _offset_ranges(records, self.by_offsets)
         split: set[str] = set()  # topics whose batch handler runs message by message
         delay = 0.2
         while True:
             try:
-                outcome = await self._transaction([d for i, d in deliveries if i not in poisoned], split, turn)
+                outcome = await self._transaction([d for i, d in deliveries if i not in poisoned], split, turn, applied)
             except asyncio.CancelledError:
                 raise
             except _Blame as blame:
@@ -255,9 +270,12 @@ class Inbox:
         self.duplicates += duplicates
         return Applied(records=len(records), processed=len(committed), duplicates=duplicates, dead_lettered=len(poisoned), committed=committed)
 
-    async def _transaction(self, deliveries: list[Delivery], split: set[str], turn: Turn | None) -> tuple[list[Delivery], int, dict[Delivery, str]]:
-        """One try: inbox rows, then every route's handler; the fresh deliveries, the number of
-        duplicates and the deliveries a handler refused (their inbox rows removed again)."""
+    async def _transaction(
+        self, deliveries: list[Delivery], split: set[str], turn: Turn | None, applied: _Ranges | None
+    ) -> tuple[list[Delivery], int, dict[Delivery, str]]:
+        """One try: inbox rows, then every route's handler, then the offsets of the topics tracked
+        by offsets (`applied`); the fresh deliveries, the number of duplicates and the deliveries a
+        handler refused (their inbox rows removed again)."""
         before = turn.after if turn is not None else None
         links = [Link(ctx) for d in deliveries[:64] if (ctx := trace.get_current_span(wire.context_from_headers(d.record.headers)).get_span_context()).is_valid]
         with tracer.start_as_current_span("consume batch", kind=SpanKind.CONSUMER, links=links) as span:
@@ -292,8 +310,10 @@ class Inbox:
                                 refused[delivery] = reason
                 if turn is not None:
                     turn.handled.set()
-                if refused:
-                    await conn.execute(sql("inbox_forget"), self.name, [d.message.event_id for d in refused])
+                if forget := [d.message.event_id for d in refused if d.record.topic not in self.by_offsets]:
+                    await conn.execute(sql("inbox_forget"), self.name, forget)
+                if applied is not None:
+                    await conn.execute(sql("offsets_record"), self.name, *applied)
         return fresh, len(deliveries) - len(fresh), refused
 
     def _prepare(self, deliveries: list[Delivery], split: set[str]) -> None:
@@ -306,13 +326,14 @@ class Inbox:
                 route.prepare(batch)
 
     async def _claim(self, conn: asyncpg.Connection, deliveries: list[Delivery]) -> list[Delivery]:
-        """Insert the inbox rows; the deliveries whose event id was new (the first of each)."""
+        """Insert the inbox rows (none for a topic tracked by offsets); the deliveries whose event
+        id was new (the first of each)."""
         if not deliveries:
             return []
         # Sorted, so two consumers that claim overlapping ids (during a rebalance) lock them in
         # the same order and cannot deadlock.
-        ids = sorted({d.message.event_id: d.record.topic for d in deliveries}.items())
-        seen = {row[0] for row in await conn.fetch(sql("inbox_claim"), self.name, [i for i, _ in ids], [t for _, t in ids])}
+        ids = sorted({d.message.event_id: d.record.topic for d in deliveries if d.record.topic not in self.by_offsets}.items())
+        seen = {row[0] for row in await conn.fetch(sql("inbox_claim"), self.name, [i for i, _ in ids], [t for _, t in ids])} if ids else set()
         fresh = []
         for delivery in deliveries:
             event_id = delivery.message.event_id
@@ -368,6 +389,34 @@ class Inbox:
         self.dead_lettered += 1
         if self.on_dead_letter is not None:
             self.on_dead_letter(record.topic, reason)
+
+    async def prune_offsets(self, before: datetime) -> int:
+        """Delete this consumer's `consumer_offsets` rows applied before `before`, but for the
+        latest of each partition; how many went."""
+        return int(await self.pool.fetchval(sql("offsets_prune"), self.name, before))
+
+
+# Per topic partition of a poll tracked by offsets: topics, partitions, first and last offsets,
+# records (the arguments of offsets_record after the consumer's name).
+_Ranges = tuple[list[str], list[int], list[int], list[int], list[int]]
+
+
+def _offset_ranges(records: Sequence[ConsumerRecord], topics: frozenset[str]) -> _Ranges | None:
+    """What `records` cover of the topics in `topics`, per partition; None when none."""
+    if not topics:
+        return None
+    spans: dict[tuple[str, int], list[int]] = {}
+    for record in records:
+        if record.topic in topics:
+            span = spans.get((record.topic, record.partition))
+            if span is None:
+                spans[(record.topic, record.partition)] = [record.offset, record.offset, 1]
+            else:
+                span[0], span[1], span[2] = min(span[0], record.offset), max(span[1], record.offset), span[2] + 1
+    if not spans:
+        return None
+    keys = sorted(spans)
+    return [t for t, _ in keys], [p for _, p in keys], [spans[k][0] for k in keys], [spans[k][1] for k in keys], [spans[k][2] for k in keys]
 
 
 class _Blame(Exception):

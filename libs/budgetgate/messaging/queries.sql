@@ -81,5 +81,24 @@ WHERE e.event_id NOT IN (SELECT c.event_id FROM claimed c);
 -- Removes the inbox rows of messages a handler refused, so a redelivery finds them poison again.
 DELETE FROM inbox WHERE consumer = $1 AND event_id = ANY($2::text[]);
 
+-- name: offsets_record
+-- What one poll of a consumer tracked by offsets applied: per topic partition ($2, $3), its
+-- first and last offsets ($4, $5) and how many records ($6), in the poll's transaction.
+INSERT INTO consumer_offsets (consumer, topic, kafka_partition, first_offset, last_offset, records)
+SELECT $1, t, p, f, l, n FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bigint[], $6::int[]) AS o(t, p, f, l, n);
+
+-- name: offsets_prune
+-- Rows of consumer `$1` applied before `$2`, but for the latest of each partition; how many went.
+WITH gone AS (
+    DELETE FROM consumer_offsets o
+    WHERE o.consumer = $1 AND o.applied_at < $2
+      AND EXISTS (
+          SELECT 1 FROM consumer_offsets n
+          WHERE n.consumer = o.consumer AND n.topic = o.topic AND n.kafka_partition = o.kafka_partition AND n.last_offset > o.last_offset
+      )
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
 -- metering-ingest ------------------------------------------------------------------------------
 

@@ -8,11 +8,11 @@ SELECT gen_random_uuid(), r, 1, 'ALLOW', 'budgetgate bench metering', 'bench', '
 FROM unnest($1::text[]) AS r;
 
 -- name: consumed
--- Messages metering-ingest has taken care of (one inbox row per event id), and the seconds from
--- the start of its first transaction (the inbox rows' processed_at is their transaction's start)
--- to now, both on the server's clock.
-SELECT count(*) AS done, extract(epoch FROM clock_timestamp() - min(processed_at))::float8 AS seconds
-FROM inbox WHERE consumer = $1;
+-- Messages metering-ingest has taken care of (its polls' offsets, each message once, on a topic
+-- made for the run), and the seconds from the start of its first transaction (applied_at is the
+-- transaction's start) to now, both on the server's clock.
+SELECT coalesce(sum(records), 0) AS done, extract(epoch FROM clock_timestamp() - min(applied_at))::float8 AS seconds
+FROM consumer_offsets WHERE consumer = $1;
 
 -- name: usage_rows
 SELECT run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative,

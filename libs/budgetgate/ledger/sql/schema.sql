@@ -304,6 +304,22 @@ CREATE TABLE inbox (
     PRIMARY KEY (consumer, event_id)
 );
 
+-- 0037: what a consumer whose effects are idempotent by the messages' own identity
+-- (metering-ingest) has applied, one row per topic partition per poll, in the poll's transaction,
+-- instead of an inbox row per message; pruned after its retention but for each partition's latest.
+CREATE TABLE consumer_offsets (
+    consumer        text NOT NULL,
+    topic           text NOT NULL,
+    kafka_partition integer NOT NULL,
+    first_offset    bigint NOT NULL,
+    last_offset     bigint NOT NULL,
+    records         integer NOT NULL,
+    applied_at      timestamptz NOT NULL DEFAULT now(),
+    CHECK (first_offset <= last_offset AND records > 0)
+);
+CREATE INDEX consumer_offsets_position ON consumer_offsets (consumer, topic, kafka_partition, last_offset);
+CREATE INDEX consumer_offsets_applied ON consumer_offsets (applied_at);
+
 -- 0007_admission_fast_path: one round trip to begin a decision, and no foreign key from
 -- reservations to ledger_entries (every reservation insert took a KEY SHARE lock on its ledger
 -- row, which on a hot budget makes every concurrent decision share one row lock).
