@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import timedelta
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -20,7 +21,7 @@ from budgetgate.contracts.topics import Topics
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check
 from budgetgate.evidence import events
-from budgetgate.messaging.inbox import Inbox
+from budgetgate.messaging.inbox import Inbox, prune_forever
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.messaging.subscriber import inbox_broker, start_consuming
@@ -76,7 +77,11 @@ class EvidenceService(Service):
         return cls(settings, pool, client=ol_client, progress=progress, on_stored=on_stored)
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
-        return {"evidence-consumer": self._consume(), "evidence-sender": self.sender.run()}
+        return {
+            "evidence-consumer": self._consume(),
+            "evidence-sender": self.sender.run(),
+            "inbox-prune": prune_forever(self.inbox, keep=timedelta(hours=self.settings.consumer_retention_hours)),
+        }
 
     async def checks(self) -> dict[str, str]:
         checks = {"postgres": await postgres_check(self.pool)}

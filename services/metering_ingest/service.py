@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -21,7 +21,7 @@ from budgetgate.contracts.topics import Topics
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check
 from budgetgate.ledger import partitions
-from budgetgate.messaging.inbox import Inbox
+from budgetgate.messaging.inbox import Inbox, prune_forever
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.messaging.publisher import Publisher
@@ -33,8 +33,6 @@ from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 
 log = logging.getLogger(__name__)
-
-_PRUNE_EVERY_SECONDS = 3600.0
 
 
 class MeteringService(Service):
@@ -82,7 +80,7 @@ class MeteringService(Service):
             "metering-consumer": self._consume(),
             "pending-recheck": self._recheck_pending(),
             "partitions-ahead": partitions.keep_ahead(self.pool, ahead=self.settings.ledger_partitions_ahead_months),
-            "offsets-prune": self._prune_offsets(),
+            "inbox-prune": prune_forever(self.inbox, keep=timedelta(hours=self.settings.consumer_retention_hours)),
         }
 
     async def checks(self) -> dict[str, str]:
@@ -107,21 +105,6 @@ class MeteringService(Service):
 
         await start_consuming(self.broker, self.dlq_publisher, what="metering consumer", prepare=topics_exist)
         self.consuming = True
-
-    async def _prune_offsets(self) -> None:
-        """Every hour, the polls' consumer_offsets rows past their retention (but each
-        partition's latest), outliving any outage."""
-        keep = timedelta(hours=self.settings.consumer_offsets_retention_hours)
-        while True:
-            try:
-                pruned = await self.inbox.prune_offsets(datetime.now(UTC) - keep)
-                if pruned:
-                    log.info("pruned %d consumer_offsets rows older than %s", pruned, keep)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - retried on the next tick
-                log.warning("pruning consumer_offsets failed: %s", exc)
-            await asyncio.sleep(_PRUNE_EVERY_SECONDS)
 
     async def _recheck_pending(self) -> None:
         """Apply or expire pending samples every pending_recheck_seconds, outliving any outage."""

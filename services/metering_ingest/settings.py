@@ -21,9 +21,6 @@ class MeteringSettings(AuthSettings):
     # The name the samples' polls are recorded under (consumer_offsets: the offsets each poll
     # applied, per partition; a sample's id keeps it from being applied twice).
     inbox_name: str = "metering-ingest"
-    # How long each poll's consumer_offsets rows are kept (the latest of each partition always),
-    # pruned every hour.
-    consumer_offsets_retention_hours: float = Field(default=24.0, gt=0)
     # The most samples one poll takes, and so one Postgres transaction.
     consumer_max_records: int = Field(default=5000, ge=1)
     # Consumers of the group in this process (each owns some partitions; more than there are

@@ -21,7 +21,7 @@ from opentelemetry.metrics import Observation
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.runtime import redis_client
 from budgetgate.runtime.backends import BACKEND_ERRORS
-from budgetgate.messaging.inbox import Inbox
+from budgetgate.messaging.inbox import Inbox, prune_forever
 from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.ledger import partitions
@@ -136,6 +136,7 @@ class Reconciler(Service):
             "reconciler-settle": self._guarded("settle", self._settle_marked),
             "reconciler-upkeep": self._guarded("upkeep", self._upkeep),
             "partitions-ahead": partitions.keep_ahead(self.pool, ahead=self.settings.ledger_partitions_ahead_months),
+            "inbox-prune": prune_forever(self.inbox, keep=timedelta(hours=self.settings.consumer_retention_hours)),
         }
 
     async def checks(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 
 import asyncpg
 import pytest
@@ -20,7 +21,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.contracts import wire
-from budgetgate.messaging.inbox import BatchRoute, Delivery, Inbox, Poison, Route, Turn, locks_taken
+from budgetgate.messaging.inbox import BatchRoute, Delivery, Inbox, Poison, Route, Turn, locks_taken, prune_forever
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.messaging.subscriber import INBOX_SUBSCRIBER, Pipeline, apply_acked
 from budgetgate.contracts.topics import Topics, dlq
@@ -520,7 +521,7 @@ async def test_a_poll_of_a_route_tracked_by_offsets_delivered_again_reaches_the_
     await pool.close()
 
 
-async def test_pruning_offsets_keeps_each_partitions_latest_and_other_consumers_rows(pg_dsn) -> None:
+async def test_pruning_forgets_old_inbox_rows_and_offsets_but_each_partitions_latest_and_other_consumers_rows(pg_dsn) -> None:
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
     rows = [
         ("test", "t", 0, 0, 9, 10, "-3 hours"),
@@ -537,10 +538,41 @@ async def test_pruning_offsets_keeps_each_partitions_latest_and_other_consumers_
         " VALUES ($1, $2, $3, $4, $5, $6, now() + $7::text::interval)",
         rows,
     )
+    inbox_rows = [("test", f"old-{i}", "-2 hours") for i in range(7)] + [("test", "new", "0 minutes"), ("other", "old", "-2 hours")]
+    await pool.executemany("INSERT INTO inbox (consumer, event_id, topic, processed_at) VALUES ($1, $2, 't', now() + $3::text::interval)", inbox_rows)
     inbox = Inbox(name="test", pool=pool, publisher=None, routes={})  # type: ignore[arg-type]
     before = await pool.fetchval("SELECT now() - interval '1 hour'")
-    assert await inbox.prune_offsets(before) == 3
+    assert await inbox.prune(before, slice_rows=2) == (7, 3)  # slices of 2, repeated until done
     left = await pool.fetch("SELECT consumer, kafka_partition, first_offset FROM consumer_offsets ORDER BY 1, 2, 3")
     assert [tuple(r) for r in left] == [("other", 0, 0), ("other", 0, 10), ("test", 0, 20), ("test", 1, 5), ("test", 1, 10)]
-    assert await inbox.prune_offsets(before) == 0
+    assert sorted(tuple(r) for r in await pool.fetch("SELECT consumer, event_id FROM inbox")) == [("other", "old"), ("test", "new")]
+    assert await inbox.prune(before) == (0, 0)
     await pool.close()
+
+
+async def test_the_services_pruning_loop_forgets_past_the_retention_and_outlives_a_failure(pg_dsn) -> None:
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    await pool.execute("INSERT INTO inbox (consumer, event_id, topic, processed_at) VALUES ('test', 'old', 't', now() - interval '3 hours')")
+    failures = {"left": 1}
+    inbox = Inbox(name="test", pool=pool, publisher=None, routes={})  # type: ignore[arg-type]
+    prune = inbox.prune
+
+    async def flaky(before: datetime) -> tuple[int, int]:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("Postgres went away")
+        return await prune(before)
+
+    inbox.prune = flaky  # type: ignore[method-assign]
+    loop = asyncio.create_task(prune_forever(inbox, keep=timedelta(hours=1), every=0.05))
+    try:
+        await wait_for(lambda: _inbox_empty(pool), timeout=10, what="the old inbox row pruned")
+        assert failures["left"] == 0 and not loop.done()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await pool.close()
+
+
+async def _inbox_empty(pool: asyncpg.Pool) -> bool:
+    return await pool.fetchval("SELECT count(*) FROM inbox WHERE consumer = 'test'") == 0

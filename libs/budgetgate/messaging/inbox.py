@@ -47,7 +47,7 @@ from collections import defaultdict
 from contextvars import ContextVar
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -390,10 +390,33 @@ class Inbox:
         if self.on_dead_letter is not None:
             self.on_dead_letter(record.topic, reason)
 
-    async def prune_offsets(self, before: datetime) -> int:
-        """Delete this consumer's `consumer_offsets` rows applied before `before`, but for the
-        latest of each partition; how many went."""
-        return int(await self.pool.fetchval(sql("offsets_prune"), self.name, before))
+    async def prune(self, before: datetime, *, slice_rows: int = 10_000) -> tuple[int, int]:
+        """Forget what this consumer applied before `before`: its inbox rows, and its polls'
+        `consumer_offsets` rows but for the latest of each partition; how many of each went.
+        Deleted a slice at a time, each its own transaction."""
+        gone = [0, 0]
+        for index, query in enumerate(("inbox_prune", "offsets_prune")):
+            while True:
+                deleted = int(await self.pool.fetchval(sql(query), self.name, before, slice_rows))
+                gone[index] += deleted
+                if deleted < slice_rows:
+                    break
+        return gone[0], gone[1]
+
+
+async def prune_forever(inbox: Inbox, *, keep: timedelta, every: float = 3600.0) -> None:
+    """Every `every` seconds, `inbox.prune` what is older than `keep`, outliving any outage (a
+    loop of each consuming service)."""
+    while True:
+        try:
+            inbox_rows, offset_rows = await inbox.prune(datetime.now(UTC) - keep)
+            if inbox_rows or offset_rows:
+                log.info("%s: forgot %d inbox rows and %d consumer_offsets rows older than %s", inbox.name, inbox_rows, offset_rows, keep)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried on the next tick
+            log.warning("%s: pruning the inbox failed: %s", inbox.name, exc)
+        await asyncio.sleep(every)
 
 
 # Per topic partition of a poll tracked by offsets: topics, partitions, first and last offsets,

@@ -87,15 +87,30 @@ DELETE FROM inbox WHERE consumer = $1 AND event_id = ANY($2::text[]);
 INSERT INTO consumer_offsets (consumer, topic, kafka_partition, first_offset, last_offset, records)
 SELECT $1, t, p, f, l, n FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bigint[], $6::int[]) AS o(t, p, f, l, n);
 
--- name: offsets_prune
--- Rows of consumer `$1` applied before `$2`, but for the latest of each partition; how many went.
+-- name: inbox_prune
+-- At most `$3` inbox rows of consumer `$1` processed before `$2`; how many went (the caller
+-- repeats while a whole slice went, so no one statement holds its locks for long).
 WITH gone AS (
-    DELETE FROM consumer_offsets o
-    WHERE o.consumer = $1 AND o.applied_at < $2
-      AND EXISTS (
-          SELECT 1 FROM consumer_offsets n
-          WHERE n.consumer = o.consumer AND n.topic = o.topic AND n.kafka_partition = o.kafka_partition AND n.last_offset > o.last_offset
-      )
+    DELETE FROM inbox WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM inbox WHERE consumer = $1 AND processed_at < $2 LIMIT $3
+    ))
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: offsets_prune
+-- At most `$3` rows of consumer `$1` applied before `$2`, but for the latest of each partition;
+-- how many went.
+WITH gone AS (
+    DELETE FROM consumer_offsets WHERE ctid = ANY(ARRAY(
+        SELECT o.ctid FROM consumer_offsets o
+        WHERE o.consumer = $1 AND o.applied_at < $2
+          AND EXISTS (
+              SELECT 1 FROM consumer_offsets n
+              WHERE n.consumer = o.consumer AND n.topic = o.topic AND n.kafka_partition = o.kafka_partition AND n.last_offset > o.last_offset
+          )
+        LIMIT $3
+    ))
     RETURNING 1
 )
 SELECT count(*) FROM gone;

@@ -138,6 +138,12 @@ class CommonSettings(BaseSettings):
     # num.partitions) sits unread until then. Kafka's clients wait 5 minutes; each look is one
     # small metadata request.
     kafka_metadata_max_age_ms: int = Field(default=10_000, ge=1_000, le=3_600_000)
+    # How long a consumer remembers what it applied: the event ids in its inbox and its polls'
+    # offsets (consumer_offsets; each partition's latest is always kept), pruned every hour by
+    # each consuming service. A message delivered again later than this would be applied again,
+    # so keep it above the retention of the topics read (Kafka's retention.ms, 7 days by
+    # default): a group whose committed offsets expired reads its topics from the start.
+    consumer_retention_hours: float = Field(default=336.0, gt=0)
 
     @property
     def kafka_group_timing(self) -> dict[str, int]:

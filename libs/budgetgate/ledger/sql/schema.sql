@@ -307,6 +307,7 @@ CREATE TABLE inbox (
 -- 0037: what a consumer whose effects are idempotent by the messages' own identity
 -- (metering-ingest) has applied, one row per topic partition per poll, in the poll's transaction,
 -- instead of an inbox row per message; pruned after its retention but for each partition's latest.
+-- The inbox's rows are pruned after the consumers' retention too, found by a BRIN index.
 CREATE TABLE consumer_offsets (
     consumer        text NOT NULL,
     topic           text NOT NULL,
@@ -319,6 +320,7 @@ CREATE TABLE consumer_offsets (
 );
 CREATE INDEX consumer_offsets_position ON consumer_offsets (consumer, topic, kafka_partition, last_offset);
 CREATE INDEX consumer_offsets_applied ON consumer_offsets (applied_at);
+CREATE INDEX inbox_processed ON inbox USING brin (processed_at);
 
 -- 0007_admission_fast_path: one round trip to begin a decision, and no foreign key from
 -- reservations to ledger_entries (every reservation insert took a KEY SHARE lock on its ledger

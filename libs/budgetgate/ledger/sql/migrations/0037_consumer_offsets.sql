@@ -4,6 +4,10 @@
 -- BatchRoute(offsets=True)). A poll applied again after a crash (its Kafka offsets not yet
 -- committed) adds its range again; its effects do not repeat. Rows older than the consumer's
 -- retention are pruned, but for the latest of each partition.
+--
+-- The inbox's rows are pruned after the consumers' retention too (BUDGETGATE_CONSUMER_RETENTION_HOURS;
+-- until now they were kept forever), found by a BRIN index on processed_at: the rows arrive in
+-- time order, so a few pages of index cover millions of rows, at almost no cost per insert.
 CREATE TABLE consumer_offsets (
     consumer        text NOT NULL,
     topic           text NOT NULL,   -- the name in Kafka, deployment prefix included
@@ -16,3 +20,4 @@ CREATE TABLE consumer_offsets (
 );
 CREATE INDEX consumer_offsets_position ON consumer_offsets (consumer, topic, kafka_partition, last_offset);
 CREATE INDEX consumer_offsets_applied ON consumer_offsets (applied_at);
+CREATE INDEX inbox_processed ON inbox USING brin (processed_at);
