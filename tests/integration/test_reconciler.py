@@ -182,8 +182,13 @@ async def test_never_started_is_released_after_the_deadline_denied_holds_nothing
     async def released() -> bool:
         return (await ledger_in_postgres(pg_dsn))[key] == (0, 0)
 
+    async def released_in_redis() -> bool:
+        return await ledger_in_redis(reconciler) == {key: (0, 0)}
+
     await wait_for(released, what="never-started reservation released")
-    assert await ledger_in_redis(reconciler) == {key: (0, 0)}
+    # A release reaches Redis after its Postgres commit (the second half of the settlement,
+    # RedisLedger.settle_end): Redis shows it a moment after Postgres does.
+    await wait_for(released_in_redis, timeout=5, what="the release in Redis")
     assert await reconciler.ledger.run_holds() == {}
     assert (await settled(pg_dsn, "idle"))["released"] is True and await settled(pg_dsn, "too-big") is None
     assert (await server.submit(run_id="after", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"

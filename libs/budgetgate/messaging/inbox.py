@@ -394,14 +394,15 @@ class Inbox:
         """Forget what this consumer applied before `before`: its inbox rows, and its polls'
         `consumer_offsets` rows but for the latest of each partition; how many of each went.
         Deleted a slice at a time, each its own transaction."""
-        gone = [0, 0]
-        for index, query in enumerate(("inbox_prune", "offsets_prune")):
-            while True:
-                deleted = int(await self.pool.fetchval(sql(query), self.name, before, slice_rows))
-                gone[index] += deleted
-                if deleted < slice_rows:
-                    break
-        return gone[0], gone[1]
+        return await self._prune(sql("inbox_prune"), before, slice_rows), await self._prune(sql("offsets_prune"), before, slice_rows)
+
+    async def _prune(self, query: str, before: datetime, slice_rows: int) -> int:
+        gone = 0
+        while True:
+            deleted = int(await self.pool.fetchval(query, self.name, before, slice_rows))
+            gone += deleted
+            if deleted < slice_rows:
+                return gone
 
 
 async def prune_forever(inbox: Inbox, *, keep: timedelta, every: float = 3600.0) -> None:
