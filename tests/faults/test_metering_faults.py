@@ -28,7 +28,7 @@ def stream(count: int, *, start: int = 0) -> list[MeteringSample]:
         message = sample(run_id, f"{run_id}/{step}", 10.0 * step + 0.25, at=T0 + timedelta(seconds=step), node_seconds=float(step))
         messages.append(message)
         if i % 10 == 0:
-            messages.append(message)  # the very same record again: the inbox must catch it
+            messages.append(message)  # the very same record again: a duplicate (by event id in one poll, by sample id across polls)
     return messages
 
 
