@@ -25,10 +25,14 @@ WHERE r.run_id = c.run_id
 RETURNING r.run_id, r.max_gpus, r.max_nodes, r.first_decided_at;
 
 -- name: usage_neighbours
--- The recorded samples a new one is judged against: the same sample id, the same observed_at,
--- the latest observed before it and the earliest observed after it.
-(SELECT 'same_id' AS role, sample_id, observed_at, gpu_milli_hours, node_milli_hours
- FROM usage_records WHERE run_id = $1 AND sample_id = $2)
+-- The recorded samples a new one is judged against: the same sample id (by its usage record's
+-- event id $4, within the months its run has records in), the same observed_at, the latest
+-- observed before it and the earliest observed after it.
+(SELECT 'same_id' AS role, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+ FROM usage_records u, usage_runs r
+ WHERE r.run_id = $1 AND u.event_id = $4 AND u.observed_at >= COALESCE(r.earliest_observed_at, '-infinity')
+   AND u.observed_at <= COALESCE(r.latest_observed_at, 'infinity') AND u.sample_id = $2
+ LIMIT 1)
 UNION ALL
 (SELECT 'same_time', sample_id, observed_at, gpu_milli_hours, node_milli_hours
  FROM usage_records WHERE run_id = $1 AND observed_at = $3)
@@ -42,7 +46,7 @@ UNION ALL
 -- name: begin_sample
 -- The run's lock, its state (with its capacity) and the recorded neighbours of a sample (see metering_begin_sample).
 SELECT role, sample_id, observed_at, gpu_milli_hours, node_milli_hours, max_gpus, max_nodes, first_decided_at
-FROM metering_begin_sample($1, $2, $3);
+FROM metering_begin_sample($1, $2, $3, $4);
 
 -- name: record_usage
 -- An accepted sample, its run's new high-water mark and the outbox row of its usage record
@@ -64,7 +68,7 @@ INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
 -- The runs' locks, their state and the recorded neighbours of every sample of a batch
 -- (see metering_begin_batch).
 SELECT idx, role, run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, max_gpus, max_nodes, first_decided_at
-FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[]);
+FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[], $4::text[]);
 
 -- name: metering_place_batch
 -- A batch's samples judged and recorded set-based where the core's rules allow it, the others

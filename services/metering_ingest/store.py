@@ -119,7 +119,7 @@ async def create_run(conn: asyncpg.Connection, run_id: str) -> None:
 async def begin(conn: asyncpg.Connection, sample: Sample, tolerance: Tolerance) -> Begun:
     """Take the run's lock and read what judging `sample` needs, in one round trip (the view's
     bound with `tolerance`)."""
-    rows = await conn.fetch(sql("begin_sample"), sample.run_id, sample.sample_id, sample.observed_at)
+    rows = await conn.fetch(sql("begin_sample"), sample.run_id, sample.sample_id, sample.observed_at, usage_event_id(sample.run_id, sample.sample_id))
     found = {row["role"]: row for row in rows}
     run = found.get("run")
     if run is None:
@@ -134,7 +134,8 @@ def _run_row(row: asyncpg.Record) -> RunState:
 
 async def view(conn: asyncpg.Connection, sample: Sample, state: RunState, tolerance: Tolerance) -> RunView:
     """What the core needs to assess `sample` against a run whose lock is held."""
-    return _view(state, await conn.fetch(sql("usage_neighbours"), sample.run_id, sample.sample_id, sample.observed_at), tolerance)
+    event_id = usage_event_id(sample.run_id, sample.sample_id)
+    return _view(state, await conn.fetch(sql("usage_neighbours"), sample.run_id, sample.sample_id, sample.observed_at, event_id), tolerance)
 
 
 def _view(state: RunState, rows: list[asyncpg.Record], tolerance: Tolerance) -> RunView:
@@ -192,7 +193,10 @@ class BatchBegun:
 
 async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> BatchBegun:
     """Take the locks of the samples' runs and read what judging them needs, in one round trip."""
-    rows = await conn.fetch(sql("metering_begin_batch"), [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples])
+    rows = await conn.fetch(
+        sql("metering_begin_batch"),
+        [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples], [usage_event_id(s.run_id, s.sample_id) for s in samples],
+    )  # fmt: skip
     runs, decided, neighbours = {}, set(), defaultdict(list)
     for row in rows:
         if row["role"] == "run":

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import asyncpg
 import pytest
 
+from budgetgate.core.metering import usage_event_id
 from budgetgate.ledger import partitions
 from budgetgate.ledger.migrations import migrate, migration_files
 from budgetgate.ledger.queries import owned_by
@@ -93,8 +94,8 @@ async def at_0032(postgres_admin_dsn: str) -> AsyncIterator[asyncpg.Connection]:
             await conn.execute(
                 "INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative, "
                 "node_milli_hours_cumulative, gpu_milli_hours_delta, node_milli_hours_delta, late, exporter, source, event_id) "
-                "VALUES ($1, $2, $3, $4, 0, $4, 0, $4, 0, false, 'test', 'http', $1 || '/' || $2)",
-                run, sample, at, cumulative,
+                "VALUES ($1, $2, $3, $4, 0, $4, 0, $4, 0, false, 'test', 'http', $5)",
+                run, sample, at, cumulative, usage_event_id(run, sample),
             )  # fmt: skip
         await conn.execute(
             "INSERT INTO usage_runs (run_id, gpu_milli_hours_cumulative, samples, latest_observed_at) "
@@ -110,6 +111,30 @@ def _as_of_0032(query: str) -> str:
     """A shared query as it was before 0033: decisions found by their own table, evaluations by
     decision id alone."""
     return query.replace("decision_keys", "decisions").replace(" AND e.decided_at = d.decided_at", "")
+
+
+# A sample's recorded neighbours as metering-ingest asked for them before 0038 (the same sample id
+# by run and sample id); from 0038 on by its usage record's event id.
+_NEIGHBOURS_AS_OF_0037 = """
+(SELECT 'same_id' AS role, sample_id, observed_at, gpu_milli_hours, node_milli_hours FROM usage_records WHERE run_id = $1 AND sample_id = $2)
+UNION ALL
+(SELECT 'same_time', sample_id, observed_at, gpu_milli_hours, node_milli_hours FROM usage_records WHERE run_id = $1 AND observed_at = $3)
+UNION ALL
+(SELECT 'before', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at < $3 ORDER BY observed_at DESC LIMIT 1)
+UNION ALL
+(SELECT 'after', sample_id, observed_at, gpu_milli_hours, node_milli_hours
+ FROM usage_records WHERE run_id = $1 AND observed_at > $3 ORDER BY observed_at LIMIT 1)
+"""
+_BATCH = (["jan/1", "jan/1", "feb/1"], ["s1", "s9", "s2"], [SAMPLES[0][2], datetime(2025, 2, 15, tzinfo=UTC), datetime(2025, 3, 2, tzinfo=UTC)])
+_BATCH_ORDER = "ORDER BY idx NULLS FIRST, role, run_id"
+
+
+async def _neighbours(conn: asyncpg.Connection, run: str, sample: str, at: datetime, *, before: bool) -> list[dict[str, object]]:
+    if before:
+        return [dict(r) for r in await conn.fetch(_NEIGHBOURS_AS_OF_0037, run, sample, at)]
+    query = owned_by("budgetgate.services.metering_ingest")("usage_neighbours")
+    return [dict(r) for r in await conn.fetch(query, run, sample, at, usage_event_id(run, sample))]
 
 
 async def _answers(conn: asyncpg.Connection, *, before: bool) -> dict[str, object]:
@@ -138,14 +163,9 @@ async def _answers(conn: asyncpg.Connection, *, before: bool) -> dict[str, objec
         "exhaustion": await rows("SELECT * FROM audit_window_exhaustion ORDER BY ledger_key"),
         "by_sha": await rows("SELECT * FROM audit_decisions_by_policy_sha ORDER BY policy_id"),
         "usage": await rows("SELECT to_jsonb(u) AS row FROM usage_records u ORDER BY run_id, sample_id"),
-        "neighbours": [await rows(owned_by("budgetgate.services.metering_ingest")("usage_neighbours"), run, sample, at) for run, sample, at, _ in SAMPLES],
+        "neighbours": [await _neighbours(conn, run, sample, at, before=before) for run, sample, at, _ in SAMPLES],
         "begin_sample": await rows("SELECT * FROM metering_begin_sample('jan/1', 's9', '2025-01-31T23:45Z')"),
-        "begin_batch": await rows(
-            "SELECT * FROM metering_begin_batch($1, $2, $3) ORDER BY idx NULLS FIRST, role, run_id",
-            ["jan/1", "jan/1", "feb/1"],
-            ["s1", "s9", "s2"],
-            [SAMPLES[0][2], datetime(2025, 2, 15, tzinfo=UTC), datetime(2025, 3, 2, tzinfo=UTC)],
-        ),
+        "begin_batch": await rows(f"SELECT * FROM metering_begin_batch($1, $2, $3) {_BATCH_ORDER}", *_BATCH),
         "chargeback": await rows(
             f"SELECT * FROM ({owned_by('budgetgate.reports')('chargeback_metered')}) AS c ORDER BY day, gpu",
             datetime(2025, 1, 1, tzinfo=UTC),
@@ -169,6 +189,14 @@ async def test_migrations_0033_0034_move_every_row_to_its_month_and_the_queries_
     assert await migrate(conn) == [name for name, _ in migration_files() if name >= "0033"]
     after = await _answers(conn, before=False)
     assert after == before
+    # 0038: the versions that find a sample of the same id by its event id answer as the ones
+    # kept for the release before.
+    event_ids = [usage_event_id(run, sample) for run, sample in zip(_BATCH[0], _BATCH[1], strict=True)]
+    by_event = await conn.fetch(f"SELECT * FROM metering_begin_batch($1, $2, $3, $4) {_BATCH_ORDER}", *_BATCH, event_ids)
+    assert [dict(r) for r in by_event] == after["begin_batch"]
+    one = await conn.fetch("SELECT * FROM metering_begin_sample('jan/1', 's9', '2025-01-31T23:45Z', $1)", usage_event_id("jan/1", "s9"))
+    assert [dict(r) for r in one] == after["begin_sample"]
+    assert any(r["role"] == "same_id" for r in by_event), "the batch should find a sample of the same id"
 
     placed = await conn.fetch("SELECT d.tableoid::regclass::text AS part, d.decided_at FROM decisions d")
     assert placed and all(r["part"] == partitions.partition_name("decisions", r["decided_at"]) for r in placed), placed

@@ -1,0 +1,62 @@
+"""Invariant 9 for a sample's lookups: finding the recorded sample of the same id (by its usage
+record's event id, 0038) and its neighbours reads a handful of index pages, however long the
+run's history, in the query the core uses (usage_neighbours)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+
+from budgetgate.core.metering import usage_event_id
+from budgetgate.ledger.queries import owned_by
+
+HISTORY = 20_000  # recorded samples of one run, a minute apart: about 14 days
+START = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+async def _seed(conn: asyncpg.Connection) -> None:
+    rows = [("long", f"s{i}", START + timedelta(minutes=i), i, 0, i, 0, 1, 0, False, "test", "kafka", usage_event_id("long", f"s{i}")) for i in range(HISTORY)]
+    await conn.copy_records_to_table(
+        "usage_records",
+        records=rows,
+        columns=[
+            "run_id", "sample_id", "observed_at", "gpu_milli_hours", "node_milli_hours", "gpu_milli_hours_cumulative", "node_milli_hours_cumulative",
+            "gpu_milli_hours_delta", "node_milli_hours_delta", "late", "exporter", "source", "event_id",
+        ],
+    )  # fmt: skip
+    await conn.execute(
+        "INSERT INTO usage_runs (run_id, gpu_milli_hours_cumulative, samples, latest_observed_at, earliest_observed_at) VALUES ('long', $1, $2, $3, $4)",
+        HISTORY - 1, HISTORY, START + timedelta(minutes=HISTORY - 1), START,
+    )  # fmt: skip
+    await conn.execute("ANALYZE usage_records")
+
+
+async def _pages(conn: asyncpg.Connection, query: str, *args: object) -> tuple[int, list[str]]:
+    """Shared buffers the query touched, and the roles of the rows it returned."""
+    [plan] = json.loads(await conn.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", *args))
+    rows = await conn.fetch(query, *args)
+    top = plan["Plan"]
+    return top["Shared Hit Blocks"] + top["Shared Read Blocks"], [r["role"] for r in rows]
+
+
+async def test_a_samples_lookups_read_a_handful_of_pages_however_long_its_runs_history(pg_dsn: str) -> None:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await _seed(conn)
+        heap_pages = await conn.fetchval("SELECT sum(relpages) FROM pg_class WHERE relname LIKE 'usage_records_p%' AND relkind = 'r'")
+        assert heap_pages > 150, "the history should span many pages"
+        neighbours = owned_by("budgetgate.services.metering_ingest")("usage_neighbours")
+        cases = {
+            # A repeat of a recorded sample in the middle of the history (late): same id, same time, both sides.
+            "s10000": (START + timedelta(minutes=10_000), ["same_id", "same_time", "before", "after"]),
+            # A new sample after everything recorded.
+            "new": (START + timedelta(minutes=HISTORY + 1), ["before"]),
+        }
+        for sample, (at, roles) in cases.items():
+            pages, found = await _pages(conn, neighbours, "long", sample, at, usage_event_id("long", sample))
+            assert found == roles
+            assert pages < 60, f"{sample}: {pages} pages read for its lookups, of {heap_pages} the run's history fills"
+    finally:
+        await conn.close()
