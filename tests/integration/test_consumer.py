@@ -130,9 +130,11 @@ async def _committed(bootstrap: str, group: str, topic: str) -> int | None:
         await reader.stop()
 
 
-def _batch_route(seen: list[list[str]]) -> BatchRoute:
+def _batch_route(seen: list[list[str]], *, offsets: bool = False) -> BatchRoute:
     """Writes every message's run id with one statement; refuses 'refused', names 'poison' as
-    poison, and lets Postgres refuse 'overflow'."""
+    poison, and lets Postgres refuse 'overflow'. With `offsets`, tracked by offsets, its effect
+    idempotent by the message's own identity (its run id, as a sample's id is for metering-ingest)."""
+    insert = "INSERT INTO effects VALUES ($1, $2)" + (" ON CONFLICT (run_id) DO NOTHING" if offsets else "")
 
     async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> dict[Delivery, str]:
         seen.append([d.message.run_id for d in deliveries])
@@ -143,10 +145,10 @@ def _batch_route(seen: list[list[str]]) -> BatchRoute:
         kept = [d for d in deliveries if d not in refused]
         if any(d.message.run_id == "overflow" for d in kept):
             await conn.fetchval("SELECT $1::int", 2**40)
-        await conn.executemany("INSERT INTO effects VALUES ($1, $2)", [(d.message.run_id, d.message.event_id) for d in kept])
+        await conn.executemany(insert, [(d.message.run_id, d.message.event_id) for d in kept])
         return refused
 
-    return BatchRoute(lifecycle_pb2.LifecycleEvent, handle)
+    return BatchRoute(lifecycle_pb2.LifecycleEvent, handle, offsets=offsets)
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["one-by-one", "pipelined"])
@@ -447,23 +449,6 @@ async def test_a_handler_that_says_it_holds_its_locks_lets_the_next_batch_start_
     await pool.close()
 
 
-def _idempotent_route(seen: list[list[str]]) -> BatchRoute:
-    """A route tracked by offsets whose effect is idempotent by the message's own identity (its
-    run id, as a sample's id is for metering-ingest); refuses 'refused', names 'poison'."""
-
-    async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> dict[Delivery, str]:
-        seen.append([d.message.run_id for d in deliveries])
-        for delivery in deliveries:
-            if delivery.message.run_id == "poison":
-                raise Poison("run id 'poison' is not acceptable", delivery=delivery)
-        refused = {d: "refused by the handler" for d in deliveries if d.message.run_id == "refused"}
-        kept = [(d.message.run_id, d.message.event_id) for d in deliveries if d not in refused]
-        await conn.executemany("INSERT INTO effects VALUES ($1, $2) ON CONFLICT (run_id) DO NOTHING", kept)
-        return refused
-
-    return BatchRoute(lifecycle_pb2.LifecycleEvent, handle, offsets=True)
-
-
 async def _offsets(pool: asyncpg.Pool, topic: str) -> list[tuple[int, int, int, int]]:
     rows = await pool.fetch(
         "SELECT kafka_partition, first_offset, last_offset, records FROM consumer_offsets WHERE consumer = 'test' AND topic = $1 ORDER BY first_offset", topic
@@ -483,7 +468,7 @@ async def test_a_route_tracked_by_offsets_keeps_no_inbox_row_and_records_each_po
     seen: list[list[str]] = []
     group = f"g-{uuid.uuid4().hex[:8]}"
     async with Publisher(settings.kafka_bootstrap) as publisher:
-        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _idempotent_route(seen)})
+        inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen, offsets=True)})
         assert await _consume(settings, inbox, group, 8, pipelined=pipelined, max_records=3) == 8
         reasons = sorted(wire.header(r.headers, wire.DLQ_REASON).decode() for r in await drain(settings.kafka_bootstrap, dlq(topics.lifecycle), 2))
     assert sorted(r["run_id"] for r in await pool.fetch("SELECT run_id FROM effects")) == ["a", "b", "c", "d", "twice"]
@@ -512,7 +497,7 @@ async def test_a_poll_of_a_route_tracked_by_offsets_delivered_again_reaches_the_
     seen: list[list[str]] = []
     async with Publisher(settings.kafka_bootstrap) as publisher:
         for attempt in range(2):  # a second group reads the same records again
-            inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _idempotent_route(seen)})
+            inbox = Inbox(name="test", pool=pool, publisher=publisher, routes={topics.lifecycle: _batch_route(seen, offsets=True)})
             assert await _consume(settings, inbox, f"g-{attempt}-{uuid.uuid4().hex[:8]}", 10) == 10
             assert (inbox.processed, inbox.duplicates) == (10, 0)
     assert await pool.fetchval("SELECT count(*) FROM effects") == 10

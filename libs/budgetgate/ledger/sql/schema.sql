@@ -516,41 +516,7 @@ $$;
 -- know yet, only whether it has a decision (role 'decision'). VOLATILE on purpose: in READ
 -- COMMITTED each query of a volatile function takes a fresh snapshot, so the reads see
 -- everything committed before the lock was granted.
-CREATE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz)
-RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
-               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    PERFORM pg_advisory_xact_lock(7310, hashtext(p_run_id));
-    RETURN QUERY
-        SELECT 'run', NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative,
-               r.max_gpus, r.max_nodes, r.first_decided_at
-        FROM usage_runs r WHERE r.run_id = p_run_id;
-    IF NOT FOUND THEN
-        RETURN QUERY
-            SELECT 'decision', NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz
-            WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p_run_id);
-        RETURN;
-    END IF;
-    RETURN QUERY
-        (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
-         FROM usage_records u WHERE u.run_id = p_run_id AND u.sample_id = p_sample_id)
-        UNION ALL
-        (SELECT 'same_time', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
-         FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at = p_observed_at)
-        UNION ALL
-        (SELECT 'before', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
-         FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at < p_observed_at
-         ORDER BY u.observed_at DESC LIMIT 1)
-        UNION ALL
-        (SELECT 'after', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
-         FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at > p_observed_at
-         ORDER BY u.observed_at LIMIT 1);
-END
-$$;
--- 0019: planned for each call (a plan kept from a new, empty database would scan whole tables;
--- a metering batch is thousands of samples, so its planning is small beside its work).
-ALTER FUNCTION metering_begin_sample(text, text, timestamptz) SET plan_cache_mode = force_custom_plan;
+-- (0038: defined below, with and without the samples' event ids.)
 
 -- 0010_metering_batches: begins judging a batch of samples ($1 run ids, $2 sample ids, $3 observed_at; one entry per
 -- sample) in one round trip: takes the lock of every run (in lock-key order, so batches with
@@ -559,60 +525,12 @@ ALTER FUNCTION metering_begin_sample(text, text, timestamptz) SET plan_cache_mod
 --   'decision': per run metering does not know yet that has a decision;
 --   per sample (idx, 1-based) of a known run, its recorded neighbours, as metering_begin_sample.
 -- VOLATILE, so the reads after the locks see everything committed before they were granted.
-CREATE FUNCTION metering_begin_batch(p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[])
-RETURNS TABLE (idx integer, role text, run_id text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
-               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
-LANGUAGE plpgsql VOLATILE AS $$
-#variable_conflict use_column
-BEGIN
-    PERFORM pg_advisory_xact_lock(7310, k.h)
-    FROM (SELECT DISTINCT hashtext(r) AS h FROM unnest(p_run_ids) AS r ORDER BY 1) AS k;
-    RETURN QUERY
-        SELECT NULL::integer, 'run', r.run_id, NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative,
-               r.max_gpus, r.max_nodes, r.first_decided_at
-        FROM usage_runs r WHERE r.run_id = ANY (p_run_ids);
-    RETURN QUERY
-        SELECT NULL::integer, 'decision', x.id, NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz
-        FROM (SELECT DISTINCT i.id FROM unnest(p_run_ids) AS i(id)) AS x
-        WHERE NOT EXISTS (SELECT 1 FROM usage_runs r WHERE r.run_id = x.id)
-          AND EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = x.id);
-    RETURN QUERY
-        WITH s AS (
-            SELECT x.rid, x.sid, x.at, x.i FROM unnest(p_run_ids, p_sample_ids, p_observed_at) WITH ORDINALITY AS x(rid, sid, at, i)
-        ), latest AS (
-            -- The latest recorded sample of each run: one index probe per run.
-            SELECT l.run_id, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours
-            FROM (SELECT DISTINCT y.rid FROM s AS y) AS k
-            CROSS JOIN LATERAL (SELECT u.run_id, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
-                                FROM usage_records u WHERE u.run_id = k.rid ORDER BY u.observed_at DESC LIMIT 1) AS l
-        )
-        SELECT s.i::integer, 'same_id', s.rid, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
-        FROM s JOIN usage_records u ON u.run_id = s.rid AND u.sample_id = s.sid
-        UNION ALL
-        -- The usual case, a sample after everything recorded: its neighbour before is the latest.
-        SELECT s.i::integer, 'before', s.rid, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
-        FROM s JOIN latest l ON l.run_id = s.rid WHERE s.at > l.observed_at
-        UNION ALL
-        -- A late sample: its neighbours at, before and after its observed_at.
-        SELECT s.i::integer, n.role, s.rid, n.sid, n.at, n.gpu, n.node, NULL::integer, NULL::integer, NULL::timestamptz
-        FROM s JOIN latest l ON l.run_id = s.rid AND s.at <= l.observed_at
-        CROSS JOIN LATERAL (
-            (SELECT 'same_time' AS role, u.sample_id AS sid, u.observed_at AS at, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
-             FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at = s.at)
-            UNION ALL
-            (SELECT 'before', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
-             FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at < s.at ORDER BY u.observed_at DESC LIMIT 1)
-            UNION ALL
-            (SELECT 'after', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
-             FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at > s.at ORDER BY u.observed_at LIMIT 1)
-        ) AS n;
-END
-$$;
-ALTER FUNCTION metering_begin_batch(text[], text[], timestamptz[]) SET plan_cache_mode = force_custom_plan;  -- 0019
+-- (0038: defined below, with and without the samples' event ids.)
 
 -- 0038: metering_begin_sample and metering_begin_batch with the samples' usage-record event ids,
--- by which a recorded sample of the same id is found (the versions above stay for processes of
--- the release before, and find it by run and sample id, through the run's records).
+-- by which a recorded sample of the same id is found (within the months its run has records in);
+-- the versions without them, for processes of the release before, call these without event ids,
+-- and a sample without one is found by run and sample id. (0019: each planned for every call.)
 CREATE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz, p_event_id text)
 RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
                max_gpus integer, max_nodes integer, first_decided_at timestamptz)
@@ -636,9 +554,12 @@ BEGIN
     RETURN QUERY
         (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u
-         WHERE u.event_id = p_event_id AND u.observed_at >= COALESCE(v_earliest, '-infinity') AND u.observed_at <= COALESCE(v_latest, 'infinity')
-           AND u.sample_id = p_sample_id
+         WHERE p_event_id IS NOT NULL AND u.event_id = p_event_id
+           AND u.observed_at >= COALESCE(v_earliest, '-infinity') AND u.observed_at <= COALESCE(v_latest, 'infinity') AND u.sample_id = p_sample_id
          LIMIT 1)
+        UNION ALL
+        (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
+         FROM usage_records u WHERE p_event_id IS NULL AND u.run_id = p_run_id AND u.sample_id = p_sample_id LIMIT 1)
         UNION ALL
         (SELECT 'same_time', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at = p_observed_at)
@@ -682,14 +603,19 @@ BEGIN
                                 FROM usage_records u WHERE u.run_id = k.rid ORDER BY u.observed_at DESC LIMIT 1) AS l
         )
         -- The recorded sample of the same id, by its usage record's event id, within the months
-        -- its run has records in.
+        -- its run has records in (without one, from the release before: by run and sample id).
         SELECT s.i::integer, 'same_id', s.rid, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
         FROM s JOIN usage_runs r ON r.run_id = s.rid
-        CROSS JOIN LATERAL (SELECT u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
-                            FROM usage_records u
-                            WHERE u.event_id = s.eid AND u.observed_at >= COALESCE(r.earliest_observed_at, '-infinity')
-                              AND u.observed_at <= COALESCE(r.latest_observed_at, 'infinity') AND u.sample_id = s.sid
-                            LIMIT 1) AS u
+        CROSS JOIN LATERAL (
+            (SELECT u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+             FROM usage_records u
+             WHERE s.eid IS NOT NULL AND u.event_id = s.eid AND u.observed_at >= COALESCE(r.earliest_observed_at, '-infinity')
+               AND u.observed_at <= COALESCE(r.latest_observed_at, 'infinity') AND u.sample_id = s.sid
+             LIMIT 1)
+            UNION ALL
+            (SELECT u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+             FROM usage_records u WHERE s.eid IS NULL AND u.run_id = s.rid AND u.sample_id = s.sid LIMIT 1)
+        ) AS u
         UNION ALL
         -- The usual case, a sample after everything recorded: its neighbour before is the latest.
         SELECT s.i::integer, 'before', s.rid, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
@@ -711,6 +637,21 @@ BEGIN
 END
 $$;
 ALTER FUNCTION metering_begin_batch(text[], text[], timestamptz[], text[]) SET plan_cache_mode = force_custom_plan;
+
+-- The versions of the release before, the same functions without event ids.
+CREATE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz)
+RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
+               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
+LANGUAGE sql VOLATILE AS $$
+    SELECT * FROM metering_begin_sample(p_run_id, p_sample_id, p_observed_at, NULL::text)
+$$;
+
+CREATE FUNCTION metering_begin_batch(p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[])
+RETURNS TABLE (idx integer, role text, run_id text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
+               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
+LANGUAGE sql VOLATILE AS $$
+    SELECT * FROM metering_begin_batch(p_run_ids, p_sample_ids, p_observed_at, NULL::text[])
+$$;
 
 -- 0017_metering_set_based: a Kafka poll's samples judged and recorded in SQL where the core's
 -- set-based rules allow it.

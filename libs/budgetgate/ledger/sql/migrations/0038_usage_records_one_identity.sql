@@ -9,8 +9,9 @@
 -- has records in (usage_runs.earliest/latest_observed_at, so one partition's index or two are
 -- probed), as metering_place_batch's did already: metering_begin_sample and metering_begin_batch
 -- take the event ids as one more argument. The versions without it stay for processes of the
--- release before, until they are all replaced: their lookup by run and sample id now reads the
--- run's records through (run_id, observed_at), correct but slower on a long run.
+-- release before, until they are all replaced: they call the new ones without event ids, and a
+-- sample without one is found by run and sample id, through the run's records (run_id,
+-- observed_at): correct, but slower on a long run.
 ALTER TABLE usage_records DROP CONSTRAINT usage_records_pkey;
 
 CREATE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz, p_event_id text)
@@ -36,9 +37,12 @@ BEGIN
     RETURN QUERY
         (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u
-         WHERE u.event_id = p_event_id AND u.observed_at >= COALESCE(v_earliest, '-infinity') AND u.observed_at <= COALESCE(v_latest, 'infinity')
-           AND u.sample_id = p_sample_id
+         WHERE p_event_id IS NOT NULL AND u.event_id = p_event_id
+           AND u.observed_at >= COALESCE(v_earliest, '-infinity') AND u.observed_at <= COALESCE(v_latest, 'infinity') AND u.sample_id = p_sample_id
          LIMIT 1)
+        UNION ALL
+        (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
+         FROM usage_records u WHERE p_event_id IS NULL AND u.run_id = p_run_id AND u.sample_id = p_sample_id LIMIT 1)
         UNION ALL
         (SELECT 'same_time', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u WHERE u.run_id = p_run_id AND u.observed_at = p_observed_at)
@@ -82,14 +86,19 @@ BEGIN
                                 FROM usage_records u WHERE u.run_id = k.rid ORDER BY u.observed_at DESC LIMIT 1) AS l
         )
         -- The recorded sample of the same id, by its usage record's event id, within the months
-        -- its run has records in.
+        -- its run has records in (without one, from the release before: by run and sample id).
         SELECT s.i::integer, 'same_id', s.rid, u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
         FROM s JOIN usage_runs r ON r.run_id = s.rid
-        CROSS JOIN LATERAL (SELECT u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
-                            FROM usage_records u
-                            WHERE u.event_id = s.eid AND u.observed_at >= COALESCE(r.earliest_observed_at, '-infinity')
-                              AND u.observed_at <= COALESCE(r.latest_observed_at, 'infinity') AND u.sample_id = s.sid
-                            LIMIT 1) AS u
+        CROSS JOIN LATERAL (
+            (SELECT u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+             FROM usage_records u
+             WHERE s.eid IS NOT NULL AND u.event_id = s.eid AND u.observed_at >= COALESCE(r.earliest_observed_at, '-infinity')
+               AND u.observed_at <= COALESCE(r.latest_observed_at, 'infinity') AND u.sample_id = s.sid
+             LIMIT 1)
+            UNION ALL
+            (SELECT u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours
+             FROM usage_records u WHERE s.eid IS NULL AND u.run_id = s.rid AND u.sample_id = s.sid LIMIT 1)
+        ) AS u
         UNION ALL
         -- The usual case, a sample after everything recorded: its neighbour before is the latest.
         SELECT s.i::integer, 'before', s.rid, l.sample_id, l.observed_at, l.gpu_milli_hours, l.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
@@ -111,3 +120,18 @@ BEGIN
 END
 $$;
 ALTER FUNCTION metering_begin_batch(text[], text[], timestamptz[], text[]) SET plan_cache_mode = force_custom_plan;
+
+-- The versions of the release before, the same functions without event ids.
+CREATE OR REPLACE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz)
+RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
+               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
+LANGUAGE sql VOLATILE AS $$
+    SELECT * FROM metering_begin_sample(p_run_id, p_sample_id, p_observed_at, NULL::text)
+$$;
+
+CREATE OR REPLACE FUNCTION metering_begin_batch(p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[])
+RETURNS TABLE (idx integer, role text, run_id text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
+               max_gpus integer, max_nodes integer, first_decided_at timestamptz)
+LANGUAGE sql VOLATILE AS $$
+    SELECT * FROM metering_begin_batch(p_run_ids, p_sample_ids, p_observed_at, NULL::text[])
+$$;
