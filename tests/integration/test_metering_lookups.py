@@ -4,10 +4,12 @@ run's history, in the query the core uses (usage_neighbours)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
+import pytest
 
 from budgetgate.core.metering import usage_event_id
 from budgetgate.ledger.queries import owned_by
@@ -58,5 +60,36 @@ async def test_a_samples_lookups_read_a_handful_of_pages_however_long_its_runs_h
             pages, found = await _pages(conn, neighbours, "long", sample, at, usage_event_id("long", sample))
             assert found == roles
             assert pages < 60, f"{sample}: {pages} pages read for its lookups, of {heap_pages} the run's history fills"
+    finally:
+        await conn.close()
+
+
+async def test_a_batchs_lookups_read_a_handful_of_pages_however_long_its_runs_history(pg_dsn: str) -> None:
+    """The same for metering_begin_batch, whose statements run inside PL/pgSQL: their plans come
+    from auto_explain (Postgres's contrib module), as log messages to this session."""
+    conn = await asyncpg.connect(pg_dsn)
+    plans: list[dict[str, object]] = []
+    conn.add_log_listener(lambda _conn, message: plans.append(json.loads(message.message.partition("plan:\n")[2])) if "plan:" in message.message else None)
+    try:
+        await _seed(conn)
+        try:
+            await conn.execute("LOAD 'auto_explain'")
+        except asyncpg.PostgresError as exc:
+            pytest.skip(f"this Postgres has no auto_explain to show a function's plans: {exc}")
+        samples = ["s10000", "new"]
+        at = [START + timedelta(minutes=10_000), START + timedelta(minutes=HISTORY + 1)]
+        args = (["long", "long"], samples, at, [usage_event_id("long", s) for s in samples])
+        async with conn.transaction():
+            await conn.execute(
+                "SET LOCAL auto_explain.log_min_duration = 0; SET LOCAL auto_explain.log_nested_statements = on; SET LOCAL auto_explain.log_analyze = on;"
+                " SET LOCAL auto_explain.log_buffers = on; SET LOCAL auto_explain.log_format = json; SET LOCAL client_min_messages = log"
+            )
+            rows = await conn.fetch("SELECT idx, role FROM metering_begin_batch($1, $2, $3, $4) ORDER BY idx NULLS FIRST, role", *args)
+        await asyncio.sleep(0.1)  # the last log messages reach the listener
+        assert [(r["idx"], r["role"]) for r in rows] == [(None, "run"), (1, "after"), (1, "before"), (1, "same_id"), (1, "same_time"), (2, "before")]
+        nested = [p["Plan"] for p in plans if "metering_begin_batch" not in str(p.get("Query Text"))]
+        assert nested, "auto_explain showed none of the function's statements"
+        pages = sum(p["Shared Hit Blocks"] + p["Shared Read Blocks"] for p in nested)  # type: ignore[index,operator]
+        assert pages < 120, f"{pages} pages read by the batch's lookups: {[(p['Node Type'], p['Shared Hit Blocks']) for p in nested]}"  # type: ignore[index]
     finally:
         await conn.close()
