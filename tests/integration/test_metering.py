@@ -123,6 +123,52 @@ async def test_duplicated_resent_and_shuffled_stream_gives_the_clean_usage(meter
         assert points == [(k.observed_at, k.counters) for k in expected.recorded(run_id)]
 
 
+async def test_a_topic_read_again_from_its_start_changes_nothing(metering_factory, settings, pg_dsn) -> None:
+    """No inbox row per sample (its polls' offsets are recorded instead): a second consumer group
+    reading the whole topic again, as after a crash before offsets were committed or a group
+    whose offsets expired, finds every sample a duplicate of itself or pending already, and
+    writes no usage row, usage record or dead letter."""
+    topics = Topics(settings.topic_prefix)
+    await decide(pg_dsn, "run-a", "run-b")
+    stream = [sample(run, f"{run}/s{i}", 600.0 * i, minute=i, node_seconds=75.0 * i) for i in range(1, 8) for run in ("run-a", "run-b")]
+    recent = datetime.now(UTC) - timedelta(seconds=30)  # within the grace a run without a decision is given
+    stream.append(sample("run-late", "run-late/s1", 60.0, at=recent))  # its decision comes later: kept pending, then applied
+    stream.append(sample("run-never", "run-never/s1", 60.0, at=recent))  # never decided: kept pending
+    first = await metering_factory()
+    await first.wait_ready()
+    async with Publisher(settings.kafka_bootstrap) as publisher:
+        for message in stream:
+            await publisher.send(topics.metering, message, key=message.run_id)
+    await wait_for(lambda: _processed(first, len(stream)), what="every sample consumed")
+    await decide(pg_dsn, "run-late")
+    await wait_for(lambda: _rows(pg_dsn, 15), what="the pending sample applied once its run was decided")
+    await wait_for(lambda: published_outbox(pg_dsn), what="outbox relayed")
+    before = {
+        "rows": [dict(r) for r in await usage_rows(pg_dsn)],
+        "runs": await fetchval(pg_dsn, "SELECT array_agg(row(run_id, gpu_milli_hours_cumulative, samples)::text ORDER BY run_id) FROM usage_runs"),
+        "outbox": await count(pg_dsn, "outbox"),
+        "pending": await fetchval(pg_dsn, "SELECT array_agg(sample_id) FROM metering_pending"),
+    }
+    assert len(before["rows"]) == 15 and before["pending"] == ["run-never/s1"]
+
+    again = await metering_factory(consumer_group="metering-again")
+    await again.wait_ready()
+    await wait_for(lambda: _processed(again, len(stream)), what="the topic read again")
+    inbox = again.rt.inbox
+    assert (inbox.processed, inbox.duplicates, inbox.dead_lettered) == (len(stream), 0, 0)
+    exported = (await again.client.get("/metrics")).text
+    assert metric(exported, "budgetgate_metering_samples_total", outcome="duplicate", source="kafka") == 15
+    assert metric(exported, "budgetgate_metering_samples_total", outcome="pending", source="kafka") == 1
+    after = {
+        "rows": [dict(r) for r in await usage_rows(pg_dsn)],
+        "runs": await fetchval(pg_dsn, "SELECT array_agg(row(run_id, gpu_milli_hours_cumulative, samples)::text ORDER BY run_id) FROM usage_runs"),
+        "outbox": await count(pg_dsn, "outbox"),
+        "pending": await fetchval(pg_dsn, "SELECT array_agg(sample_id) FROM metering_pending"),
+    }
+    assert after == before
+    assert await count(pg_dsn, "inbox") == 0
+
+
 async def _processed(server, expected: int) -> bool:  # type: ignore[no-untyped-def]
     inbox = server.rt.inbox
     return inbox.processed + inbox.duplicates + inbox.dead_lettered >= expected
