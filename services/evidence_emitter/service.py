@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import timedelta
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -80,7 +79,7 @@ class EvidenceService(Service):
         return {
             "evidence-consumer": self._consume(),
             "evidence-sender": self.sender.run(),
-            "inbox-prune": prune_forever(self.inbox, keep=timedelta(hours=self.settings.consumer_retention_hours)),
+            "inbox-prune": prune_forever(self.inbox, keep=self.settings.consumer_retention),
         }
 
     async def checks(self) -> dict[str, str]:

@@ -231,22 +231,24 @@ class Ingestor:
                 left.append(index)
         await outbox.enqueue_bundle(conn, outbox.bundle_messages(topic=topics.USAGE, messages=announce, keys=keys, trace_headers=trace_headers))
         if left:
-            for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], now), strict=True):
+            for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], [event_ids[i] for i in left], now), strict=True):
                 outcomes[index] = outcome
         assert all(o is not None for o in outcomes), "metering_place_batch left a sample out"
         return [o for o in outcomes if o is not None]
 
-    async def _judge(self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]], now: datetime) -> list[Outcome | Rejected]:
+    async def _judge(
+        self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]], event_ids: Sequence[str], now: datetime
+    ) -> list[Outcome | Rejected]:
         """The core's judgement of samples the set-based rules leave to it (runs without a
         decision, with pending samples, with a sample above the run's bound, or with a conflict or
-        regression in the batch)."""
+        regression in the batch); `event_ids`, those of their usage records."""
         samples = [sample for sample, _ in batch]
-        begun = await store.begin_batch(conn, samples)  # every run's lock is held from here on
+        begun = await store.begin_batch(conn, samples, event_ids)  # every run's lock is held from here on
         introduced = sorted({s.run_id for s in samples if s.run_id not in begun.runs and s.run_id in begun.decided})
         if introduced:
             for run_id in introduced:
                 await self._introduce(conn, run_id)
-            begun = await store.begin_batch(conn, samples)  # re-read with their pending samples applied
+            begun = await store.begin_batch(conn, samples, event_ids)  # re-read with their pending samples applied
         outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
         known: list[int] = []
         for index, (sample, origin) in enumerate(batch):
@@ -261,8 +263,7 @@ class Ingestor:
         for index, outcome in zip(known, judged, strict=True):
             outcomes[index] = outcome
             if isinstance(outcome, Accepted):
-                sample = outcome.sample
-                event_id = usage_event_id(sample.run_id, sample.sample_id)
+                sample, event_id = outcome.sample, event_ids[index]
                 recorded.append((outcome, batch[index][1].source, event_id))
                 announce.append(usage_record(outcome, recorded_at=recorded_at, event_id=event_id))
                 keys.append(sample.run_id)

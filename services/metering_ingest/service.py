@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -80,7 +79,7 @@ class MeteringService(Service):
             "metering-consumer": self._consume(),
             "pending-recheck": self._recheck_pending(),
             "partitions-ahead": partitions.keep_ahead(self.pool, ahead=self.settings.ledger_partitions_ahead_months),
-            "inbox-prune": prune_forever(self.inbox, keep=timedelta(hours=self.settings.consumer_retention_hours)),
+            "inbox-prune": prune_forever(self.inbox, keep=self.settings.consumer_retention),
         }
 
     async def checks(self) -> dict[str, str]:

@@ -191,12 +191,13 @@ class BatchBegun:
         return _view(state, self.neighbours.get(index, []), tolerance)
 
 
-async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample]) -> BatchBegun:
-    """Take the locks of the samples' runs and read what judging them needs, in one round trip."""
+async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample], event_ids: Sequence[str]) -> BatchBegun:
+    """Take the locks of the samples' runs and read what judging them needs, in one round trip
+    (`event_ids`: those of the samples' usage records, by which a recorded sample of the same id
+    is found)."""
     rows = await conn.fetch(
-        sql("metering_begin_batch"),
-        [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples], [usage_event_id(s.run_id, s.sample_id) for s in samples],
-    )  # fmt: skip
+        sql("metering_begin_batch"), [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples], list(event_ids)
+    )
     runs, decided, neighbours = {}, set(), defaultdict(list)
     for row in rows:
         if row["role"] == "run":

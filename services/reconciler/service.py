@@ -136,7 +136,7 @@ class Reconciler(Service):
             "reconciler-settle": self._guarded("settle", self._settle_marked),
             "reconciler-upkeep": self._guarded("upkeep", self._upkeep),
             "partitions-ahead": partitions.keep_ahead(self.pool, ahead=self.settings.ledger_partitions_ahead_months),
-            "inbox-prune": prune_forever(self.inbox, keep=timedelta(hours=self.settings.consumer_retention_hours)),
+            "inbox-prune": prune_forever(self.inbox, keep=self.settings.consumer_retention),
         }
 
     async def checks(self) -> dict[str, str]:

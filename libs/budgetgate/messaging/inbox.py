@@ -30,9 +30,10 @@ A service gives each topic a route:
   anew) starts its offsets again, and those records are new.
 
 Messages are decoded (`wire.decode`) before any handler sees them; one that cannot be is poison.
-Duplicates (an event id this consumer's inbox already has, or one repeated within the batch)
-never reach a handler (of a route tracked by offsets: one repeated within the batch). Any other exception is a passing outage: the whole batch is retried with
-capped backoff, in place, so nothing is skipped; its offsets are committed only once it is done.
+Duplicates (an event id this consumer's inbox already has, or one repeated within the batch; for
+a route tracked by offsets, only the latter) never reach a handler. Any other exception is a
+passing outage: the whole batch is retried with capped backoff, in place, so nothing is skipped;
+its offsets are committed only once it is done.
 
 `Inbox.apply(records)` is that transactional step, whatever polled the records: the services
 consume through a FastStream batch subscriber that applies each poll and acknowledges it (commits

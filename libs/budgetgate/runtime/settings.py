@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -144,6 +145,11 @@ class CommonSettings(BaseSettings):
     # so keep it above the retention of the topics read (Kafka's retention.ms, 7 days by
     # default): a group whose committed offsets expired reads its topics from the start.
     consumer_retention_hours: float = Field(default=336.0, gt=0)
+
+    @property
+    def consumer_retention(self) -> timedelta:
+        """`consumer_retention_hours`, what each consuming service's `prune_forever` keeps."""
+        return timedelta(hours=self.consumer_retention_hours)
 
     @property
     def kafka_group_timing(self) -> dict[str, int]:
