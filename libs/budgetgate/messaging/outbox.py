@@ -87,8 +87,11 @@ async def claim(conn: asyncpg.Connection, batch: int) -> list[asyncpg.Record]:
     The statements are prepared once per connection, usually while the outbox is all but empty,
     and the mark's plan made then joined by scanning the whole table. The table keeps every row
     published within the replay window, so each relay pass read all of them (admission's open
-    loop got slower for as long as the window filled). The claim's own plan probes the pending
-    index whenever it is made; an idle pass, which finds nothing, costs one round trip.
+    loop got slower for as long as the window filled). A custom plan did the same while the
+    table held a few thousand rows (hashing ten ids and reading the table was costed below ten
+    probes per partition); the mark now names its rows to the scan as well (mark_published), so
+    every plan of it probes the key. The claim's own plan probes the pending index whenever it is
+    made; an idle pass, which finds nothing, costs one round trip.
 
     The transaction's commit does not wait for its WAL flush (synchronous_commit off): what it
     records is that rows were published, and a crash that loses it only makes them pending

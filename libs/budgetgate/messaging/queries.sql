@@ -26,13 +26,16 @@ VALUES ($1, $5::jsonb, cardinality($3::bytea[]), $2::text[], $3::bytea[], $4::te
 -- name: mark_published
 -- Rows the broker acknowledged every record of: ($1 row id, $2 partition) pairs, one for each
 -- partition a row's records went to; and the lowest offset each partition acknowledged in the
--- batch ($3 topics, $4 partitions, $5 offsets: one per partition).
+-- batch ($3 topics, $4 partitions, $5 offsets: one per partition). The rows are named to the
+-- outbox's scan too (`o.id = ANY($1)`), so every plan probes each partition's key for them:
+-- joined by `o.id = a.id` alone, a plan hashed the acknowledged ids and read the whole outbox,
+-- every row published within the replay window, on each pass.
 WITH acked AS (
     SELECT a.id, array_agg(DISTINCT a.kafka_partition ORDER BY a.kafka_partition) AS partitions
     FROM unnest($1::bigint[], $2::integer[]) AS a(id, kafka_partition) GROUP BY a.id
 ), marked AS (
     UPDATE outbox o SET published_at = now(), kafka_partitions = a.partitions
-    FROM acked a WHERE o.id = a.id
+    FROM acked a WHERE o.id = a.id AND o.id = ANY($1::bigint[])
 )
 INSERT INTO outbox_watermarks AS w (topic, kafka_partition, acked_offset)
 SELECT * FROM unnest($3::text[], $4::integer[], $5::bigint[])
