@@ -539,31 +539,31 @@ $$;
 -- by which a recorded sample of the same id is found (within the months its run has records in);
 -- the versions without them, for processes of the release before, call these without event ids,
 -- and a sample without one is found by run and sample id. (0019: each planned for every call.)
+-- 0040: metering_begin_sample reads its run's row once (it read it twice).
 CREATE FUNCTION metering_begin_sample(p_run_id text, p_sample_id text, p_observed_at timestamptz, p_event_id text)
 RETURNS TABLE (role text, sample_id text, observed_at timestamptz, gpu_milli_hours bigint, node_milli_hours bigint,
                max_gpus integer, max_nodes integer, first_decided_at timestamptz)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_earliest timestamptz;
-    v_latest timestamptz;
+    v_run usage_runs%ROWTYPE;
 BEGIN
     PERFORM pg_advisory_xact_lock(7310, hashtext(p_run_id));
-    RETURN QUERY
-        SELECT 'run', NULL::text, r.latest_observed_at, r.gpu_milli_hours_cumulative, r.node_milli_hours_cumulative,
-               r.max_gpus, r.max_nodes, r.first_decided_at
-        FROM usage_runs r WHERE r.run_id = p_run_id;
+    SELECT * INTO v_run FROM usage_runs r WHERE r.run_id = p_run_id;
     IF NOT FOUND THEN
         RETURN QUERY
             SELECT 'decision', NULL::text, NULL::timestamptz, NULL::bigint, NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz
             WHERE EXISTS (SELECT 1 FROM decisions d WHERE d.run_id = p_run_id);
         RETURN;
     END IF;
-    SELECT r.earliest_observed_at, r.latest_observed_at INTO v_earliest, v_latest FROM usage_runs r WHERE r.run_id = p_run_id;
+    RETURN QUERY
+        SELECT 'run', NULL::text, v_run.latest_observed_at, v_run.gpu_milli_hours_cumulative, v_run.node_milli_hours_cumulative,
+               v_run.max_gpus, v_run.max_nodes, v_run.first_decided_at;
     RETURN QUERY
         (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
          FROM usage_records u
          WHERE p_event_id IS NOT NULL AND u.event_id = p_event_id
-           AND u.observed_at >= COALESCE(v_earliest, '-infinity') AND u.observed_at <= COALESCE(v_latest, 'infinity') AND u.sample_id = p_sample_id
+           AND u.observed_at >= COALESCE(v_run.earliest_observed_at, '-infinity')
+           AND u.observed_at <= COALESCE(v_run.latest_observed_at, 'infinity') AND u.sample_id = p_sample_id
          LIMIT 1)
         UNION ALL
         (SELECT 'same_id', u.sample_id, u.observed_at, u.gpu_milli_hours, u.node_milli_hours, NULL::integer, NULL::integer, NULL::timestamptz
