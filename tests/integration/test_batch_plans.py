@@ -4,8 +4,11 @@ ANALYZE: PL/pgSQL keeps the generic plan it made on the empty tables, and with b
 first query (DISTINCT ON over run_id = ANY) that was a full scan per batch (admission's open
 loop got slower with every decision it stored; this test found 4 full scans of decisions).
 begin_batch now probes the index per run (0020), a plan that stays right whenever it is made;
-the metering functions are planned for each call (0019). Each test counts the sequential scans
-of the grown table in its own transaction (pg_stat_xact_user_tables)."""
+the metering functions are planned for each call (0019); since 0039 begin_batch always takes
+its generic plan, so that plan must probe the decisions' partitions too. Each test counts the
+sequential scans of the grown table, every partition of it, in its own transaction
+(pg_stat_xact_user_tables; a partitioned table has none of its own, which these tests counted
+until 0039, so they could not fail)."""
 
 from __future__ import annotations
 
@@ -87,7 +90,7 @@ async def test_the_relay_claims_and_marks_by_index_after_the_outbox_grew_without
     usage record). The mark's generic plan, made on the small table, scanned all of them on
     every pass: admission's open loop got slower for as long as the window filled (2,409 full
     scans of the outbox, 10 million rows read, in 45 s at 700 decisions/s). Planned for its
-    parameters, it still hashed the ids and scanned a table of a few thousand rows (40 s of the
+    parameters, it still hashed the ids and scanned a table of a few thousand rows (20 s of the
     200/s open loop: 1.6 ms a pass); it now names its rows to the scan."""
     from budgetgate.messaging import outbox
     from budgetgate.ledger.queries import owned_by

@@ -8,12 +8,14 @@
 --     partition) took a custom plan on 70 % of calls: a generic plan of a query over a
 --     partitioned table is costed as if it read every partition, though it prunes them when it
 --     runs, so the plan cache judged it dearer. Planned for the parameters each time (220 µs),
---     it ran in 20 µs. Its generic plan is now always used. That plan, made on empty tables
---     (as every connection of a new deployment makes it), hashed the whole of decisions on each
---     call: the planner had pulled the decision's subquery up into a join. The decision is now
---     read by a LIMIT 1 subquery, which stays apart, so every plan probes decision_keys' index
---     per run and the partition of each decision's key, pruning the others as it runs
---     (tests/integration/test_batch_plans.py, whose count of scans had missed the partitions).
+--     it ran in 20 µs. Its generic plan is now always used. Forced so, the query as it was
+--     hashed the whole of decisions on each call whenever that plan was made on empty tables
+--     (as every connection of a new deployment makes it): the planner pulled the decision's
+--     subquery up into a join. (Left to choose, the plan cache had taken custom plans there.)
+--     The decision is now read by a LIMIT 1 subquery, which stays apart, so every plan probes
+--     decision_keys' index per run and the partition of each decision's key, pruning the others
+--     as it runs (tests/integration/test_batch_plans.py, whose count of scans had missed the
+--     partitions).
 CREATE OR REPLACE FUNCTION budgetgate_committed_ledger_seq() RETURNS bigint
 LANGUAGE plpgsql STABLE AS $$
 BEGIN
