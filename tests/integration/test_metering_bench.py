@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.bench import assert_nothing_left
 
 
@@ -24,6 +26,13 @@ async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres
     assert report["ingest"]["usage_records"] == 120
     assert report["ingest"]["rows_per_second"] > 0 and report["copy"]["rows_per_second"] > 0
     assert report["ratio_rows_per_second"] is not None
+    # COPY's own CPU, the reference per row: its client (the benchmark's process) and the server
+    # process that wrote the rows, both on this machine, so both read (120 rows may take less
+    # than the clock tick CPU time is counted in, so zero is possible).
+    copy_cpu = report["copy"]["cpu"]
+    assert list(copy_cpu["us_per_unit"]) == ["client", "postgres"]
+    assert all(spent is not None and spent >= 0 for spent in copy_cpu["us_per_unit"].values())
+    assert copy_cpu["all_parts_us_per_unit"] == pytest.approx(sum(copy_cpu["us_per_unit"].values()), abs=0.2)
     # CPU per sample from the service's first commit, per the samples consumed after it (none
     # left when one poll took them all: then no figure rather than a false one). The service is
     # a process of this machine; the broker was given, not started here, so unknown.
@@ -33,6 +42,7 @@ async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres
         assert list(cpu["us_per_unit"]) == ["service", "postgres", "broker"]
         assert cpu["us_per_unit"]["service"] is not None and cpu["us_per_unit"]["broker"] is None
         assert cpu["bound_per_second"] is None and cpu["bound"] is None  # the broker's cost is unknown
+        assert report["cpu_ratio_to_copy"] is None  # nor, so, the service's all parts
 
     # The service's garbage collection, from its /metrics: the thresholds it runs with leave a
     # load this small nearly uncollected, and what was collected took part of its CPU.

@@ -52,6 +52,31 @@ def test_the_cpu_bound_is_given_in_rows_and_held_against_copy() -> None:
     ) in text
 
 
+def test_the_cpu_per_sample_is_held_against_copys_cpu_per_row() -> None:
+    # The service's 1100 samples cost 0.0825 CPU seconds in all (75 µs a sample); COPY's 1000
+    # rows cost its client 0.006 and its server 0.009 (15 µs a row): 5x.
+    from budgetgate.benchmark import metering_report
+    from budgetgate.benchmark.cpu import CpuUse
+
+    result = metering_runner.Result(
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.1, rows=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
+        cpu=CpuUse(seconds=0.06, parts={"service": 0.05, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2), cpu_samples=1100,
+        copy_cpu=CpuUse(seconds=0.01, parts={"client": 0.006, "postgres": 0.009}, machine_busy=0.6, cpus=2),
+    )  # fmt: skip
+
+    report = metering_report.as_json(metering_runner.Options(), [result])
+    assert report["copy"]["cpu"]["us_per_unit"] == {"client": pytest.approx(6.0), "postgres": pytest.approx(9.0)}
+    assert report["copy"]["cpu"]["all_parts_us_per_unit"] == pytest.approx(15.0)
+    assert report["cpu_ratio_to_copy"] == 5.0
+    text = metering_report.as_text(metering_runner.Options(), [result])
+    assert "COPY (the fastest of 3), CPU µs per row: all parts 15 (client 6, postgres 9)" in text
+    assert "metering-ingest's CPU per sample, all parts, is 5.0x COPY's per row" in text
+
+    # Unknown on either side (a broker on another host), no ratio rather than a false one.
+    unknown = metering_runner.Result(**{**result.__dict__, "cpu": CpuUse(seconds=0.06, parts={"service": 0.05, "broker": None}, machine_busy=0.7, cpus=2)})
+    assert metering_report.as_json(metering_runner.Options(), [unknown])["cpu_ratio_to_copy"] is None
+
+
 def _round(*, ingest_seconds: float, copy_seconds: float, service: float, problems: list[str] | None = None) -> metering_runner.Result:
     from budgetgate.benchmark.cpu import CpuUse
     from budgetgate.benchmark.pauses import Collections

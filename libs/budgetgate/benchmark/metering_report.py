@@ -31,6 +31,8 @@ def as_json(options: Options, results: Sequence[Result]) -> dict[str, Any]:
             "copy_rows_per_second": spread((r["copy"]["rows_per_second"] for r in rounds), digits=1),
             "service_us_per_sample": spread((_service_us(r["cpu"]) for r in rounds), digits=1),
             "all_parts_us_per_sample": spread((r["cpu"]["all_parts_us_per_unit"] if r["cpu"] else None for r in rounds), digits=1),
+            "copy_all_parts_us_per_row": spread((r["copy"]["cpu"]["all_parts_us_per_unit"] if r["copy"]["cpu"] else None for r in rounds), digits=2),
+            "cpu_ratio_to_copy": spread((r["cpu_ratio_to_copy"] for r in rounds), digits=2),
             "us_per_sample": {part: spread((r["cpu"]["us_per_unit"].get(part) if r["cpu"] else None for r in rounds), digits=1) for part in _parts(rounds)},
             "window_samples_per_second": spread((r["window"]["samples_per_second"] if r["window"] else None for r in rounds), digits=1),
         },
@@ -75,8 +77,15 @@ def _one(options: Options, result: Result) -> dict[str, Any]:
             "usage_records": result.published,
             "outbox_unpublished_at_end": result.unpublished_at_end,
         },
-        "copy": {"seconds": round(result.copy_seconds, 3), "rows": result.rows, "rows_per_second": copy_rows_per_s, "best_of": COPY_TRIES},
+        "copy": {
+            "seconds": round(result.copy_seconds, 3),
+            "rows": result.rows,
+            "rows_per_second": copy_rows_per_s,
+            "best_of": COPY_TRIES,
+            "cpu": result.copy_cpu.as_json(result.rows) if result.copy_cpu else None,
+        },
         "ratio_rows_per_second": round(ingest_rows_per_s / copy_rows_per_s, 5) if copy_rows_per_s else None,
+        "cpu_ratio_to_copy": _cpu_ratio(result),
         "cpu": {**result.cpu.as_json(result.cpu_samples), "samples": result.cpu_samples, "bound": _bound(result, copy_rows_per_s)} if result.cpu else None,
         "window": _window(result),
         "replicas": result.replicas,
@@ -109,6 +118,10 @@ def as_text(options: Options, results: Sequence[Result]) -> str:
     if medians["all_parts_us_per_sample"] is not None:
         each = ", ".join(f"{part} {_figure(figure)}" for part, figure in medians["us_per_sample"].items())
         parts.append(f"all parts CPU µs per sample {_figure(medians['all_parts_us_per_sample'])} ({each})")
+    if medians["copy_all_parts_us_per_row"] is not None:
+        parts.append(f"COPY's CPU µs per row, all parts {_figure(medians['copy_all_parts_us_per_row'], digits=1)}")
+    if medians["cpu_ratio_to_copy"] is not None:
+        parts.append(f"CPU per sample / COPY's per row {_x(medians['cpu_ratio_to_copy'])}")
     lines.append(f"median of {len(results)} rounds: " + "; ".join(parts))
     lines += [f"correctness: FAILED - {problem}" for problem in data["problems"] if not problem.startswith(f"round {middle}: ")]
     return "\n".join(lines)
@@ -120,6 +133,9 @@ def _round_line(number: int, data: dict[str, Any]) -> str:
     if data["cpu"] is not None:
         cpu = data["cpu"]
         line += f"; CPU µs per sample: {parts_text(cpu['us_per_unit'], cpu['groups'], cpu['group_us_per_unit'])}"
+    if data["copy"]["cpu"] is not None:
+        line += f"; COPY's per row {data['copy']['cpu']['all_parts_us_per_unit']}"
+        line += "" if data["cpu_ratio_to_copy"] is None else f" ({data['cpu_ratio_to_copy']}x)"
     if data["garbage_collection"] is not None and data["garbage_collection"]["share"] is not None:
         line += f"; garbage collection {data['garbage_collection']['share']:.1%} of the service's CPU"
     return line + ("" if data["correct"] else "; FAILED its check")
@@ -129,8 +145,8 @@ def _x(summary: dict[str, Any] | None) -> str:
     return "-" if summary is None else f"{summary['median']}x ({summary['low']}x-{summary['high']}x)"
 
 
-def _figure(summary: dict[str, Any] | None) -> str:
-    return "-" if summary is None else f"{summary['median']:.0f} ({summary['low']:.0f}-{summary['high']:.0f})"
+def _figure(summary: dict[str, Any] | None, *, digits: int = 0) -> str:
+    return "-" if summary is None else f"{summary['median']:.{digits}f} ({summary['low']:.{digits}f}-{summary['high']:.{digits}f})"
 
 
 def _one_text(options: Options, result: Result) -> str:
@@ -160,6 +176,10 @@ def _one_text(options: Options, result: Result) -> str:
         if bound is not None and held is not None:
             against_copy = "" if held["ratio_rows_per_second"] is None else f": {held['ratio_rows_per_second']}x COPY"
             lines.append(f"  {bound}; in rows {held['rows_per_second']:.0f}/s{against_copy}")
+    if result.copy_cpu is not None:
+        lines.append(f"COPY (the fastest of {COPY_TRIES}), {result.copy_cpu.line(result.rows, 'row')}")
+        if data["cpu_ratio_to_copy"] is not None:
+            lines.append(f"  metering-ingest's CPU per sample, all parts, is {data['cpu_ratio_to_copy']}x COPY's per row")
     if result.collections is not None:
         lines.append(result.collections.line())
     if result.correct:
@@ -191,6 +211,14 @@ def _bound(result: Result, copy_rows_per_s: float) -> dict[str, float | None] | 
         return None
     rows = samples * result.rows / result.messages
     return {"rows_per_second": round(rows, 1), "ratio_rows_per_second": round(rows / copy_rows_per_s, 5) if copy_rows_per_s else None}
+
+
+def _cpu_ratio(result: Result) -> float | None:
+    """The service's CPU per sample consumed, all parts, over COPY's per row, all parts (its
+    client and its server): how many times dearer a sample is than a row bulk-loaded."""
+    ingest = result.cpu.all_parts_us(result.cpu_samples) if result.cpu else None
+    copy = result.copy_cpu.all_parts_us(result.rows) if result.copy_cpu else None
+    return None if ingest is None or not copy else round(ingest / copy, 2)
 
 
 def _per_second(count: int, seconds: float) -> float:
