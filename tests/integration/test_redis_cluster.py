@@ -18,6 +18,8 @@ from redis.asyncio import RedisCluster
 
 from budgetgate.devstack.redis_cluster import SLOTS, EmbeddedRedisCluster
 from budgetgate.edge.auth import _shared_storage
+from budgetgate.ledger import rewrite
+from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.runtime import redis_client
 from tests.support.devstack import alive_pids, checkout, dev, new_checkout, not_zombie, status  # noqa: F401 - checkout, new_checkout: fixtures
 
@@ -63,6 +65,23 @@ async def test_connect_reaches_every_master_and_runs_a_script_on_the_slot_of_its
         assert await script(keys=["{org-1}:a", "{org-1}:b"], args=[5]) == 10
         with pytest.raises(redis.exceptions.RedisClusterException):  # keys of two slots: refused by the client
             await script(keys=["{org-1}:a", "{org-2}:b"], args=[1])
+    finally:
+        await client.aclose()
+
+
+async def test_a_rebuild_whose_first_command_is_its_claim_runs_on_a_new_cluster_client(cluster: EmbeddedRedisCluster) -> None:
+    """`budgetgate ledger rebuild-redis` and a forced rebuild begin with a MULTI/EXEC (the fence's
+    claim). redis-py's cluster client failed one sent before it had found the nodes ("attached
+    to a different loop"); rewrite.replace_all has it find them first."""
+    client = redis_client.connect(cluster.url, socket_timeout=5)
+    ledger = RedisLedger(client, prefix="rebuild-first")
+    try:
+
+        async def holding() -> None:
+            return None
+
+        await rewrite.replace_all(ledger, ledgers={"k|w|gpu_hours": (3, 4)}, runs={}, generation="g", holding=holding, seq=7)
+        assert await ledger.is_loaded() and await ledger.readings(["k|w|gpu_hours"]) == {"k|w|gpu_hours": (3, 4)}
     finally:
         await client.aclose()
 

@@ -55,6 +55,10 @@ async def replace_all(
     """
     client, fence, token = ledger.client, fence_key(ledger), uuid.uuid4().hex
     with refusals_as_outages():
+        # A Redis Cluster client whose first command is a MULTI/EXEC fails it ("Future attached
+        # to a different loop", redis-py 8.1): it finds the cluster's nodes first. A single
+        # Redis's client does nothing here.
+        await client.initialize()
         claim = client.pipeline(transaction=True)
         claim.set(fence, token)
         claim.delete(ledger.marker)
