@@ -316,7 +316,7 @@ class Admitter:
         entries = [records.entry(c) | {"policy_git_sha": sha} for c, sha in charges.values()]
         await conn.execute(sql("ensure_ledger_entries"), orjson.dumps(entries).decode())
         for row in await conn.fetch(sql("ledger_figures"), list(charges)):
-            await self.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"])
+            await self.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
 
     async def _decisions(self, conn: asyncpg.Connection, fresh: list[Pending]) -> list[records.DecisionRecord]:
         """The decision of every fresh submission, from what Redis read and reserved."""

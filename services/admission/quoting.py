@@ -84,7 +84,7 @@ class Quoter:
             keys = [p.plan.charges[i].ledger_key for i in result.unloaded]
             rows = await admitter.pool.fetch(sql("ledger_figures"), keys)
             for row in rows:
-                await admitter.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"])
+                await admitter.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
             if rows:
                 result = await admitter.ledger.check(asked, now_ms=now_ms, committed_seq=committed)
         return result

@@ -132,7 +132,7 @@ async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime,
             # Never loaded since the last rebuild: load Postgres's figure, age on the next tick.
             figures = await pool.fetchrow(sql("entry_figures"), row["ledger_key"])
             if figures is not None:
-                await ledger.load_key(row["ledger_key"], reserved=figures["reserved"], consumed=figures["consumed"])
+                await ledger.load_key(row["ledger_key"], reserved=figures["reserved"], consumed=figures["consumed"], size=figures["size"])
             continue
         except LedgerNotLoaded as exc:
             log.info("ageing %s waits for the Redis ledger to be rebuilt: %s", row["ledger_key"], exc)

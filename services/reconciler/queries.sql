@@ -192,8 +192,10 @@ SELECT revision FROM run_settlements WHERE run_id = $1;
 SELECT run_id, phase, released, final, provisional, wall, review_at, revision, actual_gpu FROM run_settlements WHERE run_id = $1;
 
 -- name: entry_figures
+-- size: an escrow lease's (migration 0041), NULL for any other key.
 SELECT e.consumed,
-       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
+       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved,
+       (SELECT l.size FROM escrow_leases l WHERE l.lease_key = e.ledger_key) AS size
 FROM ledger_entries e WHERE e.ledger_key = $1;
 
 -- name: run_charge_rows

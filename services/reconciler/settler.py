@@ -409,7 +409,9 @@ class Settler:
     async def _load_key(self, ledger_key: str) -> None:
         """Load a key into Redis from Postgres's committed figures (none: it starts empty)."""
         row = await self.pool.fetchrow(sql("entry_figures"), ledger_key)
-        await self.ledger.load_key(ledger_key, reserved=row["reserved"] if row else 0, consumed=row["consumed"] if row else 0)
+        await self.ledger.load_key(
+            ledger_key, reserved=row["reserved"] if row else 0, consumed=row["consumed"] if row else 0, size=row["size"] if row else None
+        )
 
 
 async def _consumed_deltas(

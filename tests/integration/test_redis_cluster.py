@@ -80,8 +80,9 @@ async def test_a_rebuild_whose_first_command_is_its_claim_runs_on_a_new_cluster_
         async def holding() -> None:
             return None
 
-        await rewrite.replace_all(ledger, ledgers={"k|w|gpu_hours": (3, 4)}, runs={}, generation="g", holding=holding, seq=7)
+        await rewrite.replace_all(ledger, ledgers={"k|w|gpu_hours": (3, 4)}, runs={}, generation="g", holding=holding, seq=7, sizes={"k|w|gpu_hours": 9})
         assert await ledger.is_loaded() and await ledger.readings(["k|w|gpu_hours"]) == {"k|w|gpu_hours": (3, 4)}
+        assert await ledger.sizes(["k|w|gpu_hours"]) == {"k|w|gpu_hours": 9}
     finally:
         await client.aclose()
 

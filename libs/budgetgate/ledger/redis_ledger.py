@@ -25,7 +25,7 @@ from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolR
 
 log = logging.getLogger(__name__)
 
-_SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds", "renew", "rehold")
+_SCRIPTS = ("reserve", "release", "load_key", "settle_begin", "settle_end", "consume", "allocate", "deallocate", "release_holds", "renew", "rehold", "lease")
 # Lua shared by several scripts, prepended when they are registered.
 _LIBRARIES = {
     "reserve": ("pools", "holds"),
@@ -48,6 +48,7 @@ class ChargeRequest:
     amount: int
     limit: int
     hard: bool
+    lease: bool = False  # an escrow lease (budgetgate.ledger.escrow_leases): tested against its size in Redis, not `limit`
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +251,7 @@ class RedisLedger:
             keys += [key for level in levels for key in self.keys.pool(level.namespace)]
             args += [r.decision_id, len(r.charges), len(r.counters), len(levels)]
             for c in r.charges:
-                args += [c.amount, c.limit, 1 if c.hard else 0]
+                args += [c.amount, c.limit, "L" if c.lease else 1 if c.hard else 0]
             args += counter_args(r.counters) + pool_args(r.pool)
         reply = await self._scripts["reserve"](keys=keys, args=args)
         if not isinstance(reply, list):
@@ -340,12 +341,40 @@ class RedisLedger:
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return [int(v) == 1 for v in reply[:-1]], int(reply[-1])
 
-    async def load_key(self, ledger_key: str, *, reserved: int, consumed: int) -> bool:
-        """Load a ledger key from Postgres's figures unless present; True when loaded now."""
-        reply = await self._scripts["load_key"](keys=[self.marker, self.ledger(ledger_key)], args=[reserved, consumed])
+    async def load_key(self, ledger_key: str, *, reserved: int, consumed: int, size: int | None = None) -> bool:
+        """Load a ledger key from Postgres's figures (an escrow lease's with its `size`) unless
+        present; True when loaded now."""
+        args = [reserved, consumed] if size is None else [reserved, consumed, size]
+        reply = await self._scripts["load_key"](keys=[self.marker, self.ledger(ledger_key)], args=args)
         if isinstance(reply, list):
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return bool(reply)
+
+    async def move_lease(self, lease_key: str, *, size: int, grow: bool, amount: int, committed_seq: int) -> tuple[int, int]:
+        """Grow or shrink an escrow lease whose size Postgres holds as `size` (lease.lua): what it
+        moved (a shrink takes at most what its root does not hold) and the ledger sequence a
+        shrink advanced Redis to (0 for a grow), for the caller's transaction to record. Raises
+        LedgerNotLoaded (also when Redis is behind `committed_seq`, or its size is not
+        Postgres's: both call for a rebuild) or LedgerKeyMissing."""
+        keys = [self.marker, self.sequence, self.ledger(lease_key)]
+        reply = await self._scripts["lease"](keys=keys, args=[committed_seq, size, "grow" if grow else "shrink", amount])
+        status = _text(reply[0])
+        if status == "NOT_LOADED":
+            raise LedgerNotLoaded("the Redis ledger is not loaded, or is behind what Postgres committed")
+        if status == "MISSING":
+            raise LedgerKeyMissing(lease_key)
+        if status == "STALE":
+            await self.invalidate(f"escrow lease {lease_key!r} has size {int(reply[1])} in Redis and {size} in Postgres")
+            raise LedgerNotLoaded(f"lease {lease_key!r} has size {int(reply[1])} in Redis and {size} in Postgres")
+        return int(reply[1]), int(reply[2])
+
+    async def sizes(self, lease_keys: Iterable[str]) -> dict[str, int]:
+        """The size of each present escrow lease (a key with no size reads 0)."""
+        keys = list(lease_keys)
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(self.ledger(key), "reserved", "size")
+        return {key: int(size or 0) for key, (reserved, size) in zip(keys, await pipe.execute(), strict=True) if reserved is not None}
 
     def pending(self, run_id: str) -> str:
         return f"{self.tag}:p:{run_id}"

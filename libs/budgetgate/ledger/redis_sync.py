@@ -103,8 +103,9 @@ class LedgerSync:
         ledgers, runs = await _postgres_state(conn)
         held = await concurrency_state(conn, self.redis.keys, now=datetime.now(UTC))
         seq = await conn.fetchval(sql("committed_ledger_seq"))
+        sizes = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes"))}
         await rewrite.replace_all(
-            self.redis, ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq,
+            self.redis, ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, sizes=sizes,
             extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held), holding=lambda: conn.execute(sql("lock_ledger_exclusive")),
         )  # fmt: skip
         self.rebuilds += 1

@@ -43,6 +43,7 @@ async def replace_all(
     generation: str,
     holding: Callable[[], Awaitable[object]],
     seq: int = 0,
+    sizes: dict[str, int] | None = None,
     extra: Queue | None = None,
 ) -> None:
     """Replace everything under the ledger's prefix with Postgres's state, then mark it loaded.
@@ -50,7 +51,8 @@ async def replace_all(
     The marker goes first (in the claim) and last, so no reservation is made from a half-written
     ledger: until it is set again every script answers NOT_LOADED. The ledger sequence restarts
     at `seq`, the highest Postgres committed (see reserve.lua). `holding` raises unless the
-    caller still holds the ledger lock. Raises RebuildSuperseded when a newer rebuild claimed
+    caller still holds the ledger lock. `sizes`: the size of each escrow lease among `ledgers`
+    (budgetgate.ledger.escrow_leases), which Postgres holds. Raises RebuildSuperseded when a newer rebuild claimed
     Redis meanwhile; nothing of this one is written from then on.
     """
     client, fence, token = ledger.client, fence_key(ledger), uuid.uuid4().hex
@@ -71,7 +73,10 @@ async def replace_all(
 
         def write(pipe: Any) -> None:
             for key, (reserved, consumed) in ledgers.items():
-                pipe.hset(ledger.ledger(key), mapping={"reserved": reserved, "consumed": consumed})
+                figures = {"reserved": reserved, "consumed": consumed}
+                if sizes and key in sizes:
+                    figures["size"] = sizes[key]
+                pipe.hset(ledger.ledger(key), mapping=figures)
             for run_id, (decision_id, at_ms, amounts) in runs.items():
                 fields: dict[str, object] = {ledger.ledger(k): v for k, v in amounts.items()}
                 pipe.hset(ledger.run(run_id), mapping={**fields, "_decision": decision_id, "_at": at_ms})

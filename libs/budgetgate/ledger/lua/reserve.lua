@@ -16,7 +16,8 @@
 -- ARGV: [1] sequence Postgres committed, [2] now ms, [3] decisions, [4] mode: 'reserve', or
 --       'check' (a quote: the same checks and readings, nothing held, a run's own earlier hold
 --       ignored, a ledger key never loaded read as empty and named); then per decision:
---       decision id, n, m, pool levels; per ledger key: amount, limit, hard (1|0); per counter:
+--       decision id, n, m, pool levels; per ledger key: amount, limit, hard (1|0, or L for an
+--       escrow lease, whose limit is its size field, lease.lua); per counter:
 --       gpus, nodes, allocations to add, then their limits (-1 = none); then token, project,
 --       sub-namespace, lease expiry ms; per pool level: quota, project cap, sub-namespace cap
 --       (-1 = none).
@@ -49,7 +50,7 @@ local function reserve(kb, ab)
   local unloaded = {}
 
   for i = 1, n do
-    local state = redis.call('HMGET', KEYS[kb + 1 + i], 'reserved', 'consumed')
+    local state = redis.call('HMGET', KEYS[kb + 1 + i], 'reserved', 'consumed', 'size')
     if not state[1] then
       if not check then
         return {'MISSING', tostring(i)}
@@ -59,7 +60,11 @@ local function reserve(kb, ab)
     end
     local reserved, consumed = tonumber(state[1]), tonumber(state[2] or '0')
     local a = ab + 3 + 3 * (i - 1)
-    if ARGV[a + 3] == '1' and tonumber(ARGV[a + 1]) > tonumber(ARGV[a + 2]) - reserved - consumed then
+    local limit = tonumber(ARGV[a + 2])
+    if ARGV[a + 3] == 'L' then
+      limit = tonumber(state[3] or '0')  -- an escrow lease: its size is its limit (lease.lua)
+    end
+    if ARGV[a + 3] ~= '0' and tonumber(ARGV[a + 1]) > limit - reserved - consumed then
       fits = false
     end
     reply[#reply + 1] = reserved

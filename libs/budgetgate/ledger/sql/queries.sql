@@ -42,11 +42,17 @@ INSERT INTO ledger_marks (ledger_seq) VALUES ($1) ON CONFLICT (ledger_seq) DO NO
 INSERT INTO outbox (topic, key, payload, headers) VALUES ($1, $2, $3, $4);
 
 -- name: ledger_figures
--- Postgres's truth for ledger keys: consumed, and reserved as the sum of held reservations.
+-- Postgres's truth for ledger keys: consumed, and reserved as the sum of held reservations; an
+-- escrow lease's size (migration 0041), NULL for any other key.
 SELECT e.ledger_key, e.limit_amount, e.consumed,
        COALESCE((SELECT SUM(r.amount) FROM reservations r
-                 WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved
+                 WHERE r.ledger_key = e.ledger_key AND r.state = 'held'), 0)::bigint AS reserved,
+       (SELECT l.size FROM escrow_leases l WHERE l.lease_key = e.ledger_key) AS size
 FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
+
+-- name: escrow_sizes
+-- The size of every escrow lease (migration 0041), for a rebuild of Redis.
+SELECT lease_key, size FROM escrow_leases;
 
 -- name: all_ledger_figures
 SELECT e.ledger_key, e.limit_amount, e.consumed,
@@ -275,3 +281,45 @@ DELETE FROM ledger_archives WHERE partition = $1;
 SELECT k.run_id, k.decision_id, k.attempt, k.decided_at, a.partition, a.location
 FROM (SELECT * FROM decision_keys WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1) AS k
 JOIN ledger_archives a ON a.parent = 'decisions' AND k.decided_at >= a.range_start AND k.decided_at < a.range_end;
+
+-- name: escrow_open
+-- The lease of root $2 on the budget filed under $1, as ledger key $3 with scope id $4: its own
+-- ledger entry (the budget's window, unit, policy and limit, for reference: its limit in Redis is
+-- its size) and its escrow_leases row, of size 0, unless they exist. No row back when the budget
+-- has no ledger entry. Migration 0041.
+WITH budget AS (
+    SELECT * FROM ledger_entries WHERE ledger_key = $1
+), entry AS (
+    INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id, policy_git_sha, limit_amount)
+    SELECT $3, $4, unit, window_key, window_start, window_end, policy_id, policy_git_sha, limit_amount FROM budget
+    ON CONFLICT (ledger_key) DO NOTHING
+), lease AS (
+    INSERT INTO escrow_leases (ledger_key, root, lease_key, size)
+    SELECT $1, $2, $3, 0 FROM budget
+    ON CONFLICT (ledger_key, root) DO NOTHING
+)
+SELECT 1 FROM budget;
+
+-- name: escrow_lock_budget
+-- The budget's limit, its entry locked: every move of its leases takes this lock first, then
+-- the leases' (escrow_leases_locked), so moves of one budget are made one at a time.
+SELECT limit_amount FROM ledger_entries WHERE ledger_key = $1 FOR UPDATE;
+
+-- name: escrow_leases_locked
+-- Every lease of the budget $1, locked, with what Postgres knows it holds (consumed, and the
+-- held reservations committed).
+SELECT l.root, l.lease_key, l.size, e.consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key
+WHERE l.ledger_key = $1
+ORDER BY l.root
+FOR UPDATE OF l;
+
+-- name: escrow_move
+-- A lease's new size $4 after a move ($3: grant or return) of $5, recorded with its ledger
+-- sequence $6 (a return's) and reason $7.
+WITH moved AS (
+    UPDATE escrow_leases SET size = $4 WHERE ledger_key = $1 AND root = $2 RETURNING size
+)
+INSERT INTO escrow_moves (ledger_key, root, kind, amount, size_after, ledger_seq, reason)
+SELECT $1, $2, $3, $5, size, $6, $7 FROM moved;

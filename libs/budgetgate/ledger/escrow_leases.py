@@ -1,0 +1,132 @@
+"""Escrow leases: the slices of a budget that several roots of the account tree share, grown by
+grants and shrunk by returns, each move made in Postgres and Redis together and recorded
+(escrow_moves, migration 0041). The arithmetic is budgetgate.core.escrow's.
+
+Postgres holds each lease's size; Redis holds it too, beside what the lease's root reserved and
+consumed, and admission tests a reservation on a lease against that size (reserve.lua's lease
+charges). Every move runs as one ledger transaction (budgetgate.ledger.transaction: the ledger
+lock held shared from before the Redis step until the commit, so a rebuild never falls in
+between), with the budget's entry and its leases locked in Postgres:
+
+- a grant takes from what no lease holds (`core.escrow.grantable`, from Postgres's figures),
+  grows Redis's lease, then commits the new size;
+- a return shrinks Redis's lease first, by at most what its root holds neither reserved nor
+  consumed (lease.lua decides, atomically with admission's reservations), then commits the new
+  size with the ledger sequence the shrinking advanced Redis to (ledger_marks).
+
+So Redis's size is never above Postgres's for long enough to admit on: a Redis step whose commit
+failed, or may have, invalidates the Redis ledger (it is rebuilt from Postgres, sizes included);
+a Redis that loses a return (a replica promoted before it had it) is behind the sequence Postgres
+committed, and is rebuilt before it decides; one that loses a grant holds a smaller lease than
+Postgres granted, which refuses more, never less, and is rebuilt at its lease's next move (the
+sizes differ: lease.lua answers STALE).
+
+The roots' shards: every lease lives on its root's shard of the Redis ledger (`shard_of`); until
+the ledger is sharded by root (docs/scale-out.md), every root's shard is the one Redis ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import asyncpg
+
+from budgetgate.core import escrow
+from budgetgate.core.escrow import Lease
+from budgetgate.core.ledger_key import LedgerKey
+from budgetgate.ledger.queries import sql
+from budgetgate.ledger.redis_ledger import LedgerKeyMissing, RedisLedger
+from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
+
+log = logging.getLogger(__name__)
+
+
+class UnknownBudget(LookupError):
+    """The budget has no ledger entry: nothing to carve leases from."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseState:
+    """A lease as Postgres holds it: its key, size, and what is committed on it."""
+
+    root: str
+    lease_key: str
+    lease: Lease
+
+
+class Escrow:
+    """Grants and returns of the leases of budgets shared by roots."""
+
+    def __init__(self, pool: asyncpg.Pool, shard_of: Callable[[str], RedisLedger]) -> None:
+        self.pool = pool
+        self.shard_of = shard_of  # root -> the Redis ledger of its shard
+
+    async def open(self, ledger_key: str, root: str) -> str:
+        """Create `root`'s lease of the budget filed under `ledger_key` (size 0) unless it exists;
+        its ledger key. Raises UnknownBudget when the budget has no ledger entry."""
+        lease = escrow.lease_key(ledger_key, root)
+        scope_id = LedgerKey.parse(lease).scope_id
+        if await self.pool.fetchval(sql("escrow_open"), ledger_key, root, lease, scope_id) is None:
+            raise UnknownBudget(f"budget {ledger_key!r} has no ledger entry to carve leases from")
+        return lease
+
+    async def leases(self, ledger_key: str) -> dict[str, LeaseState]:
+        """Every lease of the budget, by root, as Postgres holds them (its committed figures)."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            return {s.root: s for s in await _locked(conn, ledger_key)}
+
+    async def grant(self, ledger_key: str, root: str, want: int, *, reason: str) -> int:
+        """Grow `root`'s lease by `want`, or by what is free of the budget's limit when that is
+        less; what it grew by (0: nothing was free, and nothing was written)."""
+        lease_key = await self.open(ledger_key, root)
+        ledger = self.shard_of(root)
+        async with ledger_transaction(self.pool, ledger) as work:
+            limit = await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
+            states = {s.root: s for s in await _locked(work.conn, ledger_key)}
+            given = escrow.grantable(limit, (s.lease for s in states.values()), want)
+            if given <= 0:
+                return 0
+            size = states[root].lease.size
+            moved, _ = await self._move(work, ledger, lease_key, size=size, grow=True, amount=given)
+            await work.conn.execute(sql("escrow_move"), ledger_key, root, "grant", size + moved, moved, None, reason)
+        log.info("escrow: granted %d to %s's lease of %s (%s)", moved, root, ledger_key, reason)
+        return moved
+
+    async def give_back(self, ledger_key: str, root: str, want: int, *, reason: str) -> int:
+        """Shrink `root`'s lease by `want`, or by what its root holds neither reserved nor
+        consumed when that is less; what it shrank by (0: nothing written)."""
+        lease_key = await self.open(ledger_key, root)
+        ledger = self.shard_of(root)
+        async with ledger_transaction(self.pool, ledger) as work:
+            await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
+            states = {s.root: s for s in await _locked(work.conn, ledger_key)}
+            size = states[root].lease.size
+            if escrow.returnable(states[root].lease, want) <= 0:
+                return 0  # what Postgres knows it holds already takes it all; Redis holds no less
+            moved, seq = await self._move(work, ledger, lease_key, size=size, grow=False, amount=want)
+            if moved <= 0:
+                return 0
+            await record_ledger_mark(work.conn, ledger, seq)
+            await work.conn.execute(sql("escrow_move"), ledger_key, root, "return", size - moved, moved, seq, reason)
+        log.info("escrow: %s gave back %d of its lease of %s (%s)", root, moved, ledger_key, reason)
+        return moved
+
+    async def _move(self, work: LedgerTransaction, ledger: RedisLedger, lease_key: str, *, size: int, grow: bool, amount: int) -> tuple[int, int]:
+        """The Redis step of a move, the lease's key loaded from Postgres first if Redis never had it."""
+        committed = await work.conn.fetchval(sql("committed_ledger_seq"))
+        work.redis_changed = True
+        try:
+            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed)
+        except LedgerKeyMissing:
+            row = await work.conn.fetchrow(sql("ledger_figures"), [lease_key])
+            await ledger.load_key(lease_key, reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
+            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed)
+
+
+async def _locked(conn: asyncpg.Connection, ledger_key: str) -> list[LeaseState]:
+    return [
+        LeaseState(row["root"], row["lease_key"], Lease(row["size"], row["reserved"], row["consumed"]))
+        for row in await conn.fetch(sql("escrow_leases_locked"), ledger_key)
+    ]

@@ -1,0 +1,254 @@
+"""Escrow leases on real Postgres and Redis (budgetgate.ledger.escrow_leases): grants and returns move a
+lease's size in both, recorded in Postgres; admission's reservations on a lease are tested
+against its size; and no interleaving of grants, returns, reservations and settlements of
+several roots, nor a Redis that lost a move, lets the roots admit more than the budget's limit.
+A ledger suite: it runs on a single Redis and on a Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import asyncpg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from budgetgate.core import escrow as arithmetic
+from budgetgate.ledger.escrow_leases import Escrow, UnknownBudget
+from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger, Reservation
+from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.transaction import ledger_transaction
+from budgetgate.runtime import redis_client
+
+BUDGET = "cost-center=ml|2026-11-01T00:00:00Z/2026-12-01T00:00:00Z|gpu_hours"
+LIMIT = 1_000
+ROOTS = ("org-a", "org-b", "org-c")
+NOW_MS = 1_796_000_000_000
+
+
+@dataclass
+class Setup:
+    pool: asyncpg.Pool
+    ledger: RedisLedger
+    escrow: Escrow
+    sync: LedgerSync
+
+
+@pytest.fixture
+async def setup(pg_dsn: str, redis_url: str, redis_prefix: str) -> AsyncIterator[Setup]:
+    client = redis_client.connect(redis_url)
+    ledger = RedisLedger(client, prefix=redis_prefix)
+    async with asyncpg.create_pool(pg_dsn, min_size=1, max_size=6) as pool:
+        await pool.execute(
+            "INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id, policy_git_sha, limit_amount)"
+            " VALUES ($1, 'cost-center=ml', 'gpu_hours', '2026-11-01T00:00:00Z/2026-12-01T00:00:00Z', '2026-11-01', '2026-12-01', 'ml', $2, $3)",
+            BUDGET, "a" * 40, LIMIT,
+        )  # fmt: skip
+        sync = LedgerSync(pool, ledger)
+        await sync.rebuild(force=True)
+        try:
+            yield Setup(pool, ledger, Escrow(pool, lambda _root: ledger), sync)
+        finally:
+            await client.aclose()
+
+
+async def reserve(s: Setup, root: str, amount: int, run_id: str | None = None) -> bool:
+    """A decision of `root` reserving `amount` on its lease alone, as admission will."""
+    lease = arithmetic.lease_key(BUDGET, root)
+    committed = await s.pool.fetchval("SELECT budgetgate_committed_ledger_seq()")
+    asked = Reservation(run_id or f"run-{uuid.uuid4().hex[:8]}", str(uuid.uuid4()), (ChargeRequest(lease, amount, 0, True, lease=True),))
+    for _ in range(2):
+        [result] = await s.ledger.reserve_batch([asked], now_ms=NOW_MS, committed_seq=committed)
+        if result.status != "MISSING":
+            return result.status == "RESERVED"
+        await s.escrow.open(BUDGET, root)  # a root's first decision on the budget opens its lease, of size 0
+        row = await s.pool.fetchrow(
+            "SELECT consumed, (SELECT size FROM escrow_leases WHERE lease_key = $1) AS size FROM ledger_entries WHERE ledger_key = $1", lease
+        )
+        await s.ledger.load_key(lease, reserved=0, consumed=row["consumed"], size=row["size"])
+    raise AssertionError("the lease's key stayed missing")
+
+
+async def sizes(s: Setup) -> tuple[dict[str, int], dict[str, int]]:
+    """Each root's lease size in Postgres and in Redis."""
+    postgres = {row["root"]: row["size"] for row in await s.pool.fetch("SELECT root, size FROM escrow_leases WHERE ledger_key = $1", BUDGET)}
+    redis = await s.ledger.sizes([arithmetic.lease_key(BUDGET, root) for root in postgres])
+    return postgres, {root: redis.get(arithmetic.lease_key(BUDGET, root), 0) for root in postgres}
+
+
+async def test_a_grant_grows_the_lease_in_both_and_reservations_keep_within_it(setup: Setup) -> None:
+    s = setup
+    assert await s.escrow.grant(BUDGET, "org-a", 300, reason="refill") == 300
+    assert await sizes(s) == ({"org-a": 300}, {"org-a": 300})
+    assert await reserve(s, "org-a", 200)
+    assert not await reserve(s, "org-a", 101)  # 200 + 101 > 300
+    assert await reserve(s, "org-a", 100)
+    assert not await reserve(s, "org-b", 1)  # org-b has no lease yet: size 0
+
+    moves = await s.pool.fetch("SELECT root, kind, amount, size_after, reason FROM escrow_moves ORDER BY id")
+    assert [tuple(m) for m in moves] == [("org-a", "grant", 300, 300, "refill")]
+
+
+async def test_grants_give_only_what_no_lease_holds(setup: Setup) -> None:
+    s = setup
+    assert await s.escrow.grant(BUDGET, "org-a", 700, reason="refill") == 700
+    assert await s.escrow.grant(BUDGET, "org-b", 500, reason="refill") == 300
+    assert await s.escrow.grant(BUDGET, "org-c", 1, reason="refill") == 0
+    assert await sizes(s) == ({"org-a": 700, "org-b": 300, "org-c": 0}, {"org-a": 700, "org-b": 300, "org-c": 0})
+    assert await s.pool.fetchval("SELECT count(*) FROM escrow_moves") == 2  # a grant of nothing writes nothing
+
+
+async def test_a_return_never_takes_what_the_root_holds_and_is_marked(setup: Setup) -> None:
+    s = setup
+    await s.escrow.grant(BUDGET, "org-a", 400, reason="refill")
+    assert await reserve(s, "org-a", 250)  # in Redis only, as a decision in flight
+    seq_before = await s.pool.fetchval("SELECT budgetgate_committed_ledger_seq()")
+
+    assert await s.escrow.give_back(BUDGET, "org-a", 400, reason="idle") == 150
+    assert await sizes(s) == ({"org-a": 250}, {"org-a": 250})
+    move = await s.pool.fetchrow("SELECT kind, amount, size_after, ledger_seq FROM escrow_moves WHERE kind = 'return'")
+    assert (move["amount"], move["size_after"]) == (150, 250)
+    assert move["ledger_seq"] > seq_before
+    assert await s.pool.fetchval("SELECT budgetgate_committed_ledger_seq()") == move["ledger_seq"]  # in ledger_marks
+    assert await s.escrow.give_back(BUDGET, "org-a", 10, reason="idle") == 0  # nothing unused left
+    assert await s.escrow.grant(BUDGET, "org-b", 1_000, reason="refill") == 750  # what org-a returned is free again
+
+
+async def test_concurrent_grants_and_returns_never_carve_more_than_the_limit(setup: Setup) -> None:
+    s = setup
+
+    async def moves(root: str) -> None:
+        for number in range(6):
+            if number % 3 == 2:
+                await s.escrow.give_back(BUDGET, root, 90, reason="idle")
+            else:
+                await s.escrow.grant(BUDGET, root, 170, reason="refill")
+            await reserve(s, root, 40)
+
+    await asyncio.gather(*(moves(root) for root in ROOTS))
+    postgres, redis = await sizes(s)
+    assert postgres == redis
+    assert sum(postgres.values()) <= LIMIT
+    granted = await s.pool.fetchval("SELECT COALESCE(sum(CASE kind WHEN 'grant' THEN amount ELSE -amount END), 0) FROM escrow_moves")
+    assert granted == sum(postgres.values())  # the moves account for every size
+
+
+async def test_a_redis_that_lost_a_return_is_rebuilt_before_it_decides(setup: Setup) -> None:
+    """A replica promoted before it had the shrinking: its lease is larger than Postgres's, and
+    its sequence is behind the return's, which Postgres recorded. It decides nothing until
+    rebuilt, and the rebuild gives it Postgres's sizes."""
+    s = setup
+    lease = arithmetic.lease_key(BUDGET, "org-a")
+    await s.escrow.grant(BUDGET, "org-a", 600, reason="refill")
+    seq = int(await s.ledger.client.get(s.ledger.sequence))
+    assert await s.escrow.give_back(BUDGET, "org-a", 500, reason="idle") == 500
+    await s.ledger.client.hset(s.ledger.ledger(lease), "size", 600)  # the shrinking lost...
+    await s.ledger.client.set(s.ledger.sequence, seq)  # ...with the sequence it advanced
+
+    with pytest.raises(LedgerNotLoaded):
+        await reserve(s, "org-a", 550)
+    await s.sync.ensure_loaded()
+    assert await sizes(s) == ({"org-a": 100}, {"org-a": 100})
+    assert not await reserve(s, "org-a", 550)
+
+
+async def test_a_redis_that_lost_a_grant_refuses_more_until_its_next_move_rebuilds_it(setup: Setup) -> None:
+    s = setup
+    lease = arithmetic.lease_key(BUDGET, "org-a")
+    await s.escrow.grant(BUDGET, "org-a", 200, reason="refill")
+    await s.ledger.client.hset(s.ledger.ledger(lease), "size", 0)  # the grow lost
+    assert not await reserve(s, "org-a", 100)  # smaller: refuses, never admits more
+
+    with pytest.raises(LedgerNotLoaded, match="size 0 in Redis and 200 in Postgres"):
+        await s.escrow.grant(BUDGET, "org-a", 100, reason="refill")
+    assert not await s.ledger.is_loaded()  # invalidated
+    await s.sync.ensure_loaded()
+    assert await sizes(s) == ({"org-a": 200}, {"org-a": 200})
+    assert await reserve(s, "org-a", 100)
+
+
+async def test_a_move_whose_commit_fails_invalidates_redis(setup: Setup) -> None:
+    s = setup
+    await s.escrow.grant(BUDGET, "org-a", 300, reason="refill")
+    await s.pool.execute("ALTER TABLE escrow_moves ADD CONSTRAINT no_more_moves CHECK (false) NOT VALID")
+    with pytest.raises(asyncpg.CheckViolationError):
+        await s.escrow.grant(BUDGET, "org-a", 100, reason="refill")  # Redis grew; Postgres refused
+    assert not await s.ledger.is_loaded()
+    await s.sync.ensure_loaded()
+    assert await sizes(s) == ({"org-a": 300}, {"org-a": 300})
+
+
+async def test_a_rebuild_writes_the_sizes_with_what_the_leases_hold(setup: Setup) -> None:
+    s = setup
+    await s.escrow.grant(BUDGET, "org-a", 300, reason="refill")
+    await s.escrow.grant(BUDGET, "org-b", 200, reason="refill")
+    await s.sync.rebuild(force=True)
+    assert await sizes(s) == ({"org-a": 300, "org-b": 200}, {"org-a": 300, "org-b": 200})
+    assert await reserve(s, "org-b", 200) and not await reserve(s, "org-b", 1)
+
+
+async def test_a_budget_without_a_ledger_entry_has_no_leases(setup: Setup) -> None:
+    with pytest.raises(UnknownBudget, match="no ledger entry"):
+        await setup.escrow.grant("nobody|rolling-30d|gpu_hours", "org-a", 10, reason="refill")
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from(("grant", "give_back", "reserve", "settle")), st.sampled_from(ROOTS), st.integers(1, 400), st.integers(0, 150)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=operations)
+async def test_no_interleaving_of_moves_and_decisions_admits_past_the_limit(setup: Setup, steps: list[tuple[str, str, int, int]]) -> None:
+    """Against the arithmetic's model (core.escrow): each step done on Postgres and Redis and in
+    the model alike; after each, the sizes agree, and what the roots hold together stays within
+    the limit but for what settlements used beyond their reservations."""
+    s = setup
+    await s.pool.execute("DELETE FROM escrow_moves; DELETE FROM reservations; UPDATE escrow_leases SET size = 0; UPDATE ledger_entries SET consumed = 0")
+    await s.sync.rebuild(force=True)
+    model = {root: arithmetic.Lease(0) for root in ROOTS}
+    held: dict[str, list[tuple[str, int]]] = {root: [] for root in ROOTS}  # run id, amount
+    overage = 0
+    for kind, root, amount, extra in steps:
+        lease = model[root]
+        if kind == "grant":
+            moved = await s.escrow.grant(BUDGET, root, amount, reason="refill")
+            assert moved == arithmetic.grantable(LIMIT, model.values(), amount)
+            model[root] = arithmetic.Lease(lease.size + moved, lease.reserved, lease.consumed)
+        elif kind == "give_back":
+            moved = await s.escrow.give_back(BUDGET, root, amount, reason="idle")
+            assert moved == arithmetic.returnable(lease, amount)
+            model[root] = arithmetic.Lease(lease.size - moved, lease.reserved, lease.consumed)
+        elif kind == "reserve":
+            run_id = f"run-{uuid.uuid4().hex[:8]}"
+            admitted = await reserve(s, root, amount, run_id)
+            assert admitted == lease.fits(amount)
+            if admitted:
+                model[root] = arithmetic.Lease(lease.size, lease.reserved + amount, lease.consumed)
+                held[root].append((run_id, amount))
+        elif held[root]:  # settle the oldest hold with its actual usage: `extra` more or less than reserved
+            run_id, reserved = held[root].pop(0)
+            actual = max(reserved + extra - 75, 0)
+            overage += max(actual - reserved, 0)
+            await settle(s, root, run_id, actual)
+            model[root] = arithmetic.Lease(lease.size, lease.reserved - reserved, lease.consumed + actual)
+        postgres, redis = await sizes(s)
+        assert postgres == redis == {r: model[r].size for r in postgres}
+        assert sum(m.used for m in model.values()) <= LIMIT + overage
+
+
+async def settle(s: Setup, root: str, run_id: str, actual: int) -> None:
+    """A run's end, settled as the reconciler does it for a key: its reservation released and its
+    usage consumed, in Redis and Postgres together."""
+    lease = arithmetic.lease_key(BUDGET, root)
+    async with ledger_transaction(s.pool, s.ledger) as work:
+        work.redis_changed = True
+        await s.ledger.release(run_id)
+        if actual:
+            await s.ledger.consume({lease: actual})
+        await work.conn.execute("UPDATE ledger_entries SET consumed = consumed + $2 WHERE ledger_key = $1", lease, actual)

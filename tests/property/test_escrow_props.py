@@ -1,0 +1,133 @@
+"""Escrow's arithmetic (budgetgate.core.escrow): however grants, returns, reservations and
+settlements of several roots interleave, the leases never let the roots together admit more than
+the budget's limit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from budgetgate.core import escrow
+from budgetgate.core.escrow import Lease
+
+ROOTS = ("org-a", "org-b", "org-c")
+amounts = st.integers(min_value=0, max_value=400)
+
+
+class Leases(RuleBasedStateMachine):
+    """Three roots sharing a budget. Each reservation is admitted only within its root's lease
+    (reserve.lua's test); a refused one asks for a refill once and tries again, as admission
+    does. Settlements end reservations with their actual usage, at most what was reserved
+    unless `overage` (then a run used more than it asked for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limit = 1_000
+        self.leases = {root: Lease(0) for root in ROOTS}
+        self.holds: list[tuple[str, int]] = []  # (root, amount) reserved and not yet settled
+        self.overage = 0  # usage settled beyond what was reserved, over the whole run
+
+    @rule(root=st.sampled_from(ROOTS), want=amounts)
+    def grant(self, root: str, want: int) -> None:
+        before = self._held()
+        given = escrow.grantable(self.limit, self.leases.values(), want)
+        assert 0 <= given <= want
+        lease = self.leases[root]
+        self.leases[root] = replace(lease, size=lease.size + given)
+        # A grant never takes the leases past the limit: their sizes, with use beyond a size
+        # (a settlement's overage) counted as held, as it is on a budget of one ledger key.
+        assert self._held() <= max(self.limit, before)
+        if given < want:
+            assert given == max(self.limit - before, 0)  # it gave less only for lack of room: all there was
+
+    def _held(self) -> int:
+        return sum(max(lease.size, lease.reserved + lease.consumed) for lease in self.leases.values())
+
+    @rule(root=st.sampled_from(ROOTS), want=amounts)
+    def give_back(self, root: str, want: int) -> None:
+        lease = self.leases[root]
+        taken = escrow.returnable(lease, want)
+        assert 0 <= taken <= want
+        self.leases[root] = replace(lease, size=lease.size - taken)
+        assert self.leases[root].size >= self.leases[root].used or taken == 0
+
+    @rule(root=st.sampled_from(ROOTS), amount=st.integers(min_value=1, max_value=300), chunk=st.integers(min_value=1, max_value=200))
+    def reserve(self, root: str, amount: int, chunk: int) -> None:
+        lease = self.leases[root]
+        if not lease.fits(amount):
+            self.grant(root, escrow.refill_wanted(lease, amount, chunk=chunk))
+            lease = self.leases[root]
+        if lease.fits(amount):
+            self.leases[root] = replace(lease, reserved=lease.reserved + amount)
+            self.holds.append((root, amount))
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data(), overage=st.booleans())
+    def settle(self, data: st.DataObject, overage: bool) -> None:
+        root, amount = self.holds.pop(data.draw(st.integers(min_value=0, max_value=len(self.holds) - 1)))
+        actual = data.draw(st.integers(min_value=0, max_value=amount + (200 if overage else 0)))
+        self.overage += max(actual - amount, 0)
+        lease = self.leases[root]
+        self.leases[root] = replace(lease, reserved=lease.reserved - amount, consumed=lease.consumed + actual)
+
+    @invariant()
+    def never_over_the_limit(self) -> None:
+        used = sum(lease.used for lease in self.leases.values())
+        assert used <= self.limit + self.overage
+        if self.overage == 0:
+            assert sum(lease.size for lease in self.leases.values()) <= self.limit
+            assert escrow.free(self.limit, self.leases.values()) >= 0
+
+    @invariant()
+    def no_lease_holds_more_than_its_size_but_by_overage(self) -> None:
+        for lease in self.leases.values():
+            assert lease.used <= lease.size + self.overage
+
+
+TestLeases = Leases.TestCase
+TestLeases.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+@given(
+    size=st.integers(0, 10_000), reserved=st.integers(0, 10_000), consumed=st.integers(0, 10_000), amount=st.integers(1, 10_000), chunk=st.integers(1, 5_000)
+)
+def test_a_refill_asks_for_what_the_lease_lacks_in_whole_chunks(size: int, reserved: int, consumed: int, amount: int, chunk: int) -> None:
+    lease = Lease(size, reserved, consumed)
+    wanted = escrow.refill_wanted(lease, amount, chunk=chunk)
+    if lease.fits(amount):
+        assert wanted == 0
+    else:
+        assert wanted % chunk == 0
+        assert replace(lease, size=size + wanted).fits(amount)  # enough, granted in full
+        assert not replace(lease, size=size + wanted - chunk).fits(amount)  # and not a chunk more
+
+
+@given(size=st.integers(0, 10_000), reserved=st.integers(0, 10_000), consumed=st.integers(0, 10_000), want=st.integers(0, 10_000))
+def test_a_return_never_takes_what_the_root_holds(size: int, reserved: int, consumed: int, want: int) -> None:
+    lease = Lease(size, reserved, consumed)
+    taken = escrow.returnable(lease, want)
+    assert 0 <= taken <= want
+    assert size - taken >= min(size, reserved + consumed)
+
+
+@given(root=st.from_regex(r"[a-z0-9][a-z0-9-]{0,20}", fullmatch=True))
+def test_a_lease_key_names_its_budget_and_root(root: str) -> None:
+    budget = "ns=vision-prod;team=vision|2026-11-01T00:00:00Z/2026-12-01T00:00:00Z|gpu_hours"
+    lease = escrow.lease_key(budget, root)
+    assert lease.endswith("|2026-11-01T00:00:00Z/2026-12-01T00:00:00Z|gpu_hours")
+    assert escrow.lease_of(lease) == (budget, root)
+    assert escrow.lease_of(budget) is None
+
+
+def test_a_lease_of_a_lease_or_a_root_holding_the_separator_is_refused() -> None:
+    budget = "cost-center=ml|rolling-30d|gpu_hours"
+    with pytest.raises(ValueError, match="is a lease already"):
+        escrow.lease_key(escrow.lease_key(budget, "org-a"), "org-b")
+    with pytest.raises(ValueError, match="not a root"):
+        escrow.lease_key(budget, "org@a")
+    with pytest.raises(ValueError, match="not a root"):
+        escrow.lease_key(budget, "")
