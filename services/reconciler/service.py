@@ -321,5 +321,5 @@ class Reconciler(Service):
         if drift is None:
             return
         self.stats.drift_checks += 1
-        self.stats.drifted_keys = len(drift.keys) + len(drift.runs) + len(drift.counters) + len(drift.pools)
+        self.stats.drifted_keys = len(drift.keys) + len(drift.runs) + len(drift.counters) + len(drift.pools) + len(drift.sizes)
         self.stats.repairs += drift.repaired

@@ -170,6 +170,19 @@ async def test_a_redis_that_lost_a_grant_refuses_more_until_its_next_move_rebuil
     assert await reserve(s, "org-a", 100)
 
 
+async def test_the_drift_check_finds_a_lost_grant_and_repairs_it(setup: Setup) -> None:
+    s = setup
+    lease = arithmetic.lease_key(BUDGET, "org-a")
+    await s.escrow.grant(BUDGET, "org-a", 200, reason="refill")
+    assert (await s.sync.check_drift(repair=False)).clean
+    await s.ledger.client.hset(s.ledger.ledger(lease), "size", 50)  # the grow lost, in part
+
+    found = await s.sync.check_drift(repair=True)
+    assert found is not None and found.sizes == {lease: (50, 200)} and found.repaired
+    assert await sizes(s) == ({"org-a": 200}, {"org-a": 200})
+    assert (await s.sync.check_drift(repair=False)).clean
+
+
 async def test_a_move_whose_commit_fails_invalidates_redis(setup: Setup) -> None:
     s = setup
     await s.escrow.grant(BUDGET, "org-a", 300, reason="refill")

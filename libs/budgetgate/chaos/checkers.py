@@ -372,9 +372,9 @@ def redis_matches_postgres(history: History, verdict: Verdict) -> None:
         verdict.violations.append(Violation("redis", f"ledger key {key}: Redis (reserved, consumed) {in_redis}, Postgres {in_postgres}"))
     for run_id, (in_redis, in_postgres) in drift["runs"].items():
         verdict.violations.append(Violation("redis", f"run {run_id}: Redis holds {in_redis}, Postgres {in_postgres}"))
-    for name in ("counters", "pools"):
+    for name, what in (("counters", "counter"), ("pools", "pool"), ("sizes", "escrow lease size")):
         for key, (in_redis, in_postgres) in drift.get(name, {}).items():
-            verdict.violations.append(Violation("redis", f"{name[:-1]} {key}: Redis {in_redis}, Postgres {in_postgres}"))
+            verdict.violations.append(Violation("redis", f"{what} {key}: Redis {in_redis}, Postgres {in_postgres}"))
 
 
 def answers_bounded(history: History, verdict: Verdict) -> None:

@@ -159,14 +159,14 @@ async def redis_drift(cluster: Cluster, *, tries: int = 10) -> dict[str, Any]:
     async def no_rebuild(_conn: asyncpg.Connection) -> None:
         raise RuntimeError("the campaign compares, it never rebuilds")
 
-    result: dict[str, Any] = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}}
+    result: dict[str, Any] = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}
     pool = await asyncpg.create_pool(cluster.dsn, min_size=1, max_size=2)
     client = aioredis.Redis(port=cluster.redis.primary.port)
     try:
         for _ in range(tries):
             found = await drift.check(pool, RedisLedger(client, prefix=REDIS_PREFIX), repair=False, rebuild=no_rebuild)
             if found is None:
-                result = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}}
+                result = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}
             else:
                 result = {
                     "loaded": True,
@@ -174,6 +174,7 @@ async def redis_drift(cluster: Cluster, *, tries: int = 10) -> dict[str, Any]:
                     "runs": {k: [a, b] for k, (a, b) in found.runs.items()},
                     "counters": {k: [list(a), list(b)] for k, (a, b) in found.counters.items()},
                     "pools": {k: [sorted(a), sorted(b)] for k, (a, b) in found.pools.items()},
+                    "sizes": {k: list(pair) for k, pair in found.sizes.items()},
                 }
                 if found.clean:
                     return result

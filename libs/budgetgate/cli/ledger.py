@@ -64,6 +64,8 @@ def check() -> None:
         click.echo(f"quota counter {name}: Redis (gpus, nodes, allocations) {in_redis}, Postgres {in_postgres}")
     for namespace, (in_redis, in_postgres) in drift.pools.items():
         click.echo(f"pool {namespace}: Redis holds tokens {sorted(in_redis)}, Postgres {sorted(in_postgres)}" + _leases(in_redis, in_postgres))
+    for lease, (in_redis, in_postgres) in drift.sizes.items():
+        click.echo(f"escrow lease {lease}: Redis size {in_redis}, Postgres {in_postgres}")
     sys.exit(1)
 
 

@@ -12,6 +12,10 @@ key's figure in Redis also counts holds only Redis knows (a decision that never 
 the orphan sweeper gives those back later; a key set to Postgres's figure would give them back
 twice. A rebuild drops those holds along with the key's figure.
 
+Escrow leases' sizes (budgetgate.ledger.escrow_leases) are compared whole too, as few as
+budgets shared by roots times their roots: a lease whose grant Redis lost is smaller there than
+Postgres granted, which refuses more than it must until a rebuild.
+
 Quota counters and pool tokens are compared too, whole (there are as many as tenants and pool
 tokens, not as runs): Postgres's figures derived as a rebuild derives them (ledger.concurrency),
 Redis's found by one SCAN of their key prefixes, since a counter or pool Postgres no longer knows
@@ -45,18 +49,19 @@ Rebuild = Callable[[asyncpg.Connection], Awaitable[None]]
 class Drift:
     """Where Redis differs from Postgres: ledger key → ((reserved, consumed) in Redis, in
     Postgres), run id → (what its Redis run key holds, what Postgres holds for it), quota counter
-    → ((gpus, nodes, allocations) in Redis, in Postgres), and pool → (its live tokens in Redis, in
-    Postgres)."""
+    → ((gpus, nodes, allocations) in Redis, in Postgres), pool → (its live tokens in Redis, in
+    Postgres), and escrow lease → (its size in Redis, in Postgres)."""
 
     keys: dict[str, tuple[Figures, Figures]] = field(default_factory=dict)
     runs: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
     counters: dict[str, tuple[Counter, Counter]] = field(default_factory=dict)
     pools: dict[str, tuple[Tokens, Tokens]] = field(default_factory=dict)
     repaired: bool = False
+    sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
-        return not self.keys and not self.runs and not self.counters and not self.pools
+        return not self.keys and not self.runs and not self.counters and not self.pools and not self.sizes
 
 
 async def check(pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild: Rebuild, page: int = PAGE) -> Drift | None:
@@ -84,11 +89,12 @@ async def check(pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild
         while ids := [r["run_id"] for r in await conn.fetch(sql("held_runs_page"), after, page)]:
             after = ids[-1]
             runs.update(await _run_page(conn, redis, ids, repair=repair, rebuild=rebuild))
+        sizes = await _lease_sizes(conn, redis, repair=repair, rebuild=rebuild)
         found = await _concurrency(conn, redis, repair=repair, rebuild=rebuild)
-        if found is None or not await redis.is_loaded():
+        if sizes is None or found is None or not await redis.is_loaded():
             return None
     counters, pools = found
-    return Drift(keys, runs, counters, pools, repaired=repaired or (repair and bool(runs or counters or pools)))
+    return Drift(keys, runs, counters, pools, repaired=repaired or (repair and bool(runs or counters or pools or sizes)), sizes=sizes)
 
 
 def _figures(rows: list[asyncpg.Record]) -> dict[str, Figures]:
@@ -143,6 +149,29 @@ async def _run_drift(conn: asyncpg.Connection, redis: RedisLedger, run_ids: list
         held[row["run_id"]][row["ledger_key"]] = row["amount"]
     in_redis = await redis.holds_of(run_ids)
     return {r: (in_redis[r], held[r]) for r in run_ids if r not in parked and in_redis[r] != held[r]}
+
+
+async def _lease_sizes(conn: asyncpg.Connection, redis: RedisLedger, *, repair: bool, rebuild: Rebuild) -> dict[str, tuple[int, int]] | None:
+    """Escrow leases whose size differs, confirmed under the exclusive ledger lock (every move
+    holds it shared until its commit) and repaired when asked; None when Redis was invalidated
+    meanwhile. A lease Redis never loaded gets Postgres's size when first used: not drift."""
+
+    async def differing() -> dict[str, tuple[int, int]]:
+        postgres = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes"))}
+        in_redis = await redis.sizes(postgres)
+        return {key: (in_redis[key], size) for key, size in postgres.items() if key in in_redis and in_redis[key] != size}
+
+    if not await differing():
+        return {}
+    async with conn.transaction():
+        await conn.execute(sql("lock_ledger_exclusive"))
+        if not await redis.is_loaded():
+            return None
+        confirmed = await differing()
+        if confirmed and repair:
+            log.warning("Redis drifted from Postgres on the size of %d escrow lease(s); rebuilding it", len(confirmed))
+            await rebuild(conn)
+        return confirmed
 
 
 ConcurrencyDrift = tuple[dict[str, tuple[Counter, Counter]], dict[str, tuple[Tokens, Tokens]]]
