@@ -22,7 +22,8 @@ import asyncpg
 import pytest
 import redis
 
-from budgetgate.devstack.redis_cluster import ClusterNode, EmbeddedRedisCluster
+from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
+from tests.support.cluster_slots import node_of_slot, slot_of
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
 from tests.support.waiting import wait_for
 
@@ -38,28 +39,6 @@ def cluster(tmp_path: Path) -> Iterator[EmbeddedRedisCluster]:
 
 def body(i: int | str) -> dict[str, object]:
     return submission(run_id=f"burst-{i}", labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)
-
-
-def _node_of_slot(cluster: EmbeddedRedisCluster, slot: int) -> tuple[ClusterNode, ClusterNode]:
-    """The live master serving `slot`, and its replica."""
-    view = cluster.known_nodes(cluster.nodes[0])
-    by_id = {cluster.node_id(node): node for node in cluster.nodes if node.is_alive()}
-    for node_id, fields in view.items():
-        flags = fields[1].split(",")
-        if "master" not in flags or "fail" in flags:
-            continue
-        for part in fields[7:]:
-            if part.startswith("["):
-                continue  # a slot being migrated or imported
-            low, _, high = part.partition("-")
-            if int(low) <= slot <= int(high or low):
-                replica = next(by_id[r] for r, f in view.items() if "slave" in f[1].split(",") and f[2] == node_id and r in by_id)
-                return by_id[node_id], replica
-    raise AssertionError(f"no live master serves slot {slot}")
-
-
-def _slot(cluster: EmbeddedRedisCluster, tag: str) -> int:
-    return int(cluster.nodes[0].client().execute_command("CLUSTER", "KEYSLOT", tag))
 
 
 async def _settled_and_audited(server, pg_dsn: str, asked: range) -> int:  # type: ignore[no-untyped-def]
@@ -92,7 +71,7 @@ async def test_a_failover_to_a_replica_that_lagged_mid_burst_over_admits_nothing
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("cluster-failover", limit=f"gpu_hours: {LIMIT_GPU_HOURS}")}, sha="c" * 40)
     server = await admission_factory(redis_url=cluster.url)
     await server.wait_ready()
-    master, replica = _node_of_slot(cluster, _slot(cluster, server.rt.ledger.tag))
+    master, replica = node_of_slot(cluster, slot_of(cluster, server.rt.ledger.tag))
 
     first = await _answers(server, range(0, 20))
     assert first == [(200, "ALLOW")] * 20
@@ -143,8 +122,8 @@ async def test_moving_the_ledger_slot_to_another_master_under_load_loses_nothing
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("cluster-reshard", limit=f"gpu_hours: {LIMIT_GPU_HOURS}")}, sha="d" * 40)
     server = await admission_factory(redis_url=cluster.url)
     await server.wait_ready()
-    slot = _slot(cluster, server.rt.ledger.tag)
-    source, _ = _node_of_slot(cluster, slot)
+    slot = slot_of(cluster, server.rt.ledger.tag)
+    source, _ = node_of_slot(cluster, slot)
     target = next(node for node in cluster.master_nodes if node is not source and node.is_alive())
     source_id, target_id = cluster.node_id(source), cluster.node_id(target)
 
@@ -173,7 +152,7 @@ async def test_moving_the_ledger_slot_to_another_master_under_load_loses_nothing
     moved.set()
     during = await loading
     assert {status for status, _ in during} <= {200, 503}
-    assert _node_of_slot(cluster, slot)[0] is target
+    assert node_of_slot(cluster, slot)[0] is target
 
     allowed = await _settled_and_audited(server, pg_dsn, range(70))
     assert allowed == LIMIT_GPU_HOURS

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import asyncpg
 import pytest
@@ -17,66 +16,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budgetgate.core import escrow as arithmetic
-from budgetgate.ledger.escrow_leases import Escrow, UnknownBudget
-from budgetgate.ledger.redis_ledger import ChargeRequest, LedgerNotLoaded, RedisLedger, Reservation
-from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.escrow_leases import UnknownBudget
+from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.runtime import redis_client
+from tests.support.escrow import BUDGET, Setup, reserve, shared_budget, sizes
 
-BUDGET = "cost-center=ml|2026-11-01T00:00:00Z/2026-12-01T00:00:00Z|gpu_hours"
 LIMIT = 1_000
 ROOTS = ("org-a", "org-b", "org-c")
-NOW_MS = 1_796_000_000_000
-
-
-@dataclass
-class Setup:
-    pool: asyncpg.Pool
-    ledger: RedisLedger
-    escrow: Escrow
-    sync: LedgerSync
 
 
 @pytest.fixture
 async def setup(pg_dsn: str, redis_url: str, redis_prefix: str) -> AsyncIterator[Setup]:
     client = redis_client.connect(redis_url)
-    ledger = RedisLedger(client, prefix=redis_prefix)
     async with asyncpg.create_pool(pg_dsn, min_size=1, max_size=6) as pool:
-        await pool.execute(
-            "INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id, policy_git_sha, limit_amount)"
-            " VALUES ($1, 'cost-center=ml', 'gpu_hours', '2026-11-01T00:00:00Z/2026-12-01T00:00:00Z', '2026-11-01', '2026-12-01', 'ml', $2, $3)",
-            BUDGET, "a" * 40, LIMIT,
-        )  # fmt: skip
-        sync = LedgerSync(pool, ledger)
-        await sync.rebuild(force=True)
         try:
-            yield Setup(pool, ledger, Escrow(pool, lambda _root: ledger), sync)
+            yield await shared_budget(pool, RedisLedger(client, prefix=redis_prefix), limit=LIMIT)
         finally:
             await client.aclose()
-
-
-async def reserve(s: Setup, root: str, amount: int, run_id: str | None = None) -> bool:
-    """A decision of `root` reserving `amount` on its lease alone, as admission will."""
-    lease = arithmetic.lease_key(BUDGET, root)
-    committed = await s.pool.fetchval("SELECT budgetgate_committed_ledger_seq()")
-    asked = Reservation(run_id or f"run-{uuid.uuid4().hex[:8]}", str(uuid.uuid4()), (ChargeRequest(lease, amount, 0, True, lease=True),))
-    for _ in range(2):
-        [result] = await s.ledger.reserve_batch([asked], now_ms=NOW_MS, committed_seq=committed)
-        if result.status != "MISSING":
-            return result.status == "RESERVED"
-        await s.escrow.open(BUDGET, root)  # a root's first decision on the budget opens its lease, of size 0
-        row = await s.pool.fetchrow(
-            "SELECT consumed, (SELECT size FROM escrow_leases WHERE lease_key = $1) AS size FROM ledger_entries WHERE ledger_key = $1", lease
-        )
-        await s.ledger.load_key(lease, reserved=0, consumed=row["consumed"], size=row["size"])
-    raise AssertionError("the lease's key stayed missing")
-
-
-async def sizes(s: Setup) -> tuple[dict[str, int], dict[str, int]]:
-    """Each root's lease size in Postgres and in Redis."""
-    postgres = {row["root"]: row["size"] for row in await s.pool.fetch("SELECT root, size FROM escrow_leases WHERE ledger_key = $1", BUDGET)}
-    redis = await s.ledger.sizes([arithmetic.lease_key(BUDGET, root) for root in postgres])
-    return postgres, {root: redis.get(arithmetic.lease_key(BUDGET, root), 0) for root in postgres}
 
 
 async def test_a_grant_grows_the_lease_in_both_and_reservations_keep_within_it(setup: Setup) -> None:

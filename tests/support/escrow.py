@@ -1,0 +1,62 @@
+"""Escrow leases in tests: a budget shared by roots on real Postgres and Redis, a decision of a
+root reserving on its lease alone (as admission will), and each lease's size in both."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import asyncpg
+
+from budgetgate.core import escrow as arithmetic
+from budgetgate.ledger.escrow_leases import Escrow
+from budgetgate.ledger.redis_ledger import ChargeRequest, RedisLedger, Reservation
+from budgetgate.ledger.redis_sync import LedgerSync
+
+BUDGET = "cost-center=ml|2026-11-01T00:00:00Z/2026-12-01T00:00:00Z|gpu_hours"
+NOW_MS = 1_796_000_000_000
+
+
+@dataclass
+class Setup:
+    pool: asyncpg.Pool
+    ledger: RedisLedger
+    escrow: Escrow
+    sync: LedgerSync
+
+
+async def shared_budget(pool: asyncpg.Pool, ledger: RedisLedger, *, limit: int) -> Setup:
+    """BUDGET's ledger entry with `limit`, Redis rebuilt from Postgres, and its escrow."""
+    await pool.execute(
+        "INSERT INTO ledger_entries (ledger_key, scope_id, unit, window_key, window_start, window_end, policy_id, policy_git_sha, limit_amount)"
+        " VALUES ($1, 'cost-center=ml', 'gpu_hours', '2026-11-01T00:00:00Z/2026-12-01T00:00:00Z', '2026-11-01', '2026-12-01', 'ml', $2, $3)",
+        BUDGET, "a" * 40, limit,
+    )  # fmt: skip
+    sync = LedgerSync(pool, ledger)
+    await sync.rebuild(force=True)
+    return Setup(pool, ledger, Escrow(pool, lambda _root: ledger), sync)
+
+
+async def reserve(s: Setup, root: str, amount: int, run_id: str | None = None) -> bool:
+    """A decision of `root` reserving `amount` on its lease alone, as admission will; raises
+    LedgerNotLoaded when Redis is not loaded or is behind what Postgres committed."""
+    lease = arithmetic.lease_key(BUDGET, root)
+    committed = await s.pool.fetchval("SELECT budgetgate_committed_ledger_seq()")
+    asked = Reservation(run_id or f"run-{uuid.uuid4().hex[:8]}", str(uuid.uuid4()), (ChargeRequest(lease, amount, 0, True, lease=True),))
+    for _ in range(2):
+        [result] = await s.ledger.reserve_batch([asked], now_ms=NOW_MS, committed_seq=committed)
+        if result.status != "MISSING":
+            return result.status == "RESERVED"
+        await s.escrow.open(BUDGET, root)  # a root's first decision on the budget opens its lease, of size 0
+        row = await s.pool.fetchrow(
+            "SELECT consumed, (SELECT size FROM escrow_leases WHERE lease_key = $1) AS size FROM ledger_entries WHERE ledger_key = $1", lease
+        )
+        await s.ledger.load_key(lease, reserved=0, consumed=row["consumed"], size=row["size"])
+    raise AssertionError("the lease's key stayed missing")
+
+
+async def sizes(s: Setup) -> tuple[dict[str, int], dict[str, int]]:
+    """Each root's lease size in Postgres and in Redis."""
+    postgres = {row["root"]: row["size"] for row in await s.pool.fetch("SELECT root, size FROM escrow_leases WHERE ledger_key = $1", BUDGET)}
+    redis = await s.ledger.sizes([arithmetic.lease_key(BUDGET, root) for root in postgres])
+    return postgres, {root: redis.get(arithmetic.lease_key(BUDGET, root), 0) for root in postgres}
