@@ -23,6 +23,9 @@ async def test_bench_report_totals_what_it_loaded(postgres_admin_dsn: str) -> No
     assert report["gpu_milli_hours"] == sum(1 + i % 8 for i in range(200)) * 20 * 420_000
     assert report["rows"]["tenant"] == 50 and report["rows"]["user by month"] == 200
     assert any("usage_records" in line for line in report["plan"]) and report["plan"][-1].startswith("Execution Time")
+    # The CPU of its five reports (one round of five groupings), per usage record per report.
+    assert report["reports"] == 5
+    assert list(report["cpu"]["us_per_unit"]) == ["budgetgate", "postgres"] and report["cpu"]["all_parts_us_per_unit"] > 0
     conn = await asyncpg.connect(postgres_admin_dsn)
     try:
         assert await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE 'bench_report_%'") == 0

@@ -6,10 +6,17 @@ over October 2026: `runs` runs (`records / runs` samples each, seven minutes apa
 high-water mark, and reservations on its tenant's budget and one of five cost-center budgets
 (the last 5 % of runs still hold theirs). Then the report for the month is timed in a few
 groupings, and for its first week, `rounds` times each (the median is the figure), exactly as the command and the API
-make it, and the main query's plan is read with EXPLAIN (ANALYZE, BUFFERS)."""
+make it, and the main query's plan is read with EXPLAIN (ANALYZE, BUFFERS). The CPU the timed
+reports took (this process, which runs the command's code, and the Postgres server process of
+its connection; budgetgate.benchmark.cpu) is given per thousand usage records of the month per
+report (a record costs less than a microsecond): the first-week grouping reads about a quarter
+of them, so it is the average over the groupings.
+There is no reference system: the report is a query and its rendering, with nothing to pit it
+against but its own plan."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import uuid
@@ -21,6 +28,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.benchmark import databases
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
 from budgetgate.benchmark.rounds import spread
 from budgetgate.core.loader import load_path
 from budgetgate.ledger.migrations import migrate
@@ -95,6 +103,13 @@ class Measured:
     # The month's metered GPU milli-hours as the report totals them, in every grouping alike
     # (None when the groupings disagreed, which the command reports as a failure).
     gpu_milli_hours: int | None = None
+    cpu: CpuUse | None = None  # over every timed report: this process and the database's server process
+    reports: int = 0  # the reports the CPU was spent on
+
+    @property
+    def units(self) -> int:
+        """Thousands of usage records of the month, once per report made: what the CPU figure is per."""
+        return self.records * self.reports // 1000
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -105,6 +120,8 @@ class Measured:
             "rows": self.rows,
             "gpu_milli_hours": self.gpu_milli_hours,
             "plan": self.plan,
+            "reports": self.reports,
+            "cpu": self.cpu.as_json(self.units) if self.cpu else None,
         }
 
     def as_text(self) -> str:
@@ -113,6 +130,8 @@ class Measured:
             if figure:
                 around = f"low {figure['low']:.3f}, high {figure['high']:.3f}"
                 lines.append(f"  {name:<28} {figure['median']:.3f} s median of {figure['rounds']} ({around}); {self.rows[name]} rows")
+        if self.cpu is not None:
+            lines.append(f"  over its {self.reports} reports, {self.cpu.line(self.units, '1,000 usage records per report')}")
         lines += ["", "EXPLAIN (ANALYZE, BUFFERS) of chargeback_metered, grouped by tenant:", *self.plan]
         return "\n".join(lines)
 
@@ -138,6 +157,8 @@ async def run(server_dsn: str, *, records: int, runs: int, rounds: int, echo: An
             measured = Measured(records=(records // runs) * runs, runs=runs, load_seconds=load)
             timings: dict[str, list[float]] = {}
             totals: set[int] = set()
+            meter = CpuMeter([Part.process("budgetgate", os.getpid()), Part("postgres", postgres_dsn=dsn)])
+            metered = await meter.start()
             for n in range(rounds):
                 for keys, period, end in GROUPINGS:
                     label = (f"{','.join(keys)} by {period}" if period != "none" else ",".join(keys)) + (", first week" if end != END else "")
@@ -149,6 +170,7 @@ async def run(server_dsn: str, *, records: int, runs: int, rounds: int, echo: An
                     measured.rows[label] = len(report["rows"])
                     if end == END:
                         totals.add(report["total"]["gpu_milli_hours"])
+            measured.cpu, measured.reports = await meter.stop(metered), rounds * len(GROUPINGS)
             measured.seconds = {label: spread(values) for label, values in timings.items()}
             measured.gpu_milli_hours = totals.pop() if len(totals) == 1 else None
             args = (START, END, breakpoints(bundle, START, END), "team", "user", False)  # by tenant: no labels in the grain

@@ -5,14 +5,18 @@ A fresh database gets `budgets` team budgets and a real admission service (subpr
 `held` runs that stay held. Then for `duration` seconds per phase, submissions go out open loop
 at `rate` per second (each admitted and held too), first with the drift check (repairing, as the
 reconciler runs it) looping back to back in this process, then without. Reported: admission
-latency p50/p99/max per phase and the p99 ratio; the ledger audit checks that Redis equals
-Postgres at the end (exit 1 when it does not).
+latency p50/p99/max per phase and the p99 ratio, and each phase's CPU per submission
+(budgetgate.benchmark.cpu): the admission service, Postgres, Redis and the broker, and, shown
+apart, this process, which generates the load and, in the 'on' phase, runs the drift check, so
+the phases' difference in it, in Postgres and in Redis is what the check costs; the ledger audit
+checks that Redis equals Postgres at the end (exit 1 when it does not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -25,6 +29,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from budgetgate.benchmark import databases
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, redis_parts
 from budgetgate.benchmark.service_processes import free_port, python_module
 from budgetgate.benchmark.reconciliation_runner import Bench, Options
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
@@ -49,6 +54,7 @@ class DriftReport:
     checks: int
     ledger_ok: bool
     ledger_note: str
+    cpu: dict[str, CpuUse | None] = field(default_factory=dict)  # per phase, over its load
 
     def percentile(self, phase: str, q: float) -> float:
         ordered = sorted(self.latencies_ms[phase])
@@ -71,6 +77,7 @@ class DriftReport:
             "drift_checks": self.checks,
             "ledger_ok": self.ledger_ok,
             "ledger": self.ledger_note,
+            "cpu": {p: (used.as_json(len(self.latencies_ms[p])) if used else None) for p, used in self.cpu.items()},
         }
 
     def as_text(self) -> str:
@@ -82,6 +89,9 @@ class DriftReport:
                 f"drift check {phase:>3}: {len(v)} submissions, latency p50 {self.percentile(phase, 0.5):.1f} ms, p99 "
                 f"{self.percentile(phase, 0.99):.1f} ms, max {max(v, default=float('nan')):.1f} ms"
             )
+            used = self.cpu.get(phase)
+            if used is not None:
+                lines.append(f"  {used.line(len(v), 'submission')}")
         lines.append(f"p99 ratio on/off: {self.percentile('on', 0.99) / self.percentile('off', 0.99):.2f}; drift checks completed during 'on': {self.checks}")
         lines.append(f"ledger: {'OK' if self.ledger_ok else 'WRONG'} - {self.ledger_note}")
         return "\n".join(lines)
@@ -130,18 +140,29 @@ class DriftBench(Bench):
                         await self._submit(client)
 
                 await asyncio.gather(*(held() for _ in range(self.drift.held)))
-                latencies, checks = {}, 0
+                latencies, checks, cpu = {}, 0, {}
+                meter = CpuMeter(
+                    [
+                        Part.process("service", admission.pid),
+                        Part("postgres", postgres_dsn=dsn),
+                        *redis_parts(self.settings.redis_url),
+                        Part.process("broker", self.broker_pid),
+                        Part.process("load generator and drift check", os.getpid(), counted=False),
+                    ]
+                )
                 for phase in ("on", "off"):
                     self.echo(f"measuring admission with the drift check {phase} …")
+                    metered = await meter.start()
                     checker = asyncio.create_task(self._check_forever(sync)) if phase == "on" else None
                     latencies[phase] = await self._load(client)
                     if checker is not None:
                         checker.cancel()
                         await asyncio.gather(checker, return_exceptions=True)
                         checks = self._checks
+                    cpu[phase] = await meter.stop(metered)
             drift = await sync.check_drift(repair=False)
             ok = drift is not None and drift.clean
-            return DriftReport(self.drift, latencies, checks, ok, "Redis equals Postgres" if ok else f"Redis differs from Postgres: {drift}")
+            return DriftReport(self.drift, latencies, checks, ok, "Redis equals Postgres" if ok else f"Redis differs from Postgres: {drift}", cpu)
         finally:
             for child in reversed(self.children):
                 await child.stop()

@@ -5,11 +5,15 @@ spread over `teams` teams with one monthly GPU-hour budget each, decided by a ru
 admission would, with their ledger readings and, for half the admitted runs, a recorded end at
 80 % of the projection (each answer with its budget's evaluation, which what-if reads to tell
 what decided it). Then the candidate folder (every limit at 70 %) is replayed against it
-exactly as the command does it (read the history, simulate), and timed."""
+exactly as the command does it (read the history, simulate), and timed, with the CPU it took:
+this process (which runs the command's code) and the Postgres server processes of the database
+(budgetgate.benchmark.cpu), per decision replayed. There is no reference system: nothing else
+replays a history against candidate policies."""
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 import uuid
@@ -22,6 +26,7 @@ from typing import Any
 import asyncpg
 
 from budgetgate.benchmark import databases
+from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part
 from budgetgate.core.evaluation import Resources, Submission, plan
 from budgetgate.core.loader import load_path
 from budgetgate.core.units import projected_hours_amount
@@ -36,6 +41,7 @@ class Measured:
     flips: int
     recorded_allows: int
     not_simulated: int = 0
+    cpu: CpuUse | None = None  # over the timed replay: this process and the database's server processes
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -45,7 +51,15 @@ class Measured:
             "flips": self.flips,
             "recorded_allows": self.recorded_allows,
             "not_simulated": self.not_simulated,
+            "cpu": self.cpu.as_json(self.decisions) if self.cpu else None,
         }
+
+    def as_text(self) -> str:
+        line = (
+            f"what-if: {self.decisions} recorded decisions replayed in {self.seconds:.1f} s "
+            f"({self.decisions / self.seconds:,.0f} decisions/s); {self.flips} flips of {self.recorded_allows} recorded ALLOWs"
+        )
+        return line if self.cpu is None else f"{line}\n{self.cpu.line(self.decisions, 'decision replayed')}"
 
 
 def _policies(folder: Path, teams: int, limit_hours: int) -> Path:
@@ -148,13 +162,18 @@ async def run(server_dsn: str, *, decisions: int, teams: int, limit_hours: int =
             await conn.close()
         candidate = load_path(_policies(Path(tempfile.mkdtemp()) / "candidate", teams, limit_hours * 7 // 10), git_sha="what-if").bundle
         echo("replaying against the candidate (every limit at 70 %)")
-        started = time.perf_counter()
+        meter = CpuMeter([Part.process("budgetgate", os.getpid()), Part("postgres", postgres_dsn=dsn)])
+        # Connected first: the meter reads the server process serving it at both ends (one
+        # that starts or ends in between is not read).
         conn = await asyncpg.connect(dsn)
         try:
+            metered = await meter.start()
+            started = time.perf_counter()
             report = await what_if(conn, candidate, now - timedelta(days=30))
+            seconds = time.perf_counter() - started
+            cpu = await meter.stop(metered)
         finally:
             await conn.close()
-        seconds = time.perf_counter() - started
-        return Measured(report["decisions"], seconds, len(report["flips"]), allows, len(report["not_simulated"]))
+        return Measured(report["decisions"], seconds, len(report["flips"]), allows, len(report["not_simulated"]), cpu)
     finally:
         await databases.drop(server_dsn, name)
