@@ -306,6 +306,31 @@ async def test_months_are_created_ahead_and_rows_of_a_month_without_one_wait_in_
         await conn.close()
 
 
+COMPRESSED = """SELECT c.relname, a.attname, a.attcompression FROM pg_partition_tree('decisions') t
+                 JOIN pg_class c ON c.oid = t.relid JOIN pg_attribute a ON a.attrelid = t.relid
+                 WHERE a.attname IN ('request', 'response', 'readings')"""
+
+
+async def test_a_decisions_documents_are_compressed_with_lz4_in_every_partition_and_in_those_made_later(pg_dsn: str) -> None:
+    """Migration 0042: where the server has lz4, the parent and every partition, the default
+    included, and a month made afterwards, which takes it from the parent; where it has not (the
+    embedded server's build), the migration passes and they keep the default, pglz."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        try:
+            await conn.execute("CREATE TEMP TABLE lz4_probe (d jsonb COMPRESSION lz4)")
+            expected = b"l"
+        except asyncpg.FeatureNotSupportedError:
+            expected = b"\x00"  # not set: the server's default_toast_compression
+        before = await conn.fetch(COMPRESSED)
+        assert before and {bytes(r["attcompression"]) for r in before} == {expected}
+        await partitions.ensure(conn, ahead=8)
+        after = await conn.fetch(COMPRESSED)
+        assert len(after) > len(before) and {bytes(r["attcompression"]) for r in after} == {expected}
+    finally:
+        await conn.close()
+
+
 async def test_postgres_draws_the_month_bounds_python_does(pg_dsn: str) -> None:
     # Instants at month edges (a microsecond either side), and random ones in zones either side
     # of UTC, named and bounded by Postgres (budgetgate_partition_name, budgetgate_attach_month)
