@@ -6,8 +6,6 @@ Postgres's sizes, before it decides."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import redis
 from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 from budgetgate.runtime import redis_client
-from tests.support.cluster_slots import node_of_slot, slot_of
+from tests.support.cluster_slots import node_of_slot, promoted, slot_of
 from tests.support.escrow import BUDGET, Setup, reserve, shared_budget, sizes
 from tests.support.waiting import wait_for
 
@@ -58,16 +56,7 @@ async def test_a_replica_that_missed_a_return_admits_nothing_on_the_larger_lease
     master.kill()
     replica.start()
 
-    def promoted() -> bool:
-        try:
-            return replica.client().info("replication").get("role") == "master"
-        except redis.RedisError:
-            return False
-
-    deadline = time.monotonic() + 30
-    while not promoted():
-        assert time.monotonic() < deadline, "the cluster never promoted the replica"
-        await asyncio.sleep(0.2)
+    await promoted(replica)
 
     # 450 more would fit the lease the replica remembers (100 + 450 <= 600), not Postgres's (200).
     async def refused_as_behind() -> bool:

@@ -14,7 +14,6 @@ slot; these tests find it with CLUSTER KEYSLOT and aim their faults there.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import redis
 
 from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
-from tests.support.cluster_slots import node_of_slot, slot_of
+from tests.support.cluster_slots import node_of_slot, promoted, slot_of
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
 from tests.support.waiting import wait_for
 
@@ -100,16 +99,7 @@ async def test_a_failover_to_a_replica_that_lagged_mid_burst_over_admits_nothing
     behind.close()
     burst = asyncio.create_task(_answers(server, range(40, 80)))
 
-    def promoted() -> bool:
-        try:
-            return replica.client().info("replication").get("role") == "master"
-        except redis.RedisError:
-            return False
-
-    deadline = time.monotonic() + 30
-    while not promoted():
-        assert time.monotonic() < deadline, "the cluster never promoted the replica"
-        await asyncio.sleep(0.2)
+    await promoted(replica)
     during = await burst
     assert {status for status, _ in during} <= {200, 503}
     master.start()  # back empty, with its cluster identity: it joins as the new master's replica

@@ -3,6 +3,11 @@ or a resharding at the master serving the ledger's keys."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import redis
+
 from budgetgate.devstack.redis_cluster import ClusterNode, EmbeddedRedisCluster
 
 
@@ -26,3 +31,18 @@ def node_of_slot(cluster: EmbeddedRedisCluster, slot: int) -> tuple[ClusterNode,
 
 def slot_of(cluster: EmbeddedRedisCluster, tag: str) -> int:
     return int(cluster.nodes[0].client().execute_command("CLUSTER", "KEYSLOT", tag))
+
+
+async def promoted(replica: ClusterNode, *, timeout: float = 30) -> None:
+    """Once the cluster has promoted `replica` to master (its master dead); fails after `timeout` s."""
+
+    def is_master() -> bool:
+        try:
+            return replica.client().info("replication").get("role") == "master"
+        except redis.RedisError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while not is_master():
+        assert time.monotonic() < deadline, "the cluster never promoted the replica"
+        await asyncio.sleep(0.2)
