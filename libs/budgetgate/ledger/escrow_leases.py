@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import asyncpg
 
@@ -45,15 +44,6 @@ log = logging.getLogger(__name__)
 
 class UnknownBudget(LookupError):
     """The budget has no ledger entry: nothing to carve leases from."""
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseState:
-    """A lease as Postgres holds it: its key, size, and what is committed on it."""
-
-    root: str
-    lease_key: str
-    lease: Lease
 
 
 class Escrow:
@@ -72,11 +62,6 @@ class Escrow:
             raise UnknownBudget(f"budget {ledger_key!r} has no ledger entry to carve leases from")
         return lease
 
-    async def leases(self, ledger_key: str) -> dict[str, LeaseState]:
-        """Every lease of the budget, by root, as Postgres holds them (its committed figures)."""
-        async with self.pool.acquire() as conn, conn.transaction():
-            return {s.root: s for s in await _locked(conn, ledger_key)}
-
     async def grant(self, ledger_key: str, root: str, want: int, *, reason: str) -> int:
         """Grow `root`'s lease by `want`, or by what is free of the budget's limit when that is
         less; what it grew by (0: nothing was free, and nothing was written)."""
@@ -84,11 +69,11 @@ class Escrow:
         ledger = self.shard_of(root)
         async with ledger_transaction(self.pool, ledger) as work:
             limit = await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
-            states = {s.root: s for s in await _locked(work.conn, ledger_key)}
-            given = escrow.grantable(limit, (s.lease for s in states.values()), want)
+            leases = await _locked(work.conn, ledger_key)
+            given = escrow.grantable(limit, leases.values(), want)
             if given <= 0:
                 return 0
-            size = states[root].lease.size
+            size = leases[root].size
             moved, _ = await self._move(work, ledger, lease_key, size=size, grow=True, amount=given)
             await work.conn.execute(sql("escrow_move"), ledger_key, root, "grant", size + moved, moved, None, reason)
         log.info("escrow: granted %d to %s's lease of %s (%s)", moved, root, ledger_key, reason)
@@ -100,10 +85,10 @@ class Escrow:
         lease_key = await self.open(ledger_key, root)
         ledger = self.shard_of(root)
         async with ledger_transaction(self.pool, ledger) as work:
-            await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
-            states = {s.root: s for s in await _locked(work.conn, ledger_key)}
-            size = states[root].lease.size
-            if escrow.returnable(states[root].lease, want) <= 0:
+            await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)  # the order every move locks in
+            lease = (await _locked(work.conn, ledger_key))[root]
+            size = lease.size
+            if escrow.returnable(lease, want) <= 0:
                 return 0  # what Postgres knows it holds already takes it all; Redis holds no less
             moved, seq = await self._move(work, ledger, lease_key, size=size, grow=False, amount=want)
             if moved <= 0:
@@ -125,8 +110,6 @@ class Escrow:
             return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed)
 
 
-async def _locked(conn: asyncpg.Connection, ledger_key: str) -> list[LeaseState]:
-    return [
-        LeaseState(row["root"], row["lease_key"], Lease(row["size"], row["reserved"], row["consumed"]))
-        for row in await conn.fetch(sql("escrow_leases_locked"), ledger_key)
-    ]
+async def _locked(conn: asyncpg.Connection, ledger_key: str) -> dict[str, Lease]:
+    """Every lease of the budget by root, locked, with what Postgres knows it holds."""
+    return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in await conn.fetch(sql("escrow_leases_locked"), ledger_key)}

@@ -308,7 +308,7 @@ SELECT limit_amount FROM ledger_entries WHERE ledger_key = $1 FOR UPDATE;
 -- name: escrow_leases_locked
 -- Every lease of the budget $1, locked, with what Postgres knows it holds (consumed, and the
 -- held reservations committed).
-SELECT l.root, l.lease_key, l.size, e.consumed,
+SELECT l.root, l.size, e.consumed,
        COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
 FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key
 WHERE l.ledger_key = $1
