@@ -10,6 +10,7 @@ import asyncpg
 
 from budgetgate.core import escrow as arithmetic
 from budgetgate.ledger.escrow_leases import Escrow
+from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import ChargeRequest, RedisLedger, Reservation
 from budgetgate.ledger.redis_sync import LedgerSync
 
@@ -48,10 +49,8 @@ async def reserve(s: Setup, root: str, amount: int, run_id: str | None = None) -
         if result.status != "MISSING":
             return result.status == "RESERVED"
         await s.escrow.open(BUDGET, root)  # a root's first decision on the budget opens its lease, of size 0
-        row = await s.pool.fetchrow(
-            "SELECT consumed, (SELECT size FROM escrow_leases WHERE lease_key = $1) AS size FROM ledger_entries WHERE ledger_key = $1", lease
-        )
-        await s.ledger.load_key(lease, reserved=0, consumed=row["consumed"], size=row["size"])
+        row = await s.pool.fetchrow(sql("ledger_figures"), [lease])  # as admission loads a key it never had
+        await s.ledger.load_key(lease, reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
     raise AssertionError("the lease's key stayed missing")
 
 

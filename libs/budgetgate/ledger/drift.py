@@ -29,6 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import asyncpg
 
@@ -43,6 +44,7 @@ Figures = tuple[int, int]
 Counter = tuple[int, int, int]  # gpus, nodes, allocations held
 Tokens = dict[str, tuple[int, str]]  # live token → (lease expiry ms, "project<TAB>sub-namespace")
 Rebuild = Callable[[asyncpg.Connection], Awaitable[None]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -151,47 +153,48 @@ async def _run_drift(conn: asyncpg.Connection, redis: RedisLedger, run_ids: list
     return {r: (in_redis[r], held[r]) for r in run_ids if r not in parked and in_redis[r] != held[r]}
 
 
+async def _confirmed(
+    conn: asyncpg.Connection, redis: RedisLedger, find: Callable[[], Awaitable[T]], *, none: T, repair: bool, rebuild: Rebuild, what: Callable[[T], str]
+) -> T | None:
+    """What `find` reports, when it reports anything (`none`: nothing differs), confirmed by
+    finding it again under the exclusive ledger lock (every change to Redis holds it shared until
+    its commit, so nothing is in flight), and repaired when asked (Redis rebuilt); None when Redis
+    was invalidated meanwhile."""
+    if await find() == none:
+        return none
+    async with conn.transaction():
+        await conn.execute(sql("lock_ledger_exclusive"))
+        if not await redis.is_loaded():
+            return None
+        confirmed = await find()
+        if confirmed != none and repair:
+            log.warning("Redis drifted from Postgres on %s; rebuilding it", what(confirmed))
+            await rebuild(conn)
+        return confirmed
+
+
 async def _lease_sizes(conn: asyncpg.Connection, redis: RedisLedger, *, repair: bool, rebuild: Rebuild) -> dict[str, tuple[int, int]] | None:
-    """Escrow leases whose size differs, confirmed under the exclusive ledger lock (every move
-    holds it shared until its commit) and repaired when asked; None when Redis was invalidated
-    meanwhile. A lease Redis never loaded gets Postgres's size when first used: not drift."""
+    """Escrow leases whose size differs (_confirmed). A lease Redis never loaded gets Postgres's
+    size when first used: not drift."""
 
     async def differing() -> dict[str, tuple[int, int]]:
         postgres = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes"))}
         in_redis = await redis.sizes(postgres)
         return {key: (in_redis[key], size) for key, size in postgres.items() if key in in_redis and in_redis[key] != size}
 
-    if not await differing():
-        return {}
-    async with conn.transaction():
-        await conn.execute(sql("lock_ledger_exclusive"))
-        if not await redis.is_loaded():
-            return None
-        confirmed = await differing()
-        if confirmed and repair:
-            log.warning("Redis drifted from Postgres on the size of %d escrow lease(s); rebuilding it", len(confirmed))
-            await rebuild(conn)
-        return confirmed
+    return await _confirmed(conn, redis, differing, none={}, repair=repair, rebuild=rebuild, what=lambda found: f"the size of {len(found)} escrow lease(s)")
 
 
 ConcurrencyDrift = tuple[dict[str, tuple[Counter, Counter]], dict[str, tuple[Tokens, Tokens]]]
 
 
 async def _concurrency(conn: asyncpg.Connection, redis: RedisLedger, *, repair: bool, rebuild: Rebuild) -> ConcurrencyDrift | None:
-    """Quota counters and pool tokens that differ, confirmed under the exclusive ledger lock
-    (every grant, renewal and release holds it shared until its commit) and repaired when
-    asked; None when Redis was invalidated meanwhile."""
-    if not any(await _concurrency_drift(conn, redis)):
-        return {}, {}
-    async with conn.transaction():
-        await conn.execute(sql("lock_ledger_exclusive"))
-        if not await redis.is_loaded():
-            return None
-        counters, pools = await _concurrency_drift(conn, redis)
-        if (counters or pools) and repair:
-            log.warning("Redis drifted from Postgres on %d quota counter(s) and %d pool(s); rebuilding it", len(counters), len(pools))
-            await rebuild(conn)
-        return counters, pools
+    """Quota counters and pool tokens that differ (_confirmed: every grant, renewal and release
+    holds the ledger lock shared until its commit)."""
+    return await _confirmed(
+        conn, redis, lambda: _concurrency_drift(conn, redis), none=({}, {}), repair=repair, rebuild=rebuild,
+        what=lambda found: f"{len(found[0])} quota counter(s) and {len(found[1])} pool(s)",
+    )  # fmt: skip
 
 
 async def _concurrency_drift(conn: asyncpg.Connection, redis: RedisLedger) -> ConcurrencyDrift:

@@ -50,7 +50,7 @@ local function reserve(kb, ab)
   local unloaded = {}
 
   for i = 1, n do
-    local state = redis.call('HMGET', KEYS[kb + 1 + i], 'reserved', 'consumed', 'size')
+    local state = redis.call('HMGET', KEYS[kb + 1 + i], 'reserved', 'consumed')
     if not state[1] then
       if not check then
         return {'MISSING', tostring(i)}
@@ -62,7 +62,8 @@ local function reserve(kb, ab)
     local a = ab + 3 + 3 * (i - 1)
     local limit = tonumber(ARGV[a + 2])
     if ARGV[a + 3] == 'L' then
-      limit = tonumber(state[3] or '0')  -- an escrow lease: its size is its limit (lease.lua)
+      -- an escrow lease: its size is its limit (lease.lua); read for leases alone
+      limit = tonumber(redis.call('HGET', KEYS[kb + 1 + i], 'size') or '0')
     end
     if ARGV[a + 3] ~= '0' and tonumber(ARGV[a + 1]) > limit - reserved - consumed then
       fits = false
