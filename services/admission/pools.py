@@ -17,7 +17,7 @@ from budgetgate.ledger.holds import PoolRequest
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync, undo_unless_committed
-from budgetgate.ledger.transaction import ledger_transaction, record_ledger_mark
+from budgetgate.ledger.transaction import committed_seq, ledger_transaction, record_ledger_mark
 from budgetgate.core.principals import Forbidden, Principal, Role
 from budgetgate.services.admission.admitter import Unavailable, with_ledger
 from budgetgate.decisions.concurrency import pool_request
@@ -75,7 +75,7 @@ class TokenPools:
                     asked = _renewal(held, request, body, namespace)
                     # A statement of its own, after the lock: in one with it, the snapshot would
                     # be taken before the lock was granted (see budgetgate_begin_batch).
-                    committed = await conn.fetchval(sql("committed_ledger_seq"))
+                    committed = await committed_seq(conn, self.ledger)
                     status, readings, seq = await self.ledger.allocate(asked, now_ms=int(now.timestamp() * 1000), committed_seq=committed)
                     await record_ledger_mark(conn, self.ledger, seq)
                     if status in ("GRANTED", "RENEWED"):

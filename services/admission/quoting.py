@@ -14,6 +14,7 @@ from budgetgate.core.evaluation import deciding_index
 from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import Reservation, ReserveResult
+from budgetgate.ledger.transaction import committed_seq
 from budgetgate.services.admission.admitter import Admitter, Unavailable, releases, with_ledger
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, readings
 from budgetgate.decisions.rendering import response_body
@@ -74,7 +75,7 @@ class Quoter:
 
     async def _check(self, p: Prepared) -> ReserveResult:
         admitter = self.admitter
-        committed = await admitter.pool.fetchval(sql("committed_ledger_seq"))
+        committed = await committed_seq(admitter.pool, admitter.ledger)
         asked = Reservation(p.request.run_id, "quote", charges(p.plan), p.asks.counters, p.asks.pool)
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
         result = await admitter.ledger.check(asked, now_ms=now_ms, committed_seq=committed)

@@ -2,8 +2,9 @@
 -- Queries more than one package uses live in the shared ledger's, libs/budgetgate/ledger/sql/queries.sql.
 
 -- name: prune_ledger_marks
--- Only the highest mark counts (budgetgate_committed_ledger_seq); the others go.
-DELETE FROM ledger_marks WHERE ledger_seq < (SELECT max(ledger_seq) FROM ledger_marks);
+-- Only the highest mark of each shard's residue counts (budgetgate_committed_ledger_seq, 0043);
+-- the others go.
+DELETE FROM ledger_marks m WHERE m.ledger_seq < (SELECT max(x.ledger_seq) FROM ledger_marks x WHERE x.ledger_seq % 64 = m.ledger_seq % 64);
 
 -- name: record_lifecycle_batch
 -- Lifecycle events as reported; returns the runs of the events that were new.

@@ -422,11 +422,14 @@ spec: {namespace: "snowflake:wh-1", quota: 1}
 async def test_pruning_the_ledger_marks_keeps_the_highest_the_check_reads(pg_dsn) -> None:
     conn = await asyncpg.connect(pg_dsn)
     try:
-        for seq in (5, 9, 7):
+        for seq in (5, 9, 7, 69, 133, 73):  # 69 and 133 ≡ 5, 73 ≡ 9 (mod 64): one shard's each
             assert await conn.fetchval(sql("record_ledger_mark"), seq) == 1
         assert await conn.fetchval(sql("record_ledger_mark"), 7) is None  # handed out twice
         await conn.execute(sql("prune_ledger_marks"))
-        assert [r["ledger_seq"] for r in await conn.fetch("SELECT ledger_seq FROM ledger_marks")] == [9]
-        assert await conn.fetchval(sql("committed_ledger_seq")) == 9
+        # The highest of each shard's residue stays (budgetgate.core.shards): the highest of all
+        # for one shard, and each shard's own when there are several.
+        assert [r["ledger_seq"] for r in await conn.fetch("SELECT ledger_seq FROM ledger_marks ORDER BY 1")] == [7, 73, 133]
+        assert await conn.fetchval("SELECT budgetgate_committed_ledger_seq()") == 133
+        assert [await conn.fetchval(sql("committed_shard_seq"), shard, 64) for shard in (5, 7, 9, 11)] == [133, 7, 73, 0]
     finally:
         await conn.close()

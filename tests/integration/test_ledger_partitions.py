@@ -157,7 +157,7 @@ async def _answers(conn: asyncpg.Connection, *, before: bool) -> dict[str, objec
         "begin": await rows(
             "SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision FROM budgetgate_begin_batch($1)", runs
         ),
-        "seq": await conn.fetchval(sql("committed_ledger_seq")),
+        "seq": await conn.fetchval("SELECT budgetgate_committed_ledger_seq()"),
         "capacity": await rows("SELECT * FROM metering_capacity($1) ORDER BY run_id", runs),
         "denial": await rows("SELECT * FROM audit_denial_rate ORDER BY scope_id"),
         "exhaustion": await rows("SELECT * FROM audit_window_exhaustion ORDER BY ledger_key"),
@@ -253,7 +253,7 @@ async def test_migration_0033_keeps_ledger_numbers_reused_before_0021(postgres_a
         assert indexes["decisions_ledger_seq"].startswith("CREATE UNIQUE INDEX") and indexes["decisions_ledger_seq"].endswith("WHERE (ledger_seq > 5)")
         assert "decisions_ledger_seq_reused" in indexes
         assert await conn.fetchval("SELECT count(*) FROM decisions WHERE ledger_seq = 5") == 2
-        assert await conn.fetchval(named("committed_ledger_seq")) == 5
+        assert await conn.fetchval("SELECT budgetgate_committed_ledger_seq()") == 5
     finally:
         await conn.close()
         await drop_database(postgres_admin_dsn, name)

@@ -82,7 +82,7 @@ def test_the_installed_wheel_migrates_loads_lua_and_serves_admission(venv: Path,
         from importlib import resources
         from budgetgate.ledger import redis_ledger
         client = redis.Redis.from_url(sys.argv[1])
-        shas = {name: client.script_load(redis_ledger._script(name)) for name in redis_ledger._SCRIPTS}
+        shas = {name: client.script_load(redis_ledger._script(name, step=64)) for name in redis_ledger._SCRIPTS}
         files = sorted(p.name for p in resources.files("budgetgate.ledger").joinpath("lua").iterdir() if p.name.endswith(".lua"))
         used = set(redis_ledger._SCRIPTS) | {lib for libs in redis_ledger._LIBRARIES.values() for lib in libs}
         print(json.dumps({"exists": client.script_exists(*shas.values()), "files": files, "used": sorted(f"{u}.lua" for u in used)}))

@@ -1,9 +1,11 @@
 """The Redis side of the ledger: live reserved/consumed figures per ledger key, changed only by
 the Lua scripts next to this file (one script per atomic operation).
 
-Every key lives under one hash tag (`{prefix}`), so all keys of a decision share a Redis Cluster
-slot. Budgets cross tenants (a cost-center budget spans namespaces), so no finer tag would keep
-every decision's keys together.
+Every key of one shard lives under its hash tag (`{prefix}` with one shard, the default;
+`{prefix:i}` with several, budgetgate.core.shards), so all keys of a decision share a Redis
+Cluster slot. Budgets cross tenants (a cost-center budget spans namespaces), so no finer tag
+would keep every decision's keys together: a budget that roots share is carved into a lease per
+root (budgetgate.ledger.escrow_leases).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from budgetgate.core.ledger_key import AmountOutOfRange
+from budgetgate.core.shards import Shards
 from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolRequest, counter_args, pool_args, pool_readings
 
 log = logging.getLogger(__name__)
@@ -111,9 +114,12 @@ class LedgerKeyMissing(LookupError):
         self.ledger_key = ledger_key
 
 
-def _script(name: str) -> str:
+def _script(name: str, *, step: int) -> str:
+    """The script's Lua, after the libraries it uses and the step its shard's ledger sequence
+    advances by (SEQ_STEP, budgetgate.core.shards)."""
     folder = resources.files("budgetgate.ledger").joinpath("lua")
-    return "\n".join(folder.joinpath(f"{part}.lua").read_text() for part in (*_LIBRARIES.get(name, ()), name))
+    parts = [f"local SEQ_STEP = {step}", *(folder.joinpath(f"{part}.lua").read_text() for part in (*_LIBRARIES.get(name, ()), name))]
+    return "\n".join(parts)
 
 
 class RefusingWrites(redis.exceptions.ConnectionError):
@@ -187,13 +193,16 @@ def _as_outage(exc: redis.exceptions.ResponseError) -> redis.exceptions.RedisErr
 
 
 class RedisLedger:
-    """Typed wrappers around the ledger's Lua scripts (EVALSHA, reloaded on NOSCRIPT)."""
+    """Typed wrappers around the ledger's Lua scripts (EVALSHA, reloaded on NOSCRIPT), on one
+    shard of the ledger (`shard` of `shards`; the only one by default)."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str) -> None:
+    def __init__(self, client: aioredis.Redis, *, prefix: str, shard: int = 0, shards: int = 1) -> None:
         self.client = client
-        self.tag = "{" + prefix + "}"
+        self.shards = Shards(prefix, shards)
+        self.shard = shard
+        self.tag = self.shards.tag(shard)
         self.keys = HoldKeys(self.tag)
-        self._scripts = {name: _Script(client.register_script(_script(name))) for name in _SCRIPTS}
+        self._scripts = {name: _Script(client.register_script(_script(name, step=self.shards.step))) for name in _SCRIPTS}
 
     @property
     def marker(self) -> str:

@@ -16,6 +16,7 @@ from budgetgate.ledger.concurrency_holds import concurrency_state, write_concurr
 from budgetgate.ledger.drift import Drift
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
+from budgetgate.ledger.transaction import committed_seq
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class LedgerSync:
         """
         ledgers, runs = await _postgres_state(conn)
         held = await concurrency_state(conn, self.redis.keys, now=datetime.now(UTC))
-        seq = await conn.fetchval(sql("committed_ledger_seq"))
+        seq = self.redis.shards.start(self.redis.shard, await committed_seq(conn, self.redis))
         sizes = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes"))}
         await rewrite.replace_all(
             self.redis, ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, sizes=sizes,

@@ -24,6 +24,13 @@ from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 log = logging.getLogger(__name__)
 
 
+async def committed_seq(conn: asyncpg.Connection | asyncpg.Pool, ledger: RedisLedger) -> int:
+    """The highest ledger sequence Postgres committed of `ledger`'s shard: a Redis shard behind it
+    lost a write Postgres holds, and its scripts refuse to decide on it (reserve.lua). Read in a
+    statement of its own after the ledger lock, or its snapshot would predate the lock."""
+    return int(await conn.fetchval(sql("committed_shard_seq"), ledger.shard, ledger.shards.count))
+
+
 async def record_ledger_mark(conn: asyncpg.Connection, ledger: RedisLedger, seq: int) -> None:
     """Record, in the caller's transaction, the ledger sequence a write other than a decision
     advanced Redis to when it tightened the ledger (a settlement's increases, a late start's

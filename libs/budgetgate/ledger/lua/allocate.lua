@@ -41,6 +41,6 @@ if outcome == 'GRANTED' or outcome == 'RENEWED' then
   for l = 1, levels do
     pool_take(pool_keys(2 + 4 * (l - 1)), ARGV[1], ARGV[2], ARGV[3], expiry)
   end
-  reply[#reply + 1] = redis.call('INCR', KEYS[#KEYS])
+  reply[#reply + 1] = redis.call('INCRBY', KEYS[#KEYS], SEQ_STEP)
 end
 return reply

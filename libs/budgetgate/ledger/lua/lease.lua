@@ -40,4 +40,4 @@ if moved <= 0 then
   return {'OK', 0, 0}
 end
 redis.call('HSET', KEYS[3], 'size', size - moved)
-return {'OK', moved, redis.call('INCR', KEYS[2])}
+return {'OK', moved, redis.call('INCRBY', KEYS[2], SEQ_STEP)}

@@ -15,4 +15,4 @@ for j = 4, #KEYS do
   local a = 3 * (j - 4)
   holds_count(KEYS[2], KEYS[j], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3])
 end
-return redis.call('INCR', KEYS[3])
+return redis.call('INCRBY', KEYS[3], SEQ_STEP)

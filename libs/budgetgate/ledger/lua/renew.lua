@@ -33,5 +33,5 @@ for t = 1, tonumber(ARGV[2]) do
   any = any or held
   kb, ab = kb + 4 * levels, ab + 3
 end
-renewed[#renewed + 1] = any and redis.call('INCR', KEYS[#KEYS]) or 0
+renewed[#renewed + 1] = any and redis.call('INCRBY', KEYS[#KEYS], SEQ_STEP) or 0
 return renewed

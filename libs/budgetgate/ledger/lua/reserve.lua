@@ -141,7 +141,7 @@ local function reserve(kb, ab)
     pool_take(k, token, project, subns, expiry)
     redis.call('HSET', holds, k[1], token)
   end
-  local seq = redis.call('INCR', KEYS[2])
+  local seq = redis.call('INCRBY', KEYS[2], SEQ_STEP)
   redis.call('HSET', run, '_decision', ARGV[ab], '_at', ARGV[2])
   reply[#reply + 1] = seq
   return reply

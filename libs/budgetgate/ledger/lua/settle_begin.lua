@@ -55,6 +55,6 @@ end
 redis.call('HSET', KEYS[3], 'seq', ARGV[4], 'at', ARGV[2], 'keys', cjson.encode(keys), 'args', cjson.encode(ARGV), 'token', ARGV[5 + 3 * n])
 redis.call('SADD', KEYS[4], KEYS[3])
 if tightened then
-  return redis.call('INCR', KEYS[5])
+  return redis.call('INCRBY', KEYS[5], SEQ_STEP)
 end
 return 0

@@ -29,9 +29,10 @@ SELECT pg_advisory_xact_lock(7302, hashtext($1));
 SELECT decision_id, run_id, attempt, outcome, response, decided_at, namespace, labels
 FROM decisions WHERE run_id = $1 ORDER BY attempt DESC LIMIT 1;
 
--- name: committed_ledger_seq
--- The highest ledger sequence Postgres committed, by a decision or another tightening write.
-SELECT budgetgate_committed_ledger_seq();
+-- name: committed_shard_seq
+-- The highest ledger sequence Postgres committed of one shard ($1 of $2, budgetgate.core.shards),
+-- by a decision or another tightening write.
+SELECT budgetgate_committed_ledger_seq($1::integer, $2::integer);
 
 -- name: record_ledger_mark
 -- A write other than a decision that tightened Redis's ledger, by the sequence number Redis gave

@@ -1,0 +1,59 @@
+"""Shards of the Redis ledger (docs/scale-out.md, "Sharding the ledger by root"): which shard a
+root of the account tree belongs to, the hash tag its keys share, and how each shard numbers its
+ledger generation so that the numbers of two shards never meet.
+
+With one shard (the default) the tag and the numbering are the ledger's as they always were:
+`{prefix}`, a sequence advancing by 1. With N shards, shard *i*'s keys share the tag
+`{prefix:i}` and its sequence advances by SEQ_STEP from a value whose residue modulo SEQ_STEP is
+*i*: every number shard *i* hands out is ≡ i, so `decision_keys.ledger_seq` stays unique across
+shards, and Postgres finds the highest number a shard committed as the highest of its residue
+(`budgetgate_committed_ledger_seq(shard, shards)`, migration 0043).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+# The step of every shard's ledger sequence when there are several, hence the most shards.
+SEQ_STEP = 64
+MAX_SHARDS = SEQ_STEP
+
+
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """N shards of the ledger under one prefix."""
+
+    prefix: str
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= MAX_SHARDS:
+            raise ValueError(f"the Redis ledger has 1 to {MAX_SHARDS} shards, not {self.count}")
+
+    def of_root(self, root: str) -> int:
+        """The shard of a root (an organisation of the account tree; without one, the tenant),
+        for as long as the count stays: CRC-32 of its name, modulo the count."""
+        return zlib.crc32(root.encode()) % self.count
+
+    def tag(self, shard: int) -> str:
+        """The hash tag every key of `shard` shares: one Redis Cluster slot per shard."""
+        self._check(shard)
+        return "{" + self.prefix + "}" if self.count == 1 else "{" + f"{self.prefix}:{shard}" + "}"
+
+    @property
+    def step(self) -> int:
+        """What each reservation advances a shard's ledger sequence by."""
+        return 1 if self.count == 1 else SEQ_STEP
+
+    def start(self, shard: int, committed: int) -> int:
+        """Where a rebuilt shard's sequence restarts: the highest number Postgres committed of
+        it, or, for a shard that has none yet, its residue (so its first number is ≡ shard)."""
+        self._check(shard)
+        if self.count > 1 and committed % SEQ_STEP != shard and committed != 0:
+            raise ValueError(f"ledger sequence {committed} is not shard {shard}'s (≡ {shard} mod {SEQ_STEP})")
+        return committed if committed or self.count == 1 else shard
+
+    def _check(self, shard: int) -> None:
+        if not 0 <= shard < self.count:
+            raise ValueError(f"shard {shard} of a ledger of {self.count}")

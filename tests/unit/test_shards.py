@@ -1,0 +1,69 @@
+"""Shards of the Redis ledger (budgetgate.core.shards): their tags, a root's shard, and the
+numbering that keeps two shards' ledger sequences apart."""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from budgetgate.core.shards import MAX_SHARDS, SEQ_STEP, Shards
+
+
+def test_one_shard_is_the_ledger_as_it_always_was() -> None:
+    one = Shards("bg")
+    assert (one.tag(0), one.step, one.of_root("any-org")) == ("{bg}", 1, 0)
+    assert one.start(0, 0) == 0 and one.start(0, 1_234) == 1_234  # any number: a single shard's
+
+
+def test_several_shards_have_a_tag_each() -> None:
+    shards = Shards("bg", 3)
+    assert [shards.tag(i) for i in range(3)] == ["{bg:0}", "{bg:1}", "{bg:2}"]
+    assert shards.step == SEQ_STEP
+    with pytest.raises(ValueError, match="shard 3 of a ledger of 3"):
+        shards.tag(3)
+    for count in (0, MAX_SHARDS + 1):
+        with pytest.raises(ValueError, match=f"1 to {MAX_SHARDS} shards"):
+            Shards("bg", count)
+
+
+def test_a_roots_shard_is_the_same_in_every_process() -> None:
+    # CRC-32, not hash() (salted per process): every replica and every restart must place a root
+    # on the same shard, or a decision would look for its keys where they are not.
+    shards = Shards("bg", 8)
+    assert shards.of_root("org-a") == zlib.crc32(b"org-a") % 8 == 2  # pinned: a change would move every root
+
+
+def test_roots_spread_over_the_shards() -> None:
+    shards = Shards("bg", 8)
+    placed = Counter(shards.of_root(f"org-{i}") for i in range(8_000))
+    assert set(placed) == set(range(8))
+    assert all(850 <= n <= 1_150 for n in placed.values()), placed
+
+
+def test_a_rebuilt_shard_restarts_at_its_own_residue() -> None:
+    shards = Shards("bg", 4)
+    assert [shards.start(i, 0) for i in range(4)] == [0, 1, 2, 3]
+    assert shards.start(2, 2 + 5 * SEQ_STEP) == 2 + 5 * SEQ_STEP
+    with pytest.raises(ValueError, match="not shard 2's"):
+        shards.start(2, 3 + 5 * SEQ_STEP)  # another shard's number: Postgres was asked the wrong residue
+
+
+@given(count=st.integers(2, MAX_SHARDS), data=st.data())
+def test_the_numbers_of_two_shards_never_meet(count: int, data: st.DataObject) -> None:
+    """Any shards, each rebuilt from any committed number of its own and advanced any number of
+    times, hand out distinct numbers, each of its own residue and above what it restarted at."""
+    shards = Shards("bg", count)
+    chosen = data.draw(st.lists(st.integers(0, count - 1), min_size=2, max_size=6, unique=True))
+    handed: dict[int, int] = {}
+    for shard in chosen:
+        committed = data.draw(st.sampled_from([0, shard + SEQ_STEP * data.draw(st.integers(0, 10**6))]))
+        seq = shards.start(shard, committed)
+        for _ in range(data.draw(st.integers(1, 20))):
+            seq += shards.step  # what every script's INCRBY does
+            assert seq % SEQ_STEP == shard and seq > committed
+            assert seq not in handed, f"shards {handed[seq]} and {shard} both handed out {seq}"
+            handed[seq] = shard
