@@ -26,6 +26,7 @@ from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.ledger import partitions
 from budgetgate.ledger.queries import owned_by
+from budgetgate.ledger.escrow_leases import Escrow
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
 from budgetgate.messaging.outbox import OutboxRelay
@@ -119,6 +120,7 @@ class Reconciler(Service):
         self.redis = redis_client.connect(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
         self.sync = LedgerSync(self.pool, self.ledger)
+        self.escrow = Escrow(self.pool, lambda _root: self.ledger)  # one shard: every root's
         self.bundles = PolicyStore()
         self.settler = Settler.configured(s, pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles)
         async with self.pool.acquire() as conn:  # before the first settlement: deadlines on Postgres's clock
@@ -293,8 +295,10 @@ class Reconciler(Service):
                 # Leak protection for Redis holds whose decision never committed (a process died
                 # between reserving and committing).
                 await self.sync.sweep_orphans(grace=timedelta(seconds=s.orphan_grace_seconds), now=now)
-                # Only the highest ledger mark counts (migration 0025).
+                # Only the highest ledger mark of each shard counts (migrations 0025, 0043).
                 await self.pool.execute(sql("prune_ledger_marks"))
+                # What idle escrow leases do not use goes back, free for other roots' refills.
+                await self.escrow.return_idle(idle=timedelta(seconds=s.escrow_idle_seconds), chunk_share=s.escrow_chunk_share, now=now)
                 next_sweep = time.monotonic() + s.orphan_grace_seconds / 2
             if time.monotonic() >= next_prune:
                 # The Kubernetes objects of runs that ended longer ago than the retention: a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -20,7 +21,9 @@ from budgetgate.ledger.escrow_leases import UnknownBudget
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.runtime import redis_client
-from tests.support.escrow import BUDGET, Setup, reserve, shared_budget, sizes
+from tests.support.escrow import BUDGET, Setup, reserve, reserve_with_refill, shared_budget, sizes
+from tests.support.reconciler import reconciler_factory  # noqa: F401 - a pytest fixture
+from tests.support.waiting import wait_for
 
 LIMIT = 1_000
 ROOTS = ("org-a", "org-b", "org-c")
@@ -158,6 +161,61 @@ async def test_a_rebuild_writes_the_sizes_with_what_the_leases_hold(setup: Setup
     await s.sync.rebuild(force=True)
     assert await sizes(s) == ({"org-a": 300, "org-b": 200}, {"org-a": 300, "org-b": 200})
     assert await reserve(s, "org-b", 200) and not await reserve(s, "org-b", 1)
+
+
+async def test_a_refused_reservation_is_refilled_once_in_whole_chunks(setup: Setup) -> None:
+    s = setup
+    await s.escrow.grant(BUDGET, "org-a", 100, reason="refill")
+    assert await reserve(s, "org-a", 80)
+    assert await reserve_with_refill(s, "org-a", 50, chunk=25) == (True, 50)  # lacks 30: two chunks
+    assert await sizes(s) == ({"org-a": 150}, {"org-a": 150})
+    assert await reserve_with_refill(s, "org-a", 30, chunk=25) == (True, 25)  # lacks 10: one chunk
+    assert await reserve_with_refill(s, "org-a", 15, chunk=25) == (True, 0)  # fits: no refill
+    assert await sizes(s) == ({"org-a": 175}, {"org-a": 175})
+    moves = await s.pool.fetch("SELECT kind, amount, reason FROM escrow_moves WHERE root = 'org-a' ORDER BY id")
+    assert [tuple(m) for m in moves] == [("grant", 100, "refill"), ("grant", 50, "refill"), ("grant", 25, "refill")]
+
+
+async def test_a_refill_gives_what_is_free_and_the_decision_is_refused_when_that_is_not_enough(setup: Setup) -> None:
+    s = setup
+    await s.escrow.grant(BUDGET, "org-b", 950, reason="refill")
+    assert await reserve_with_refill(s, "org-a", 40, chunk=100) == (True, 50)  # 50 free of 1,000
+    assert await reserve_with_refill(s, "org-a", 20, chunk=100) == (False, 0)  # 10 unused, none free
+    assert await sizes(s) == ({"org-a": 50, "org-b": 950}, {"org-a": 50, "org-b": 950})
+
+
+async def test_idle_leases_give_back_what_their_roots_do_not_use_beyond_a_chunk(setup: Setup) -> None:
+    s = setup
+    await s.escrow.grant(BUDGET, "org-a", 500, reason="refill")
+    await s.escrow.grant(BUDGET, "org-b", 300, reason="refill")
+    await s.escrow.grant(BUDGET, "org-c", 100, reason="refill")
+    assert await reserve(s, "org-a", 120)  # in Redis only: a decision in flight
+    await s.pool.execute("UPDATE escrow_moves SET moved_at = now() - interval '2 hours' WHERE root <> 'org-c'")
+
+    moved = await s.escrow.return_idle(idle=timedelta(hours=1), chunk_share=0.05, now=datetime.now(UTC))  # a chunk of 50
+    # org-a keeps its reservation in flight (which Postgres does not know of yet) and a chunk:
+    # 500 - 120 - 50. org-b keeps a chunk. org-c's lease moved within the hour.
+    assert moved == {(BUDGET, "org-a"): 330, (BUDGET, "org-b"): 250}
+    assert await sizes(s) == ({"org-a": 170, "org-b": 50, "org-c": 100}, {"org-a": 170, "org-b": 50, "org-c": 100})
+    assert await reserve(s, "org-a", 50) and not await reserve(s, "org-a", 1)
+    assert await s.pool.fetchval("SELECT count(*) FROM escrow_moves WHERE kind = 'return' AND reason = 'idle'") == 2
+    # Returned just now: not idle again until another hour has passed.
+    assert await s.escrow.return_idle(idle=timedelta(hours=1), chunk_share=0.05, now=datetime.now(UTC)) == {}
+
+
+async def test_the_reconciler_gives_back_what_idle_leases_do_not_use(setup: Setup, reconciler_factory) -> None:  # noqa: F811
+    s = setup
+    await s.escrow.grant(BUDGET, "org-a", 600, reason="refill")
+    await s.escrow.grant(BUDGET, "org-b", 40, reason="refill")
+    # A sweep every 0.2 s (half the orphans' grace); a lease idle after 0.5 s keeps a chunk of 50.
+    await reconciler_factory(orphan_grace_seconds=0.4, escrow_idle_seconds=0.5, escrow_chunk_share=0.05)
+
+    async def returned() -> bool:
+        return await sizes(s) == ({"org-a": 50, "org-b": 40}, {"org-a": 50, "org-b": 40})
+
+    await wait_for(returned, timeout=30, what="the idle lease to give back all but a chunk")
+    returns = await s.pool.fetch("SELECT root, amount FROM escrow_moves WHERE kind = 'return' AND reason = 'idle'")
+    assert [tuple(r) for r in returns] == [("org-a", 550)]  # org-b had no more than a chunk
 
 
 async def test_a_budget_without_a_ledger_entry_has_no_leases(setup: Setup) -> None:

@@ -114,6 +114,27 @@ def test_a_return_never_takes_what_the_root_holds(size: int, reserved: int, cons
     assert size - taken >= min(size, reserved + consumed)
 
 
+@given(size=st.integers(0, 10_000), reserved=st.integers(0, 10_000), consumed=st.integers(0, 10_000), keep=st.integers(0, 5_000))
+def test_an_idle_lease_keeps_what_its_root_holds_and_a_chunk(size: int, reserved: int, consumed: int, keep: int) -> None:
+    lease = Lease(size, reserved, consumed)
+    given_back = escrow.idle_return(lease, keep=keep)
+    assert given_back == escrow.returnable(lease, given_back)  # a return takes all of it
+    after = replace(lease, size=size - given_back)
+    assert after.unused == min(lease.unused, keep)
+
+
+@given(limit=st.integers(0, 10**15), share=st.floats(min_value=1e-6, max_value=1.0))
+def test_a_chunk_is_the_share_of_the_limit_rounded_up(limit: int, share: float) -> None:
+    chunk = escrow.chunk_of(limit, share)
+    assert chunk >= 1 and chunk >= limit * share and chunk - 1 < max(limit * share, 1)
+
+
+def test_a_chunk_is_a_share_of_the_limit() -> None:
+    for share in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="share of the limit"):
+            escrow.chunk_of(1_000, share)
+
+
 @given(root=st.from_regex(r"[a-z0-9][a-z0-9-]{0,20}", fullmatch=True))
 def test_a_lease_key_names_its_budget_and_root(root: str) -> None:
     budget = "ns=vision-prod;team=vision|2026-11-01T00:00:00Z/2026-12-01T00:00:00Z|gpu_hours"

@@ -11,8 +11,9 @@ import asyncpg
 from budgetgate.core import escrow as arithmetic
 from budgetgate.ledger.escrow_leases import Escrow
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import ChargeRequest, RedisLedger, Reservation
+from budgetgate.ledger.redis_ledger import ChargeRequest, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.transaction import committed_seq
 
 BUDGET = "cost-center=ml|2026-11-01T00:00:00Z/2026-12-01T00:00:00Z|gpu_hours"
 NOW_MS = 1_796_000_000_000
@@ -41,13 +42,28 @@ async def shared_budget(pool: asyncpg.Pool, ledger: RedisLedger, *, limit: int) 
 async def reserve(s: Setup, root: str, amount: int, run_id: str | None = None) -> bool:
     """A decision of `root` reserving `amount` on its lease alone, as admission will; raises
     LedgerNotLoaded when Redis is not loaded or is behind what Postgres committed."""
+    return (await reservation(s, root, amount, run_id)).status == "RESERVED"
+
+
+async def reserve_with_refill(s: Setup, root: str, amount: int, *, chunk: int) -> tuple[bool, int]:
+    """As `reserve`, with the one synchronous refill admission makes before it refuses
+    (Escrow.refill): whether it was reserved, and what the refill granted."""
+    result = await reservation(s, root, amount)
+    if result.status != "REJECTED":
+        return result.status == "RESERVED", 0
+    granted = await s.escrow.refill(BUDGET, root, amount=amount, reading=result.readings[0], chunk=chunk)
+    return granted > 0 and await reserve(s, root, amount), granted
+
+
+async def reservation(s: Setup, root: str, amount: int, run_id: str | None = None) -> ReserveResult:
+    """What `reserve` asks of Redis, as it answered."""
     lease = arithmetic.lease_key(BUDGET, root)
-    committed = await s.pool.fetchval("SELECT budgetgate_committed_ledger_seq()")
+    committed = await committed_seq(s.pool, s.ledger)
     asked = Reservation(run_id or f"run-{uuid.uuid4().hex[:8]}", str(uuid.uuid4()), (ChargeRequest(lease, amount, 0, True, lease=True),))
     for _ in range(2):
         [result] = await s.ledger.reserve_batch([asked], now_ms=NOW_MS, committed_seq=committed)
         if result.status != "MISSING":
-            return result.status == "RESERVED"
+            return result
         await s.escrow.open(BUDGET, root)  # a root's first decision on the budget opens its lease, of size 0
         row = await s.pool.fetchrow(sql("ledger_figures"), [lease])  # as admission loads a key it never had
         await s.ledger.load_key(lease, reserved=row["reserved"], consumed=row["consumed"], size=row["size"])

@@ -23,6 +23,7 @@ Promises (tests/property/test_escrow_arithmetic.py):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -102,6 +103,21 @@ def returnable(lease: Lease, want: int) -> int:
     if want < 0:
         raise ValueError(f"a return gives back a positive amount, not {want}")
     return min(want, lease.unused)
+
+
+def chunk_of(limit: int, share: float) -> int:
+    """The chunk of a budget's leases: `share` of its limit, rounded up, at least 1. Refills ask
+    for whole chunks, and an idle lease keeps one unused (so its root's next decisions do not
+    each ask for a refill)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"a chunk is a share of the limit in (0, 1], not {share}")
+    return max(math.ceil(limit * share), 1)
+
+
+def idle_return(lease: Lease, *, keep: int) -> int:
+    """What an idle lease gives back: what its root holds neither reserved nor consumed, beyond
+    `keep` (a chunk of headroom)."""
+    return max(lease.unused - max(keep, 0), 0)
 
 
 def refill_wanted(lease: Lease, amount: int, *, chunk: int) -> int:

@@ -21,6 +21,10 @@ committed, and is rebuilt before it decides; one that loses a grant holds a smal
 Postgres granted, which refuses more, never less, and is rebuilt at its lease's next move (the
 sizes differ: lease.lua answers STALE).
 
+A decision its root's lease refuses gets one synchronous refill (`refill`) before it is refused;
+the reconciler gives back, at every orphan sweep, what idle leases do not use beyond a chunk
+(`return_idle`), so it is free for other roots' refills.
+
 The roots' shards: every lease lives on its root's shard of the Redis ledger (`shard_of`); until
 the ledger is sharded by root (docs/scale-out.md), every root's shard is the one Redis ledger.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import datetime, timedelta
 
 import asyncpg
 
@@ -37,7 +42,7 @@ from budgetgate.core.escrow import Lease
 from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, RedisLedger
-from budgetgate.ledger.transaction import LedgerTransaction, ledger_transaction, record_ledger_mark
+from budgetgate.ledger.transaction import LedgerTransaction, committed_seq, ledger_transaction, record_ledger_mark
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +103,41 @@ class Escrow:
         log.info("escrow: %s gave back %d of its lease of %s (%s)", root, moved, ledger_key, reason)
         return moved
 
+    async def refill(self, ledger_key: str, root: str, *, amount: int, reading: tuple[int, int], chunk: int) -> int:
+        """The one synchronous refill a decision gets when `root`'s lease refused its reservation
+        of `amount`, with the lease's (reserved, consumed) as Redis read them in the refusal: a
+        grant of what the lease lacks, in whole `chunk`s (core.escrow.refill_wanted), or of what
+        is free when that is less. What the lease grew by (0: it fits already, as another
+        refill came first, or nothing was free); the caller reserves once more, and refuses the
+        decision if it does not fit then either."""
+        size = await self.pool.fetchval(sql("escrow_lease_size"), ledger_key, root) or 0
+        want = escrow.refill_wanted(Lease(size, *reading), amount, chunk=chunk)
+        if want <= 0:
+            return 0
+        return await self.grant(ledger_key, root, want, reason="refill")
+
+    async def return_idle(self, *, idle: timedelta, chunk_share: float, now: datetime) -> dict[tuple[str, str], int]:
+        """Give back, from every lease whose size has not moved for `idle`, what its root holds
+        neither reserved nor consumed beyond one chunk (`chunk_share` of the budget's limit,
+        core.escrow.chunk_of), so what a root no longer needs is free for the others' refills.
+        Postgres chooses the leases; the amount is reckoned on Redis's figures where it has them
+        (reservations in flight, which Postgres does not know of yet, keep their headroom), and
+        Redis takes no more than its root holds unused when it shrinks (give_back). What each
+        moved, by (budget, root); leases that gave nothing are left out."""
+        moved: dict[tuple[str, str], int] = {}
+        for budget in await self.pool.fetch(sql("escrow_budgets")):
+            keep = escrow.chunk_of(budget["limit_amount"], chunk_share)
+            for row in await self.pool.fetch(sql("escrow_idle_leases"), budget["ledger_key"], now - idle):
+                lease_key = escrow.lease_key(budget["ledger_key"], row["root"])
+                live = (await self.shard_of(row["root"]).readings([lease_key])).get(lease_key, (row["reserved"], row["consumed"]))
+                want = escrow.idle_return(Lease(row["size"], *live), keep=keep)
+                if want > 0 and (given := await self.give_back(budget["ledger_key"], row["root"], want, reason="idle")):
+                    moved[budget["ledger_key"], row["root"]] = given
+        return moved
+
     async def _move(self, work: LedgerTransaction, ledger: RedisLedger, lease_key: str, *, size: int, grow: bool, amount: int) -> tuple[int, int]:
         """The Redis step of a move, the lease's key loaded from Postgres first if Redis never had it."""
-        committed = await work.conn.fetchval(sql("committed_ledger_seq"))
+        committed = await committed_seq(work.conn, ledger)
         work.redis_changed = True
         try:
             return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed)

@@ -316,6 +316,26 @@ WHERE l.ledger_key = $1
 ORDER BY l.root
 FOR UPDATE OF l;
 
+-- name: escrow_lease_size
+-- The size of root $2's lease of the budget $1 (none when it has no lease).
+SELECT size FROM escrow_leases WHERE ledger_key = $1 AND root = $2;
+
+-- name: escrow_budgets
+-- Every budget carved into leases, with its limit.
+SELECT e.ledger_key, e.limit_amount FROM ledger_entries e
+WHERE EXISTS (SELECT 1 FROM escrow_leases l WHERE l.ledger_key = e.ledger_key)
+ORDER BY e.ledger_key;
+
+-- name: escrow_idle_leases
+-- The leases of the budget $1 whose size has not moved since $2, with what Postgres knows they
+-- hold (consumed, and the held reservations committed).
+SELECT l.root, l.size, e.consumed,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key
+WHERE l.ledger_key = $1
+  AND NOT EXISTS (SELECT 1 FROM escrow_moves m WHERE m.ledger_key = l.ledger_key AND m.root = l.root AND m.moved_at > $2)
+ORDER BY l.root;
+
 -- name: escrow_move
 -- A lease's new size $4 after a move ($3: grant or return) of $5, recorded with its ledger
 -- sequence $6 (a return's) and reason $7.
