@@ -21,6 +21,7 @@ Postgres before the next decision (fail closed; ledger_transaction).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -41,8 +42,10 @@ from budgetgate.core.evaluation import Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
 from budgetgate.ledger.queries import owned_by
+from budgetgate.core.shards import unshardable
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
+from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_session
 from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting_source import ExternalAccounting
@@ -102,6 +105,7 @@ class Pending:
     accounting: BudgetSource | None = None
     provisional: bool = False
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
+    shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
 
     @property
     def run_id(self) -> str:
@@ -121,8 +125,7 @@ class Admitter:
         self,
         *,
         pool: asyncpg.Pool,
-        ledger: RedisLedger,
-        sync: LedgerSync,
+        ledgers: ShardedLedger,
         policies: PolicyStore,
         unmatched: str = "allow",
         tenant_label: str = "team",
@@ -137,15 +140,32 @@ class Admitter:
         self.start_deadline = start_deadline
         self.committed = committed  # told after each batch that committed decisions (the relay's nudge)
         self.pool = pool
-        self.ledger = ledger
-        self.sync = sync
+        self.ledgers = ledgers
         self.policies = policies
         self.unmatched = unmatched
         self.tenant_label = tenant_label
         self.accounting = accounting
         self.usage = usage
-        self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
+        # A batch is one shard's (its decisions' keys on one Redis Cluster slot): a queue each.
+        self.groups = tuple(
+            GroupCommit(functools.partial(self._commit, shard), max_batch=max_batch, max_wait=max_wait, in_flight=in_flight) for shard in range(len(ledgers))
+        )
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
+        self._unshardable: dict[str, list[str]] = {}  # bundle sha -> why a sharded ledger cannot enforce it
+
+    @property
+    def ledger(self) -> RedisLedger:
+        """The Redis ledger, when it has one shard (see `ledgers` for several)."""
+        return self.ledgers.single
+
+    @property
+    def sync(self) -> LedgerSync:
+        """The Redis ledger's LedgerSync, when it has one shard."""
+        return self.ledgers.sync_of(self.ledgers.single)
+
+    def ledger_of(self, request: AdmissionRequest) -> RedisLedger:
+        """The shard of the Redis ledger a submission's keys are on: its tenant's."""
+        return self.ledgers.of_labels(request.labels)
 
     async def admit(
         self, request: AdmissionRequest, *, now: datetime | None = None, provisional: bool = False, clock: StageClock | None = None
@@ -163,7 +183,7 @@ class Admitter:
         if clock is not None:
             clock.planned = time.perf_counter()
             pending.clock = clock
-        self.batches.submit(pending)
+        self.groups[pending.shard].submit(pending)
         return await pending.answer
 
     def prepare(self, request: AdmissionRequest, now: datetime) -> Prepared:
@@ -172,13 +192,25 @@ class Admitter:
         bundle = self.policies.current
         if bundle is None:
             raise Unavailable("no policy bundle has been applied yet; run `budgetgate policy apply`")
+        if len(self.ledgers) > 1 and (reasons := self.unshardable(bundle)):
+            shards = f"the ledger has {len(self.ledgers)} shards (BUDGETGATE_LEDGER_SHARDS)"
+            raise Unavailable(f"{shards} and bundle {bundle.git_sha} cannot be enforced on them: {'; '.join(reasons)}")
         covering = self._covering(bundle, request.namespace)
         return prepare(bundle, request, now, unmatched=self.unmatched, tenant_label=self.tenant_label, covering=covering)
+
+    def unshardable(self, bundle: PolicyBundle) -> list[str]:
+        """Why a ledger of several shards cannot enforce `bundle` (budgetgate.core.shards.unshardable)."""
+        found = self._unshardable.get(bundle.git_sha)
+        if found is None:
+            found = self._unshardable[bundle.git_sha] = unshardable(bundle, self.tenant_label)
+        return found
 
     def _prepare(self, request: AdmissionRequest, now: datetime) -> Pending:
         """The pure part, done before joining a batch: the plan and the concurrency asked for."""
         p = self.prepare(request, now)
-        return Pending(request, p.bundle, p.plan, p.asks, now, asyncio.get_running_loop().create_future())
+        pending = Pending(request, p.bundle, p.plan, p.asks, now, asyncio.get_running_loop().create_future())
+        pending.shard = self.ledger_of(request).shard
+        return pending
 
     def _covering(self, bundle: PolicyBundle, namespace: str) -> PolicyBundle:
         """`bundle` with only the policies whose scope covers `namespace` (any others cannot
@@ -190,12 +222,13 @@ class Admitter:
             found = self._scoped[namespace] = replace(bundle, policies=tuple(p for p in bundle.policies if p.scope.covers_namespace(namespace)))
         return found
 
-    async def _commit(self, batch: list[Pending]) -> None:
-        """Decide and commit `batch`, then answer each of its submissions."""
+    async def _commit(self, shard: int, batch: list[Pending]) -> None:
+        """Decide and commit `batch` (of one shard's submissions), then answer each of them."""
         answers: dict[Pending, dict[str, Any] | BaseException] = {}
         clock = BatchClock()
+        ledger = self.ledgers.parts[shard]
         try:
-            answers = await with_ledger(self.sync, lambda: self._decide(batch, clock))
+            answers = await with_ledger(self.ledgers.sync_of(ledger), lambda: self._decide(ledger, batch, clock))
         except asyncio.CancelledError:
             for p in batch:
                 p.answer.cancel()
@@ -215,19 +248,20 @@ class Admitter:
             else:
                 p.answer.set_result(answer)
         if deferred:
-            self.batches.resubmit(deferred)
+            self.groups[shard].resubmit(deferred)
 
-    async def _decide(self, batch: list[Pending], clock: BatchClock) -> dict[Pending, dict[str, Any] | BaseException]:
-        """The answers of `batch`, committed; submissions left out wait for the next batch.
-        `clock` gets the seconds of each step on Postgres and Redis."""
+    async def _decide(self, ledger: RedisLedger, batch: list[Pending], clock: BatchClock) -> dict[Pending, dict[str, Any] | BaseException]:
+        """The answers of `batch`, committed on `ledger` (its shard); submissions left out wait
+        for the next batch. `clock` gets the seconds of each step on Postgres and Redis."""
         run_ids = sorted({p.run_id for p in batch})
         since = time.perf_counter()
-        async with ledger_session(self.pool, self.ledger) as work:
-            try:  # takes the ledger lock first: behind a rebuild, waits as long as for one
-                rows = await work.conn.fetch(sql("begin_batch"), run_ids, timeout=self.sync.wait)
+        wait = self.ledgers.sync_of(ledger).wait
+        async with ledger_session(self.pool, ledger) as work:
+            try:  # takes the shard's ledger lock first: behind a rebuild, waits as long as for one
+                rows = await work.conn.fetch(sql("begin_batch"), run_ids, ledger.shard, len(self.ledgers), timeout=wait)
             except TimeoutError as exc:
                 raise RebuildWaitExceeded(
-                    f"the ledger stayed locked for more than {self.sync.wait:g} s (Redis being rebuilt from Postgres, or Postgres slow); retry shortly"
+                    f"the ledger stayed locked for more than {wait:g} s (Redis being rebuilt from Postgres, or Postgres slow); retry shortly"
                 ) from exc
             clock.postgres_read += time.perf_counter() - since
             committed_seq = rows[0]["committed_seq"]
@@ -235,7 +269,7 @@ class Admitter:
             answers, fresh, followers = _sort_out(batch, latest, tenant_label=self.tenant_label)
             fresh = await self._current(work.conn, fresh, rows[0]["override_revision"], answers)
             since = time.perf_counter()
-            await self._reserve(work, [p for p in fresh if p.needs_ledger], committed_seq)
+            await self._reserve(work, ledger, [p for p in fresh if p.needs_ledger], committed_seq)
             clock.redis += time.perf_counter() - since
             decided = await self._decisions(work.conn, fresh)
             since = time.perf_counter()
@@ -279,7 +313,7 @@ class Admitter:
             current.append(p)
         return current
 
-    async def _reserve(self, work: LedgerTransaction, pending: list[Pending], committed_seq: int) -> None:
+    async def _reserve(self, work: LedgerTransaction, ledger: RedisLedger, pending: list[Pending], committed_seq: int) -> None:
         """Check-and-reserve every submission of `pending` in Redis, in order; each gets its
         `result`. Keys Redis never saw are loaded and orphaned holds released, then tried again."""
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
@@ -290,7 +324,7 @@ class Admitter:
                 return
             asked = [Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool) for p in pending]
             work.redis_changed = True
-            results = await self.ledger.reserve_batch(asked, now_ms=now_ms, committed_seq=committed_seq)
+            results = await ledger.reserve_batch(asked, now_ms=now_ms, committed_seq=committed_seq)
             again = []
             for p, result in zip(pending, results, strict=True):
                 if result.status == "MISSING":
@@ -299,24 +333,25 @@ class Admitter:
                     # We hold the run's lock and Postgres has no decision for it: the Redis hold is
                     # an orphan of a process that died between reserving and committing.
                     log.warning("releasing orphaned reservation of run %r (decision %s)", p.run_id, result.holder)
-                    await self.ledger.release(p.run_id, decision_id=result.holder or "")
+                    await ledger.release(p.run_id, decision_id=result.holder or "")
                     again.append(p)
                 else:
                     p.result = result
             missing = [p.plan for p in again if p.plan.charges]
             if missing:
-                await self._load_keys(work.conn, missing)
+                await self._load_keys(work.conn, ledger, missing)
             pending = again
         if pending:  # the fourth round may have reserved them all
             raise Unavailable(f"could not reserve for runs {[p.run_id for p in pending]!r}: the ledger kept changing")
 
-    async def _load_keys(self, conn: asyncpg.Connection, plans: list[Plan]) -> None:
-        """Create the ledger entries of `plans` in Postgres (if new) and load them into Redis."""
+    async def _load_keys(self, conn: asyncpg.Connection, ledger: RedisLedger, plans: list[Plan]) -> None:
+        """Create the ledger entries of `plans` in Postgres (if new) and load them into Redis (the
+        shard `ledger` of their submissions' tenant)."""
         charges = {c.ledger_key: (c, p.bundle_sha) for p in plans for c in p.charges}
         entries = [records.entry(c) | {"policy_git_sha": sha} for c, sha in charges.values()]
         await conn.execute(sql("ensure_ledger_entries"), orjson.dumps(entries).decode())
         for row in await conn.fetch(sql("ledger_figures"), list(charges)):
-            await self.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
+            await ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
 
     async def _decisions(self, conn: asyncpg.Connection, fresh: list[Pending]) -> list[records.DecisionRecord]:
         """The decision of every fresh submission, from what Redis read and reserved."""

@@ -91,7 +91,7 @@ class Metrics:
         )
         meter.create_observable_counter(
             "budgetgate_redis_rebuilds",
-            callbacks=[reading(lambda rt: rt.sync.rebuilds)],
+            callbacks=[reading(lambda rt: rt.ledgers.rebuilds)],
             description="rebuilds of the Redis ledger from Postgres this instance made (Redis emptied, restored from an older snapshot, or invalidated)",
         )
         for name, field, description in (

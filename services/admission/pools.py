@@ -68,7 +68,7 @@ class TokenPools:
                 tx = conn.transaction()
                 await tx.start()
                 try:
-                    await conn.execute(sql("lock_ledger_shared"))
+                    await conn.execute(sql("lock_ledger_shared"), self.ledger.shard)
                     await conn.execute(sql("lock_pool_token"), namespace, body.token)
                     held = await conn.fetchrow(sql("pool_allocation_principal"), namespace, body.token)
                     _require_holder(principal, held, namespace, body.token)

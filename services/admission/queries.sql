@@ -2,11 +2,11 @@
 -- Queries more than one package uses live in the shared ledger's, libs/budgetgate/ledger/sql/queries.sql.
 
 -- name: begin_batch
--- Ledger lock (shared) + the lock of every run of a batch, both at session level (0036: let go
+-- The ledger lock of the batch's shard $2 of $3 (shared) + the lock of every run of a batch, both at session level (0036: let go
 -- by ledger_session once the batch's write committed); then a row with only the highest ledger
 -- sequence Postgres committed and the highest tenant override revision, then each run's latest
 -- decision (0033: with no outcome, request or response when it is archived): one round trip.
-SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision, decided_at FROM budgetgate_begin_decisions($1::text[]);
+SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision, decided_at FROM budgetgate_begin_decisions($1::text[], $2::integer, $3::integer);
 
 -- name: record_decisions
 -- A batch of decisions, each with its evaluations, its ledger entries and reservations (when it

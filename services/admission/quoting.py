@@ -13,7 +13,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.evaluation import deciding_index
 from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import owned_by
-from budgetgate.ledger.redis_ledger import Reservation, ReserveResult
+from budgetgate.ledger.redis_ledger import RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.transaction import committed_seq
 from budgetgate.services.admission.admitter import Admitter, Unavailable, releases, with_ledger
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, readings
@@ -36,7 +36,8 @@ class Quoter:
         if self.admitter.accounting is not None:
             found = await self.admitter.accounting.source(p.bundle, p.plan, p.asks.tenant, label=self.admitter.tenant_label)
             p = replace(p, accounting=found)
-        result = await with_ledger(self.admitter.sync, lambda: self._check(p)) if p.needs_ledger else None
+        ledger = self.admitter.ledger_of(request)
+        result = await with_ledger(self.admitter.ledgers.sync_of(ledger), lambda: self._check(ledger, p)) if p.needs_ledger else None
         found = readings(p.plan, result)
         refused = [(p.plan, found)] if found is not None and not holds(result) else []
         async with self.admitter.pool.acquire() as conn:
@@ -73,19 +74,19 @@ class Quoter:
             raise Unavailable(f"Postgres unavailable: {exc}") from exc
         return admitter.prepare(request, at)
 
-    async def _check(self, p: Prepared) -> ReserveResult:
+    async def _check(self, ledger: RedisLedger, p: Prepared) -> ReserveResult:
         admitter = self.admitter
-        committed = await committed_seq(admitter.pool, admitter.ledger)
+        committed = await committed_seq(admitter.pool, ledger)
         asked = Reservation(p.request.run_id, "quote", charges(p.plan), p.asks.counters, p.asks.pool)
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
-        result = await admitter.ledger.check(asked, now_ms=now_ms, committed_seq=committed)
+        result = await ledger.check(asked, now_ms=now_ms, committed_seq=committed)
         if result.unloaded:
             # A key Redis never loaded is empty unless Postgres has it already (created a moment
             # ago by the reconciler): then it is loaded, as admission would, and read again.
             keys = [p.plan.charges[i].ledger_key for i in result.unloaded]
             rows = await admitter.pool.fetch(sql("ledger_figures"), keys)
             for row in rows:
-                await admitter.ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
+                await ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
             if rows:
-                result = await admitter.ledger.check(asked, now_ms=now_ms, committed_seq=committed)
+                result = await ledger.check(asked, now_ms=now_ms, committed_seq=committed)
         return result

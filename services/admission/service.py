@@ -24,6 +24,7 @@ from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.ledger import partitions
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting_source import ExternalAccounting
@@ -46,8 +47,7 @@ class AdmissionService(Service):
     settings: AdmissionSettings
     pool: asyncpg.Pool
     redis: aioredis.Redis
-    ledger: RedisLedger
-    sync: LedgerSync
+    ledgers: ShardedLedger
     policies: PolicyStore
     admitter: Admitter
     relay: OutboxRelay
@@ -58,6 +58,16 @@ class AdmissionService(Service):
     accounting: ExternalAccounting | None = None
     held: int = 0  # reservations held, for the gauge
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def ledger(self) -> RedisLedger:
+        """The Redis ledger, when it has one shard."""
+        return self.ledgers.single
+
+    @property
+    def sync(self) -> LedgerSync:
+        """The Redis ledger's LedgerSync, when it has one shard."""
+        return self.ledgers.sync_of(self.ledgers.single)
 
     @classmethod
     async def build(cls, settings: AdmissionSettings) -> AdmissionService:
@@ -79,10 +89,14 @@ class AdmissionService(Service):
     async def checks(self) -> dict[str, str]:
         checks = {"postgres": await postgres_check(self.pool)}
         try:
-            checks["redis_ledger"] = "ok" if await self.ledger.is_loaded() else "not loaded"
+            unloaded = [ledger.shard for ledger in self.ledgers if not await ledger.is_loaded()]
+            checks["redis_ledger"] = "ok" if not unloaded else "not loaded" if len(self.ledgers) == 1 else f"shards {unloaded} not loaded"
         except BACKEND_ERRORS as exc:
             checks["redis_ledger"] = f"unreachable: {exc}"
-        checks["policy_bundle"] = "ok" if self.policies.current is not None else "none applied"
+        bundle = self.policies.current
+        reasons = self.admitter.unshardable(bundle) if bundle is not None and len(self.ledgers) > 1 else []
+        unfit = f"cannot be enforced on {len(self.ledgers)} shards: {'; '.join(reasons)}"
+        checks["policy_bundle"] = "none applied" if bundle is None else "ok" if not reasons else unfit
         return checks
 
     async def close(self) -> None:
@@ -99,24 +113,26 @@ async def _build(settings: AdmissionSettings) -> AdmissionService:
     # transaction-scoped and no session state is set, so the reset round trip buys nothing.
     pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10, reset=_no_reset)
     client = redis_client.connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
-    ledger = RedisLedger(client, prefix=settings.redis_prefix)
-    sync = LedgerSync(pool, ledger, wait=settings.rebuild_wait_seconds)
+    ledgers = ShardedLedger(
+        pool, client, prefix=settings.redis_prefix, count=settings.ledger_shards, tenant_label=settings.tenant_label, wait=settings.rebuild_wait_seconds
+    )
+    shared = ledgers.of_root("")  # token pools, which no tenant owns (a sharded ledger has none)
     policies = PolicyStore(pool)
     topics = Topics(settings.topic_prefix)
     publisher = Publisher(settings.kafka_bootstrap, client_id=settings.service_name, access=settings.kafka_access)
     accounting = external_accounting(settings)
     relay = OutboxRelay(pool=pool, publisher=publisher, topics=topics, batch=settings.outbox_batch)
     admitter = Admitter(
-        pool=pool, ledger=ledger, sync=sync, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label, accounting=accounting,
+        pool=pool, ledgers=ledgers, policies=policies, unmatched=settings.unmatched, tenant_label=settings.tenant_label, accounting=accounting,
         start_deadline=timedelta(seconds=settings.start_deadline_seconds),
         max_batch=settings.batch_max, max_wait=settings.batch_wait_seconds, in_flight=settings.batches_in_flight,
         usage=DecayedUsage(half_life=timedelta(seconds=settings.fair_share_half_life_seconds)),
         committed=RelayNudge(relay, linger=settings.relay_linger_seconds),
     )  # fmt: skip
     return AdmissionService(
-        settings=settings, pool=pool, redis=client, ledger=ledger, sync=sync, policies=policies, admitter=admitter,
+        settings=settings, pool=pool, redis=client, ledgers=ledgers, policies=policies, admitter=admitter,
         relay=relay, publisher=publisher,
-        pools=TokenPools(pool=pool, ledger=ledger, sync=sync, policies=policies), topics=topics, board=BudgetBoard(pool, policies),
+        pools=TokenPools(pool=pool, ledger=shared, sync=ledgers.sync_of(shared), policies=policies), topics=topics, board=BudgetBoard(pool, policies),
         accounting=accounting,
     )  # fmt: skip
 
@@ -170,7 +186,8 @@ async def _keep_ready(rt: AdmissionService) -> None:
             await rt.policies.refresh()
             # Before the ledger: a service ready to decide answers decayed shares from the start.
             await rt.admitter.usage.refresh(rt.pool)  # type: ignore[union-attr]
-            await rt.sync.ensure_loaded()
+            for sync in rt.ledgers.syncs:
+                await sync.ensure_loaded()
             rt.held = await rt.pool.fetchval("SELECT count(*) FROM reservations WHERE state = 'held'")
         except asyncio.CancelledError:
             raise

@@ -18,8 +18,6 @@ class AdmissionSettings(AuthSettings):
     # What a submission that no budget covers gets: allowed (and recorded), or rejected.
     unmatched: Literal["allow", "deny"] = "allow"
     policy_refresh_seconds: float = 5.0
-    # The label whose value names the tenant that quotas and fair shares apply to.
-    tenant_label: str = "team"
     # The label whose value names the user a run was submitted for (usage by user).
     user_label: str = "user"
     max_body_bytes: int = 64 * 1024

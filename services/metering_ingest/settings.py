@@ -51,9 +51,6 @@ class MeteringSettings(AuthSettings):
     # The most lifecycle events one POST /v1/lifecycle/events may carry.
     max_batch_events: int = Field(default=1000, ge=1)
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
-    # The label whose value names a run's tenant (admission's BUDGETGATE_TENANT_LABEL; the same
-    # variable): an exporter token limited to tenants reports only runs whose decision has one of them.
-    tenant_label: str = "team"
 
     @property
     def group_id(self) -> str:

@@ -28,6 +28,7 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.services.reconciler import headroom, messages
 from budgetgate.policies.policy_store import PolicyStore
+from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.v1 import actions_pb2
 
@@ -117,7 +118,7 @@ async def lift_holds(pool: asyncpg.Pool, *, bundles: PolicyStore, now: datetime)
     return lifted
 
 
-async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime, bundles: PolicyStore | None = None) -> dict[str, int]:
+async def age_rolling(pool: asyncpg.Pool, ledgers: ShardedLedger, *, now: datetime, bundles: PolicyStore | None = None) -> dict[str, int]:
     """Take usage that has left each rolling window out of its consumed (Postgres and Redis),
     and judge the runs waiting for room on it (with `bundles`); returns how much aged out per
     ledger key."""
@@ -126,6 +127,7 @@ async def age_rolling(pool: asyncpg.Pool, ledger: RedisLedger, *, now: datetime,
         cutoff = age_cutoff(row["rolling_days"], now)
         if cutoff <= row["aged_through"]:
             continue
+        ledger = ledgers.of_key(row["ledger_key"])
         try:
             amount = await _age_key(pool, ledger, row["ledger_key"], cutoff, bundles=bundles, now=now)
         except LedgerKeyMissing:

@@ -119,9 +119,9 @@ async def resolve(settler: Settler, run_id: str, *, release: bool, actor: str, r
 
     async def attempt() -> Resolution:
         at = now or datetime.now(UTC)
-        async with ledger_transaction(settler.pool, settler.ledger) as work:
+        async with ledger_transaction(settler.pool, await settler.ledger_of_run(run_id)) as work:
             conn = work.conn
-            await settler.lock(conn, run_id)
+            await settler.lock(work, run_id)
             dead = await conn.fetchrow(sql("dead_settlement"), run_id)
             if dead is None:
                 raise NotDeadLettered(run_id, known=bool(await conn.fetchval(sql("run_has_decision"), run_id)))
@@ -151,7 +151,7 @@ async def resolve(settler: Settler, run_id: str, *, release: bool, actor: str, r
     try:
         return await settler.retrying(run_id, attempt)
     except StillFailing:
-        await settler.sync.ensure_loaded()
+        await settler.ensure_loaded()
         raise
 
 

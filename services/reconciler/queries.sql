@@ -75,6 +75,11 @@ SELECT d.decision_id, d.decided_at, d.policy_bundle_sha, d.projected_gpu, d.gpus
        EXISTS (SELECT 1 FROM provisional_holds p WHERE p.run_id = d.run_id AND p.decision_id = d.decision_id) AS provisional
 FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1;
 
+-- name: run_root
+-- The root of run $1 on a sharded ledger: its tenant, the value of label $2 of its latest
+-- admission (budgetgate.core.shards.run_root).
+SELECT d.labels ->> $2 FROM decisions d WHERE d.run_id = $1 AND d.outcome = 'ALLOW' ORDER BY d.attempt DESC LIMIT 1;
+
 -- name: unconfirmed_holds
 -- Provisional admissions (the Kubernetes webhook's) held since before $1 (the provisional hold)
 -- whose row is still there: settled so that one no fact confirmed is given back. A dead-lettered

@@ -29,6 +29,7 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.escrow_leases import Escrow
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check, redis_check
@@ -108,6 +109,16 @@ class Reconciler(Service):
         self._repaired = False
         self._windows_seen: datetime | None = None  # when upkeep last looked for new calendar windows
 
+    @property
+    def ledger(self) -> RedisLedger:
+        """The Redis ledger, when it has one shard."""
+        return self.ledgers.single
+
+    @property
+    def sync(self) -> LedgerSync:
+        """The Redis ledger's LedgerSync, when it has one shard."""
+        return self.ledgers.sync_of(self.ledgers.single)
+
     @classmethod
     def create(cls, settings: ReconcilerSettings, *, telemetry: Telemetry | None = None) -> Reconciler:
         """The reconciler for `settings`; connections open on start()."""
@@ -118,11 +129,10 @@ class Reconciler(Service):
         s = self.settings
         self.pool = await asyncpg.create_pool(s.postgres_dsn, min_size=s.pg_pool_min, max_size=s.pg_pool_max, command_timeout=30)
         self.redis = redis_client.connect(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
-        self.ledger = RedisLedger(self.redis, prefix=s.redis_prefix)
-        self.sync = LedgerSync(self.pool, self.ledger)
-        self.escrow = Escrow(self.pool, lambda _root: self.ledger)  # one shard: every root's
+        self.ledgers = ShardedLedger(self.pool, self.redis, prefix=s.redis_prefix, count=s.ledger_shards, tenant_label=s.tenant_label)
+        self.escrow = Escrow(self.pool, self.ledgers.of_root)
         self.bundles = PolicyStore()
-        self.settler = Settler.configured(s, pool=self.pool, ledger=self.ledger, sync=self.sync, bundles=self.bundles)
+        self.settler = Settler.configured(s, pool=self.pool, ledgers=self.ledgers, bundles=self.bundles)
         async with self.pool.acquire() as conn:  # before the first settlement: deadlines on Postgres's clock
             await self.settler.measure_clock(conn)
         self.publisher = Publisher(s.kafka_bootstrap, client_id=s.service_name, access=s.kafka_access)
@@ -277,7 +287,7 @@ class Reconciler(Service):
             # Settlements parked by a reconciler that died (or lost Redis) after its commit:
             # Redis converges on Postgres within a tick or two, without a restart or a rebuild.
             self.stats.ended_parked += await self.settler.end_pending(older_than_ms=int(time.time() * 1000) - PARKED_GRACE_MS)
-            await budget_actions.age_rolling(self.pool, self.ledger, now=now, bundles=self.bundles)
+            await budget_actions.age_rolling(self.pool, self.ledgers, now=now, bundles=self.bundles)
             if await budget_actions.lift_holds(self.pool, bundles=self.bundles, now=now):
                 self.relay.wakeup.set()
             if await budget_actions.committed_alerts(self.pool, now=now):
@@ -294,7 +304,8 @@ class Reconciler(Service):
             if time.monotonic() >= next_sweep:
                 # Leak protection for Redis holds whose decision never committed (a process died
                 # between reserving and committing).
-                await self.sync.sweep_orphans(grace=timedelta(seconds=s.orphan_grace_seconds), now=now)
+                for sync in self.ledgers.syncs:
+                    await sync.sweep_orphans(grace=timedelta(seconds=s.orphan_grace_seconds), now=now)
                 # Only the highest ledger mark of each shard counts (migrations 0025, 0043).
                 await self.pool.execute(sql("prune_ledger_marks"))
                 # What idle escrow leases do not use goes back, free for other roots' refills.
@@ -321,9 +332,11 @@ class Reconciler(Service):
             await asyncio.sleep(s.tick_seconds)
 
     async def check_drift(self) -> None:
-        drift = await self.sync.check_drift(repair=True)
-        if drift is None:
+        """Compare every shard of Redis with Postgres, repairing what differs (a shard not loaded
+        is left to its rebuild); the figures are the pass's, all shards added."""
+        found = [drift for sync in self.ledgers.syncs if (drift := await sync.check_drift(repair=True)) is not None]
+        if not found:
             return
         self.stats.drift_checks += 1
-        self.stats.drifted_keys = len(drift.keys) + len(drift.runs) + len(drift.counters) + len(drift.pools) + len(drift.sizes)
-        self.stats.repairs += drift.repaired
+        self.stats.drifted_keys = sum(len(d.keys) + len(d.runs) + len(d.counters) + len(d.pools) + len(d.sizes) for d in found)
+        self.stats.repairs += sum(d.repaired for d in found)

@@ -23,6 +23,7 @@ from budgetgate.ledger.concurrency_holds import EndedHolds, end_run_holds, rehol
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.services.reconciler import budget_actions, fairshare, headroom, messages, meter
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
@@ -62,15 +63,13 @@ class Settler:
         self,
         *,
         pool: asyncpg.Pool,
-        ledger: RedisLedger,
-        sync: LedgerSync,
+        ledgers: ShardedLedger,
         bundles: PolicyStore,
         rules: Rules,
         fair_share_half_life: timedelta = timedelta(days=7),
     ) -> None:
         self.pool = pool
-        self.ledger = ledger
-        self.sync = sync
+        self.ledgers = ledgers
         self.bundles = bundles
         self.rules = rules
         self.fair_share_half_life = fair_share_half_life
@@ -79,6 +78,28 @@ class Settler:
         # reconciler whose own clock ran ahead gave reservations back before their start deadline,
         # and admission gave the room to others (the fault campaign's seed 7, clock skew).
         self.clock_offset = timedelta(0)
+
+    @property
+    def ledger(self) -> RedisLedger:
+        """The Redis ledger, when it has one shard."""
+        return self.ledgers.single
+
+    @property
+    def sync(self) -> LedgerSync:
+        """The Redis ledger's LedgerSync, when it has one shard."""
+        return self.ledgers.sync_of(self.ledgers.single)
+
+    async def ledger_of_run(self, run_id: str) -> RedisLedger:
+        """The shard of the Redis ledger holding what run `run_id` holds: its tenant's, by the
+        labels of its latest admission (any shard for a run never admitted: it holds nothing)."""
+        if len(self.ledgers) == 1:
+            return self.ledgers.single
+        return self.ledgers.of_root(await self.pool.fetchval(sql("run_root"), run_id, self.ledgers.tenant_label) or "")
+
+    async def ensure_loaded(self) -> None:
+        """Rebuild every shard of the Redis ledger that lost its state (LedgerSync.ensure_loaded)."""
+        for sync in self.ledgers.syncs:
+            await sync.ensure_loaded()
 
     def now(self) -> datetime:
         """The time on Postgres's clock (this process's, corrected by the last measured offset)."""
@@ -93,17 +114,17 @@ class Settler:
         return theirs
 
     @classmethod
-    def configured(cls, settings: ReconcilerSettings, *, pool: asyncpg.Pool, ledger: RedisLedger, sync: LedgerSync, bundles: PolicyStore) -> Settler:
+    def configured(cls, settings: ReconcilerSettings, *, pool: asyncpg.Pool, ledgers: ShardedLedger, bundles: PolicyStore) -> Settler:
         """A settler under the reconciler's `settings` (its rules, its fair-share half-life)."""
         half_life = timedelta(seconds=settings.fair_share_half_life_seconds)
-        return cls(pool=pool, ledger=ledger, sync=sync, bundles=bundles, rules=settings.rules(), fair_share_half_life=half_life)
+        return cls(pool=pool, ledgers=ledgers, bundles=bundles, rules=settings.rules(), fair_share_half_life=half_life)
 
     async def settle(self, run_id: str, *, now: datetime | None = None) -> Outcome:
         """Bring the run's charges in line with its facts; rebuilds Redis first if it was lost."""
 
         async def attempt() -> Outcome:
-            async with ledger_transaction(self.pool, self.ledger) as work:
-                await self.lock(work.conn, run_id)
+            async with ledger_transaction(self.pool, await self.ledger_of_run(run_id)) as work:
+                await self.lock(work, run_id)
                 return await self.settle_locked(work, run_id, now or self.now())
 
         return await self.retrying(run_id, attempt)
@@ -116,24 +137,25 @@ class Settler:
             try:
                 return await attempt()
             except LedgerNotLoaded:
-                await self.sync.ensure_loaded()
+                await self.ensure_loaded()
             except LedgerKeyMissing as missing:
                 try:
                     await self._load_key(missing.ledger_key)
                 except LedgerNotLoaded:
                     # The failed try had changed Redis (a run's holds given back), so its rollback
                     # invalidated the ledger: rebuilt first, then the key loaded.
-                    await self.sync.ensure_loaded()
+                    await self.ensure_loaded()
                     await self._load_key(missing.ledger_key)
             except SettlementPending:
                 continue  # its predecessor's parked half is ended under the run lock first
         raise RuntimeError(f"run {run_id!r}: the Redis ledger kept changing while settling")
 
-    async def lock(self, conn: asyncpg.Connection, run_id: str) -> None:
-        """Take the run's lock (to the end of the caller's transaction) and end its parked
-        settlement: what the run holds is then as Postgres says, and nobody else changes it."""
-        await conn.execute(sql("lock_run"), run_id)
-        await self._end_parked(conn, run_id)
+    async def lock(self, work: LedgerTransaction, run_id: str) -> None:
+        """Take the run's lock (to the end of the caller's transaction, on the run's shard) and
+        end its parked settlement: what the run holds is then as Postgres says, and nobody else
+        changes it."""
+        await work.conn.execute(sql("lock_run"), run_id)
+        await self._end_parked(work.conn, work.ledger, run_id)
 
     async def settle_locked(self, work: LedgerTransaction, run_id: str, now: datetime) -> Outcome:
         """Settle the run in `work`, under its lock (`lock`)."""
@@ -178,23 +200,24 @@ class Settler:
         settled right now (its settler died, or could not reach Redis after its commit): applied
         if Postgres committed it, taken back if not. Returns how many were ended."""
         ended = 0
-        for run_id, (_seq, at_ms) in (await self.ledger.pending_settlements()).items():
-            if at_ms > older_than_ms:
-                continue
-            async with self.pool.acquire() as conn, conn.transaction():
-                if await conn.fetchval(sql("try_lock_run"), run_id):
-                    ended += await self._end_parked(conn, run_id)
+        for ledger in self.ledgers:
+            for run_id, (_seq, at_ms) in (await ledger.pending_settlements()).items():
+                if at_ms > older_than_ms:
+                    continue
+                async with self.pool.acquire() as conn, conn.transaction():
+                    if await conn.fetchval(sql("try_lock_run"), run_id):
+                        ended += await self._end_parked(conn, ledger, run_id)
         return ended
 
-    async def _end_parked(self, conn: asyncpg.Connection, run_id: str) -> bool:
-        """End the run's parked settlement, if any; the caller holds the run's lock, so the
-        transaction that parked it is over and Postgres says whether it committed."""
-        seq = await self.ledger.client.hget(self.ledger.pending(run_id), "seq")
+    async def _end_parked(self, conn: asyncpg.Connection, ledger: RedisLedger, run_id: str) -> bool:
+        """End the run's parked settlement on its shard `ledger`, if any; the caller holds the
+        run's lock, so the transaction that parked it is over and Postgres says whether it committed."""
+        seq = await ledger.client.hget(ledger.pending(run_id), "seq")
         if seq is None:
             return False
         revision = await conn.fetchval(sql("run_revision"), run_id)
         committed = revision is not None and revision >= int(seq)
-        return await self.ledger.settle_end(run_id, seq=int(seq), committed=committed)
+        return await ledger.settle_end(run_id, seq=int(seq), committed=committed)
 
     async def repair(self, run_id: str, *, now: datetime | None = None) -> Outcome:
         """Recompute the run from its whole history (the repair tool, never the hot path)."""
@@ -251,7 +274,7 @@ class Settler:
             # The run stopped holding GPUs (or never started): its quota counters and pool token
             # go back now, even while its budget reservation waits for metered actuals.
             try:
-                ended = await end_run_holds(conn, self.ledger, run_id)
+                ended = await end_run_holds(conn, work.ledger, run_id)
                 if ended.redis_released:
                     work.redis_changed = True
             except BaseException:
@@ -286,10 +309,10 @@ class Settler:
             # half is still ended (or Settler.end_pending ends it).
             token = uuid.uuid4().hex
             work.parked.append((run_id, seq, token))
-            advanced = await self.ledger.settle_begin(
+            advanced = await work.ledger.settle_begin(
                 run_id=run_id, decision_id=decision_id, seq=seq, token=token, changes=changes, drop_run=drop_run, now_ms=int(now.timestamp() * 1000)
             )
-            await record_ledger_mark(conn, self.ledger, advanced)
+            await record_ledger_mark(conn, work.ledger, advanced)
 
         await _write_charges(conn, run_id, charges)
         if held_deltas or closing:
@@ -335,7 +358,7 @@ class Settler:
         room it was given back (its budget reservation stays given back: what it uses is charged
         as consumed). Its pool token is not taken back: another holder may have it now."""
         try:
-            if await rehold_run(work.conn, self.ledger, run_id, decision_id):
+            if await rehold_run(work.conn, work.ledger, run_id, decision_id):
                 work.redis_changed = True
                 log.warning("run %r started after its start deadline released it: its quota holds count again, over the quota if it is full", run_id)
         except BaseException:
@@ -356,7 +379,7 @@ class Settler:
             return
         try:
             renewed = await renew_run_token(
-                work.conn, self.ledger, run_id=loaded.facts.run_id, alive_at=min(alive_at, now), now=now,
+                work.conn, work.ledger, run_id=loaded.facts.run_id, alive_at=min(alive_at, now), now=now,
                 pool_leases={pool.namespace: pool.lease_seconds for pool in loaded.bundle.pools},
             )  # fmt: skip
         except BaseException:
@@ -407,9 +430,9 @@ class Settler:
             )  # fmt: skip
 
     async def _load_key(self, ledger_key: str) -> None:
-        """Load a key into Redis from Postgres's committed figures (none: it starts empty)."""
+        """Load a key into Redis (its shard) from Postgres's committed figures (none: it starts empty)."""
         row = await self.pool.fetchrow(sql("entry_figures"), ledger_key)
-        await self.ledger.load_key(
+        await self.ledgers.of_key(ledger_key).load_key(
             ledger_key, reserved=row["reserved"] if row else 0, consumed=row["consumed"] if row else 0, size=row["size"] if row else None
         )
 

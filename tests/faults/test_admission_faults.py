@@ -365,7 +365,7 @@ async def test_redis_restored_from_before_a_settlement_is_rebuilt_and_never_over
         bundles = PolicyStore()
         async with pool.acquire() as conn:
             await bundles.refresh(conn)
-        settler = Settler(pool=pool, ledger=server.rt.ledger, sync=server.rt.sync, bundles=bundles, rules=Rules())
+        settler = Settler(pool=pool, ledgers=server.rt.ledgers, bundles=bundles, rules=Rules())
         assert (await settler.settle("over")).changed
         committed = await pool.fetchval("SELECT budgetgate_committed_ledger_seq()")
         decided = await pool.fetchval("SELECT max(ledger_seq) FROM decisions")

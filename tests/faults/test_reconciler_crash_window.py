@@ -12,7 +12,7 @@ import pytest
 
 from budgetgate.core.reconciliation import Rules
 from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.admission import apply_policies, budget_yaml
@@ -101,7 +101,7 @@ async def test_a_reconciler_dying_mid_settlement_never_lets_admission_over_admit
     bundles = PolicyStore()
     async with pool.acquire() as conn:
         await bundles.refresh(conn)
-    victim = Settler(pool=pool, ledger=ledger, sync=LedgerSync(pool, ledger), bundles=bundles, rules=Rules())
+    victim = Settler(pool=pool, ledgers=ShardedLedger.of(pool, ledger), bundles=bundles, rules=Rules())
     settling = asyncio.create_task(victim.settle("victim"))
     try:
         await asyncio.wait_for(ledger.dead.wait(), timeout=30)

@@ -7,8 +7,9 @@ settles, Redis holds what Postgres holds. The ledger generation (the sequence ev
 advances, recorded by Postgres with it) is what proves a promoted replica behind: it hands out a
 sequence Postgres has committed already, and is rebuilt before it decides.
 
-The ledger's keys share one hash tag today, so its shard is the one master serving that tag's
-slot; these tests find it with CLUSTER KEYSLOT and aim their faults there.
+With one shard (the default) the ledger's keys share one hash tag, so its shard is the one master
+serving that tag's slot; these tests find it with CLUSTER KEYSLOT and aim their faults there. The
+last one runs six shards, and fails over the master of some of them while the others decide on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import redis
 
 from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
+from budgetgate.ledger.queries import sql
 from tests.support.cluster_slots import node_of_slot, promoted, slot_of
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
 from tests.support.waiting import wait_for
@@ -146,3 +148,76 @@ async def test_moving_the_ledger_slot_to_another_master_under_load_loses_nothing
 
     allowed = await _settled_and_audited(server, pg_dsn, range(70))
     assert allowed == LIMIT_GPU_HOURS
+
+
+SHARDED_TENANTS = [f"team-{i}" for i in range(12)]
+SHARDED_LIMIT = 12
+
+
+def tenant_body(tenant: str, i: int) -> dict[str, object]:
+    return submission(run_id=f"{tenant}/burst-{i}", namespace="ml", labels={"team": tenant}, resources={"gpus": 1}, projected_runtime_hours=1.0, job=None)
+
+
+async def _tenant_answers(server, tenants: list[str], indexes: range) -> dict[str, list[tuple[int, str | None]]]:  # type: ignore[no-untyped-def]
+    asked = [(t, i) for i in indexes for t in tenants]
+    replies = await asyncio.gather(*(server.client.post("/v1/admissions", json=tenant_body(t, i)) for t, i in asked))
+    found: dict[str, list[tuple[int, str | None]]] = {t: [] for t in tenants}
+    for (t, _i), r in zip(asked, replies, strict=True):
+        found[t].append((r.status_code, r.json().get("decision") if r.status_code == 200 else None))
+    return found
+
+
+async def test_one_shard_failing_over_mid_burst_over_admits_nothing_and_the_others_decide_on(admission_factory, cluster, pg_dsn) -> None:
+    """Six shards of the ledger over the cluster's three masters: the master serving one shard
+    dies, its lagging replica is promoted in the middle of a burst of every tenant's
+    submissions. The tenants of that master's shards get decisions or 503s, and none of their
+    budgets is over-admitted (the promoted replica is a generation behind what Postgres committed
+    of its shard, and is rebuilt alone); the tenants of the other masters' shards are decided
+    throughout."""
+    files = {f"{t}.yaml": budget_yaml(f"b-{t}", namespace="ml", labels=f"{{team: {t}}}", limit=f"gpu_hours: {SHARDED_LIMIT}") for t in SHARDED_TENANTS}
+    await apply_policies(pg_dsn, files, sha="e" * 40)
+    server = await admission_factory(redis_url=cluster.url, ledger_shards=6, pg_pool_max=30)
+    await server.wait_ready()
+    ledgers = server.rt.ledgers
+    victim = ledgers.of_root(SHARDED_TENANTS[0])
+    master, replica = node_of_slot(cluster, slot_of(cluster, victim.tag))
+    served_by = {t: node_of_slot(cluster, slot_of(cluster, ledgers.of_root(t).tag))[0] for t in SHARDED_TENANTS}
+    struck = [t for t in SHARDED_TENANTS if served_by[t] is master]
+    bystanders = [t for t in SHARDED_TENANTS if served_by[t] is not master]
+    assert bystanders, "every shard's slot is on one master: nothing to tell apart"
+
+    assert all(a == [(200, "ALLOW")] * 4 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(0, 4))).values())
+    replica.client().save()
+    replica.kill()
+    assert all(a == [(200, "ALLOW")] * 4 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(4, 8))).values())
+
+    master.kill()
+    replica.start()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        committed = await conn.fetchval(sql("committed_shard_seq"), victim.shard, len(ledgers))
+    finally:
+        await conn.close()
+    behind = redis.Redis(port=replica.port, single_connection_client=True)
+    behind.execute_command("READONLY")
+    assert behind.exists(victim.marker) and int(behind.get(victim.sequence)) < committed  # its shard's generation, behind
+    behind.close()
+    burst = asyncio.create_task(_tenant_answers(server, SHARDED_TENANTS, range(8, 16)))
+    await promoted(replica)
+    during = await burst
+    assert {status for t in struck for status, _ in during[t]} <= {200, 503}
+    assert all(status == 200 for t in bystanders for status, _ in during[t]), {t: during[t] for t in bystanders}
+    master.start()
+
+    async def all_decided() -> bool:
+        answers = await _tenant_answers(server, SHARDED_TENANTS, range(16))
+        return all(status == 200 for a in answers.values() for status, _ in a)
+
+    await wait_for(all_decided, timeout=90, what="every submission decided once the cluster settled")
+    held = await held_in_postgres(pg_dsn)
+    assert sorted(held.values()) == [SHARDED_LIMIT * GPU_HOUR] * len(SHARDED_TENANTS)  # each budget full, none past it
+
+    async def redis_matches() -> bool:
+        return await reserved_in_redis(server) == held
+
+    await wait_for(redis_matches, timeout=60, what="Redis to hold what Postgres holds, on every shard")

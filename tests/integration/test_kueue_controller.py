@@ -379,7 +379,7 @@ async def test_a_full_quota_is_retried_and_admitted_once_capacity_frees(kube, ad
         assert await decisions_of(pg_dsn, run_id) == [(1, "DENY"), (2, "DENY")]
         # The holder ends: its GPUs are free, and the next try is admitted.
         async with server.rt.pool.acquire() as conn, conn.transaction():
-            await conn.execute(sql("lock_ledger_shared"))
+            await conn.execute(sql("lock_ledger_shared"), 0)
             await end_run_holds(conn, server.rt.ledger, "holder")
         sim.advance(45)
         await wait_for(lambda: sim.happened("job-waits", "admitted"), what="Kueue to admit the Workload")

@@ -125,3 +125,27 @@ async def test_an_operator_limited_to_namespaces_or_tenants_applies_no_bundle(ad
         await conn.close()
     applied = await server.client.post("/v1/policies", json=body, headers={"Authorization": f"Bearer {await issue(pg_dsn, Role.OPERATOR)}"})
     assert applied.status_code == 200, applied.text
+
+
+@pytest.mark.usefixtures("repo")
+async def test_a_sharded_ledger_refuses_a_bundle_it_cannot_enforce_over_http_and_from_the_database(
+    repo: Path,  # noqa: F811
+    admission_factory,  # noqa: F811
+    pg_dsn: str,
+) -> None:
+    commit(repo, {"team.yaml": budget_yaml("team-vision"), "everyone.yaml": budget_yaml("everyone", labels="{}")})
+    server = await admission_factory(ledger_shards=3)
+    operator = await issue(pg_dsn, Role.OPERATOR, name="ci-deployer")
+    over_http = await apply(repo, server.url, operator)
+    direct = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["policy", "apply", str(repo)], env={"BUDGETGATE_POSTGRES_DSN": pg_dsn, "BUDGETGATE_LEDGER_SHARDS": "3"}
+    )
+    for refused in (over_http, direct):
+        assert refused.exit_code != 0
+        assert "the ledger has 3 shards (BUDGETGATE_LEDGER_SHARDS) and this bundle cannot be enforced on them" in refused.output, refused.output
+        assert "budget 'everyone' covers runs of several tenants" in refused.output and "team-vision" not in refused.output.split("enforced")[1]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM policy_bundles") == 0
+    finally:
+        await conn.close()

@@ -15,8 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from budgetgate.ledger.concurrency_holds import end_run_holds
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.services.admission.admitter import Admitter
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.contracts.admission import AdmissionRequest
@@ -51,10 +50,10 @@ def make_machine(pg_dsn: str, redis_url: str, redis_prefix: str) -> type[RuleBas
         async def _connect(self) -> None:
             self.pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=12)
             self.client = redis_client.connect(redis_url)
-            self.ledger = RedisLedger(self.client, prefix=f"{redis_prefix}-{self.tenant}")
-            self.sync = LedgerSync(self.pool, self.ledger)
+            ledgers = ShardedLedger(self.pool, self.client, prefix=f"{redis_prefix}-{self.tenant}")
+            self.ledger, self.sync = ledgers.single, ledgers.sync_of(ledgers.single)
             self.policies = PolicyStore(self.pool)
-            self.admitter = Admitter(pool=self.pool, ledger=self.ledger, sync=self.sync, policies=self.policies)
+            self.admitter = Admitter(pool=self.pool, ledgers=ledgers, policies=self.policies)
 
         async def _apply(self, limits: tuple[int, int, int]) -> None:
             files = {
@@ -117,7 +116,7 @@ def make_machine(pg_dsn: str, redis_url: str, redis_prefix: str) -> type[RuleBas
 
             async def end_it() -> None:
                 async with self.pool.acquire() as conn, conn.transaction():
-                    await conn.execute(sql("lock_ledger_shared"))
+                    await conn.execute(sql("lock_ledger_shared"), 0)
                     await end_run_holds(conn, self.ledger, run_id)
 
             self.run(end_it())

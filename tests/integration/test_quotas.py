@@ -59,7 +59,7 @@ async def test_lowered_quota_preempts_nothing_and_rejects_until_usage_drops(admi
     assert "wait for running work" in denied["reason"]
     # Nothing was preempted: the four runs still hold their nodes until they end.
     async with server.rt.pool.acquire() as conn, conn.transaction():
-        await conn.execute(sql("lock_ledger_shared"))
+        await conn.execute(sql("lock_ledger_shared"), 0)
         for i in range(3):
             await end_run_holds(conn, server.rt.ledger, f"r{i}")
     after = (await server.client.post("/v1/admissions", json=physics("after", nodes=1))).json()

@@ -340,10 +340,10 @@ async def test_rolling_window_usage_ages_out_in_postgres_and_redis(admission_fac
         return (await ledger_in_postgres(pg_dsn))[key] == expected
 
     # Six hours on, the first sample's hour has left the window; two more hours on, all of it.
-    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=6)) == {key: 6 * H}
     assert await figures_are((0, 4 * H)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
-    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
-    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=8)) == {key: 4 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=6)) == {}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=8)) == {key: 4 * H}
     assert await figures_are((0, 0)) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
 
 
@@ -355,10 +355,10 @@ async def test_ageing_a_key_redis_lost_loads_it_and_ages_it_next_tick(admission_
 
     reconciler, key, now = await _rolled(admission_factory, reconciler_factory, feed, pg_dsn)
     await reconciler.redis.delete(reconciler.ledger.ledger(key))
-    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=6)) == {}
     assert await reconciler.ledger.is_loaded()
     assert await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)  # loaded, not aged yet
-    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=6)) == {key: 6 * H}
     assert (await ledger_in_postgres(pg_dsn))[key] == (0, 4 * H) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
 
 
@@ -378,7 +378,7 @@ async def test_ageing_whose_redis_reply_is_lost_invalidates_redis_and_ages_once(
     ledger.consume = reply_lost  # type: ignore[method-assign]
     try:
         with pytest.raises(ConnectionError):
-            await budget_actions.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6))
+            await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=6))
     finally:
         ledger.consume = real_consume  # type: ignore[method-assign]
     assert (await ledger_in_postgres(pg_dsn))[key] == (0, 10 * H), "Postgres rolled back"
@@ -386,5 +386,5 @@ async def test_ageing_whose_redis_reply_is_lost_invalidates_redis_and_ages_once(
     rebuilt = await ledger.is_loaded() and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)
     assert rebuilt or not await ledger.is_loaded(), "Redis aged without Postgres: it must be rebuilt"
     await reconciler.sync.ensure_loaded()
-    assert await budget_actions.age_rolling(reconciler.pool, ledger, now=now + timedelta(hours=6)) == {key: 6 * H}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=6)) == {key: 6 * H}
     assert (await ledger_in_postgres(pg_dsn))[key] == (0, 4 * H) and await ledger_in_redis(reconciler) == await ledger_in_postgres(pg_dsn)

@@ -63,7 +63,7 @@ async def _setup(admission_factory, pg_dsn, *, quota: int = 1, lease: int = 3600
     bundles = PolicyStore()
     async with server.rt.pool.acquire() as conn:
         await bundles.refresh(conn)
-    settler = Settler(pool=server.rt.pool, ledger=server.rt.ledger, sync=server.rt.sync, bundles=bundles, rules=Rules())
+    settler = Settler(pool=server.rt.pool, ledgers=server.rt.ledgers, bundles=bundles, rules=Rules())
     return server, settler
 
 

@@ -44,7 +44,8 @@ async def one_batch(server, bodies: list[dict[str, Any]]) -> list[Any]:  # type:
     returns each answer, or the exception it was answered with."""
     admitter = server.rt.admitter
     pending = [admitter._prepare(AdmissionRequest.model_validate(b), datetime.now(UTC)) for b in bodies]
-    await admitter._commit(pending)
+    [shard] = {p.shard for p in pending}  # (a batch is one shard's)
+    await admitter._commit(shard, pending)
     return list(await asyncio.gather(*(p.answer for p in pending), return_exceptions=True))
 
 
@@ -59,10 +60,12 @@ async def held_in_postgres(dsn: str) -> dict[str, int]:
 
 
 async def reserved_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """What the server's Redis ledger holds reserved, by ledger key (ledger units)."""
-    ledger = server.rt.ledger
-    keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
-    return {k: reserved for k, (reserved, _consumed) in (await ledger.readings(keys)).items()}
+    """What the server's Redis ledger holds reserved, by ledger key (ledger units), every shard's."""
+    found: dict[str, int] = {}
+    for ledger in server.rt.ledgers:
+        keys = [k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")]
+        found |= {k: reserved for k, (reserved, _consumed) in (await ledger.readings(keys)).items()}
+    return found
 
 
 async def restart_from_snapshot(redis_server, *servers) -> None:  # type: ignore[no-untyped-def]

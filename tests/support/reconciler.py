@@ -140,7 +140,9 @@ async def wait_caught_up(reconciler: Reconciler, *, timeout: float = 60) -> None
     await wait_consumed(s.kafka_bootstrap, f"{s.topic_prefix}{s.consumer_group}", [topics.lifecycle, topics.usage], timeout=timeout)
 
     async def settled_everywhere() -> bool:
-        return not await reconciler.pool.fetchval("SELECT count(*) FROM runs_to_settle") and not await reconciler.ledger.pending_settlements()
+        if await reconciler.pool.fetchval("SELECT count(*) FROM runs_to_settle"):
+            return False
+        return not any([await ledger.pending_settlements() for ledger in reconciler.ledgers])
 
     await wait_for(settled_everywhere, timeout=timeout, what="every marked run settled, in Postgres and Redis")
 

@@ -10,7 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from budgetgate.core.shards import MAX_SHARDS, SEQ_STEP, Shards
+from budgetgate.core.escrow import lease_key
+from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.core.shards import MAX_SHARDS, SEQ_STEP, Shards, key_root, unshardable
+from tests.support.accounts import account_budget, account_tree
+from tests.support.admission import budget_yaml
+from tests.support.quotas import POOLS
 
 
 def test_one_shard_is_the_ledger_as_it_always_was() -> None:
@@ -67,3 +72,35 @@ def test_the_numbers_of_two_shards_never_meet(count: int, data: st.DataObject) -
             assert seq % SEQ_STEP == shard and seq > committed
             assert seq not in handed, f"shards {handed[seq]} and {shard} both handed out {seq}"
             handed[seq] = shard
+
+
+def test_a_keys_root_is_the_tenant_its_budget_names_or_its_leases_root() -> None:
+    window = "2026-11-01T00:00:00Z/2026-12-01T00:00:00Z"
+    assert key_root(f"ns=ml;cost-center=7;team=vision|{window}|gpu_hours", "team") == "vision"
+    assert key_root(f"ns=ml;team=vision|{window}|gpu_hours", "squad") == ""  # names no tenant (by that label)
+    assert key_root(f"ns=ml|{window}|gpu_hours", "team") == ""
+    assert key_root(lease_key(f"cost-center=7|{window}|gpu_hours", "nlp"), "team") == "nlp"
+
+
+def _bundle(text: str):  # type: ignore[no-untyped-def]
+    return build_bundle(parse_text(text, "policies.yaml"), git_sha="a" * 40)
+
+
+def test_a_sharded_ledger_enforces_budgets_that_name_one_tenant_and_nothing_tenants_share() -> None:
+    pinned = budget_yaml("vision", namespace="ml", labels="{team: vision}")
+    assert unshardable(_bundle(pinned), "team") == []
+    shared = "\n---\n".join([
+        pinned,
+        budget_yaml("by-namespace", namespace="ml", labels="{}"),
+        budget_yaml("any-team", namespace="ml", labels='{team: "*"}'),
+        POOLS.format(child=1, parent=5, cap=5),
+        "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n",
+    ])  # fmt: skip
+    reasons = unshardable(_bundle(shared), "team")
+    assert len(reasons) == 4
+    assert reasons[0].startswith("budget 'by-namespace' covers runs of several tenants (its scope names no single 'team')")
+    assert reasons[1].startswith("budget 'any-team' covers runs of several tenants")
+    assert reasons[2] == "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet"
+    assert reasons[3] == "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet"
+    [attached] = unshardable(_bundle(account_tree() + account_budget("research-month", "research", 100)), "team")
+    assert attached.startswith("budget 'research-month' is attached to an account")

@@ -19,6 +19,7 @@ from budgetgate.benchmark.credentials import SERVICE_ENV, bench_token
 from budgetgate.benchmark.service_processes import python_module
 from budgetgate.benchmark.workload import Workload, policy_yaml
 from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.core.shards import Shards
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.policies.repository import apply_bundle
@@ -57,9 +58,10 @@ class Budgetgate:
     reports_collections = True  # its /metrics has the garbage collector's figures (budgetgate.runtime.garbage)
     reports_stages = True  # and the stages of a submission (services/admission/stages.py)
 
-    def __init__(self, backends: Backends, *, tag: str) -> None:
+    def __init__(self, backends: Backends, *, tag: str, ledger_shards: int = 1) -> None:
         self.token: str | None = None
         self.backends = backends
+        self.ledger_shards = ledger_shards
         self.redis_prefix = f"bench-{tag}"
         self.topics = Topics(f"bench-{tag}-")
 
@@ -82,6 +84,7 @@ class Budgetgate:
             "BUDGETGATE_REDIS_PREFIX": self.redis_prefix,
             "BUDGETGATE_KAFKA_BOOTSTRAP": self.backends.kafka_bootstrap,
             "BUDGETGATE_TOPIC_PREFIX": self.topics.prefix,
+            "BUDGETGATE_LEDGER_SHARDS": str(self.ledger_shards),
             **SERVICE_ENV,
         }
         return python_module("budgetgate.services.admission", "--host", "127.0.0.1", "--port", str(port)), env
@@ -116,7 +119,10 @@ class Budgetgate:
     async def _redis_reserved(self, ledger_keys: list[str]) -> dict[str, int]:
         client = redis_client.connect(self.backends.redis_url)
         try:
-            readings = await RedisLedger(client, prefix=self.redis_prefix).readings(ledger_keys)
+            shards = [RedisLedger(client, prefix=self.redis_prefix, shard=i, shards=self.ledger_shards) for i in range(self.ledger_shards)]
+            readings = {}
+            for ledger in shards:  # each key on its tenant's shard
+                readings |= await ledger.readings([key for key in ledger_keys if ledger.owns_key(key)])
         finally:
             await client.aclose()
         return {key: reserved for key, (reserved, _consumed) in readings.items()}
@@ -130,7 +136,7 @@ class Budgetgate:
         return {"outbox_records": row["total"], "outbox_unpublished": row["pending"]}
 
     async def cleanup(self) -> None:
-        await drop_prefixed_keys(self.backends.redis_url, self.redis_prefix)
+        await drop_prefixed_keys(self.backends.redis_url, self.redis_prefix, shards=self.ledger_shards)
         if not self.backends.kafka_is_ours:
             from aiokafka.admin import AIOKafkaAdminClient
 
@@ -184,13 +190,16 @@ class Baseline:
         return None
 
 
-async def drop_prefixed_keys(url: str, prefix: str) -> None:
-    """Delete the ledger keys of a benchmark's Redis prefix (`{prefix}:*`, one hash tag, so one
-    slot of a Redis Cluster), on a server or a cluster."""
+async def drop_prefixed_keys(url: str, prefix: str, *, shards: int = 1) -> None:
+    """Delete the ledger keys of a benchmark's Redis prefix, shard by shard (`{prefix}:*`, or
+    `{prefix:i}:*` for shard i of several: one hash tag each, so one slot of a Redis Cluster), on
+    a server or a cluster."""
     client = redis_client.connect(url)
     try:
-        keys = [key async for key in client.scan_iter(match="{" + prefix + "}:*", count=1000)]
-        for start in range(0, len(keys), 500):
-            await client.delete(*keys[start : start + 500])
+        for shard in range(shards):
+            tag = Shards(prefix, shards).tag(shard)
+            keys = [key async for key in client.scan_iter(match=f"{tag}:*", count=1000)]
+            for start in range(0, len(keys), 500):
+                await client.delete(*keys[start : start + 500])
     finally:
         await client.aclose()

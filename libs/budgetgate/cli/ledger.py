@@ -42,20 +42,33 @@ def rebuild_redis() -> None:
     After a restore of Postgres, a Redis loss or a drift the reconciler reports. Safe while the
     services run: reservations wait for the rebuild, which takes the ledger lock exclusively.
     """
-    keys, runs = asyncio.run(_rebuild(_settings()))
-    click.echo(f"rebuilt Redis from Postgres: {keys} ledger key(s), {runs} run(s) holding reservations")
+    settings = _settings()
+    keys, runs = asyncio.run(_rebuild(settings))
+    shards = f" ({settings.ledger_shards} shards)" if settings.ledger_shards > 1 else ""
+    click.echo(f"rebuilt Redis from Postgres{shards}: {keys} ledger key(s), {runs} run(s) holding reservations")
 
 
 @ledger.command("check")
 def check() -> None:
     """Compare Redis with Postgres; exit 1 when they differ (nothing is changed)."""
-    drift = asyncio.run(_drift(_settings()))
-    if drift is None:
-        click.echo("Redis does not hold the ledger (it is rebuilt before the next decision, or by `budgetgate ledger rebuild-redis`)")
+    found = asyncio.run(_drift(_settings()))
+    if any(drift is None for drift in found.values()):
+        unloaded = sorted(shard for shard, drift in found.items() if drift is None)
+        where = "" if len(found) == 1 else f" on shard{'s' if len(unloaded) > 1 else ''} {', '.join(map(str, unloaded))}"
+        click.echo(f"Redis does not hold the ledger{where} (it is rebuilt before the next decision, or by `budgetgate ledger rebuild-redis`)")
         sys.exit(1)
-    if drift.clean:
+    if all(drift.clean for drift in found.values() if drift is not None):
         click.echo("Redis matches Postgres")
         return
+    for shard, drift in found.items():
+        if drift is not None and not drift.clean:
+            if len(found) > 1:
+                click.echo(f"shard {shard}:")
+            _differences(drift)
+    sys.exit(1)
+
+
+def _differences(drift: Drift) -> None:
     for key, (in_redis, in_postgres) in drift.keys.items():
         click.echo(f"ledger key {key}: Redis (reserved, consumed) {in_redis}, Postgres {in_postgres}")
     for run_id, (in_redis, in_postgres) in drift.runs.items():
@@ -66,7 +79,6 @@ def check() -> None:
         click.echo(f"pool {namespace}: Redis holds tokens {sorted(in_redis)}, Postgres {sorted(in_postgres)}" + _leases(in_redis, in_postgres))
     for lease, (in_redis, in_postgres) in drift.sizes.items():
         click.echo(f"escrow lease {lease}: Redis size {in_redis}, Postgres {in_postgres}")
-    sys.exit(1)
 
 
 def _leases(in_redis: dict[str, tuple[int, str]], in_postgres: dict[str, tuple[int, str]]) -> str:
@@ -76,24 +88,28 @@ def _leases(in_redis: dict[str, tuple[int, str]], in_postgres: dict[str, tuple[i
 
 
 async def _rebuild(settings: CommonSettings) -> tuple[int, int]:
-    async with _sync(settings) as sync:
-        await sync.rebuild(force=True)
-        return len(await sync.redis.all_readings()), len(await sync.redis.run_holds())
+    keys = runs = 0
+    async with _syncs(settings) as syncs:
+        for sync in syncs:
+            await sync.rebuild(force=True)
+            keys, runs = keys + len(await sync.redis.all_readings()), runs + len(await sync.redis.run_holds())
+    return keys, runs
 
 
-async def _drift(settings: CommonSettings) -> Drift | None:
-    async with _sync(settings) as sync:
-        return await sync.check_drift(repair=False)
+async def _drift(settings: CommonSettings) -> dict[int, Drift | None]:
+    """Each shard's differences (None: the shard is not loaded)."""
+    async with _syncs(settings) as syncs:
+        return {sync.redis.shard: await sync.check_drift(repair=False) for sync in syncs}
 
 
 @contextlib.asynccontextmanager
-async def _sync(settings: CommonSettings) -> AsyncIterator[LedgerSync]:
-    """A LedgerSync on the stack's Postgres and Redis (both checked reachable), closed on exit."""
-    from budgetgate.ledger.redis_ledger import RedisLedger
-    from budgetgate.ledger.redis_sync import LedgerSync
+async def _syncs(settings: CommonSettings) -> AsyncIterator[tuple[LedgerSync, ...]]:
+    """The LedgerSync of every shard of the ledger on the stack's Postgres and Redis (both
+    checked reachable), closed on exit."""
+    from budgetgate.ledger.sharded import ShardedLedger
 
     async with backend.postgres_pool(settings.postgres_dsn) as pool, backend.redis(settings.redis_url) as client:
-        yield LedgerSync(pool, RedisLedger(client, prefix=settings.redis_prefix))  # type: ignore[arg-type]
+        yield ShardedLedger(pool, client, prefix=settings.redis_prefix, count=settings.ledger_shards, tenant_label=settings.tenant_label).syncs  # type: ignore[arg-type]
 
 
 @ledger.command("partitions")

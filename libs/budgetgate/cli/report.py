@@ -36,9 +36,9 @@ def report(start: str, end: str, group_by: tuple[str, ...], period: str, fmt: st
     except ReportError as exc:
         raise click.UsageError(f"--{exc.field.replace('_', '-')}: {exc}") from None
     from budgetgate.cli import backend
-    from budgetgate.reports.usage import TenantSettings, UserSettings
+    from budgetgate.reports.usage import UserSettings
 
-    settings = backend.stack_settings(TenantSettings)
+    settings = backend.stack_settings()
     labels = (tenant_label or settings.tenant_label, user_label or UserSettings().user_label)
     try:
         result = asyncio.run(_read(settings.postgres_dsn, request, *labels))

@@ -27,10 +27,10 @@ def usage(scope_id: str | None, tenant: str | None, user: str | None, label: str
     if [scope_id, tenant, user].count(None) != 2:
         raise click.UsageError("give exactly one of --scope, --tenant or --user")
     from budgetgate.cli import backend
-    from budgetgate.reports.usage import TenantSettings, UserSettings
+    from budgetgate.reports.usage import UserSettings
 
     who, value = ("user", user) if user is not None else ("tenant", tenant)
-    settings = backend.stack_settings(UserSettings if who == "user" else TenantSettings)
+    settings = backend.stack_settings(UserSettings)  # (the tenant label is everyone's)
     label = label or getattr(settings, f"{who}_label")
     result = asyncio.run(_read(settings.postgres_dsn, scope_id=scope_id, who=who, value=value, label=label, days=days))
     if result is None:

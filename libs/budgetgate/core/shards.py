@@ -13,7 +13,13 @@ shards, and Postgres finds the highest number a shard committed as the highest o
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from budgetgate.core.accounts import ACCOUNT_PREFIX
+from budgetgate.core.escrow import lease_of
+from budgetgate.core.ledger_key import LedgerKey
+from budgetgate.core.policy import ANY_VALUE, PolicyBundle
 
 # The step of every shard's ledger sequence when there are several, hence the most shards.
 SEQ_STEP = 64
@@ -57,3 +63,45 @@ class Shards:
     def _check(self, shard: int) -> None:
         if not 0 <= shard < self.count:
             raise ValueError(f"shard {shard} of a ledger of {self.count}")
+
+
+def run_root(labels: Mapping[str, str], tenant_label: str) -> str:
+    """The root of a run: its tenant, the value of its tenant label ("" for a run without one)."""
+    return labels.get(tenant_label, "")
+
+
+def key_root(ledger_key: str, tenant_label: str) -> str:
+    """The root whose shard holds a ledger key: an escrow lease's root, or the tenant a budget's
+    scope names (`<tenant_label>=<tenant>` in its scope id), "" for a budget that names none. With
+    several shards every budget names one (`unshardable`), so this is the root of every run it
+    charges."""
+    lease = lease_of(ledger_key)
+    if lease is not None:
+        return lease[1]
+    wanted = tenant_label + "="  # (a tenant label named `ns` or `account` would read a scope's namespaces or account)
+    for part in LedgerKey.parse(ledger_key).scope_id.split(";"):
+        if part.startswith(wanted):
+            return part[len(wanted) :]
+    return ""
+
+
+def unshardable(bundle: PolicyBundle, tenant_label: str) -> list[str]:
+    """Why `bundle` cannot be enforced on several shards (none: it can). On one shard every key
+    of a decision shares one slot whatever the policies; on several, a decision touches only its
+    tenant's shard, so whatever several tenants share would be counted apart on each shard:
+    a budget whose scope names no single tenant, token pools, the sensitive-workload quota."""
+    reasons = []
+    for policy in bundle.policies:
+        tenant = policy.scope.labels.get(tenant_label)
+        if policy.scope.scope_id.startswith(ACCOUNT_PREFIX):
+            reasons.append(f"budget {policy.id!r} is attached to an account: on a sharded ledger the account tree's organisations are not roots yet")
+        elif tenant is None or tenant == ANY_VALUE:
+            reasons.append(
+                f"budget {policy.id!r} covers runs of several tenants (its scope names no single {tenant_label!r}): on a sharded ledger "
+                "such a budget needs escrow leases, which admission does not use yet"
+            )
+    if bundle.pools:
+        reasons.append(f"token pools ({', '.join(sorted({p.namespace for p in bundle.pools}))}) are shared by tenants: a sharded ledger has none yet")
+    if bundle.sensitive is not None:
+        reasons.append("the sensitive-workload quota is shared by tenants: a sharded ledger has none yet")
+    return reasons

@@ -30,17 +30,24 @@ def counter_names(hold: Mapping[str, Any]) -> list[str]:
     return ([tenant_counter(hold["tenant"])] if hold["tenant"] else []) + ([SENSITIVE] if hold["sensitive"] else [])
 
 
-async def concurrency_state(conn: asyncpg.Connection, keys: HoldKeys, *, now: datetime) -> ConcurrencyState:
-    """What Postgres says runs and pool users hold right now."""
-    state = ConcurrencyState()
+async def concurrency_state(conn: asyncpg.Connection, ledger: RedisLedger, *, now: datetime) -> ConcurrencyState:
+    """What Postgres says runs and pool users hold right now, on `ledger`'s shard: a run's holds
+    and its tenant's counter on its tenant's; what no tenant owns (the sensitive counter, pools)
+    on the shard of the empty root (none of it on a ledger of several shards, which has none)."""
+    state, keys = ConcurrencyState(), ledger.keys
+    shared = ledger.owns_root("")
     for row in await conn.fetch(sql("held_concurrency")):
+        if not ledger.owns_root(row["tenant"] or ""):
+            continue
         for name in counter_names(row):
+            if name == SENSITIVE and not shared:
+                continue
             counter = state.counters[name]
             counter[0] += row["gpus"]
             counter[1] += row["nodes"]
             counter[2] += 1
             state.holds[row["run_id"]][keys.counter(name)] = f"{row['gpus']},{row['nodes']},1"
-    for row in await conn.fetch(sql("held_pool_allocations"), now):
+    for row in await conn.fetch(sql("held_pool_allocations"), now) if shared else ():
         state.pools.append(dict(row))
         if row["run_id"]:
             for namespace in row["levels"]:

@@ -1,5 +1,5 @@
-"""The drift check, incremental: Redis is compared with Postgres a page of ledger keys (and of
-runs) at a time, one query and one Redis pipeline per page, without any ledger lock. Only a page
+"""The drift check, incremental: Redis (one shard of it, each shard checked alone) is compared
+with Postgres a page of ledger keys (and of runs) at a time, one query and one Redis pipeline per page, without any ledger lock. Only a page
 that differs is confirmed under the exclusive ledger lock, for that page's differing entries
 alone, so admission is never held for longer than one page.
 
@@ -78,6 +78,8 @@ async def check(pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild
         after = ""
         while rows := await conn.fetch(sql("ledger_figures_page"), after, page):
             after = rows[-1]["ledger_key"]
+            if not (rows := [r for r in rows if redis.owns_key(r["ledger_key"])]):
+                continue  # another shard's keys
             if _key_drift(_figures(rows), await redis.readings(r["ledger_key"] for r in rows)):
                 found = await _confirm_keys(conn, redis, [r["ledger_key"] for r in rows], repair=repair, rebuild=rebuild)
                 if found is None:
@@ -115,7 +117,7 @@ async def _confirm_keys(
     parked settlements left out; repaired (Redis rebuilt, see the module docstring) when asked.
     None when Redis was invalidated meanwhile."""
     async with conn.transaction():
-        await conn.execute(sql("lock_ledger_exclusive"))
+        await conn.execute(sql("lock_ledger_exclusive"), redis.shard)
         if not await redis.is_loaded():
             return None
         _runs, parked = await redis.parked_scope()
@@ -134,7 +136,7 @@ async def _run_page(
     if not drifted:
         return {}
     async with conn.transaction():
-        await conn.execute(sql("lock_ledger_exclusive"))
+        await conn.execute(sql("lock_ledger_exclusive"), redis.shard)
         if not await redis.is_loaded():
             return {}
         confirmed = await _run_drift(conn, redis, list(drifted))
@@ -148,7 +150,8 @@ async def _run_drift(conn: asyncpg.Connection, redis: RedisLedger, run_ids: list
     parked, _keys = await redis.parked_scope()
     held: dict[str, dict[str, int]] = {r: {} for r in run_ids}
     for row in await conn.fetch(sql("held_of_runs"), run_ids):
-        held[row["run_id"]][row["ledger_key"]] = row["amount"]
+        if redis.owns_key(row["ledger_key"]):  # (a run's keys are on its tenant's shard)
+            held[row["run_id"]][row["ledger_key"]] = row["amount"]
     in_redis = await redis.holds_of(run_ids)
     return {r: (in_redis[r], held[r]) for r in run_ids if r not in parked and in_redis[r] != held[r]}
 
@@ -163,7 +166,7 @@ async def _confirmed(
     if await find() == none:
         return none
     async with conn.transaction():
-        await conn.execute(sql("lock_ledger_exclusive"))
+        await conn.execute(sql("lock_ledger_exclusive"), redis.shard)
         if not await redis.is_loaded():
             return None
         confirmed = await find()
@@ -178,7 +181,7 @@ async def _lease_sizes(conn: asyncpg.Connection, redis: RedisLedger, *, repair: 
     size when first used: not drift."""
 
     async def differing() -> dict[str, tuple[int, int]]:
-        postgres = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes"))}
+        postgres = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes")) if redis.owns_key(r["lease_key"])}
         in_redis = await redis.sizes(postgres)
         return {key: (in_redis[key], size) for key, size in postgres.items() if key in in_redis and in_redis[key] != size}
 
@@ -200,7 +203,7 @@ async def _concurrency(conn: asyncpg.Connection, redis: RedisLedger, *, repair: 
 async def _concurrency_drift(conn: asyncpg.Connection, redis: RedisLedger) -> ConcurrencyDrift:
     now = datetime.now(UTC)
     now_ms = int(now.timestamp() * 1000)
-    state = await concurrency_state(conn, redis.keys, now=now)
+    state = await concurrency_state(conn, redis, now=now)
     pg_counters: dict[str, Counter] = {name: (gpus, nodes, allocations) for name, (gpus, nodes, allocations) in state.counters.items()}
     pg_pools: dict[str, Tokens] = {}
     for allocation in state.pools:

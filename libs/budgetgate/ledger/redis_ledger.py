@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from budgetgate.core.ledger_key import AmountOutOfRange
-from budgetgate.core.shards import Shards
+from budgetgate.core.shards import Shards, key_root
 from budgetgate.ledger.holds import CounterRequest, HoldKeys, PoolReading, PoolRequest, counter_args, pool_args, pool_readings
 
 log = logging.getLogger(__name__)
@@ -196,13 +196,22 @@ class RedisLedger:
     """Typed wrappers around the ledger's Lua scripts (EVALSHA, reloaded on NOSCRIPT), on one
     shard of the ledger (`shard` of `shards`; the only one by default)."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str, shard: int = 0, shards: int = 1) -> None:
+    def __init__(self, client: aioredis.Redis, *, prefix: str, shard: int = 0, shards: int = 1, tenant_label: str = "team") -> None:
         self.client = client
         self.shards = Shards(prefix, shards)
         self.shard = shard
+        self.tenant_label = tenant_label  # whose value is a run's root (budgetgate.core.shards)
         self.tag = self.shards.tag(shard)
         self.keys = HoldKeys(self.tag)
         self._scripts = {name: _Script(client.register_script(_script(name, step=self.shards.step))) for name in _SCRIPTS}
+
+    def owns_root(self, root: str) -> bool:
+        """Whether the keys of `root` (a tenant; "" for what no tenant owns) live on this shard."""
+        return self.shards.count == 1 or self.shards.of_root(root) == self.shard
+
+    def owns_key(self, ledger_key: str) -> bool:
+        """Whether a ledger key lives on this shard (its root's, budgetgate.core.shards.key_root)."""
+        return self.shards.count == 1 or self.shards.of_root(key_root(ledger_key, self.tenant_label)) == self.shard
 
     @property
     def marker(self) -> str:

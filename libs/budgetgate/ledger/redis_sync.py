@@ -86,31 +86,34 @@ class LedgerSync:
         reservation Redis could have counted.
         """
         async with self.pool.acquire() as conn, conn.transaction():
-            if elect and not await conn.fetchval(sql("elect_rebuilder")):
+            if elect and not await conn.fetchval(sql("elect_rebuilder"), self.redis.shard):
                 return None
-            await conn.execute(sql("lock_ledger_exclusive"))
+            await conn.execute(sql("lock_ledger_exclusive"), self.redis.shard)
             if not force and await self.redis.is_loaded():
                 return False
             await self._replace(conn)
         return True
 
     async def _replace(self, conn: asyncpg.Connection) -> None:
-        """Write Postgres's ledger to Redis; the caller holds the ledger lock exclusively.
+        """Write Postgres's ledger to Redis (this shard's part of it); the caller holds the
+        shard's ledger lock exclusively.
 
         Redis's ledger sequence restarts at the highest Postgres committed, so every later
         reservation is numbered above it and a Redis restored to an older state is caught (see
         reserve.lua). Only reservations advance it; settlements are the reconciler's to guard.
         """
-        ledgers, runs = await _postgres_state(conn)
-        held = await concurrency_state(conn, self.redis.keys, now=datetime.now(UTC))
-        seq = self.redis.shards.start(self.redis.shard, await committed_seq(conn, self.redis))
-        sizes = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes"))}
+        ledger = self.redis
+        ledgers, runs = await _postgres_state(conn, ledger)
+        held = await concurrency_state(conn, ledger, now=datetime.now(UTC))
+        seq = ledger.shards.start(ledger.shard, await committed_seq(conn, ledger))
+        sizes = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes")) if ledger.owns_key(r["lease_key"])}
         await rewrite.replace_all(
-            self.redis, ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, sizes=sizes,
-            extra=lambda pipe: write_concurrency(pipe, self.redis.keys, held), holding=lambda: conn.execute(sql("lock_ledger_exclusive")),
+            ledger, ledgers=ledgers, runs=runs, generation=uuid.uuid4().hex, seq=seq, sizes=sizes,
+            extra=lambda pipe: write_concurrency(pipe, ledger.keys, held), holding=lambda: conn.execute(sql("lock_ledger_exclusive"), ledger.shard),
         )  # fmt: skip
         self.rebuilds += 1
-        log.warning("rebuilt the Redis ledger from Postgres (%d ledger keys, %d runs holding reservations)", len(ledgers), len(runs))
+        shard = f" (shard {ledger.shard} of {ledger.shards.count})" if ledger.shards.count > 1 else ""
+        log.warning("rebuilt the Redis ledger%s from Postgres (%d ledger keys, %d runs holding reservations)", shard, len(ledgers), len(runs))
 
     async def check_drift(self, *, repair: bool) -> Drift | None:
         """Compare Redis with Postgres a page at a time (budgetgate.ledger.drift); None when Redis
@@ -129,7 +132,7 @@ class LedgerSync:
                 continue
             async with self.pool.acquire() as conn, conn.transaction():
                 # The run's lock: a retry of this run deciding right now finishes first.
-                await conn.execute(sql("lock_ledger_shared"))
+                await conn.execute(sql("lock_ledger_shared"), self.redis.shard)
                 await conn.execute(sql("lock_run"), run_id)
                 known = await conn.fetchval("SELECT 1 FROM decision_keys WHERE decision_id = $1", _uuid(decision_id))
                 if known:
@@ -140,12 +143,15 @@ class LedgerSync:
         return released
 
 
-async def _postgres_state(conn: asyncpg.Connection) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[str, int, dict[str, int]]]]:
-    """Every ledger key's (reserved, consumed), and every run's held amounts, from Postgres."""
-    ledgers = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
+async def _postgres_state(conn: asyncpg.Connection, ledger: RedisLedger) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[str, int, dict[str, int]]]]:
+    """Every ledger key's (reserved, consumed), and every run's held amounts, from Postgres: of
+    the keys on `ledger`'s shard."""
+    ledgers = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures")) if ledger.owns_key(r["ledger_key"])}
     runs: dict[str, tuple[str, int, dict[str, int]]] = {}
     amounts: dict[str, dict[str, int]] = defaultdict(dict)
     for row in await conn.fetch(sql("held_reservations")):
+        if not ledger.owns_key(row["ledger_key"]):
+            continue
         amounts[row["run_id"]][row["ledger_key"]] = row["amount"]
         runs[row["run_id"]] = (str(row["decision_id"]), int(row["created_at"].timestamp() * 1000), amounts[row["run_id"]])
     return ledgers, runs

@@ -61,7 +61,7 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIt
         await tx.start()
         work = LedgerTransaction(conn, ledger)
         try:
-            await conn.execute(sql("lock_ledger_shared"))
+            await conn.execute(sql("lock_ledger_shared"), ledger.shard)
             yield work
         except BaseException:
             if work.redis_changed:

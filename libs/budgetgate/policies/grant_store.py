@@ -36,7 +36,7 @@ async def add(
         current = await load(conn)
         asked = ask(effective(bundle, current), policy_id=policy_id, scope_id=scope_id, window=window, value=value, reason=reason, now=now)
         policy, unit = asked.policy, asked.policy.limit.unit
-        await conn.execute(sql("lock_ledger_exclusive"))
+        await conn.execute(sql("lock_ledger_everywhere"))
         row = await conn.fetchrow(
             sql("insert_grant"), policy.id, policy.scope.scope_id, str(unit), asked.ledger_key, asked.window.start, asked.window.end,
             asked.amount, asked.limit_before, asked.limit_after, actor, reason, bundle.git_sha,

@@ -96,7 +96,7 @@ async def update(
                 )
         before = current.of(tenant)
         after = updated(before, changes, bundle, tenant, label=label)
-        await conn.execute(sql("lock_ledger_exclusive"))
+        await conn.execute(sql("lock_ledger_everywhere"))
         row = await conn.fetchrow(sql("insert_override"), tenant, json.dumps(to_json(after)), actor, "api", reason, bundle.git_sha)
         await _move_limits(conn, bundle, before, after)
         details = {

@@ -19,11 +19,6 @@ from budgetgate.runtime.settings import CommonSettings
 sql = owned_by("budgetgate.reports")
 
 
-class TenantSettings(CommonSettings):
-    # The label whose value names the tenant a run belongs to (usage by tenant).
-    tenant_label: str = "team"
-
-
 class UserSettings(CommonSettings):
     # The label whose value names the user a run was submitted for.
     user_label: str = "user"

@@ -92,9 +92,21 @@ class CommonSettings(BaseSettings):
 
     postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     redis_url: str = "redis://127.0.0.1:6379/0"
-    # Every Redis key budgetgate writes starts with this prefix inside one hash tag, so one
-    # decision's keys always share a Redis Cluster slot and deployments can share a server.
+    # Every Redis key budgetgate writes starts with this prefix inside a hash tag (`{prefix}`;
+    # `{prefix:i}` on shard i of several, see ledger_shards), so one decision's keys always share
+    # a Redis Cluster slot and deployments can share a server.
     redis_prefix: str = "bg"
+    # Shards of the Redis ledger (budgetgate.core.shards, docs/scale-out.md): each root (a
+    # tenant, the value of `tenant_label`) keeps every key of its decisions under the tag of its
+    # shard, `{prefix:i}`, so the shards spread over a Redis Cluster's masters. 1 keeps the one
+    # tag `{prefix}`. With more than one, every budget must name one tenant in its scope (a
+    # budget several tenants share needs escrow leases, which admission does not use yet), and
+    # there are no token pools or sensitive-workload quota. Change it only with every process
+    # stopped: each shard is rebuilt from Postgres on the next start.
+    ledger_shards: int = Field(default=1, ge=1, le=64)
+    # The label whose value names a run's tenant: the tenant that quotas and fair shares apply
+    # to, that exporter tokens limited to tenants report for, and the root of the ledger's shards.
+    tenant_label: str = "team"
     kafka_bootstrap: str = "127.0.0.1:9092"
     # Prefix for topic names, so tests and side-by-side stacks can share one broker.
     topic_prefix: str = ""

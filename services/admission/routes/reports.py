@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from budgetgate.edge.auth import Action, Principal, allow
 from budgetgate.reports.chargeback import ReportError, ReportRequest, as_csv, chargeback
-from budgetgate.reports.usage import TenantSettings, UserSettings
+from budgetgate.reports.usage import UserSettings
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.runtime.settings import CommonSettings
 from budgetgate.services.admission.admitter import Unavailable
@@ -28,7 +28,7 @@ CSV_EXAMPLE = (
 
 def router(settings: CommonSettings) -> APIRouter:
     """GET /v1/reports/chargeback, by the tenant and user labels of `settings`."""
-    tenant_label = getattr(settings, "tenant_label", None) or TenantSettings().tenant_label
+    tenant_label = settings.tenant_label
     user_label = getattr(settings, "user_label", None) or UserSettings().user_label
     api = APIRouter()
 

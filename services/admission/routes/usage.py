@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from budgetgate.contracts.tenants import label_value_path
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.edge.auth import Action, Forbidden, Principal, allow
-from budgetgate.reports.usage import TenantSettings, UserSettings, labelled_usage
+from budgetgate.reports.usage import UserSettings, labelled_usage
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.runtime.settings import CommonSettings
 from budgetgate.services.admission.admitter import Unavailable
@@ -31,7 +31,7 @@ async def tenant_usage(pool: asyncpg.Pool, bundle: PolicyBundle | None, *, label
 
 def router(settings: CommonSettings) -> APIRouter:
     """GET /v1/tenants/{tenant}/usage and GET /v1/users/{user}/usage, by the labels of `settings`."""
-    tenant_label = getattr(settings, "tenant_label", None) or TenantSettings().tenant_label
+    tenant_label = settings.tenant_label
     user_label = getattr(settings, "user_label", None) or UserSettings().user_label
     api = APIRouter()
 

@@ -3,9 +3,9 @@
 -- (services/<service>/queries.sql, libs/budgetgate/<package>/queries.sql). One block per query.
 
 -- name: lock_ledger_shared
--- Every transaction that changes reservations takes this; a Redis rebuild takes it exclusively,
--- so a rebuild never misses a reservation made in Redis but not yet committed here.
-SELECT pg_advisory_xact_lock_shared(7301, 0);
+-- Every transaction that changes a shard's ($1) reservations takes this; the shard's rebuild takes
+-- it exclusively, so a rebuild never misses a reservation made in Redis but not yet committed here.
+SELECT pg_advisory_xact_lock_shared(7301, $1::integer);
 
 -- name: let_go_of_session_locks
 -- The session-level advisory locks of a ledger_session (the ledger lock, the runs' locks), let go
@@ -13,13 +13,20 @@ SELECT pg_advisory_xact_lock_shared(7301, 0);
 SELECT pg_advisory_unlock_all();
 
 -- name: lock_ledger_exclusive
-SELECT pg_advisory_xact_lock(7301, 0);
+-- A shard's ($1) rebuild and drift repair: no change to its reservations in between (0044).
+SELECT pg_advisory_xact_lock(7301, $1::integer);
+
+-- name: lock_ledger_everywhere
+-- Every shard's ledger lock, exclusively, in shard order: a change of what every decision reads
+-- (a tenant override, a budget grant) waits for the batches in flight and holds back the next,
+-- whatever the shards. All 64 a ledger may have: no setting to read, and a rare change.
+SELECT count(pg_advisory_xact_lock(7301, s)) FROM generate_series(0, 63) AS s;
 
 -- name: elect_rebuilder
 -- One process rebuilds a lost Redis ledger at a time; the others wait for it rather than queue
 -- for the ledger lock. Tried without waiting; held until the transaction ends (or its session
 -- does: a rebuilder that dies gives it up with its connection).
-SELECT pg_try_advisory_xact_lock(7303, 0);
+SELECT pg_try_advisory_xact_lock(7303, $1::integer);
 
 -- name: lock_run
 -- Serialises every decision about one run id, across processes.

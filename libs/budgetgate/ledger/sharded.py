@@ -1,0 +1,71 @@
+"""The Redis ledger's shards as one: a RedisLedger and a LedgerSync per shard, and which shard
+holds a root's, a run's or a ledger key's state (budgetgate.core.shards, docs/scale-out.md).
+
+One shard (the default) is the ledger as it always was. With several, a decision's keys are all
+on its tenant's shard, so each decision stays one script on one slot, all or none; each shard is
+loaded, rebuilt, checked for drift and swept of orphans on its own, under its own ledger lock,
+while the others decide on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import asyncpg
+import redis.asyncio as aioredis
+
+from budgetgate.core.shards import Shards, key_root, run_root
+from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.redis_sync import LedgerSync
+
+
+class ShardedLedger:
+    """Every shard of the Redis ledger of one prefix."""
+
+    def __init__(self, pool: asyncpg.Pool, client: aioredis.Redis, *, prefix: str, count: int = 1, tenant_label: str = "team", wait: float = 5.0) -> None:
+        self.shards = Shards(prefix, count)
+        self.tenant_label = tenant_label
+        self.parts = tuple(RedisLedger(client, prefix=prefix, shard=i, shards=count, tenant_label=tenant_label) for i in range(count))
+        self.syncs = tuple(LedgerSync(pool, part, wait=wait) for part in self.parts)
+
+    @classmethod
+    def of(cls, pool: asyncpg.Pool, ledger: RedisLedger, *, wait: float = 5.0) -> ShardedLedger:
+        """The ledger whose one shard is `ledger` (made elsewhere, e.g. by a test)."""
+        made = cls.__new__(cls)
+        made.shards, made.tenant_label = ledger.shards, ledger.tenant_label
+        made.parts, made.syncs = (ledger,), (LedgerSync(pool, ledger, wait=wait),)
+        return made
+
+    def __iter__(self) -> Iterator[RedisLedger]:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    @property
+    def single(self) -> RedisLedger:
+        """The one shard of a ledger that has one; for what has no root to place it by."""
+        if len(self.parts) > 1:
+            raise RuntimeError(f"the Redis ledger has {len(self.parts)} shards: ask for a root's, a run's or a key's")
+        return self.parts[0]
+
+    def of_root(self, root: str) -> RedisLedger:
+        """The shard of a root (a tenant; "" for what no tenant owns)."""
+        return self.parts[self.shards.of_root(root)] if len(self.parts) > 1 else self.parts[0]
+
+    def of_labels(self, labels: Mapping[str, str]) -> RedisLedger:
+        """The shard of a run with these labels: its tenant's."""
+        return self.of_root(run_root(labels, self.tenant_label)) if len(self.parts) > 1 else self.parts[0]
+
+    def of_key(self, ledger_key: str) -> RedisLedger:
+        """The shard of a ledger key: its root's (key_root)."""
+        return self.of_root(key_root(ledger_key, self.tenant_label)) if len(self.parts) > 1 else self.parts[0]
+
+    def sync_of(self, ledger: RedisLedger) -> LedgerSync:
+        """The LedgerSync of one of these shards."""
+        return self.syncs[ledger.shard]
+
+    @property
+    def rebuilds(self) -> int:
+        """Rebuilds this process made of every shard (drift repairs included), for /metrics."""
+        return sum(sync.rebuilds for sync in self.syncs)

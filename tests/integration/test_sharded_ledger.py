@@ -1,0 +1,157 @@
+"""The Redis ledger sharded by tenant (BUDGETGATE_LEDGER_SHARDS=3, budgetgate.ledger.sharded), end
+to end on real Postgres, Redis and Kafka: admission decides each tenant's submissions on its
+tenant's shard and admits no more than each budget holds under concurrency; every key, run and
+quota counter lives on its tenant's shard alone; a shard that lost its state is rebuilt alone
+while the others keep their generation; the reconciler settles each run on its shard; the drift
+check finds every shard clean; and a bundle a sharded ledger cannot enforce is refused with the
+reason. A ledger suite: on a Redis Cluster the shards' tags hash to different slots."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+
+from budgetgate.core.shards import SEQ_STEP, Shards
+from budgetgate.ledger.queries import sql
+from tests.support.admission import apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
+from tests.support.cli import budgetgate_on
+from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
+from tests.support.waiting import wait_for
+
+SHARDS = 3
+TENANTS = [f"team-{i}" for i in range(6)]
+GPU_HOUR = 3_600_000
+QUOTA = """apiVersion: budgetgate/v1
+kind: Quota
+metadata: {{id: quota-{tenant}}}
+spec: {{tenant: {tenant}, max_gpus: 1000}}
+"""
+
+
+def policies() -> dict[str, str]:
+    files = {f"{t}.yaml": budget_yaml(f"budget-{t}", namespace="ml", labels=f"{{team: {t}}}", limit="gpu_hours: 20") for t in TENANTS}
+    return files | {f"quota-{t}.yaml": QUOTA.format(tenant=t) for t in TENANTS}
+
+
+def run(tenant: str, n: int) -> dict[str, object]:
+    return submission(
+        run_id=f"{tenant}/run-{n}", namespace="ml", labels={"team": tenant}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=1.0, job=None
+    )
+
+
+async def sharded_admission(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
+    await apply_policies(pg_dsn, policies(), sha="5" * 40)
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
+    await server.wait_ready()
+    return server
+
+
+async def test_each_tenant_is_decided_on_its_shard_and_no_budget_is_overadmitted(admission_factory, pg_dsn) -> None:
+    server = await sharded_admission(admission_factory, pg_dsn)
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=run(t, n)) for n in range(5) for t in TENANTS))
+    allowed: dict[str, int] = defaultdict(int)
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        allowed[body["run_id"].split("/")[0]] += body["decision"] == "ALLOW"
+    assert allowed == {t: 2 for t in TENANTS}  # 8 GPU-hours each: two fit in 20, a third does not
+
+    held = await held_in_postgres(pg_dsn)
+    assert await reserved_in_redis(server) == held
+    shards = Shards("bg", SHARDS)
+    for ledger in server.rt.ledgers:
+        mine = [t for t in TENANTS if shards.of_root(t) == ledger.shard]
+        keys = {k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")}
+        assert keys == {k for k in held if any(f"team={t}|" in k for t in mine)}, f"shard {ledger.shard} holds another tenant's keys"
+        counters = {k.decode().split(":q:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:q:*")}
+        assert counters == {f"t:{t}" for t in mine}
+    assert {shards.of_root(t) for t in TENANTS} == set(range(SHARDS)), "the test's tenants should spread over every shard"
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        rows = await conn.fetch("SELECT labels ->> 'team' AS tenant, ledger_seq FROM decisions WHERE ledger_seq IS NOT NULL")
+    finally:
+        await conn.close()
+    assert len(rows) == 12 and all(r["ledger_seq"] % SEQ_STEP == shards.of_root(r["tenant"]) for r in rows)
+
+
+async def test_a_shard_that_lost_its_state_is_rebuilt_alone(admission_factory, pg_dsn) -> None:
+    server = await sharded_admission(admission_factory, pg_dsn)
+    for t in TENANTS:
+        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+    lost = server.rt.ledgers.of_root(TENANTS[0])
+    before = {ledger.shard: await ledger.generation() for ledger in server.rt.ledgers}
+    await lost.client.delete(*[k async for k in lost.client.scan_iter(match=f"{lost.tag}:*")])  # a flushed shard
+
+    assert (await server.client.post("/v1/admissions", json=run(TENANTS[0], 1))).json()["decision"] == "ALLOW"
+    after = {ledger.shard: await ledger.generation() for ledger in server.rt.ledgers}
+    assert after[lost.shard] not in (None, before[lost.shard])  # rebuilt
+    assert {s: g for s, g in after.items() if s != lost.shard} == {s: g for s, g in before.items() if s != lost.shard}  # the others kept theirs
+    assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn)
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+
+async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
+    server = await sharded_admission(admission_factory, pg_dsn)
+    for t in TENANTS:
+        for n in range(2):
+            assert (await server.client.post("/v1/admissions", json=run(t, n))).json()["decision"] == "ALLOW"
+    reconciler = await reconciler_factory(ledger_shards=SHARDS)
+    start = datetime.now(UTC) - timedelta(minutes=40)
+    for t in TENANTS:  # run 0 ran half an hour on its 8 GPUs and completed; run 1 started a minute ago
+        await feed.send(
+            lifecycle(f"{t}/run-0", "STARTED", start, gpus=8), usage(f"{t}/run-0", "s1", start + timedelta(minutes=30), gpu_hours=4.0),
+            lifecycle(f"{t}/run-0", "COMPLETED", start + timedelta(minutes=30)),
+            lifecycle(f"{t}/run-1", "STARTED", datetime.now(UTC) - timedelta(minutes=1), gpus=8),
+        )  # fmt: skip
+    await wait_caught_up(reconciler)
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        figures = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
+    finally:
+        await conn.close()
+    assert set(figures.values()) == {(8 * GPU_HOUR, 4 * GPU_HOUR)}  # run 1 holds its 8; run 0 consumed 4
+    for t in TENANTS:
+        ledger = server.rt.ledgers.of_root(t)
+        [key] = [k for k in figures if f"team={t}|" in k]
+        assert await ledger.readings([key]) == {key: figures[key]}
+        assert int(await ledger.client.hget(ledger.keys.counter(f"t:{t}"), "gpus")) == 8  # run 0 gave its GPUs back
+    assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
+
+
+async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reason(admission_factory, pg_dsn) -> None:
+    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit="gpu_hours: 1000")
+    await apply_policies(pg_dsn, {**policies(), "shared.yaml": shared}, sha="6" * 40)
+    server = await admission_factory(ledger_shards=SHARDS)
+
+    async def refused() -> bool:
+        return "cannot be enforced on 3 shards" in (await server.client.get("/readyz")).text
+
+    await wait_for(refused, what="readiness to name the bundle a sharded ledger cannot enforce")
+    answer = await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))
+    assert answer.status_code == 503
+    assert "budget 'everyone' covers runs of several tenants" in answer.text and "escrow leases" in answer.text
+    assert await held_in_postgres(pg_dsn) == {}
+
+
+async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    server = await sharded_admission(admission_factory, pg_dsn)
+    for t in TENANTS:
+        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+    await server.stop()  # nothing else may rebuild Redis behind the commands' backs
+    shards = {"BUDGETGATE_LEDGER_SHARDS": str(SHARDS)}
+    lost = server.rt.ledgers.of_root(TENANTS[0])
+    await lost.client.delete(lost.marker)
+
+    check = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=shards)
+    assert check.returncode == 1 and f"does not hold the ledger on shard {lost.shard} " in check.stdout, check
+    rebuilt = await budgetgate_on(settings, "ledger", "rebuild-redis", cwd=tmp_path, variables=shards)
+    assert rebuilt.returncode == 0 and "(3 shards): 6 ledger key(s), 6 run(s)" in rebuilt.stdout, rebuilt
+    key = next(iter(await server.rt.ledgers.of_root(TENANTS[1]).all_readings()))
+    await server.rt.ledgers.of_root(TENANTS[1]).consume({key: 1_000})  # a drift on one shard
+    drifted = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=shards)
+    assert drifted.returncode == 1 and f"shard {server.rt.ledgers.of_root(TENANTS[1]).shard}:\nledger key {key}" in drifted.stdout, drifted
