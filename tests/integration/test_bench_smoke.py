@@ -156,15 +156,17 @@ async def test_replicas_are_driven_as_one_service_and_audited_together(postgres_
 
 
 async def test_a_redis_cluster_is_benchmarked_node_by_node_and_audited(tmp_path: Path, postgres_admin_dsn: str, kafka_server_bootstrap: str) -> None:
-    """`BUDGETGATE_REDIS_URL=redis+cluster://…` with `--replicas 2`: the two replicas of
-    budgetgate reserve on a Redis Cluster, the audit reads the ledger back from it, each node's
-    CPU is a part of its own (`redis-<port>`, masters and replicas), and the benchmark's keys are
-    gone from the cluster afterwards."""
+    """`BUDGETGATE_REDIS_URL=redis+cluster://…` with `--replicas 2` and `--ledger-shards 3`: the
+    two replicas of budgetgate reserve on a Redis Cluster, each team on its shard, the audit reads
+    the ledger back from every shard, each node's CPU is a part of its own (`redis-<port>`,
+    masters and replicas), and the benchmark's keys are gone from the cluster afterwards."""
     with EmbeddedRedisCluster(tmp_path / "cluster") as cluster:
         env = _env(postgres_admin_dsn, cluster.url, kafka_server_bootstrap)
         report = json.loads(_bench(["admission", "--system", "budgetgate", "--requests", "60", "--concurrency", "4", "--warmup", "10",
-                                    "--scenario", "spread", "--budgets", "4", "--replicas", "2", "--no-ceiling", "--json"], env))  # fmt: skip
+                                    "--scenario", "spread", "--budgets", "6", "--replicas", "2", "--ledger-shards", "3", "--no-ceiling", "--json"],
+                                   env))  # fmt: skip
         [result] = report["results"]
+        assert report["options"]["ledger_shards"] == 3
         assert report["correct"] is True and result["correct"] is True and result["errors"] == 0
         assert result["allowed"] == result["expected_allowed"] and result["correctness"]["problems"] == []
         nodes = [part for part in result["cpu"]["us_per_unit"] if part.startswith("redis-")]

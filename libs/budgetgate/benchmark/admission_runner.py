@@ -72,6 +72,7 @@ class Options:
     open_loop_seconds: float = 30.0
     rounds: int = 1  # every scenario × system (and the ceiling) measured this many times, interleaved
     replicas: int = 1  # processes of each system (and of the ceiling), driven as one service
+    ledger_shards: int = 1  # of budgetgate's Redis ledger (BUDGETGATE_LEDGER_SHARDS)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -178,7 +179,7 @@ class Run:
         return workload.build(scenario, requests=requests, warmup=o.warmup, budgets=o.budgets, allow_fraction=o.allow_fraction, tag=f"{self.tag}/{kind}")
 
     def _system(self, name: str, backends: Backends, label: str) -> System:
-        return Budgetgate(backends, tag=f"{self.tag}-{label}") if name == "budgetgate" else Baseline()
+        return Budgetgate(backends, tag=f"{self.tag}-{label}", ledger_shards=self.options.ledger_shards) if name == "budgetgate" else Baseline()
 
     async def _ceiling(self, work: workload.Workload, log_dir: Path, number: int = 1) -> tuple[load.Outcome, CpuUse]:
         """The same load against a FastAPI endpoint that only validates the body: the best of

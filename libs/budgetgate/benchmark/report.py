@@ -179,6 +179,7 @@ def as_json(options: Options, measured: Measurements) -> dict[str, Any]:
             "systems": list(options.systems),
             "rounds": options.rounds,
             "replicas": options.replicas,
+            "ledger_shards": options.ledger_shards,
             "submission": {"gpus": GPUS, "runtime_hours": RUNTIME_HOURS, "gpu_hours": GPU_HOURS_EACH},
         },
         "cpus": os.cpu_count(),
@@ -311,6 +312,7 @@ def as_text(options: Options, measured: Measurements) -> str:
             if options.replicas > 1
             else []
         ),
+        *([f"budgetgate's Redis ledger has {options.ledger_shards} shards: the spread scenario's teams spread over them"] if options.ledger_shards > 1 else []),
         "",
         "  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(_COLUMNS, widths, strict=True))),
     ]

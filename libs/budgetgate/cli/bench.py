@@ -53,6 +53,13 @@ def bench() -> None:
     type=click.IntRange(1),
     help="Processes of each system (and of the ceiling) on the one database and Redis, driven as one service: client k on process k mod N.",
 )
+@click.option(
+    "--ledger-shards",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Shards of budgetgate's Redis ledger (BUDGETGATE_LEDGER_SHARDS): the spread scenario's teams spread over them; on a Redis Cluster, over its masters.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def admission(
     requests: int,
@@ -67,6 +74,7 @@ def admission(
     open_loop_seconds: float,
     rounds: int,
     replicas: int,
+    ledger_shards: int,
     as_json: bool,
 ) -> None:
     """Admission decisions/s and latency: budgetgate vs. a FastAPI + Postgres row-lock service.
@@ -85,6 +93,7 @@ def admission(
             requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
             scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
             open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds, rounds=rounds, replicas=replicas,
+            ledger_shards=ledger_shards,
         )  # fmt: skip
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
