@@ -45,7 +45,7 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.core.shards import unshardable
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
-from budgetgate.ledger.sharded import ShardedLedger
+from budgetgate.ledger.sharded import OneShard, ShardedLedger
 from budgetgate.ledger.transaction import LedgerTransaction, ledger_session
 from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting_source import ExternalAccounting
@@ -120,7 +120,7 @@ class Pending:
         return self.prepared.needs_ledger
 
 
-class Admitter:
+class Admitter(OneShard):
     def __init__(
         self,
         *,
@@ -152,16 +152,6 @@ class Admitter:
         )
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
         self._unshardable: dict[str, list[str]] = {}  # bundle sha -> why a sharded ledger cannot enforce it
-
-    @property
-    def ledger(self) -> RedisLedger:
-        """The Redis ledger, when it has one shard (see `ledgers` for several)."""
-        return self.ledgers.single
-
-    @property
-    def sync(self) -> LedgerSync:
-        """The Redis ledger's LedgerSync, when it has one shard."""
-        return self.ledgers.sync_of(self.ledgers.single)
 
     def ledger_of(self, request: AdmissionRequest) -> RedisLedger:
         """The shard of the Redis ledger a submission's keys are on: its tenant's."""

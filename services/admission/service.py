@@ -22,9 +22,7 @@ from budgetgate.edge.serving import close_pool, close_within
 from budgetgate.runtime import redis_client
 from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.ledger import partitions
-from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.redis_sync import LedgerSync
-from budgetgate.ledger.sharded import ShardedLedger
+from budgetgate.ledger.sharded import OneShard, ShardedLedger
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting_source import ExternalAccounting
@@ -41,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class AdmissionService(Service):
+class AdmissionService(Service, OneShard):
     """The service's adapters, built from its settings when it starts."""
 
     settings: AdmissionSettings
@@ -58,16 +56,6 @@ class AdmissionService(Service):
     accounting: ExternalAccounting | None = None
     held: int = 0  # reservations held, for the gauge
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-    @property
-    def ledger(self) -> RedisLedger:
-        """The Redis ledger, when it has one shard."""
-        return self.ledgers.single
-
-    @property
-    def sync(self) -> LedgerSync:
-        """The Redis ledger's LedgerSync, when it has one shard."""
-        return self.ledgers.sync_of(self.ledgers.single)
 
     @classmethod
     async def build(cls, settings: AdmissionSettings) -> AdmissionService:

@@ -27,9 +27,7 @@ from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.ledger import partitions
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.escrow_leases import Escrow
-from budgetgate.ledger.redis_ledger import RedisLedger
-from budgetgate.ledger.redis_sync import LedgerSync
-from budgetgate.ledger.sharded import ShardedLedger
+from budgetgate.ledger.sharded import OneShard, ShardedLedger
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check, redis_check
@@ -68,7 +66,7 @@ class Stats:
     fresh: set[str] = field(default_factory=set)
 
 
-class Reconciler(Service):
+class Reconciler(Service, OneShard):
     """One reconciler instance; several may run side by side (runs are locked one at a time).
 
     Its outbox relay is not the runner's to serve (`outbox_relay` stays None): it shares the
@@ -108,16 +106,6 @@ class Reconciler(Service):
         self.tasks: list[asyncio.Task[None]] = []
         self._repaired = False
         self._windows_seen: datetime | None = None  # when upkeep last looked for new calendar windows
-
-    @property
-    def ledger(self) -> RedisLedger:
-        """The Redis ledger, when it has one shard."""
-        return self.ledgers.single
-
-    @property
-    def sync(self) -> LedgerSync:
-        """The Redis ledger's LedgerSync, when it has one shard."""
-        return self.ledgers.sync_of(self.ledgers.single)
 
     @classmethod
     def create(cls, settings: ReconcilerSettings, *, telemetry: Telemetry | None = None) -> Reconciler:

@@ -22,8 +22,7 @@ from budgetgate.core.windows import Window
 from budgetgate.ledger.concurrency_holds import EndedHolds, end_run_holds, rehold_run, renew_run_token
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
-from budgetgate.ledger.redis_sync import LedgerSync
-from budgetgate.ledger.sharded import ShardedLedger
+from budgetgate.ledger.sharded import OneShard, ShardedLedger
 from budgetgate.services.reconciler import budget_actions, fairshare, headroom, messages, meter
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settings import ReconcilerSettings
@@ -58,7 +57,7 @@ class Loaded:
     settlement: Any
 
 
-class Settler:
+class Settler(OneShard):
     def __init__(
         self,
         *,
@@ -78,16 +77,6 @@ class Settler:
         # reconciler whose own clock ran ahead gave reservations back before their start deadline,
         # and admission gave the room to others (the fault campaign's seed 7, clock skew).
         self.clock_offset = timedelta(0)
-
-    @property
-    def ledger(self) -> RedisLedger:
-        """The Redis ledger, when it has one shard."""
-        return self.ledgers.single
-
-    @property
-    def sync(self) -> LedgerSync:
-        """The Redis ledger's LedgerSync, when it has one shard."""
-        return self.ledgers.sync_of(self.ledgers.single)
 
     async def ledger_of_run(self, run_id: str) -> RedisLedger:
         """The shard of the Redis ledger holding what run `run_id` holds: its tenant's, by the

@@ -69,3 +69,20 @@ class ShardedLedger:
     def rebuilds(self) -> int:
         """Rebuilds this process made of every shard (drift repairs included), for /metrics."""
         return sum(sync.rebuilds for sync in self.syncs)
+
+
+class OneShard:
+    """`ledger` and `sync` of a holder of a ShardedLedger (`ledgers`) that has one shard: what
+    places nothing by root (the tests of one shard, tools) reaches the ledger by."""
+
+    ledgers: ShardedLedger
+
+    @property
+    def ledger(self) -> RedisLedger:
+        """The Redis ledger, when it has one shard."""
+        return self.ledgers.single
+
+    @property
+    def sync(self) -> LedgerSync:
+        """The Redis ledger's LedgerSync, when it has one shard."""
+        return self.ledgers.sync_of(self.ledgers.single)
