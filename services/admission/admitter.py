@@ -21,11 +21,10 @@ Postgres before the next decision (fail closed; ledger_transaction).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from datetime import UTC, datetime, timedelta
@@ -65,18 +64,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def with_ledger(sync: LedgerSync, work: Callable[[], Awaitable[T]]) -> T:
-    """Run `work` against the ledger, failing closed: a Redis that lost the ledger is rebuilt
-    from Postgres (or, while another process rebuilds it, waited for up to `sync.wait`) and the
-    work tried once more; an unreachable backend, or a rebuild not done in time, becomes
-    Unavailable."""
+async def with_ledger(sync: LedgerSync | Sequence[LedgerSync], work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work` against the ledger (the shard of `sync`, or of each of several), failing
+    closed: a Redis that lost the ledger is rebuilt from Postgres (or, while another process
+    rebuilds it, waited for up to `sync.wait`) and the work tried once more; an unreachable
+    backend, or a rebuild not done in time, becomes Unavailable."""
     try:
         try:
             return await work()
         except RebuildWaitExceeded:
             raise
         except LedgerNotLoaded:
-            await sync.ensure_loaded()
+            for each in (sync,) if isinstance(sync, LedgerSync) else sync:
+                await each.ensure_loaded()  # (only a shard that lost its state is rebuilt)
             return await work()
     except RebuildWaitExceeded as exc:
         raise Unavailable(str(exc)) from exc
@@ -146,10 +146,7 @@ class Admitter(OneShard):
         self.tenant_label = tenant_label
         self.accounting = accounting
         self.usage = usage
-        # A batch is one shard's (its decisions' keys on one Redis Cluster slot): a queue each.
-        self.groups = tuple(
-            GroupCommit(functools.partial(self._commit, shard), max_batch=max_batch, max_wait=max_wait, in_flight=in_flight) for shard in range(len(ledgers))
-        )
+        self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
         self._unshardable: dict[str, list[str]] = {}  # bundle sha -> why a sharded ledger cannot enforce it
 
@@ -173,7 +170,7 @@ class Admitter(OneShard):
         if clock is not None:
             clock.planned = time.perf_counter()
             pending.clock = clock
-        self.groups[pending.shard].submit(pending)
+        self.batches.submit(pending)
         return await pending.answer
 
     def prepare(self, request: AdmissionRequest, now: datetime) -> Prepared:
@@ -212,13 +209,13 @@ class Admitter(OneShard):
             found = self._scoped[namespace] = replace(bundle, policies=tuple(p for p in bundle.policies if p.scope.covers_namespace(namespace)))
         return found
 
-    async def _commit(self, shard: int, batch: list[Pending]) -> None:
-        """Decide and commit `batch` (of one shard's submissions), then answer each of them."""
+    async def _commit(self, batch: list[Pending]) -> None:
+        """Decide and commit `batch`, then answer each of its submissions."""
         answers: dict[Pending, dict[str, Any] | BaseException] = {}
         clock = BatchClock()
-        ledger = self.ledgers.parts[shard]
+        ledgers = [self.ledgers.parts[shard] for shard in sorted({p.shard for p in batch})]
         try:
-            answers = await with_ledger(self.ledgers.sync_of(ledger), lambda: self._decide(ledger, batch, clock))
+            answers = await with_ledger([self.ledgers.sync_of(ledger) for ledger in ledgers], lambda: self._decide(ledgers, batch, clock))
         except asyncio.CancelledError:
             for p in batch:
                 p.answer.cancel()
@@ -238,28 +235,30 @@ class Admitter(OneShard):
             else:
                 p.answer.set_result(answer)
         if deferred:
-            self.groups[shard].resubmit(deferred)
+            self.batches.resubmit(deferred)
 
-    async def _decide(self, ledger: RedisLedger, batch: list[Pending], clock: BatchClock) -> dict[Pending, dict[str, Any] | BaseException]:
-        """The answers of `batch`, committed on `ledger` (its shard); submissions left out wait
-        for the next batch. `clock` gets the seconds of each step on Postgres and Redis."""
+    async def _decide(self, ledgers: list[RedisLedger], batch: list[Pending], clock: BatchClock) -> dict[Pending, dict[str, Any] | BaseException]:
+        """The answers of `batch`, committed; its submissions are on the shards `ledgers` (each
+        on its tenant's); submissions left out wait for the next batch. `clock` gets the seconds
+        of each step on Postgres and Redis."""
         run_ids = sorted({p.run_id for p in batch})
         since = time.perf_counter()
-        wait = self.ledgers.sync_of(ledger).wait
-        async with ledger_session(self.pool, ledger) as work:
-            try:  # takes the shard's ledger lock first: behind a rebuild, waits as long as for one
-                rows = await work.conn.fetch(sql("begin_batch"), run_ids, ledger.shard, len(self.ledgers), timeout=wait)
+        wait = self.ledgers.sync_of(ledgers[0]).wait
+        async with ledger_session(self.pool, ledgers) as work:
+            try:  # takes the shards' ledger locks first: behind a rebuild, waits as long as for one
+                rows = await work.conn.fetch(sql("begin_batch"), run_ids, [ledger.shard for ledger in ledgers], len(self.ledgers), timeout=wait)
             except TimeoutError as exc:
                 raise RebuildWaitExceeded(
                     f"the ledger stayed locked for more than {wait:g} s (Redis being rebuilt from Postgres, or Postgres slow); retry shortly"
                 ) from exc
             clock.postgres_read += time.perf_counter() - since
-            committed_seq = rows[0]["committed_seq"]
-            latest = {row["run_id"]: row for row in rows[1:]}
+            heads = rows[: len(ledgers)]  # a row per shard: its committed sequence
+            committed = {row["shard"]: row["committed_seq"] for row in heads}
+            latest = {row["run_id"]: row for row in rows[len(ledgers) :]}
             answers, fresh, followers = _sort_out(batch, latest, tenant_label=self.tenant_label)
-            fresh = await self._current(work.conn, fresh, rows[0]["override_revision"], answers)
+            fresh = await self._current(work.conn, fresh, heads[0]["override_revision"], answers)
             since = time.perf_counter()
-            await self._reserve(work, ledger, [p for p in fresh if p.needs_ledger], committed_seq)
+            await self._reserve(work, [p for p in fresh if p.needs_ledger], committed)
             clock.redis += time.perf_counter() - since
             decided = await self._decisions(work.conn, fresh)
             since = time.perf_counter()
@@ -303,33 +302,44 @@ class Admitter(OneShard):
             current.append(p)
         return current
 
-    async def _reserve(self, work: LedgerTransaction, ledger: RedisLedger, pending: list[Pending], committed_seq: int) -> None:
-        """Check-and-reserve every submission of `pending` in Redis, in order; each gets its
-        `result`. Keys Redis never saw are loaded and orphaned holds released, then tried again."""
+    async def _reserve(self, work: LedgerTransaction, pending: list[Pending], committed: dict[int, int]) -> None:
+        """Check-and-reserve every submission of `pending` in Redis, in order on each shard (one
+        script per shard, the shards' at once; `committed`: each shard's committed sequence);
+        each gets its `result`. Keys Redis never saw are loaded and orphaned holds released, then
+        tried again."""
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
         for p in pending:
             p.result = None
         for _ in range(4):
             if not pending:
                 return
-            asked = [Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool) for p in pending]
+            by_shard: dict[int, list[Pending]] = {}
+            for p in pending:
+                by_shard.setdefault(p.shard, []).append(p)
+            asked = {
+                shard: [Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool) for p in mine] for shard, mine in by_shard.items()
+            }
             work.redis_changed = True
-            results = await ledger.reserve_batch(asked, now_ms=now_ms, committed_seq=committed_seq)
+            replies = await asyncio.gather(
+                *(self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard]) for shard, reservations in asked.items())
+            )
             again = []
-            for p, result in zip(pending, results, strict=True):
-                if result.status == "MISSING":
-                    again.append(p)
-                elif result.status == "DUPLICATE":
-                    # We hold the run's lock and Postgres has no decision for it: the Redis hold is
-                    # an orphan of a process that died between reserving and committing.
-                    log.warning("releasing orphaned reservation of run %r (decision %s)", p.run_id, result.holder)
-                    await ledger.release(p.run_id, decision_id=result.holder or "")
-                    again.append(p)
-                else:
-                    p.result = result
-            missing = [p.plan for p in again if p.plan.charges]
-            if missing:
-                await self._load_keys(work.conn, ledger, missing)
+            for (shard, mine), results in zip(by_shard.items(), replies, strict=True):
+                ledger = self.ledgers.parts[shard]
+                for p, result in zip(mine, results, strict=True):
+                    if result.status == "MISSING":
+                        again.append(p)
+                    elif result.status == "DUPLICATE":
+                        # We hold the run's lock and Postgres has no decision for it: the Redis hold
+                        # is an orphan of a process that died between reserving and committing.
+                        log.warning("releasing orphaned reservation of run %r (decision %s)", p.run_id, result.holder)
+                        await ledger.release(p.run_id, decision_id=result.holder or "")
+                        again.append(p)
+                    else:
+                        p.result = result
+                missing = [p.plan for p in again if p.shard == shard and p.plan.charges]
+                if missing:
+                    await self._load_keys(work.conn, ledger, missing)
             pending = again
         if pending:  # the fourth round may have reserved them all
             raise Unavailable(f"could not reserve for runs {[p.run_id for p in pending]!r}: the ledger kept changing")

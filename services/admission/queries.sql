@@ -2,11 +2,13 @@
 -- Queries more than one package uses live in the shared ledger's, libs/budgetgate/ledger/sql/queries.sql.
 
 -- name: begin_batch
--- The ledger lock of the batch's shard $2 of $3 (shared) + the lock of every run of a batch, both at session level (0036: let go
--- by ledger_session once the batch's write committed); then a row with only the highest ledger
--- sequence Postgres committed and the highest tenant override revision, then each run's latest
+-- The ledger lock of every shard $2 the batch touches, of the ledger's $3 (shared, in shard order;
+-- 0044) + the lock of every run of a batch, all at session level (0036: let go by ledger_session
+-- once the batch's write committed); then a row per shard with only the highest ledger sequence
+-- Postgres committed of it and the highest tenant override revision, then each run's latest
 -- decision (0033: with no outcome, request or response when it is archived): one round trip.
-SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision, decided_at FROM budgetgate_begin_decisions($1::text[], $2::integer, $3::integer);
+SELECT run_id, decision_id, attempt, outcome, request, response, committed_seq, override_revision, decided_at, shard
+FROM budgetgate_begin_decisions($1::text[], $2::integer[], $3::integer);
 
 -- name: record_decisions
 -- A batch of decisions, each with its evaluations, its ledger entries and reservations (when it

@@ -201,7 +201,7 @@ async def test_group_commit_under_load_admits_exactly_what_fits(admission_factor
     held = await held_in_postgres(pg_dsn)
     assert list(held.values()) == [96 * GPU_HOUR]
     assert await reserved_in_redis(server) == held
-    assert sum(group.items for group in server.rt.admitter.groups) == 300
+    assert server.rt.admitter.batches.items == 300
 
 
 async def test_a_submission_past_the_ledger_range_is_refused_alone(admission_factory, pg_dsn) -> None:

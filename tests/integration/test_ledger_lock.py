@@ -68,7 +68,7 @@ async def test_a_ledger_session_holds_its_locks_across_its_statements_and_lets_g
     rebuild = await asyncpg.connect(pg_dsn)
     try:
         async with ledger_session(pool, RedisLedger(client, prefix=redis_prefix)) as work:
-            await work.conn.fetch(sql("begin_batch"), ["run-a", "run-b"], 0, 1)  # what admission's batch does first
+            await work.conn.fetch(sql("begin_batch"), ["run-a", "run-b"], [0], 1)  # what admission's batch does first
             await work.conn.execute("CREATE TABLE session_wrote (x int); INSERT INTO session_wrote VALUES (1)")  # commits on its own
             assert await rebuild.fetchval("SELECT count(*) FROM session_wrote") == 1
             assert (await rebuild.fetchval(HELD, LEDGER), await rebuild.fetchval(HELD, RUNS)) == (1, 2)  # after that commit, still held
@@ -93,7 +93,7 @@ async def test_a_failed_ledger_session_invalidates_redis_and_lets_go_before_it_r
     try:
         try:
             async with ledger_session(pool, ledger) as work:
-                await work.conn.fetch(sql("begin_batch"), ["run-a"], 0, 1)
+                await work.conn.fetch(sql("begin_batch"), ["run-a"], [0], 1)
                 work.redis_changed = True  # reserved in Redis, then the write fails
                 await work.conn.execute("SELECT no_such_column FROM ledger_entries")
         except asyncpg.UndefinedColumnError:
@@ -114,7 +114,7 @@ async def test_a_session_whose_locks_cannot_be_let_go_is_closed_not_pooled(pg_ds
     observer = await asyncpg.connect(pg_dsn)
     try:
         async with ledger_session(pool, RedisLedger(client, prefix=redis_prefix)) as work:
-            await work.conn.fetch(sql("begin_batch"), ["run-a"], 0, 1)
+            await work.conn.fetch(sql("begin_batch"), ["run-a"], [0], 1)
             lost = work.conn.get_server_pid()
             # The session ends before its locks can be let go (a server restart, a proxy's cut).
             assert await observer.fetchval("SELECT pg_terminate_backend($1)", lost)
@@ -131,24 +131,24 @@ async def _none_held(conn: asyncpg.Connection) -> bool:
 
 
 async def test_each_shard_has_its_ledger_lock_and_an_override_takes_every_shards(pg_dsn: str) -> None:
-    """A rebuild of shard 1 (its lock held exclusively) holds back shard 1's batches and no
-    other's; a tenant override or a budget grant takes every shard's lock, so it waits for a
+    """A rebuild of shard 1 (its lock held exclusively) holds back the batches touching shard 1
+    and no other; a tenant override or a budget grant takes every shard's lock, so it waits for a
     batch of any shard in flight."""
     rebuild, batch, override = [await asyncpg.connect(pg_dsn) for _ in range(3)]
     try:
         async with rebuild.transaction():
             await rebuild.execute(sql("lock_ledger_exclusive"), 1)
             async with batch.transaction():
-                await batch.fetch("SELECT * FROM budgetgate_begin_decisions($1::text[], 0, 2)", ["run-a"])  # shard 0: not held back
+                await batch.fetch("SELECT * FROM budgetgate_begin_decisions($1::text[], ARRAY[0], 2)", ["run-a"])  # shard 0: not held back
                 await batch.execute("SELECT pg_advisory_unlock_all()")
             async with batch.transaction():
                 await batch.execute("SET LOCAL lock_timeout = '200ms'")
                 try:
-                    await batch.fetch("SELECT * FROM budgetgate_begin_decisions($1::text[], 1, 2)", ["run-b"])
+                    await batch.fetch("SELECT * FROM budgetgate_begin_decisions($1::text[], ARRAY[0, 1], 2)", ["run-b"])
                     raise AssertionError("a batch of shard 1 went past its rebuild")
                 except asyncpg.LockNotAvailableError:
                     pass
-        await batch.fetch("SELECT * FROM budgetgate_begin_decisions($1::text[], 1, 2)", ["run-b"])  # session locks: held on
+        await batch.fetch("SELECT * FROM budgetgate_begin_decisions($1::text[], ARRAY[1], 2)", ["run-b"])  # session locks: held on
         async with override.transaction():
             await override.execute("SET LOCAL lock_timeout = '200ms'")
             try:

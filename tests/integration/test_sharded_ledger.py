@@ -16,7 +16,7 @@ import asyncpg
 
 from budgetgate.core.shards import SEQ_STEP, Shards
 from budgetgate.ledger.queries import sql
-from tests.support.admission import apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
+from tests.support.admission import apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission
 from tests.support.cli import budgetgate_on
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
@@ -155,3 +155,26 @@ async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, 
     await server.rt.ledgers.of_root(TENANTS[1]).consume({key: 1_000})  # a drift on one shard
     drifted = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=shards)
     assert drifted.returncode == 1 and f"shard {server.rt.ledgers.of_root(TENANTS[1]).shard}:\nledger key {key}" in drifted.stdout, drifted
+
+
+async def test_a_batch_spanning_shards_reserves_on_each_with_one_script_per_shard(admission_factory, pg_dsn) -> None:
+    """Submissions of every tenant decided as ONE batch of the admitter: one Postgres round trip
+    takes every shard's lock and reads each one's committed sequence, each shard reserves its
+    tenants' submissions in one script, and every budget ends holding what its tenant's ALLOWs
+    reserved, on its shard and in Postgres."""
+    server = await sharded_admission(admission_factory, pg_dsn)
+    for t in TENANTS:  # each budget's key loaded on its shard (a key never loaded takes a second script)
+        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+    reserves: dict[int, int] = defaultdict(int)
+    for ledger in server.rt.ledgers:
+        real = ledger.reserve_batch
+
+        async def counted(batch, *, now_ms, committed_seq, _real=real, _shard=ledger.shard):  # type: ignore[no-untyped-def]
+            reserves[_shard] += 1
+            return await _real(batch, now_ms=now_ms, committed_seq=committed_seq)
+
+        ledger.reserve_batch = counted  # type: ignore[method-assign]
+    answers = await one_batch(server, [run(t, n) for n in (1, 2) for t in TENANTS])
+    assert [a["decision"] for a in answers] == ["ALLOW"] * 6 + ["DENY"] * 6  # 8 + 8 of 20, then 24 > 20
+    assert dict(reserves) == {shard: 1 for shard in range(SHARDS)}  # every shard once, in one batch
+    assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn) and len(await held_in_postgres(pg_dsn)) == len(TENANTS)

@@ -44,8 +44,7 @@ async def one_batch(server, bodies: list[dict[str, Any]]) -> list[Any]:  # type:
     returns each answer, or the exception it was answered with."""
     admitter = server.rt.admitter
     pending = [admitter._prepare(AdmissionRequest.model_validate(b), datetime.now(UTC)) for b in bodies]
-    [shard] = {p.shard for p in pending}  # (a batch is one shard's)
-    await admitter._commit(shard, pending)
+    await admitter._commit(pending)
     return list(await asyncio.gather(*(p.answer for p in pending), return_exceptions=True))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -51,6 +51,12 @@ class LedgerTransaction:
     ledger: RedisLedger
     redis_changed: bool = False
     parked: list[tuple[str, int, str]] = field(default_factory=list)  # (run id, settlement seq, token) begun in Redis
+    others: tuple[RedisLedger, ...] = ()  # more shards the unit changes (a batch of admission decisions spanning shards)
+
+    async def invalidate(self, why: str) -> None:
+        """Invalidate every shard of the Redis ledger the unit changes (see RedisLedger.invalidate)."""
+        for ledger in (self.ledger, *self.others):
+            await ledger.invalidate(why)
 
 
 @contextlib.asynccontextmanager
@@ -88,7 +94,7 @@ _letting_go: set[asyncio.Task[None]] = set()
 
 
 @contextlib.asynccontextmanager
-async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIterator[LedgerTransaction]:
+async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger | Sequence[RedisLedger]) -> AsyncIterator[LedgerTransaction]:
     """A unit of change to the ledger with no transaction block, for admission's decisions: as
     ledger_transaction, in three round trips instead of five.
 
@@ -103,15 +109,17 @@ async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIterat
     not wait for that round trip. A connection whose locks cannot be let go is closed (its
     session's locks end with it), never returned to the pool holding them. On failure, a Redis
     change whose write did not commit, or might have, invalidates the Redis ledger before the
-    locks are let go, as in ledger_transaction."""
+    locks are let go, as in ledger_transaction. `ledger`: the shard of the Redis ledger the unit
+    changes, or every shard it changes (each invalidated on such a failure)."""
+    ledgers = (ledger,) if isinstance(ledger, RedisLedger) else tuple(ledger)
     conn = await pool.acquire()
-    work = LedgerTransaction(conn, ledger)
+    work = LedgerTransaction(conn, ledgers[0], others=ledgers[1:])
     try:
         yield work
     except BaseException:
         try:
             if work.redis_changed:
-                await ledger.invalidate("a ledger unit failed after its Redis script, before its write committed or with the commit unconfirmed")
+                await work.invalidate("a ledger unit failed after its Redis script, before its write committed or with the commit unconfirmed")
         finally:
             await _let_go(pool, conn)
         raise
