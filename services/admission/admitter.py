@@ -106,6 +106,7 @@ class Pending:
     provisional: bool = False
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
+    shard_failed: bool = False  # its shard failed once in a batch other shards' decisions committed in
 
     @property
     def run_id(self) -> str:
@@ -214,8 +215,9 @@ class Admitter(OneShard):
         answers: dict[Pending, dict[str, Any] | BaseException] = {}
         clock = BatchClock()
         ledgers = [self.ledgers.parts[shard] for shard in sorted({p.shard for p in batch})]
+        failed: dict[int, BaseException] = {}  # shards that failed while others' decisions committed
         try:
-            answers = await with_ledger([self.ledgers.sync_of(ledger) for ledger in ledgers], lambda: self._decide(ledgers, batch, clock))
+            answers = await with_ledger([self.ledgers.sync_of(ledger) for ledger in ledgers], lambda: self._decide(ledgers, batch, clock, failed))
         except asyncio.CancelledError:
             for p in batch:
                 p.answer.cancel()
@@ -234,13 +236,51 @@ class Admitter(OneShard):
                 p.answer.set_exception(answer)
             else:
                 p.answer.set_result(answer)
+        if failed:
+            deferred = await self._after_shard_failures(deferred, failed)
         if deferred:
             self.batches.resubmit(deferred)
 
-    async def _decide(self, ledgers: list[RedisLedger], batch: list[Pending], clock: BatchClock) -> dict[Pending, dict[str, Any] | BaseException]:
+    async def _after_shard_failures(self, deferred: list[Pending], failed: dict[int, BaseException]) -> list[Pending]:
+        """The submissions of shards that failed in a batch whose other shards' decisions
+        committed (a master failing over, a shard that lost its state): as `with_ledger` does for
+        a whole batch, a shard that lost its state is rebuilt (or waited for) and its submissions
+        tried once more; those whose shard is unreachable, or failed again, are answered 503.
+        One shard's fault never fails the decisions of another's. Returns those to try again."""
+        again = []
+        for shard, exc in failed.items():
+            mine = [p for p in deferred if p.shard == shard]
+            reason: BaseException | None = None
+            if isinstance(exc, LedgerNotLoaded) and not any(p.shard_failed for p in mine):
+                try:
+                    await self.ledgers.syncs[shard].ensure_loaded()
+                except RebuildWaitExceeded as waited:
+                    reason = Unavailable(str(waited))
+                except LedgerNotLoaded:
+                    reason = Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly")
+                except BACKEND_ERRORS as down:
+                    reason = Unavailable(f"ledger backend unavailable: {type(down).__name__}: {down}")
+                except Exception as error:  # noqa: BLE001 - its submissions hear of it
+                    reason = error
+            elif isinstance(exc, LedgerNotLoaded):
+                reason = Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly")
+            else:
+                reason = Unavailable(f"ledger backend unavailable: {type(exc).__name__}: {exc}")
+            for p in mine:
+                if reason is None:
+                    p.shard_failed = True
+                    again.append(p)
+                elif not p.answer.done():
+                    p.answer.set_exception(reason)
+        return again + [p for p in deferred if p.shard not in failed]
+
+    async def _decide(
+        self, ledgers: list[RedisLedger], batch: list[Pending], clock: BatchClock, failed: dict[int, BaseException]
+    ) -> dict[Pending, dict[str, Any] | BaseException]:
         """The answers of `batch`, committed; its submissions are on the shards `ledgers` (each
         on its tenant's); submissions left out wait for the next batch. `clock` gets the seconds
-        of each step on Postgres and Redis."""
+        of each step on Postgres and Redis. A shard whose script fails while another's succeeds
+        goes into `failed` and its submissions are left out; when every shard fails, this raises."""
         run_ids = sorted({p.run_id for p in batch})
         since = time.perf_counter()
         wait = self.ledgers.sync_of(ledgers[0]).wait
@@ -258,7 +298,10 @@ class Admitter(OneShard):
             answers, fresh, followers = _sort_out(batch, latest, tenant_label=self.tenant_label)
             fresh = await self._current(work.conn, fresh, heads[0]["override_revision"], answers)
             since = time.perf_counter()
-            await self._reserve(work, [p for p in fresh if p.needs_ledger], committed)
+            failed.clear()  # (a try again after a rebuild starts afresh)
+            failed.update(await self._reserve(work, [p for p in fresh if p.needs_ledger], committed))
+            if failed:
+                fresh = [p for p in fresh if p.shard not in failed]
             clock.redis += time.perf_counter() - since
             decided = await self._decisions(work.conn, fresh)
             since = time.perf_counter()
@@ -278,6 +321,8 @@ class Admitter(OneShard):
         for r, p in zip(decided, fresh, strict=True):
             answers[p] = r.body
         for follower, leader in followers:
+            if leader not in answers:
+                continue  # its shard failed: both wait for the next batch
             led = answers[leader]
             answers[follower] = led if isinstance(led, BaseException) else {**led, "replayed": True}
         return answers
@@ -302,17 +347,22 @@ class Admitter(OneShard):
             current.append(p)
         return current
 
-    async def _reserve(self, work: LedgerTransaction, pending: list[Pending], committed: dict[int, int]) -> None:
+    async def _reserve(self, work: LedgerTransaction, pending: list[Pending], committed: dict[int, int]) -> dict[int, BaseException]:
         """Check-and-reserve every submission of `pending` in Redis, in order on each shard (one
         script per shard, the shards' at once; `committed`: each shard's committed sequence);
         each gets its `result`. Keys Redis never saw are loaded and orphaned holds released, then
-        tried again."""
+        tried again. A shard whose script fails (lost its state, unreachable, failing over) is
+        returned with its error, its submissions without a result, while the others' stand; a
+        script that may have run is covered by invalidating its shard (what it held is an orphan
+        of a decision never committed). When every shard touched fails, the first error is raised."""
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
+        failed: dict[int, BaseException] = {}
         for p in pending:
             p.result = None
         for _ in range(4):
+            pending = [p for p in pending if p.shard not in failed]
             if not pending:
-                return
+                return failed
             by_shard: dict[int, list[Pending]] = {}
             for p in pending:
                 by_shard.setdefault(p.shard, []).append(p)
@@ -321,10 +371,24 @@ class Admitter(OneShard):
             }
             work.redis_changed = True
             replies = await asyncio.gather(
-                *(self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard]) for shard, reservations in asked.items())
+                *(
+                    self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard])
+                    for shard, reservations in asked.items()
+                ),
+                return_exceptions=True,
             )
+            errors = [(shard, reply) for shard, reply in zip(by_shard, replies, strict=True) if isinstance(reply, BaseException)]
+            for shard, error in errors:
+                if not isinstance(error, (LedgerNotLoaded, *BACKEND_ERRORS)) or len(failed) + len(errors) == len(committed):
+                    raise error  # a fault of no shard's state, or every shard's: the whole batch fails
+            for shard, error in errors:
+                failed[shard] = error
+                if not isinstance(error, LedgerNotLoaded):  # the script may have run before its reply was lost
+                    await self.ledgers.parts[shard].invalidate(f"its script failed in a batch other shards committed: {error}")
             again = []
             for (shard, mine), results in zip(by_shard.items(), replies, strict=True):
+                if shard in failed:
+                    continue
                 ledger = self.ledgers.parts[shard]
                 for p, result in zip(mine, results, strict=True):
                     if result.status == "MISSING":
@@ -341,8 +405,10 @@ class Admitter(OneShard):
                 if missing:
                     await self._load_keys(work.conn, ledger, missing)
             pending = again
+        pending = [p for p in pending if p.shard not in failed]
         if pending:  # the fourth round may have reserved them all
             raise Unavailable(f"could not reserve for runs {[p.run_id for p in pending]!r}: the ledger kept changing")
+        return failed
 
     async def _load_keys(self, conn: asyncpg.Connection, ledger: RedisLedger, plans: list[Plan]) -> None:
         """Create the ledger entries of `plans` in Postgres (if new) and load them into Redis (the

@@ -16,6 +16,7 @@ import asyncpg
 
 from budgetgate.core.shards import SEQ_STEP, Shards
 from budgetgate.ledger.queries import sql
+from budgetgate.services.admission.admitter import Unavailable
 from tests.support.admission import apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission
 from tests.support.cli import budgetgate_on
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
@@ -178,3 +179,47 @@ async def test_a_batch_spanning_shards_reserves_on_each_with_one_script_per_shar
     assert [a["decision"] for a in answers] == ["ALLOW"] * 6 + ["DENY"] * 6  # 8 + 8 of 20, then 24 > 20
     assert dict(reserves) == {shard: 1 for shard in range(SHARDS)}  # every shard once, in one batch
     assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn) and len(await held_in_postgres(pg_dsn)) == len(TENANTS)
+
+
+async def test_a_shard_failing_in_a_batch_fails_no_other_shards_decision(admission_factory, pg_dsn) -> None:
+    """One batch of every tenant's submissions while one shard is at fault: the other shards'
+    decisions commit and are answered in that batch. A shard that lost its state is rebuilt and
+    its submissions decided right after; an unreachable one's are answered 503 (the client tries
+    again), nothing of them recorded, and its shard is invalidated, to be rebuilt from Postgres."""
+    server = await sharded_admission(admission_factory, pg_dsn)
+    for t in TENANTS:  # each budget's key loaded on its shard
+        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+    struck = server.rt.ledgers.of_root(TENANTS[0])
+    hit = {t for t in TENANTS if server.rt.ledgers.of_root(t) is struck}
+
+    await struck.client.delete(struck.marker)  # lost its state
+    answers = await one_batch(server, [run(t, 1) for t in TENANTS])
+    assert [a["decision"] for a in answers] == ["ALLOW"] * len(TENANTS)
+    assert await struck.is_loaded()
+
+    real = struck.reserve_batch
+
+    async def unreachable(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("the shard's master is gone")
+
+    struck.reserve_batch = unreachable  # type: ignore[method-assign]
+    try:
+        answers = await one_batch(server, [run(t, 2) for t in TENANTS])
+    finally:
+        struck.reserve_batch = real  # type: ignore[method-assign]
+    for t, answer in zip(TENANTS, answers, strict=True):
+        if t in hit:
+            assert isinstance(answer, Unavailable) and "the shard's master is gone" in str(answer)
+        else:
+            assert answer["decision"] == "DENY"  # 24 > 20: decided, on its own shard
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        decided = {r["run_id"] for r in await conn.fetch("SELECT run_id FROM decisions WHERE run_id LIKE '%/run-2'")}
+    finally:
+        await conn.close()
+    assert decided == {f"{t}/run-2" for t in TENANTS if t not in hit}
+
+    async def matches() -> bool:
+        return await struck.is_loaded() and await reserved_in_redis(server) == await held_in_postgres(pg_dsn)
+
+    await wait_for(matches, what="the struck shard rebuilt and Redis holding what Postgres holds")
