@@ -370,12 +370,8 @@ class Admitter(OneShard):
                 shard: [Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool) for p in mine] for shard, mine in by_shard.items()
             }
             work.redis_changed = True
-            replies = await asyncio.gather(
-                *(
-                    self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard])
-                    for shard, reservations in asked.items()
-                ),
-                return_exceptions=True,
+            replies = await _each_shard(
+                [self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard]) for shard, reservations in asked.items()]
             )
             errors = [(shard, reply) for shard, reply in zip(by_shard, replies, strict=True) if isinstance(reply, BaseException)]
             for shard, error in errors:
@@ -437,6 +433,17 @@ class Admitter(OneShard):
     def decayed(self, p: Prepared) -> Decayed | None:
         """The decayed usage of the submission's tenant, for its fair share (none kept: None)."""
         return self.usage.of(p.bundle, p.asks.tenant, p.at) if self.usage is not None else None
+
+
+async def _each_shard(calls: list[Awaitable[T]]) -> list[T | Exception]:
+    """Each call's result or error, the calls run at once; one call (every batch of a ledger of
+    one shard) is awaited as it is, without the task `asyncio.gather` wraps each call in."""
+    if len(calls) == 1:
+        try:
+            return [await calls[0]]
+        except Exception as exc:  # noqa: BLE001 - returned, as gather's return_exceptions does
+            return [exc]
+    return list(await asyncio.gather(*calls, return_exceptions=True))  # type: ignore[arg-type]
 
 
 def _sort_out(batch: list[Pending], latest: Mapping[str, Any], *, tenant_label: str) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:
