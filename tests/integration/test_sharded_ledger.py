@@ -148,10 +148,19 @@ async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, 
     lost = server.rt.ledgers.of_root(TENANTS[0])
     await lost.client.delete(lost.marker)
 
+    # Keys a former number of shards left: one shard's tag, and a fifth shard's.
+    prefix = settings.redis_prefix
+    for former in ("{" + prefix + "}", "{" + prefix + ":4}"):
+        await lost.client.hset(f"{former}:l:old", mapping={"reserved": 1, "consumed": 0})
+        await lost.client.set(f"{former}:seq", 7)
+
     check = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=shards)
     assert check.returncode == 1 and f"does not hold the ledger on shard {lost.shard} " in check.stdout, check
     rebuilt = await budgetgate_on(settings, "ledger", "rebuild-redis", cwd=tmp_path, variables=shards)
     assert rebuilt.returncode == 0 and "(3 shards): 6 ledger key(s), 6 run(s)" in rebuilt.stdout, rebuilt
+    assert "deleted 4 key(s) under the tags of a former number of shards" in rebuilt.stdout, rebuilt
+    left = [k async for k in lost.client.scan_iter(match="{" + prefix + "*")]
+    assert left and all(k.decode().startswith(tuple(ledger.tag for ledger in server.rt.ledgers)) for k in left)
     key = next(iter(await server.rt.ledgers.of_root(TENANTS[1]).all_readings()))
     await server.rt.ledgers.of_root(TENANTS[1]).consume({key: 1_000})  # a drift on one shard
     drifted = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=shards)

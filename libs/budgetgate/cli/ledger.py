@@ -41,11 +41,15 @@ def rebuild_redis() -> None:
 
     After a restore of Postgres, a Redis loss or a drift the reconciler reports. Safe while the
     services run: reservations wait for the rebuild, which takes the ledger lock exclusively.
+    Also deletes the keys left under the tags of a former number of shards (after
+    BUDGETGATE_LEDGER_SHARDS was changed with every process stopped).
     """
     settings = _settings()
-    keys, runs = asyncio.run(_rebuild(settings))
+    keys, runs, former = asyncio.run(_rebuild(settings))
     shards = f" ({settings.ledger_shards} shards)" if settings.ledger_shards > 1 else ""
     click.echo(f"rebuilt Redis from Postgres{shards}: {keys} ledger key(s), {runs} run(s) holding reservations")
+    if former:
+        click.echo(f"deleted {former} key(s) under the tags of a former number of shards (BUDGETGATE_LEDGER_SHARDS was changed)")
 
 
 @ledger.command("check")
@@ -87,13 +91,18 @@ def _leases(in_redis: dict[str, tuple[int, str]], in_postgres: dict[str, tuple[i
     return f" (lease or project differs for {', '.join(differing)})" if differing else ""
 
 
-async def _rebuild(settings: CommonSettings) -> tuple[int, int]:
+async def _rebuild(settings: CommonSettings) -> tuple[int, int, int]:
+    """Every shard rebuilt: the ledger keys and runs it holds now, and how many keys of former
+    shards were deleted."""
+    from budgetgate.ledger.sharded import forget_former_shards
+
     keys = runs = 0
     async with _syncs(settings) as syncs:
         for sync in syncs:
             await sync.rebuild(force=True)
             keys, runs = keys + len(await sync.redis.all_readings()), runs + len(await sync.redis.run_holds())
-    return keys, runs
+        former = await forget_former_shards(syncs[0].redis.client, syncs[0].redis.shards)
+    return keys, runs, former
 
 
 async def _drift(settings: CommonSettings) -> dict[int, Drift | None]:

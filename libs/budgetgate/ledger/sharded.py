@@ -9,12 +9,13 @@ while the others decide on.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 
 import asyncpg
 import redis.asyncio as aioredis
 
-from budgetgate.core.shards import Shards, key_root, run_root
+from budgetgate.core.shards import MAX_SHARDS, Shards, key_root, run_root
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
 
@@ -86,3 +87,22 @@ class OneShard:
     def sync(self) -> LedgerSync:
         """The Redis ledger's LedgerSync, when it has one shard."""
         return self.ledgers.sync_of(self.ledgers.single)
+
+
+async def forget_former_shards(client: aioredis.Redis, shards: Shards) -> int:
+    """Delete the keys under the tags of the prefix's shards that `shards` no longer has (left in
+    Redis when the number of shards changed: `{prefix}` after one, `{prefix:i}` for i past the
+    count); the number deleted. One SCAN of the keyspace (every master's, on a cluster)."""
+    current = {shards.tag(i) for i in range(shards.count)}
+    former = {Shards(shards.prefix).tag(0), *(Shards(shards.prefix, MAX_SHARDS).tag(i) for i in range(MAX_SHARDS))} - current
+    pattern = "{" + re.sub(r"([*?\[\]\\])", r"\\\1", shards.prefix) + "*"
+    stale: dict[str, list[bytes | str]] = {}
+    async for key in client.scan_iter(match=pattern, count=1000):
+        text = key.decode() if isinstance(key, bytes) else key
+        tag = text[: text.find("}") + 1]
+        if tag in former:
+            stale.setdefault(tag, []).append(key)
+    for keys in stale.values():  # a tag's keys share a slot: deleted together, a chunk at a time
+        for start in range(0, len(keys), 500):
+            await client.delete(*keys[start : start + 500])
+    return sum(len(keys) for keys in stale.values())

@@ -102,7 +102,8 @@ class CommonSettings(BaseSettings):
     # tag `{prefix}`. With more than one, every budget must name one tenant in its scope (a
     # budget several tenants share needs escrow leases, which admission does not use yet), and
     # there are no token pools or sensitive-workload quota. Change it only with every process
-    # stopped: each shard is rebuilt from Postgres on the next start.
+    # stopped, then run `budgetgate ledger rebuild-redis` (every shard rebuilt, the keys of the
+    # former ones deleted) before starting them.
     ledger_shards: int = Field(default=1, ge=1, le=64)
     # The label whose value names a run's tenant: the tenant that quotas and fair shares apply
     # to, that exporter tokens limited to tenants report for, and the root of the ledger's shards.
