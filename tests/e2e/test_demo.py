@@ -55,7 +55,12 @@ async def test_demo_runs_on_its_own_stack_and_prints_the_same_every_time(tmp_pat
 
 def test_reasons_print_run_relative_instants_as_distances_and_window_starts_as_they_are() -> None:
     reason = "room at 2026-11-29T07:00:12Z; window resets 2026-11-30T00:00:00Z, in Berlin 2026-11-29T23:00:00Z"
+    bounds = ["2026-11-29T00:00:00Z", "2026-11-30T00:00:00Z", "2026-11-29T23:00:00Z"]  # the decision's windows'
     # A window's start stays an instant: as a distance it would change with the minute the demo runs in.
     tail = "; window resets 2026-11-30T00:00:00Z, in Berlin 2026-11-29T23:00:00Z"
-    assert _relative_times(reason, "2026-11-29T06:46:30Z") == "room at decision time + 0h14m" + tail
-    assert _relative_times(reason, "2026-11-29T06:47:10Z") == "room at decision time + 0h13m" + tail
+    assert _relative_times(reason, "2026-11-29T06:46:30Z", bounds) == "room at decision time + 0h14m" + tail
+    assert _relative_times(reason, "2026-11-29T06:47:10Z", bounds) == "room at decision time + 0h13m" + tail
+    # An hour after a decision in the last second of 09:59, rounded up to a whole second, is on the
+    # hour: a distance all the same (CI printed it as an instant once, and the two runs differed).
+    late = "Resubmit at or after 2026-11-30T11:00:00Z."
+    assert _relative_times(late, "2026-11-30T09:59:59.613Z", bounds) == "Resubmit at or after decision time + 1h00m."

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -307,24 +308,26 @@ def _print_decisions(rows: list[tuple[Workload, dict[str, Any]]]) -> None:
     _table(["workload", "request", "GPU-h", "showback", "decision", "dry-run"], table)
     click.echo("\nReasons\n")
     for w, answer in rows:
-        click.echo(f"- {w.what}: {_relative_times(answer['reason'], answer['decided_at'])}")
+        bounds = [e[edge] for e in answer["evaluations"] for edge in ("window_start", "window_end") if e.get(edge)]
+        click.echo(f"- {w.what}: {_relative_times(answer['reason'], answer['decided_at'], bounds)}")
 
 
 _INSTANT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?Z")
 
 
-def _relative_times(text: str, decided_at: str) -> str:
+def _relative_times(text: str, decided_at: str, bounds: Iterable[str] = ()) -> str:
     """Instants within a day of the decision as a distance from it ("decision time + 1h00m"), so
-    the demo prints the same on every run; a window's start (a local midnight: on a quarter hour
-    to the second in UTC, whatever the zone) and later instants are stable as they are, and as a
-    distance would change with the minute the demo runs in."""
+    the demo prints the same on every run; the bounds of the decision's windows (`bounds`) and
+    later instants are stable as they are, and as a distance would change with the minute the
+    demo runs in. (Which instants are windows' bounds is known, not guessed: an instant a duration
+    after the decision, rounded up to a second, falls on a quarter hour too, one run in 900.)"""
     start = datetime.fromisoformat(decided_at)
+    stable = {datetime.fromisoformat(bound) for bound in bounds}
 
     def relative(match: re.Match[str]) -> str:
         instant = datetime.fromisoformat(match.group())
         seconds = (instant - start).total_seconds()
-        boundary = instant.minute % 15 == 0 and instant.second == 0 and instant.microsecond == 0
-        if not 0 <= seconds < 86400 or boundary:
+        if not 0 <= seconds < 86400 or instant in stable:
             return match.group()
         minutes = round(seconds / 60)
         return f"decision time + {minutes // 60}h{minutes % 60:02d}m"
