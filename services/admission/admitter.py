@@ -78,16 +78,25 @@ async def with_ledger(sync: LedgerSync | Sequence[LedgerSync], work: Callable[[]
             for each in (sync,) if isinstance(sync, LedgerSync) else sync:
                 await each.ensure_loaded()  # (only a shard that lost its state is rebuilt)
             return await work()
-    except RebuildWaitExceeded as exc:
-        raise Unavailable(str(exc)) from exc
-    except LedgerNotLoaded as exc:
-        raise Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly") from exc
-    except BACKEND_ERRORS as exc:
-        raise Unavailable(f"ledger backend unavailable: {type(exc).__name__}: {exc}") from exc
+    except (LedgerNotLoaded, *BACKEND_ERRORS) as exc:
+        raise as_unavailable(exc) from exc
 
 
 class Unavailable(RuntimeError):
     """The ledger cannot be used right now; nothing was reserved or recorded as allowed."""
+
+
+def as_unavailable(exc: BaseException) -> BaseException:
+    """What a submission hears of a ledger that cannot be used now (a rebuild not done in time, a
+    Redis that lost the ledger, an unreachable backend): Unavailable, a 503 saying which; any
+    other error as it is."""
+    if isinstance(exc, RebuildWaitExceeded):
+        return Unavailable(str(exc))
+    if isinstance(exc, LedgerNotLoaded):
+        return Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly")
+    if isinstance(exc, BACKEND_ERRORS):
+        return Unavailable(f"ledger backend unavailable: {type(exc).__name__}: {exc}")
+    return exc
 
 
 @dataclass(eq=False)
@@ -250,22 +259,13 @@ class Admitter(OneShard):
         again = []
         for shard, exc in failed.items():
             mine = [p for p in deferred if p.shard == shard]
-            reason: BaseException | None = None
+            reason: BaseException | None = as_unavailable(exc)
             if isinstance(exc, LedgerNotLoaded) and not any(p.shard_failed for p in mine):
                 try:
                     await self.ledgers.syncs[shard].ensure_loaded()
-                except RebuildWaitExceeded as waited:
-                    reason = Unavailable(str(waited))
-                except LedgerNotLoaded:
-                    reason = Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly")
-                except BACKEND_ERRORS as down:
-                    reason = Unavailable(f"ledger backend unavailable: {type(down).__name__}: {down}")
+                    reason = None  # rebuilt: its submissions are tried once more
                 except Exception as error:  # noqa: BLE001 - its submissions hear of it
-                    reason = error
-            elif isinstance(exc, LedgerNotLoaded):
-                reason = Unavailable("the Redis ledger is being rebuilt from Postgres; retry shortly")
-            else:
-                reason = Unavailable(f"ledger backend unavailable: {type(exc).__name__}: {exc}")
+                    reason = as_unavailable(error)
             for p in mine:
                 if reason is None:
                     p.shard_failed = True
