@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from budgetgate.benchmark import capacity
+from budgetgate.benchmark.systems import drop_prefixed_keys
+from budgetgate.runtime.redis_client import connect_sync
 from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
 from budgetgate.services.admission.stages import STAGES
 from tests.support.bench import assert_nothing_left
@@ -174,6 +176,22 @@ async def test_a_redis_cluster_is_benchmarked_node_by_node_and_audited(tmp_path:
         assert all(result["cpu"]["us_per_unit"][node] is not None for node in nodes)
         assert capacity.admission_cost(report)[0].redis == pytest.approx(sum(result["cpu"]["us_per_unit"][node] for node in nodes), abs=0.5)
         await assert_nothing_left(postgres_admin_dsn, report["run_tag"], redis_url=cluster.url)
+
+
+async def test_cleanup_of_several_shards_deletes_the_prefix_s_own_tag_too(redis_url: str, redis_prefix: str) -> None:
+    """With three shards the services still keep the rate limit's windows under the prefix's own
+    tag (`{prefix}:ratelimit…`, gone a second later by their TTL): the cleanup deletes them with
+    the shards' keys, and nothing of another prefix."""
+    client = connect_sync(redis_url)
+    try:
+        ours = [f"{{{redis_prefix}}}:ratelimit/LIMITER/bench/1/1/second", f"{{{redis_prefix}:0}}:budget:a", f"{{{redis_prefix}:2}}:run:b"]
+        theirs = f"{{{redis_prefix}x}}:budget:c"
+        for key in [*ours, theirs]:
+            client.set(key, 1)
+        await drop_prefixed_keys(redis_url, redis_prefix, shards=3)
+        assert [key for key in [*ours, theirs] if client.exists(key)] == [theirs]
+    finally:
+        client.close()
 
 
 def test_capacity_plans_from_the_benchmarks_own_reports(

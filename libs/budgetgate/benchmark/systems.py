@@ -191,13 +191,14 @@ class Baseline:
 
 
 async def drop_prefixed_keys(url: str, prefix: str, *, shards: int = 1) -> None:
-    """Delete the ledger keys of a benchmark's Redis prefix, shard by shard (`{prefix}:*`, or
-    `{prefix:i}:*` for shard i of several: one hash tag each, so one slot of a Redis Cluster), on
-    a server or a cluster."""
+    """Delete the keys of a benchmark's Redis prefix, tag by tag (one hash tag each, so one slot
+    of a Redis Cluster), on a server or a cluster: the ledger's shards (`{prefix}:*`, or
+    `{prefix:i}:*` for shard i of several) and, with several shards, the keys the services keep
+    under the prefix's own tag (the rate limit's windows, `{prefix}:ratelimit…`)."""
+    tags = {Shards(prefix, 1).tag(0)} | {Shards(prefix, shards).tag(shard) for shard in range(shards)}
     client = redis_client.connect(url)
     try:
-        for shard in range(shards):
-            tag = Shards(prefix, shards).tag(shard)
+        for tag in sorted(tags):
             keys = [key async for key in client.scan_iter(match=f"{tag}:*", count=1000)]
             for start in range(0, len(keys), 500):
                 await client.delete(*keys[start : start + 500])
