@@ -6,6 +6,7 @@ The ledger suites run on such a cluster too: `BUDGETGATE_TEST_REDIS=cluster` (te
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,3 +179,46 @@ def test_dev_up_checks_an_external_cluster_by_its_url(cluster: EmbeddedRedisClus
     check_redis(cluster.url)  # answers: a stack may use it (BUDGETGATE_REDIS_URL=redis+cluster://...)
     with pytest.raises(ExternalServerError, match="does not answer"):
         check_redis("redis+cluster://127.0.0.1:9")
+
+
+async def test_a_master_lost_for_good_stops_only_its_own_slots(tmp_path: Path) -> None:
+    """A master dies and nothing replaces it (its replica is gone too): its slots fail, every other
+    slot is served on. Two things stood in the way: Redis's default
+    `cluster-require-full-coverage yes`, under which every node refuses every command once the
+    master is marked failed (the embedded cluster sets it to no), and redis-py's cluster client,
+    whose every refresh re-read the command table from its default node, the first master it
+    lists, so that a refresh listing the lost master first failed every command to any slot
+    (budgetgate.runtime.redis_client reads the table once)."""
+    with EmbeddedRedisCluster(tmp_path / "cluster") as cluster:
+        client = redis_client.connect(cluster.url, socket_timeout=5)
+        try:
+            keys = [f"{{k{i}}}" for i in range(30)]
+            for key in keys:
+                await client.set(key, "1")
+            lost = client.get_default_node()
+            on_lost = next(key for key in keys if client.get_node_from_key(key).name == lost.name)
+            elsewhere = [key for key in keys if client.get_node_from_key(key).name != lost.name]
+            master = next(node for node in cluster.master_nodes if node.port == lost.port)
+            lost_id = next(node_id for node_id, fields in cluster.known_nodes(master).items() if "myself" in fields[1])
+            for node in cluster.replica_nodes:
+                if int(node.client().info("replication")["master_port"]) == lost.port:
+                    node.kill()
+            master.kill()
+            witness = next(node for node in cluster.master_nodes if node is not master)
+            deadline = asyncio.get_running_loop().time() + 30
+            while "fail" not in cluster.known_nodes(witness)[lost_id][1].split(","):
+                assert asyncio.get_running_loop().time() < deadline, "the cluster never marked the lost master failed"
+                await asyncio.sleep(0.2)
+
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await client.get(on_lost)  # the client will refresh its view before its next command
+            # ... and that refresh lists the lost master first, as it did once under load.
+            cache = client.nodes_manager.nodes_cache
+            client.nodes_manager.nodes_cache = {lost.name: cache[lost.name], **{name: node for name, node in cache.items() if name != lost.name}}
+            assert await asyncio.gather(*(client.get(key) for key in elsewhere)) == [b"1"] * len(elsewhere)
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await client.get(on_lost)  # (the client waits to refresh its view again)
+        finally:
+            await client.aclose()
+        # Closed although it was waiting to refresh its view (redis-py's own aclose closes nothing then).
+        assert [c for node in client.nodes_manager.nodes_cache.values() for c in node._connections if c.is_connected] == []

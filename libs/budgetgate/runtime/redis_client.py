@@ -18,6 +18,17 @@ on, and the send then fails inside redis-py as an AttributeError on the closed s
 (redis-py #3546 is the same race). Such a connection is lost, so it is raised as the
 ConnectionError it is: the cluster client retries it on a fresh connection, and if that fails
 too, the caller sees an outage (a 503), not a fault of the request (a 500).
+
+And a second: every refresh of the cluster client's view re-reads the command table (`COMMAND`)
+from its default node, the first master it lists. While that master is lost and not yet replaced
+by its replica the cluster still lists it, the read fails, and so does every command the client
+sends, to any slot, until the promotion: one master's failover would stop every shard of the
+ledger. The table is the cluster's, the same on every node, so it is read once
+(`_CommandTableOnce`).
+
+And a third: redis-py's `aclose` of a cluster client closes nothing while the client waits to
+refresh its view (a command met a lost node), so a service stopped during an outage, or a test
+that ends in one, left its connections open; `_Cluster.aclose` closes them then too.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis._parsers import AsyncCommandsParser
 from redis.connection import HiredisRespSerializer
 from redis.utils import HIREDIS_AVAILABLE
 
@@ -65,12 +77,13 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     if (node := cluster_node_url(url)) is not None:
         # Typed as the single-node client its users are written against: the commands they
         # send (scripts, hashes, pipelines, SCAN) are the cluster client's too.
-        cluster = aioredis.RedisCluster.from_url(node, **options)
+        cluster = _Cluster.from_url(node, **options)
         connection_class = _packed_by_hiredis(_ClusterConnection) if HIREDIS_AVAILABLE else _ClusterConnection
         # The nodes found later are made with these arguments; the ones given are made already.
         cluster.connection_kwargs["connection_class"] = connection_class
         for given in cluster.startup_nodes:
             given.connection_class = connection_class
+        cluster.commands_parser = _CommandTableOnce()
         return cluster  # type: ignore[return-value]
     client = aioredis.from_url(url, **options)
     pool = client.connection_pool
@@ -89,6 +102,30 @@ class _HiredisPacking:
 @functools.cache
 def _packed_by_hiredis(base: type) -> type:
     return type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
+
+
+class _Cluster(aioredis.RedisCluster):
+    """redis-py's asyncio cluster client whose `aclose` closes its connections even while it waits
+    to refresh its view of the cluster (see the module doc)."""
+
+    async def aclose(self) -> None:
+        waiting = self._initialize
+        await super().aclose()
+        if waiting:
+            await self.nodes_manager.aclose()
+            await self.nodes_manager.aclose("startup_nodes")
+
+
+class _CommandTableOnce(AsyncCommandsParser):
+    """The cluster client's command table, read from a node once, not at every refresh of its view
+    of the cluster (see the module doc): a refresh only points it at the new default node, for the
+    commands whose keys it must ask a node for."""
+
+    async def initialize(self, node: Any = None) -> None:
+        if node is not None:
+            self.node = node
+        if not self.commands:
+            await super().initialize()
 
 
 class _ClusterConnection(aioredis.Connection):
