@@ -22,7 +22,7 @@ from budgetgate.edge.serving import close_pool, close_within
 from budgetgate.runtime import redis_client
 from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.ledger import partitions
-from budgetgate.ledger.sharded import OneShard, ShardedLedger
+from budgetgate.ledger.sharded import OneShard, ShardedLedger, whole_cluster_stops
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.services.admission.accounting_source import ExternalAccounting
@@ -72,6 +72,7 @@ class AdmissionService(Service, OneShard):
             "policy-announcements": _policy_announcements(self),
             "budget-gauges": self.board.run(),
             "partitions-ahead": partitions.keep_ahead(self.pool, ahead=self.settings.ledger_partitions_ahead_months),
+            "cluster-coverage": _warn_whole_cluster_stops(self),
         }
 
     async def checks(self) -> dict[str, str]:
@@ -123,6 +124,17 @@ async def _build(settings: AdmissionSettings) -> AdmissionService:
         pools=TokenPools(pool=pool, ledger=shared, sync=ledgers.sync_of(shared), policies=policies), topics=topics, board=BudgetBoard(pool, policies),
         accounting=accounting,
     )  # fmt: skip
+
+
+async def _warn_whole_cluster_stops(service: AdmissionService) -> None:
+    """Once at start: warn when one master's failover would stop every shard of the ledger."""
+    try:
+        warning = await whole_cluster_stops(service.redis, len(service.ledgers))
+    except BACKEND_ERRORS as exc:
+        log.info("could not read the Redis Cluster's %s: %s", "cluster-require-full-coverage", exc)
+        return
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 class RelayNudge:

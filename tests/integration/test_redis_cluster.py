@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,10 @@ from budgetgate.devstack.redis_cluster import SLOTS, EmbeddedRedisCluster
 from budgetgate.edge.auth import _shared_storage
 from budgetgate.ledger import rewrite
 from budgetgate.ledger.redis_ledger import RedisLedger
+from budgetgate.ledger.sharded import FULL_COVERAGE, whole_cluster_stops
 from budgetgate.runtime import redis_client
+from tests.support.cli import budgetgate_on
+from tests.support.waiting import wait_for
 from tests.support.devstack import alive_pids, checkout, dev, new_checkout, not_zombie, status  # noqa: F401 - checkout, new_checkout: fixtures
 
 
@@ -222,3 +226,29 @@ async def test_a_master_lost_for_good_stops_only_its_own_slots(tmp_path: Path) -
             await client.aclose()
         # Closed although it was waiting to refresh its view (redis-py's own aclose closes nothing then).
         assert [c for node in client.nodes_manager.nodes_cache.values() for c in node._connections if c.is_connected] == []
+
+
+async def test_a_cluster_on_which_one_failover_stops_every_shard_is_warned_of(
+    cluster: EmbeddedRedisCluster, settings, admission_factory, caplog, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A master with Redis's default cluster-require-full-coverage yes is named, by the function
+    admission warns with at its start and by `budgetgate ledger check`; with one shard, or every
+    master at no (the embedded cluster's own setting), nothing is said."""
+    client = redis_client.connect(cluster.url, socket_timeout=5)
+    master = cluster.master_nodes[1]
+    try:
+        assert await whole_cluster_stops(client, 3) is None
+        master.client().config_set(FULL_COVERAGE, "yes")
+        warning = await whole_cluster_stops(client, 3)
+        assert warning is not None and f"masters 127.0.0.1:{master.port} have {FULL_COVERAGE} yes" in warning
+        assert await whole_cluster_stops(client, 1) is None
+        on_cluster = {"BUDGETGATE_REDIS_URL": cluster.url, "BUDGETGATE_LEDGER_SHARDS": "3"}
+        checked = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=on_cluster)
+        assert f"warning: the Redis Cluster's masters 127.0.0.1:{master.port} have" in checked.stdout, checked
+        with caplog.at_level(logging.WARNING, logger="budgetgate.services.admission.service"):
+            server = await admission_factory(redis_url=cluster.url, ledger_shards=3)
+            await wait_for(lambda: any(FULL_COVERAGE in r.getMessage() for r in caplog.records), timeout=30, what="admission's warning at its start")
+        await server.stop()
+    finally:
+        master.client().config_set(FULL_COVERAGE, "no")
+        await client.aclose()

@@ -55,7 +55,9 @@ def rebuild_redis() -> None:
 @ledger.command("check")
 def check() -> None:
     """Compare Redis with Postgres; exit 1 when they differ (nothing is changed)."""
-    found = asyncio.run(_drift(_settings()))
+    found, warning = asyncio.run(_drift(_settings()))
+    if warning is not None:
+        click.echo(f"warning: {warning}")
     if any(drift is None for drift in found.values()):
         unloaded = sorted(shard for shard, drift in found.items() if drift is None)
         where = "" if len(found) == 1 else f" on shard{'s' if len(unloaded) > 1 else ''} {', '.join(map(str, unloaded))}"
@@ -105,10 +107,14 @@ async def _rebuild(settings: CommonSettings) -> tuple[int, int, int]:
     return keys, runs, former
 
 
-async def _drift(settings: CommonSettings) -> dict[int, Drift | None]:
-    """Each shard's differences (None: the shard is not loaded)."""
+async def _drift(settings: CommonSettings) -> tuple[dict[int, Drift | None], str | None]:
+    """Each shard's differences (None: the shard is not loaded), and a warning about the Redis
+    Cluster's settings (budgetgate.ledger.sharded.whole_cluster_stops)."""
+    from budgetgate.ledger.sharded import whole_cluster_stops
+
     async with _syncs(settings) as syncs:
-        return {sync.redis.shard: await sync.check_drift(repair=False) for sync in syncs}
+        found = {sync.redis.shard: await sync.check_drift(repair=False) for sync in syncs}
+        return found, await whole_cluster_stops(syncs[0].redis.client, settings.ledger_shards)
 
 
 @contextlib.asynccontextmanager

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import asyncpg
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from budgetgate.core.shards import MAX_SHARDS, Shards, key_root, run_root
 from budgetgate.ledger.redis_ledger import RedisLedger
@@ -106,3 +107,32 @@ async def forget_former_shards(client: aioredis.Redis, shards: Shards) -> int:
         for start in range(0, len(keys), 500):
             await client.delete(*keys[start : start + 500])
     return sum(len(keys) for keys in stale.values())
+
+
+FULL_COVERAGE = "cluster-require-full-coverage"
+
+
+async def whole_cluster_stops(client: aioredis.Redis, count: int) -> str | None:
+    """A warning for a ledger of `count` shards on a Redis Cluster whose masters require full
+    coverage (Redis's default): every node then refuses every command from the moment a lost
+    master is marked failed until its replica is promoted, so one shard's failover stops every
+    shard. None when the ledger has one shard, Redis is not a cluster, every master says no, or
+    the setting cannot be read (a managed service may refuse CONFIG)."""
+    if count <= 1 or not isinstance(client, aioredis.RedisCluster):
+        return None
+    await client.initialize()  # (its view of the cluster: every master, not only the one named)
+    requiring = []
+    for node in client.get_primaries():
+        try:
+            found = await client.config_get(FULL_COVERAGE, target_nodes=node)
+        except redis.exceptions.ResponseError:
+            return None
+        if str(found.get(FULL_COVERAGE, "")).lower() == "yes":
+            requiring.append(node.name)
+    if not requiring:
+        return None
+    return (
+        f"the Redis Cluster's masters {', '.join(sorted(requiring))} have {FULL_COVERAGE} yes: while one master is lost, until its "
+        f"replica is promoted, every node refuses every command, so every one of the ledger's {count} shards stops, not only "
+        f"that master's; set it to no on every node (docs/operations.md, Redis Cluster)"
+    )
