@@ -163,8 +163,19 @@ async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, 
     assert left and all(k.decode().startswith(tuple(ledger.tag for ledger in server.rt.ledgers)) for k in left)
     key = next(iter(await server.rt.ledgers.of_root(TENANTS[1]).all_readings()))
     await server.rt.ledgers.of_root(TENANTS[1]).consume({key: 1_000})  # a drift on one shard
+    released = server.rt.ledgers.of_root(TENANTS[2])
+    await released.release(f"{TENANTS[2]}/run-0")  # a run's hold lost on another shard
     drifted = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=shards)
     assert drifted.returncode == 1 and f"shard {server.rt.ledgers.of_root(TENANTS[1]).shard}:\nledger key {key}" in drifted.stdout, drifted
+    # The run is reported once, by its own shard's check (each shard looks at its runs alone).
+    section, runs = None, []
+    for line in drifted.stdout.splitlines():
+        if line.startswith("shard "):
+            section = int(line.split()[1].rstrip(":"))
+        elif line.startswith("run "):
+            runs.append((section, line))
+    assert len(runs) == 1 and runs[0][0] == released.shard, drifted.stdout
+    assert runs[0][1].startswith(f"run {TENANTS[2]}/run-0: Redis holds {{}}, Postgres {{"), drifted.stdout
 
 
 async def test_a_batch_spanning_shards_reserves_on_each_with_one_script_per_shard(admission_factory, pg_dsn) -> None:

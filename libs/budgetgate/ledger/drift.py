@@ -90,9 +90,10 @@ async def check(pool: asyncpg.Pool, redis: RedisLedger, *, repair: bool, rebuild
         # committed) are the orphan sweeper's (LedgerSync.sweep_orphans), not scanned for here:
         # a scan walks the whole keyspace, and the check must cost what the ledger holds.
         after = ""
-        while ids := [r["run_id"] for r in await conn.fetch(sql("held_runs_page"), after, page)]:
-            after = ids[-1]
-            runs.update(await _run_page(conn, redis, ids, repair=repair, rebuild=rebuild))
+        while held := await conn.fetch(sql("held_runs_page"), after, page):
+            after = held[-1]["run_id"]
+            if ids := [r["run_id"] for r in held if redis.owns_key(r["ledger_key"])]:  # (this shard's runs)
+                runs.update(await _run_page(conn, redis, ids, repair=repair, rebuild=rebuild))
         sizes = await _lease_sizes(conn, redis, repair=repair, rebuild=rebuild)
         found = await _concurrency(conn, redis, repair=repair, rebuild=rebuild)
         if sizes is None or found is None or not await redis.is_loaded():

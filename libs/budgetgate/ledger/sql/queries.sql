@@ -83,8 +83,9 @@ FROM ledger_entries e WHERE e.ledger_key = ANY($1::text[]);
 SELECT run_id, ledger_key, amount FROM reservations WHERE state = 'held' AND run_id = ANY($1::text[]);
 
 -- name: held_runs_page
--- Runs holding reservations, after $1, $2 at a time.
-SELECT DISTINCT run_id FROM reservations WHERE state = 'held' AND run_id > $1 ORDER BY run_id LIMIT $2;
+-- Runs holding reservations, after $1, $2 at a time, each with one of its ledger keys (every key
+-- of a run is on its tenant's shard: the drift check of a shard looks only at its own runs).
+SELECT run_id, min(ledger_key) AS ledger_key FROM reservations WHERE state = 'held' AND run_id > $1 GROUP BY run_id ORDER BY run_id LIMIT $2;
 
 -- name: held_reservations
 SELECT run_id, decision_id, ledger_key, amount, created_at FROM reservations WHERE state = 'held';
