@@ -37,10 +37,13 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Outlook
-from budgetgate.core.evaluation import Plan, Reading, fits
+from budgetgate.core.escrow import chunk_of
+from budgetgate.core.evaluation import Charge, Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
+from budgetgate.ledger.escrow_leases import Escrow
 from budgetgate.ledger.queries import owned_by
+from budgetgate.ledger.queries import sql as ledger_sql
 from budgetgate.core.shards import unshardable
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
@@ -116,6 +119,10 @@ class Pending:
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
     shard_failed: bool = False  # its shard failed once in a batch other shards' decisions committed in
+    # Escrow leases of its tenant that lacked room (each charge with the lease's (reserved,
+    # consumed) as the script read them): refilled once after its batch, then decided again.
+    refill: list[tuple[Charge, tuple[int, int]]] | None = None
+    refilled: bool = False
 
     @property
     def run_id(self) -> str:
@@ -146,6 +153,7 @@ class Admitter(OneShard):
         in_flight: int = 2,
         usage: DecayedUsage | None = None,
         committed: Callable[[], None] | None = None,
+        escrow_chunk_share: float = 0.02,
     ) -> None:
         self.start_deadline = start_deadline
         self.committed = committed  # told after each batch that committed decisions (the relay's nudge)
@@ -156,6 +164,9 @@ class Admitter(OneShard):
         self.tenant_label = tenant_label
         self.accounting = accounting
         self.usage = usage
+        # A ledger of several shards charges the budgets tenants share through their escrow leases.
+        self.escrow = Escrow(pool, ledgers.of_root)
+        self.escrow_chunk_share = escrow_chunk_share
         self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
         self._unshardable: dict[str, list[str]] = {}  # bundle sha -> why a sharded ledger cannot enforce it
@@ -193,7 +204,7 @@ class Admitter(OneShard):
             shards = f"the ledger has {len(self.ledgers)} shards (BUDGETGATE_LEDGER_SHARDS)"
             raise Unavailable(f"{shards} and bundle {bundle.git_sha} cannot be enforced on them: {'; '.join(reasons)}")
         covering = self._covering(bundle, request.namespace)
-        return prepare(bundle, request, now, unmatched=self.unmatched, tenant_label=self.tenant_label, covering=covering)
+        return prepare(bundle, request, now, unmatched=self.unmatched, tenant_label=self.tenant_label, covering=covering, leased=len(self.ledgers) > 1)
 
     def unshardable(self, bundle: PolicyBundle) -> list[str]:
         """Why a ledger of several shards cannot enforce `bundle` (budgetgate.core.shards.unshardable)."""
@@ -247,8 +258,33 @@ class Admitter(OneShard):
                 p.answer.set_result(answer)
         if failed:
             deferred = await self._after_shard_failures(deferred, failed)
+        if any(p.refill for p in deferred):
+            deferred = await self._refill(deferred)
         if deferred:
             self.batches.resubmit(deferred)
+
+    async def _refill(self, deferred: list[Pending]) -> list[Pending]:
+        """The one synchronous refill of each submission whose tenant's escrow lease lacked room
+        (Escrow.refill: what it lacks, in whole chunks, from what no lease holds), after its batch
+        committed the others' decisions; then it is decided again, refused if it still does not
+        fit. A refill that fails answers its submission 503. Returns those to try again."""
+        again = []
+        for p in deferred:
+            if not p.refill:
+                again.append(p)
+                continue
+            wanted, p.refill, p.refilled = p.refill, None, True
+            try:
+                for charge, reading in wanted:
+                    assert charge.root is not None  # (only a lease is refilled)
+                    chunk = chunk_of(charge.policy.limit.amount, self.escrow_chunk_share)
+                    await self.escrow.refill(charge.budget_key, charge.root, amount=charge.amount, reading=reading, chunk=chunk)
+            except Exception as exc:  # noqa: BLE001 - its submission hears of it
+                if not p.answer.done():
+                    p.answer.set_exception(as_unavailable(exc))
+                continue
+            again.append(p)
+        return again
 
     async def _after_shard_failures(self, deferred: list[Pending], failed: dict[int, BaseException]) -> list[Pending]:
         """The submissions of shards that failed in a batch whose other shards' decisions
@@ -302,6 +338,7 @@ class Admitter(OneShard):
             failed.update(await self._reserve(work, [p for p in fresh if p.needs_ledger], committed))
             if failed:
                 fresh = [p for p in fresh if p.shard not in failed]
+            fresh = [p for p in fresh if not p.refill]  # decided again after a refill of their leases
             clock.redis += time.perf_counter() - since
             decided = await self._decisions(work.conn, fresh)
             since = time.perf_counter()
@@ -358,7 +395,7 @@ class Admitter(OneShard):
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
         failed: dict[int, BaseException] = {}
         for p in pending:
-            p.result = None
+            p.result = p.refill = None
         for _ in range(4):
             pending = [p for p in pending if p.shard not in failed]
             if not pending:
@@ -397,6 +434,8 @@ class Admitter(OneShard):
                         again.append(p)
                     else:
                         p.result = result
+                        if result.status == "REJECTED" and not p.refilled:
+                            p.refill = lacking_leases(p.plan, result) or None
                 missing = [p.plan for p in again if p.shard == shard and p.plan.charges]
                 if missing:
                     await self._load_keys(work.conn, ledger, missing)
@@ -408,10 +447,15 @@ class Admitter(OneShard):
 
     async def _load_keys(self, conn: asyncpg.Connection, ledger: RedisLedger, plans: list[Plan]) -> None:
         """Create the ledger entries of `plans` in Postgres (if new) and load them into Redis (the
-        shard `ledger` of their submissions' tenant)."""
+        shard `ledger` of their submissions' tenant). An escrow lease is opened (size 0, its
+        budget's entry created too): its first decision asks for a refill."""
         charges = {c.ledger_key: (c, p.bundle_sha) for p in plans for c in p.charges}
-        entries = [records.entry(c) | {"policy_git_sha": sha} for c, sha in charges.values()]
+        budgets = {c.budget_key: (replace(c, root=None), sha) for c, sha in charges.values() if c.root is not None}
+        entries = [records.entry(c) | {"policy_git_sha": sha} for c, sha in [*charges.values(), *budgets.values()]]
         await conn.execute(sql("ensure_ledger_entries"), orjson.dumps(entries).decode())
+        for c, _sha in charges.values():
+            if c.root is not None:
+                await conn.execute(ledger_sql("escrow_open"), c.budget_key, c.root, c.ledger_key, records.entry(c)["scope_id"])
         for row in await conn.fetch(sql("ledger_figures"), list(charges)):
             await ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
 
@@ -433,6 +477,17 @@ class Admitter(OneShard):
     def decayed(self, p: Prepared) -> Decayed | None:
         """The decayed usage of the submission's tenant, for its fair share (none kept: None)."""
         return self.usage.of(p.bundle, p.asks.tenant, p.at) if self.usage is not None else None
+
+
+def lacking_leases(the_plan: Plan, result: ReserveResult) -> list[tuple[Charge, tuple[int, int]]]:
+    """The escrow leases a refused reservation lacked room on, each with its (reserved, consumed)
+    as read: only when every hard charge that lacked room is a lease (a refill cannot help a
+    tenant's own budget)."""
+    found = readings(the_plan, result) or {}
+    lacking = [c for c in the_plan.charges if c.hard and not fits(c.amount, found[c.ledger_key])]
+    if not lacking or any(c.root is None for c in lacking):
+        return []
+    return [(c, (found[c.ledger_key].reserved, found[c.ledger_key].consumed)) for c in lacking]
 
 
 async def _each_shard(calls: list[Awaitable[T]]) -> list[T | Exception]:

@@ -15,7 +15,10 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.transaction import committed_seq
-from budgetgate.services.admission.admitter import Admitter, Unavailable, releases, with_ledger
+from budgetgate.core.escrow import chunk_of
+from budgetgate.core.evaluation import Charge, fits
+from budgetgate.decisions.concurrency import rejection
+from budgetgate.services.admission.admitter import Admitter, Unavailable, lacking_leases, releases, with_ledger
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, readings
 from budgetgate.decisions.rendering import response_body
 from budgetgate.contracts.admission import AdmissionRequest
@@ -89,4 +92,27 @@ class Quoter:
                 await ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
             if rows:
                 result = await ledger.check(asked, now_ms=now_ms, committed_seq=committed)
+        if result.status == "REJECTED" and (lacking := lacking_leases(p.plan, result)):
+            result = await self._after_refills(p, result, lacking)
         return result
+
+    async def _after_refills(self, p: Prepared, result: ReserveResult, lacking: list[tuple[Charge, tuple[int, int]]]) -> ReserveResult:
+        """The check as it would read after the one refill admission gives a submission whose
+        tenant's escrow leases lack room (Admitter._refill): each lease's size grown by what the
+        refill would grant now (Escrow.refill_forecast), and FITS when every lease then has room
+        and nothing else refuses."""
+        admitter = self.admitter
+        sizes = list(result.sizes)
+        index = {c.ledger_key: i for i, c in enumerate(p.plan.charges)}
+        for charge, reading in lacking:
+            assert charge.root is not None  # (only a lease lacks room here)
+            limit = charge.policy.limit.amount
+            chunk = chunk_of(limit, admitter.escrow_chunk_share)
+            grown = await admitter.escrow.refill_forecast(charge.budget_key, charge.root, amount=charge.amount, reading=reading, chunk=chunk, limit=limit)
+            i = index[charge.ledger_key]
+            sizes[i] = (sizes[i] or 0) + grown
+        forecast = replace(result, sizes=tuple(sizes))
+        found = readings(p.plan, forecast) or {}
+        if all(fits(c.amount, found[c.ledger_key]) for c in p.plan.charges if c.hard) and rejection(p.bundle, p.request, p.asks, forecast) is None:
+            forecast = replace(forecast, status="FITS")
+        return forecast

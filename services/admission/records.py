@@ -17,6 +17,7 @@ from budgetgate.messaging import outbox
 from budgetgate.contracts import topics
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.evaluation import Charge, Decision, Evaluation, Plan, Reading
+from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.ledger.queries import owned_by
 from budgetgate.contracts.trace_context import inject_headers
 from budgetgate.decisions.concurrency import Asks
@@ -116,7 +117,8 @@ def entry(c: Charge) -> dict[str, Any]:
     """The ledger entry a charge is filed under, as record_decisions and ensure_ledger_entries read it."""
     return {
         "ledger_key": c.ledger_key,
-        "scope_id": c.policy.scope.scope_id,
+        # (an escrow lease's scope is its budget's with `@<root>` after it)
+        "scope_id": c.policy.scope.scope_id if c.root is None else LedgerKey.parse(c.ledger_key).scope_id,
         "unit": str(c.policy.limit.unit),
         "window_key": c.window.key,
         "window_start": None if c.policy.window.rolling else c.window.start.isoformat(),

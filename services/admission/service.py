@@ -116,7 +116,7 @@ async def _build(settings: AdmissionSettings) -> AdmissionService:
         start_deadline=timedelta(seconds=settings.start_deadline_seconds),
         max_batch=settings.batch_max, max_wait=settings.batch_wait_seconds, in_flight=settings.batches_in_flight,
         usage=DecayedUsage(half_life=timedelta(seconds=settings.fair_share_half_life_seconds)),
-        committed=RelayNudge(relay, linger=settings.relay_linger_seconds),
+        committed=RelayNudge(relay, linger=settings.relay_linger_seconds), escrow_chunk_share=settings.escrow_chunk_share,
     )  # fmt: skip
     return AdmissionService(
         settings=settings, pool=pool, redis=client, ledgers=ledgers, policies=policies, admitter=admitter,

@@ -44,9 +44,6 @@ class ReconcilerSettings(AuthSettings):
     # not moved for this long give back what their roots do not use beyond a chunk, every
     # orphan sweep (half of orphan_grace_seconds).
     escrow_idle_seconds: float = Field(default=300.0, gt=0)
-    # A lease's chunk, as a share of its budget's limit: refills ask for whole chunks, and an
-    # idle lease keeps one unused.
-    escrow_chunk_share: float = Field(default=0.02, gt=0, le=1)
     # How often Redis is compared with Postgres (the drift check, a metric); 0 turns it off.
     drift_check_seconds: float = 15.0
     # Runs settled at once (each in its own transaction; keep below pg_pool_max).

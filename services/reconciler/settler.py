@@ -20,7 +20,9 @@ from budgetgate.core.reconciliation import NOT_STARTED, READMITTED, STARTED, Lif
 from budgetgate.core.run_state import given_back, settle_state
 from budgetgate.core.windows import Window
 from budgetgate.ledger.concurrency_holds import EndedHolds, end_run_holds, rehold_run, renew_run_token
+from budgetgate.core.escrow import lease_of
 from budgetgate.ledger.queries import owned_by
+from budgetgate.ledger.queries import sql as ledger_sql
 from budgetgate.ledger.redis_ledger import KeyChange, LedgerKeyMissing, LedgerNotLoaded, RedisLedger, SettlementPending
 from budgetgate.ledger.sharded import OneShard, ShardedLedger
 from budgetgate.services.reconciler import budget_actions, fairshare, headroom, messages, meter
@@ -399,7 +401,8 @@ class Settler(OneShard):
             if text in windows:
                 continue
             key = LedgerKey.parse(text)
-            policy = by_scope_unit.get((key.scope_id, key.unit))
+            lease = lease_of(text)  # (an escrow lease: its budget's policy)
+            policy = by_scope_unit.get((key.scope_id if lease is None else LedgerKey.parse(lease[0]).scope_id, key.unit))
             if policy is not None:
                 window = key.window()
                 windows[text] = (policy, window or Window(result.ended_at or datetime.now(UTC), result.ended_at or datetime.now(UTC), key.window_key))
@@ -407,9 +410,11 @@ class Settler(OneShard):
 
     async def _ensure_entries(self, conn: asyncpg.Connection, keys: set[str], windows: dict[str, tuple[BudgetPolicy, Window]], decision_sha: str) -> None:
         """Create the ledger entries of windows usage lands in for the first time."""
-        existing = {r["ledger_key"] for r in await conn.fetch(sql("entry_exists"), sorted(keys))}
-        for key in sorted(keys - existing):
-            policy, window = windows[key]
+        leases = {key: lease for key in keys if (lease := lease_of(key)) is not None}
+        wanted = sorted(keys | {budget for budget, _root in leases.values()})
+        existing = {r["ledger_key"] for r in await conn.fetch(sql("entry_exists"), wanted)}
+        for key in [k for k in wanted if k not in existing and k not in leases]:
+            policy, window = windows[key] if key in windows else next(windows[k] for k, (b, _r) in leases.items() if b == key)
             current = self.bundles.revision_of(policy)
             rolling = policy.window.rolling
             await conn.execute(
@@ -417,6 +422,11 @@ class Settler(OneShard):
                 None if rolling else window.start, None if rolling else window.end, policy.id,
                 self.bundles.active.git_sha if self.bundles.active and current is not policy else decision_sha, current.limit.amount,
             )  # fmt: skip
+        for key in [k for k in wanted if k not in existing and k in leases]:
+            # An escrow lease usage lands in first (a run's usage past its window's end): opened
+            # at size 0 beside its budget's entry; the use is taken from what is free.
+            budget, root = leases[key]
+            await conn.execute(ledger_sql("escrow_open"), budget, root, key, LedgerKey.parse(key).scope_id)
 
     async def _load_key(self, ledger_key: str) -> None:
         """Load a key into Redis (its shard) from Postgres's committed figures (none: it starts empty)."""

@@ -125,7 +125,7 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
 
 
 async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reason(admission_factory, pg_dsn) -> None:
-    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit="gpu_hours: 1000")
+    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit="gpu_hours: 1000", window="{rolling_days: 7}")
     await apply_policies(pg_dsn, {**policies(), "shared.yaml": shared}, sha="6" * 40)
     server = await admission_factory(ledger_shards=SHARDS)
 
@@ -135,7 +135,7 @@ async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reas
     await wait_for(refused, what="readiness to name the bundle a sharded ledger cannot enforce")
     answer = await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))
     assert answer.status_code == 503
-    assert "budget 'everyone' covers runs of several tenants" in answer.text and "escrow leases" in answer.text
+    assert "budget 'everyone' covers runs of several tenants" in answer.text and "over a rolling window" in answer.text and "escrow lease" in answer.text
     assert await held_in_postgres(pg_dsn) == {}
 
 
@@ -243,3 +243,84 @@ async def test_a_shard_failing_in_a_batch_fails_no_other_shards_decision(admissi
         return await struck.is_loaded() and await reserved_in_redis(server) == await held_in_postgres(pg_dsn)
 
     await wait_for(matches, what="the struck shard rebuilt and Redis holding what Postgres holds")
+
+
+SHARED_LIMIT = 60  # GPU-hours of the budget every tenant shares; each tenant's own holds 20
+
+
+async def test_a_budget_tenants_share_is_charged_through_each_tenants_escrow_lease(
+    admission_factory,
+    reconciler_factory,
+    feed,
+    pg_dsn,  # noqa: F811
+) -> None:
+    """A budget scoped by namespace alone covers every tenant's runs: each tenant reserves on its
+    own escrow lease of it, on its own shard, in the one script of its decision; a lease that
+    lacks room is refilled once from what no lease holds before the decision is refused. Under
+    concurrent submissions of six tenants on three shards the shared budget admits no more than
+    its limit, the leases together never exceed it, Redis holds what Postgres holds, and the
+    reconciler settles a run's usage on its tenant's lease."""
+    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit=f"gpu_hours: {SHARED_LIMIT}")
+    await apply_policies(pg_dsn, {**policies(), "shared.yaml": shared}, sha="7" * 40)
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
+    await server.wait_ready()
+
+    quoted = (await server.client.post("/v1/quotes", json=run(TENANTS[0], 0))).json()
+    assert quoted["decision"] == "ALLOW", quoted  # its lease empty, but a refill would grant what it lacks
+    first = (await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))).json()
+    assert first["decision"] == "ALLOW", first  # its lease was empty: refilled, then reserved on
+    explained = (await server.client.get(f"/v1/admissions/{TENANTS[0]}/run-0/explain")).json()
+    assert explained["identical"] is True, explained
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=run(t, n)) for n in range(1, 3) for t in TENANTS))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    bodies = [first, *(a.json() for a in answers)]
+    denied = next(b for b in bodies if b["decision"] != "ALLOW")
+    explained = (await server.client.get(f"/v1/admissions/{denied['run_id']}/explain")).json()
+    assert explained["identical"] is True, explained  # decided on its lease after the refill
+    tenant_of_denied, _ = denied["run_id"].split("/run-")
+    again = (await server.client.post("/v1/quotes", json=run(tenant_of_denied, 9))).json()
+    assert again["decision"] == denied["decision"], (again, denied)  # nothing free: a refill would not help
+    allowed = [b for b in bodies if b["decision"] == "ALLOW"]
+    assert 1 <= len(allowed) and 8 * len(allowed) <= SHARED_LIMIT  # 8 GPU-hours each: at most 7 of 13
+
+    held = await held_in_postgres(pg_dsn)
+    assert await reserved_in_redis(server) == held
+    leases = {k: v for k, v in held.items() if "@" in k}
+    assert sum(leases.values()) == 8 * GPU_HOUR * len(allowed) and not any(k.startswith("ns=ml|") for k in held)
+    for key in leases:  # on its tenant's shard, and only there
+        tenant = key.split("@", 1)[1].split("|", 1)[0]
+        for ledger in server.rt.ledgers:
+            assert (key in await ledger.readings([key])) == (ledger.shard == server.rt.ledgers.of_root(tenant).shard)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        sizes = {r["root"]: r["size"] for r in await conn.fetch("SELECT root, size FROM escrow_leases")}
+        refills = await conn.fetchval("SELECT count(*) FROM escrow_moves WHERE kind = 'grant' AND reason = 'refill'")
+    finally:
+        await conn.close()
+    assert sum(sizes.values()) <= SHARED_LIMIT * GPU_HOUR and refills >= 1
+    assert all(leases.get(k, 0) <= sizes[k.split("@", 1)[1].split("|", 1)[0]] for k in leases)
+    for ledger in server.rt.ledgers:  # Redis's sizes are Postgres's
+        for key in [k for k in leases if ledger.owns_key(k)]:
+            assert int(await ledger.client.hget(ledger.ledger(key), "size")) == sizes[key.split("@", 1)[1].split("|", 1)[0]]
+
+    unnamed = submission(run_id="nobody/run-0", namespace="ml", labels={}, resources={"gpus": 1}, projected_runtime_hours=1.0, job=None)
+    refused = await server.client.post("/v1/admissions", json=unnamed)
+    assert refused.status_code == 422 and "must name its tenant in label 'team'" in refused.text, refused.text
+
+    tenant, n = allowed[0]["run_id"].split("/run-")
+    reconciler = await reconciler_factory(ledger_shards=SHARDS)
+    start = datetime.now(UTC) - timedelta(minutes=40)
+    await feed.send(
+        lifecycle(f"{tenant}/run-{n}", "STARTED", start, gpus=8), usage(f"{tenant}/run-{n}", "s1", start + timedelta(minutes=30), gpu_hours=4.0),
+        lifecycle(f"{tenant}/run-{n}", "COMPLETED", start + timedelta(minutes=30)),
+    )  # fmt: skip
+    await wait_caught_up(reconciler)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        figures = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
+    finally:
+        await conn.close()
+    [lease] = [k for k in figures if k.split("|", 1)[0].endswith(f"@{tenant}")]
+    assert figures[lease][1] == 4 * GPU_HOUR  # the run's usage, on its tenant's lease
+    assert await server.rt.ledgers.of_root(tenant).readings([lease]) == {lease: figures[lease]}
+    assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from budgetgate.core.escrow import lease_key
 from budgetgate.core.loader import build_bundle, parse_text
-from budgetgate.core.shards import MAX_SHARDS, SEQ_STEP, Shards, key_root, unshardable
+from budgetgate.core.shards import shared, MAX_SHARDS, SEQ_STEP, Shards, key_root, unshardable
 from tests.support.accounts import account_budget, account_tree
 from tests.support.admission import budget_yaml
 from tests.support.quotas import POOLS
@@ -86,21 +86,23 @@ def _bundle(text: str):  # type: ignore[no-untyped-def]
     return build_bundle(parse_text(text, "policies.yaml"), git_sha="a" * 40)
 
 
-def test_a_sharded_ledger_enforces_budgets_that_name_one_tenant_and_nothing_tenants_share() -> None:
+def test_a_sharded_ledger_enforces_budgets_of_one_tenant_and_shared_calendar_budgets_but_not_what_else_tenants_share() -> None:
     pinned = budget_yaml("vision", namespace="ml", labels="{team: vision}")
-    assert unshardable(_bundle(pinned), "team") == []
-    shared = "\n---\n".join([
+    by_namespace = budget_yaml("by-namespace", namespace="ml", labels="{}")  # charged through each tenant's escrow lease
+    any_team = budget_yaml("any-team", namespace="ml", labels='{team: "*"}')
+    assert unshardable(_bundle("\n---\n".join([pinned, by_namespace, any_team])), "team") == []
+    assert shared(_bundle(by_namespace).policies[0], "team") and shared(_bundle(any_team).policies[0], "team")
+    assert not shared(_bundle(pinned).policies[0], "team")
+    refused = "\n---\n".join([
         pinned,
-        budget_yaml("by-namespace", namespace="ml", labels="{}"),
-        budget_yaml("any-team", namespace="ml", labels='{team: "*"}'),
+        budget_yaml("rolling", namespace="ml", labels="{}", window="{rolling_days: 7}"),
         POOLS.format(child=1, parent=5, cap=5),
         "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n",
     ])  # fmt: skip
-    reasons = unshardable(_bundle(shared), "team")
-    assert len(reasons) == 4
-    assert reasons[0].startswith("budget 'by-namespace' covers runs of several tenants (its scope names no single 'team')")
-    assert reasons[1].startswith("budget 'any-team' covers runs of several tenants")
-    assert reasons[2] == "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet"
-    assert reasons[3] == "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet"
+    reasons = unshardable(_bundle(refused), "team")
+    assert len(reasons) == 3
+    assert reasons[0].startswith("budget 'rolling' covers runs of several tenants (its scope names no single 'team') over a rolling window")
+    assert reasons[1] == "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet"
+    assert reasons[2] == "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet"
     [attached] = unshardable(_bundle(account_tree() + account_budget("research-month", "research", 100)), "team")
     assert attached.startswith("budget 'research-month' is attached to an account")

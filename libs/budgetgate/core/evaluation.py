@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
+from budgetgate.core.escrow import lease_key
+from budgetgate.core.shards import shared
 from budgetgate.core.ledger_key import LedgerKey, checked
 from budgetgate.core.policy import BudgetPolicy, Enforcement, Grant, PolicyBundle
 from budgetgate.core.eligibility import Outlook, next_eligible
@@ -37,17 +39,26 @@ class Submission:
 
 @dataclass(frozen=True, slots=True)
 class Charge:
-    """An amount to reserve on one ledger key for one policy."""
+    """An amount to reserve on one ledger key for one policy: the budget's own, or, with `root`,
+    that root's escrow lease of it (budgetgate.core.escrow: on a ledger of several shards, a
+    budget that tenants share is charged through each tenant's lease)."""
 
     policy: BudgetPolicy
     window: Window
     amount: int
+    root: str | None = None
     # Its key, written once: a decision reads it a dozen times (the plan, Redis, the readings, the
     # rows and the message), and writing it (the window's bounds as text) was 4 % of admission's CPU.
     ledger_key: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ledger_key", ledger_key(self.policy, self.window))
+        key = ledger_key(self.policy, self.window)
+        object.__setattr__(self, "ledger_key", key if self.root is None else lease_key(key, self.root))
+
+    @property
+    def budget_key(self) -> str:
+        """The budget's own ledger key (a lease's is filed under it)."""
+        return ledger_key(self.policy, self.window)
 
     @property
     def hard(self) -> bool:
@@ -119,12 +130,21 @@ def fits(amount: int, reading: Reading) -> bool:
     return amount <= 0 or amount <= reading.remaining
 
 
-def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
+class NoTenant(ValueError):
+    """A budget tenants share applies on a ledger of several shards, but the run names no tenant
+    whose escrow lease it could be charged through."""
+
+
+def plan(bundle: PolicyBundle, submission: Submission, *, lease_root: str | None = None, tenant_label: str = "team") -> Plan:
     """Which budgets a submission falls under, and how much it would reserve on each (projected
     amounts are rounded up to the ledger's unit, never down to nothing). Only a hard policy can
     block: its missing labels are violations and a cost it cannot price raises UnknownFlavor;
     a soft or dry-run policy's are only recorded (`Plan.waived`). Raises AmountOutOfRange for
-    an amount beyond what the ledger holds."""
+    an amount beyond what the ledger holds.
+
+    With `lease_root` (a ledger of several shards: the run's tenant), a budget tenants share
+    (`shards.shared`) is charged through that tenant's escrow lease of it; NoTenant when the run
+    names none ("")."""
     res = submission.resources
     # Every amount within what the ledger's integers hold (AmountOutOfRange, a ValueError):
     # a year of a million GPUs, or a cost at a high rate, is past it.
@@ -168,7 +188,15 @@ def plan(bundle: PolicyBundle, submission: Submission) -> Plan:
             if found:
                 granted[key] = (policy.limit.amount, found)
                 policy = bundle.with_grants(policy, key)
-        charges.append(Charge(policy, window, amount))
+        root = None
+        if lease_root is not None and shared(policy, tenant_label):
+            if not lease_root:
+                raise NoTenant(
+                    f"budget {policy.id!r} is shared by tenants and the ledger has several shards, so each tenant's runs are charged "
+                    f"through its own lease of it: the submission must name its tenant in label {tenant_label!r}"
+                )
+            root = lease_root
+        charges.append(Charge(policy, window, amount, root))
     return Plan(
         submission=submission,
         bundle_sha=bundle.git_sha,

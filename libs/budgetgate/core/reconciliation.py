@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from budgetgate.core.escrow import LEASE_SEPARATOR, lease_key, lease_of
 from budgetgate.core.evaluation import ledger_key
 from budgetgate.core.policy import BudgetPolicy, PolicyBundle
 from budgetgate.core.units import MILLI_PER_HOUR, Unit, cost_micros
@@ -373,11 +374,16 @@ def unit_amount(unit: Unit, gpu: int, node: int, at: datetime, facts: RunFacts, 
     return _price(gpu, at, facts, bundle) if gpu else 0
 
 
-def bucket_of(policy: BudgetPolicy, at: datetime) -> tuple[str, datetime, Window]:
-    """The ledger key and bucket usage of `policy` at `at` lands on, and its window."""
+def bucket_of(reservation: Reservation, at: datetime) -> tuple[str, datetime, Window]:
+    """The ledger key and bucket the usage at `at` of a run's reservation lands on, and its
+    window: its policy's key of the window holding `at`, or, for a reservation on an escrow lease
+    (a budget tenants share, on a ledger of several shards), the same root's lease of it."""
+    policy = reservation.policy
     window = window_at(policy.window, at)
     bucket = at.astimezone(UTC).replace(minute=0, second=0, microsecond=0) if policy.window.rolling else CALENDAR_BUCKET
-    return ledger_key(policy, window), bucket, window
+    key = ledger_key(policy, window)
+    lease = lease_of(reservation.ledger_key) if LEASE_SEPARATOR in reservation.ledger_key else None
+    return (key if lease is None else lease_key(key, lease[1])), bucket, window
 
 
 def review_at(line: Timeline, facts: RunFacts, rules: Rules, now: datetime, st: Standing) -> datetime | None:

@@ -159,7 +159,7 @@ def charges(changes: Iterable[IncrementChange], *, run: RunFacts, bundle: Policy
         for change in changes:
             delta = unit_amount(unit, *change.after, change.at, run, bundle) - unit_amount(unit, *change.before, change.at, run, bundle)
             if delta:
-                key, bucket, window = bucket_of(policy, change.at)
+                key, bucket, window = bucket_of(reservation, change.at)
                 windows.setdefault(key, (policy, window))
                 deltas[(key, bucket)] += delta
                 used[policy.id] += delta
@@ -193,7 +193,7 @@ def settle_state(run: RunFacts, state: RunState, *, bundle: PolicyBundle | None,
         for at, amount in _timed_usage(policy.limit.unit, st, run, bundle):
             if amount <= 0:
                 continue
-            key, bucket, window = bucket_of(policy, at)
+            key, bucket, window = bucket_of(reservation, at)
             windows.setdefault(key, (policy, window))
             consumed[(key, bucket)] += amount
             total += amount

@@ -14,7 +14,9 @@ from budgetgate.core.accounting import BudgetSource, with_external
 from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Held, Outlook
 from budgetgate.core.ledger_key import AmountOutOfRange
-from budgetgate.core.evaluation import Decision, Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
+from budgetgate.core.escrow import lease_of
+from budgetgate.core.evaluation import Decision, NoTenant, Plan, Reading, Resources, Submission, UnknownFlavor, decide, plan
+from budgetgate.core.shards import run_root
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.holds import PoolReading
 from budgetgate.ledger.redis_ledger import ChargeRequest, ReserveResult
@@ -51,12 +53,24 @@ class Prepared:
 
 
 def prepare(
-    bundle: PolicyBundle, request: AdmissionRequest, at: datetime, *, unmatched: str = "allow", tenant_label: str = "team", covering: PolicyBundle | None = None
+    bundle: PolicyBundle,
+    request: AdmissionRequest,
+    at: datetime,
+    *,
+    unmatched: str = "allow",
+    tenant_label: str = "team",
+    covering: PolicyBundle | None = None,
+    leased: bool = False,
 ) -> Prepared:
     """Plan `request` under `bundle` at `at`; raises InvalidSubmission. `covering` is `bundle`
-    narrowed to the policies that can apply (a cache), planned with instead when given."""
+    narrowed to the policies that can apply (a cache), planned with instead when given. `leased`:
+    the ledger has several shards, so the budgets tenants share are charged through the run's
+    tenant's escrow leases (core.evaluation.plan)."""
+    lease_root = run_root(request.labels, tenant_label) if leased else None
     try:
-        the_plan = plan(covering or bundle, submission(request, at))
+        the_plan = plan(covering or bundle, submission(request, at), lease_root=lease_root, tenant_label=tenant_label)
+    except NoTenant as exc:
+        raise InvalidSubmission(f"labels.{tenant_label}", str(exc)) from exc
     except UnknownFlavor as exc:
         raise InvalidSubmission("resources.flavor", str(exc)) from exc
     except AmountOutOfRange as exc:
@@ -86,7 +100,7 @@ def submission(request: AdmissionRequest, at: datetime) -> Submission:
 
 def charges(the_plan: Plan) -> tuple[ChargeRequest, ...]:
     """What the ledger script checks (and reserves) for a plan."""
-    return tuple(ChargeRequest(c.ledger_key, c.amount, c.policy.limit.amount, c.hard) for c in the_plan.charges)
+    return tuple(ChargeRequest(c.ledger_key, c.amount, c.policy.limit.amount, c.hard, lease=c.root is not None) for c in the_plan.charges)
 
 
 def readings(the_plan: Plan, result: ReserveResult | None) -> dict[str, Reading] | None:
@@ -94,7 +108,12 @@ def readings(the_plan: Plan, result: ReserveResult | None) -> dict[str, Reading]
     was not consulted (a label violation, or nothing to hold)."""
     if result is None:
         return None
-    return {c.ledger_key: Reading(c.policy.limit.amount, reserved, consumed) for c, (reserved, consumed) in zip(the_plan.charges, result.readings, strict=True)}
+    sizes = result.sizes or (None,) * len(the_plan.charges)
+    return {
+        # An escrow lease's limit is its size: what its tenant may hold of the budget.
+        c.ledger_key: Reading(c.policy.limit.amount if size is None else size, reserved, consumed)
+        for c, (reserved, consumed), size in zip(the_plan.charges, result.readings, sizes, strict=True)
+    }
 
 
 def holds(result: ReserveResult | None) -> bool:
@@ -127,6 +146,7 @@ def rebuilt_result(recorded: dict[str, Any]) -> ReserveResult | None:
     return ReserveResult(
         recorded["status"],
         readings=tuple((r["reserved"], r["consumed"]) for r in recorded.get("ledger", [])),
+        sizes=tuple(r["limit"] if lease_of(r["ledger_key"]) is not None else None for r in recorded.get("ledger", [])),
         counters=tuple(tuple(c) for c in recorded.get("counters", [])),  # type: ignore[misc]
         pools=tuple(PoolReading(*p) for p in recorded.get("pools", [])),
     )
@@ -152,27 +172,33 @@ def readings_record(
     time was computed from, and the tenant's decayed usage its fair share was measured on."""
     found = readings(p.plan, result) or {}
     used = {c.ledger_key for c in p.plan.charges}
-    return {
-        "version": 1,
-        "status": result.status if result is not None else None,
-        "tenant_label": tenant_label,
-        "accounting": p.accounting.record() if p.accounting else None,
-        "ledger": [
-            {"ledger_key": c.ledger_key, "limit": r.limit, "reserved": r.reserved, "consumed": r.consumed}
-            for c in p.plan.charges
-            if (r := found.get(c.ledger_key)) is not None
-        ],
-        "counters": [list(c) for c in result.counters] if result is not None else [],
-        "pools": [[r.check, r.used, r.by_project, r.by_sub_namespace] for r in result.pools] if result is not None else [],
-        "outlooks": {
-            key: {
-                "holds": [[h.amount, h.started, h.start_deadline.isoformat(), h.expected_end.isoformat()] for h in o.holds],
-                "buckets": [[b.isoformat(), amount] for b, amount in o.buckets],
-            }
-            for key, o in (outlooks or {}).items()
-            if key in used
-        },
-    } | ({"fair_share_usage": {"gpu": usage.amount, "half_life_seconds": usage.half_life.total_seconds()}} if usage is not None else {})
+    return (
+        {
+            "version": 1,
+            "status": result.status if result is not None else None,
+            "tenant_label": tenant_label,
+            "accounting": p.accounting.record() if p.accounting else None,
+            "ledger": [
+                {"ledger_key": c.ledger_key, "limit": r.limit, "reserved": r.reserved, "consumed": r.consumed}
+                for c in p.plan.charges
+                if (r := found.get(c.ledger_key)) is not None
+            ],
+            "counters": [list(c) for c in result.counters] if result is not None else [],
+            "pools": [[r.check, r.used, r.by_project, r.by_sub_namespace] for r in result.pools] if result is not None else [],
+            "outlooks": {
+                key: {
+                    "holds": [[h.amount, h.started, h.start_deadline.isoformat(), h.expected_end.isoformat()] for h in o.holds],
+                    "buckets": [[b.isoformat(), amount] for b, amount in o.buckets],
+                }
+                for key, o in (outlooks or {}).items()
+                if key in used
+            },
+        }
+        | ({"fair_share_usage": {"gpu": usage.amount, "half_life_seconds": usage.half_life.total_seconds()}} if usage is not None else {})
+        | (
+            {"leased": True} if any(c.root is not None for c in p.plan.charges) else {}  # (charged through escrow leases: prepare(leased=True))
+        )
+    )
 
 
 def rebuilt_usage(recorded: dict[str, Any], at: datetime) -> Decayed | None:

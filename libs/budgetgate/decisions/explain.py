@@ -74,7 +74,7 @@ def recompute(row: dict[str, Any], bundle: PolicyBundle | None) -> Recomputed:
     decided_at: datetime = row["decided_at"]
     request = AdmissionRequest.model_validate(_json(row["request"]))
     try:
-        p = prepare(bundle, request, decided_at, tenant_label=recorded.get("tenant_label", "team"))
+        p = prepare(bundle, request, decided_at, tenant_label=recorded.get("tenant_label", "team"), leased=recorded.get("leased", False))
         p = replace(p, accounting=BudgetSource.recorded(recorded.get("accounting")))
         decision, view = conclude(p, rebuilt_result(recorded), rebuilt_outlooks(recorded), rebuilt_usage(recorded, decided_at))
     except (Disagreement, InvalidSubmission, KeyError, ValueError) as exc:

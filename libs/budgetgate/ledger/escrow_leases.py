@@ -116,6 +116,17 @@ class Escrow:
             return 0
         return await self.grant(ledger_key, root, want, reason="refill")
 
+    async def refill_forecast(self, ledger_key: str, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
+        """What `refill` would grow `root`'s lease by now, from the same figures, writing nothing
+        and locking nothing (a quote's forecast; `limit`: the budget's, when it has no entry yet)."""
+        rows = await self.pool.fetch(sql("escrow_leases_read"), ledger_key)
+        leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+        mine = leases.get(root, Lease(0))
+        want = escrow.refill_wanted(Lease(mine.size, *reading), amount, chunk=chunk)
+        if want <= 0:
+            return 0
+        return escrow.grantable(rows[0]["limit_amount"] if rows else limit, leases.values(), want)
+
     async def return_idle(self, *, idle: timedelta, chunk_share: float, now: datetime) -> dict[tuple[str, str], int]:
         """Give back, from every lease whose size has not moved for `idle`, what its root holds
         neither reserved nor consumed beyond one chunk (`chunk_share` of the budget's limit,

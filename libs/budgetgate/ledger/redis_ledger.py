@@ -84,6 +84,7 @@ class ReserveResult:
     pools: tuple[PoolReading, ...] = ()  # per pool level, before
     seq: int | None = None  # the ledger sequence this reservation advanced to, when RESERVED
     unloaded: tuple[int, ...] = ()  # a check: charges whose key Redis never loaded (read as empty)
+    sizes: tuple[int | None, ...] = ()  # per charge, an escrow lease's size (its limit); None for a budget's own key
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,8 +560,11 @@ def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
         return ReserveResult(status, missing=int(_text(reply[1])) - 1)
     if status == "DUPLICATE":
         return ReserveResult(status, holder=_text(reply[1]))
+    leases = sum(1 for c in asked.charges if c.lease)
     n, m = 2 * len(asked.charges), 3 * len(asked.counters)
     ledger = [int(v) for v in reply[1 : 1 + n]]
+    sizes = iter(int(v) for v in reply[1 + n : 1 + n + leases])
+    reply = [reply[0], *reply[1 : 1 + n], *reply[1 + n + leases :]]
     held = [int(v) for v in reply[1 + n : 1 + n + m]]
     levels = len(asked.pool.levels) if asked.pool else 0
     pools = reply[1 + n + m : 1 + n + m + 4 * levels]
@@ -572,6 +576,7 @@ def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
         pools=pool_readings(pools),
         seq=int(reply[-1]) if status == "RESERVED" else None,
         unloaded=tuple(int(i) - 1 for i in rest) if status in ("FITS", "REJECTED") and rest else (),
+        sizes=tuple(next(sizes) if c.lease else None for c in asked.charges),
     )
 
 

@@ -99,12 +99,16 @@ class CommonSettings(BaseSettings):
     # Shards of the Redis ledger (budgetgate.core.shards, docs/scale-out.md): each root (a
     # tenant, the value of `tenant_label`) keeps every key of its decisions under the tag of its
     # shard, `{prefix:i}`, so the shards spread over a Redis Cluster's masters. 1 keeps the one
-    # tag `{prefix}`. With more than one, every budget must name one tenant in its scope (a
-    # budget several tenants share needs escrow leases, which admission does not use yet), and
-    # there are no token pools or sensitive-workload quota. Change it only with every process
-    # stopped, then run `budgetgate ledger rebuild-redis` (every shard rebuilt, the keys of the
-    # former ones deleted) before starting them.
+    # tag `{prefix}`. With more than one, a budget several tenants share (its scope names no one
+    # tenant) is charged through each tenant's escrow lease of it, over calendar windows only;
+    # budgets attached to accounts, token pools and the sensitive-workload quota are not
+    # enforced on several shards. Change it only with every process stopped, then run
+    # `budgetgate ledger rebuild-redis` (every shard rebuilt, the keys of the former ones
+    # deleted) before starting them.
     ledger_shards: int = Field(default=1, ge=1, le=64)
+    # An escrow lease's chunk, as a share of its budget's limit: a decision its tenant's lease
+    # refuses asks once for what it lacks in whole chunks, and an idle lease keeps one unused.
+    escrow_chunk_share: float = Field(default=0.02, gt=0, le=1)
     # The label whose value names a run's tenant: the tenant that quotas and fair shares apply
     # to, that exporter tokens limited to tenants report for, and the root of the ledger's shards.
     tenant_label: str = "team"

@@ -23,7 +23,8 @@
 --       (-1 = none).
 -- Returns NOT_LOADED (rebuild from Postgres first), or {'OK', reply...} with one reply per
 -- decision: {status, ledger (reserved, consumed)..., counter (gpus, nodes, allocations)...,
--- pool (check, used, by project, by sub-namespace)..., sequence (RESERVED only)}; a pool's check
+-- pool (check, used, by project, by sub-namespace)..., sequence (RESERVED only)}, the escrow
+-- leases' sizes following the ledger keys' pairs (one per lease charge, in order); a pool's check
 -- is pools.lua's, or TAKEN (the token is held already, by another holder than this run); status is
 -- RESERVED, REJECTED (something lacks room; nothing changed), MISSING (a ledger key was never
 -- loaded; its index follows) or DUPLICATE (this run holds already; the holder's decision id).
@@ -48,6 +49,7 @@ local function reserve(kb, ab)
   local reply = {'RESERVED'}
   local fits = true
   local unloaded = {}
+  local sizes = {}
 
   for i = 1, n do
     local state = redis.call('HMGET', KEYS[kb + 1 + i], 'reserved', 'consumed')
@@ -64,12 +66,16 @@ local function reserve(kb, ab)
     if ARGV[a + 3] == 'L' then
       -- an escrow lease: its size is its limit (lease.lua); read for leases alone
       limit = tonumber(redis.call('HGET', KEYS[kb + 1 + i], 'size') or '0')
+      sizes[#sizes + 1] = limit
     end
     if ARGV[a + 3] ~= '0' and tonumber(ARGV[a + 1]) > limit - reserved - consumed then
       fits = false
     end
     reply[#reply + 1] = reserved
     reply[#reply + 1] = consumed
+  end
+  for _, size in ipairs(sizes) do
+    reply[#reply + 1] = size
   end
 
   local counters = ab + 3 + 3 * n

@@ -324,6 +324,14 @@ WHERE l.ledger_key = $1
 ORDER BY l.root
 FOR UPDATE OF l;
 
+-- name: escrow_leases_read
+-- Every lease of the budget $1 and its limit, as escrow_leases_locked reads them, locking nothing
+-- (a quote's forecast of a refill).
+SELECT l.root, l.size, e.consumed, b.limit_amount,
+       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key JOIN ledger_entries b ON b.ledger_key = l.ledger_key
+WHERE l.ledger_key = $1;
+
 -- name: escrow_lease_size
 -- The size of root $2's lease of the budget $1 (none when it has no lease).
 SELECT size FROM escrow_leases WHERE ledger_key = $1 AND root = $2;
