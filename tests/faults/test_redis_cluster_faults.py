@@ -236,3 +236,59 @@ async def test_one_shard_failing_over_mid_burst_over_admits_nothing_and_the_othe
         return await reserved_in_redis(server) == held
 
     await wait_for(redis_matches, timeout=60, what="Redis to hold what Postgres holds, on every shard")
+
+
+SHARED_LIMIT = 100  # GPU-hours every tenant's runs share: less than their own budgets allow together
+
+
+async def test_a_budget_tenants_share_is_never_over_admitted_through_one_shards_failover(admission_factory, cluster, pg_dsn) -> None:
+    """A budget every tenant shares, charged through each tenant's escrow lease on its own shard,
+    while the master serving some shards dies and its lagging replica is promoted in the middle
+    of a burst: the leases together never hold more than the budget's limit, nor any lease more
+    than its size, no tenant's own budget goes past its limit, and Redis then holds what
+    Postgres holds on every shard, the leases' sizes included."""
+    files = {f"{t}.yaml": budget_yaml(f"b-{t}", namespace="ml", labels=f"{{team: {t}}}", limit=f"gpu_hours: {SHARDED_LIMIT}") for t in SHARDED_TENANTS}
+    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit=f"gpu_hours: {SHARED_LIMIT}")
+    await apply_policies(pg_dsn, {**files, "shared.yaml": shared}, sha="a" * 40)
+    server = await admission_factory(redis_url=cluster.url, ledger_shards=6, pg_pool_max=30)
+    await server.wait_ready()
+    master, replica = node_of_slot(cluster, slot_of(cluster, server.rt.ledgers.of_root(SHARDED_TENANTS[0]).tag))
+
+    assert all(status == 200 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(0, 4))).values() for status, _ in a)
+    replica.client().save()
+    replica.kill()
+    assert all(status == 200 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(4, 8))).values() for status, _ in a)
+    master.kill()
+    replica.start()
+    burst = asyncio.create_task(_tenant_answers(server, SHARDED_TENANTS, range(8, 16)))
+    await promoted(replica)
+    during = await burst
+    assert {status for a in during.values() for status, _ in a} <= {200, 503}
+    master.start()
+
+    async def all_decided() -> bool:
+        answers = await _tenant_answers(server, SHARDED_TENANTS, range(16))
+        return all(status == 200 for a in answers.values() for status, _ in a)
+
+    await wait_for(all_decided, timeout=90, what="every submission decided once the cluster settled")
+    held = await held_in_postgres(pg_dsn)
+    leases = {key: amount for key, amount in held.items() if "@" in key}
+    assert all(amount <= SHARDED_LIMIT * GPU_HOUR for key, amount in held.items() if key not in leases)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        sizes = {r["lease_key"]: r["size"] for r in await conn.fetch("SELECT lease_key, size FROM escrow_leases")}
+    finally:
+        await conn.close()
+    assert SHARED_LIMIT * GPU_HOUR // 2 <= sum(leases.values()) <= SHARED_LIMIT * GPU_HOUR  # the shared budget binds, and holds
+    assert sum(sizes.values()) <= SHARED_LIMIT * GPU_HOUR and all(amount <= sizes[key] for key, amount in leases.items())
+
+    async def redis_matches() -> bool:
+        if await reserved_in_redis(server) != held:
+            return False
+        for key, size in sizes.items():
+            ledger = server.rt.ledgers.of_key(key)
+            if int(await ledger.client.hget(ledger.ledger(key), "size") or -1) != size:
+                return False
+        return True
+
+    await wait_for(redis_matches, timeout=60, what="Redis to hold what Postgres holds, leases' sizes included, on every shard")
