@@ -560,11 +560,13 @@ def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
         return ReserveResult(status, missing=int(_text(reply[1])) - 1)
     if status == "DUPLICATE":
         return ReserveResult(status, holder=_text(reply[1]))
-    leases = sum(1 for c in asked.charges if c.lease)
     n, m = 2 * len(asked.charges), 3 * len(asked.counters)
     ledger = [int(v) for v in reply[1 : 1 + n]]
-    sizes = iter(int(v) for v in reply[1 + n : 1 + n + leases])
-    reply = [reply[0], *reply[1 : 1 + n], *reply[1 + n + leases :]]
+    sizes: tuple[int | None, ...] = ()
+    if leases := sum(1 for c in asked.charges if c.lease):  # escrow leases' sizes follow the pairs
+        found = iter(int(v) for v in reply[1 + n : 1 + n + leases])
+        sizes = tuple(next(found) if c.lease else None for c in asked.charges)
+        reply = [reply[0], *reply[1 : 1 + n], *reply[1 + n + leases :]]
     held = [int(v) for v in reply[1 + n : 1 + n + m]]
     levels = len(asked.pool.levels) if asked.pool else 0
     pools = reply[1 + n + m : 1 + n + m + 4 * levels]
@@ -576,7 +578,7 @@ def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
         pools=pool_readings(pools),
         seq=int(reply[-1]) if status == "RESERVED" else None,
         unloaded=tuple(int(i) - 1 for i in rest) if status in ("FITS", "REJECTED") and rest else (),
-        sizes=tuple(next(sizes) if c.lease else None for c in asked.charges),
+        sizes=sizes,
     )
 
 
