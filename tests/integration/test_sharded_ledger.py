@@ -43,6 +43,15 @@ def run(tenant: str, n: int) -> dict[str, object]:
     )
 
 
+async def ledger_figures(dsn: str) -> dict[str, tuple[int, int]]:
+    """Postgres's (reserved, consumed) of every ledger key."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
+    finally:
+        await conn.close()
+
+
 async def sharded_admission(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
     await apply_policies(pg_dsn, policies(), sha="5" * 40)
     server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
@@ -110,11 +119,7 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
         )  # fmt: skip
     await wait_caught_up(reconciler)
 
-    conn = await asyncpg.connect(pg_dsn)
-    try:
-        figures = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
-    finally:
-        await conn.close()
+    figures = await ledger_figures(pg_dsn)
     assert set(figures.values()) == {(8 * GPU_HOUR, 4 * GPU_HOUR)}  # run 1 holds its 8; run 0 consumed 4
     for t in TENANTS:
         ledger = server.rt.ledgers.of_root(t)
@@ -315,11 +320,7 @@ async def test_a_budget_tenants_share_is_charged_through_each_tenants_escrow_lea
         lifecycle(f"{tenant}/run-{n}", "COMPLETED", start + timedelta(minutes=30)),
     )  # fmt: skip
     await wait_caught_up(reconciler)
-    conn = await asyncpg.connect(pg_dsn)
-    try:
-        figures = {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
-    finally:
-        await conn.close()
+    figures = await ledger_figures(pg_dsn)
     [lease] = [k for k in figures if k.split("|", 1)[0].endswith(f"@{tenant}")]
     assert figures[lease][1] == 4 * GPU_HOUR  # the run's usage, on its tenant's lease
     assert await server.rt.ledgers.of_root(tenant).readings([lease]) == {lease: figures[lease]}
