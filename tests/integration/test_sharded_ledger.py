@@ -171,14 +171,17 @@ async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, 
     released = server.rt.ledgers.of_root(TENANTS[2])
     await released.release(f"{TENANTS[2]}/run-0")  # a run's hold lost on another shard
     drifted = await budgetgate_on(settings, "ledger", "check", cwd=tmp_path, variables=shards)
-    assert drifted.returncode == 1 and f"shard {server.rt.ledgers.of_root(TENANTS[1]).shard}:\nledger key {key}" in drifted.stdout, drifted
-    # The run is reported once, by its own shard's check (each shard looks at its runs alone).
-    section, runs = None, []
+    assert drifted.returncode == 1, drifted
+    by_shard: dict[int, list[str]] = defaultdict(list)  # each shard's lines, under its heading
+    section = -1
     for line in drifted.stdout.splitlines():
         if line.startswith("shard "):
             section = int(line.split()[1].rstrip(":"))
-        elif line.startswith("run "):
-            runs.append((section, line))
+        else:
+            by_shard[section].append(line)
+    assert any(line.startswith(f"ledger key {key}:") for line in by_shard[server.rt.ledgers.of_root(TENANTS[1]).shard]), drifted.stdout
+    # The run is reported once, by its own shard's check (each shard looks at its runs alone).
+    runs = [(shard, line) for shard, lines in by_shard.items() for line in lines if line.startswith("run ")]
     assert len(runs) == 1 and runs[0][0] == released.shard, drifted.stdout
     assert runs[0][1].startswith(f"run {TENANTS[2]}/run-0: Redis holds {{}}, Postgres {{"), drifted.stdout
 
