@@ -172,33 +172,32 @@ def readings_record(
     time was computed from, and the tenant's decayed usage its fair share was measured on."""
     found = readings(p.plan, result) or {}
     used = {c.ledger_key for c in p.plan.charges}
-    return (
-        {
-            "version": 1,
-            "status": result.status if result is not None else None,
-            "tenant_label": tenant_label,
-            "accounting": p.accounting.record() if p.accounting else None,
-            "ledger": [
-                {"ledger_key": c.ledger_key, "limit": r.limit, "reserved": r.reserved, "consumed": r.consumed}
-                for c in p.plan.charges
-                if (r := found.get(c.ledger_key)) is not None
-            ],
-            "counters": [list(c) for c in result.counters] if result is not None else [],
-            "pools": [[r.check, r.used, r.by_project, r.by_sub_namespace] for r in result.pools] if result is not None else [],
-            "outlooks": {
-                key: {
-                    "holds": [[h.amount, h.started, h.start_deadline.isoformat(), h.expected_end.isoformat()] for h in o.holds],
-                    "buckets": [[b.isoformat(), amount] for b, amount in o.buckets],
-                }
-                for key, o in (outlooks or {}).items()
-                if key in used
-            },
-        }
-        | ({"fair_share_usage": {"gpu": usage.amount, "half_life_seconds": usage.half_life.total_seconds()}} if usage is not None else {})
-        | (
-            {"leased": True} if any(c.root is not None for c in p.plan.charges) else {}  # (charged through escrow leases: prepare(leased=True))
-        )
-    )
+    record = {
+        "version": 1,
+        "status": result.status if result is not None else None,
+        "tenant_label": tenant_label,
+        "accounting": p.accounting.record() if p.accounting else None,
+        "ledger": [
+            {"ledger_key": c.ledger_key, "limit": r.limit, "reserved": r.reserved, "consumed": r.consumed}
+            for c in p.plan.charges
+            if (r := found.get(c.ledger_key)) is not None
+        ],
+        "counters": [list(c) for c in result.counters] if result is not None else [],
+        "pools": [[r.check, r.used, r.by_project, r.by_sub_namespace] for r in result.pools] if result is not None else [],
+        "outlooks": {
+            key: {
+                "holds": [[h.amount, h.started, h.start_deadline.isoformat(), h.expected_end.isoformat()] for h in o.holds],
+                "buckets": [[b.isoformat(), amount] for b, amount in o.buckets],
+            }
+            for key, o in (outlooks or {}).items()
+            if key in used
+        },
+    }
+    if usage is not None:
+        record["fair_share_usage"] = {"gpu": usage.amount, "half_life_seconds": usage.half_life.total_seconds()}
+    if any(c.root is not None for c in p.plan.charges):
+        record["leased"] = True  # charged through escrow leases: explain prepares it so again
+    return record
 
 
 def rebuilt_usage(recorded: dict[str, Any], at: datetime) -> Decayed | None:
