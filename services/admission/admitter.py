@@ -277,14 +277,18 @@ class Admitter(OneShard):
             try:
                 for charge, reading in wanted:
                     assert charge.root is not None  # (only a lease is refilled)
-                    chunk = chunk_of(charge.policy.limit.amount, self.escrow_chunk_share)
-                    await self.escrow.refill(charge.budget_key, charge.root, amount=charge.amount, reading=reading, chunk=chunk)
+                    await self.escrow.refill(charge.budget_key, charge.root, amount=charge.amount, reading=reading, chunk=self.chunk_of(charge))
             except Exception as exc:  # noqa: BLE001 - its submission hears of it
                 if not p.answer.done():
                     p.answer.set_exception(as_unavailable(exc))
                 continue
             again.append(p)
         return again
+
+    def chunk_of(self, charge: Charge) -> int:
+        """The chunk a refill of the lease `charge` is on grants in (BUDGETGATE_ESCROW_CHUNK_SHARE
+        of its budget's limit), as admission refills and a quote forecasts."""
+        return chunk_of(charge.policy.limit.amount, self.escrow_chunk_share)
 
     async def _after_shard_failures(self, deferred: list[Pending], failed: dict[int, BaseException]) -> list[Pending]:
         """The submissions of shards that failed in a batch whose other shards' decisions
@@ -336,9 +340,8 @@ class Admitter(OneShard):
             since = time.perf_counter()
             failed.clear()  # (a try again after a rebuild starts afresh)
             failed.update(await self._reserve(work, [p for p in fresh if p.needs_ledger], committed))
-            if failed:
-                fresh = [p for p in fresh if p.shard not in failed]
-            fresh = [p for p in fresh if not p.refill]  # decided again after a refill of their leases
+            # Left out: a failed shard's, and those decided again after a refill of their leases.
+            fresh = [p for p in fresh if p.shard not in failed and not p.refill]
             clock.redis += time.perf_counter() - since
             decided = await self._decisions(work.conn, fresh)
             since = time.perf_counter()

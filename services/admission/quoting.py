@@ -15,7 +15,6 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.transaction import committed_seq
-from budgetgate.core.escrow import chunk_of
 from budgetgate.core.evaluation import Charge, fits
 from budgetgate.decisions.concurrency import rejection
 from budgetgate.services.admission.admitter import Admitter, Unavailable, lacking_leases, releases, with_ledger
@@ -106,8 +105,7 @@ class Quoter:
         index = {c.ledger_key: i for i, c in enumerate(p.plan.charges)}
         for charge, reading in lacking:
             assert charge.root is not None  # (only a lease lacks room here)
-            limit = charge.policy.limit.amount
-            chunk = chunk_of(limit, admitter.escrow_chunk_share)
+            chunk, limit = admitter.chunk_of(charge), charge.policy.limit.amount
             grown = await admitter.escrow.refill_forecast(charge.budget_key, charge.root, amount=charge.amount, reading=reading, chunk=chunk, limit=limit)
             i = index[charge.ledger_key]
             sizes[i] = (sizes[i] or 0) + grown

@@ -411,10 +411,11 @@ class Settler(OneShard):
     async def _ensure_entries(self, conn: asyncpg.Connection, keys: set[str], windows: dict[str, tuple[BudgetPolicy, Window]], decision_sha: str) -> None:
         """Create the ledger entries of windows usage lands in for the first time."""
         leases = {key: lease for key in keys if (lease := lease_of(key)) is not None}
-        wanted = sorted(keys | {budget for budget, _root in leases.values()})
+        budgets = {budget: windows[key] for key, (budget, _root) in leases.items()}  # (a lease's budget: its policy and window)
+        wanted = sorted(keys | budgets.keys())
         existing = {r["ledger_key"] for r in await conn.fetch(sql("entry_exists"), wanted)}
         for key in [k for k in wanted if k not in existing and k not in leases]:
-            policy, window = windows[key] if key in windows else next(windows[k] for k, (b, _r) in leases.items() if b == key)
+            policy, window = windows[key] if key in windows else budgets[key]
             current = self.bundles.revision_of(policy)
             rolling = policy.window.rolling
             await conn.execute(
