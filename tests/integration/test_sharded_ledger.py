@@ -17,6 +17,7 @@ import asyncpg
 from budgetgate.core.shards import SEQ_STEP, Shards
 from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.admitter import Unavailable
+from tests.support.accounts import account_budget, account_tree
 from tests.support.admission import apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission
 from tests.support.cli import budgetgate_on
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
@@ -328,3 +329,60 @@ async def test_a_budget_tenants_share_is_charged_through_each_tenants_escrow_lea
     assert figures[lease][1] == 4 * GPU_HOUR  # the run's usage, on its tenant's lease
     assert await server.rt.ledgers.of_root(tenant).readings([lease]) == {lease: figures[lease]}
     assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
+
+
+async def test_budgets_attached_to_accounts_are_charged_through_each_tenants_leases_all_or_none(admission_factory, pg_dsn) -> None:
+    """A budget attached to an account covers the runs of every tenant below it: on a sharded
+    ledger each tenant reserves on its own lease of it, and a run under two budgeted accounts
+    (alice under research) reserves on both of its tenant's leases in its one script, all or
+    none. Runs of two tenants on two shards, submitted at once, admit no more than either budget
+    holds, and nothing is held for a refused run."""
+    tree = account_tree() + account_budget("research-month", "research", 24) + account_budget("alice-month", "alice", 10)
+    await apply_policies(pg_dsn, {"accounts.yaml": tree}, sha="8" * 40)
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
+    await server.wait_ready()
+    assert server.rt.ledgers.of_root("vision") is not server.rt.ledgers.of_root("nlp")  # two shards
+
+    def account_run(run_id: str, namespace: str, **labels: str) -> dict[str, object]:
+        return submission(run_id=run_id, namespace=namespace, labels=labels, resources={"gpus": 4, "nodes": 1}, projected_runtime_hours=1.0, job=None)
+
+    runs = [
+        *(account_run(f"alice-{n}", "vision", team="vision", user="alice") for n in range(3)),
+        *(account_run(f"bob-{n}", "vision", team="vision", user="bob") for n in range(3)),
+        *(account_run(f"nlp-{n}", "nlp", team="nlp") for n in range(3)),
+    ]
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=r) for r in runs))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    bodies = [a.json() for a in answers]
+    allowed = [b["run_id"] for b in bodies if b["decision"] == "ALLOW"]
+    alice = [r for r in allowed if r.startswith("alice-")]
+    assert 1 <= len(alice) and 4 * len(alice) <= 10 and 4 * len(allowed) <= 24, bodies
+    for body in bodies:
+        charged = {e["policy_id"] for e in body["evaluations"]}
+        assert charged == ({"research-month", "alice-month"} if body["run_id"].startswith("alice-") else {"research-month"}), body
+
+    held = await held_in_postgres(pg_dsn)
+    assert await reserved_in_redis(server) == held
+    assert not any(k.startswith("account=research|") or k.startswith("account=alice|") for k in held)  # only leases hold
+    on_research = {k: v for k, v in held.items() if k.startswith("account=research@")}
+    on_alice = {k: v for k, v in held.items() if k.startswith("account=alice@")}
+    assert sum(on_research.values()) == 4 * GPU_HOUR * len(allowed) and sum(on_alice.values()) == 4 * GPU_HOUR * len(alice)
+    for key in [*on_research, *on_alice]:  # on its tenant's shard, and only there
+        tenant = key.split("@", 1)[1].split("|", 1)[0]
+        for ledger in server.rt.ledgers:
+            assert (key in await ledger.readings([key])) == (ledger.shard == server.rt.ledgers.of_root(tenant).shard)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        sizes = {(r["ledger_key"].split("|", 1)[0], r["root"]): r["size"] for r in await conn.fetch("SELECT ledger_key, root, size FROM escrow_leases")}
+    finally:
+        await conn.close()
+    assert sum(v for (budget, _), v in sizes.items() if budget == "account=research") <= 24 * GPU_HOUR
+    assert sum(v for (budget, _), v in sizes.items() if budget == "account=alice") <= 10 * GPU_HOUR
+
+    denied = next((b for b in bodies if b["decision"] != "ALLOW" and b["run_id"].startswith("alice-")), None) or next(
+        b for b in bodies if b["decision"] != "ALLOW"
+    )
+    explained = (await server.client.get(f"/v1/admissions/{denied['run_id']}/explain")).json()
+    assert explained["identical"] is True, explained
+    unnamed = (await server.client.post("/v1/admissions", json=account_run("nlp-x", "nlp"))).json()
+    assert "must name its tenant in label 'team'" in str(unnamed), unnamed

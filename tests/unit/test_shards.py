@@ -104,5 +104,7 @@ def test_a_sharded_ledger_enforces_budgets_of_one_tenant_and_shared_calendar_bud
     assert reasons[0].startswith("budget 'rolling' covers runs of several tenants (its scope names no single 'team') over a rolling window")
     assert reasons[1] == "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet"
     assert reasons[2] == "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet"
-    [attached] = unshardable(_bundle(account_tree() + account_budget("research-month", "research", 100)), "team")
-    assert attached.startswith("budget 'research-month' is attached to an account")
+    attached = _bundle(account_tree() + account_budget("research-month", "research", 100))
+    assert unshardable(attached, "team") == [] and shared(attached.policies[0], "team")  # charged through each tenant's lease
+    [rolling] = unshardable(_bundle(account_tree() + account_budget("research-week", "research", 100, window="{rolling_days: 7}")), "team")
+    assert rolling.startswith("budget 'research-week' covers runs of several tenants")

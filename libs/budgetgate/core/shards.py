@@ -16,7 +16,6 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from budgetgate.core.accounts import ACCOUNT_PREFIX
 from budgetgate.core.escrow import lease_of
 from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.policy import ANY_VALUE, BudgetPolicy, PolicyBundle
@@ -87,7 +86,9 @@ def key_root(ledger_key: str, tenant_label: str) -> str:
 
 def shared(policy: BudgetPolicy, tenant_label: str) -> bool:
     """Whether a budget covers runs of several tenants (its scope names no single tenant): on a
-    ledger of several shards each tenant reserves on its own escrow lease of it."""
+    ledger of several shards each tenant reserves on its own escrow lease of it. A budget attached
+    to an account is one (an `AccountScope` names no labels): an account's runs are those of
+    every tenant its subtree covers."""
     tenant = policy.scope.labels.get(tenant_label)
     return tenant is None or tenant == ANY_VALUE
 
@@ -96,13 +97,12 @@ def unshardable(bundle: PolicyBundle, tenant_label: str) -> list[str]:
     """Why `bundle` cannot be enforced on several shards (none: it can). On one shard every key
     of a decision shares one slot whatever the policies; on several, a decision touches only its
     tenant's shard, so whatever several tenants share would be counted apart on each shard unless
-    carved into escrow leases: a budget tenants share is, over a calendar window; not yet over a
-    rolling one, nor a budget attached to an account, token pools, the sensitive-workload quota."""
+    carved into escrow leases: a budget tenants share is (one scoped by namespace, by other labels,
+    or attached to an account), over a calendar window; not yet over a rolling one, nor token
+    pools, nor the sensitive-workload quota."""
     reasons = []
     for policy in bundle.policies:
-        if policy.scope.scope_id.startswith(ACCOUNT_PREFIX):
-            reasons.append(f"budget {policy.id!r} is attached to an account: on a sharded ledger the account tree's organisations are not roots yet")
-        elif shared(policy, tenant_label) and policy.window.rolling:
+        if shared(policy, tenant_label) and policy.window.rolling:
             reasons.append(
                 f"budget {policy.id!r} covers runs of several tenants (its scope names no single {tenant_label!r}) over a rolling window: "
                 "on a sharded ledger such a budget is charged through each tenant's escrow lease, which is built for calendar windows only"
