@@ -131,8 +131,8 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
 
 
 async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reason(admission_factory, pg_dsn) -> None:
-    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit="gpu_hours: 1000", window="{rolling_days: 7}")
-    await apply_policies(pg_dsn, {**policies(), "shared.yaml": shared}, sha="6" * 40)
+    sensitive = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n"
+    await apply_policies(pg_dsn, {**policies(), "sensitive.yaml": sensitive}, sha="6" * 40)
     server = await admission_factory(ledger_shards=SHARDS)
 
     async def refused() -> bool:
@@ -141,7 +141,7 @@ async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reas
     await wait_for(refused, what="readiness to name the bundle a sharded ledger cannot enforce")
     answer = await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))
     assert answer.status_code == 503
-    assert "budget 'everyone' covers runs of several tenants" in answer.text and "over a rolling window" in answer.text and "escrow lease" in answer.text
+    assert "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet" in answer.text, answer.text
     assert await held_in_postgres(pg_dsn) == {}
 
 
@@ -386,3 +386,53 @@ async def test_budgets_attached_to_accounts_are_charged_through_each_tenants_lea
     assert explained["identical"] is True, explained
     unnamed = (await server.client.post("/v1/admissions", json=account_run("nlp-x", "nlp"))).json()
     assert "must name its tenant in label 'team'" in str(unnamed), unnamed
+
+
+async def test_a_budget_tenants_share_over_a_rolling_window_ages_out_of_each_tenants_lease(
+    admission_factory,
+    reconciler_factory,
+    feed,
+    pg_dsn,  # noqa: F811
+) -> None:
+    """A rolling-window budget tenants share: a tenant's run reserves on its lease, its usage is
+    settled on the lease in hour buckets, and as the window moves on the usage ages out of the
+    lease (Postgres and the lease's shard alike), which leaves the lease room it can hold again
+    or give back; the drift check finds every shard clean."""
+    from budgetgate.services.reconciler import budget_actions
+
+    rolling = budget_yaml("everyone-daily", namespace="ml", labels="{}", limit="gpu_hours: 100", window="{rolling_days: 1}")
+    await apply_policies(pg_dsn, {**policies(), "rolling.yaml": rolling}, sha="9" * 40)
+    server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    tenant = TENANTS[0]
+    first = (await server.client.post("/v1/admissions", json=run(tenant, 0))).json()
+    assert first["decision"] == "ALLOW", first
+    held = await held_in_postgres(pg_dsn)
+    [lease] = [k for k in held if k.startswith(f"ns=ml@{tenant}|rolling-1d|")]
+    assert held[lease] == 8 * GPU_HOUR
+
+    reconciler = await reconciler_factory(ledger_shards=SHARDS)
+    now = datetime.now(UTC)
+    start = now - timedelta(hours=20)
+    await feed.send(
+        lifecycle(f"{tenant}/run-0", "STARTED", start, gpus=8), usage(f"{tenant}/run-0", "1", start + timedelta(hours=1), 6.0),
+        usage(f"{tenant}/run-0", "2", start + timedelta(hours=3), 10.0), lifecycle(f"{tenant}/run-0", "COMPLETED", start + timedelta(hours=3)),
+    )  # fmt: skip
+
+    async def settled() -> bool:
+        return (await ledger_figures(pg_dsn)).get(lease) == (0, 10 * GPU_HOUR)
+
+    await wait_for(settled, what="the run's usage on its tenant's lease of the rolling budget")
+    shard = server.rt.ledgers.of_root(tenant)
+    # Six hours on, the first sample's hour has left the window; two more hours on, all of it.
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=6)) == {lease: 6 * GPU_HOUR}
+    figures = await ledger_figures(pg_dsn)
+    assert figures[lease] == (0, 4 * GPU_HOUR) and await shard.readings([lease]) == {lease: figures[lease]}
+    assert await budget_actions.age_rolling(reconciler.pool, reconciler.ledgers, now=now + timedelta(hours=8)) == {lease: 4 * GPU_HOUR}
+    figures = await ledger_figures(pg_dsn)
+    assert figures[lease] == (0, 0) and await shard.readings([lease]) == {lease: (0, 0)}
+    for other in server.rt.ledgers:
+        assert other is shard or await other.readings([lease]) == {}  # on its tenant's shard alone
+    again = (await server.client.post("/v1/admissions", json=run(tenant, 1))).json()
+    assert again["decision"] == "ALLOW", again  # the room the usage left is the lease's again
+    assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])

@@ -98,15 +98,9 @@ def unshardable(bundle: PolicyBundle, tenant_label: str) -> list[str]:
     of a decision shares one slot whatever the policies; on several, a decision touches only its
     tenant's shard, so whatever several tenants share would be counted apart on each shard unless
     carved into escrow leases: a budget tenants share is (one scoped by namespace, by other labels,
-    or attached to an account), over a calendar window; not yet over a rolling one, nor token
-    pools, nor the sensitive-workload quota."""
+    or attached to an account, over a calendar or a rolling window); token pools and the
+    sensitive-workload quota are not yet."""
     reasons = []
-    for policy in bundle.policies:
-        if shared(policy, tenant_label) and policy.window.rolling:
-            reasons.append(
-                f"budget {policy.id!r} covers runs of several tenants (its scope names no single {tenant_label!r}) over a rolling window: "
-                "on a sharded ledger such a budget is charged through each tenant's escrow lease, which is built for calendar windows only"
-            )
     if bundle.pools:
         reasons.append(f"token pools ({', '.join(sorted({p.namespace for p in bundle.pools}))}) are shared by tenants: a sharded ledger has none yet")
     if bundle.sensitive is not None:
