@@ -14,8 +14,10 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
+from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.shards import SEQ_STEP, Shards
 from budgetgate.ledger.queries import sql
+from budgetgate.reports.whatif_report import what_if
 from budgetgate.services.admission.admitter import Unavailable
 from tests.support.accounts import account_budget, account_tree
 from tests.support.admission import apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission
@@ -436,3 +438,36 @@ async def test_a_budget_tenants_share_over_a_rolling_window_ages_out_of_each_ten
     again = (await server.client.post("/v1/admissions", json=run(tenant, 1))).json()
     assert again["decision"] == "ALLOW", again  # the room the usage left is the lease's again
     assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
+
+
+async def test_what_if_reads_a_budget_tenants_share_as_its_leases_together(admission_factory, pg_dsn) -> None:
+    """What-if of a bundle with a budget tenants share, over decisions a sharded ledger made on
+    its tenants' leases: the candidate's budget starts from every lease's figures together, those
+    of a lease no decision of the period read included (team-0 reserved 16 of 20 GPU-hours before
+    the period; team-1, on another shard, was refused 8 in it). A candidate limit of 23 refuses
+    team-1 too; 24 admits it."""
+
+    def bundle_files(limit: int) -> dict[str, str]:
+        return {**policies(), "shared.yaml": budget_yaml("everyone", namespace="ml", labels="{}", limit=f"gpu_hours: {limit}")}
+
+    await apply_policies(pg_dsn, bundle_files(20), sha="a1" * 20)
+    server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    a, b = TENANTS[0], TENANTS[1]
+    assert server.rt.ledgers.of_root(a) is not server.rt.ledgers.of_root(b)
+    for n in range(2):
+        assert (await server.client.post("/v1/admissions", json=run(a, n))).json()["decision"] == "ALLOW"
+    since = datetime.now(UTC)
+    refused = (await server.client.post("/v1/admissions", json=run(b, 0))).json()
+    assert refused["decision"] == "DENY" and "everyone" in refused["reason"], refused  # 16 + 8 > 20
+
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        outcomes = {}
+        for limit in (23, 24):
+            documents = [doc for name, text in bundle_files(limit).items() for doc in parse_text(text, name)]
+            outcomes[limit] = await what_if(conn, build_bundle(documents, git_sha="b2" * 20), since)
+    finally:
+        await conn.close()
+    assert outcomes[23]["decisions"] == 1 and outcomes[23]["flips"] == [], outcomes[23]
+    assert [(f["run_id"], f["before"], f["after"]) for f in outcomes[24]["flips"]] == [(f"{b}/run-0", "DENY", "ALLOW")], outcomes[24]

@@ -285,3 +285,21 @@ def test_a_quota_refusal_is_not_simulated_and_frees_nothing_it_never_held() -> N
     lower = simulate(limited_bundle(40, "deny", 12, 10, 24, 4, 100), start={}, decisions=decisions, ends=ends)
     assert [(f.run_id, f.before, f.after) for f in lower.flips] == [("r0", "ALLOW", "DENY")]  # 48 of 40; r2's 24 fit
     assert [(n.run_id, n.budgets_after) for n in lower.not_simulated] == [("r1", "DENY")]
+
+
+def test_a_budget_held_by_escrow_leases_reads_as_their_sum() -> None:
+    """On a ledger of several shards a budget tenants share is held by each tenant's escrow lease
+    (its readings and holds are the leases'): the candidate's budget, filed under the budget's own
+    key, reads as the leases together, and an end frees room on the lease the run held."""
+    from budgetgate.core.escrow import lease_key
+
+    key = plan(bundle(100), run(1, 1).submission).charges[0].ledger_key
+    vision, nlp = lease_key(key, "vision"), lease_key(key, "nlp")
+    start = {vision: Start(reserved=40 * H, consumed=10 * H, read_at=AT), nlp: Start(reserved=0, consumed=30 * H, read_at=AT)}
+    holds = {"old": ({vision: 40 * H}, 40 * H)}
+    refused = simulate(bundle(100), start=start, decisions=[run(10, 21)], ends=[], holds=holds)
+    assert [f.run_id for f in refused.flips] == ["r10"]  # 40 + 10 + 30 held or used: 20 left, 21 needed
+    fits = simulate(bundle(100), start=start, decisions=[run(10, 20)], ends=[], holds=holds)
+    assert fits.flips == []
+    ended = simulate(bundle(100), start=start, decisions=[run(10, 40)], ends=[Ended("old", AT + timedelta(minutes=5), 20 * H)], holds=holds)
+    assert ended.flips == []  # the old run used 20 of its 40 on vision's lease: 60 used in all, 40 left

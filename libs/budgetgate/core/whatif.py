@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+from budgetgate.core.escrow import lease_of
 from budgetgate.core.evaluation import Plan, Reading, Submission, UnknownFlavor, decide, plan
 from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.core.policy import BudgetPolicy, Enforcement, PolicyBundle
@@ -147,6 +148,11 @@ class Simulation:
         self.candidate = candidate
         self.ledger: dict[str, list[int]] = {key: [s.reserved, s.consumed] for key, s in start.items()}
         self.read_at = {key: s.read_at for key, s in start.items()}
+        # A budget tenants share on a ledger of several shards is held by its tenants' escrow
+        # leases: a candidate's budget (filed under the budget's own key) reads as their sum.
+        self.leases: dict[str, set[str]] = {}
+        for key in start:
+            self._note_lease(key)
         self.holds: dict[str, _Hold] = {}
         self.admitted: set[str] = set()  # by the candidate
         self.admitted_before: set[str] = set()  # by history (tallied once, at its ALLOW)
@@ -158,6 +164,8 @@ class Simulation:
         self.holds[run_id] = _Hold(dict(amounts), projected_gpu)
         self.admitted.add(run_id)
         self.admitted_before.add(run_id)
+        for key in amounts:
+            self._note_lease(key)
 
     def decide(self, recorded: Recorded) -> None:
         sub = recorded.submission
@@ -219,8 +227,21 @@ class Simulation:
             )
         return found
 
-    def _reading(self, key: str, policy: BudgetPolicy) -> Reading:
+    def _note_lease(self, key: str) -> None:
+        lease = lease_of(key)
+        if lease is not None:
+            self.leases.setdefault(lease[0], set()).add(key)
+
+    def figures(self, key: str) -> tuple[int, int]:
+        """A ledger key's simulated (reserved, consumed): a budget's own and its leases' together."""
         reserved, consumed = self.ledger.get(key, (0, 0))
+        for lease in self.leases.get(key, ()):
+            held, used = self.ledger.get(lease, (0, 0))
+            reserved, consumed = reserved + held, consumed + used
+        return reserved, consumed
+
+    def _reading(self, key: str, policy: BudgetPolicy) -> Reading:
+        reserved, consumed = self.figures(key)
         return Reading(policy.limit.amount, reserved, consumed)
 
     def _tally_before(self, the_plan: Plan, recorded: Recorded) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from budgetgate.core.escrow import lease_of
 from budgetgate.core.whatif import Ended, Recorded, Start, budgets_outcome
 from budgetgate.ledger.queries import owned_by
 from budgetgate.decisions.deciding import submission
@@ -61,4 +62,13 @@ async def recorded_history(conn: Any, since: datetime, *, progress: Callable[[in
                 progress(5000)
     history.ends = [Ended(r["run_id"], r["ended_at"], r["actual_gpu"], r["released"]) for r in await conn.fetch(sql("whatif_ends"), since)]
     history.holds = {r["run_id"]: (_json(r["amounts"]), r["projected_gpu"]) for r in await conn.fetch(sql("whatif_holds"), since)}
+    # A budget tenants share on a ledger of several shards is held by its tenants' escrow leases,
+    # which the simulation reads as one (core.whatif.Simulation.figures): a lease no decision of
+    # the period read starts from its figures now, which every end before now is in already.
+    held = {key for amounts, _ in history.holds.values() for key in amounts}
+    shared = sorted({lease[0] for key in (*history.start, *held) if (lease := lease_of(key)) is not None})
+    if shared:
+        for row in await conn.fetch(sql("whatif_lease_figures"), shared):
+            if row["lease_key"] not in history.start:
+                history.start[row["lease_key"]] = Start(row["reserved"], row["consumed"], row["read_at"])
     return history

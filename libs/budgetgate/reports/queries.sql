@@ -70,6 +70,13 @@ FROM reservations r JOIN decisions d ON d.decision_id = r.decision_id
 WHERE d.decided_at < $1 AND r.created_at < $1 AND (r.ended_at IS NULL OR r.ended_at >= $1)
 GROUP BY r.run_id, d.projected_gpu;
 
+-- name: whatif_lease_figures
+-- The escrow leases of the budgets filed under $1 (their own ledger keys), with their figures now.
+SELECT l.lease_key, e.consumed, clock_timestamp() AS read_at,
+       COALESCE((SELECT sum(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
+FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key
+WHERE l.ledger_key = ANY($1::text[]);
+
 -- authenticated callers
 
 
