@@ -471,3 +471,49 @@ async def test_what_if_reads_a_budget_tenants_share_as_its_leases_together(admis
         await conn.close()
     assert outcomes[23]["decisions"] == 1 and outcomes[23]["flips"] == [], outcomes[23]
     assert [(f["run_id"], f["before"], f["after"]) for f in outcomes[24]["flips"]] == [(f"{b}/run-0", "DENY", "ALLOW")], outcomes[24]
+
+
+async def test_usage_in_a_window_a_leased_run_did_not_reserve_in_opens_its_tenants_lease_of_that_window(
+    admission_factory,
+    reconciler_factory,
+    feed,
+    pg_dsn,  # noqa: F811
+) -> None:
+    """A run admitted today on its tenant's lease of a daily budget tenants share, whose usage
+    began before midnight: the reconciler files the usage of yesterday on the tenant's lease of
+    yesterday's window, which it opens (size 0, beside the budget's entry of that window) on
+    the tenant's shard; today's usage goes to today's lease, and both agree in Redis and Postgres."""
+    daily = budget_yaml("everyone-day", namespace="ml", labels="{}", limit="gpu_hours: 100", window="{calendar: day}")
+    await apply_policies(pg_dsn, {**policies(), "daily.yaml": daily}, sha="c3" * 20)
+    server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    tenant = TENANTS[4]
+    assert (await server.client.post("/v1/admissions", json=run(tenant, 0))).json()["decision"] == "ALLOW"
+    [today] = [k for k in await held_in_postgres(pg_dsn) if k.startswith(f"ns=ml@{tenant}|")]
+
+    reconciler = await reconciler_factory(ledger_shards=SHARDS)
+    midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    start = midnight - timedelta(hours=1)
+    await feed.send(
+        lifecycle(f"{tenant}/run-0", "STARTED", start, gpus=8), usage(f"{tenant}/run-0", "1", midnight - timedelta(minutes=30), 4.0),
+        usage(f"{tenant}/run-0", "2", midnight, 6.0), lifecycle(f"{tenant}/run-0", "COMPLETED", midnight),
+    )  # fmt: skip
+    await wait_caught_up(reconciler)
+
+    async def settled() -> bool:
+        return (await ledger_figures(pg_dsn)).get(today, (None, None))[0] == 0
+
+    await wait_for(settled, what="the run settled")
+    figures = await ledger_figures(pg_dsn)
+    [yesterday] = [k for k in figures if k.startswith(f"ns=ml@{tenant}|") and k != today]
+    assert figures[yesterday] == (0, 4 * GPU_HOUR) and figures[today] == (0, 2 * GPU_HOUR), figures
+    shard = server.rt.ledgers.of_root(tenant)
+    assert await shard.readings([yesterday, today]) == {yesterday: figures[yesterday], today: figures[today]}
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        opened = await conn.fetchrow("SELECT ledger_key, root, size FROM escrow_leases WHERE lease_key = $1", yesterday)
+    finally:
+        await conn.close()
+    assert opened is not None and (opened["root"], opened["size"]) == (tenant, 0)
+    assert opened["ledger_key"] in figures and opened["ledger_key"].split("|")[1] == yesterday.split("|")[1]  # the budget's entry of that window
+    assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
