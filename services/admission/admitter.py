@@ -37,7 +37,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Outlook
-from budgetgate.core.escrow import chunk_of
+from budgetgate.core.escrow import Lease, chunk_of
 from budgetgate.core.evaluation import Charge, Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
@@ -119,9 +119,9 @@ class Pending:
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
     shard_failed: bool = False  # its shard failed once in a batch other shards' decisions committed in
-    # Escrow leases of its tenant that lacked room (each charge with the lease's (reserved,
-    # consumed) as the script read them): refilled once after its batch, then decided again.
-    refill: list[tuple[Charge, tuple[int, int]]] | None = None
+    # Escrow leases of its tenant that lacked room (each charge with the lease as the script
+    # read it: its size is the reading's limit): refilled once after its batch, then decided again.
+    refill: list[tuple[Charge, Reading]] | None = None
     refilled: bool = False
 
     @property
@@ -264,25 +264,43 @@ class Admitter(OneShard):
             self.batches.resubmit(deferred)
 
     async def _refill(self, deferred: list[Pending]) -> list[Pending]:
-        """The one synchronous refill of each submission whose tenant's escrow lease lacked room
-        (Escrow.refill: what it lacks, in whole chunks, from what no lease holds), after its batch
-        committed the others' decisions; then it is decided again, refused if it still does not
-        fit. A refill that fails answers its submission 503. Returns those to try again."""
-        again = []
+        """The one synchronous refill of each submission whose tenant's escrow lease lacked room,
+        after its batch committed the others' decisions; then it is decided again, refused if it
+        still does not fit. The submissions of a batch that lacked room on one lease are refilled
+        together, for what they lack together (each would otherwise ask only for what it lacks
+        alone, and all but one find the lease full again), in whole chunks, from what no lease
+        holds (Escrow.refill); the leases are refilled at once. A refill that fails answers its
+        submissions 503. Returns those to try again."""
+        again: list[Pending] = []
+        asking: list[tuple[Pending, list[tuple[str, str]]]] = []
+        wanted: dict[tuple[str, str], tuple[Charge, int, Reading]] = {}  # lease -> a charge on it, the amounts, the fullest reading
         for p in deferred:
             if not p.refill:
                 again.append(p)
                 continue
-            wanted, p.refill, p.refilled = p.refill, None, True
-            try:
-                for charge, reading in wanted:
-                    assert charge.root is not None  # (only a lease is refilled)
-                    await self.escrow.refill(charge.budget_key, charge.root, amount=charge.amount, reading=reading, chunk=self.chunk_of(charge))
-            except Exception as exc:  # noqa: BLE001 - its submission hears of it
-                if not p.answer.done():
-                    p.answer.set_exception(as_unavailable(exc))
-                continue
-            again.append(p)
+            lacking, p.refill, p.refilled = p.refill, None, True
+            leases = []
+            for charge, reading in lacking:
+                assert charge.root is not None  # (only a lease is refilled)
+                lease = (charge.budget_key, charge.root)
+                leases.append(lease)
+                if lease in wanted:
+                    first, amount, seen = wanted[lease]
+                    wanted[lease] = (first, amount + charge.amount, max(seen, reading, key=lambda r: r.reserved + r.consumed))
+                else:
+                    wanted[lease] = (charge, charge.amount, reading)
+            asking.append((p, leases))
+        outcomes = await _each_shard([
+            self.escrow.refill(budget, root, amount=amount, seen=Lease(seen.limit, seen.reserved, seen.consumed), chunk=self.chunk_of(charge))
+            for (budget, root), (charge, amount, seen) in wanted.items()
+        ])  # fmt: skip
+        failures = {lease: outcome for lease, outcome in zip(wanted, outcomes, strict=True) if isinstance(outcome, Exception)}
+        for p, leases in asking:
+            failure = next((failures[lease] for lease in leases if lease in failures), None)
+            if failure is None:
+                again.append(p)
+            elif not p.answer.done():
+                p.answer.set_exception(as_unavailable(failure))
         return again
 
     def chunk_of(self, charge: Charge) -> int:
@@ -482,15 +500,15 @@ class Admitter(OneShard):
         return self.usage.of(p.bundle, p.asks.tenant, p.at) if self.usage is not None else None
 
 
-def lacking_leases(the_plan: Plan, result: ReserveResult) -> list[tuple[Charge, tuple[int, int]]]:
-    """The escrow leases a refused reservation lacked room on, each with its (reserved, consumed)
-    as read: only when every hard charge that lacked room is a lease (a refill cannot help a
+def lacking_leases(the_plan: Plan, result: ReserveResult) -> list[tuple[Charge, Reading]]:
+    """The escrow leases a refused reservation lacked room on, each as read (its size the
+    reading's limit): only when every hard charge that lacked room is a lease (a refill cannot help a
     tenant's own budget)."""
     found = readings(the_plan, result) or {}
     lacking = [c for c in the_plan.charges if c.hard and not fits(c.amount, found[c.ledger_key])]
     if not lacking or any(c.root is None for c in lacking):
         return []
-    return [(c, (found[c.ledger_key].reserved, found[c.ledger_key].consumed)) for c in lacking]
+    return [(c, found[c.ledger_key]) for c in lacking]
 
 
 async def _each_shard(calls: list[Awaitable[T]]) -> list[T | Exception]:

@@ -15,7 +15,7 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.transaction import committed_seq
-from budgetgate.core.evaluation import Charge, fits
+from budgetgate.core.evaluation import Charge, Reading, fits
 from budgetgate.decisions.concurrency import rejection
 from budgetgate.services.admission.admitter import Admitter, Unavailable, lacking_leases, releases, with_ledger
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, readings
@@ -95,7 +95,7 @@ class Quoter:
             result = await self._after_refills(p, result, lacking)
         return result
 
-    async def _after_refills(self, p: Prepared, result: ReserveResult, lacking: list[tuple[Charge, tuple[int, int]]]) -> ReserveResult:
+    async def _after_refills(self, p: Prepared, result: ReserveResult, lacking: list[tuple[Charge, Reading]]) -> ReserveResult:
         """The check as it would read after the one refill admission gives a submission whose
         tenant's escrow leases lack room (Admitter._refill): each lease's size grown by what the
         refill would grant now (Escrow.refill_forecast), and FITS when every lease then has room
@@ -106,7 +106,9 @@ class Quoter:
         for charge, reading in lacking:
             assert charge.root is not None  # (only a lease lacks room here)
             chunk, limit = admitter.chunk_of(charge), charge.policy.limit.amount
-            grown = await admitter.escrow.refill_forecast(charge.budget_key, charge.root, amount=charge.amount, reading=reading, chunk=chunk, limit=limit)
+            grown = await admitter.escrow.refill_forecast(
+                charge.budget_key, charge.root, amount=charge.amount, reading=(reading.reserved, reading.consumed), chunk=chunk, limit=limit
+            )
             i = index[charge.ledger_key]
             sizes[i] = (sizes[i] or 0) + grown
         forecast = replace(result, sizes=tuple(sizes))

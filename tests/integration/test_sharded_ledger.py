@@ -46,6 +46,12 @@ def run(tenant: str, n: int) -> dict[str, object]:
     )
 
 
+async def held_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """What Redis holds reserved, by ledger key, every shard's, as held_in_postgres lists it (keys
+    holding nothing left out: a lease whose every decision was refused is still loaded)."""
+    return {key: reserved for key, reserved in (await reserved_in_redis(server)).items() if reserved}
+
+
 async def ledger_figures(dsn: str) -> dict[str, tuple[int, int]]:
     """Postgres's (reserved, consumed) of every ledger key."""
     conn = await asyncpg.connect(dsn)
@@ -73,7 +79,7 @@ async def test_each_tenant_is_decided_on_its_shard_and_no_budget_is_overadmitted
     assert allowed == {t: 2 for t in TENANTS}  # 8 GPU-hours each: two fit in 20, a third does not
 
     held = await held_in_postgres(pg_dsn)
-    assert await reserved_in_redis(server) == held
+    assert await held_in_redis(server) == held
     shards = Shards("bg", SHARDS)
     for ledger in server.rt.ledgers:
         mine = [t for t in TENANTS if shards.of_root(t) == ledger.shard]
@@ -295,7 +301,7 @@ async def test_a_budget_tenants_share_is_charged_through_each_tenants_escrow_lea
     assert 1 <= len(allowed) and 8 * len(allowed) <= SHARED_LIMIT  # 8 GPU-hours each: at most 7 of 13
 
     held = await held_in_postgres(pg_dsn)
-    assert await reserved_in_redis(server) == held
+    assert await held_in_redis(server) == held
     leases = {k: v for k, v in held.items() if "@" in k}
     assert sum(leases.values()) == 8 * GPU_HOUR * len(allowed) and not any(k.startswith("ns=ml|") for k in held)
     for key in leases:  # on its tenant's shard, and only there
@@ -364,7 +370,7 @@ async def test_budgets_attached_to_accounts_are_charged_through_each_tenants_lea
         assert charged == ({"research-month", "alice-month"} if body["run_id"].startswith("alice-") else {"research-month"}), body
 
     held = await held_in_postgres(pg_dsn)
-    assert await reserved_in_redis(server) == held
+    assert await held_in_redis(server) == held
     assert not any(k.startswith("account=research|") or k.startswith("account=alice|") for k in held)  # only leases hold
     on_research = {k: v for k, v in held.items() if k.startswith("account=research@")}
     on_alice = {k: v for k, v in held.items() if k.startswith("account=alice@")}
@@ -517,3 +523,41 @@ async def test_usage_in_a_window_a_leased_run_did_not_reserve_in_opens_its_tenan
     assert opened is not None and (opened["root"], opened["size"]) == (tenant, 0)
     assert opened["ledger_key"] in figures and opened["ledger_key"].split("|")[1] == yesterday.split("|")[1]  # the budget's entry of that window
     assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
+
+
+async def test_submissions_of_one_tenant_lacking_room_on_its_lease_together_are_refilled_for_all_of_them(admission_factory, pg_dsn) -> None:
+    """Three submissions of one tenant in one batch, its lease of a budget tenants share empty
+    and the budget with room for all: each is refused by the lease alone, and their one refill
+    grows the lease by what they lack together, so all three are admitted. A refill that asked
+    only for what one of them lacked left the others refused while the budget had room."""
+    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit="gpu_hours: 100")
+    await apply_policies(pg_dsn, {**policies(), "shared.yaml": shared}, sha="d4" * 20)
+    server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    tenant = TENANTS[3]
+    answers = await one_batch(server, [run(tenant, n) for n in range(3)])  # 24 GPU-hours, over the tenant's own 20
+    assert [a["decision"] for a in answers] == ["ALLOW", "ALLOW", "DENY"], answers
+    assert "budget-team-3" in answers[2]["reason"], answers[2]  # its own budget refused the third, not the lease
+    other = TENANTS[4]
+    answers = await one_batch(server, [run(other, n) for n in range(2)] + [run(TENANTS[5], n) for n in range(2)])
+    assert [a["decision"] for a in answers] == ["ALLOW"] * 4, answers
+    held = await held_in_postgres(pg_dsn)
+    assert await held_in_redis(server) == held
+    assert sum(v for k, v in held.items() if k.startswith("ns=ml@")) == 6 * 8 * GPU_HOUR
+
+    # A refill that fails answers the submissions that asked for it 503, and theirs alone.
+    escrow, real = server.rt.admitter.escrow, server.rt.admitter.escrow.refill
+
+    async def failing(budget, root, **kwargs):  # type: ignore[no-untyped-def]
+        if root == TENANTS[0]:
+            raise ConnectionError("Postgres went away")
+        return await real(budget, root, **kwargs)
+
+    escrow.refill = failing  # type: ignore[method-assign]
+    try:
+        answers = await one_batch(server, [run(TENANTS[0], 0), run(TENANTS[0], 1), run(TENANTS[1], 0)])
+    finally:
+        escrow.refill = real  # type: ignore[method-assign]
+    assert all(isinstance(a, Unavailable) and "Postgres went away" in str(a) for a in answers[:2]), answers
+    assert answers[2]["decision"] == "ALLOW", answers[2]
+    assert await held_in_redis(server) == await held_in_postgres(pg_dsn)

@@ -51,7 +51,7 @@ async def reserve_with_refill(s: Setup, root: str, amount: int, *, chunk: int) -
     result = await reservation(s, root, amount)
     if result.status != "REJECTED":
         return result.status == "RESERVED", 0
-    granted = await s.escrow.refill(BUDGET, root, amount=amount, reading=result.readings[0], chunk=chunk)
+    granted = await s.escrow.refill(BUDGET, root, amount=amount, seen=arithmetic.Lease(result.sizes[0] or 0, *result.readings[0]), chunk=chunk)
     return granted > 0 and await reserve(s, root, amount), granted
 
 

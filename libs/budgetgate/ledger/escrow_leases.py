@@ -103,15 +103,15 @@ class Escrow:
         log.info("escrow: %s gave back %d of its lease of %s (%s)", root, moved, ledger_key, reason)
         return moved
 
-    async def refill(self, ledger_key: str, root: str, *, amount: int, reading: tuple[int, int], chunk: int) -> int:
-        """The one synchronous refill a decision gets when `root`'s lease refused its reservation
-        of `amount`, with the lease's (reserved, consumed) as Redis read them in the refusal: a
-        grant of what the lease lacks, in whole `chunk`s (core.escrow.refill_wanted), or of what
-        is free when that is less. What the lease grew by (0: it fits already, as another
-        refill came first, or nothing was free); the caller reserves once more, and refuses the
-        decision if it does not fit then either."""
-        size = await self.pool.fetchval(sql("escrow_lease_size"), ledger_key, root) or 0
-        want = escrow.refill_wanted(Lease(size, *reading), amount, chunk=chunk)
+    async def refill(self, ledger_key: str, root: str, *, amount: int, seen: Lease, chunk: int) -> int:
+        """The one synchronous refill decisions get when `root`'s lease, as Redis read it in
+        their refusal (`seen`: its size, reserved and consumed), had no room for their
+        reservations of `amount` together: a grant of what the lease lacked, in whole `chunk`s
+        (core.escrow.refill_wanted), or of what is free when that is less. Reckoned on the
+        lease as they saw it, not as it is now: a refill since, for other decisions, is theirs to
+        use. What the lease grew by (0: nothing was free); the caller reserves once more, and
+        refuses a decision that does not fit then either."""
+        want = escrow.refill_wanted(seen, amount, chunk=chunk)
         if want <= 0:
             return 0
         return await self.grant(ledger_key, root, want, reason="refill")

@@ -332,10 +332,6 @@ SELECT l.root, l.size, e.consumed, b.limit_amount,
 FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key JOIN ledger_entries b ON b.ledger_key = l.ledger_key
 WHERE l.ledger_key = $1;
 
--- name: escrow_lease_size
--- The size of root $2's lease of the budget $1 (none when it has no lease).
-SELECT size FROM escrow_leases WHERE ledger_key = $1 AND root = $2;
-
 -- name: escrow_budgets
 -- Every budget carved into leases, with its limit.
 SELECT e.ledger_key, e.limit_amount FROM ledger_entries e
