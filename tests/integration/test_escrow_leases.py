@@ -176,12 +176,31 @@ async def test_a_refused_reservation_is_refilled_once_in_whole_chunks(setup: Set
     assert [tuple(m) for m in moves] == [("grant", 100, "refill"), ("grant", 50, "refill"), ("grant", 25, "refill")]
 
 
-async def test_a_refill_gives_what_is_free_and_the_decision_is_refused_when_that_is_not_enough(setup: Setup) -> None:
+async def test_a_refill_gives_what_is_free_then_reclaims_what_it_lacks_from_others_unused_room(setup: Setup) -> None:
     s = setup
-    await s.escrow.grant(BUDGET, "org-b", 950, reason="refill")
+    await s.escrow.grant(BUDGET, "org-b", 700, reason="refill")
+    await s.escrow.grant(BUDGET, "org-c", 250, reason="refill")
     assert await reserve_with_refill(s, "org-a", 40, chunk=100) == (True, 50)  # 50 free of 1,000
-    assert await reserve_with_refill(s, "org-a", 20, chunk=100) == (False, 0)  # 10 unused, none free
-    assert await sizes(s) == ({"org-a": 50, "org-b": 950}, {"org-a": 50, "org-b": 950})
+    # 10 unused and none free: it lacks 30, reclaimed from the most unused lease, org-b's.
+    assert await reserve_with_refill(s, "org-a", 40, chunk=100) == (True, 30)
+    assert await sizes(s) == ({"org-a": 80, "org-b": 670, "org-c": 250}, {"org-a": 80, "org-b": 670, "org-c": 250})
+    moves = await s.pool.fetch("SELECT root, kind, amount, reason FROM escrow_moves WHERE reason LIKE 'reclaim%' ORDER BY id")
+    assert [tuple(m) for m in moves] == [("org-b", "return", 30, "reclaim:org-a")]
+    # Every lease's room used: nothing free and nothing to reclaim, so it is refused.
+    assert await reserve(s, "org-b", 670) and await reserve(s, "org-c", 250)
+    assert await reserve_with_refill(s, "org-a", 1, chunk=100) == (False, 0)
+    assert await sizes(s) == ({"org-a": 80, "org-b": 670, "org-c": 250}, {"org-a": 80, "org-b": 670, "org-c": 250})
+
+
+async def test_a_reclaim_never_takes_room_a_reservation_in_flight_holds(setup: Setup) -> None:
+    """Postgres's figures name the leases to reclaim from; Redis's decide what each gives: a
+    lease whose room a reservation not yet committed holds gives none of it."""
+    s = setup
+    await s.escrow.grant(BUDGET, "org-b", 1_000, reason="refill")
+    assert await reserve(s, "org-b", 990)  # in Redis only: Postgres sees 1,000 unused
+    assert await reserve_with_refill(s, "org-a", 20, chunk=100) == (False, 10)  # org-b gave its 10, no more
+    assert await sizes(s) == ({"org-a": 10, "org-b": 990}, {"org-a": 10, "org-b": 990})
+    assert not await reserve(s, "org-b", 1)
 
 
 async def test_idle_leases_give_back_what_their_roots_do_not_use_beyond_a_chunk(setup: Setup) -> None:

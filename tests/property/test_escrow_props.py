@@ -58,12 +58,24 @@ class Leases(RuleBasedStateMachine):
     @rule(root=st.sampled_from(ROOTS), amount=st.integers(min_value=1, max_value=300), chunk=st.integers(min_value=1, max_value=200))
     def reserve(self, root: str, amount: int, chunk: int) -> None:
         lease = self.leases[root]
+        room = self.limit - sum(lease.used for lease in self.leases.values())  # the budget's, all leases together
         if not lease.fits(amount):
+            # The one refill (Escrow.refill): what it lacks in whole chunks from what is free;
+            # when too little is, what it still lacks reclaimed from the others' unused room.
             self.grant(root, escrow.refill_wanted(lease, amount, chunk=chunk))
+            need = escrow.lacking(lease, amount) - (self.leases[root].size - lease.size)
+            if need > 0:
+                for other, take in escrow.reclaim_plan(self.leases, root, need):
+                    assert other != root and 0 < take <= self.leases[other].unused
+                    self.give_back(other, take)
+                self.grant(root, need)
             lease = self.leases[root]
         if lease.fits(amount):
             self.leases[root] = replace(lease, reserved=lease.reserved + amount)
             self.holds.append((root, amount))
+        elif self.overage == 0:
+            # Refused only for want of room in the budget, never for room idle in other leases.
+            assert room < amount
 
     @precondition(lambda self: self.holds)
     @rule(data=st.data(), overage=st.booleans())
@@ -152,3 +164,22 @@ def test_a_lease_of_a_lease_or_a_root_holding_the_separator_is_refused() -> None
         escrow.lease_key(budget, "org@a")
     with pytest.raises(ValueError, match="not a root"):
         escrow.lease_key(budget, "")
+
+
+@given(
+    leases=st.dictionaries(st.sampled_from("abcdefghij"), st.tuples(st.integers(0, 500), st.integers(0, 300)), max_size=10),
+    root=st.sampled_from(("a", "b")),
+    need=st.integers(-5, 2_000),
+    most=st.integers(1, 10),
+)
+def test_a_reclaim_asks_the_other_leases_for_their_unused_room_most_first_and_no_more_than_needed(
+    leases: dict[str, tuple[int, int]], root: str, need: int, most: int
+) -> None:
+    figures = {r: Lease(size, min(used, size)) for r, (size, used) in leases.items()}
+    asks = escrow.reclaim_plan(figures, root, need, most=most)
+    assert len(asks) <= most and all(other != root for other, _ in asks)
+    assert all(0 < take <= figures[other].unused for other, take in asks)
+    assert sum(take for _, take in asks) <= max(need, 0)
+    assert [figures[o].unused for o, _ in asks] == sorted((figures[o].unused for o, _ in asks), reverse=True)
+    others = sorted((lease.unused for r, lease in figures.items() if r != root and lease.unused > 0), reverse=True)
+    assert sum(take for _, take in asks) == min(max(need, 0), sum(others[:most]))  # all it needs, or all the most unused hold

@@ -24,7 +24,7 @@ Promises (tests/property/test_escrow_arithmetic.py):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from budgetgate.core.ledger_key import LedgerKey
@@ -129,3 +129,33 @@ def refill_wanted(lease: Lease, amount: int, *, chunk: int) -> int:
     if lacking <= 0:
         return 0
     return -(-lacking // chunk) * chunk
+
+
+# The most other leases one refill reclaims from (one ledger transaction each).
+RECLAIM_FROM_AT_MOST = 8
+
+
+def lacking(lease: Lease, amount: int) -> int:
+    """What `lease` lacks for a reservation of `amount` (0: it fits)."""
+    return max(amount - (lease.size - lease.used), 0)
+
+
+def reclaim_plan(leases: Mapping[str, Lease], root: str, need: int, *, most: int = RECLAIM_FROM_AT_MOST) -> list[tuple[str, int]]:
+    """What a refill of `root`'s lease that found too little free asks the other roots' leases
+    to give back: their unused room, the most unused first, until `need` is met, from at most
+    `most` of them. Each return still takes no more than its root holds unused when it is made
+    (`returnable`, and lease.lua on Redis's figures), so a reservation in flight keeps its room."""
+    if need <= 0:
+        return []
+    asks: list[tuple[str, int]] = []
+    for other, lease in sorted(leases.items(), key=lambda item: (-item[1].unused, item[0])):
+        if len(asks) >= most:
+            break
+        if other == root or lease.unused <= 0:
+            continue
+        take = min(lease.unused, need)
+        asks.append((other, take))
+        need -= take
+        if need <= 0:
+            break
+    return asks

@@ -21,8 +21,10 @@ committed, and is rebuilt before it decides; one that loses a grant holds a smal
 Postgres granted, which refuses more, never less, and is rebuilt at its lease's next move (the
 sizes differ: lease.lua answers STALE).
 
-A decision its root's lease refuses gets one synchronous refill (`refill`) before it is refused;
-the reconciler gives back, at every orphan sweep, what idle leases do not use beyond a chunk
+A decision its root's lease refuses gets one synchronous refill (`refill`) before it is refused:
+what is free, and when that is too little, what it still lacks reclaimed from the room other
+roots' leases hold unused (returns recorded as `reclaim:<root>`), so a decision is refused only
+when the budget lacks room, not for room idle in other leases; the reconciler gives back, at every orphan sweep, what idle leases do not use beyond a chunk
 (`return_idle`), so it is free for other roots' refills.
 
 The roots' shards: every lease lives on its root's shard of the Redis ledger (`shard_of`); until
@@ -114,18 +116,36 @@ class Escrow:
         want = escrow.refill_wanted(seen, amount, chunk=chunk)
         if want <= 0:
             return 0
-        return await self.grant(ledger_key, root, want, reason="refill")
+        granted = await self.grant(ledger_key, root, want, reason="refill")
+        need = escrow.lacking(seen, amount) - granted
+        if need > 0 and await self._reclaim(ledger_key, root, need):
+            granted += await self.grant(ledger_key, root, need, reason="refill")
+        return granted
+
+    async def _reclaim(self, ledger_key: str, root: str, need: int) -> int:
+        """Too little was free for `root`'s refill: take what it still needs from the room other
+        roots' leases hold unused (core.escrow.reclaim_plan, on Postgres's figures; each return
+        takes no more than Redis says its root holds unused), so a decision is not refused while
+        its budget has room idle in other leases. What was given back, now free."""
+        rows = await self.pool.fetch(sql("escrow_leases_read"), ledger_key)
+        leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+        given = 0
+        for other, take in escrow.reclaim_plan(leases, root, need):
+            given += await self.give_back(ledger_key, other, take, reason=f"reclaim:{root}")
+        return given
 
     async def refill_forecast(self, ledger_key: str, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
         """What `refill` would grow `root`'s lease by now, from the same figures, writing nothing
         and locking nothing (a quote's forecast; `limit`: the budget's, when it has no entry yet)."""
         rows = await self.pool.fetch(sql("escrow_leases_read"), ledger_key)
         leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
-        mine = leases.get(root, Lease(0))
-        want = escrow.refill_wanted(Lease(mine.size, *reading), amount, chunk=chunk)
+        seen = Lease(leases.get(root, Lease(0)).size, *reading)
+        want = escrow.refill_wanted(seen, amount, chunk=chunk)
         if want <= 0:
             return 0
-        return escrow.grantable(rows[0]["limit_amount"] if rows else limit, leases.values(), want)
+        granted = escrow.grantable(rows[0]["limit_amount"] if rows else limit, leases.values(), want)
+        need = escrow.lacking(seen, amount) - granted
+        return granted + sum(take for _, take in escrow.reclaim_plan(leases, root, need)) if need > 0 else granted
 
     async def return_idle(self, *, idle: timedelta, chunk_share: float, now: datetime) -> dict[tuple[str, str], int]:
         """Give back, from every lease whose size has not moved for `idle`, what its root holds
