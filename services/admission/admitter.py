@@ -37,7 +37,7 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Outlook
-from budgetgate.core.escrow import Lease, chunk_of
+from budgetgate.core.escrow import Lease, refill_chunk
 from budgetgate.core.evaluation import Charge, Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
@@ -65,6 +65,8 @@ sql = owned_by("budgetgate.services.admission")
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The most refills one submission gets (Pending.may_refill).
+MAX_REFILLS = 3
 
 
 async def with_ledger(sync: LedgerSync | Sequence[LedgerSync], work: Callable[[], Awaitable[T]]) -> T:
@@ -120,9 +122,17 @@ class Pending:
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
     shard_failed: bool = False  # its shard failed once in a batch other shards' decisions committed in
     # Escrow leases of its tenant that lacked room (each charge with the lease as the script
-    # read it: its size is the reading's limit): refilled once after its batch, then decided again.
+    # read it: its size is the reading's limit): refilled after its batch, then decided again.
     refill: list[tuple[Charge, Reading]] | None = None
-    refilled: bool = False
+    refills: int = 0  # refills it had; another only while each granted room (`may_refill`)
+    refill_granted: bool = True  # whether its last refill grew every lease it asked of
+
+    @property
+    def may_refill(self) -> bool:
+        """Whether a refusal by its tenant's leases alone gets it a refill: the first always; up
+        to MAX_REFILLS while each one granted room (which a submission of its tenant decided in a
+        batch in flight meanwhile may have taken), never once a refill found nothing to grant."""
+        return self.refills == 0 or (self.refill_granted and self.refills < MAX_REFILLS)
 
     @property
     def run_id(self) -> str:
@@ -264,9 +274,9 @@ class Admitter(OneShard):
             self.batches.resubmit(deferred)
 
     async def _refill(self, deferred: list[Pending]) -> list[Pending]:
-        """The one synchronous refill of each submission whose tenant's escrow lease lacked room,
+        """The synchronous refill of each submission whose tenant's escrow lease lacked room,
         after its batch committed the others' decisions; then it is decided again, refused if it
-        still does not fit. The submissions of a batch that lacked room on one lease are refilled
+        still does not fit and may not be refilled again (`Pending.may_refill`). The submissions of a batch that lacked room on one lease are refilled
         together, for what they lack together (each would otherwise ask only for what it lacks
         alone, and all but one find the lease full again), in whole chunks, from what no lease
         holds (Escrow.refill); the leases are refilled at once. A refill that fails answers its
@@ -278,7 +288,8 @@ class Admitter(OneShard):
             if not p.refill:
                 again.append(p)
                 continue
-            lacking, p.refill, p.refilled = p.refill, None, True
+            lacking, p.refill = p.refill, None
+            p.refills += 1
             leases = []
             for charge, reading in lacking:
                 assert charge.root is not None  # (only a lease is refilled)
@@ -294,10 +305,11 @@ class Admitter(OneShard):
             self.escrow.refill(budget, root, amount=amount, seen=Lease(seen.limit, seen.reserved, seen.consumed), chunk=self.chunk_of(charge))
             for (budget, root), (charge, amount, seen) in wanted.items()
         ])  # fmt: skip
-        failures = {lease: outcome for lease, outcome in zip(wanted, outcomes, strict=True) if isinstance(outcome, Exception)}
+        by_lease = dict(zip(wanted, outcomes, strict=True))
         for p, leases in asking:
-            failure = next((failures[lease] for lease in leases if lease in failures), None)
+            failure = next((found for lease in leases if isinstance(found := by_lease[lease], Exception)), None)
             if failure is None:
+                p.refill_granted = all(by_lease[lease] for lease in leases)
                 again.append(p)
             elif not p.answer.done():
                 p.answer.set_exception(as_unavailable(failure))
@@ -305,8 +317,9 @@ class Admitter(OneShard):
 
     def chunk_of(self, charge: Charge) -> int:
         """The chunk a refill of the lease `charge` is on grants in (BUDGETGATE_ESCROW_CHUNK_SHARE
-        of its budget's limit), as admission refills and a quote forecasts."""
-        return chunk_of(charge.policy.limit.amount, self.escrow_chunk_share)
+        of its budget's limit, or a few of its reservations when that is less:
+        core.escrow.refill_chunk), as admission refills and a quote forecasts."""
+        return refill_chunk(charge.policy.limit.amount, self.escrow_chunk_share, charge.amount)
 
     async def _after_shard_failures(self, deferred: list[Pending], failed: dict[int, BaseException]) -> list[Pending]:
         """The submissions of shards that failed in a batch whose other shards' decisions
@@ -455,7 +468,7 @@ class Admitter(OneShard):
                         again.append(p)
                     else:
                         p.result = result
-                        if result.status == "REJECTED" and not p.refilled:
+                        if result.status == "REJECTED" and p.may_refill:
                             p.refill = lacking_leases(p.plan, result) or None
                 missing = [p.plan for p in again if p.shard == shard and p.plan.charges]
                 if missing:

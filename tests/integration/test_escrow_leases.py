@@ -180,9 +180,10 @@ async def test_a_refill_gives_what_is_free_then_reclaims_what_it_lacks_from_othe
     s = setup
     await s.escrow.grant(BUDGET, "org-b", 700, reason="refill")
     await s.escrow.grant(BUDGET, "org-c", 250, reason="refill")
-    assert await reserve_with_refill(s, "org-a", 40, chunk=100) == (True, 50)  # 50 free of 1,000
-    # 10 unused and none free: it lacks 30, reclaimed from the most unused lease, org-b's.
-    assert await reserve_with_refill(s, "org-a", 40, chunk=100) == (True, 30)
+    # 50 free of 1,000, less than a chunk: it is given the 40 it lacks, the rest left free.
+    assert await reserve_with_refill(s, "org-a", 40, chunk=100) == (True, 40)
+    # It lacks 40, 10 are free: the other 30 are reclaimed from the most unused lease, org-b's.
+    assert await reserve_with_refill(s, "org-a", 40, chunk=100) == (True, 40)
     assert await sizes(s) == ({"org-a": 80, "org-b": 670, "org-c": 250}, {"org-a": 80, "org-b": 670, "org-c": 250})
     moves = await s.pool.fetch("SELECT root, kind, amount, reason FROM escrow_moves WHERE reason LIKE 'reclaim%' ORDER BY id")
     assert [tuple(m) for m in moves] == [("org-b", "return", 30, "reclaim:org-a")]

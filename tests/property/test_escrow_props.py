@@ -60,10 +60,14 @@ class Leases(RuleBasedStateMachine):
         lease = self.leases[root]
         room = self.limit - sum(lease.used for lease in self.leases.values())  # the budget's, all leases together
         if not lease.fits(amount):
-            # The one refill (Escrow.refill): what it lacks in whole chunks from what is free;
-            # when too little is, what it still lacks reclaimed from the others' unused room.
-            self.grant(root, escrow.refill_wanted(lease, amount, chunk=chunk))
-            need = escrow.lacking(lease, amount) - (self.leases[root].size - lease.size)
+            # The refill (Escrow.refill): what it lacks in whole chunks when that is free, else
+            # what it lacks of what is; when too little is, the rest reclaimed from the others'
+            # unused room.
+            lacking, before = escrow.lacking(lease, amount), self._held()
+            given = escrow.grantable(self.limit, self.leases.values(), escrow.refill_wanted(lease, amount, chunk=chunk), least=lacking)
+            assert given <= max(self.limit - before, 0) and (given >= lacking or given == max(self.limit - before, 0))
+            self.leases[root] = replace(lease, size=lease.size + given)
+            need = lacking - given
             if need > 0:
                 for other, take in escrow.reclaim_plan(self.leases, root, need):
                     assert other != root and 0 < take <= self.leases[other].unused
@@ -183,3 +187,10 @@ def test_a_reclaim_asks_the_other_leases_for_their_unused_room_most_first_and_no
     assert [figures[o].unused for o, _ in asks] == sorted((figures[o].unused for o, _ in asks), reverse=True)
     others = sorted((lease.unused for r, lease in figures.items() if r != root and lease.unused > 0), reverse=True)
     assert sum(take for _, take in asks) == min(max(need, 0), sum(others[:most]))  # all it needs, or all the most unused hold
+
+
+@given(limit=st.integers(1, 10**12), share=st.floats(0.0001, 1.0), amount=st.integers(1, 10**10))
+def test_a_refills_chunk_is_the_budgets_or_a_few_reservations_whichever_is_less(limit: int, share: float, amount: int) -> None:
+    chunk = escrow.refill_chunk(limit, share, amount)
+    assert 1 <= chunk <= escrow.chunk_of(limit, share)
+    assert chunk == escrow.chunk_of(limit, share) or chunk == escrow.REFILL_DECISIONS * amount

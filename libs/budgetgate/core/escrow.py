@@ -91,11 +91,17 @@ def free(limit: int, leases: Iterable[Lease]) -> int:
     return limit - sum(lease.held for lease in leases)
 
 
-def grantable(limit: int, leases: Iterable[Lease], want: int) -> int:
-    """How much of `want` a grant gives now: all of it, what is free, or nothing."""
+def grantable(limit: int, leases: Iterable[Lease], want: int, *, least: int | None = None) -> int:
+    """How much of `want` a grant gives now: all of it, what is free, or nothing. With `least`
+    (a refill: what its decisions lack, `want` being that in whole chunks), when not all of
+    `want` is free it gives only `least` of what is, so the rest stays free for other roots'
+    refills rather than sit unused in this lease."""
     if want < 0:
         raise ValueError(f"a grant asks for a positive amount, not {want}")
-    return max(min(want, free(limit, leases)), 0)
+    room = free(limit, leases)
+    if least is not None and room < want:
+        want = min(want, max(least, 0))
+    return max(min(want, room), 0)
 
 
 def returnable(lease: Lease, want: int) -> int:
@@ -112,6 +118,18 @@ def chunk_of(limit: int, share: float) -> int:
     if not 0 < share <= 1:
         raise ValueError(f"a chunk is a share of the limit in (0, 1], not {share}")
     return max(math.ceil(limit * share), 1)
+
+
+# A refill's chunk is at most this many times the reservation that asked for it.
+REFILL_DECISIONS = 4
+
+
+def refill_chunk(limit: int, share: float, amount: int) -> int:
+    """The chunk a refill for a reservation of `amount` asks in: the budget's chunk (`chunk_of`),
+    or REFILL_DECISIONS such reservations when that is less. A lease thus grows with what its
+    root asks for, a few decisions ahead, and many roots together do not carve a budget into
+    chunks none of them uses (with 2 % chunks, fifty roots would hold the whole limit)."""
+    return max(min(chunk_of(limit, share), REFILL_DECISIONS * amount), 1)
 
 
 def idle_return(lease: Lease, *, keep: int) -> int:

@@ -69,15 +69,16 @@ class Escrow:
             raise UnknownBudget(f"budget {ledger_key!r} has no ledger entry to carve leases from")
         return lease
 
-    async def grant(self, ledger_key: str, root: str, want: int, *, reason: str) -> int:
+    async def grant(self, ledger_key: str, root: str, want: int, *, reason: str, least: int | None = None) -> int:
         """Grow `root`'s lease by `want`, or by what is free of the budget's limit when that is
-        less; what it grew by (0: nothing was free, and nothing was written)."""
+        less (by no more than `least` then, when given: core.escrow.grantable); what it grew by
+        (0: nothing was free, and nothing was written)."""
         lease_key = await self.open(ledger_key, root)
         ledger = self.shard_of(root)
         async with ledger_transaction(self.pool, ledger) as work:
             limit = await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
             leases = await _locked(work.conn, ledger_key)
-            given = escrow.grantable(limit, leases.values(), want)
+            given = escrow.grantable(limit, leases.values(), want, least=least)
             if given <= 0:
                 return 0
             size = leases[root].size
@@ -106,33 +107,59 @@ class Escrow:
         return moved
 
     async def refill(self, ledger_key: str, root: str, *, amount: int, seen: Lease, chunk: int) -> int:
-        """The one synchronous refill decisions get when `root`'s lease, as Redis read it in
-        their refusal (`seen`: its size, reserved and consumed), had no room for their
-        reservations of `amount` together: a grant of what the lease lacked, in whole `chunk`s
-        (core.escrow.refill_wanted), or of what is free when that is less. Reckoned on the
-        lease as they saw it, not as it is now: a refill since, for other decisions, is theirs to
-        use. What the lease grew by (0: nothing was free); the caller reserves once more, and
-        refuses a decision that does not fit then either."""
-        want = escrow.refill_wanted(seen, amount, chunk=chunk)
-        if want <= 0:
+        """The synchronous refill decisions get when `root`'s lease, as Redis read it in their
+        refusal (`seen`: its size, reserved and consumed), had no room for their reservations of
+        `amount` together: a grant of what the lease lacked, in whole `chunk`s
+        (core.escrow.refill_wanted) when that much is free, else of what it lacked (the rest left
+        free for other roots' refills); when less than that is free, what it still lacks is
+        moved into it from the room other roots' leases hold unused (`_reclaim`). Reckoned on the
+        lease as the decisions saw it, not as it is now: a refill since, for other decisions, is
+        theirs to use. What the lease grew by (0: nothing was free, nor idle in any lease); the
+        caller reserves once more, and refuses a decision that does not fit then either."""
+        lacking, want = escrow.lacking(seen, amount), escrow.refill_wanted(seen, amount, chunk=chunk)
+        if lacking <= 0:
             return 0
-        granted = await self.grant(ledger_key, root, want, reason="refill")
-        need = escrow.lacking(seen, amount) - granted
-        if need > 0 and await self._reclaim(ledger_key, root, need):
-            granted += await self.grant(ledger_key, root, need, reason="refill")
+        granted = await self.grant(ledger_key, root, want, reason="refill", least=lacking)
+        if granted < lacking:
+            granted += await self._reclaim(ledger_key, root, lacking - granted)
         return granted
 
     async def _reclaim(self, ledger_key: str, root: str, need: int) -> int:
-        """Too little was free for `root`'s refill: take what it still needs from the room other
-        roots' leases hold unused (core.escrow.reclaim_plan, on Postgres's figures; each return
-        takes no more than Redis says its root holds unused), so a decision is not refused while
-        its budget has room idle in other leases. What was given back, now free."""
-        rows = await self.pool.fetch(sql("escrow_leases_read"), ledger_key)
-        leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
-        given = 0
-        for other, take in escrow.reclaim_plan(leases, root, need):
-            given += await self.give_back(ledger_key, other, take, reason=f"reclaim:{root}")
-        return given
+        """Too little was free for `root`'s refill: in one ledger transaction, holding every
+        shard's lock (in shard order, then the budget's and its leases' rows, as every move), take
+        what is free and then the room other roots' leases hold unused (core.escrow.reclaim_plan
+        on the locked figures; each shrink takes no more than Redis says its root holds unused, so
+        a reservation in flight keeps its room), and grow `root`'s lease by all of it at once, so
+        no other refill takes it in between. What the lease grew by."""
+        lease_key = await self.open(ledger_key, root)
+        ledger = self.shard_of(root)
+        shrunk: list[RedisLedger] = []
+        try:
+            async with ledger_transaction(self.pool, ledger) as work:
+                await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
+                limit = await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
+                leases = await _locked(work.conn, ledger_key)
+                got = min(max(escrow.free(limit, leases.values()), 0), need)
+                for other, take in escrow.reclaim_plan(leases, root, need - got):
+                    giver, size = self.shard_of(other), leases[other].size
+                    shrunk.append(giver)
+                    moved, seq = await self._move(work, giver, escrow.lease_key(ledger_key, other), size=size, grow=False, amount=take)
+                    if moved > 0:
+                        await record_ledger_mark(work.conn, giver, seq)
+                        await work.conn.execute(sql("escrow_move"), ledger_key, other, "return", size - moved, moved, seq, f"reclaim:{root}")
+                        got += moved
+                if got <= 0:
+                    return 0
+                size = leases[root].size
+                grown, _ = await self._move(work, ledger, lease_key, size=size, grow=True, amount=got)
+                await work.conn.execute(sql("escrow_move"), ledger_key, root, "grant", size + grown, grown, None, "refill")
+        except BaseException:
+            for giver in shrunk:  # (the receiver's shard is invalidated by ledger_transaction)
+                if giver is not ledger:
+                    await giver.invalidate("an escrow reclaim failed after shrinking a lease")
+            raise
+        log.info("escrow: moved %d into %s's lease of %s, reclaimed from leases idle room", grown, root, ledger_key)
+        return grown
 
     async def refill_forecast(self, ledger_key: str, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
         """What `refill` would grow `root`'s lease by now, from the same figures, writing nothing
@@ -143,8 +170,9 @@ class Escrow:
         want = escrow.refill_wanted(seen, amount, chunk=chunk)
         if want <= 0:
             return 0
-        granted = escrow.grantable(rows[0]["limit_amount"] if rows else limit, leases.values(), want)
-        need = escrow.lacking(seen, amount) - granted
+        lacking = escrow.lacking(seen, amount)
+        granted = escrow.grantable(rows[0]["limit_amount"] if rows else limit, leases.values(), want, least=lacking)
+        need = lacking - granted
         return granted + sum(take for _, take in escrow.reclaim_plan(leases, root, need)) if need > 0 else granted
 
     async def return_idle(self, *, idle: timedelta, chunk_share: float, now: datetime) -> dict[tuple[str, str], int]:

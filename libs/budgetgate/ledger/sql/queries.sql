@@ -2,6 +2,11 @@
 -- and every query more than one package asks for. A package's own queries are in its queries.sql
 -- (services/<service>/queries.sql, libs/budgetgate/<package>/queries.sql). One block per query.
 
+-- name: lock_every_shard_shared
+-- lock_ledger_shared of every shard of a ledger of $1, in shard order: an escrow reclaim, which
+-- shrinks leases on other roots' shards in the transaction that grows its own.
+SELECT count(pg_advisory_xact_lock_shared(7301, s)) FROM generate_series(0, $1::integer - 1) AS s;
+
 -- name: lock_ledger_shared
 -- Every transaction that changes a shard's ($1) reservations takes this; the shard's rebuild takes
 -- it exclusively, so a rebuild never misses a reservation made in Redis but not yet committed here.
