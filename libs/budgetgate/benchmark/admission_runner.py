@@ -63,7 +63,7 @@ class Options:
     warmup: int = 100
     budgets: int = 100
     allow_fraction: float = 0.8
-    scenarios: tuple[str, ...] = workload.SCENARIOS
+    scenarios: tuple[str, ...] = workload.DEFAULT_SCENARIOS
     systems: tuple[str, ...] = SYSTEMS
     probe: int = 20  # measured run ids submitted again after the run
     ready_timeout: float = 60.0

@@ -3,6 +3,8 @@
 Per submission, one transaction: lock the budget row (SELECT … FOR UPDATE), answer a retry from
 its stored decision, check limit − reserved − consumed, add to reserved, store the decision,
 commit, answer ALLOW or DENY. It takes the same request body as budgetgate's admission API.
+With `--shared-budget` (the benchmark's `shared` scenario) every submission falls under one more
+budget, the row `budgets.budget_id = SHARED_ID`, locked after the team's and charged with it.
 
 Run it as `python -m budgetgate.benchmark.baseline --dsn DSN --port P`.
 """
@@ -22,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from budgetgate.benchmark import sql_blocks
+from budgetgate.benchmark.workload import SHARED_ID
 
 MILLI_PER_HOUR = 3_600_000
 sql = functools.partial(sql_blocks.sql, "baseline.sql")
@@ -65,8 +68,9 @@ class _Raced(Exception):
     """Another transaction stored a decision for this run id first."""
 
 
-def create_app(dsn: str, *, pool_min: int = 2, pool_max: int = 20) -> FastAPI:
-    """The baseline service on the database `dsn` (schema from `prepare`)."""
+def create_app(dsn: str, *, pool_min: int = 2, pool_max: int = 20, shared: bool = False) -> FastAPI:
+    """The baseline service on the database `dsn` (schema from `prepare`); `shared`: every
+    submission falls under the budget SHARED_ID too."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -82,7 +86,7 @@ def create_app(dsn: str, *, pool_min: int = 2, pool_max: int = 20) -> FastAPI:
     async def submit(body: Submission, request: Request) -> dict:
         pool: asyncpg.Pool = request.app.state.pool
         try:
-            return await _decide(pool, body)
+            return await _decide(pool, body, shared=shared)
         except _Raced:
             row = await pool.fetchrow(sql("prior_decision"), body.run_id)
             return {**json.loads(row["response"]), "replayed": True}
@@ -95,17 +99,22 @@ def create_app(dsn: str, *, pool_min: int = 2, pool_max: int = 20) -> FastAPI:
     return app
 
 
-async def _decide(pool: asyncpg.Pool, body: Submission) -> dict:
+async def _decide(pool: asyncpg.Pool, body: Submission, *, shared: bool = False) -> dict:
     amount = round(body.resources.gpus * body.projected_runtime_hours * MILLI_PER_HOUR)
     async with pool.acquire() as conn, conn.transaction():
         budget = await conn.fetchrow(sql("lock_budget"), body.namespace)
+        company = await conn.fetchrow(sql("lock_budget_id"), SHARED_ID) if shared else None  # always after the team's row
         prior = await conn.fetchrow(sql("prior_decision"), body.run_id)
         if prior is not None:
             return {**json.loads(prior["response"]), "replayed": True}
         remaining = None if budget is None else budget["limit_amount"] - budget["reserved"] - budget["consumed"]
         allow = remaining is None or amount <= remaining
+        if company is not None:
+            allow = allow and amount <= company["limit_amount"] - company["reserved"] - company["consumed"]
         if allow and budget is not None:
             await conn.execute(sql("reserve"), budget["budget_id"], amount)
+        if allow and company is not None:
+            await conn.execute(sql("reserve"), SHARED_ID, amount)
         answer = {
             "run_id": body.run_id,
             "decision": "ALLOW" if allow else "DENY",
@@ -133,8 +142,9 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8090)
     parser.add_argument("--pool-max", type=int, default=20)
+    parser.add_argument("--shared-budget", action="store_true", help=f"every submission falls under the budget {SHARED_ID} too")
     args = parser.parse_args()
-    uvicorn.run(create_app(args.dsn, pool_max=args.pool_max), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(args.dsn, pool_max=args.pool_max, shared=args.shared_budget), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

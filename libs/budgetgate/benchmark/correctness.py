@@ -17,6 +17,7 @@ class BudgetTotal:
     consumed: int
     admitted: int  # held by ALLOW decisions
     allows: int
+    shared: bool = False  # every submission falls under it too (the shared scenario's): its ALLOWs are the others'
 
     @property
     def over(self) -> bool:
@@ -55,7 +56,7 @@ def check(
         budgets=len(totals),
         admitted_gpu_hours=sum(t.admitted for t in totals) / MILLI_PER_HOUR,
         limit_gpu_hours=sum(t.limit for t in totals) / MILLI_PER_HOUR,
-        stored_allows=sum(t.allows for t in totals),
+        stored_allows=sum(t.allows for t in totals if not t.shared),
         problems=list(problems),
     )
     for t in totals:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import asyncpg
@@ -17,7 +17,9 @@ from budgetgate.benchmark.correctness import MILLI_PER_HOUR, BudgetTotal
 from budgetgate.benchmark.cpu import Part, redis_parts
 from budgetgate.benchmark.credentials import SERVICE_ENV, bench_token
 from budgetgate.benchmark.service_processes import python_module
-from budgetgate.benchmark.workload import Workload, policy_yaml
+from budgetgate.benchmark.workload import SHARED_ID, Workload, policy_yaml
+from budgetgate.core.escrow import lease_of
+from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.core.shards import Shards
 from budgetgate.ledger.migrations import migrate_dsn
@@ -64,11 +66,13 @@ class Budgetgate:
         self.ledger_shards = ledger_shards
         self.redis_prefix = f"bench-{tag}"
         self.topics = Topics(f"bench-{tag}-")
+        self.shared_scope: str | None = None  # the scope id of the budget every submission falls under (`shared`)
 
     async def prepare(self, dsn: str, workload: Workload) -> None:
         await migrate_dsn(dsn)
-        documents = parse_text(policy_yaml(workload.budgets), "bench/policies.yaml")
+        documents = parse_text(policy_yaml(workload.budgets, workload.shared_gpu_hours), "bench/policies.yaml")
         bundle = build_bundle(documents, git_sha=uuid.uuid4().hex + "00000000")
+        self.shared_scope = next((p.scope.scope_id for p in bundle.policies if p.id == SHARED_ID), None)
         conn = await asyncpg.connect(dsn)
         try:
             await apply_bundle(conn, bundle=bundle, documents=documents, source="budgetgate bench", applied_by="budgetgate bench")
@@ -106,14 +110,26 @@ class Budgetgate:
             allow_decisions = await conn.fetchval(sql_blocks.sql("audit.sql", "allow_decisions"))
         finally:
             await conn.close()
-        totals = [BudgetTotal(r["budget"], r["limit_amount"], r["consumed"], r["admitted"], r["allows"]) for r in rows]
         problems = []
-        if allow_decisions != sum(t.allows for t in totals):
-            problems.append(f"{allow_decisions} ALLOW decisions but {sum(t.allows for t in totals)} held reservations")
-        in_redis = await self._redis_reserved([t.budget for t in totals])
-        for t in totals:
-            if in_redis.get(t.budget) != t.admitted:
-                problems.append(f"Redis holds {in_redis.get(t.budget)} on {t.budget}, Postgres {t.admitted}")
+        in_redis = await self._redis_reserved([r["budget"] for r in rows])
+        for r in rows:
+            found = in_redis.get(r["budget"])
+            if found is None and not r["admitted"] and lease_of(r["budget"]) is None:
+                found = 0  # a budget carved into escrow leases holds nothing itself, and is never loaded
+            if found != r["admitted"]:
+                problems.append(f"Redis holds {found} on {r['budget']}, Postgres {r['admitted']}")
+        # A budget carved into escrow leases (the shared scenario on several shards) is judged
+        # whole: its leases' figures added up under its own key, against its limit.
+        by_budget: dict[str, BudgetTotal] = {}
+        for r in rows:
+            lease = lease_of(r["budget"])
+            key = lease[0] if lease else r["budget"]
+            t = by_budget.get(key) or BudgetTotal(key, 0, 0, 0, 0, shared=LedgerKey.parse(key).scope_id == self.shared_scope)
+            limit = t.limit if lease else r["limit_amount"]
+            by_budget[key] = replace(t, limit=limit, consumed=t.consumed + r["consumed"], admitted=t.admitted + r["admitted"], allows=t.allows + r["allows"])
+        totals = list(by_budget.values())
+        if allow_decisions != sum(t.allows for t in totals if not t.shared):
+            problems.append(f"{allow_decisions} ALLOW decisions but {sum(t.allows for t in totals if not t.shared)} held reservations on the team budgets")
         return totals, problems
 
     async def _redis_reserved(self, ledger_keys: list[str]) -> dict[str, int]:
@@ -157,16 +173,23 @@ class Baseline:
     reports_stages = False
     token: str | None = None  # the baseline has no authentication
 
+    def __init__(self) -> None:
+        self.shared = False  # every submission falls under the budget SHARED_ID too (`shared`)
+
     async def prepare(self, dsn: str, workload: Workload) -> None:
+        self.shared = workload.shared_gpu_hours is not None
         conn = await asyncpg.connect(dsn)
         try:
             rows = [(b.team, b.namespace, round(b.limit_gpu_hours * MILLI_PER_HOUR)) for b in workload.budgets]
+            if workload.shared_gpu_hours is not None:
+                rows.append((SHARED_ID, "-", workload.shared_gpu_hours * MILLI_PER_HOUR))  # (no namespace of its own)
             await baseline.prepare(conn, rows)
         finally:
             await conn.close()
 
     def command(self, *, dsn: str, port: int) -> tuple[list[str], dict[str, str]]:
-        return python_module("budgetgate.benchmark.baseline", "--dsn", dsn, "--host", "127.0.0.1", "--port", str(port)), {}
+        shared = ["--shared-budget"] if self.shared else []
+        return python_module("budgetgate.benchmark.baseline", "--dsn", dsn, "--host", "127.0.0.1", "--port", str(port), *shared), {}
 
     def cpu_parts(self, *, service_pids: Sequence[int], dsn: str) -> list[Part]:
         return [*Part.replicas("service", service_pids), Part("postgres", postgres_dsn=dsn)]
@@ -174,10 +197,10 @@ class Baseline:
     async def totals(self, dsn: str) -> tuple[list[BudgetTotal], list[str]]:
         conn = await asyncpg.connect(dsn)
         try:
-            rows = await conn.fetch(baseline.sql("totals"))
+            rows = await conn.fetch(baseline.sql("totals"), SHARED_ID)
         finally:
             await conn.close()
-        totals = [BudgetTotal(r["budget_id"], r["limit_amount"], r["consumed"], r["admitted"], r["allows"]) for r in rows]
+        totals = [BudgetTotal(r["budget_id"], r["limit_amount"], r["consumed"], r["admitted"], r["allows"], shared=r["budget_id"] == SHARED_ID) for r in rows]
         problems = [
             f"budget {r['budget_id']}: reserved {r['reserved']} but ALLOW decisions add up to {r['admitted']}" for r in rows if r["reserved"] != r["admitted"]
         ]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import click
 
 from budgetgate.benchmark.admission_runner import SYSTEMS
-from budgetgate.benchmark.workload import SCENARIOS
+from budgetgate.benchmark.workload import DEFAULT_SCENARIOS, SCENARIOS
 
 
 def _rounds(description: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -29,7 +29,13 @@ def bench() -> None:
 @click.option("--warmup", default=100, show_default=True, type=click.IntRange(0), help="Submissions sent before measuring.")
 @click.option("--budgets", default=100, show_default=True, type=click.IntRange(1), help="Budgets of the spread scenario.")
 @click.option("--allow-fraction", default=0.8, show_default=True, type=click.FloatRange(0.0, 1.0), help="Share of measured submissions the budgets fit.")
-@click.option("--scenario", "scenarios", multiple=True, type=click.Choice(SCENARIOS), help="hot: one budget; spread: --budgets budgets. Default: both.")
+@click.option(
+    "--scenario",
+    "scenarios",
+    multiple=True,
+    type=click.Choice(SCENARIOS),
+    help="hot: one budget; spread: --budgets budgets; shared: spread, and one budget they all fall under too. Default: hot and spread.",
+)
 @click.option("--system", "systems", multiple=True, type=click.Choice(SYSTEMS), help="Default: both.")
 @click.option(
     "--ceiling/--no-ceiling", default=True, show_default=True, help="Also measure a FastAPI endpoint that validates the same body and answers a constant."
@@ -91,7 +97,7 @@ def admission(
     try:
         options = admission_runner.Options(
             requests=requests, concurrency=concurrency, warmup=warmup, budgets=budgets, allow_fraction=allow_fraction,
-            scenarios=scenarios or SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
+            scenarios=scenarios or DEFAULT_SCENARIOS, systems=systems or SYSTEMS, ceiling=ceiling,
             open_loop_rate=open_loop_rate, open_loop_seconds=open_loop_seconds, rounds=rounds, replicas=replicas,
             ledger_shards=ledger_shards,
         )  # fmt: skip

@@ -24,6 +24,10 @@ INSERT INTO budgets (budget_id, namespace, limit_amount) VALUES ($1, $2, $3);
 -- Serialises every decision on one budget until commit.
 SELECT budget_id, limit_amount, reserved, consumed FROM budgets WHERE namespace = $1 FOR UPDATE;
 
+-- name: lock_budget_id
+-- The shared scenario's budget every submission falls under, locked after the team's.
+SELECT budget_id, limit_amount, reserved, consumed FROM budgets WHERE budget_id = $1 FOR UPDATE;
+
 -- name: prior_decision
 SELECT response FROM decisions WHERE run_id = $1;
 
@@ -36,9 +40,10 @@ ON CONFLICT (run_id) DO NOTHING RETURNING run_id;
 
 -- name: totals
 -- Per budget any submission reached (budgetgate files a ledger entry only for those): the
--- limit, the reserved counter, and what the ALLOW decisions add up to.
+-- limit, the reserved counter, and what the ALLOW decisions add up to. Every decision falls
+-- under the shared budget $1 as well (the shared scenario's; no row of other scenarios).
 SELECT b.budget_id, b.limit_amount, b.reserved, b.consumed,
        COALESCE(SUM(d.amount) FILTER (WHERE d.outcome = 'ALLOW'), 0)::bigint AS admitted,
        COUNT(d.run_id) FILTER (WHERE d.outcome = 'ALLOW') AS allows
-FROM budgets b LEFT JOIN decisions d ON d.budget_id = b.budget_id
+FROM budgets b LEFT JOIN decisions d ON d.budget_id = b.budget_id OR b.budget_id = $1
 GROUP BY b.budget_id HAVING COUNT(d.run_id) > 0 OR b.reserved <> 0 ORDER BY b.budget_id;
