@@ -121,7 +121,7 @@ def chunk_of(limit: int, share: float) -> int:
 
 
 # A refill's chunk is at most this many times the reservation that asked for it.
-REFILL_DECISIONS = 4
+REFILL_DECISIONS = 16
 
 
 def refill_chunk(limit: int, share: float, amount: int) -> int:
