@@ -301,7 +301,7 @@ class Admitter(OneShard):
                 else:
                     wanted[lease] = (charge, charge.amount, reading)
             asking.append((p, leases))
-        outcomes = await _each_shard([
+        outcomes = await _at_once([
             self.escrow.refill(budget, root, amount=amount, seen=Lease(seen.limit, seen.reserved, seen.consumed), chunk=self.chunk_of(charge))
             for (budget, root), (charge, amount, seen) in wanted.items()
         ])  # fmt: skip
@@ -441,7 +441,7 @@ class Admitter(OneShard):
                 shard: [Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool) for p in mine] for shard, mine in by_shard.items()
             }
             work.redis_changed = True
-            replies = await _each_shard(
+            replies = await _at_once(
                 [self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard]) for shard, reservations in asked.items()]
             )
             errors = [(shard, reply) for shard, reply in zip(by_shard, replies, strict=True) if isinstance(reply, BaseException)]
@@ -524,7 +524,7 @@ def lacking_leases(the_plan: Plan, result: ReserveResult) -> list[tuple[Charge, 
     return [(c, found[c.ledger_key]) for c in lacking]
 
 
-async def _each_shard(calls: list[Awaitable[T]]) -> list[T | Exception]:
+async def _at_once(calls: list[Awaitable[T]]) -> list[T | Exception]:
     """Each call's result or error, the calls run at once; one call (every batch of a ledger of
     one shard) is awaited as it is, without the task `asyncio.gather` wraps each call in."""
     if len(calls) == 1:

@@ -133,7 +133,8 @@ async def test_a_sharded_ledger_refuses_a_bundle_it_cannot_enforce_over_http_and
     admission_factory,  # noqa: F811
     pg_dsn: str,
 ) -> None:
-    commit(repo, {"team.yaml": budget_yaml("team-vision"), "everyone.yaml": budget_yaml("everyone", labels="{}", window="{rolling_days: 7}")})
+    sensitive = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n"
+    commit(repo, {"team.yaml": budget_yaml("team-vision"), "sensitive.yaml": sensitive})
     server = await admission_factory(ledger_shards=3)
     operator = await issue(pg_dsn, Role.OPERATOR, name="ci-deployer")
     over_http = await apply(repo, server.url, operator)
@@ -143,7 +144,7 @@ async def test_a_sharded_ledger_refuses_a_bundle_it_cannot_enforce_over_http_and
     for refused in (over_http, direct):
         assert refused.exit_code != 0
         assert "the ledger has 3 shards (BUDGETGATE_LEDGER_SHARDS) and this bundle cannot be enforced on them" in refused.output, refused.output
-        assert "budget 'everyone' covers runs of several tenants (its scope names no single 'team') over a rolling window" in refused.output
+        assert "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet" in refused.output
         assert "team-vision" not in refused.output.split("enforced")[1]
     conn = await asyncpg.connect(pg_dsn)
     try:
