@@ -300,3 +300,21 @@ async def settle(s: Setup, root: str, run_id: str, actual: int) -> None:
         if actual:
             await s.ledger.consume({lease: actual})
         await work.conn.execute("UPDATE ledger_entries SET consumed = consumed + $2 WHERE ledger_key = $1", lease, actual)
+
+
+async def test_a_reclaim_passes_over_a_lease_whose_shard_cannot_answer(setup: Setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A lease to reclaim from on a shard being rebuilt (its script answers NOT_LOADED) gives
+    nothing for now; the next lease gives what is lacking, and the refill succeeds."""
+    s = setup
+    await s.escrow.grant(BUDGET, "org-b", 600, reason="refill")
+    await s.escrow.grant(BUDGET, "org-c", 400, reason="refill")
+    real = s.escrow._move
+
+    async def org_b_rebuilding(work, ledger, lease_key, **kwargs):  # type: ignore[no-untyped-def]
+        if lease_key == arithmetic.lease_key(BUDGET, "org-b"):
+            raise LedgerNotLoaded("shard of org-b is being rebuilt")
+        return await real(work, ledger, lease_key, **kwargs)
+
+    monkeypatch.setattr(s.escrow, "_move", org_b_rebuilding)
+    assert await reserve_with_refill(s, "org-a", 30, chunk=100) == (True, 30)  # from org-c, the second most unused
+    assert await sizes(s) == ({"org-a": 30, "org-b": 600, "org-c": 370}, {"org-a": 30, "org-b": 600, "org-c": 370})

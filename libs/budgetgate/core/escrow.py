@@ -158,22 +158,22 @@ def lacking(lease: Lease, amount: int) -> int:
     return max(amount - (lease.size - lease.used), 0)
 
 
+def reclaim_candidates(leases: Mapping[str, Lease], root: str, *, most: int = RECLAIM_FROM_AT_MOST) -> list[tuple[str, int]]:
+    """The other roots' leases a refill of `root`'s that found too little free asks to give back,
+    with the room each holds unused: the most unused first, at most `most` of them. Each return
+    still takes no more than its root holds unused when it is made (`returnable`, and lease.lua
+    on Redis's figures), so a reservation in flight keeps its room."""
+    found = sorted(((other, lease.unused) for other, lease in leases.items() if other != root and lease.unused > 0), key=lambda c: (-c[1], c[0]))
+    return found[:most]
+
+
 def reclaim_plan(leases: Mapping[str, Lease], root: str, need: int, *, most: int = RECLAIM_FROM_AT_MOST) -> list[tuple[str, int]]:
-    """What a refill of `root`'s lease that found too little free asks the other roots' leases
-    to give back: their unused room, the most unused first, until `need` is met, from at most
-    `most` of them. Each return still takes no more than its root holds unused when it is made
-    (`returnable`, and lease.lua on Redis's figures), so a reservation in flight keeps its room."""
-    if need <= 0:
-        return []
+    """What such a refill asks of each candidate (`reclaim_candidates`) to meet `need`, were every
+    one to give what it holds unused."""
     asks: list[tuple[str, int]] = []
-    for other, lease in sorted(leases.items(), key=lambda item: (-item[1].unused, item[0])):
-        if len(asks) >= most:
-            break
-        if other == root or lease.unused <= 0:
-            continue
-        take = min(lease.unused, need)
-        asks.append((other, take))
-        need -= take
+    for other, unused in reclaim_candidates(leases, root, most=most):
         if need <= 0:
             break
+        asks.append((other, min(unused, need)))
+        need -= asks[-1][1]
     return asks

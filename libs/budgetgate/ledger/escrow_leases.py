@@ -21,11 +21,12 @@ committed, and is rebuilt before it decides; one that loses a grant holds a smal
 Postgres granted, which refuses more, never less, and is rebuilt at its lease's next move (the
 sizes differ: lease.lua answers STALE).
 
-A decision its root's lease refuses gets one synchronous refill (`refill`) before it is refused:
+A decision its root's lease refuses gets a synchronous refill (`refill`) before it is refused:
 what is free, and when that is too little, what it still lacks reclaimed from the room other
 roots' leases hold unused (returns recorded as `reclaim:<root>`), so a decision is refused only
-when the budget lacks room, not for room idle in other leases; the reconciler gives back, at every orphan sweep, what idle leases do not use beyond a chunk
-(`return_idle`), so it is free for other roots' refills.
+when the budget lacks room, not for room idle in other leases. The reconciler gives back, at
+every orphan sweep, what idle leases do not use beyond a chunk (`return_idle`), so it is free
+for other roots' refills.
 
 The roots' shards: every lease lives on its root's shard of the Redis ledger (`shard_of`); until
 the ledger is sharded by root (docs/scale-out.md), every root's shard is the one Redis ledger.
@@ -43,7 +44,7 @@ from budgetgate.core import escrow
 from budgetgate.core.escrow import Lease
 from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.ledger.queries import sql
-from budgetgate.ledger.redis_ledger import LedgerKeyMissing, RedisLedger
+from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.transaction import LedgerTransaction, committed_seq, ledger_transaction, record_ledger_mark
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,8 @@ class Escrow:
     async def _reclaim(self, ledger_key: str, root: str, need: int) -> int:
         """Too little was free for `root`'s refill: in one ledger transaction, holding every
         shard's lock (in shard order, then the budget's and its leases' rows, as every move), take
-        what is free and then the room other roots' leases hold unused (core.escrow.reclaim_plan
-        on the locked figures; each shrink takes no more than Redis says its root holds unused, so
+        what is free and then the room other roots' leases hold unused (core.escrow's
+        reclaim_candidates on the locked figures, passing over a shard that cannot answer; each shrink takes no more than Redis says its root holds unused, so
         a reservation in flight keeps its room), and grow `root`'s lease by all of it at once, so
         no other refill takes it in between. What the lease grew by."""
         lease_key = await self.open(ledger_key, root)
@@ -140,11 +141,18 @@ class Escrow:
                 limit = await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
                 leases = await _locked(work.conn, ledger_key)
                 got = min(max(escrow.free(limit, leases.values()), 0), need)
-                for other, take in escrow.reclaim_plan(leases, root, need - got):
+                for other, unused in escrow.reclaim_candidates(leases, root):
+                    take = min(unused, need - got)
+                    if take <= 0:
+                        break
                     giver, size = self.shard_of(other), leases[other].size
-                    shrunk.append(giver)
-                    moved, seq = await self._move(work, giver, escrow.lease_key(ledger_key, other), size=size, grow=False, amount=take)
+                    try:
+                        moved, seq = await self._move(work, giver, escrow.lease_key(ledger_key, other), size=size, grow=False, amount=take)
+                    except LedgerNotLoaded as exc:  # that shard is being rebuilt (or was just invalidated): the others may give
+                        log.info("escrow: no reclaim from %s's lease of %s for now: %s", other, ledger_key, exc)
+                        continue
                     if moved > 0:
+                        shrunk.append(giver)
                         await record_ledger_mark(work.conn, giver, seq)
                         await work.conn.execute(sql("escrow_move"), ledger_key, other, "return", size - moved, moved, seq, f"reclaim:{root}")
                         got += moved
@@ -158,7 +166,7 @@ class Escrow:
                 if giver is not ledger:
                     await giver.invalidate("an escrow reclaim failed after shrinking a lease")
             raise
-        log.info("escrow: moved %d into %s's lease of %s, reclaimed from leases idle room", grown, root, ledger_key)
+        log.info("escrow: moved %d into %s's lease of %s, from what was free and other leases' idle room", grown, root, ledger_key)
         return grown
 
     async def refill_forecast(self, ledger_key: str, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
