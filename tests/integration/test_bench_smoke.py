@@ -7,7 +7,6 @@ belong to the benchmark, not to the test run."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,31 +20,16 @@ from budgetgate.benchmark.systems import drop_prefixed_keys
 from budgetgate.runtime.redis_client import connect_sync
 from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
 from budgetgate.services.admission.stages import STAGES
-from tests.support.bench import assert_nothing_left
-
-
-def _env(postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "BUDGETGATE_POSTGRES_DSN": postgres_admin_dsn,
-        "BUDGETGATE_REDIS_URL": redis_server_url,
-        "BUDGETGATE_KAFKA_BOOTSTRAP": kafka_server_bootstrap,
-    }
-
-
-def _bench(args: list[str], env: dict[str, str], *, timeout: float = 240) -> str:
-    done = subprocess.run([sys.executable, "-m", "budgetgate.cli.main", "bench", *args], env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+from tests.support.bench import assert_nothing_left, bench_env, bench_json
 
 
 @pytest.fixture(scope="module")
 def two_rounds(tmp_path_factory: pytest.TempPathFactory, postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str) -> Path:
     """The JSON report of two rounds of both systems, hot, closed and open loop (run once for the
     tests of this file)."""
-    env = _env(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap)
+    env = bench_env(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap)
     report = tmp_path_factory.mktemp("bench") / "admission.json"
-    report.write_text(_bench(["admission", "--requests", "60", "--concurrency", "4", "--warmup", "10", "--scenario", "hot",
+    report.write_text(bench_json(["admission", "--requests", "60", "--concurrency", "4", "--warmup", "10", "--scenario", "hot",
                               "--open-loop-rate", "40", "--open-loop-seconds", "1", "--rounds", "2", "--json"], env))  # fmt: skip
     return report
 
@@ -123,8 +107,8 @@ async def test_replicas_are_driven_as_one_service_and_audited_together(postgres_
     """`--replicas 2`: two processes of each system (and of the ceiling) on one database and one
     Redis; both answer, the audit of the one ledger passes, and the CPU figures name each replica
     beside their sum, which all parts count once."""
-    env = _env(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap)
-    report = json.loads(_bench(["admission", "--requests", "60", "--concurrency", "4", "--warmup", "10", "--scenario", "hot",
+    env = bench_env(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap)
+    report = json.loads(bench_json(["admission", "--requests", "60", "--concurrency", "4", "--warmup", "10", "--scenario", "hot",
                                 "--open-loop-rate", "40", "--open-loop-seconds", "1", "--replicas", "2", "--json"], env))  # fmt: skip
     assert report["correct"] is True and report["options"]["replicas"] == 2
     for result in [*report["results"], *report["open_loop"]]:
@@ -163,8 +147,8 @@ async def test_a_redis_cluster_is_benchmarked_node_by_node_and_audited(tmp_path:
     the ledger back from every shard, each node's CPU is a part of its own (`redis-<port>`,
     masters and replicas), and the benchmark's keys are gone from the cluster afterwards."""
     with EmbeddedRedisCluster(tmp_path / "cluster") as cluster:
-        env = _env(postgres_admin_dsn, cluster.url, kafka_server_bootstrap)
-        report = json.loads(_bench(["admission", "--system", "budgetgate", "--requests", "60", "--concurrency", "4", "--warmup", "10",
+        env = bench_env(postgres_admin_dsn, cluster.url, kafka_server_bootstrap)
+        report = json.loads(bench_json(["admission", "--system", "budgetgate", "--requests", "60", "--concurrency", "4", "--warmup", "10",
                                     "--scenario", "spread", "--budgets", "6", "--replicas", "2", "--ledger-shards", "3", "--no-ceiling", "--json"],
                                    env))  # fmt: skip
         [result] = report["results"]
@@ -176,25 +160,6 @@ async def test_a_redis_cluster_is_benchmarked_node_by_node_and_audited(tmp_path:
         assert all(result["cpu"]["us_per_unit"][node] is not None for node in nodes)
         assert capacity.admission_cost(report)[0].redis == pytest.approx(sum(result["cpu"]["us_per_unit"][node] for node in nodes), abs=0.5)
         await assert_nothing_left(postgres_admin_dsn, report["run_tag"], redis_url=cluster.url)
-
-
-async def test_the_shared_scenario_charges_every_submission_on_two_budgets_and_audits_both(
-    postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str
-) -> None:
-    """`--scenario shared` on three shards: every submission falls under its team's budget and
-    the one they all share, which budgetgate carves into each team's escrow lease and the
-    baseline locks after the team's row. Both admit exactly what the team budgets fit (the
-    shared one never refuses: its limit is above their sum, so a refusal would be escrow's, not
-    the budget's), the shared budget is audited whole (its leases added up), and nothing is left."""
-    env = _env(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap)
-    report = json.loads(_bench(["admission", "--requests", "60", "--concurrency", "4", "--warmup", "10", "--scenario", "shared",
-                                "--budgets", "6", "--ledger-shards", "3", "--no-ceiling", "--json"], env))  # fmt: skip
-    assert report["correct"] is True and {r["system"] for r in report["results"]} == {"baseline", "budgetgate"}
-    for result in report["results"]:
-        assert result["scenario"] == "shared" and result["errors"] == 0
-        assert result["allowed"] == result["expected_allowed"] and result["correctness"]["problems"] == [], result
-        assert result["correctness"]["budgets"] == 7  # six teams' and the shared one, judged whole
-    await assert_nothing_left(postgres_admin_dsn, report["run_tag"], redis_url=redis_server_url)
 
 
 async def test_cleanup_of_several_shards_deletes_the_prefix_s_own_tag_too(redis_url: str, redis_prefix: str) -> None:
@@ -218,9 +183,9 @@ def test_capacity_plans_from_the_benchmarks_own_reports(
 ) -> None:
     """`bench capacity` on the two rounds above and a tiny `bench metering` run: what the plan
     says each service costs is the reports' own CPU per unit times the rate it assumes."""
-    env = _env(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap)
+    env = bench_env(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap)
     metering = tmp_path / "metering.json"
-    metering.write_text(_bench(["metering", "--samples", "12000", "--runs", "20", "--json"], env))
+    metering.write_text(bench_json(["metering", "--samples", "12000", "--runs", "20", "--json"], env))
     metering_report = json.loads(metering.read_text())
     capacity = ["capacity", "--admission", str(two_rounds), "--scenario", "hot", "--metering", str(metering)]
     if metering_report["cpu"] is None:
@@ -230,7 +195,7 @@ def test_capacity_plans_from_the_benchmarks_own_reports(
         )
         assert refused.returncode != 0 and "no CPU figures" in refused.stderr
         return
-    planned = json.loads(_bench([*capacity, "--gpus", "1000,2000", "--json"], env, timeout=60))
+    planned = json.loads(bench_json([*capacity, "--gpus", "1000,2000", "--json"], env, timeout=60))
     report = json.loads(two_rounds.read_text())
 
     def service_us(rows: list[dict[str, Any]]) -> float:

@@ -1,0 +1,51 @@
+"""The sharded ledger's tests' setting: six tenants on three shards, each with a 20 GPU-hour budget
+of its own and a quota, submitting 8 GPU-hour runs (tests/integration/test_sharded_*.py)."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from budgetgate.ledger.queries import sql
+from tests.support.admission import apply_policies, budget_yaml, reserved_in_redis, submission
+
+SHARDS = 3
+TENANTS = [f"team-{i}" for i in range(6)]
+GPU_HOUR = 3_600_000
+QUOTA = """apiVersion: budgetgate/v1
+kind: Quota
+metadata: {{id: quota-{tenant}}}
+spec: {{tenant: {tenant}, max_gpus: 1000}}
+"""
+
+
+def policies() -> dict[str, str]:
+    files = {f"{t}.yaml": budget_yaml(f"budget-{t}", namespace="ml", labels=f"{{team: {t}}}", limit="gpu_hours: 20") for t in TENANTS}
+    return files | {f"quota-{t}.yaml": QUOTA.format(tenant=t) for t in TENANTS}
+
+
+def run(tenant: str, n: int) -> dict[str, object]:
+    return submission(
+        run_id=f"{tenant}/run-{n}", namespace="ml", labels={"team": tenant}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=1.0, job=None
+    )
+
+
+async def held_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """What Redis holds reserved, by ledger key, every shard's, as held_in_postgres lists it (keys
+    holding nothing left out: a lease whose every decision was refused is still loaded)."""
+    return {key: reserved for key, reserved in (await reserved_in_redis(server)).items() if reserved}
+
+
+async def ledger_figures(dsn: str) -> dict[str, tuple[int, int]]:
+    """Postgres's (reserved, consumed) of every ledger key."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {r["ledger_key"]: (r["reserved"], r["consumed"]) for r in await conn.fetch(sql("all_ledger_figures"))}
+    finally:
+        await conn.close()
+
+
+async def sharded_admission(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
+    await apply_policies(pg_dsn, policies(), sha="5" * 40)
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
+    await server.wait_ready()
+    return server
