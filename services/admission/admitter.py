@@ -276,11 +276,11 @@ class Admitter(OneShard):
     async def _refill(self, deferred: list[Pending]) -> list[Pending]:
         """The synchronous refill of each submission whose tenant's escrow lease lacked room,
         after its batch committed the others' decisions; then it is decided again, refused if it
-        still does not fit and may not be refilled again (`Pending.may_refill`). The submissions of a batch that lacked room on one lease are refilled
-        together, for what they lack together (each would otherwise ask only for what it lacks
-        alone, and all but one find the lease full again), in whole chunks, from what no lease
-        holds (Escrow.refill); the leases are refilled at once. A refill that fails answers its
-        submissions 503. Returns those to try again."""
+        still does not fit and may not be refilled again (`Pending.may_refill`). The submissions
+        of a batch that lacked room on one lease are refilled together, for what they lack
+        together (each would otherwise ask only for what it lacks alone, and all but one find the
+        lease full again), by Escrow.refill; the leases are refilled at once. A refill that fails
+        answers its submissions 503. Returns those to try again."""
         again: list[Pending] = []
         asking: list[tuple[Pending, list[tuple[str, str]]]] = []
         wanted: dict[tuple[str, str], tuple[Charge, int, Reading]] = {}  # lease -> a charge on it, the amounts, the fullest reading

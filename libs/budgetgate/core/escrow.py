@@ -143,13 +143,11 @@ def refill_wanted(lease: Lease, amount: int, *, chunk: int) -> int:
     rounded up to whole `chunk`s, so that the next reservations do not each ask again."""
     if chunk < 1:
         raise ValueError(f"a refill's chunk is at least 1, not {chunk}")
-    lacking = amount - (lease.size - lease.used)
-    if lacking <= 0:
-        return 0
-    return -(-lacking // chunk) * chunk
+    short = lacking(lease, amount)
+    return -(-short // chunk) * chunk
 
 
-# The most other leases one refill reclaims from (one ledger transaction each).
+# The most other leases one refill reclaims from (all in its one ledger transaction).
 RECLAIM_FROM_AT_MOST = 8
 
 
