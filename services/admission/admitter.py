@@ -38,10 +38,11 @@ from budgetgate.core.accounting import BudgetSource
 from budgetgate.core.decay import Decayed
 from budgetgate.core.eligibility import Outlook
 from budgetgate.core.escrow import Lease, refill_chunk
-from budgetgate.core.evaluation import Charge, Plan, Reading, fits
+from budgetgate.core.evaluation import Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
-from budgetgate.ledger.escrow_leases import Escrow
+from budgetgate.ledger.escrow_leases import Book, BudgetBook, CounterBook, Escrow
+from budgetgate.ledger.holds import SENSITIVE
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.queries import sql as ledger_sql
 from budgetgate.core.shards import unshardable
@@ -104,6 +105,21 @@ def as_unavailable(exc: BaseException) -> BaseException:
     return exc
 
 
+@dataclass(frozen=True, slots=True)
+class Lack:
+    """An escrow lease of its tenant a refused reservation lacked room on, as its script read it
+    (`seen`): a budget's (`charge`, the plan's charge on it) or the sensitive pool's (`counter`,
+    the index of the asks' counter on it), and the `amount` the reservation asked of it."""
+
+    book: Book
+    root: str
+    amount: int
+    seen: Lease
+    chunk: int
+    charge: int | None = None
+    counter: int | None = None
+
+
 @dataclass(eq=False)
 class Pending:
     """A submission waiting in a batch: its pure part done, its answer to come."""
@@ -121,9 +137,9 @@ class Pending:
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
     shard_failed: bool = False  # its shard failed once in a batch other shards' decisions committed in
-    # Escrow leases of its tenant that lacked room (each charge with the lease as the script
-    # read it: its size is the reading's limit): refilled after its batch, then decided again.
-    refill: list[tuple[Charge, Reading]] | None = None
+    # Escrow leases of its tenant that lacked room (each as the script read it): refilled after
+    # its batch, then decided again.
+    refill: list[Lack] | None = None
     refills: int = 0  # refills it had; another only while each granted room (`may_refill`)
     refill_granted: bool = True  # whether its last refill grew every lease it asked of
 
@@ -283,7 +299,7 @@ class Admitter(OneShard):
         answers its submissions 503. Returns those to try again."""
         again: list[Pending] = []
         asking: list[tuple[Pending, list[tuple[str, str]]]] = []
-        wanted: dict[tuple[str, str], tuple[Charge, int, Reading]] = {}  # lease -> a charge on it, the amounts, the fullest reading
+        wanted: dict[tuple[Book, str], Lack] = {}  # lease -> what its submissions lack together, on the fullest reading
         for p in deferred:
             if not p.refill:
                 again.append(p)
@@ -291,19 +307,15 @@ class Admitter(OneShard):
             lacking, p.refill = p.refill, None
             p.refills += 1
             leases = []
-            for charge, reading in lacking:
-                assert charge.root is not None  # (only a lease is refilled)
-                lease = (charge.budget_key, charge.root)
+            for lack in lacking:
+                lease = (lack.book, lack.root)
                 leases.append(lease)
-                if lease in wanted:
-                    first, amount, seen = wanted[lease]
-                    wanted[lease] = (first, amount + charge.amount, max(seen, reading, key=lambda r: r.reserved + r.consumed))
-                else:
-                    wanted[lease] = (charge, charge.amount, reading)
+                if (first := wanted.get(lease)) is not None:
+                    lack = replace(first, amount=first.amount + lack.amount, seen=max(first.seen, lack.seen, key=lambda seen: seen.used))
+                wanted[lease] = lack
             asking.append((p, leases))
         outcomes = await _at_once([
-            self.escrow.refill(budget, root, amount=amount, seen=Lease(seen.limit, seen.reserved, seen.consumed), chunk=self.chunk_of(charge))
-            for (budget, root), (charge, amount, seen) in wanted.items()
+            self.escrow.refill(book, root, amount=lack.amount, seen=lack.seen, chunk=lack.chunk) for (book, root), lack in wanted.items()
         ])  # fmt: skip
         by_lease = dict(zip(wanted, outcomes, strict=True))
         for p, leases in asking:
@@ -315,11 +327,12 @@ class Admitter(OneShard):
                 p.answer.set_exception(as_unavailable(failure))
         return again
 
-    def chunk_of(self, charge: Charge) -> int:
-        """The chunk a refill of the lease `charge` is on grants in (BUDGETGATE_ESCROW_CHUNK_SHARE
-        of its budget's limit, or a few of its reservations when that is less:
-        core.escrow.refill_chunk), as admission refills and a quote forecasts."""
-        return refill_chunk(charge.policy.limit.amount, self.escrow_chunk_share, charge.amount)
+    def lacking(self, p: Prepared | Pending, result: ReserveResult) -> list[Lack]:
+        """The escrow leases of its tenant a refused reservation lacked room on, each as read
+        (`lacking_leases`), with the chunk a refill of it grants in (BUDGETGATE_ESCROW_CHUNK_SHARE
+        of the limit, or a few of its reservations when that is less: core.escrow.refill_chunk),
+        as admission refills and a quote forecasts."""
+        return lacking_leases(p.bundle, p.plan, p.asks, result, chunk_share=self.escrow_chunk_share)
 
     async def _after_shard_failures(self, deferred: list[Pending], failed: dict[int, BaseException]) -> list[Pending]:
         """The submissions of shards that failed in a batch whose other shards' decisions
@@ -469,7 +482,7 @@ class Admitter(OneShard):
                     else:
                         p.result = result
                         if result.status == "REJECTED" and p.may_refill:
-                            p.refill = lacking_leases(p.plan, result) or None
+                            p.refill = self.lacking(p, result) or None
                 missing = [p.plan for p in again if p.shard == shard and p.plan.charges]
                 if missing:
                     await self._load_keys(work.conn, ledger, missing)
@@ -513,15 +526,35 @@ class Admitter(OneShard):
         return self.usage.of(p.bundle, p.asks.tenant, p.at) if self.usage is not None else None
 
 
-def lacking_leases(the_plan: Plan, result: ReserveResult) -> list[tuple[Charge, Reading]]:
+def lacking_leases(bundle: PolicyBundle, the_plan: Plan, asks: Asks, result: ReserveResult, *, chunk_share: float) -> list[Lack]:
     """The escrow leases a refused reservation lacked room on, each as read (its size the
-    reading's limit): only when every hard charge that lacked room is a lease (a refill cannot help a
-    tenant's own budget)."""
+    reading's limit): budgets' leases and the sensitive pool's, only when every limit that lacked
+    room is a lease (a refill cannot help a tenant's own budget or quota, nor a token pool)."""
     found = readings(the_plan, result) or {}
-    lacking = [c for c in the_plan.charges if c.hard and not fits(c.amount, found[c.ledger_key])]
-    if not lacking or any(c.root is None for c in lacking):
+    lacking: list[Lack] = []
+    for i, c in enumerate(the_plan.charges):
+        if c.hard and not fits(c.amount, (reading := found[c.ledger_key])):
+            if c.root is None:
+                return []
+            seen = Lease(reading.limit, reading.reserved, reading.consumed)
+            chunk = refill_chunk(c.policy.limit.amount, chunk_share, c.amount)
+            lacking.append(Lack(BudgetBook(c.budget_key), c.root, c.amount, seen, chunk, charge=i))
+    sizes = result.counter_sizes or (None,) * len(asks.counters)
+    for i, (c, held, size) in enumerate(zip(asks.counters, result.counters, sizes, strict=True)):
+        asked = (c.gpus, c.nodes, c.allocations)
+        limits = [size if c.lease and limit is not None else limit for limit in c.limits]
+        short = [f for f in range(3) if limits[f] is not None and held[f] + asked[f] > limits[f]]  # type: ignore[operator]
+        if not short:
+            continue
+        if not c.lease or bundle.sensitive is None or asks.tenant is None or size is None:
+            return []
+        unit = 0 if bundle.sensitive.unit == "gpus" else 1
+        seen = Lease(size, held[unit])
+        chunk = refill_chunk(bundle.sensitive.size, chunk_share, asked[unit])
+        lacking.append(Lack(CounterBook(SENSITIVE, bundle.sensitive.unit, bundle.sensitive.size), asks.tenant, asked[unit], seen, chunk, counter=i))
+    if any(reading.check in ("EXHAUSTED", "CAP", "TAKEN") for reading in result.pools):
         return []
-    return [(c, found[c.ledger_key]) for c in lacking]
+    return lacking
 
 
 async def _at_once(calls: list[Awaitable[T]]) -> list[T | Exception]:

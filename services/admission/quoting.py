@@ -15,9 +15,9 @@ from budgetgate.core.windows import rfc3339
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.redis_ledger import RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.transaction import committed_seq
-from budgetgate.core.evaluation import Charge, Reading, fits
+from budgetgate.core.evaluation import fits
 from budgetgate.decisions.concurrency import rejection
-from budgetgate.services.admission.admitter import Admitter, Unavailable, lacking_leases, releases, with_ledger
+from budgetgate.services.admission.admitter import Admitter, Lack, Unavailable, releases, with_ledger
 from budgetgate.decisions.deciding import Prepared, charges, conclude, holds, readings
 from budgetgate.decisions.rendering import response_body
 from budgetgate.contracts.admission import AdmissionRequest
@@ -91,27 +91,28 @@ class Quoter:
                 await ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
             if rows:
                 result = await ledger.check(asked, now_ms=now_ms, committed_seq=committed)
-        if result.status == "REJECTED" and (lacking := lacking_leases(p.plan, result)):
+        if result.status == "REJECTED" and (lacking := self.admitter.lacking(p, result)):
             result = await self._after_refills(p, result, lacking)
         return result
 
-    async def _after_refills(self, p: Prepared, result: ReserveResult, lacking: list[tuple[Charge, Reading]]) -> ReserveResult:
+    async def _after_refills(self, p: Prepared, result: ReserveResult, lacking: list[Lack]) -> ReserveResult:
         """The check as it would read after the one refill admission gives a submission whose
         tenant's escrow leases lack room (Admitter._refill): each lease's size grown by what the
         refill would grant now (Escrow.refill_forecast), and FITS when every lease then has room
         and nothing else refuses."""
         admitter = self.admitter
-        sizes = list(result.sizes)
-        index = {c.ledger_key: i for i, c in enumerate(p.plan.charges)}
-        for charge, reading in lacking:
-            assert charge.root is not None  # (only a lease lacks room here)
-            chunk, limit = admitter.chunk_of(charge), charge.policy.limit.amount
+        sizes, counter_sizes = list(result.sizes), list(result.counter_sizes)
+        for lack in lacking:
+            limit = p.plan.charges[lack.charge].policy.limit.amount if lack.charge is not None else 0
             grown = await admitter.escrow.refill_forecast(
-                charge.budget_key, charge.root, amount=charge.amount, reading=(reading.reserved, reading.consumed), chunk=chunk, limit=limit
+                lack.book, lack.root, amount=lack.amount, reading=(lack.seen.reserved, lack.seen.consumed), chunk=lack.chunk, limit=limit
             )
-            i = index[charge.ledger_key]
-            sizes[i] = (sizes[i] or 0) + grown
-        forecast = replace(result, sizes=tuple(sizes))
+            if lack.charge is not None:
+                sizes[lack.charge] = (sizes[lack.charge] or 0) + grown
+            else:
+                assert lack.counter is not None
+                counter_sizes[lack.counter] = (counter_sizes[lack.counter] or 0) + grown
+        forecast = replace(result, sizes=tuple(sizes), counter_sizes=tuple(counter_sizes))
         found = readings(p.plan, forecast) or {}
         if all(fits(c.amount, found[c.ledger_key]) for c in p.plan.charges if c.hard) and rejection(p.bundle, p.request, p.asks, forecast) is None:
             forecast = replace(forecast, status="FITS")

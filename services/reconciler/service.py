@@ -26,7 +26,8 @@ from budgetgate.runtime.kafka_access import start_whole
 from budgetgate.messaging.lag import ConsumerProgress
 from budgetgate.ledger import partitions
 from budgetgate.ledger.queries import owned_by
-from budgetgate.ledger.escrow_leases import Escrow
+from budgetgate.ledger.escrow_leases import CounterBook, Escrow
+from budgetgate.ledger.holds import SENSITIVE
 from budgetgate.ledger.sharded import OneShard, ShardedLedger
 from budgetgate.messaging.outbox import OutboxRelay
 from budgetgate.edge.runner import Service
@@ -252,6 +253,16 @@ class Reconciler(Service, OneShard):
         else:
             log.warning("settling run %r failed (try %d of %d): %s", run_id, row["attempts"], self.settings.settle_tries, reason)
 
+    def _shared_counters(self) -> list[CounterBook]:
+        """The counters tenants share carved into leases on a ledger of several shards: the
+        sensitive-workload pool, at the size of the bundle in force (size 0 when it declares none,
+        so every lease gives back what its tenant does not hold)."""
+        if self.ledgers.shards.count == 1:
+            return []
+        bundle = self.bundles.current
+        sensitive = bundle.sensitive if bundle is not None else None
+        return [CounterBook(SENSITIVE, sensitive.unit if sensitive else "gpus", sensitive.size if sensitive else 0)]
+
     async def _upkeep(self) -> None:
         assert self.pool is not None
         s = self.settings
@@ -297,7 +308,9 @@ class Reconciler(Service, OneShard):
                 # Only the highest ledger mark of each shard counts (migrations 0025, 0043).
                 await self.pool.execute(sql("prune_ledger_marks"))
                 # What idle escrow leases do not use goes back, free for other roots' refills.
-                await self.escrow.return_idle(idle=timedelta(seconds=s.escrow_idle_seconds), chunk_share=s.escrow_chunk_share, now=now)
+                await self.escrow.return_idle(
+                    idle=timedelta(seconds=s.escrow_idle_seconds), chunk_share=s.escrow_chunk_share, now=now, counters=self._shared_counters()
+                )
                 next_sweep = time.monotonic() + s.orphan_grace_seconds / 2
             if time.monotonic() >= next_prune:
                 # The Kubernetes objects of runs that ended longer ago than the retention: a

@@ -310,10 +310,10 @@ async def test_a_reclaim_passes_over_a_lease_whose_shard_cannot_answer(setup: Se
     await s.escrow.grant(BUDGET, "org-c", 400, reason="refill")
     real = s.escrow._move
 
-    async def org_b_rebuilding(work, ledger, lease_key, **kwargs):  # type: ignore[no-untyped-def]
+    async def org_b_rebuilding(work, book, ledger, lease_key, **kwargs):  # type: ignore[no-untyped-def]
         if lease_key == arithmetic.lease_key(BUDGET, "org-b"):
             raise LedgerNotLoaded("shard of org-b is being rebuilt")
-        return await real(work, ledger, lease_key, **kwargs)
+        return await real(work, book, ledger, lease_key, **kwargs)
 
     monkeypatch.setattr(s.escrow, "_move", org_b_rebuilding)
     assert await reserve_with_refill(s, "org-a", 30, chunk=100) == (True, 30)  # from org-c, the second most unused

@@ -17,6 +17,7 @@ from tests.support.admission import admission_factory  # noqa: F401 - pytest fix
 from tests.support.policy_repos import commit
 from tests.support.policy_repos import repo  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
+from tests.support.quotas import POOLS
 from tests.support.servers import free_port
 
 
@@ -133,8 +134,7 @@ async def test_a_sharded_ledger_refuses_a_bundle_it_cannot_enforce_over_http_and
     admission_factory,  # noqa: F811
     pg_dsn: str,
 ) -> None:
-    sensitive = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n"
-    commit(repo, {"team.yaml": budget_yaml("team-vision"), "sensitive.yaml": sensitive})
+    commit(repo, {"team.yaml": budget_yaml("team-vision"), "pools.yaml": POOLS.format(child=1, parent=5, cap=5)})
     server = await admission_factory(ledger_shards=3)
     operator = await issue(pg_dsn, Role.OPERATOR, name="ci-deployer")
     over_http = await apply(repo, server.url, operator)
@@ -144,7 +144,7 @@ async def test_a_sharded_ledger_refuses_a_bundle_it_cannot_enforce_over_http_and
     for refused in (over_http, direct):
         assert refused.exit_code != 0
         assert "the ledger has 3 shards (BUDGETGATE_LEDGER_SHARDS) and this bundle cannot be enforced on them" in refused.output, refused.output
-        assert "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet" in refused.output
+        assert "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet" in refused.output
         assert "team-vision" not in refused.output.split("enforced")[1]
     conn = await asyncpg.connect(pg_dsn)
     try:

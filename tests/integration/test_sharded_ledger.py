@@ -18,6 +18,7 @@ from budgetgate.core.shards import SEQ_STEP, Shards
 from budgetgate.services.admission.admitter import Unavailable
 from tests.support.admission import apply_policies, held_in_postgres, one_batch, reserved_in_redis
 from tests.support.cli import budgetgate_on
+from tests.support.quotas import POOLS
 from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, policies, run, sharded_admission
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
@@ -94,8 +95,7 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
 
 
 async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reason(admission_factory, pg_dsn) -> None:
-    sensitive = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n"
-    await apply_policies(pg_dsn, {**policies(), "sensitive.yaml": sensitive}, sha="6" * 40)
+    await apply_policies(pg_dsn, {**policies(), "pools.yaml": POOLS.format(child=1, parent=5, cap=5)}, sha="6" * 40)
     server = await admission_factory(ledger_shards=SHARDS)
 
     async def refused() -> bool:
@@ -104,7 +104,7 @@ async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reas
     await wait_for(refused, what="readiness to name the bundle a sharded ledger cannot enforce")
     answer = await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))
     assert answer.status_code == 503
-    assert "the sensitive-workload quota is shared by tenants: a sharded ledger has none yet" in answer.text, answer.text
+    assert "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet" in answer.text, answer.text
     assert await held_in_postgres(pg_dsn) == {}
 
 

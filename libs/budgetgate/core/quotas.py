@@ -112,10 +112,20 @@ def quota_violation(tenant: str, quota: TenantQuota, held: Holdings, request: Re
     return None
 
 
-def sensitive_violation(pool: SensitivePool, held: Holdings, request: Request) -> str | None:
-    """The rejection reason when sensitive work would hold more than the pool, else None."""
+def sensitive_violation(pool: SensitivePool, held: Holdings, request: Request, *, lease: int | None = None, tenant: str | None = None) -> str | None:
+    """The rejection reason when sensitive work would hold more than the pool, else None. With
+    `lease` (a ledger of several shards), `held` is what `tenant`'s sensitive runs hold, tested
+    against its lease of the pool, which a refill could not grow enough: the other tenants hold
+    the rest."""
     current = held.gpus if pool.unit == "gpus" else held.nodes
     requested = request.gpus if pool.unit == "gpus" else request.nodes
+    if lease is not None:
+        if current + requested > lease:
+            return (
+                f"{REJECTED}sensitive workloads would exceed sensitive_pool_size (tenant {tenant!r} holds {current} of its lease of {lease} "
+                f"and requested: {requested}; other tenants' sensitive workloads hold the rest of the limit: {pool.size} {pool.unit})"
+            )
+        return None
     if current + requested > pool.size:
         return f"{REJECTED}sensitive workloads would exceed sensitive_pool_size (current: {current}, requested: {requested}, limit: {pool.size} {pool.unit})"
     return None

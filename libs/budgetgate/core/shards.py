@@ -98,11 +98,9 @@ def unshardable(bundle: PolicyBundle, tenant_label: str) -> list[str]:
     of a decision shares one slot whatever the policies; on several, a decision touches only its
     tenant's shard, so whatever several tenants share would be counted apart on each shard unless
     carved into escrow leases: a budget tenants share is (one scoped by namespace, by other labels,
-    or attached to an account, over a calendar or a rolling window); token pools and the
-    sensitive-workload quota are not yet."""
+    or attached to an account, over a calendar or a rolling window), and so is the
+    sensitive-workload quota (each tenant's lease a counter on its shard); token pools are not yet."""
     reasons = []
     if bundle.pools:
         reasons.append(f"token pools ({', '.join(sorted({p.namespace for p in bundle.pools}))}) are shared by tenants: a sharded ledger has none yet")
-    if bundle.sensitive is not None:
-        reasons.append("the sensitive-workload quota is shared by tenants: a sharded ledger has none yet")
     return reasons

@@ -21,13 +21,18 @@ from budgetgate.core.quotas import (
     sensitive_violation,
     soft_penalty,
 )
-from budgetgate.ledger.holds import SENSITIVE, CounterRequest, PoolLevel, PoolRequest, tenant_counter
+from budgetgate.ledger.holds import SENSITIVE, CounterRequest, PoolLevel, PoolRequest, sensitive_lease, tenant_counter
 from budgetgate.ledger.redis_ledger import ReserveResult
 from budgetgate.contracts.admission import RUN_TOKEN_PREFIX, AdmissionRequest
 
 
 class NoSuchPool(LookupError):
     """A submission or allocation names a pool namespace no ResourcePool declares."""
+
+
+class NoSensitiveTenant(ValueError):
+    """A sensitive submission names no tenant, on a ledger of several shards: the sensitive pool
+    is carved into tenants' leases there, and it has none to count on."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,11 @@ class Asks:
     @property
     def any(self) -> bool:
         return bool(self.counters) or self.pool is not None
+
+    @property
+    def sensitive_counter(self) -> CounterRequest | None:
+        """The counter it counts on for the sensitive pool: the pool's, or its tenant's lease of it."""
+        return next((c for c in self.counters if c.name == SENSITIVE or c.lease), None) if self.sensitive else None
 
 
 def pool_request(
@@ -79,7 +89,10 @@ def _tighter(a: int | None, b: int | None) -> int | None:
     return min(values) if values else None
 
 
-def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, now: datetime) -> Asks:
+def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, now: datetime, leased: bool = False) -> Asks:
+    """What `request` holds if admitted. `leased`: the ledger has several shards, so a sensitive
+    run counts on its tenant's escrow lease of the sensitive pool (holds.sensitive_lease), on its
+    tenant's shard; raises NoSensitiveTenant for one that names no tenant."""
     res = request.resources
     tenant = request.labels.get(tenant_label)
     counters = []
@@ -91,7 +104,15 @@ def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, 
     if sensitive:
         size = bundle.sensitive.size  # type: ignore[union-attr]
         limits = (size, None, None) if bundle.sensitive.unit == "gpus" else (None, size, None)  # type: ignore[union-attr]
-        counters.append(CounterRequest(SENSITIVE, res.gpus, res.nodes, 1, limits))
+        if not leased:
+            counters.append(CounterRequest(SENSITIVE, res.gpus, res.nodes, 1, limits))
+        elif not tenant:
+            raise NoSensitiveTenant(
+                f"a sensitive workload must name its tenant (label {tenant_label!r}): "
+                "on a ledger of several shards the sensitive pool is carved into tenants' leases"
+            )
+        else:
+            counters.append(CounterRequest(sensitive_lease(tenant), res.gpus, res.nodes, 1, limits, lease=True))
     pool = None
     if request.pool_token is not None:
         ask = request.pool_token
@@ -112,12 +133,13 @@ def rejection(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, r
     """Why the concurrency limits refuse the submission, from the readings before it."""
     wanted = Request(gpus=request.resources.gpus, nodes=request.resources.nodes)
     held = dict(zip((c.name for c in the_asks.counters), result.counters, strict=True))
+    sizes = dict(zip((c.name for c in the_asks.counters), result.counter_sizes or (None,) * len(the_asks.counters), strict=True))
     if the_asks.tenant and (quota := bundle.quota_for(the_asks.tenant)) is not None:
         reason = quota_violation(the_asks.tenant, quota, Holdings(*held[tenant_counter(the_asks.tenant)]), wanted)
         if reason:
             return reason
-    if the_asks.sensitive and bundle.sensitive is not None:
-        reason = sensitive_violation(bundle.sensitive, Holdings(*held[SENSITIVE]), wanted)
+    if (counter := the_asks.sensitive_counter) is not None and bundle.sensitive is not None:
+        reason = sensitive_violation(bundle.sensitive, Holdings(*held[counter.name]), wanted, lease=sizes[counter.name], tenant=the_asks.tenant)
         if reason:
             return reason
     if the_asks.pool is not None:

@@ -20,7 +20,7 @@ from budgetgate.core.shards import run_root
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.holds import PoolReading
 from budgetgate.ledger.redis_ledger import ChargeRequest, ReserveResult
-from budgetgate.decisions.concurrency import Asks, NoSuchPool, asks, refused, rejection, standing
+from budgetgate.decisions.concurrency import Asks, NoSensitiveTenant, NoSuchPool, asks, refused, rejection, standing
 from budgetgate.contracts.admission import AdmissionRequest
 
 
@@ -79,9 +79,11 @@ def prepare(
     if not the_plan.charges and not the_plan.violations and unmatched == "deny":
         raise InvalidSubmission("namespace", f"no budget policy covers namespace {request.namespace!r} with these labels, and unmatched submissions are denied")
     try:
-        the_asks = asks(bundle, request, tenant_label=tenant_label, now=at)
+        the_asks = asks(bundle, request, tenant_label=tenant_label, now=at, leased=leased)
     except NoSuchPool as exc:
         raise InvalidSubmission("pool_token.namespace", str(exc)) from exc
+    except NoSensitiveTenant as exc:
+        raise InvalidSubmission(f"labels.{tenant_label}", str(exc)) from exc
     return Prepared(request, bundle, the_plan, the_asks, at)
 
 
@@ -148,6 +150,7 @@ def rebuilt_result(recorded: dict[str, Any]) -> ReserveResult | None:
         readings=tuple((r["reserved"], r["consumed"]) for r in recorded.get("ledger", [])),
         sizes=tuple(r["limit"] if lease_of(r["ledger_key"]) is not None else None for r in recorded.get("ledger", [])),
         counters=tuple(tuple(c) for c in recorded.get("counters", [])),  # type: ignore[misc]
+        counter_sizes=tuple(recorded.get("counter_sizes", ())),
         pools=tuple(PoolReading(*p) for p in recorded.get("pools", [])),
     )
 
@@ -195,7 +198,9 @@ def readings_record(
     }
     if usage is not None:
         record["fair_share_usage"] = {"gpu": usage.amount, "half_life_seconds": usage.half_life.total_seconds()}
-    if any(c.root is not None for c in p.plan.charges):
+    if result is not None and any(size is not None for size in result.counter_sizes):
+        record["counter_sizes"] = list(result.counter_sizes)  # a lease of the sensitive pool: its size is the limit
+    if any(c.root is not None for c in p.plan.charges) or any(c.lease for c in p.asks.counters):
         record["leased"] = True  # charged through escrow leases: explain prepares it so again
     return record
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 
-from budgetgate.ledger.holds import SENSITIVE, HoldKeys, tenant_counter
+from budgetgate.ledger.holds import SENSITIVE, HoldKeys, sensitive_lease, tenant_counter
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LeaseRenewal, LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.transaction import record_ledger_mark
@@ -23,23 +23,33 @@ class ConcurrencyState:
     counters: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
     holds: dict[str, dict[str, str]] = field(default_factory=lambda: defaultdict(dict))  # run → {key: value}
     pools: list[dict[str, Any]] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)  # a lease counter's size (the sensitive pool's, carved)
 
 
-def counter_names(hold: Mapping[str, Any]) -> list[str]:
-    """The counters a run hold (a run_holds row) counts on: its tenant's, and the sensitive pool's."""
-    return ([tenant_counter(hold["tenant"])] if hold["tenant"] else []) + ([SENSITIVE] if hold["sensitive"] else [])
+def counter_names(hold: Mapping[str, Any], *, leased: bool = False) -> list[str]:
+    """The counters a run hold (a run_holds row) counts on: its tenant's, and the sensitive
+    pool's, or, on a ledger of several shards (`leased`), its tenant's lease of that pool."""
+    tenant = hold["tenant"]
+    sensitive = [] if not hold["sensitive"] else [sensitive_lease(tenant) if leased and tenant else SENSITIVE]
+    return ([tenant_counter(tenant)] if tenant else []) + sensitive
 
 
 async def concurrency_state(conn: asyncpg.Connection, ledger: RedisLedger, *, now: datetime) -> ConcurrencyState:
     """What Postgres says runs and pool users hold right now, on `ledger`'s shard: a run's holds
-    and its tenant's counter on its tenant's; what no tenant owns (the sensitive counter, pools)
-    on the shard of the empty root (none of it on a ledger of several shards, which has none)."""
+    and its tenant's counter on its tenant's, with its tenant's lease of the sensitive pool on a
+    ledger of several shards (the lease's size from counter_leases, migration 0045); what no
+    tenant owns (pools, and the sensitive counter on a ledger of one shard, or for a run of no
+    tenant) on the shard of the empty root."""
     state, keys = ConcurrencyState(), ledger.keys
-    shared = ledger.owns_root("")
+    shared, leased = ledger.owns_root(""), ledger.shards.count > 1
+    for row in await conn.fetch(sql("counter_lease_sizes")) if leased else ():
+        if ledger.owns_root(row["root"]):
+            state.sizes[sensitive_lease(row["root"])] = row["size"]
+            state.counters[sensitive_lease(row["root"])]  # (a lease no run holds on yet is written too)
     for row in await conn.fetch(sql("held_concurrency")):
         if not ledger.owns_root(row["tenant"] or ""):
             continue
-        for name in counter_names(row):
+        for name in counter_names(row, leased=leased):
             if name == SENSITIVE and not shared:
                 continue
             counter = state.counters[name]
@@ -58,7 +68,8 @@ async def concurrency_state(conn: asyncpg.Connection, ledger: RedisLedger, *, no
 def write_concurrency(pipe: Any, keys: HoldKeys, state: ConcurrencyState) -> None:
     """Queue the Redis writes that recreate `state` (into a pipeline of a rebuild)."""
     for name, (gpus, nodes, allocations) in state.counters.items():
-        pipe.hset(keys.counter(name), mapping={"gpus": gpus, "nodes": nodes, "allocations": allocations})
+        sized = {"size": state.sizes[name]} if name in state.sizes else {}
+        pipe.hset(keys.counter(name), mapping={"gpus": gpus, "nodes": nodes, "allocations": allocations, **sized})
     for run_id, held in state.holds.items():
         pipe.hset(keys.holds(run_id), mapping=held)
     for allocation in state.pools:
@@ -131,7 +142,7 @@ async def rehold_run(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str,
     row = await conn.fetchrow(sql("reopen_run_holds"), run_id, decision_id)
     if row is None:
         return False
-    names = counter_names(row)
+    names = counter_names(row, leased=ledger.shards.count > 1)
     if not names:
         return False
     try:

@@ -34,6 +34,7 @@ from typing import TypeVar
 import asyncpg
 
 from budgetgate.ledger.concurrency_holds import concurrency_state
+from budgetgate.ledger.holds import sensitive_lease
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 
@@ -179,12 +180,22 @@ async def _confirmed(
 
 async def _lease_sizes(conn: asyncpg.Connection, redis: RedisLedger, *, repair: bool, rebuild: Rebuild) -> dict[str, tuple[int, int]] | None:
     """Escrow leases whose size differs (_confirmed). A lease Redis never loaded gets Postgres's
-    size when first used: not drift."""
+    size when first used: not drift. The leases of the sensitive pool (counters, on a ledger of
+    several shards), by counter name: a rebuild writes every one, so one absent reads size 0."""
 
     async def differing() -> dict[str, tuple[int, int]]:
         postgres = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes")) if redis.owns_key(r["lease_key"])}
         in_redis = await redis.sizes(postgres)
-        return {key: (in_redis[key], size) for key, size in postgres.items() if key in in_redis and in_redis[key] != size}
+        found = {key: (in_redis[key], size) for key, size in postgres.items() if key in in_redis and in_redis[key] != size}
+        if redis.shards.count > 1:
+            counters = {sensitive_lease(r["root"]): r["size"] for r in await conn.fetch(sql("counter_lease_sizes")) if redis.owns_root(r["root"])}
+            pipe = redis.client.pipeline(transaction=False)
+            for name in counters:
+                pipe.hget(redis.keys.counter(name), "size")
+            for (name, size), held in zip(counters.items(), await pipe.execute(), strict=True):
+                if int(held or 0) != size:
+                    found[name] = (int(held or 0), size)
+        return found
 
     return await _confirmed(conn, redis, differing, none={}, repair=repair, rebuild=rebuild, what=lambda found: f"the size of {len(found)} escrow lease(s)")
 

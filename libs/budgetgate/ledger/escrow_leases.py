@@ -30,12 +30,18 @@ for other roots' refills.
 
 The roots' shards: every lease lives on its root's shard of the Redis ledger (`shard_of`); until
 the ledger is sharded by root (docs/scale-out.md), every root's shard is the one Redis ledger.
+
+What is carved: a budget (`BudgetBook`, its limit its ledger entry's, a lease's use its
+reservations and consumption), or a counter tenants share (`CounterBook`: the sensitive-workload
+pool, its limit the bundle's size, a lease's use what its tenant's sensitive runs hold at once,
+in run_holds and on the lease's counter in Redis; migration 0045). The moves are the same.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import asyncpg
@@ -43,6 +49,7 @@ import asyncpg
 from budgetgate.core import escrow
 from budgetgate.core.escrow import Lease
 from budgetgate.core.ledger_key import LedgerKey
+from budgetgate.ledger.holds import sensitive_lease
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import LedgerKeyMissing, LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.transaction import LedgerTransaction, committed_seq, ledger_transaction, record_ledger_mark
@@ -54,60 +61,153 @@ class UnknownBudget(LookupError):
     """The budget has no ledger entry: nothing to carve leases from."""
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetBook:
+    """The leases of a budget tenants share: each a ledger key of its own (core.escrow.lease_key)."""
+
+    ledger_key: str
+    counted_in = None  # (a lease's use is its ledger key's reserved + consumed)
+
+    @property
+    def moves_key(self) -> str:
+        return self.ledger_key
+
+    def lease(self, root: str) -> str:
+        return escrow.lease_key(self.ledger_key, root)
+
+    async def open(self, conn: asyncpg.Connection | asyncpg.Pool, root: str) -> str:
+        lease = self.lease(root)
+        if await conn.fetchval(sql("escrow_open"), self.ledger_key, root, lease, LedgerKey.parse(lease).scope_id) is None:
+            raise UnknownBudget(f"budget {self.ledger_key!r} has no ledger entry to carve leases from")
+        return lease
+
+    async def lock(self, conn: asyncpg.Connection) -> int:
+        """Lock the budget's entry (the order every move locks in); its limit."""
+        return int(await conn.fetchval(sql("escrow_lock_budget"), self.ledger_key))
+
+    async def leases(self, conn: asyncpg.Connection | asyncpg.Pool, *, lock: bool = True) -> dict[str, Lease]:
+        """Every lease by root (locked, unless `lock` is False), with what Postgres knows it holds."""
+        rows = await conn.fetch(sql("escrow_leases_locked") if lock else sql("escrow_leases_read"), self.ledger_key)
+        return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+
+    async def record(self, conn: asyncpg.Connection, root: str, kind: str, size_after: int, amount: int, seq: int | None, reason: str) -> None:
+        await conn.execute(sql("escrow_move"), self.ledger_key, root, kind, size_after, amount, seq, reason)
+
+    async def load(self, conn: asyncpg.Connection, ledger: RedisLedger, lease: str) -> None:
+        """Load a lease's key Redis never had, from Postgres."""
+        row = await conn.fetchrow(sql("ledger_figures"), [lease])
+        await ledger.load_key(lease, reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
+
+    async def live(self, ledger: RedisLedger, root: str) -> tuple[int, int] | None:
+        """What the lease holds in Redis (reserved, consumed); None when Redis has no key for it."""
+        lease = self.lease(root)
+        return (await ledger.readings([lease])).get(lease)
+
+
+@dataclass(frozen=True, slots=True)
+class CounterBook:
+    """The leases of a counter tenants share: the sensitive-workload pool of `limit` GPUs or
+    nodes (`counted_in`), the bundle's. Each tenant's lease is a counter on its shard
+    (holds.sensitive_lease) that its sensitive runs count on, its size what they may hold."""
+
+    counter: str
+    counted_in: str  # gpus | nodes
+    limit: int
+
+    @property
+    def moves_key(self) -> str:
+        return f"counter:{self.counter}"
+
+    def lease(self, root: str) -> str:
+        return sensitive_lease(root)
+
+    async def open(self, conn: asyncpg.Connection | asyncpg.Pool, root: str) -> str:
+        await conn.execute(sql("counter_escrow_open"), self.counter, root)
+        return self.lease(root)
+
+    async def lock(self, conn: asyncpg.Connection) -> int:
+        """Lock the counter's row (the order every move locks in); the pool's size."""
+        await conn.fetchval(sql("counter_escrow_lock"), self.counter)
+        return self.limit
+
+    async def leases(self, conn: asyncpg.Connection | asyncpg.Pool, *, lock: bool = True) -> dict[str, Lease]:
+        """Every lease by tenant (and what tenants without one hold), with what Postgres knows its
+        runs hold (the counter's row, which `lock` takes, is what serialises moves)."""
+        rows = await conn.fetch(sql("counter_leases_figures"), self.counter, self.counted_in)
+        return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+
+    async def record(self, conn: asyncpg.Connection, root: str, kind: str, size_after: int, amount: int, seq: int | None, reason: str) -> None:
+        await conn.execute(sql("counter_escrow_move"), self.counter, root, kind, size_after, amount, seq, reason)
+
+    async def load(self, conn: asyncpg.Connection, ledger: RedisLedger, lease: str) -> None:
+        raise AssertionError("a counter's lease is never missing: lease.lua reads an absent counter as empty")
+
+    async def live(self, ledger: RedisLedger, root: str) -> tuple[int, int] | None:
+        """What the tenant's sensitive runs hold in Redis (as reserved, nothing consumed)."""
+        held = await ledger.client.hget(ledger.keys.counter(self.lease(root)), self.counted_in)
+        return None if held is None else (int(held), 0)
+
+
+Book = BudgetBook | CounterBook
+
+
+def _book(what: str | Book) -> Book:
+    """A budget's ledger key stands for its book."""
+    return BudgetBook(what) if isinstance(what, str) else what
+
+
 class Escrow:
-    """Grants and returns of the leases of budgets shared by roots."""
+    """Grants and returns of the leases of budgets (and counters) shared by roots."""
 
     def __init__(self, pool: asyncpg.Pool, shard_of: Callable[[str], RedisLedger]) -> None:
         self.pool = pool
         self.shard_of = shard_of  # root -> the Redis ledger of its shard
 
-    async def open(self, ledger_key: str, root: str) -> str:
-        """Create `root`'s lease of the budget filed under `ledger_key` (size 0) unless it exists;
-        its ledger key. Raises UnknownBudget when the budget has no ledger entry."""
-        lease = escrow.lease_key(ledger_key, root)
-        scope_id = LedgerKey.parse(lease).scope_id
-        if await self.pool.fetchval(sql("escrow_open"), ledger_key, root, lease, scope_id) is None:
-            raise UnknownBudget(f"budget {ledger_key!r} has no ledger entry to carve leases from")
-        return lease
+    async def open(self, what: str | Book, root: str) -> str:
+        """Create `root`'s lease of the budget filed under `what` (a ledger key, or a book)
+        (size 0) unless it exists; its name. Raises UnknownBudget when the budget has no ledger entry."""
+        return await _book(what).open(self.pool, root)
 
-    async def grant(self, ledger_key: str, root: str, want: int, *, reason: str, least: int | None = None) -> int:
+    async def grant(self, what: str | Book, root: str, want: int, *, reason: str, least: int | None = None) -> int:
         """Grow `root`'s lease by `want`, or by what is free of the budget's limit when that is
         less (by no more than `least` then, when given: core.escrow.grantable); what it grew by
         (0: nothing was free, and nothing was written)."""
-        lease_key = await self.open(ledger_key, root)
+        book = _book(what)
+        lease_key = await book.open(self.pool, root)
         ledger = self.shard_of(root)
         async with ledger_transaction(self.pool, ledger) as work:
-            limit = await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
-            leases = await _locked(work.conn, ledger_key)
+            limit = await book.lock(work.conn)
+            leases = await book.leases(work.conn)
             given = escrow.grantable(limit, leases.values(), want, least=least)
             if given <= 0:
                 return 0
             size = leases[root].size
-            moved, _ = await self._move(work, ledger, lease_key, size=size, grow=True, amount=given)
-            await work.conn.execute(sql("escrow_move"), ledger_key, root, "grant", size + moved, moved, None, reason)
-        log.info("escrow: granted %d to %s's lease of %s (%s)", moved, root, ledger_key, reason)
+            moved, _ = await self._move(work, book, ledger, lease_key, size=size, grow=True, amount=given)
+            await book.record(work.conn, root, "grant", size + moved, moved, None, reason)
+        log.info("escrow: granted %d to %s's lease of %s (%s)", moved, root, book.moves_key, reason)
         return moved
 
-    async def give_back(self, ledger_key: str, root: str, want: int, *, reason: str) -> int:
+    async def give_back(self, what: str | Book, root: str, want: int, *, reason: str) -> int:
         """Shrink `root`'s lease by `want`, or by what its root holds neither reserved nor
         consumed when that is less; what it shrank by (0: nothing written)."""
-        lease_key = await self.open(ledger_key, root)
+        book = _book(what)
+        lease_key = await book.open(self.pool, root)
         ledger = self.shard_of(root)
         async with ledger_transaction(self.pool, ledger) as work:
-            await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)  # the order every move locks in
-            lease = (await _locked(work.conn, ledger_key))[root]
+            await book.lock(work.conn)  # the order every move locks in
+            lease = (await book.leases(work.conn))[root]
             size = lease.size
             if escrow.returnable(lease, want) <= 0:
                 return 0  # what Postgres knows it holds already takes it all; Redis holds no less
-            moved, seq = await self._move(work, ledger, lease_key, size=size, grow=False, amount=want)
+            moved, seq = await self._move(work, book, ledger, lease_key, size=size, grow=False, amount=want)
             if moved <= 0:
                 return 0
             await record_ledger_mark(work.conn, ledger, seq)
-            await work.conn.execute(sql("escrow_move"), ledger_key, root, "return", size - moved, moved, seq, reason)
-        log.info("escrow: %s gave back %d of its lease of %s (%s)", root, moved, ledger_key, reason)
+            await book.record(work.conn, root, "return", size - moved, moved, seq, reason)
+        log.info("escrow: %s gave back %d of its lease of %s (%s)", root, moved, book.moves_key, reason)
         return moved
 
-    async def refill(self, ledger_key: str, root: str, *, amount: int, seen: Lease, chunk: int) -> int:
+    async def refill(self, what: str | Book, root: str, *, amount: int, seen: Lease, chunk: int) -> int:
         """The synchronous refill decisions get when `root`'s lease, as Redis read it in their
         refusal (`seen`: its size, reserved and consumed), had no room for their reservations of
         `amount` together: a grant of what the lease lacked, in whole `chunk`s
@@ -117,29 +217,30 @@ class Escrow:
         lease as the decisions saw it, not as it is now: a refill since, for other decisions, is
         theirs to use. What the lease grew by (0: nothing was free, nor idle in any lease); the
         caller reserves once more, and refuses a decision that does not fit then either."""
+        book = _book(what)
         lacking, want = escrow.lacking(seen, amount), escrow.refill_wanted(seen, amount, chunk=chunk)
         if lacking <= 0:
             return 0
-        granted = await self.grant(ledger_key, root, want, reason="refill", least=lacking)
+        granted = await self.grant(book, root, want, reason="refill", least=lacking)
         if granted < lacking:
-            granted += await self._reclaim(ledger_key, root, lacking - granted)
+            granted += await self._reclaim(book, root, lacking - granted)
         return granted
 
-    async def _reclaim(self, ledger_key: str, root: str, need: int) -> int:
+    async def _reclaim(self, book: Book, root: str, need: int) -> int:
         """Too little was free for `root`'s refill: in one ledger transaction, holding every
         shard's lock (in shard order, then the budget's and its leases' rows, as every move), take
         what is free and then the room other roots' leases hold unused (core.escrow's
         reclaim_candidates on the locked figures, passing over a shard that cannot answer; each shrink takes no more than Redis says its root holds unused, so
         a reservation in flight keeps its room), and grow `root`'s lease by all of it at once, so
         no other refill takes it in between. What the lease grew by."""
-        lease_key = await self.open(ledger_key, root)
+        lease_key = await book.open(self.pool, root)
         ledger = self.shard_of(root)
         shrunk: list[RedisLedger] = []
         try:
             async with ledger_transaction(self.pool, ledger) as work:
                 await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
-                limit = await work.conn.fetchval(sql("escrow_lock_budget"), ledger_key)
-                leases = await _locked(work.conn, ledger_key)
+                limit = await book.lock(work.conn)
+                leases = await book.leases(work.conn)
                 got = min(max(escrow.free(limit, leases.values()), 0), need)
                 for other, unused in escrow.reclaim_candidates(leases, root):
                     take = min(unused, need - got)
@@ -147,73 +248,93 @@ class Escrow:
                         break
                     giver, size = self.shard_of(other), leases[other].size
                     try:
-                        moved, seq = await self._move(work, giver, escrow.lease_key(ledger_key, other), size=size, grow=False, amount=take)
+                        moved, seq = await self._move(work, book, giver, book.lease(other), size=size, grow=False, amount=take)
                     except LedgerNotLoaded as exc:  # that shard is being rebuilt (or was just invalidated): the others may give
-                        log.info("escrow: no reclaim from %s's lease of %s for now: %s", other, ledger_key, exc)
+                        log.info("escrow: no reclaim from %s's lease of %s for now: %s", other, book.moves_key, exc)
                         continue
                     if moved > 0:
                         shrunk.append(giver)
                         await record_ledger_mark(work.conn, giver, seq)
-                        await work.conn.execute(sql("escrow_move"), ledger_key, other, "return", size - moved, moved, seq, f"reclaim:{root}")
+                        await book.record(work.conn, other, "return", size - moved, moved, seq, f"reclaim:{root}")
                         got += moved
                 if got <= 0:
                     return 0
                 size = leases[root].size
-                grown, _ = await self._move(work, ledger, lease_key, size=size, grow=True, amount=got)
-                await work.conn.execute(sql("escrow_move"), ledger_key, root, "grant", size + grown, grown, None, "refill")
+                grown, _ = await self._move(work, book, ledger, lease_key, size=size, grow=True, amount=got)
+                await book.record(work.conn, root, "grant", size + grown, grown, None, "refill")
         except BaseException:
             for giver in shrunk:  # (the receiver's shard is invalidated by ledger_transaction)
                 if giver is not ledger:
                     await giver.invalidate("an escrow reclaim failed after shrinking a lease")
             raise
-        log.info("escrow: moved %d into %s's lease of %s, from what was free and other leases' idle room", grown, root, ledger_key)
+        log.info("escrow: moved %d into %s's lease of %s, from what was free and other leases' idle room", grown, root, book.moves_key)
         return grown
 
-    async def refill_forecast(self, ledger_key: str, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
+    async def refill_forecast(self, what: str | Book, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
         """What `refill` would grow `root`'s lease by now, from the same figures, writing nothing
         and locking nothing (a quote's forecast; `limit`: the budget's, when it has no entry yet)."""
-        rows = await self.pool.fetch(sql("escrow_leases_read"), ledger_key)
-        leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+        book = _book(what)
+        if isinstance(book, BudgetBook):
+            rows = await self.pool.fetch(sql("escrow_leases_read"), book.ledger_key)
+            leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+            limit = rows[0]["limit_amount"] if rows else limit
+        else:
+            leases, limit = await book.leases(self.pool, lock=False), book.limit
         seen = Lease(leases.get(root, Lease(0)).size, *reading)
         want = escrow.refill_wanted(seen, amount, chunk=chunk)
         if want <= 0:
             return 0
         lacking = escrow.lacking(seen, amount)
-        granted = escrow.grantable(rows[0]["limit_amount"] if rows else limit, leases.values(), want, least=lacking)
+        granted = escrow.grantable(limit, leases.values(), want, least=lacking)
         need = lacking - granted
         return granted + sum(take for _, take in escrow.reclaim_plan(leases, root, need)) if need > 0 else granted
 
-    async def return_idle(self, *, idle: timedelta, chunk_share: float, now: datetime) -> dict[tuple[str, str], int]:
+    async def return_idle(self, *, idle: timedelta, chunk_share: float, now: datetime, counters: Sequence[CounterBook] = ()) -> dict[tuple[str, str], int]:
         """Give back, from every lease whose size has not moved for `idle`, what its root holds
         neither reserved nor consumed beyond one chunk (`chunk_share` of the budget's limit,
         core.escrow.chunk_of), so what a root no longer needs is free for the others' refills.
         Postgres chooses the leases; the amount is reckoned on Redis's figures where it has them
         (reservations in flight, which Postgres does not know of yet, keep their headroom), and
-        Redis takes no more than its root holds unused when it shrinks (give_back). What each
-        moved, by (budget, root); leases that gave nothing are left out."""
+        Redis takes no more than its root holds unused when it shrinks (give_back). The leases of
+        each counter of `counters` (the sensitive pool, at the bundle's size) too; and where a
+        counter's leases hold more than its size (the bundle made the pool smaller), each gives
+        back what its tenant does not hold, idle or not, until they fit. What each moved, by
+        (budget or 'counter:<name>', root); leases that gave nothing are left out."""
         moved: dict[tuple[str, str], int] = {}
+        idle_leases: list[tuple[Book, int, list[str]]] = []
         for budget in await self.pool.fetch(sql("escrow_budgets")):
-            keep = escrow.chunk_of(budget["limit_amount"], chunk_share)
-            for row in await self.pool.fetch(sql("escrow_idle_leases"), budget["ledger_key"], now - idle):
-                lease_key = escrow.lease_key(budget["ledger_key"], row["root"])
-                live = (await self.shard_of(row["root"]).readings([lease_key])).get(lease_key, (row["reserved"], row["consumed"]))
-                want = escrow.idle_return(Lease(row["size"], *live), keep=keep)
-                if want > 0 and (given := await self.give_back(budget["ledger_key"], row["root"], want, reason="idle")):
-                    moved[budget["ledger_key"], row["root"]] = given
+            book = BudgetBook(budget["ledger_key"])
+            roots = [row["root"] for row in await self.pool.fetch(sql("escrow_idle_leases"), budget["ledger_key"], now - idle)]
+            idle_leases.append((book, escrow.chunk_of(budget["limit_amount"], chunk_share), roots))
+        for counter in counters:
+            leases = await counter.leases(self.pool, lock=False)
+            over = -escrow.free(counter.limit, leases.values())
+            for root, unused in escrow.reclaim_candidates(leases, "", most=len(leases)) if over > 0 else ():
+                if over <= 0:
+                    break
+                if given := await self.give_back(counter, root, min(unused, over), reason="pool made smaller"):
+                    moved[counter.moves_key, root] = given
+                    over -= given
+            roots = [row["root"] for row in await self.pool.fetch(sql("counter_idle_roots"), counter.counter, now - idle)]
+            idle_leases.append((counter, escrow.chunk_of(max(counter.limit, 1), chunk_share), roots))
+        for book, keep, roots in idle_leases:
+            leases = await book.leases(self.pool, lock=False)
+            for root in roots:
+                lease = leases.get(root)
+                if lease is None:
+                    continue
+                live = await book.live(self.shard_of(root), root) or (lease.reserved, lease.consumed)
+                want = escrow.idle_return(Lease(lease.size, *live), keep=keep)
+                if want > 0 and (given := await self.give_back(book, root, want, reason="idle")):
+                    moved[book.moves_key, root] = moved.get((book.moves_key, root), 0) + given
         return moved
 
-    async def _move(self, work: LedgerTransaction, ledger: RedisLedger, lease_key: str, *, size: int, grow: bool, amount: int) -> tuple[int, int]:
+    async def _move(self, work: LedgerTransaction, book: Book, ledger: RedisLedger, lease_key: str, *, size: int, grow: bool, amount: int) -> tuple[int, int]:
         """The Redis step of a move, the lease's key loaded from Postgres first if Redis never had it."""
         committed = await committed_seq(work.conn, ledger)
         work.redis_changed = True
         try:
-            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed)
+            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed, counted_in=book.counted_in)
         except LedgerKeyMissing:
-            row = await work.conn.fetchrow(sql("ledger_figures"), [lease_key])
-            await ledger.load_key(lease_key, reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
-            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed)
-
-
-async def _locked(conn: asyncpg.Connection, ledger_key: str) -> dict[str, Lease]:
-    """Every lease of the budget by root, locked, with what Postgres knows it holds."""
-    return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in await conn.fetch(sql("escrow_leases_locked"), ledger_key)}
+            await book.load(work.conn, ledger, lease_key)
+            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed, counted_in=book.counted_in)

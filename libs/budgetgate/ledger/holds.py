@@ -11,16 +11,23 @@ from dataclasses import dataclass
 
 SENSITIVE = "sensitive"
 
+# A counter limit read from the counter's own `size` field (an escrow lease of a counter several
+# tenants share: reserve.lua), not passed in.
+LEASED = -2
+
 
 @dataclass(frozen=True, slots=True)
 class CounterRequest:
     """Add gpus, nodes and allocations to a counter, each within its limit (None = no limit)."""
 
-    name: str  # "t:<tenant>" or "sensitive"
+    name: str  # "t:<tenant>", "sensitive", or "sensitive@<tenant>" (a tenant's lease of it)
     gpus: int
     nodes: int
     allocations: int
     limits: tuple[int | None, int | None, int | None] = (None, None, None)
+    # An escrow lease (a tenant's slice of the sensitive pool on a ledger of several shards): each
+    # limit given is tested against the counter's `size` field instead, what the lease holds.
+    lease: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,20 @@ class PoolReading:
 
 def tenant_counter(tenant: str) -> str:
     return f"t:{tenant}"
+
+
+def sensitive_lease(tenant: str) -> str:
+    """The counter of `tenant`'s escrow lease of the sensitive pool (a ledger of several shards):
+    on its tenant's shard, what its sensitive runs hold and, in `size`, what they may hold."""
+    if not tenant or "@" in tenant:
+        raise ValueError(f"not a tenant a lease of the sensitive pool can be filed under: {tenant!r}")
+    return f"{SENSITIVE}@{tenant}"
+
+
+def lease_root(counter: str) -> str | None:
+    """The tenant of a counter that is a lease of the sensitive pool; None for any other."""
+    name, separator, root = counter.partition("@")
+    return root if separator and name == SENSITIVE and root else None
 
 
 class HoldKeys:
@@ -91,7 +112,7 @@ def limit_arg(limit: int | None) -> int:
 def counter_args(counters: Sequence[CounterRequest]) -> list[object]:
     args: list[object] = []
     for c in counters:
-        args += [c.gpus, c.nodes, c.allocations, *(limit_arg(v) for v in c.limits)]
+        args += [c.gpus, c.nodes, c.allocations, *(LEASED if c.lease and v is not None else limit_arg(v) for v in c.limits)]
     return args
 
 

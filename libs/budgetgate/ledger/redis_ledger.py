@@ -85,6 +85,7 @@ class ReserveResult:
     seq: int | None = None  # the ledger sequence this reservation advanced to, when RESERVED
     unloaded: tuple[int, ...] = ()  # a check: charges whose key Redis never loaded (read as empty)
     sizes: tuple[int | None, ...] = ()  # per charge, an escrow lease's size (its limit); None for a budget's own key
+    counter_sizes: tuple[int | None, ...] = ()  # per counter, a lease's size (its limit); None for any other counter
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,14 +370,16 @@ class RedisLedger:
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return bool(reply)
 
-    async def move_lease(self, lease_key: str, *, size: int, grow: bool, amount: int, committed_seq: int) -> tuple[int, int]:
+    async def move_lease(self, lease_key: str, *, size: int, grow: bool, amount: int, committed_seq: int, counted_in: str | None = None) -> tuple[int, int]:
         """Grow or shrink an escrow lease whose size Postgres holds as `size` (lease.lua): what it
         moved (a shrink takes at most what its root does not hold) and the ledger sequence a
-        shrink advanced Redis to (0 for a grow), for the caller's transaction to record. Raises
-        LedgerNotLoaded (also when Redis is behind `committed_seq`, or its size is not
-        Postgres's: both call for a rebuild) or LedgerKeyMissing."""
-        keys = [self.marker, self.sequence, self.ledger(lease_key)]
-        reply = await self._scripts["lease"](keys=keys, args=[committed_seq, size, "grow" if grow else "shrink", amount])
+        shrink advanced Redis to (0 for a grow), for the caller's transaction to record. A lease
+        of a counter (the sensitive pool's) is named by its counter, its use `counted_in` gpus or
+        nodes. Raises LedgerNotLoaded (also when Redis is behind `committed_seq`, or its size is
+        not Postgres's: both call for a rebuild) or LedgerKeyMissing."""
+        key = self.ledger(lease_key) if counted_in is None else self.keys.counter(lease_key)
+        args: list[object] = [committed_seq, size, "grow" if grow else "shrink", amount]
+        reply = await self._scripts["lease"](keys=[self.marker, self.sequence, key], args=args if counted_in is None else [*args, counted_in])
         status = _text(reply[0])
         if status == "NOT_LOADED":
             raise LedgerNotLoaded("the Redis ledger is not loaded, or is behind what Postgres committed")
@@ -567,6 +570,15 @@ def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
         found = iter(int(v) for v in reply[1 + n : 1 + n + leases])
         sizes = tuple(next(found) if c.lease else None for c in asked.charges)
         reply = [reply[0], *reply[1 : 1 + n], *reply[1 + n + leases :]]
+    counter_sizes: tuple[int | None, ...] = ()
+    if leased := sum(1 for c in asked.counters if c.lease):  # a lease's size follows its three
+        values, found_sizes, at = [], [], 1 + n
+        for c in asked.counters:
+            values += reply[at : at + 3]
+            found_sizes.append(int(reply[at + 3]) if c.lease else None)
+            at += 4 if c.lease else 3
+        counter_sizes = tuple(found_sizes)
+        reply = [reply[0], *reply[1 : 1 + n], *values, *reply[1 + n + m + leased :]]
     held = [int(v) for v in reply[1 + n : 1 + n + m]]
     levels = len(asked.pool.levels) if asked.pool else 0
     pools = reply[1 + n + m : 1 + n + m + 4 * levels]
@@ -579,6 +591,7 @@ def _reserve_result(asked: Reservation, reply: list[Any]) -> ReserveResult:
         seq=int(reply[-1]) if status == "RESERVED" else None,
         unloaded=tuple(int(i) - 1 for i in rest) if status in ("FITS", "REJECTED") and rest else (),
         sizes=sizes,
+        counter_sizes=counter_sizes,
     )
 
 

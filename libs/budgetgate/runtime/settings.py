@@ -100,9 +100,8 @@ class CommonSettings(BaseSettings):
     # tenant, the value of `tenant_label`) keeps every key of its decisions under the tag of its
     # shard, `{prefix:i}`, so the shards spread over a Redis Cluster's masters. 1 keeps the one
     # tag `{prefix}`. With more than one, a budget several tenants share (its scope names no one
-    # tenant, or is attached to an account) is charged through each tenant's escrow lease of it;
-    # token pools and the sensitive-workload quota are not
-    # enforced on several shards. Change it only with every process stopped, then run
+    # tenant, or is attached to an account) is charged through each tenant's escrow lease of it,
+    # and so is the sensitive-workload quota; token pools are not enforced on several shards. Change it only with every process stopped, then run
     # `budgetgate ledger rebuild-redis` (every shard rebuilt, the keys of the former ones
     # deleted) before starting them.
     ledger_shards: int = Field(default=1, ge=1, le=64)

@@ -7,9 +7,10 @@
 -- (reserved + consumed), and advances the ledger sequence, which Postgres records with the move
 -- (ledger_marks): a Redis that lost the shrinking is behind and is rebuilt before it decides.
 --
--- KEYS: [1] loaded marker, [2] sequence, [3] the lease's ledger key.
+-- KEYS: [1] loaded marker, [2] sequence, [3] the lease's ledger key (or counter key).
 -- ARGV: [1] sequence Postgres committed, [2] the lease's size in Postgres (what Redis must hold),
---       [3] 'grow' or 'shrink', [4] amount.
+--       [3] 'grow' or 'shrink', [4] amount, [5] for a lease of a counter: the field its use is
+--       counted in (gpus or nodes), its ledger key's reserved + consumed otherwise.
 -- Returns NOT_LOADED (rebuild first; also when Redis is behind ARGV[1]), MISSING (the key was
 -- never loaded), {'STALE', size} (Redis's size is not Postgres's: rebuild), or
 -- {'OK', moved, sequence}: what it grew or shrank by (a shrink: at most what is unused), and the
@@ -21,11 +22,19 @@ if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[1]) then
   redis.call('DEL', KEYS[1])
   return {'NOT_LOADED'}
 end
-local state = redis.call('HMGET', KEYS[3], 'reserved', 'consumed', 'size')
-if not state[1] then
-  return {'MISSING'}
+local used, size
+if ARGV[5] then
+  -- a lease of a counter tenants share (the sensitive pool): what its tenant's runs hold of the
+  -- pool's unit (field ARGV[5]) is its use; a counter never counted on holds nothing, size 0
+  local state = redis.call('HMGET', KEYS[3], ARGV[5], 'size')
+  used, size = tonumber(state[1] or '0'), tonumber(state[2] or '0')
+else
+  local state = redis.call('HMGET', KEYS[3], 'reserved', 'consumed', 'size')
+  if not state[1] then
+    return {'MISSING'}
+  end
+  used, size = tonumber(state[1]) + tonumber(state[2] or '0'), tonumber(state[3] or '0')
 end
-local size = tonumber(state[3] or '0')
 if size ~= tonumber(ARGV[2]) then
   return {'STALE', size}
 end
@@ -34,7 +43,7 @@ if ARGV[3] == 'grow' then
   redis.call('HSET', KEYS[3], 'size', size + amount)
   return {'OK', amount, 0}
 end
-local unused = size - tonumber(state[1]) - tonumber(state[2] or '0')
+local unused = size - used
 local moved = math.min(amount, math.max(unused, 0))
 if moved <= 0 then
   return {'OK', 0, 0}

@@ -18,11 +18,13 @@
 --       ignored, a ledger key never loaded read as empty and named); then per decision:
 --       decision id, n, m, pool levels; per ledger key: amount, limit, hard (1|0, or L for an
 --       escrow lease, whose limit is its size field, lease.lua); per counter:
---       gpus, nodes, allocations to add, then their limits (-1 = none); then token, project,
+--       gpus, nodes, allocations to add, then their limits (-1 = none, -2 = the counter's size
+--       field: an escrow lease of a counter tenants share); then token, project,
 --       sub-namespace, lease expiry ms; per pool level: quota, project cap, sub-namespace cap
 --       (-1 = none).
 -- Returns NOT_LOADED (rebuild from Postgres first), or {'OK', reply...} with one reply per
--- decision: {status, ledger (reserved, consumed)..., counter (gpus, nodes, allocations)...,
+-- decision: {status, ledger (reserved, consumed)..., counter (gpus, nodes, allocations[, size
+-- for a lease])...,
 -- pool (check, used, by project, by sub-namespace)..., sequence (RESERVED only)}, the escrow
 -- leases' sizes following the ledger keys' pairs (one per lease charge, in order); a pool's check
 -- is pools.lua's, or TAKEN (the token is held already, by another holder than this run); status is
@@ -80,15 +82,24 @@ local function reserve(kb, ab)
 
   local counters = ab + 3 + 3 * n
   for j = 1, m do
-    local held = redis.call('HMGET', KEYS[kb + 1 + n + j], 'gpus', 'nodes', 'allocations')
+    local held = redis.call('HMGET', KEYS[kb + 1 + n + j], 'gpus', 'nodes', 'allocations', 'size')
     local a = counters + 6 * (j - 1)
+    local leased = false
     for f = 1, 3 do
       local current = tonumber(held[f] or '0')
       local limit = tonumber(ARGV[a + 3 + f])
+      if limit == -2 then
+        -- an escrow lease of a counter tenants share: its size is the limit (lease.lua)
+        limit = tonumber(held[4] or '0')
+        leased = true
+      end
       if limit >= 0 and current + tonumber(ARGV[a + f]) > limit then
         fits = false
       end
       reply[#reply + 1] = current
+    end
+    if leased then
+      reply[#reply + 1] = tonumber(held[4] or '0')
     end
   end
 

@@ -361,3 +361,48 @@ WITH moved AS (
 )
 INSERT INTO escrow_moves (ledger_key, root, kind, amount, size_after, ledger_seq, reason)
 SELECT $1, $2, $3, $5, size, $6, $7 FROM moved;
+
+-- name: counter_escrow_open
+-- The lease of tenant $2 of counter $1 (the sensitive pool), size 0, unless it exists; the
+-- counter's row too (migration 0045).
+WITH pool AS (
+    INSERT INTO counter_pools (counter) VALUES ($1) ON CONFLICT (counter) DO NOTHING
+)
+INSERT INTO counter_leases (counter, root, size) VALUES ($1, $2, 0) ON CONFLICT (counter, root) DO NOTHING;
+
+-- name: counter_escrow_lock
+-- The counter's row, locked: every move of its leases takes this lock first, so they are made
+-- one at a time (the counter's escrow_lock_budget).
+SELECT counter FROM counter_pools WHERE counter = $1 FOR UPDATE;
+
+-- name: counter_leases_figures
+-- Every lease of counter $1 with what its tenant's sensitive runs hold in unit $2 (gpus or
+-- nodes), and what tenants without a lease hold (a run held before the ledger was sharded, or
+-- of no tenant: root ''), so what is free leaves it out too. Read under counter_escrow_lock.
+WITH held AS (
+    SELECT COALESCE(tenant, '') AS root, SUM(CASE WHEN $2 = 'gpus' THEN gpus ELSE nodes END)::bigint AS used
+    FROM run_holds WHERE state = 'held' AND sensitive GROUP BY 1
+)
+SELECT COALESCE(l.root, h.root) AS root, COALESCE(l.size, 0)::bigint AS size, COALESCE(h.used, 0)::bigint AS reserved, 0::bigint AS consumed
+FROM (SELECT root, size FROM counter_leases WHERE counter = $1) l FULL JOIN held h ON h.root = l.root
+ORDER BY 1;
+
+-- name: counter_escrow_move
+-- A lease's new size $4 after a move ($3: grant or return) of $5, recorded with its ledger
+-- sequence $6 (a return's) and reason $7, in escrow_moves under 'counter:' || $1.
+WITH moved AS (
+    UPDATE counter_leases SET size = $4 WHERE counter = $1 AND root = $2 RETURNING size
+)
+INSERT INTO escrow_moves (ledger_key, root, kind, amount, size_after, ledger_seq, reason)
+SELECT 'counter:' || $1, $2, $3, $5, size, $6, $7 FROM moved;
+
+-- name: counter_lease_sizes
+-- The size of every lease of a counter, for a rebuild of Redis and the drift check.
+SELECT counter, root, size FROM counter_leases;
+
+-- name: counter_idle_roots
+-- The tenants whose lease of counter $1 has not moved since $2.
+SELECT l.root FROM counter_leases l
+WHERE l.counter = $1
+  AND NOT EXISTS (SELECT 1 FROM escrow_moves m WHERE m.ledger_key = 'counter:' || l.counter AND m.root = l.root AND m.moved_at > $2)
+ORDER BY l.root;

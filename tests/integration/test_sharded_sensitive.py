@@ -1,0 +1,159 @@
+"""The sensitive-workload quota on the Redis ledger sharded by tenant (BUDGETGATE_LEDGER_SHARDS=3),
+end to end on real Postgres, Redis and Kafka: the pool is carved into tenants' escrow leases, each
+a counter on its tenant's shard that the tenant's sensitive runs count on in their decision's one
+script; a lease that lacks room is refilled from what no lease holds, then from room other
+tenants' leases hold unused, before a run is refused; the leases together never hold more than the
+pool. A ledger suite: on a Redis Cluster the shards' tags hash to different slots."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+
+from budgetgate.ledger.escrow_leases import CounterBook
+from budgetgate.ledger.holds import SENSITIVE, sensitive_lease
+from tests.support.admission import apply_policies, submission
+from tests.support.reconciler import feed, lifecycle, reconciler_factory, wait_caught_up  # noqa: F401 - pytest fixtures
+from tests.support.sharded import SHARDS, TENANTS, policies
+from tests.support.waiting import wait_for
+
+POOL = 24  # GPUs sensitive runs may hold at once, every tenant's together; each run asks for 8
+SENSITIVE_QUOTA = f"apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {{id: sensitive}}\nspec: {{sensitive_pool_size: {POOL}}}\n"
+REFUSED = "allocation rejected: sensitive workloads would exceed sensitive_pool_size"
+
+
+def sensitive_run(tenant: str, n: int, **labels: str) -> dict[str, object]:
+    return submission(
+        run_id=f"{tenant}/s-{n}",
+        namespace="ml",
+        labels={"team": tenant, "sensitive": "true", **labels},
+        resources={"gpus": 8, "nodes": 1},
+        projected_runtime_hours=1.0,
+        job=None,
+    )
+
+
+async def started(admission_factory, pg_dsn):  # type: ignore[no-untyped-def]
+    await apply_policies(pg_dsn, {**policies(), "sensitive.yaml": SENSITIVE_QUOTA}, sha="8" * 40)
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
+    await server.wait_ready()
+    return server
+
+
+async def figures(pg_dsn: str) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """Postgres's leases of the sensitive pool (tenant -> size), what each tenant's sensitive runs
+    hold (GPUs), and the reasons of the moves recorded."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        sizes = {r["root"]: r["size"] for r in await conn.fetch("SELECT root, size FROM counter_leases WHERE counter = 'sensitive'")}
+        rows = await conn.fetch("SELECT tenant, sum(gpus)::int AS gpus FROM run_holds WHERE state = 'held' AND sensitive GROUP BY tenant")
+        held = {r["tenant"]: r["gpus"] for r in rows}
+        reasons = [r["reason"] for r in await conn.fetch("SELECT reason FROM escrow_moves WHERE ledger_key = 'counter:sensitive' ORDER BY id")]
+        return sizes, held, reasons
+    finally:
+        await conn.close()
+
+
+async def in_redis(server, tenant: str) -> dict[int, tuple[int, int]]:  # type: ignore[no-untyped-def]
+    """Every shard holding the tenant's lease counter: shard -> (GPUs held, size)."""
+    found = {}
+    for ledger in server.rt.ledgers:
+        gpus, size = await ledger.client.hmget(ledger.keys.counter(sensitive_lease(tenant)), "gpus", "size")
+        if gpus is not None or size is not None:
+            found[ledger.shard] = (int(gpus or 0), int(size or 0))
+    return found
+
+
+async def assert_leases_agree(server, pg_dsn) -> None:  # type: ignore[no-untyped-def]
+    """No lease above the pool together; each on its tenant's shard alone, with the size and the
+    GPUs Postgres has; the drift check clean on every shard."""
+    sizes, held, _ = await figures(pg_dsn)
+    assert sum(sizes.values()) <= POOL and sum(held.values()) <= POOL, (sizes, held)
+    for tenant in TENANTS:
+        found = await in_redis(server, tenant)
+        assert set(found) <= {server.rt.ledgers.of_root(tenant).shard}, found
+        assert found.get(server.rt.ledgers.of_root(tenant).shard, (0, 0)) == (held.get(tenant, 0), sizes.get(tenant, 0)), (tenant, found, sizes, held)
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+
+async def test_the_sensitive_pool_is_carved_into_tenants_leases_and_admits_exactly_what_it_holds(
+    admission_factory,
+    reconciler_factory,
+    feed,
+    pg_dsn,  # noqa: F811
+) -> None:
+    """Twelve sensitive runs of six tenants on three shards, 8 GPUs each, at once, against a pool
+    of 24: exactly three are admitted (never more, and no refusal while the pool had room),
+    each counted on its tenant's lease on its tenant's shard; the others are refused with the
+    pool's reason; explain reproduces both kinds; a quote answers as admission would. When an
+    admitted run ends, its lease's room goes to another tenant's next run by a reclaim. A shard
+    that lost its state is rebuilt with its leases' sizes and counts."""
+    server = await started(admission_factory, pg_dsn)
+    reconciler = await reconciler_factory(ledger_shards=SHARDS)
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=sensitive_run(t, n)) for n in range(2) for t in TENANTS))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    bodies = [a.json() for a in answers]
+    allowed = [b for b in bodies if b["decision"] == "ALLOW"]
+    assert len(allowed) == POOL // 8, [(b["run_id"], b["decision"], b.get("reason")) for b in bodies]
+    denied = [b for b in bodies if b["decision"] != "ALLOW"]
+    assert all(b["reason"].startswith(REFUSED) for b in denied), denied[0]
+    for body in (allowed[0], denied[0]):
+        explained = (await server.client.get(f"/v1/admissions/{body['run_id']}/explain")).json()
+        assert explained["identical"] is True, explained
+    await assert_leases_agree(server, pg_dsn)
+    sizes, held, reasons = await figures(pg_dsn)
+    assert sum(held.values()) == POOL and "refill" in reasons
+
+    outsider = next(t for t in TENANTS if not held.get(t))
+    quoted = (await server.client.post("/v1/quotes", json=sensitive_run(outsider, 9))).json()
+    assert quoted["decision"] == "DENY" and quoted["reason"].startswith(REFUSED), quoted  # the pool is full: no refill would help
+
+    # One admitted run ends: its 8 GPUs are its tenant's lease's, unused; another tenant's next run
+    # reclaims them (a quote forecasts it).
+    ended = allowed[0]["run_id"]
+    await feed.send(lifecycle(ended, "STARTED", datetime.now(UTC) - timedelta(minutes=5), gpus=8), lifecycle(ended, "COMPLETED", datetime.now(UTC)))
+    await wait_caught_up(reconciler)
+
+    async def released() -> bool:
+        return sum((await figures(pg_dsn))[1].values()) == POOL - 8
+
+    await wait_for(released, what="the ended run's sensitive GPUs given back")
+    quoted = (await server.client.post("/v1/quotes", json=sensitive_run(outsider, 9))).json()
+    assert quoted["decision"] == "ALLOW", quoted
+    taken = (await server.client.post("/v1/admissions", json=sensitive_run(outsider, 9))).json()
+    assert taken["decision"] == "ALLOW", taken
+    sizes, held, reasons = await figures(pg_dsn)
+    assert held[outsider] == 8 and f"reclaim:{outsider}" in reasons, (held, reasons)
+    await assert_leases_agree(server, pg_dsn)
+
+    # A shard that lost its state is rebuilt with its leases' sizes and counts.
+    lost = server.rt.ledgers.of_root(outsider)
+    await lost.client.delete(*[k async for k in lost.client.scan_iter(match=f"{lost.tag}:*")])
+    refused = (await server.client.post("/v1/admissions", json=sensitive_run(outsider, 10))).json()
+    assert refused["decision"] == "DENY" and refused["reason"].startswith(REFUSED), refused  # rebuilt first, then decided on it
+    await assert_leases_agree(server, pg_dsn)
+
+
+async def test_a_smaller_pool_takes_back_what_leases_hold_unused_and_a_sensitive_run_must_name_its_tenant(admission_factory, pg_dsn) -> None:
+    """The bundle made the pool smaller than its leases hold together: the reconciler's sweep
+    (Escrow.return_idle) has each lease give back what its tenant does not hold until they fit,
+    idle or not. A sensitive run naming no tenant cannot count on any lease: 422, naming the label."""
+    server = await started(admission_factory, pg_dsn)
+    escrow = server.rt.admitter.escrow
+    book = CounterBook(SENSITIVE, "gpus", POOL)
+    for tenant in TENANTS[:3]:
+        assert await escrow.grant(book, tenant, 8, reason="refill") == 8
+    assert (await server.client.post("/v1/admissions", json=sensitive_run(TENANTS[0], 0))).json()["decision"] == "ALLOW"
+
+    smaller = CounterBook(SENSITIVE, "gpus", 12)
+    moved = await escrow.return_idle(idle=timedelta(hours=1), chunk_share=0.02, now=datetime.now(UTC), counters=[smaller])
+    sizes, held, _ = await figures(pg_dsn)
+    assert sum(sizes.values()) <= 12 and sizes[TENANTS[0]] == 8 == held[TENANTS[0]], (sizes, moved)  # what a run holds stays
+    assert all(key == "counter:sensitive" for key, _ in moved)
+    await assert_leases_agree(server, pg_dsn)
+
+    no_tenant = submission(run_id="anon/s-0", namespace="ml", labels={"sensitive": "true"}, resources={"gpus": 1, "nodes": 1}, job=None)
+    answer = await server.client.post("/v1/admissions", json=no_tenant)
+    assert answer.status_code == 422 and "must name its tenant" in answer.text, answer.text
