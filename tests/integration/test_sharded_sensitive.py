@@ -157,3 +157,27 @@ async def test_a_smaller_pool_takes_back_what_leases_hold_unused_and_a_sensitive
     no_tenant = submission(run_id="anon/s-0", namespace="ml", labels={"sensitive": "true"}, resources={"gpus": 1, "nodes": 1}, job=None)
     answer = await server.client.post("/v1/admissions", json=no_tenant)
     assert answer.status_code == 422 and "must name its tenant" in answer.text, answer.text
+
+
+async def test_a_shard_that_lost_a_return_of_its_tenants_lease_is_rebuilt_before_it_decides(admission_factory, pg_dsn) -> None:
+    """A replica promoted before it had a lease's shrinking: its tenant's lease of the sensitive
+    pool is larger there than Postgres's, and its sequence is behind the return's, which Postgres
+    recorded. Deciding on it would let two tenants hold 32 GPUs of a pool of 24; the shard is
+    rebuilt with Postgres's sizes first, and exactly three 8-GPU runs are admitted."""
+    server = await started(admission_factory, pg_dsn)
+    escrow, book = server.rt.admitter.escrow, CounterBook(SENSITIVE, "gpus", POOL)
+    first, second = TENANTS[0], next(t for t in TENANTS if server.rt.ledgers.of_root(t).shard != server.rt.ledgers.of_root(TENANTS[0]).shard)
+    assert await escrow.grant(book, first, 16, reason="refill") == 16
+    assert await escrow.grant(book, second, 8, reason="refill") == 8
+    lost = server.rt.ledgers.of_root(first)
+    seq, generation = int(await lost.client.get(lost.sequence)), await lost.generation()
+    assert await escrow.give_back(book, first, 8, reason="idle") == 8
+    assert await escrow.grant(book, second, 8, reason="refill") == 8  # what it gave back, granted to the other tenant
+    await lost.client.hset(lost.keys.counter(sensitive_lease(first)), "size", 16)  # the shrinking lost...
+    await lost.client.set(lost.sequence, seq)  # ...with the sequence it advanced
+
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=sensitive_run(t, n)) for n in range(2) for t in (first, second)))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    assert sum(a.json()["decision"] == "ALLOW" for a in answers) == POOL // 8, [a.json().get("reason") for a in answers]
+    assert await lost.generation() not in (None, generation)  # rebuilt
+    await assert_leases_agree(server, pg_dsn)
