@@ -45,7 +45,6 @@ from budgetgate.ledger.escrow_leases import Book, BudgetBook, CounterBook, Escro
 from budgetgate.ledger.holds import SENSITIVE
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.queries import sql as ledger_sql
-from budgetgate.core.shards import unshardable
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
 from budgetgate.ledger.sharded import OneShard, ShardedLedger
@@ -195,7 +194,6 @@ class Admitter(OneShard):
         self.escrow_chunk_share = escrow_chunk_share
         self.batches = GroupCommit(self._commit, max_batch=max_batch, max_wait=max_wait, in_flight=in_flight)
         self._scoped: dict[str, PolicyBundle] = {}  # namespace -> the active bundle's policies covering it
-        self._unshardable: dict[str, list[str]] = {}  # bundle sha -> why a sharded ledger cannot enforce it
 
     def ledger_of(self, request: AdmissionRequest) -> RedisLedger:
         """The shard of the Redis ledger a submission's keys are on: its tenant's."""
@@ -226,18 +224,8 @@ class Admitter(OneShard):
         bundle = self.policies.current
         if bundle is None:
             raise Unavailable("no policy bundle has been applied yet; run `budgetgate policy apply`")
-        if len(self.ledgers) > 1 and (reasons := self.unshardable(bundle)):
-            shards = f"the ledger has {len(self.ledgers)} shards (BUDGETGATE_LEDGER_SHARDS)"
-            raise Unavailable(f"{shards} and bundle {bundle.git_sha} cannot be enforced on them: {'; '.join(reasons)}")
         covering = self._covering(bundle, request.namespace)
         return prepare(bundle, request, now, unmatched=self.unmatched, tenant_label=self.tenant_label, covering=covering, leased=len(self.ledgers) > 1)
-
-    def unshardable(self, bundle: PolicyBundle) -> list[str]:
-        """Why a ledger of several shards cannot enforce `bundle` (budgetgate.core.shards.unshardable)."""
-        found = self._unshardable.get(bundle.git_sha)
-        if found is None:
-            found = self._unshardable[bundle.git_sha] = unshardable(bundle, self.tenant_label)
-        return found
 
     def _prepare(self, request: AdmissionRequest, now: datetime) -> Pending:
         """The pure part, done before joining a batch: the plan and the concurrency asked for."""

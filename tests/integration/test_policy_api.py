@@ -17,7 +17,6 @@ from tests.support.admission import admission_factory  # noqa: F401 - pytest fix
 from tests.support.policy_repos import commit
 from tests.support.policy_repos import repo  # noqa: F401 - pytest fixtures
 from tests.support.principals import issue
-from tests.support.quotas import POOLS
 from tests.support.servers import free_port
 
 
@@ -126,28 +125,3 @@ async def test_an_operator_limited_to_namespaces_or_tenants_applies_no_bundle(ad
         await conn.close()
     applied = await server.client.post("/v1/policies", json=body, headers={"Authorization": f"Bearer {await issue(pg_dsn, Role.OPERATOR)}"})
     assert applied.status_code == 200, applied.text
-
-
-@pytest.mark.usefixtures("repo")
-async def test_a_sharded_ledger_refuses_a_bundle_it_cannot_enforce_over_http_and_from_the_database(
-    repo: Path,  # noqa: F811
-    admission_factory,  # noqa: F811
-    pg_dsn: str,
-) -> None:
-    commit(repo, {"team.yaml": budget_yaml("team-vision"), "pools.yaml": POOLS.format(child=1, parent=5, cap=5)})
-    server = await admission_factory(ledger_shards=3)
-    operator = await issue(pg_dsn, Role.OPERATOR, name="ci-deployer")
-    over_http = await apply(repo, server.url, operator)
-    direct = await asyncio.to_thread(
-        CliRunner().invoke, cli, ["policy", "apply", str(repo)], env={"BUDGETGATE_POSTGRES_DSN": pg_dsn, "BUDGETGATE_LEDGER_SHARDS": "3"}
-    )
-    for refused in (over_http, direct):
-        assert refused.exit_code != 0
-        assert "the ledger has 3 shards (BUDGETGATE_LEDGER_SHARDS) and this bundle cannot be enforced on them" in refused.output, refused.output
-        assert "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet" in refused.output
-        assert "team-vision" not in refused.output.split("enforced")[1]
-    conn = await asyncpg.connect(pg_dsn)
-    try:
-        assert await conn.fetchval("SELECT count(*) FROM policy_bundles") == 0
-    finally:
-        await conn.close()

@@ -94,18 +94,29 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
     assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
 
 
-async def test_a_bundle_a_sharded_ledger_cannot_enforce_is_refused_with_the_reason(admission_factory, pg_dsn) -> None:
-    await apply_policies(pg_dsn, {**policies(), "pools.yaml": POOLS.format(child=1, parent=5, cap=5)}, sha="6" * 40)
+async def test_token_pools_are_enforced_on_a_shard_of_their_own_and_a_run_takes_no_token_in_its_decision(admission_factory, pg_dsn) -> None:
+    """On several shards a bundle with token pools is enforced: the pools' keys are on the shard
+    of the empty root, so every allocation through the API is one script on one slot, and 60
+    concurrent allocations of a pool of 5 grant exactly 5. A run asking a pool token in its
+    decision would need the pool's shard and its tenant's at once: it is refused with 422, naming
+    the way to allocate it, and nothing is held for it."""
+    await apply_policies(pg_dsn, {**policies(), "pools.yaml": POOLS.format(child=5, parent=8, cap=5)}, sha="6" * 40)
     server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    url = "/v1/pools/snowflake:wh-1/allocations"
+    answers = await asyncio.gather(*(server.client.post(url, json={"token": f"t-{i}"}) for i in range(60)))
+    assert [a.json()["status"] for a in answers].count("Granted") == 5
+    assert (await server.client.get("/v1/pools/snowflake")).json()["used"] == 5
+    shared_shard = server.rt.ledgers.of_root("")
+    for ledger in server.rt.ledgers:  # on the empty root's shard alone
+        assert (await ledger.client.zcard(ledger.keys.pool("snowflake:wh-1")[0]) == 5) == (ledger.shard == shared_shard.shard)
 
-    async def refused() -> bool:
-        return "cannot be enforced on 3 shards" in (await server.client.get("/readyz")).text
-
-    await wait_for(refused, what="readiness to name the bundle a sharded ledger cannot enforce")
-    answer = await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))
-    assert answer.status_code == 503
-    assert "token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet" in answer.text, answer.text
+    answer = await server.client.post("/v1/admissions", json={**run(TENANTS[0], 0), "pool_token": {"namespace": "snowflake:wh-1"}})
+    assert answer.status_code == 422, answer.text
+    assert "POST /v1/pools/snowflake:wh-1/allocations" in answer.text and answer.json()["errors"][0]["loc"] == ["body", "pool_token"], answer.text
     assert await held_in_postgres(pg_dsn) == {}
+    assert (await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))).json()["decision"] == "ALLOW"  # without the token
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
 
 
 async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]

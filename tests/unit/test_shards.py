@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
@@ -12,9 +13,12 @@ from hypothesis import strategies as st
 
 from budgetgate.core.escrow import lease_key
 from budgetgate.core.loader import build_bundle, parse_text
-from budgetgate.core.shards import shared, MAX_SHARDS, SEQ_STEP, Shards, key_root, unshardable
+from budgetgate.contracts.admission import AdmissionRequest
+from budgetgate.core.shards import shared, MAX_SHARDS, SEQ_STEP, Shards, key_root
+from budgetgate.decisions.concurrency import NoSensitiveTenant, PoolTokenOnShards, asks
+from budgetgate.ledger.holds import LEASED, counter_args, lease_root, sensitive_lease
 from tests.support.accounts import account_budget, account_tree
-from tests.support.admission import budget_yaml
+from tests.support.admission import budget_yaml, submission
 from tests.support.quotas import POOLS
 
 
@@ -86,23 +90,35 @@ def _bundle(text: str):  # type: ignore[no-untyped-def]
     return build_bundle(parse_text(text, "policies.yaml"), git_sha="a" * 40)
 
 
-def test_a_sharded_ledger_enforces_budgets_of_one_tenant_budgets_tenants_share_and_the_sensitive_quota_but_not_pools() -> None:
+def test_budgets_tenants_share_are_those_whose_scope_names_no_single_tenant() -> None:
     pinned = budget_yaml("vision", namespace="ml", labels="{team: vision}")
     by_namespace = budget_yaml("by-namespace", namespace="ml", labels="{}")  # charged through each tenant's escrow lease
     any_team = budget_yaml("any-team", namespace="ml", labels='{team: "*"}')
     rolling = budget_yaml("rolling", namespace="ml", labels="{}", window="{rolling_days: 7}")  # through leases too
-    assert unshardable(_bundle("\n---\n".join([pinned, by_namespace, any_team, rolling])), "team") == []
     assert all(shared(_bundle(p).policies[0], "team") for p in (by_namespace, any_team, rolling))
     assert not shared(_bundle(pinned).policies[0], "team")
-    refused = "\n---\n".join([
-        pinned,
-        rolling,
-        POOLS.format(child=1, parent=5, cap=5),
-        "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n",
-    ])  # fmt: skip
-    assert unshardable(_bundle(refused), "team") == ["token pools (snowflake, snowflake:wh-1) are shared by tenants: a sharded ledger has none yet"]
-    sensitive = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n"
-    assert unshardable(_bundle("\n---\n".join([pinned, sensitive])), "team") == []  # carved into each tenant's lease
     for window in ("{calendar: month}", "{rolling_days: 7}"):
         attached = _bundle(account_tree() + account_budget("research", "research", 100, window=window))
-        assert unshardable(attached, "team") == [] and shared(attached.policies[0], "team")  # charged through each tenant's lease
+        assert shared(attached.policies[0], "team")  # charged through each tenant's lease
+
+
+def test_on_several_shards_a_sensitive_run_counts_on_its_tenants_lease_and_a_run_takes_no_pool_token() -> None:
+    sensitive = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n"
+    bundle = _bundle("\n---\n".join([budget_yaml("vision", namespace="ml", labels="{team: vision}"), sensitive, POOLS.format(child=1, parent=5, cap=5)]))
+    now = datetime.now(UTC)
+
+    def request(**extra: object) -> AdmissionRequest:
+        return AdmissionRequest.model_validate(submission(run_id="r", namespace="ml", resources={"gpus": 4, "nodes": 1}, job=None, **extra))
+
+    one = asks(bundle, request(labels={"team": "vision", "sensitive": "true"}), tenant_label="team", now=now)
+    assert [(c.name, c.lease) for c in one.counters] == [("t:vision", False), ("sensitive", False)]
+    leased = asks(bundle, request(labels={"team": "vision", "sensitive": "true"}), tenant_label="team", now=now, leased=True)
+    assert [(c.name, c.lease, c.limits) for c in leased.counters][1] == ("sensitive@vision", True, (16, None, None))
+    assert counter_args(leased.counters)[-3:] == [LEASED, -1, -1]  # reserve.lua reads the lease's size
+    with pytest.raises(NoSensitiveTenant, match="must name its tenant"):
+        asks(bundle, request(labels={"sensitive": "true"}), tenant_label="team", now=now, leased=True)
+    token = {"namespace": "snowflake:wh-1"}
+    assert asks(bundle, request(labels={"team": "vision"}, pool_token=token), tenant_label="team", now=now).pool is not None
+    with pytest.raises(PoolTokenOnShards, match="POST /v1/pools/snowflake:wh-1/allocations"):
+        asks(bundle, request(labels={"team": "vision"}, pool_token=token), tenant_label="team", now=now, leased=True)
+    assert sensitive_lease("vision") == "sensitive@vision" and lease_root("sensitive@vision") == "vision" and lease_root("t:vision") is None

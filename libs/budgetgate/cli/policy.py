@@ -16,7 +16,6 @@ from budgetgate.core.loader import LoadedPolicies, PolicyValidationError, bundle
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.policies.override_store import plan_with_overrides
 from budgetgate.core.policy_plan import Change, emptiness, limit_text, window_text
-from budgetgate.core.shards import unshardable
 from budgetgate.policies.repository import RepositoryError, Revision, apply_bundle, dirty_sha, policy_files, revision
 
 
@@ -161,9 +160,6 @@ def apply(directory: Path, allow_dirty: bool, allow_empty: bool, server: str | N
             wait_for_admission(server, seconds=wait, with_bundle=True)
         return
     settings = backend.stack_settings()
-    if settings.ledger_shards > 1 and (reasons := unshardable(loaded.bundle, settings.tenant_label)):
-        shards = f"the ledger has {settings.ledger_shards} shards (BUDGETGATE_LEDGER_SHARDS)"
-        raise click.ClickException(f"refused: {shards} and this bundle cannot be enforced on them: {'; '.join(reasons)}")
     seq = asyncio.run(apply_loaded(settings.postgres_dsn, loaded, source=str(directory.resolve()), allow_empty=allow_empty))
     click.echo(f"applied {loaded.bundle.git_sha} ({len(loaded.bundle.policies)} budget(s)) as activation {seq}")
 

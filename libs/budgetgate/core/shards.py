@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from budgetgate.core.escrow import lease_of
 from budgetgate.core.ledger_key import LedgerKey
-from budgetgate.core.policy import ANY_VALUE, BudgetPolicy, PolicyBundle
+from budgetgate.core.policy import ANY_VALUE, BudgetPolicy
 
 # The step of every shard's ledger sequence when there are several, hence the most shards.
 SEQ_STEP = 64
@@ -91,16 +91,3 @@ def shared(policy: BudgetPolicy, tenant_label: str) -> bool:
     every tenant its subtree covers."""
     tenant = policy.scope.labels.get(tenant_label)
     return tenant is None or tenant == ANY_VALUE
-
-
-def unshardable(bundle: PolicyBundle, tenant_label: str) -> list[str]:
-    """Why `bundle` cannot be enforced on several shards (none: it can). On one shard every key
-    of a decision shares one slot whatever the policies; on several, a decision touches only its
-    tenant's shard, so whatever several tenants share would be counted apart on each shard unless
-    carved into escrow leases: a budget tenants share is (one scoped by namespace, by other labels,
-    or attached to an account, over a calendar or a rolling window), and so is the
-    sensitive-workload quota (each tenant's lease a counter on its shard); token pools are not yet."""
-    reasons = []
-    if bundle.pools:
-        reasons.append(f"token pools ({', '.join(sorted({p.namespace for p in bundle.pools}))}) are shared by tenants: a sharded ledger has none yet")
-    return reasons

@@ -101,7 +101,8 @@ class CommonSettings(BaseSettings):
     # shard, `{prefix:i}`, so the shards spread over a Redis Cluster's masters. 1 keeps the one
     # tag `{prefix}`. With more than one, a budget several tenants share (its scope names no one
     # tenant, or is attached to an account) is charged through each tenant's escrow lease of it,
-    # and so is the sensitive-workload quota; token pools are not enforced on several shards. Change it only with every process stopped, then run
+    # and so is the sensitive-workload quota; token pools live on a shard of their own, so a run
+    # cannot take a pool token in its decision there (422: allocate it through the pools API). Change it only with every process stopped, then run
     # `budgetgate ledger rebuild-redis` (every shard rebuilt, the keys of the former ones
     # deleted) before starting them.
     ledger_shards: int = Field(default=1, ge=1, le=64)

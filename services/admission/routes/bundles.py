@@ -29,7 +29,7 @@ router = APIRouter()
 @router.post(
     "/v1/policies",
     responses={
-        409: {"description": "refused: empty, the SHA names other content, or a sharded ledger cannot enforce it"},
+        409: {"description": "refused: empty, or the SHA names other content"},
         422: {"description": "documents that do not validate"},
     },
 )
@@ -47,9 +47,6 @@ async def apply_policies(body: BundleIn, request: Request, principal: Principal 
         bundle = bundle_from_json(documents_json, git_sha=body.git_sha)
     except PolicyValidationError as exc:
         return JSONResponse({"detail": [{"loc": ["body", "documents"], "msg": str(e), "type": "policy_error"} for e in exc.errors]}, status_code=422)
-    if len(rt.ledgers) > 1 and (reasons := rt.admitter.unshardable(bundle)):
-        refused = f"refused: the ledger has {len(rt.ledgers)} shards (BUDGETGATE_LEDGER_SHARDS) and this bundle cannot be enforced on them"
-        return JSONResponse({"detail": f"{refused}: {'; '.join(reasons)}"}, status_code=409)
     documents = [SourceDocument(d.file, d.line, d.data, {}) for d in body.documents]
     try:
         async with rt.pool.acquire() as conn:
