@@ -71,9 +71,9 @@ def run_root(labels: Mapping[str, str], tenant_label: str) -> str:
 
 def key_root(ledger_key: str, tenant_label: str) -> str:
     """The root whose shard holds a ledger key: an escrow lease's root, or the tenant a budget's
-    scope names (`<tenant_label>=<tenant>` in its scope id), "" for a budget that names none. With
-    several shards every budget names one (`unshardable`), so this is the root of every run it
-    charges."""
+    scope names (`<tenant_label>=<tenant>` in its scope id), "" for a budget that names none (on
+    several shards such a budget is charged through its tenants' leases: its own key holds the
+    limit they are carved from)."""
     lease = lease_of(ledger_key)
     if lease is not None:
         return lease[1]
