@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from budgetgate.devstack.redis_cluster import EmbeddedRedisCluster
+from budgetgate.ledger.holds import sensitive_lease
 from budgetgate.ledger.queries import sql
 from tests.support.cluster_slots import node_of_slot, promoted, slot_of
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, reserved_in_redis, submission
@@ -158,9 +159,9 @@ def tenant_body(tenant: str, i: int) -> dict[str, object]:
     return submission(run_id=f"{tenant}/burst-{i}", namespace="ml", labels={"team": tenant}, resources={"gpus": 1}, projected_runtime_hours=1.0, job=None)
 
 
-async def _tenant_answers(server, tenants: list[str], indexes: range) -> dict[str, list[tuple[int, str | None]]]:  # type: ignore[no-untyped-def]
+async def _tenant_answers(server, tenants: list[str], indexes: range, body=tenant_body) -> dict[str, list[tuple[int, str | None]]]:  # type: ignore[no-untyped-def]
     asked = [(t, i) for i in indexes for t in tenants]
-    replies = await asyncio.gather(*(server.client.post("/v1/admissions", json=tenant_body(t, i)) for t, i in asked))
+    replies = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(t, i)) for t, i in asked))
     found: dict[str, list[tuple[int, str | None]]] = {t: [] for t in tenants}
     for (t, _i), r in zip(asked, replies, strict=True):
         found[t].append((r.status_code, r.json().get("decision") if r.status_code == 200 else None))
@@ -241,6 +242,30 @@ async def test_one_shard_failing_over_mid_burst_over_admits_nothing_and_the_othe
 SHARED_LIMIT = 100  # GPU-hours every tenant's runs share: less than their own budgets allow together
 
 
+async def _bursts_through_a_lagging_failover(server, cluster, body=tenant_body) -> None:  # type: ignore[no-untyped-def]
+    """Every tenant's submissions in rounds while the master serving the first tenant's shard
+    dies and its replica, which missed the round before, is promoted in the middle of a burst;
+    then until every submission is decided once the cluster settled."""
+    master, replica = node_of_slot(cluster, slot_of(cluster, server.rt.ledgers.of_root(SHARDED_TENANTS[0]).tag))
+    assert all(status == 200 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(0, 4), body)).values() for status, _ in a)
+    replica.client().save()
+    replica.kill()
+    assert all(status == 200 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(4, 8), body)).values() for status, _ in a)
+    master.kill()
+    replica.start()
+    burst = asyncio.create_task(_tenant_answers(server, SHARDED_TENANTS, range(8, 16), body))
+    await promoted(replica)
+    during = await burst
+    assert {status for a in during.values() for status, _ in a} <= {200, 503}
+    master.start()
+
+    async def all_decided() -> bool:
+        answers = await _tenant_answers(server, SHARDED_TENANTS, range(16), body)
+        return all(status == 200 for a in answers.values() for status, _ in a)
+
+    await wait_for(all_decided, timeout=90, what="every submission decided once the cluster settled")
+
+
 async def test_a_budget_tenants_share_is_never_over_admitted_through_one_shards_failover(admission_factory, cluster, pg_dsn) -> None:
     """A budget every tenant shares, charged through each tenant's escrow lease on its own shard,
     while the master serving some shards dies and its lagging replica is promoted in the middle
@@ -252,25 +277,7 @@ async def test_a_budget_tenants_share_is_never_over_admitted_through_one_shards_
     await apply_policies(pg_dsn, {**files, "shared.yaml": shared}, sha="a" * 40)
     server = await admission_factory(redis_url=cluster.url, ledger_shards=6, pg_pool_max=30)
     await server.wait_ready()
-    master, replica = node_of_slot(cluster, slot_of(cluster, server.rt.ledgers.of_root(SHARDED_TENANTS[0]).tag))
-
-    assert all(status == 200 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(0, 4))).values() for status, _ in a)
-    replica.client().save()
-    replica.kill()
-    assert all(status == 200 for a in (await _tenant_answers(server, SHARDED_TENANTS, range(4, 8))).values() for status, _ in a)
-    master.kill()
-    replica.start()
-    burst = asyncio.create_task(_tenant_answers(server, SHARDED_TENANTS, range(8, 16)))
-    await promoted(replica)
-    during = await burst
-    assert {status for a in during.values() for status, _ in a} <= {200, 503}
-    master.start()
-
-    async def all_decided() -> bool:
-        answers = await _tenant_answers(server, SHARDED_TENANTS, range(16))
-        return all(status == 200 for a in answers.values() for status, _ in a)
-
-    await wait_for(all_decided, timeout=90, what="every submission decided once the cluster settled")
+    await _bursts_through_a_lagging_failover(server, cluster)
     held = await held_in_postgres(pg_dsn)
     leases = {key: amount for key, amount in held.items() if "@" in key}
     assert all(amount <= SHARDED_LIMIT * GPU_HOUR for key, amount in held.items() if key not in leases)
@@ -292,3 +299,42 @@ async def test_a_budget_tenants_share_is_never_over_admitted_through_one_shards_
         return True
 
     await wait_for(redis_matches, timeout=60, what="Redis to hold what Postgres holds, leases' sizes included, on every shard")
+
+
+SENSITIVE_POOL = 60  # GPUs sensitive runs may hold at once: less than the tenants' own budgets allow together
+
+
+def sensitive_body(tenant: str, i: int) -> dict[str, object]:
+    return {**tenant_body(tenant, i), "labels": {"team": tenant, "sensitive": "true"}}
+
+
+async def test_the_sensitive_pool_is_never_over_admitted_through_one_shards_failover(admission_factory, cluster, pg_dsn) -> None:
+    """The sensitive-workload pool, carved into each tenant's lease (a counter on its shard),
+    while the master serving some shards dies and its lagging replica is promoted in the middle of
+    a burst: sensitive runs never hold more than the pool together, nor any tenant more than its
+    lease, and Redis then holds what Postgres holds on every shard, the leases' sizes included."""
+    files = {f"{t}.yaml": budget_yaml(f"b-{t}", namespace="ml", labels=f"{{team: {t}}}", limit=f"gpu_hours: {SHARDED_LIMIT}") for t in SHARDED_TENANTS}
+    pool = f"apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {{id: sensitive}}\nspec: {{sensitive_pool_size: {SENSITIVE_POOL}}}\n"
+    await apply_policies(pg_dsn, {**files, "sensitive.yaml": pool}, sha="b" * 40)
+    server = await admission_factory(redis_url=cluster.url, ledger_shards=6, pg_pool_max=30)
+    await server.wait_ready()
+    await _bursts_through_a_lagging_failover(server, cluster, sensitive_body)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        rows = await conn.fetch("SELECT tenant, sum(gpus)::int AS gpus FROM run_holds WHERE state = 'held' AND sensitive GROUP BY tenant")
+        held = {r["tenant"]: r["gpus"] for r in rows}
+        sizes = {r["root"]: r["size"] for r in await conn.fetch("SELECT root, size FROM counter_leases")}
+    finally:
+        await conn.close()
+    assert SENSITIVE_POOL // 2 <= sum(held.values()) <= SENSITIVE_POOL  # the pool binds, and holds
+    assert sum(sizes.values()) <= SENSITIVE_POOL and all(gpus <= sizes[t] for t, gpus in held.items()), (held, sizes)
+
+    async def redis_matches() -> bool:
+        for tenant in SHARDED_TENANTS:
+            ledger = server.rt.ledgers.of_root(tenant)
+            gpus, size = await ledger.client.hmget(ledger.keys.counter(sensitive_lease(tenant)), "gpus", "size")
+            if (int(gpus or 0), int(size or 0)) != (held.get(tenant, 0), sizes.get(tenant, 0)):
+                return False
+        return True
+
+    await wait_for(redis_matches, timeout=60, what="Redis to hold what Postgres holds of the sensitive pool, leases' sizes included, on every shard")
