@@ -286,7 +286,7 @@ class Admitter(OneShard):
         lease full again), by Escrow.refill; the leases are refilled at once. A refill that fails
         answers its submissions 503. Returns those to try again."""
         again: list[Pending] = []
-        asking: list[tuple[Pending, list[tuple[str, str]]]] = []
+        asking: list[tuple[Pending, list[tuple[Book, str]]]] = []
         wanted: dict[tuple[Book, str], Lack] = {}  # lease -> what its submissions lack together, on the fullest reading
         for p in deferred:
             if not p.refill:
