@@ -6,7 +6,7 @@ Postgres holds each lease's size; Redis holds it too, beside what the lease's ro
 consumed, and admission tests a reservation on a lease against that size (reserve.lua's lease
 charges). Every move runs as one ledger transaction (budgetgate.ledger.transaction: the ledger
 lock held shared from before the Redis step until the commit, so a rebuild never falls in
-between), with the budget's entry and its leases locked in Postgres:
+between), with the budget's entry locked in Postgres (every move takes that lock first):
 
 - a grant takes from what no lease holds (`core.escrow.grantable`, from Postgres's figures),
   grows Redis's lease, then commits the new size;
@@ -82,13 +82,13 @@ class BudgetBook:
         return lease
 
     async def lock(self, conn: asyncpg.Connection) -> int:
-        """Lock the budget's entry (the order every move locks in); its limit."""
+        """Lock the budget's entry, which every move of its leases takes first, so they are made
+        one at a time; its limit."""
         return int(await conn.fetchval(sql("escrow_lock_budget"), self.ledger_key))
 
-    async def leases(self, conn: asyncpg.Connection | asyncpg.Pool, *, lock: bool = True) -> dict[str, Lease]:
-        """Every lease by root (locked, unless `lock` is False), with what Postgres knows it holds."""
-        rows = await conn.fetch(sql("escrow_leases_locked") if lock else sql("escrow_leases_read"), self.ledger_key)
-        return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+    async def leases(self, conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, Lease]:
+        """Every lease by root, with what Postgres knows it holds (a move reads them under `lock`)."""
+        return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in await conn.fetch(sql("escrow_leases_read"), self.ledger_key)}
 
     async def record(self, conn: asyncpg.Connection, root: str, kind: str, size_after: int, amount: int, seq: int | None, reason: str) -> None:
         await conn.execute(sql("escrow_move"), self.ledger_key, root, kind, size_after, amount, seq, reason)
@@ -130,9 +130,9 @@ class CounterBook:
         await conn.fetchval(sql("counter_escrow_lock"), self.counter)
         return self.limit
 
-    async def leases(self, conn: asyncpg.Connection | asyncpg.Pool, *, lock: bool = True) -> dict[str, Lease]:
+    async def leases(self, conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, Lease]:
         """Every lease by tenant (and what tenants without one hold), with what Postgres knows its
-        runs hold (the counter's row, which `lock` takes, is what serialises moves)."""
+        runs hold (a move reads them under `lock`)."""
         rows = await conn.fetch(sql("counter_leases_figures"), self.counter, self.counted_in)
         return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
 
@@ -228,7 +228,7 @@ class Escrow:
 
     async def _reclaim(self, book: Book, root: str, need: int) -> int:
         """Too little was free for `root`'s refill: in one ledger transaction, holding every
-        shard's lock (in shard order, then the budget's and its leases' rows, as every move), take
+        shard's lock (in shard order, then the budget's entry, as every move), take
         what is free and then the room other roots' leases hold unused (core.escrow's
         reclaim_candidates on the locked figures, passing over a shard that cannot answer; each shrink takes no more than Redis says its root holds unused, so
         a reservation in flight keeps its room), and grow `root`'s lease by all of it at once, so
@@ -279,7 +279,7 @@ class Escrow:
             leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
             limit = rows[0]["limit_amount"] if rows else limit
         else:
-            leases, limit = await book.leases(self.pool, lock=False), book.limit
+            leases, limit = await book.leases(self.pool), book.limit
         seen = Lease(leases.get(root, Lease(0)).size, *reading)
         want = escrow.refill_wanted(seen, amount, chunk=chunk)
         if want <= 0:
@@ -307,7 +307,7 @@ class Escrow:
             roots = [row["root"] for row in await self.pool.fetch(sql("escrow_idle_leases"), budget["ledger_key"], now - idle)]
             idle_leases.append((book, escrow.chunk_of(budget["limit_amount"], chunk_share), roots))
         for counter in counters:
-            leases = await counter.leases(self.pool, lock=False)
+            leases = await counter.leases(self.pool)
             over = -escrow.free(counter.limit, leases.values())
             for root, unused in escrow.reclaim_candidates(leases, "", most=len(leases)) if over > 0 else ():
                 if over <= 0:
@@ -318,7 +318,7 @@ class Escrow:
             roots = [row["root"] for row in await self.pool.fetch(sql("counter_idle_roots"), counter.counter, now - idle)]
             idle_leases.append((counter, escrow.chunk_of(max(counter.limit, 1), chunk_share), roots))
         for book, keep, roots in idle_leases:
-            leases = await book.leases(self.pool, lock=False)
+            leases = await book.leases(self.pool)
             for root in roots:
                 lease = leases.get(root)
                 if lease is None:

@@ -316,22 +316,14 @@ SELECT 1 FROM budget;
 
 -- name: escrow_lock_budget
 -- The budget's limit, its entry locked: every move of its leases takes this lock first, then
--- the leases' (escrow_leases_locked), so moves of one budget are made one at a time.
+-- reads its leases (escrow_leases_read), so moves of one budget are made one at a time.
 SELECT limit_amount FROM ledger_entries WHERE ledger_key = $1 FOR UPDATE;
 
--- name: escrow_leases_locked
--- Every lease of the budget $1, locked, with what Postgres knows it holds (consumed, and the
--- held reservations committed).
-SELECT l.root, l.size, e.consumed,
-       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
-FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key
-WHERE l.ledger_key = $1
-ORDER BY l.root
-FOR UPDATE OF l;
-
 -- name: escrow_leases_read
--- Every lease of the budget $1 and its limit, as escrow_leases_locked reads them, locking nothing
--- (a quote's forecast of a refill).
+-- Every lease of the budget $1 and its limit, with what Postgres knows each holds (consumed, and
+-- the held reservations committed). A move reads them under the budget entry's lock, which every
+-- move takes first (escrow_lock_budget), so the leases' rows take no lock of their own: locking
+-- each wrote every row of the budget's leases at every grant. A quote reads them unlocked.
 SELECT l.root, l.size, e.consumed, b.limit_amount,
        COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
 FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key JOIN ledger_entries b ON b.ledger_key = l.ledger_key
