@@ -201,3 +201,36 @@ def test_seed_20261203_a_hold_postgres_ended_that_redis_brought_back_is_not_over
     lines = _clean()
     lines.insert(-2, {"type": "ledger", "source": "redis", "at": 5.0, "keys": {"k0": not_committed}})
     assert _caught(lines) == {"conservation"}
+
+
+def _with_company(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history of a campaign on several ledger shards: a budget every namespace shares."""
+    next(line for line in lines if line["type"] == "setup")["company"] = {"policy_id": "chaos/company", "gpu_hours": 1.0}
+    return lines
+
+
+def test_a_budget_every_namespace_shares_is_judged_whole_over_its_tenants_leases() -> None:
+    """Each tenant's lease of the company's budget under the limit, together over it: only the
+    whole catches it, in a ledger sample and in the final observation; together within it passes."""
+    assert _caught(_with_company(_clean())) == set()
+
+    def sample(each: int) -> dict[str, Any]:
+        leases = {f"ns=chaos-00,chaos-01@{t}|202611|gpu_hours": {"policy_id": "chaos/company", "limit": LIMIT, "held": each, "consumed": 0} for t in ("a", "b")}
+        return {"type": "ledger", "source": "postgres", "at": 5.0, "keys": leases}
+
+    within = _with_company(_clean())
+    within.insert(-2, sample(LIMIT // 2))
+    assert _caught(within) == set()
+    over = _with_company(_clean())
+    over.insert(-2, sample(LIMIT // 2 + 1))
+    assert _caught(over) == {"conservation"}
+
+    at_the_end = _with_company(_clean())
+    observation = _observation(at_the_end)
+    for run_id, tenant in (("r0", "a"), ("r1", "b")):
+        key = f"ns=chaos-00,chaos-01@{tenant}|202611|gpu_hours"
+        observation["ledger_entries"].append({"ledger_key": key, "policy_id": "chaos/company", "unit": "gpu_hours", "limit": RUN_AMOUNT * 2 - 1, "consumed": 0})
+        held = {"run_id": run_id, "ledger_key": key, "decision_id": f"d{run_id[1]}", "amount": RUN_AMOUNT, "state": "held", "age_seconds": 1.0}
+        observation["reservations"].append(held)
+    verdict = checkers.check(at_the_end)
+    assert [v.checker for v in verdict.violations] == ["conservation"] and "chaos/company" in verdict.violations[0].message

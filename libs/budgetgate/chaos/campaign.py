@@ -24,7 +24,16 @@ import httpx
 import redis.asyncio as aioredis
 
 from budgetgate.chaos import checkers, recorder
-from budgetgate.chaos.cluster import POOL_LEASE_SECONDS, POOL_NAMESPACE, POOL_QUOTA, RECONCILER_ENV, REDIS_PREFIX, Cluster
+from budgetgate.chaos.cluster import (
+    COMPANY_POLICY,
+    POOL_LEASE_SECONDS,
+    POOL_NAMESPACE,
+    POOL_QUOTA,
+    RECONCILER_ENV,
+    Cluster,
+    company_limit,
+    shard_ledgers,
+)
 from budgetgate.chaos.nemesis import Nemesis
 from budgetgate.chaos.schedule import Operation, Plan, plan
 from budgetgate.ledger.redis_ledger import RedisLedger
@@ -55,6 +64,9 @@ class Options:
     # database on `server_dsn` (else BUDGETGATE_POSTGRES_DSN's server), the Postgres faults skipped.
     postgres: str = "own"
     server_dsn: str | None = None
+    # Shards of the Redis ledger; with several, a budget every namespace shares is charged
+    # through each tenant's escrow lease (cluster.COMPANY_POLICY).
+    ledger_shards: int = 1
 
 
 @dataclass
@@ -84,6 +96,7 @@ class Campaign:
             plant=options.plant,
             server_dsn=options.server_dsn,
             postgres=options.postgres,
+            ledger_shards=options.ledger_shards,
         )
         self.t0 = time.monotonic()
         self.admitted: set[str] = set()
@@ -169,6 +182,9 @@ class Campaign:
             "operations_planned": len(self.plan.operations),
             "settings": settings,
             "database": self.cluster.database,
+            "ledger_shards": self.options.ledger_shards,
+            # A budget every namespace shares (several shards only): its policy and limit, in GPU-hours.
+            "company": {"policy_id": COMPANY_POLICY, "gpu_hours": company_limit(self.plan.budgets)} if self.options.ledger_shards > 1 else None,
         }
 
     # --- the workload -------------------------------------------------------------------
@@ -334,7 +350,9 @@ class Campaign:
         self.recorder.write({"type": "ledger", "source": "postgres", "at": at, "keys": keys})
         client = aioredis.Redis(port=self.cluster.redis.primary.port, socket_timeout=3)
         try:
-            in_redis = await _redis_figures(RedisLedger(client, prefix=REDIS_PREFIX), keys)
+            in_redis: dict[str, dict[str, Any]] = {}
+            for ledger in shard_ledgers(client, self.cluster.ledger_shards):  # each key on its shard
+                in_redis.update(await _redis_figures(ledger, {key: figures for key, figures in keys.items() if ledger.owns_key(key)}))
         finally:
             await client.aclose()
         over = {key: figure for key, figure in in_redis.items() if "runs" in figure}

@@ -67,6 +67,9 @@ class History:
         # A cost budget has two hard policies: GPU-hours, and money (`<id>/cost`).
         self.hard_policies = {f"chaos/{b['namespace']}": b for b in self.setup["budgets"] if b["kind"] != "soft"}
         self.hard_policies.update({f"chaos/{b['namespace']}/cost": b for b in self.setup["budgets"] if b.get("cost") is not None})
+        # A budget every namespace shares, on a ledger of several shards: its own ledger key and
+        # each tenant's escrow lease of it, judged together (campaign setup's `company`).
+        self.company: str | None = (self.setup.get("company") or {}).get("policy_id")
 
     def acked(self, *kinds: str) -> list[dict[str, Any]]:
         return [op for op in self.ops if op["kind"] in kinds and op.get("outcome") == "ok"]
@@ -123,6 +126,8 @@ def conservation(history: History, verdict: Verdict) -> None:
                         [index for index, _amount in unseen],
                     )
                 )
+    if history.company is not None:
+        judged += _company_conservation(history, verdict, lost)
     observation = history.observation
     if observation is not None:
         reservations: dict[tuple[str, str], dict[str, Any]] = {(r["run_id"], r["ledger_key"]): r for r in observation["reservations"]}
@@ -164,6 +169,60 @@ def conservation(history: History, verdict: Verdict) -> None:
                     )
                 )
     verdict.judged["conservation"] = judged
+
+
+def _company_conservation(history: History, verdict: Verdict, lost: dict[str, list[tuple[int, float, int]]]) -> int:
+    """The budget every namespace shares, charged through tenants' escrow leases, never holds more
+    than its limit: in every ledger sample, its own key and all its leases together (a Redis
+    sample with any of them mid-settlement is left out, as for a single key), with the ALLOWs told
+    that the ledger never recorded on top in Postgres samples; and at the end, what the
+    acknowledged ALLOWs hold on any of its keys plus what they consumed."""
+    judged = 0
+    for sample in history.ledger:
+        keys = {key: f for key, f in sample["keys"].items() if f.get("policy_id") == history.company}
+        if not keys or any(f.get("parked") for f in keys.values()):
+            continue
+        judged += 1
+        ended = sum(f["runs"][run_id]["amount"] for f in keys.values() for run_id in f.get("ended_in_postgres", ()))
+        unseen = [(i, a) for told in lost.values() for i, complete, a in told if complete <= sample["at"]] if sample["source"] == "postgres" else []
+        used = sum(f["held"] + f["consumed"] for f in keys.values()) - ended + sum(a for _i, a in unseen)
+        limit = max(f["limit"] for f in keys.values())
+        if used > limit:
+            verdict.violations.append(
+                Violation(
+                    "conservation",
+                    f"{sample['source']} at t={sample['at']:.1f}s: {history.company} and its {len(keys)} keys hold and consumed {used} > limit {limit}",
+                    [i for i, _a in unseen],
+                )
+            )
+    observation = history.observation
+    entries = [e for e in (observation or {}).get("ledger_entries", []) if e["policy_id"] == history.company]
+    if observation is None or not entries:
+        return judged
+    judged += 1
+    company_keys = {e["ledger_key"] for e in entries}
+    by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in observation["reservations"]:
+        by_run[r["run_id"]].append(r)
+    held, involved = 0, []
+    told = {op["request"]["run_id"]: op for op in history.decisions_told() if op["answer"]["decision"] == "ALLOW"}
+    for run_id, op in told.items():
+        rows = by_run.get(run_id)
+        if not rows:  # told ALLOW, yet Postgres holds nothing of it: held at its projection
+            body = op["request"]
+            held += round(body["resources"]["gpus"] * body["projected_runtime_hours"] * MILLI_PER_GPU_HOUR)
+            involved.append(op["index"])
+            continue
+        for row in rows:
+            if row["ledger_key"] in company_keys and row["state"] == "held":
+                held += row["amount"]
+                involved.append(op["index"])
+    consumed, limit = sum(e["consumed"] for e in entries), max(e["limit"] for e in entries)
+    if held + consumed > limit:
+        verdict.violations.append(
+            Violation("conservation", f"{history.company} and its leases: acknowledged ALLOWs hold {held} + consumed {consumed} > limit {limit}", involved)
+        )
+    return judged
 
 
 def _allows_without_reservation(history: History) -> dict[str, list[tuple[int, float, int]]]:

@@ -36,6 +36,7 @@ from budgetgate.chaos.tcp_proxy import TcpProxy
 from budgetgate.devstack.access_tokens import issue_dev_tokens
 from budgetgate.devstack.ports import free_port
 from budgetgate.devstack.postgres import EmbeddedPostgres
+from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.messaging.topic_admin import ensure_topics
@@ -80,7 +81,19 @@ class FaketimeMissing(RuntimeError):
     """Clock skew needs the `faketime` program (Debian's faketime package)."""
 
 
-def policy_documents(budgets: tuple[Budget, ...]) -> list[dict[str, Any]]:
+# On a ledger of several shards: one hard budget every namespace's runs share (the company's),
+# charged through each tenant's escrow lease of it on the tenant's shard; its limit a share of
+# what the namespaces' own budgets allow together, so it binds and leases are refilled, reclaimed
+# and returned under the faults.
+COMPANY_POLICY = "chaos/company"
+COMPANY_SHARE = 0.3
+
+
+def company_limit(budgets: tuple[Budget, ...]) -> float:
+    return round(COMPANY_SHARE * sum(b.gpu_hours for b in budgets), 1)
+
+
+def policy_documents(budgets: tuple[Budget, ...], *, company: bool = False) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = [
         {
             "apiVersion": "budgetgate/v1",
@@ -117,6 +130,15 @@ def policy_documents(budgets: tuple[Budget, ...]) -> list[dict[str, Any]]:
                 "on_exhausted": "deny",
             }
             docs.append({"apiVersion": "budgetgate/v1", "kind": "BudgetPolicy", "metadata": {"id": f"{b.policy_id}/cost"}, "spec": cost_spec})
+    if company:
+        spec = {
+            "scope": {"namespaces": sorted(b.namespace for b in budgets), "labels": {}},
+            "window": {"calendar": "month"},
+            "limit": {"gpu_hours": company_limit(budgets)},
+            "enforcement": "hard",
+            "on_exhausted": "deny",
+        }
+        docs.append({"apiVersion": "budgetgate/v1", "kind": "BudgetPolicy", "metadata": {"id": COMPANY_POLICY}, "spec": spec})
     return docs
 
 
@@ -146,6 +168,7 @@ class Cluster:
         plant: str | None = None,
         server_dsn: str | None = None,
         postgres: str = "own",
+        ledger_shards: int = 1,
     ) -> None:
         if plant is not None and plant not in PLANTS:
             raise ValueError(f"unknown planted bug {plant!r}; known: {', '.join(PLANTS)}")
@@ -178,7 +201,10 @@ class Cluster:
         self.services: dict[str, ServiceProcess] = {}
         self.proxies: list[TcpProxy] = []
         self.tokens: dict[str, str] = {}
-        self.documents = policy_documents(budgets)
+        # Shards of the Redis ledger (BUDGETGATE_LEDGER_SHARDS): with several, the company's budget
+        # is added, which every tenant reserves on through its own lease.
+        self.ledger_shards = ledger_shards
+        self.documents = policy_documents(budgets, company=ledger_shards > 1)
 
     @property
     def bootstrap(self) -> str:
@@ -267,6 +293,7 @@ class Cluster:
             "BUDGETGATE_TOPIC_PREFIX": "",
             "BUDGETGATE_SERVICE_NAME": name,
             "BUDGETGATE_RATE_LIMIT": "10000000/second",
+            "BUDGETGATE_LEDGER_SHARDS": str(self.ledger_shards),
         }
         env.update(POOL_ENV[role])
         if self.plant == "split-ledger" and name == "admission-2":
@@ -374,3 +401,8 @@ def _with_port(dsn: str, port: int) -> str:
     parts = urlsplit(dsn)
     userinfo = parts.netloc.rpartition("@")[0]
     return urlunsplit(parts._replace(netloc=(f"{userinfo}@" if userinfo else "") + f"127.0.0.1:{port}"))
+
+
+def shard_ledgers(client: Any, shards: int) -> list[RedisLedger]:
+    """The campaign's Redis ledger, a RedisLedger per shard (the services' tenant label, `team`)."""
+    return [RedisLedger(client, prefix=REDIS_PREFIX, shard=i, shards=shards, tenant_label="team") for i in range(shards)]

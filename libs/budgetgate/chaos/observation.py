@@ -18,11 +18,10 @@ import asyncpg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from budgetgate.chaos.cluster import REDIS_PREFIX, Cluster
+from budgetgate.chaos.cluster import Cluster, shard_ledgers
 from budgetgate.contracts import wire
 from budgetgate.contracts.topics import Topics
 from budgetgate.ledger import drift
-from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.v1.decisions_pb2 import Decision
 
 # The evidence-emitter's consumer group, after the deployment's topic prefix (none in the
@@ -164,20 +163,21 @@ async def redis_drift(cluster: Cluster, *, tries: int = 10) -> dict[str, Any]:
     client = aioredis.Redis(port=cluster.redis.primary.port)
     try:
         for _ in range(tries):
-            found = await drift.check(pool, RedisLedger(client, prefix=REDIS_PREFIX), repair=False, rebuild=no_rebuild)
-            if found is None:
-                result = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}
-            else:
-                result = {
-                    "loaded": True,
-                    "keys": {k: [list(a), list(b)] for k, (a, b) in found.keys.items()},
-                    "runs": {k: [a, b] for k, (a, b) in found.runs.items()},
-                    "counters": {k: [list(a), list(b)] for k, (a, b) in found.counters.items()},
-                    "pools": {k: [sorted(a), sorted(b)] for k, (a, b) in found.pools.items()},
-                    "sizes": {k: list(pair) for k, pair in found.sizes.items()},
-                }
-                if found.clean:
-                    return result
+            result = {"loaded": True, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}
+            clean = True
+            for ledger in shard_ledgers(client, cluster.ledger_shards):  # shard by shard, as the reconciler checks
+                found = await drift.check(pool, ledger, repair=False, rebuild=no_rebuild)
+                if found is None:
+                    result, clean = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}, False
+                    break
+                result["keys"].update({k: [list(a), list(b)] for k, (a, b) in found.keys.items()})
+                result["runs"].update({k: [a, b] for k, (a, b) in found.runs.items()})
+                result["counters"].update({k: [list(a), list(b)] for k, (a, b) in found.counters.items()})
+                result["pools"].update({k: [sorted(a), sorted(b)] for k, (a, b) in found.pools.items()})
+                result["sizes"].update({k: list(pair) for k, pair in found.sizes.items()})
+                clean = clean and found.clean
+            if clean:
+                return result
             await asyncio.sleep(2.0)
         return result
     finally:

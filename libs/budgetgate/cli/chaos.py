@@ -46,6 +46,14 @@ def chaos() -> None:
     type=click.Choice(tuple(PLANTS)),
     help="Plant a bug on purpose, to see the checkers catch it: " + "; ".join(f"{k}: {v}" for k, v in PLANTS.items()),
 )
+@click.option(
+    "--ledger-shards",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Shards of the Redis ledger (BUDGETGATE_LEDGER_SHARDS). With several, a hard budget every namespace shares is added, "
+    "charged through each tenant's escrow lease, and the conservation checker judges it whole.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run(
     seed: int,
@@ -59,6 +67,7 @@ def run(
     keep_database: bool,
     postgres: str,
     plant: str | None,
+    ledger_shards: int,
     as_json: bool,
 ) -> None:
     """Start a stack, run a seeded workload and faults against it, judge the history.
@@ -86,6 +95,7 @@ def run(
         keep_database=keep_database,
         postgres=postgres,
         plant=plant,
+        ledger_shards=ledger_shards,
     )
     echo = (lambda _m: None) if as_json else (lambda m: click.echo(m, err=True))
     try:
