@@ -8,15 +8,17 @@ pool. A ledger suite: on a Redis Cluster the shards' tags hash to different slot
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
 from budgetgate.ledger.escrow_leases import CounterBook
 from budgetgate.ledger.holds import SENSITIVE, sensitive_lease
-from tests.support.admission import apply_policies, submission
+from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.cli import budgetgate_on
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, wait_caught_up  # noqa: F401 - pytest fixtures
-from tests.support.sharded import SHARDS, TENANTS, policies
+from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, policies
 from tests.support.waiting import wait_for
 
 POOL = 24  # GPUs sensitive runs may hold at once, every tenant's together; each run asks for 8
@@ -181,3 +183,27 @@ async def test_a_shard_that_lost_a_return_of_its_tenants_lease_is_rebuilt_before
     assert sum(a.json()["decision"] == "ALLOW" for a in answers) == POOL // 8, [a.json().get("reason") for a in answers]
     assert await lost.generation() not in (None, generation)  # rebuilt
     await assert_leases_agree(server, pg_dsn)
+
+
+async def test_the_leases_command_shows_what_each_tenant_holds_of_the_pool_and_of_a_shared_budget(admission_factory, pg_dsn, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`budgetgate ledger leases` shows an operator every carved budget and the sensitive pool:
+    the limit, what no lease holds, each tenant's lease and the moves made lately."""
+    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit="gpu_hours: 60")
+    await apply_policies(pg_dsn, {**policies(), "sensitive.yaml": SENSITIVE_QUOTA, "shared.yaml": shared}, sha="9" * 40)
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
+    await server.wait_ready()
+    for tenant in TENANTS[:2]:
+        assert (await server.client.post("/v1/admissions", json=sensitive_run(tenant, 0))).json()["decision"] == "ALLOW"
+    shards = {"BUDGETGATE_LEDGER_SHARDS": str(SHARDS)}
+    shown = await budgetgate_on(settings, "ledger", "leases", "--json", cwd=tmp_path, variables=shards)
+    assert shown.returncode == 0, shown.stderr
+    report = {carved["carved"]: carved for carved in json.loads(shown.stdout)}
+    pool = report["counter:sensitive"]
+    assert pool["limit"] == POOL and pool["unit"] == "gpus"
+    assert {lease["root"]: lease["used"] for lease in pool["leases"]} == {TENANTS[0]: 8, TENANTS[1]: 8}
+    assert pool["free"] == POOL - sum(lease["size"] for lease in pool["leases"]) and {m["reason"] for m in pool["moves"]} == {"refill"}
+    [budget] = [carved for key, carved in report.items() if key != "counter:sensitive"]
+    assert budget["limit"] == 60 * GPU_HOUR and {lease["root"]: lease["used"] for lease in budget["leases"]} == {t: 8 * GPU_HOUR for t in TENANTS[:2]}
+    text = await budgetgate_on(settings, "ledger", "leases", cwd=tmp_path, variables=shards)
+    assert text.returncode == 0 and f"counter:sensitive: limit {POOL} gpus" in text.stdout, text.stdout
+    assert f"  {TENANTS[0]}: size " in text.stdout and "used 8 GPU-hours" in text.stdout, text.stdout

@@ -127,6 +127,58 @@ async def _syncs(settings: CommonSettings) -> AsyncIterator[tuple[LedgerSync, ..
         yield ShardedLedger(pool, client, prefix=settings.redis_prefix, count=settings.ledger_shards, tenant_label=settings.tenant_label).syncs  # type: ignore[arg-type]
 
 
+@ledger.command("leases")
+@click.option("--since-minutes", default=60.0, show_default=True, type=click.FloatRange(0), help="Count the escrow moves made in this many minutes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (amounts in the ledger's units).")
+def leases_command(since_minutes: float, as_json: bool) -> None:
+    """The escrow leases of a ledger of several shards: for every budget tenants share, and the
+    sensitive-workload pool, the limit, what no lease holds, each tenant's lease (its size, its
+    use, its unused room) and the grants, returns and reclaims made lately, as Postgres records
+    them (reservations in flight in Redis come on top)."""
+    import json
+
+    report = asyncio.run(_leases(_settings(), since_minutes))
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+        return
+    if not report:
+        click.echo("no budget or pool is carved into leases (one shard, or nothing shared decided on yet)")
+        return
+    for carved in report:
+        amount = _amounts(carved["unit"])
+        click.echo(f"{carved['carved']}: limit {amount(carved['limit'])}, free {amount(carved['free'])}, {len(carved['leases'])} lease(s)")
+        for lease in carved["leases"]:
+            click.echo(f"  {lease['root'] or '(no tenant)'}: size {amount(lease['size'])}, used {amount(lease['used'])}, unused {amount(lease['unused'])}")
+        for move in carved["moves"]:
+            click.echo(f"  last {since_minutes:g} min: {move['moves']} {move['kind']}(s) ({move['reason']}), {amount(move['amount'])}")
+
+
+def _amounts(unit: str):  # type: ignore[no-untyped-def]
+    """How the report writes an amount of `unit`: a budget's as a person writes it, a pool's as a count."""
+    from budgetgate.core.evaluation import describe
+    from budgetgate.core.policy import Unit
+
+    if unit in ("gpus", "nodes"):
+        return lambda amount: f"{amount} {unit}"
+    return lambda amount: describe(Unit(unit), amount)
+
+
+async def _leases(settings: CommonSettings, since_minutes: float) -> list[dict[str, Any]]:
+    from datetime import UTC, datetime, timedelta
+
+    from budgetgate.ledger.escrow_leases import CounterBook, escrow_report
+    from budgetgate.ledger.holds import SENSITIVE
+    from budgetgate.policies.override_store import NoActiveBundle, active_bundle
+
+    async with backend.postgres(settings.postgres_dsn) as conn:
+        try:
+            pool = (await active_bundle(conn)).sensitive
+        except NoActiveBundle:
+            pool = None
+        sensitive = CounterBook(SENSITIVE, pool.unit, pool.size) if pool is not None else None
+        return await escrow_report(conn, sensitive=sensitive, since=datetime.now(UTC) - timedelta(minutes=since_minutes))  # type: ignore[arg-type]
+
+
 @ledger.command("partitions")
 @click.option("--ahead", type=click.IntRange(1, 120), default=None, help="Months to create ahead of this one [BUDGETGATE_LEDGER_PARTITIONS_AHEAD_MONTHS, 3].")
 def partitions_command(ahead: int | None) -> None:

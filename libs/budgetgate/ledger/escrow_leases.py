@@ -338,3 +338,31 @@ class Escrow:
         except LedgerKeyMissing:
             await book.load(work.conn, ledger, lease_key)
             return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed, counted_in=book.counted_in)
+
+
+async def escrow_report(conn: asyncpg.Connection, *, sensitive: CounterBook | None, since: datetime) -> list[dict[str, object]]:
+    """What every budget carved into leases, and the sensitive pool (`sensitive`, at the bundle's
+    size; None when the bundle declares none), hold now as Postgres knows it (Redis may hold
+    reservations in flight on top): the limit, what no lease holds (`free`), each lease's size,
+    use and unused room, and the moves made since `since` by kind and reason. For an operator
+    (`budgetgate ledger leases`)."""
+    moves: dict[str, list[dict[str, object]]] = {}
+    for row in await conn.fetch(sql("escrow_moves_since"), since):
+        moves.setdefault(row["ledger_key"], []).append({"kind": row["kind"], "reason": row["reason"], "moves": row["moves"], "amount": row["amount"]})
+    books: list[tuple[Book, int]] = [(BudgetBook(row["ledger_key"]), row["limit_amount"]) for row in await conn.fetch(sql("escrow_budgets"))]
+    if sensitive is not None and any(row["counter"] == sensitive.counter for row in await conn.fetch(sql("counter_lease_sizes"))):
+        books.append((sensitive, sensitive.limit))  # (carved only on a ledger of several shards)
+    report = []
+    for book, limit in books:
+        leases = await book.leases(conn)
+        if not leases:
+            continue
+        report.append({
+            "carved": book.moves_key,
+            "unit": book.counted_in or LedgerKey.parse(book.moves_key).unit,
+            "limit": limit,
+            "free": escrow.free(limit, leases.values()),
+            "leases": [{"root": root, "size": lease.size, "used": lease.used, "unused": lease.unused} for root, lease in sorted(leases.items())],
+            "moves": moves.get(book.moves_key, []),
+        })  # fmt: skip
+    return report

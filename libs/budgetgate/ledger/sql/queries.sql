@@ -398,3 +398,10 @@ SELECT l.root FROM counter_leases l
 WHERE l.counter = $1
   AND NOT EXISTS (SELECT 1 FROM escrow_moves m WHERE m.ledger_key = 'counter:' || l.counter AND m.root = l.root AND m.moved_at > $2)
 ORDER BY l.root;
+
+-- name: escrow_moves_since
+-- The escrow moves made after $1, counted by what was moved (a budget's ledger key, or
+-- 'counter:<name>'), their kind and the first word of their reason (a reclaim's names the tenant).
+SELECT ledger_key, kind, split_part(reason, ':', 1) AS reason, count(*)::bigint AS moves, SUM(amount)::bigint AS amount
+FROM escrow_moves WHERE moved_at > $1
+GROUP BY 1, 2, 3 ORDER BY 1, 2, 3;
