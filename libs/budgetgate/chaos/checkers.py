@@ -130,7 +130,6 @@ def conservation(history: History, verdict: Verdict) -> None:
         judged += _company_conservation(history, verdict, lost)
     observation = history.observation
     if observation is not None:
-        reservations: dict[tuple[str, str], dict[str, Any]] = {(r["run_id"], r["ledger_key"]): r for r in observation["reservations"]}
         by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in observation["reservations"]:
             by_run[r["run_id"]].append(r)
@@ -143,22 +142,7 @@ def conservation(history: History, verdict: Verdict) -> None:
                 continue
             judged += 1
             namespace = history.hard_policies[entry["policy_id"]]["namespace"]
-            held = 0
-            involved = []
-            for run_id, op in allowed.items():
-                if op["request"]["namespace"] != namespace:
-                    continue
-                row = reservations.get((run_id, entry["ledger_key"]))
-                if row is None:
-                    if not by_run.get(run_id) and entry["unit"] == "gpu_hours":
-                        # Told ALLOW, yet Postgres holds nothing of it: held at its projection.
-                        body = op["request"]
-                        held += round(body["resources"]["gpus"] * body["projected_runtime_hours"] * MILLI_PER_GPU_HOUR)
-                        involved.append(op["index"])
-                    continue
-                if row["state"] == "held":
-                    held += row["amount"]
-                    involved.append(op["index"])
+            held, involved = _held_by_allows(allowed, by_run, {entry["ledger_key"]}, namespace=namespace, projected=entry["unit"] == "gpu_hours")
             if held + entry["consumed"] > entry["limit"]:
                 verdict.violations.append(
                     Violation(
@@ -168,15 +152,22 @@ def conservation(history: History, verdict: Verdict) -> None:
                         involved,
                     )
                 )
+        if entries := [e for e in observation["ledger_entries"] if history.company is not None and e["policy_id"] == history.company]:
+            # The budget every namespace shares: its own key and every tenant's lease together.
+            judged += 1
+            held, involved = _held_by_allows(allowed, by_run, {e["ledger_key"] for e in entries})
+            consumed, limit = sum(e["consumed"] for e in entries), max(e["limit"] for e in entries)
+            if held + consumed > limit:
+                message = f"{history.company} and its leases: acknowledged ALLOWs hold {held} + consumed {consumed} > limit {limit}"
+                verdict.violations.append(Violation("conservation", message, involved))
     verdict.judged["conservation"] = judged
 
 
 def _company_conservation(history: History, verdict: Verdict, lost: dict[str, list[tuple[int, float, int]]]) -> int:
     """The budget every namespace shares, charged through tenants' escrow leases, never holds more
-    than its limit: in every ledger sample, its own key and all its leases together (a Redis
-    sample with any of them mid-settlement is left out, as for a single key), with the ALLOWs told
-    that the ledger never recorded on top in Postgres samples; and at the end, what the
-    acknowledged ALLOWs hold on any of its keys plus what they consumed."""
+    than its limit in any ledger sample: its own key and all its leases together (a Redis sample
+    with any of them mid-settlement is left out, as for a single key), with the ALLOWs told that
+    the ledger never recorded on top in Postgres samples. (At the end: `conservation`.)"""
     judged = 0
     for sample in history.ledger:
         keys = {key: f for key, f in sample["keys"].items() if f.get("policy_id") == history.company}
@@ -195,34 +186,31 @@ def _company_conservation(history: History, verdict: Verdict, lost: dict[str, li
                     [i for i, _a in unseen],
                 )
             )
-    observation = history.observation
-    entries = [e for e in (observation or {}).get("ledger_entries", []) if e["policy_id"] == history.company]
-    if observation is None or not entries:
-        return judged
-    judged += 1
-    company_keys = {e["ledger_key"] for e in entries}
-    by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in observation["reservations"]:
-        by_run[r["run_id"]].append(r)
+    return judged
+
+
+def _held_by_allows(
+    allowed: dict[str, dict[str, Any]], by_run: dict[str, list[dict[str, Any]]], keys: set[str], *, namespace: str | None = None, projected: bool = True
+) -> tuple[int, list[int]]:
+    """What the acknowledged ALLOWs (of `namespace`, else of any) hold on `keys` at the end, and
+    which operations: their held reservations there, and, for one told ALLOW of which Postgres
+    holds nothing at all, its projection (`projected`: a GPU-hour budget)."""
     held, involved = 0, []
-    told = {op["request"]["run_id"]: op for op in history.decisions_told() if op["answer"]["decision"] == "ALLOW"}
-    for run_id, op in told.items():
+    for run_id, op in allowed.items():
+        if namespace is not None and op["request"]["namespace"] != namespace:
+            continue
         rows = by_run.get(run_id)
-        if not rows:  # told ALLOW, yet Postgres holds nothing of it: held at its projection
-            body = op["request"]
-            held += round(body["resources"]["gpus"] * body["projected_runtime_hours"] * MILLI_PER_GPU_HOUR)
-            involved.append(op["index"])
+        if not rows:
+            if projected:  # told ALLOW, yet Postgres holds nothing of it: held at its projection
+                body = op["request"]
+                held += round(body["resources"]["gpus"] * body["projected_runtime_hours"] * MILLI_PER_GPU_HOUR)
+                involved.append(op["index"])
             continue
         for row in rows:
-            if row["ledger_key"] in company_keys and row["state"] == "held":
+            if row["ledger_key"] in keys and row["state"] == "held":
                 held += row["amount"]
                 involved.append(op["index"])
-    consumed, limit = sum(e["consumed"] for e in entries), max(e["limit"] for e in entries)
-    if held + consumed > limit:
-        verdict.violations.append(
-            Violation("conservation", f"{history.company} and its leases: acknowledged ALLOWs hold {held} + consumed {consumed} > limit {limit}", involved)
-        )
-    return judged
+    return held, involved
 
 
 def _allows_without_reservation(history: History) -> dict[str, list[tuple[int, float, int]]]:

@@ -34,7 +34,6 @@ from typing import TypeVar
 import asyncpg
 
 from budgetgate.ledger.concurrency_holds import concurrency_state
-from budgetgate.ledger.holds import sensitive_lease
 from budgetgate.ledger.queries import sql
 from budgetgate.ledger.redis_ledger import RedisLedger
 
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 500
 Figures = tuple[int, int]
-Counter = tuple[int, int, int]  # gpus, nodes, allocations held
+Counter = tuple[int, int, int, int]  # gpus, nodes, allocations held; size (a lease of the sensitive pool's, else 0)
 Tokens = dict[str, tuple[int, str]]  # live token → (lease expiry ms, "project<TAB>sub-namespace")
 Rebuild = Callable[[asyncpg.Connection], Awaitable[None]]
 T = TypeVar("T")
@@ -180,22 +179,13 @@ async def _confirmed(
 
 async def _lease_sizes(conn: asyncpg.Connection, redis: RedisLedger, *, repair: bool, rebuild: Rebuild) -> dict[str, tuple[int, int]] | None:
     """Escrow leases whose size differs (_confirmed). A lease Redis never loaded gets Postgres's
-    size when first used: not drift. The leases of the sensitive pool (counters, on a ledger of
-    several shards), by counter name: a rebuild writes every one, so one absent reads size 0."""
+    size when first used: not drift. (The sensitive pool's leases, counters, are compared with
+    the quota counters: _concurrency_drift.)"""
 
     async def differing() -> dict[str, tuple[int, int]]:
         postgres = {r["lease_key"]: r["size"] for r in await conn.fetch(sql("escrow_sizes")) if redis.owns_key(r["lease_key"])}
         in_redis = await redis.sizes(postgres)
-        found = {key: (in_redis[key], size) for key, size in postgres.items() if key in in_redis and in_redis[key] != size}
-        if redis.shards.count > 1:
-            counters = {sensitive_lease(r["root"]): r["size"] for r in await conn.fetch(sql("counter_lease_sizes")) if redis.owns_root(r["root"])}
-            pipe = redis.client.pipeline(transaction=False)
-            for name in counters:
-                pipe.hget(redis.keys.counter(name), "size")
-            for (name, size), held in zip(counters.items(), await pipe.execute(), strict=True):
-                if int(held or 0) != size:
-                    found[name] = (int(held or 0), size)
-        return found
+        return {key: (in_redis[key], size) for key, size in postgres.items() if key in in_redis and in_redis[key] != size}
 
     return await _confirmed(conn, redis, differing, none={}, repair=repair, rebuild=rebuild, what=lambda found: f"the size of {len(found)} escrow lease(s)")
 
@@ -216,7 +206,9 @@ async def _concurrency_drift(conn: asyncpg.Connection, redis: RedisLedger) -> Co
     now = datetime.now(UTC)
     now_ms = int(now.timestamp() * 1000)
     state = await concurrency_state(conn, redis, now=now)
-    pg_counters: dict[str, Counter] = {name: (gpus, nodes, allocations) for name, (gpus, nodes, allocations) in state.counters.items()}
+    pg_counters: dict[str, Counter] = {
+        name: (gpus, nodes, allocations, state.sizes.get(name, 0)) for name, (gpus, nodes, allocations) in state.counters.items()
+    }
     pg_pools: dict[str, Tokens] = {}
     for allocation in state.pools:
         lease = (round(allocation["lease_expires_at"].timestamp() * 1000), f"{allocation['project']}\t{allocation['sub_namespace']}")
@@ -224,7 +216,9 @@ async def _concurrency_drift(conn: asyncpg.Connection, redis: RedisLedger) -> Co
             pg_pools.setdefault(namespace, {})[allocation["token"]] = lease
     in_redis_counters, in_redis_pools = await _redis_concurrency(redis, counters=set(pg_counters), pools=set(pg_pools), now_ms=now_ms)
     # A counter at zero, or a pool without live tokens, is what Postgres having none of it means.
-    counters = {name: (in_redis_counters.get(name, (0, 0, 0)), pg_counters.get(name, (0, 0, 0))) for name in sorted(set(pg_counters) | set(in_redis_counters))}
+    counters = {
+        name: (in_redis_counters.get(name, (0, 0, 0, 0)), pg_counters.get(name, (0, 0, 0, 0))) for name in sorted(set(pg_counters) | set(in_redis_counters))
+    }
     pools = {namespace: (in_redis_pools.get(namespace, {}), pg_pools.get(namespace, {})) for namespace in sorted(set(pg_pools) | set(in_redis_pools))}
     return (
         {name: pair for name, pair in counters.items() if pair[0] != pair[1]},
@@ -251,13 +245,13 @@ async def _redis_concurrency(redis: RedisLedger, *, counters: set[str], pools: s
     names, namespaces = sorted(counters), sorted(pools)
     pipe = redis.client.pipeline(transaction=False)
     for name in names:
-        pipe.hmget(keys.counter(name), "gpus", "nodes", "allocations")
+        pipe.hmget(keys.counter(name), "gpus", "nodes", "allocations", "size")
     for namespace in namespaces:
         leases, owners, _projects, _subns = keys.pool(namespace)
         pipe.zrangebyscore(leases, now_ms + 1, "+inf", withscores=True)
         pipe.hgetall(owners)
     replies = await pipe.execute()
-    found_counters = {name: (int(g or 0), int(n or 0), int(a or 0)) for name, (g, n, a) in zip(names, replies[: len(names)], strict=True)}
+    found_counters = {name: (int(g or 0), int(n or 0), int(a or 0), int(s or 0)) for name, (g, n, a, s) in zip(names, replies[: len(names)], strict=True)}
     rest = replies[len(names) :]
     found_pools = {
         namespace: {_text(t): (int(expiry), _text(owners.get(t, b"\t"))) for t, expiry in live}

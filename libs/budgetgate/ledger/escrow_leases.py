@@ -88,7 +88,12 @@ class BudgetBook:
 
     async def leases(self, conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, Lease]:
         """Every lease by root, with what Postgres knows it holds (a move reads them under `lock`)."""
-        return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in await conn.fetch(sql("escrow_leases_read"), self.ledger_key)}
+        return (await self.figures(conn))[1]
+
+    async def figures(self, conn: asyncpg.Connection | asyncpg.Pool) -> tuple[int | None, dict[str, Lease]]:
+        """The budget's limit (None before it has a lease) and its leases, read in one statement."""
+        rows = await conn.fetch(sql("escrow_leases_read"), self.ledger_key)
+        return (rows[0]["limit_amount"] if rows else None), {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
 
     async def record(self, conn: asyncpg.Connection, root: str, kind: str, size_after: int, amount: int, seq: int | None, reason: str) -> None:
         await conn.execute(sql("escrow_move"), self.ledger_key, root, kind, size_after, amount, seq, reason)
@@ -135,6 +140,10 @@ class CounterBook:
         runs hold (a move reads them under `lock`)."""
         rows = await conn.fetch(sql("counter_leases_figures"), self.counter, self.counted_in)
         return {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
+
+    async def figures(self, conn: asyncpg.Connection | asyncpg.Pool) -> tuple[int | None, dict[str, Lease]]:
+        """The pool's size and its leases."""
+        return self.limit, await self.leases(conn)
 
     async def record(self, conn: asyncpg.Connection, root: str, kind: str, size_after: int, amount: int, seq: int | None, reason: str) -> None:
         await conn.execute(sql("counter_escrow_move"), self.counter, root, kind, size_after, amount, seq, reason)
@@ -273,13 +282,8 @@ class Escrow:
     async def refill_forecast(self, what: str | Book, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
         """What `refill` would grow `root`'s lease by now, from the same figures, writing nothing
         and locking nothing (a quote's forecast; `limit`: the budget's, when it has no entry yet)."""
-        book = _book(what)
-        if isinstance(book, BudgetBook):
-            rows = await self.pool.fetch(sql("escrow_leases_read"), book.ledger_key)
-            leases = {row["root"]: Lease(row["size"], row["reserved"], row["consumed"]) for row in rows}
-            limit = rows[0]["limit_amount"] if rows else limit
-        else:
-            leases, limit = await book.leases(self.pool), book.limit
+        found, leases = await _book(what).figures(self.pool)
+        limit = limit if found is None else found
         seen = Lease(leases.get(root, Lease(0)).size, *reading)
         want = escrow.refill_wanted(seen, amount, chunk=chunk)
         if want <= 0:

@@ -336,11 +336,9 @@ WHERE EXISTS (SELECT 1 FROM escrow_leases l WHERE l.ledger_key = e.ledger_key)
 ORDER BY e.ledger_key;
 
 -- name: escrow_idle_leases
--- The leases of the budget $1 whose size has not moved since $2, with what Postgres knows they
--- hold (consumed, and the held reservations committed).
-SELECT l.root, l.size, e.consumed,
-       COALESCE((SELECT SUM(r.amount) FROM reservations r WHERE r.ledger_key = l.lease_key AND r.state = 'held'), 0)::bigint AS reserved
-FROM escrow_leases l JOIN ledger_entries e ON e.ledger_key = l.lease_key
+-- The roots whose lease of the budget $1 has not moved since $2 (their figures are read with
+-- every lease's: escrow_leases_read).
+SELECT l.root FROM escrow_leases l
 WHERE l.ledger_key = $1
   AND NOT EXISTS (SELECT 1 FROM escrow_moves m WHERE m.ledger_key = l.ledger_key AND m.root = l.root AND m.moved_at > $2)
 ORDER BY l.root;
