@@ -151,8 +151,12 @@ class Ingestor:
         usage_tolerance: float = DEFAULT_USAGE_TOLERANCE,
         usage_slack: timedelta | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        fold: timedelta | None = None,
     ) -> None:
         self.max_skew = max_skew
+        # A run's samples of one quarter hour in one consumed batch are one point, one usage row
+        # and one usage record (None: every sample its own, as HTTP ingest always records them).
+        self.fold = fold
         self.grace = grace
         # A sample above its run's GPUs (nodes) x the time since its earliest decision, plus the
         # clock slack (by default as far as a sample may be from the future) and this ratio, is
@@ -205,30 +209,33 @@ class Ingestor:
         samples = [sample for sample, _ in batch]
         event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
         placing = asyncio.ensure_future(
-            store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids, tolerance=self.tolerance)
+            store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids, tolerance=self.tolerance, fold=self.fold)
         )
         try:
-            await asyncio.sleep(0)  # the batch goes out; its usage records are drafted meanwhile
+            await asyncio.sleep(0)  # the batch goes out
             recorded_at, trace_headers = timestamp(now), inject_headers()  # the same for the whole batch
-            drafts = [usage_draft(s, recorded_at=recorded_at, event_id=e) for s, e in zip(samples, event_ids, strict=True)]
         finally:
             placed = await placing  # awaited whatever happened: the connection is not left in use
         locked()
         outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
         left: list[int] = []
-        announce, keys = [], []
-        for idx, outcome, of, gpu, node, gpu_delta, node_delta, late in placed:
+        points = []
+        for idx, outcome, of, gpu, node, gpu_delta, node_delta, late, order, *record in placed:
             index = idx - 1
             sample = samples[index]
             if outcome == "accepted":
-                accepted = Accepted(sample, cumulative=Counters(gpu, node), delta=Counters(gpu_delta, node_delta), late=late)
-                outcomes[index] = accepted
-                announce.append(with_run_figures(drafts[index], accepted))
-                keys.append(sample.run_id)
+                outcomes[index] = Accepted(sample, cumulative=Counters(gpu, node), delta=Counters(gpu_delta, node_delta), late=late)
+                if order is not None:  # the point its span of the run's samples is recorded as
+                    cumulative_gpu, cumulative_node, point_gpu, point_node = record
+                    point = Accepted(sample, cumulative=Counters(cumulative_gpu, cumulative_node), delta=Counters(point_gpu, point_node), late=late)
+                    draft = usage_draft(sample, recorded_at=recorded_at, event_id=event_ids[index])
+                    points.append((order, sample.run_id, with_run_figures(draft, point)))
             elif outcome == "duplicate":
                 outcomes[index] = Duplicate(sample, of=of)
             else:
                 left.append(index)
+        points.sort(key=lambda point: point[0])  # a run's records raise its cumulative in order
+        announce, keys = [message for _, _, message in points], [run_id for _, run_id, _ in points]
         await outbox.enqueue_bundle(conn, outbox.bundle_messages(topic=topics.USAGE, messages=announce, keys=keys, trace_headers=trace_headers))
         if left:
             for index, outcome in zip(left, await self._judge(conn, [batch[i] for i in left], [event_ids[i] for i in left], now), strict=True):

@@ -73,10 +73,12 @@ FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[], $4::text[])
 -- name: metering_place_batch
 -- A batch's samples judged and recorded set-based where the core's rules allow it, the others
 -- left to the core (see metering_place_batch): one row per sample, by its 1-based idx. $9 and
--- $10: the usage tolerance, in parts per million and the clock slack in microseconds.
-SELECT idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late
+-- $10: the usage tolerance, in parts per million and the clock slack in microseconds; $11: the
+-- span of which a run's accepted samples are one point (NULL: every sample its own).
+SELECT idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late,
+       record_order, record_gpu_cumulative, record_node_cumulative, record_gpu_delta, record_node_delta
 FROM metering_place_batch($1::text[], $2::text[], $3::timestamptz[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[],
-                          $9::bigint, $10::bigint);
+                          $9::bigint, $10::bigint, $11::interval);
 
 -- name: raise_usage_runs
 -- The new high-water marks of the runs a batch recorded samples of: per run its cumulative

@@ -16,6 +16,7 @@ from typing import Any
 
 import asyncpg
 
+from budgetgate.core.metering import FOLD
 from budgetgate.contracts.topics import Topics
 from budgetgate.edge.runner import Service
 from budgetgate.edge.serving import close_pool, close_within, postgres_check
@@ -50,6 +51,7 @@ class MeteringService(Service):
             tenant_label=settings.tenant_label,
             usage_tolerance=settings.metering_usage_tolerance,
             usage_slack=settings.metering_usage_slack,
+            fold=FOLD if settings.metering_fold else None,
         )
         # Two producers: the relay's waits for Kafka on its own schedule, the consumer's
         # (dead letters) is started with the consumer.

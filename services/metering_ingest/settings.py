@@ -27,6 +27,11 @@ class MeteringSettings(AuthSettings):
     # partitions only wait). One by default: every member that joins stops the whole group for
     # a rebalance, which costs seconds on Tansu, more than the overlap gains on a short load.
     consumer_concurrency: int = Field(default=1, ge=1)
+    # Metering as a max-register: of a run's samples in one poll, those of one quarter hour (UTC)
+    # are recorded as one point, the latest, with one usage record (their delta): usage as of every
+    # window boundary, hour bucket and rate change is unchanged. false: a row and a record per
+    # sample (HTTP ingest, a sample per transaction, records each sample either way).
+    metering_fold: bool = True
     # Each poll's transaction overlaps the next poll's decoding and validation
     # (budgetgate.messaging.subscriber.Pipeline); offsets are still committed only after the commit.
     consumer_pipelined: bool = True

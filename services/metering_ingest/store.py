@@ -210,19 +210,29 @@ async def begin_batch(conn: asyncpg.Connection, samples: Sequence[Sample], event
 
 
 async def place_batch(
-    conn: asyncpg.Connection, samples: Sequence[Sample], *, sources: Sequence[Source], event_ids: Sequence[str], tolerance: Tolerance
+    conn: asyncpg.Connection,
+    samples: Sequence[Sample],
+    *,
+    sources: Sequence[Source],
+    event_ids: Sequence[str],
+    tolerance: Tolerance,
+    fold: timedelta | None = None,
 ) -> list[asyncpg.Record]:
     """Judge and record, in one round trip, the samples of a batch the set-based rules cover
     (see metering_place_batch); the others come back as 'python'. One row per sample, read as
-    (idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late):
-    `idx` is 1-based in the batch; `outcome` is 'accepted' (recorded: the run's counters after
-    it and the delta), 'duplicate' (of the recorded `of_sample`) or 'python' (left to the core:
-    among others every run with a sample above its bound with `tolerance`, as its row keeps it)."""
+    (idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late,
+    record_order, record_gpu_cumulative, record_node_cumulative, record_gpu_delta,
+    record_node_delta): `idx` is 1-based in the batch; `outcome` is 'accepted' (the run's
+    counters after it and the delta), 'duplicate' (of the recorded `of_sample`) or 'python' (left
+    to the core: among others every run with a sample above its bound with `tolerance`, as its
+    row keeps it). With `fold` (budgetgate.core.metering.FOLD), a run's accepted samples of one
+    span are one point: only the latest is recorded, and its row's record_* say what its usage
+    record carries (the others' are NULL); without, every accepted sample is its own point."""
     return await conn.fetch(
         sql("metering_place_batch"),
         [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples],
         [s.counters.gpu for s in samples], [s.counters.node for s in samples], [s.exporter for s in samples],
-        sources, event_ids, tolerance.ppm, tolerance.slack // _MICROSECOND,
+        sources, event_ids, tolerance.ppm, tolerance.slack // _MICROSECOND, fold,
     )  # fmt: skip
 
 

@@ -52,11 +52,15 @@ class MeteringServer(InProcessServer):
 
 @pytest.fixture
 async def metering_factory(settings) -> AsyncIterator[Callable[..., Awaitable[MeteringServer]]]:  # type: ignore[no-untyped-def]
-    """Start metering-ingest servers on the test's backends (topics created first)."""
+    """Start metering-ingest servers on the test's backends (topics created first).
+
+    A row and a usage record per sample (metering_fold off) unless a test asks for the fold:
+    these tests pin down how each sample is judged and recorded; tests/integration/
+    test_metering_fold.py shows what the fold keeps of them."""
     await ensure_topics(settings.kafka_bootstrap, prefix=settings.topic_prefix, partitions=1)
     # consumer_group: joined under the test's topic prefix.
     build = lambda values: MeteringServer(MeteringSettings(**values))
-    async with started_servers(settings, build, pending_recheck_seconds=0.2, consumer_group="metering") as start:
+    async with started_servers(settings, build, pending_recheck_seconds=0.2, consumer_group="metering", metering_fold=False) as start:
         yield start
 
 
@@ -185,7 +189,7 @@ def expected_usage(messages: list[MeteringSample]) -> dict[str, Counters]:
 class IngestProcess:
     """metering-ingest as its own process, to be killed with SIGKILL."""
 
-    def __init__(self, settings, log: Path) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings, log: Path, *, fold: bool = False) -> None:  # type: ignore[no-untyped-def]
         self.port = free_port()
         self.env = {
             **os.environ,
@@ -194,6 +198,7 @@ class IngestProcess:
             "BUDGETGATE_TOPIC_PREFIX": settings.topic_prefix,
             "BUDGETGATE_CONSUMER_GROUP": "metering",  # joined under the test's topic prefix
             "BUDGETGATE_PENDING_RECHECK_SECONDS": "0.2",
+            "BUDGETGATE_METERING_FOLD": "true" if fold else "false",  # as metering_factory
         }
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None

@@ -58,8 +58,11 @@ def _median_round(rounds: Sequence[dict[str, Any]]) -> int:
 
 
 def _one(options: Options, result: Result) -> dict[str, Any]:
-    ingest_rows_per_s = _per_second(result.rows, result.ingest_seconds)
-    copy_rows_per_s = _per_second(result.rows, result.copy_seconds)
+    # The work is the load's distinct samples: the service records each as a usage row, or a run's
+    # samples of a quarter hour in one poll as one (metering as a max-register); COPY loads a row
+    # per distinct sample. "rows" below are those samples, the usage rows written are `usage_rows`.
+    ingest_rows_per_s = _per_second(result.distinct, result.ingest_seconds)
+    copy_rows_per_s = _per_second(result.copied, result.copy_seconds)
     return {
         "options": {
             "samples": options.samples,
@@ -72,17 +75,18 @@ def _one(options: Options, result: Result) -> dict[str, Any]:
         "ingest": {
             "seconds": round(result.ingest_seconds, 3),
             "messages_per_second": _per_second(result.messages, result.ingest_seconds),
-            "rows": result.rows,
+            "rows": result.distinct,
             "rows_per_second": ingest_rows_per_s,
+            "usage_rows": result.rows,
             "usage_records": result.published,
             "outbox_unpublished_at_end": result.unpublished_at_end,
         },
         "copy": {
             "seconds": round(result.copy_seconds, 3),
-            "rows": result.rows,
+            "rows": result.copied,
             "rows_per_second": copy_rows_per_s,
             "best_of": COPY_TRIES,
-            "cpu": result.copy_cpu.as_json(result.rows) if result.copy_cpu else None,
+            "cpu": result.copy_cpu.as_json(result.copied) if result.copy_cpu else None,
         },
         "ratio_rows_per_second": round(ingest_rows_per_s / copy_rows_per_s, 5) if copy_rows_per_s else None,
         "cpu_ratio_to_copy": _cpu_ratio(result),
@@ -157,10 +161,13 @@ def _one_text(options: Options, result: Result) -> str:
         f"of {result.runs} runs, pre-published to {options.partitions} partition(s); {data['cpus']} CPUs shared by everything",
         "",
         f"{'system':<26}{'rows':>8}{'seconds':>10}{'rows/s':>11}{'samples/s':>11}",
-        f"{'metering-ingest (Kafka)':<26}{result.rows:>8}{ingest['seconds']:>10.2f}{ingest['rows_per_second']:>11.1f}{ingest['messages_per_second']:>11.1f}",
-        f"{'COPY into usage_records':<26}{result.rows:>8}{copy['seconds']:>10.2f}{copy['rows_per_second']:>11.1f}{'-':>11}",
+        f"{'metering-ingest (Kafka)':<26}{result.distinct:>8}{ingest['seconds']:>10.2f}{ingest['rows_per_second']:>11.1f}"
+        f"{ingest['messages_per_second']:>11.1f}",
+        f"{'COPY into usage_records':<26}{result.copied:>8}{copy['seconds']:>10.2f}{copy['rows_per_second']:>11.1f}{'-':>11}",
         "",
-        f"ratio (metering-ingest / COPY, rows/s): {data['ratio_rows_per_second']}x (COPY: the best of {COPY_TRIES})",
+        f"ratio (metering-ingest / COPY, distinct samples/s against rows/s): {data['ratio_rows_per_second']}x "
+        f"(COPY: the best of {COPY_TRIES}, a row per distinct sample)",
+        f"usage rows written: {result.rows} for {result.distinct} distinct samples (a run's samples of a quarter hour in one poll are one point)",
         f"usage records published: {result.published} ({result.unpublished_at_end} still in the outbox when the last sample was consumed)",
     ]
     if result.replicas > 1:
@@ -177,13 +184,16 @@ def _one_text(options: Options, result: Result) -> str:
             against_copy = "" if held["ratio_rows_per_second"] is None else f": {held['ratio_rows_per_second']}x COPY"
             lines.append(f"  {bound}; in rows {held['rows_per_second']:.0f}/s{against_copy}")
     if result.copy_cpu is not None:
-        lines.append(f"COPY (the fastest of {COPY_TRIES}), {result.copy_cpu.line(result.rows, 'row')}")
+        lines.append(f"COPY (the fastest of {COPY_TRIES}), {result.copy_cpu.line(result.copied, 'row')}")
         if data["cpu_ratio_to_copy"] is not None:
             lines.append(f"  metering-ingest's CPU per sample, all parts, is {data['cpu_ratio_to_copy']}x COPY's per row")
     if result.collections is not None:
         lines.append(result.collections.line())
     if result.correct:
-        lines.append(f"correctness: OK - {result.rows} usage rows, one per distinct sample; every run's cumulative equals the clean stream's")
+        lines.append(
+            "correctness: OK - every distinct sample applied once; every run's cumulative, the sum of its rows' deltas and its usage "
+            "as of every quarter hour equal the clean stream's"
+        )
     else:
         lines.extend(f"correctness: FAILED - {problem}" for problem in result.problems)
     return "\n".join(lines)
@@ -204,12 +214,12 @@ def _by_replica(result: Result) -> dict[str, int] | None:
 
 
 def _bound(result: Result, copy_rows_per_s: float) -> dict[str, float | None] | None:
-    """The CPU bound (CpuUse.bound_per_second) in rows, a resend being a sample that writes
-    none, and held against COPY: the highest ratio the measured costs allow on this machine."""
+    """The CPU bound (CpuUse.bound_per_second) in distinct samples, a resend being a sample that
+    adds none, and held against COPY: the highest ratio the measured costs allow on this machine."""
     samples = result.cpu.bound_per_second(result.cpu_samples) if result.cpu else None
     if samples is None or not result.messages:
         return None
-    rows = samples * result.rows / result.messages
+    rows = samples * result.distinct / result.messages
     return {"rows_per_second": round(rows, 1), "ratio_rows_per_second": round(rows / copy_rows_per_s, 5) if copy_rows_per_s else None}
 
 
@@ -217,7 +227,7 @@ def _cpu_ratio(result: Result) -> float | None:
     """The service's CPU per sample consumed, all parts, over COPY's per row, all parts (its
     client and its server): how many times dearer a sample is than a row bulk-loaded."""
     ingest = result.cpu.all_parts_us(result.cpu_samples) if result.cpu else None
-    copy = result.copy_cpu.all_parts_us(result.rows) if result.copy_cpu else None
+    copy = result.copy_cpu.all_parts_us(result.copied) if result.copy_cpu else None
     return None if ingest is None or not copy else round(ingest / copy, 2)
 
 

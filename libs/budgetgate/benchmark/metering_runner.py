@@ -19,8 +19,10 @@ import contextlib
 import os
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -34,7 +36,7 @@ from budgetgate.benchmark.consumer_group import taken_by, until_members
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
 from budgetgate.benchmark import databases, metering_workload, pauses, sql_blocks
 from budgetgate.benchmark.service_processes import StartError, Subprocess, free_port, python_module, tansu_command
-from budgetgate.core.metering import Counters
+from budgetgate.core.metering import EARLIEST, FOLD, Counters, MemoryUsage, usage_event_id
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.runtime.settings import CommonSettings
 from budgetgate.contracts.topics import Topics
@@ -88,6 +90,7 @@ class Result:
     replicas: int = 1
     consumed_by_replica: list[int] | None = None  # the messages each replica took care of (its /metrics), in the order started
     copy_cpu: CpuUse | None = None  # the fastest COPY's: its client (this process) and its Postgres server process, per row
+    copied: int = 0  # the rows COPY loads: one per distinct sample of the load
 
     @property
     def correct(self) -> bool:
@@ -145,12 +148,13 @@ class Run:
 
         rows = await _fetch(ingest_dsn, sql_blocks.sql("metering.sql", "usage_rows"))
         problems = await _check(ingest_dsn, work, rows)
-        self.echo(f"copying the same {len(rows)} rows with COPY")
-        copy_seconds, copy_cpu = await _copy(copy_dsn, rows)
+        copied = _clean_rows(work, rows[0]["recorded_at"] if rows else datetime.now(UTC))
+        self.echo(f"copying a usage row per distinct sample ({len(copied)}) with COPY")
+        copy_seconds, copy_cpu = await _copy(copy_dsn, copied)
         used, in_window = cpu or (None, 0)
         return Result(
             self.tag, len(work.messages), work.distinct, len(work.runs), ingest_seconds, len(rows), copy_seconds, published, pending, problems, used, in_window,
-            collections, len(services), by_replica, copy_cpu,
+            collections, len(services), by_replica, copy_cpu, len(copied),
         )  # fmt: skip
 
     def _joined(self, bootstrap: str, services: list[tuple[Subprocess, int]]) -> Callable[[], Awaitable[None]]:
@@ -337,23 +341,75 @@ async def _wait_relayed(services: list[tuple[Subprocess, int]], dsn: str, timeou
 
 
 async def _check(dsn: str, work: metering_workload.MeteringWorkload, rows: list[asyncpg.Record]) -> list[str]:
-    """What is wrong with the usage the service recorded, compared with the clean stream."""
+    """What is wrong with the usage the service recorded, compared with the clean stream applied
+    sample after sample: each run's cumulative; each distinct sample applied once (a run's count
+    of applied samples, whether each became a row or its quarter hour's one point); the rows'
+    deltas adding up to the cumulative; and the usage as of every quarter hour, where windows,
+    hour buckets and rates change (budgetgate.core.metering.FOLD), the clean stream's."""
     problems = []
-    if len(rows) != work.distinct:
+    if len(rows) > work.distinct:
         problems.append(f"{len(rows)} usage rows for {work.distinct} distinct samples")
     totals = {r["run_id"]: r for r in await _fetch(dsn, sql_blocks.sql("metering.sql", "run_totals"))}
+    by_run: dict[str, list[asyncpg.Record]] = defaultdict(list)
+    for row in rows:  # by run and observed_at
+        by_run[row["run_id"]].append(row)
     for run_id, expected in work.expected.items():
         total = totals.get(run_id)
         found = Counters(total["gpu"], total["node"]) if total else None
         if found != expected:
             problems.append(f"run {run_id}: cumulative {found}, expected {expected}")
+        applied, distinct = (total["samples"] if total else 0), len(work.clean.recorded(run_id))
+        if applied != distinct:
+            problems.append(f"run {run_id}: {applied} samples applied, {distinct} distinct")
+        mine = by_run.get(run_id, [])
+        added = Counters(sum(r["gpu_milli_hours_delta"] for r in mine), sum(r["node_milli_hours_delta"] for r in mine))
+        if added != expected:
+            problems.append(f"run {run_id}: its rows' deltas add up to {added}, its cumulative is {expected}")
+        if (wrong := _first_wrong_quarter(run_id, mine, work.clean)) is not None:
+            problems.append(f"run {run_id}: usage up to {wrong[0].isoformat()} is {wrong[1]}, the clean stream's {wrong[2]}")
     return problems
 
 
+def _first_wrong_quarter(run_id: str, rows: list[asyncpg.Record], clean: MemoryUsage) -> tuple[datetime, Counters, Counters] | None:
+    """The first quarter hour from the run's first sample to past its last up to which its
+    recorded usage (its latest row before it) differs from the clean stream's, if one does. A
+    point on a quarter hour starts the next: the reconciler charges an increment to the window,
+    bucket and rate of its end."""
+    samples = clean.recorded(run_id)
+    if not samples:
+        return None
+    at = samples[0].observed_at - (samples[0].observed_at - EARLIEST) % FOLD
+    index, usage = 0, Counters()
+    while at <= samples[-1].observed_at + FOLD:
+        while index < len(rows) and rows[index]["observed_at"] < at:
+            usage = Counters(rows[index]["gpu_milli_hours"], rows[index]["node_milli_hours"])
+            index += 1
+        if usage != (expected := clean.usage_through(run_id, at - timedelta(microseconds=1))):
+            return at, usage, expected
+        at += FOLD
+    return None
+
+
+def _clean_rows(work: metering_workload.MeteringWorkload, recorded_at: datetime) -> list[tuple[object, ...]]:
+    """A usage row per distinct sample, as the clean stream applied sample after sample gives
+    them: what COPY loads, the reference for ingesting every sample of the load."""
+    return [
+        (
+            a.sample.run_id, a.sample.sample_id, a.sample.observed_at, a.sample.counters.gpu, a.sample.counters.node, a.cumulative.gpu, a.cumulative.node,
+            a.delta.gpu, a.delta.node, a.late, a.sample.exporter, "kafka", usage_event_id(a.sample.run_id, a.sample.sample_id), recorded_at,
+        )
+        for a in work.accepted
+    ]  # fmt: skip
+
+
 COPY_TRIES = 3
+_COPY_COLUMNS = (
+    "run_id", "sample_id", "observed_at", "gpu_milli_hours", "node_milli_hours", "gpu_milli_hours_cumulative", "node_milli_hours_cumulative",
+    "gpu_milli_hours_delta", "node_milli_hours_delta", "late", "exporter", "source", "event_id", "recorded_at",
+)  # fmt: skip
 
 
-async def _copy(dsn: str, rows: list[asyncpg.Record]) -> tuple[float, CpuUse]:
+async def _copy(dsn: str, records: list[tuple[object, ...]]) -> tuple[float, CpuUse]:
     """Seconds to COPY `rows` into the usage table of `dsn` (one transaction, as a bulk load
     does), and the CPU it spent: the best of COPY_TRIES, the table emptied before each. The
     fastest COPY is the baseline, so a slow moment of the machine never flatters the ratio.
@@ -361,8 +417,7 @@ async def _copy(dsn: str, rows: list[asyncpg.Record]) -> tuple[float, CpuUse]:
     The CPU is the fastest try's, all of it counted: the client that encodes the rows (this
     process, which does nothing else meanwhile) and the server process that writes them. It is
     the reference for the service's CPU per sample, as COPY's rate is for its rate."""
-    columns = list(rows[0].keys()) if rows else []
-    records = [tuple(r.values()) for r in rows]
+    columns = list(_COPY_COLUMNS)
     conn = await asyncpg.connect(dsn)
     meter = CpuMeter([Part.process("client", os.getpid()), Part("postgres", postgres_dsn=dsn)])
     try:

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from budgetgate.core.metering import Counters, Sample, milli, normalize
+from budgetgate.core.metering import Accepted, Counters, MemoryUsage, Sample, milli, normalize
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 GPUS = 8
@@ -30,6 +30,8 @@ class MeteringWorkload:
     messages: list[MeteringSample]
     distinct: int  # samples that are not resends
     expected: dict[str, Counters]  # per run, the cumulative usage of the clean stream
+    clean: MemoryUsage  # the clean stream applied sample after sample: the usage to compare with
+    accepted: list[Accepted]  # each sample of the clean stream as applied: a usage row each, for COPY
 
     @property
     def resends(self) -> int:
@@ -53,8 +55,9 @@ def build(*, samples: int, runs: int, resend_every: int, tag: str, now: datetime
             again.CopyFrom(message)
             again.event_id = str(uuid.uuid4())
             messages.append(again)
-    store, _ = normalize(_core(m) for m in clean)
-    return MeteringWorkload(run_ids, messages, len(clean), {r: store.cumulative(r) for r in run_ids if store.recorded(r)})
+    store, outcomes = normalize(_core(m) for m in clean)
+    accepted = [o for o in outcomes if isinstance(o, Accepted)]
+    return MeteringWorkload(run_ids, messages, len(clean), {r: store.cumulative(r) for r in run_ids if store.recorded(r)}, store, accepted)
 
 
 def _snapshot(run_id: str, step: int, at: datetime) -> MeteringSample:

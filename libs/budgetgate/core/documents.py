@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -13,6 +13,7 @@ import typing
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
+from budgetgate.core.metering import on_fold_boundary
 from budgetgate.core.policy_files import NotDecimal
 from budgetgate.core.units import Unit, limit_amount, smallest
 from budgetgate.core.windows import CALENDARS, zone
@@ -204,6 +205,14 @@ class RateDoc(_Strict):
     def _aware(cls, value: datetime | None) -> datetime | None:
         if value is not None and value.tzinfo is None:
             raise ValueError("effective_from needs a time zone, e.g. 2026-01-01T00:00:00Z")
+        if value is not None and not on_fold_boundary(value):
+            # Metering keeps a run's usage exactly at quarter hours (budgetgate.core.metering.FOLD):
+            # a rate taking effect between two would price usage on either side by the timing of polls.
+            start = value.astimezone(UTC).replace(minute=value.astimezone(UTC).minute // 15 * 15, second=0, microsecond=0)
+            raise ValueError(
+                f"effective_from {value.isoformat()} is not on a quarter hour (UTC): usage is metered exactly at quarter hours, "
+                f"so a rate takes effect at one, e.g. {start.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+            )
         return value
 
 

@@ -58,6 +58,12 @@ _SAFE_SECONDS = (MAX_MILLI - 64) / MILLI_PER_SECOND
 # Whole floats below this are printed digit for digit by repr (from 1e16 on, with an exponent).
 _WHOLE_EXACT = 1e15
 MAX_ID_CHARS = 256
+# Metering as a max-register: of a run's samples consumed in one poll, those of one quarter hour
+# (UTC) are one point, the latest of them (metering_place_batch, migration 0046). Every instant
+# usage is attributed at falls on a quarter hour: window boundaries (calendar windows in any
+# time zone of today, whose offsets are whole quarter hours; rolling windows' hour buckets) and
+# rate cards' effective_from (`on_fold_boundary`, checked when a bundle is loaded).
+FOLD = timedelta(minutes=15)
 MAX_EXPORTER_CHARS = 253
 # The earliest time budgetgate takes for an observation or a lifecycle event: no fleet it
 # meters reported before it, and a zero value (the Unix epoch, Go's zero time 0001-01-01) would
@@ -541,6 +547,12 @@ def _describe(known: Known) -> str:
 
 def _describe_sample(sample: Sample) -> str:
     return _describe(Known(sample.sample_id, sample.observed_at, sample.counters))
+
+
+def on_fold_boundary(at: datetime) -> bool:
+    """Whether `at` starts a quarter hour (UTC), where usage is known exactly however many of a
+    run's samples a poll made one point (`FOLD`)."""
+    return (at - EARLIEST) % FOLD == timedelta(0)
 
 
 def usage_event_id(run_id: str, sample_id: str) -> str:

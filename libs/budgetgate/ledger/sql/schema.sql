@@ -687,15 +687,23 @@ $$;
 -- too, which rejects the sample as impossible_usage or, its decisions asking for more by now,
 -- raises the capacity; the runs started here get their capacity from metering_capacity.
 --
--- Returns one row per sample (idx, 1-based): outcome 'accepted' (with cumulative, delta, late),
--- 'duplicate' (with of_sample) or 'python'.
+-- 0046: p_fold (a quarter hour; NULL: none) makes metering a max-register: of a run's accepted
+-- samples in one quarter hour of the batch, only the latest is recorded, as the quarter hour's
+-- point, with the sum of their deltas and the cumulative after them; a late sample in the
+-- quarter hour of a recorded point after it is a duplicate of that point (see the migration).
+--
+-- Returns one row per sample (idx, 1-based): outcome 'accepted' (with cumulative, delta, late;
+-- and for the sample recorded as its quarter hour's point, what its usage record carries and
+-- its place among the run's records), 'duplicate' (with of_sample) or 'python'.
 -- VOLATILE, so the statements after the locks see everything committed before they were granted.
 CREATE FUNCTION metering_place_batch(
     p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[], p_gpu bigint[], p_node bigint[],
-    p_exporters text[], p_sources text[], p_event_ids text[], p_tolerance_ppm bigint, p_slack_us bigint
+    p_exporters text[], p_sources text[], p_event_ids text[], p_tolerance_ppm bigint, p_slack_us bigint, p_fold interval
 )
 RETURNS TABLE (idx integer, outcome text, of_sample text, gpu_cumulative bigint, node_cumulative bigint,
-               gpu_delta bigint, node_delta bigint, late boolean)
+               gpu_delta bigint, node_delta bigint, late boolean,
+               record_order integer, record_gpu_cumulative bigint, record_node_cumulative bigint,
+               record_gpu_delta bigint, record_node_delta bigint)
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 BEGIN
@@ -725,6 +733,11 @@ BEGIN
                COALESCE(same_id.rid = s.rid AND same_id.sid = s.sid, false) AS has_id, same_id.at AS id_at, same_id.gpu AS id_gpu, same_id.node AS id_node,
                same_time.sid AS time_sid, same_time.gpu AS time_gpu, same_time.node AS time_node,
                before.gpu AS before_gpu, before.node AS before_node, after.gpu AS after_gpu, after.node AS after_node,
+               -- 0046: a late sample in the quarter hour (p_fold) of a recorded point after it changes
+               -- nothing a max-register keeps: a duplicate of that point (unless odd, below).
+               (p_fold IS NOT NULL AND after.at IS NOT NULL
+                AND date_bin(p_fold, after.at, timestamptz '2000-01-01 00:00:00+00') = date_bin(p_fold, s.at, timestamptz '2000-01-01 00:00:00+00')) AS covered,
+               after.sid AS after_sid,
                -- Above what the run's GPUs (nodes) can have used since its earliest decision, with
                -- the tolerance (budgetgate.core.metering.UsageBound, the same exact arithmetic):
                -- left to the core, which rejects it (impossible_usage) or, the run's decisions
@@ -749,7 +762,7 @@ BEGIN
         LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
                            WHERE u.run_id = s.rid AND u.observed_at < s.at AND s.at < run.latest
                            ORDER BY u.observed_at DESC LIMIT 1) AS before ON true
-        LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
+        LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node, u.observed_at AS at, u.sample_id AS sid FROM usage_records u
                            WHERE u.run_id = s.rid AND u.observed_at > s.at AND s.at < run.latest
                            ORDER BY u.observed_at LIMIT 1) AS after ON true
     ), by_time AS (
@@ -774,7 +787,7 @@ BEGIN
         SELECT k.rid FROM known k GROUP BY k.rid, k.sid
         HAVING min(k.at) <> max(k.at) OR min(k.gpu) <> max(k.gpu) OR min(k.node) <> max(k.node)
     ), clean AS (
-        SELECT b.*, b.time_sid IS NULL AND b.prev_at IS DISTINCT FROM b.at AS accepted
+        SELECT b.*, b.time_sid IS NULL AND b.prev_at IS DISTINCT FROM b.at AND NOT b.covered AS accepted
         FROM by_time b WHERE b.rid NOT IN (SELECT o.rid FROM odd o)
     ), accepted AS (
         -- In batch order per run: the run's high-water mark before and after each accepted sample.
@@ -785,12 +798,25 @@ BEGIN
         FROM clean c WHERE c.accepted
         WINDOW upto AS (PARTITION BY c.rid ORDER BY c.i),
                earlier AS (PARTITION BY c.rid ORDER BY c.i ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+    ), folded AS (
+        -- 0046: a run's accepted samples of one quarter hour (p_fold) in this batch are one point,
+        -- the latest of them: one usage row and one usage record, whose delta is the sum of the
+        -- quarter hour's deltas and whose cumulative is the run's high-water mark after them.
+        -- Usage as of any quarter hour (every window boundary, hour bucket and rate change is
+        -- one) is the latest point at or before it, which is kept. p_fold NULL: every sample is
+        -- its own point (accepted samples of a run never share an observed_at).
+        SELECT a.*, row_number() OVER (PARTITION BY a.rid, a.slot ORDER BY a.at DESC) = 1 AS kept,
+               max(a.i) OVER g AS rec_i, max(a.cum_gpu) OVER g AS rec_gpu, max(a.cum_node) OVER g AS rec_node,
+               (sum(a.cum_gpu - a.was_gpu) OVER g)::bigint AS rec_gpu_delta, (sum(a.cum_node - a.was_node) OVER g)::bigint AS rec_node_delta
+        FROM (SELECT a.*, CASE WHEN p_fold IS NULL THEN a.at ELSE date_bin(p_fold, a.at, timestamptz '2000-01-01 00:00:00+00') END AS slot
+              FROM accepted a) AS a
+        WINDOW g AS (PARTITION BY a.rid, a.slot)
     ), recorded AS (
         INSERT INTO usage_records (run_id, sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative,
                                    node_milli_hours_cumulative, gpu_milli_hours_delta, node_milli_hours_delta, late, exporter, source, event_id)
-        SELECT a.rid, a.sid, a.at, a.gpu, a.node, a.cum_gpu, a.cum_node, a.cum_gpu - a.was_gpu, a.cum_node - a.was_node, a.is_late,
+        SELECT f.rid, f.sid, f.at, f.gpu, f.node, f.rec_gpu, f.rec_node, f.rec_gpu_delta, f.rec_node_delta, f.is_late,
                s.exporter, s.source, s.event_id
-        FROM accepted a JOIN s USING (i)
+        FROM folded f JOIN s USING (i) WHERE f.kept
     ), raised AS (
         UPDATE usage_runs r
         SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
@@ -800,20 +826,40 @@ BEGIN
               FROM accepted a GROUP BY a.rid) AS x
         WHERE r.run_id = x.rid
     )
-    SELECT a.i, 'accepted', NULL::text, a.cum_gpu, a.cum_node, a.cum_gpu - a.was_gpu, a.cum_node - a.was_node, a.is_late FROM accepted a
+    -- An accepted sample kept as its quarter hour's point also says what its usage record
+    -- carries, and where it goes among the run's records (record_order: the batch index of the
+    -- quarter hour's last sample, so a run's records raise its cumulative in order).
+    SELECT f.i, 'accepted', NULL::text, f.cum_gpu, f.cum_node, f.cum_gpu - f.was_gpu, f.cum_node - f.was_node, f.is_late,
+           CASE WHEN f.kept THEN f.rec_i END, CASE WHEN f.kept THEN f.rec_gpu END, CASE WHEN f.kept THEN f.rec_node END,
+           CASE WHEN f.kept THEN f.rec_gpu_delta END, CASE WHEN f.kept THEN f.rec_node_delta END
+    FROM folded f
     UNION ALL
     -- A duplicate of the recorded sample of its id, or of the first sample of its observed_at,
     -- recorded or accepted earlier in the batch.
-    SELECT c.i, 'duplicate', CASE WHEN c.has_id THEN c.sid ELSE COALESCE(c.time_sid, c.first_sid) END,
-           NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::boolean
+    SELECT c.i, 'duplicate', CASE WHEN c.has_id THEN c.sid ELSE COALESCE(c.time_sid, CASE WHEN c.covered THEN c.after_sid END, c.first_sid) END,
+           NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::boolean, NULL::integer, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
     FROM clean c WHERE NOT c.accepted
     UNION ALL
-    SELECT s.i, 'python', NULL::text, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::boolean
+    SELECT s.i, 'python', NULL::text, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::boolean,
+           NULL::integer, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
     FROM s WHERE s.i NOT IN (SELECT c.i FROM clean c);
 END
 $$;
-ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], bigint[], text[], text[], text[], bigint, bigint)
+ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], bigint[], text[], text[], text[], bigint, bigint, interval)
     SET plan_cache_mode = force_custom_plan;  -- 0019, 0029
+-- 0046: the signature without p_fold, for processes of the release before until they are all
+-- replaced: every sample its own point, as it was.
+CREATE FUNCTION metering_place_batch(
+    p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[], p_gpu bigint[], p_node bigint[],
+    p_exporters text[], p_sources text[], p_event_ids text[], p_tolerance_ppm bigint, p_slack_us bigint
+)
+RETURNS TABLE (idx integer, outcome text, of_sample text, gpu_cumulative bigint, node_cumulative bigint,
+               gpu_delta bigint, node_delta bigint, late boolean)
+LANGUAGE sql VOLATILE AS $$
+    SELECT p.idx, p.outcome, p.of_sample, p.gpu_cumulative, p.node_cumulative, p.gpu_delta, p.node_delta, p.late
+    FROM metering_place_batch(p_run_ids, p_sample_ids, p_observed_at, p_gpu, p_node, p_exporters, p_sources, p_event_ids,
+                              p_tolerance_ppm, p_slack_us, NULL::interval) AS p
+$$;
 
 -- 0004_reconciler: the facts the reconciler settles runs from (lifecycle events, usage samples),
 -- what each run is charged on each ledger key, and the hold and alert state of budgets.
