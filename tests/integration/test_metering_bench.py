@@ -24,7 +24,7 @@ async def test_bench_metering_reports_both_figures_and_passes_its_check(postgres
     assert report["load"] == {"messages": 150, "distinct_samples": 120, "resends": 30, "runs": 6}
     assert report["ingest"]["rows"] == report["copy"]["rows"] == 120
     # Metering as a max-register: a run's samples of a quarter hour in one poll are one row and one
-    # usage record (the check above compares the usage as of every quarter hour with the clean stream's).
+    # usage record (the check above compares the usage up to every quarter hour with the clean stream's).
     assert report["ingest"]["usage_records"] == report["ingest"]["usage_rows"] <= 120
     assert report["ingest"]["rows_per_second"] > 0 and report["copy"]["rows_per_second"] > 0
     assert report["ratio_rows_per_second"] is not None

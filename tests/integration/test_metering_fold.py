@@ -1,7 +1,7 @@
 """Metering as a max-register (BUDGETGATE_METERING_FOLD, on by default): of a run's samples in one
 consumed poll, those of one quarter hour are one point, one usage row and one usage record. What
 must hold whatever the order, the repeats and the cut into polls: every run's cumulative, its
-usage as of every quarter hour (where windows, hour buckets and rates change) and the sum of its
+usage up to every quarter hour (where windows, hour buckets and rates change) and the sum of its
 deltas are those of the clean stream applied sample after sample; every row is a true point of the
 run; a run's records raise its cumulative in order; a poll read again writes nothing."""
 

@@ -12,8 +12,9 @@ from budgetgate.cli.bench import bench
 
 def _result(problems: list[str]) -> metering_runner.Result:
     return metering_runner.Result(
-        tag="t", messages=11, distinct=10, runs=2, ingest_seconds=2.0, rows=10, copy_seconds=0.5, published=10, unpublished_at_end=0, problems=problems
-    )
+        tag="t", messages=11, distinct=10, runs=2, ingest_seconds=2.0, rows=10, copied=10, copy_seconds=0.5, published=10, unpublished_at_end=0,
+        problems=problems,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("problems", "exit_code"), [([], 0), (["run r: cumulative Counters(gpu=1, node=0), expected Counters(gpu=2, node=0)"], 1)])
@@ -38,7 +39,7 @@ def test_the_cpu_bound_is_given_in_rows_and_held_against_copy() -> None:
     from budgetgate.benchmark.cpu import CpuUse
 
     result = metering_runner.Result(
-        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.1, rows=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.1, rows=1000, copied=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
         cpu=CpuUse(seconds=0.06, parts={"service": 0.05, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2), cpu_samples=1100,
     )  # fmt: skip
 
@@ -59,7 +60,7 @@ def test_the_cpu_per_sample_is_held_against_copys_cpu_per_row() -> None:
     from budgetgate.benchmark.cpu import CpuUse
 
     result = metering_runner.Result(
-        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.1, rows=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.1, rows=1000, copied=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
         cpu=CpuUse(seconds=0.06, parts={"service": 0.05, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2), cpu_samples=1100,
         copy_cpu=CpuUse(seconds=0.01, parts={"client": 0.006, "postgres": 0.009}, machine_busy=0.6, cpus=2),
     )  # fmt: skip
@@ -82,7 +83,7 @@ def _round(*, ingest_seconds: float, copy_seconds: float, service: float, proble
     from budgetgate.benchmark.pauses import Collections
 
     return metering_runner.Result(
-        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=ingest_seconds, rows=1000, copy_seconds=copy_seconds, published=1000,
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=ingest_seconds, rows=1000, copied=1000, copy_seconds=copy_seconds, published=1000,
         unpublished_at_end=0, problems=problems or [],
         cpu=CpuUse(seconds=0.06, parts={"service": service, "postgres": 0.03, "broker": 0.0025}, machine_busy=0.7, cpus=2), cpu_samples=1100,
         collections=Collections(passes=(2, 1, 0), seconds=(0.01, 0.01, 0.0), cpu_seconds=1.0),
@@ -139,7 +140,7 @@ def test_replicas_are_named_with_the_samples_each_took_and_their_cpu_beside_the_
         groups={"service": ("service 1", "service 2")},
     )  # fmt: skip
     result = metering_runner.Result(
-        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.6, rows=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=0.6, rows=1000, copied=1000, copy_seconds=0.01, published=1000, unpublished_at_end=0,
         cpu=cpu, cpu_samples=1000, replicas=2, consumed_by_replica=[400, 700],
     )  # fmt: skip
     options = metering_runner.Options(replicas=2)
@@ -165,3 +166,17 @@ def test_replicas_are_named_with_the_samples_each_took_and_their_cpu_beside_the_
 def test_more_replicas_than_partitions_is_refused() -> None:
     outcome = CliRunner().invoke(bench, ["metering", "--partitions", "2", "--replicas", "3"])
     assert outcome.exit_code == 2 and "replicas (3) must be at most partitions (2)" in outcome.output
+
+
+def test_the_ratio_is_held_in_distinct_samples_when_the_service_folds_them_into_fewer_rows() -> None:
+    # 1000 distinct samples in 2 s, written as 250 usage rows (a run's quarter hour in one poll is
+    # one point); COPY loads a row per distinct sample, 1000 in 0.5 s: 500/s against 2000/s.
+    from budgetgate.benchmark import metering_report
+
+    result = metering_runner.Result(
+        tag="t", messages=1100, distinct=1000, runs=10, ingest_seconds=2.0, rows=250, copied=1000, copy_seconds=0.5, published=250, unpublished_at_end=0,
+    )  # fmt: skip
+    report = metering_report.as_json(metering_runner.Options(), [result])
+    assert report["ingest"]["rows_per_second"] == 500.0 and report["copy"]["rows_per_second"] == 2000.0 and report["ratio_rows_per_second"] == 0.25
+    assert report["ingest"]["usage_rows"] == 250 and report["copy"]["rows"] == 1000
+    assert "metering-ingest wrote 250 usage rows" in metering_report.as_text(metering_runner.Options(), [result])

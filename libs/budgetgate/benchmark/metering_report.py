@@ -165,9 +165,9 @@ def _one_text(options: Options, result: Result) -> str:
         f"{ingest['messages_per_second']:>11.1f}",
         f"{'COPY into usage_records':<26}{result.copied:>8}{copy['seconds']:>10.2f}{copy['rows_per_second']:>11.1f}{'-':>11}",
         "",
-        f"ratio (metering-ingest / COPY, distinct samples/s against rows/s): {data['ratio_rows_per_second']}x "
-        f"(COPY: the best of {COPY_TRIES}, a row per distinct sample)",
-        f"usage rows written: {result.rows} for {result.distinct} distinct samples (a run's samples of a quarter hour in one poll are one point)",
+        f"ratio (metering-ingest / COPY, rows/s): {data['ratio_rows_per_second']}x (COPY: the best of {COPY_TRIES})",
+        f"rows: distinct samples turned into usage (COPY: a row each); metering-ingest wrote {result.rows} usage rows for them "
+        "(a run's samples of a quarter hour in one poll are one point)",
         f"usage records published: {result.published} ({result.unpublished_at_end} still in the outbox when the last sample was consumed)",
     ]
     if result.replicas > 1:
@@ -192,7 +192,7 @@ def _one_text(options: Options, result: Result) -> str:
     if result.correct:
         lines.append(
             "correctness: OK - every distinct sample applied once; every run's cumulative, the sum of its rows' deltas and its usage "
-            "as of every quarter hour equal the clean stream's"
+            "up to every quarter hour equal the clean stream's"
         )
     else:
         lines.extend(f"correctness: FAILED - {problem}" for problem in result.problems)

@@ -344,7 +344,7 @@ async def _check(dsn: str, work: metering_workload.MeteringWorkload, rows: list[
     """What is wrong with the usage the service recorded, compared with the clean stream applied
     sample after sample: each run's cumulative; each distinct sample applied once (a run's count
     of applied samples, whether each became a row or its quarter hour's one point); the rows'
-    deltas adding up to the cumulative; and the usage as of every quarter hour, where windows,
+    deltas adding up to the cumulative; and the usage up to every quarter hour, where windows,
     hour buckets and rates change (budgetgate.core.metering.FOLD), the clean stream's."""
     problems = []
     if len(rows) > work.distinct:
