@@ -201,7 +201,8 @@ class Ingestor:
         other as if placed one after the other); a sample's Rejected is its outcome.
 
         Postgres judges and records the samples of the runs its set-based rules cover
-        (metering_place_batch); the core judges the rest, run by run (`_judge`). `locked()` is
+        (metering_place_batch), with `fold` as one point (one row, one usage record) per run and
+        quarter hour of the batch; the core judges the rest, run by run (`_judge`), a row each. `locked()` is
         called once the transaction holds the locks of every run of the batch, which is all it
         takes here: the rest writes the outbox and, for samples left to the core, works under
         those locks (budgetgate.messaging.inbox.locks_taken)."""
@@ -226,8 +227,8 @@ class Ingestor:
             if outcome == "accepted":
                 outcomes[index] = Accepted(sample, cumulative=Counters(gpu, node), delta=Counters(gpu_delta, node_delta), late=late)
                 if order is not None:  # the point its span of the run's samples is recorded as
-                    cumulative_gpu, cumulative_node, point_gpu, point_node = record
-                    point = Accepted(sample, cumulative=Counters(cumulative_gpu, cumulative_node), delta=Counters(point_gpu, point_node), late=late)
+                    cumulative_gpu, cumulative_node, delta_gpu, delta_node = record  # the span's, as one point
+                    point = Accepted(sample, cumulative=Counters(cumulative_gpu, cumulative_node), delta=Counters(delta_gpu, delta_node), late=late)
                     draft = usage_draft(sample, recorded_at=recorded_at, event_id=event_ids[index])
                     points.append((order, sample.run_id, with_run_figures(draft, point)))
             elif outcome == "duplicate":
