@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budgetgate.benchmark.metering_runner import first_wrong_quarter
 from budgetgate.contracts.topics import Topics
 from budgetgate.core.documents import RateDoc
 from budgetgate.core.metering import EARLIEST, FOLD, Accepted, Counters, Duplicate, MemoryUsage, Rejected, Rejection, Sample, milli, normalize
@@ -28,7 +29,6 @@ from tests.support.waiting import wait_for
 GRACE = timedelta(days=30)
 ORIGIN = Origin(source="kafka", topic="t", payload=b"", headers=())
 START = T0 - (T0 - EARLIEST) % FOLD  # a quarter hour
-_MICROSECOND = timedelta(microseconds=1)
 
 
 class _NoCounts:
@@ -97,17 +97,9 @@ async def _assert_the_clean_usage(conn: asyncpg.Connection, run_id: str, referen
     assert all((r["observed_at"], Counters(r["gpu_milli_hours"], r["node_milli_hours"])) in points for r in rows)
     assert len(rows) <= len(clean)
     assert Counters(sum(r["gpu_milli_hours_delta"] for r in rows), sum(r["node_milli_hours_delta"] for r in rows)) == cumulative
-    if not clean:
-        return
     # Usage up to each quarter hour: its latest point before it. A point on the quarter hour starts
     # the next one, as the reconciler charges an increment to the window and bucket of its end.
-    at, index, usage = clean[0].observed_at - (clean[0].observed_at - EARLIEST) % FOLD, 0, Counters()
-    while at <= clean[-1].observed_at + FOLD:
-        while index < len(rows) and rows[index]["observed_at"] < at:
-            usage = Counters(rows[index]["gpu_milli_hours"], rows[index]["node_milli_hours"])
-            index += 1
-        assert usage == reference.usage_through(run_id, at - _MICROSECOND), f"usage of {run_id} up to {at}"
-        at += FOLD
+    assert first_wrong_quarter(run_id, rows, reference) is None
 
 
 async def test_a_regression_below_a_kept_point_is_still_rejected(pg_dsn: str) -> None:

@@ -20,10 +20,11 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -365,14 +366,15 @@ async def _check(dsn: str, work: metering_workload.MeteringWorkload, rows: list[
         added = Counters(sum(r["gpu_milli_hours_delta"] for r in mine), sum(r["node_milli_hours_delta"] for r in mine))
         if added != expected:
             problems.append(f"run {run_id}: its rows' deltas add up to {added}, its cumulative is {expected}")
-        if (wrong := _first_wrong_quarter(run_id, mine, work.clean)) is not None:
+        if (wrong := first_wrong_quarter(run_id, mine, work.clean)) is not None:
             problems.append(f"run {run_id}: usage up to {wrong[0].isoformat()} is {wrong[1]}, the clean stream's {wrong[2]}")
     return problems
 
 
-def _first_wrong_quarter(run_id: str, rows: list[asyncpg.Record], clean: MemoryUsage) -> tuple[datetime, Counters, Counters] | None:
+def first_wrong_quarter(run_id: str, rows: Sequence[Mapping[str, Any]], clean: MemoryUsage) -> tuple[datetime, Counters, Counters] | None:
     """The first quarter hour from the run's first sample to past its last up to which its
-    recorded usage (its latest row before it) differs from the clean stream's, if one does. A
+    recorded usage (its latest row before it; `rows`: its usage rows by observed_at) differs
+    from the clean stream's, if one does: (the quarter hour, the rows' usage, the clean's). A
     point on a quarter hour starts the next: the reconciler charges an increment to the window,
     bucket and rate of its end."""
     samples = clean.recorded(run_id)
