@@ -28,7 +28,7 @@ class MeteringSettings(AuthSettings):
     # a rebalance, which costs seconds on Tansu, more than the overlap gains on a short load.
     consumer_concurrency: int = Field(default=1, ge=1)
     # Metering as a max-register: of a run's samples in one poll, those of one quarter hour (UTC)
-    # are recorded as one point, the latest, with one usage record (their delta): usage as of every
+    # are recorded as one point, the latest, with one usage record (their delta): usage up to every
     # window boundary, hour bucket and rate change is unchanged. false: a row and a record per
     # sample (HTTP ingest, a sample per transaction, records each sample either way).
     metering_fold: bool = True

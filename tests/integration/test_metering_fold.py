@@ -10,17 +10,15 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, timedelta
 
 import asyncpg
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budgetgate.benchmark.metering_runner import first_wrong_quarter
 from budgetgate.contracts.topics import Topics
-from budgetgate.core.documents import RateDoc
-from budgetgate.core.metering import EARLIEST, FOLD, Accepted, Counters, Duplicate, MemoryUsage, Rejected, Rejection, Sample, milli, normalize
+from budgetgate.core.metering import FOLD, Accepted, Counters, Duplicate, MemoryUsage, Rejected, Rejection, Sample, fold_start, milli, normalize
 from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
 from tests.support.metering import T0, IngestProcess, decide, fetchval, metering_factory, sample, usage_records, usage_rows  # noqa: F401 - a fixture
@@ -28,7 +26,7 @@ from tests.support.waiting import wait_for
 
 GRACE = timedelta(days=30)
 ORIGIN = Origin(source="kafka", topic="t", payload=b"", headers=())
-START = T0 - (T0 - EARLIEST) % FOLD  # a quarter hour
+START = fold_start(T0)  # a quarter hour
 
 
 class _NoCounts:
@@ -124,14 +122,6 @@ async def test_a_regression_below_a_kept_point_is_still_rejected(pg_dsn: str) ->
         assert await conn.fetchval("SELECT count(*) FROM usage_records WHERE run_id = 'fold-r'") == 1
     finally:
         await conn.close()
-
-
-def test_a_rate_takes_effect_on_a_quarter_hour() -> None:
-    """Usage is known exactly at quarter hours only: a rate changing between two would price the
-    usage either side of it by how samples fell into polls, so a bundle cannot say so."""
-    RateDoc(flavor="a100", rate_per_gpu_hour=2, effective_from=datetime(2026, 7, 1, 9, 45, tzinfo=UTC))
-    with pytest.raises(ValueError, match=r"effective_from 2026-07-01T09:07:00\+00:00 is not on a quarter hour .* e\.g\. 2026-07-01T09:00:00Z"):
-        RateDoc(flavor="a100", rate_per_gpu_hour=2, effective_from=datetime(2026, 7, 1, 9, 7, tzinfo=UTC))
 
 
 async def test_a_shuffled_resent_stream_through_kafka_is_the_clean_usage_and_read_again_writes_nothing(metering_factory, settings, pg_dsn) -> None:  # noqa: F811

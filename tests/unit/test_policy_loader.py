@@ -402,6 +402,20 @@ def test_rate_effective_from_needs_a_time_zone(tmp_path: Path) -> None:
     assert "effective_from needs a time zone" in error.message
 
 
+def test_a_rate_takes_effect_on_a_quarter_hour(tmp_path: Path) -> None:
+    # Metering knows usage exactly at quarter hours (UTC) only: a rate changing between two would
+    # price the usage either side of it by how samples fell into polls. 09:37 in India is 04:07 UTC.
+    write(tmp_path, "r.yaml", RATES + '    - {flavor: a100, rate_per_gpu_hour: 2, effective_from: "2026-07-01T09:37:00+05:30"}\n')
+    error = only_error(tmp_path)
+    assert error.message.startswith("spec.rates.1.effective_from:")
+    assert "effective_from 2026-07-01T09:37:00+05:30 is not on a quarter hour (UTC)" in error.message
+    assert "e.g. 2026-07-01T04:00:00Z" in error.message
+    # 09:45 there is 04:15 UTC: a quarter hour.
+    write(tmp_path, "r.yaml", RATES + '    - {flavor: a100, rate_per_gpu_hour: 2, effective_from: "2026-07-01T09:45:00+05:30"}\n')
+    bundle, _ = load_directory(tmp_path, git_sha="s")
+    assert bundle.rate_cards[0].rates[1].effective_from == datetime(2026, 7, 1, 4, 15, tzinfo=UTC)
+
+
 def test_every_error_of_a_file_is_reported(tmp_path: Path) -> None:
     text = "\n---\n".join(
         [

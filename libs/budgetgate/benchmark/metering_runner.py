@@ -37,7 +37,7 @@ from budgetgate.benchmark.consumer_group import taken_by, until_members
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, Started
 from budgetgate.benchmark import databases, metering_workload, pauses, sql_blocks
 from budgetgate.benchmark.service_processes import StartError, Subprocess, free_port, python_module, tansu_command
-from budgetgate.core.metering import EARLIEST, FOLD, Counters, MemoryUsage, usage_event_id
+from budgetgate.core.metering import FOLD, Counters, MemoryUsage, fold_start, usage_event_id
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.runtime.settings import CommonSettings
 from budgetgate.contracts.topics import Topics
@@ -380,7 +380,7 @@ def first_wrong_quarter(run_id: str, rows: Sequence[Mapping[str, Any]], clean: M
     samples = clean.recorded(run_id)
     if not samples:
         return None
-    at = samples[0].observed_at - (samples[0].observed_at - EARLIEST) % FOLD
+    at = fold_start(samples[0].observed_at)
     index, usage = 0, Counters()
     while at <= samples[-1].observed_at + FOLD:
         while index < len(rows) and rows[index]["observed_at"] < at:

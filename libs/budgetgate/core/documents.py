@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -13,7 +13,7 @@ import typing
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
-from budgetgate.core.metering import on_fold_boundary
+from budgetgate.core.metering import fold_start, on_fold_boundary
 from budgetgate.core.policy_files import NotDecimal
 from budgetgate.core.units import Unit, limit_amount, smallest
 from budgetgate.core.windows import CALENDARS, zone
@@ -208,10 +208,9 @@ class RateDoc(_Strict):
         if value is not None and not on_fold_boundary(value):
             # Metering keeps a run's usage exactly at quarter hours (budgetgate.core.metering.FOLD):
             # a rate taking effect between two would price usage on either side by the timing of polls.
-            start = value.astimezone(UTC).replace(minute=value.astimezone(UTC).minute // 15 * 15, second=0, microsecond=0)
             raise ValueError(
                 f"effective_from {value.isoformat()} is not on a quarter hour (UTC): usage is metered exactly at quarter hours, "
-                f"so a rate takes effect at one, e.g. {start.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+                f"so a rate takes effect at one, e.g. {fold_start(value).strftime('%Y-%m-%dT%H:%M:%SZ')}"
             )
         return value
 

@@ -549,10 +549,16 @@ def _describe_sample(sample: Sample) -> str:
     return _describe(Known(sample.sample_id, sample.observed_at, sample.counters))
 
 
+def fold_start(at: datetime) -> datetime:
+    """The start of the quarter hour (UTC, `FOLD`) holding `at`, in UTC: the span whose samples
+    of a run in one poll are one point (metering_place_batch's date_bin, from the same origin)."""
+    return (at - (at - EARLIEST) % FOLD).astimezone(UTC)
+
+
 def on_fold_boundary(at: datetime) -> bool:
     """Whether `at` starts a quarter hour (UTC), where usage is known exactly however many of a
     run's samples a poll made one point (`FOLD`)."""
-    return (at - EARLIEST) % FOLD == timedelta(0)
+    return fold_start(at) == at
 
 
 def usage_event_id(run_id: str, sample_id: str) -> str:

@@ -802,9 +802,11 @@ BEGIN
         -- 0046: a run's accepted samples of one quarter hour (p_fold) in this batch are one point,
         -- the latest of them: one usage row and one usage record, whose delta is the sum of the
         -- quarter hour's deltas and whose cumulative is the run's high-water mark after them.
-        -- Usage as of any quarter hour (every window boundary, hour bucket and rate change is
-        -- one) is the latest point at or before it, which is kept. p_fold NULL: every sample is
-        -- its own point (accepted samples of a run never share an observed_at).
+        -- Usage up to any quarter hour (every window boundary, hour bucket and rate change is
+        -- one) is the latest point before it, which is kept (a point on the quarter hour starts
+        -- the next: the reconciler charges an increment to the window, bucket and rate of its
+        -- end). p_fold NULL: every sample is its own point (accepted samples of a run never
+        -- share an observed_at).
         SELECT a.*, row_number() OVER (PARTITION BY a.rid, a.slot ORDER BY a.at DESC) = 1 AS kept,
                max(a.i) OVER g AS rec_i, max(a.cum_gpu) OVER g AS rec_gpu, max(a.cum_node) OVER g AS rec_node,
                (sum(a.cum_gpu - a.was_gpu) OVER g)::bigint AS rec_gpu_delta, (sum(a.cum_node - a.was_node) OVER g)::bigint AS rec_node_delta
