@@ -4,6 +4,7 @@ server expects; dry runs reserve nothing; failing closed or open when budgetgate
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
@@ -248,6 +249,20 @@ async def test_served_over_tls_as_the_deployment_runs_it(settings, pg_dsn, tmp_p
             await wait_for(ready, what="admission serving HTTPS")
             answer = (await client.post(URL, json=admission_review(job(gpus=8, deadline=3600, annotations=H100)))).json()["response"]
             assert answer["allowed"] is True
+        # An idle connection outlives uvicorn's own 5 s keep-alive (the API server's webhook client
+        # keeps them 90 s): a request on it after 6 s idle is answered on the same connection.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ssl.create_default_context(cafile=str(cert)))
+        try:
+            for pause in (0, 6):
+                await asyncio.sleep(pause)
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+        finally:
+            writer.close()
         with pytest.raises(httpx.TransportError):  # plain HTTP is not served
             async with httpx.AsyncClient(timeout=5) as plain:
                 await plain.get(f"http://127.0.0.1:{port}/healthz")

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import httpx
 import uvicorn
 
+from budgetgate.runtime.settings import ServingSettings
+
 from tests.support.waiting import wait_for
 
 
@@ -68,7 +70,11 @@ class InProcessServer:
         self.dsn = dsn
         self.token: str | None = None
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", proxy_headers=False))
+        # Idle connections kept as the services keep them (ServingSettings): longer than the
+        # client's 5 s, or a request sent as the server closes an idle connection fails unanswered.
+        keep_alive = ServingSettings.model_fields["http_keep_alive_seconds"].default
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", proxy_headers=False, timeout_keep_alive=keep_alive)
+        self.server = uvicorn.Server(config)
         self.task: asyncio.Task[None] | None = None
         self.client = httpx.AsyncClient(base_url=self.url, timeout=30, verify=_tls())
 

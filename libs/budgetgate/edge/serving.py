@@ -75,7 +75,8 @@ def serve(*, prog: str, settings_cls: type[Any], create_app: Callable[[Any], Fas
     garbage.settle(settings.gc_thresholds)
     # proxy_headers off: uvicorn would believe X-Forwarded-For from loopback by default; the
     # services read it themselves, from BUDGETGATE_TRUSTED_PROXIES only (budgetgate.edge.proxies).
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", proxy_headers=False, **tls)
+    keep_alive = settings.http_keep_alive_seconds
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", proxy_headers=False, timeout_keep_alive=keep_alive, **tls)
 
 
 def add_operational_routes(

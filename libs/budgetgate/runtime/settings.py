@@ -217,6 +217,12 @@ class ServingSettings(CommonSettings):
 
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
+    # Seconds an idle HTTP keep-alive connection is kept open. Longer than every client's and
+    # proxy's idle timeout in front of the service (the Kubernetes API server's webhook client
+    # keeps idle connections 90 s, most load balancers 60 s): a server that closes an idle
+    # connection first races the client's next request on it, which then fails unanswered
+    # (a POST is not retried). uvicorn's own default is 5 s.
+    http_keep_alive_seconds: int = Field(default=120, gt=0)
     # The cyclic garbage collector's thresholds (gc.set_threshold; budgetgate.runtime.garbage says why
     # not CPython's 700, 10, 10), as a JSON list: BUDGETGATE_GC_THRESHOLDS='[700, 10, 10]'.
     # A first threshold of 0 turns automatic collection off.
