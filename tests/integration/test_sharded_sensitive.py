@@ -15,7 +15,7 @@ import asyncpg
 
 from budgetgate.ledger.escrow_leases import CounterBook
 from budgetgate.ledger.holds import SENSITIVE, sensitive_lease
-from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml, submission, wait_for_bundle
 from tests.support.cli import budgetgate_on
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, wait_caught_up  # noqa: F401 - pytest fixtures
 from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, policies
@@ -159,6 +159,88 @@ async def test_a_smaller_pool_takes_back_what_leases_hold_unused_and_a_sensitive
     no_tenant = submission(run_id="anon/s-0", namespace="ml", labels={"sensitive": "true"}, resources={"gpus": 1, "nodes": 1}, job=None)
     answer = await server.client.post("/v1/admissions", json=no_tenant)
     assert answer.status_code == 422 and "must name its tenant" in answer.text, answer.text
+
+
+async def held_nodes_and_gpus(pg_dsn: str) -> tuple[int, int]:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        held = "SELECT COALESCE(sum(nodes), 0)::int AS nodes, COALESCE(sum(gpus), 0)::int AS gpus FROM run_holds WHERE state = 'held' AND sensitive"
+        row = await conn.fetchrow(held)
+        return row["nodes"], row["gpus"]
+    finally:
+        await conn.close()
+
+
+async def unit_sizes(pg_dsn: str) -> dict[str, tuple[int, str | None]]:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        return {r["root"]: (r["size"], r["unit"]) for r in await conn.fetch("SELECT root, size, unit FROM counter_leases WHERE counter = 'sensitive'")}
+    finally:
+        await conn.close()
+
+
+async def test_a_pool_counted_in_another_unit_voids_every_lease_of_the_former_unit(admission_factory, pg_dsn) -> None:
+    """The bundle counts the sensitive pool in nodes where it counted GPUs: no lease's size is
+    read in the new unit (two leases of 16 and 8 GPUs would admit 24 nodes of a pool of 3). The
+    first grant in the new unit voids every lease of the former one, on every shard, so exactly
+    what the pool has room for is admitted; and counting GPUs again revives none of them."""
+    server = await started(admission_factory, pg_dsn)
+    escrow, book = server.rt.admitter.escrow, CounterBook(SENSITIVE, "gpus", POOL)
+    first, second = TENANTS[0], next(t for t in TENANTS if server.rt.ledgers.of_root(t).shard != server.rt.ledgers.of_root(TENANTS[0]).shard)
+    assert await escrow.grant(book, first, 16, reason="refill") == 16
+    assert await escrow.grant(book, second, 8, reason="refill") == 8
+
+    def run(tenant: str, n: int) -> dict[str, object]:
+        return {**sensitive_run(tenant, n), "resources": {"gpus": 2, "nodes": 1}}
+
+    assert (await server.client.post("/v1/admissions", json=run(first, 0))).json()["decision"] == "ALLOW"
+
+    def quota(size: int, unit: str) -> dict[str, str]:
+        spec = f"{{sensitive_pool_size: {size}, sensitive_unit: {unit}}}"
+        return {**policies(), "sensitive.yaml": f"apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {{id: sensitive}}\nspec: {spec}\n"}
+
+    await apply_policies(pg_dsn, quota(3, "nodes"), sha="7" * 40)
+    await wait_for_bundle(server, "7" * 40)
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=run(t, n)) for n in range(1, 5) for t in (first, second)))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    assert sum(a.json()["decision"] == "ALLOW" for a in answers) == 2, [a.json().get("reason") for a in answers]  # 3 nodes, 1 held before
+    assert await held_nodes_and_gpus(pg_dsn) == (3, 6)
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+    sizes = await unit_sizes(pg_dsn)
+    assert sum(size for size, unit in sizes.values() if unit == "nodes") <= 3 and all(unit == "nodes" or size == 0 for size, unit in sizes.values()), sizes
+    assert all([await sync.rebuild(force=True) for sync in server.rt.ledgers.syncs])  # each lease's unit rebuilt with its size
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+    await apply_policies(pg_dsn, quota(6, "gpus"), sha="6" * 40)
+    await wait_for_bundle(server, "6" * 40)  # GPUs again: 6, which the three runs hold
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=run(t, n)) for n in range(5, 7) for t in TENANTS))
+    assert [a.json()["decision"] for a in answers] == ["DENY"] * len(answers), [a.json().get("reason") for a in answers]
+    assert await held_nodes_and_gpus(pg_dsn) == (3, 6)
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+
+async def test_a_shard_that_lost_the_emptying_of_a_lease_of_the_former_unit_is_rebuilt_before_it_decides(admission_factory, pg_dsn) -> None:
+    """A grant in nodes emptied the GPU leases on every shard; a replica promoted before it had
+    that is still holding a tenant's 8-GPU lease, behind the sequence Postgres recorded with the
+    emptying. Deciding on it would count that tenant's runs on a lease Postgres no longer has; the
+    shard is rebuilt first, and exactly three 8-GPU runs are admitted."""
+    server = await started(admission_factory, pg_dsn)
+    escrow = server.rt.admitter.escrow
+    first, second = TENANTS[0], next(t for t in TENANTS if server.rt.ledgers.of_root(t).shard != server.rt.ledgers.of_root(TENANTS[0]).shard)
+    assert await escrow.grant(CounterBook(SENSITIVE, "gpus", POOL), second, 8, reason="refill") == 8
+    lost = server.rt.ledgers.of_root(second)
+    seq, generation = int(await lost.client.get(lost.sequence)), await lost.generation()
+    assert await escrow.grant(CounterBook(SENSITIVE, "nodes", 3), first, 1, reason="refill") == 1  # empties the GPU lease
+    assert (await unit_sizes(pg_dsn))[second] == (0, "nodes")
+    await lost.client.hset(lost.keys.counter(sensitive_lease(second)), mapping={"size": 8, "unit": "gpus"})  # the emptying lost...
+    await lost.client.set(lost.sequence, seq)  # ...with the sequence it advanced
+
+    tenants = [second, *(t for t in TENANTS if t != second)][:4]
+    answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=sensitive_run(t, 0)) for t in tenants))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    assert sum(a.json()["decision"] == "ALLOW" for a in answers) == POOL // 8, [a.json().get("reason") for a in answers]
+    assert await lost.generation() not in (None, generation)  # rebuilt
+    await assert_leases_agree(server, pg_dsn)
 
 
 async def test_a_shard_that_lost_a_return_of_its_tenants_lease_is_rebuilt_before_it_decides(admission_factory, pg_dsn) -> None:

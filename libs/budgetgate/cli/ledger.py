@@ -80,7 +80,7 @@ def _differences(drift: Drift) -> None:
     for run_id, (in_redis, in_postgres) in drift.runs.items():
         click.echo(f"run {run_id}: Redis holds {in_redis}, Postgres {in_postgres}")
     for name, (in_redis, in_postgres) in drift.counters.items():
-        click.echo(f"quota counter {name}: Redis (gpus, nodes, allocations, lease size) {in_redis}, Postgres {in_postgres}")
+        click.echo(f"quota counter {name}: Redis (gpus, nodes, allocations, lease size, its unit) {in_redis}, Postgres {in_postgres}")
     for namespace, (in_redis, in_postgres) in drift.pools.items():
         click.echo(f"pool {namespace}: Redis holds tokens {sorted(in_redis)}, Postgres {sorted(in_postgres)}" + _leases(in_redis, in_postgres))
     for lease, (in_redis, in_postgres) in drift.sizes.items():

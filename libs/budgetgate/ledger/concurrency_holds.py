@@ -23,7 +23,7 @@ class ConcurrencyState:
     counters: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
     holds: dict[str, dict[str, str]] = field(default_factory=lambda: defaultdict(dict))  # run → {key: value}
     pools: list[dict[str, Any]] = field(default_factory=list)
-    sizes: dict[str, int] = field(default_factory=dict)  # a lease counter's size (the sensitive pool's, carved)
+    sizes: dict[str, tuple[int, str]] = field(default_factory=dict)  # a lease counter's size and its unit ('' for none) (the sensitive pool's, carved)
 
 
 def counter_names(hold: Mapping[str, Any], *, leased: bool = False) -> list[str]:
@@ -44,7 +44,7 @@ async def concurrency_state(conn: asyncpg.Connection, ledger: RedisLedger, *, no
     shared, leased = ledger.owns_root(""), ledger.shards.count > 1
     for row in await conn.fetch(sql("counter_lease_sizes")) if leased else ():
         if ledger.owns_root(row["root"]):
-            state.sizes[sensitive_lease(row["root"])] = row["size"]
+            state.sizes[sensitive_lease(row["root"])] = (row["size"], row["unit"] or "")
             state.counters[sensitive_lease(row["root"])]  # (a lease no run holds on yet is written too)
     for row in await conn.fetch(sql("held_concurrency")):
         if not ledger.owns_root(row["tenant"] or ""):
@@ -68,7 +68,8 @@ async def concurrency_state(conn: asyncpg.Connection, ledger: RedisLedger, *, no
 def write_concurrency(pipe: Any, keys: HoldKeys, state: ConcurrencyState) -> None:
     """Queue the Redis writes that recreate `state` (into a pipeline of a rebuild)."""
     for name, (gpus, nodes, allocations) in state.counters.items():
-        sized = {"size": state.sizes[name]} if name in state.sizes else {}
+        size, unit = state.sizes.get(name, (None, ""))
+        sized = {} if size is None else {"size": size, "unit": unit} if unit else {"size": size}
         pipe.hset(keys.counter(name), mapping={"gpus": gpus, "nodes": nodes, "allocations": allocations, **sized})
     for run_id, held in state.holds.items():
         pipe.hset(keys.holds(run_id), mapping=held)

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 500
 Figures = tuple[int, int]
-Counter = tuple[int, int, int, int]  # gpus, nodes, allocations held; size (a lease of the sensitive pool's, else 0)
+Counter = tuple[int, int, int, int, str]  # gpus, nodes, allocations held; size and its unit (a lease of the sensitive pool's, else 0, '')
+NO_COUNTER: Counter = (0, 0, 0, 0, "")
 Tokens = dict[str, tuple[int, str]]  # live token → (lease expiry ms, "project<TAB>sub-namespace")
 Rebuild = Callable[[asyncpg.Connection], Awaitable[None]]
 T = TypeVar("T")
@@ -207,7 +208,7 @@ async def _concurrency_drift(conn: asyncpg.Connection, redis: RedisLedger) -> Co
     now_ms = int(now.timestamp() * 1000)
     state = await concurrency_state(conn, redis, now=now)
     pg_counters: dict[str, Counter] = {
-        name: (gpus, nodes, allocations, state.sizes.get(name, 0)) for name, (gpus, nodes, allocations) in state.counters.items()
+        name: (gpus, nodes, allocations, *state.sizes.get(name, (0, ""))) for name, (gpus, nodes, allocations) in state.counters.items()
     }
     pg_pools: dict[str, Tokens] = {}
     for allocation in state.pools:
@@ -217,7 +218,7 @@ async def _concurrency_drift(conn: asyncpg.Connection, redis: RedisLedger) -> Co
     in_redis_counters, in_redis_pools = await _redis_concurrency(redis, counters=set(pg_counters), pools=set(pg_pools), now_ms=now_ms)
     # A counter at zero, or a pool without live tokens, is what Postgres having none of it means.
     counters = {
-        name: (in_redis_counters.get(name, (0, 0, 0, 0)), pg_counters.get(name, (0, 0, 0, 0))) for name in sorted(set(pg_counters) | set(in_redis_counters))
+        name: (in_redis_counters.get(name, NO_COUNTER), pg_counters.get(name, NO_COUNTER)) for name in sorted(set(pg_counters) | set(in_redis_counters))
     }
     pools = {namespace: (in_redis_pools.get(namespace, {}), pg_pools.get(namespace, {})) for namespace in sorted(set(pg_pools) | set(in_redis_pools))}
     return (
@@ -245,13 +246,15 @@ async def _redis_concurrency(redis: RedisLedger, *, counters: set[str], pools: s
     names, namespaces = sorted(counters), sorted(pools)
     pipe = redis.client.pipeline(transaction=False)
     for name in names:
-        pipe.hmget(keys.counter(name), "gpus", "nodes", "allocations", "size")
+        pipe.hmget(keys.counter(name), "gpus", "nodes", "allocations", "size", "unit")
     for namespace in namespaces:
         leases, owners, _projects, _subns = keys.pool(namespace)
         pipe.zrangebyscore(leases, now_ms + 1, "+inf", withscores=True)
         pipe.hgetall(owners)
     replies = await pipe.execute()
-    found_counters = {name: (int(g or 0), int(n or 0), int(a or 0), int(s or 0)) for name, (g, n, a, s) in zip(names, replies[: len(names)], strict=True)}
+    found_counters = {
+        name: (int(g or 0), int(n or 0), int(a or 0), int(s or 0), _text(u or b"")) for name, (g, n, a, s, u) in zip(names, replies[: len(names)], strict=True)
+    }
     rest = replies[len(names) :]
     found_pools = {
         namespace: {_text(t): (int(expiry), _text(owners.get(t, b"\t"))) for t, expiry in live}

@@ -34,7 +34,10 @@ the ledger is sharded by root (docs/scale-out.md), every root's shard is the one
 What is carved: a budget (`BudgetBook`, its limit its ledger entry's, a lease's use its
 reservations and consumption), or a counter tenants share (`CounterBook`: the sensitive-workload
 pool, its limit the bundle's size, a lease's use what its tenant's sensitive runs hold at once,
-in run_holds and on the lease's counter in Redis; migration 0045). The moves are the same.
+in run_holds and on the lease's counter in Redis; migration 0045). The moves are the same; a
+counter's lease is sized in the pool's unit when it is granted (migration 0047), and the first
+grant after the pool is counted in another unit empties every lease sized in the former one
+(`void_other_units`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Literal
 
 import asyncpg
 
@@ -146,7 +150,13 @@ class CounterBook:
         return self.limit, await self.leases(conn)
 
     async def record(self, conn: asyncpg.Connection, root: str, kind: str, size_after: int, amount: int, seq: int | None, reason: str) -> None:
-        await conn.execute(sql("counter_escrow_move"), self.counter, root, kind, size_after, amount, seq, reason)
+        """(The lease is sized in the pool's unit from now on: a move is made in it.)"""
+        await conn.execute(sql("counter_escrow_move"), self.counter, root, kind, size_after, amount, seq, reason, self.counted_in)
+
+    async def sized_otherwise(self, conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, int]:
+        """The leases sized in another unit than the pool's (or in none recorded, from before
+        units were), by tenant: their size, in that unit."""
+        return {row["root"]: row["size"] for row in await conn.fetch(sql("counter_leases_otherwise"), self.counter, self.counted_in)}
 
     async def load(self, conn: asyncpg.Connection, ledger: RedisLedger, lease: str) -> None:
         raise AssertionError("a counter's lease is never missing: lease.lua reads an absent counter as empty")
@@ -183,6 +193,8 @@ class Escrow:
         (0: nothing was free, and nothing was written)."""
         book = _book(what)
         lease_key = await book.open(self.pool, root)
+        if isinstance(book, CounterBook):
+            await self.void_other_units(book)
         ledger = self.shard_of(root)
         async with ledger_transaction(self.pool, ledger) as work:
             limit = await book.lock(work.conn)
@@ -191,7 +203,7 @@ class Escrow:
             if given <= 0:
                 return 0
             size = leases[root].size
-            moved, _ = await self._move(work, book, ledger, lease_key, size=size, grow=True, amount=given)
+            moved, _ = await self._move(work, book, ledger, lease_key, size=size, how="grow", amount=given)
             await book.record(work.conn, root, "grant", size + moved, moved, None, reason)
         log.info("escrow: granted %d to %s's lease of %s (%s)", moved, root, book.moves_key, reason)
         return moved
@@ -208,7 +220,7 @@ class Escrow:
             size = lease.size
             if escrow.returnable(lease, want) <= 0:
                 return 0  # what Postgres knows it holds already takes it all; Redis holds no less
-            moved, seq = await self._move(work, book, ledger, lease_key, size=size, grow=False, amount=want)
+            moved, seq = await self._move(work, book, ledger, lease_key, size=size, how="shrink", amount=want)
             if moved <= 0:
                 return 0
             await record_ledger_mark(work.conn, ledger, seq)
@@ -257,7 +269,7 @@ class Escrow:
                         break
                     giver, size = self.shard_of(other), leases[other].size
                     try:
-                        moved, seq = await self._move(work, book, giver, book.lease(other), size=size, grow=False, amount=take)
+                        moved, seq = await self._move(work, book, giver, book.lease(other), size=size, how="shrink", amount=take)
                     except LedgerNotLoaded as exc:  # that shard is being rebuilt (or was just invalidated): the others may give
                         log.info("escrow: no reclaim from %s's lease of %s for now: %s", other, book.moves_key, exc)
                         continue
@@ -269,7 +281,7 @@ class Escrow:
                 if got <= 0:
                     return 0
                 size = leases[root].size
-                grown, _ = await self._move(work, book, ledger, lease_key, size=size, grow=True, amount=got)
+                grown, _ = await self._move(work, book, ledger, lease_key, size=size, how="grow", amount=got)
                 await book.record(work.conn, root, "grant", size + grown, grown, None, "refill")
         except BaseException:
             for giver in shrunk:  # (the receiver's shard is invalidated by ledger_transaction)
@@ -278,6 +290,40 @@ class Escrow:
             raise
         log.info("escrow: moved %d into %s's lease of %s, from what was free and other leases' idle room", grown, root, book.moves_key)
         return grown
+
+    async def void_other_units(self, book: CounterBook) -> int:
+        """Empty every lease of `book`'s pool sized in another unit than the pool is counted in
+        now (the bundle changed its sensitive_unit), before any lease is granted in this one: in
+        one ledger transaction holding every shard's lock (in shard order, then the pool's row, as
+        every move), each on its shard (lease.lua's void, which advances that shard's sequence,
+        recorded with the move as a return's) and in Postgres, sized in the pool's unit from then
+        on. So no size is read in a unit it was not granted in, nor comes back should the unit
+        change back while runs admitted in the other unit hold what it would have covered. A
+        shard that cannot answer fails it (and the grant that asked): none is left behind. How
+        many leases it emptied."""
+        if not await book.sized_otherwise(self.pool):
+            return 0
+        ledger = self.shard_of("")
+        emptied: list[RedisLedger] = []
+        try:
+            async with ledger_transaction(self.pool, ledger) as work:
+                await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
+                await book.lock(work.conn)
+                stale = await book.sized_otherwise(work.conn)
+                for root, size in stale.items():
+                    holder = self.shard_of(root)
+                    moved, seq = await self._move(work, book, holder, book.lease(root), size=size, how="void", amount=size)
+                    if seq:
+                        emptied.append(holder)
+                        await record_ledger_mark(work.conn, holder, seq)
+                    await book.record(work.conn, root, "return", 0, moved, seq or None, f"unit:{book.counted_in}")
+        except BaseException:
+            for holder in emptied:  # (the first shard's is invalidated by ledger_transaction)
+                if holder is not ledger:
+                    await holder.invalidate("emptying the leases of a pool's former unit failed after emptying one")
+            raise
+        log.info("escrow: the pool of %s is counted in %s: emptied the %d lease(s) sized otherwise", book.counter, book.counted_in, len(stale))
+        return len(stale)
 
     async def refill_forecast(self, what: str | Book, root: str, *, amount: int, reading: tuple[int, int], chunk: int, limit: int) -> int:
         """What `refill` would grow `root`'s lease by now, from the same figures, writing nothing
@@ -311,6 +357,7 @@ class Escrow:
             roots = [row["root"] for row in await self.pool.fetch(sql("escrow_idle_leases"), budget["ledger_key"], now - idle)]
             idle_leases.append((book, escrow.chunk_of(budget["limit_amount"], chunk_share), roots))
         for counter in counters:
+            await self.void_other_units(counter)
             leases = await counter.leases(self.pool)
             over = -escrow.free(counter.limit, leases.values())
             for root, unused in escrow.reclaim_candidates(leases, "", most=len(leases)) if over > 0 else ():
@@ -333,15 +380,17 @@ class Escrow:
                     moved[book.moves_key, root] = moved.get((book.moves_key, root), 0) + given
         return moved
 
-    async def _move(self, work: LedgerTransaction, book: Book, ledger: RedisLedger, lease_key: str, *, size: int, grow: bool, amount: int) -> tuple[int, int]:
+    async def _move(
+        self, work: LedgerTransaction, book: Book, ledger: RedisLedger, lease_key: str, *, size: int, how: Literal["grow", "shrink", "void"], amount: int
+    ) -> tuple[int, int]:
         """The Redis step of a move, the lease's key loaded from Postgres first if Redis never had it."""
         committed = await committed_seq(work.conn, ledger)
         work.redis_changed = True
         try:
-            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed, counted_in=book.counted_in)
+            return await ledger.move_lease(lease_key, size=size, how=how, amount=amount, committed_seq=committed, counted_in=book.counted_in)
         except LedgerKeyMissing:
             await book.load(work.conn, ledger, lease_key)
-            return await ledger.move_lease(lease_key, size=size, grow=grow, amount=amount, committed_seq=committed, counted_in=book.counted_in)
+            return await ledger.move_lease(lease_key, size=size, how=how, amount=amount, committed_seq=committed, counted_in=book.counted_in)
 
 
 async def escrow_report(conn: asyncpg.Connection, *, sensitive: CounterBook | None, since: datetime) -> list[dict[str, object]]:

@@ -16,7 +16,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from importlib import resources
 
 import redis.asyncio as aioredis
@@ -370,15 +370,20 @@ class RedisLedger:
             raise LedgerNotLoaded("the Redis ledger is not loaded")
         return bool(reply)
 
-    async def move_lease(self, lease_key: str, *, size: int, grow: bool, amount: int, committed_seq: int, counted_in: str | None = None) -> tuple[int, int]:
+    async def move_lease(
+        self, lease_key: str, *, size: int, how: Literal["grow", "shrink", "void"], amount: int, committed_seq: int, counted_in: str | None = None
+    ) -> tuple[int, int]:
         """Grow or shrink an escrow lease whose size Postgres holds as `size` (lease.lua): what it
         moved (a shrink takes at most what its root does not hold) and the ledger sequence a
         shrink advanced Redis to (0 for a grow), for the caller's transaction to record. A lease
-        of a counter (the sensitive pool's) is named by its counter, its use `counted_in` gpus or
-        nodes. Raises LedgerNotLoaded (also when Redis is behind `committed_seq`, or its size is
-        not Postgres's: both call for a rebuild) or LedgerKeyMissing."""
+        of a counter (the sensitive pool's) is named by its counter, its use and its size counted
+        `counted_in` gpus or nodes; `void` empties one sized in any unit (`size` is then its size
+        whatever its unit). Raises LedgerNotLoaded (also when Redis is behind `committed_seq`, or
+        its size is not Postgres's: both call for a rebuild) or LedgerKeyMissing."""
+        if how == "void" and counted_in is None:
+            raise ValueError("only a lease of a counter is sized in a unit, and voided when its pool's unit changes")
         key = self.ledger(lease_key) if counted_in is None else self.keys.counter(lease_key)
-        args: list[object] = [committed_seq, size, "grow" if grow else "shrink", amount]
+        args: list[object] = [committed_seq, size, how, amount]
         reply = await self._scripts["lease"](keys=[self.marker, self.sequence, key], args=args if counted_in is None else [*args, counted_in])
         status = _text(reply[0])
         if status == "NOT_LOADED":

@@ -19,7 +19,8 @@
 --       decision id, n, m, pool levels; per ledger key: amount, limit, hard (1|0, or L for an
 --       escrow lease, whose limit is its size field, lease.lua); per counter:
 --       gpus, nodes, allocations to add, then their limits (-1 = none, -2 = the counter's size
---       field: an escrow lease of a counter tenants share); then token, project,
+--       field: an escrow lease of a counter tenants share, 0 unless its unit field names the
+--       limit's, gpus or nodes, lease.lua); then token, project,
 --       sub-namespace, lease expiry ms; per pool level: quota, project cap, sub-namespace cap
 --       (-1 = none).
 -- Returns NOT_LOADED (rebuild from Postgres first), or {'OK', reply...} with one reply per
@@ -82,24 +83,25 @@ local function reserve(kb, ab)
 
   local counters = ab + 3 + 3 * n
   for j = 1, m do
-    local held = redis.call('HMGET', KEYS[kb + 1 + n + j], 'gpus', 'nodes', 'allocations', 'size')
+    local held = redis.call('HMGET', KEYS[kb + 1 + n + j], 'gpus', 'nodes', 'allocations', 'size', 'unit')
     local a = counters + 6 * (j - 1)
-    local leased = false
+    local lease = nil
     for f = 1, 3 do
       local current = tonumber(held[f] or '0')
       local limit = tonumber(ARGV[a + 3 + f])
       if limit == -2 then
-        -- an escrow lease of a counter tenants share: its size is the limit (lease.lua)
-        limit = tonumber(held[4] or '0')
-        leased = true
+        -- an escrow lease of a counter tenants share: its size is the limit, in the unit it was
+        -- granted in (lease.lua); a size in another unit holds nothing of this one
+        lease = (held[5] == (f == 1 and 'gpus' or 'nodes')) and tonumber(held[4] or '0') or 0
+        limit = lease
       end
       if limit >= 0 and current + tonumber(ARGV[a + f]) > limit then
         fits = false
       end
       reply[#reply + 1] = current
     end
-    if leased then
-      reply[#reply + 1] = tonumber(held[4] or '0')
+    if lease then
+      reply[#reply + 1] = lease
     end
   end
 

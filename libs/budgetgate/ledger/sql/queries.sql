@@ -374,21 +374,26 @@ WITH held AS (
     FROM run_holds WHERE state = 'held' AND sensitive GROUP BY 1
 )
 SELECT COALESCE(l.root, h.root) AS root, COALESCE(l.size, 0)::bigint AS size, COALESCE(h.used, 0)::bigint AS reserved, 0::bigint AS consumed
-FROM (SELECT root, size FROM counter_leases WHERE counter = $1) l FULL JOIN held h ON h.root = l.root
+FROM (SELECT root, CASE WHEN unit = $2 THEN size ELSE 0 END AS size FROM counter_leases WHERE counter = $1) l FULL JOIN held h ON h.root = l.root
 ORDER BY 1;
 
+-- name: counter_leases_otherwise
+-- The leases of counter $1 sized in another unit than $2 (or in none recorded, migration 0047),
+-- and not empty: a size in another unit holds nothing of this one (escrow_leases.void_other_units).
+SELECT root, size FROM counter_leases WHERE counter = $1 AND unit IS DISTINCT FROM $2 AND size > 0 ORDER BY root;
+
 -- name: counter_escrow_move
--- A lease's new size $4 after a move ($3: grant or return) of $5, recorded with its ledger
--- sequence $6 (a return's) and reason $7, in escrow_moves under 'counter:' || $1.
+-- A lease's new size $4 in unit $8 after a move ($3: grant or return) of $5, recorded with its
+-- ledger sequence $6 (a return's) and reason $7, in escrow_moves under 'counter:' || $1.
 WITH moved AS (
-    UPDATE counter_leases SET size = $4 WHERE counter = $1 AND root = $2 RETURNING size
+    UPDATE counter_leases SET size = $4, unit = $8 WHERE counter = $1 AND root = $2 RETURNING size
 )
 INSERT INTO escrow_moves (ledger_key, root, kind, amount, size_after, ledger_seq, reason)
 SELECT 'counter:' || $1, $2, $3, $5, size, $6, $7 FROM moved;
 
 -- name: counter_lease_sizes
--- The size of every lease of a counter, for a rebuild of Redis and the drift check.
-SELECT counter, root, size FROM counter_leases;
+-- The size of every lease of a counter and its unit, for a rebuild of Redis and the drift check.
+SELECT counter, root, size, unit FROM counter_leases;
 
 -- name: counter_idle_roots
 -- The tenants whose lease of counter $1 has not moved since $2.

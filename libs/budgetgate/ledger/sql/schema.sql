@@ -1509,5 +1509,6 @@ CREATE TABLE counter_leases (
     counter text NOT NULL REFERENCES counter_pools (counter),
     root    text NOT NULL CHECK (root <> ''),
     size    bigint NOT NULL CHECK (size >= 0),
+    unit    text CHECK (unit IN ('gpus', 'nodes')),
     PRIMARY KEY (counter, root)
 );
