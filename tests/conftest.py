@@ -16,6 +16,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from budgetgate.runtime.redis_client import connect_sync
 from budgetgate.runtime.settings import CommonSettings
@@ -24,6 +26,11 @@ from tests.support.databases import DatabaseFactory
 from tests.support.killable import KillablePostgres, KillableServer
 
 TESTS = Path(__file__).parent
+
+# Property tests judge results, never time: no per-example deadline and no complaint that data
+# comes slowly, both of which a machine busy with the rest of the suite trips at random.
+hypothesis_settings.register_profile("budgetgate", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile("budgetgate")
 # Tests under these folders get the folder's marker, so `-m "not faults"` and the like just work.
 TIER_MARKERS = ("integration", "e2e", "faults", "property")
 NO_SERVER_TIERS = ("unit", "property")
