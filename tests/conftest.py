@@ -44,7 +44,7 @@ LEDGER_SUITES = frozenset({
     "faults/test_redis_rebuild.py", "faults/test_admission_faults.py", "faults/test_reconciler_crash_window.py",
     "faults/test_redis_cluster_faults.py", "integration/test_escrow_leases.py", "integration/test_shard_generations.py",
     "integration/test_sharded_ledger.py", "faults/test_reconciler_faults.py", "faults/test_scale_out.py",
-    "integration/test_sharded_escrow.py", "integration/test_sharded_sensitive.py",
+    "integration/test_sharded_escrow.py", "integration/test_sharded_sensitive.py", "integration/test_ledger_keys_missing.py",
 })  # fmt: skip
 SERVER_FIXTURES = frozenset({
     "postgres_admin_dsn", "redis_server_url", "kafka_server_bootstrap", "pg_dsn", "redis_url",

@@ -122,21 +122,29 @@ class Settler(OneShard):
 
     async def retrying(self, run_id: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """`attempt` (a ledger transaction changing run `run_id`), tried again after what makes it
-        start over: Redis rebuilt when it lost the ledger, a key loaded that it lacked, a parked
-        settlement of the run ended."""
+        start over: Redis rebuilt when it lost the ledger, the keys loaded that it lacked, a
+        parked settlement of the run ended.
+
+        Every key found missing is loaded again before each later try, not only the last try's:
+        keys of windows the run's usage lands in first are created in the try's own transaction,
+        so a rebuild (after a try that had changed Redis rolled back) drops the ones loaded
+        before; loading only the newest would go round them for ever."""
+        lacking: dict[str, None] = {}
         for _ in range(5):
             try:
                 return await attempt()
             except LedgerNotLoaded:
                 await self.ensure_loaded()
+                await self._load_keys(lacking)
             except LedgerKeyMissing as missing:
+                lacking.update(dict.fromkeys(missing.ledger_keys))
                 try:
-                    await self._load_key(missing.ledger_key)
+                    await self._load_keys(lacking)
                 except LedgerNotLoaded:
                     # The failed try had changed Redis (a run's holds given back), so its rollback
-                    # invalidated the ledger: rebuilt first, then the key loaded.
+                    # invalidated the ledger: rebuilt first, then the keys loaded.
                     await self.ensure_loaded()
-                    await self._load_key(missing.ledger_key)
+                    await self._load_keys(lacking)
             except SettlementPending:
                 continue  # its predecessor's parked half is ended under the run lock first
         raise RuntimeError(f"run {run_id!r}: the Redis ledger kept changing while settling")
@@ -428,6 +436,10 @@ class Settler(OneShard):
             # at size 0 beside its budget's entry; the use is taken from what is free.
             budget, root = leases[key]
             await conn.execute(ledger_sql("escrow_open"), budget, root, key, LedgerKey.parse(key).scope_id)
+
+    async def _load_keys(self, ledger_keys: Iterable[str]) -> None:
+        for key in ledger_keys:
+            await self._load_key(key)
 
     async def _load_key(self, ledger_key: str) -> None:
         """Load a key into Redis (its shard) from Postgres's committed figures (none: it starts empty)."""

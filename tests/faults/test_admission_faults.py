@@ -15,6 +15,7 @@ from budgetgate.ledger.queries import owned_by
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import private_database
+from tests.support.clock import this_month
 from tests.support.waiting import wait_for
 from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, restart_from_snapshot, submission
 
@@ -351,7 +352,7 @@ async def test_redis_restored_from_before_a_settlement_is_rebuilt_and_never_over
     assert (await server.client.post("/v1/admissions", json=over)).json()["decision"] == "ALLOW"
     assert await server.rt.redis.save()
 
-    start = datetime.now(UTC) - timedelta(hours=6)
+    start = this_month(timedelta(hours=6))
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
     try:
         await pool.execute(

@@ -12,6 +12,7 @@ import asyncpg
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.reconciler import H, counts, ledger_in_postgres, lifecycle, start_reconciler, usage, wait_caught_up
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.clock import this_month
 from tests.support.waiting import wait_for
 from budgetgate.ledger import transaction
 from budgetgate.runtime.redis_client import connect
@@ -26,7 +27,7 @@ async def test_killed_mid_stream_and_restarted_loses_nothing_applies_nothing_twi
     for i in range(RUNS):
         answer = await server.submit(run_id=f"k{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)
         assert answer.json()["decision"] == "ALLOW"
-    start = datetime.now(UTC) - timedelta(hours=5)
+    start = this_month(timedelta(hours=5))
     messages = []
     for i in range(RUNS):
         messages += [lifecycle(f"k{i}", "STARTED", start), usage(f"k{i}", "1", start + timedelta(hours=1), 4 + i % 5)]
@@ -109,7 +110,7 @@ async def invalidated_mid_stream(admission_factory, reconciler_factory, feed, pg
             "decision"
         ] == "ALLOW"
     reconciler = await reconciler_factory()
-    start = datetime.now(UTC) - timedelta(hours=5)
+    start = this_month(timedelta(hours=5))
     for i in range(10):
         await feed.send(
             lifecycle(f"r{i}", "STARTED", start),
@@ -147,7 +148,7 @@ async def test_a_read_only_redis_is_an_outage_never_a_refusal_of_the_runs(admiss
     reconciler = await reconciler_factory(redis_url=killable_redis.url, settle_tries=2)
     [key] = await ledger_in_postgres(pg_dsn)
     await reconciler.redis.execute_command("REPLICAOF", "127.0.0.1", "1")  # no such primary: it stays read-only
-    start = datetime.now(UTC) - timedelta(hours=5)
+    start = this_month(timedelta(hours=5))
     for i in range(3):
         end = start + timedelta(hours=1)
         await feed.send(lifecycle(f"ro{i}", "STARTED", start), usage(f"ro{i}", "1", end, 5), lifecycle(f"ro{i}", "COMPLETED", end))

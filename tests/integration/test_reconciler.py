@@ -16,6 +16,7 @@ from budgetgate.v1 import actions_pb2, reconciliations_pb2, usage_pb2
 from tests.support.admission import apply_policies, budget_yaml
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, outbox, run_charges, settled, usage, wait_caught_up
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.clock import this_month
 from tests.support.waiting import wait_for
 
 VISION_SCOPE = "ns=vision-prod;cost-center=1042;team=vision"
@@ -25,7 +26,7 @@ async def test_48_projected_16_metered_completed_leaves_16_consumed_0_reserved(a
     answer = (await admission.submit(run_id="exec-48")).json()
     assert answer["decision"] == "ALLOW" and answer["projected_gpu_hours"] == 48.0
     reconciler = await reconciler_factory()
-    start = datetime.now(UTC) - timedelta(minutes=30)
+    start = this_month(timedelta(minutes=30))
     await feed.send(
         lifecycle("exec-48", "STARTED", start, gpus=8),
         usage("exec-48", "s1", start + timedelta(minutes=10), 8),
@@ -55,6 +56,37 @@ async def test_48_projected_16_metered_completed_leaves_16_consumed_0_reserved(a
     assert rec.final_state == "COMPLETED" and {c.ledger_key for c in rec.charges} == set(ledger)
 
 
+async def test_usage_on_both_sides_of_a_month_boundary_settles_in_each_window(admission, reconciler_factory, feed, pg_dsn) -> None:
+    """A run that started before this month began, metered on both sides of its first instant:
+    its usage lands in the windows of two months, neither of whose ledger entries existed (the
+    keys of the month before are created by this settlement, in its transaction). The run ended,
+    so each try gives its holds back in Redis before it finds the keys Redis lacks; a try that
+    fails then is rolled back and Redis rebuilt, which drops the keys loaded for it. Loading only
+    the key the last try named went round the keys for ever (seen on every 1st, at midnight)."""
+    answer = (await admission.submit(run_id="exec-month")).json()
+    assert answer["decision"] == "ALLOW"
+    reconciler = await reconciler_factory()
+    month = datetime.now(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    start = month - timedelta(minutes=30)
+    await feed.send(
+        lifecycle("exec-month", "STARTED", start, gpus=8),
+        usage("exec-month", "s1", start + timedelta(minutes=10), 8),
+        usage("exec-month", "s2", start + timedelta(minutes=40), 16),
+        lifecycle("exec-month", "COMPLETED", start + timedelta(minutes=40)),
+    )
+
+    async def ended() -> bool:
+        return bool((row := await settled(pg_dsn, "exec-month")) and row["final"])
+
+    await wait_for(ended, what="the run settled")
+    ledger = await ledger_in_postgres(pg_dsn)
+    before, this = (f"{(month - timedelta(days=1)).replace(day=1):%Y-%m-%dT%H:%M:%SZ}/{month:%Y-%m-%dT%H:%M:%SZ}", f"{month:%Y-%m-%dT%H:%M:%SZ}/")
+    gpu = {k: v for k, v in ledger.items() if k.endswith("|gpu_hours")}
+    assert sorted(gpu.values()) == [(0, 8 * H)] * 4, ledger  # two budgets, 8 GPU-hours in each month
+    assert sum(before in k for k in gpu) == 2 and sum(this in k for k in gpu) == 2, sorted(gpu)
+    assert await ledger_in_redis(reconciler) == ledger
+
+
 def _stream(run_id: str, start: datetime) -> list[object]:
     """A run that starts, is evicted, re-admitted, and completes, metered along the way."""
     return [
@@ -73,7 +105,7 @@ async def test_duplicated_reordered_late_stream_gives_the_clean_ledger(admission
     for run_id in ("clean", "messy"):
         assert (await admission.submit(run_id=run_id, resources={"gpus": 4, "flavor": "h100"}, projected_runtime_hours=2.0)).json()["decision"] == "ALLOW"
     reconciler = await reconciler_factory()
-    start = datetime.now(UTC) - timedelta(hours=3)
+    start = this_month(timedelta(hours=3))
     await feed.send(*_stream("clean", start))
     messy = _stream("messy", start)
     shuffled = random.Random(7).sample(messy, len(messy))
@@ -111,7 +143,7 @@ async def test_metering_stops_reservation_stays_admission_decides_then_converges
     reconciler = await reconciler_factory(provisional_grace_seconds=6 * 3600)
     body = {"labels": {"team": "vision"}, "resources": {"gpus": 8}, "projected_runtime_hours": 10.0}
     assert (await server.submit(run_id="long", **body)).json()["decision"] == "ALLOW"
-    start = datetime.now(UTC) - timedelta(hours=4)
+    start = this_month(timedelta(hours=4))
     await feed.send(lifecycle("long", "STARTED", start), usage("long", "1", start + timedelta(hours=1), 8))
     [key] = (await ledger_in_postgres(pg_dsn)).keys()
 
@@ -152,7 +184,7 @@ async def test_provisional_actual_after_grace_then_corrected(admission_factory, 
     await server.wait_ready()
     await reconciler_factory(provisional_grace_seconds=1)
     assert (await server.submit(run_id="quiet", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=5.0)).json()["decision"] == "ALLOW"
-    start = datetime.now(UTC) - timedelta(hours=3)
+    start = this_month(timedelta(hours=3))
     await feed.send(lifecycle("quiet", "STARTED", start, gpus=2), lifecycle("quiet", "COMPLETED", start + timedelta(hours=2)))
     [key] = (await ledger_in_postgres(pg_dsn)).keys()
 
@@ -205,7 +237,7 @@ async def test_wall_budget_across_eviction_then_hold_and_drain_lifted_by_a_raise
     for run_id in ("w1", "w2"):
         assert (await server.submit(run_id=run_id, **body)).json()["decision"] == "ALLOW"
     await reconciler_factory()
-    now = datetime.now(UTC)
+    now = this_month(timedelta(hours=3.5)) + timedelta(hours=3.5)
     # w1 ran 1 h, was evicted, re-admitted 1 h later and has run 1.5 h since: 2.5 wall-hours.
     await feed.send(
         lifecycle("w1", "STARTED", now - timedelta(hours=3.5)), lifecycle("w1", "EVICTED", now - timedelta(hours=2.5)),
@@ -272,7 +304,7 @@ async def test_tenant_usage_route_and_cli(admission, reconciler_factory, feed, p
     assert (await admission.submit(run_id="t1")).json()["decision"] == "ALLOW"
     assert (await admission.submit(run_id="t2", projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
     await reconciler_factory()
-    start = datetime.now(UTC) - timedelta(hours=2)
+    start = this_month(timedelta(hours=2))
     await feed.send(
         lifecycle("t1", "STARTED", start), usage("t1", "s", start + timedelta(hours=1), 10), lifecycle("t1", "COMPLETED", start + timedelta(hours=1))
     )

@@ -109,11 +109,14 @@ class SettlementPending(RuntimeError):
 
 
 class LedgerKeyMissing(LookupError):
-    """A ledger key was never loaded into Redis: load it from Postgres, then call again."""
+    """A ledger key was never loaded into Redis: load it from Postgres, then call again.
+    `ledger_keys`: every key of the call Redis lacked (the first is `ledger_key`)."""
 
-    def __init__(self, ledger_key: str) -> None:
-        super().__init__(f"ledger key {ledger_key!r} is not loaded in Redis")
+    def __init__(self, ledger_key: str, *others: str) -> None:
+        more = f" (and {len(others)} other key(s))" if others else ""
+        super().__init__(f"ledger key {ledger_key!r} is not loaded in Redis{more}")
         self.ledger_key = ledger_key
+        self.ledger_keys = (ledger_key, *others)
 
 
 def _script(name: str, *, step: int) -> str:
@@ -475,7 +478,7 @@ class RedisLedger:
             if status == "NOT_LOADED":
                 raise LedgerNotLoaded("the Redis ledger is not loaded")
             if status == "MISSING":
-                raise LedgerKeyMissing(ledger_keys[int(_text(reply[1])) - 1])
+                raise LedgerKeyMissing(*(ledger_keys[int(_text(index)) - 1] for index in reply[1:]))
             if status == "OUT_OF_RANGE":
                 raise AmountOutOfRange(f"a figure of ledger key {ledger_keys[int(_text(reply[1])) - 1]!r} would leave the ledger's range")
             raise RuntimeError(f"unexpected answer from the ledger: {reply!r}")

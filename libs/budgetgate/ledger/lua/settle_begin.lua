@@ -12,7 +12,7 @@
 -- sequence number repeats when a settlement rolled back and the next one commits as it).
 -- Returns the ledger sequence it advanced to when it applied an increase (Postgres records it
 -- with the settlement: a Redis restored from before it is then behind), 0 when it applied none,
--- NOT_LOADED, MISSING (+ index of a ledger key never loaded), OUT_OF_RANGE
+-- NOT_LOADED, MISSING (+ the index of every ledger key never loaded), OUT_OF_RANGE
 -- (+ index of a key a figure of which would leave the ledger's range), or PENDING (+ its
 -- sequence number) when an earlier settlement of the run is still parked: resolve it first.
 -- Nothing is changed unless the answer is a number.
@@ -30,10 +30,16 @@ local function fits(key, field, delta)
   local after = tonumber(redis.call('HGET', key, field) or '0') + tonumber(delta)
   return after <= MAX and after >= -MAX
 end
+local missing = {'MISSING'}
 for i = 1, n do
   if redis.call('EXISTS', KEYS[5 + i]) == 0 then
-    return {'MISSING', tostring(i)}
+    missing[#missing + 1] = tostring(i)
   end
+end
+if #missing > 1 then
+  return missing
+end
+for i = 1, n do
   if not (fits(KEYS[5 + i], 'reserved', ARGV[2 + 3 * i]) and fits(KEYS[5 + i], 'consumed', ARGV[3 + 3 * i])) then
     return {'OUT_OF_RANGE', tostring(i)}
   end
