@@ -122,7 +122,7 @@ async def test_exhausted_delay_budget_delays_until_room(admission_factory, pg_ds
     # The admitted run has not started: it gives its reservation back at its start deadline (an
     # hour from now), or the month ends first (within an hour of its end) and frees it all.
     eligible, window_end = (datetime.fromisoformat(evaluation[k].replace("Z", "+00:00")) for k in ("next_eligible_time", "window_end"))
-    deadline = datetime.now(UTC) + timedelta(hours=1)
+    deadline = datetime.now(UTC) + timedelta(hours=1, seconds=1)  # (answered in whole seconds, rounded up)
     assert eligible <= min(window_end, deadline) and (eligible < window_end or window_end <= deadline), (eligible, window_end)
     assert evaluation["deficit_gpu_hours"] == 2.0
     again = (await server.submit(run_id="later", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=1.0)).json()
