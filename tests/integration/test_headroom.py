@@ -20,6 +20,7 @@ from tests.support.admission import apply_policies, budget_yaml, submission
 from tests.support.quotas import BIG_BUDGET, QUOTA, physics, started
 from tests.support.reconciler import lifecycle, outbox, usage
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
+from tests.support.clock import this_month
 from tests.support.waiting import wait_for
 
 
@@ -157,7 +158,7 @@ async def test_budget_delay_hears_headroom_when_a_limit_rises_and_when_a_run_end
     assert (await server.client.get("/v1/admissions/mid")).json()["waiting"]["headroom"] is False
 
     # big ends having used 1 of its 8 GPU-hours: 7 come back; late hears of it again, mid at last.
-    start = datetime.now(UTC) - timedelta(hours=2)
+    start = this_month(timedelta(hours=2))
     await feed.send(
         lifecycle("big", "STARTED", start, gpus=8),
         usage("big", "s", start + timedelta(minutes=30), 1),
@@ -280,7 +281,7 @@ async def test_a_run_refused_by_a_quota_and_a_budget_hears_headroom_when_the_bud
 
     await reconciler_factory()
     await wait_for(lambda: _has(pg_dsn, ("w", 1)), what="w registered as waiting")
-    start = datetime.now(UTC) - timedelta(hours=2)
+    start = this_month(timedelta(hours=2))
     # p1 used its whole GPU-hour: physics' slot comes back, the budget's room does not.
     await feed.send(
         lifecycle("p1", "STARTED", start, gpus=1), usage("p1", "s", start + timedelta(hours=1), 1), lifecycle("p1", "COMPLETED", start + timedelta(hours=1))
