@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import asyncpg
@@ -22,6 +22,7 @@ from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.metering_pb2 import MeteringSample
 from tests.support.admission import apply_policies, budget_yaml
+from tests.support.clock import this_month
 from tests.support.metering import IngestProcess, T0, assert_applied_exactly_once, decide, rows, sample
 from tests.support.reconciler import H, counts, ledger_in_postgres, lifecycle, start_reconciler, usage
 from tests.support.reconciler import feed  # noqa: F401 - pytest fixtures
@@ -115,7 +116,7 @@ async def test_two_reconcilers_share_partitions_and_one_takes_over_from_the_othe
     for i in range(RECONCILER_RUNS):
         answer = await server.submit(run_id=f"s{i}", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)
         assert answer.json()["decision"] == "ALLOW"
-    start = datetime.now(UTC) - timedelta(hours=5)
+    start = this_month(timedelta(hours=5))
     messages = []
     for i in range(RECONCILER_RUNS):
         messages += [lifecycle(f"s{i}", "STARTED", start), usage(f"s{i}", "1", start + timedelta(hours=1), 2 + i % 3)]
