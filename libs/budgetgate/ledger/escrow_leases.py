@@ -42,8 +42,9 @@ grant after the pool is counted in another unit empties every lease sized in the
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -247,6 +248,24 @@ class Escrow:
             granted += await self._reclaim(book, root, lacking - granted)
         return granted
 
+    @contextlib.asynccontextmanager
+    async def _every_shard(self, book: Book, ledger: RedisLedger, *, failed: str) -> AsyncIterator[tuple[LedgerTransaction, int, list[RedisLedger]]]:
+        """A ledger transaction on `ledger`'s shard holding every shard's lock (in shard order),
+        then `book`'s row, as every move takes them: yields it, the book's limit, and a list for
+        the caller to name each other shard it changed in Redis. Should the transaction fail,
+        those are invalidated (`failed` says why; `ledger`'s own is, by ledger_transaction)."""
+        changed: list[RedisLedger] = []
+        try:
+            async with ledger_transaction(self.pool, ledger) as work:
+                await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
+                limit = await book.lock(work.conn)
+                yield work, limit, changed
+        except BaseException:
+            for other in changed:
+                if other is not ledger:
+                    await other.invalidate(failed)
+            raise
+
     async def _reclaim(self, book: Book, root: str, need: int) -> int:
         """Too little was free for `root`'s refill: in one ledger transaction, holding every
         shard's lock (in shard order, then the budget's entry, as every move), take
@@ -256,38 +275,29 @@ class Escrow:
         no other refill takes it in between. What the lease grew by."""
         lease_key = await book.open(self.pool, root)
         ledger = self.shard_of(root)
-        shrunk: list[RedisLedger] = []
-        try:
-            async with ledger_transaction(self.pool, ledger) as work:
-                await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
-                limit = await book.lock(work.conn)
-                leases = await book.leases(work.conn)
-                got = min(max(escrow.free(limit, leases.values()), 0), need)
-                for other, unused in escrow.reclaim_candidates(leases, root):
-                    take = min(unused, need - got)
-                    if take <= 0:
-                        break
-                    giver, size = self.shard_of(other), leases[other].size
-                    try:
-                        moved, seq = await self._move(work, book, giver, book.lease(other), size=size, how="shrink", amount=take)
-                    except LedgerNotLoaded as exc:  # that shard is being rebuilt (or was just invalidated): the others may give
-                        log.info("escrow: no reclaim from %s's lease of %s for now: %s", other, book.moves_key, exc)
-                        continue
-                    if moved > 0:
-                        shrunk.append(giver)
-                        await record_ledger_mark(work.conn, giver, seq)
-                        await book.record(work.conn, other, "return", size - moved, moved, seq, f"reclaim:{root}")
-                        got += moved
-                if got <= 0:
-                    return 0
-                size = leases[root].size
-                grown, _ = await self._move(work, book, ledger, lease_key, size=size, how="grow", amount=got)
-                await book.record(work.conn, root, "grant", size + grown, grown, None, "refill")
-        except BaseException:
-            for giver in shrunk:  # (the receiver's shard is invalidated by ledger_transaction)
-                if giver is not ledger:
-                    await giver.invalidate("an escrow reclaim failed after shrinking a lease")
-            raise
+        async with self._every_shard(book, ledger, failed="an escrow reclaim failed after shrinking a lease") as (work, limit, shrunk):
+            leases = await book.leases(work.conn)
+            got = min(max(escrow.free(limit, leases.values()), 0), need)
+            for other, unused in escrow.reclaim_candidates(leases, root):
+                take = min(unused, need - got)
+                if take <= 0:
+                    break
+                giver, size = self.shard_of(other), leases[other].size
+                try:
+                    moved, seq = await self._move(work, book, giver, book.lease(other), size=size, how="shrink", amount=take)
+                except LedgerNotLoaded as exc:  # that shard is being rebuilt (or was just invalidated): the others may give
+                    log.info("escrow: no reclaim from %s's lease of %s for now: %s", other, book.moves_key, exc)
+                    continue
+                if moved > 0:
+                    shrunk.append(giver)
+                    await record_ledger_mark(work.conn, giver, seq)
+                    await book.record(work.conn, other, "return", size - moved, moved, seq, f"reclaim:{root}")
+                    got += moved
+            if got <= 0:
+                return 0
+            size = leases[root].size
+            grown, _ = await self._move(work, book, ledger, lease_key, size=size, how="grow", amount=got)
+            await book.record(work.conn, root, "grant", size + grown, grown, None, "refill")
         log.info("escrow: moved %d into %s's lease of %s, from what was free and other leases' idle room", grown, root, book.moves_key)
         return grown
 
@@ -303,25 +313,16 @@ class Escrow:
         many leases it emptied."""
         if not await book.sized_otherwise(self.pool):
             return 0
-        ledger = self.shard_of("")
-        emptied: list[RedisLedger] = []
-        try:
-            async with ledger_transaction(self.pool, ledger) as work:
-                await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
-                await book.lock(work.conn)
-                stale = await book.sized_otherwise(work.conn)
-                for root, size in stale.items():
-                    holder = self.shard_of(root)
-                    moved, seq = await self._move(work, book, holder, book.lease(root), size=size, how="void", amount=size)
-                    if seq:
-                        emptied.append(holder)
-                        await record_ledger_mark(work.conn, holder, seq)
-                    await book.record(work.conn, root, "return", 0, moved, seq or None, f"unit:{book.counted_in}")
-        except BaseException:
-            for holder in emptied:  # (the first shard's is invalidated by ledger_transaction)
-                if holder is not ledger:
-                    await holder.invalidate("emptying the leases of a pool's former unit failed after emptying one")
-            raise
+        failed = "emptying the leases of a pool's former unit failed after emptying one"
+        async with self._every_shard(book, self.shard_of(""), failed=failed) as (work, _, emptied):
+            stale = await book.sized_otherwise(work.conn)
+            for root, size in stale.items():
+                holder = self.shard_of(root)
+                moved, seq = await self._move(work, book, holder, book.lease(root), size=size, how="void", amount=size)
+                if seq:
+                    emptied.append(holder)
+                    await record_ledger_mark(work.conn, holder, seq)
+                await book.record(work.conn, root, "return", 0, moved, seq or None, f"unit:{book.counted_in}")
         log.info("escrow: the pool of %s is counted in %s: emptied the %d lease(s) sized otherwise", book.counter, book.counted_in, len(stale))
         return len(stale)
 
