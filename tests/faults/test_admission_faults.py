@@ -17,7 +17,17 @@ from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import private_database
 from tests.support.clock import this_month
 from tests.support.waiting import wait_for
-from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, restart_from_snapshot, submission
+from tests.support.admission import (
+    apply_policies,
+    budget_yaml,
+    decision_of,
+    GPU_HOUR,
+    held_in_postgres,
+    one_batch,
+    reserved_in_redis,
+    restart_from_snapshot,
+    submission,
+)
 
 sql = owned_by("budgetgate.services.reconciler")  # its own queries, then the shared ledger's
 
@@ -40,7 +50,7 @@ async def test_postgres_stopped_mid_burst_answers_503_and_leaks_nothing(admissio
     await apply_policies(dsn, {"b.yaml": LIMIT}, sha="d" * 40)
     server = await admission_factory(postgres_dsn=dsn, pg_pool_max=30)
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("before"))) == "ALLOW"
 
     async def stop_soon() -> None:
         # The scenario, not a wait for an effect: the kill lands while the burst is being decided.
@@ -135,7 +145,7 @@ async def test_a_read_only_redis_answers_503_and_reserves_nothing(admission_fact
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="e" * 40)
     server = await admission_factory(redis_url=killable_redis.url)
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("before"))) == "ALLOW"
     held = await held_in_postgres(pg_dsn)
     await server.rt.redis.execute_command("REPLICAOF", "127.0.0.1", "1")  # no such primary: it stays read-only
     answers = await asyncio.gather(*(server.client.post("/v1/admissions", json=body(f"ro-{i}")) for i in range(5)))
@@ -160,7 +170,7 @@ async def test_a_redis_that_lost_an_acknowledged_write_is_caught_by_the_number_i
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("seq", limit="gpu_hours: 24")}, sha="f" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("seq-a"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("seq-a"))) == "ALLOW"
     record = records.record
     x_lost, z_reserved = asyncio.Event(), asyncio.Event()
     calls: list[list[str]] = []
@@ -194,7 +204,7 @@ async def test_a_redis_that_lost_an_acknowledged_write_is_caught_by_the_number_i
     held = await held_in_postgres(pg_dsn)
     assert list(held.values()) == [24 * GPU_HOUR]
     assert await reserved_in_redis(server) == held
-    assert (await server.client.post("/v1/admissions", json=body("seq-w"))).json()["decision"] == "DENY"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("seq-w"))) == "DENY"
     assert await held_in_postgres(pg_dsn) == held
     assert len(calls) == 3 and numbers[0] == numbers[1], (calls, numbers)  # Z got X's number; one was decided again
 
@@ -207,7 +217,7 @@ async def test_sweeper_releases_orphans_and_keeps_real_holds(admission_factory, 
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="d" * 40)
     server = await admission_factory(orphan_grace_seconds=3600)
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("real"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("real"))) == "ALLOW"
     [key] = (await held_in_postgres(pg_dsn)).keys()
     old = int((datetime.now(UTC) - timedelta(hours=2)).timestamp() * 1000)
     for name, at in (("old-orphan", old), ("young-orphan", int(datetime.now(UTC).timestamp() * 1000))):
@@ -233,7 +243,7 @@ async def test_sweeper_never_releases_a_hold_it_cannot_name(admission_factory, p
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="e" * 40)
     server = await admission_factory(orphan_grace_seconds=3600)
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("real"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("real"))) == "ALLOW"
     [key] = (await held_in_postgres(pg_dsn)).keys()
     ledger = server.rt.ledger
     before = await reserved_in_redis(server)
@@ -254,7 +264,7 @@ async def test_a_drift_repair_and_the_orphan_sweep_give_an_orphan_back_once(admi
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="f" * 40)
     server = await admission_factory(orphan_grace_seconds=3600)
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("real"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("real"))) == "ALLOW"
     [key] = (await held_in_postgres(pg_dsn)).keys()
     orphan = await server.rt.ledger.reserve(
         run_id="orphan", decision_id=str(uuid.uuid4()), charges=[ChargeRequest(key, 8 * GPU_HOUR, 100 * GPU_HOUR, True)], now_ms=0
@@ -307,7 +317,7 @@ async def test_redis_lost_between_the_reserve_and_the_commit(admission_factory, 
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="6" * 40)
     server = await admission_factory(redis_url=killable_redis.url)
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("before"))) == "ALLOW"
     record = records.record
 
     async def record_after_losing_redis(conn, batch):  # type: ignore[no-untyped-def]
@@ -349,7 +359,7 @@ async def test_redis_restored_from_before_a_settlement_is_rebuilt_and_never_over
     server = await admission_factory(redis_url=killable_redis.url)
     await server.wait_ready()
     over = submission(run_id="over", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)
-    assert (await server.client.post("/v1/admissions", json=over)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=over)) == "ALLOW"
     assert await server.rt.redis.save()
 
     start = this_month(timedelta(hours=6))

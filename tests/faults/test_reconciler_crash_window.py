@@ -15,7 +15,7 @@ from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.sharded import ShardedLedger
 from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, decision_of
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis
 from tests.support.reconciler import reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
@@ -91,7 +91,7 @@ async def test_a_reconciler_dying_mid_settlement_never_lets_admission_over_admit
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("cw", limit="gpu_hours: 100")}, sha="e" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="victim", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="victim", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=10.0)) == "ALLOW"
     [key] = await ledger_in_postgres(pg_dsn)
     survivor = await reconciler_factory(drift_check_seconds=0)
     await _record_run_facts(pg_dsn, "victim")

@@ -11,7 +11,17 @@ import pytest
 
 from budgetgate.services.admission.admitter import Unavailable
 from budgetgate.services.admission.resubmission import Conflict
-from tests.support.admission import GPU_HOUR, apply_policies, budget_yaml, held_in_postgres, one_batch, reserved_in_redis, submission, wait_for_bundle
+from tests.support.admission import (
+    apply_policies,
+    budget_yaml,
+    decision_of,
+    GPU_HOUR,
+    held_in_postgres,
+    one_batch,
+    reserved_in_redis,
+    submission,
+    wait_for_bundle,
+)
 
 LIMIT = budget_yaml("batched", limit="gpu_hours: 100")
 
@@ -38,8 +48,8 @@ async def test_a_batch_mixing_duplicates_conflicts_violations_and_over_budget_ru
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="b" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("a"))).json()["decision"] == "ALLOW"  # 8 held
-    assert (await server.client.post("/v1/admissions", json=body("d", gpus=50, hours=4.0))).json()["decision"] == "DENY"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("a"))) == "ALLOW"  # 8 held
+    assert decision_of(await server.client.post("/v1/admissions", json=body("d", gpus=50, hours=4.0))) == "DENY"
 
     answers = await one_batch(server, [
         body("r1", hours=5.0),                 # 40 -> 48 held: ALLOW
@@ -131,7 +141,7 @@ async def test_after_a_refusal_a_changed_request_is_a_new_question_at_a_higher_a
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="b" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("ask", gpus=50, hours=4.0))).json()["decision"] == "DENY"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("ask", gpus=50, hours=4.0))) == "DENY"
     same_attempt = await server.client.post("/v1/admissions", json=body("ask", gpus=8, hours=4.0))
     assert same_attempt.status_code == 409 and same_attempt.json()["next_attempt"] == 2, same_attempt.text
     assert "resources.gpus: 50 → 8" in same_attempt.json()["detail"] and "as attempt 2" in same_attempt.json()["detail"]
@@ -171,7 +181,7 @@ async def test_postgres_lost_in_the_middle_of_a_batch_answers_503_to_all_and_lea
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="c" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("before"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("before"))) == "ALLOW"
     answers = await one_batch(server, [body("x1"), body("x2"), body("poison"), body("x3")])
     assert all(isinstance(a, Unavailable) for a in answers), answers
     assert set(await decisions_of(pg_dsn)) == {"before"}
@@ -229,7 +239,7 @@ async def test_a_reservation_made_in_the_last_round_stands(admission_factory, pg
     await apply_policies(pg_dsn, {"b.yaml": LIMIT}, sha="8" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=body("first"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=body("first"))) == "ALLOW"
     [key] = await held_in_postgres(pg_dsn)
     ledger = server.rt.ledger
     reserve_batch, rounds = ledger.reserve_batch, []

@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from budgetgate.contracts.admission import AdmissionResponse, AdmissionStatus, EvaluationOut
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, decision_of
 
 ZULU = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
 VISION = {"team": "vision"}
@@ -34,7 +34,7 @@ async def test_cpu_only_work_is_charged_on_node_hours_and_zero_on_gpu_hours(admi
     server = await admission_factory()
     await server.wait_ready()
     # Use up the GPU budget (and more: the second run of 1 GPU-hour does not fit it).
-    assert (await server.submit(run_id="gpu", labels=VISION, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="gpu", labels=VISION, resources={"gpus": 1}, projected_runtime_hours=1.0)) == "ALLOW"
     cpu = await server.submit(run_id="cpu", labels=VISION, resources={"gpus": 0, "nodes": 2}, projected_runtime_hours=3.0)
     assert cpu.status_code == 200, cpu.text
     body = cpu.json()
@@ -51,7 +51,7 @@ async def test_a_run_too_small_for_the_unit_is_refused_by_an_exhausted_budget(ad
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("tight", limit="gpu_hours: 1")}, sha="1" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="all", labels=VISION, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="all", labels=VISION, resources={"gpus": 1}, projected_runtime_hours=1.0)) == "ALLOW"
     tiny = (await server.submit(run_id="tiny", labels=VISION, resources={"gpus": 1}, projected_runtime_hours=1e-9)).json()
     assert tiny["decision"] == "DENY", tiny
     [evaluation] = tiny["evaluations"]

@@ -16,7 +16,7 @@ from budgetgate.messaging.publisher import Publisher
 from budgetgate.evidence.audit import WindowFilter, marquez_report, marquez_runs
 from budgetgate.contracts.topics import Topics
 from budgetgate.messaging.topic_admin import ensure_topics
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, decision_of
 from tests.support.marquez import EmitterServer, admission_decision, emitter_settings, http_client, reconciliation
 from tests.support.marquez import marquez  # noqa: F401 - pytest fixtures
 
@@ -60,7 +60,7 @@ async def test_postgres_and_marquez_agree(settings, pg_dsn, admission_factory, m
             assert response.status_code == 200, response.text
             answers[run] = response.json()
         # r2 waits, and is resubmitted (attempt 2): it is still delayed, and counts once.
-        assert (await admission.submit(run_id="r2", namespace="vision-research", attempt=2)).json()["decision"] == "DELAY"
+        assert decision_of(await admission.submit(run_id="r2", namespace="vision-research", attempt=2)) == "DELAY"
         assert {r: a["decision"] for r, a in answers.items()} == {
             "p1": "ALLOW",
             "p2": "ALLOW",

@@ -15,7 +15,7 @@ import pytest
 
 from budgetgate.core.principals import Role
 from budgetgate.access.tokens import revoke_token
-from tests.support.admission import admission, admission_factory, apply_policies, example_policies, submission  # noqa: F401 - pytest fixtures
+from tests.support.admission import admission, admission_factory, apply_policies, decision_of, example_policies, submission  # noqa: F401 - pytest fixtures
 from tests.support.metering import as_json, decide, metering, metering_factory, sample, usage_rows  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, issue, ledger_state
 from tests.support.waiting import wait_for
@@ -143,7 +143,7 @@ async def test_other_namespace_or_tenant_is_refused_and_reads_are_limited(admiss
     assert (await anonymous.get("/v1/tenants/nlp/usage", headers=bearer(nlp_tenant))).status_code == 200
     seen = (await anonymous.get("/v1/budgets", headers=bearer(nlp_tenant))).json()["budgets"]
     assert seen and all("team=nlp" in b["scope_id"] for b in seen)
-    assert (await anonymous.get("/v1/admissions/vision/ok", headers=bearer(vision_only))).json()["decision"] == "ALLOW"
+    assert decision_of(await anonymous.get("/v1/admissions/vision/ok", headers=bearer(vision_only))) == "ALLOW"
     assert await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix) == before
 
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 
 from budgetgate.cli.main import cli
 from budgetgate.ledger.queries import owned_by
-from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml, decision_of, submission
 
 sql = owned_by("budgetgate.services.reconciler")  # its own queries, then the shared ledger's
 
@@ -39,11 +39,11 @@ async def _seed(pg_dsn: str, admission_factory) -> object:  # type: ignore[no-un
     await apply_policies(pg_dsn, POLICIES, sha="b" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=submission(run_id="r1"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=submission(run_id="r1"))) == "ALLOW"
     other = submission(
         run_id="r2", namespace="other", labels={"team": "vision"}, resources={"gpus": 1, "nodes": 1, "flavor": "h100"}, projected_runtime_hours=2.0
     )
-    assert (await server.client.post("/v1/admissions", json=other)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=other)) == "ALLOW"
     conn = await asyncpg.connect(pg_dsn)
     try:
         key = await conn.fetchval("SELECT ledger_key FROM ledger_entries WHERE policy_id = 'paused'")

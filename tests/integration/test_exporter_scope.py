@@ -16,7 +16,7 @@ from budgetgate.contracts import topics, wire
 from budgetgate.core.principals import Principal, Role
 from budgetgate.services.metering_ingest.ingest import Origin, Pending
 from budgetgate.v1.metering_pb2 import MeteringSample
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, decision_of
 from tests.support.metering import as_json, decide, fetchval, metric, sample, usage_rows
 from tests.support.metering import metering, metering_factory  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, issue, ledger_state
@@ -59,7 +59,7 @@ async def test_an_exporter_of_another_namespace_neither_charges_nor_ends_a_run(a
     await apply_policies(pg_dsn, BUDGET, sha="a" * 40)
     admission = await admission_factory()
     await admission.wait_ready()
-    assert (await admission.submit(**TEAM_RUN)).json()["decision"] == "ALLOW"
+    assert decision_of(await admission.submit(**TEAM_RUN)) == "ALLOW"
     before = await ledger_state(pg_dsn, settings.redis_url, settings.redis_prefix)
 
     elsewhere = await issue(pg_dsn, Role.EXPORTER, namespaces=["other-ns"], name="exp-b")

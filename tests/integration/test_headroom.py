@@ -16,7 +16,7 @@ from budgetgate.cli.actions import read_topics
 from budgetgate.cli.main import cli
 from budgetgate.contracts.topics import Topics
 from budgetgate.v1.actions_pb2 import HEADROOM, BudgetAction
-from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml, decision_of, submission
 from tests.support.quotas import BIG_BUDGET, QUOTA, physics, started
 from tests.support.reconciler import lifecycle, outbox, usage
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
@@ -34,9 +34,9 @@ async def delayed_behind_big(admission_factory, pg_dsn: str, *, sha: str, **dela
     await apply_policies(pg_dsn, delaying(10), sha=sha)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=physics("big", gpus=8))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("big", gpus=8))) == "ALLOW"
     for run_id, gpus in delayed.items():
-        assert (await server.client.post("/v1/admissions", json=physics(run_id, gpus=gpus))).json()["decision"] == "DELAY"
+        assert decision_of(await server.client.post("/v1/admissions", json=physics(run_id, gpus=gpus))) == "DELAY"
     return server
 
 
@@ -72,7 +72,7 @@ async def test_quota_rejection_is_visible_now_and_hears_headroom_once_when_a_run
     pg_dsn,
 ) -> None:
     server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 4"), "b.yaml": BIG_BUDGET})
-    assert (await server.client.post("/v1/admissions", json=physics("r1", nodes=3))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("r1", nodes=3))) == "ALLOW"
     refused = (await server.client.post("/v1/admissions", json=physics("w", nodes=2))).json()
     assert refused["decision"] == "DENY" and refused["reason"].startswith("allocation rejected")
 
@@ -89,7 +89,7 @@ async def test_quota_rejection_is_visible_now_and_hears_headroom_once_when_a_run
 
     await reconciler_factory()
     await wait_for(lambda: _has(pg_dsn, ("w", 1)), what="w registered as waiting")
-    assert (await server.client.post("/v1/admissions", json=physics("x", nodes=1))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("x", nodes=1))) == "ALLOW"
     start = datetime.now(UTC) - timedelta(minutes=5)
     await feed.send(lifecycle("r1", "STARTED", start, gpus=1), lifecycle("r1", "COMPLETED", start + timedelta(minutes=1)))
 
@@ -209,9 +209,9 @@ async def test_a_quota_override_that_raises_the_limit_sends_headroom(
 
     monkeypatch.setattr(headroom, "recheck", counted)
     server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 4"), "b.yaml": BIG_BUDGET})
-    assert (await server.client.post("/v1/admissions", json=physics("r1", nodes=3))).json()["decision"] == "ALLOW"
-    assert (await server.client.post("/v1/admissions", json=physics("w", nodes=2))).json()["decision"] == "DENY"
-    assert (await server.client.post("/v1/admissions", json=physics("huge", nodes=9))).json()["decision"] == "DENY"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("r1", nodes=3))) == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("w", nodes=2))) == "DENY"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("huge", nodes=9))) == "DENY"
     await reconciler_factory()
     await wait_for(lambda: _has(pg_dsn, ("w", 1), ("huge", 1)), what="both registered as waiting")
     assert await headrooms(settings) == []
@@ -272,9 +272,9 @@ async def test_a_run_refused_by_a_quota_and_a_budget_hears_headroom_when_the_bud
     still full: nothing); another tenant's run ending frees the budget: w hears of it then."""
     shared = budget_yaml("shared", namespace="physics", labels="{}", limit="gpu_hours: 10", on_exhausted="delay")
     server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 1"), "b.yaml": shared})
-    assert (await server.client.post("/v1/admissions", json=physics("p1", gpus=1))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("p1", gpus=1))) == "ALLOW"
     chem = submission(run_id="c1", namespace="physics", labels={"team": "chem"}, resources={"gpus": 9}, projected_runtime_hours=1.0, job=None)
-    assert (await server.client.post("/v1/admissions", json=chem)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=chem)) == "ALLOW"
     refused = (await server.client.post("/v1/admissions", json=physics("w", gpus=4))).json()
     assert refused["decision"] == "DENY" and refused["reason"].startswith('allocation rejected: tenant "physics"')
     assert [e["decision"] for e in refused["evaluations"]] == ["DELAY"]

@@ -17,7 +17,7 @@ import pytest
 
 from budgetgate.platforms.kubernetes import Submit, submission
 from budgetgate.platforms.run_labels import RUN_LABEL, pod_run_id, run_label_value
-from tests.support.admission import apply_policies, budget_yaml, held_in_postgres
+from tests.support.admission import apply_policies, budget_yaml, decision_of, held_in_postgres
 from tests.support.kubernetes import (
     JOB_CONTROLLER,
     VISION,
@@ -88,7 +88,7 @@ async def test_an_object_naming_its_run_keeps_the_name_hashed_into_the_label(adm
     template = patched["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     assert pod_run_id(template) == run_id
     assert (await validated(admission, stored(patched)))["allowed"] is True
-    assert (await admission.client.get(f"/v1/admissions/{run_id}")).json()["decision"] == "ALLOW"
+    assert decision_of(await admission.client.get(f"/v1/admissions/{run_id}")) == "ALLOW"
     # A pod made from that template for an owner never admitted (or not remembered) is a run of
     # its own: the run id it inherited is its owner's, so it is named afresh (else it would be
     # decided under the owner's run id, and refused as a conflicting resend).
@@ -229,7 +229,7 @@ async def test_a_flyteworkflow_is_named_as_its_execution_and_its_pods_carry_the_
     workflow = stored(workflow)
     decided_answer = (await admission.client.post(VALIDATE, json=flyte_review(workflow))).json()["response"]
     assert decided_answer["allowed"] is True, decided_answer
-    assert (await admission.client.get(f"/v1/admissions/{run_id}")).json()["decision"] == "ALLOW"
+    assert decision_of(await admission.client.get(f"/v1/admissions/{run_id}")) == "ALLOW"
     propeller_pod = unstored(flyte_pod(workflow))
     assert pod_run_id(propeller_pod) == run_id
     left, unchanged = await mutated(admission, propeller_pod, user=FLYTEPROPELLER)

@@ -30,7 +30,7 @@ from budgetgate.core.principals import Role
 from budgetgate.ledger.concurrency_holds import end_run_holds
 from budgetgate.ledger.queries import sql
 from budgetgate.platforms.kubernetes import Mapping
-from tests.support.admission import apply_policies, budget_yaml, example_policies, submission
+from tests.support.admission import apply_policies, budget_yaml, decision_of, example_policies, submission
 from tests.support.kube_api import KubeApi, kube, kubeconfig  # noqa: F401 - pytest fixture
 from tests.support.kueue_sim import KueueSim
 from tests.support.principals import issue
@@ -307,7 +307,7 @@ async def delaying(admission_factory: Any, pg_dsn: str, *, sha: str) -> Any:
     server = await admission_factory()
     await server.wait_ready()
     holder = submission(run_id="holder", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=7.5)
-    assert (await server.client.post("/v1/admissions", json=holder)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=holder)) == "ALLOW"
     return server
 
 
@@ -360,7 +360,7 @@ async def test_a_full_quota_is_retried_and_admitted_once_capacity_frees(kube, ad
     server = await admission_factory()
     await server.wait_ready()
     holder = submission(run_id="holder", labels={"team": "vision"}, resources={"gpus": 8, "nodes": 1})
-    assert (await server.client.post("/v1/admissions", json=holder)).json()["decision"] == "ALLOW"  # the tenant's 8 GPUs all held
+    assert decision_of(await server.client.post("/v1/admissions", json=holder)) == "ALLOW"  # the tenant's 8 GPUs all held
     run_id = "13131313-1313-4313-8313-131313131313"
     api.put("admissionchecks", fixture("admissioncheck.json"))
     api.put("workloads", workload("job-waits", job_uid=run_id))  # 2 × 4 GPUs

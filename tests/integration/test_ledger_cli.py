@@ -15,6 +15,7 @@ from budgetgate.ledger.redis_sync import LedgerSync
 from tests.support.cli import budgetgate_on
 from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 from budgetgate.runtime import redis_client
+from tests.support.admission import decision_of
 
 
 async def _budgetgate(tmp_path: Path, settings, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
@@ -113,7 +114,7 @@ class _LostMidway(RedisLedger):
 
 
 async def test_a_ledger_lost_during_the_check_is_not_reported_as_matching(admission, settings, pg_dsn) -> None:
-    assert (await admission.submit(run_id="lost-midway")).json()["decision"] == "ALLOW"
+    assert decision_of(await admission.submit(run_id="lost-midway")) == "ALLOW"
     await admission.stop()  # it would rebuild Redis as soon as it noticed
     pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
     client = redis_client.connect(settings.redis_url)

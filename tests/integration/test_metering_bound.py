@@ -19,7 +19,7 @@ from budgetgate.messaging.publisher import Publisher
 from budgetgate.services.metering_ingest import store
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin, Pending
 from budgetgate.v1.metering_pb2 import MeteringSample
-from tests.support.admission import admission_factory, apply_policies, budget_yaml  # noqa: F401 - pytest fixture
+from tests.support.admission import admission_factory, apply_policies, budget_yaml, decision_of  # noqa: F401 - pytest fixture
 from tests.support.databases import drop_database, empty_database
 from tests.support.kafka import drain
 from tests.support.metering import as_json, decide, dlq_reasons, fetchval, metric, sample, usage_rows
@@ -60,7 +60,7 @@ async def test_the_reported_sample_is_dead_lettered_with_its_figures_and_charges
     await apply_policies(pg_dsn, BUDGET, sha="b" * 40)
     admission = await admission_factory()
     await admission.wait_ready()
-    assert (await admission.submit(**RUN)).json()["decision"] == "ALLOW"
+    assert decision_of(await admission.submit(**RUN)) == "ALLOW"
     decided_at = await fetchval(pg_dsn, "SELECT decided_at FROM decisions WHERE run_id = 'four-gpus'")
     assert isinstance(decided_at, datetime)
     at = decided_at + timedelta(seconds=30)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
-from tests.support.admission import submission
+from tests.support.admission import decision_of, submission
 from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 from tests.support.reconciler import lifecycle, wait_caught_up
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
@@ -17,8 +17,8 @@ async def test_counts_go_down_when_runs_end_or_never_start(admission_factory, re
     files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 2"), "b.yaml": BIG_BUDGET, "p.yaml": POOLS.format(child=1, parent=5, cap=5)}
     server = await started(admission_factory, pg_dsn, files)
     token = {"namespace": "snowflake:wh-1", "project": "physics"}
-    assert (await server.client.post("/v1/admissions", json=physics("done", pool_token=token))).json()["decision"] == "ALLOW"
-    assert (await server.client.post("/v1/admissions", json=physics("idle"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("done", pool_token=token))) == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("idle"))) == "ALLOW"
     full = (await server.client.post("/v1/admissions", json=physics("waiting"))).json()
     assert full["reason"].startswith('allocation rejected: tenant "physics" would exceed max_concurrent_allocations quota (current: 2')
 
@@ -33,7 +33,7 @@ async def test_counts_go_down_when_runs_end_or_never_start(admission_factory, re
     await wait_for(lambda: allocations_held(1), what="the completed run's allocation released")
     assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 0  # its token went back too
     await wait_for(lambda: allocations_held(0), what="the never-started run's allocation released")
-    assert (await server.client.post("/v1/admissions", json=physics("waiting-again"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("waiting-again"))) == "ALLOW"
 
 
 async def test_holds_of_runs_no_budget_covers_end_at_the_start_deadline(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
@@ -47,10 +47,10 @@ async def test_holds_of_runs_no_budget_covers_end_at_the_start_deadline(admissio
     await feed.send(lifecycle("early", "FAILED", datetime.now(UTC) - timedelta(seconds=30)))
     await wait_for(lambda: _fact_settled_undecided(pg_dsn, "early"), what="early's FAILED settled before its decision")
 
-    assert (await server.client.post("/v1/admissions", json=physics("early"))).json()["decision"] == "ALLOW"
-    assert (await server.client.post("/v1/admissions", json=physics("idle"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("early"))) == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("idle"))) == "ALLOW"
     untenanted = submission(run_id="tok", namespace="physics", labels={}, resources={"gpus": 1}, projected_runtime_hours=1.0, job=None)
-    assert (await server.client.post("/v1/admissions", json=untenanted | {"pool_token": {"namespace": "snowflake:wh-1"}})).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=untenanted | {"pool_token": {"namespace": "snowflake:wh-1"}})) == "ALLOW"
     full = (await server.client.post("/v1/admissions", json=physics("refused"))).json()
     assert full["reason"].startswith('allocation rejected: tenant "physics" would exceed max_concurrent_allocations quota (current: 2')
     assert (await _held(pg_dsn)) == (2, 1)  # nothing reserved on any budget: only the holds
@@ -62,7 +62,7 @@ async def test_holds_of_runs_no_budget_covers_end_at_the_start_deadline(admissio
     counter = await server.rt.ledger.client.hgetall(server.rt.ledger.keys.counter("t:physics"))
     assert int(counter.get(b"allocations", 0)) == 0
     assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 0
-    assert (await server.client.post("/v1/admissions", json=physics("after"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("after"))) == "ALLOW"
 
 
 async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota_again(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
@@ -73,7 +73,7 @@ async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota
     files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 2"), "b.yaml": BIG_BUDGET}
     server = await started(admission_factory, pg_dsn, files)
     reconciler = await reconciler_factory(start_deadline_seconds=2)
-    assert (await server.client.post("/v1/admissions", json=physics("late"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("late"))) == "ALLOW"
     counter = server.rt.ledger.keys.counter("t:physics")
 
     async def allocations(n: int) -> bool:
@@ -81,7 +81,7 @@ async def test_a_late_start_after_the_start_deadline_release_counts_on_the_quota
 
     await wait_for(lambda: allocations(0), what="late's slot given back at its start deadline")
     for run_id in ("a", "b"):
-        assert (await server.client.post("/v1/admissions", json=physics(run_id))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=physics(run_id))) == "ALLOW"
         await feed.send(lifecycle(run_id, "STARTED", datetime.now(UTC), gpus=1))
     assert await allocations(2)
 
@@ -130,7 +130,7 @@ async def test_a_dead_lettered_run_past_the_start_deadline_waits_for_an_operator
     dead-lettered, is given back in the same pass."""
     server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 5")})
     for run_id in ("dead", "twin"):
-        assert (await server.client.post("/v1/admissions", json=physics(run_id))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=physics(run_id))) == "ALLOW"
     conn = await asyncpg.connect(pg_dsn)
     try:
         since = datetime.now(UTC) - timedelta(hours=1)

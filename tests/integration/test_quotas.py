@@ -9,7 +9,7 @@ import pytest
 
 from budgetgate.ledger.concurrency_holds import end_run_holds
 from budgetgate.ledger.queries import sql
-from tests.support.admission import apply_policies, budget_yaml, one_batch, wait_for_bundle
+from tests.support.admission import apply_policies, budget_yaml, decision_of, one_batch, wait_for_bundle
 from tests.support.waiting import wait_for
 from tests.support.quotas import BIG_BUDGET, CLUSTER, POOLS, QUOTA, physics, started
 
@@ -51,7 +51,7 @@ async def test_concurrent_submissions_never_exceed_the_quota(admission_factory, 
 async def test_lowered_quota_preempts_nothing_and_rejects_until_usage_drops(admission_factory, pg_dsn) -> None:
     server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 10"), "b.yaml": BIG_BUDGET}, sha="1" * 40)
     for i in range(4):
-        assert (await server.client.post("/v1/admissions", json=physics(f"r{i}", nodes=2))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=physics(f"r{i}", nodes=2))) == "ALLOW"
     await apply_policies(pg_dsn, {"q.yaml": QUOTA.format(limits="max_nodes: 5"), "b.yaml": BIG_BUDGET}, sha="2" * 40)
     await wait_for_bundle(server, "2" * 40)
     denied = (await server.client.post("/v1/admissions", json=physics("late", nodes=1))).json()
@@ -185,7 +185,7 @@ async def test_counters_and_tokens_survive_a_redis_rebuild(admission_factory, pg
     files = {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 3"), "b.yaml": BIG_BUDGET, "p.yaml": POOLS.format(child=2, parent=5, cap=5)}
     server = await started(admission_factory, pg_dsn, files)
     for i in range(3):
-        assert (await server.client.post("/v1/admissions", json=physics(f"k{i}"))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=physics(f"k{i}"))) == "ALLOW"
     assert (await server.client.post("/v1/pools/snowflake:wh-1/allocations", json={"token": "kept"})).json()["status"] == "Granted"
     ledger = server.rt.ledger
     await ledger.client.delete(*[k async for k in ledger.client.scan_iter(match=f"{ledger.tag}:*")])
@@ -203,7 +203,7 @@ async def test_holds_without_a_run_key_are_not_released_for_a_named_decision(adm
     import uuid
 
     server = await started(admission_factory, pg_dsn, {"q.yaml": QUOTA.format(limits="max_concurrent_allocations: 5, max_gpus: 1000")})
-    assert (await server.client.post("/v1/admissions", json=physics("q1", gpus=2))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("q1", gpus=2))) == "ALLOW"
     ledger = server.rt.ledger
     await server.rt.sync.rebuild(force=True)
     assert not await ledger.client.exists(ledger.run("q1"))

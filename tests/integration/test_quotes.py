@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from tests.support.admission import apply_policies, budget_yaml, submission
+from tests.support.admission import apply_policies, budget_yaml, decision_of, submission
 from tests.support.quotas import BIG_BUDGET, CLUSTER, POOLS, QUOTA, physics, started
 
 GPU_HOUR = 3_600_000
@@ -66,7 +66,7 @@ async def test_quote_of_a_delay_names_the_next_eligible_time(admission_factory, 
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("wait", limit="gpu_hours: 50", on_exhausted="delay")}, sha="d" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="fill", labels={"team": "vision"})).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="fill", labels={"team": "vision"})) == "ALLOW"
     q = (await server.client.post("/v1/quotes", json=submission(run_id="next", labels={"team": "vision"}))).json()
     assert q["decision"] == "DELAY"
     assert q["next_eligible_time"] is not None and q["next_eligible_time"] == q["evaluations"][0]["next_eligible_time"]
@@ -172,7 +172,7 @@ async def test_quote_gives_penalty_fair_share_and_quota_refusals_as_admission_wo
     await apply_policies(pg_dsn, files, sha="7" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.client.post("/v1/admissions", json=physics("first", gpus=15))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("first", gpus=15))) == "ALLOW"
 
     # 15 + 10 GPUs of a 100-GPU cluster: above the 0.2 target, within the burst; 25 of 100 soft GPU-hours.
     q = (await server.client.post("/v1/quotes", json=physics("second", gpus=10))).json()
@@ -215,7 +215,7 @@ async def test_quote_refuses_a_pool_token_another_holder_has_as_the_submission_d
     run that holds its token itself is not refused for it."""
     server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=5, parent=5, cap=5), "b.yaml": BIG_BUDGET})
     ask = {"namespace": "snowflake:wh-1", "project": "physics"}
-    assert (await server.client.post("/v1/admissions", json=physics("holder", pool_token=ask))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=physics("holder", pool_token=ask))) == "ALLOW"
     conn = await asyncpg.connect(pg_dsn)
     try:
         # A token of run "taken" someone else holds (left by an allocation made before `run:`

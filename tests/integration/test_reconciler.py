@@ -13,7 +13,7 @@ import pytest
 
 from budgetgate.services.reconciler.service import Reconciler
 from budgetgate.v1 import actions_pb2, reconciliations_pb2, usage_pb2
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, decision_of
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, outbox, run_charges, settled, usage, wait_caught_up
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
 from tests.support.clock import this_month
@@ -103,7 +103,7 @@ def _stream(run_id: str, start: datetime) -> list[object]:
 
 async def test_duplicated_reordered_late_stream_gives_the_clean_ledger(admission, reconciler_factory, feed, pg_dsn) -> None:
     for run_id in ("clean", "messy"):
-        assert (await admission.submit(run_id=run_id, resources={"gpus": 4, "flavor": "h100"}, projected_runtime_hours=2.0)).json()["decision"] == "ALLOW"
+        assert decision_of(await admission.submit(run_id=run_id, resources={"gpus": 4, "flavor": "h100"}, projected_runtime_hours=2.0)) == "ALLOW"
     reconciler = await reconciler_factory()
     start = this_month(timedelta(hours=3))
     await feed.send(*_stream("clean", start))
@@ -142,7 +142,7 @@ async def test_metering_stops_reservation_stays_admission_decides_then_converges
     await server.wait_ready()
     reconciler = await reconciler_factory(provisional_grace_seconds=6 * 3600)
     body = {"labels": {"team": "vision"}, "resources": {"gpus": 8}, "projected_runtime_hours": 10.0}
-    assert (await server.submit(run_id="long", **body)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="long", **body)) == "ALLOW"
     start = this_month(timedelta(hours=4))
     await feed.send(lifecycle("long", "STARTED", start), usage("long", "1", start + timedelta(hours=1), 8))
     [key] = (await ledger_in_postgres(pg_dsn)).keys()
@@ -183,7 +183,7 @@ async def test_provisional_actual_after_grace_then_corrected(admission_factory, 
     server = await admission_factory()
     await server.wait_ready()
     await reconciler_factory(provisional_grace_seconds=1)
-    assert (await server.submit(run_id="quiet", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=5.0)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="quiet", labels={"team": "vision"}, resources={"gpus": 4}, projected_runtime_hours=5.0)) == "ALLOW"
     start = this_month(timedelta(hours=3))
     await feed.send(lifecycle("quiet", "STARTED", start, gpus=2), lifecycle("quiet", "COMPLETED", start + timedelta(hours=2)))
     [key] = (await ledger_in_postgres(pg_dsn)).keys()
@@ -206,8 +206,8 @@ async def test_never_started_is_released_after_the_deadline_denied_holds_nothing
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("d", limit="gpu_hours: 10")}, sha="c" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="idle", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
-    assert (await server.submit(run_id="too-big", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()["decision"] == "DENY"
+    assert decision_of(await server.submit(run_id="idle", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)) == "ALLOW"
+    assert decision_of(await server.submit(run_id="too-big", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)) == "DENY"
     reconciler = await reconciler_factory(start_deadline_seconds=1)
     [key] = (await ledger_in_postgres(pg_dsn)).keys()
 
@@ -223,7 +223,7 @@ async def test_never_started_is_released_after_the_deadline_denied_holds_nothing
     await wait_for(released_in_redis, timeout=5, what="the release in Redis")
     assert await reconciler.ledger.run_holds() == {}
     assert (await settled(pg_dsn, "idle"))["released"] is True and await settled(pg_dsn, "too-big") is None
-    assert (await server.submit(run_id="after", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="after", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=1.0)) == "ALLOW"
 
 
 WALL_HOLD = budget_yaml("wall", limit="wall_hours: 4", on_exhausted="hold-and-drain")
@@ -235,7 +235,7 @@ async def test_wall_budget_across_eviction_then_hold_and_drain_lifted_by_a_raise
     await server.wait_ready()
     body = {"labels": {"team": "vision"}, "resources": {"gpus": 1}, "projected_runtime_hours": 1.0}
     for run_id in ("w1", "w2"):
-        assert (await server.submit(run_id=run_id, **body)).json()["decision"] == "ALLOW"
+        assert decision_of(await server.submit(run_id=run_id, **body)) == "ALLOW"
     await reconciler_factory()
     now = this_month(timedelta(hours=3.5)) + timedelta(hours=3.5)
     # w1 ran 1 h, was evicted, re-admitted 1 h later and has run 1.5 h since: 2.5 wall-hours.
@@ -282,7 +282,7 @@ async def _wall_at_least(dsn: str, run_id: str, wall: int) -> bool:
 
 
 async def test_drift_check_finds_and_repairs_redis(admission, reconciler_factory, pg_dsn) -> None:
-    assert (await admission.submit(run_id="drifty")).json()["decision"] == "ALLOW"
+    assert decision_of(await admission.submit(run_id="drifty")) == "ALLOW"
     reconciler = await reconciler_factory()
     assert (await reconciler.sync.check_drift(repair=False)).clean
     key = next(iter(await ledger_in_postgres(pg_dsn)))
@@ -301,8 +301,8 @@ def drift_metric(reconciler: Reconciler) -> float:
 
 
 async def test_tenant_usage_route_and_cli(admission, reconciler_factory, feed, pg_dsn) -> None:
-    assert (await admission.submit(run_id="t1")).json()["decision"] == "ALLOW"
-    assert (await admission.submit(run_id="t2", projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+    assert decision_of(await admission.submit(run_id="t1")) == "ALLOW"
+    assert decision_of(await admission.submit(run_id="t2", projected_runtime_hours=1.0)) == "ALLOW"
     await reconciler_factory()
     start = this_month(timedelta(hours=2))
     await feed.send(
@@ -345,7 +345,7 @@ async def _rolled(admission_factory, reconciler_factory, feed, pg_dsn):  # type:
     await apply_policies(pg_dsn, {"r.yaml": budget_yaml("roll", limit="gpu_hours: 100", window="{rolling_days: 1}")}, sha="7" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="old", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=2.0)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="old", labels={"team": "vision"}, resources={"gpus": 8}, projected_runtime_hours=2.0)) == "ALLOW"
     reconciler = await reconciler_factory()
     now = datetime.now(UTC)
     start = now - timedelta(hours=20)

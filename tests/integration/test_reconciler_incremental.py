@@ -13,7 +13,7 @@ import asyncpg
 
 from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.v1 import usage_pb2
-from tests.support.admission import apply_policies, budget_yaml
+from tests.support.admission import apply_policies, budget_yaml, decision_of
 from tests.support.pg_sessions import wait_done_or_blocked
 from tests.support.reconciler import H, ledger_in_postgres, ledger_in_redis, lifecycle, run_charges, settled, ts, usage
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
@@ -35,7 +35,7 @@ async def test_late_and_reordered_samples_fold_to_the_whole_run_ledger(admission
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("inc", limit="gpu_hours: 100000", window="{rolling_days: 30}")}, sha="c" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="long", **BODY)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="long", **BODY)) == "ALLOW"
     reconciler = await reconciler_factory()
     start = datetime.now(UTC) - timedelta(hours=6)
     samples = [usage("long", f"s{i:03}", start + timedelta(minutes=3 * i), 0.4 * i) for i in range(1, 101)]
@@ -64,7 +64,7 @@ async def test_amounts_beyond_the_ledger_range_are_dead_lettered_and_never_jam(a
     server = await admission_factory()
     await server.wait_ready()
     for run_id in ("too-big", "half-1", "half-2", "normal"):
-        assert (await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+        assert decision_of(await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)) == "ALLOW"
     reconciler = await reconciler_factory(settle_tries=2)
     start = datetime.now(UTC) - timedelta(hours=2)
     half = MAX_AMOUNT // 2 + 1
@@ -104,7 +104,7 @@ async def test_a_settlement_forgets_failed_tries_made_before_a_restart(admission
     server = await admission_factory()
     await server.wait_ready()
     for run_id in ("retried", "dead"):
-        assert (await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+        assert decision_of(await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)) == "ALLOW"
     conn = await asyncpg.connect(pg_dsn)
     try:
         await conn.execute(
@@ -128,7 +128,7 @@ async def test_facts_dated_outside_the_accepted_times_are_dead_lettered_and_neve
     server = await admission_factory()
     await server.wait_ready()
     for run_id in ("far", "epoch", "after"):
-        assert (await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)).json()["decision"] == "ALLOW"
+        assert decision_of(await server.submit(run_id=run_id, labels={"team": "vision"}, resources={"gpus": 1}, projected_runtime_hours=1.0)) == "ALLOW"
     reconciler = await reconciler_factory()
     start = datetime.now(UTC) - timedelta(hours=2)
     far = lifecycle("far", "STARTED", start)
@@ -217,7 +217,7 @@ async def test_a_fact_committed_while_its_run_is_being_settled_is_never_left_uns
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("mark", limit="gpu_hours: 100000")}, sha="e" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="m", **BODY)).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="m", **BODY)) == "ALLOW"
     # No consumer feeds it and its loops wait an hour: only the settlement below runs.
     reconciler = await reconciler_factory(tick_seconds=3600)
     at = datetime.now(UTC) - timedelta(hours=2)

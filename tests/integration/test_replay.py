@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from budgetgate.decisions.explain import replay
-from tests.support.admission import apply_policies, budget_yaml, example_policies
+from tests.support.admission import apply_policies, budget_yaml, decision_of, example_policies
 from tests.support.cli import budgetgate
 
 
@@ -113,7 +113,7 @@ async def test_explain_says_a_soft_or_dry_run_policy_missing_labels_is_recorded_
     await apply_policies(pg_dsn, example_policies() | trials, sha="d" * 40)
     server = await admission_factory()
     await server.wait_ready()
-    assert (await server.submit(run_id="trial/1")).json()["decision"] == "ALLOW"  # no `project` nor `owner` label: both waived
+    assert decision_of(await server.submit(run_id="trial/1")) == "ALLOW"  # no `project` nor `owner` label: both waived
     account = (await server.client.get("/v1/admissions/trial/1/explain")).json()["account"]
     for mode in ("soft", "dry-run"):
         [line] = [line for line in account if f"'{mode}-project'" in line and "lacks" in line]

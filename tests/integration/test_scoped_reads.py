@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 from budgetgate.core.principals import Role
-from tests.support.admission import apply_policies, budget_yaml, example_policies, submission
+from tests.support.admission import apply_policies, budget_yaml, decision_of, example_policies, submission
 from tests.support.principals import bearer, issue
 
 # Budgets of tenant vision outside vision-*: one over every namespace, one over a shared namespace.
@@ -31,7 +31,7 @@ async def _server(admission_factory, pg_dsn, **settings: object):  # type: ignor
 
 async def test_a_tenant_usage_read_never_shows_budgets_or_runs_outside_the_readers_namespaces(admission_factory, pg_dsn) -> None:
     server = await _server(admission_factory, pg_dsn)
-    assert (await server.submit(run_id="vision/shared", namespace="shared-ml")).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(run_id="vision/shared", namespace="shared-ml")) == "ALLOW"
     limited = await issue(pg_dsn, Role.READER, namespaces=["vision-*"], tenants=["vision"])
     refused = await server.client.get("/v1/tenants/vision/usage", headers=bearer(limited))
     # Its run totals count vision's run in shared-ml, and its budgets those over shared-ml and everywhere.
@@ -46,7 +46,7 @@ async def test_a_pool_shows_a_limited_caller_only_its_own_holders(admission_fact
     server = await _server(admission_factory, pg_dsn)
     token = {"namespace": "snowflake:wh-1", "project": "secret-project"}
     for body in (submission(run_id="vision/pooled", pool_token=token), submission(run_id="nlp/pooled", pool_token=token, **NLP)):
-        assert (await server.client.post("/v1/admissions", json=body)).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=body)) == "ALLOW"
     url = "/v1/pools/snowflake:wh-1"
     vision_submitter = await issue(pg_dsn, Role.SUBMITTER, tenants=["vision"])
     other = await issue(pg_dsn, Role.SUBMITTER)

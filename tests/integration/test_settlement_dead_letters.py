@@ -22,7 +22,7 @@ from budgetgate.core.ledger_key import MAX_AMOUNT
 from budgetgate.core.principals import Role
 from budgetgate.services.reconciler.service import Reconciler
 from budgetgate.v1 import reconciliations_pb2, usage_pb2
-from tests.support.admission import AdmissionServer, apply_policies, budget_yaml, submission
+from tests.support.admission import AdmissionServer, apply_policies, budget_yaml, decision_of, submission
 from tests.support.cli import budgetgate_on
 from tests.support.metering import fetchval, metric
 from tests.support.principals import issue
@@ -115,7 +115,7 @@ async def test_a_dead_lettered_hold_is_counted_listed_and_released(
     await wait_for(lambda: _gauge_shows(reconciler, 1), what=f"{GAUGE} at 1")
     assert await _remaining(server) == 40.0
     big = {"run_id": "big", "labels": {"team": "vision"}, "resources": {"gpus": 5}, "projected_runtime_hours": 10.0}
-    assert (await server.client.post("/v1/admissions", json=submission(**big, attempt=1))).json()["decision"] != "ALLOW"  # 50 do not fit in 40
+    assert decision_of(await server.client.post("/v1/admissions", json=submission(**big, attempt=1))) != "ALLOW"  # 50 do not fit in 40
 
     listed = await budgetgate_on(settings, "settlements", "dead-letters", cwd=tmp_path, variables=operator)
     assert listed.returncode == 0, listed.stderr
@@ -141,7 +141,7 @@ async def test_a_dead_lettered_hold_is_counted_listed_and_released(
     assert (await ledger_in_postgres(pg_dsn))[key] == (0, 0)
     await _in_line(reconciler.rt, pg_dsn)
     assert await _remaining(server) == 100.0
-    assert (await server.client.post("/v1/admissions", json=submission(**big, attempt=2))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=submission(**big, attempt=2))) == "ALLOW"
     [logged] = await _admin_log(pg_dsn)
     assert (logged["action"], logged["subject"], logged["actor"]) == ("settlement.release", "victim", f"token:{OPERATOR}")
     assert logged["details"]["reason"] == "bad exporter sample, ticket OPS-7" and logged["details"]["held"] == {key: 60 * H}

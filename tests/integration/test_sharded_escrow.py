@@ -17,7 +17,7 @@ from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.reports.whatif_report import what_if
 from budgetgate.services.admission.admitter import Unavailable
 from tests.support.accounts import account_budget, account_tree
-from tests.support.admission import apply_policies, budget_yaml, held_in_postgres, one_batch, submission
+from tests.support.admission import apply_policies, budget_yaml, decision_of, held_in_postgres, one_batch, submission
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
 from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, policies, run
 from tests.support.waiting import wait_for
@@ -223,7 +223,7 @@ async def test_what_if_reads_a_budget_tenants_share_as_its_leases_together(admis
     a, b = TENANTS[0], TENANTS[1]
     assert server.rt.ledgers.of_root(a) is not server.rt.ledgers.of_root(b)
     for n in range(2):
-        assert (await server.client.post("/v1/admissions", json=run(a, n))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=run(a, n))) == "ALLOW"
     since = datetime.now(UTC)
     refused = (await server.client.post("/v1/admissions", json=run(b, 0))).json()
     assert refused["decision"] == "DENY" and "everyone" in refused["reason"], refused  # 16 + 8 > 20
@@ -255,7 +255,7 @@ async def test_usage_in_a_window_a_leased_run_did_not_reserve_in_opens_its_tenan
     server = await admission_factory(ledger_shards=SHARDS)
     await server.wait_ready()
     tenant = TENANTS[4]
-    assert (await server.client.post("/v1/admissions", json=run(tenant, 0))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=run(tenant, 0))) == "ALLOW"
     [today] = [k for k in await held_in_postgres(pg_dsn) if k.startswith(f"ns=ml@{tenant}|")]
 
     reconciler = await reconciler_factory(ledger_shards=SHARDS)

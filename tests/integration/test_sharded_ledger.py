@@ -16,7 +16,7 @@ import asyncpg
 
 from budgetgate.core.shards import SEQ_STEP, Shards
 from budgetgate.services.admission.admitter import Unavailable
-from tests.support.admission import apply_policies, held_in_postgres, one_batch, reserved_in_redis
+from tests.support.admission import apply_policies, decision_of, held_in_postgres, one_batch, reserved_in_redis
 from tests.support.cli import budgetgate_on
 from tests.support.quotas import POOLS
 from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, policies, run, sharded_admission
@@ -56,12 +56,12 @@ async def test_each_tenant_is_decided_on_its_shard_and_no_budget_is_overadmitted
 async def test_a_shard_that_lost_its_state_is_rebuilt_alone(admission_factory, pg_dsn) -> None:
     server = await sharded_admission(admission_factory, pg_dsn)
     for t in TENANTS:
-        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 0))) == "ALLOW"
     lost = server.rt.ledgers.of_root(TENANTS[0])
     before = {ledger.shard: await ledger.generation() for ledger in server.rt.ledgers}
     await lost.client.delete(*[k async for k in lost.client.scan_iter(match=f"{lost.tag}:*")])  # a flushed shard
 
-    assert (await server.client.post("/v1/admissions", json=run(TENANTS[0], 1))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=run(TENANTS[0], 1))) == "ALLOW"
     after = {ledger.shard: await ledger.generation() for ledger in server.rt.ledgers}
     assert after[lost.shard] not in (None, before[lost.shard])  # rebuilt
     assert {s: g for s, g in after.items() if s != lost.shard} == {s: g for s, g in before.items() if s != lost.shard}  # the others kept theirs
@@ -73,7 +73,7 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
     server = await sharded_admission(admission_factory, pg_dsn)
     for t in TENANTS:
         for n in range(2):
-            assert (await server.client.post("/v1/admissions", json=run(t, n))).json()["decision"] == "ALLOW"
+            assert decision_of(await server.client.post("/v1/admissions", json=run(t, n))) == "ALLOW"
     reconciler = await reconciler_factory(ledger_shards=SHARDS)
     start = datetime.now(UTC) - timedelta(minutes=40)
     for t in TENANTS:  # run 0 ran half an hour on its 8 GPUs and completed; run 1 started a minute ago
@@ -115,14 +115,14 @@ async def test_token_pools_are_enforced_on_a_shard_of_their_own_and_a_run_takes_
     assert answer.status_code == 422, answer.text
     assert "POST /v1/pools/snowflake:wh-1/allocations" in answer.text and answer.json()["errors"][0]["loc"] == ["body", "pool_token"], answer.text
     assert await held_in_postgres(pg_dsn) == {}
-    assert (await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))).json()["decision"] == "ALLOW"  # without the token
+    assert decision_of(await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))) == "ALLOW"  # without the token
     assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
 
 
 async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
     server = await sharded_admission(admission_factory, pg_dsn)
     for t in TENANTS:
-        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 0))) == "ALLOW"
     await server.stop()  # nothing else may rebuild Redis behind the commands' backs
     shards = {"BUDGETGATE_LEDGER_SHARDS": str(SHARDS)}
     lost = server.rt.ledgers.of_root(TENANTS[0])
@@ -168,7 +168,7 @@ async def test_a_batch_spanning_shards_reserves_on_each_with_one_script_per_shar
     reserved, on its shard and in Postgres."""
     server = await sharded_admission(admission_factory, pg_dsn)
     for t in TENANTS:  # each budget's key loaded on its shard (a key never loaded takes a second script)
-        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 0))) == "ALLOW"
     reserves: dict[int, int] = defaultdict(int)
     for ledger in server.rt.ledgers:
         real = ledger.reserve_batch
@@ -191,7 +191,7 @@ async def test_a_shard_failing_in_a_batch_fails_no_other_shards_decision(admissi
     again), nothing of them recorded, and its shard is invalidated, to be rebuilt from Postgres."""
     server = await sharded_admission(admission_factory, pg_dsn)
     for t in TENANTS:  # each budget's key loaded on its shard
-        assert (await server.client.post("/v1/admissions", json=run(t, 0))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 0))) == "ALLOW"
     struck = server.rt.ledgers.of_root(TENANTS[0])
     hit = {t for t in TENANTS if server.rt.ledgers.of_root(t) is struck}
 

@@ -15,7 +15,7 @@ import asyncpg
 
 from budgetgate.ledger.escrow_leases import CounterBook
 from budgetgate.ledger.holds import SENSITIVE, sensitive_lease
-from tests.support.admission import apply_policies, budget_yaml, submission, wait_for_bundle
+from tests.support.admission import apply_policies, budget_yaml, decision_of, submission, wait_for_bundle
 from tests.support.cli import budgetgate_on
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, wait_caught_up  # noqa: F401 - pytest fixtures
 from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, policies
@@ -147,7 +147,7 @@ async def test_a_smaller_pool_takes_back_what_leases_hold_unused_and_a_sensitive
     book = CounterBook(SENSITIVE, "gpus", POOL)
     for tenant in TENANTS[:3]:
         assert await escrow.grant(book, tenant, 8, reason="refill") == 8
-    assert (await server.client.post("/v1/admissions", json=sensitive_run(TENANTS[0], 0))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=sensitive_run(TENANTS[0], 0))) == "ALLOW"
 
     smaller = CounterBook(SENSITIVE, "gpus", 12)
     moved = await escrow.return_idle(idle=timedelta(hours=1), chunk_share=0.02, now=datetime.now(UTC), counters=[smaller])
@@ -193,7 +193,7 @@ async def test_a_pool_counted_in_another_unit_voids_every_lease_of_the_former_un
     def run(tenant: str, n: int) -> dict[str, object]:
         return {**sensitive_run(tenant, n), "resources": {"gpus": 2, "nodes": 1}}
 
-    assert (await server.client.post("/v1/admissions", json=run(first, 0))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.client.post("/v1/admissions", json=run(first, 0))) == "ALLOW"
 
     def quota(size: int, unit: str) -> dict[str, str]:
         spec = f"{{sensitive_pool_size: {size}, sensitive_unit: {unit}}}"
@@ -275,7 +275,7 @@ async def test_the_leases_command_shows_what_each_tenant_holds_of_the_pool_and_o
     server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
     await server.wait_ready()
     for tenant in TENANTS[:2]:
-        assert (await server.client.post("/v1/admissions", json=sensitive_run(tenant, 0))).json()["decision"] == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=sensitive_run(tenant, 0))) == "ALLOW"
     shards = {"BUDGETGATE_LEDGER_SHARDS": str(SHARDS)}
     shown = await budgetgate_on(settings, "ledger", "leases", "--json", cwd=tmp_path, variables=shards)
     assert shown.returncode == 0, shown.stderr

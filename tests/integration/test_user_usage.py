@@ -13,7 +13,7 @@ from budgetgate.cli.main import cli
 from budgetgate.client import AsyncClient
 from budgetgate.core.principals import Role
 from budgetgate.contracts.admission import UserUsage
-from tests.support.admission import apply_policies, budget_yaml, example_policies, submission
+from tests.support.admission import apply_policies, budget_yaml, decision_of, example_policies, submission
 from tests.support.principals import bearer, issue
 from tests.support.reconciler import usage
 from tests.support.reconciler import feed, reconciler_factory  # noqa: F401 - pytest fixtures
@@ -78,7 +78,7 @@ async def test_the_user_label_is_a_setting(admission_factory, pg_dsn) -> None:
     await apply_policies(pg_dsn, example_policies(), sha="e" * 40)
     server = await admission_factory(user_label="owner")
     await server.wait_ready()
-    assert (await server.submit(**labelled("c1", "someone", owner="carol"))).json()["decision"] == "ALLOW"
+    assert decision_of(await server.submit(**labelled("c1", "someone", owner="carol"))) == "ALLOW"
     carol = (await server.client.get("/v1/users/carol/usage")).json()
     assert carol["label"] == "owner" and carol["runs"]["runs"] == 1 and carol["days"] == 90
     assert (await server.client.get("/v1/users/someone/usage")).json()["runs"]["runs"] == 0

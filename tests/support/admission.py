@@ -39,6 +39,13 @@ class AdmissionServer(InProcessServer):
         return await self.client.post("/v1/admissions", json=submission(**overrides))
 
 
+def decision_of(answer: httpx.Response) -> str:
+    """The decision of a submission's answer, which must be a decision (200): otherwise the
+    assertion names the status and the body, where reading the field would only say it is missing."""
+    assert answer.status_code == 200, f"{answer.request.method} {answer.request.url.path} answered {answer.status_code}: {answer.text}"
+    return answer.json()["decision"]
+
+
 async def one_batch(server, bodies: list[dict[str, Any]]) -> list[Any]:  # type: ignore[no-untyped-def]
     """Decide `bodies` as ONE batch of the server's admitter (deterministically, not by timing);
     returns each answer, or the exception it was answered with."""
