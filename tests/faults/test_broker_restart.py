@@ -91,7 +91,8 @@ async def test_broker_restarted_empty_gets_every_answered_decision_again(admissi
             missing = sorted(answered - delivered_ids(marquez))[:10]
             placed = await decisions_on_topic(bootstrap, prefix=settings.topic_prefix)
             trail = await evidence_trail(pg_dsn, bootstrap, missing, placed, prefix=settings.topic_prefix)
-            raise AssertionError(f"{exc}: {len(answered - delivered_ids(marquez))} missing, the first: {trail}") from None
+            reading = emitter.assigned()
+            raise AssertionError(f"{exc}: {len(answered - delivered_ids(marquez))} missing, the first: {trail}; the emitter reads {reading}") from None
     finally:
         await emitter.stop()
     assert delivered_ids(marquez) - answered == set(), "no evidence of a decision that was never answered"

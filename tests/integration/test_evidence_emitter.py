@@ -123,6 +123,10 @@ async def test_each_decision_and_reconciliation_is_one_valid_event(settings, pg_
         assert budget["reservation_error_gpu_hours"] == -6.0 and budget["decision"] == "ALLOW" and budget["provisional"] is False
         assert runs[str(events.run_uuid("research/allow"))]["state"] == "FAILED"
         assert runs[str(events.run_uuid("research/delay"))]["state"] == "NEW"  # OTHER changes no state
+        # The group's only member reads every partition of both topics (what a failure elsewhere
+        # reports through EmitterServer.assigned).
+        read = {name for partitions in emitter.assigned() for name in partitions}
+        assert {f"{topic}[{n}]" for topic in (topics.decisions, topics.reconciliations) for n in range(settings.topic_partitions)} <= read
     finally:
         await emitter.stop()
 

@@ -410,6 +410,11 @@ class EmitterServer(InProcessServer):
     async def wait_consuming(self, timeout: float = 30) -> None:
         await self.wait_ready(timeout)
 
+    def assigned(self) -> list[list[str]]:
+        """The partitions each of its Kafka subscribers reads now, as `topic[n]` (for a failure
+        to say which partitions nobody in its group reads)."""
+        return [sorted(f"{tp.topic}[{tp.partition}]" for tp in (sub.consumer.assignment() if sub.consumer else ())) for sub in self.rt.broker.subscribers]
+
 
 def emitter_settings(settings: Any, **overrides: Any) -> Any:
     """EvidenceSettings on the test's backends, retrying fast."""
