@@ -6,6 +6,7 @@ ones."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import uuid
@@ -304,6 +305,31 @@ async def test_months_are_created_ahead_and_rows_of_a_month_without_one_wait_in_
         assert found["decisions_default"].default
     finally:
         await conn.close()
+
+
+async def test_a_statement_waiting_on_a_months_move_out_of_the_default_partition_reads_every_row(pg_dsn: str) -> None:
+    """A statement planned while the upkeep moves a month's rows out of the default partition
+    waits for the move and counts them in the month's new partition: it waits on the parent's
+    lock, before it is planned (0048). Locking only the default partition, it was planned with the
+    partitions from before the move and counted none (a chargeback report of a month the default
+    partition held answered nothing reserved)."""
+    mover, reader = await asyncpg.connect(pg_dsn), await asyncpg.connect(pg_dsn)
+    try:
+        long_ago = datetime(2019, 7, 14, 12, tzinfo=UTC)
+        for n in range(5):
+            await _decide(mover, f"old-{n}", long_ago + timedelta(hours=n))
+        count = "SELECT count(*) FROM decisions WHERE decided_at >= $1 AND decided_at < $2"
+        bounds = (datetime(2019, 7, 1, tzinfo=UTC), datetime(2019, 8, 1, tzinfo=UTC))
+        async with mover.transaction():
+            assert await mover.fetchval("SELECT budgetgate_ensure_month('decisions', $1)", long_ago)
+            counting = asyncio.ensure_future(reader.fetchval(count, *bounds))  # a statement new to its connection: planned now
+            await asyncio.sleep(0.5)
+            assert not counting.done(), "the statement waits for the move"
+        assert await counting == 5
+        assert await reader.fetchval("SELECT count(*) FROM decisions_p201907") == 5
+    finally:
+        await mover.close()
+        await reader.close()
 
 
 COMPRESSED = """SELECT c.relname, a.attname, a.attcompression FROM pg_partition_tree('decisions') t
