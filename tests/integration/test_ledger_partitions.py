@@ -320,8 +320,16 @@ async def test_a_statement_waiting_on_a_months_move_out_of_the_default_partition
             await _decide(mover, f"old-{n}", long_ago + timedelta(hours=n))
         count = "SELECT count(*) FROM decisions WHERE decided_at >= $1 AND decided_at < $2"
         bounds = (datetime(2019, 7, 1, tzinfo=UTC), datetime(2019, 8, 1, tzinfo=UTC))
+        holds_the_table = (
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND relation = 'decisions'::regclass AND mode = 'AccessExclusiveLock')"
+        )
+        async with mover.transaction():
+            # A month with none of the default partition's rows: nothing moves, the table is not held.
+            assert await mover.fetchval("SELECT budgetgate_ensure_month('decisions', $1)", datetime(2019, 8, 1, tzinfo=UTC))
+            assert not await mover.fetchval(holds_the_table)
         async with mover.transaction():
             assert await mover.fetchval("SELECT budgetgate_ensure_month('decisions', $1)", long_ago)
+            assert await mover.fetchval(holds_the_table)
             counting = asyncio.ensure_future(reader.fetchval(count, *bounds))  # a statement new to its connection: planned now
             await asyncio.sleep(0.5)
             assert not counting.done(), "the statement waits for the move"

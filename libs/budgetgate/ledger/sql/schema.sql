@@ -64,8 +64,8 @@ $$;
 -- Attaches table `p_table` (shaped as `p_parent`) as the partition of the UTC month of `p_at`,
 -- first moving into it the rows of that month the default partition holds (which would
 -- otherwise refuse the attach). Returns how many rows were moved. The default partition is
--- locked for the move and the attach (the attach takes that lock anyway); when it holds rows,
--- the parent first, so no statement planned before the move reads without them (0048).
+-- locked for the move and the attach (the attach takes that lock anyway); when it holds rows of
+-- the month, the parent first, so no statement planned before the move reads without them (0048).
 CREATE FUNCTION budgetgate_attach_month(p_parent text, p_table text, p_at timestamptz) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -85,7 +85,7 @@ BEGIN
         RAISE EXCEPTION '% is not a partitioned table', p_parent;
     END IF;
     IF fallback IS NOT NULL THEN
-        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', fallback) INTO waiting;
+        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s WHERE %I >= $1 AND %I < $2)', fallback, key, key) INTO waiting USING lo, hi;
         IF waiting THEN  -- the parent before its partition, the order every statement locks them in
             EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', p_parent);
         END IF;

@@ -6,12 +6,13 @@
 -- rows out of the default partition, and blocked on the default partition's lock, resumed after
 -- the move with the list from before it: the rows were gone from the default partition and the
 -- new partition was not in its plan, so it counted none of them (a chargeback report asked for
--- that month answered nothing reserved). When the default partition holds rows, the parent is
--- now locked first, in ACCESS EXCLUSIVE mode: statements wait before they are planned and are
--- planned with the new partition. The parent's lock is taken only then (rows of a month without
--- a partition are rare: a late sample, a month archived and read again), so creating the months
--- ahead, the hourly case, still waits for nobody; a move waits for the statements in flight on
--- the table and holds new ones back while it runs (ensure's lock_timeout bounds the wait).
+-- that month answered nothing reserved). When the default partition holds rows of the month, the
+-- parent is now locked first, in ACCESS EXCLUSIVE mode: statements wait before they are planned
+-- and are planned with the new partition. The parent's lock is taken only then (rows of a month
+-- without a partition are rare: a clock far off, a late sample), so creating the months ahead,
+-- the usual case, takes no more lock than before, whatever other months the default partition
+-- holds; a move waits for the statements in flight on the table and holds new ones back while it
+-- runs (ensure's lock_timeout bounds the wait).
 CREATE OR REPLACE FUNCTION budgetgate_attach_month(p_parent text, p_table text, p_at timestamptz) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -31,7 +32,7 @@ BEGIN
         RAISE EXCEPTION '% is not a partitioned table', p_parent;
     END IF;
     IF fallback IS NOT NULL THEN
-        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', fallback) INTO waiting;
+        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s WHERE %I >= $1 AND %I < $2)', fallback, key, key) INTO waiting USING lo, hi;
         IF waiting THEN  -- the parent before its partition, the order every statement locks them in
             EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', p_parent);
         END IF;
