@@ -10,7 +10,9 @@ The order of one batch (a ledger_session: no transaction block, three round trip
 2. A resend of a decided run is answered again (`replayed: true`), a changed request gets 409
    (resubmission.resent); the same request twice within the batch follows the first.
 3. The others are checked and reserved in Redis in one script, in submission order, all or none
-   per decision; the script first proves Redis is current (see reserve.lua).
+   per decision; the script first proves Redis is current (see reserve.lua). On a ledger of
+   several shards, a decision's pool token is taken first on the pools' shard and given back
+   before step 4 if the decision holds nothing (_take_tokens, _keep_tokens).
 4. Every decision, with its evaluations, reservations, holds and outbox row, is stored in one
    statement, which commits as it ends; only then is anyone answered. The locks are let go
    after that, in the background.
@@ -42,13 +44,13 @@ from budgetgate.core.evaluation import Plan, Reading, fits
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.outlooks import outlooks
 from budgetgate.ledger.escrow_leases import Book, BudgetBook, CounterBook, Escrow
-from budgetgate.ledger.holds import SENSITIVE
+from budgetgate.ledger.holds import SENSITIVE, PoolReading
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.queries import sql as ledger_sql
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger, Reservation, ReserveResult
 from budgetgate.ledger.redis_sync import LedgerSync, RebuildWaitExceeded
 from budgetgate.ledger.sharded import OneShard, ShardedLedger
-from budgetgate.ledger.transaction import LedgerTransaction, ledger_session
+from budgetgate.ledger.transaction import LedgerTransaction, ledger_session, record_ledger_mark
 from budgetgate.services.admission import records
 from budgetgate.services.admission.accounting_source import ExternalAccounting
 from budgetgate.services.admission.batching import GroupCommit
@@ -119,6 +121,17 @@ class Lack:
     counter: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A submission's pool token as the pools' shard answered it, taken apart from its decision
+    on a ledger of several shards (Admitter._take_tokens): `granted` (and then the sequence the
+    grant advanced that shard to) or refused, with the readings of its levels."""
+
+    granted: bool
+    readings: tuple[PoolReading, ...]
+    seq: int = 0
+
+
 @dataclass(eq=False)
 class Pending:
     """A submission waiting in a batch: its pure part done, its answer to come."""
@@ -135,6 +148,8 @@ class Pending:
     provisional: bool = False
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
+    pool_shard: int | None = None  # the pools' shard, when its pool token is taken apart there (Asks.pool_apart)
+    token: Token | None = None  # that token, taken in its batch
     shard_failed: bool = False  # its shard failed once in a batch other shards' decisions committed in
     # Escrow leases of its tenant that lacked room (each as the script read it): refilled after
     # its batch, then decided again.
@@ -152,6 +167,11 @@ class Pending:
     @property
     def run_id(self) -> str:
         return self.request.run_id
+
+    @property
+    def shards(self) -> frozenset[int]:
+        """The shards its decision touches: its tenant's, and the pools' when its token is taken there."""
+        return frozenset((self.shard,) if self.pool_shard is None else (self.shard, self.pool_shard))
 
     @cached_property
     def prepared(self) -> Prepared:
@@ -232,7 +252,14 @@ class Admitter(OneShard):
         p = self.prepare(request, now)
         pending = Pending(request, p.bundle, p.plan, p.asks, now, asyncio.get_running_loop().create_future())
         pending.shard = self.ledger_of(request).shard
+        if p.asks.pool_apart:
+            pending.pool_shard = self.pools_ledger.shard
         return pending
+
+    @property
+    def pools_ledger(self) -> RedisLedger:
+        """The shard the token pools are on: the empty root's."""
+        return self.ledgers.of_root("")
 
     def _covering(self, bundle: PolicyBundle, namespace: str) -> PolicyBundle:
         """`bundle` with only the policies whose scope covers `namespace` (any others cannot
@@ -248,7 +275,7 @@ class Admitter(OneShard):
         """Decide and commit `batch`, then answer each of its submissions."""
         answers: dict[Pending, dict[str, Any] | BaseException] = {}
         clock = BatchClock()
-        ledgers = [self.ledgers.parts[shard] for shard in sorted({p.shard for p in batch})]
+        ledgers = [self.ledgers.parts[shard] for shard in sorted({shard for p in batch for shard in p.shards})]
         failed: dict[int, BaseException] = {}  # shards that failed while others' decisions committed
         try:
             answers = await with_ledger([self.ledgers.sync_of(ledger) for ledger in ledgers], lambda: self._decide(ledgers, batch, clock, failed))
@@ -328,9 +355,9 @@ class Admitter(OneShard):
         a whole batch, a shard that lost its state is rebuilt (or waited for) and its submissions
         tried once more; those whose shard is unreachable, or failed again, are answered 503.
         One shard's fault never fails the decisions of another's. Returns those to try again."""
-        again = []
+        reasons: dict[int, BaseException | None] = {}
         for shard, exc in failed.items():
-            mine = [p for p in deferred if p.shard == shard]
+            mine = [p for p in deferred if shard in p.shards]
             reason: BaseException | None = as_unavailable(exc)
             if isinstance(exc, LedgerNotLoaded) and not any(p.shard_failed for p in mine):
                 try:
@@ -338,13 +365,19 @@ class Admitter(OneShard):
                     reason = None  # rebuilt: its submissions are tried once more
                 except Exception as error:  # noqa: BLE001 - its submissions hear of it
                     reason = as_unavailable(error)
-            for p in mine:
-                if reason is None:
-                    p.shard_failed = True
-                    again.append(p)
-                elif not p.answer.done():
-                    p.answer.set_exception(reason)
-        return again + [p for p in deferred if p.shard not in failed]
+            reasons[shard] = reason
+        again = []
+        for p in deferred:
+            found = [reasons[shard] for shard in p.shards if shard in reasons]
+            reason = next((r for r in found if r is not None), None)
+            if not found:
+                again.append(p)
+            elif reason is None:
+                p.shard_failed = True
+                again.append(p)
+            elif not p.answer.done():
+                p.answer.set_exception(reason)
+        return again
 
     async def _decide(
         self, ledgers: list[RedisLedger], batch: list[Pending], clock: BatchClock, failed: dict[int, BaseException]
@@ -371,9 +404,11 @@ class Admitter(OneShard):
             fresh = await self._current(work.conn, fresh, heads[0]["override_revision"], answers)
             since = time.perf_counter()
             failed.clear()  # (a try again after a rebuild starts afresh)
-            failed.update(await self._reserve(work, [p for p in fresh if p.needs_ledger], committed))
+            asked = [p for p in fresh if p.needs_ledger]
+            failed.update(await self._reserve(work, asked, committed))
             # Left out: a failed shard's, and those decided again after a refill of their leases.
-            fresh = [p for p in fresh if p.shard not in failed and not p.refill]
+            fresh = [p for p in fresh if p.shards.isdisjoint(failed) and not p.refill]
+            await self._keep_tokens(work, asked, fresh, failed)
             clock.redis += time.perf_counter() - since
             decided = await self._decisions(work.conn, fresh)
             since = time.perf_counter()
@@ -430,17 +465,25 @@ class Admitter(OneShard):
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
         failed: dict[int, BaseException] = {}
         for p in pending:
-            p.result = p.refill = None
+            p.result = p.refill = p.token = None
+        if apart := [p for p in pending if p.pool_shard is not None]:
+            shard = self.pools_ledger.shard
+            try:
+                await self._take_tokens(work, apart, committed[shard], now_ms)
+            except (LedgerNotLoaded, *BACKEND_ERRORS) as exc:
+                if len(committed) == 1:
+                    raise  # every shard touched failed
+                failed[shard] = exc
+                if not isinstance(exc, LedgerNotLoaded):  # a grant's reply may have been lost
+                    await self.pools_ledger.invalidate(f"a pool token's grant failed in a batch other shards committed: {exc}")
         for _ in range(4):
-            pending = [p for p in pending if p.shard not in failed]
+            pending = [p for p in pending if p.shards.isdisjoint(failed)]
             if not pending:
                 return failed
             by_shard: dict[int, list[Pending]] = {}
             for p in pending:
                 by_shard.setdefault(p.shard, []).append(p)
-            asked = {
-                shard: [Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool) for p in mine] for shard, mine in by_shard.items()
-            }
+            asked = {shard: [_reservation(p) for p in mine] for shard, mine in by_shard.items()}
             work.redis_changed = True
             replies = await _at_once(
                 [self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard]) for shard, reservations in asked.items()]
@@ -468,17 +511,58 @@ class Admitter(OneShard):
                         await ledger.release(p.run_id, decision_id=result.holder or "")
                         again.append(p)
                     else:
-                        p.result = result
+                        p.result = result if p.token is None else replace(result, pools=p.token.readings)
                         if result.status == "REJECTED" and p.may_refill:
                             p.refill = self.lacking(p, result) or None
                 missing = [p.plan for p in again if p.shard == shard and p.plan.charges]
                 if missing:
                     await self._load_keys(work.conn, ledger, missing)
             pending = again
-        pending = [p for p in pending if p.shard not in failed]
+        pending = [p for p in pending if p.shards.isdisjoint(failed)]
         if pending:  # the fourth round may have reserved them all
             raise Unavailable(f"could not reserve for runs {[p.run_id for p in pending]!r}: the ledger kept changing")
         return failed
+
+    async def _take_tokens(self, work: LedgerTransaction, apart: list[Pending], committed_seq: int, now_ms: int) -> None:
+        """Take the pool token of each of `apart`, in submission order, on the pools' shard (a
+        ledger of several shards), before its decision is reserved on its tenant's: each gets its
+        `token`, granted or refused with the readings of its levels, and its reservation is then
+        refused if the token was (`Reservation.refused`). A token Postgres holds already for an
+        earlier attempt of the run, on a level asked, is refused as taken, as on one shard; one
+        Redis alone holds (an orphan of a batch that never committed) is taken over. A grant is
+        a pending hold, as TigerBeetle's pending transfers: given back after the tenant's script
+        when the decision holds nothing (`_keep_tokens`), and by invalidating the shard should
+        the batch fail."""
+        ledger = self.pools_ledger
+        rows = await work.conn.fetch(sql("held_run_tokens"), [p.asks.pool.token for p in apart if p.asks.pool is not None])
+        held: dict[str, set[str]] = {}
+        for row in rows:
+            held.setdefault(row["token"], set()).update(row["levels"])
+        work.redis_changed = True
+        for p in apart:
+            pool = p.asks.pool
+            assert pool is not None
+            if held.get(pool.token, set()) & {level.namespace for level in pool.levels}:
+                checked = await ledger.check(Reservation(p.run_id, p.decision_id, (), (), pool), now_ms=now_ms, committed_seq=committed_seq)
+                p.token = Token(False, tuple(replace(r, check="TAKEN") for r in checked.pools))
+                continue
+            status, readings, seq = await ledger.allocate(pool, now_ms=now_ms, committed_seq=committed_seq)
+            p.token = Token(status in ("GRANTED", "RENEWED"), readings, seq)
+
+    async def _keep_tokens(self, work: LedgerTransaction, asked: list[Pending], deciding: list[Pending], failed: Mapping[int, BaseException]) -> None:
+        """The pool tokens taken apart in this batch (`_take_tokens`, for `asked`: a submission
+        of an earlier batch keeps the token it had there, given back then): kept by the decisions of
+        `deciding` that hold, their grants' sequence recorded (a mark of the pools' shard, so a
+        Redis that lost them is rebuilt before it decides); given back, before the decisions
+        commit, by every other (refused, left for a refill, its tenant's shard failed)."""
+        granted = [p for p in asked if p.token is not None and p.token.granted]
+        if not granted or self.pools_ledger.shard in failed:
+            return
+        kept = {p for p in deciding if holds(p.result)}
+        for p in granted:
+            if p not in kept and p.asks.pool is not None:
+                await self.pools_ledger.deallocate([level.namespace for level in p.asks.pool.levels], p.asks.pool.token)
+        await record_ledger_mark(work.conn, self.pools_ledger, max((p.token.seq for p in granted if p in kept and p.token), default=0))
 
     async def _load_keys(self, conn: asyncpg.Connection, ledger: RedisLedger, plans: list[Plan]) -> None:
         """Create the ledger entries of `plans` in Postgres (if new) and load them into Redis (the
@@ -543,6 +627,14 @@ def lacking_leases(bundle: PolicyBundle, the_plan: Plan, asks: Asks, result: Res
     if any(reading.check in ("EXHAUSTED", "CAP", "TAKEN") for reading in result.pools):
         return []
     return lacking
+
+
+def _reservation(p: Pending) -> Reservation:
+    """What `p`'s decision reserves on its tenant's shard: all it asks, but its pool token when
+    taken apart (then refused when the token was)."""
+    if p.token is None:
+        return Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, p.asks.pool)
+    return Reservation(p.run_id, p.decision_id, charges(p.plan), p.asks.counters, refused=not p.token.granted)
 
 
 async def _at_once(calls: list[Awaitable[T]]) -> list[T | Exception]:

@@ -145,3 +145,14 @@ WHERE d.run_id = $1 AND d.outcome = 'ALLOW' AND d.job_namespace = $2 AND d.job_n
   AND d.decided_at < (SELECT m.applied_at FROM schema_migrations m WHERE m.name = '0022_admitted_objects')
 LIMIT 1;
 
+
+-- name: held_run_tokens
+-- The pool tokens of runs ($1: run:<run id> each) held with a live lease, and the levels they
+-- are held on: a token taken apart on a ledger of several shards (Admitter._take_tokens) is
+-- refused as taken while an earlier attempt of its run holds it on a level asked.
+SELECT token, levels FROM pool_allocations WHERE token = ANY($1::text[]) AND state = 'held' AND lease_expires_at > now();
+
+-- name: holds_own_token
+-- Whether run $2 holds token $1 (run:<run id>) itself: a quote of it on a ledger of several shards
+-- reads the token as its own, not as taken (Quoter._check_token).
+SELECT EXISTS (SELECT 1 FROM pool_allocations WHERE token = $1 AND run_id = $2 AND state = 'held' AND lease_expires_at > now());

@@ -39,7 +39,8 @@ class Quoter:
             found = await self.admitter.accounting.source(p.bundle, p.plan, p.asks.tenant, label=self.admitter.tenant_label)
             p = replace(p, accounting=found)
         ledger = self.admitter.ledger_of(request)
-        result = await with_ledger(self.admitter.ledgers.sync_of(ledger), lambda: self._check(ledger, p)) if p.needs_ledger else None
+        syncs = [self.admitter.ledgers.sync_of(each) for each in {ledger, *([self.admitter.pools_ledger] if p.asks.pool_apart else [])}]
+        result = await with_ledger(syncs, lambda: self._check(ledger, p)) if p.needs_ledger else None
         found = readings(p.plan, result)
         refused = [(p.plan, found)] if found is not None and not holds(result) else []
         async with self.admitter.pool.acquire() as conn:
@@ -79,8 +80,9 @@ class Quoter:
     async def _check(self, ledger: RedisLedger, p: Prepared) -> ReserveResult:
         admitter = self.admitter
         committed = await committed_seq(admitter.pool, ledger)
-        asked = Reservation(p.request.run_id, "quote", charges(p.plan), p.asks.counters, p.asks.pool)
+        asked = Reservation(p.request.run_id, "quote", charges(p.plan), p.asks.counters, None if p.asks.pool_apart else p.asks.pool)
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
+        token = await self._check_token(p, now_ms) if p.asks.pool_apart else None
         result = await ledger.check(asked, now_ms=now_ms, committed_seq=committed)
         if result.unloaded:
             # A key Redis never loaded is empty unless Postgres has it already (created a moment
@@ -91,8 +93,25 @@ class Quoter:
                 await ledger.load_key(row["ledger_key"], reserved=row["reserved"], consumed=row["consumed"], size=row["size"])
             if rows:
                 result = await ledger.check(asked, now_ms=now_ms, committed_seq=committed)
+        if token is not None:  # the token's readings, and refused when it is
+            result = replace(result, pools=token.pools, status="REJECTED" if token.status == "REJECTED" else result.status)
         if result.status == "REJECTED" and (lacking := self.admitter.lacking(p, result)):
             result = await self._after_refills(p, result, lacking)
+        return result
+
+    async def _check_token(self, p: Prepared, now_ms: int) -> ReserveResult:
+        """What taking the submission's pool token apart, on the pools' shard of a ledger of
+        several shards, would find (Admitter._take_tokens): the same check of its levels, TAKEN
+        where another holder has the token; as on one shard, a token the run holds itself is
+        its own (HELD), not taken (the run's holds key, which tells the script so on one shard,
+        is on its tenant's: Postgres tells it here)."""
+        ledger, token = self.admitter.pools_ledger, p.asks.pool
+        assert token is not None
+        committed = await committed_seq(self.admitter.pool, ledger)
+        result = await ledger.check(Reservation(p.request.run_id, "quote", (), (), token), now_ms=now_ms, committed_seq=committed)
+        if any(r.check == "TAKEN" for r in result.pools) and await self.admitter.pool.fetchval(sql("holds_own_token"), token.token, p.request.run_id):
+            pools = tuple(replace(r, check="HELD") if r.check == "TAKEN" else r for r in result.pools)
+            result = replace(result, pools=pools, status="REJECTED" if any(r.check in ("EXHAUSTED", "CAP") for r in pools) else "FITS")
         return result
 
     async def _after_refills(self, p: Prepared, result: ReserveResult, lacking: list[Lack]) -> ReserveResult:

@@ -20,7 +20,6 @@ from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.ledger_key import AmountOutOfRange
 from budgetgate.core.units import Unit, display
 from budgetgate.ledger.queries import owned_by
-from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.services.reconciler.settler import STARTS_OVER, Outcome, Settler
 from budgetgate.access.tokens import log_action
 
@@ -119,7 +118,7 @@ async def resolve(settler: Settler, run_id: str, *, release: bool, actor: str, r
 
     async def attempt() -> Resolution:
         at = now or datetime.now(UTC)
-        async with ledger_transaction(settler.pool, await settler.ledger_of_run(run_id)) as work:
+        async with settler.transaction(run_id) as work:
             conn = work.conn
             await settler.lock(work, run_id)
             dead = await conn.fetchrow(sql("dead_settlement"), run_id)

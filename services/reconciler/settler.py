@@ -4,10 +4,11 @@ script, then to Postgres, committed together (see transaction.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -87,6 +88,18 @@ class Settler(OneShard):
             return self.ledgers.single
         return self.ledgers.of_root(await self.pool.fetchval(sql("run_root"), run_id, self.ledgers.tenant_label) or "")
 
+    @property
+    def pools_ledger(self) -> RedisLedger | None:
+        """The shard the token pools are on, on a ledger of several shards (None on one)."""
+        return None if len(self.ledgers) == 1 else self.ledgers.of_root("")
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, run_id: str) -> AsyncIterator[LedgerTransaction]:
+        """A ledger transaction on run `run_id`'s shard, and, on a ledger of several shards, on the
+        pools' (its pool token: LedgerTransaction.pools)."""
+        async with ledger_transaction(self.pool, await self.ledger_of_run(run_id), pools=self.pools_ledger) as work:
+            yield work
+
     async def ensure_loaded(self) -> None:
         """Rebuild every shard of the Redis ledger that lost its state (LedgerSync.ensure_loaded)."""
         for sync in self.ledgers.syncs:
@@ -114,7 +127,7 @@ class Settler(OneShard):
         """Bring the run's charges in line with its facts; rebuilds Redis first if it was lost."""
 
         async def attempt() -> Outcome:
-            async with ledger_transaction(self.pool, await self.ledger_of_run(run_id)) as work:
+            async with self.transaction(run_id) as work:
                 await self.lock(work, run_id)
                 return await self.settle_locked(work, run_id, now or self.now())
 
@@ -273,11 +286,11 @@ class Settler(OneShard):
             # The run stopped holding GPUs (or never started): its quota counters and pool token
             # go back now, even while its budget reservation waits for metered actuals.
             try:
-                ended = await end_run_holds(conn, work.ledger, run_id)
-                if ended.redis_released:
-                    work.redis_changed = True
+                ended = await end_run_holds(conn, work.ledger, run_id, pools=work.pools)
+                work.redis_changed = work.redis_changed or bool(ended.redis_released)
+                work.pools_changed = work.pools_changed or bool(ended.tokens_released)
             except BaseException:
-                work.redis_changed = True
+                work.redis_changed = work.pools_changed = True
                 raise
         elif result.released:
             await self._hold_again(work, run_id, decision_id)
@@ -379,12 +392,15 @@ class Settler(OneShard):
         try:
             renewed = await renew_run_token(
                 work.conn, work.ledger, run_id=loaded.facts.run_id, alive_at=min(alive_at, now), now=now,
-                pool_leases={pool.namespace: pool.lease_seconds for pool in loaded.bundle.pools},
+                pool_leases={pool.namespace: pool.lease_seconds for pool in loaded.bundle.pools}, pools=work.pools,
             )  # fmt: skip
         except BaseException:
-            work.redis_changed = True
+            work.redis_changed = work.pools_changed = True
             raise
-        work.redis_changed = work.redis_changed or renewed
+        if work.pools is not None:
+            work.pools_changed = work.pools_changed or renewed
+        else:
+            work.redis_changed = work.redis_changed or renewed
 
     async def _released(self, conn: asyncpg.Connection, ended: EndedHolds, policy_ids: Iterable[str], *, cause: str, now: datetime) -> None:
         """Room came back (the run's holds, or budget room): the runs waiting for it are judged."""

@@ -16,6 +16,7 @@ from budgetgate.policies.policy_store import PolicyStore
 from budgetgate.services.reconciler.settler import Settler
 from tests.support.databases import private_database
 from tests.support.clock import this_month
+from tests.support.sharded import SHARDS, TENANTS, held_in_redis, policies as sharded_policies, run as sharded_run
 from tests.support.waiting import wait_for
 from tests.support.admission import (
     apply_policies,
@@ -444,3 +445,77 @@ async def test_pruning_the_ledger_marks_keeps_the_highest_the_check_reads(pg_dsn
         assert [await conn.fetchval(sql("committed_shard_seq"), shard, 64) for shard in (5, 7, 9, 11)] == [133, 7, 73, 0]
     finally:
         await conn.close()
+
+
+SHARDED_POOL = """apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {id: warehouse}
+spec: {namespace: "snowflake:wh-1", quota: 1}
+"""
+
+
+def _with_token(tenant: str, n: int) -> dict[str, object]:
+    return {**sharded_run(tenant, n), "pool_token": {"namespace": "snowflake:wh-1"}}
+
+
+async def test_a_pool_token_taken_apart_goes_back_when_its_batch_fails_to_commit(admission_factory, pg_dsn, monkeypatch) -> None:
+    """On three shards a run's token is granted on the pools' shard before its decision is
+    written; the write fails: the token is not left held in Redis with no row in Postgres (the
+    pools' shard is invalidated with the batch's, and rebuilt), so the pool's one token goes to
+    the next run."""
+    from budgetgate.services.admission import records
+
+    await apply_policies(pg_dsn, {**sharded_policies(), "p.yaml": SHARDED_POOL}, sha="6" * 40)
+    server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    tenant = next(t for t in TENANTS if server.rt.ledgers.of_root(t) is not server.rt.ledgers.of_root(""))  # another shard than the pools'
+    record = records.record
+
+    async def write_lost(conn, batch):  # type: ignore[no-untyped-def]
+        raise ConnectionResetError("Postgres went away before the batch's write")
+
+    monkeypatch.setattr(records, "record", write_lost)
+    failed = await server.client.post("/v1/admissions", json=_with_token(tenant, 0))
+    monkeypatch.setattr(records, "record", record)
+    assert failed.status_code == 503, failed.text
+    pools = server.rt.ledgers.of_root("")
+    assert await pools.client.zcard(pools.keys.pool("snowflake:wh-1")[0]) == 0 or not await pools.is_loaded()
+
+    async def answered(body: dict[str, object]) -> str | None:  # (a 503 while the shards are rebuilt is retried, as any client would)
+        answer = await server.client.post("/v1/admissions", json=body)
+        return None if answer.status_code == 503 else decision_of(answer)
+
+    assert await wait_for(lambda: answered(_with_token(TENANTS[5], 0)), timeout=30, interval=0.1, what="an answer") == "ALLOW"
+    assert await wait_for(lambda: answered(_with_token(tenant, 0)), timeout=30, interval=0.1, what="an answer") == "DENY"  # the pool is full
+    assert await server.rt.pool.fetchval("SELECT array_agg(token) FROM pool_allocations WHERE state = 'held'") == [f"run:{TENANTS[5]}/run-0"]
+    assert await held_in_redis(server) == await held_in_postgres(pg_dsn)
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+
+async def test_the_pools_shard_restored_from_before_a_runs_token_is_rebuilt_and_never_grants_it_again(admission_factory, killable_redis, pg_dsn) -> None:
+    """A run's token taken apart advances the pools' shard's ledger sequence, and Postgres records
+    it with the decision (a ledger mark): a pools' shard restored from a snapshot taken before
+    the grant is behind, rebuilt before it decides, and the pool's one token is not granted to
+    another run. The run's tenant is on another shard, whose decisions are not the pools'
+    shard's: without the mark nothing would tell the restored shard is behind."""
+    await apply_policies(pg_dsn, {**sharded_policies(), "p.yaml": SHARDED_POOL}, sha="6" * 40)
+    server = await admission_factory(redis_url=killable_redis.url, ledger_shards=SHARDS)
+    await server.wait_ready()
+    pools = server.rt.ledgers.of_root("")
+    holder, other = [t for t in TENANTS if server.rt.ledgers.of_root(t) is not pools][:2]
+    assert await pools.client.save()
+    assert decision_of(await server.client.post("/v1/admissions", json=_with_token(holder, 0))) == "ALLOW"
+
+    await restart_from_snapshot(killable_redis, server)  # the snapshot holds no token
+
+    async def answered() -> dict:  # type: ignore[type-arg]
+        answer = await server.client.post("/v1/admissions", json=_with_token(other, 0))
+        return answer.json() if answer.status_code == 200 else {}
+
+    refused = await wait_for(answered, timeout=30, interval=0.2, what="the submission answered once the shards are rebuilt")
+    assert refused["decision"] == "DENY" and 'token pool "snowflake:wh-1" is exhausted (used: 1, quota: 1)' in refused["reason"], refused
+    assert await pools.client.zrange(pools.keys.pool("snowflake:wh-1")[0], 0, -1) == [f"run:{holder}/run-0".encode()]
+    # The holder's shard, restored too, is rebuilt at its next decision: then every shard is as Postgres.
+    assert decision_of(await server.client.post("/v1/admissions", json=sharded_run(holder, 1))) == "ALLOW"
+    drifts = [await sync.check_drift(repair=False) for sync in server.rt.ledgers.syncs]
+    assert all(drift is not None and drift.clean for drift in drifts), drifts

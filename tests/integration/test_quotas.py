@@ -157,12 +157,15 @@ async def test_caps_parent_quota_and_lease_reclaim(admission_factory, pg_dsn) ->
     assert (await server.client.post("/v1/pools/nowhere/allocations", json={"token": "x"})).status_code == 404
 
 
-async def test_a_submission_gets_its_token_and_gpus_together_or_neither(admission_factory, pg_dsn) -> None:
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-shard", "three-shards"])
+async def test_a_submission_gets_its_token_and_gpus_together_or_neither(admission_factory, pg_dsn, shards: int) -> None:
+    """On three shards the token is taken apart, on the pools' shard, then given back when the
+    decision holds nothing (Admitter._take_tokens): the same answers as on one."""
     files = {
         "p.yaml": POOLS.format(child=1, parent=5, cap=5),
         "b.yaml": budget_yaml("small", namespace="physics", labels="{team: physics}", limit="gpu_hours: 10"),
     }
-    server = await started(admission_factory, pg_dsn, files)
+    server = await started(admission_factory, pg_dsn, files, ledger_shards=shards)
     ask = {"namespace": "snowflake:wh-1", "project": "physics"}
     both = (await server.client.post("/v1/admissions", json=physics("with-token", gpus=4, pool_token=ask))).json()
     assert both["decision"] == "ALLOW"

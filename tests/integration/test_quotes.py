@@ -4,6 +4,7 @@ would decide and changes nothing; explain recomputes a recorded decision from it
 from __future__ import annotations
 
 import asyncpg
+import pytest
 
 from tests.support.admission import apply_policies, budget_yaml, decision_of, submission
 from tests.support.quotas import BIG_BUDGET, CLUSTER, POOLS, QUOTA, physics, started
@@ -209,11 +210,14 @@ async def test_a_quote_uses_the_latest_override_revision_made_on_another_instanc
     assert quoted["override_revision"] == real["override_revision"] == put.json()["override_revision"]
 
 
-async def test_quote_refuses_a_pool_token_another_holder_has_as_the_submission_does(admission_factory, pg_dsn) -> None:
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-shard", "three-shards"])
+async def test_quote_refuses_a_pool_token_another_holder_has_as_the_submission_does(admission_factory, pg_dsn, shards: int) -> None:
     """A run's token (run:<run id>) held by another holder refuses its submission (the reserve
-    script's TAKEN); the quote must predict that refusal, with the same reason. The quote of a
-    run that holds its token itself is not refused for it."""
-    server = await started(admission_factory, pg_dsn, {"p.yaml": POOLS.format(child=5, parent=5, cap=5), "b.yaml": BIG_BUDGET})
+    script's TAKEN; on three shards, the token taken apart on the pools' shard); the quote must
+    predict that refusal, with the same reason. The quote of a run that holds its token itself
+    is not refused for it."""
+    files = {"p.yaml": POOLS.format(child=5, parent=5, cap=5), "b.yaml": BIG_BUDGET}
+    server = await started(admission_factory, pg_dsn, files, ledger_shards=shards)
     ask = {"namespace": "snowflake:wh-1", "project": "physics"}
     assert decision_of(await server.client.post("/v1/admissions", json=physics("holder", pool_token=ask))) == "ALLOW"
     conn = await asyncpg.connect(pg_dsn)
@@ -227,7 +231,7 @@ async def test_quote_refuses_a_pool_token_another_holder_has_as_the_submission_d
         )
     finally:
         await conn.close()
-    await server.rt.sync.rebuild(force=True)
+    await server.rt.ledgers.sync_of(server.rt.ledgers.of_root("")).rebuild(force=True)
 
     # The run holding its own token: a fresh evaluation finds the token its own (HELD), not taken.
     own = (await server.client.post("/v1/quotes", json=physics("holder", pool_token=ask))).json()

@@ -3,13 +3,18 @@ records): the reconciler renews its lease from the run's latest sign of life, in
 Redis alike. A run that falls silent loses it a lease later, and an ended run gives it back.
 
 Leases here are a few seconds long, so the tests wait for real time to pass: admission judges
-leases on its own clock."""
+leases on its own clock. Each runs on a ledger of one shard and of three, where the token is
+taken apart from its decision on the pools' shard, for a tenant on another shard (vision), whose
+settlements then lock and change two shards; the last also for a tenant on the pools' shard
+(physics), whose holds and token are two units on one shard."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 from datetime import UTC, datetime, timedelta
+
+import pytest
 
 from budgetgate.core.reconciliation import Rules
 from budgetgate.policies.policy_store import PolicyStore
@@ -30,6 +35,17 @@ spec: {{namespace: snowflake, quota: 5}}
 """
 LEASE = 3  # seconds: what the submissions below ask for
 _samples = itertools.count()
+
+
+@pytest.fixture(params=[(1, "physics"), (3, "vision")], ids=["one-shard", "three-shards-apart"])
+def ledger_shards(request: pytest.FixtureRequest) -> int:
+    """The ledger's shards, the tenant submitting (TEAM) set for the test."""
+    shards, team = request.param
+    TEAM[0] = team
+    return shards
+
+
+TEAM = ["physics"]  # the tenant of the runs submitted (physics' budget covers it alone: another's runs are unmatched, allowed)
 
 
 class Run:
@@ -58,8 +74,9 @@ class Run:
         return row["state"], row["lease_expires_at"]
 
 
-async def _setup(admission_factory, pg_dsn, *, quota: int = 1, lease: int = 3600):  # type: ignore[no-untyped-def]
-    server = await started(admission_factory, pg_dsn, {"b.yaml": BIG_BUDGET, "p.yaml": POOLS.format(quota=quota, lease=lease)})
+async def _setup(admission_factory, pg_dsn, shards: int, *, quota: int = 1, lease: int = 3600):  # type: ignore[no-untyped-def]
+    files = {"b.yaml": BIG_BUDGET, "p.yaml": POOLS.format(quota=quota, lease=lease)}
+    server = await started(admission_factory, pg_dsn, files, ledger_shards=shards)
     bundles = PolicyStore()
     async with server.rt.pool.acquire() as conn:
         await bundles.refresh(conn)
@@ -68,7 +85,8 @@ async def _setup(admission_factory, pg_dsn, *, quota: int = 1, lease: int = 3600
 
 
 async def _submit(server, run_id: str, **ask: object) -> dict:  # type: ignore[no-untyped-def]
-    return (await server.client.post("/v1/admissions", json=physics(run_id, pool_token={"namespace": POOL, "project": "physics", **ask}))).json()
+    body = physics(run_id, labels={"team": TEAM[0]}, pool_token={"namespace": POOL, "project": "physics", **ask})
+    return (await server.client.post("/v1/admissions", json=body)).json()
 
 
 async def _holders(server) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -81,8 +99,9 @@ async def _no_holders(server) -> bool:  # type: ignore[no-untyped-def]
 
 
 async def _assert_no_drift(server) -> None:  # type: ignore[no-untyped-def]
-    drift = await server.rt.sync.check_drift(repair=False)
-    assert drift is not None and drift.clean, drift
+    for sync in server.rt.ledgers.syncs:
+        drift = await sync.check_drift(repair=False)
+        assert drift is not None and drift.clean, drift
 
 
 async def _report_past_the_lease(run: Run, admitted_at: datetime) -> None:
@@ -92,10 +111,10 @@ async def _report_past_the_lease(run: Run, admitted_at: datetime) -> None:
         await run.fact("usage")
 
 
-async def _alive_past_the_lease(admission_factory, pg_dsn, run_id: str):  # type: ignore[no-untyped-def]
+async def _alive_past_the_lease(admission_factory, pg_dsn, shards: int, run_id: str):  # type: ignore[no-untyped-def]
     """A run admitted with a LEASE-second token that started and reported usage every second
     until twice its lease had passed: (server, settler, run, when it was admitted)."""
-    server, settler = await _setup(admission_factory, pg_dsn)
+    server, settler = await _setup(admission_factory, pg_dsn, shards)
     admitted_at = datetime.now(UTC)
     assert (await _submit(server, run_id, lease_seconds=LEASE))["decision"] == "ALLOW"
     run = Run(server, settler, run_id)
@@ -104,8 +123,8 @@ async def _alive_past_the_lease(admission_factory, pg_dsn, run_id: str):  # type
     return server, settler, run, admitted_at
 
 
-async def test_a_run_reporting_usage_keeps_its_token_past_its_lease(admission_factory, pg_dsn) -> None:
-    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, "long")
+async def test_a_run_reporting_usage_keeps_its_token_past_its_lease(admission_factory, pg_dsn, ledger_shards) -> None:
+    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, ledger_shards, "long")
 
     assert list(await _holders(server)) == ["run:long"]
     state, expires = await run.lease()
@@ -115,12 +134,13 @@ async def test_a_run_reporting_usage_keeps_its_token_past_its_lease(admission_fa
     await _assert_no_drift(server)
     # Every renewal and settlement increase took a ledger sequence number and Postgres recorded
     # it (migration 0025): a Redis restored from before the latest is behind, and rebuilt.
-    ledger = server.rt.ledger
-    assert await server.rt.pool.fetchval("SELECT budgetgate_committed_ledger_seq()") == int(await ledger.client.get(ledger.sequence)) > 1
+    ledger = server.rt.ledgers.of_root("")  # the pools' shard
+    committed = await server.rt.pool.fetchval("SELECT budgetgate_committed_ledger_seq($1, $2)", ledger.shard, ledger_shards)
+    assert committed == int(await ledger.client.get(ledger.sequence)) > 1
 
 
-async def test_the_lease_runs_from_the_latest_sign_of_life_for_the_length_asked_else_the_pools(admission_factory, pg_dsn) -> None:
-    server, settler = await _setup(admission_factory, pg_dsn, quota=3, lease=LEASE + 2)
+async def test_the_lease_runs_from_the_latest_sign_of_life_for_the_length_asked_else_the_pools(admission_factory, pg_dsn, ledger_shards) -> None:
+    server, settler = await _setup(admission_factory, pg_dsn, ledger_shards, quota=3, lease=LEASE + 2)
     assert (await _submit(server, "asked", lease_seconds=LEASE))["decision"] == "ALLOW"
     assert (await _submit(server, "default"))["decision"] == "ALLOW"
     assert (await _submit(server, "granted-before-0024", lease_seconds=LEASE))["decision"] == "ALLOW"
@@ -143,8 +163,8 @@ async def test_the_lease_runs_from_the_latest_sign_of_life_for_the_length_asked_
     await _assert_no_drift(server)
 
 
-async def test_a_run_that_falls_silent_loses_its_token_a_lease_later_and_never_takes_it_back(admission_factory, pg_dsn) -> None:
-    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, "quiet")
+async def test_a_run_that_falls_silent_loses_its_token_a_lease_later_and_never_takes_it_back(admission_factory, pg_dsn, ledger_shards) -> None:
+    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, ledger_shards, "quiet")
     state, expires = await run.lease()
     assert state == "held" and expires > admitted_at + timedelta(seconds=2 * LEASE)
 
@@ -164,8 +184,11 @@ async def test_a_run_that_falls_silent_loses_its_token_a_lease_later_and_never_t
     await _assert_no_drift(server)
 
 
-async def test_a_renewed_token_goes_back_when_its_run_ends(admission_factory, pg_dsn) -> None:
-    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, "ends")
+@pytest.mark.parametrize(
+    "ledger_shards", [(1, "physics"), (3, "vision"), (3, "physics")], ids=["one-shard", "three-shards-apart", "three-shards-on-the-pools-shard"], indirect=True
+)
+async def test_a_renewed_token_goes_back_when_its_run_ends(admission_factory, pg_dsn, ledger_shards) -> None:
+    server, settler, run, admitted_at = await _alive_past_the_lease(admission_factory, pg_dsn, ledger_shards, "ends")
     # Alive right before it ends: renewed a LEASE ahead (a CI machine that stalled for the rest of
     # the last second's lease let the token run out before this was read).
     await run.fact("usage")

@@ -94,29 +94,103 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
     assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
 
 
-async def test_token_pools_are_enforced_on_a_shard_of_their_own_and_a_run_takes_no_token_in_its_decision(admission_factory, pg_dsn) -> None:
+async def test_token_pools_are_enforced_on_a_shard_of_their_own_and_a_run_takes_its_token_there(admission_factory, reconciler_factory, feed, pg_dsn) -> None:  # noqa: F811
     """On several shards a bundle with token pools is enforced: the pools' keys are on the shard
     of the empty root, so every allocation through the API is one script on one slot, and 60
     concurrent allocations of a pool of 5 grant exactly 5. A run asking a pool token in its
-    decision would need the pool's shard and its tenant's at once: it is refused with 422, naming
-    the way to allocate it, and nothing is held for it."""
+    decision takes it there first, then reserves on its tenant's shard (Admitter._take_tokens):
+    12 runs of tenants on every shard racing for the 3 tokens left get exactly 3, each with its
+    reservation, and the others hold nothing; a run its budget refuses gives its token back; a
+    new attempt of a run holding its token is refused as taken; the run's end gives it back on
+    the pools' shard; and a rebuild of that shard restores the runs' tokens."""
     await apply_policies(pg_dsn, {**policies(), "pools.yaml": POOLS.format(child=5, parent=8, cap=5)}, sha="6" * 40)
-    server = await admission_factory(ledger_shards=SHARDS)
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
     await server.wait_ready()
     url = "/v1/pools/snowflake:wh-1/allocations"
     answers = await asyncio.gather(*(server.client.post(url, json={"token": f"t-{i}"}) for i in range(60)))
-    assert [a.json()["status"] for a in answers].count("Granted") == 5
-    assert (await server.client.get("/v1/pools/snowflake")).json()["used"] == 5
-    shared_shard = server.rt.ledgers.of_root("")
+    granted = [a.json()["token"] for a in answers if a.json()["status"] == "Granted"]
+    assert len(granted) == 5 and (await server.client.get("/v1/pools/snowflake")).json()["used"] == 5
+    pools = server.rt.ledgers.of_root("")
     for ledger in server.rt.ledgers:  # on the empty root's shard alone
-        assert (await ledger.client.zcard(ledger.keys.pool("snowflake:wh-1")[0]) == 5) == (ledger.shard == shared_shard.shard)
+        assert (await ledger.client.zcard(ledger.keys.pool("snowflake:wh-1")[0]) == 5) == (ledger.shard == pools.shard)
+    for token in granted[:3]:
+        assert (await server.client.delete(f"{url}/{token}")).json()["released"]
 
-    answer = await server.client.post("/v1/admissions", json={**run(TENANTS[0], 0), "pool_token": {"namespace": "snowflake:wh-1"}})
-    assert answer.status_code == 422, answer.text
-    assert "POST /v1/pools/snowflake:wh-1/allocations" in answer.text and answer.json()["errors"][0]["loc"] == ["body", "pool_token"], answer.text
-    assert await held_in_postgres(pg_dsn) == {}
-    assert decision_of(await server.client.post("/v1/admissions", json=run(TENANTS[0], 0))) == "ALLOW"  # without the token
+    token = {"pool_token": {"namespace": "snowflake:wh-1"}}
+    racing = [{**run(t, n), **token} for n in range(2) for t in TENANTS]
+    bodies = [a.json() for a in await asyncio.gather(*(server.client.post("/v1/admissions", json=r) for r in racing))]
+    allowed = sorted(b["run_id"] for b in bodies if b["decision"] == "ALLOW")
+    assert len(allowed) == 3, bodies
+    assert all('token pool "snowflake:wh-1" is exhausted' in b["reason"] for b in bodies if b["decision"] != "ALLOW"), bodies
+    assert len(await held_in_postgres(pg_dsn)) == len({r.split("/")[0] for r in allowed})  # a reservation for each run admitted alone
+    assert await held_in_redis(server) == await held_in_postgres(pg_dsn)
+    assert await _run_tokens(pg_dsn) == {f"run:{r}" for r in allowed}
+    assert await pools.client.zcard(pools.keys.pool("snowflake:wh-1")[0]) == 5
+    assert (await server.client.get("/v1/pools/snowflake")).json()["used"] == 5
+    denied = next(b["run_id"] for b in bodies if b["decision"] != "ALLOW")
+    for run_id in (allowed[0], denied):  # explain decides each again on what it was decided on: the same
+        explained = (await server.client.get(f"/v1/admissions/{run_id}/explain")).json()
+        assert explained["identical"] is True, explained
+
+    # Room for one: a run its budget refuses (24 GPU-hours of 20) takes the token and gives it back.
+    assert (await server.client.delete(f"{url}/{granted[3]}")).json()["released"]
+    free = [t for t in TENANTS if not any(r.startswith(f"{t}/") for r in allowed)]  # (3 at least) holding nothing
+    big = {**run(free[0], 9), "resources": {"gpus": 24, "nodes": 1}, **token}
+    refused = (await server.client.post("/v1/admissions", json=big)).json()
+    assert refused["decision"] == "DENY" and f"budget-{free[0]}" in refused["reason"], refused
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 4
+    quoted = (await server.client.post("/v1/quotes", json={**run(free[0], 9), **token})).json()
+    assert quoted["decision"] == "ALLOW", quoted
+    # A quote of an admitted run finds the token its own.
+    holder = {**run(allowed[0].split("/run-")[0], allowed[0].split("/run-")[1]), **token}
+    assert (await server.client.post("/v1/quotes", json=holder)).json()["decision"] == "ALLOW"
+    # A run whose token another holder has (left by an allocation made before `run:` tokens were
+    # reserved for submissions) is refused as taken, by its quote and its submission alike.
+    leftover = (
+        "INSERT INTO pool_allocations (namespace, token, levels, lease_expires_at, principal, state)"
+        " VALUES ($1, $2, $3, now() + interval '1 hour', 'mallory', 'held')"
+    )
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(leftover, "snowflake:wh-1", f"run:{free[1]}/run-9", ["snowflake:wh-1", "snowflake"])
+    finally:
+        await conn.close()
+    await server.rt.ledgers.sync_of(pools).rebuild(force=True)
+    taken = f'token "run:{free[1]}/run-9" of pool "snowflake:wh-1" is held by another holder, not by this run'
+    assert (await server.client.post("/v1/quotes", json={**run(free[1], 9), **token})).json()["reason"] == taken
+    assert (await server.client.post("/v1/admissions", json={**run(free[1], 9), **token})).json()["reason"] == taken
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 5
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute("UPDATE pool_allocations SET state = 'released' WHERE principal = 'mallory'")
+    finally:
+        await conn.close()
+    await server.rt.ledgers.sync_of(pools).rebuild(force=True)
+
+    # The run ends: its token goes back on the pools' shard (its holds on its tenant's).
+    reconciler = await reconciler_factory(ledger_shards=SHARDS)
+    ended = allowed[0]
+    start = datetime.now(UTC) - timedelta(minutes=10)
+    await feed.send(lifecycle(ended, "STARTED", start, gpus=8), lifecycle(ended, "COMPLETED", start + timedelta(minutes=5)))
+    await wait_caught_up(reconciler)
+    assert await _run_tokens(pg_dsn) == {f"run:{r}" for r in allowed[1:]}
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 3
     assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+    # The pools' shard lost: rebuilt from Postgres, with the runs' tokens and the API's.
+    await pools.client.delete(*[k async for k in pools.client.scan_iter(match=f"{pools.tag}:*")])
+    assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 3
+    assert [decision_of(await server.client.post("/v1/admissions", json={**run(t, 8), **token})) for t in free[:3]] == ["ALLOW", "ALLOW", "DENY"]
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+
+async def _run_tokens(dsn: str) -> set[str]:
+    """The runs' pool tokens Postgres holds."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {r["token"] for r in await conn.fetch("SELECT token FROM pool_allocations WHERE state = 'held' AND run_id IS NOT NULL")}
+    finally:
+        await conn.close()
 
 
 async def test_the_ledger_commands_go_shard_by_shard(admission_factory, pg_dsn, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -82,7 +82,8 @@ async def restart_from_snapshot(redis_server, *servers) -> None:  # type: ignore
     redis_server.stop()
     redis_server.start()
     for server in servers:
-        await server.rt.ledger.client.connection_pool.disconnect()
+        for ledger in server.rt.ledgers:
+            await ledger.client.connection_pool.disconnect()
 
 
 def submission(**overrides: object) -> dict[str, object]:

@@ -28,10 +28,11 @@ spec: {{namespace: snowflake, quota: {parent}}}
 BIG_BUDGET = budget_yaml("physics-gpus", namespace="physics", labels="{team: physics}", limit="gpu_hours: 100000")
 
 
-async def started(admission_factory, pg_dsn, files: dict[str, str], sha: str = "9" * 40):  # type: ignore[no-untyped-def]
-    """An admission service, ready, on the policy `files` applied under `sha`."""
+async def started(admission_factory, pg_dsn, files: dict[str, str], sha: str = "9" * 40, *, ledger_shards: int = 1):  # type: ignore[no-untyped-def]
+    """An admission service, ready, on the policy `files` applied under `sha`, its Redis ledger
+    in `ledger_shards` shards."""
     await apply_policies(pg_dsn, files, sha=sha)
-    server = await admission_factory(pg_pool_max=30)
+    server = await admission_factory(pg_pool_max=30, ledger_shards=ledger_shards)
     await server.wait_ready()
     return server
 

@@ -15,7 +15,7 @@ from budgetgate.core.escrow import lease_key
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.core.shards import shared, MAX_SHARDS, SEQ_STEP, Shards, key_root
-from budgetgate.decisions.concurrency import NoSensitiveTenant, PoolTokenOnShards, asks
+from budgetgate.decisions.concurrency import NoSensitiveTenant, asks
 from budgetgate.ledger.holds import LEASED, counter_args, lease_root, sensitive_lease
 from tests.support.accounts import account_budget, account_tree
 from tests.support.admission import budget_yaml, submission
@@ -102,7 +102,7 @@ def test_budgets_tenants_share_are_those_whose_scope_names_no_single_tenant() ->
         assert shared(attached.policies[0], "team")  # charged through each tenant's lease
 
 
-def test_on_several_shards_a_sensitive_run_counts_on_its_tenants_lease_and_a_run_takes_no_pool_token() -> None:
+def test_on_several_shards_a_sensitive_run_counts_on_its_tenants_lease_and_a_runs_pool_token_is_taken_apart() -> None:
     sensitive = "apiVersion: budgetgate/v1\nkind: Quota\nmetadata: {id: sensitive}\nspec: {sensitive_pool_size: 16}\n"
     bundle = _bundle("\n---\n".join([budget_yaml("vision", namespace="ml", labels="{team: vision}"), sensitive, POOLS.format(child=1, parent=5, cap=5)]))
     now = datetime.now(UTC)
@@ -118,7 +118,9 @@ def test_on_several_shards_a_sensitive_run_counts_on_its_tenants_lease_and_a_run
     with pytest.raises(NoSensitiveTenant, match="must name its tenant"):
         asks(bundle, request(labels={"sensitive": "true"}), tenant_label="team", now=now, leased=True)
     token = {"namespace": "snowflake:wh-1"}
-    assert asks(bundle, request(labels={"team": "vision"}, pool_token=token), tenant_label="team", now=now).pool is not None
-    with pytest.raises(PoolTokenOnShards, match="POST /v1/pools/snowflake:wh-1/allocations"):
-        asks(bundle, request(labels={"team": "vision"}, pool_token=token), tenant_label="team", now=now, leased=True)
+    one_shard = asks(bundle, request(labels={"team": "vision"}, pool_token=token), tenant_label="team", now=now)
+    assert one_shard.pool is not None and not one_shard.pool_apart
+    apart = asks(bundle, request(labels={"team": "vision"}, pool_token=token), tenant_label="team", now=now, leased=True)
+    assert apart.pool == one_shard.pool and apart.pool_apart  # the same token, taken on the pools' shard
+    assert not asks(bundle, request(labels={"team": "vision"}), tenant_label="team", now=now, leased=True).pool_apart
     assert sensitive_lease("vision") == "sensitive@vision" and lease_root("sensitive@vision") == "vision" and lease_root("t:vision") is None

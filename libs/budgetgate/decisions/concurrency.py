@@ -30,12 +30,6 @@ class NoSuchPool(LookupError):
     """A submission or allocation names a pool namespace no ResourcePool declares."""
 
 
-class PoolTokenOnShards(ValueError):
-    """A submission asks for a pool token in its decision on a ledger of several shards: the
-    pools' keys are on a shard of their own (the empty root's), the run's on its tenant's, and a
-    decision reserves on one shard, all or none."""
-
-
 class NoSensitiveTenant(ValueError):
     """A sensitive submission names no tenant, on a ledger of several shards: the sensitive pool
     is carved into tenants' leases there, and it has none to count on."""
@@ -49,6 +43,10 @@ class Asks:
     sensitive: bool
     counters: tuple[CounterRequest, ...] = ()
     pool: PoolRequest | None = None
+    # The pool token is taken apart from the rest: on a ledger of several shards the pools' keys
+    # are on the empty root's shard, the run's on its tenant's. Admission takes the token there
+    # first and gives it back if the decision holds nothing (Admitter._take_tokens).
+    pool_apart: bool = False
 
     @property
     def any(self) -> bool:
@@ -98,8 +96,8 @@ def _tighter(a: int | None, b: int | None) -> int | None:
 def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, now: datetime, leased: bool = False) -> Asks:
     """What `request` holds if admitted. `leased`: the ledger has several shards, so a sensitive
     run counts on its tenant's escrow lease of the sensitive pool (holds.sensitive_lease), on its
-    tenant's shard; raises NoSensitiveTenant for one that names no tenant, and PoolTokenOnShards
-    for one asking a pool token (the pools' keys are on a shard of their own)."""
+    tenant's shard (raises NoSensitiveTenant for one that names no tenant), and its pool token
+    is taken apart, on the pools' shard (`Asks.pool_apart`)."""
     res = request.resources
     tenant = request.labels.get(tenant_label)
     counters = []
@@ -121,11 +119,6 @@ def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, 
         else:
             counters.append(CounterRequest(sensitive_lease(tenant), res.gpus, res.nodes, 1, limits, lease=True))
     pool = None
-    if request.pool_token is not None and leased:
-        raise PoolTokenOnShards(
-            "a run cannot take a pool token in its decision on a ledger of several shards (BUDGETGATE_LEDGER_SHARDS): the pools are on a shard of "
-            f"their own; allocate the token through POST /v1/pools/{request.pool_token.namespace}/allocations, then submit the run without it"
-        )
     if request.pool_token is not None:
         ask = request.pool_token
         pool = pool_request(
@@ -138,7 +131,7 @@ def asks(bundle: PolicyBundle, request: AdmissionRequest, *, tenant_label: str, 
             lease_seconds=ask.lease_seconds,
             now=now,
         )
-    return Asks(tenant=tenant, sensitive=sensitive, counters=tuple(counters), pool=pool)
+    return Asks(tenant=tenant, sensitive=sensitive, counters=tuple(counters), pool=pool, pool_apart=leased and pool is not None)
 
 
 def rejection(bundle: PolicyBundle, request: AdmissionRequest, the_asks: Asks, result: ReserveResult) -> str | None:

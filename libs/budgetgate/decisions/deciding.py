@@ -20,7 +20,7 @@ from budgetgate.core.shards import run_root
 from budgetgate.core.policy import PolicyBundle
 from budgetgate.ledger.holds import PoolReading
 from budgetgate.ledger.redis_ledger import ChargeRequest, ReserveResult
-from budgetgate.decisions.concurrency import Asks, NoSensitiveTenant, NoSuchPool, PoolTokenOnShards, asks, refused, rejection, standing
+from budgetgate.decisions.concurrency import Asks, NoSensitiveTenant, NoSuchPool, asks, refused, rejection, standing
 from budgetgate.contracts.admission import AdmissionRequest
 
 
@@ -84,8 +84,6 @@ def prepare(
         raise InvalidSubmission("pool_token.namespace", str(exc)) from exc
     except NoSensitiveTenant as exc:
         raise InvalidSubmission(f"labels.{tenant_label}", str(exc)) from exc
-    except PoolTokenOnShards as exc:
-        raise InvalidSubmission("pool_token", str(exc)) from exc
     return Prepared(request, bundle, the_plan, the_asks, at)
 
 

@@ -3,6 +3,7 @@ counters, run holds, and pool allocations."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from collections.abc import Mapping
@@ -59,7 +60,9 @@ async def concurrency_state(conn: asyncpg.Connection, ledger: RedisLedger, *, no
             state.holds[row["run_id"]][keys.counter(name)] = f"{row['gpus']},{row['nodes']},1"
     for row in await conn.fetch(sql("held_pool_allocations"), now) if shared else ():
         state.pools.append(dict(row))
-        if row["run_id"]:
+        # A run's token is listed by its holds key on one shard; on several, its holds key is on
+        # its tenant's shard and the token on this one (taken apart: Admitter._take_tokens).
+        if row["run_id"] and not leased:
             for namespace in row["levels"]:
                 state.holds[row["run_id"]][keys.pool(namespace)[0]] = row["token"]
     return state
@@ -89,35 +92,46 @@ def write_concurrency(pipe: Any, keys: HoldKeys, state: ConcurrencyState) -> Non
 @dataclass(frozen=True)
 class EndedHolds:
     """What a run gave back: the holds Postgres ended now (with the tenant and whether they
-    counted against the sensitive pool), and how many holds Redis released."""
+    counted against the sensitive pool), how many holds Redis released, and how many levels of
+    pool tokens the pools' shard released (a ledger of several shards: `pools`)."""
 
     ended: bool
     tenant: str | None
     sensitive: bool
     redis_released: int
+    tokens_released: int = 0
 
 
-async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str) -> EndedHolds:
+async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: str, *, pools: RedisLedger | None = None) -> EndedHolds:
     """A run ended: give back its concurrency holds, in Postgres (within the caller's
-    transaction, which holds the ledger lock shared) and in Redis."""
+    transaction, which holds the ledger lock shared) and in Redis. `pools`: on a ledger of
+    several shards, the pools' shard (LedgerTransaction.pools; its lock held shared too), where
+    the run's pool token is given back apart from its holds, Postgres first."""
+    tokens = await conn.fetch(sql("end_run_tokens"), run_id) if pools is not None else ()
     row = await conn.fetchrow(sql("end_run_holds"), run_id)
-    try:
+    # Redis lost the ledger (LedgerNotLoaded): the caller holds the ledger lock shared, so the
+    # rebuild that must come first runs after this commit and takes its counts from these rows.
+    released = tokens_released = 0
+    with contextlib.suppress(LedgerNotLoaded):
         released = await ledger.release_holds(run_id)
-    except LedgerNotLoaded:
-        # Redis lost the ledger; the caller holds the ledger lock shared, so the rebuild that
-        # must come first runs after this commit and takes its counts from these rows.
-        released = 0
-    return EndedHolds(row is not None, row["tenant"] if row else None, bool(row and row["sensitive"]), released)
+    if pools is not None:
+        with contextlib.suppress(LedgerNotLoaded):
+            for token in tokens:
+                tokens_released += await pools.deallocate(token["levels"], token["token"])
+    return EndedHolds(row is not None, row["tenant"] if row else None, bool(row and row["sensitive"]), released, tokens_released)
 
 
 async def renew_run_token(
-    conn: asyncpg.Connection, ledger: RedisLedger, *, run_id: str, alive_at: datetime, now: datetime, pool_leases: Mapping[str, int]
-) -> bool:
+    conn: asyncpg.Connection, ledger: RedisLedger, *, run_id: str, alive_at: datetime, now: datetime, pool_leases: Mapping[str, int],
+    pools: RedisLedger | None = None,
+) -> bool:  # fmt: skip
     """Run `run_id` showed at `alive_at` that it is alive: the lease of its pool token is renewed
     to `alive_at` + the lease length it was granted with (`pool_leases`: each pool's default, for
     a token granted before that length was kept), in Postgres (within the caller's transaction,
-    which holds the ledger lock shared) and in Redis. A lease that ran out by `now` is not: its
-    place may be another holder's. True when renewed."""
+    which holds the ledger lock shared) and in Redis: on `pools`, the pools' shard of a ledger
+    of several shards (see end_run_holds). A lease that ran out by `now` is not: its place may be another
+    holder's. True when renewed."""
+    ledger = pools or ledger
     row = await conn.fetchrow(sql("renew_run_token"), run_id, alive_at, now, json.dumps(dict(pool_leases)))
     if row is None:
         return False

@@ -63,6 +63,9 @@ class Reservation:
     charges: tuple[ChargeRequest, ...]
     counters: tuple[CounterRequest, ...] = ()
     pool: PoolRequest | None = None
+    # Refused elsewhere: its pool token, on the pools' shard of a ledger of several shards (see
+    # Admitter._take_tokens). Read as any reservation, never held (REJECTED); no `pool` then.
+    refused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +275,9 @@ class RedisLedger:
             keys += [self.run(r.run_id), self.keys.holds(r.run_id), *(self.ledger(c.ledger_key) for c in r.charges)]
             keys += [self.keys.counter(c.name) for c in r.counters]
             keys += [key for level in levels for key in self.keys.pool(level.namespace)]
-            args += [r.decision_id, len(r.charges), len(r.counters), len(levels)]
+            if r.refused and r.pool is not None:
+                raise ValueError(f"run {r.run_id!r}: a reservation refused elsewhere asks for no pool token here")
+            args += [r.decision_id, len(r.charges), len(r.counters), -1 if r.refused else len(levels)]
             for c in r.charges:
                 args += [c.amount, c.limit, "L" if c.lease else 1 if c.hard else 0]
             args += counter_args(r.counters) + pool_args(r.pool)

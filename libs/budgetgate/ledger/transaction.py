@@ -52,6 +52,11 @@ class LedgerTransaction:
     redis_changed: bool = False
     parked: list[tuple[str, int, str]] = field(default_factory=list)  # (run id, settlement seq, token) begun in Redis
     others: tuple[RedisLedger, ...] = ()  # more shards the unit changes (a batch of admission decisions spanning shards)
+    # The pools' shard on a ledger of several shards (it may be `ledger`'s too): a run's pool
+    # token is there, apart from its holds (concurrency_holds.end_run_holds, renew_run_token);
+    # locked shared with `ledger`, and invalidated should the unit fail once `pools_changed`.
+    pools: RedisLedger | None = None
+    pools_changed: bool = False
 
     async def invalidate(self, why: str) -> None:
         """Invalidate every shard of the Redis ledger the unit changes (see RedisLedger.invalidate)."""
@@ -60,21 +65,25 @@ class LedgerTransaction:
 
 
 @contextlib.asynccontextmanager
-async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIterator[LedgerTransaction]:
-    """A transaction holding the ledger lock shared; commits on leaving the block."""
+async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger, *, pools: RedisLedger | None = None) -> AsyncIterator[LedgerTransaction]:
+    """A transaction holding the ledger lock shared; commits on leaving the block. `pools`: the
+    pools' shard of a ledger of several shards (LedgerTransaction.pools), its lock taken with
+    `ledger`'s in shard order (as every unit locking several shards does)."""
     async with pool.acquire() as conn:
         tx = conn.transaction()
         await tx.start()
-        work = LedgerTransaction(conn, ledger)
+        work = LedgerTransaction(conn, ledger, pools=pools)
         try:
-            await conn.execute(sql("lock_ledger_shared"), ledger.shard)
+            if work.pools is None:
+                await conn.execute(sql("lock_ledger_shared"), ledger.shard)
+            else:
+                await conn.execute(sql("lock_shards_shared"), sorted({ledger.shard, work.pools.shard}))
             yield work
         except BaseException:
-            if work.redis_changed:
-                # Before the rollback, while the ledger lock is still held: no rebuild ran since
-                # the Redis change, so the marker dropped is the one it was made under, never that
-                # of a rebuild another process makes once the lock is free (rebuilt again for nothing).
-                await ledger.invalidate("a ledger transaction failed after its Redis script")
+            # Before the rollback, while the ledger lock is still held: no rebuild ran since
+            # the Redis change, so the marker dropped is the one it was made under, never that
+            # of a rebuild another process makes once the lock is free (rebuilt again for nothing).
+            await _invalidate_changed(work, "a ledger transaction failed after its Redis script")
             with contextlib.suppress(Exception):
                 await tx.rollback()
             await _end(ledger, work.parked, committed=False)
@@ -82,10 +91,16 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIt
         try:
             await tx.commit()
         except BaseException:
-            if work.redis_changed:
-                await ledger.invalidate("a ledger transaction's commit failed or was not confirmed")
+            await _invalidate_changed(work, "a ledger transaction's commit failed or was not confirmed")
             raise  # parked settlements wait for end_pending, which asks Postgres
     await _end(ledger, work.parked, committed=True)
+
+
+async def _invalidate_changed(work: LedgerTransaction, why: str) -> None:
+    if work.redis_changed:
+        await work.ledger.invalidate(why)
+    if work.pools is not None and work.pools_changed:
+        await work.pools.invalidate(why)
 
 
 # Sessions whose locks are being let go after their unit committed (ledger_session), kept so

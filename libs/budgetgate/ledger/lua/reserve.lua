@@ -16,7 +16,9 @@
 -- ARGV: [1] sequence Postgres committed, [2] now ms, [3] decisions, [4] mode: 'reserve', or
 --       'check' (a quote: the same checks and readings, nothing held, a run's own earlier hold
 --       ignored, a ledger key never loaded read as empty and named); then per decision:
---       decision id, n, m, pool levels; per ledger key: amount, limit, hard (1|0, or L for an
+--       decision id, n, m, pool levels (-1: none, and the decision is refused elsewhere, its
+--       pool token on the pools' shard of a ledger of several shards: read, never held);
+--       per ledger key: amount, limit, hard (1|0, or L for an
 --       escrow lease, whose limit is its size field, lease.lua); per counter:
 --       gpus, nodes, allocations to add, then their limits (-1 = none, -2 = the counter's size
 --       field: an escrow lease of a counter tenants share, 0 unless its unit field names the
@@ -46,6 +48,10 @@ local function reserve(kb, ab)
   -- kb: index of the run key in KEYS; ab: index of the decision id in ARGV.
   local run, holds = KEYS[kb], KEYS[kb + 1]
   local n, m, levels = tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2]), tonumber(ARGV[ab + 3])
+  local refused = levels < 0
+  if refused then
+    levels = 0
+  end
   if not check and redis.call('EXISTS', run) == 1 then
     return {'DUPLICATE', redis.call('HGET', run, '_decision') or ''}
   end
@@ -131,6 +137,9 @@ local function reserve(kb, ab)
     reply[#reply + 1] = by_subns
   end
 
+  if refused then
+    fits = false
+  end
   if not fits then
     reply[1] = 'REJECTED'
   elseif check then
@@ -169,7 +178,7 @@ end
 local replies = {'OK'}
 local kb, ab = 3, 5
 for _ = 1, tonumber(ARGV[3]) do
-  local n, m, levels = tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2]), tonumber(ARGV[ab + 3])
+  local n, m, levels = tonumber(ARGV[ab + 1]), tonumber(ARGV[ab + 2]), math.max(tonumber(ARGV[ab + 3]), 0)
   replies[#replies + 1] = reserve(kb, ab)
   kb = kb + 2 + n + m + 4 * levels
   ab = ab + 4 + 3 * n + 6 * m + 4 + 3 * levels

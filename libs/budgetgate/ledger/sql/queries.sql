@@ -7,6 +7,11 @@
 -- shrinks leases on other roots' shards in the transaction that grows its own.
 SELECT count(pg_advisory_xact_lock_shared(7301, s)) FROM generate_series(0, $1::integer - 1) AS s;
 
+-- name: lock_shards_shared
+-- lock_ledger_shared of each shard of $1, in its order (the caller sorts it): a run's settlement on a ledger of several
+-- shards, on its tenant's shard and the pools' (its pool token).
+SELECT count(pg_advisory_xact_lock_shared(7301, s)) FROM unnest($1::integer[]) AS s;
+
 -- name: lock_ledger_shared
 -- Every transaction that changes a shard's ($1) reservations takes this; the shard's rebuild takes
 -- it exclusively, so a rebuild never misses a reservation made in Redis but not yet committed here.
@@ -135,6 +140,11 @@ SELECT run_id, decision_id, tenant, gpus, nodes, sensitive FROM run_holds WHERE 
 -- name: held_pool_allocations
 SELECT namespace, token, levels, project, sub_namespace, run_id, lease_expires_at FROM pool_allocations
 WHERE state = 'held' AND lease_expires_at > $1;
+
+-- name: end_run_tokens
+-- A run's pool tokens given back (on a ledger of several shards, where Redis keeps them on the
+-- pools' shard, apart from its holds): each with the levels it was held on.
+UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held' RETURNING token, levels;
 
 -- name: end_run_holds
 -- A run's concurrency holds and pool tokens given back; returns the holds ended now (none when
