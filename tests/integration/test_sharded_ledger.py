@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
+from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.core.shards import SEQ_STEP, Shards
 from budgetgate.services.admission.admitter import Unavailable
 from tests.support.admission import apply_policies, decision_of, held_in_postgres, one_batch, reserved_in_redis
@@ -181,6 +182,30 @@ async def test_token_pools_are_enforced_on_a_shard_of_their_own_and_a_run_takes_
     await pools.client.delete(*[k async for k in pools.client.scan_iter(match=f"{pools.tag}:*")])
     assert (await server.client.get("/v1/pools/snowflake:wh-1")).json()["used"] == 3
     assert [decision_of(await server.client.post("/v1/admissions", json={**run(t, 8), **token})) for t in free[:3]] == ["ALLOW", "ALLOW", "DENY"]
+    assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
+
+
+async def test_a_runs_token_left_by_a_process_that_died_before_its_write_is_given_back_by_the_drift_repair(admission_factory, pg_dsn) -> None:
+    """A process that dies between a token's grant on the pools' shard and its batch's write
+    leaves the token in Redis with no row in Postgres: the pool holds one token too many (never
+    too few), until the reconciler's drift repair, which finds it and rebuilds the shard, or a
+    retry of the run, which takes it over."""
+    await apply_policies(pg_dsn, {**policies(), "pools.yaml": POOLS.format(child=1, parent=8, cap=5)}, sha="6" * 40)
+    server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    pools = server.rt.ledgers.of_root("")
+    token = {"pool_token": {"namespace": "snowflake:wh-1"}}
+    died = server.rt.admitter.prepare(AdmissionRequest.model_validate({**run(TENANTS[0], 0), **token}), datetime.now(UTC))
+    assert died.asks.pool is not None and died.asks.pool_apart
+    status, _, _ = await pools.allocate(died.asks.pool, now_ms=int(datetime.now(UTC).timestamp() * 1000))
+    assert status == "GRANTED"  # ... and the process died: no decision, no row
+
+    refused = (await server.client.post("/v1/admissions", json={**run(TENANTS[4], 0), **token})).json()
+    assert refused["decision"] == "DENY" and 'token pool "snowflake:wh-1" is exhausted' in refused["reason"], refused
+    drift = await server.rt.ledgers.sync_of(pools).check_drift(repair=True)
+    assert drift is not None and drift.repaired and "snowflake:wh-1" in drift.pools, drift
+    assert decision_of(await server.client.post("/v1/admissions", json={**run(TENANTS[4], 1), **token})) == "ALLOW"
+    assert await _run_tokens(pg_dsn) == {f"run:{TENANTS[4]}/run-1"}
     assert all([(await sync.check_drift(repair=False)).clean for sync in server.rt.ledgers.syncs])
 
 
