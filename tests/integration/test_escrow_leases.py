@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budgetgate.core import escrow as arithmetic
-from budgetgate.ledger.escrow_leases import UnknownBudget
+from budgetgate.ledger.escrow_leases import BudgetBook, UnknownBudget
 from budgetgate.ledger.redis_ledger import LedgerNotLoaded, RedisLedger
 from budgetgate.ledger.transaction import ledger_transaction
 from budgetgate.runtime import redis_client
@@ -318,3 +318,33 @@ async def test_a_reclaim_passes_over_a_lease_whose_shard_cannot_answer(setup: Se
     monkeypatch.setattr(s.escrow, "_move", org_b_rebuilding)
     assert await reserve_with_refill(s, "org-a", 30, chunk=100) == (True, 30)  # from org-c, the second most unused
     assert await sizes(s) == ({"org-a": 30, "org-b": 600, "org-c": 370}, {"org-a": 30, "org-b": 600, "org-c": 370})
+
+
+
+async def test_a_lease_opened_by_many_at_once_is_opened_once_without_an_error(setup: Setup, pg_dsn: str) -> None:
+    """Admission batches in flight open the lease of a tenant's first decisions on a shared
+    budget at the same moment (escrow_open): whichever comes second finds the lease there, by
+    whichever of its two unique keys (the budget and root, the lease's own key) it meets first.
+    Its ON CONFLICT named the first alone, so an insert that met the other's row on the lease
+    key's index raised a unique violation and failed its whole batch with a 500 (the Redis
+    Cluster failover test, now and then in CI). The race's window is a few instructions wide;
+    the conflict on the lease key alone, which it comes down to, is made here at will, then the
+    race is run a few dozen times."""
+    book = BudgetBook(BUDGET)
+    lease = await book.open(setup.pool, "org-a")
+    # The lease's key taken under another root: only the lease key's index sees the conflict.
+    await setup.pool.execute("UPDATE escrow_leases SET root = 'org-a-before' WHERE lease_key = $1", lease)
+    assert await book.open(setup.pool, "org-a") == lease
+    assert await setup.pool.fetchval("SELECT count(*) FROM escrow_leases WHERE lease_key = $1", lease) == 1
+
+    async with asyncpg.create_pool(pg_dsn, min_size=6, max_size=6) as pool:
+        for n in range(30):
+            barrier = asyncio.Barrier(6)
+
+            async def opens(root: str) -> str:
+                async with pool.acquire() as conn:
+                    await barrier.wait()
+                    return await book.open(conn, root)
+
+            assert len(set(await asyncio.gather(*(opens(f"org-{n}") for _ in range(6))))) == 1
+    assert await setup.pool.fetchval("SELECT count(*) FROM escrow_leases WHERE root LIKE 'org-%' AND root <> 'org-a-before'") == 30

@@ -310,7 +310,10 @@ JOIN ledger_archives a ON a.parent = 'decisions' AND k.decided_at >= a.range_sta
 -- The lease of root $2 on the budget filed under $1, as ledger key $3 with scope id $4: its own
 -- ledger entry (the budget's window, unit, policy and limit, for reference: its limit in Redis is
 -- its size) and its escrow_leases row, of size 0, unless they exist. No row back when the budget
--- has no ledger entry. Migration 0041.
+-- has no ledger entry. Migration 0041. The row's two unique keys (budget and root, the lease key)
+-- name one lease: a conflict on either is the lease opened already, by a batch at the same moment
+-- too (ON CONFLICT with no target; naming the first alone, an insert racing another's met it on
+-- the second's index and failed with a unique violation).
 WITH budget AS (
     SELECT * FROM ledger_entries WHERE ledger_key = $1
 ), entry AS (
@@ -320,7 +323,7 @@ WITH budget AS (
 ), lease AS (
     INSERT INTO escrow_leases (ledger_key, root, lease_key, size)
     SELECT $1, $2, $3, 0 FROM budget
-    ON CONFLICT (ledger_key, root) DO NOTHING
+    ON CONFLICT DO NOTHING
 )
 SELECT 1 FROM budget;
 
