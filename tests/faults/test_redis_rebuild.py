@@ -55,7 +55,10 @@ async def test_two_instances_on_a_restored_redis_wait_for_one_rebuild_and_never_
     # 25 ALLOW, SAVE, 25 more ALLOW, Redis restarted from the old dump.rdb (its "loaded" marker
     # and the first 25 reservations only), then a burst at both instances at once.
     await apply_policies(pg_dsn, {"b.yaml": budget_yaml("two", limit="gpu_hours: 150")}, sha="8" * 40)
-    servers = [await admission_factory(redis_url=killable_redis.url, pg_pool_max=30) for _ in range(2)]
+    # Waiting up to 30 s for the rebuild, not 5: the claim is that every submission waits for
+    # the one rebuild and is decided, and 200 of them behind a slowed rebuild took more than 5 s
+    # on a loaded CI machine (2026-12-01).
+    servers = [await admission_factory(redis_url=killable_redis.url, pg_pool_max=30, rebuild_wait_seconds=30) for _ in range(2)]
     for server in servers:
         await server.wait_ready()
 
