@@ -320,7 +320,6 @@ async def test_a_reclaim_passes_over_a_lease_whose_shard_cannot_answer(setup: Se
     assert await sizes(s) == ({"org-a": 30, "org-b": 600, "org-c": 370}, {"org-a": 30, "org-b": 600, "org-c": 370})
 
 
-
 async def test_a_lease_opened_by_many_at_once_is_opened_once_without_an_error(setup: Setup, pg_dsn: str) -> None:
     """Admission batches in flight open the lease of a tenant's first decisions on a shared
     budget at the same moment (escrow_open): whichever comes second finds the lease there, by
