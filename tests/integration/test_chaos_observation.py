@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaProducer
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from budgetgate.chaos import campaign
-from budgetgate.chaos.observation import decisions_on_topic, evidence_trail
+from budgetgate.chaos.observation import LOCK_HOLDERS, decisions_on_topic, evidence_trail
 from budgetgate.contracts import wire
 from budgetgate.contracts.topics import Topics
 from budgetgate.ledger.redis_ledger import RedisLedger
@@ -94,3 +94,18 @@ async def test_a_redis_key_over_its_limit_is_sampled_with_its_holds_and_those_po
     assert over["held"] == 180 and set(over["runs"]) == {"r-ended", "r-held", "r-other"}
     assert over["runs"]["r-ended"] == {"amount": 60, "decision_id": ended}
     assert over["ended_in_postgres"] == ["r-ended"]
+
+
+async def test_the_observation_names_who_holds_a_shards_ledger_lock(pg_dsn: str) -> None:
+    """A drift check that waits past LOCK_WAIT for a shard's ledger lock ends and names the
+    sessions holding it (a campaign once hung there for minutes with no word of who)."""
+    holder = await asyncpg.connect(pg_dsn, server_settings={"application_name": "holding-the-ledger"})
+    reader = await asyncpg.connect(pg_dsn)
+    try:
+        await holder.execute("SELECT pg_advisory_lock_shared(7301, 2)")
+        held = await reader.fetch(LOCK_HOLDERS, 2)
+        assert [(r["application_name"], r["mode"]) for r in held] == [("holding-the-ledger", "ShareLock")]
+        assert await reader.fetch(LOCK_HOLDERS, 0) == []  # another shard's lock: nobody
+    finally:
+        await holder.close()
+        await reader.close()

@@ -52,7 +52,8 @@ async def observe(cluster: Cluster, *, at: float, echo: Callable[[str], None], w
     found["evidence"] = [e for e in cluster.sink.decision_events() if e.get("stage") in (None, "decision")]
     placed: dict[str, dict[str, Any]] = {}
     try:
-        placed = await decisions_on_topic(cluster.bootstrap)
+        async with asyncio.timeout(wait):  # (a broker that hangs is said, not waited on)
+            placed = await decisions_on_topic(cluster.bootstrap)
         found["topic_decisions"] = sorted(placed)
         found["topic_read"] = True
     except Exception as exc:  # noqa: BLE001 - the broker may be unreachable: said, not judged
@@ -61,12 +62,21 @@ async def observe(cluster: Cluster, *, at: float, echo: Callable[[str], None], w
     missing = sorted(decided - {e["decision_id"] for e in found["evidence"]})
     if missing:
         try:
-            found["evidence_trail"] = await evidence_trail(cluster.dsn, cluster.bootstrap, missing, placed)
+            async with asyncio.timeout(wait):
+                found["evidence_trail"] = await evidence_trail(cluster.dsn, cluster.bootstrap, missing, placed)
         except Exception as exc:  # noqa: BLE001 - a diagnosis that fails must not cost the observation
             echo(f"the trail of the decisions missing from the evidence could not be read: {exc!r}")
-    found["redis_drift"] = await redis_drift(cluster)
+    found["redis_drift"] = await redis_drift(cluster, echo=echo)
     found.update(type="observation", at=at)
     return found
+
+
+LOCK_HOLDERS = """
+SELECT a.pid, l.mode, a.application_name, a.state, a.xact_start::text, left(a.query, 200) AS query
+FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+WHERE l.locktype = 'advisory' AND l.classid = 7301 AND l.objid = $1 AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+"""
 
 
 async def evidence_trail(dsn: str, bootstrap: str, missing: list[str], placed: dict[str, dict[str, Any]], *, prefix: str = "") -> dict[str, dict[str, Any]]:
@@ -152,21 +162,34 @@ async def decisions_on_topic(bootstrap: str, *, prefix: str = "", quiet_polls: i
         await consumer.stop()
 
 
-async def redis_drift(cluster: Cluster, *, tries: int = 10) -> dict[str, Any]:
-    """The drift check, asked again a few times: a difference may be a change in flight."""
+# The longest the drift check waits for a shard's ledger lock, held exclusively to confirm a
+# difference (drift.py): once recovered, nothing holds it longer. A campaign hung here for more
+# than 4 minutes once in CI (2026-12-01), with no word of who held it; now it says so.
+LOCK_WAIT = "20s"
+
+
+async def redis_drift(cluster: Cluster, *, tries: int = 10, echo: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """The drift check, asked again a few times: a difference may be a change in flight. A
+    shard's ledger lock that stays held (LOCK_WAIT) ends the check, read as not loaded (the
+    redis checker's violation), with the sessions holding it named (`locked_by`)."""
 
     async def no_rebuild(_conn: asyncpg.Connection) -> None:
         raise RuntimeError("the campaign compares, it never rebuilds")
 
     result: dict[str, Any] = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}
-    pool = await asyncpg.create_pool(cluster.dsn, min_size=1, max_size=2)
+    pool = await asyncpg.create_pool(cluster.dsn, min_size=1, max_size=2, server_settings={"lock_timeout": LOCK_WAIT})
     client = aioredis.Redis(port=cluster.redis.primary.port)
     try:
         for _ in range(tries):
             result = {"loaded": True, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}
             clean = True
             for ledger in shard_ledgers(client, cluster.ledger_shards):  # shard by shard, as the reconciler checks
-                found = await drift.check(pool, ledger, repair=False, rebuild=no_rebuild)
+                try:
+                    found = await drift.check(pool, ledger, repair=False, rebuild=no_rebuild)
+                except asyncpg.LockNotAvailableError:
+                    holders = [dict(r) for r in await pool.fetch(LOCK_HOLDERS, ledger.shard)]
+                    echo(f"the drift check waited more than {LOCK_WAIT} for shard {ledger.shard}'s ledger lock, held by {holders}")
+                    return {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}, "locked_by": holders}
                 if found is None:
                     result, clean = {"loaded": False, "keys": {}, "runs": {}, "counters": {}, "pools": {}, "sizes": {}}, False
                     break
