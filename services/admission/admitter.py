@@ -168,9 +168,10 @@ class Pending:
     def run_id(self) -> str:
         return self.request.run_id
 
-    @property
+    @cached_property
     def shards(self) -> frozenset[int]:
-        """The shards its decision touches: its tenant's, and the pools' when its token is taken there."""
+        """The shards its decision touches: its tenant's, and the pools' when its token is taken
+        there (both set when it is prepared, before any batch reads this)."""
         return frozenset((self.shard,) if self.pool_shard is None else (self.shard, self.pool_shard))
 
     @cached_property

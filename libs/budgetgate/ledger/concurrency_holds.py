@@ -107,7 +107,6 @@ async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: s
     transaction, which holds the ledger lock shared) and in Redis. `pools`: on a ledger of
     several shards, the pools' shard (LedgerTransaction.pools; its lock held shared too), where
     the run's pool token is given back apart from its holds, Postgres first."""
-    tokens = await conn.fetch(sql("end_run_tokens"), run_id) if pools is not None else ()
     row = await conn.fetchrow(sql("end_run_holds"), run_id)
     # Redis lost the ledger (LedgerNotLoaded): the caller holds the ledger lock shared, so the
     # rebuild that must come first runs after this commit and takes its counts from these rows.
@@ -116,9 +115,9 @@ async def end_run_holds(conn: asyncpg.Connection, ledger: RedisLedger, run_id: s
         released = await ledger.release_holds(run_id)
     if pools is not None:
         with contextlib.suppress(LedgerNotLoaded):
-            for token in tokens:
-                tokens_released += await pools.deallocate(token["levels"], token["token"])
-    return EndedHolds(row is not None, row["tenant"] if row else None, bool(row and row["sensitive"]), released, tokens_released)
+            for token, levels in json.loads(row["tokens"]):
+                tokens_released += await pools.deallocate(levels, token)
+    return EndedHolds(row["ended"], row["tenant"], row["sensitive"], released, tokens_released)
 
 
 async def renew_run_token(

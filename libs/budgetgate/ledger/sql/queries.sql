@@ -141,18 +141,20 @@ SELECT run_id, decision_id, tenant, gpus, nodes, sensitive FROM run_holds WHERE 
 SELECT namespace, token, levels, project, sub_namespace, run_id, lease_expires_at FROM pool_allocations
 WHERE state = 'held' AND lease_expires_at > $1;
 
--- name: end_run_tokens
--- A run's pool tokens given back (on a ledger of several shards, where Redis keeps them on the
--- pools' shard, apart from its holds): each with the levels it was held on.
-UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held' RETURNING token, levels;
-
 -- name: end_run_holds
--- A run's concurrency holds and pool tokens given back; returns the holds ended now (none when
--- they were given back before), with the tenant and sensitive pool they counted against.
+-- A run's concurrency holds and pool tokens given back: one row, with `ended` when holds were
+-- ended now (not when they were given back before), the tenant and sensitive pool they counted
+-- against, and the tokens released now with their levels (a ledger of several shards gives them
+-- back in Redis on the pools' shard, apart from the run's holds).
 WITH tokens AS (
     UPDATE pool_allocations SET state = 'released', released_at = now() WHERE run_id = $1 AND state = 'held'
+    RETURNING token, levels
+), holds AS (
+    UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING tenant, sensitive
 )
-UPDATE run_holds SET state = 'released', ended_at = now() WHERE run_id = $1 AND state = 'held' RETURNING tenant, sensitive;
+SELECT h.sensitive IS NOT NULL AS ended, h.tenant, coalesce(h.sensitive, false) AS sensitive,
+       coalesce((SELECT jsonb_agg(jsonb_build_array(t.token, t.levels)) FROM tokens t), '[]') AS tokens
+FROM (SELECT 1) AS one LEFT JOIN (SELECT * FROM holds LIMIT 1) AS h ON true;
 
 -- name: reopen_run_holds
 -- A run released at its start deadline is running after all: its concurrency holds of decision
