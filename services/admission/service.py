@@ -99,7 +99,7 @@ async def _build(settings: AdmissionSettings) -> AdmissionService:
     # transaction-scoped and no session state is set, so the reset round trip buys nothing.
     pool = await asyncpg.create_pool(settings.postgres_dsn, min_size=settings.pg_pool_min, max_size=settings.pg_pool_max, command_timeout=10, reset=_no_reset)
     client = redis_client.connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
-    ledgers = ShardedLedger(
+    ledgers = await ShardedLedger.open(
         pool, client, prefix=settings.redis_prefix, count=settings.ledger_shards, tenant_label=settings.tenant_label, wait=settings.rebuild_wait_seconds
     )
     shared = ledgers.of_root("")  # token pools, which no tenant owns (a sharded ledger has none)

@@ -118,7 +118,7 @@ class Reconciler(Service, OneShard):
         s = self.settings
         self.pool = await asyncpg.create_pool(s.postgres_dsn, min_size=s.pg_pool_min, max_size=s.pg_pool_max, command_timeout=30)
         self.redis = redis_client.connect(s.redis_url, socket_timeout=5, socket_connect_timeout=2)
-        self.ledgers = ShardedLedger(self.pool, self.redis, prefix=s.redis_prefix, count=s.ledger_shards, tenant_label=s.tenant_label)
+        self.ledgers = await ShardedLedger.open(self.pool, self.redis, prefix=s.redis_prefix, count=s.ledger_shards, tenant_label=s.tenant_label)
         self.escrow = Escrow(self.pool, self.ledgers.of_root)
         self.bundles = PolicyStore()
         self.settler = Settler.configured(s, pool=self.pool, ledgers=self.ledgers, bundles=self.bundles)

@@ -16,11 +16,12 @@ import asyncpg
 
 from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.core.shards import SEQ_STEP, Shards
+from budgetgate.ledger.queries import sql
 from budgetgate.services.admission.admitter import Unavailable
 from tests.support.admission import apply_policies, decision_of, held_in_postgres, one_batch, reserved_in_redis
 from tests.support.cli import budgetgate_on
 from tests.support.quotas import POOLS
-from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, policies, run, sharded_admission
+from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, organisations_yaml, policies, run, sharded_admission
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
 
@@ -325,3 +326,81 @@ async def test_a_shard_failing_in_a_batch_fails_no_other_shards_decision(admissi
         return await struck.is_loaded() and await reserved_in_redis(server) == await held_in_postgres(pg_dsn)
 
     await wait_for(matches, what="the struck shard rebuilt and Redis holding what Postgres holds")
+
+
+async def test_organisations_pinned_as_roots_bring_their_tenants_keys_onto_one_shard(
+    admission_factory, reconciler_factory, feed, settings, pg_dsn, tmp_path
+) -> None:  # noqa: F811
+    """`budgetgate ledger roots --apply`: the account tree's organisations become the roots of the
+    tenants it names. Refused while another session is connected; once applied, every shard is
+    rebuilt, each tenant's keys (reservations held before included) sit on its organisation's
+    shard alone, the admission started after it decides on them there, counting what was held,
+    and the reconciler settles there."""
+    server = await sharded_admission(admission_factory, pg_dsn)
+    for t in TENANTS:
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 0))) == "ALLOW"
+    held = await held_in_postgres(pg_dsn)
+    await server.stop()  # every process stopped
+    orgs = {t: ("acme" if i < 3 else "globex") for i, t in enumerate(TENANTS)}
+    await apply_policies(pg_dsn, policies() | {"accounts.yaml": organisations_yaml(orgs)}, sha="6" * 40)
+    variables = {"BUDGETGATE_LEDGER_SHARDS": str(SHARDS)}
+    shown = await budgetgate_on(settings, "ledger", "roots", cwd=tmp_path, variables=variables)
+    assert shown.returncode == 0, shown.stderr
+    unpinned, pinned = Shards(settings.redis_prefix, SHARDS), Shards(settings.redis_prefix, SHARDS, orgs)
+    moving = [t for t in TENANTS if unpinned.of_root(t) != pinned.of_root(t)]
+    assert moving, "the test's organisations should move some tenant to another shard"
+    assert "pinned now: none" in shown.stdout and f"{len(TENANTS)} tenant(s) move" in shown.stdout, shown.stdout
+    assert f"{moving[0]}: its own root -> organisation {orgs[moving[0]]}, shard {unpinned.of_root(moving[0])} -> {pinned.of_root(moving[0])}" in shown.stdout
+
+    conn = await asyncpg.connect(pg_dsn)  # another session: a process still running would place by the roots it started with
+    try:
+        refused = await budgetgate_on(settings, "ledger", "roots", "--apply", cwd=tmp_path, variables=variables)
+        assert refused.returncode == 1 and "other session(s) are connected" in refused.stderr, refused
+        assert await conn.fetchval("SELECT count(*) FROM ledger_roots") == 0
+    finally:
+        await conn.close()
+    await wait_for(lambda: _alone(pg_dsn), timeout=10, what="the test's sessions closed")
+    applied = await budgetgate_on(settings, "ledger", "roots", "--apply", cwd=tmp_path, variables=variables)
+    assert applied.returncode == 0 and "pinned; rebuilt Redis" in applied.stdout, applied
+
+    server = await admission_factory(ledger_shards=SHARDS, pg_pool_max=30)
+    await server.wait_ready()
+    assert server.rt.ledgers.shards.roots == orgs
+    assert await held_in_redis(server) == held == await held_in_postgres(pg_dsn)
+    for ledger in server.rt.ledgers:
+        mine = [t for t in TENANTS if pinned.of_root(t) == ledger.shard]
+        keys = {k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")}
+        assert keys == {k for k in held if any(f"team={t}|" in k for t in mine)}, f"shard {ledger.shard} holds another organisation's keys"
+        counters = {k.decode().split(":q:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:q:*")}
+        assert counters == {f"t:{t}" for t in mine}
+    # What each tenant held before the move counts on its new shard: a second 8 GPU-hour run fits
+    # its 20, a third does not.
+    for t in TENANTS:
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 1))) == "ALLOW"
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 2))) == "DENY"
+    assert await held_in_redis(server) == await held_in_postgres(pg_dsn)
+
+    reconciler = await reconciler_factory(ledger_shards=SHARDS)
+    assert reconciler.ledgers.shards.roots == orgs
+    start = datetime.now(UTC) - timedelta(minutes=40)
+    for t in TENANTS:  # run 0 ran half an hour on its 8 GPUs and completed
+        await feed.send(
+            lifecycle(f"{t}/run-0", "STARTED", start, gpus=8), usage(f"{t}/run-0", "s1", start + timedelta(minutes=30), gpu_hours=4.0),
+            lifecycle(f"{t}/run-0", "COMPLETED", start + timedelta(minutes=30)),
+        )  # fmt: skip
+    await wait_caught_up(reconciler)
+    figures = await ledger_figures(pg_dsn)
+    assert set(figures.values()) == {(8 * GPU_HOUR, 4 * GPU_HOUR)}  # run 1 holds its 8; run 0 consumed 4
+    for t in TENANTS:
+        [key] = [k for k in figures if f"team={t}|" in k]
+        assert await server.rt.ledgers.of_root(t).readings([key]) == {key: figures[key]}
+        assert server.rt.ledgers.of_root(t).shard == pinned.of_root(t)
+    assert all([(await sync.check_drift(repair=False)).clean for sync in reconciler.ledgers.syncs])
+
+
+async def _alone(dsn: str) -> bool:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return not await conn.fetch(sql("other_sessions"))
+    finally:
+        await conn.close()

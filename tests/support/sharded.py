@@ -23,6 +23,17 @@ def policies() -> dict[str, str]:
     return files | {f"quota-{t}.yaml": QUOTA.format(tenant=t) for t in TENANTS}
 
 
+def organisations_yaml(orgs: dict[str, str]) -> str:
+    """An account tree placing each tenant (a team account scoped by its label) under its organisation."""
+    docs = [f"apiVersion: budgetgate/v1\nkind: Account\nmetadata: {{id: {o}}}\nspec: {{level: organisation}}\n" for o in sorted(set(orgs.values()))]
+    docs += [
+        f"apiVersion: budgetgate/v1\nkind: Account\nmetadata: {{id: {o}-{t}}}\n"
+        f"spec: {{level: team, parent: {o}, scope: {{namespace: ml, labels: {{team: {t}}}}}}}\n"
+        for t, o in sorted(orgs.items())
+    ]
+    return "---\n".join(docs)
+
+
 def run(tenant: str, n: int) -> dict[str, object]:
     return submission(
         run_id=f"{tenant}/run-{n}", namespace="ml", labels={"team": tenant}, resources={"gpus": 8, "nodes": 1}, projected_runtime_hours=1.0, job=None

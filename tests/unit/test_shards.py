@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from budgetgate.core.escrow import lease_key
 from budgetgate.core.loader import build_bundle, parse_text
 from budgetgate.contracts.admission import AdmissionRequest
-from budgetgate.core.shards import shared, MAX_SHARDS, SEQ_STEP, Shards, key_root
+from budgetgate.core.shards import shared, MAX_SHARDS, SEQ_STEP, RootConflict, Shards, key_root, organisations, roots_fingerprint
 from budgetgate.decisions.concurrency import NoSensitiveTenant, asks
+from budgetgate.ledger.roots import Move, moves
 from budgetgate.ledger.holds import LEASED, counter_args, lease_root, sensitive_lease
 from tests.support.accounts import account_budget, account_tree
 from tests.support.admission import budget_yaml, submission
@@ -124,3 +125,57 @@ def test_on_several_shards_a_sensitive_run_counts_on_its_tenants_lease_and_a_run
     assert apart.pool == one_shard.pool and apart.pool_apart  # the same token, taken on the pools' shard
     assert not asks(bundle, request(labels={"team": "vision"}), tenant_label="team", now=now, leased=True).pool_apart
     assert sensitive_lease("vision") == "sensitive@vision" and lease_root("sensitive@vision") == "vision" and lease_root("t:vision") is None
+
+
+def _orgs(*branches: tuple[str, str, str]) -> str:
+    """Account documents: (organisation, team account, tenant) each, the team under its organisation."""
+    docs = [f"apiVersion: budgetgate/v1\nkind: Account\nmetadata: {{id: {org}}}\nspec: {{level: organisation}}\n" for org in sorted({b[0] for b in branches})]
+    docs += [
+        f"apiVersion: budgetgate/v1\nkind: Account\nmetadata: {{id: {team}}}\nspec: {{level: team, parent: {org}, scope: {{labels: {{team: {tenant}}}}}}}\n"
+        for org, team, tenant in branches
+    ]
+    return "\n---\n".join(docs)
+
+
+def test_the_account_trees_organisations_are_the_roots_of_the_tenants_it_names() -> None:
+    # vision and nlp sit under acme's research department, alice (a user) under vision: her scope
+    # carries vision's team label, so names the same tenant; nlp is scoped by namespace alone and
+    # names none (its runs' tenants stay their own roots).
+    assert organisations(_bundle(account_tree()).accounts, "team") == {"vision": "acme"}
+    assert organisations(_bundle(account_tree()).accounts, "squad") == {}  # the tree names no tenant by that label
+    two = _bundle(_orgs(("acme", "acme-vision", "vision"), ("globex", "globex-nlp", "nlp"), ("globex", "globex-speech", "speech")))
+    assert organisations(two.accounts, "team") == {"vision": "acme", "nlp": "globex", "speech": "globex"}
+
+
+def test_a_tenant_under_two_organisations_is_refused_with_both_named() -> None:
+    torn = _bundle(_orgs(("acme", "acme-vision", "vision"), ("globex", "globex-vision", "vision")).replace("team: vision}}}", "team: vision, site: a}}}", 1))
+    with pytest.raises(RootConflict, match="team=vision under acme and globex"):
+        organisations(torn.accounts, "team")
+
+
+@given(tenants=st.lists(st.text("abcdefgh-", min_size=1, max_size=6), min_size=1, max_size=30, unique=True), data=st.data())
+def test_a_pinned_tenant_lives_on_its_organisations_shard_and_any_other_on_its_own(tenants: list[str], data: st.DataObject) -> None:
+    orgs = data.draw(st.lists(st.sampled_from(["acme", "globex", "initech"]), min_size=len(tenants), max_size=len(tenants)))
+    pinned = {t: o for t, o, keep in zip(tenants, orgs, data.draw(st.lists(st.booleans(), min_size=len(tenants), max_size=len(tenants))), strict=True) if keep}
+    count = data.draw(st.integers(1, MAX_SHARDS))
+    shards, unpinned = Shards("bg", count, pinned), Shards("bg", count)
+    for tenant in tenants:
+        assert shards.of_root(tenant) == (unpinned.of_root(pinned[tenant]) if tenant in pinned else unpinned.of_root(tenant))
+        assert shards.root(tenant) == pinned.get(tenant, tenant)
+    assert shards.of_root("") == unpinned.of_root("")  # what no tenant owns stays where it was
+    # A ledger key is placed by its tenant, so a pinned tenant's budgets and leases go with it.
+    window = "2026-11-01T00:00:00Z/2026-12-01T00:00:00Z"
+    for tenant in pinned:
+        for key in (f"ns=ml;team={tenant}|{window}|gpu_hours", lease_key(f"ns=ml|{window}|gpu_hours", tenant)):
+            assert shards.of_root(key_root(key, "team")) == unpinned.of_root(pinned[tenant])
+
+
+def test_moves_name_every_tenant_a_new_placement_changes() -> None:
+    current = {"vision": "acme", "nlp": "acme", "speech": "globex"}
+    wanted = {"vision": "acme", "nlp": "globex", "ads": "globex"}
+    assert moves(current, wanted) == [Move("ads", "ads", "globex"), Move("nlp", "acme", "globex"), Move("speech", "globex", "speech")]
+    shards = Shards("bg", 3, current)
+    assert Move("speech", "globex", "speech").describe(shards, Shards("bg", 3, wanted)) == (
+        f"speech: organisation globex -> its own root, shard {shards.of_root('speech')} -> {Shards('bg', 3).of_root('speech')}"
+    )
+    assert roots_fingerprint(current) == roots_fingerprint(dict(reversed(current.items()))) != roots_fingerprint(wanted)

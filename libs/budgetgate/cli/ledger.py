@@ -124,7 +124,71 @@ async def _syncs(settings: CommonSettings) -> AsyncIterator[tuple[LedgerSync, ..
     from budgetgate.ledger.sharded import ShardedLedger
 
     async with backend.postgres_pool(settings.postgres_dsn) as pool, backend.redis(settings.redis_url) as client:
-        yield ShardedLedger(pool, client, prefix=settings.redis_prefix, count=settings.ledger_shards, tenant_label=settings.tenant_label).syncs  # type: ignore[arg-type]
+        ledgers = await ShardedLedger.open(pool, client, prefix=settings.redis_prefix, count=settings.ledger_shards, tenant_label=settings.tenant_label)  # type: ignore[arg-type]
+        yield ledgers.syncs
+
+
+@ledger.command("roots")
+@click.option(
+    "--policies", type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Take the account tree of this policy folder's committed revision instead of the active bundle's.",
+)  # fmt: skip
+@click.option("--apply", "apply_", is_flag=True, help="Pin the tree's organisations as roots and rebuild every shard (every process stopped).")
+@click.option("--force", is_flag=True, help="With --apply: go on although other sessions are connected to the database.")
+def roots_command(policies: Path | None, apply_: bool, force: bool) -> None:
+    """The roots the ledger's shards place tenants by: each tenant the account tree names under an
+    organisation keeps its keys on that organisation's shard, any other tenant on its own.
+
+    Without --apply, shows the roots pinned now and what the tree (of the active bundle, or of
+    --policies) would change. The roots are read once by every process when it starts, so they
+    change only with every process stopped: --apply refuses while other sessions are connected
+    to the database, pins the tree's organisations, and rebuilds every shard of the Redis ledger,
+    which moves each tenant's keys to its new shard. Start the processes after it.
+    """
+    from budgetgate.core.shards import RootConflict, Shards, organisations
+    from budgetgate.ledger.roots import SessionsConnected, moves, pin
+    from budgetgate.ledger.sharded import pinned_roots
+
+    settings = _settings()
+
+    async def run() -> None:
+        async with backend.postgres(settings.postgres_dsn) as conn:
+            current = await pinned_roots(conn)  # type: ignore[arg-type]
+            if policies is not None:
+                from budgetgate.cli.policy import load_revision
+
+                bundle = load_revision(policies, allow_dirty=False, committed=True)[1].bundle
+            else:
+                from budgetgate.policies.override_store import NoActiveBundle, active_bundle
+
+                try:
+                    bundle = await active_bundle(conn)
+                except NoActiveBundle as exc:
+                    raise click.ClickException(str(exc)) from None
+            try:
+                wanted = organisations(bundle.accounts, settings.tenant_label)
+            except RootConflict as exc:
+                raise click.ClickException(str(exc)) from None
+            shards = Shards(settings.redis_prefix, settings.ledger_shards, current)
+            after = Shards(settings.redis_prefix, settings.ledger_shards, wanted)
+            pinned = f"{len(current)} tenant(s) under {len(set(current.values()))} organisation(s)" if current else "none (every tenant is its own root)"
+            click.echo(f"pinned now: {pinned}")
+            for organisation in sorted(set(current.values())):
+                click.echo(f"  {organisation}: {', '.join(t for t, r in sorted(current.items()) if r == organisation)}")
+            changed = moves(current, wanted)
+            click.echo(f"the account tree of bundle {bundle.git_sha} ({settings.tenant_label} label): {len(changed)} tenant(s) move")
+            for move in changed:
+                click.echo(f"  {move.describe(shards, after)}")
+            if not apply_ or not changed:
+                return
+            try:
+                await pin(conn, wanted, bundle_sha=bundle.git_sha, force=force)  # type: ignore[arg-type]
+            except SessionsConnected as exc:
+                raise click.ClickException(str(exc)) from None
+        keys, runs, _ = await _rebuild(settings)
+        click.echo(f"pinned; rebuilt Redis from Postgres with them: {keys} ledger key(s), {runs} run(s) holding reservations")
+
+    asyncio.run(run())
 
 
 @ledger.command("leases")

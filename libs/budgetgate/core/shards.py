@@ -12,10 +12,12 @@ shards, and Postgres finds the highest number a shard committed as the highest o
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from budgetgate.core.accounts import AccountTree
 from budgetgate.core.escrow import lease_of
 from budgetgate.core.ledger_key import LedgerKey
 from budgetgate.core.policy import ANY_VALUE, BudgetPolicy
@@ -27,19 +29,27 @@ MAX_SHARDS = SEQ_STEP
 
 @dataclass(frozen=True, slots=True)
 class Shards:
-    """N shards of the ledger under one prefix."""
+    """N shards of the ledger under one prefix; `roots` places tenants under the organisations
+    of the account tree (`ledger_roots`, pinned by `budgetgate ledger roots`): a tenant it names
+    lives on its organisation's shard, any other on its own."""
 
     prefix: str
     count: int = 1
+    roots: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.count <= MAX_SHARDS:
             raise ValueError(f"the Redis ledger has 1 to {MAX_SHARDS} shards, not {self.count}")
 
-    def of_root(self, root: str) -> int:
-        """The shard of a root (an organisation of the account tree; without one, the tenant),
-        for as long as the count stays: CRC-32 of its name, modulo the count."""
-        return zlib.crc32(root.encode()) % self.count
+    def root(self, tenant: str) -> str:
+        """The root a tenant's keys are placed by: its organisation when the pinned roots name
+        one, else the tenant itself ("", what no tenant owns, is its own root)."""
+        return self.roots.get(tenant, tenant)
+
+    def of_root(self, tenant: str) -> int:
+        """The shard of a tenant's keys ("" for what no tenant owns), for as long as the count
+        and the pinned roots stay: CRC-32 of its root's name, modulo the count."""
+        return zlib.crc32(self.roots.get(tenant, tenant).encode()) % self.count
 
     def tag(self, shard: int) -> str:
         """The hash tag every key of `shard` shares: one Redis Cluster slot per shard."""
@@ -62,6 +72,38 @@ class Shards:
     def _check(self, shard: int) -> None:
         if not 0 <= shard < self.count:
             raise ValueError(f"shard {shard} of a ledger of {self.count}")
+
+
+class RootConflict(ValueError):
+    """The account tree places one tenant under two organisations."""
+
+
+def organisations(tree: AccountTree, tenant_label: str) -> dict[str, str]:
+    """Tenant -> organisation, from an account tree: every tenant an account's scope names (a
+    concrete value of `tenant_label` in its labels, its parent's laid under its own) belongs to
+    the organisation at the top of that account's branch. Accounts scoped by namespace alone
+    name no tenant; their runs' tenants stay their own roots. Raises RootConflict naming every
+    tenant two organisations claim (each lives on one shard)."""
+    found: dict[str, set[str]] = {}
+    for account in tree.accounts.values():
+        tenant = account.scope.labels.get(tenant_label) if account.scope is not None else None
+        if tenant is None or tenant == ANY_VALUE:
+            continue
+        organisation = ([account.id, *tree.ancestors(account.id)])[-1]
+        found.setdefault(tenant, set()).add(organisation)
+    torn = {tenant: sorted(orgs) for tenant, orgs in found.items() if len(orgs) > 1}
+    if torn:
+        raise RootConflict(
+            "the account tree places tenants under two organisations (each tenant's keys live on one shard): "
+            + "; ".join(f"{tenant_label}={tenant} under {' and '.join(orgs)}" for tenant, orgs in sorted(torn.items()))
+        )
+    return {tenant: next(iter(orgs)) for tenant, orgs in sorted(found.items())}
+
+
+def roots_fingerprint(roots: Mapping[str, str]) -> str:
+    """A short digest of a placement (tenant -> root), the same in every process that has it."""
+    text = "\n".join(f"{tenant}\t{root}" for tenant, root in sorted(roots.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def run_root(labels: Mapping[str, str], tenant_label: str) -> str:

@@ -204,9 +204,10 @@ class RedisLedger:
     """Typed wrappers around the ledger's Lua scripts (EVALSHA, reloaded on NOSCRIPT), on one
     shard of the ledger (`shard` of `shards`; the only one by default)."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str, shard: int = 0, shards: int = 1, tenant_label: str = "team") -> None:
+    def __init__(self, client: aioredis.Redis, *, prefix: str, shard: int = 0, shards: int | Shards = 1, tenant_label: str = "team") -> None:
         self.client = client
-        self.shards = Shards(prefix, shards)
+        # (a Shards of `prefix`, with the pinned roots, from ShardedLedger; or their count)
+        self.shards = shards if isinstance(shards, Shards) else Shards(prefix, shards)
         self.shard = shard
         self.tenant_label = tenant_label  # whose value is a run's root (budgetgate.core.shards)
         self.tag = self.shards.tag(shard)
@@ -214,7 +215,8 @@ class RedisLedger:
         self._scripts = {name: _Script(client.register_script(_script(name, step=self.shards.step))) for name in _SCRIPTS}
 
     def owns_root(self, root: str) -> bool:
-        """Whether the keys of `root` (a tenant; "" for what no tenant owns) live on this shard."""
+        """Whether the keys of `root` (a tenant, placed by its pinned root; "" for what no tenant
+        owns) live on this shard."""
         return self.shards.count == 1 or self.shards.of_root(root) == self.shard
 
     def owns_key(self, ledger_key: str) -> bool:

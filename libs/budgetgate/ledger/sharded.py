@@ -19,16 +19,35 @@ import redis.exceptions
 from budgetgate.core.shards import MAX_SHARDS, Shards, key_root, run_root
 from budgetgate.ledger.redis_ledger import RedisLedger
 from budgetgate.ledger.redis_sync import LedgerSync
+from budgetgate.ledger.queries import sql
 
 
 class ShardedLedger:
     """Every shard of the Redis ledger of one prefix."""
 
-    def __init__(self, pool: asyncpg.Pool, client: aioredis.Redis, *, prefix: str, count: int = 1, tenant_label: str = "team", wait: float = 5.0) -> None:
-        self.shards = Shards(prefix, count)
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        client: aioredis.Redis,
+        *,
+        prefix: str,
+        count: int = 1,
+        tenant_label: str = "team",
+        wait: float = 5.0,
+        roots: Mapping[str, str] | None = None,
+    ) -> None:
+        self.shards = Shards(prefix, count, dict(roots or {}))
         self.tenant_label = tenant_label
-        self.parts = tuple(RedisLedger(client, prefix=prefix, shard=i, shards=count, tenant_label=tenant_label) for i in range(count))
+        self.parts = tuple(RedisLedger(client, prefix=prefix, shard=i, shards=self.shards, tenant_label=tenant_label) for i in range(count))
         self.syncs = tuple(LedgerSync(pool, part, wait=wait) for part in self.parts)
+
+    @classmethod
+    async def open(
+        cls, pool: asyncpg.Pool, client: aioredis.Redis, *, prefix: str, count: int = 1, tenant_label: str = "team", wait: float = 5.0
+    ) -> ShardedLedger:
+        """The ledger with the roots pinned in Postgres (`ledger_roots`), read once: they change
+        only with every process stopped (`budgetgate ledger roots --apply`)."""
+        return cls(pool, client, prefix=prefix, count=count, tenant_label=tenant_label, wait=wait, roots=await pinned_roots(pool))
 
     @classmethod
     def of(cls, pool: asyncpg.Pool, ledger: RedisLedger, *, wait: float = 5.0) -> ShardedLedger:
@@ -52,7 +71,7 @@ class ShardedLedger:
         return self.parts[0]
 
     def of_root(self, root: str) -> RedisLedger:
-        """The shard of a root (a tenant; "" for what no tenant owns)."""
+        """The shard of a tenant's keys (placed by its pinned root; "" for what no tenant owns)."""
         return self.parts[self.shards.of_root(root)] if len(self.parts) > 1 else self.parts[0]
 
     def of_labels(self, labels: Mapping[str, str]) -> RedisLedger:
@@ -88,6 +107,11 @@ class OneShard:
     def sync(self) -> LedgerSync:
         """The Redis ledger's LedgerSync, when it has one shard."""
         return self.ledgers.sync_of(self.ledgers.single)
+
+
+async def pinned_roots(conn: asyncpg.Pool | asyncpg.Connection) -> dict[str, str]:
+    """The roots pinned in Postgres: tenant -> the organisation whose shard holds its keys."""
+    return {r["tenant"]: r["root"] for r in await conn.fetch(sql("pinned_roots"))}
 
 
 async def forget_former_shards(client: aioredis.Redis, shards: Shards) -> int:

@@ -97,14 +97,15 @@ class CommonSettings(BaseSettings):
     # a Redis Cluster slot and deployments can share a server.
     redis_prefix: str = "bg"
     # Shards of the Redis ledger (budgetgate.core.shards, docs/scale-out.md): each root (a
-    # tenant, the value of `tenant_label`) keeps every key of its decisions under the tag of its
-    # shard, `{prefix:i}`, so the shards spread over a Redis Cluster's masters. 1 keeps the one
-    # tag `{prefix}`. With more than one, a budget several tenants share (its scope names no one
-    # tenant, or is attached to an account) is charged through each tenant's escrow lease of it,
-    # and so is the sensitive-workload quota; token pools live on a shard of their own, so a run
-    # cannot take a pool token in its decision there (422: allocate it through the pools API). Change it only with every process stopped, then run
-    # `budgetgate ledger rebuild-redis` (every shard rebuilt, the keys of the former ones
-    # deleted) before starting them.
+    # tenant, the value of `tenant_label`, or the organisation `budgetgate ledger roots` pinned
+    # it under) keeps every key of its decisions under the tag of its shard, `{prefix:i}`, so the
+    # shards spread over a Redis Cluster's masters. 1 keeps the one tag `{prefix}`. With more
+    # than one, a budget several tenants share (its scope names no one tenant, or is attached to
+    # an account) is charged through each tenant's escrow lease of it, and so is the
+    # sensitive-workload quota; token pools live on a shard of their own, where a run's
+    # `pool_token` is taken before the rest of its decision. Change it only with every process
+    # stopped, then run `budgetgate ledger rebuild-redis` (every shard rebuilt, the keys of the
+    # former ones deleted) before starting them.
     ledger_shards: int = Field(default=1, ge=1, le=64)
     # An escrow lease's chunk, as a share of its budget's limit: a decision its tenant's lease
     # refuses asks once for what it lacks in whole chunks, and an idle lease keeps one unused.

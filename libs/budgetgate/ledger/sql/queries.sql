@@ -423,3 +423,22 @@ ORDER BY l.root;
 SELECT ledger_key, kind, split_part(reason, ':', 1) AS reason, count(*)::bigint AS moves, SUM(amount)::bigint AS amount
 FROM escrow_moves WHERE moved_at > $1
 GROUP BY 1, 2, 3 ORDER BY 1, 2, 3;
+
+-- name: pinned_roots
+-- The roots pinned for the Redis ledger's shards (0049): tenant -> organisation.
+SELECT tenant, root FROM ledger_roots ORDER BY tenant;
+
+-- name: pin_roots
+-- Replace the pinned roots with $1 (tenants) -> $2 (organisations), from the bundle $3.
+WITH gone AS (DELETE FROM ledger_roots WHERE tenant <> ALL($1::text[]))
+INSERT INTO ledger_roots (tenant, root, bundle_sha)
+SELECT * FROM unnest($1::text[], $2::text[]), (VALUES ($3::text)) AS b(sha)
+ON CONFLICT (tenant) DO UPDATE SET root = EXCLUDED.root, bundle_sha = EXCLUDED.bundle_sha, pinned_at = now();
+
+-- name: other_sessions
+-- The other client sessions on this database (a change of the pinned roots wants every
+-- budgetgate process stopped).
+SELECT pid, application_name, client_addr::text AS client, backend_start
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'
+ORDER BY pid;

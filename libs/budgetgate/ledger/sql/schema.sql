@@ -419,6 +419,15 @@ CREATE TABLE ledger_marks (
     recorded_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- The roots the Redis ledger's shards place tenants by: a tenant named here keeps its keys on its
+-- organisation's shard, any other on its own (0049; `budgetgate ledger roots`).
+CREATE TABLE ledger_roots (
+    tenant     text PRIMARY KEY CHECK (tenant <> ''),
+    root       text NOT NULL CHECK (root <> ''),
+    bundle_sha text NOT NULL,
+    pinned_at  timestamptz NOT NULL DEFAULT now()
+);
+
 -- The highest ledger sequence Postgres committed: admission decides only on a Redis not behind it.
 -- 0033: read from the keys, which outlive their decisions' archiving.
 -- 0039: PL/pgSQL, so its plan is kept for the session (a SQL function with subqueries is
