@@ -21,7 +21,18 @@ from budgetgate.services.admission.admitter import Unavailable
 from tests.support.admission import apply_policies, decision_of, held_in_postgres, one_batch, reserved_in_redis
 from tests.support.cli import budgetgate_on
 from tests.support.quotas import POOLS
-from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, organisations_yaml, policies, run, sharded_admission
+from tests.support.sharded import (
+    GPU_HOUR,
+    SHARDS,
+    TENANTS,
+    each_shard_holds_its_tenants_alone,
+    held_in_redis,
+    ledger_figures,
+    organisations_yaml,
+    policies,
+    run,
+    sharded_admission,
+)
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
 from tests.support.waiting import wait_for
 
@@ -39,12 +50,7 @@ async def test_each_tenant_is_decided_on_its_shard_and_no_budget_is_overadmitted
     held = await held_in_postgres(pg_dsn)
     assert await held_in_redis(server) == held
     shards = Shards("bg", SHARDS)
-    for ledger in server.rt.ledgers:
-        mine = [t for t in TENANTS if shards.of_root(t) == ledger.shard]
-        keys = {k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")}
-        assert keys == {k for k in held if any(f"team={t}|" in k for t in mine)}, f"shard {ledger.shard} holds another tenant's keys"
-        counters = {k.decode().split(":q:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:q:*")}
-        assert counters == {f"t:{t}" for t in mine}
+    await each_shard_holds_its_tenants_alone(server, held, shards)
     assert {shards.of_root(t) for t in TENANTS} == set(range(SHARDS)), "the test's tenants should spread over every shard"
 
     conn = await asyncpg.connect(pg_dsn)
@@ -367,12 +373,7 @@ async def test_organisations_pinned_as_roots_bring_their_tenants_keys_onto_one_s
     await server.wait_ready()
     assert server.rt.ledgers.shards.roots == orgs
     assert await held_in_redis(server) == held == await held_in_postgres(pg_dsn)
-    for ledger in server.rt.ledgers:
-        mine = [t for t in TENANTS if pinned.of_root(t) == ledger.shard]
-        keys = {k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")}
-        assert keys == {k for k in held if any(f"team={t}|" in k for t in mine)}, f"shard {ledger.shard} holds another organisation's keys"
-        counters = {k.decode().split(":q:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:q:*")}
-        assert counters == {f"t:{t}" for t in mine}
+    await each_shard_holds_its_tenants_alone(server, held, pinned)
     # What each tenant held before the move counts on its new shard: a second 8 GPU-hour run fits
     # its 20, a third does not.
     for t in TENANTS:

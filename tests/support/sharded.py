@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 
+from budgetgate.core.shards import Shards
 from budgetgate.ledger.queries import sql
 from tests.support.admission import apply_policies, budget_yaml, reserved_in_redis, submission
 
@@ -44,6 +45,17 @@ async def held_in_redis(server) -> dict[str, int]:  # type: ignore[no-untyped-de
     """What Redis holds reserved, by ledger key, every shard's, as held_in_postgres lists it (keys
     holding nothing left out: a lease whose every decision was refused is still loaded)."""
     return {key: reserved for key, reserved in (await reserved_in_redis(server)).items() if reserved}
+
+
+async def each_shard_holds_its_tenants_alone(server, held: dict[str, int], shards: Shards) -> None:  # type: ignore[no-untyped-def]
+    """Every shard holds the ledger keys (of `held`, by key) and quota counters of the tenants
+    `shards` places on it, and no other's."""
+    for ledger in server.rt.ledgers:
+        mine = [t for t in TENANTS if shards.of_root(t) == ledger.shard]
+        keys = {k.decode().split(":l:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:l:*")}
+        assert keys == {k for k in held if any(f"team={t}|" in k for t in mine)}, f"shard {ledger.shard} holds another root's keys"
+        counters = {k.decode().split(":q:", 1)[1] async for k in ledger.client.scan_iter(match=f"{ledger.tag}:q:*")}
+        assert counters == {f"t:{t}" for t in mine}
 
 
 async def ledger_figures(dsn: str) -> dict[str, tuple[int, int]]:
