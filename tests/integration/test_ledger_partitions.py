@@ -22,6 +22,7 @@ from budgetgate.ledger.migrations import migrate, migration_files
 from budgetgate.ledger.queries import owned_by
 from budgetgate.ledger.queries import sql as named
 from tests.support.databases import drop_database, empty_database
+from tests.support.waiting import wait_for
 
 H = 3_600_000
 SHA = "a" * 40
@@ -338,6 +339,38 @@ async def test_a_statement_waiting_on_a_months_move_out_of_the_default_partition
     finally:
         await mover.close()
         await reader.close()
+
+
+async def test_a_row_arriving_between_the_check_and_the_lock_is_not_moved_behind_a_waiting_statements_back(pg_dsn: str) -> None:
+    """The upkeep looks for the month's rows in the default partition before it locks it, and takes
+    the parent's lock only when it finds some (0048). A row of the month committed in between (its
+    writer held the default partition, so the upkeep's lock waited for it) would be moved without
+    the parent's lock, and a statement planned meanwhile would count none of it. The upkeep looks
+    again once it holds the default partition and gives up (lock_not_available, nothing changed:
+    the next try takes the parent's lock first), so the statement counts the row where it is."""
+    writer, mover, reader = await asyncpg.connect(pg_dsn), await asyncpg.connect(pg_dsn), await asyncpg.connect(pg_dsn)
+    try:
+        long_ago = datetime(2019, 7, 14, 12, tzinfo=UTC)
+        count = "SELECT count(*) FROM decisions WHERE decided_at >= $1 AND decided_at < $2"
+        bounds = (datetime(2019, 7, 1, tzinfo=UTC), datetime(2019, 8, 1, tzinfo=UTC))
+        waits = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)"
+        writing = writer.transaction()
+        await writing.start()
+        await _decide(writer, "late", long_ago)  # not committed yet: the upkeep's look finds nothing
+        moving = asyncio.ensure_future(mover.fetchval("SELECT budgetgate_ensure_month('decisions', $1)", long_ago))
+        await wait_for(lambda: writer.fetchval(waits, mover.get_server_pid()), timeout=10, what="the upkeep waiting for the default partition")
+        counting = asyncio.ensure_future(reader.fetchval(count, *bounds))  # planned now, queued behind the upkeep
+        await wait_for(lambda: writer.fetchval(waits, reader.get_server_pid()), timeout=10, what="the statement waiting behind the upkeep")
+        await writing.commit()
+        with pytest.raises(asyncpg.LockNotAvailableError, match="arrived in decisions_default"):
+            await moving
+        assert await counting == 1
+        assert await writer.fetchval("SELECT to_regclass('decisions_p201907')") is None  # nothing changed
+        assert await mover.fetchval("SELECT budgetgate_ensure_month('decisions', $1)", long_ago)  # the next try moves it, the parent locked
+        assert await reader.fetchval("SELECT count(*) FROM decisions_p201907") == 1
+    finally:
+        for conn in (writer, mover, reader):
+            await conn.close()
 
 
 COMPRESSED = """SELECT c.relname, a.attname, a.attcompression FROM pg_partition_tree('decisions') t

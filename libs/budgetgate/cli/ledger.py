@@ -276,7 +276,8 @@ async def _partitions(dsn: str, ahead: int) -> tuple[list[str], list[Any], list[
         try:
             created = await partitions.ensure(conn, ahead=ahead)  # type: ignore[arg-type]
         except asyncpg.LockNotAvailableError as exc:
-            raise click.ClickException(f"partitions not created: {exc} (a table stayed locked; try again)") from None
+            why = "a table stayed locked, or rows of a month arrived as it was made; try again"
+            raise click.ClickException(f"partitions not created, nothing changed: {exc} ({why})") from None
         found = await partitions.partitions(conn, exact_defaults=True)  # type: ignore[arg-type]
         archived = await conn.fetch(sql("ledger_archives"), None)  # type: ignore[attr-defined]
     return created, found, archived

@@ -112,8 +112,9 @@ async def detached(conn: asyncpg.Connection, parents: Sequence[str] = tuple(PART
 async def ensure(conn: asyncpg.Connection, *, ahead: int = DEFAULT_AHEAD, lock_timeout: float = LOCK_TIMEOUT_SECONDS) -> list[str]:
     """Create the partitions of this month and the `ahead` after it, of every partitioned table,
     and move rows the default partitions hold into their months' partitions; returns those
-    created. One transaction; a lock not granted within `lock_timeout` raises
-    asyncpg.LockNotAvailableError with nothing changed."""
+    created. One transaction; a lock not granted within `lock_timeout`, or rows of a month that
+    arrived in its default partition while the month was being made (budgetgate_attach_month,
+    0050), raise asyncpg.LockNotAvailableError with nothing changed."""
     if ahead < 1:
         raise ValueError(f"months ahead must be 1 or more, not {ahead}: the outbox has no default partition, next month's must exist before it starts")
     async with conn.transaction():

@@ -65,7 +65,8 @@ $$;
 -- first moving into it the rows of that month the default partition holds (which would
 -- otherwise refuse the attach). Returns how many rows were moved. The default partition is
 -- locked for the move and the attach (the attach takes that lock anyway); when it holds rows of
--- the month, the parent first, so no statement planned before the move reads without them (0048).
+-- the month, the parent first, so no statement planned before the move reads without them (0048);
+-- rows of the month that arrive in between make it give up, nothing changed (0050).
 CREATE FUNCTION budgetgate_attach_month(p_parent text, p_table text, p_at timestamptz) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -90,6 +91,17 @@ BEGIN
             EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', p_parent);
         END IF;
         EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', fallback);
+        -- 0050: rows of the month committed between the look above and this lock (their writer
+        -- held the default partition, so the lock waited for it) would be moved without the
+        -- parent's lock, behind the back of a statement planned meanwhile. Nothing is changed
+        -- yet: give up, as a busy table does, and the next try takes the parent's lock first.
+        IF NOT waiting THEN
+            EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s WHERE %I >= $1 AND %I < $2)', fallback, key, key) INTO waiting USING lo, hi;
+            IF waiting THEN
+                RAISE EXCEPTION 'rows of % arrived in % while its partition was being made; the next try moves them', to_char(first_day, 'YYYY-MM'), fallback
+                    USING ERRCODE = 'lock_not_available';
+            END IF;
+        END IF;
         SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum) INTO cols
         FROM pg_attribute a WHERE a.attrelid = p_parent::regclass AND a.attnum > 0 AND NOT a.attisdropped;
         EXECUTE format('WITH moved AS (DELETE FROM %s WHERE %I >= $1 AND %I < $2 RETURNING %s) INSERT INTO %I (%s) SELECT %s FROM moved',
