@@ -485,7 +485,7 @@ class Admitter(OneShard):
             for p in pending:
                 by_shard.setdefault(p.shard, []).append(p)
             asked = {shard: [_reservation(p) for p in mine] for shard, mine in by_shard.items()}
-            work.redis_changed = True
+            work.changing(*(self.ledgers.parts[shard] for shard in asked))
             replies = await _at_once(
                 [self.ledgers.parts[shard].reserve_batch(reservations, now_ms=now_ms, committed_seq=committed[shard]) for shard, reservations in asked.items()]
             )
@@ -539,7 +539,7 @@ class Admitter(OneShard):
         held: dict[str, set[str]] = {}
         for row in rows:
             held.setdefault(row["token"], set()).update(row["levels"])
-        work.redis_changed = True
+        work.changing(ledger)
         for p in apart:
             pool = p.asks.pool
             assert pool is not None

@@ -141,7 +141,7 @@ class TokenPools:
                     # Redis last, and marked changed before the call: should the commit fail, or
                     # the reply be lost, Redis (which freed a token Postgres still holds) is
                     # invalidated and rebuilt rather than left looser than Postgres.
-                    tx.redis_changed = True
+                    tx.changing(self.ledger)
                     released = await self.ledger.deallocate(levels, token)
             return {"namespace": namespace, "token": token, "released": released > 0}
 

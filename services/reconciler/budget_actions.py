@@ -162,13 +162,13 @@ async def _age_key(pool: asyncpg.Pool, ledger: RedisLedger, key: str, cutoff: da
             # Last, right before the commit: Redis gives the room back only once Postgres has
             # everything else of it. Marked changed before the call: a script that ran but whose
             # reply was lost must invalidate Redis too, or the next tick ages the key again.
-            work.redis_changed = True
+            work.changing(ledger)
             try:
                 await ledger.consume({key: -amount})
             except (LedgerKeyMissing, LedgerNotLoaded):
                 # Answered, and nothing changed (consume.lua checks every key first): no cause to
                 # invalidate Redis, which made loading the missing key fail on a ledger being
                 # rebuilt, and aborted the upkeep tick with it.
-                work.redis_changed = False
+                work.unchanged(ledger)
                 raise
         return amount

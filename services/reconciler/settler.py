@@ -287,10 +287,12 @@ class Settler(OneShard):
             # go back now, even while its budget reservation waits for metered actuals.
             try:
                 ended = await end_run_holds(conn, work.ledger, run_id, pools=work.pools)
-                work.redis_changed = work.redis_changed or bool(ended.redis_released)
-                work.pools_changed = work.pools_changed or bool(ended.tokens_released)
+                if ended.redis_released:
+                    work.changing(work.ledger)
+                if ended.tokens_released:
+                    work.changing(work.pools or work.ledger)
             except BaseException:
-                work.redis_changed = work.pools_changed = True
+                work.changing(work.ledger, work.pools)
                 raise
         elif result.released:
             await self._hold_again(work, run_id, decision_id)
@@ -371,10 +373,10 @@ class Settler(OneShard):
         as consumed). Its pool token is not taken back: another holder may have it now."""
         try:
             if await rehold_run(work.conn, work.ledger, run_id, decision_id):
-                work.redis_changed = True
+                work.changing(work.ledger)
                 log.warning("run %r started after its start deadline released it: its quota holds count again, over the quota if it is full", run_id)
         except BaseException:
-            work.redis_changed = True
+            work.changing(work.ledger)
             raise
 
     async def _keep_token(self, work: LedgerTransaction, loaded: Loaded, result: Settlement, now: datetime) -> None:
@@ -395,12 +397,10 @@ class Settler(OneShard):
                 pool_leases={pool.namespace: pool.lease_seconds for pool in loaded.bundle.pools}, pools=work.pools,
             )  # fmt: skip
         except BaseException:
-            work.redis_changed = work.pools_changed = True
+            work.changing(work.ledger, work.pools)
             raise
-        if work.pools is not None:
-            work.pools_changed = work.pools_changed or renewed
-        else:
-            work.redis_changed = work.redis_changed or renewed
+        if renewed:
+            work.changing(work.pools or work.ledger)
 
     async def _released(self, conn: asyncpg.Connection, ended: EndedHolds, policy_ids: Iterable[str], *, cause: str, now: datetime) -> None:
         """Room came back (the run's holds, or budget room): the runs waiting for it are judged."""

@@ -295,7 +295,7 @@ async def settle(s: Setup, root: str, run_id: str, actual: int) -> None:
     usage consumed, in Redis and Postgres together."""
     lease = arithmetic.lease_key(BUDGET, root)
     async with ledger_transaction(s.pool, s.ledger) as work:
-        work.redis_changed = True
+        work.changing(work.ledger)
         await s.ledger.release(run_id)
         if actual:
             await s.ledger.consume({lease: actual})

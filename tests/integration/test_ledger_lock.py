@@ -94,7 +94,7 @@ async def test_a_failed_ledger_session_invalidates_redis_and_lets_go_before_it_r
         try:
             async with ledger_session(pool, ledger) as work:
                 await work.conn.fetch(sql("begin_batch"), ["run-a"], [0], 1)
-                work.redis_changed = True  # reserved in Redis, then the write fails
+                work.changing(work.ledger)  # reserved in Redis, then the write fails
                 await work.conn.execute("SELECT no_such_column FROM ledger_entries")
         except asyncpg.UndefinedColumnError:
             pass

@@ -12,8 +12,11 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
+import pytest
 
+from budgetgate.core.escrow import lease_key as escrow_lease_key
 from budgetgate.core.loader import build_bundle, parse_text
+from budgetgate.ledger.escrow_leases import BudgetBook
 from budgetgate.reports.whatif_report import what_if
 from budgetgate.services.admission.admitter import Unavailable
 from tests.support.accounts import account_budget, account_tree
@@ -322,3 +325,41 @@ async def test_submissions_of_one_tenant_lacking_room_on_its_lease_together_are_
     assert all(isinstance(a, Unavailable) and "Postgres went away" in str(a) for a in answers[:2]), answers
     assert answers[2]["decision"] == "ALLOW", answers[2]
     assert await held_in_redis(server) == await held_in_postgres(pg_dsn)
+
+
+async def test_a_reclaim_whose_shrink_lost_its_reply_invalidates_the_shard_it_shrank(admission_factory, pg_dsn) -> None:
+    """A refill that reclaims idle room from another tenant's lease, on another shard, shrinks
+    that lease in Redis first. Should the shrink's reply be lost (the script ran), the reclaim's
+    transaction fails and Postgres keeps the lease's size: the giver's shard is invalidated, its
+    lock still held, and rebuilt with Postgres's size before it decides again. Only the taker's
+    shard was invalidated before, leaving the giver's lease smaller in Redis than in Postgres."""
+    shared = budget_yaml("everyone", namespace="ml", labels="{}", limit="gpu_hours: 40")
+    await apply_policies(pg_dsn, {**policies(), "shared.yaml": shared}, sha="d5" * 20)
+    server = await admission_factory(ledger_shards=SHARDS)
+    await server.wait_ready()
+    ledgers, escrow = server.rt.ledgers, server.rt.admitter.escrow
+    taker = TENANTS[0]
+    giver = next(t for t in TENANTS if ledgers.of_root(t).shard != ledgers.of_root(taker).shard)
+    assert decision_of(await server.client.post("/v1/admissions", json=run(taker, 0))) == "ALLOW"
+    budget = await server.rt.pool.fetchval("SELECT ledger_key FROM ledger_entries WHERE ledger_key LIKE 'ns=ml|%'")
+    assert await escrow.grant(budget, giver, 10**12, reason="refill") > 0  # every free GPU-hour, idle in the giver's lease
+    giving = ledgers.of_root(giver)
+    lease = escrow_lease_key(budget, giver)
+    in_postgres = await server.rt.pool.fetchval("SELECT size FROM escrow_leases WHERE lease_key = $1", lease)
+    real = giving.move_lease
+
+    async def reply_lost(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await real(*args, **kwargs)
+        raise ConnectionError("the shrink's reply was lost")
+
+    giving.move_lease = reply_lost  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConnectionError, match="reply was lost"):
+            await escrow._reclaim(BudgetBook(budget), taker, 4 * GPU_HOUR)
+    finally:
+        giving.move_lease = real  # type: ignore[method-assign]
+    assert await server.rt.pool.fetchval("SELECT size FROM escrow_leases WHERE lease_key = $1", lease) == in_postgres
+    assert not await giving.is_loaded()  # invalidated: its Redis lease shrank, Postgres's did not
+    await ledgers.sync_of(giving).ensure_loaded()
+    assert int(await giving.client.hget(giving.ledger(lease), "size")) == in_postgres
+    assert all([(await sync.check_drift(repair=False)).clean for sync in ledgers.syncs])

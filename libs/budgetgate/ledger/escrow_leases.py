@@ -249,22 +249,15 @@ class Escrow:
         return granted
 
     @contextlib.asynccontextmanager
-    async def _every_shard(self, book: Book, ledger: RedisLedger, *, failed: str) -> AsyncIterator[tuple[LedgerTransaction, int, list[RedisLedger]]]:
+    async def _every_shard(self, book: Book, ledger: RedisLedger) -> AsyncIterator[tuple[LedgerTransaction, int]]:
         """A ledger transaction on `ledger`'s shard holding every shard's lock (in shard order),
-        then `book`'s row, as every move takes them: yields it, the book's limit, and a list for
-        the caller to name each other shard it changed in Redis. Should the transaction fail,
-        those are invalidated (`failed` says why; `ledger`'s own is, by ledger_transaction)."""
-        changed: list[RedisLedger] = []
-        try:
-            async with ledger_transaction(self.pool, ledger) as work:
-                await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
-                limit = await book.lock(work.conn)
-                yield work, limit, changed
-        except BaseException:
-            for other in changed:
-                if other is not ledger:
-                    await other.invalidate(failed)
-            raise
+        then `book`'s row, as every move takes them: yields it and the book's limit. Each move
+        marks the shard it changes (`_move`), so should the transaction fail, every shard it
+        changed is invalidated, its lock still held (ledger_transaction)."""
+        async with ledger_transaction(self.pool, ledger) as work:
+            await work.conn.execute(sql("lock_every_shard_shared"), ledger.shards.count)
+            limit = await book.lock(work.conn)
+            yield work, limit
 
     async def _reclaim(self, book: Book, root: str, need: int) -> int:
         """Too little was free for `root`'s refill: in one ledger transaction, holding every
@@ -275,7 +268,7 @@ class Escrow:
         no other refill takes it in between. What the lease grew by."""
         lease_key = await book.open(self.pool, root)
         ledger = self.shard_of(root)
-        async with self._every_shard(book, ledger, failed="an escrow reclaim failed after shrinking a lease") as (work, limit, shrunk):
+        async with self._every_shard(book, ledger) as (work, limit):
             leases = await book.leases(work.conn)
             got = min(max(escrow.free(limit, leases.values()), 0), need)
             for other, unused in escrow.reclaim_candidates(leases, root):
@@ -289,7 +282,6 @@ class Escrow:
                     log.info("escrow: no reclaim from %s's lease of %s for now: %s", other, book.moves_key, exc)
                     continue
                 if moved > 0:
-                    shrunk.append(giver)
                     await record_ledger_mark(work.conn, giver, seq)
                     await book.record(work.conn, other, "return", size - moved, moved, seq, f"reclaim:{root}")
                     got += moved
@@ -313,14 +305,12 @@ class Escrow:
         many leases it emptied."""
         if not await book.sized_otherwise(self.pool):
             return 0
-        failed = "emptying the leases of a pool's former unit failed after emptying one"
-        async with self._every_shard(book, self.shard_of(""), failed=failed) as (work, _, emptied):
+        async with self._every_shard(book, self.shard_of("")) as (work, _):
             stale = await book.sized_otherwise(work.conn)
             for root, size in stale.items():
                 holder = self.shard_of(root)
                 moved, seq = await self._move(work, book, holder, book.lease(root), size=size, how="void", amount=size)
                 if seq:
-                    emptied.append(holder)
                     await record_ledger_mark(work.conn, holder, seq)
                 await book.record(work.conn, root, "return", 0, moved, seq or None, f"unit:{book.counted_in}")
         log.info("escrow: the pool of %s is counted in %s: emptied the %d lease(s) sized otherwise", book.counter, book.counted_in, len(stale))
@@ -386,7 +376,7 @@ class Escrow:
     ) -> tuple[int, int]:
         """The Redis step of a move, the lease's key loaded from Postgres first if Redis never had it."""
         committed = await committed_seq(work.conn, ledger)
-        work.redis_changed = True
+        work.changing(ledger)
         try:
             return await ledger.move_lease(lease_key, size=size, how=how, amount=amount, committed_seq=committed, counted_in=book.counted_in)
         except LedgerKeyMissing:

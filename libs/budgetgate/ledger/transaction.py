@@ -49,18 +49,29 @@ async def record_ledger_mark(conn: asyncpg.Connection, ledger: RedisLedger, seq:
 class LedgerTransaction:
     conn: asyncpg.Connection
     ledger: RedisLedger
-    redis_changed: bool = False
     parked: list[tuple[str, int, str]] = field(default_factory=list)  # (run id, settlement seq, token) begun in Redis
-    others: tuple[RedisLedger, ...] = ()  # more shards the unit changes (a batch of admission decisions spanning shards)
     # The pools' shard on a ledger of several shards (it may be `ledger`'s too): a run's pool
     # token is there, apart from its holds (concurrency_holds.end_run_holds, renew_run_token);
-    # locked shared with `ledger`, and invalidated should the unit fail once `pools_changed`.
+    # locked shared with `ledger`.
     pools: RedisLedger | None = None
-    pools_changed: bool = False
+    # Every shard the unit changed in Redis, by number: invalidated should it fail (`changing`).
+    changed: dict[int, RedisLedger] = field(default_factory=dict)
 
-    async def invalidate(self, why: str) -> None:
-        """Invalidate every shard of the Redis ledger the unit changes (see RedisLedger.invalidate)."""
-        for ledger in (self.ledger, *self.others):
+    def changing(self, *ledgers: RedisLedger | None) -> None:
+        """Mark shards the unit changes in Redis (None: none), before the call that changes them:
+        a script may run and its reply be lost. Should the unit fail, each is invalidated while
+        its ledger lock is still held (see RedisLedger.invalidate)."""
+        for ledger in ledgers:
+            if ledger is not None:
+                self.changed[ledger.shard] = ledger
+
+    def unchanged(self, ledger: RedisLedger) -> None:
+        """Unmark a shard whose script answered that it changed nothing."""
+        self.changed.pop(ledger.shard, None)
+
+    async def invalidate_changed(self, why: str) -> None:
+        """Invalidate every shard the unit changed."""
+        for ledger in list(self.changed.values()):
             await ledger.invalidate(why)
 
 
@@ -83,7 +94,7 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger, *, pools: 
             # Before the rollback, while the ledger lock is still held: no rebuild ran since
             # the Redis change, so the marker dropped is the one it was made under, never that
             # of a rebuild another process makes once the lock is free (rebuilt again for nothing).
-            await _invalidate_changed(work, "a ledger transaction failed after its Redis script")
+            await work.invalidate_changed("a ledger transaction failed after its Redis script")
             with contextlib.suppress(Exception):
                 await tx.rollback()
             await _end(ledger, work.parked, committed=False)
@@ -91,16 +102,9 @@ async def ledger_transaction(pool: asyncpg.Pool, ledger: RedisLedger, *, pools: 
         try:
             await tx.commit()
         except BaseException:
-            await _invalidate_changed(work, "a ledger transaction's commit failed or was not confirmed")
+            await work.invalidate_changed("a ledger transaction's commit failed or was not confirmed")
             raise  # parked settlements wait for end_pending, which asks Postgres
     await _end(ledger, work.parked, committed=True)
-
-
-async def _invalidate_changed(work: LedgerTransaction, why: str) -> None:
-    if work.redis_changed:
-        await work.ledger.invalidate(why)
-    if work.pools is not None and work.pools_changed:
-        await work.pools.invalidate(why)
 
 
 # Sessions whose locks are being let go after their unit committed (ledger_session), kept so
@@ -124,17 +128,17 @@ async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger | Sequence[Redi
     not wait for that round trip. A connection whose locks cannot be let go is closed (its
     session's locks end with it), never returned to the pool holding them. On failure, a Redis
     change whose write did not commit, or might have, invalidates the Redis ledger before the
-    locks are let go, as in ledger_transaction. `ledger`: the shard of the Redis ledger the unit
-    changes, or every shard it changes (each invalidated on such a failure)."""
+    locks are let go, as in ledger_transaction: each shard the unit marked changed
+    (LedgerTransaction.changing). `ledger`: the shard of the Redis ledger the unit works on, or
+    the shards it works on (the first is LedgerTransaction.ledger)."""
     ledgers = (ledger,) if isinstance(ledger, RedisLedger) else tuple(ledger)
     conn = await pool.acquire()
-    work = LedgerTransaction(conn, ledgers[0], others=ledgers[1:])
+    work = LedgerTransaction(conn, ledgers[0])
     try:
         yield work
     except BaseException:
         try:
-            if work.redis_changed:
-                await work.invalidate("a ledger unit failed after its Redis script, before its write committed or with the commit unconfirmed")
+            await work.invalidate_changed("a ledger unit failed after its Redis script, before its write committed or with the commit unconfirmed")
         finally:
             await _let_go(pool, conn)
         raise
