@@ -21,8 +21,13 @@ class MeteringSettings(AuthSettings):
     # The name the samples' polls are recorded under (consumer_offsets: the offsets each poll
     # applied, per partition; a sample's id keeps it from being applied twice).
     inbox_name: str = "metering-ingest"
-    # The most samples one poll takes, and so one Postgres transaction.
-    consumer_max_records: int = Field(default=5000, ge=1)
+    # The most samples one poll takes, and so one Postgres transaction. A backlog drains in polls
+    # this large (the broker's fetch sizes keep them to about 15,000 samples of the usual size):
+    # each run's lock, row update and quarter-hour points are paid once per poll, so larger polls
+    # cost less per sample (`budgetgate bench metering --samples 200000 --runs 2000`: 64 µs of CPU
+    # per sample, all parts, at 15,000 against 75 at 5,000; WAL 127 bytes against 204). A steady
+    # stream's polls hold what has arrived, far fewer.
+    consumer_max_records: int = Field(default=15_000, ge=1)
     # Consumers of the group in this process (each owns some partitions; more than there are
     # partitions only wait). One by default: every member that joins stops the whole group for
     # a rebalance, which costs seconds on Tansu, more than the overlap gains on a short load.
