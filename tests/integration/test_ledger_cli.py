@@ -16,6 +16,8 @@ from tests.support.cli import budgetgate_on
 from tests.support.quotas import BIG_BUDGET, POOLS, QUOTA, physics, started
 from budgetgate.runtime import redis_client
 from tests.support.admission import decision_of
+from tests.support.policy_repos import commit, repo  # noqa: F401 - pytest fixtures
+from tests.support.sharded import organisations_yaml
 
 
 async def _budgetgate(tmp_path: Path, settings, *args: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
@@ -124,3 +126,34 @@ async def test_a_ledger_lost_during_the_check_is_not_reported_as_matching(admiss
     finally:
         await client.aclose()
         await pool.close()
+
+
+async def test_roots_reads_the_tree_of_a_policy_folders_commit_and_refuses_a_tenant_under_two_organisations(repo: Path, settings, tmp_path: Path) -> None:
+    """`budgetgate ledger roots --policies DIR`: the organisations of the tree DIR's commit holds
+    (uncommitted edits are not read), each tenant's move named; a tree placing one tenant under
+    two organisations is refused with both named, and nothing is pinned."""
+    sha = commit(repo, {"accounts.yaml": organisations_yaml({"team-0": "acme", "team-1": "globex"})})
+    (repo / "accounts.yaml").write_text(organisations_yaml({"team-0": "initech"}))  # not committed
+    shown = await _budgetgate(tmp_path, settings, "ledger", "roots", "--policies", str(repo))
+    assert shown.returncode == 0, shown.stderr
+    assert f"the account tree of bundle {sha} (team label): 2 tenant(s) move" in shown.stdout, shown.stdout
+    assert "team-0: its own root -> organisation acme" in shown.stdout and "team-1: its own root -> organisation globex" in shown.stdout
+    assert "initech" not in shown.stdout
+
+    torn = "---\n".join(
+        f"apiVersion: budgetgate/v1\nkind: Account\nmetadata: {{id: {doc}}}\nspec: {spec}\n"
+        for doc, spec in [
+            ("acme", "{level: organisation}"),
+            ("globex", "{level: organisation}"),
+            ("acme-vision", "{level: team, parent: acme, scope: {namespace: ml, labels: {team: vision}}}"),
+            ("globex-vision", "{level: team, parent: globex, scope: {namespace: cv, labels: {team: vision}}}"),
+        ]
+    )
+    commit(repo, {"accounts.yaml": torn})
+    refused = await _budgetgate(tmp_path, settings, "ledger", "roots", "--policies", str(repo), "--apply")
+    assert refused.returncode == 1 and "team=vision under acme and globex" in refused.stderr, refused
+    conn = await asyncpg.connect(settings.postgres_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM ledger_roots") == 0
+    finally:
+        await conn.close()
