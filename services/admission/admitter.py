@@ -390,7 +390,7 @@ class Admitter(OneShard):
         run_ids = sorted({p.run_id for p in batch})
         since = time.perf_counter()
         wait = self.ledgers.sync_of(ledgers[0]).wait
-        async with ledger_session(self.pool, ledgers) as work:
+        async with ledger_session(self.pool, ledgers[0]) as work:  # (each shard its scripts change is marked: LedgerTransaction.changing)
             try:  # takes the shards' ledger locks first: behind a rebuild, waits as long as for one
                 rows = await work.conn.fetch(sql("begin_batch"), run_ids, [ledger.shard for ledger in ledgers], len(self.ledgers), timeout=wait)
             except TimeoutError as exc:

@@ -290,7 +290,7 @@ class Settler(OneShard):
                 if ended.redis_released:
                     work.changing(work.ledger)
                 if ended.tokens_released:
-                    work.changing(work.pools or work.ledger)
+                    work.changing(work.tokens)
             except BaseException:
                 work.changing(work.ledger, work.pools)
                 raise
@@ -400,7 +400,7 @@ class Settler(OneShard):
             work.changing(work.ledger, work.pools)
             raise
         if renewed:
-            work.changing(work.pools or work.ledger)
+            work.changing(work.tokens)
 
     async def _released(self, conn: asyncpg.Connection, ended: EndedHolds, policy_ids: Iterable[str], *, cause: str, now: datetime) -> None:
         """Room came back (the run's holds, or budget room): the runs waiting for it are judged."""

@@ -22,7 +22,7 @@ from budgetgate.services.admission.admitter import Unavailable
 from tests.support.accounts import account_budget, account_tree
 from tests.support.admission import apply_policies, budget_yaml, decision_of, held_in_postgres, one_batch, submission
 from tests.support.reconciler import feed, lifecycle, reconciler_factory, usage, wait_caught_up  # noqa: F401 - pytest fixtures
-from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, policies, run
+from tests.support.sharded import GPU_HOUR, SHARDS, TENANTS, held_in_redis, ledger_figures, policies, ran_half_an_hour, run
 from tests.support.waiting import wait_for
 
 
@@ -91,10 +91,7 @@ async def test_a_budget_tenants_share_is_charged_through_each_tenants_escrow_lea
     tenant, n = allowed[0]["run_id"].split("/run-")
     reconciler = await reconciler_factory(ledger_shards=SHARDS)
     start = datetime.now(UTC) - timedelta(minutes=40)
-    await feed.send(
-        lifecycle(f"{tenant}/run-{n}", "STARTED", start, gpus=8), usage(f"{tenant}/run-{n}", "s1", start + timedelta(minutes=30), gpu_hours=4.0),
-        lifecycle(f"{tenant}/run-{n}", "COMPLETED", start + timedelta(minutes=30)),
-    )  # fmt: skip
+    await feed.send(*ran_half_an_hour(f"{tenant}/run-{n}", start))
     await wait_caught_up(reconciler)
     figures = await ledger_figures(pg_dsn)
     [lease] = [k for k in figures if k.split("|", 1)[0].endswith(f"@{tenant}")]

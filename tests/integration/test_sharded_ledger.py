@@ -29,6 +29,7 @@ from tests.support.sharded import (
     held_in_redis,
     ledger_figures,
     organisations_yaml,
+    ran_half_an_hour,
     policies,
     run,
     sharded_admission,
@@ -85,11 +86,7 @@ async def test_the_reconciler_settles_each_run_on_its_shard(admission_factory, r
     reconciler = await reconciler_factory(ledger_shards=SHARDS)
     start = datetime.now(UTC) - timedelta(minutes=40)
     for t in TENANTS:  # run 0 ran half an hour on its 8 GPUs and completed; run 1 started a minute ago
-        await feed.send(
-            lifecycle(f"{t}/run-0", "STARTED", start, gpus=8), usage(f"{t}/run-0", "s1", start + timedelta(minutes=30), gpu_hours=4.0),
-            lifecycle(f"{t}/run-0", "COMPLETED", start + timedelta(minutes=30)),
-            lifecycle(f"{t}/run-1", "STARTED", datetime.now(UTC) - timedelta(minutes=1), gpus=8),
-        )  # fmt: skip
+        await feed.send(*ran_half_an_hour(f"{t}/run-0", start), lifecycle(f"{t}/run-1", "STARTED", datetime.now(UTC) - timedelta(minutes=1), gpus=8))
     await wait_caught_up(reconciler)
 
     figures = await ledger_figures(pg_dsn)
@@ -385,10 +382,7 @@ async def test_organisations_pinned_as_roots_bring_their_tenants_keys_onto_one_s
     assert reconciler.ledgers.shards.roots == orgs
     start = datetime.now(UTC) - timedelta(minutes=40)
     for t in TENANTS:  # run 0 ran half an hour on its 8 GPUs and completed
-        await feed.send(
-            lifecycle(f"{t}/run-0", "STARTED", start, gpus=8), usage(f"{t}/run-0", "s1", start + timedelta(minutes=30), gpu_hours=4.0),
-            lifecycle(f"{t}/run-0", "COMPLETED", start + timedelta(minutes=30)),
-        )  # fmt: skip
+        await feed.send(*ran_half_an_hour(f"{t}/run-0", start))
     await wait_caught_up(reconciler)
     figures = await ledger_figures(pg_dsn)
     assert set(figures.values()) == {(8 * GPU_HOUR, 4 * GPU_HOUR)}  # run 1 holds its 8; run 0 consumed 4

@@ -3,10 +3,13 @@ of its own and a quota, submitting 8 GPU-hour runs (tests/integration/test_shard
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 import asyncpg
 
 from budgetgate.core.shards import Shards
 from budgetgate.ledger.queries import sql
+from tests.support.reconciler import lifecycle, usage
 from tests.support.admission import apply_policies, budget_yaml, reserved_in_redis, submission
 
 SHARDS = 3
@@ -22,6 +25,13 @@ spec: {{tenant: {tenant}, max_gpus: 1000}}
 def policies() -> dict[str, str]:
     files = {f"{t}.yaml": budget_yaml(f"budget-{t}", namespace="ml", labels=f"{{team: {t}}}", limit="gpu_hours: 20") for t in TENANTS}
     return files | {f"quota-{t}.yaml": QUOTA.format(tenant=t) for t in TENANTS}
+
+
+def ran_half_an_hour(run_id: str, start: datetime) -> tuple[object, ...]:
+    """The feed of a run that started at `start` on its 8 GPUs, used 4 GPU-hours in half an hour
+    and completed."""
+    end = start + timedelta(minutes=30)
+    return lifecycle(run_id, "STARTED", start, gpus=8), usage(run_id, "s1", end, gpu_hours=4.0), lifecycle(run_id, "COMPLETED", end)
 
 
 def organisations_yaml(orgs: dict[str, str]) -> str:

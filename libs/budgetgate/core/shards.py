@@ -12,7 +12,6 @@ shards, and Postgres finds the highest number a shard committed as the highest o
 
 from __future__ import annotations
 
-import hashlib
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,20 +34,16 @@ class Shards:
 
     prefix: str
     count: int = 1
-    roots: Mapping[str, str] = field(default_factory=dict, compare=False)
+    roots: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.count <= MAX_SHARDS:
             raise ValueError(f"the Redis ledger has 1 to {MAX_SHARDS} shards, not {self.count}")
 
-    def root(self, tenant: str) -> str:
-        """The root a tenant's keys are placed by: its organisation when the pinned roots name
-        one, else the tenant itself ("", what no tenant owns, is its own root)."""
-        return self.roots.get(tenant, tenant)
-
     def of_root(self, tenant: str) -> int:
         """The shard of a tenant's keys ("" for what no tenant owns), for as long as the count
-        and the pinned roots stay: CRC-32 of its root's name, modulo the count."""
+        and the pinned roots stay: CRC-32 of its root's name (its organisation when the pinned
+        roots name one, else the tenant itself), modulo the count."""
         return zlib.crc32(self.roots.get(tenant, tenant).encode()) % self.count
 
     def tag(self, shard: int) -> str:
@@ -89,8 +84,7 @@ def organisations(tree: AccountTree, tenant_label: str) -> dict[str, str]:
         tenant = account.scope.labels.get(tenant_label) if account.scope is not None else None
         if tenant is None or tenant == ANY_VALUE:
             continue
-        organisation = ([account.id, *tree.ancestors(account.id)])[-1]
-        found.setdefault(tenant, set()).add(organisation)
+        found.setdefault(tenant, set()).add((tree.ancestors(account.id) or [account.id])[-1])  # the top of its branch
     torn = {tenant: sorted(orgs) for tenant, orgs in found.items() if len(orgs) > 1}
     if torn:
         raise RootConflict(
@@ -98,12 +92,6 @@ def organisations(tree: AccountTree, tenant_label: str) -> dict[str, str]:
             + "; ".join(f"{tenant_label}={tenant} under {' and '.join(orgs)}" for tenant, orgs in sorted(torn.items()))
         )
     return {tenant: next(iter(orgs)) for tenant, orgs in sorted(found.items())}
-
-
-def roots_fingerprint(roots: Mapping[str, str]) -> str:
-    """A short digest of a placement (tenant -> root), the same in every process that has it."""
-    text = "\n".join(f"{tenant}\t{root}" for tenant, root in sorted(roots.items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def run_root(labels: Mapping[str, str], tenant_label: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -65,6 +65,11 @@ class LedgerTransaction:
             if ledger is not None:
                 self.changed[ledger.shard] = ledger
 
+    @property
+    def tokens(self) -> RedisLedger:
+        """The shard a run's pool token is on: the pools' on a ledger of several shards, else the unit's own."""
+        return self.pools or self.ledger
+
     def unchanged(self, ledger: RedisLedger) -> None:
         """Unmark a shard whose script answered that it changed nothing."""
         self.changed.pop(ledger.shard, None)
@@ -113,7 +118,7 @@ _letting_go: set[asyncio.Task[None]] = set()
 
 
 @contextlib.asynccontextmanager
-async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger | Sequence[RedisLedger]) -> AsyncIterator[LedgerTransaction]:
+async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger) -> AsyncIterator[LedgerTransaction]:
     """A unit of change to the ledger with no transaction block, for admission's decisions: as
     ledger_transaction, in three round trips instead of five.
 
@@ -129,11 +134,10 @@ async def ledger_session(pool: asyncpg.Pool, ledger: RedisLedger | Sequence[Redi
     session's locks end with it), never returned to the pool holding them. On failure, a Redis
     change whose write did not commit, or might have, invalidates the Redis ledger before the
     locks are let go, as in ledger_transaction: each shard the unit marked changed
-    (LedgerTransaction.changing). `ledger`: the shard of the Redis ledger the unit works on, or
-    the shards it works on (the first is LedgerTransaction.ledger)."""
-    ledgers = (ledger,) if isinstance(ledger, RedisLedger) else tuple(ledger)
+    (LedgerTransaction.changing), whichever shards those are. `ledger`: the shard the unit works
+    on (for a unit working on several, any of them: the marks say which to invalidate)."""
     conn = await pool.acquire()
-    work = LedgerTransaction(conn, ledgers[0])
+    work = LedgerTransaction(conn, ledger)
     try:
         yield work
     except BaseException:

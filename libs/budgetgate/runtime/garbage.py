@@ -13,8 +13,9 @@ Measured in metering-ingest with `budgetgate bench metering --samples 200000 --r
 garbage collection line): at (700, 10, 10), 6,312 young, 574 middle and 52 full passes, 4.25 s =
 22.5 % of the service's CPU; at (50_000, 20, 100), 74 passes, 1.97 s = 10.6 %; at (200_000, 10,
 10), 9 passes, 0.05 s = 0.3 %. With polls of up to 15,000 samples, (200_000, 10, 10) ran 23
-passes, 0.75 s = 8.5 %; (600_000, 10, 10) 10 passes, 0.10 s = 1.2 %. Admission, whose objects die with their request, made one pass in
-6,000 decisions at a first threshold of 200,000, against 2.3-2.5 % of its CPU at CPython's.
+passes, 0.75 s = 8.5 %; (600_000, 10, 10) 10 passes, 0.10 s = 1.2 %. Admission, whose objects
+die with their request, made one pass in 6,000 decisions at a first threshold of 200,000 (two
+in 2,100 at 600,000, 0.0 % of its CPU), against 2.3-2.5 % of its CPU at CPython's.
 Nearly all of a service's objects die by reference counting; the collector only has cycles to
 find, and it still finds them, later and in fewer passes.
 """
