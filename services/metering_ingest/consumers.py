@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import asyncpg
 from budgetgate.messaging.inbox import BatchRoute, Delivery, locks_taken
-from budgetgate.core.metering import Rejected, Sample
+from budgetgate.core.metering import Rejected, Sample, usage_event_id
 from budgetgate.services.metering_ingest.ingest import Ingestor, RecordOrigin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
@@ -52,23 +52,30 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
     records only the offsets it applied per partition (budgetgate.messaging.inbox)."""
 
     def prepare(deliveries: Sequence[Delivery]) -> None:
+        # While the poll before is in Postgres: each sample validated, with its usage record's
+        # event id (which the poll's statement sends for every sample).
         now = ingestor.clock()
         for delivery in deliveries:
-            delivery.prepared = _validated(ingestor, delivery.message, now)
+            delivery.prepared = _prepared(ingestor, delivery.message, now)
 
     async def handle(conn: asyncpg.Connection, deliveries: Sequence[Delivery]) -> Mapping[Delivery, str]:
         refused: dict[Delivery, str] = {}
-        valid: list[tuple[Delivery, Sample, RecordOrigin]] = []
+        valid: list[Delivery] = []
+        batch: list[tuple[Sample, RecordOrigin]] = []
+        event_ids: list[str] = []
         now = ingestor.clock()
         for delivery in deliveries:
-            sample = delivery.prepared or _validated(ingestor, delivery.message, now)
-            if isinstance(sample, Rejected):
-                refused[delivery] = str(sample)
+            prepared = delivery.prepared or _prepared(ingestor, delivery.message, now)
+            if isinstance(prepared, Rejected):
+                refused[delivery] = str(prepared)
                 continue
-            valid.append((delivery, sample, RecordOrigin(delivery.record)))
-        outcomes = await ingestor.place_batch(conn, [(sample, origin) for _, sample, origin in valid], locked=locks_taken)
+            sample, event_id = prepared
+            valid.append(delivery)
+            batch.append((sample, RecordOrigin(delivery.record)))
+            event_ids.append(event_id)
+        outcomes = await ingestor.place_batch(conn, batch, locked=locks_taken, event_ids=event_ids, every=False)
         placed = []
-        for (delivery, _, _), outcome in zip(valid, outcomes, strict=True):
+        for delivery, outcome in zip(valid, outcomes, strict=True):
             if isinstance(outcome, Rejected):
                 refused[delivery] = str(outcome)
             else:
@@ -80,8 +87,10 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
     return BatchRoute(MeteringSample, handle, prepare, offsets=True)
 
 
-def _validated(ingestor: Ingestor, message: MeteringSample, now: datetime) -> Sample | Rejected:
+def _prepared(ingestor: Ingestor, message: MeteringSample, now: datetime) -> tuple[Sample, str] | Rejected:
+    """The validated sample and its usage record's event id, or why it is refused."""
     try:
-        return ingestor.validate(message, now=now)
+        sample = ingestor.validate(message, now=now)
     except Rejected as exc:
         return exc
+    return sample, usage_event_id(sample.run_id, sample.sample_id)

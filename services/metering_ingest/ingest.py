@@ -77,6 +77,19 @@ class Pending:
     until: datetime
 
 
+class Folded:
+    """An accepted sample whose figures were not read: neither its span's point nor late, one of
+    the samples a point stands for (Ingestor.place_batch with `every` false). One instance,
+    FOLDED."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "FOLDED"
+
+
+FOLDED = Folded()
+
 Outcome = Accepted | Duplicate | Pending
 
 
@@ -195,10 +208,20 @@ class Ingestor:
         return kept
 
     async def place_batch(
-        self, conn: asyncpg.Connection, batch: Sequence[tuple[Sample, Origins]], *, locked: Callable[[], None] = lambda: None
-    ) -> list[Outcome | Rejected]:
+        self,
+        conn: asyncpg.Connection,
+        batch: Sequence[tuple[Sample, Origins]],
+        *,
+        locked: Callable[[], None] = lambda: None,
+        event_ids: Sequence[str] | None = None,
+        every: bool = True,
+    ) -> list[Outcome | Folded | Rejected]:
         """`place` for many valid samples at once, in order (two samples of one run judge each
-        other as if placed one after the other); a sample's Rejected is its outcome.
+        other as if placed one after the other); a sample's Rejected is its outcome. `event_ids`:
+        those of the samples' usage records, when the caller derived them already (a Kafka
+        poll's, while the poll before it was in Postgres). `every` false: an accepted sample that
+        is neither its span's point nor late is FOLDED, its figures not read (a Kafka poll counts
+        them only).
 
         Postgres judges and records the samples of the runs its set-based rules cover
         (metering_place_batch), with `fold` as one point (one row, one usage record) per run and
@@ -208,9 +231,12 @@ class Ingestor:
         those locks (budgetgate.messaging.inbox.locks_taken)."""
         now = self.clock()
         samples = [sample for sample, _ in batch]
-        event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
+        if event_ids is None:
+            event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
         placing = asyncio.ensure_future(
-            store.place_batch(conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids, tolerance=self.tolerance, fold=self.fold)
+            store.place_batch(
+                conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids, tolerance=self.tolerance, fold=self.fold, every=every
+            )
         )
         try:
             await asyncio.sleep(0)  # the batch goes out
@@ -218,7 +244,8 @@ class Ingestor:
         finally:
             placed = await placing  # awaited whatever happened: the connection is not left in use
         locked()
-        outcomes: list[Outcome | Rejected | None] = [None] * len(batch)
+        # Without `every`, a sample without a row was accepted and folded into its span's point.
+        outcomes: list[Outcome | Folded | Rejected | None] = [None if every else FOLDED] * len(batch)
         left: list[int] = []
         points = []
         for idx, outcome, of, gpu, node, gpu_delta, node_delta, late, order, *record in placed:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from budgetgate.core.metering import Accepted, Duplicate, Rejection, reason_code
-from budgetgate.services.metering_ingest.ingest import Outcome, Pending
+from budgetgate.services.metering_ingest.ingest import Folded, Outcome, Pending
 
 
 class MeteringMetrics:
@@ -35,7 +35,7 @@ class MeteringMetrics:
         """Count one sample that was recorded, found a duplicate, or kept pending."""
         self._samples.add(1, {"outcome": _name(outcome), "source": source})
 
-    def outcomes(self, outcomes: Iterable[Outcome], *, source: str) -> None:
+    def outcomes(self, outcomes: Iterable[Outcome | Folded], *, source: str) -> None:
         """Count many samples at once (one addition per outcome name)."""
         for name, count in Counter(_name(o) for o in outcomes).items():
             self._samples.add(count, {"outcome": name, "source": source})
@@ -53,7 +53,9 @@ class MeteringMetrics:
         return [Observation(self.pending)]
 
 
-def _name(outcome: Outcome) -> str:
+def _name(outcome: Outcome | Folded) -> str:
+    if isinstance(outcome, Folded):
+        return "accepted"  # (neither late nor its span's point: a late sample keeps its row)
     if isinstance(outcome, Accepted):
         return "late" if outcome.late else "accepted"
     if isinstance(outcome, Duplicate):

@@ -72,13 +72,20 @@ FROM metering_begin_batch($1::text[], $2::text[], $3::timestamptz[], $4::text[])
 
 -- name: metering_place_batch
 -- A batch's samples judged and recorded set-based where the core's rules allow it, the others
--- left to the core (see metering_place_batch): one row per sample, by its 1-based idx. $9 and
--- $10: the usage tolerance, in parts per million and the clock slack in microseconds; $11: the
--- span of which a run's accepted samples are one point (NULL: every sample its own).
+-- left to the core (see metering_place_batch): one row per sample, by its 1-based idx ($12
+-- false: none for an accepted sample that is neither its span's point nor late). The text
+-- columns ($1, $2, $6, $7, $8) come joined, chr(31) before each; the times ($3) in microseconds
+-- since the epoch (services/metering_ingest/store.py place_batch). $9 and $10: the usage
+-- tolerance, in parts per million and the clock slack in microseconds; $11: the span of which a
+-- run's accepted samples are one point (NULL: every sample its own).
 SELECT idx, outcome, of_sample, gpu_cumulative, node_cumulative, gpu_delta, node_delta, late,
        record_order, record_gpu_cumulative, record_node_cumulative, record_gpu_delta, record_node_delta
-FROM metering_place_batch($1::text[], $2::text[], $3::timestamptz[], $4::bigint[], $5::bigint[], $6::text[], $7::text[], $8::text[],
-                          $9::bigint, $10::bigint, $11::interval);
+FROM metering_place_batch((string_to_array($1::text, chr(31)))[2:], (string_to_array($2::text, chr(31)))[2:],
+                          ARRAY(SELECT timestamptz 'epoch' + t.us * interval '1 microsecond'
+                                FROM unnest($3::bigint[]) WITH ORDINALITY AS t(us, n) ORDER BY t.n),
+                          $4::bigint[], $5::bigint[], (string_to_array($6::text, chr(31)))[2:],
+                          (string_to_array($7::text, chr(31)))[2:], (string_to_array($8::text, chr(31)))[2:],
+                          $9::bigint, $10::bigint, $11::interval, $12::boolean);
 
 -- name: raise_usage_runs
 -- The new high-water marks of the runs a batch recorded samples of: per run its cumulative

@@ -13,7 +13,7 @@ import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 import asyncpg
@@ -27,6 +27,8 @@ sql = owned_by("budgetgate.services.metering_ingest")
 
 Source = Literal["kafka", "http"]
 _MICROSECOND = timedelta(microseconds=1)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_SEPARATOR = "\x1f"  # (metering_place_batch's query splits on chr(31))
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,7 @@ async def place_batch(
     event_ids: Sequence[str],
     tolerance: Tolerance,
     fold: timedelta | None = None,
+    every: bool = True,
 ) -> list[asyncpg.Record]:
     """Judge and record, in one round trip, the samples of a batch the set-based rules cover
     (see metering_place_batch); the others come back as 'python'. One row per sample, read as
@@ -227,13 +230,31 @@ async def place_batch(
     to the core: among others every run with a sample above its bound with `tolerance`, as its
     row keeps it). With `fold` (budgetgate.core.metering.FOLD), a run's accepted samples of one
     span are one point: only the latest is recorded, and its row's record_* say what its usage
-    record carries (the others' are NULL); without, every accepted sample is its own point."""
+    record carries (the others' are NULL); without, every accepted sample is its own point.
+    `every` false: no row for an accepted sample that is neither its span's point nor late.
+
+    The text columns go as one text each, joined by a control character no valid sample holds,
+    and the times as microseconds since the epoch: asyncpg encodes a text[] or timestamptz[]
+    element by element, 0.3 and 0.9 µs each (0.2 ms for the whole of a joined text of 15,000)."""
     return await conn.fetch(
         sql("metering_place_batch"),
-        [s.run_id for s in samples], [s.sample_id for s in samples], [s.observed_at for s in samples],
-        [s.counters.gpu for s in samples], [s.counters.node for s in samples], [s.exporter for s in samples],
-        sources, event_ids, tolerance.ppm, tolerance.slack // _MICROSECOND, fold,
+        _joined([s.run_id for s in samples]), _joined([s.sample_id for s in samples]), [(s.observed_at - _EPOCH) // _MICROSECOND for s in samples],
+        [s.counters.gpu for s in samples], [s.counters.node for s in samples], _joined([s.exporter for s in samples]),
+        _joined(sources), _joined(event_ids), tolerance.ppm, tolerance.slack // _MICROSECOND, fold, every,
     )  # fmt: skip
+
+
+def _joined(texts: Sequence[str]) -> str:
+    """`texts` as metering_place_batch's query splits them (a separator before each, so that one
+    empty text stays one). Validated identifiers and exporters, sources and event ids hold no
+    control character (budgetgate.core.metering.validate); one that did would shift every column
+    after it, so it is refused."""
+    if not texts:
+        return ""  # (a single separator would split into one empty text)
+    joined = _SEPARATOR + _SEPARATOR.join(texts)
+    if joined.count(_SEPARATOR) != len(texts):
+        raise ValueError(f"a text of the batch holds the separator {_SEPARATOR!r}: {next(t for t in texts if _SEPARATOR in t)!r}")
+    return joined
 
 
 _USAGE_COLUMNS = (

@@ -8,19 +8,22 @@ run; a run's records raise its cumulative in order; a poll read again writes not
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import uuid
 from datetime import UTC, timedelta
 
 import asyncpg
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from budgetgate.benchmark.metering_runner import first_wrong_quarter
+from budgetgate.contracts import topics
 from budgetgate.contracts.topics import Topics
 from budgetgate.core.metering import FOLD, Accepted, Counters, Duplicate, MemoryUsage, Rejected, Rejection, Sample, fold_start, milli, normalize
 from budgetgate.messaging.publisher import Publisher
-from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
+from budgetgate.services.metering_ingest.ingest import FOLDED, Ingestor, Origin
+from budgetgate.v1.usage_pb2 import UsageRecord
 from tests.support.metering import T0, IngestProcess, decide, fetchval, metering_factory, sample, usage_records, usage_rows  # noqa: F401 - a fixture
 from tests.support.waiting import wait_for
 
@@ -98,6 +101,70 @@ async def _assert_the_clean_usage(conn: asyncpg.Connection, run_id: str, referen
     # Usage up to each quarter hour: its latest point before it. A point on the quarter hour starts
     # the next one, as the reconciler charges an increment to the window and bucket of its end.
     assert first_wrong_quarter(run_id, rows, reference) is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(polls=polls())
+def test_a_poll_that_reads_only_points_and_late_samples_records_the_same(pg_dsn: str, polls: list[list[tuple[str, int, str]]]) -> None:
+    """`every` false (metering-ingest's Kafka polls): Postgres answers no row for an accepted
+    sample that is neither its quarter hour's point nor late, and place_batch says FOLDED for it;
+    every other outcome, every usage row and every usage record are those of the poll answered in
+    full."""
+    asyncio.run(_compare_every(pg_dsn, polls))
+
+
+async def _compare_every(dsn: str, polls: list[list[tuple[str, int, str]]]) -> None:
+    tag = uuid.uuid4().hex[:8]
+    full, compact = ({name: f"{tag}-{kind}-{name}" for name in ("a", "b")} for kind in ("full", "compact"))
+    await decide(dsn, *full.values(), *compact.values())
+    ingestor = Ingestor(max_skew=timedelta(minutes=5), grace=GRACE, counts=_NoCounts(), fold=FOLD)
+    conn = await asyncpg.connect(dsn)
+    folded = 0
+    try:
+        for poll in polls:
+            answers = []
+            for run, every in ((full, True), (compact, False)):
+                batch = [_point(run[r], second, suffix) for r, second, suffix in poll]
+                async with conn.transaction():
+                    outcomes = await ingestor.place_batch(conn, [(s, ORIGIN) for s in batch], every=every)
+                    records = await conn.fetch("SELECT payloads FROM outbox WHERE xmin = pg_current_xact_id()::xid AND topic = $1 ORDER BY id", topics.USAGE)
+                answers.append((outcomes, [_usage_record(p, run) for r in records for p in r["payloads"]]))
+            (everything, announced), (fewer, announced_fewer) = answers
+            assert announced_fewer == announced
+            for whole, compact_outcome in zip(everything, fewer, strict=True):
+                if compact_outcome is FOLDED:
+                    folded += 1
+                    assert isinstance(whole, Accepted) and not whole.late, whole
+                else:
+                    assert _named(compact_outcome, compact) == _named(whole, full)
+        for name in ("a", "b"):
+            assert await _rows(conn, compact[name]) == await _rows(conn, full[name])
+    finally:
+        await conn.close()
+    event(f"folded samples without a row: {'some' if folded else 'none'}")
+
+
+def _named(outcome: object, run: dict[str, str]) -> object:
+    """`outcome` with its sample's run named as in the polls ("a", "b")."""
+    by_id = {v: k for k, v in run.items()}
+    sample = getattr(outcome, "sample", None)
+    return dataclasses.replace(outcome, sample=dataclasses.replace(sample, run_id=by_id[sample.run_id])) if sample is not None else outcome  # type: ignore[call-overload]
+
+
+def _usage_record(payload: bytes, run: dict[str, str]) -> tuple[object, ...]:
+    record = UsageRecord.FromString(payload)
+    by_id = {v: k for k, v in run.items()}
+    return (by_id[record.run_id], record.sample_id, record.observed_at.ToDatetime(), record.gpu_milli_hours_cumulative,
+            record.gpu_milli_hours_delta, record.node_milli_hours_delta)  # fmt: skip
+
+
+async def _rows(conn: asyncpg.Connection, run_id: str) -> list[tuple[object, ...]]:
+    rows = await conn.fetch(
+        """SELECT sample_id, observed_at, gpu_milli_hours, node_milli_hours, gpu_milli_hours_cumulative, node_milli_hours_cumulative,
+                  gpu_milli_hours_delta, node_milli_hours_delta, late FROM usage_records WHERE run_id = $1 ORDER BY observed_at""",
+        run_id,
+    )
+    return [tuple(r) for r in rows]
 
 
 async def test_a_regression_below_a_kept_point_is_still_rejected(pg_dsn: str) -> None:

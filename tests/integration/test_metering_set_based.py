@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import asyncpg
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -239,5 +240,53 @@ async def _compare_bounded(
             recorded = [Sample(run[name], r["sample_id"], r["observed_at"], Counters(r["gpu_milli_hours"], r["node_milli_hours"])) for r in rows]
             assert all(bounds[run[name]].allows(s) for s in recorded)
             assert sorted((s.observed_at, s.counters) for s in recorded) == [(k.observed_at, k.counters) for k in reference.recorded(run[name])]
+    finally:
+        await conn.close()
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=[chr(c) for c in [*range(0x20), 0x7F]]), max_size=12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    samples=st.lists(
+        st.tuples(_TEXT.filter(bool), _TEXT, st.integers(0, 10**9)),  # sample id, exporter, microseconds after the run's decision
+        min_size=1,
+        max_size=6,
+        unique_by=(lambda t: t[0], lambda t: t[2]),
+    )
+)
+def test_a_batchs_texts_and_times_arrive_as_they_were(pg_dsn: str, samples: list[tuple[str, str, int]]) -> None:
+    """place_batch sends the texts of a batch joined and its times as microseconds since the
+    epoch: every sample id and exporter (an empty one, alone in its batch, too) and every time to
+    the microsecond is recorded as given."""
+    asyncio.run(_round_trip(pg_dsn, samples))
+
+
+async def _round_trip(dsn: str, samples: list[tuple[str, str, int]]) -> None:
+    run = f"texts-{uuid.uuid4().hex[:8]}"
+    await decide(dsn, run)
+    ordered = sorted(samples, key=lambda s: s[2])
+    batch = [Sample(run, sid, T0 + timedelta(microseconds=us), Counters(i + 1, i + 1), exporter) for i, (sid, exporter, us) in enumerate(ordered)]
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            placed = await store.place_batch(conn, batch, sources=["kafka"] * len(batch), event_ids=[str(uuid.uuid4()) for _ in batch], tolerance=TOLERANCE)
+        rows = await conn.fetch("SELECT sample_id, exporter, observed_at FROM usage_records WHERE run_id = $1 ORDER BY observed_at, sample_id", run)
+    finally:
+        await conn.close()
+    assert [p["outcome"] for p in placed] == ["accepted"] * len(batch)
+    recorded = [(s.sample_id, s.exporter, s.observed_at) for s in batch]
+    assert sorted((r["sample_id"], r["exporter"], r["observed_at"]) for r in rows) == sorted(recorded)
+
+
+async def test_a_text_holding_the_separator_is_refused_before_anything_is_sent(pg_dsn: str) -> None:
+    """A text with the separator the batch's texts are joined by would shift every column after
+    it; validation keeps it out of samples, and place_batch refuses it should one get past."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        bad = Sample("sep-run", "a\x1fb", T0, Counters(1, 1))
+        with pytest.raises(ValueError, match="separator"):
+            await store.place_batch(conn, [bad], sources=["kafka"], event_ids=[str(uuid.uuid4())], tolerance=TOLERANCE)
     finally:
         await conn.close()

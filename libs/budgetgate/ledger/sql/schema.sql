@@ -719,13 +719,18 @@ $$;
 -- point, with the sum of their deltas and the cumulative after them; a late sample in the
 -- quarter hour of a recorded point after it is a duplicate of that point (see the migration).
 --
+-- 0051: the recorded samples at and either side of a sample's time are probed only for a
+-- sample observed at or before its run's latest.
+--
 -- Returns one row per sample (idx, 1-based): outcome 'accepted' (with cumulative, delta, late;
 -- and for the sample recorded as its quarter hour's point, what its usage record carries and
--- its place among the run's records), 'duplicate' (with of_sample) or 'python'.
+-- its place among the run's records), 'duplicate' (with of_sample) or 'python'; with p_every
+-- false (0051), none for an accepted sample that is neither its quarter hour's point nor late.
 -- VOLATILE, so the statements after the locks see everything committed before they were granted.
 CREATE FUNCTION metering_place_batch(
     p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[], p_gpu bigint[], p_node bigint[],
-    p_exporters text[], p_sources text[], p_event_ids text[], p_tolerance_ppm bigint, p_slack_us bigint, p_fold interval
+    p_exporters text[], p_sources text[], p_event_ids text[], p_tolerance_ppm bigint, p_slack_us bigint, p_fold interval,
+    p_every boolean
 )
 RETURNS TABLE (idx integer, outcome text, of_sample text, gpu_cumulative bigint, node_cumulative bigint,
                gpu_delta bigint, node_delta bigint, late boolean,
@@ -758,13 +763,12 @@ BEGIN
         -- samples either side of it; index probes only, whatever the run's history.
         SELECT s.i, s.rid, s.sid, s.at, s.gpu, s.node, run.gpu AS run_gpu, run.node AS run_node, run.latest,
                COALESCE(same_id.rid = s.rid AND same_id.sid = s.sid, false) AS has_id, same_id.at AS id_at, same_id.gpu AS id_gpu, same_id.node AS id_node,
-               same_time.sid AS time_sid, same_time.gpu AS time_gpu, same_time.node AS time_node,
-               before.gpu AS before_gpu, before.node AS before_node, after.gpu AS after_gpu, after.node AS after_node,
+               nb.time_sid, nb.time_gpu, nb.time_node, nb.before_gpu, nb.before_node, nb.after_gpu, nb.after_node,
                -- 0046: a late sample in the quarter hour (p_fold) of a recorded point after it changes
                -- nothing a max-register keeps: a duplicate of that point (unless odd, below).
-               (p_fold IS NOT NULL AND after.at IS NOT NULL
-                AND date_bin(p_fold, after.at, timestamptz '2000-01-01 00:00:00+00') = date_bin(p_fold, s.at, timestamptz '2000-01-01 00:00:00+00')) AS covered,
-               after.sid AS after_sid,
+               (p_fold IS NOT NULL AND nb.after_at IS NOT NULL
+                AND date_bin(p_fold, nb.after_at, timestamptz '2000-01-01 00:00:00+00') = date_bin(p_fold, s.at, timestamptz '2000-01-01 00:00:00+00')) AS covered,
+               nb.after_sid,
                -- Above what the run's GPUs (nodes) can have used since its earliest decision, with
                -- the tolerance (budgetgate.core.metering.UsageBound, the same exact arithmetic):
                -- left to the core, which rejects it (impossible_usage) or, the run's decisions
@@ -784,14 +788,25 @@ BEGIN
                            WHERE u.event_id = s.event_id AND u.observed_at >= COALESCE(run.earliest, '-infinity')
                              AND u.observed_at <= COALESCE(run.latest, 'infinity')
                            LIMIT 1) AS same_id ON true
-        LEFT JOIN LATERAL (SELECT u.sample_id AS sid, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
-                           FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at = s.at AND s.at <= run.latest LIMIT 1) AS same_time ON true
-        LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
-                           WHERE u.run_id = s.rid AND u.observed_at < s.at AND s.at < run.latest
-                           ORDER BY u.observed_at DESC LIMIT 1) AS before ON true
-        LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node, u.observed_at AS at, u.sample_id AS sid FROM usage_records u
-                           WHERE u.run_id = s.rid AND u.observed_at > s.at AND s.at < run.latest
-                           ORDER BY u.observed_at LIMIT 1) AS after ON true
+        -- 0051: the recorded samples at and either side of a sample's time, read only for one
+        -- observed at or before the run's latest: a poll's samples of a run are mostly after it,
+        -- and each probe of a partitioned table costs its setup even when its condition is false.
+        LEFT JOIN LATERAL (
+            SELECT same_time.sid AS time_sid, same_time.gpu AS time_gpu, same_time.node AS time_node,
+                   before.gpu AS before_gpu, before.node AS before_node,
+                   after.gpu AS after_gpu, after.node AS after_node, after.at AS after_at, after.sid AS after_sid
+            FROM (SELECT 1) AS gate
+            LEFT JOIN LATERAL (SELECT u.sample_id AS sid, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
+                               FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at = s.at LIMIT 1) AS same_time ON true
+            LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
+                               WHERE u.run_id = s.rid AND u.observed_at < s.at AND s.at < run.latest
+                               ORDER BY u.observed_at DESC LIMIT 1) AS before ON true
+            LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node, u.observed_at AS at, u.sample_id AS sid FROM usage_records u
+                               WHERE u.run_id = s.rid AND u.observed_at > s.at AND s.at < run.latest
+                               ORDER BY u.observed_at LIMIT 1) AS after ON true
+            WHERE s.at <= run.latest
+            LIMIT 1  -- (kept a subquery, so the condition above gates the probes)
+        ) AS nb ON true
     ), by_time AS (
         -- In time order per run: the sample before each (the first of an observed_at has
         -- another time before it), and the first sample of each observed_at.
@@ -862,6 +877,9 @@ BEGIN
            CASE WHEN f.kept THEN f.rec_i END, CASE WHEN f.kept THEN f.rec_gpu END, CASE WHEN f.kept THEN f.rec_node END,
            CASE WHEN f.kept THEN f.rec_gpu_delta END, CASE WHEN f.kept THEN f.rec_node_delta END
     FROM folded f
+    -- 0051: without p_every, an accepted sample that is neither its quarter hour's point nor late
+    -- has no row (a poll read from Kafka counts it; its own figures are read by no one).
+    WHERE p_every OR f.kept OR f.is_late
     UNION ALL
     -- A duplicate of the recorded sample of its id, or of the first sample of its observed_at,
     -- recorded or accepted earlier in the batch.
@@ -874,8 +892,21 @@ BEGIN
     FROM s WHERE s.i NOT IN (SELECT c.i FROM clean c);
 END
 $$;
-ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], bigint[], text[], text[], text[], bigint, bigint, interval)
+ALTER FUNCTION metering_place_batch(text[], text[], timestamptz[], bigint[], bigint[], text[], text[], text[], bigint, bigint, interval, boolean)
     SET plan_cache_mode = force_custom_plan;  -- 0019, 0029
+-- 0051: the signature without p_every answers every sample, for processes of the release before.
+CREATE FUNCTION metering_place_batch(
+    p_run_ids text[], p_sample_ids text[], p_observed_at timestamptz[], p_gpu bigint[], p_node bigint[],
+    p_exporters text[], p_sources text[], p_event_ids text[], p_tolerance_ppm bigint, p_slack_us bigint, p_fold interval
+)
+RETURNS TABLE (idx integer, outcome text, of_sample text, gpu_cumulative bigint, node_cumulative bigint,
+               gpu_delta bigint, node_delta bigint, late boolean,
+               record_order integer, record_gpu_cumulative bigint, record_node_cumulative bigint,
+               record_gpu_delta bigint, record_node_delta bigint)
+LANGUAGE sql VOLATILE AS $$
+    SELECT p.* FROM metering_place_batch(p_run_ids, p_sample_ids, p_observed_at, p_gpu, p_node, p_exporters, p_sources, p_event_ids,
+                                         p_tolerance_ppm, p_slack_us, p_fold, true) AS p
+$$;
 -- 0046: the signature without p_fold, for processes of the release before until they are all
 -- replaced: every sample its own point, as it was.
 CREATE FUNCTION metering_place_batch(
