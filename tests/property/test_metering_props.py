@@ -186,6 +186,8 @@ def _shape(outcome: Accepted | Duplicate | Rejected) -> tuple[object, ...]:
         st.floats(min_value=0, max_value=1e13),
         st.integers(0, 10**9).flatmap(lambda n: st.integers(0, 6).map(lambda d: n / 10**d)),
         st.decimals(min_value=0, max_value=10**9, places=4).map(float),
+        st.integers(0, 2**31 * 2000).map(lambda n: n / 2000),  # ties (x.xxx5) and not, up to and past 2**30 s
+        st.floats(min_value=2**30 - 1, max_value=2**30 + 1),  # where milli stops taking the arithmetic way
     )
 )
 def test_milli_reads_the_shortest_decimal_as_decimal_does(seconds: float) -> None:
