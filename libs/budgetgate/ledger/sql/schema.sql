@@ -757,18 +757,10 @@ BEGIN
         SELECT r.run_id AS rid, r.gpu_milli_hours_cumulative AS gpu, r.node_milli_hours_cumulative AS node, r.latest_observed_at AS latest,
                r.max_gpus, r.max_nodes, r.first_decided_at AS since, r.earliest_observed_at AS earliest
         FROM usage_runs r WHERE r.run_id IN (SELECT DISTINCT y.rid FROM s AS y)
-    ), known AS (
-        -- The samples of runs metering knows, each with the recorded sample of the same id and
-        -- of the same time, and for one observed before the run's latest (late) the recorded
-        -- samples either side of it; index probes only, whatever the run's history.
+    ), probed AS (
+        -- The samples of runs metering knows, each with the recorded sample of the same id.
         SELECT s.i, s.rid, s.sid, s.at, s.gpu, s.node, run.gpu AS run_gpu, run.node AS run_node, run.latest,
                COALESCE(same_id.rid = s.rid AND same_id.sid = s.sid, false) AS has_id, same_id.at AS id_at, same_id.gpu AS id_gpu, same_id.node AS id_node,
-               nb.time_sid, nb.time_gpu, nb.time_node, nb.before_gpu, nb.before_node, nb.after_gpu, nb.after_node,
-               -- 0046: a late sample in the quarter hour (p_fold) of a recorded point after it changes
-               -- nothing a max-register keeps: a duplicate of that point (unless odd, below).
-               (p_fold IS NOT NULL AND nb.after_at IS NOT NULL
-                AND date_bin(p_fold, nb.after_at, timestamptz '2000-01-01 00:00:00+00') = date_bin(p_fold, s.at, timestamptz '2000-01-01 00:00:00+00')) AS covered,
-               nb.after_sid,
                -- Above what the run's GPUs (nodes) can have used since its earliest decision, with
                -- the tolerance (budgetgate.core.metering.UsageBound, the same exact arithmetic):
                -- left to the core, which rejects it (impossible_usage) or, the run's decisions
@@ -788,25 +780,32 @@ BEGIN
                            WHERE u.event_id = s.event_id AND u.observed_at >= COALESCE(run.earliest, '-infinity')
                              AND u.observed_at <= COALESCE(run.latest, 'infinity')
                            LIMIT 1) AS same_id ON true
-        -- 0051: the recorded samples at and either side of a sample's time, read only for one
-        -- observed at or before the run's latest: a poll's samples of a run are mostly after it,
-        -- and each probe of a partitioned table costs its setup even when its condition is false.
-        LEFT JOIN LATERAL (
-            SELECT same_time.sid AS time_sid, same_time.gpu AS time_gpu, same_time.node AS time_node,
-                   before.gpu AS before_gpu, before.node AS before_node,
-                   after.gpu AS after_gpu, after.node AS after_node, after.at AS after_at, after.sid AS after_sid
-            FROM (SELECT 1) AS gate
-            LEFT JOIN LATERAL (SELECT u.sample_id AS sid, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
-                               FROM usage_records u WHERE u.run_id = s.rid AND u.observed_at = s.at LIMIT 1) AS same_time ON true
-            LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
-                               WHERE u.run_id = s.rid AND u.observed_at < s.at AND s.at < run.latest
-                               ORDER BY u.observed_at DESC LIMIT 1) AS before ON true
-            LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node, u.observed_at AS at, u.sample_id AS sid FROM usage_records u
-                               WHERE u.run_id = s.rid AND u.observed_at > s.at AND s.at < run.latest
-                               ORDER BY u.observed_at LIMIT 1) AS after ON true
-            WHERE s.at <= run.latest
-            LIMIT 1  -- (kept a subquery, so the condition above gates the probes)
-        ) AS nb ON true
+    ), known AS (
+        -- Each with the recorded samples of the same time and, for one observed before the run's
+        -- latest (late), either side of it; index probes only, whatever the run's history. 0051:
+        -- probed only for a sample observed at or before its run's latest. A poll's samples of a
+        -- run are mostly after it, with nothing recorded at or after their time, and each probe
+        -- of the partitioned table cost its setup even where its condition was false.
+        SELECT p.*, NULL::text AS time_sid, NULL::bigint AS time_gpu, NULL::bigint AS time_node, NULL::bigint AS before_gpu,
+               NULL::bigint AS before_node, NULL::bigint AS after_gpu, NULL::bigint AS after_node, false AS covered, NULL::text AS after_sid
+        FROM probed p WHERE p.latest IS NULL OR p.at > p.latest
+        UNION ALL
+        SELECT p.*, same_time.sid, same_time.gpu, same_time.node, before.gpu, before.node, after.gpu, after.node,
+               -- 0046: a late sample in the quarter hour (p_fold) of a recorded point after it changes
+               -- nothing a max-register keeps: a duplicate of that point (unless odd, below).
+               (p_fold IS NOT NULL AND after.at IS NOT NULL
+                AND date_bin(p_fold, after.at, timestamptz '2000-01-01 00:00:00+00') = date_bin(p_fold, p.at, timestamptz '2000-01-01 00:00:00+00')),
+               after.sid
+        FROM probed p
+        LEFT JOIN LATERAL (SELECT u.sample_id AS sid, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
+                           FROM usage_records u WHERE u.run_id = p.rid AND u.observed_at = p.at LIMIT 1) AS same_time ON true
+        LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node FROM usage_records u
+                           WHERE u.run_id = p.rid AND u.observed_at < p.at AND p.at < p.latest
+                           ORDER BY u.observed_at DESC LIMIT 1) AS before ON true
+        LEFT JOIN LATERAL (SELECT u.gpu_milli_hours AS gpu, u.node_milli_hours AS node, u.observed_at AS at, u.sample_id AS sid FROM usage_records u
+                           WHERE u.run_id = p.rid AND u.observed_at > p.at AND p.at < p.latest
+                           ORDER BY u.observed_at LIMIT 1) AS after ON true
+        WHERE p.at <= p.latest
     ), by_time AS (
         -- In time order per run: the sample before each (the first of an observed_at has
         -- another time before it), and the first sample of each observed_at.
