@@ -233,6 +233,8 @@ class Ingestor:
         samples = [sample for sample, _ in batch]
         if event_ids is None:
             event_ids = [usage_event_id(s.run_id, s.sample_id) for s in samples]
+        elif len(event_ids) != len(samples):
+            raise ValueError(f"{len(event_ids)} event ids for {len(samples)} samples")
         placing = asyncio.ensure_future(
             store.place_batch(
                 conn, samples, sources=[origin.source for _, origin in batch], event_ids=event_ids, tolerance=self.tolerance, fold=self.fold, every=every
