@@ -212,7 +212,12 @@ def test_observed_at_is_read_as_timestamp_to_datetime_reads_it(seconds: int, nan
         assert raw_sample(message).observed_at == message.observed_at.ToDatetime(tzinfo=UTC)
 
 
-_TEXT = st.one_of(st.sampled_from(["", "r", "run-1", "a b", "x" * 256, "x" * 257, "é", "s\x00", "\x7f"]), st.text(max_size=12))
+# validate's one expression reads ids with string methods where _validate_each uses regexes:
+# texts where the two could part (non-ASCII, printable or not; a trailing newline, which the
+# run id's $ lets through; a lone space; C1 controls, which the regexes let through; lengths
+# at and past the limits).
+_TRICKY = ["", "r", "run-1", "a b", " ", "x" * 253, "x" * 254, "x" * 256, "x" * 257, "é", "s\x00", "\x7f", "r\n", "\n", "r\x85", "r\u2028", "r\xa0", "r\ud800"]
+_TEXT = st.one_of(st.sampled_from(_TRICKY), st.text(max_size=12), st.text(st.characters(max_codepoint=0x2030), max_size=12))
 _SECONDS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0.0, -0.0, -1.0, 480.0, 0.0005, MAX_SECONDS, MAX_SECONDS - 0.001, float(2**53 - 64) / 1000, 1e15, 1e16]),
@@ -241,6 +246,25 @@ _NOW = datetime(2025, 3, 1, 12, tzinfo=UTC)
 def test_validate_decides_as_every_check_on_its_own_does(raw: RawSample) -> None:
     """validate's one-expression way for the usual sample gives what checking each field on
     its own gives (the same sample, or the same problems), for any sample."""
+    got = _validated(lambda: validate(raw, now=_NOW, max_skew=timedelta(minutes=5)))
+    assert got == _validated(lambda: _validate_each(raw, now=_NOW, max_skew=timedelta(minutes=5)))
+
+
+@pytest.mark.parametrize("field", ["run_id", "sample_id", "exporter"])
+@pytest.mark.parametrize("text", _TRICKY)
+def test_validate_reads_each_tricky_id_as_every_check_on_its_own_does(field: str, text: str) -> None:
+    """The same, for each of those texts in each id, every other field valid (so the text alone
+    decides which way the sample takes)."""
+    raw = RawSample("run-1", "s-1", _NOW, 480.0, 60.0, "dcgm")._replace(**{field: text})
+    got = _validated(lambda: validate(raw, now=_NOW, max_skew=timedelta(minutes=5)))
+    assert got == _validated(lambda: _validate_each(raw, now=_NOW, max_skew=timedelta(minutes=5)))
+
+
+@settings(max_examples=1000)
+@given(run_id=_TEXT, sample_id=_TEXT, exporter=_TEXT)
+def test_validate_reads_ids_as_every_check_on_its_own_does(run_id: str, sample_id: str, exporter: str) -> None:
+    """The same, for any ids, every other field valid."""
+    raw = RawSample(run_id, sample_id, _NOW, 480.0, 60.0, exporter)
     got = _validated(lambda: validate(raw, now=_NOW, max_skew=timedelta(minutes=5)))
     assert got == _validated(lambda: _validate_each(raw, now=_NOW, max_skew=timedelta(minutes=5)))
 
