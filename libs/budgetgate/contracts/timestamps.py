@@ -42,8 +42,9 @@ def accepted_time(stamp: Timestamp) -> datetime | None:
     """`stamp` as an aware datetime, or None when it is no time budgetgate takes: before
     EARLIEST, after the last second a Timestamp may hold, or with nanos out of range (what
     ToDatetime raises on, without its checks and time zone conversion)."""
-    if _EARLIEST_SECOND <= stamp.seconds <= _LAST_SECOND and 0 <= stamp.nanos < 1_000_000_000:
-        return EPOCH + timedelta(0, stamp.seconds, stamp.nanos // 1000)
+    seconds, nanos = stamp.seconds, stamp.nanos  # each read of a field makes a new int
+    if _EARLIEST_SECOND <= seconds <= _LAST_SECOND and 0 <= nanos < 1_000_000_000:
+        return EPOCH + timedelta(0, seconds, nanos // 1000)
     return None
 
 
