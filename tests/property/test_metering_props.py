@@ -195,6 +195,7 @@ def test_milli_reads_the_shortest_decimal_as_decimal_does(seconds: float) -> Non
     assert milli(seconds) == exact
 
 
+@settings(max_examples=1000)
 @given(st.text(max_size=40), st.text(max_size=40))
 def test_usage_event_id_is_the_uuid5_of_run_and_sample(run_id: str, sample_id: str) -> None:
     assert usage_event_id(run_id, sample_id) == str(uuid.uuid5(uuid.UUID("6c1f3c52-5f0e-4b8e-9a59-0d8f4e3c9b21"), f"usage\x00{run_id}\x00{sample_id}"))

@@ -79,7 +79,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Namespace of the event ids derived from (run id, sample id), so that reprocessing a sample
 # yields the same event id and consumers of usage.records.v1 deduplicate it.
 _EVENT_NAMESPACE = uuid.UUID("6c1f3c52-5f0e-4b8e-9a59-0d8f4e3c9b21")
-_NAMESPACE_BYTES = _EVENT_NAMESPACE.bytes
+_USAGE_PREFIX = _EVENT_NAMESPACE.bytes + b"usage\x00"
+# A hex digit of a uuid5's 17th place: its top two bits set to the variant's 10.
+_VARIANT_DIGIT = {digit: "89ab"[int(digit, 16) & 0b11] for digit in "0123456789abcdef"}
 
 
 class Rejection(StrEnum):
@@ -584,11 +586,10 @@ def on_fold_boundary(at: datetime) -> bool:
 def usage_event_id(run_id: str, sample_id: str) -> str:
     """The event id of the usage record of a sample: the same every time it is processed
     (uuid5 in `_EVENT_NAMESPACE`, built without uuid.UUID: this runs once per sample)."""
-    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + f"usage\x00{run_id}\x00{sample_id}".encode()).digest()[:16])
-    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
-    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
-    text = digest.hex()
-    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+    text = hashlib.sha1(_USAGE_PREFIX + f"{run_id}\x00{sample_id}".encode()).hexdigest()
+    # The first 16 bytes of the digest, with the version (5) and the RFC 4122 variant set in
+    # place: the version is the 13th hex digit, the variant the top two bits of the 17th.
+    return f"{text[:8]}-{text[8:12]}-5{text[13:16]}-{_VARIANT_DIGIT[text[16]]}{text[17:20]}-{text[20:32]}"
 
 
 def sample_event_id(run_id: str, sample_id: str) -> str:
