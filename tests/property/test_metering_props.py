@@ -214,9 +214,8 @@ def test_observed_at_is_read_as_timestamp_to_datetime_reads_it(seconds: int, nan
 
 
 # validate's one expression reads ids with string methods where _validate_each uses regexes:
-# texts where the two could part (non-ASCII, printable or not; a trailing newline, which the
-# run id's $ lets through; a lone space; C1 controls, which the regexes let through; lengths
-# at and past the limits).
+# texts where the two could part (non-ASCII, printable or not; a trailing newline; a lone
+# space; C1 controls, which the regexes let through; lengths at and past the limits).
 _TRICKY = ["", "r", "run-1", "a b", " ", "x" * 253, "x" * 254, "x" * 256, "x" * 257, "é", "s\x00", "\x7f", "r\n", "\n", "r\x85", "r\u2028", "r\xa0", "r\ud800"]
 _TEXT = st.one_of(st.sampled_from(_TRICKY), st.text(max_size=12), st.text(st.characters(max_codepoint=0x2030), max_size=12))
 _SECONDS = st.one_of(

@@ -16,11 +16,11 @@ from budgetgate.cli.tables import table
 from budgetgate.core.principals import Role
 
 _DURATION = re.compile(r"^(\d+)([mhdw])$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 def _valid_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    if not _NAME.match(value):
+    if not _NAME.fullmatch(value):
         raise click.BadParameter("1 to 100 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return value
 

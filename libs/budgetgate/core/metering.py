@@ -73,7 +73,7 @@ MAX_EXPORTER_CHARS = 253
 # otherwise be charged to a window decades old, or overflow the window arithmetic.
 EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 # Run ids are those admission accepts, else the run could never be known.
-_RUN_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
+_RUN_ID = re.compile(r"[\x21-\x7e]{1,256}")
 # Postgres text cannot hold NUL, and control characters in an id are a bug upstream.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Namespace of the event ids derived from (run id, sample id), so that reprocessing a sample
@@ -217,8 +217,8 @@ def validate(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sample:
     # anything else takes the way that names every problem. String methods stand in for the
     # regexes (a third of validate's instructions): printable ASCII without a space is
     # [\x21-\x7e], and a printable string holds no control character. What they turn away
-    # (non-ASCII text, a run id ending in a newline, which _RUN_ID's $ lets through) is judged
-    # by the regexes themselves.
+    # (non-ASCII text, C1 controls, which _CONTROL lets through) is judged by the regexes
+    # themselves.
     if (
         at is not None
         and at.tzinfo is not None
@@ -278,7 +278,7 @@ def _id_problems(raw: RawSample) -> list[Problem]:
     problems = []
     if not raw.run_id:
         problems.append(Problem(Rejection.MISSING_FIELD, "run_id", "run_id is missing"))
-    elif not _RUN_ID.match(raw.run_id):
+    elif not _RUN_ID.fullmatch(raw.run_id):
         problems.append(Problem(Rejection.INVALID_FIELD, "run_id", f"run_id must be 1-{MAX_ID_CHARS} printable ASCII characters without spaces"))
     if not raw.sample_id:
         problems.append(Problem(Rejection.MISSING_FIELD, "sample_id", "sample_id is missing"))

@@ -19,11 +19,11 @@ from typing import Any
 RUN_LABEL = "budgetgate.io/run-id"
 RUN_ANNOTATION = "budgetgate.io/run-id"
 HASHED_PREFIX = "bg-"
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 def label_safe(value: str) -> bool:
-    return bool(_LABEL_VALUE.match(value))
+    return bool(_LABEL_VALUE.fullmatch(value))
 
 
 def run_label_value(run_id: str) -> str:
