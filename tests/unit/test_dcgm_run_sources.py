@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from budgetgate.core import metering as metering_rules
-from budgetgate.platforms.dcgm import VALID_RUN_ID, Meter, ScrapeError, claims, holdings, pod_end, pods_named
+from budgetgate.platforms.dcgm import Meter, ScrapeError, claims, holdings, pod_end, pods_named
 from budgetgate.platforms.mig_slices import MigProfileError, instance_share
 from budgetgate.platforms.run_labels import RUN_ANNOTATION, RUN_LABEL, run_label_value
 
@@ -87,7 +87,12 @@ def test_a_run_id_metering_ingest_would_refuse_is_not_published() -> None:
     page_with = page("node-e-mig.prom").replace(run_label_value(SWEEP), run_label_value("nlp/sweep 7"))
     held = holdings([page_with], pods=spaced)
     assert sorted(held) == ["exp-42", "exp-43"] and "is not one metering-ingest accepts" in held.why["nlp-prod/sweep-7-0-q4m9z"]
-    assert VALID_RUN_ID.pattern == metering_rules._RUN_ID.pattern  # the rule metering-ingest applies
+    trailing = mig_pods()  # one newline after an id: metering-ingest refuses it too
+    trailing[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["annotations"][RUN_ANNOTATION] = "nlp/sweep-7\n"
+    trailing[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["labels"][RUN_LABEL] = run_label_value("nlp/sweep-7\n")
+    page_with = page("node-e-mig.prom").replace(run_label_value(SWEEP), run_label_value("nlp/sweep-7\n"))
+    held = holdings([page_with], pods=trailing)
+    assert "is not one metering-ingest accepts" in held.why["nlp-prod/sweep-7-0-q4m9z"] and not metering_rules.is_run_id("nlp/sweep-7\n")
 
 
 def test_the_run_label_comes_before_a_relabel_and_the_uids() -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import re
 import uuid
 
+from budgetgate.core.metering import is_run_id
 from budgetgate.core.reconciliation import LIFECYCLE_KINDS
 from budgetgate.contracts.timestamps import time_problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.contracts.wire import MAX_EVENT_ID
 
 MAX_RUN_ID = 256
-# Run ids are those admission accepts (printable ASCII, no spaces), else no decision could match.
-_RUN_ID = re.compile(r"[\x21-\x7e]{1,256}")
 # What one run may report holding: admission's bounds on a submission's GPUs and nodes.
 MAX_GPUS, MAX_NODES = 1_000_000, 100_000
 # Text the reconciler stores: Postgres cannot hold a NUL, and other control characters (tab and
@@ -48,7 +47,8 @@ def problems(event: LifecycleEvent) -> list[tuple[str, str]]:
 
 def run_id_problem(run_id: str) -> str | None:
     """Why `run_id` can be no run's id, if it cannot (admission's rule)."""
-    if _RUN_ID.fullmatch(run_id):
+    # Run ids are those admission accepts, else no decision could match.
+    if is_run_id(run_id):
         return None
     return f"run_id must be 1 to {MAX_RUN_ID} printable ASCII characters without spaces"
 

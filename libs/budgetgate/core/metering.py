@@ -72,7 +72,7 @@ MAX_EXPORTER_CHARS = 253
 # meters reported before it, and a zero value (the Unix epoch, Go's zero time 0001-01-01) would
 # otherwise be charged to a window decades old, or overflow the window arithmetic.
 EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
-# Run ids are those admission accepts, else the run could never be known.
+# Run ids are those admission accepts, else the run could never be known (`is_run_id`).
 _RUN_ID = re.compile(r"[\x21-\x7e]{1,256}")
 # Postgres text cannot hold NUL, and control characters in an id are a bug upstream.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -274,11 +274,18 @@ def _validate_each(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sam
     )
 
 
+def is_run_id(text: str) -> bool:
+    """Whether `text` can be a run's id: admission's rule (contracts.admission.RunId), 1 to 256
+    printable ASCII characters without spaces, the whole text (no newline after it), which
+    metering, the lifecycle rules and the DCGM adapter all apply."""
+    return _RUN_ID.fullmatch(text) is not None
+
+
 def _id_problems(raw: RawSample) -> list[Problem]:
     problems = []
     if not raw.run_id:
         problems.append(Problem(Rejection.MISSING_FIELD, "run_id", "run_id is missing"))
-    elif not _RUN_ID.fullmatch(raw.run_id):
+    elif not is_run_id(raw.run_id):
         problems.append(Problem(Rejection.INVALID_FIELD, "run_id", f"run_id must be 1-{MAX_ID_CHARS} printable ASCII characters without spaces"))
     if not raw.sample_id:
         problems.append(Problem(Rejection.MISSING_FIELD, "sample_id", "sample_id is missing"))

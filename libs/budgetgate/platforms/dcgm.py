@@ -83,6 +83,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from budgetgate.core.metering import is_run_id
 from budgetgate.platforms.mig_slices import MigProfileError, instance_share
 from budgetgate.platforms.run_labels import HASHED_PREFIX, RUN_LABEL, pod_run_id
 
@@ -101,9 +102,6 @@ RUN_LABEL_METRIC = sanitized(RUN_LABEL)  # budgetgate_io_run_id
 RUN_ID_POD_LABELS = ("jobset_sigs_k8s_io_jobset_uid", "batch_kubernetes_io_controller_uid", "controller_uid", "pod_uid")
 DEFAULT_RUN_ID_TEMPLATE = "{namespace}/{pod}"
 _TERMINAL = frozenset({"Succeeded", "Failed"})
-# The run ids metering-ingest accepts (core/metering.py): a sample of any other would be refused,
-# and with it every sample of the same publish.
-VALID_RUN_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 
 
 class ScrapeError(ValueError):
@@ -341,7 +339,9 @@ def holdings_of(
                 unmapped.add(name)
                 continue
             run_id = run_id_template.format(namespace=claim.namespace, pod=claim.pod, container=claim.container)
-        if not VALID_RUN_ID.match(run_id):
+        # A sample of a run id metering-ingest refuses would be refused, and with it every
+        # sample of the same publish.
+        if not is_run_id(run_id):
             unresolved[name] = f"its run id {run_id!r} is not one metering-ingest accepts (1-256 printable ASCII characters, no spaces)"
             continue
         over, end = pod_end(pod) if pod is not None else (False, None)
