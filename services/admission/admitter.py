@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 import orjson
+import redis.exceptions
 
 from budgetgate.runtime.backends import BACKEND_ERRORS
 from budgetgate.core.accounting import BudgetSource
@@ -73,20 +74,31 @@ MAX_REFILLS = 3
 
 async def with_ledger(sync: LedgerSync | Sequence[LedgerSync], work: Callable[[], Awaitable[T]]) -> T:
     """Run `work` against the ledger (the shard of `sync`, or of each of several), failing
-    closed: a Redis that lost the ledger is rebuilt from Postgres (or, while another process
-    rebuilds it, waited for up to `sync.wait`) and the work tried once more; an unreachable
-    backend, or a rebuild not done in time, becomes Unavailable."""
+    closed: a Redis that lost the ledger, or whose call failed on the way (`redis_fault`), is
+    rebuilt from Postgres where it needs to be (or, while another process rebuilds it, waited
+    for up to `sync.wait`) and the work tried once more; a backend still unreachable then, or a
+    rebuild not done in time, becomes Unavailable."""
     try:
         try:
             return await work()
         except RebuildWaitExceeded:
             raise
-        except LedgerNotLoaded:
+        except Exception as exc:
+            if not isinstance(exc, LedgerNotLoaded) and not redis_fault(exc):
+                raise
             for each in (sync,) if isinstance(sync, LedgerSync) else sync:
                 await each.ensure_loaded()  # (only a shard that lost its state is rebuilt)
             return await work()
     except (LedgerNotLoaded, *BACKEND_ERRORS) as exc:
         raise as_unavailable(exc) from exc
+
+
+def redis_fault(exc: BaseException) -> bool:
+    """Whether `exc` is Redis failing a call on the way (unreachable, timed out, a cluster
+    failing over or resharding): worth one more try once the shards it may have left changed are
+    rebuilt. A Redis Cluster client that meets a slot no node serves closes every connection it
+    holds, so one shard's failover fails the calls in flight to the others' healthy masters too."""
+    return isinstance(exc, redis.exceptions.RedisError) and isinstance(exc, BACKEND_ERRORS)
 
 
 class Unavailable(RuntimeError):
@@ -354,13 +366,15 @@ class Admitter(OneShard):
         """The submissions of shards that failed in a batch whose other shards' decisions
         committed (a master failing over, a shard that lost its state): as `with_ledger` does for
         a whole batch, a shard that lost its state is rebuilt (or waited for) and its submissions
-        tried once more; those whose shard is unreachable, or failed again, are answered 503.
-        One shard's fault never fails the decisions of another's. Returns those to try again."""
+        tried once more, and so is one whose call failed on the way (invalidated in `_reserve`, so
+        rebuilt first: `redis_fault`); those whose shard is still unreachable, or failed again,
+        are answered 503. One shard's fault never fails the decisions of another's. Returns those
+        to try again."""
         reasons: dict[int, BaseException | None] = {}
         for shard, exc in failed.items():
             mine = [p for p in deferred if shard in p.shards]
             reason: BaseException | None = as_unavailable(exc)
-            if isinstance(exc, LedgerNotLoaded) and not any(p.shard_failed for p in mine):
+            if not any(p.shard_failed for p in mine):  # (a shard's failure is its Redis's, or a lost state)
                 try:
                     await self.ledgers.syncs[shard].ensure_loaded()
                     reason = None  # rebuilt: its submissions are tried once more

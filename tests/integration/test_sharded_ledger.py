@@ -13,6 +13,7 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
+import redis.exceptions
 
 from budgetgate.contracts.admission import AdmissionRequest
 from budgetgate.core.shards import SEQ_STEP, Shards
@@ -329,6 +330,44 @@ async def test_a_shard_failing_in_a_batch_fails_no_other_shards_decision(admissi
         return await struck.is_loaded() and await reserved_in_redis(server) == await held_in_postgres(pg_dsn)
 
     await wait_for(matches, what="the struck shard rebuilt and Redis holding what Postgres holds")
+
+
+async def test_scripts_whose_replies_were_lost_are_decided_once_their_shards_are_rebuilt(admission_factory, pg_dsn) -> None:
+    """A Redis Cluster client that meets a slot no node serves (one master failing over) closes
+    every connection it holds: the scripts in flight to the other masters ran, and their replies
+    are lost. Their submissions are decided, not answered 503: the shards they may have left
+    changed are invalidated and rebuilt from Postgres, and the batch tried once more. First one
+    shard's reply is lost in a batch the others commit, then every shard's in one batch; each
+    time every submission is decided, and Redis holds what Postgres holds (no reservation of a
+    lost reply left behind)."""
+    server = await sharded_admission(admission_factory, pg_dsn)
+    for t in TENANTS:  # each budget's key loaded on its shard
+        assert decision_of(await server.client.post("/v1/admissions", json=run(t, 0))) == "ALLOW"
+    ledgers = list(server.rt.ledgers)
+    real = {ledger.shard: ledger.reserve_batch for ledger in ledgers}
+    lost: list[int] = []
+
+    def losing_its_reply(ledger):  # type: ignore[no-untyped-def]
+        async def reserve_batch(batch, *, now_ms, committed_seq):  # type: ignore[no-untyped-def]
+            await real[ledger.shard](batch, now_ms=now_ms, committed_seq=committed_seq)  # it ran
+            ledger.reserve_batch = real[ledger.shard]  # once
+            lost.append(ledger.shard)
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+        return reserve_batch
+
+    try:
+        for n, struck in ((1, [server.rt.ledgers.of_root(TENANTS[0])]), (2, ledgers)):
+            for ledger in struck:
+                ledger.reserve_batch = losing_its_reply(ledger)  # type: ignore[method-assign]
+            answers = await one_batch(server, [run(t, n) for t in TENANTS])
+            assert [a if isinstance(a, BaseException) else a["decision"] for a in answers] == ["ALLOW" if n == 1 else "DENY"] * len(TENANTS)
+            assert sorted(lost) == sorted(ledger.shard for ledger in struck)
+            lost.clear()
+            assert await reserved_in_redis(server) == await held_in_postgres(pg_dsn)
+    finally:
+        for ledger in ledgers:
+            ledger.reserve_batch = real[ledger.shard]  # type: ignore[method-assign]
 
 
 async def test_organisations_pinned_as_roots_bring_their_tenants_keys_onto_one_shard(
