@@ -78,21 +78,18 @@ def test_a_hashed_run_label_is_never_the_run_id() -> None:
     assert "does not hash to it" in held.why["nlp-prod/sweep-7-0-q4m9z"]
 
 
-def test_a_run_id_metering_ingest_would_refuse_is_not_published() -> None:
-    # An annotation is free text: a run id with a space would have its sample refused, and with
-    # it every sample of the same publish. Its pod is named instead, with the reason.
-    spaced = mig_pods()
-    spaced[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["annotations"][RUN_ANNOTATION] = "nlp/sweep 7"
-    spaced[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["labels"][RUN_LABEL] = run_label_value("nlp/sweep 7")
-    page_with = page("node-e-mig.prom").replace(run_label_value(SWEEP), run_label_value("nlp/sweep 7"))
-    held = holdings([page_with], pods=spaced)
+@pytest.mark.parametrize("run_id", ["nlp/sweep 7", "nlp/sweep-7\n"], ids=["a-space", "a-trailing-newline"])
+def test_a_run_id_metering_ingest_would_refuse_is_not_published(run_id: str) -> None:
+    # An annotation is free text: a run id with a space, or a newline after it, would have its
+    # sample refused, and with it every sample of the same publish. Its pod is named instead,
+    # with the reason.
+    assert not metering_rules.is_run_id(run_id)  # the rule metering-ingest applies
+    pods = mig_pods()
+    pods[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["annotations"][RUN_ANNOTATION] = run_id
+    pods[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["labels"][RUN_LABEL] = run_label_value(run_id)
+    page_with = page("node-e-mig.prom").replace(run_label_value(SWEEP), run_label_value(run_id))
+    held = holdings([page_with], pods=pods)
     assert sorted(held) == ["exp-42", "exp-43"] and "is not one metering-ingest accepts" in held.why["nlp-prod/sweep-7-0-q4m9z"]
-    trailing = mig_pods()  # one newline after an id: metering-ingest refuses it too
-    trailing[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["annotations"][RUN_ANNOTATION] = "nlp/sweep-7\n"
-    trailing[("nlp-prod", "sweep-7-0-q4m9z")]["metadata"]["labels"][RUN_LABEL] = run_label_value("nlp/sweep-7\n")
-    page_with = page("node-e-mig.prom").replace(run_label_value(SWEEP), run_label_value("nlp/sweep-7\n"))
-    held = holdings([page_with], pods=trailing)
-    assert "is not one metering-ingest accepts" in held.why["nlp-prod/sweep-7-0-q4m9z"] and not metering_rules.is_run_id("nlp/sweep-7\n")
 
 
 def test_the_run_label_comes_before_a_relabel_and_the_uids() -> None:

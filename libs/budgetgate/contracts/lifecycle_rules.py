@@ -8,13 +8,12 @@ from __future__ import annotations
 import re
 import uuid
 
-from budgetgate.core.metering import is_run_id
+from budgetgate.core.metering import MAX_ID_CHARS as MAX_RUN_ID, is_run_id
 from budgetgate.core.reconciliation import LIFECYCLE_KINDS
 from budgetgate.contracts.timestamps import time_problem
 from budgetgate.v1.lifecycle_pb2 import LifecycleEvent, LifecycleType
 from budgetgate.contracts.wire import MAX_EVENT_ID
 
-MAX_RUN_ID = 256
 # What one run may report holding: admission's bounds on a submission's GPUs and nodes.
 MAX_GPUS, MAX_NODES = 1_000_000, 100_000
 # Text the reconciler stores: Postgres cannot hold a NUL, and other control characters (tab and

@@ -73,7 +73,7 @@ MAX_EXPORTER_CHARS = 253
 # otherwise be charged to a window decades old, or overflow the window arithmetic.
 EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 # Run ids are those admission accepts, else the run could never be known (`is_run_id`).
-_RUN_ID = re.compile(r"[\x21-\x7e]{1,256}")
+_RUN_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_ID_CHARS}}}")
 # Postgres text cannot hold NUL, and control characters in an id are a bug upstream.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Namespace of the event ids derived from (run id, sample id), so that reprocessing a sample
@@ -275,8 +275,8 @@ def _validate_each(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sam
 
 
 def is_run_id(text: str) -> bool:
-    """Whether `text` can be a run's id: admission's rule (contracts.admission.RunId), 1 to 256
-    printable ASCII characters without spaces, the whole text (no newline after it), which
+    """Whether `text` can be a run's id: admission's rule (contracts.admission.RunId), 1 to
+    MAX_ID_CHARS printable ASCII characters without spaces, the whole text (no newline after it), which
     metering, the lifecycle rules and the DCGM adapter all apply."""
     return _RUN_ID.fullmatch(text) is not None
 
