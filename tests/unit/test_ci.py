@@ -117,10 +117,17 @@ def test_leftovers_of_a_run_are_stopped_and_nothing_else(tmp_path: Path) -> None
 
 def test_ci_run_marks_the_test_run_and_stops_its_leftovers() -> None:
     script = (ROOT / ".ci" / "run").read_text()
-    # The first run of the suite (a collection ahead of it starts no servers).
-    run = next(line for line in script.splitlines() if "-m pytest" in line and "--collect-only" not in line)
+    # The run of the whole suite (a collection ahead of it starts no servers).
+    run = next(line for line in script.splitlines() if "-m pytest" in line and "PYTEST_ADDOPTS" in line)
     assert run.lstrip().startswith('BUDGETGATE_CI_RUN="$run_id" timeout '), run
     assert '.ci/stop-leftovers "$run_id"' in script
+    # The ledger suites on a Redis Cluster, beside the fault campaign: marked as a run of their
+    # own, waited for, stopped afterwards (and when the campaign fails), and counted in the outcome.
+    cluster = next(line for line in script.splitlines() if line.lstrip().startswith("BUDGETGATE_CI_RUN=") and "BUDGETGATE_TEST_REDIS=cluster" in line)
+    assert cluster.lstrip().startswith('BUDGETGATE_CI_RUN="$cluster_run" BUDGETGATE_TEST_REDIS=cluster timeout '), cluster
+    assert script.index("cluster=$!") < script.index("budgetgate chaos run") < script.index('wait "$cluster"')
+    assert script.count('.ci/stop-leftovers "$cluster_run"') == 2
+    assert 'if [ "$cluster_status" -eq 0 ]; then' in script
     # pytest's "no tests collected" still fails CI.
     assert '5) log "FAILED: pytest collected no tests' in script
 
