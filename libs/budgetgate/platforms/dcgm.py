@@ -83,7 +83,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from budgetgate.core.metering import is_run_id
+from budgetgate.core.metering import MAX_ID_CHARS, is_run_id
 from budgetgate.platforms.mig_slices import MigProfileError, instance_share
 from budgetgate.platforms.run_labels import HASHED_PREFIX, RUN_LABEL, pod_run_id
 
@@ -342,7 +342,7 @@ def holdings_of(
         # A sample of a run id metering-ingest refuses would be refused, and with it every
         # sample of the same publish.
         if not is_run_id(run_id):
-            unresolved[name] = f"its run id {run_id!r} is not one metering-ingest accepts (1-256 printable ASCII characters, no spaces)"
+            unresolved[name] = f"its run id {run_id!r} is not one metering-ingest accepts (1-{MAX_ID_CHARS} printable ASCII characters, no spaces)"
             continue
         over, end = pod_end(pod) if pod is not None else (False, None)
         if over:
