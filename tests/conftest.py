@@ -22,7 +22,7 @@ from hypothesis import settings as hypothesis_settings
 from budgetgate.runtime.redis_client import connect_sync
 from budgetgate.runtime.settings import CommonSettings
 from tests.support import backends
-from tests.support.databases import DatabaseFactory
+from tests.support.databases import DatabaseFactory, run_async
 from tests.support.killable import KillablePostgres, KillableServer
 
 TESTS = Path(__file__).parent
@@ -204,9 +204,16 @@ def kafka_bootstrap(kafka_server_bootstrap: str) -> str:
 
 
 @pytest.fixture
-def topic_prefix() -> str:
-    """A topic name prefix unique to this test (topics are left on the broker afterwards)."""
-    return f"t{uuid.uuid4().hex[:10]}-"
+def topic_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A topic name prefix unique to this test; on the session's broker, every topic under it is
+    deleted afterwards (after the test's services stopped: they depend on this fixture)."""
+    prefix = f"t{uuid.uuid4().hex[:10]}-"
+    yield prefix
+    if "kafka_server_bootstrap" in request.fixturenames:
+        from tests.support.kafka import delete_prefixed_topics  # (aiokafka: not for tests without a broker)
+
+        bootstrap = request.getfixturevalue("kafka_server_bootstrap")
+        run_async(lambda: delete_prefixed_topics(bootstrap, prefix))
 
 
 @pytest.fixture

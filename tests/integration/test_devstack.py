@@ -30,6 +30,7 @@ from budgetgate.ledger.migrations import migration_files
 from budgetgate.runtime.settings import CommonSettings
 from tests.support.databases import DatabaseFactory
 from tests.support.devstack import NO_BACKEND_ENV, alive_pids, checkout, dev, new_checkout, not_zombie, status  # noqa: F401 - checkout, new_checkout: fixtures
+from tests.support.kafka import delete_prefixed_topics
 from tests.support.killable import KillablePostgres, KillableServer
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -158,6 +159,21 @@ async def test_pg_dsn_is_migrated_and_its_own(pg_dsn: str, _database_factory: Da
 def test_settings_point_at_this_tests_own_resources(settings: CommonSettings, pg_dsn: str, redis_prefix: str, topic_prefix: str) -> None:
     assert (settings.postgres_dsn, settings.redis_prefix, settings.topic_prefix) == (pg_dsn, redis_prefix, topic_prefix)
     assert redis_prefix != "bg" and topic_prefix != ""
+
+
+async def test_a_tests_topics_are_deleted_and_no_other_prefix_s(kafka_server_bootstrap: str, topic_prefix: str) -> None:
+    # What the topic_prefix fixture does after a test: its topics go, another prefix's stay.
+    ours, theirs = f"{topic_prefix}a", f"{topic_prefix.rstrip('-')}x-a"
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_server_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(ours, 1, 1), NewTopic(f"{topic_prefix}b", 2, 1), NewTopic(theirs, 1, 1)])
+        assert await delete_prefixed_topics(kafka_server_bootstrap, topic_prefix) == [ours, f"{topic_prefix}b"]
+        left = {t for t in await admin.list_topics() if t.startswith(topic_prefix.rstrip("-"))}
+        assert left == {theirs}
+        await admin.delete_topics([theirs])
+    finally:
+        await admin.close()
 
 
 # -- dev up / status / down -------------------------------------------------------------------

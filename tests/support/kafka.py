@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from tests.support.waiting import wait_for
 
@@ -60,3 +61,20 @@ async def wait_consumed(bootstrap: str, group: str, topics: Sequence[str], *, ti
         await wait_for(consumed, timeout=timeout, what=f"group {group} to commit every message on {', '.join(topics)}")
     finally:
         await consumer.stop()
+
+
+async def delete_prefixed_topics(bootstrap: str, prefix: str) -> list[str]:
+    """Delete every topic whose name starts with `prefix` (a test's own): what it deleted.
+
+    A topic left on the session's broker costs every later client that reads the metadata of all
+    topics (a producer's or an admin client's start, and their refreshes): with 2,000 topics on
+    the broker a producer's start and stop took 148 ms of CPU against 3 ms with none."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="budgetgate-test-cleanup")
+    await admin.start()
+    try:
+        ours = sorted(topic for topic in await admin.list_topics() if topic.startswith(prefix))
+        if ours:
+            await admin.delete_topics(ours)
+        return ours
+    finally:
+        await admin.close()

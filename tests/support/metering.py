@@ -208,15 +208,17 @@ class IngestProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "budgetgate.services.metering_ingest", "--port", str(self.port)], env=self.env, stdout=out, stderr=subprocess.STDOUT
             )
-        await wait_for(self._ready, timeout=60, what=f"metering-ingest ready (log: {self.log})")
+        # One client for every look: a new one builds an SSL context each time (the most CPU any
+        # test helper spent in a profile of the whole suite).
+        async with httpx.AsyncClient(timeout=2) as client:
+            await wait_for(lambda: self._ready(client), timeout=60, what=f"metering-ingest ready (log: {self.log})")
 
-    async def _ready(self) -> bool:
+    async def _ready(self, client: httpx.AsyncClient) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise AssertionError(f"metering-ingest exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
         try:
-            async with httpx.AsyncClient(timeout=2) as client:
-                return (await client.get(f"http://127.0.0.1:{self.port}/readyz")).status_code == 200
+            return (await client.get(f"http://127.0.0.1:{self.port}/readyz")).status_code == 200
         except httpx.HTTPError:
             return False
 
