@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import create_conn
 from aiokafka.protocol.admin import CreateTopicsRequest
 
@@ -18,6 +19,7 @@ from budgetgate.chaos.tcp_proxy import TcpProxy
 from budgetgate.contracts.topics import Topics
 from budgetgate.devstack.kafka import TansuBroker
 
+from budgetgate.messaging.subscriber import committed, offsets_lost
 from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.v1.decisions_pb2 import Decision
 from budgetgate.contracts.wire import encode
@@ -174,3 +176,63 @@ async def publish_to(bootstrap: str, topic: str, message: Decision, *, partition
         await producer.send_and_wait(topic, value=record.value, key=record.key, headers=record.headers, partition=partition)
     finally:
         await producer.stop()
+
+
+async def test_a_consumer_whose_broker_lost_the_groups_offsets_reads_its_partitions_again(killable_kafka, topic_prefix) -> None:  # noqa: F811
+    """The race behind CI's missing evidence (2026-12-01, twice in three full runs): a consumer
+    that committed offset 5, whose broker restarts empty and takes records again (the relay's
+    resends, and a decision answered meanwhile at offset 0) before the consumer asks, fetches on
+    from its old position 5, within range of the new log: offset 0 is never read. Before its next
+    commit it asks the broker what the group committed, finds nothing where it committed 5, and
+    reads the partition again from the start; with its offsets intact it commits as before."""
+    bootstrap = killable_kafka.url
+    topic = f"{topic_prefix}decisions"
+    tp = TopicPartition(topic, 0)
+
+    async def produce(values: list[bytes]) -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await start_whole(producer.start())
+        try:
+            for value in values:
+                await producer.send_and_wait(topic, value=value, partition=0)
+        finally:
+            await producer.stop()
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topic, 1, 1)])
+        finally:
+            await admin.close()
+
+    await create()
+    await produce([b"old-%d" % i for i in range(5)])
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"{topic_prefix}group", enable_auto_commit=False, auto_offset_reset="earliest")
+    await start_whole(consumer.start())
+    try:
+        batch = await consumer.getmany(timeout_ms=10_000)
+        assert [r.value for r in batch[tp]] == [b"old-%d" % i for i in range(5)]
+        assert not await offsets_lost(consumer, [tp], name="test")  # nothing committed yet: nothing to compare
+        await consumer.commit({tp: 5})
+        committed(consumer, {tp: 5})
+        assert not await offsets_lost(consumer, [tp], name="test")  # the broker holds what was committed
+        assert await consumer.position(tp) == 5
+
+        killable_kafka.stop()
+        killable_kafka.start()  # empty
+        await create()
+        await produce([b"new", *(b"old-%d" % i for i in range(5)), b"old-again"])  # offsets 0-6, past the old position
+
+        assert await offsets_lost(consumer, [tp], name="test")
+        assert await consumer.position(tp) == 0, "sought back to the start of the new log"
+        seen: list[bytes] = []
+        for _ in range(20):
+            for records in (await consumer.getmany(timeout_ms=1_000)).values():
+                seen.extend(r.value for r in records)
+            if b"new" in seen:
+                break
+        assert seen[:1] == [b"new"]
+        assert not await offsets_lost(consumer, [tp], name="test"), "forgotten once acted on: the next commit goes ahead"
+    finally:
+        await consumer.stop()

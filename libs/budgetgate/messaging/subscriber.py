@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -110,9 +110,55 @@ INBOX_SUBSCRIBER: dict[str, Any] = {
 }
 
 
+# What this process last committed, per consumer and partition. A broker that answers with a
+# lower committed offset for the group, or none, lost the group's offsets, and with them, it may
+# be, the log the consumer's position points into (a broker restarted empty, a topic made anew):
+# records written there since sit below a position carried over from the old log, and would be
+# skipped. Checked before every commit (`offsets_lost`).
+_COMMITTED: weakref.WeakKeyDictionary[Any, dict[TopicPartition, int]] = weakref.WeakKeyDictionary()
+
+
+async def offsets_lost(consumer: Any, partitions: Iterable[TopicPartition], *, name: str) -> bool:
+    """Whether the broker lost offsets this consumer committed on any of `partitions`; if so,
+    every partition assigned to it is sought to its beginning, to be read again (the inbox skips
+    what is done), and nothing is to be committed for the poll. When the broker cannot be asked,
+    False: the commit goes ahead as before."""
+    mine = _COMMITTED.get(consumer)
+    known = [tp for tp in partitions if mine and tp in mine]
+    if mine is None or not known:
+        return False
+    lost = {}
+    for tp in known:
+        try:
+            theirs = await consumer.committed(tp)
+        except Exception:  # noqa: BLE001 - cannot tell: commit as usual
+            return False
+        if theirs is None or theirs < mine[tp]:
+            lost[tp] = (theirs, mine[tp])
+    if not lost:
+        return False
+    log.warning(
+        "%s: the broker holds %s for the group where this consumer committed %s: it lost the group's offsets (restarted empty, or the topic "
+        "was made anew); every assigned partition is read again from its start, and the inbox skips what is done",
+        name, {str(tp): theirs for tp, (theirs, _) in lost.items()}, {str(tp): ours for tp, (_, ours) in lost.items()},
+    )  # fmt: skip
+    _COMMITTED.pop(consumer, None)
+    if assigned := consumer.assignment():
+        await consumer.seek_to_beginning(*assigned)
+    return True
+
+
+def committed(consumer: Any, offsets: Mapping[TopicPartition, int]) -> None:
+    """Remember what `consumer` committed (the next offset to read, per partition); not for a
+    consumer that cannot be asked what its group committed (FastStream's stand-in without a group)."""
+    if hasattr(consumer, "committed"):
+        _COMMITTED.setdefault(consumer, {}).update(offsets)
+
+
 async def apply_acked(inbox: Inbox, message: KafkaMessage, *, progress: ConsumerProgress | None = None) -> Applied:
     """Apply one poll's records in one transaction, then acknowledge them (nack on failure, so
-    FastStream seeks back and nothing is skipped)."""
+    FastStream seeks back and nothing is skipped). Not acknowledged when the broker lost the
+    group's offsets: the consumer then reads its partitions again from their start."""
     records: Sequence[ConsumerRecord] = message.raw_message
     started = time.perf_counter()
     try:
@@ -120,7 +166,11 @@ async def apply_acked(inbox: Inbox, message: KafkaMessage, *, progress: Consumer
     except BaseException:
         await message.nack()
         raise
+    read = {tp: last + 1 for tp, (_, last) in _offsets(records).items()}
+    if await offsets_lost(message.consumer, read, name=inbox.name):
+        return applied
     await message.ack()
+    committed(message.consumer, read)
     if progress is not None:
         await progress.polled(applied, seconds=time.perf_counter() - started, records=records, consumer=message.consumer)
     return applied
@@ -239,8 +289,9 @@ class Pipeline:
         assigned = consumer.assignment()
         offsets = {tp: OffsetAndMetadata(last + 1, "") for tp, (_, last) in _offsets(flight.records).items() if tp in assigned}
         try:
-            if offsets:
+            if offsets and not await offsets_lost(consumer, offsets, name=self.inbox.name):
                 await consumer.commit(offsets)
+                committed(consumer, {tp: meta.offset for tp, meta in offsets.items()})
         except Exception as exc:  # noqa: BLE001 - not committed: read again, and skipped by the inbox
             log.warning("%s: offsets %s not committed: %s", self.inbox.name, offsets, exc)
         if self.progress is not None:
