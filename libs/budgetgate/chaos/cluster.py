@@ -43,6 +43,7 @@ from budgetgate.messaging.topic_admin import ensure_topics
 from budgetgate.policies.repository import apply_bundle
 
 REDIS_PREFIX = "chaos"
+SPLIT_REDIS_PREFIX = "chaos-split"  # admission-2's ledger under the split-ledger plant
 POOL_NAMESPACE = "pool:chaos"
 POOL_QUOTA = 4
 POOL_LEASE_SECONDS = 30
@@ -72,8 +73,9 @@ RECONCILER_ENV = {
 # Bugs a campaign can plant on purpose, to show the checkers catch them (`--plant`).
 PLANTS = {
     # The second admission instance decides on a copy of the ledger (a database made from the
-    # campaign's right after set-up): what it admits, the rest of the stack never sees.
-    "split-ledger": "admission-2 decides on a copy of the Postgres ledger, not the one the stack shares",
+    # campaign's right after set-up, and a Redis key prefix of its own): what it admits, the rest
+    # of the stack never sees.
+    "split-ledger": "admission-2 decides on a copy of the Postgres ledger and a Redis ledger of its own, not the ones the stack shares",
 }
 
 
@@ -297,7 +299,13 @@ class Cluster:
         }
         env.update(POOL_ENV[role])
         if self.plant == "split-ledger" and name == "admission-2":
+            # Its own Postgres copy and its own Redis ledger, as a split-brain deployment has. On
+            # the shared Redis, its reservations counted against the others' until the drift
+            # check or the orphan sweep released them, which a busy machine put off past the
+            # workload's end: then nothing was over-admitted and the plant went uncaught (once
+            # in three full runs on 2026-12-01).
             env["BUDGETGATE_POSTGRES_DSN"] = _with_port(databases.with_database(self.dsn, self.split_database), pg_proxy.port)
+            env["BUDGETGATE_REDIS_PREFIX"] = SPLIT_REDIS_PREFIX
         if role == "reconciler":
             env.update(RECONCILER_ENV)
         if role == "evidence":
