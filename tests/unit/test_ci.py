@@ -128,6 +128,10 @@ def test_ci_run_marks_the_test_run_and_stops_its_leftovers() -> None:
     assert script.index("cluster=$!") < script.index("budgetgate chaos run") < script.index('wait "$cluster"')
     assert script.count('.ci/stop-leftovers "$cluster_run"') == 2
     assert 'if [ "$cluster_status" -eq 0 ]; then' in script
+    # The suite is collected (its modules compiled) beside the checks, and done before anything
+    # else imports them: the cluster run, the campaign's services and the suite's workers.
+    assert script.index("--collect-only") < script.index("ruff check") < script.index('wait "$collecting"') < script.index("cluster=$!")
+    assert "export UV_COMPILE_BYTECODE=1" not in script  # (every dependency compiled ahead cost 20 s of the 20 minutes)
     # pytest's "no tests collected" still fails CI.
     assert '5) log "FAILED: pytest collected no tests' in script
 
