@@ -126,8 +126,15 @@ def test_ci_run_marks_the_test_run_and_stops_its_leftovers() -> None:
     cluster = next(line for line in script.splitlines() if line.lstrip().startswith("BUDGETGATE_CI_RUN=") and "BUDGETGATE_TEST_REDIS=cluster" in line)
     assert cluster.lstrip().startswith('BUDGETGATE_CI_RUN="$cluster_run" BUDGETGATE_TEST_REDIS=cluster timeout '), cluster
     assert script.index("cluster=$!") < script.index("budgetgate chaos run") < script.index('wait "$cluster"')
-    assert script.count('.ci/stop-leftovers "$cluster_run"') == 2
-    assert 'if [ "$cluster_status" -eq 0 ]; then' in script
+    assert script.count('.ci/stop-leftovers "$cluster_run"') == 1
+    assert 'if [ "$cluster_status" -ne 0 ]; then' in script
+    # The fault campaign beside the suite: started before it, marked as a run of its own, waited
+    # for and its leftovers stopped after it, and counted in the outcome.
+    suite = script.index(run)
+    chaos = next(line for line in script.splitlines() if "budgetgate chaos run" in line)
+    assert chaos.lstrip().startswith('BUDGETGATE_CI_RUN="$chaos_run" timeout ')
+    assert script.index("chaos=$!") < suite < script.index('wait "$chaos"') < script.index('.ci/stop-leftovers "$chaos_run"')
+    assert 'elif [ "$chaos_status" -ne 0 ]; then' in script
     # The suite is collected (its modules compiled) beside the checks, and done before anything
     # else imports them: the cluster run, the campaign's services and the suite's workers.
     assert script.index("--collect-only") < script.index("ruff check") < script.index('wait "$collecting"') < script.index("cluster=$!")
