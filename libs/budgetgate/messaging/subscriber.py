@@ -127,14 +127,11 @@ async def offsets_lost(consumer: Any, partitions: Iterable[TopicPartition], *, n
     known = [tp for tp in partitions if mine and tp in mine]
     if mine is None or not known:
         return False
-    lost = {}
-    for tp in known:
-        try:
-            theirs = await consumer.committed(tp)
-        except Exception:  # noqa: BLE001 - cannot tell: commit as usual
-            return False
-        if theirs is None or theirs < mine[tp]:
-            lost[tp] = (theirs, mine[tp])
+    try:  # (the partitions' questions at once: one round trip's wait on the poll's path, not one each)
+        answers = await asyncio.gather(*(consumer.committed(tp) for tp in known))
+    except Exception:  # noqa: BLE001 - cannot tell: commit as usual
+        return False
+    lost = {tp: (theirs, mine[tp]) for tp, theirs in zip(known, answers, strict=True) if theirs is None or theirs < mine[tp]}
     if not lost:
         return False
     log.warning(
