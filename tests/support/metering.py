@@ -208,8 +208,8 @@ class IngestProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "budgetgate.services.metering_ingest", "--port", str(self.port)], env=self.env, stdout=out, stderr=subprocess.STDOUT
             )
-        # One client for every look: a new one builds an SSL context each time (the most CPU any
-        # test helper spent in a profile of the whole suite).
+        # One client for every look: a new one builds an SSL context each time (this helper was
+        # the largest caller of ssl.create_default_context in a py-spy profile of the suite's workers).
         async with httpx.AsyncClient(timeout=2) as client:
             await wait_for(lambda: self._ready(client), timeout=60, what=f"metering-ingest ready (log: {self.log})")
 
