@@ -51,13 +51,18 @@ async def test_started_metered_completed_run_becomes_actuals(tmp_path: Path, mon
             sent = budgetgate("publish", kind, "--run-id", "e2e/lifecycle", *args, cwd=workdir)
             assert sent.returncode == 0, sent.stderr
 
-        def settled() -> dict | None:  # type: ignore[type-arg]
-            shown = budgetgate("usage", "--scope", SCOPE, "--json", cwd=workdir)
-            assert shown.returncode == 0, shown.stderr
-            [budget] = json.loads(shown.stdout)["budgets"]
-            return budget if budget["reserved"] == 0 else None
+        # Waited for over the API (a CLI run a poll cost a second of CPU each), then shown as a
+        # user asks for it, with `budgetgate usage`.
+        async with httpx.AsyncClient(base_url=state["admission_url"], timeout=30, headers={"Authorization": f"Bearer {state['tokens']['reader']}"}) as reader:
 
-        budget = await wait_for(settled, timeout=120, interval=0.2, what="the run's actuals in place of its reservation")
+            async def settled() -> bool:
+                listed = (await reader.get("/v1/budgets")).json()["budgets"]
+                return bool(listed) and all(budget["reserved"] == 0 for budget in listed)
+
+            await wait_for(settled, timeout=120, interval=0.2, what="the run's actuals in place of its reservation")
+        shown = budgetgate("usage", "--scope", SCOPE, "--json", cwd=workdir)
+        assert shown.returncode == 0, shown.stderr
+        [budget] = json.loads(shown.stdout)["budgets"]
         assert (budget["reserved"], budget["consumed"], budget["remaining"]) == (0.0, 16.0, 484.0)
     finally:
         down = budgetgate("dev", "down", cwd=workdir)
