@@ -161,19 +161,8 @@ class DriftBench(Bench):
                     checker = asyncio.create_task(self._check_forever(sync)) if phase == "on" else None
                     latencies[phase] = await self._load(client)
                     if checker is not None:
-                        # Told to stop, and the check in progress let finish, so a phase shorter
-                        # than one check still counts the one it ran (a loaded machine's CI: a
-                        # 2 s phase once completed none). Cancelled only when it does not finish
-                        # in CHECK_GRACE_S; under Python 3.11 a cancellation can be lost inside
-                        # the clients' own timeouts (asyncio.wait_for, which asyncpg uses, loses
-                        # one that comes as the awaited call completes), and the loop ends on the
-                        # stop either way.
                         self._stop_checking.set()
-                        await asyncio.wait({checker}, timeout=CHECK_GRACE_S)
-                        checker.cancel()
-                        [ended] = await asyncio.gather(checker, return_exceptions=True)
-                        if isinstance(ended, Exception):  # (a cancellation is not one)
-                            raise RuntimeError(f"the drift check failed after {self._checks} check(s): {ended!r}") from ended
+                        await finish_checking(checker, done=lambda: self._checks)
                         checks = self._checks
                     cpu[phase] = await meter.stop(metered)
             drift = await sync.check_drift(repair=False)
@@ -230,6 +219,21 @@ class DriftBench(Bench):
         while not self._stop_checking.is_set():
             await sync.check_drift(repair=True)
             self._checks += 1
+
+
+async def finish_checking(checker: asyncio.Task[None], *, done: Callable[[], int], grace: float = CHECK_GRACE_S) -> None:
+    """End the drift check loop `checker`, already told to stop: the check in progress is let
+    finish (within `grace` s), so a phase shorter than one check still counts the one it ran, and
+    a check that raised fails the benchmark instead of reading as none done (a CI run once
+    reported 0 checks in a 2 s phase; which of the two it was, its output did not say). Cancelled
+    after `grace`: under Python 3.11 a cancellation can be lost inside the clients' own timeouts
+    (asyncio.wait_for, which asyncpg uses, loses one that comes as the awaited call completes),
+    and the loop ends on the stop either way. `done()`: the checks completed, for the message."""
+    await asyncio.wait({checker}, timeout=grace)
+    checker.cancel()
+    [ended] = await asyncio.gather(checker, return_exceptions=True)
+    if isinstance(ended, Exception):  # (a cancellation is not one)
+        raise RuntimeError(f"the drift check failed after {done()} check(s): {ended!r}") from ended
 
 
 async def run(options: DriftOptions, *, echo: Callable[[str], None]) -> DriftReport:
