@@ -4,6 +4,7 @@ cumulative go down or its deltas disagree with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections import defaultdict
@@ -248,6 +249,21 @@ def test_validate_decides_as_every_check_on_its_own_does(raw: RawSample) -> None
     its own gives (the same sample, or the same problems), for any sample."""
     got = _validated(lambda: validate(raw, now=_NOW, max_skew=timedelta(minutes=5)))
     assert got == _validated(lambda: _validate_each(raw, now=_NOW, max_skew=timedelta(minutes=5)))
+
+
+def test_a_validated_sample_is_the_dataclass_built_from_its_fields() -> None:
+    """validate's way for the usual sample sets the fields in the instances' dicts: the objects
+    are equal, hashed, shown, replaced, ordered and frozen as those the dataclasses build."""
+    got = validate(RawSample("run-1", "s-1", _NOW, 480.0, 60.5, "dcgm"), now=_NOW, max_skew=timedelta(minutes=5))
+    built = Sample("run-1", "s-1", _NOW, Counters(480_000, 60_500), "dcgm")
+    assert type(got) is Sample and type(got.counters) is Counters
+    assert (got, hash(got), repr(got)) == (built, hash(built), repr(built))
+    assert dataclasses.replace(got, sample_id="s-2") == dataclasses.replace(built, sample_id="s-2")
+    assert got.counters < Counters(480_000, 60_501) and got.counters.covers(Counters(1, 1))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.run_id = "run-2"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.counters.gpu = 0  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("field", ["run_id", "sample_id", "exporter"])

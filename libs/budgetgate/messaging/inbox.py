@@ -433,11 +433,16 @@ def _offset_ranges(records: Sequence[ConsumerRecord], topics: frozenset[str]) ->
     spans: dict[tuple[str, int], list[int]] = {}
     for record in records:
         if record.topic in topics:
+            offset = record.offset
             span = spans.get((record.topic, record.partition))
             if span is None:
-                spans[(record.topic, record.partition)] = [record.offset, record.offset, 1]
+                spans[record.topic, record.partition] = [offset, offset, 1]
             else:
-                span[0], span[1], span[2] = min(span[0], record.offset), max(span[1], record.offset), span[2] + 1
+                if offset < span[0]:
+                    span[0] = offset
+                elif offset > span[1]:
+                    span[1] = offset
+                span[2] += 1
     if not spans:
         return None
     keys = sorted(spans)

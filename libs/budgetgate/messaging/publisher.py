@@ -4,11 +4,12 @@ outbox relay sends together, and parking what a consumer cannot use on its dead-
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
-from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.partitioner import DefaultPartitioner, murmur2
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import RecordMetadata
 from google.protobuf.message import Message
@@ -16,6 +17,20 @@ from google.protobuf.message import Message
 from budgetgate.runtime.kafka_access import PLAINTEXT, KafkaAccess, start_whole
 from budgetgate.contracts.topics import dlq
 from budgetgate.contracts.wire import Acked, ConsumedRecord, Record, dead_letter, encode
+
+
+@functools.lru_cache(maxsize=65_536)
+def key_hash(key: bytes) -> int:
+    """The default partitioner's hash of a record key (Kafka's murmur2, positive), kept for the
+    keys sent lately: aiokafka's murmur2 is pure Python, 3 µs for a run id, and an outbox relay
+    sends the usage records of the same runs poll after poll."""
+    return murmur2(key) & 0x7FFFFFFF
+
+
+def partition_of(key: bytes, partitions: Sequence[int]) -> int:
+    """The partition of `partitions` (all of a topic's, sorted) the default partitioner gives a
+    keyed record: the Java client's choice, so every producer puts a key on the same one."""
+    return partitions[key_hash(key) % len(partitions)]
 
 
 class Publisher:
@@ -87,14 +102,13 @@ class Publisher:
         The records are packed into one batch per partition (the producer's batch API) rather
         than sent one by one: the producer's per-record path costs more than the rest of a relay
         together. Partitions are chosen as `send` chooses them (the default partitioner: a key's
-        records go to one partition, in order), each key hashed once per call.
+        records go to one partition, in order), a key's hash kept across calls (`key_hash`).
         """
         producer = self._producer
         if producer is None:
             raise RuntimeError("Publisher.send_records before start()")
         partitioner = DefaultPartitioner()
         partitions: dict[str, list[int]] = {}
-        chosen: dict[tuple[str, bytes], int] = {}
         filling: dict[tuple[str, int], tuple[BatchBuilder, list[int]]] = {}
         submitted: list[tuple[asyncio.Future[RecordMetadata], list[int]]] = []
         singles: list[tuple[asyncio.Future[RecordMetadata], int]] = []
@@ -105,8 +119,8 @@ class Publisher:
             key = record.key
             if key is None:
                 partition = partitioner(None, partitions[topic], partitions[topic])
-            elif (partition := chosen.get((topic, key), -1)) < 0:
-                partition = chosen[topic, key] = partitioner(key, partitions[topic], partitions[topic])
+            else:
+                partition = partition_of(key, partitions[topic])
             placed.append((topic, partition))
             batch, members = filling.get((topic, partition)) or filling.setdefault((topic, partition), (producer.create_batch(), []))
             if batch.append(key=key, value=record.value, timestamp=None, headers=record.headers) is not None:
