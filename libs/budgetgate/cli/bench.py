@@ -155,6 +155,34 @@ def metering(samples: int, runs: int, resend_every: int, partitions: int, rounds
         raise click.ClickException("correctness check failed: see the lines above")
 
 
+@bench.command("metering-statement")
+@click.option("--samples", default=200_000, show_default=True, type=click.IntRange(1), help="Distinct samples in the load.")
+@click.option("--runs", default=2_000, show_default=True, type=click.IntRange(1), help="Runs the samples are spread over (round robin).")
+@click.option("--resend-every", default=10, show_default=True, type=click.IntRange(0), help="Resend every n-th sample under a new event id (0: never).")
+@click.option("--poll", default=15_000, show_default=True, type=click.IntRange(1), help="Samples per poll (metering-ingest's consumer_max_records).")
+@_rounds("Place the whole load this many times, each on a fresh database; medians are reported.")
+@click.option("--explain", is_flag=True, help="Also place the last poll under auto_explain and print its plans (needs a superuser).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def metering_statement(samples: int, runs: int, resend_every: int, poll: int, rounds: int, explain: bool, as_json: bool) -> None:
+    """What Postgres spends per sample in metering_place_batch alone, called poll by poll as the
+    Kafka route calls it: no broker, no service. Uses BUDGETGATE_POSTGRES_DSN; with --explain,
+    the per-node plans of one poll's statements. Exits 1 if the recorded usage is wrong."""
+    from budgetgate.benchmark import admission_runner, metering_statement as statement
+    from budgetgate.runtime.settings import CommonSettings
+
+    options = statement.Options(samples=samples, runs=runs, resend_every=resend_every, poll=poll, rounds=rounds, explain=explain)
+    try:
+        results = asyncio.run(statement.run(options, server_dsn=CommonSettings().postgres_dsn, echo=lambda message: click.echo(message, err=True)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        click.echo("interrupted; the benchmark's database was dropped", err=True)
+        sys.exit(130)
+    except (RuntimeError, *admission_runner.BENCH_ERRORS) as exc:
+        raise click.ClickException(f"benchmark aborted: {type(exc).__name__}: {exc}") from exc
+    click.echo(json.dumps(statement.as_json(options, results), indent=2) if as_json else statement.as_text(options, results))
+    if not all(result.correct for result in results):
+        raise click.ClickException("correctness check failed: see the lines above")
+
+
 @bench.command()
 @click.option("--runs", default=600, show_default=True, type=click.IntRange(1), help="Runs fed through their whole lifecycle.")
 @click.option("--rate", default=20.0, show_default=True, type=click.FloatRange(0.1), help="Completed runs per second (open loop).")
