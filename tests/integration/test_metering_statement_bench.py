@@ -11,7 +11,8 @@ import sys
 
 import asyncpg
 
-from budgetgate.benchmark.metering_statement import _wrong_runs
+from budgetgate.benchmark import metering_workload
+from budgetgate.benchmark.metering_runner import check_usage
 from budgetgate.core.metering import Counters
 from tests.support.bench import bench_json
 
@@ -25,7 +26,7 @@ async def test_the_statement_alone_places_the_load_correctly_and_says_what_it_co
     for round_ in report["rounds"]:
         # 3,000 samples and a resend after every tenth: 3,300 in polls of 1,000, the last (300)
         # placed under auto_explain and left out of the figures.
-        assert (round_["samples"], round_["polls"], round_["left_to_core"], round_["wrong_runs"]) == (3000, 3, 0, [])
+        assert (round_["samples"], round_["polls"], round_["left_to_core"], round_["problems"]) == (3000, 3, 0, [])
         assert 0 < round_["usage_rows"] <= 3000
         spent = round_["cpu"]["cpu_seconds"]
         assert spent["postgres"] > 0 and spent["load generator"] > 0
@@ -41,17 +42,24 @@ async def test_the_statement_alone_places_the_load_correctly_and_says_what_it_co
         await conn.close()
 
 
-async def test_a_run_off_the_clean_stream_or_missing_is_reported(pg_dsn: str) -> None:
+async def test_the_check_names_what_the_usage_recorded_gets_wrong(pg_dsn: str) -> None:
+    """The check the report rests on (bench metering's): a run whose usage was never recorded, or
+    recorded off the clean stream, is named."""
+    work = metering_workload.build(samples=6, runs=2, resend_every=0, tag="check")
+    first, second = work.runs
     conn = await asyncpg.connect(pg_dsn)
     try:
+        expected = work.expected[first]
         await conn.execute(
-            "INSERT INTO usage_runs (run_id, gpu_milli_hours_cumulative, node_milli_hours_cumulative) VALUES ('right', 10, 5), ('off', 10, 4), ('extra', 1, 1)"
-        )
-        expected = {"right": Counters(10, 5), "off": Counters(10, 5), "missing": Counters(3, 3)}
-        assert await _wrong_runs(conn, expected) == ["extra", "missing", "off"]
-        assert await _wrong_runs(conn, {"right": Counters(10, 5), "off": Counters(10, 4), "extra": Counters(1, 1)}) == []
+            "INSERT INTO usage_runs (run_id, gpu_milli_hours_cumulative, node_milli_hours_cumulative, samples) VALUES ($1, $2, $3, 3)",
+            first, expected.gpu, expected.node - 1,
+        )  # fmt: skip
     finally:
         await conn.close()
+    problems = await check_usage(pg_dsn, work, [])
+    assert f"run {first}: cumulative {Counters(expected.gpu, expected.node - 1)}, expected {expected}" in problems
+    assert f"run {second}: cumulative None, expected {work.expected[second]}" in problems
+    assert f"run {second}: 0 samples applied, 3 distinct" in problems
 
 
 def test_explain_refuses_a_load_of_one_poll(postgres_admin_dsn: str) -> None:

@@ -148,7 +148,7 @@ class Run:
         await asyncio.gather(*(child.stop() for child, _ in services))  # nothing in flight while the rows are read
 
         rows = await _fetch(ingest_dsn, sql_blocks.sql("metering.sql", "usage_rows"))
-        problems = await _check(ingest_dsn, work, rows)
+        problems = await check_usage(ingest_dsn, work, rows)
         copied = _clean_rows(work, rows[0]["recorded_at"] if rows else datetime.now(UTC))
         self.echo(f"copying a usage row per distinct sample ({len(copied)}) with COPY")
         copy_seconds, copy_cpu = await _copy(copy_dsn, copied)
@@ -341,8 +341,8 @@ async def _wait_relayed(services: list[tuple[Subprocess, int]], dsn: str, timeou
         await asyncio.sleep(0.1)
 
 
-async def _check(dsn: str, work: metering_workload.MeteringWorkload, rows: list[asyncpg.Record]) -> list[str]:
-    """What is wrong with the usage the service recorded, compared with the clean stream applied
+async def check_usage(dsn: str, work: metering_workload.MeteringWorkload, rows: list[asyncpg.Record]) -> list[str]:
+    """What is wrong with the usage recorded in `dsn` (`rows`: its usage rows, by run and observed_at), compared with the clean stream applied
     sample after sample: each run's cumulative; each distinct sample applied once (a run's count
     of applied samples, whether each became a row or its quarter hour's one point); the rows'
     deltas adding up to the cumulative; and the usage up to every quarter hour, where windows,

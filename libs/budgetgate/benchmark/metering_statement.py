@@ -16,8 +16,9 @@ statements) after the measured ones, and the plan of each statement of metering_
 comes back: where the statement's time goes, node by node (a superuser connection is needed to
 LOAD auto_explain).
 
-The usage recorded is checked against the clean stream's: every run's cumulative must be the
-one its samples applied one after the other give.
+The usage recorded is checked as `bench metering` checks it (metering_runner.check_usage): each
+distinct sample applied once, and every run's cumulative, the sum of its rows' deltas and its
+usage up to every quarter hour the clean stream's.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import asyncpg
 from budgetgate.v1.metering_pb2 import MeteringSample
 
 from budgetgate.benchmark import databases, metering_workload, rounds, sql_blocks
+from budgetgate.benchmark.metering_runner import check_usage
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, load_generator
-from budgetgate.core.metering import DEFAULT_USAGE_TOLERANCE, FOLD, Counters, RawSample, Sample, Tolerance, usage_event_id, validate
+from budgetgate.core.metering import DEFAULT_USAGE_TOLERANCE, FOLD, RawSample, Sample, Tolerance, usage_event_id, validate
 from budgetgate.ledger.migrations import migrate_dsn
 
 # The function itself (the ledger's schema): metering-ingest's query passes the same arguments,
@@ -78,12 +80,12 @@ class Result:
     cpu: CpuUse
     usage_rows: int
     left_to_core: int  # samples the statement left to the core (none in a clean load)
-    wrong_runs: list[str]  # runs whose cumulative is not the clean stream's
+    problems: list[str]  # what is wrong with the usage recorded (bench metering's check)
     plans: list[str]  # with `explain`: the plans of one poll's statements
 
     @property
     def correct(self) -> bool:
-        return not self.wrong_runs and self.left_to_core == 0
+        return not self.problems and self.left_to_core == 0
 
     def cpu_us(self, part: str) -> float | None:
         return self.cpu.per_unit_us(self.samples).get(part)
@@ -93,7 +95,7 @@ class Result:
             "samples": self.samples, "polls": self.polls, "seconds": round(self.seconds, 3),
             "samples_per_s": round(self.samples / self.seconds, 1) if self.seconds else None,
             "cpu": self.cpu.as_json(self.samples), "usage_rows": self.usage_rows, "left_to_core": self.left_to_core,
-            "wrong_runs": self.wrong_runs[:20], "correct": self.correct, "plans": self.plans,
+            "problems": self.problems[:20], "correct": self.correct, "plans": self.plans,
         }  # fmt: skip
 
 
@@ -140,11 +142,11 @@ async def _round(options: Options, dsn: str, *, echo: Callable[[str], None]) -> 
         meter = CpuMeter([Part("postgres", postgres_dsn=dsn), load_generator()])
         seconds, cpu = await meter.measure(place)
         plans = await _explained(conn, *polls[-1], tolerance) if options.explain else []
-        usage_rows = int(await conn.fetchval("SELECT count(*) FROM usage_records"))
-        wrong = await _wrong_runs(conn, work.expected)
+        rows = await conn.fetch(sql_blocks.sql("metering.sql", "usage_rows"))
     finally:
         await conn.close()
-    return Result(sum(len(poll) for poll, _ in measured), len(measured), seconds, cpu, usage_rows, left, wrong, plans)
+    problems = await check_usage(dsn, work, rows)
+    return Result(sum(len(poll) for poll, _ in measured), len(measured), seconds, cpu, len(rows), left, problems, plans)
 
 
 async def _place(conn: asyncpg.Connection, poll: Sequence[Sample], event_ids: Sequence[str], tolerance: Tolerance) -> int:
@@ -191,12 +193,6 @@ async def _explained(conn: asyncpg.Connection, poll: Sequence[Sample], event_ids
     return plans
 
 
-async def _wrong_runs(conn: asyncpg.Connection, expected: dict[str, Counters]) -> list[str]:
-    rows = await conn.fetch("SELECT run_id, gpu_milli_hours_cumulative AS gpu, node_milli_hours_cumulative AS node FROM usage_runs")
-    found = {row["run_id"]: Counters(row["gpu"], row["node"]) for row in rows}
-    return sorted(run for run in expected.keys() | found.keys() if found.get(run, Counters()) != expected.get(run, Counters()))
-
-
 def as_text(options: Options, results: Sequence[Result]) -> str:
     lines = []
     for number, result in enumerate(results, 1):
@@ -208,9 +204,10 @@ def as_text(options: Options, results: Sequence[Result]) -> str:
         lines.append(
             f"  correctness: {'OK' if result.correct else 'WRONG'} - "
             + (
-                "every run's cumulative is the clean stream's, nothing left to the core"
+                "every distinct sample applied once; every run's cumulative, the sum of its rows' deltas and its usage up to every quarter "
+                "hour equal the clean stream's; nothing left to the core"
                 if result.correct
-                else f"{len(result.wrong_runs)} runs off the clean stream ({', '.join(result.wrong_runs[:5])}), {result.left_to_core} samples left to the core"
+                else "; ".join([*result.problems[:5], f"{result.left_to_core} samples left to the core"])
             )
         )
     if len(results) > 1:

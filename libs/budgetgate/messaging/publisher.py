@@ -22,8 +22,9 @@ from budgetgate.contracts.wire import Acked, ConsumedRecord, Record, dead_letter
 @functools.lru_cache(maxsize=65_536)
 def key_hash(key: bytes) -> int:
     """The default partitioner's hash of a record key (Kafka's murmur2, positive), kept for the
-    keys sent lately: aiokafka's murmur2 is pure Python, 3 µs for a run id, and an outbox relay
-    sends the usage records of the same runs poll after poll."""
+    keys sent lately: aiokafka's murmur2 is pure Python, 3.5 µs for a run id against 0.07 from
+    the cache (timeit), and an outbox relay sends the usage records of the same runs poll after
+    poll."""
     return murmur2(key) & 0x7FFFFFFF
 
 

@@ -321,7 +321,8 @@ def _offsets(records: Sequence[ConsumerRecord]) -> dict[TopicPartition, tuple[in
             spans[record.topic, record.partition] = [record.offset, record.offset]
         else:
             span[1] = record.offset
-    # Keyed by plain tuples while counting: a TopicPartition per record cost 0.4 µs of a sample's 16.
+    # Keyed by plain tuples while counting: a TopicPartition per record (0.24 µs, timeit) was 2 %
+    # of metering-ingest's samples in py-spy.
     return {TopicPartition(topic, partition): (first, last) for (topic, partition), (first, last) in spans.items()}
 
 
