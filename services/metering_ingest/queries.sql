@@ -11,9 +11,10 @@ SELECT gpu_milli_hours_cumulative, node_milli_hours_cumulative, latest_observed_
 FROM usage_runs WHERE run_id = $1;
 
 -- name: insert_usage_run
--- A run with a decision starts its usage, with its capacity as its decisions say (0029).
-INSERT INTO usage_runs (run_id, max_gpus, max_nodes, first_decided_at)
-SELECT c.run_id, c.max_gpus, c.max_nodes, c.first_decided_at FROM metering_capacity(ARRAY[$1::text]) AS c
+-- A run with a decision starts its usage, with its capacity as its decisions say (0029) and no
+-- sample id recorded yet (0052).
+INSERT INTO usage_runs (run_id, max_gpus, max_nodes, first_decided_at, max_sample_id)
+SELECT c.run_id, c.max_gpus, c.max_nodes, c.first_decided_at, '' FROM metering_capacity(ARRAY[$1::text]) AS c
 ON CONFLICT (run_id) DO NOTHING;
 
 -- name: refresh_capacity
@@ -59,7 +60,8 @@ WITH recorded AS (
 ), run AS (
     UPDATE usage_runs
     SET gpu_milli_hours_cumulative = $6, node_milli_hours_cumulative = $7, samples = samples + 1,
-        latest_observed_at = GREATEST(latest_observed_at, $3), earliest_observed_at = LEAST(earliest_observed_at, $3), updated_at = now()
+        latest_observed_at = GREATEST(latest_observed_at, $3), earliest_observed_at = LEAST(earliest_observed_at, $3),
+        max_sample_id = usage_max_sample_id(max_sample_id, $2), updated_at = now()
     WHERE run_id = $1
 )
 INSERT INTO outbox (topic, key, payload, headers) VALUES ($14, $15, $16, $17);
@@ -89,11 +91,14 @@ FROM metering_place_batch((string_to_array($1::text, chr(31)))[2:], (string_to_a
 
 -- name: raise_usage_runs
 -- The new high-water marks of the runs a batch recorded samples of: per run its cumulative
--- counters after the batch, how many samples it added and the latest and earliest observed_at among them.
+-- counters after the batch, how many samples it added, the latest and earliest observed_at among
+-- them and the last of their sample ids (0052: in length then code point order).
 UPDATE usage_runs r
 SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
-    latest_observed_at = GREATEST(r.latest_observed_at, x.latest), earliest_observed_at = LEAST(r.earliest_observed_at, x.earliest), updated_at = now()
-FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[], $6::timestamptz[]) AS x(run_id, gpu, node, added, latest, earliest)
+    latest_observed_at = GREATEST(r.latest_observed_at, x.latest), earliest_observed_at = LEAST(r.earliest_observed_at, x.earliest),
+    max_sample_id = usage_max_sample_id(r.max_sample_id, x.top), updated_at = now()
+FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[], $6::timestamptz[], $7::text[])
+     AS x(run_id, gpu, node, added, latest, earliest, top)
 WHERE r.run_id = x.run_id;
 
 -- name: insert_pending

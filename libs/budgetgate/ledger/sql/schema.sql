@@ -474,8 +474,20 @@ CREATE TABLE usage_runs (
     -- 0034: the earliest observed_at of its samples (with latest_observed_at: where in time its
     -- records are, so finding one by its id reads those months' partitions alone); NULL: unknown,
     -- every month is read.
-    earliest_observed_at       timestamptz
+    earliest_observed_at       timestamptz,
+    -- 0052: the last sample id the run has recorded, in length then code point order
+    -- (usage_max_sample_id): a sample of a later id has no recorded sample of its id to find.
+    -- '' for a run metering started (none yet); NULL: unknown, every sample is probed.
+    max_sample_id              text COLLATE "C"
 );
+
+-- The later of `kept` and `added` in that order; NULL (unknown) stays NULL, and no id added keeps it.
+CREATE FUNCTION usage_max_sample_id(kept text, added text) RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN kept IS NULL OR added IS NULL THEN kept
+                WHEN (length(added), added COLLATE "C") > (length(kept), kept COLLATE "C") THEN added
+                ELSE kept END
+$$;
 
 -- One row per accepted sample. gpu/node_milli_hours are the sample's own counters (what the run
 -- had used as of observed_at); *_cumulative is the run's high-water mark after it, *_delta how
@@ -741,8 +753,8 @@ LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(7310, k.h)
     FROM (SELECT DISTINCT hashtext(r) AS h FROM unnest(p_run_ids) AS r ORDER BY 1) AS k;
-    INSERT INTO usage_runs (run_id, max_gpus, max_nodes, first_decided_at)
-    SELECT c.run_id, c.max_gpus, c.max_nodes, c.first_decided_at
+    INSERT INTO usage_runs (run_id, max_gpus, max_nodes, first_decided_at, max_sample_id)
+    SELECT c.run_id, c.max_gpus, c.max_nodes, c.first_decided_at, ''
     FROM metering_capacity(ARRAY(
         SELECT x.id FROM (SELECT DISTINCT i.id FROM unnest(p_run_ids) AS i(id)) AS x
         WHERE NOT EXISTS (SELECT 1 FROM usage_runs r WHERE r.run_id = x.id)
@@ -755,7 +767,7 @@ BEGIN
              WITH ORDINALITY AS x(rid, sid, at, gpu, node, exporter, source, event_id, i)
     ), run AS (
         SELECT r.run_id AS rid, r.gpu_milli_hours_cumulative AS gpu, r.node_milli_hours_cumulative AS node, r.latest_observed_at AS latest,
-               r.max_gpus, r.max_nodes, r.first_decided_at AS since, r.earliest_observed_at AS earliest
+               r.max_gpus, r.max_nodes, r.first_decided_at AS since, r.earliest_observed_at AS earliest, r.max_sample_id AS max_sid
         FROM usage_runs r WHERE r.run_id IN (SELECT DISTINCT y.rid FROM s AS y)
     ), probed AS (
         -- The samples of runs metering knows, each with the recorded sample of the same id.
@@ -774,10 +786,15 @@ BEGIN
         -- The same sample id, found by the event id of its usage record (derived from run and
         -- sample id): with run_id in the condition the planner may take the (run_id, observed_at)
         -- index and read the run's whole history. 0034: within the months the run has records
-        -- in (its earliest and latest observed_at), so only their partitions are read.
+        -- in (its earliest and latest observed_at), so only their partitions are read. 0052: not
+        -- for a sample id after every id the run has recorded (max_sample_id, in length then
+        -- code point order): none can be of that id, and a condition on the outer row alone
+        -- spares the whole probe.
         LEFT JOIN LATERAL (SELECT u.run_id AS rid, u.sample_id AS sid, u.observed_at AS at, u.gpu_milli_hours AS gpu, u.node_milli_hours AS node
                            FROM usage_records u
-                           WHERE u.event_id = s.event_id AND u.observed_at >= COALESCE(run.earliest, '-infinity')
+                           WHERE NOT (run.max_sid IS NOT NULL
+                                      AND (length(s.sid), s.sid COLLATE "C") > (length(run.max_sid), run.max_sid COLLATE "C"))
+                             AND u.event_id = s.event_id AND u.observed_at >= COALESCE(run.earliest, '-infinity')
                              AND u.observed_at <= COALESCE(run.latest, 'infinity')
                            LIMIT 1) AS same_id ON true
     ), known AS (
@@ -864,9 +881,11 @@ BEGIN
         UPDATE usage_runs r
         SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
             latest_observed_at = GREATEST(r.latest_observed_at, x.latest), earliest_observed_at = LEAST(r.earliest_observed_at, x.earliest),
-            updated_at = now()
-        FROM (SELECT a.rid, max(a.cum_gpu) AS gpu, max(a.cum_node) AS node, count(*)::integer AS added, max(a.at) AS latest, min(a.at) AS earliest
-              FROM accepted a GROUP BY a.rid) AS x
+            max_sample_id = usage_max_sample_id(r.max_sample_id, x.top), updated_at = now()
+        -- 0052: from folded, whose rows are accepted's, with the last id recorded (kept).
+        FROM (SELECT a.rid, max(a.cum_gpu) AS gpu, max(a.cum_node) AS node, count(*)::integer AS added, max(a.at) AS latest, min(a.at) AS earliest,
+                     (array_agg(a.sid ORDER BY length(a.sid) DESC, a.sid COLLATE "C" DESC) FILTER (WHERE a.kept))[1] AS top
+              FROM folded a GROUP BY a.rid) AS x
         WHERE r.run_id = x.rid
     )
     -- An accepted sample kept as its quarter hour's point also says what its usage record
