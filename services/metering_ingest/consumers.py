@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import asyncpg
 from budgetgate.messaging.inbox import BatchRoute, Delivery, locks_taken
 from budgetgate.core.metering import Rejected, Sample, usage_event_id
-from budgetgate.services.metering_ingest.ingest import Ingestor, RecordOrigin
+from budgetgate.services.metering_ingest.ingest import FOLDED, Ingestor, RecordOrigin
 from budgetgate.services.metering_ingest.metrics import MeteringMetrics
 from budgetgate.services.metering_ingest.settings import MeteringSettings
 from budgetgate.messaging.subscriber import Subscription
@@ -74,14 +74,16 @@ def metering_route(ingestor: Ingestor, metrics: MeteringMetrics) -> BatchRoute:
             batch.append((sample, RecordOrigin(delivery.record)))
             event_ids.append(event_id)
         outcomes = await ingestor.place_batch(conn, batch, locked=locks_taken, event_ids=event_ids, every=False)
-        placed = []
+        placed, folded = [], 0
         for delivery, outcome in zip(valid, outcomes, strict=True):
-            if isinstance(outcome, Rejected):
+            if outcome is FOLDED:  # most of a poll's samples: counted, not looked at
+                folded += 1
+            elif isinstance(outcome, Rejected):
                 refused[delivery] = str(outcome)
             else:
                 placed.append(outcome)
         # Counted when placed: a batch retried after an outage counts its samples again.
-        metrics.outcomes(placed, source="kafka")
+        metrics.outcomes(placed, source="kafka", folded=folded)
         return refused
 
     return BatchRoute(MeteringSample, handle, prepare, offsets=True)

@@ -35,9 +35,13 @@ class MeteringMetrics:
         """Count one sample that was recorded, found a duplicate, or kept pending."""
         self._samples.add(1, {"outcome": _name(outcome), "source": source})
 
-    def outcomes(self, outcomes: Iterable[Outcome | Folded], *, source: str) -> None:
-        """Count many samples at once (one addition per outcome name)."""
-        for name, count in Counter(_name(o) for o in outcomes).items():
+    def outcomes(self, outcomes: Iterable[Outcome | Folded], *, source: str, folded: int = 0) -> None:
+        """Count many samples at once (one addition per outcome name); `folded`: accepted samples
+        folded into their span's point, counted apart by the caller."""
+        counts = Counter(_name(o) for o in outcomes)
+        if folded:
+            counts["accepted"] += folded
+        for name, count in counts.items():
             self._samples.add(count, {"outcome": name, "source": source})
 
     def rejected(self, reason: Rejection, *, source: str) -> None:

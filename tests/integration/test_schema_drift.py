@@ -27,6 +27,9 @@ JOIN pg_class c ON c.oid = a.attrelid WHERE c.relnamespace = 'public'::regnamesp
 UNION ALL
 SELECT 'trigger', pg_get_triggerdef(t.oid) FROM pg_trigger t
 JOIN pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace = 'public'::regnamespace AND NOT t.tgisinternal
+UNION ALL
+SELECT 'storage options', c.relname || ' ' || array_to_string(c.reloptions, ',') FROM pg_class c
+WHERE c.relnamespace = 'public'::regnamespace AND c.reloptions IS NOT NULL
 ORDER BY 1, 2
 """
 
