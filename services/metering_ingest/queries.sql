@@ -91,14 +91,16 @@ FROM metering_place_batch((string_to_array($1::text, chr(31)))[2:], (string_to_a
 
 -- name: raise_usage_runs
 -- The new high-water marks of the runs a batch recorded samples of: per run its cumulative
--- counters after the batch, how many samples it added, the latest and earliest observed_at among
--- them and the last of their sample ids (0052: in length then code point order).
+-- counters after the batch, how many samples it added and the latest and earliest observed_at
+-- among them; $7 and $8, the run and sample id of each sample recorded, whose last id per run
+-- (0052: in length then code point order, as Postgres counts and compares them) moves its mark.
 UPDATE usage_runs r
 SET gpu_milli_hours_cumulative = x.gpu, node_milli_hours_cumulative = x.node, samples = r.samples + x.added,
     latest_observed_at = GREATEST(r.latest_observed_at, x.latest), earliest_observed_at = LEAST(r.earliest_observed_at, x.earliest),
-    max_sample_id = usage_max_sample_id(r.max_sample_id, x.top), updated_at = now()
-FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[], $6::timestamptz[], $7::text[])
-     AS x(run_id, gpu, node, added, latest, earliest, top)
+    max_sample_id = usage_max_sample_id(r.max_sample_id, t.top), updated_at = now()
+FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::integer[], $5::timestamptz[], $6::timestamptz[]) AS x(run_id, gpu, node, added, latest, earliest)
+LEFT JOIN (SELECT y.run_id, (array_agg(y.sid ORDER BY length(y.sid) DESC, y.sid COLLATE "C" DESC))[1] AS top
+           FROM unnest($7::text[], $8::text[]) AS y(run_id, sid) GROUP BY y.run_id) AS t ON t.run_id = x.run_id
 WHERE r.run_id = x.run_id;
 
 -- name: insert_pending

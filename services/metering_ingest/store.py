@@ -276,24 +276,15 @@ async def record_batch(conn: asyncpg.Connection, recorded: Sequence[tuple[Accept
             sample.run_id, sample.sample_id, sample.observed_at, sample.counters.gpu, sample.counters.node, accepted.cumulative.gpu,
             accepted.cumulative.node, accepted.delta.gpu, accepted.delta.node, accepted.late, sample.exporter, source, event_id,
         ))  # fmt: skip
-        cumulative, added, latest, earliest, top = runs.get(sample.run_id, (Counters(), 0, sample.observed_at, sample.observed_at, sample.sample_id))
-        runs[sample.run_id] = (
-            cumulative.high_water(accepted.cumulative), added + 1, max(latest, sample.observed_at), min(earliest, sample.observed_at),
-            max(top, sample.sample_id, key=sample_id_order),
-        )  # fmt: skip
+        cumulative, added, latest, earliest = runs.get(sample.run_id, (Counters(), 0, sample.observed_at, sample.observed_at))
+        runs[sample.run_id] = (cumulative.high_water(accepted.cumulative), added + 1, max(latest, sample.observed_at), min(earliest, sample.observed_at))
     await conn.copy_records_to_table("usage_records", records=rows, columns=_USAGE_COLUMNS)
     await outbox.enqueue_bundle(conn, announce)
     ids = sorted(runs)
     await conn.execute(
         sql("raise_usage_runs"), ids, [runs[r][0].gpu for r in ids], [runs[r][0].node for r in ids], [runs[r][1] for r in ids], [runs[r][2] for r in ids],
-        [runs[r][3] for r in ids], [runs[r][4] for r in ids],
+        [runs[r][3] for r in ids], [row[0] for row in rows], [row[1] for row in rows],
     )  # fmt: skip
-
-
-def sample_id_order(sample_id: str) -> tuple[int, str]:
-    """Where a sample id stands among a run's in usage_runs.max_sample_id (0052): by length, then
-    code point by code point (Postgres's COLLATE "C" on UTF-8, which usage_max_sample_id uses)."""
-    return len(sample_id), sample_id
 
 
 async def add_pending(conn: asyncpg.Connection, pending: PendingSample, *, expires_at: datetime) -> tuple[bytes, tuple[tuple[str, bytes], ...]] | None:

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from budgetgate.core.metering import FOLD, Counters, Rejected, Rejection, Sample
-from budgetgate.services.metering_ingest import store
 from budgetgate.services.metering_ingest.ingest import Ingestor, Origin
 from tests.support.metering import T0, decide
 
@@ -107,6 +106,7 @@ async def _marks_hold(dsn: str, polls: list[list[tuple[str, str, int]]]) -> None
             if not recorded:
                 assert mark in ("", None)  # '' once metering started the run, None before
             else:
-                assert mark == max(recorded, key=store.sample_id_order)
+                # By length, then code point by code point (COLLATE "C" on this UTF-8 database).
+                assert mark == max(recorded, key=lambda sample_id: (len(sample_id), sample_id))
     finally:
         await conn.close()
