@@ -34,7 +34,7 @@ async def test_the_statement_alone_places_the_load_correctly_and_says_what_it_co
     plans = "\n".join(report["rounds"][0]["plans"])
     assert "INSERT INTO usage_records" in plans and "actual time=" in plans
     assert report["rounds"][1]["plans"]  # every round explains its last poll
-    assert report["median_cpu_us_per_sample"]["postgres"]["rounds"] == 2
+    assert report["median_cpu_us_per_sample"]["postgres"]["rounds"] == report["samples_per_s"]["rounds"] == 2
     conn = await asyncpg.connect(postgres_admin_dsn)
     try:
         assert await conn.fetchval("SELECT count(*) FROM pg_database WHERE datname LIKE 'bench\\_%\\_statement\\_%'") == 0

@@ -8,7 +8,7 @@ from typing import Any
 
 from budgetgate.benchmark.cpu import parts_text, replica_name
 from budgetgate.benchmark.metering_runner import COPY_TRIES, Options, Result
-from budgetgate.benchmark.rounds import spread
+from budgetgate.benchmark.rounds import spread, spread_text
 
 
 def as_json(options: Options, results: Sequence[Result]) -> dict[str, Any]:
@@ -113,17 +113,17 @@ def as_text(options: Options, results: Sequence[Result]) -> str:
     lines += ["", f"the median round ({middle}):", _one_text(options, results[middle - 1]), ""]
     medians = data["medians"]
     parts = [f"ratio (metering-ingest / COPY, rows/s) {_x(medians['ratio_rows_per_second'])}"]
-    parts += [f"{name} {_figure(medians[key])}" for name, key in (("metering-ingest rows/s", "rows_per_second"), ("COPY rows/s", "copy_rows_per_second"))]
+    parts += [f"{name} {spread_text(medians[key])}" for name, key in (("metering-ingest rows/s", "rows_per_second"), ("COPY rows/s", "copy_rows_per_second"))]
     if medians["window_samples_per_second"] is not None:
         steady = "with every replica in the group" if options.replicas > 1 else "from the first commit"
-        parts.append(f"samples/s {steady} {_figure(medians['window_samples_per_second'])}")
+        parts.append(f"samples/s {steady} {spread_text(medians['window_samples_per_second'])}")
     if medians["service_us_per_sample"] is not None:
-        parts.append(f"service CPU µs per sample {_figure(medians['service_us_per_sample'])}")
+        parts.append(f"service CPU µs per sample {spread_text(medians['service_us_per_sample'])}")
     if medians["all_parts_us_per_sample"] is not None:
-        each = ", ".join(f"{part} {_figure(figure)}" for part, figure in medians["us_per_sample"].items())
-        parts.append(f"all parts CPU µs per sample {_figure(medians['all_parts_us_per_sample'])} ({each})")
+        each = ", ".join(f"{part} {spread_text(figure)}" for part, figure in medians["us_per_sample"].items())
+        parts.append(f"all parts CPU µs per sample {spread_text(medians['all_parts_us_per_sample'])} ({each})")
     if medians["copy_all_parts_us_per_row"] is not None:
-        parts.append(f"COPY's CPU µs per row, all parts {_figure(medians['copy_all_parts_us_per_row'], digits=1)}")
+        parts.append(f"COPY's CPU µs per row, all parts {spread_text(medians['copy_all_parts_us_per_row'], digits=1)}")
     if medians["cpu_ratio_to_copy"] is not None:
         parts.append(f"CPU per sample / COPY's per row {_x(medians['cpu_ratio_to_copy'])}")
     lines.append(f"median of {len(results)} rounds: " + "; ".join(parts))
@@ -147,10 +147,6 @@ def _round_line(number: int, data: dict[str, Any]) -> str:
 
 def _x(summary: dict[str, Any] | None) -> str:
     return "-" if summary is None else f"{summary['median']}x ({summary['low']}x-{summary['high']}x)"
-
-
-def _figure(summary: dict[str, Any] | None, *, digits: int = 0) -> str:
-    return "-" if summary is None else f"{summary['median']:.{digits}f} ({summary['low']:.{digits}f}-{summary['high']:.{digits}f})"
 
 
 def _one_text(options: Options, result: Result) -> str:

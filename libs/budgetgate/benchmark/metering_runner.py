@@ -342,8 +342,8 @@ async def _wait_relayed(services: list[tuple[Subprocess, int]], dsn: str, timeou
 
 
 async def check_usage(dsn: str, work: metering_workload.MeteringWorkload, rows: list[asyncpg.Record]) -> list[str]:
-    """What is wrong with the usage recorded in `dsn` (`rows`: its usage rows, by run and observed_at), compared with the clean stream applied
-    sample after sample: each run's cumulative; each distinct sample applied once (a run's count
+    """What is wrong with the usage recorded in `dsn` (`rows`: its usage rows, by run and
+    observed_at), compared with the clean stream applied sample after sample: each run's cumulative; each distinct sample applied once (a run's count
     of applied samples, whether each became a row or its quarter hour's one point); the rows'
     deltas adding up to the cumulative; and the usage up to every quarter hour, where windows,
     hour buckets and rates change (budgetgate.core.metering.FOLD), the clean stream's."""

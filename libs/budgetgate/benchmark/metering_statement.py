@@ -23,7 +23,6 @@ usage up to every quarter hour the clean stream's.
 
 from __future__ import annotations
 
-import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -193,7 +192,7 @@ async def _explained(conn: asyncpg.Connection, poll: Sequence[Sample], event_ids
     return plans
 
 
-def as_text(options: Options, results: Sequence[Result]) -> str:
+def as_text(results: Sequence[Result]) -> str:
     lines = []
     for number, result in enumerate(results, 1):
         per_s = result.samples / result.seconds if result.seconds else float("nan")
@@ -212,10 +211,9 @@ def as_text(options: Options, results: Sequence[Result]) -> str:
         )
     if len(results) > 1:
         summary = {part: rounds.spread(r.cpu_us(part) for r in results) for part in ("postgres", "load generator")}
-        rates = rounds.spread((r.samples / r.seconds for r in results if r.seconds), digits=0)
         lines.append(
-            f"median of {len(results)} rounds: samples/s {_spread(rates, '.0f')}; CPU µs per sample: postgres {_spread(summary['postgres'], '.1f')}, "
-            f"load generator {_spread(summary['load generator'], '.1f')}"
+            f"median of {len(results)} rounds: samples/s {rounds.spread_text(_rates(results))}; CPU µs per sample: "
+            f"postgres {rounds.spread_text(summary['postgres'], digits=1)}, load generator {rounds.spread_text(summary['load generator'], digits=1)}"
         )
     for result in results:
         if result.plans:
@@ -230,12 +228,10 @@ def as_json(options: Options, results: Sequence[Result]) -> dict[str, Any]:
         "options": {"samples": options.samples, "runs": options.runs, "resend_every": options.resend_every, "poll": options.poll, "rounds": options.rounds},
         "rounds": [r.as_json() for r in results],
         "median_cpu_us_per_sample": {part: rounds.spread(r.cpu_us(part) for r in results) for part in ("postgres", "load generator")},
-        "median_samples_per_s": statistics.median(r.samples / r.seconds for r in results if r.seconds) if any(r.seconds for r in results) else None,
+        "samples_per_s": _rates(results),
         "correct": all(r.correct for r in results),
     }
 
 
-def _spread(figure: dict[str, Any] | None, spec: str) -> str:
-    if figure is None:
-        return "unknown"
-    return f"{figure['median']:{spec}} ({figure['low']:{spec}}-{figure['high']:{spec}})"
+def _rates(results: Sequence[Result]) -> dict[str, Any] | None:
+    return rounds.spread((r.samples / r.seconds for r in results if r.seconds), digits=0)

@@ -15,3 +15,8 @@ def spread(values: Iterable[float | None], *, digits: int = 3) -> dict[str, Any]
     if not known:
         return None
     return {"median": round(statistics.median(known), digits), "low": min(known), "high": max(known), "rounds": len(known)}
+
+
+def spread_text(summary: dict[str, Any] | None, *, digits: int = 0) -> str:
+    """A `spread` as `median (low-high)`, each with `digits` decimals; `-` when nothing was known."""
+    return "-" if summary is None else f"{summary['median']:.{digits}f} ({summary['low']:.{digits}f}-{summary['high']:.{digits}f})"

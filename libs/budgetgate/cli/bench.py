@@ -178,7 +178,7 @@ def metering_statement(samples: int, runs: int, resend_every: int, poll: int, ro
         sys.exit(130)
     except (RuntimeError, *admission_runner.BENCH_ERRORS) as exc:
         raise click.ClickException(f"benchmark aborted: {type(exc).__name__}: {exc}") from exc
-    click.echo(json.dumps(statement.as_json(options, results), indent=2) if as_json else statement.as_text(options, results))
+    click.echo(json.dumps(statement.as_json(options, results), indent=2) if as_json else statement.as_text(results))
     if not all(result.correct for result in results):
         raise click.ClickException("correctness check failed: see the lines above")
 
