@@ -159,6 +159,9 @@ class Pending:
     accounting: BudgetSource | None = None
     provisional: bool = False
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
+    # Its caller's count on its rate limit, sent before it was planned and awaited by its batch
+    # before anything is reserved (fastpath.py): raises RateLimited past the limit.
+    counted: Awaitable[None] | None = None
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
     pool_shard: int | None = None  # the pools' shard, when its pool token is taken apart there (Asks.pool_apart)
     token: Token | None = None  # that token, taken in its batch
@@ -233,16 +236,25 @@ class Admitter(OneShard):
         return self.ledgers.of_labels(request.labels)
 
     async def admit(
-        self, request: AdmissionRequest, *, now: datetime | None = None, provisional: bool = False, clock: StageClock | None = None
+        self,
+        request: AdmissionRequest,
+        *,
+        now: datetime | None = None,
+        provisional: bool = False,
+        clock: StageClock | None = None,
+        counted: Awaitable[None] | None = None,
     ) -> dict[str, Any]:
         """Decide a submission; raises Unavailable (503), InvalidSubmission (422) or Conflict (409).
 
         `provisional`: the submission's object may still be refused after this answer (the
         Kubernetes validating webhook answers before the API server stores it), so what an ALLOW
         holds is given back unless the object is confirmed (see the reconciler's provisional hold).
-        `clock`: for a submission timed stage by stage, its clock, which this fills in."""
+        `clock`: for a submission timed stage by stage, its clock, which this fills in.
+        `counted`: its caller's count on its rate limit, not awaited yet: awaited in its batch
+        before anything is reserved; what it raises (RateLimited) is the answer."""
         pending = self._prepare(request, now or datetime.now(UTC))
         pending.provisional = provisional
+        pending.counted = counted
         if self.accounting is not None:
             pending.accounting = await self.accounting.source(pending.bundle, pending.plan, pending.asks.tenant, label=self.tenant_label)
         if clock is not None:
@@ -412,10 +424,12 @@ class Admitter(OneShard):
                     f"the ledger stayed locked for more than {wait:g} s (Redis being rebuilt from Postgres, or Postgres slow); retry shortly"
                 ) from exc
             clock.postgres_read += time.perf_counter() - since
+            limited = await _over_limits(batch)  # (counts sent before planning: done by now, mostly)
             heads = rows[: len(ledgers)]  # a row per shard: its committed sequence
             committed = {row["shard"]: row["committed_seq"] for row in heads}
             latest = {row["run_id"]: row for row in rows[len(ledgers) :]}
-            answers, fresh, followers = _sort_out(batch, latest, tenant_label=self.tenant_label)
+            answers, fresh, followers = _sort_out([p for p in batch if p not in limited] if limited else batch, latest, tenant_label=self.tenant_label)
+            answers.update(limited)
             fresh = await self._current(work.conn, fresh, heads[0]["override_revision"], answers)
             since = time.perf_counter()
             failed.clear()  # (a try again after a rebuild starts afresh)
@@ -661,6 +675,19 @@ async def _at_once(calls: list[Awaitable[T]]) -> list[T | Exception]:
         except Exception as exc:  # noqa: BLE001 - returned, as gather's return_exceptions does
             return [exc]
     return list(await asyncio.gather(*calls, return_exceptions=True))  # type: ignore[arg-type]
+
+
+async def _over_limits(batch: list[Pending]) -> dict[Pending, BaseException]:
+    """The submissions of `batch` whose caller's count on its rate limit refused them (awaited
+    here, before the batch reserves anything), each with what it raised (RateLimited)."""
+    refused: dict[Pending, BaseException] = {}
+    for p in batch:
+        if p.counted is not None:
+            try:
+                await p.counted
+            except Exception as exc:  # noqa: BLE001 - its answer
+                refused[p] = exc
+    return refused
 
 
 def _sort_out(batch: list[Pending], latest: Mapping[str, Any], *, tenant_label: str) -> tuple[dict[Pending, Any], list[Pending], list[tuple[Pending, Pending]]]:

@@ -8,8 +8,12 @@ app (OpenAPI, documentation); anything this path does not handle itself goes to 
 that does not validate (so 422s look exactly like every other route's), and any error of the
 admitter, rendered by the app's own exception handlers. The caller is checked exactly as the
 route's dependency would (auth.Gate: a submitter, within its namespaces and tenants) before the
-body is even read; the caller's hit on its rate limit is sent then and awaited once the body is
-validated, so its round trip to Redis overlaps reading and validating the body.
+body is even read; the caller's hit on its rate limit is sent then. While the caller is far below
+its limit (Gate.may_defer), the submission is planned and its batch reads Postgres before the
+count is awaited, just before the batch reserves anything (Admitter._decide): the round trip to
+Redis overlaps that work instead of preceding it, and a submission past the limit is still
+refused (429) having changed nothing. A caller nearer its limit has the count awaited once the
+body is validated, before any work, as a flood's requests should.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ class SubmissionFastPath:
         clock = fastapi_app.state.metrics.stage_clock(time.perf_counter())
         body = b""
         try:
-            principal, counted = await gate_of(fastapi_app).begin_check(scope["headers"], Action.SUBMIT, scope=scope)
+            gate = gate_of(fastapi_app)
+            principal, counted = await gate.begin_check(scope["headers"], Action.SUBMIT, scope=scope)
             scope.setdefault("state", {})[CHECKED] = principal  # FastAPI's route does not count it again
             body = await _read(receive)
             try:
@@ -50,13 +55,15 @@ class SubmissionFastPath:
                 await counted
                 await self.app(scope, _replay(body), send)  # FastAPI renders the 422
                 return
-            await counted
+            deferred = gate.may_defer(principal)
+            if not deferred:
+                await counted
             rt = fastapi_app.state.rt
             require_submission(principal, namespace=request.namespace, labels=request.labels, tenant_label=rt.settings.tenant_label)
             started = time.perf_counter()
             if clock is not None:
                 clock.read = started
-            answer = await rt.admitter.admit(request, clock=clock)
+            answer = await rt.admitter.admit(request, clock=clock, counted=counted if deferred else None)
         except Exception as exc:  # noqa: BLE001 - rendered by the app's handler for it, or re-raised
             handler = _handler(fastapi_app, exc)
             if handler is None:

@@ -2,14 +2,16 @@
 
 A submission on `POST /v1/admissions` passes, in order:
 
-- `body_and_auth`: the caller checked, the body read and validated (the fast path's own work);
+- `body_and_auth`: the caller checked, the body read and validated (the fast path's own work;
+  for a caller near its rate limit, its count awaited too);
 - `plan`: the pure part of deciding (the bundle's covering policies, the plan, the asks);
 - `batch_wait`: queued until the group commit starts the batch it is in (batching.py);
 - `postgres_read`: a connection and `begin_batch` (the ledger lock, the runs' locks and their
   latest decisions; no BEGIN: see ledger_session);
 - `redis`: the batch's check-and-reserve script (and, rarely, loading keys Redis never saw);
 - `decide`: the batch's own Python work: sorting out replays and conflicts, concluding each
-  decision and rendering its answer;
+  decision and rendering its answer (and any wait for a caller's count on its rate limit, sent
+  before its submission was planned: fastpath.py; done by then, as a rule);
 - `postgres_write`: the decisions encoded (rows and messages) and stored in one statement, which
   commits as it ends (waiting for the WAL flush; no COMMIT of its own), the locks let go after
   the answer;

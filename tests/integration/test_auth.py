@@ -5,6 +5,7 @@ signature; and each refusal changes nothing in the ledger (Postgres rows, Redis 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -15,7 +16,18 @@ import pytest
 
 from budgetgate.core.principals import Role
 from budgetgate.access.tokens import revoke_token
-from tests.support.admission import admission, admission_factory, apply_policies, decision_of, example_policies, submission  # noqa: F401 - pytest fixtures
+from budgetgate.edge.auth import gate_of
+from tests.support.admission import (  # noqa: F401 - pytest fixtures
+    admission,
+    admission_factory,
+    apply_policies,
+    budget_yaml,
+    decision_of,
+    example_policies,
+    held_in_postgres,
+    reserved_in_redis,
+    submission,
+)
 from tests.support.metering import as_json, decide, metering, metering_factory, sample, usage_rows  # noqa: F401 - pytest fixtures
 from tests.support.principals import bearer, issue, ledger_state
 from tests.support.waiting import wait_for
@@ -247,6 +259,37 @@ async def test_rate_limit_per_principal_answers_429_with_retry_after(admission_f
     assert statuses == [422, 200, 200, 429]
 
 
+async def test_a_submission_far_below_its_limit_is_refused_in_its_batch_past_it_having_reserved_nothing(admission_factory, pg_dsn) -> None:
+    # While its caller is far below its limit, a submission's count on it is awaited by its batch
+    # (after planning and the batch's read of Postgres), not before; one that passes the limit
+    # that way (other instances counted the caller meanwhile) is refused there, 429, with
+    # nothing reserved or recorded.
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("vision", limit="gpu_hours: 100000")}, sha="d" * 40)
+    server = await admission_factory(rate_limit="20/minute")
+    await server.wait_ready()
+    name = f"busy-{uuid.uuid4().hex[:8]}"  # (its count is kept in Redis for a minute)
+    secret = await issue(pg_dsn, Role.SUBMITTER, name=name)
+    name = f"token:{name}"  # the principal's
+    gate, batches = gate_of(server.app), server.rt.admitter.batches
+    hits = gate.hits
+    assert hits is not None and gate.limiter is not None and not hits.far_below(name)  # not counted yet: awaited first
+    assert decision_of(await server.client.post("/v1/admissions", json=submission(run_id="r/first"), headers=bearer(secret))) == "ALLOW"
+    assert hits.far_below(name)  # 1 of 20
+    await gate.limiter.storage.incr(hits.item.key_for(name), hits.item.get_expiry(), amount=19)  # the caller's hits elsewhere
+    before = batches.items
+    over = await server.client.post("/v1/admissions", json=submission(run_id="r/over"), headers=bearer(secret))
+    assert over.status_code == 429 and 1 <= int(over.headers["retry-after"]) <= 60
+    assert batches.items == before + 1  # counted in its batch
+    async with asyncpg.create_pool(pg_dsn, min_size=1, max_size=1) as pool:
+        assert [row["run_id"] for row in await pool.fetch("SELECT run_id FROM decisions")] == ["r/first"]
+        assert await pool.fetchval("SELECT count(*) FROM reservations WHERE state = 'held'") == 1
+    assert await held_in_postgres(pg_dsn) == {k: v for k, v in (await reserved_in_redis(server)).items() if v}
+    # Past its limit now: the next one is refused before it is planned, in no batch.
+    assert not hits.far_below(name)
+    assert (await server.client.post("/v1/admissions", json=submission(run_id="r/late"), headers=bearer(secret))).status_code == 429
+    assert batches.items == before + 1
+
+
 @pytest.mark.parametrize("scope", ["cluster", "instance"])
 async def test_concurrent_hits_are_counted_together_and_exactly(redis_url: str, redis_prefix: str, scope: str) -> None:
     from limits import parse
@@ -274,6 +317,19 @@ async def test_concurrent_hits_are_counted_together_and_exactly(redis_url: str, 
     if scope == "cluster":
         await storage.reset()
         await close_storage(storage)
+
+
+async def test_a_principal_is_far_below_its_limit_up_to_half_of_it() -> None:
+    from limits import parse
+    from limits.aio.storage import MemoryStorage
+    from limits.aio.strategies import FixedWindowRateLimiter
+
+    from budgetgate.edge.auth import CoalescedHits
+
+    hits = CoalescedHits(FixedWindowRateLimiter(MemoryStorage()), parse("4/minute"))
+    assert not hits.far_below("p")  # never counted
+    assert [await hits.hit("p"), hits.far_below("p"), await hits.hit("p"), hits.far_below("p")] == [1, True, 2, True]
+    assert [await hits.hit("p"), hits.far_below("p"), hits.far_below("q")] == [3, False, False]
 
 
 async def test_metrics_can_be_protected(admission_factory, pg_dsn) -> None:

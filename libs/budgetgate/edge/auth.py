@@ -208,6 +208,15 @@ class Gate:
         counted.add_done_callback(_retrieve)
         return principal, counted
 
+    def may_defer(self, principal: Principal) -> bool:
+        """Whether the count `begin_check` sent for `principal` may be awaited after work that
+        changes nothing (admission plans a submission and reads its batch's runs meanwhile, and
+        awaits it before reserving): with no limit, or while the caller's count was at most half
+        its limit when last counted. A caller nearer its limit, or not counted yet (a flood, a
+        window's first request after a busy one), has it awaited before any work, so a request
+        past its limit still costs no more than today's check."""
+        return self.hits is None or self.hits.far_below(principal.name)
+
     async def count(self, principal: Principal) -> None:
         if self.hits is None or self.limiter is None or self.limit is None:  # hits is None exactly when no limit is set
             return
@@ -229,6 +238,10 @@ def _retrieve(task: asyncio.Future[None]) -> None:
         task.exception()
 
 
+# The principals whose last count CoalescedHits keeps (far_below) before it forgets them all.
+_MAX_REACHED = 65_536
+
+
 class CoalescedHits:
     """A fixed-window limit's hits counted together: the hits on one principal's window that
     arrive while its counter is being incremented join the next increment (INCRBY n in the
@@ -242,6 +255,15 @@ class CoalescedHits:
         self._waiting: dict[str, list[asyncio.Future[int]]] = {}
         self._counting: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._reached: dict[str, int] = {}  # key -> the count its last increment reached
+
+    def far_below(self, identifier: str) -> bool:
+        """Whether `identifier`'s count was at most half the limit when this process last
+        counted it (False before its first count). Only a cost depends on it, when a request's
+        own count is awaited, never whether it is: a reading older than the window, or than
+        other processes' hits since, changes nothing else."""
+        reached = self._reached.get(self.item.key_for(identifier))
+        return reached is not None and 2 * reached <= self.item.amount
 
     async def hit(self, identifier: str) -> int:
         """Count one hit; the window's count with it."""
@@ -266,6 +288,9 @@ class CoalescedHits:
                         if not waiter.done():
                             waiter.set_exception(exc)
                     continue
+                if len(self._reached) >= _MAX_REACHED and key not in self._reached:
+                    self._reached.clear()  # (principals seen: bounded, forgetting is only slower)
+                self._reached[key] = total
                 for place, waiter in enumerate(batch, start=total - len(batch) + 1):
                     if not waiter.done():
                         waiter.set_result(place)
