@@ -161,7 +161,7 @@ class Pending:
     clock: StageClock | None = None  # a submission timed stage by stage (stages.py)
     # Its caller's count on its rate limit, sent before it was planned and awaited by its batch
     # before anything is reserved (fastpath.py): raises RateLimited past the limit.
-    counted: Awaitable[None] | None = None
+    counted: asyncio.Future[None] | None = None
     shard: int = 0  # of the Redis ledger: its tenant's (budgetgate.core.shards)
     pool_shard: int | None = None  # the pools' shard, when its pool token is taken apart there (Asks.pool_apart)
     token: Token | None = None  # that token, taken in its batch
@@ -242,7 +242,7 @@ class Admitter(OneShard):
         now: datetime | None = None,
         provisional: bool = False,
         clock: StageClock | None = None,
-        counted: Awaitable[None] | None = None,
+        counted: asyncio.Future[None] | None = None,
     ) -> dict[str, Any]:
         """Decide a submission; raises Unavailable (503), InvalidSubmission (422) or Conflict (409).
 
@@ -424,7 +424,7 @@ class Admitter(OneShard):
                     f"the ledger stayed locked for more than {wait:g} s (Redis being rebuilt from Postgres, or Postgres slow); retry shortly"
                 ) from exc
             clock.postgres_read += time.perf_counter() - since
-            limited = await _over_limits(batch)  # (counts sent before planning: done by now, mostly)
+            limited = await _over_limits(batch)  # (sent before planning: what is left of a round trip is waited for here)
             heads = rows[: len(ledgers)]  # a row per shard: its committed sequence
             committed = {row["shard"]: row["committed_seq"] for row in heads}
             latest = {row["run_id"]: row for row in rows[len(ledgers) :]}
@@ -678,15 +678,21 @@ async def _at_once(calls: list[Awaitable[T]]) -> list[T | Exception]:
 
 
 async def _over_limits(batch: list[Pending]) -> dict[Pending, BaseException]:
-    """The submissions of `batch` whose caller's count on its rate limit refused them (awaited
-    here, before the batch reserves anything), each with what it raised (RateLimited)."""
+    """The submissions of `batch` whose caller's count on its rate limit refused them (waited for
+    here, before the batch reserves anything), each with what it raised (RateLimited); one whose
+    count was cancelled (the service stopping) is answered Unavailable, not the whole batch."""
+    counts = [p.counted for p in batch if p.counted is not None]
+    if not all(count.done() for count in counts):
+        await asyncio.wait(counts)
     refused: dict[Pending, BaseException] = {}
     for p in batch:
-        if p.counted is not None:
-            try:
-                await p.counted
-            except Exception as exc:  # noqa: BLE001 - its answer
-                refused[p] = exc
+        count = p.counted
+        if count is None:
+            continue
+        if count.cancelled():
+            refused[p] = Unavailable("its rate limit could not be checked (the service is stopping); retry shortly")
+        elif (exc := count.exception()) is not None:
+            refused[p] = exc
     return refused
 
 

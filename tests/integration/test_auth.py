@@ -319,6 +319,26 @@ async def test_concurrent_hits_are_counted_together_and_exactly(redis_url: str, 
         await close_storage(storage)
 
 
+async def test_a_submission_whose_count_was_cancelled_is_answered_unavailable_not_its_whole_batch(admission_factory, pg_dsn) -> None:
+    from datetime import UTC, datetime
+
+    from budgetgate.contracts.admission import AdmissionRequest
+    from budgetgate.services.admission.admitter import Unavailable
+
+    await apply_policies(pg_dsn, {"b.yaml": budget_yaml("vision", limit="gpu_hours: 100000")}, sha="d" * 40)
+    server = await admission_factory()
+    await server.wait_ready()
+    admitter = server.rt.admitter
+    stopped, counted = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+    stopped.cancel()
+    counted.set_result(None)
+    pending = [admitter._prepare(AdmissionRequest.model_validate(submission(run_id=f"r/{i}")), datetime.now(UTC)) for i in range(2)]
+    pending[0].counted, pending[1].counted = stopped, counted
+    await admitter._commit(pending)
+    answers = await asyncio.gather(*(p.answer for p in pending), return_exceptions=True)
+    assert isinstance(answers[0], Unavailable) and answers[1]["decision"] == "ALLOW"
+
+
 async def test_a_principal_is_far_below_its_limit_up_to_half_of_it() -> None:
     from limits import parse
     from limits.aio.storage import MemoryStorage

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Literal
 
 import asyncpg
@@ -192,7 +192,7 @@ class Gate:
         principal.require(action)
         return principal
 
-    async def begin_check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any = None) -> tuple[Principal, Awaitable[None]]:
+    async def begin_check(self, headers: Iterable[tuple[bytes, bytes]], action: Action, *, scope: Any = None) -> tuple[Principal, asyncio.Future[None]]:
         """As `check`, with the caller's hit on its rate limit sent but not awaited: the caller
         awaits it (it raises RateLimited) before acting on the request, so that its round trip
         to Redis overlaps the caller's own work (reading and validating the body). An outcome
@@ -213,8 +213,8 @@ class Gate:
         changes nothing (admission plans a submission and reads its batch's runs meanwhile, and
         awaits it before reserving): with no limit, or while the caller's count was at most half
         its limit when last counted. A caller nearer its limit, or not counted yet (a flood, a
-        window's first request after a busy one), has it awaited before any work, so a request
-        past its limit still costs no more than today's check."""
+        window's first request after a busy one), has it awaited before any work, so a flood's
+        requests past the limit cost no more than the check."""
         return self.hits is None or self.hits.far_below(principal.name)
 
     async def count(self, principal: Principal) -> None:
