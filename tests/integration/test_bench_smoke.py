@@ -36,6 +36,10 @@ def two_rounds(tmp_path_factory: pytest.TempPathFactory, postgres_admin_dsn: str
 
 async def test_bench_reports_both_systems_and_passes_its_check(two_rounds: Path, postgres_admin_dsn: str, redis_server_url: str) -> None:
     report = json.loads(two_rounds.read_text())
+    # With an open loop, what waking an idle Redis and Postgres costs here, timed once.
+    wake = report["wake_ups"]
+    assert wake["rounds"] == 100 and wake["idle_ms"] == 5
+    assert all(wake[f"{peer}_{when}_ms"] > 0 for peer in ("redis", "postgres") for when in ("idle", "busy"))
     # Two rounds, the systems taking turns to go first.
     assert [(r["round"], r["system"]) for r in report["results"]] == [(1, "baseline"), (1, "budgetgate"), (2, "budgetgate"), (2, "baseline")]
     assert report["correct"] is True

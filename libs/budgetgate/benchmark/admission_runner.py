@@ -37,7 +37,7 @@ import redis.exceptions
 from aiokafka.errors import KafkaError
 
 from budgetgate.benchmark.session import session
-from budgetgate.benchmark import breakdown, databases, load, pauses, workload
+from budgetgate.benchmark import breakdown, databases, load, pauses, wakeups, workload
 from budgetgate.benchmark.correctness import Audit, check
 from budgetgate.benchmark.cpu import CpuMeter, CpuUse, Part, load_generator
 from budgetgate.benchmark.service_processes import StartError, Subprocess, free_port, python_module, tansu_command
@@ -121,6 +121,8 @@ class Measurements:
     # Per round, the ceiling's best pass and what it spent.
     ceilings: dict[int, tuple[load.Outcome, CpuUse]] = field(default_factory=dict)
     open_loop: list[RunResult] = field(default_factory=list)
+    # With an open loop: what waking an idle Redis and Postgres costs here (wakeups.py).
+    wake_ups: wakeups.WakeUps | None = None
 
     @property
     def ceiling(self) -> load.Outcome | None:
@@ -161,6 +163,8 @@ class Run:
             works = {scenario: self._workload(scenario, options.requests, "run") for scenario in options.scenarios}
             offered = round(options.open_loop_rate * options.open_loop_seconds)
             opens = {scenario: self._workload(scenario, offered, "open") for scenario in options.scenarios} if options.open_loop_rate > 0 else {}
+            if opens:
+                measured.wake_ups = await wakeups.measure(backends.redis_url, self.settings.postgres_dsn)
             for number in range(1, options.rounds + 1):
                 systems = options.systems if number % 2 else tuple(reversed(options.systems))
                 for scenario, work in works.items():

@@ -5,6 +5,7 @@ and, with the open loop, both systems' p50 and p99 at the offered rate."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from typing import Any
@@ -194,6 +195,7 @@ def as_json(options: Options, measured: Measurements) -> dict[str, Any]:
         "open_loop": [open_row(r, options) for r in measured.open_loop],
         "open_loop_medians": open_medians(measured.open_loop),
         "open_loop_cpu_medians": cpu_medians(measured.open_loop),
+        "wake_ups": dataclasses.asdict(measured.wake_ups) if measured.wake_ups is not None else None,
         "correct": measured.correct,
     }
 
@@ -363,6 +365,8 @@ def as_text(options: Options, measured: Measurements) -> str:
         if r.stages is not None:
             lines.append(f"  {_stage_line(r.stages)}")
         lines.append(_correctness_line({**row(r), "scenario": f"{r.scenario} open loop"}, rounds=rounds))
+    if measured.wake_ups is not None:
+        lines.append(measured.wake_ups.line())
     over = _over(options.rounds, rounds)
     for summary in open_medians(measured.open_loop):
         figures = [
