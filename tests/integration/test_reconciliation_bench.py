@@ -1,6 +1,7 @@
 """`budgetgate bench reconciliation --replicas 2` end to end with tiny numbers, in both of its
-modes: two reconcilers share the consumer group, the ledger audit passes, and the report names
-both, with the CPU of each beside their sum. No timing is asserted."""
+modes (the steady one with a token pool): two reconcilers share the consumer group, the ledger
+audit passes, and the report names both, with the CPU of each beside their sum. No timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -52,8 +53,12 @@ async def test_two_reconcilers_settle_every_run_and_are_named(postgres_admin_dsn
 
 
 async def test_two_reconcilers_under_a_steady_load(postgres_admin_dsn: str, redis_server_url: str, kafka_server_bootstrap: str) -> None:
-    arguments = ("--records-per-s", "100", "--run-lengths", "10,50", "--long-runs", "2", "--duration", "2")
+    """With --token-pool: every run (2 long, 12 short, the warm-up) took a token with its
+    admission, and every one was given back when its run ended."""
+    arguments = ("--records-per-s", "100", "--run-lengths", "10,50", "--long-runs", "2", "--duration", "2", "--token-pool")
     report = _bench(postgres_admin_dsn, redis_server_url, kafka_server_bootstrap, *arguments)
     assert report["records"] == 200 and report["unseen"] == 0
     _both_named(report, "usage record", 200)
+    assert report["options"]["token_pool"] is True
+    assert report["tokens"]["granted"] == 15 and report["tokens"]["held"] == 0, report["tokens"]
     await assert_nothing_left(postgres_admin_dsn, report["run_tag"], redis_url=redis_server_url)

@@ -177,3 +177,30 @@ def test_the_commands_refuse_replicas_that_would_idle(monkeypatch: pytest.Monkey
         reconciliation = CliRunner().invoke(bench, ["reconciliation", "--replicas", "4", *steady])
         assert reconciliation.exit_code == 2
         assert "replicas (4) must be between 1 and the topics' partitions (3, BUDGETGATE_TOPIC_PARTITIONS)" in reconciliation.output
+
+
+def test_a_token_pool_needs_the_steady_load() -> None:
+    """`--token-pool` changes only the steady load's admissions: without `--records-per-s` it is a
+    usage error before anything is started, not an option silently ignored."""
+    from click.testing import CliRunner
+
+    from budgetgate.cli.bench import bench
+
+    refused = CliRunner().invoke(bench, ["reconciliation", "--token-pool"])
+    assert refused.exit_code == 2 and "--token-pool goes with --records-per-s" in refused.output
+
+
+def test_the_steady_bench_declares_a_pool_only_when_asked() -> None:
+    """The bundle of `bench reconciliation` gets the token pool (its quota: a token for every run)
+    only with a quota; the team budgets are the same either way."""
+    from budgetgate.benchmark.reconciliation_runner import POOL, _policies
+    from budgetgate.core.loader import build_bundle, parse_text
+
+    def bundle(**kwargs: int) -> object:
+        documents = [doc for name, text in _policies(3, **kwargs).items() for doc in parse_text(text, name)]
+        return build_bundle(documents, git_sha="0" * 40)
+
+    plain, pooled = bundle(), bundle(pool_quota=15)
+    assert plain.pools == () and [p.namespace for p in pooled.pools] == [POOL]  # type: ignore[attr-defined]
+    assert pooled.pools[0].quota == 15  # type: ignore[attr-defined]
+    assert [p.id for p in plain.policies] == [p.id for p in pooled.policies]  # type: ignore[attr-defined]

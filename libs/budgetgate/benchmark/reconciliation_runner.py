@@ -57,6 +57,12 @@ class Options:
     budgets: int = 20
     timeout: float = 300.0
     replicas: int = 1  # reconciler processes in the one consumer group
+    pool_quota: int = 0  # with more than 0, the bundle declares POOL with this many tokens
+
+
+# The token pool of `bench reconciliation --records-per-s R --token-pool`, and its lease length.
+POOL = "bench:tokens"
+POOL_LEASE_SECONDS = 600
 
 
 def check_replicas(replicas: int) -> None:
@@ -146,8 +152,14 @@ class Report:
         return "\n".join(lines)
 
 
-def _policies(budgets: int) -> dict[str, str]:
+def _policies(budgets: int, *, pool_quota: int = 0) -> dict[str, str]:
     docs = {}
+    if pool_quota:
+        docs["pool.yaml"] = f"""apiVersion: budgetgate/v1
+kind: ResourcePool
+metadata: {{id: bench-tokens}}
+spec: {{namespace: "{POOL}", quota: {pool_quota}, lease_seconds: {POOL_LEASE_SECONDS}}}
+"""
     for i in range(budgets):
         docs[f"team-{i}.yaml"] = f"""apiVersion: budgetgate/v1
 kind: BudgetPolicy
@@ -287,7 +299,7 @@ class Bench:
         return f"127.0.0.1:{port}"
 
     async def _apply(self, dsn: str) -> None:
-        documents = [doc for name, text in _policies(self.options.budgets).items() for doc in parse_text(text, name)]
+        documents = [doc for name, text in _policies(self.options.budgets, pool_quota=self.options.pool_quota).items() for doc in parse_text(text, name)]
         conn = await asyncpg.connect(dsn)
         try:
             await apply_bundle(conn, bundle=build_bundle(documents, git_sha=f"bench-{self.tag}"), documents=documents, source="bench", applied_by="bench")

@@ -34,7 +34,7 @@ from budgetgate.contracts import wire
 from budgetgate.benchmark import databases
 from budgetgate.benchmark.service_processes import free_port, python_module
 from budgetgate.benchmark.cpu import unmetered_connection
-from budgetgate.benchmark.reconciliation_runner import Bench, Options, Spent, _lifecycle, _usage
+from budgetgate.benchmark.reconciliation_runner import POOL, Bench, Options, Spent, _lifecycle, _usage
 from budgetgate.benchmark.credentials import SERVICE_ENV, bearer, bench_token
 from budgetgate.ledger.migrations import migrate_dsn
 from budgetgate.contracts.topics import Topics
@@ -55,6 +55,20 @@ class SteadyOptions:
     poll: float = 0.1
     timeout: float = 300.0
     replicas: int = 1  # reconciler processes in the one consumer group
+    # Every run takes a token of a pool (reconciliation_runner.POOL) with its admission: each
+    # settlement of a run alive later than its grant renews the token's lease, in Postgres and
+    # Redis, and the run's end gives it back.
+    token_pool: bool = False
+
+
+@dataclass
+class Tokens:
+    """What the runs' pool tokens went through (`token_pool`): granted with their admissions, held
+    at the end (none, every run having ended), and renewed: leases that ended later than granted."""
+
+    granted: int
+    held: int
+    renewed: int
 
 
 @dataclass
@@ -68,6 +82,7 @@ class SteadyReport:
     ledger_note: str
     spent: Spent | None = None
     tag: str | None = None  # names its database (bench_<tag>_…), Redis prefix and topics (bench-<tag>…)
+    tokens: Tokens | None = None
 
     def percentile(self, group: str, q: float) -> float:
         ordered = sorted(self.lags_ms[group])
@@ -91,12 +106,17 @@ class SteadyReport:
         return {
             "options": asdict(self.options), "records": self.records, "offered_records_per_s": round(self.records / self.send_seconds, 1),
             "lag": groups, "p99_ratio_long_to_short": round(self.ratio, 2), "unseen": self.unseen, "ledger_ok": self.ledger_ok, "ledger": self.ledger_note,
-            **(self.spent.as_json() if self.spent else {}), "run_tag": self.tag,
+            **(self.spent.as_json() if self.spent else {}), "run_tag": self.tag, "tokens": asdict(self.tokens) if self.tokens else None,
         }  # fmt: skip
 
     def as_text(self) -> str:
         o = self.options
         lines = [f"load: {self.records} usage records offered at {self.records / self.send_seconds:.0f}/s for {o.duration:g} s ({o.budgets} budgets)"]
+        if self.tokens:
+            lines.append(
+                f"pool tokens ({POOL}): {self.tokens.granted} granted with the admissions, {self.tokens.renewed} renewed by the reconciler, "
+                f"{self.tokens.held} still held after every run ended"
+            )
         for group, length, runs in (("short", o.short_length, f"{o.short_slots} at a time"), ("long", o.long_length, f"{o.long_runs} runs")):
             lines.append(
                 f"runs of {length} samples ({runs}): {len(self.lags_ms[group])} records, lag p50 {self.percentile(group, 0.5):.1f} ms, "
@@ -119,10 +139,11 @@ class _Run:
 class SteadyBench(Bench):
     def __init__(self, options: SteadyOptions, *, echo: Callable[[str], None]) -> None:
         self.token = ""  # the benchmark's API token, made in its database
-        super().__init__(Options(budgets=options.budgets, replicas=options.replicas), echo=echo)
-        self.steady = options
         o = options
         shorts = math.ceil(o.records_per_s / 2 * o.duration / o.short_length) + o.short_slots
+        tokens = o.long_runs + shorts + 1 if o.token_pool else 0  # a token for every run, the warm-up's too
+        super().__init__(Options(budgets=options.budgets, replicas=options.replicas, pool_quota=tokens), echo=echo)
+        self.steady = options
         self.runs = [_Run(f"bench/{self.tag}/long/{i}", "long") for i in range(o.long_runs)] + [
             _Run(f"bench/{self.tag}/short/{i}", "short") for i in range(shorts)
         ]
@@ -161,8 +182,11 @@ class SteadyBench(Bench):
                 spent = await self._spent(meter, started, reconcilers, records, "usage record", "from the first record fed until the ledger showed the last")
                 await self._finish(publisher, topics, dsn)
             ok, note = await self._audit_steady(dsn)
+            tokens = await self._tokens(dsn) if self.steady.token_pool else None
+            if tokens is not None and (tokens.granted != len(self.runs) + 1 or tokens.held):
+                ok, note = False, f"{note}; pool tokens: {tokens.granted} granted for {len(self.runs) + 1} runs, {tokens.held} still held after they ended"
             unseen = sum(len(r.pending) for r in self.runs)
-            return SteadyReport(self.steady, records, seconds, dict(self.lags), unseen, ok, note, spent, self.tag)
+            return SteadyReport(self.steady, records, seconds, dict(self.lags), unseen, ok, note, spent, self.tag, tokens)
         finally:
             await self._clean_up(database, prefix, log_dir)
 
@@ -186,6 +210,7 @@ class SteadyBench(Bench):
                     "labels": {"team": f"t{team}"},
                     "resources": {"gpus": 8},
                     "projected_runtime_hours": 2.0,
+                    **({"pool_token": {"namespace": POOL}} if self.steady.token_pool else {}),
                 }
                 async with gate:
                     answer = (await client.post("/v1/admissions", json=body)).json()
@@ -334,6 +359,19 @@ class SteadyBench(Bench):
             f"reserved {reserved / h:g} GPU-h held (expected 0), consumed {consumed / h:g} GPU-h (expected {expected / h:g}), "
             f"{final}/{len(self.runs) + 1} runs final",
         )
+
+    async def _tokens(self, dsn: str) -> Tokens:
+        conn = await asyncpg.connect(dsn)
+        try:
+            row = await conn.fetchrow(
+                """SELECT count(*) AS granted, count(*) FILTER (WHERE state = 'held') AS held,
+                          count(*) FILTER (WHERE lease_expires_at > granted_at + make_interval(secs => lease_seconds + 1)) AS renewed
+                   FROM pool_allocations WHERE namespace = $1 AND token LIKE 'run:%'""",
+                POOL,
+            )
+        finally:
+            await conn.close()
+        return Tokens(granted=row["granted"], held=row["held"], renewed=row["renewed"])
 
 
 async def run(options: SteadyOptions, *, echo: Callable[[str], None]) -> SteadyReport:

@@ -202,6 +202,11 @@ def metering_statement(samples: int, runs: int, resend_every: int, poll: int, ro
 )
 @click.option("--duration", default=30.0, show_default=True, type=click.FloatRange(1), help="With --records-per-s: seconds of load.")
 @click.option(
+    "--token-pool",
+    is_flag=True,
+    help="With --records-per-s: every run takes a token of a pool with its admission, which the reconciler renews as the run shows it is alive.",
+)
+@click.option(
     "--replicas",
     default=1,
     show_default=True,
@@ -218,6 +223,7 @@ def reconciliation(
     run_lengths: str,
     long_runs: int,
     duration: float,
+    token_pool: bool,
     replicas: int,
     as_json: bool,
 ) -> None:
@@ -237,8 +243,10 @@ def reconciliation(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     if records_per_s is not None:
-        _steady(records_per_s, run_lengths, long_runs, duration, budgets, replicas, as_json)
+        _steady(records_per_s, run_lengths, long_runs, duration, budgets, replicas, token_pool, as_json)
         return
+    if token_pool:
+        raise click.UsageError("--token-pool goes with --records-per-s")
     options = bench_reconciliation.Options(runs=runs, rate=rate, samples=samples, budgets=budgets, replicas=replicas)
     try:
         report = asyncio.run(bench_reconciliation.run(options, echo=lambda message: click.echo(message, err=True)))
@@ -250,7 +258,7 @@ def reconciliation(
         raise click.ClickException("the ledger does not add up, or runs were left unsettled: see above")
 
 
-def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: float, budgets: int, replicas: int, as_json: bool) -> None:
+def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: float, budgets: int, replicas: int, token_pool: bool, as_json: bool) -> None:
     from budgetgate.benchmark import reconciliation_steady
 
     try:
@@ -259,7 +267,7 @@ def _steady(records_per_s: float, run_lengths: str, long_runs: int, duration: fl
         raise click.BadParameter("two numbers: SHORT,LONG", param_hint="--run-lengths") from exc
     options = reconciliation_steady.SteadyOptions(
         records_per_s=records_per_s, short_length=short, long_length=long, long_runs=long_runs, short_slots=long_runs, duration=duration, budgets=budgets,
-        replicas=replicas,
+        replicas=replicas, token_pool=token_pool,
     )  # fmt: skip
     try:
         report = asyncio.run(reconciliation_steady.run(options, echo=lambda message: click.echo(message, err=True)))
