@@ -11,6 +11,11 @@ every `poll` seconds, which bounds the resolution. Ends with the ledger audit.
 With `replicas` > 1 that many reconcilers share the consumer group (as in `bench reconciliation`);
 from the first record fed until the ledger showed the last one, the CPU of each reconciler, their
 sum, Postgres, Redis and the broker is read, per usage record fed.
+
+With `token_pool`, every run takes a token of a pool with its admission, which the reconciler
+renews at each settlement of a run alive later than its grant (the long runs': the short runs'
+samples are older than their grants) and gives back at its end; the audit fails on a token still
+held then, or a run without one.
 """
 
 from __future__ import annotations
