@@ -186,10 +186,7 @@ class SteadyBench(Bench):
                 records, seconds = await self._feed_steady(publisher, topics, dsn)
                 spent = await self._spent(meter, started, reconcilers, records, "usage record", "from the first record fed until the ledger showed the last")
                 await self._finish(publisher, topics, dsn)
-            ok, note = await self._audit_steady(dsn)
-            tokens = await self._tokens(dsn) if self.steady.token_pool else None
-            if tokens is not None and (tokens.granted != len(self.runs) + 1 or tokens.held):
-                ok, note = False, f"{note}; pool tokens: {tokens.granted} granted for {len(self.runs) + 1} runs, {tokens.held} still held after they ended"
+            ok, note, tokens = await self._audit_steady(dsn)
             unseen = sum(len(r.pending) for r in self.runs)
             return SteadyReport(self.steady, records, seconds, dict(self.lags), unseen, ok, note, spent, self.tag, tokens)
         finally:
@@ -347,35 +344,36 @@ class SteadyBench(Bench):
         finally:
             await conn.close()
 
-    async def _audit_steady(self, dsn: str) -> tuple[bool, str]:
+    async def _audit_steady(self, dsn: str) -> tuple[bool, str, Tokens | None]:
+        """Whether the ledger adds up once every run ended, what it found, and (with a token pool)
+        what the runs' tokens went through: every run took one, and none is held any more."""
         conn = await asyncpg.connect(dsn)
         try:
             reserved = int(await conn.fetchval("SELECT COALESCE(sum(amount), 0) FROM reservations WHERE state = 'held'"))
             consumed = int(await conn.fetchval("SELECT COALESCE(sum(consumed), 0) FROM ledger_entries"))
             final = await conn.fetchval("SELECT count(*) FROM run_settlements WHERE final")
+            tokens = await self._tokens(conn) if self.steady.token_pool else None
         finally:
             await conn.close()
+        runs = len(self.runs) + 1  # the warm-up run too
         warm = 2 * 3_600_000 * self.options.samples  # the warm-up run's last reading (Bench._lifecycle_of)
         expected = sum(STEP_MS * r.sent for r in self.runs) + warm
-        ok = reserved == 0 and consumed == expected and final == len(self.runs) + 1
+        ok = reserved == 0 and consumed == expected and final == runs
         h = 3_600_000
-        return (
-            ok,
-            f"reserved {reserved / h:g} GPU-h held (expected 0), consumed {consumed / h:g} GPU-h (expected {expected / h:g}), "
-            f"{final}/{len(self.runs) + 1} runs final",
-        )
+        note = f"reserved {reserved / h:g} GPU-h held (expected 0), consumed {consumed / h:g} GPU-h (expected {expected / h:g}), {final}/{runs} runs final"
+        if tokens is not None:
+            ok = ok and tokens.granted == runs and tokens.held == 0
+            note += f", pool tokens {tokens.granted} granted for {runs} runs and {tokens.held} still held (expected 0)"
+        return ok, note, tokens
 
-    async def _tokens(self, dsn: str) -> Tokens:
-        conn = await asyncpg.connect(dsn)
-        try:
-            row = await conn.fetchrow(
-                """SELECT count(*) AS granted, count(*) FILTER (WHERE state = 'held') AS held,
-                          count(*) FILTER (WHERE lease_expires_at > granted_at + make_interval(secs => lease_seconds + 1)) AS renewed
-                   FROM pool_allocations WHERE namespace = $1 AND token LIKE 'run:%'""",
-                POOL,
-            )
-        finally:
-            await conn.close()
+    @staticmethod
+    async def _tokens(conn: asyncpg.Connection) -> Tokens:
+        row = await conn.fetchrow(
+            """SELECT count(*) AS granted, count(*) FILTER (WHERE state = 'held') AS held,
+                      count(*) FILTER (WHERE lease_expires_at > granted_at + make_interval(secs => lease_seconds + 1)) AS renewed
+               FROM pool_allocations WHERE namespace = $1 AND token LIKE 'run:%'""",
+            POOL,
+        )
         return Tokens(granted=row["granted"], held=row["held"], renewed=row["renewed"])
 
 

@@ -2,11 +2,13 @@
 
 A round trip to Redis and to Postgres is timed twice in a row after the prober slept `idle`
 seconds: the first finds the peer (and, on a virtual machine whose idle CPUs halt, its CPU)
-asleep; the second finds it awake. At 200 submissions/s a lone decision finds its peers asleep:
-budgetgate's wakes Redis twice (the caller's rate limit, the reservation) and Postgres twice (the
-batch's read, its write), the baseline's wakes one Postgres backend once and keeps it busy
-through its six statements. Where the first round trip costs several times the second, that,
-more than CPU, is what sets the lone decision's latency here.
+asleep; the second finds it awake. At 200 submissions/s a lone decision finds its peers asleep.
+Before its answer budgetgate's makes two Redis round trips (the caller's rate limit, the
+reservation) and two Postgres statements (the batch's read, its write) with its own work between
+them; the baseline's makes six statements back to back on one connection (whether its backend
+sleeps between them is not measured here). The difference of the two times, times the peers a
+decision wakes, bounds what waking adds to its latency; the rest is CPU (on December 2, 2026 about
+0.5 ms of a 2.2-2.4 ms gap to the baseline's p50: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class WakeUps:
         return (
             f"idle peers on this machine (median of {self.rounds}): a round trip after {self.idle_ms:g} ms asleep, against one right after "
             f"another: Redis {self.redis_idle_ms:.2f} vs {self.redis_busy_ms:.2f} ms, Postgres {self.postgres_idle_ms:.2f} vs "
-            f"{self.postgres_busy_ms:.2f} ms (a lone budgetgate decision wakes Redis twice and Postgres twice, the baseline's Postgres once)"
+            f"{self.postgres_busy_ms:.2f} ms (before its answer a lone budgetgate decision makes 2 Redis round trips and 2 Postgres "
+            "statements apart, the baseline's 6 statements back to back)"
         )
 
 
